@@ -1,0 +1,1 @@
+"""Alembic environment and versions for the zoo schema (shipped in the wheel for `zoo init`)."""

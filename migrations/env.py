@@ -1,0 +1,30 @@
+"""Alembic environment: runs migrations online against the URL set by zoo.db.session."""
+
+from __future__ import annotations
+
+from alembic import context
+
+from zoo.db.models import Base
+from zoo.db.session import make_engine
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def run_migrations_online() -> None:
+    engine = make_engine(config.get_main_option("sqlalchemy.url"))
+    with engine.connect() as connection:
+        context.configure(
+            connection=connection,
+            target_metadata=target_metadata,
+            render_as_batch=connection.dialect.name == "sqlite",
+            compare_type=True,
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+        connection.commit()
+
+
+if context.is_offline_mode():
+    raise SystemExit("offline (SQL script) migrations are not supported; run `zoo init` against a database")
+run_migrations_online()

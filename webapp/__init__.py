@@ -1,0 +1,1 @@
+"""Flask web app (built in a later issue)."""

@@ -1,0 +1,158 @@
+"""The `zoo` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from zoo.blobs import BlobStore
+from zoo.config import Settings
+from zoo.db import repository
+from zoo.db.session import make_engine, require_schema, session_factory, upgrade
+from zoo.errors import ZooError
+from zoo.formats import DEFAULT_ENERGY, DEFAULT_MAX_RANK
+from zoo.ingest import IngestOptions, Ingestor
+from zoo.sources.local import expand_paths
+
+
+def _print_json(obj: object) -> None:
+    print(json.dumps(obj, default=str))
+
+
+def cmd_init(settings: Settings, args: argparse.Namespace) -> int:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    info = {"database": make_engine(settings.database_url).url.render_as_string(hide_password=True),
+            "data_dir": str(settings.data_dir), "status": "ok"}
+    if args.json:
+        _print_json(info)
+    else:
+        print(f"schema is current in {info['database']} (data in {info['data_dir']})")
+    return 0
+
+
+def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
+    require_schema(settings.database_url)
+    options = IngestOptions(
+        base_model=args.base_model, base_checkpoint=Path(args.base) if args.base else None,
+        energy=args.energy, max_rank=args.max_rank, device=args.device,
+    )
+    ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options)
+    sources = expand_paths(args.paths)
+    counts = {"ingested": 0, "duplicate": 0, "failed": 0}
+    failures: list[str] = []
+    bar = tqdm(sources, desc="ingest", unit="adapter", disable=args.json or None, file=sys.stderr)
+    for path in bar:
+        result = ingestor.ingest(path)
+        counts[result.status] += 1
+        if args.json:
+            _print_json(result.as_dict())
+        elif result.status == "failed":
+            failures.append(result.error or result.source)
+        bar.set_postfix(counts)
+    if not args.json:
+        print(f"{counts['ingested']} ingested, {counts['duplicate']} duplicate, {counts['failed']} failed")
+        for f in failures:
+            print(f"  failed: {f}")
+    return 1 if counts["failed"] else 0
+
+
+def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        rows = [repository.adapter_summary(a) for a in repository.list_adapters(session, args.base_model, args.limit)]
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print("no adapters yet: add some with `zoo ingest PATH`")
+        return 0
+    print(f"{'id':>5}  {'name':<32} {'format':<16} {'rank':>4}  {'base model':<28} hash")
+    for r in rows:
+        print(f"{r['id']:>5}  {str(r['name'])[:32]:<32} {r['format']:<16} {r['rank'] or '-':>4}  "
+              f"{str(r['base_model'])[:28]:<28} {str(r['canonical_hash'])[:12]}")
+    return 0
+
+
+def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        adapter = repository.get_adapter(session, args.id, with_modules=True)
+        if adapter is None:
+            raise ZooError(f"no adapter with id {args.id}: see `zoo list`")
+        detail = repository.adapter_detail(adapter)
+    if args.json:
+        _print_json(detail)
+        return 0
+    for key in ("id", "name", "base_model", "format", "rank", "alpha", "task_type", "target_modules",
+                "canonical_hash", "dw_norm", "file_sha256", "size_bytes", "source_uri"):
+        print(f"{key:>15}: {detail[key]}")
+    for note in detail["notes"]:  # type: ignore[attr-defined]
+        print(f"{'note':>15}: {note}")
+    print()
+    print(f"{'module':<48} {'shape':>12} {'r':>3} {'k':>3} {'σ_max':>9} {'‖·‖_F':>9} {'stable':>7} {'eff':>6} {'α_PL':>6}")
+    for m in detail["modules"]:  # type: ignore[attr-defined]
+        shape = "x".join(map(str, m["shape"]))
+        alpha = f"{m['power_law_alpha']:.2f}" if m["power_law_alpha"] is not None else "-"
+        print(f"{m['name'][-48:]:<48} {shape:>12} {m['rank'] or '-':>3} {m['canonical_rank'] or '-':>3} "
+              f"{m['spectral_norm']:>9.3g} {m['frobenius_norm']:>9.3g} {m['stable_rank']:>7.2f} "
+              f"{m['effective_rank']:>6.2f} {alpha:>6}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zoo",
+        description="A weight-space model zoo: ingest LoRA adapters and checkpoints, canonicalize and describe them.",
+    )
+    p.add_argument("--db", metavar="URL", help="database URL (default: $ZOO_DATABASE_URL, else SQLite under the data dir)")
+    p.add_argument("--data-dir", metavar="DIR", help="data directory for the blob store (default: $ZOO_DATA_DIR or ~/.local/share/zoo)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("init", help="create or upgrade the database schema")
+    s.add_argument("--json", action="store_true", help="print a JSON object")
+    s.set_defaults(func=cmd_init)
+
+    s = sub.add_parser("ingest", help="read, canonicalize, describe and store adapters",
+                       description="Ingest PEFT adapter directories, kohya/diffusers LoRA .safetensors files and full "
+                                   "checkpoints. A directory of adapters is searched recursively. Every source is tried; "
+                                   "the exit status is 1 if any failed.")
+    s.add_argument("paths", nargs="+", metavar="PATH")
+    s.add_argument("--base-model", metavar="NAME", help="base model name to record (overrides the files)")
+    s.add_argument("--base", metavar="PATH", help="base checkpoint: full checkpoints are stored as low-rank deltas against it")
+    s.add_argument("--energy", type=float, default=DEFAULT_ENERGY, help="checkpoint deltas: energy fraction the rank must keep (default %(default)s)")
+    s.add_argument("--max-rank", type=int, default=DEFAULT_MAX_RANK, help="checkpoint deltas: largest rank (default %(default)s)")
+    s.add_argument("--device", help="torch device for canonicalization (default: cuda if available, else cpu)")
+    s.add_argument("--json", action="store_true", help="one JSON object per source, no progress bar")
+    s.set_defaults(func=cmd_ingest)
+
+    s = sub.add_parser("list", help="list stored adapters")
+    s.add_argument("--base-model", metavar="NAME")
+    s.add_argument("--limit", type=int)
+    s.add_argument("--json", action="store_true", help="print a JSON array")
+    s.set_defaults(func=cmd_list)
+
+    s = sub.add_parser("show", help="one adapter: metadata, modules, spectra, canonical hash")
+    s.add_argument("id", type=int)
+    s.add_argument("--json", action="store_true", help="print a JSON object")
+    s.set_defaults(func=cmd_show)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = Settings.load(args.db, args.data_dir)
+    try:
+        return int(args.func(settings, args))
+    except ZooError as exc:
+        print(f"zoo: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

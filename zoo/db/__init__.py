@@ -1,0 +1,1 @@
+"""Storage: typed models, engine/session setup, repository functions."""

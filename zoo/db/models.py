@@ -1,0 +1,91 @@
+"""SQLAlchemy 2.0 typed models. The schema itself is created only by the Alembic migrations."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Adapter(Base):
+    """One ingested update (LoRA adapter or checkpoint delta), unique by canonical hash per base model."""
+
+    __tablename__ = "adapter"
+    __table_args__ = (UniqueConstraint("base_model", "canonical_hash", name="uq_adapter_base_model_canonical_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    source_uri: Mapped[str] = mapped_column(Text)
+    source_revision: Mapped[str | None] = mapped_column(String(64))
+    base_model: Mapped[str] = mapped_column(String(255), index=True)
+    format: Mapped[str] = mapped_column(String(32))
+    rank: Mapped[int | None] = mapped_column(Integer)
+    alpha: Mapped[float | None] = mapped_column(Float)
+    target_modules: Mapped[list | None] = mapped_column(JSON)
+    task_type: Mapped[str | None] = mapped_column(String(64))
+    canonical_hash: Mapped[str] = mapped_column(String(64))
+    structure_hash: Mapped[str] = mapped_column(String(64), index=True)
+    dw_norm: Mapped[float | None] = mapped_column(Float, index=True)
+    file_sha256: Mapped[str] = mapped_column(String(64), index=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    factors_blob: Mapped[str | None] = mapped_column(String(64))
+    config: Mapped[dict] = mapped_column(JSON, default=dict)
+    file_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    extra_tensors: Mapped[dict] = mapped_column(JSON, default=dict)
+    notes: Mapped[list] = mapped_column(JSON, default=list)
+    license: Mapped[str | None] = mapped_column(String(128))
+    tags: Mapped[list | None] = mapped_column(JSON)
+    card: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    modules: Mapped[list[Module]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan", order_by="Module.id"
+    )
+
+
+class Module(Base):
+    """One module of an adapter: shape, rank and spectrum. Canonical factors live in the blob store."""
+
+    __tablename__ = "module"
+    __table_args__ = (UniqueConstraint("adapter_id", "name", name="uq_module_adapter_id_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(512))
+    layer_index: Mapped[int | None] = mapped_column(Integer)
+    module_type: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(16))  # linear | conv | embedding | full
+    out_features: Mapped[int] = mapped_column(Integer)
+    in_features: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int | None] = mapped_column(Integer)  # nominal LoRA rank r
+    canonical_rank: Mapped[int | None] = mapped_column(Integer)  # numerically nonzero components
+    alpha: Mapped[float | None] = mapped_column(Float)
+    scale: Mapped[float | None] = mapped_column(Float)
+    transposed: Mapped[bool] = mapped_column(Boolean, default=False)
+    singular_values: Mapped[list] = mapped_column(JSON)
+    spectral_norm: Mapped[float] = mapped_column(Float)
+    frobenius_norm: Mapped[float] = mapped_column(Float)
+    stable_rank: Mapped[float] = mapped_column(Float)
+    effective_rank: Mapped[float] = mapped_column(Float)
+    power_law_alpha: Mapped[float | None] = mapped_column(Float)
+    power_law_xmin: Mapped[float | None] = mapped_column(Float)
+    power_law_ks: Mapped[float | None] = mapped_column(Float)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="modules")

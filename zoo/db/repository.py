@@ -1,0 +1,105 @@
+"""Queries over adapters and modules; plain functions taking a session."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+
+from zoo.db.models import Adapter
+
+
+def get_adapter(session: Session, adapter_id: int, with_modules: bool = False) -> Adapter | None:
+    stmt = select(Adapter).where(Adapter.id == adapter_id)
+    if with_modules:
+        stmt = stmt.options(selectinload(Adapter.modules))
+    return session.scalars(stmt).one_or_none()
+
+
+def list_adapters(session: Session, base_model: str | None = None, limit: int | None = None, offset: int = 0) -> list[Adapter]:
+    stmt = select(Adapter).order_by(Adapter.id).offset(offset)
+    if base_model:
+        stmt = stmt.where(Adapter.base_model == base_model)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return list(session.scalars(stmt))
+
+
+def count_adapters(session: Session) -> int:
+    return int(session.scalar(select(func.count(Adapter.id))) or 0)
+
+
+def by_canonical_hash(session: Session, base_model: str, canonical_hash: str) -> Adapter | None:
+    stmt = select(Adapter).where(Adapter.base_model == base_model, Adapter.canonical_hash == canonical_hash)
+    return session.scalars(stmt).one_or_none()
+
+
+def near_duplicates(session: Session, base_model: str, structure_hash: str, dw_norm: float, rtol: float) -> list[Adapter]:
+    """Adapters of the same base and structure whose total ||dW||_F is within rtol of dw_norm."""
+    stmt = (
+        select(Adapter)
+        .where(
+            Adapter.base_model == base_model,
+            Adapter.structure_hash == structure_hash,
+            Adapter.dw_norm.between(dw_norm * (1 - rtol), dw_norm * (1 + rtol)),
+        )
+        .order_by(Adapter.id)
+    )
+    return list(session.scalars(stmt))
+
+
+def adapter_summary(a: Adapter) -> dict[str, object]:
+    return {
+        "id": a.id,
+        "name": a.name,
+        "base_model": a.base_model,
+        "format": a.format,
+        "rank": a.rank,
+        "alpha": a.alpha,
+        "canonical_hash": a.canonical_hash,
+        "source_uri": a.source_uri,
+        "created_at": a.created_at.isoformat() if a.created_at else None,
+    }
+
+
+def adapter_detail(a: Adapter) -> dict[str, object]:
+    """Everything stored about an adapter, modules and spectra included."""
+    return {
+        **adapter_summary(a),
+        "source_revision": a.source_revision,
+        "target_modules": a.target_modules,
+        "task_type": a.task_type,
+        "structure_hash": a.structure_hash,
+        "dw_norm": a.dw_norm,
+        "file_sha256": a.file_sha256,
+        "size_bytes": a.size_bytes,
+        "factors_blob": a.factors_blob,
+        "config": a.config,
+        "file_metadata": a.file_metadata,
+        "extra_tensors": a.extra_tensors,
+        "notes": a.notes,
+        "license": a.license,
+        "tags": a.tags,
+        "modules": [
+            {
+                "name": m.name,
+                "layer_index": m.layer_index,
+                "module_type": m.module_type,
+                "kind": m.kind,
+                "shape": [m.out_features, m.in_features],
+                "rank": m.rank,
+                "canonical_rank": m.canonical_rank,
+                "alpha": m.alpha,
+                "scale": m.scale,
+                "transposed": m.transposed,
+                "singular_values": m.singular_values,
+                "spectral_norm": m.spectral_norm,
+                "frobenius_norm": m.frobenius_norm,
+                "stable_rank": m.stable_rank,
+                "effective_rank": m.effective_rank,
+                "power_law_alpha": m.power_law_alpha,
+                "power_law_xmin": m.power_law_xmin,
+                "power_law_ks": m.power_law_ks,
+            }
+            for m in a.modules
+        ],
+    }

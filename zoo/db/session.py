@@ -1,0 +1,74 @@
+"""Engine and session setup from one URL, and the schema check every command relies on."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+import migrations
+from zoo.errors import ZooError
+
+
+@cache
+def make_engine(url: str) -> Engine:
+    """One engine per URL; SQLite gets foreign keys on and its parent directory created."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def session_factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(bind=make_engine(url), expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Create or upgrade the schema (what `zoo init` does)."""
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def head_revision(url: str) -> str | None:
+    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+def current_revision(url: str) -> str | None:
+    with make_engine(url).connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def require_schema(url: str) -> None:
+    """Refuse to work on a database that `zoo init` has not brought to the current schema."""
+    current, head = current_revision(url), head_revision(url)
+    if current != head:
+        state = "not initialized" if current is None else f"at schema {current}, this zoo needs {head}"
+        raise ZooError(f"database {make_url(url).render_as_string(hide_password=True)} is {state}: run `zoo init`")

@@ -1,0 +1,102 @@
+"""Hashes of canonical adapters and the numeric test that two adapters are the same update.
+
+The canonical hash must not depend on how an update was factorized, so it is computed
+from quantities that are continuous functions of dW alone, read off the canonical
+components: for FINGERPRINT_DIM fixed, seeded Gaussian probes (ω_j, ψ_j) per module,
+z_j = Σ_modules ω_jᵀ U diag(S) Vᵀ ψ_j, normalized by the adapter's total Frobenius norm
+and rounded to HASH_DECIMALS decimals, together with the rounded log10 of that norm and
+the module names and shapes. Singular vectors of nearly equal singular values can rotate
+freely, so hashing U and V entry by entry would not be stable; these sketches are.
+
+Any rounding has boundaries: a value within float noise (~1e-6 here) of a rounding
+boundary can round differently in a re-factorized copy. `hash_margin` reports how close
+the nearest value is; deduplication therefore does not rely on the hash alone but
+confirms candidates with `relative_distance` (see DUPLICATE_RTOL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+
+import torch
+
+from zoo.canonical import CanonicalFactors, frobenius_norm_sq, inner_product
+
+FINGERPRINT_DIM = 8
+HASH_DECIMALS = 2
+#: Two adapters are the same update when ||dW_x - dW_y||_F <= DUPLICATE_RTOL · max(||dW_x||, ||dW_y||).
+DUPLICATE_RTOL = 1e-3
+
+NamedFactors = Sequence[tuple[str, CanonicalFactors]]
+
+
+def _probes(name: str, n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    seed = int.from_bytes(hashlib.sha256(f"{name}|{n_rows}|{n_cols}".encode()).digest()[:8], "little") >> 1
+    gen = torch.Generator().manual_seed(seed)
+    omega = torch.randn(n_rows, FINGERPRINT_DIM, generator=gen, dtype=torch.float64)
+    psi = torch.randn(n_cols, FINGERPRINT_DIM, generator=gen, dtype=torch.float64)
+    return omega.to(device), psi.to(device)
+
+
+def structure_hash(shapes: Sequence[tuple[str, int, int]]) -> str:
+    """Hash of the module names and shapes only: adapters that can be compared share it."""
+    payload = json.dumps(sorted([list(s) for s in shapes]), separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def fingerprint(modules: NamedFactors) -> tuple[list[float], float]:
+    """(normalized probe values z, total Frobenius norm) of an adapter."""
+    z = torch.zeros(FINGERPRINT_DIM, dtype=torch.float64)
+    total_sq = 0.0
+    for name, f in modules:
+        omega, psi = _probes(name, f.U.shape[0], f.V.shape[0], f.U.device)
+        left = omega.T @ f.U.double()  # (d, k)
+        right = psi.T @ f.V.double()  # (d, k)
+        z += ((left * f.S.double()) * right).sum(dim=1).cpu()
+        total_sq += frobenius_norm_sq(f)
+    norm = math.sqrt(total_sq)
+    values = (z / norm).tolist() if norm > 0 else [0.0] * FINGERPRINT_DIM
+    return values, norm
+
+
+def _hashed_values(modules: NamedFactors) -> list[float]:
+    z, norm = fingerprint(modules)
+    log_norm = math.log10(norm) if norm > 0 else -math.inf
+    return [*z, log_norm]
+
+
+def canonical_hash(modules: NamedFactors) -> str:
+    """SHA-256 of module structure plus the rounded fingerprint (see module docstring)."""
+    shapes = [(name, f.U.shape[0], f.V.shape[0]) for name, f in modules]
+    rounded = [round(v, HASH_DECIMALS) if math.isfinite(v) else str(v) for v in _hashed_values(modules)]
+    payload = json.dumps({"structure": structure_hash(shapes), "values": rounded}, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def hash_margin(modules: NamedFactors) -> float:
+    """Distance of the hashed value nearest to a rounding boundary, in the hash's units."""
+    step = 10.0**-HASH_DECIMALS
+    margins = [abs((v / step) % 1.0 - 0.5) * step for v in _hashed_values(modules) if math.isfinite(v)]
+    return min(margins, default=math.inf)
+
+
+def relative_distance(x: NamedFactors, y: NamedFactors) -> float:
+    """||dW_x - dW_y||_F / max(||dW_x||_F, ||dW_y||_F) over all modules; inf if structures differ."""
+    ydict = dict(y)
+    if sorted(n for n, _ in x) != sorted(ydict):
+        return math.inf
+    xx = yy = xy = 0.0
+    for name, fx in x:
+        fy = ydict[name]
+        if fx.U.shape[0] != fy.U.shape[0] or fx.V.shape[0] != fy.V.shape[0]:
+            return math.inf
+        xx += frobenius_norm_sq(fx)
+        yy += frobenius_norm_sq(fy)
+        xy += inner_product(fx, fy)
+    denom = max(xx, yy)
+    if denom == 0:
+        return 0.0
+    return math.sqrt(max(xx + yy - 2 * xy, 0.0) / denom)

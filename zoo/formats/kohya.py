@@ -1,0 +1,77 @@
+"""Single-file LoRA `.safetensors`: kohya-ss (`lora_down`/`lora_up`/`alpha`) and diffusers layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zoo.errors import InputError
+from zoo.formats.model import AdapterData, LoraModule, check_finite, check_pair
+
+#: (down suffix, up suffix) pairs; the `alpha` scalar sits at `<stem>.alpha`.
+PAIRS = (
+    (".lora_down.weight", ".lora_up.weight"),
+    (".lora.down.weight", ".lora.up.weight"),
+    (".lora_A.weight", ".lora_B.weight"),
+)
+
+
+def lycoris_kind(keys: list[str]) -> str | None:
+    """'LoHa' or 'LoKr' when the keys are LyCORIS ones, else None."""
+    if any(".hada_" in k for k in keys):
+        return "LoHa"
+    if any(".lokr_" in k for k in keys):
+        return "LoKr"
+    return None
+
+
+def has_lora_keys(keys: list[str]) -> bool:
+    return any(k.endswith(down) for k in keys for down, _ in PAIRS)
+
+
+def read_single_file_lora(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> AdapterData:
+    """Modules of a kohya/diffusers LoRA file; a missing or zero alpha means alpha = rank."""
+    used: set[str] = set()
+    modules: list[LoraModule] = []
+    for key in sorted(tensors):
+        for down_suffix, up_suffix in PAIRS:
+            if not key.endswith(down_suffix):
+                continue
+            stem = key[: -len(down_suffix)]
+            up_key = stem + up_suffix
+            if up_key not in tensors:
+                raise InputError(path, f"{stem} has a down/A factor but no up/B factor")
+            down, up = tensors[key], tensors[up_key]
+            A = down.reshape(down.shape[0], -1)
+            B = up.reshape(up.shape[0], -1)
+            check_pair(path, stem, A, B)
+            rank = A.shape[0]
+            alpha_key = stem + ".alpha"
+            alpha = float(tensors[alpha_key].float().reshape(-1)[0]) if alpha_key in tensors else 0.0
+            if not (alpha > 0):
+                alpha = float(rank)
+            used.update(k for k in (key, up_key, alpha_key) if k in tensors)
+            kind = "conv" if down.ndim == 4 else "linear"
+            modules.append(LoraModule(stem, A, B, alpha, alpha / rank, kind))
+    orphan_ups = [k for k in tensors if k.endswith(tuple(u for _, u in PAIRS)) and k not in used]
+    if orphan_ups:
+        raise InputError(path, f"{orphan_ups[0]} has no matching down/A factor")
+    if not modules:
+        raise InputError(path, "empty adapter: no LoRA factor pairs found")
+    extra = {}
+    for key in sorted(set(tensors) - used):
+        check_finite(path, key, tensors[key])
+        extra[key] = list(tensors[key].shape)
+    ranks = sorted({m.rank for m in modules})
+    alphas = sorted({m.alpha for m in modules})
+    return AdapterData(
+        path=path,
+        format="kohya",
+        weight_files=[path],
+        base_model=metadata.get("ss_sd_model_name") or metadata.get("ss_base_model_version"),
+        modules=modules,
+        config={"ranks": ranks, "alphas": alphas, "r": max(ranks), "lora_alpha": alphas[-1]},
+        extra_tensors=extra,
+        metadata=metadata,
+    )

@@ -1,0 +1,96 @@
+"""Plain data read from adapter files: what every format reader returns."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zoo.errors import InputError
+
+
+@dataclass
+class LoraModule:
+    """One low-rank update dW = scale · B · A in the layout of the layer's stored weight.
+
+    A is (r × in), B is (out × r). Conv kernels are flattened (in = in_channels·kh·kw);
+    for embeddings and fan_in_fan_out (GPT-2 Conv1D) layers the factors are swapped and
+    transposed so that dW matches the stored weight (`transposed` records it).
+    """
+
+    name: str
+    A: torch.Tensor
+    B: torch.Tensor
+    alpha: float
+    scale: float
+    kind: str = "linear"  # linear | conv | embedding
+    transposed: bool = False
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.B.shape[0]), int(self.A.shape[1])
+
+
+@dataclass
+class FullMatrix:
+    """A full weight matrix of a checkpoint read without a base (spectra only)."""
+
+    name: str
+    weight: torch.Tensor
+
+
+@dataclass
+class AdapterData:
+    """Everything read from one source, before any math."""
+
+    path: Path
+    format: str  # peft | kohya | checkpoint-delta | checkpoint
+    weight_files: list[Path]
+    base_model: str | None = None
+    modules: list[LoraModule] = field(default_factory=list)
+    full_matrices: list[FullMatrix] = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+    extra_tensors: dict[str, list[int]] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+_LAYER_RE = re.compile(r"(?:^|[._])(\d+)(?:[._]|$)")
+
+
+def layer_index(name: str) -> int | None:
+    """First integer path component of a module name (`model.layers.3.q_proj` → 3)."""
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def module_type(name: str) -> str:
+    """Last non-numeric path component: `model.layers.3.self_attn.q_proj` → q_proj,
+    kohya's `lora_unet_down_blocks_0_attentions_0_proj_in` → proj_in."""
+    parts = [p for p in name.split(".") if p and not p.isdigit()]
+    last = parts[-1] if parts else name
+    return re.split(r"_\d+_", last)[-1]
+
+
+def check_pair(path: Path, name: str, A: torch.Tensor, B: torch.Tensor) -> None:
+    """Refuse mismatched or non-finite factors, naming the module."""
+    if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1]:
+        raise InputError(path, f"shape mismatch in {name}: A {list(A.shape)} and B {list(B.shape)} do not compose (need A r×in, B out×r)")
+    if A.shape[0] == 0:
+        raise InputError(path, f"{name} has rank 0")
+    for label, t in (("A", A), ("B", B)):
+        if not t.is_floating_point():
+            raise InputError(path, f"{name}: factor {label} has non-float dtype {t.dtype}")
+        if not torch.isfinite(t).all():
+            raise InputError(path, f"{name}: factor {label} contains NaN or Inf values")
+
+
+def check_finite(path: Path, name: str, t: torch.Tensor) -> None:
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise InputError(path, f"{name} contains NaN or Inf values")

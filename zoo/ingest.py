@@ -1,0 +1,236 @@
+"""The ingest pipeline: read → canonicalize → describe → store, one transaction per adapter."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from zoo.blobs import BlobStore
+from zoo.canonical import CanonicalFactors, canonicalize_batched
+from zoo.db import repository
+from zoo.db.models import Adapter, Module
+from zoo.errors import InputError
+from zoo.fingerprint import DUPLICATE_RTOL, canonical_hash, fingerprint, relative_distance, structure_hash
+from zoo.formats import (
+    DEFAULT_ENERGY,
+    DEFAULT_MAX_RANK,
+    AdapterData,
+    LoraModule,
+    layer_index,
+    module_type,
+    read_adapter,
+)
+from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
+
+UNKNOWN_BASE = "unknown"
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    base_model: str | None = None  # overrides what the files say
+    base_checkpoint: Path | None = None  # for full checkpoints: deltas against this
+    energy: float = DEFAULT_ENERGY
+    max_rank: int = DEFAULT_MAX_RANK
+    device: str | None = None  # default: cuda when available, else cpu
+
+
+@dataclass
+class IngestResult:
+    source: str
+    status: str  # ingested | duplicate | failed
+    adapter_id: int | None = None
+    canonical_hash: str | None = None
+    error: str | None = None
+    name: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def canonicalize_modules(modules: list[LoraModule], device: torch.device) -> list[CanonicalFactors]:
+    """Canonical factors of every module, batched by (out, in, r) shape, returned on the CPU in input order."""
+    groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    for i, m in enumerate(modules):
+        groups[(*m.shape, m.rank)].append(i)
+    out: list[CanonicalFactors | None] = [None] * len(modules)
+    for idx in groups.values():
+        A = torch.stack([modules[i].A for i in idx]).to(device)
+        B = torch.stack([modules[i].B for i in idx]).to(device)
+        scale = torch.tensor([modules[i].scale for i in idx], dtype=torch.float64)
+        for i, f in zip(idx, canonicalize_batched(A, B, scale.to(device)), strict=True):
+            out[i] = CanonicalFactors(f.U.cpu(), f.S.cpu(), f.V.cpu())
+    return [f for f in out if f is not None]
+
+
+def file_digest(paths: Iterable[Path]) -> tuple[str, int]:
+    """SHA-256 and total size of the weight files."""
+    h = hashlib.sha256()
+    size = 0
+    for p in paths:
+        with p.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+                size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _module_row(name: str, kind: str, shape: tuple[int, int], spec: Spectrum, **extra: object) -> Module:
+    return Module(
+        name=name,
+        layer_index=layer_index(name),
+        module_type=module_type(name),
+        kind=kind,
+        out_features=shape[0],
+        in_features=shape[1],
+        singular_values=spec.singular_values,
+        spectral_norm=spec.spectral_norm,
+        frobenius_norm=spec.frobenius_norm,
+        stable_rank=spec.stable_rank,
+        effective_rank=spec.effective_rank,
+        power_law_alpha=spec.power_law_alpha,
+        power_law_xmin=spec.power_law_xmin,
+        power_law_ks=spec.power_law_ks,
+        **extra,
+    )
+
+
+@dataclass
+class _Described:
+    """An adapter ready to store: rows to write and, for LoRA-like updates, its canonical factors."""
+
+    adapter: Adapter
+    factors: list[tuple[str, CanonicalFactors]]
+
+
+def describe(data: AdapterData, source_uri: str, options: IngestOptions, device: torch.device) -> _Described:
+    """Canonicalize, compute spectra and hashes; no database access."""
+    sha, size = file_digest(data.weight_files)
+    base_model = options.base_model or data.base_model or UNKNOWN_BASE
+    factors: list[tuple[str, CanonicalFactors]] = []
+    rows: list[Module] = []
+    if data.modules:
+        canon = canonicalize_modules(data.modules, device)
+        for m, f in zip(data.modules, canon, strict=True):
+            factors.append((m.name, f))
+            rows.append(
+                _module_row(
+                    m.name, m.kind, (int(f.U.shape[0]), int(f.V.shape[0])), spectrum_from_singular_values(f.S.numpy()),
+                    rank=m.rank, canonical_rank=f.rank, alpha=m.alpha, scale=m.scale, transposed=m.transposed,
+                )
+            )
+        shapes = [(n, int(f.U.shape[0]), int(f.V.shape[0])) for n, f in factors]
+        chash = canonical_hash(factors)
+        _, norm = fingerprint(factors)
+        dw_norm: float | None = norm
+    else:
+        for fm in data.full_matrices:
+            rows.append(_module_row(fm.name, "full", (int(fm.weight.shape[0]), int(fm.weight.shape[1])), matrix_spectrum(fm.weight)))
+        shapes = [(fm.name, int(fm.weight.shape[0]), int(fm.weight.shape[1])) for fm in data.full_matrices]
+        chash, dw_norm = sha, None  # nothing to canonicalize: identical files are the duplicates
+    config = data.config
+    adapter = Adapter(
+        name=data.path.stem if data.path.is_file() else data.path.name,
+        source_uri=source_uri,
+        base_model=base_model,
+        format=data.format,
+        rank=config.get("r"),
+        alpha=config.get("lora_alpha"),
+        target_modules=config.get("target_modules"),
+        task_type=config.get("task_type"),
+        canonical_hash=chash,
+        structure_hash=structure_hash(shapes),
+        dw_norm=dw_norm,
+        file_sha256=sha,
+        size_bytes=size,
+        config=config,
+        file_metadata=data.metadata,
+        extra_tensors=data.extra_tensors,
+        notes=data.notes,
+        modules=rows,
+    )
+    return _Described(adapter, factors)
+
+
+class Ingestor:
+    """Ingests sources one at a time into one database and blob store."""
+
+    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, options: IngestOptions | None = None) -> None:
+        self.sessions = sessions
+        self.blobs = blobs
+        self.options = options or IngestOptions()
+        self.device = pick_device(self.options.device)
+
+    def ingest(self, path: Path, source_uri: str | None = None) -> IngestResult:
+        """Ingest one source; never raises for bad input, reports it as failed instead."""
+        source = source_uri or str(path)
+        try:
+            data = read_adapter(path, self.options.base_checkpoint, self.options.energy, self.options.max_rank)
+            described = describe(data, source, self.options, self.device)
+        except InputError as exc:
+            return IngestResult(source, "failed", error=str(exc))
+        except (RuntimeError, ValueError, OSError) as exc:  # numerical or I/O failure on an otherwise readable file
+            return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {exc}")
+        result = self._store(described)
+        result.source = source
+        result.notes = list(data.notes)
+        return result
+
+    def ingest_many(self, paths: Iterable[Path]) -> Iterator[IngestResult]:
+        for p in paths:
+            yield self.ingest(p)
+
+    def _find_duplicate(self, session: Session, d: _Described) -> Adapter | None:
+        a = d.adapter
+        same = repository.by_canonical_hash(session, a.base_model, a.canonical_hash)
+        if same is not None or a.dw_norm is None:
+            return same
+        for cand in repository.near_duplicates(session, a.base_model, a.structure_hash, a.dw_norm, DUPLICATE_RTOL):
+            if cand.factors_blob and relative_distance(d.factors, self.blobs.get_factors(cand.factors_blob)) <= DUPLICATE_RTOL:
+                return cand
+        return None
+
+    def _store(self, d: _Described) -> IngestResult:
+        a = d.adapter
+        created_blob: str | None = None
+        try:
+            if d.factors:
+                digest, created = self.blobs.put_factors(d.factors)
+                a.factors_blob = digest
+                created_blob = digest if created else None
+            with self.sessions() as session, session.begin():
+                dup = self._find_duplicate(session, d)
+                if dup is None:
+                    session.add(a)
+                    session.flush()
+                    return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
+            # duplicate: nothing was written; drop a blob no row refers to
+            if created_blob:
+                self.blobs.delete(created_blob)
+            return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
+        except IntegrityError:
+            # a concurrent ingest stored the same canonical hash first
+            if created_blob:
+                self.blobs.delete(created_blob)
+            with self.sessions() as session:
+                dup = repository.by_canonical_hash(session, a.base_model, a.canonical_hash)
+            if dup is not None:
+                return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
+            raise
+        except BaseException:
+            if created_blob:
+                self.blobs.delete(created_blob)
+            raise
