@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import torch
 
-from zoo.canonical import CanonicalFactors, frobenius_norm_sq, inner_product
+from zoo.canonical import CanonicalFactors, frobenius_norm_sq
 
 FINGERPRINT_DIM = 8
-HASH_DECIMALS = 2
+HASH_DECIMALS = 3
 #: Two adapters are the same update when ||dW_x - dW_y||_F <= DUPLICATE_RTOL · max(||dW_x||, ||dW_y||).
 DUPLICATE_RTOL = 1e-3
 
@@ -83,20 +83,26 @@ def hash_margin(modules: NamedFactors) -> float:
     return min(margins, default=math.inf)
 
 
+def _difference_norm_sq(x: CanonicalFactors, y: CanonicalFactors) -> float:
+    """||dW_x - dW_y||_F² via QR of the stacked factors (no cancellation, unlike norms minus inner products)."""
+    left = torch.cat([x.U.double() * x.S.double(), -y.U.double() * y.S.double()], dim=1)
+    right = torch.cat([x.V.double(), y.V.double()], dim=1)
+    core = torch.linalg.qr(left, mode="r")[1] @ torch.linalg.qr(right, mode="r")[1].T
+    return float(core.pow(2).sum())
+
+
 def relative_distance(x: NamedFactors, y: NamedFactors) -> float:
     """||dW_x - dW_y||_F / max(||dW_x||_F, ||dW_y||_F) over all modules; inf if structures differ."""
     ydict = dict(y)
     if sorted(n for n, _ in x) != sorted(ydict):
         return math.inf
-    xx = yy = xy = 0.0
+    xx = yy = diff = 0.0
     for name, fx in x:
         fy = ydict[name]
         if fx.U.shape[0] != fy.U.shape[0] or fx.V.shape[0] != fy.V.shape[0]:
             return math.inf
         xx += frobenius_norm_sq(fx)
         yy += frobenius_norm_sq(fy)
-        xy += inner_product(fx, fy)
+        diff += _difference_norm_sq(fx, fy)
     denom = max(xx, yy)
-    if denom == 0:
-        return 0.0
-    return math.sqrt(max(xx + yy - 2 * xy, 0.0) / denom)
+    return math.sqrt(diff / denom) if denom > 0 else 0.0

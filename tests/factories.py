@@ -1,0 +1,95 @@
+"""Real test inputs: PEFT adapters trained for a few steps on a tiny torch model, kohya files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import save_file
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+D = 16
+VOCAB = 24
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(D, D)
+        self.k_proj = nn.Linear(D, D)
+        self.v_proj = nn.Linear(D, D)
+        self.o_proj = nn.Linear(D, D)
+        self.c_fc = Conv1D(2 * D, D)  # GPT-2 style (in × out storage)
+        self.c_proj = Conv1D(D, 2 * D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        att = torch.softmax(self.q_proj(x) @ self.k_proj(x).transpose(-1, -2) / D**0.5, dim=-1)
+        x = x + self.o_proj(att @ self.v_proj(x))
+        return x + self.c_proj(torch.relu(self.c_fc(x)))
+
+
+class TinyLM(nn.Module):
+    """A small transformer-shaped model: embedding, two blocks, a head."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(dim=1))
+
+
+def train_peft_adapter(
+    out_dir: Path, seed: int = 0, steps: int = 5, targets: tuple[str, ...] = ("q_proj", "v_proj"), **lora_kwargs: object
+) -> PeftModel:
+    """Fine-tune LoRA on a tiny task for a few steps and save it with PEFT's save_pretrained."""
+    model = TinyLM(seed=0)
+    cfg = LoraConfig(target_modules=list(targets), **{"r": 4, "lora_alpha": 8, **lora_kwargs})
+    peft_model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (32, 6), generator=gen)
+    labels = torch.randint(0, 3, (32,), generator=gen)
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=5e-2)
+    torch.manual_seed(seed)
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(peft_model(ids), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    peft_model.save_pretrained(str(out_dir))
+    return peft_model
+
+
+def write_kohya_file(
+    path: Path,
+    seed: int = 0,
+    rank: int = 4,
+    alpha: float | None = 2.0,
+    conv: bool = True,
+    metadata: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A kohya-ss style SD LoRA file (linear and conv modules, `alpha` scalars, ss_* metadata)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(2):
+        stem = f"lora_unet_down_blocks_0_attentions_{i}_transformer_blocks_0_attn1_to_q"
+        tensors[f"{stem}.lora_down.weight"] = torch.randn(rank, 32, generator=gen).half()
+        tensors[f"{stem}.lora_up.weight"] = torch.randn(40, rank, generator=gen).half() * 0.1
+        if alpha is not None:
+            tensors[f"{stem}.alpha"] = torch.tensor(float(alpha))
+    if conv:
+        stem = "lora_unet_down_blocks_1_resnets_0_conv1"
+        tensors[f"{stem}.lora_down.weight"] = torch.randn(rank, 8, 3, 3, generator=gen)
+        tensors[f"{stem}.lora_up.weight"] = torch.randn(12, rank, 1, 1, generator=gen) * 0.1
+        if alpha is not None:
+            tensors[f"{stem}.alpha"] = torch.tensor(float(alpha))
+    save_file(tensors, str(path), metadata=metadata or {"ss_network_dim": str(rank), "ss_sd_model_name": "sd-v1-5"})
+    return tensors
