@@ -1,0 +1,313 @@
+"""Reading real PEFT adapters, kohya files and checkpoints; refusing bad input by name and reason."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from tests.factories import TinyLM, train_peft_adapter, write_kohya_file
+from zoo.canonical import canonicalize
+from zoo.errors import InputError
+from zoo.formats import read_adapter
+from zoo.formats.model import layer_index, module_type
+
+
+def peft_deltas(peft_model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT's own get_delta_weight for every LoRA layer, keyed like our module names."""
+    out = {}
+    for name, mod in peft_model.named_modules():
+        has_lora = "default" in getattr(mod, "lora_A", {}) or "default" in getattr(mod, "lora_embedding_A", {})
+        if has_lora and hasattr(mod, "get_delta_weight"):
+            out[name.removeprefix("base_model.model.")] = mod.get_delta_weight("default").detach()
+    return out
+
+
+def assert_matches_peft(path: Path, peft_model: nn.Module) -> None:
+    data = read_adapter(path)
+    expected = peft_deltas(peft_model)
+    assert sorted(m.name for m in data.modules) == sorted(expected)
+    for m in data.modules:
+        got = canonicalize(m.A, m.B, m.scale).delta()
+        ref = expected[m.name].reshape(got.shape)
+        assert torch.allclose(got, ref, atol=1e-5 * max(1.0, float(ref.abs().max()))), m.name
+
+
+def test_peft_linear_adapter_matches_peft_delta(tmp_path: Path) -> None:
+    model = train_peft_adapter(tmp_path / "a", targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert_matches_peft(tmp_path / "a", model)
+    data = read_adapter(tmp_path / "a")
+    assert data.format == "peft"
+    assert data.config["r"] == 4 and data.config["lora_alpha"] == 8
+    assert {m.scale for m in data.modules} == {2.0}
+    assert sorted(data.config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def test_peft_conv1d_fan_in_fan_out_and_embedding(tmp_path: Path) -> None:
+    model = train_peft_adapter(tmp_path / "gpt2", targets=("c_fc", "c_proj"), fan_in_fan_out=True)
+    assert_matches_peft(tmp_path / "gpt2", model)
+    assert all(m.transposed for m in read_adapter(tmp_path / "gpt2").modules)
+    model = train_peft_adapter(tmp_path / "emb", targets=("embed",))
+    assert_matches_peft(tmp_path / "emb", model)
+    (m,) = read_adapter(tmp_path / "emb").modules
+    assert m.kind == "embedding" and m.shape == (24, 16)
+
+
+def test_peft_rslora_and_patterns(tmp_path: Path) -> None:
+    model = train_peft_adapter(
+        tmp_path / "p",
+        targets=("q_proj", "v_proj"),
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        rank_pattern={"layers.1.q_proj": 2},
+        alpha_pattern={"v_proj": 4},
+    )
+    assert_matches_peft(tmp_path / "p", model)
+    mods = {m.name: m for m in read_adapter(tmp_path / "p").modules}
+    assert mods["layers.1.q_proj"].rank == 2
+    assert mods["layers.0.q_proj"].scale == pytest.approx(16 / math.sqrt(8))
+    assert mods["layers.0.v_proj"].scale == pytest.approx(4 / math.sqrt(8))
+
+
+def test_peft_dora_and_modules_to_save_are_recorded(tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "d", use_dora=True, modules_to_save=["head"])
+    data = read_adapter(tmp_path / "d")
+    assert data.config["use_dora"] is True
+    assert any(k.endswith("lora_magnitude_vector") for k in data.extra_tensors)
+    assert "head.weight" in data.extra_tensors
+    assert len(data.modules) == 4
+
+
+def test_peft_conv2d(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    class ConvNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3)
+
+    model = get_peft_model(ConvNet(), LoraConfig(r=2, target_modules=["conv"], init_lora_weights=False))
+    model.save_pretrained(str(tmp_path / "c"))
+    assert_matches_peft(tmp_path / "c", model)
+    (m,) = read_adapter(tmp_path / "c").modules
+    assert m.kind == "conv" and m.shape == (8, 27)
+
+
+def test_peft_bin_weights_only_equals_safetensors(tmp_path: Path) -> None:
+    model = train_peft_adapter(tmp_path / "st")
+    model.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
+    assert (tmp_path / "bin" / "adapter_model.bin").exists()
+    a, b = read_adapter(tmp_path / "st"), read_adapter(tmp_path / "bin")
+    for x, y in zip(a.modules, b.modules, strict=True):
+        assert x.name == y.name and torch.equal(x.A, y.A) and torch.equal(x.B, y.B)
+
+
+def test_peft_files_can_be_named_directly(tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "a")
+    assert read_adapter(tmp_path / "a" / "adapter_model.safetensors").path == tmp_path / "a"
+
+
+def test_kohya_file(tmp_path: Path) -> None:
+    path = tmp_path / "style.safetensors"
+    tensors = write_kohya_file(path, rank=4, alpha=2.0, metadata={"ss_network_dim": "4", "ss_sd_model_name": "sd-v1-5"})
+    data = read_adapter(path)
+    assert data.format == "kohya"
+    assert data.base_model == "sd-v1-5"
+    assert data.metadata["ss_network_dim"] == "4"
+    mods = {m.name: m for m in data.modules}
+    conv = mods["lora_unet_down_blocks_1_resnets_0_conv1"]
+    assert conv.kind == "conv" and conv.shape == (12, 72) and conv.scale == pytest.approx(0.5)
+    lin = mods["lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"]
+    expected = 0.5 * tensors[f"{lin.name}.lora_up.weight"].float() @ tensors[f"{lin.name}.lora_down.weight"].float()
+    assert torch.allclose(canonicalize(lin.A, lin.B, lin.scale).delta(), expected, atol=1e-4)
+    assert layer_index(lin.name) == 0 and module_type(lin.name) == "attn1_to_q"
+
+
+@pytest.mark.parametrize("alpha", [None, 0.0])
+def test_kohya_missing_or_zero_alpha_means_alpha_equals_rank(tmp_path: Path, alpha: float | None) -> None:
+    path = tmp_path / "k.safetensors"
+    write_kohya_file(path, rank=4, alpha=alpha)
+    assert {m.scale for m in read_adapter(path).modules} == {1.0}
+
+
+def test_diffusers_dotted_keys(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "d.safetensors"
+    save_file(
+        {
+            "unet.mid_block.attentions.0.to_k.lora.down.weight": torch.randn(4, 20, generator=g),
+            "unet.mid_block.attentions.0.to_k.lora.up.weight": torch.randn(30, 4, generator=g),
+        },
+        str(path),
+    )
+    (m,) = read_adapter(path).modules
+    assert m.shape == (30, 20) and m.scale == 1.0 and m.name == "unet.mid_block.attentions.0.to_k"
+
+
+@pytest.mark.parametrize("key,kind", [("hada_w1_a", "LoHa"), ("lokr_w1", "LoKr")])
+def test_lycoris_is_refused_by_name(tmp_path: Path, key: str, kind: str) -> None:
+    path = tmp_path / "ly.safetensors"
+    save_file({f"lora_unet_mid_block_attentions_0_proj_in.{key}": torch.randn(4, 8)}, str(path))
+    with pytest.raises(InputError, match=f"LyCORIS {kind}") as exc:
+        read_adapter(path)
+    assert str(path) in str(exc.value)
+
+
+def test_checkpoint_with_base_becomes_low_rank_delta(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    base = {"layer.weight": torch.randn(64, 48, generator=g), "layer.bias": torch.randn(64, generator=g)}
+    low = torch.randn(64, 3, generator=g) @ torch.randn(3, 48, generator=g)
+    tuned = {"layer.weight": base["layer.weight"] + low + 1e-4 * torch.randn(64, 48, generator=g), "layer.bias": base["layer.bias"]}
+    save_file(base, str(tmp_path / "base.safetensors"))
+    save_file(tuned, str(tmp_path / "tuned.safetensors"))
+    data = read_adapter(tmp_path / "tuned.safetensors", base=tmp_path / "base.safetensors", energy=0.99)
+    assert data.format == "checkpoint-delta"
+    (m,) = data.modules
+    assert m.rank == 3
+    rec = canonicalize(m.A, m.B, m.scale).delta()
+    assert torch.linalg.norm(rec - low) / torch.linalg.norm(low) < 1e-3
+    assert "99%" in data.notes[0] and "exact" in data.notes[0]
+
+
+def test_checkpoint_without_base_keeps_full_matrices(tmp_path: Path) -> None:
+    save_file({"w": torch.randn(40, 30), "b": torch.randn(40)}, str(tmp_path / "ck.safetensors"))
+    data = read_adapter(tmp_path / "ck.safetensors")
+    assert data.format == "checkpoint" and not data.modules
+    assert [fm.name for fm in data.full_matrices] == ["w"]
+    assert data.extra_tensors == {"b": [40]}
+
+
+def test_checkpoint_shape_mismatch_with_base(tmp_path: Path) -> None:
+    save_file({"w": torch.randn(40, 30)}, str(tmp_path / "base.safetensors"))
+    save_file({"w": torch.randn(40, 31)}, str(tmp_path / "ck.safetensors"))
+    with pytest.raises(InputError, match="shape mismatch for w"):
+        read_adapter(tmp_path / "ck.safetensors", base=tmp_path / "base.safetensors")
+
+
+# ---- bad input --------------------------------------------------------------------------
+
+
+def _peft_dir(tmp_path: Path, tensors: dict[str, torch.Tensor], **config: object) -> Path:
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 4, **config}))
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    return d
+
+
+def test_truncated_safetensors(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    write_kohya_file(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(InputError, match="truncated") as exc:
+        read_adapter(path)
+    assert str(path) in str(exc.value)
+    path.write_bytes(data[:5])
+    with pytest.raises(InputError, match="truncated"):
+        read_adapter(path)
+
+
+def test_oversized_header(tmp_path: Path) -> None:
+    path = tmp_path / "h.safetensors"
+    path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(InputError, match="exceeds the limit"):
+        read_adapter(path)
+
+
+def test_corrupt_header(tmp_path: Path) -> None:
+    path = tmp_path / "c.safetensors"
+    path.write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{[")
+    with pytest.raises(InputError, match="corrupt safetensors header"):
+        read_adapter(path)
+
+
+class _Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_code_running_pickle_is_refused_and_never_run(tmp_path: Path) -> None:
+    d = tmp_path / "evil"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    marker = tmp_path / "pwned"
+    with open(d / "adapter_model.bin", "wb") as fh:
+        pickle.dump({"x": _Exploit(marker)}, fh)
+    with pytest.raises(InputError, match="not a weights-only torch file") as exc:
+        read_adapter(d)
+    assert "adapter_model.bin" in str(exc.value)
+    assert not marker.exists()
+    loose = tmp_path / "model.pt"
+    loose.write_bytes((d / "adapter_model.bin").read_bytes())
+    with pytest.raises(InputError, match="weights-only"):
+        read_adapter(loose)
+    assert not marker.exists()
+
+
+def test_nan_weights(tmp_path: Path) -> None:
+    A = torch.randn(4, 8)
+    A[0, 0] = float("nan")
+    d = _peft_dir(tmp_path, {"base_model.model.q.lora_A.weight": A, "base_model.model.q.lora_B.weight": torch.randn(6, 4)})
+    with pytest.raises(InputError, match="q: factor A contains NaN or Inf"):
+        read_adapter(d)
+
+
+def test_shape_mismatch(tmp_path: Path) -> None:
+    d = _peft_dir(tmp_path, {"base_model.model.q.lora_A.weight": torch.randn(4, 8), "base_model.model.q.lora_B.weight": torch.randn(6, 3)})
+    with pytest.raises(InputError, match="shape mismatch in q"):
+        read_adapter(d)
+
+
+def test_missing_partner(tmp_path: Path) -> None:
+    d = _peft_dir(tmp_path, {"base_model.model.q.lora_A.weight": torch.randn(4, 8)})
+    with pytest.raises(InputError, match="q has lora_A but no lora_B"):
+        read_adapter(d)
+
+
+def test_empty_adapter(tmp_path: Path) -> None:
+    d = _peft_dir(tmp_path, {"base_model.model.head.weight": torch.randn(3, 3)})
+    with pytest.raises(InputError, match="empty adapter"):
+        read_adapter(d)
+
+
+def test_rank_disagreeing_with_config(tmp_path: Path) -> None:
+    d = _peft_dir(tmp_path, {"base_model.model.q.lora_A.weight": torch.randn(2, 8), "base_model.model.q.lora_B.weight": torch.randn(6, 2)})
+    with pytest.raises(InputError, match="rank mismatch in q"):
+        read_adapter(d)
+
+
+def test_unsupported_peft_type(tmp_path: Path) -> None:
+    d = _peft_dir(tmp_path, {"x": torch.randn(2)}, peft_type="IA3")
+    with pytest.raises(InputError, match="unsupported PEFT type IA3"):
+        read_adapter(d)
+
+
+def test_missing_path_and_wrong_things(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="no such file or directory"):
+        read_adapter(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="not an adapter directory"):
+        read_adapter(tmp_path / "empty")
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(InputError, match="unsupported file type"):
+        read_adapter(tmp_path / "notes.txt")
+
+
+def test_base_model_of_tiny_model_is_unset(tmp_path: Path) -> None:
+    TinyLM()
+    train_peft_adapter(tmp_path / "a")
+    assert read_adapter(tmp_path / "a").base_model is None

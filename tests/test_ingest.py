@@ -1,0 +1,201 @@
+"""The ingest pipeline against real databases: one transaction per adapter, dedup, bad input."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import DBAPIError
+
+from tests.factories import train_peft_adapter, write_kohya_file
+from zoo.blobs import BlobStore
+from zoo.canonical import canonicalize
+from zoo.config import Settings
+from zoo.db.models import Adapter, Module
+from zoo.db.session import make_engine, session_factory
+from zoo.fingerprint import relative_distance
+from zoo.formats import read_adapter
+from zoo.ingest import IngestOptions, Ingestor
+
+
+def make_ingestor(settings: Settings, **options: object) -> Ingestor:
+    return Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), IngestOptions(**options))
+
+
+def row_counts(settings: Settings) -> tuple[int, int]:
+    with session_factory(settings.database_url)() as s:
+        return s.scalar(select(func.count(Adapter.id))), s.scalar(select(func.count(Module.id)))
+
+
+def blob_files(settings: Settings) -> list[Path]:
+    return sorted(settings.blob_dir.rglob("*.safetensors")) if settings.blob_dir.exists() else []
+
+
+def refactorize(src: Path, dst: Path, seed: int) -> None:
+    """The same update in another factorization: B·G and G⁻¹·A per module."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for key in [k for k in tensors if k.endswith("lora_A.weight")]:
+        b_key = key.replace("lora_A", "lora_B")
+        r = tensors[key].shape[0]
+        G = torch.linalg.qr(torch.randn(r, r, generator=g, dtype=torch.float64))[0] * torch.linspace(1, 3, r, dtype=torch.float64)
+        tensors[b_key] = (tensors[b_key].double() @ G).float()
+        tensors[key] = (torch.linalg.inv(G) @ tensors[key].double()).float()
+    save_file(tensors, str(dst / "adapter_model.safetensors"))
+
+
+def test_ingest_stores_adapter_modules_spectra_and_factors(settings: Settings, tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "a", targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    result = make_ingestor(settings, base_model="tiny-lm").ingest(tmp_path / "a")
+    assert result.status == "ingested", result.error
+    with session_factory(settings.database_url)() as s:
+        a = s.get(Adapter, result.adapter_id)
+        assert a.base_model == "tiny-lm" and a.format == "peft" and a.rank == 4 and a.alpha == 8
+        assert a.canonical_hash == result.canonical_hash
+        mods = {m.name: m for m in a.modules}
+        assert len(mods) == 8
+        q = mods["layers.1.q_proj"]
+        assert (q.layer_index, q.module_type, q.out_features, q.in_features, q.rank) == (1, "q_proj", 16, 16, 4)
+        stored = dict(BlobStore(settings.blob_dir).get_factors(a.factors_blob))
+    data = read_adapter(tmp_path / "a")
+    m = next(m for m in data.modules if m.name == "layers.1.q_proj")
+    ref = canonicalize(m.A, m.B, m.scale)
+    assert q.singular_values == pytest.approx(ref.S.tolist(), rel=1e-4)
+    assert q.spectral_norm == pytest.approx(float(ref.S[0]), rel=1e-4)
+    assert torch.allclose(stored["layers.1.q_proj"].delta(), ref.delta(), atol=1e-5)
+
+
+def test_refactorized_copy_is_a_duplicate(settings: Settings, tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "a", seed=1)
+    refactorize(tmp_path / "a", tmp_path / "b", seed=7)
+    assert read_adapter(tmp_path / "b").modules[0].A.sum() != read_adapter(tmp_path / "a").modules[0].A.sum()
+    ingestor = make_ingestor(settings)
+    first = ingestor.ingest(tmp_path / "a")
+    blobs_before = blob_files(settings)
+    second = ingestor.ingest(tmp_path / "b")
+    assert (first.status, second.status) == ("ingested", "duplicate")
+    assert second.adapter_id == first.adapter_id
+    assert row_counts(settings)[0] == 1
+    assert blob_files(settings) == blobs_before  # the duplicate's blob was not kept
+    third = ingestor.ingest(tmp_path / "a")
+    assert (third.status, third.adapter_id, third.canonical_hash) == ("duplicate", first.adapter_id, first.canonical_hash)
+
+
+def test_different_adapters_are_not_duplicates(settings: Settings, tmp_path: Path) -> None:
+    ingestor = make_ingestor(settings)
+    ids = set()
+    for seed in range(3):
+        train_peft_adapter(tmp_path / f"a{seed}", seed=seed)
+        r = ingestor.ingest(tmp_path / f"a{seed}")
+        assert r.status == "ingested"
+        ids.add(r.adapter_id)
+    assert len(ids) == 3
+
+
+def test_same_update_under_another_base_model_is_kept(settings: Settings, tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "a")
+    assert make_ingestor(settings, base_model="m1").ingest(tmp_path / "a").status == "ingested"
+    assert make_ingestor(settings, base_model="m2").ingest(tmp_path / "a").status == "ingested"
+
+
+def test_bad_inputs_fail_and_write_nothing(settings: Settings, tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    train_peft_adapter(good)
+    truncated = tmp_path / "trunc.safetensors"
+    write_kohya_file(truncated)
+    truncated.write_bytes(truncated.read_bytes()[:-64])
+    nan_dir = tmp_path / "nan"
+    shutil.copytree(good, nan_dir)
+    tensors = load_file(str(nan_dir / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("lora_B.weight"))
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, str(nan_dir / "adapter_model.safetensors"))
+
+    ingestor = make_ingestor(settings)
+    results = list(ingestor.ingest_many([truncated, nan_dir, tmp_path / "missing", good]))
+    assert [r.status for r in results] == ["failed", "failed", "failed", "ingested"]
+    assert "trunc.safetensors: truncated" in results[0].error
+    assert "contains NaN or Inf" in results[1].error and str(nan_dir) in results[1].error
+    assert "no such file or directory" in results[2].error
+    assert row_counts(settings)[0] == 1
+    assert len(blob_files(settings)) == 1
+
+
+def _fail_inserts_of_module(url: str, name: str) -> None:
+    """A real database-side failure half-way through an adapter's rows (after its adapter row)."""
+    with make_engine(url).begin() as conn:
+        if url.startswith("sqlite"):
+            conn.execute(text(f"CREATE TRIGGER fail_module BEFORE INSERT ON module WHEN NEW.name = '{name}' "
+                              "BEGIN SELECT RAISE(ABORT, 'injected failure'); END"))
+        else:
+            conn.execute(text("CREATE OR REPLACE FUNCTION fail_module() RETURNS trigger AS $$ BEGIN "
+                              f"IF NEW.name = '{name}' THEN RAISE EXCEPTION 'injected failure'; END IF; RETURN NEW; END $$ LANGUAGE plpgsql"))
+            conn.execute(text("DROP TRIGGER IF EXISTS fail_module ON module"))
+            conn.execute(text("CREATE TRIGGER fail_module BEFORE INSERT ON module FOR EACH ROW EXECUTE FUNCTION fail_module()"))
+
+
+def _drop_failure(url: str) -> None:
+    with make_engine(url).begin() as conn:
+        conn.execute(text("DROP TRIGGER IF EXISTS fail_module" + ("" if url.startswith("sqlite") else " ON module")))
+
+
+def test_failed_database_write_leaves_no_rows_and_no_blob(settings: Settings, tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "a")
+    _fail_inserts_of_module(settings.database_url, "layers.1.v_proj")
+    try:
+        with pytest.raises(DBAPIError, match="injected failure"):
+            make_ingestor(settings).ingest(tmp_path / "a")
+        assert row_counts(settings) == (0, 0)
+        assert blob_files(settings) == []
+    finally:
+        _drop_failure(settings.database_url)
+    assert make_ingestor(settings).ingest(tmp_path / "a").status == "ingested"
+
+
+def test_kohya_and_checkpoints(settings: Settings, tmp_path: Path) -> None:
+    write_kohya_file(tmp_path / "k.safetensors")
+    g = torch.Generator().manual_seed(0)
+    base = {"l.weight": torch.randn(32, 24, generator=g)}
+    tuned = {"l.weight": base["l.weight"] + torch.randn(32, 2, generator=g) @ torch.randn(2, 24, generator=g)}
+    save_file(base, str(tmp_path / "base.safetensors"))
+    save_file(tuned, str(tmp_path / "tuned.safetensors"))
+    plain = make_ingestor(settings)
+    k = plain.ingest(tmp_path / "k.safetensors")
+    assert k.status == "ingested"
+    full = plain.ingest(tmp_path / "tuned.safetensors")
+    assert full.status == "ingested"
+    delta = make_ingestor(settings, base_checkpoint=tmp_path / "base.safetensors").ingest(tmp_path / "tuned.safetensors")
+    assert delta.status == "ingested" and "low-rank deltas" in delta.notes[0]
+    with session_factory(settings.database_url)() as s:
+        assert s.get(Adapter, k.adapter_id).base_model == "sd-v1-5"
+        f = s.get(Adapter, full.adapter_id)
+        assert f.format == "checkpoint" and f.factors_blob is None
+        assert f.modules[0].kind == "full" and f.modules[0].power_law_alpha is not None
+        d = s.get(Adapter, delta.adapter_id)
+        assert d.format == "checkpoint-delta" and d.modules[0].canonical_rank == 2
+    assert plain.ingest(tmp_path / "tuned.safetensors").status == "duplicate"
+
+
+def test_duplicate_check_tolerance(settings: Settings, tmp_path: Path) -> None:
+    """A copy with a 1% perturbation is a different adapter; one at 1e-5 is the same."""
+    train_peft_adapter(tmp_path / "a", seed=3)
+    tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    for eps, name in ((1e-2, "far"), (1e-5, "near")):
+        shutil.copytree(tmp_path / "a", tmp_path / name)
+        noisy = {k: v * (1 + eps * torch.randn_like(v)) if "lora_B" in k else v for k, v in tensors.items()}
+        save_file(noisy, str(tmp_path / name / "adapter_model.safetensors"))
+    x = read_adapter(tmp_path / "a")
+    y = read_adapter(tmp_path / "near")
+    fx = [(m.name, canonicalize(m.A, m.B, m.scale)) for m in x.modules]
+    fy = [(m.name, canonicalize(m.A, m.B, m.scale)) for m in y.modules]
+    assert relative_distance(fx, fy) < 1e-4
+    ingestor = make_ingestor(settings)
+    first = ingestor.ingest(tmp_path / "a")
+    assert ingestor.ingest(tmp_path / "far").status == "ingested"
+    near = ingestor.ingest(tmp_path / "near")
+    assert (near.status, near.adapter_id) == ("duplicate", first.adapter_id)
