@@ -67,3 +67,10 @@ def test_init_then_show_missing_adapter(tmp_path: Path, capsys, monkeypatch) -> 
 def test_help_runs_as_a_command() -> None:
     out = subprocess.run([sys.executable, "-m", "zoo.cli", "ingest", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--base-model" in out and "--json" in out
+
+
+def test_unreachable_database_is_a_clear_error(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc = main(["--db", "postgresql://nobody@127.0.0.1:1/none", "--data-dir", str(tmp_path), "list"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "cannot use the database" in err and "ZOO_DATABASE_URL" in err

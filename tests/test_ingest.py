@@ -130,11 +130,19 @@ def _fail_inserts_of_module(url: str, name: str) -> None:
     """A real database-side failure half-way through an adapter's rows (after its adapter row)."""
     with make_engine(url).begin() as conn:
         if url.startswith("sqlite"):
-            conn.execute(text(f"CREATE TRIGGER fail_module BEFORE INSERT ON module WHEN NEW.name = '{name}' "
-                              "BEGIN SELECT RAISE(ABORT, 'injected failure'); END"))
+            conn.execute(
+                text(
+                    f"CREATE TRIGGER fail_module BEFORE INSERT ON module WHEN NEW.name = '{name}' "
+                    "BEGIN SELECT RAISE(ABORT, 'injected failure'); END"
+                )
+            )
         else:
-            conn.execute(text("CREATE OR REPLACE FUNCTION fail_module() RETURNS trigger AS $$ BEGIN "
-                              f"IF NEW.name = '{name}' THEN RAISE EXCEPTION 'injected failure'; END IF; RETURN NEW; END $$ LANGUAGE plpgsql"))
+            conn.execute(
+                text(
+                    "CREATE OR REPLACE FUNCTION fail_module() RETURNS trigger AS $$ BEGIN "
+                    f"IF NEW.name = '{name}' THEN RAISE EXCEPTION 'injected failure'; END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
             conn.execute(text("DROP TRIGGER IF EXISTS fail_module ON module"))
             conn.execute(text("CREATE TRIGGER fail_module BEFORE INSERT ON module FOR EACH ROW EXECUTE FUNCTION fail_module()"))
 

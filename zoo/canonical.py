@@ -14,6 +14,7 @@ large GEMMs in float32 whatever the stored dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +44,6 @@ class CanonicalFactors:
         return (self.U * self.S) @ self.V.T
 
 
-def _fix_signs(U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flip (u_i, v_i) so that the largest-|.| entry of each u_i is positive. Works batched."""
-    idx = U.abs().argmax(dim=-2, keepdim=True)
-    signs = torch.sign(torch.gather(U, -2, idx))
-    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
-    return U * signs, V * signs
-
-
 def _keep_mask(S: torch.Tensor) -> torch.Tensor:
     smax = S.max(dim=-1, keepdim=True).values if S.shape[-1] else S
     return (ZERO_RTOL * smax < S) & (S > 0)
@@ -78,53 +71,71 @@ def canonicalize(A: torch.Tensor, B: torch.Tensor, scale: float = 1.0) -> Canoni
 
 
 def _finish(U: torch.Tensor, S: torch.Tensor, V: torch.Tensor) -> CanonicalFactors:
-    U, V = _fix_signs(U, V)
-    keep = _keep_mask(S)
-    return CanonicalFactors(U=U[:, keep].contiguous(), S=S[keep].to(torch.float32), V=V[:, keep].contiguous())
+    k = int(_keep_mask(S).sum())  # S is sorted descending: the kept components are a prefix
+    U, V = U[:, :k], V[:, :k]
+    signs = _column_signs(U)
+    return CanonicalFactors(U=U * signs, S=S[:k].to(torch.float32), V=V * signs)
 
 
 def canonicalize_batched(
-    A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor | float = 1.0
+    A: torch.Tensor | Sequence[torch.Tensor],
+    B: torch.Tensor | Sequence[torch.Tensor],
+    scale: torch.Tensor | Sequence[float] | float = 1.0,
 ) -> list[CanonicalFactors]:
-    """Canonicalize n modules of one shape at once: A (n × r × in), B (n × out × r).
+    """Canonicalize n modules of one rank r at once: A (n × r × in), B (n × out × r), stacked
+    or as sequences of 2-D tensors (shapes may then differ between modules).
 
-    Uses a Cholesky-QR formulation in batched GEMMs (Grams and the final products in
-    float32, the r×r factorizations in float64); modules whose Gram matrices are
-    ill-conditioned fall back to Householder QR. Runs on whatever device A and B are on.
+    A Cholesky-QR formulation: Gram matrices and the final products are float32 GEMMs that
+    stream each factor twice, and every r×r factorization (Cholesky, SVD, triangular solve)
+    runs batched in float64. Modules whose Gram matrices are ill-conditioned (see
+    GRAM_COND_LIMIT) fall back to Householder QR. Runs on whatever device A and B are on.
     """
-    if A.ndim != 3 or B.ndim != 3 or A.shape[0] != B.shape[0] or A.shape[1] != B.shape[2]:
-        raise ValueError(f"expected A (n×r×in) and B (n×out×r), got {tuple(A.shape)} and {tuple(B.shape)}")
-    n = A.shape[0]
-    A32, B32 = _as_float32(A), _as_float32(B)
-    scale_t = torch.as_tensor(scale, dtype=torch.float64, device=A.device).expand(n)
+    As = [_as_float32(a) for a in (A.unbind(0) if isinstance(A, torch.Tensor) else A)]
+    Bs = [_as_float32(b) for b in (B.unbind(0) if isinstance(B, torch.Tensor) else B)]
+    n = len(As)
+    if n == 0:
+        return []
+    if len(Bs) != n or any(
+        a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] != As[0].shape[0] for a, b in zip(As, Bs, strict=True)
+    ):
+        raise ValueError("expected n pairs of A (r×in) and B (out×r) with one common rank r")
+    device = As[0].device
+    scale_t = torch.as_tensor(scale, dtype=torch.float64).reshape(-1).expand(n).to(device)
 
-    G_B = (B32.transpose(1, 2) @ B32).double()
-    G_A = (A32 @ A32.transpose(1, 2)).double()
+    G_B = torch.stack([b.T @ b for b in Bs]).double()
+    G_A = torch.stack([a @ a.T for a in As]).double()
     L_B, info_b = torch.linalg.cholesky_ex(G_B)
     L_A, info_a = torch.linalg.cholesky_ex(G_A)
     good = (info_b == 0) & (info_a == 0) & (_cond(G_B) < GRAM_COND_LIMIT) & (_cond(G_A) < GRAM_COND_LIMIT)
+    eye = torch.eye(L_B.shape[-1], dtype=L_B.dtype, device=device).expand_as(L_B)
+    L_B = torch.where(good[:, None, None], L_B, eye)
+    L_A = torch.where(good[:, None, None], L_A, eye)
 
-    # s·R_B R_Aᵀ with R = Lᵀ
-    core = scale_t[:, None, None] * (L_B.transpose(1, 2) @ L_A)
-    core = torch.where(good[:, None, None], core, torch.zeros_like(core))
-    Up, S, Vph = torch.linalg.svd(core)
-    # U = B R_B⁻¹ U' and V = Aᵀ R_A⁻¹ V' computed as one small solve then one GEMM each.
-    eye = torch.eye(L_B.shape[-1], dtype=L_B.dtype, device=L_B.device)
-    safe_LB = torch.where(good[:, None, None], L_B, eye)
-    safe_LA = torch.where(good[:, None, None], L_A, eye)
-    C_B = torch.linalg.solve_triangular(safe_LB.transpose(1, 2), Up, upper=True)
-    C_A = torch.linalg.solve_triangular(safe_LA.transpose(1, 2), Vph.transpose(1, 2), upper=True)
-    U = B32 @ C_B.to(torch.float32)
-    V = A32.transpose(1, 2) @ C_A.to(torch.float32)
+    # s·R_B R_Aᵀ with R = Lᵀ; then U = B R_B⁻¹ U' and V = Aᵀ R_A⁻¹ V' as one r×r solve and one GEMM each.
+    Up, S, Vph = torch.linalg.svd(scale_t[:, None, None] * (L_B.transpose(1, 2) @ L_A))
+    C_B = torch.linalg.solve_triangular(L_B.transpose(1, 2), Up, upper=True).to(torch.float32)
+    C_A = torch.linalg.solve_triangular(L_A.transpose(1, 2), Vph.transpose(1, 2), upper=True).to(torch.float32)
+    keep = _keep_mask(S).sum(dim=-1).tolist()  # components are sorted, so the kept ones are a prefix
+    S32 = S.to(torch.float32)
 
     out: list[CanonicalFactors] = []
-    good_list = good.tolist()
-    for i in range(n):
-        if good_list[i]:
-            out.append(_finish(U[i], S[i], V[i]))
-        else:
-            out.append(canonicalize(A32[i], B32[i], float(scale_t[i])))
+    for i, ok in enumerate(good.tolist()):
+        if not ok:
+            out.append(canonicalize(As[i], Bs[i], float(scale_t[i])))
+            continue
+        k = keep[i]
+        U = Bs[i] @ C_B[i, :, :k]
+        signs = _column_signs(U)
+        U.mul_(signs)
+        V = As[i].T @ (C_A[i, :, :k] * signs)
+        out.append(CanonicalFactors(U=U, S=S32[i, :k], V=V))
     return out
+
+
+def _column_signs(U: torch.Tensor) -> torch.Tensor:
+    """+1/-1 per column: the sign of the column's largest-magnitude entry (one reduction, no temporaries)."""
+    lo, hi = torch.aminmax(U, dim=0)
+    return torch.where(hi >= -lo, 1.0, -1.0).to(U.dtype)
 
 
 def _cond(G: torch.Tensor) -> torch.Tensor:

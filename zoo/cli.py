@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from sqlalchemy.exc import OperationalError
 from tqdm import tqdm
 
 from zoo.blobs import BlobStore
@@ -27,8 +28,11 @@ def _print_json(obj: object) -> None:
 def cmd_init(settings: Settings, args: argparse.Namespace) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
-    info = {"database": make_engine(settings.database_url).url.render_as_string(hide_password=True),
-            "data_dir": str(settings.data_dir), "status": "ok"}
+    info = {
+        "database": make_engine(settings.database_url).url.render_as_string(hide_password=True),
+        "data_dir": str(settings.data_dir),
+        "status": "ok",
+    }
     if args.json:
         _print_json(info)
     else:
@@ -39,8 +43,11 @@ def cmd_init(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     require_schema(settings.database_url)
     options = IngestOptions(
-        base_model=args.base_model, base_checkpoint=Path(args.base) if args.base else None,
-        energy=args.energy, max_rank=args.max_rank, device=args.device,
+        base_model=args.base_model,
+        base_checkpoint=Path(args.base) if args.base else None,
+        energy=args.energy,
+        max_rank=args.max_rank,
+        device=args.device,
     )
     ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options)
     sources = expand_paths(args.paths)
@@ -74,8 +81,10 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     print(f"{'id':>5}  {'name':<32} {'format':<16} {'rank':>4}  {'base model':<28} hash")
     for r in rows:
-        print(f"{r['id']:>5}  {str(r['name'])[:32]:<32} {r['format']:<16} {r['rank'] or '-':>4}  "
-              f"{str(r['base_model'])[:28]:<28} {str(r['canonical_hash'])[:12]}")
+        print(
+            f"{r['id']:>5}  {str(r['name'])[:32]:<32} {r['format']:<16} {r['rank'] or '-':>4}  "
+            f"{str(r['base_model'])[:28]:<28} {str(r['canonical_hash'])[:12]}"
+        )
     return 0
 
 
@@ -89,8 +98,21 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(detail)
         return 0
-    for key in ("id", "name", "base_model", "format", "rank", "alpha", "task_type", "target_modules",
-                "canonical_hash", "dw_norm", "file_sha256", "size_bytes", "source_uri"):
+    for key in (
+        "id",
+        "name",
+        "base_model",
+        "format",
+        "rank",
+        "alpha",
+        "task_type",
+        "target_modules",
+        "canonical_hash",
+        "dw_norm",
+        "file_sha256",
+        "size_bytes",
+        "source_uri",
+    ):
         print(f"{key:>15}: {detail[key]}")
     for note in detail["notes"]:  # type: ignore[attr-defined]
         print(f"{'note':>15}: {note}")
@@ -99,9 +121,11 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
     for m in detail["modules"]:  # type: ignore[attr-defined]
         shape = "x".join(map(str, m["shape"]))
         alpha = f"{m['power_law_alpha']:.2f}" if m["power_law_alpha"] is not None else "-"
-        print(f"{m['name'][-48:]:<48} {shape:>12} {m['rank'] or '-':>3} {m['canonical_rank'] or '-':>3} "
-              f"{m['spectral_norm']:>9.3g} {m['frobenius_norm']:>9.3g} {m['stable_rank']:>7.2f} "
-              f"{m['effective_rank']:>6.2f} {alpha:>6}")
+        print(
+            f"{m['name'][-48:]:<48} {shape:>12} {m['rank'] or '-':>3} {m['canonical_rank'] or '-':>3} "
+            f"{m['spectral_norm']:>9.3g} {m['frobenius_norm']:>9.3g} {m['stable_rank']:>7.2f} "
+            f"{m['effective_rank']:>6.2f} {alpha:>6}"
+        )
     return 0
 
 
@@ -118,14 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print a JSON object")
     s.set_defaults(func=cmd_init)
 
-    s = sub.add_parser("ingest", help="read, canonicalize, describe and store adapters",
-                       description="Ingest PEFT adapter directories, kohya/diffusers LoRA .safetensors files and full "
-                                   "checkpoints. A directory of adapters is searched recursively. Every source is tried; "
-                                   "the exit status is 1 if any failed.")
+    s = sub.add_parser(
+        "ingest",
+        help="read, canonicalize, describe and store adapters",
+        description="Ingest PEFT adapter directories, kohya/diffusers LoRA .safetensors files and full "
+        "checkpoints. A directory of adapters is searched recursively. Every source is tried; "
+        "the exit status is 1 if any failed.",
+    )
     s.add_argument("paths", nargs="+", metavar="PATH")
     s.add_argument("--base-model", metavar="NAME", help="base model name to record (overrides the files)")
     s.add_argument("--base", metavar="PATH", help="base checkpoint: full checkpoints are stored as low-rank deltas against it")
-    s.add_argument("--energy", type=float, default=DEFAULT_ENERGY, help="checkpoint deltas: energy fraction the rank must keep (default %(default)s)")
+    s.add_argument(
+        "--energy", type=float, default=DEFAULT_ENERGY, help="checkpoint deltas: energy fraction the rank must keep (default %(default)s)"
+    )
     s.add_argument("--max-rank", type=int, default=DEFAULT_MAX_RANK, help="checkpoint deltas: largest rank (default %(default)s)")
     s.add_argument("--device", help="torch device for canonicalization (default: cuda if available, else cpu)")
     s.add_argument("--json", action="store_true", help="one JSON object per source, no progress bar")
@@ -151,6 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(settings, args))
     except ZooError as exc:
         print(f"zoo: error: {exc}", file=sys.stderr)
+        return 2
+    except OperationalError as exc:
+        first = str(exc.orig or exc).strip().splitlines()[0]
+        print(
+            f"zoo: error: cannot use the database {settings.database_url!r} ({first}); "
+            "check --db / ZOO_DATABASE_URL and that the server is running",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -18,7 +18,7 @@ def normalize_database_url(url: str) -> str:
     """Use psycopg 3 for plain postgresql:// URLs (SQLAlchemy would pick psycopg2)."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 

@@ -62,16 +62,16 @@ def pick_device(device: str | None) -> torch.device:
 
 
 def canonicalize_modules(modules: list[LoraModule], device: torch.device) -> list[CanonicalFactors]:
-    """Canonical factors of every module, batched by (out, in, r) shape, returned on the CPU in input order."""
-    groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    """Canonical factors of every module, batched by rank, returned on the CPU in input order."""
+    groups: dict[int, list[int]] = defaultdict(list)
     for i, m in enumerate(modules):
-        groups[(*m.shape, m.rank)].append(i)
+        groups[m.rank].append(i)
     out: list[CanonicalFactors | None] = [None] * len(modules)
     for idx in groups.values():
-        A = torch.stack([modules[i].A for i in idx]).to(device)
-        B = torch.stack([modules[i].B for i in idx]).to(device)
-        scale = torch.tensor([modules[i].scale for i in idx], dtype=torch.float64)
-        for i, f in zip(idx, canonicalize_batched(A, B, scale.to(device)), strict=True):
+        As = [modules[i].A.to(device) for i in idx]
+        Bs = [modules[i].B.to(device) for i in idx]
+        scale = [modules[i].scale for i in idx]
+        for i, f in zip(idx, canonicalize_batched(As, Bs, scale), strict=True):
             out[i] = CanonicalFactors(f.U.cpu(), f.S.cpu(), f.V.cpu())
     return [f for f in out if f is not None]
 
@@ -128,8 +128,15 @@ def describe(data: AdapterData, source_uri: str, options: IngestOptions, device:
             factors.append((m.name, f))
             rows.append(
                 _module_row(
-                    m.name, m.kind, (int(f.U.shape[0]), int(f.V.shape[0])), spectrum_from_singular_values(f.S.numpy()),
-                    rank=m.rank, canonical_rank=f.rank, alpha=m.alpha, scale=m.scale, transposed=m.transposed,
+                    m.name,
+                    m.kind,
+                    (int(f.U.shape[0]), int(f.V.shape[0])),
+                    spectrum_from_singular_values(f.S.numpy()),
+                    rank=m.rank,
+                    canonical_rank=f.rank,
+                    alpha=m.alpha,
+                    scale=m.scale,
+                    transposed=m.transposed,
                 )
             )
         shapes = [(n, int(f.U.shape[0]), int(f.V.shape[0])) for n, f in factors]

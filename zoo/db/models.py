@@ -55,9 +55,7 @@ class Adapter(Base):
     card: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
-    modules: Mapped[list[Module]] = relationship(
-        back_populates="adapter", cascade="all, delete-orphan", order_by="Module.id"
-    )
+    modules: Mapped[list[Module]] = relationship(back_populates="adapter", cascade="all, delete-orphan", order_by="Module.id")
 
 
 class Module(Base):

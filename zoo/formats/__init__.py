@@ -17,9 +17,7 @@ DEFAULT_ENERGY = 0.9
 DEFAULT_MAX_RANK = 64
 
 
-def read_adapter(
-    path: Path, base: Path | None = None, energy: float = DEFAULT_ENERGY, max_rank: int = DEFAULT_MAX_RANK
-) -> AdapterData:
+def read_adapter(path: Path, base: Path | None = None, energy: float = DEFAULT_ENERGY, max_rank: int = DEFAULT_MAX_RANK) -> AdapterData:
     """Read a PEFT directory, a single-file LoRA or a full checkpoint (with `base`: as low-rank deltas)."""
     path = Path(path)
     if not path.exists():

@@ -53,7 +53,7 @@ def read_peft(directory: Path) -> AdapterData:
     fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
 
     def strip(key: str) -> str:
-        return key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+        return key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
 
     used: set[str] = set()
     modules: list[LoraModule] = []
