@@ -18,6 +18,7 @@ from zoo.db.session import make_engine, require_schema, session_factory, upgrade
 from zoo.errors import ZooError
 from zoo.formats import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.ingest import IngestOptions, Ingestor
+from zoo.labels import read_labels_csv, row_for
 from zoo.sources.local import expand_paths
 
 
@@ -51,11 +52,12 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     )
     ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options)
     sources = expand_paths(args.paths)
+    label_rows = read_labels_csv(Path(args.labels), args.metrics) if args.labels else {}
     counts = {"ingested": 0, "duplicate": 0, "failed": 0}
     failures: list[str] = []
     bar = tqdm(sources, desc="ingest", unit="adapter", disable=args.json or None, file=sys.stderr)
     for path in bar:
-        result = ingestor.ingest(path)
+        result = ingestor.ingest(path, labels=row_for(label_rows, path))
         counts[result.status] += 1
         if args.json:
             _print_json(result.as_dict())
@@ -116,6 +118,10 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
         print(f"{key:>15}: {detail[key]}")
     for note in detail["notes"]:  # type: ignore[attr-defined]
         print(f"{'note':>15}: {note}")
+    for key, value in detail["labels"].items():  # type: ignore[attr-defined]
+        print(f"{key:>15}: {value}  (label)")
+    for key, value in detail["measurements"].items():  # type: ignore[attr-defined]
+        print(f"{key:>15}: {value:.4g}  (measured)")
     print()
     print(f"{'module':<48} {'shape':>12} {'r':>3} {'k':>3} {'σ_max':>9} {'‖·‖_F':>9} {'stable':>7} {'eff':>6} {'α_PL':>6}")
     for m in detail["modules"]:  # type: ignore[attr-defined]
@@ -157,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-rank", type=int, default=DEFAULT_MAX_RANK, help="checkpoint deltas: largest rank (default %(default)s)")
     s.add_argument("--device", help="torch device for canonicalization (default: cuda if available, else cpu)")
+    s.add_argument(
+        "--labels",
+        metavar="CSV",
+        help="attach known attributes and measurements: a CSV with a 'name' column "
+        "(adapter directory or file name); test_accuracy and --metrics columns are measurements",
+    )
+    s.add_argument(
+        "--metrics",
+        type=lambda v: [c for c in v.split(",") if c],
+        default=[],
+        metavar="COL,...",
+        help="further numeric CSV columns to store as measurements",
+    )
     s.add_argument("--json", action="store_true", help="one JSON object per source, no progress bar")
     s.set_defaults(func=cmd_ingest)
 

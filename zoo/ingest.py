@@ -9,13 +9,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from sqlalchemy import delete
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.blobs import BlobStore
 from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.db import repository
-from zoo.db.models import Adapter, Module
+from zoo.db.models import Adapter, Label, Measurement, Module
 from zoo.errors import InputError
 from zoo.fingerprint import DUPLICATE_RTOL, canonical_hash, fingerprint, relative_distance, structure_hash
 from zoo.formats import (
@@ -27,6 +28,7 @@ from zoo.formats import (
     module_type,
     read_adapter,
 )
+from zoo.labels import LabelRow
 from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
 
 UNKNOWN_BASE = "unknown"
@@ -181,8 +183,8 @@ class Ingestor:
         self.options = options or IngestOptions()
         self.device = pick_device(self.options.device)
 
-    def ingest(self, path: Path, source_uri: str | None = None) -> IngestResult:
-        """Ingest one source; never raises for bad input, reports it as failed instead."""
+    def ingest(self, path: Path, source_uri: str | None = None, labels: LabelRow | None = None) -> IngestResult:
+        """Ingest one source (and attach its given labels); bad input is reported as failed, never raised."""
         source = source_uri or str(path)
         try:
             data = read_adapter(path, self.options.base_checkpoint, self.options.energy, self.options.max_rank)
@@ -191,7 +193,7 @@ class Ingestor:
             return IngestResult(source, "failed", error=str(exc))
         except (RuntimeError, ValueError, OSError) as exc:  # numerical or I/O failure on an otherwise readable file
             return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {exc}")
-        result = self._store(described)
+        result = self._store(described, labels)
         result.source = source
         result.notes = list(data.notes)
         return result
@@ -199,6 +201,20 @@ class Ingestor:
     def ingest_many(self, paths: Iterable[Path]) -> Iterator[IngestResult]:
         for p in paths:
             yield self.ingest(p)
+
+    @staticmethod
+    def _attach_labels(session: Session, adapter_id: int, labels: LabelRow) -> None:
+        """Given labels and measurements replace earlier ones with the same key (also for duplicates)."""
+        if labels.attributes:
+            session.execute(delete(Label).where(Label.adapter_id == adapter_id, Label.source == "given", Label.key.in_(labels.attributes)))
+            session.add_all(Label(adapter_id=adapter_id, key=k, value=v, source="given") for k, v in labels.attributes.items())
+        if labels.measurements:
+            session.execute(
+                delete(Measurement).where(
+                    Measurement.adapter_id == adapter_id, Measurement.split == "test", Measurement.metric.in_(labels.measurements)
+                )
+            )
+            session.add_all(Measurement(adapter_id=adapter_id, metric=k, value=v, split="test") for k, v in labels.measurements.items())
 
     def _find_duplicate(self, session: Session, d: _Described) -> Adapter | None:
         a = d.adapter
@@ -210,7 +226,7 @@ class Ingestor:
                 return cand
         return None
 
-    def _store(self, d: _Described) -> IngestResult:
+    def _store(self, d: _Described, labels: LabelRow | None) -> IngestResult:
         a = d.adapter
         created_blob: str | None = None
         try:
@@ -223,6 +239,9 @@ class Ingestor:
                 if dup is None:
                     session.add(a)
                     session.flush()
+                if labels is not None:
+                    self._attach_labels(session, (dup or a).id, labels)
+                if dup is None:
                     return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
             # duplicate: nothing was written; drop a blob no row refers to
             if created_blob:

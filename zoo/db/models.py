@@ -56,6 +56,10 @@ class Adapter(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
     modules: Mapped[list[Module]] = relationship(back_populates="adapter", cascade="all, delete-orphan", order_by="Module.id")
+    labels: Mapped[list[Label]] = relationship(back_populates="adapter", cascade="all, delete-orphan", order_by="Label.key")
+    measurements: Mapped[list[Measurement]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan", order_by="Measurement.metric"
+    )
 
 
 class Module(Base):
@@ -87,3 +91,34 @@ class Module(Base):
     power_law_ks: Mapped[float | None] = mapped_column(Float)
 
     adapter: Mapped[Adapter] = relationship(back_populates="modules")
+
+
+class Label(Base):
+    """A known (given) or predicted attribute of an adapter: task, dataset, style, ..."""
+
+    __tablename__ = "label"
+    __table_args__ = (UniqueConstraint("adapter_id", "key", "source", name="uq_label_adapter_id_key_source"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), index=True)
+    key: Mapped[str] = mapped_column(String(128), index=True)
+    value: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(String(16), default="given")  # given | predicted
+    model_version: Mapped[str | None] = mapped_column(String(64))
+
+    adapter: Mapped[Adapter] = relationship(back_populates="labels")
+
+
+class Measurement(Base):
+    """A measured performance number of an adapter (for training and scoring predictors)."""
+
+    __tablename__ = "measurement"
+    __table_args__ = (UniqueConstraint("adapter_id", "metric", "split", name="uq_measurement_adapter_id_metric_split"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), index=True)
+    metric: Mapped[str] = mapped_column(String(128), index=True)
+    value: Mapped[float] = mapped_column(Float)
+    split: Mapped[str] = mapped_column(String(32), default="test")
+
+    adapter: Mapped[Adapter] = relationship(back_populates="measurements")

@@ -79,6 +79,8 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
         "notes": a.notes,
         "license": a.license,
         "tags": a.tags,
+        "labels": {lb.key: lb.value for lb in a.labels if lb.source == "given"},
+        "measurements": {m.metric: m.value for m in a.measurements if m.split == "test"},
         "modules": [
             {
                 "name": m.name,

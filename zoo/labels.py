@@ -1,0 +1,68 @@
+"""Known attributes and measured performance of adapters, read from a CSV (`zoo ingest --labels`)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zoo.errors import InputError
+
+#: Columns that are always measurements (numbers), never attributes.
+DEFAULT_METRICS = ("test_accuracy",)
+#: The attribute that defines "same task" for retrieval.
+TASK_KEY = "task"
+
+
+@dataclass
+class LabelRow:
+    attributes: dict[str, str] = field(default_factory=dict)
+    measurements: dict[str, float] = field(default_factory=dict)
+
+
+def read_labels_csv(path: Path, metrics: Sequence[str] = ()) -> dict[str, LabelRow]:
+    """Rows keyed by the `name` column; metric columns are parsed as floats, the rest kept as text."""
+    metric_cols = set(DEFAULT_METRICS) | set(metrics)
+    try:
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            columns = reader.fieldnames or []
+            if "name" not in columns:
+                raise InputError(path, f"labels CSV needs a 'name' column (the adapter's directory or file name); found {columns}")
+            missing = sorted(set(metrics) - set(columns))
+            if missing:
+                raise InputError(path, f"--metrics names columns the CSV does not have: {', '.join(missing)}")
+            rows: dict[str, LabelRow] = {}
+            for lineno, raw in enumerate(reader, start=2):
+                name = (raw.get("name") or "").strip()
+                if not name:
+                    raise InputError(path, f"line {lineno}: empty name")
+                if name in rows:
+                    raise InputError(path, f"line {lineno}: name {name!r} appears twice")
+                row = LabelRow()
+                for key, value in raw.items():
+                    if key == "name" or key is None or value is None or value.strip() == "":
+                        continue
+                    if key in metric_cols:
+                        try:
+                            number = float(value)
+                        except ValueError:
+                            raise InputError(path, f"line {lineno}: {key} must be a number, got {value!r}") from None
+                        if not math.isfinite(number):
+                            raise InputError(path, f"line {lineno}: {key} is not finite ({value})")
+                        row.measurements[key] = number
+                    else:
+                        row.attributes[key] = value.strip()
+                rows[name] = row
+    except OSError as exc:
+        raise InputError(path, f"cannot read labels CSV ({exc.strerror or exc})") from None
+    except (csv.Error, UnicodeDecodeError) as exc:
+        raise InputError(path, f"malformed labels CSV ({exc})") from None
+    return rows
+
+
+def row_for(rows: dict[str, LabelRow], source: Path) -> LabelRow | None:
+    """The CSV row of a source: matched on its directory or file name, or the file name without suffix."""
+    return rows.get(source.name) or rows.get(source.stem)
