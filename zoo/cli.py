@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +19,9 @@ from zoo.db.session import make_engine, require_schema, session_factory, upgrade
 from zoo.errors import ZooError
 from zoo.formats import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.ingest import IngestOptions, Ingestor
-from zoo.labels import read_labels_csv, row_for
+from zoo.labels import LabelRow, read_labels_csv, row_for
+from zoo.reference.build import make_zoo
+from zoo.reference.recipes import RECIPES
 from zoo.sources.local import expand_paths
 
 
@@ -41,8 +44,32 @@ def cmd_init(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
+def run_ingest(
+    settings: Settings,
+    paths: list[str],
+    options: IngestOptions,
+    label_rows: dict[str, LabelRow],
+    as_json: bool,
+    progress: bool = True,
+) -> tuple[dict[str, int], list[str]]:
+    """Ingest every source under paths, printing JSON lines or showing a progress bar. Returns counts by status and failures."""
     require_schema(settings.database_url)
+    ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options)
+    counts = {"ingested": 0, "duplicate": 0, "failed": 0}
+    failures: list[str] = []
+    bar = tqdm(expand_paths(paths), desc="ingest", unit="adapter", disable=True if as_json or not progress else None, file=sys.stderr)
+    for path in bar:
+        result = ingestor.ingest(path, labels=row_for(label_rows, path))
+        counts[result.status] += 1
+        if as_json:
+            _print_json(result.as_dict())
+        elif result.status == "failed":
+            failures.append(result.error or result.source)
+        bar.set_postfix(counts)
+    return counts, failures
+
+
+def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     options = IngestOptions(
         base_model=args.base_model,
         base_checkpoint=Path(args.base) if args.base else None,
@@ -50,25 +77,69 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
         max_rank=args.max_rank,
         device=args.device,
     )
-    ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options)
-    sources = expand_paths(args.paths)
     label_rows = read_labels_csv(Path(args.labels), args.metrics) if args.labels else {}
-    counts = {"ingested": 0, "duplicate": 0, "failed": 0}
-    failures: list[str] = []
-    bar = tqdm(sources, desc="ingest", unit="adapter", disable=args.json or None, file=sys.stderr)
-    for path in bar:
-        result = ingestor.ingest(path, labels=row_for(label_rows, path))
-        counts[result.status] += 1
-        if args.json:
-            _print_json(result.as_dict())
-        elif result.status == "failed":
-            failures.append(result.error or result.source)
-        bar.set_postfix(counts)
+    counts, failures = run_ingest(settings, args.paths, options, label_rows, args.json)
     if not args.json:
         print(f"{counts['ingested']} ingested, {counts['duplicate']} duplicate, {counts['failed']} failed")
         for f in failures:
             print(f"  failed: {f}")
     return 1 if counts["failed"] else 0
+
+
+def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
+    """The main job on embedded defaults: build a demo zoo, store it, say what to run next."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    zoo_dir = settings.data_dir / "demo-zoo"
+    report = make_zoo(
+        zoo_dir, "digits-vit", args.count, seed=0, workers=args.workers, cache_dir=settings.data_dir / "cache", progress=not args.json
+    )
+    label_rows = read_labels_csv(Path(str(report["labels"])))
+    counts, failures = run_ingest(settings, [str(zoo_dir)], IngestOptions(), label_rows, as_json=False, progress=not args.json)
+    if args.json:
+        _print_json({"zoo": report, "ingest": counts, "database": settings.database_url})
+        return 1 if failures else 0
+    _print_zoo_report(report)
+    print(
+        f"stored in {make_engine(settings.database_url).url.render_as_string(hide_password=True)}: "
+        f"{counts['ingested']} ingested, {counts['duplicate']} already there, {counts['failed']} failed"
+    )
+    for f in failures:
+        print(f"  failed: {f}")
+    print("next:\n  zoo list\n  zoo show 1\n  zoo ingest PATH_TO_YOUR_ADAPTERS --base-model NAME")
+    return 1 if failures else 0
+
+
+def cmd_make_zoo(settings: Settings, args: argparse.Namespace) -> int:
+    report = make_zoo(
+        Path(args.out_dir),
+        args.recipe,
+        args.count,
+        seed=args.seed,
+        workers=args.workers,
+        cache_dir=settings.data_dir / "cache",
+        progress=not args.json,
+    )
+    if args.json:
+        _print_json(report)
+    else:
+        _print_zoo_report(report)
+        print(f"next: zoo ingest {args.out_dir} --labels {report['labels']}")
+    return 0
+
+
+def _print_zoo_report(report: dict) -> None:
+    acc = report["accuracy"]["overall"]
+    per = report["train_seconds_per_adapter"]
+    print(
+        f"{report['count']} {report['recipe']} adapters in {report['out_dir']} ({report['built']} built, "
+        f"{report['skipped']} already there) in {report['seconds']:.0f} s"
+        + (f", {per:.2f} s of training each" if per else "")
+        + f"; {report['disk_bytes'] / 2**20:.1f} MiB"
+    )
+    print(f"test accuracy: mean {acc['mean']:.3f}, std {acc['std']:.3f}, range {acc['min']:.3f}..{acc['max']:.3f}")
+    for value, s in report["accuracy"]["by"].get("task", {}).items():
+        print(f"  {value:<16} mean {s['mean']:.3f}  range {s['min']:.3f}..{s['max']:.3f}  n={s['n']}")
 
 
 def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
@@ -178,6 +249,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="one JSON object per source, no progress bar")
     s.set_defaults(func=cmd_ingest)
+
+    s = sub.add_parser(
+        "make-zoo",
+        help="build a reference zoo of real LoRA adapters with known attributes",
+        description="Train LoRA adapters with PEFT on tasks derived from a base model the recipe "
+        "pretrains once (cached under the data dir). Deterministic from --seed, resumable "
+        "(finished adapters are kept), parallel. Writes OUT_DIR/labels.csv with every "
+        "generating attribute and the held-out test_accuracy.",
+    )
+    s.add_argument("out_dir", metavar="OUT_DIR")
+    s.add_argument("--recipe", choices=sorted(RECIPES), default="digits-vit")
+    s.add_argument("--count", type=int, default=100)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: %(default)s)")
+    s.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    s.set_defaults(func=cmd_make_zoo)
+
+    s = sub.add_parser(
+        "quickstart",
+        help="build a demo zoo and store it on the embedded defaults",
+        description="Builds a small digits-vit demo zoo under the data dir, ingests it with its labels "
+        "and prints what was made and what to run next.",
+    )
+    s.add_argument("--count", type=int, default=100, help="adapters in the demo zoo (default: %(default)s)")
+    s.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_quickstart)
 
     s = sub.add_parser("list", help="list stored adapters")
     s.add_argument("--base-model", metavar="NAME")

@@ -1,0 +1,179 @@
+"""`zoo make-zoo`: build a reference zoo, deterministic from a seed, resumable, parallel."""
+
+from __future__ import annotations
+
+import csv
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from zoo.errors import ZooError
+from zoo.reference.recipes import get_recipe
+
+ATTRIBUTES_FILE = "zoo_attributes.json"
+LABELS_FILE = "labels.csv"
+#: Per-adapter bookkeeping kept in ATTRIBUTES_FILE but not written to labels.csv.
+NOT_LABELS = ("recipe", "base_model", "train_seconds")
+
+
+def adapter_name(recipe: str, index: int) -> str:
+    return f"{recipe}-{index:05d}"
+
+
+def planned_attributes(recipe: str, seed: int, index: int) -> dict[str, object]:
+    """Adapter `index`'s generating attributes: a function of (recipe, seed, index) only."""
+    return get_recipe(recipe).sample_attributes(np.random.default_rng([seed, index]))
+
+
+_CONTEXT: dict[tuple[str, str], Any] = {}
+
+
+def _context(recipe: str, cache_dir: Path) -> Any:
+    key = (recipe, str(cache_dir))
+    if key not in _CONTEXT:
+        _CONTEXT[key] = get_recipe(recipe).prepare(cache_dir)
+    return _CONTEXT[key]
+
+
+def build_one(recipe: str, cache_dir: Path, out_dir: Path, name: str, attrs: dict[str, object]) -> dict[str, object]:
+    """Train one adapter and save it (PEFT's save_pretrained) to out_dir/name, atomically."""
+    r = get_recipe(recipe)
+    t0 = time.perf_counter()
+    model, acc = r.train(_context(recipe, cache_dir), attrs)
+    row = {"name": name, "recipe": recipe, "base_model": r.base_model, **attrs, "test_accuracy": round(acc, 6)}
+    row["train_seconds"] = round(time.perf_counter() - t0, 3)
+    tmp = out_dir / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), save_embedding_layers=False)  # "auto" would look the base up on the Hub
+    (tmp / ATTRIBUTES_FILE).write_text(json.dumps(row, indent=1))
+    final = out_dir / name
+    if final.exists():  # a stale, unfinished directory from an interrupted run
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return row
+
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)
+
+
+def _finished(out_dir: Path, name: str, attrs: dict[str, object], recipe: str) -> dict[str, object] | None:
+    path = out_dir / name / ATTRIBUTES_FILE
+    if not path.exists():
+        return None
+    row = json.loads(path.read_text())
+    if row.get("recipe") != recipe or any(row.get(k) != v for k, v in attrs.items()):
+        raise ZooError(
+            f"{out_dir / name} was built with other settings (recipe or seed) than this run's: "
+            "use a new OUT_DIR or the original --seed/--recipe"
+        )
+    return row
+
+
+def make_zoo(
+    out_dir: Path,
+    recipe: str,
+    count: int,
+    seed: int = 0,
+    workers: int = 1,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> dict[str, object]:
+    """Build (or finish building) `count` adapters of `recipe` in out_dir and write labels.csv.
+
+    Returns a report: counts, timings, the spread of test accuracy by attribute, disk size.
+    """
+    r = get_recipe(recipe)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = Path(cache_dir) if cache_dir else out_dir / ".cache"
+    t_start = time.perf_counter()
+    plan = {adapter_name(recipe, i): planned_attributes(recipe, seed, i) for i in range(count)}
+    rows: dict[str, dict[str, object]] = {}
+    for name, attrs in plan.items():
+        done = _finished(out_dir, name, attrs, recipe)
+        if done is not None:
+            rows[name] = done
+    todo = [n for n in plan if n not in rows]
+    skipped = len(rows)
+    if todo:
+        _context(recipe, cache_dir)  # pretrain and cache the base once, before any worker needs it
+    bar = tqdm(total=len(todo), desc=f"make-zoo {recipe}", unit="adapter", disable=not progress)
+    if workers <= 1 or len(todo) <= 1:
+        for name in todo:
+            rows[name] = build_one(recipe, cache_dir, out_dir, name, plan[name])
+            bar.update()
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
+            futures = {pool.submit(build_one, recipe, cache_dir, out_dir, n, plan[n]): n for n in todo}
+            for fut in as_completed(futures):
+                rows[futures[fut]] = fut.result()
+                bar.update()
+    bar.close()
+    ordered = [rows[n] for n in plan]
+    write_labels(out_dir / LABELS_FILE, ordered)
+    elapsed = time.perf_counter() - t_start
+    built_times = [float(rows[n]["train_seconds"]) for n in todo]  # type: ignore[arg-type]
+    return {
+        "out_dir": str(out_dir),
+        "recipe": recipe,
+        "base_model": r.base_model,
+        "count": count,
+        "seed": seed,
+        "built": len(todo),
+        "skipped": skipped,
+        "seconds": round(elapsed, 1),
+        "train_seconds_per_adapter": round(statistics.mean(built_times), 3) if built_times else None,
+        "disk_bytes": sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file() and ".cache" not in p.parts),
+        "labels": str(out_dir / LABELS_FILE),
+        "accuracy": accuracy_spread(ordered),
+    }
+
+
+def write_labels(path: Path, rows: list[dict[str, object]]) -> None:
+    columns = [k for k in rows[0] if k not in NOT_LABELS] if rows else ["name"]
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def accuracy_spread(rows: list[dict[str, object]]) -> dict[str, object]:
+    """Test accuracy overall and by value of each attribute (mean, min, max, n)."""
+    if not rows:
+        return {}
+    acc = [float(r["test_accuracy"]) for r in rows]  # type: ignore[arg-type]
+
+    def summary(values: list[float]) -> dict[str, float]:
+        return {"mean": round(statistics.mean(values), 3), "min": round(min(values), 3), "max": round(max(values), 3), "n": len(values)}
+
+    by: dict[str, dict[str, object]] = {}
+    for key in rows[0]:
+        if key in ("name", "seed", "learning_rate", "test_accuracy", *NOT_LABELS):
+            continue
+        groups: dict[str, list[float]] = defaultdict(list)
+        for r, a in zip(rows, acc, strict=True):
+            groups[str(r[key])].append(a)
+        by[key] = {v: summary(g) for v, g in sorted(groups.items())}
+    if "learning_rate" in rows[0] and len(rows) >= 4:
+        lr = np.array([float(r["learning_rate"]) for r in rows])  # type: ignore[arg-type]
+        edges = np.quantile(lr, [0.25, 0.5, 0.75])
+        bins: dict[str, list[float]] = defaultdict(list)
+        for value, a in zip(lr, acc, strict=True):
+            bins[f"q{int(np.searchsorted(edges, value)) + 1}"].append(a)
+        by["learning_rate_quartile"] = {k: summary(v) for k, v in sorted(bins.items())}
+    return {"overall": {**summary(acc), "std": round(statistics.pstdev(acc), 3)}, "by": by}

@@ -1,0 +1,50 @@
+"""Recipes: a base model, a family of tasks, and how to train and score one adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from peft import PeftModel
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    base_model: str
+    description: str
+    #: Loads (and on first use builds and caches under the given directory) what training needs.
+    prepare: Callable[[Path], Any]
+    sample_attributes: Callable[[np.random.Generator], dict[str, object]]
+    #: (prepared context, attributes) -> (trained PEFT model, held-out test accuracy)
+    train: Callable[[Any, dict[str, object]], tuple[PeftModel, float]]
+
+
+def _digits() -> Recipe:
+    from zoo.reference import digits
+
+    def prepare(cache_dir: Path) -> tuple[digits.DigitsViT, digits.DigitsData]:
+        data = digits.load_data()
+        return digits.load_base(cache_dir, data), data
+
+    return Recipe(
+        name="digits-vit",
+        base_model=digits.BASE_MODEL,
+        description="a 4-block ViT pretrained on scikit-learn's 8×8 digits; tasks: digit pairs, class subsets, "
+        "image transforms, shifted labels, label noise",
+        prepare=prepare,
+        sample_attributes=digits.sample_attributes,
+        train=lambda ctx, attrs: digits.train_adapter(ctx[0], ctx[1], attrs),
+    )
+
+
+RECIPES: dict[str, Callable[[], Recipe]] = {"digits-vit": _digits}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise KeyError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}")
+    return RECIPES[name]()
