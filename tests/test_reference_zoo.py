@@ -1,0 +1,170 @@
+"""Reference zoos: real PEFT adapters with known attributes and held-out accuracy."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+
+from tests.conftest import CLI
+from zoo.errors import ZooError
+from zoo.reference import digits
+from zoo.reference.build import ATTRIBUTES_FILE, LABELS_FILE, build_one, make_zoo, planned_attributes
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One pretrained digits-vit base for the whole session (the recipe's own code path)."""
+    path = tmp_path_factory.mktemp("cache")
+    digits.load_base(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("zoo") / "digits"
+    report = make_zoo(out, "digits-vit", 4, seed=3, workers=1, cache_dir=cache_dir, progress=False)
+    return out, report
+
+
+def test_split_is_disjoint_and_covers_the_data() -> None:
+    data = digits.load_data()
+    assert set(data.train_index).isdisjoint(data.test_index)
+    assert len(data.train_index) + len(data.test_index) == 1797
+    assert torch.equal(data.train_y.unique(), torch.arange(10)) and torch.equal(data.test_y.unique(), torch.arange(10))
+
+
+def test_tasks_derive_from_the_given_split_only() -> None:
+    data = digits.load_data()
+    for task in digits.TASKS:
+        x, y = digits.task_split(task, data.test_x, data.test_y, train=False, seed=0)
+        assert len(x) == len(y) > 0
+        assert set(y.tolist()) <= set(range(10))
+    x, y = digits.task_split("pair-3-8", data.train_x, data.train_y, train=True, seed=0)
+    assert set(y.tolist()) == {3, 8}
+    _, noisy = digits.task_split("label-noise", data.train_x, data.train_y, train=True, seed=0)
+    assert 0.15 < float((noisy != data.train_y).float().mean()) < 0.35
+    _, clean = digits.task_split("label-noise", data.test_x, data.test_y, train=False, seed=0)
+    assert torch.equal(clean, data.test_y)
+
+
+def test_adapters_are_real_peft_adapters_that_reproduce_the_model(tiny_zoo: tuple[Path, dict], cache_dir: Path) -> None:
+    out, _ = tiny_zoo
+    data = digits.load_data()
+    name = "digits-vit-00001"
+    attrs = json.loads((out / name / ATTRIBUTES_FILE).read_text())
+    trained, acc = digits.train_adapter(digits.load_base(cache_dir), data, planned_attributes("digits-vit", 3, 1))
+    loaded = PeftModel.from_pretrained(digits.load_base(cache_dir), str(out / name))
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(data.test_x), trained(data.test_x), atol=1e-5)
+    assert acc == pytest.approx(attrs["test_accuracy"], abs=1e-6)
+    cfg = json.loads((out / name / "adapter_config.json").read_text())
+    assert cfg["r"] == attrs["rank"] and cfg["lora_alpha"] == attrs["alpha"]
+    assert sorted(cfg["target_modules"]) == sorted(digits.TARGET_SETS[attrs["target_modules"]])
+    assert cfg["base_model_name_or_path"] == digits.BASE_MODEL
+
+
+def test_labels_csv_matches_the_files(tiny_zoo: tuple[Path, dict]) -> None:
+    out, report = tiny_zoo
+    with open(out / LABELS_FILE) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["name"] for r in rows] == [f"digits-vit-{i:05d}" for i in range(4)]
+    for i, row in enumerate(rows):
+        attrs = json.loads((out / row["name"] / ATTRIBUTES_FILE).read_text())
+        planned = planned_attributes("digits-vit", 3, i)
+        for key, value in planned.items():
+            assert row[key] == str(value) == str(attrs[key])
+        assert 0.0 <= float(row["test_accuracy"]) <= 1.0
+    assert report["count"] == 4 and report["built"] == 4
+
+
+def test_same_seed_same_adapters_and_resume(tiny_zoo: tuple[Path, dict], cache_dir: Path, tmp_path: Path) -> None:
+    out, _ = tiny_zoo
+    again = tmp_path / "again"
+    report = make_zoo(again, "digits-vit", 2, seed=3, workers=1, cache_dir=cache_dir, progress=False)
+    assert report["built"] == 2
+    for name in ("digits-vit-00000", "digits-vit-00001"):
+        a = (out / name / "adapter_model.safetensors").read_bytes()
+        assert a == (again / name / "adapter_model.safetensors").read_bytes()
+    # resume: finished adapters are kept, a missing one is rebuilt, the count can grow
+    stamp = (again / "digits-vit-00000" / "adapter_model.safetensors").stat().st_mtime_ns
+    report = make_zoo(again, "digits-vit", 3, seed=3, workers=1, cache_dir=cache_dir, progress=False)
+    assert (report["built"], report["skipped"]) == (1, 2)
+    assert (again / "digits-vit-00000" / "adapter_model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(ZooError, match="other settings"):
+        make_zoo(again, "digits-vit", 3, seed=4, workers=1, cache_dir=cache_dir, progress=False)
+
+
+def test_accuracy_varies_with_attributes(cache_dir: Path, tmp_path: Path) -> None:
+    """Weak and strong settings of the same task give clearly different held-out accuracy."""
+    data = digits.load_data()
+    base = digits.load_base(cache_dir)
+    common = {"task": "rot90", "rank": 4, "alpha": 8.0, "n_train": 256, "target_modules": "all", "seed": 1}
+    _, weak = digits.train_adapter(base, data, {**common, "learning_rate": 1e-4, "steps": 10})
+    _, strong = digits.train_adapter(base, data, {**common, "learning_rate": 1e-2, "steps": 100})
+    assert strong > weak + 0.3
+
+
+def test_parallel_build_equals_serial(tiny_zoo: tuple[Path, dict], cache_dir: Path, tmp_path: Path) -> None:
+    out, _ = tiny_zoo
+    par = tmp_path / "par"
+    report = make_zoo(par, "digits-vit", 3, seed=3, workers=2, cache_dir=cache_dir, progress=False)
+    assert report["built"] == 3
+    for i in range(3):
+        name = f"digits-vit-{i:05d}"
+        assert (par / name / "adapter_model.safetensors").read_bytes() == (out / name / "adapter_model.safetensors").read_bytes()
+
+
+def test_ingest_with_labels(cli: CLI, tiny_zoo: tuple[Path, dict], tmp_path: Path) -> None:
+    out, _ = tiny_zoo
+    rc, results = cli.json_lines("ingest", str(out), "--labels", str(out / LABELS_FILE))
+    assert rc == 0 and [r["status"] for r in results] == ["ingested"] * 4
+    rc, (shown,) = cli.json_lines("show", str(results[2]["adapter_id"]))
+    attrs = json.loads((out / "digits-vit-00002" / ATTRIBUTES_FILE).read_text())
+    assert shown["base_model"] == digits.BASE_MODEL
+    assert shown["labels"]["task"] == attrs["task"]
+    assert shown["labels"]["rank"] == str(attrs["rank"])
+    assert "test_accuracy" not in shown["labels"]
+    assert shown["measurements"]["test_accuracy"] == pytest.approx(attrs["test_accuracy"])
+    # labels given later attach to the adapters already stored (reported as duplicates)
+    extra = tmp_path / "extra.csv"
+    extra.write_text("name,dataset,val_loss\ndigits-vit-00000,sklearn-digits,0.25\n")
+    rc, results = cli.json_lines("ingest", str(out / "digits-vit-00000"), "--labels", str(extra), "--metrics", "val_loss")
+    assert rc == 0 and results[0]["status"] == "duplicate"
+    rc, (shown,) = cli.json_lines("show", str(results[0]["adapter_id"]))
+    assert shown["labels"]["dataset"] == "sklearn-digits" and shown["labels"]["task"]
+    assert shown["measurements"]["val_loss"] == 0.25 and "test_accuracy" in shown["measurements"]
+
+
+def test_bad_labels_csv(cli: CLI, tiny_zoo: tuple[Path, dict], tmp_path: Path) -> None:
+    out, _ = tiny_zoo
+    bad = tmp_path / "bad.csv"
+    bad.write_text("adapter,task\nx,y\n")
+    rc, _, err = cli("ingest", str(out), "--labels", str(bad))
+    assert rc == 2 and "needs a 'name' column" in err
+    bad.write_text("name,test_accuracy\ndigits-vit-00000,high\n")
+    rc, _, err = cli("ingest", str(out), "--labels", str(bad))
+    assert rc == 2 and "line 2: test_accuracy must be a number" in err
+
+
+def test_quickstart(tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from zoo.cli import main
+
+    data_dir = tmp_path / "home"
+    (data_dir / "cache").mkdir(parents=True)
+    (data_dir / "cache" / digits.base_path(cache_dir).name).write_bytes(digits.base_path(cache_dir).read_bytes())
+    monkeypatch.setenv("ZOO_DATA_DIR", str(data_dir))
+    monkeypatch.delenv("ZOO_DATABASE_URL", raising=False)
+    assert main(["quickstart", "--count", "3", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "3 digits-vit adapters" in out and "3 ingested" in out and "zoo list" in out
+    assert main(["list", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert len(listing) == 3 and all(a["base_model"] == digits.BASE_MODEL for a in listing)
+    assert main(["quickstart", "--count", "3", "--workers", "1"]) == 0  # a second run is idempotent
+    assert "0 ingested, 3 already there" in capsys.readouterr().out
