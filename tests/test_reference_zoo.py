@@ -13,7 +13,7 @@ from peft import PeftModel
 from tests.conftest import CLI
 from zoo.errors import ZooError
 from zoo.reference import digits
-from zoo.reference.build import ATTRIBUTES_FILE, LABELS_FILE, build_one, make_zoo, planned_attributes
+from zoo.reference.build import ATTRIBUTES_FILE, LABELS_FILE, make_zoo, planned_attributes
 
 
 @pytest.fixture(scope="session")
@@ -110,6 +110,7 @@ def test_accuracy_varies_with_attributes(cache_dir: Path, tmp_path: Path) -> Non
     assert strong > weak + 0.3
 
 
+@pytest.mark.slow
 def test_parallel_build_equals_serial(tiny_zoo: tuple[Path, dict], cache_dir: Path, tmp_path: Path) -> None:
     out, _ = tiny_zoo
     par = tmp_path / "par"
@@ -168,3 +169,30 @@ def test_quickstart(tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixtu
     assert len(listing) == 3 and all(a["base_model"] == digits.BASE_MODEL for a in listing)
     assert main(["quickstart", "--count", "3", "--workers", "1"]) == 0  # a second run is idempotent
     assert "0 ingested, 3 already there" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_docs_minilm_recipe(tmp_path: Path) -> None:
+    """The text recipe: a real pretrained MiniLM from its PyPI package, stdlib docstrings, PEFT round trip."""
+    from zoo.reference import text
+
+    ctx = text.prepare(tmp_path)
+    assert len(ctx.data.texts) > 1000 and 0.2 < float(ctx.data.is_test.float().mean()) < 0.4
+    assert set(ctx.data.labels.tolist()) == set(range(len(text.TOPICS)))
+    attrs = {**planned_attributes("docs-minilm", 0, 0), "steps": 3, "task": "networking-vs-files"}
+    model, acc = text.train_adapter(ctx, attrs)
+    assert 0.0 <= acc <= 1.0
+    model.save_pretrained(str(tmp_path / "a"), save_embedding_layers=False)
+    _, base = text.load_base()
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "a"))
+    loaded.eval()
+    ids, mask = ctx.input_ids[:8], ctx.attention_mask[:8]
+    with torch.no_grad():
+        assert torch.allclose(
+            loaded(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, attention_mask=mask).logits, atol=1e-5
+        )
+    from zoo.formats import read_adapter
+
+    data = read_adapter(tmp_path / "a")
+    assert data.base_model == text.BASE_MODEL and len(data.modules) == 12
+    assert any("classifier" in k for k in data.extra_tensors)  # the head is recorded, not canonicalized

@@ -152,6 +152,13 @@ def write_labels(path: Path, rows: list[dict[str, object]]) -> None:
     os.replace(tmp, path)
 
 
+def _sort_key(value: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(value), "")
+    except ValueError:
+        return (1, 0.0, value)
+
+
 def accuracy_spread(rows: list[dict[str, object]]) -> dict[str, object]:
     """Test accuracy overall and by value of each attribute (mean, min, max, n)."""
     if not rows:
@@ -168,7 +175,7 @@ def accuracy_spread(rows: list[dict[str, object]]) -> dict[str, object]:
         groups: dict[str, list[float]] = defaultdict(list)
         for r, a in zip(rows, acc, strict=True):
             groups[str(r[key])].append(a)
-        by[key] = {v: summary(g) for v, g in sorted(groups.items())}
+        by[key] = {v: summary(g) for v, g in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
     if "learning_rate" in rows[0] and len(rows) >= 4:
         lr = np.array([float(r["learning_rate"]) for r in rows])  # type: ignore[arg-type]
         edges = np.quantile(lr, [0.25, 0.5, 0.75])

