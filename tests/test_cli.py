@@ -30,8 +30,9 @@ def test_ingest_list_show(cli: CLI, tmp_path: Path) -> None:
     assert shown["base_model"] == "tiny-lm"
     assert len(shown["modules"]) == 4 and all(m["singular_values"] for m in shown["modules"])
 
-    rc, out, _ = cli("show", str(results[0]["adapter_id"]))
+    rc, out, _ = cli("show", str(results[0]["adapter_id"]), "--plot", str(tmp_path / "s.png"))
     assert rc == 0 and "layers.0.q_proj" in out and "canonical_hash" in out
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc, out, _ = cli("list")
     assert rc == 0 and "tiny-lm" in out
 

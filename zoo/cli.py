@@ -20,6 +20,7 @@ from zoo.errors import ZooError
 from zoo.formats import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.ingest import IngestOptions, Ingestor
 from zoo.labels import LabelRow, read_labels_csv, row_for
+from zoo.plots import plot_spectra
 from zoo.reference.build import make_zoo
 from zoo.reference.recipes import RECIPES
 from zoo.sources.local import expand_paths
@@ -168,9 +169,13 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
         if adapter is None:
             raise ZooError(f"no adapter with id {args.id}: see `zoo list`")
         detail = repository.adapter_detail(adapter)
+    if args.plot:
+        plot_spectra(str(detail["name"]), detail["modules"], Path(args.plot))  # type: ignore[arg-type]
     if args.json:
         _print_json(detail)
         return 0
+    if args.plot:
+        print(f"spectra drawn to {args.plot}")
     for key in (
         "id",
         "name",
@@ -285,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="one adapter: metadata, modules, spectra, canonical hash")
     s.add_argument("id", type=int)
+    s.add_argument("--plot", metavar="PNG", help="also draw every module's singular values to this image file")
     s.add_argument("--json", action="store_true", help="print a JSON object")
     s.set_defaults(func=cmd_show)
     return p
@@ -298,6 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ZooError as exc:
         print(f"zoo: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into e.g. `head`
+        sys.stderr.close()
+        return 0
     except OperationalError as exc:
         first = str(exc.orig or exc).strip().splitlines()[0]
         print(
