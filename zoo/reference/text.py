@@ -15,6 +15,7 @@ import copy
 import hashlib
 import importlib
 import inspect
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,8 @@ def load_base() -> tuple[object, nn.Module]:
 
 
 def prepare(_cache_dir: Path) -> TextContext:
+    # transformers' own deprecation notice, raised inside PEFT on every adapter: not actionable here
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     tokenizer, base = load_base()
     data = load_corpus()
     enc = tokenizer(data.texts, padding="max_length", truncation=True, max_length=MAX_TOKENS, return_tensors="pt")  # type: ignore[operator]
