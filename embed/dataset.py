@@ -1,0 +1,116 @@
+"""An embedding space's adapters in memory: canonical factors, spectra, labels, measurements.
+
+An embedding space is a base model and its set of module shapes; adapters that lack some of
+the space's modules are kept (their missing modules are masked), adapters with a module the
+space does not know do not fit it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from zoo.blobs import BlobStore
+from zoo.canonical import CanonicalFactors
+from zoo.db.models import Adapter
+from zoo.formats.model import layer_index, module_type
+
+
+@dataclass(frozen=True)
+class SpaceSchema:
+    """The module vocabulary of an embedding space, in a fixed order."""
+
+    base_model: str
+    modules: tuple[tuple[str, int, int], ...]  # (name, out, in), sorted by name
+
+    @property
+    def module_names(self) -> list[str]:
+        return [m[0] for m in self.modules]
+
+    @property
+    def module_types(self) -> list[str]:
+        return sorted({module_type(n) for n, _, _ in self.modules})
+
+    def type_shapes(self) -> dict[str, tuple[int, int]]:
+        """Shape per module type (one shape per type is required for shared projections)."""
+        shapes: dict[str, tuple[int, int]] = {}
+        for name, out, inp in self.modules:
+            shapes.setdefault(module_type(name), (out, inp))
+        return shapes
+
+    def layer_of(self, name: str) -> int:
+        return layer_index(name) or 0
+
+    def fits(self, factors: dict[str, CanonicalFactors]) -> bool:
+        known = {n: (o, i) for n, o, i in self.modules}
+        return all(n in known and known[n] == (int(f.U.shape[0]), int(f.V.shape[0])) for n, f in factors.items())
+
+    def as_dict(self) -> dict[str, object]:
+        return {"base_model": self.base_model, "modules": [list(m) for m in self.modules]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpaceSchema:
+        return cls(d["base_model"], tuple((str(n), int(o), int(i)) for n, o, i in d["modules"]))
+
+
+@dataclass
+class ZooAdapter:
+    id: int
+    name: str
+    factors: dict[str, CanonicalFactors]
+    labels: dict[str, str] = field(default_factory=dict)
+    measurements: dict[str, float] = field(default_factory=dict)
+    source_uri: str = ""
+
+
+def schema_of(base_model: str, adapters: list[ZooAdapter]) -> SpaceSchema:
+    """The union of module shapes over the adapters (a module name with two shapes is an error)."""
+    seen: dict[str, tuple[int, int]] = {}
+    for a in adapters:
+        for name, f in a.factors.items():
+            shape = (int(f.U.shape[0]), int(f.V.shape[0]))
+            if seen.setdefault(name, shape) != shape:
+                raise ValueError(f"module {name} has shapes {seen[name]} and {shape} in base model {base_model}")
+    return SpaceSchema(base_model, tuple(sorted((n, o, i) for n, (o, i) in seen.items())))
+
+
+def load_adapters(session: Session, blobs: BlobStore, base_model: str) -> list[ZooAdapter]:
+    """Every stored LoRA-like adapter of a base model, with its given labels and test measurements."""
+    stmt = (
+        select(Adapter)
+        .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
+        .options(selectinload(Adapter.labels), selectinload(Adapter.measurements))
+        .order_by(Adapter.id)
+    )
+    out = []
+    for a in session.scalars(stmt):
+        out.append(
+            ZooAdapter(
+                id=a.id,
+                name=a.name,
+                factors=dict(blobs.get_factors(a.factors_blob)),  # type: ignore[arg-type]
+                labels={lb.key: lb.value for lb in a.labels if lb.source == "given"},
+                measurements={m.metric: m.value for m in a.measurements if m.split == "test"},
+                source_uri=a.source_uri,
+            )
+        )
+    return out
+
+
+def base_models(session: Session) -> list[str]:
+    return list(
+        session.scalars(select(Adapter.base_model).where(Adapter.factors_blob.is_not(None)).distinct().order_by(Adapter.base_model))
+    )
+
+
+def split_ids(ids: list[int], test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """A seeded split by adapter."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(ids))
+    n_test = max(1, int(round(test_fraction * len(ids))))
+    test = sorted(ids[i] for i in order[:n_test])
+    train = sorted(ids[i] for i in order[n_test:])
+    return train, test

@@ -1,0 +1,150 @@
+"""`zoo eval`: every method on one held-out split, one table.
+
+Split by adapter (seeded). Retrieval: each held-out adapter is a query, the gallery is every
+other adapter of the space, relevance = same task. Attributes (the task) and performance
+(test accuracy) are predicted for held-out adapters from what training saw only: kNN over the
+training adapters for similarity-only methods, the heads for W2T (supervised).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from embed.baselines import cosine_from_gram, dw_gram, dw_sketch, raw_factor_vectors, spectra_vectors
+from embed.dataset import SpaceSchema, ZooAdapter, split_ids
+from embed.metrics import classification, cosine, knn_classify, knn_regress, regression, retrieval
+from embed.tokens import max_rank
+from embed.train import Embedder, TrainOptions, train_w2t
+from zoo.canonical import CanonicalFactors, canonicalize
+from zoo.labels import TASK_KEY
+
+PERF_METRIC = "test_accuracy"
+METHODS = ("w2t_supervised", "w2t_contrastive", "hybrid", "dw_cosine", "dw_sketch", "raw_cosine", "spectra_knn")
+KEYS = ("attr_acc", "attr_macro_f1", "perf_mae", "perf_spearman", "perf_kendall", "hit@1", "hit@10", "mrr", "ndcg@10")
+
+
+def refactorized(a: ZooAdapter, seed: int) -> ZooAdapter:
+    """The same updates re-factorized with a random well-conditioned G, canonicalized again."""
+    gen = torch.Generator().manual_seed(seed)
+    factors: dict[str, CanonicalFactors] = {}
+    for name, f in a.factors.items():
+        if f.rank == 0:
+            factors[name] = f
+            continue
+        q = torch.linalg.qr(torch.randn(f.rank, f.rank, generator=gen, dtype=torch.float64))[0]
+        G = q * torch.linspace(1.0, 4.0, f.rank, dtype=torch.float64)
+        B = ((f.U.double() * f.S.double()) @ G).float()
+        A = (torch.linalg.inv(G) @ f.V.double().T).float()
+        factors[name] = canonicalize(A, B)
+    return ZooAdapter(a.id, a.name, factors, a.labels, a.measurements, a.source_uri)
+
+
+def _score(sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train_pos: list[int], predict: bool) -> dict[str, float | None]:
+    tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
+    out: dict[str, float | None] = dict.fromkeys(KEYS)
+    q = [p for p in test_pos if tasks[p]]
+    if q:
+        out.update(retrieval(sim[q], [tasks[p] for p in q], tasks, list(q)))
+    if predict:
+        sub = sim[np.ix_(test_pos, train_pos)]
+        if all(tasks[p] for p in train_pos + test_pos):
+            out.update(classification(knn_classify(sub, [tasks[p] for p in train_pos]), [tasks[p] for p in test_pos]))
+        perf = np.array([all_ad[p].measurements.get(PERF_METRIC, np.nan) for p in range(len(all_ad))])
+        if not np.isnan(perf[train_pos + test_pos]).any():
+            out.update(regression(knn_regress(sub, perf[train_pos]), perf[test_pos]))
+    return out
+
+
+def evaluate(
+    adapters: list[ZooAdapter],
+    schema: SpaceSchema,
+    options: TrainOptions,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, object]:
+    ids = [a.id for a in adapters]
+    train_ids, test_ids = split_ids(ids, test_fraction, seed)
+    pos = {a.id: i for i, a in enumerate(adapters)}
+    train_pos, test_pos = [pos[i] for i in train_ids], [pos[i] for i in test_ids]
+    train = [adapters[p] for p in train_pos]
+    methods: dict[str, dict[str, float | None]] = {}
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    exact = cosine_from_gram(dw_gram(adapters, schema))
+    timings["dw_cosine"] = time.perf_counter() - t0
+    methods["dw_cosine"] = _score(exact, adapters, test_pos, train_pos, predict=True)
+
+    t0 = time.perf_counter()
+    sketch = dw_sketch(adapters, schema)
+    sketch_sim = sketch @ sketch.T
+    timings["dw_sketch"] = time.perf_counter() - t0
+    methods["dw_sketch"] = _score(sketch_sim, adapters, test_pos, train_pos, predict=True)
+    off = ~np.eye(len(adapters), dtype=bool)
+    sketch_vs_exact = float(np.corrcoef(sketch_sim[off], exact[off])[0, 1]) if len(adapters) > 2 else None
+
+    raw = raw_factor_vectors(adapters, schema, max_rank(adapters))
+    methods["raw_cosine"] = (
+        _score(cosine(raw, raw), adapters, test_pos, train_pos, predict=True) if raw is not None else dict.fromkeys(KEYS)
+    )
+    spec = spectra_vectors(adapters, schema, max_rank(adapters))
+    methods["spectra_knn"] = _score(cosine(spec, spec), adapters, test_pos, train_pos, predict=True)
+
+    embedders: dict[str, Embedder] = {}
+    for objective in ("supervised", "contrastive"):
+        t0 = time.perf_counter()
+        emb = train_w2t(train, schema, TrainOptions(**{**options.__dict__, "objective": objective}), progress=progress)
+        timings[f"w2t_{objective}_train"] = time.perf_counter() - t0
+        embedders[objective] = emb
+        z = emb.embed(adapters)
+        sim = z @ z.T
+        name = f"w2t_{objective}"
+        methods[name] = _score(sim, adapters, test_pos, train_pos, predict=objective == "contrastive")
+        if objective == "supervised":
+            methods[name].update(_head_scores(emb, adapters, test_pos))
+            methods["hybrid"] = _score(0.5 * (sim + exact), adapters, test_pos, train_pos, predict=False)
+            methods["hybrid"].update(_head_scores(emb, adapters, test_pos))
+
+    sup = embedders["supervised"]
+    probe = [adapters[p] for p in test_pos[:20]]
+    z0 = sup.embed(probe)
+    z1 = sup.embed([refactorized(a, seed=1000 + i) for i, a in enumerate(probe)])
+    invariance = float((z0 * z1).sum(axis=1).min()) if len(probe) else None
+
+    return {
+        "space": schema.base_model,
+        "n_train": len(train_ids),
+        "n_test": len(test_ids),
+        "methods": {m: methods[m] for m in METHODS if m in methods},
+        "sketch_vs_exact_cosine_corr": sketch_vs_exact,
+        "invariance_min_cosine": invariance,
+        "seconds": {k: round(v, 2) for k, v in timings.items()},
+    }
+
+
+def _head_scores(emb: Embedder, adapters: list[ZooAdapter], test_pos: list[int]) -> dict[str, float | None]:
+    test = [adapters[p] for p in test_pos]
+    probs, values = emb.predict(test)
+    out: dict[str, float | None] = {}
+    classes = emb.model.config.categorical.get(TASK_KEY)
+    if classes is not None and all(TASK_KEY in a.labels for a in test):
+        pred = [classes[i] for i in probs[TASK_KEY].argmax(axis=1)]
+        out.update(classification(pred, [a.labels[TASK_KEY] for a in test]))
+    if PERF_METRIC in values and all(PERF_METRIC in a.measurements for a in test):
+        out.update(regression(values[PERF_METRIC], np.array([a.measurements[PERF_METRIC] for a in test])))
+    return out
+
+
+def format_table(result: dict[str, object]) -> str:
+    header = f"{'method':<16}" + "".join(f"{k:>14}" for k in KEYS)
+    lines = [f"space {result['space']}: {result['n_train']} train, {result['n_test']} test adapters", header]
+    for name, row in result["methods"].items():  # type: ignore[attr-defined]
+        cells = "".join(f"{'-':>14}" if row[k] is None else f"{row[k]:>14.3f}" for k in KEYS)
+        lines.append(f"{name:<16}{cells}")
+    lines.append(f"sketch vs exact dW cosine, correlation over pairs: {result['sketch_vs_exact_cosine_corr']}")
+    lines.append(f"invariance (re-factorized with random G), min cosine: {result['invariance_min_cosine']}")
+    return "\n".join(lines)

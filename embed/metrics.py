@@ -1,0 +1,83 @@
+"""Retrieval, classification and regression metrics, and kNN prediction from a similarity matrix."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+from scipy.stats import kendalltau, spearmanr
+from sklearn.metrics import f1_score
+
+KNN_K = 10
+
+
+def retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str], self_index: list[int | None]) -> dict[str, float]:
+    """Hit@1, Hit@10, MRR, nDCG@10 of ranking the gallery by similarity; relevance = same label.
+
+    sim is (queries × gallery); self_index[q] is the query's own gallery column (excluded) or None.
+    """
+    hit1 = hit10 = mrr = ndcg = 0.0
+    g_labels = np.array(gallery_labels)
+    for q, row in enumerate(sim):
+        scores = row.astype(np.float64).copy()
+        if self_index[q] is not None:
+            scores[self_index[q]] = -np.inf
+        order = np.argsort(-scores, kind="stable")
+        if self_index[q] is not None:
+            order = order[:-1]
+        rel = (g_labels[order] == query_labels[q]).astype(np.float64)
+        n_rel = int(rel.sum())
+        if n_rel == 0:
+            continue
+        first = int(np.argmax(rel))
+        hit1 += rel[0]
+        hit10 += float(rel[:10].any())
+        mrr += 1.0 / (first + 1)
+        discounts = 1.0 / np.log2(np.arange(2, 12))
+        dcg = float((rel[:10] * discounts[: len(rel[:10])]).sum())
+        ideal = float(discounts[: min(10, n_rel)].sum())
+        ndcg += dcg / ideal
+    n = len(sim)
+    return {"hit@1": hit1 / n, "hit@10": hit10 / n, "mrr": mrr / n, "ndcg@10": ndcg / n}
+
+
+def knn_classify(sim: np.ndarray, train_labels: list[str], k: int = KNN_K) -> list[str]:
+    """Similarity-weighted vote of the k most similar training items (sim: test × train)."""
+    out = []
+    for row in sim:
+        top = np.argsort(-row, kind="stable")[:k]
+        votes: Counter[str] = Counter()
+        for j in top:
+            votes[train_labels[j]] += max(float(row[j]), 0.0) + 1e-6
+        out.append(votes.most_common(1)[0][0])
+    return out
+
+
+def knn_regress(sim: np.ndarray, train_values: np.ndarray, k: int = KNN_K) -> np.ndarray:
+    out = np.zeros(len(sim))
+    for i, row in enumerate(sim):
+        top = np.argsort(-row, kind="stable")[:k]
+        w = np.maximum(row[top], 0.0) + 1e-6
+        out[i] = float((w * train_values[top]).sum() / w.sum())
+    return out
+
+
+def classification(pred: list[str], true: list[str]) -> dict[str, float]:
+    return {
+        "attr_acc": float(np.mean([p == t for p, t in zip(pred, true, strict=True)])),
+        "attr_macro_f1": float(f1_score(true, pred, average="macro")),
+    }
+
+
+def regression(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    return {
+        "perf_mae": float(np.abs(pred - true).mean()),
+        "perf_spearman": float(spearmanr(pred, true).statistic),
+        "perf_kendall": float(kendalltau(pred, true).statistic),
+    }
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+    return a @ b.T

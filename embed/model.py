@@ -1,0 +1,116 @@
+"""The Weight2Token transformer and its prediction heads (pure torch; no I/O, no database).
+
+Per rank component i of a module: h_i = P_u u_i + P_v v_i (per module type), made invariant to
+the joint sign flip (u_i, v_i) → (−u_i, −v_i) by symmetric pooling g(h_i) + g(−h_i), then
+FiLM-conditioned on log σ_i. A small transformer mixes the rank tokens of a module; rank pooling
+uses a learned query with a σ prior (log σ_i/σ_max added to the attention logits), so weak
+components count little. Module tokens get layer and module-type embeddings, a transformer over
+modules mixes them, and attention pooling gives one vector per adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from embed.tokens import Batch
+
+
+@dataclass
+class W2TConfig:
+    type_shapes: dict[str, tuple[int, int]]  # module type -> (out, in)
+    n_layers: int
+    dim: int = 64
+    embed_dim: int = 64
+    heads: int = 4
+    rank_layers: int = 1
+    module_layers: int = 2
+    dropout: float = 0.0
+    categorical: dict[str, list[str]] = field(default_factory=dict)  # attribute -> classes
+    regression: list[str] = field(default_factory=list)  # measured metrics
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["type_shapes"] = {k: list(v) for k, v in self.type_shapes.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> W2TConfig:
+        d = dict(d)
+        d["type_shapes"] = {k: (int(v[0]), int(v[1])) for k, v in d["type_shapes"].items()}
+        return cls(**d)
+
+
+def _encoder(dim: int, heads: int, layers: int, dropout: float) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=dropout, batch_first=True, norm_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+class AttentionPool(nn.Module):
+    """Softmax attention of a learned query over tokens, with an optional additive prior."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(dim) / dim**0.5)
+        self.key = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.key(x) @ self.query / x.shape[-1] ** 0.5
+        if prior is not None:
+            logits = logits + prior
+        logits = logits.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with nothing valid pool to 0
+        return (weights.unsqueeze(-1) * x).sum(dim=-2)
+
+
+class W2T(nn.Module):
+    def __init__(self, config: W2TConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.dim
+        self.types = sorted(config.type_shapes)
+        self.proj_u = nn.ModuleDict({t: nn.Linear(o, d, bias=False) for t, (o, _) in config.type_shapes.items()})
+        self.proj_v = nn.ModuleDict({t: nn.Linear(i, d, bias=False) for t, (_, i) in config.type_shapes.items()})
+        self.film = nn.Sequential(nn.Linear(2, d), nn.GELU(), nn.Linear(d, 2 * d))
+        self.rank_encoder = _encoder(d, config.heads, config.rank_layers, config.dropout)
+        self.rank_pool = AttentionPool(d)
+        self.layer_emb = nn.Embedding(config.n_layers + 1, d)
+        self.type_emb = nn.Embedding(len(self.types), d)
+        self.module_encoder = _encoder(d, config.heads, config.module_layers, config.dropout)
+        self.module_pool = AttentionPool(d)
+        self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, config.embed_dim))
+        self.heads = nn.ModuleDict({k: nn.Linear(config.embed_dim, len(v)) for k, v in config.categorical.items()})
+        self.regressors = nn.ModuleDict({k: nn.Linear(config.embed_dim, 1) for k in config.regression})
+
+    def _module_tokens(self, mtype: str, tok) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+        B, M, R, _ = tok.u.shape
+        h = self.proj_u[mtype](tok.u) + self.proj_v[mtype](tok.v)  # (B, M, R, d), odd in the joint sign
+        x = nn.functional.gelu(h) + nn.functional.gelu(-h)  # even: invariant to (u, v) -> (-u, -v)
+        ls = tok.log_sigma
+        ls_max = ls.masked_fill(~tok.mask, float("-inf")).amax(dim=-1, keepdim=True).clamp_min(-30.0)
+        rel = (ls - ls_max).masked_fill(~tok.mask, 0.0)
+        gamma, beta = self.film(torch.stack([ls, rel], dim=-1)).chunk(2, dim=-1)
+        x = x * (1 + gamma) + beta
+        flat_mask = tok.mask.reshape(B * M, R)
+        has_any = flat_mask.any(dim=-1)
+        safe_mask = flat_mask | ~has_any[:, None]  # a fully padded module attends to itself, then is masked
+        x = self.rank_encoder(x.reshape(B * M, R, -1), src_key_padding_mask=~safe_mask)
+        pooled = self.rank_pool(x, flat_mask, prior=rel.reshape(B * M, R)).reshape(B, M, -1)
+        t = self.types.index(mtype)
+        pooled = pooled + self.layer_emb(tok.layers.clamp(0, self.config.n_layers))[None] + self.type_emb.weight[t]
+        return pooled, has_any.reshape(B, M)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Adapter embeddings (B, embed_dim), not normalized."""
+        parts, masks = zip(*(self._module_tokens(t, batch[t]) for t in self.types if t in batch), strict=True)
+        x = torch.cat(parts, dim=1)
+        mask = torch.cat(masks, dim=1)
+        safe = mask | ~mask.any(dim=-1, keepdim=True)
+        x = self.module_encoder(x, src_key_padding_mask=~safe)
+        return self.out(self.module_pool(x, mask))
+
+    def predict(self, z: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(class logits per attribute, standardized regression outputs per metric)."""
+        return {k: h(z) for k, h in self.heads.items()}, {k: r(z).squeeze(-1) for k, r in self.regressors.items()}
