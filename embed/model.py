@@ -1,8 +1,8 @@
 """The Weight2Token transformer and its prediction heads (pure torch; no I/O, no database).
 
-Per rank component i of a module: h_i = P_u u_i + P_v v_i (per module type), made invariant to
-the joint sign flip (u_i, v_i) → (−u_i, −v_i) by symmetric pooling g(h_i) + g(−h_i), then
-FiLM-conditioned on log σ_i. A small transformer mixes the rank tokens of a module; rank pooling
+Per rank component i of a module: the outer product (P_u u_i)(P_v v_i)ᵀ of per-module-type
+projections (a learned two-sided sketch of u_i v_iᵀ, invariant to the joint sign flip
+(u_i, v_i) → (−u_i, −v_i)), linearly embedded and FiLM-conditioned on log σ_i. A small transformer mixes the rank tokens of a module; rank pooling
 uses a learned query with a σ prior (log σ_i/σ_max added to the attention logits), so weak
 components count little. Module tokens get layer and module-type embeddings, a transformer over
 modules mixes them, and attention pooling gives one vector per adapter.
@@ -24,6 +24,7 @@ class W2TConfig:
     n_layers: int
     dim: int = 64
     embed_dim: int = 64
+    outer_dim: int = 16
     heads: int = 4
     rank_layers: int = 1
     module_layers: int = 2
@@ -71,8 +72,11 @@ class W2T(nn.Module):
         self.config = config
         d = config.dim
         self.types = sorted(config.type_shapes)
-        self.proj_u = nn.ModuleDict({t: nn.Linear(o, d, bias=False) for t, (o, _) in config.type_shapes.items()})
-        self.proj_v = nn.ModuleDict({t: nn.Linear(i, d, bias=False) for t, (_, i) in config.type_shapes.items()})
+        k = config.outer_dim
+        self.proj_u = nn.ModuleDict({t: nn.Linear(o, k, bias=False) for t, (o, _) in config.type_shapes.items()})
+        self.proj_v = nn.ModuleDict({t: nn.Linear(i, k, bias=False) for t, (_, i) in config.type_shapes.items()})
+        self.token = nn.Linear(k * k, d)
+        self.sketch = nn.Linear(k * k, d)
         self.film = nn.Sequential(nn.Linear(2, d), nn.GELU(), nn.Linear(d, 2 * d))
         self.rank_encoder = _encoder(d, config.heads, config.rank_layers, config.dropout)
         self.rank_pool = AttentionPool(d)
@@ -86,8 +90,16 @@ class W2T(nn.Module):
 
     def _module_tokens(self, mtype: str, tok) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
         B, M, R, _ = tok.u.shape
-        h = self.proj_u[mtype](tok.u) + self.proj_v[mtype](tok.v)  # (B, M, R, d), odd in the joint sign
-        x = nn.functional.gelu(h) + nn.functional.gelu(-h)  # even: invariant to (u, v) -> (-u, -v)
+        a = self.proj_u[mtype](tok.u)  # (B, M, R, k)
+        b = self.proj_v[mtype](tok.v)
+        # (P_u u)(P_v v)ᵀ: a learned two-sided sketch of the rank-one term u vᵀ, invariant to (u, v) -> (-u, -v)
+        outer = (a.unsqueeze(-1) * b.unsqueeze(-2)).flatten(-2) * tok.u.shape[-1] ** 0.5
+        x = self.token(outer)
+        # σ-weighted sum of the rank-one sketches: a learned linear sketch P_u dW P_vᵀ of the whole
+        # module, normalized by the adapter's total ||dW||_F (what exact dW cosine compares)
+        sigma = tok.log_sigma.exp() * tok.mask
+        total = sigma.pow(2).flatten(1).sum(dim=1).sqrt().clamp_min(1e-12)
+        linear_sketch = self.sketch((sigma.unsqueeze(-1) * outer).sum(dim=2) / total[:, None, None])  # (B, M, d)
         ls = tok.log_sigma
         ls_max = ls.masked_fill(~tok.mask, float("-inf")).amax(dim=-1, keepdim=True).clamp_min(-30.0)
         rel = (ls - ls_max).masked_fill(~tok.mask, 0.0)
@@ -97,7 +109,7 @@ class W2T(nn.Module):
         has_any = flat_mask.any(dim=-1)
         safe_mask = flat_mask | ~has_any[:, None]  # a fully padded module attends to itself, then is masked
         x = self.rank_encoder(x.reshape(B * M, R, -1), src_key_padding_mask=~safe_mask)
-        pooled = self.rank_pool(x, flat_mask, prior=rel.reshape(B * M, R)).reshape(B, M, -1)
+        pooled = self.rank_pool(x, flat_mask, prior=rel.reshape(B * M, R)).reshape(B, M, -1) + linear_sketch
         t = self.types.index(mtype)
         pooled = pooled + self.layer_emb(tok.layers.clamp(0, self.config.n_layers))[None] + self.type_emb.weight[t]
         return pooled, has_any.reshape(B, M)

@@ -43,6 +43,8 @@ class TrainOptions:
     augment_rank_permutations: bool = False
     device: str | None = None
     metrics: tuple[str, ...] = ("test_accuracy",)
+    attributes: tuple[str, ...] | None = None  # heads for these only (default: every categorical attribute)
+    dropout: float = 0.1
 
 
 def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
@@ -161,6 +163,8 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
     gen = torch.Generator().manual_seed(options.seed)
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     categorical = categorical_attributes(adapters) if options.objective != "contrastive" else {}
+    if options.attributes is not None:
+        categorical = {k: v for k, v in categorical.items() if k in options.attributes}
     metrics = [m for m in options.metrics if any(m in a.measurements for a in adapters)] if options.objective != "contrastive" else []
     stats = {}
     for m in metrics:
@@ -172,6 +176,7 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         n_layers=max(schema.layer_of(n) for n in schema.module_names) + 1,
         dim=options.dim,
         embed_dim=options.dim,
+        dropout=options.dropout,
         categorical=categorical,
         regression=metrics,
     )
