@@ -2,7 +2,8 @@
 
 Per rank component i of a module: the outer product (P_u u_i)(P_v v_i)ᵀ of per-module-type
 projections (a learned two-sided sketch of u_i v_iᵀ, invariant to the joint sign flip
-(u_i, v_i) → (−u_i, −v_i)), linearly embedded and FiLM-conditioned on log σ_i. A small transformer mixes the rank tokens of a module; rank pooling
+(u_i, v_i) → (−u_i, −v_i)), linearly embedded and FiLM-conditioned on log σ_i. A small transformer mixes the rank tokens of a module; rank
+pooling
 uses a learned query with a σ prior (log σ_i/σ_max added to the attention logits), so weak
 components count little. Module tokens get layer and module-type embeddings, a transformer over
 modules mixes them, and attention pooling gives one vector per adapter.

@@ -211,6 +211,40 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _space(settings: Settings, requested: str | None) -> str:
+    from embed.dataset import base_models
+
+    with session_factory(settings.database_url)() as session:
+        spaces = base_models(session)
+    if requested:
+        if requested not in spaces:
+            raise ZooError(f"no embedding space {requested!r}; spaces (base models with LoRA adapters): {', '.join(spaces) or 'none'}")
+        return requested
+    if len(spaces) != 1:
+        raise ZooError(f"--space is needed: this zoo has {len(spaces)} embedding spaces ({', '.join(spaces) or 'none'})")
+    return spaces[0]
+
+
+def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
+    from embed.dataset import load_adapters, schema_of
+    from embed.evaluate import evaluate, format_table
+    from embed.train import TrainOptions
+
+    require_schema(settings.database_url)
+    space = _space(settings, args.space)
+    with session_factory(settings.database_url)() as session:
+        adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
+    if len(adapters) < 10:
+        raise ZooError(f"space {space} has {len(adapters)} adapters: evaluation needs at least 10")
+    options = TrainOptions(epochs=args.epochs, seed=args.seed, device=args.device, attributes=("task",))
+    result = evaluate(adapters, schema_of(space, adapters), options, args.test_fraction, args.seed, progress=not args.json)
+    if args.json:
+        _print_json(result)
+    else:
+        print(format_table(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zoo",
@@ -281,6 +315,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_quickstart)
+
+    s = sub.add_parser(
+        "eval",
+        help="compare W2T embeddings with training-free baselines on a held-out split",
+        description="Splits the space's adapters (seeded, by adapter), trains W2T (supervised and "
+        "contrastive) on the training part and scores every method on the held-out part: "
+        "task accuracy and macro-F1, test-accuracy MAE/Spearman/Kendall, retrieval "
+        "Hit@1/Hit@10/MRR/nDCG@10 (relevance = same task).",
+    )
+    s.add_argument("--space", help="base model (default: the only one)")
+    s.add_argument("--epochs", type=int, default=60)
+    s.add_argument("--test-fraction", type=float, default=0.2)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("list", help="list stored adapters")
     s.add_argument("--base-model", metavar="NAME")

@@ -1,0 +1,140 @@
+"""The embedder: invariance, training round trip, baselines, metrics, evaluation on a synthetic zoo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from embed.baselines import cosine_from_gram, dw_gram, dw_sketch
+from embed.dataset import ZooAdapter, schema_of
+from embed.evaluate import METHODS, evaluate, refactorized
+from embed.metrics import retrieval
+from embed.train import Embedder, TrainOptions, train_w2t
+from zoo.canonical import canonicalize
+
+MODULES = [(f"layers.{layer}.{t}", 24, 20) for layer in range(2) for t in ("q_proj", "v_proj")]
+
+
+def synthetic_zoo(n_per_task: int = 12, tasks: int = 4, seed: int = 0) -> list[ZooAdapter]:
+    """Adapters whose updates share a task direction plus noise; accuracy depends on the scale."""
+    gen = torch.Generator().manual_seed(seed)
+    centers = {
+        (t, name): (torch.randn(out, 2, generator=gen), torch.randn(2, inp, generator=gen))
+        for t in range(tasks)
+        for name, out, inp in MODULES
+    }
+    adapters = []
+    for t in range(tasks):
+        for _ in range(n_per_task):
+            r = int(torch.randint(2, 5, (1,), generator=gen))
+            scale = float(torch.rand(1, generator=gen)) + 0.5
+            factors = {}
+            for name, out, inp in MODULES:
+                cb, ca = centers[(t, name)]
+                B = torch.cat([cb * scale, 0.3 * torch.randn(out, r - 2, generator=gen)], dim=1)
+                A = torch.cat([ca, torch.randn(r - 2, inp, generator=gen)], dim=0)
+                B = B + 0.2 * torch.randn(B.shape, generator=gen)
+                factors[name] = canonicalize(A, B)
+            adapters.append(
+                ZooAdapter(
+                    id=len(adapters) + 1,
+                    name=f"a{len(adapters)}",
+                    factors=factors,
+                    labels={"task": f"task{t}", "rank": str(r)},
+                    measurements={"test_accuracy": min(1.0, 0.4 + 0.4 * scale)},
+                )
+            )
+    return adapters
+
+
+@pytest.fixture(scope="module")
+def zoo() -> list[ZooAdapter]:
+    return synthetic_zoo()
+
+
+def test_dw_gram_is_exact(zoo: list[ZooAdapter]) -> None:
+    schema = schema_of("synthetic", zoo)
+    gram = dw_gram(zoo[:5], schema)
+    for i in range(5):
+        for j in range(5):
+            ref = sum(float((zoo[i].factors[n].delta().double() * zoo[j].factors[n].delta().double()).sum()) for n, _, _ in MODULES)
+            assert gram[i, j] == pytest.approx(ref, rel=1e-4)
+
+
+def test_sketch_tracks_exact_cosine(zoo: list[ZooAdapter]) -> None:
+    schema = schema_of("synthetic", zoo)
+    exact = cosine_from_gram(dw_gram(zoo, schema))
+    sk = dw_sketch(zoo, schema)
+    off = ~np.eye(len(zoo), dtype=bool)
+    assert np.corrcoef((sk @ sk.T)[off], exact[off])[0, 1] > 0.8
+
+
+def test_retrieval_metrics_by_hand() -> None:
+    sim = np.array([[1.0, 0.9, 0.8, 0.1], [0.9, 1.0, 0.2, 0.7]])
+    labels = ["a", "b", "a", "b"]
+    r = retrieval(sim, ["a", "b"], labels, [0, 1])
+    # query 0: ranking [1(b), 2(a), 3(b)] -> first hit at 2; query 1: ranking [0(a), 3(b), 2(a)] -> first hit at 2
+    assert r["hit@1"] == 0.0 and r["hit@10"] == 1.0 and r["mrr"] == pytest.approx(0.5)
+    assert r["ndcg@10"] == pytest.approx(1 / np.log2(3))
+
+
+def test_embedding_is_factorization_and_sign_invariant(zoo: list[ZooAdapter]) -> None:
+    schema = schema_of("synthetic", zoo)
+    emb = train_w2t(zoo, schema, TrainOptions(epochs=2, seed=0), progress=False)
+    z0 = emb.embed(zoo[:8])
+    z1 = emb.embed([refactorized(a, seed=i) for i, a in enumerate(zoo[:8])])
+    assert np.min((z0 * z1).sum(axis=1)) >= 0.9999
+
+
+def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) -> None:
+    schema = schema_of("synthetic", zoo)
+    emb = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1), progress=False)
+    assert set(emb.model.config.categorical) == {"task", "rank"}
+    assert emb.model.config.regression == ["test_accuracy"]
+    assert 1 <= len(emb.history) <= 3
+    emb.save(tmp_path / "ckpt")
+    loaded = Embedder.load(tmp_path / "ckpt")
+    assert np.allclose(loaded.embed(zoo[:6]), emb.embed(zoo[:6]), atol=1e-6)
+    p0, v0 = emb.predict(zoo[:6])
+    p1, v1 = loaded.predict(zoo[:6])
+    assert np.allclose(p0["task"], p1["task"], atol=1e-6) and np.allclose(v0["test_accuracy"], v1["test_accuracy"], atol=1e-6)
+    again = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1), progress=False)
+    assert np.allclose(again.embed(zoo[:6]), emb.embed(zoo[:6]), atol=1e-5)  # deterministic from the seed
+
+
+@pytest.mark.slow
+def test_evaluate_reports_every_method(zoo: list[ZooAdapter]) -> None:
+    schema = schema_of("synthetic", zoo)
+    result = evaluate(zoo, schema, TrainOptions(epochs=5), test_fraction=0.25, seed=0, progress=False)
+    assert (result["n_train"], result["n_test"]) == (36, 12)
+    assert set(result["methods"]) == set(METHODS)
+    dw = result["methods"]["dw_cosine"]
+    assert dw["hit@1"] > 0.9 and dw["attr_acc"] > 0.9  # the synthetic tasks are well separated in dW
+    assert result["methods"]["raw_cosine"]["hit@1"] is None  # no source files for synthetic adapters
+    assert result["invariance_min_cosine"] >= 0.9999
+    for row in result["methods"].values():
+        for key in ("hit@1", "mrr", "ndcg@10", "attr_acc"):
+            assert row[key] is None or 0.0 <= row[key] <= 1.0
+
+
+@pytest.mark.slow
+def test_zoo_eval_command(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from tests.factories import train_peft_adapter
+
+    rows = ["name,task,test_accuracy"]
+    for i in range(12):
+        train_peft_adapter(tmp_path / "zoo" / f"a{i}", seed=i, steps=3, targets=("q_proj", "v_proj") if i % 2 else ("q_proj", "k_proj"))
+        rows.append(f"a{i},{'qv' if i % 2 else 'qk'},{0.5 + i / 40}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    rc, _ = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
+    assert rc == 0
+    rc, (result,) = cli.json_lines("eval", "--epochs", "2", "--test-fraction", "0.25")
+    assert rc == 0
+    assert result["space"] == "tiny" and (result["n_train"], result["n_test"]) == (9, 3)
+    assert set(result["methods"]) == set(METHODS)
+    assert result["methods"]["raw_cosine"]["hit@1"] is not None  # the source files are still on disk
+    rc, _, err = cli("eval", "--space", "nope")
+    assert rc == 2 and "no embedding space 'nope'" in err
