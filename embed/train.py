@@ -69,6 +69,8 @@ class Embedder:
     metric_stats: dict[str, tuple[float, float]]
     objective: str
     history: list[dict[str, float]] = field(default_factory=list)
+    #: per metric: std of (predicted - measured) on the validation adapters, for prediction intervals
+    residual_std: dict[str, float] = field(default_factory=dict)
 
     def _batches(self, adapters: list[ZooAdapter], size: int = 256):  # type: ignore[no-untyped-def]
         for start in range(0, len(adapters), size):
@@ -108,6 +110,7 @@ class Embedder:
             "metric_stats": self.metric_stats,
             "objective": self.objective,
             "history": self.history,
+            "residual_std": self.residual_std,
         }
         (directory / "embedder.json").write_text(json.dumps(meta, indent=1))
 
@@ -118,7 +121,9 @@ class Embedder:
         model.load_state_dict(load_file(str(directory / "model.safetensors")))
         model.to(torch.device(device or "cpu"))
         stats = {k: (float(v[0]), float(v[1])) for k, v in meta["metric_stats"].items()}
-        return cls(model, SpaceSchema.from_dict(meta["schema"]), int(meta["rank"]), stats, meta["objective"], meta["history"])
+        return cls(
+            model, SpaceSchema.from_dict(meta["schema"]), int(meta["rank"]), stats, meta["objective"], meta["history"], meta["residual_std"]
+        )
 
 
 def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrastive_view: bool) -> Batch:
@@ -236,7 +241,7 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
             opt.zero_grad()
             loss.backward()
             opt.step()
-            train_loss += float(loss) * len(rows)
+            train_loss += float(loss.detach()) * len(rows)
         model.eval()
         with torch.no_grad():
             val_loss = float(loss_on(val_idx, train=False)) if n_val >= 2 else train_loss / max(1, len(order))
@@ -250,7 +255,15 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
                 break
     model.load_state_dict(best_state)
     model.eval()
-    return Embedder(model, schema, rank, stats, options.objective, history)
+    embedder = Embedder(model, schema, rank, stats, options.objective, history)
+    if metrics and n_val >= 2:
+        val = [adapters[i] for i in val_idx.tolist()]
+        _, predicted = embedder.predict(val)
+        for m in metrics:
+            pairs = [(p, a.measurements[m]) for p, a in zip(predicted[m], val, strict=True) if m in a.measurements]
+            if len(pairs) >= 2:
+                embedder.residual_std[m] = float(np.std([p - t for p, t in pairs]))
+    return embedder
 
 
 def options_dict(options: TrainOptions) -> dict[str, object]:

@@ -42,7 +42,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     url = request.getfixturevalue("pg_url")
     with make_engine(url).begin() as conn:
-        conn.execute(text("TRUNCATE adapter, module, label, measurement RESTART IDENTITY CASCADE"))
+        conn.execute(text("TRUNCATE adapter, module, label, measurement, embedding_space, embedder, embedding RESTART IDENTITY CASCADE"))
     yield url
 
 

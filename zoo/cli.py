@@ -225,6 +225,157 @@ def _space(settings: Settings, requested: str | None) -> str:
     return spaces[0]
 
 
+def _blobs(settings: Settings) -> BlobStore:
+    return BlobStore(settings.blob_dir)
+
+
+def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+    from embed.train import TrainOptions
+
+    require_schema(settings.database_url)
+    space = _space(settings, args.space)
+    options = TrainOptions(objective=args.objective, epochs=args.epochs, seed=args.seed, device=args.device)
+    with session_factory(settings.database_url)() as session, session.begin():
+        embedder, model = service.train_space(session, _blobs(settings), settings.data_dir, space, options, progress=not args.json)
+        reports = service.embed_space(session, _blobs(settings), settings.data_dir, space, args.device)
+        info = {
+            "space": space,
+            "embedder_id": embedder.id,
+            "objective": embedder.objective,
+            "checkpoint": str(settings.data_dir / str(embedder.checkpoint)),
+            **embedder.metrics,
+            "heads": sorted(model.model.config.categorical),
+            "regression": model.model.config.regression,
+            "embedded": {r.method: r.total for r in reports},
+        }
+    if args.json:
+        _print_json(info)
+    else:
+        print(
+            f"trained W2T ({info['objective']}) on {info['n_adapters']} adapters of {space} in {info['train_seconds']} s, "
+            f"{info['epochs']} epochs, best validation loss {info['best_val_loss']:.4f}; embedder {info['embedder_id']}, "
+            f"checkpoint {info['checkpoint']}"
+        )
+    return 0
+
+
+def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+    from embed.dataset import base_models
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session, session.begin():
+        spaces = [args.space] if args.space else base_models(session)
+        reports = [r for sp in spaces for r in service.embed_space(session, _blobs(settings), settings.data_dir, sp, args.device)]
+    if args.json:
+        _print_json([r.__dict__ for r in reports])
+        return 0
+    if not reports:
+        print("nothing to embed: ingest LoRA adapters first")
+    for r in reports:
+        print(
+            f"{r.space}: {r.method} (embedder {r.embedder_id}) embedded {r.embedded} new adapters, {r.total} in the index "
+            f"({r.index})" + (f"; {r.skipped_not_fitting} do not fit this embedder's modules" if r.skipped_not_fitting else "")
+        )
+    return 0
+
+
+def _filters(values: list[str]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        if "=" not in v:
+            raise ZooError(f"--filter takes key=value, got {v!r}")
+        key, value = v.split("=", 1)
+        out[key] = value
+    return out
+
+
+def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        query, base = service.query_adapter(session, _blobs(settings), args.query, args.device)
+        space = service.resolve_space(session, args.space or base)
+        hits, embedder = service.search(
+            session, _blobs(settings), settings.data_dir, space, query, args.k, _filters(args.filter), args.device, args.method
+        )
+    rows = [h.__dict__ for h in hits]
+    if args.json:
+        _print_json({"query": args.query, "space": space.name, "method": args.method, "embedder_id": embedder.id, "results": rows})
+        return 0
+    print(f"nearest to {query.name} in {space.name} by {args.method} (embedder {embedder.id}):")
+    for h in hits:
+        task = h.labels.get("task", "")
+        print(f"  {h.score:7.4f}  {h.adapter_id:>6}  {h.name:<32} {task}")
+    return 0
+
+
+def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        query, base = service.query_adapter(session, _blobs(settings), args.query, args.device)
+        space = service.resolve_space(session, args.space or base)
+        attrs, metrics, embedder = service.predict(session, _blobs(settings), settings.data_dir, space, query, args.device)
+    if args.json:
+        _print_json(
+            {
+                "query": args.query,
+                "space": space.name,
+                "embedder_id": embedder.id,
+                "attributes": {k: [{"value": v, "probability": p} for v, p in top] for k, top in attrs.items()},
+                "metrics": {k: {"value": v, "low": lo, "high": hi, "interval": 0.9} for k, (v, lo, hi) in metrics.items()},
+            }
+        )
+        return 0
+    print(f"{query.name} in {space.name} (embedder {embedder.id}):")
+    for key, top in attrs.items():
+        print(f"  {key:<16} " + ", ".join(f"{v} ({p:.0%})" for v, p in top))
+    for key, (v, lo, hi) in metrics.items():
+        print(f"  {key:<16} {v:.3f}  (90% interval {lo:.3f}..{hi:.3f})")
+    return 0
+
+
+def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+    from embed.index import AdapterIndex, brute_force, recall_at_k
+    from embed.registry import active_embedder, load_embeddings, open_index
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        space = service.resolve_space(session, args.space)
+        embedder = active_embedder(session, space)
+        if embedder is None:
+            raise ZooError(f"space {space.name} has no embeddings yet: run `zoo embed`")
+        index, state = open_index(session, settings.data_dir, embedder, rebuild=args.action == "rebuild")
+        info: dict[str, object] = {
+            "space": space.name,
+            "embedder_id": embedder.id,
+            "method": embedder.method,
+            "count": index.size,
+            "dim": index.dim,
+            "kind": "hnsw" if index.approximate else "flat",
+            "state": state,
+        }
+        if args.action == "stats" and index.size:
+            ids, vectors = load_embeddings(session, embedder)
+            sample = vectors[: min(200, len(vectors))]
+            _, exact = brute_force(ids, vectors, sample, 10)
+            _, got = index.search(sample, 10)
+            info["recall@10_vs_exact"] = recall_at_k(got, exact)
+            if not index.approximate and index.size >= 100:
+                approx = AdapterIndex.build(ids, vectors, approximate=True)
+                info["hnsw_recall@10_if_approximate"] = recall_at_k(approx.search(sample, 10)[1], exact)
+    if args.json:
+        _print_json(info)
+    else:
+        print(", ".join(f"{k}: {v}" for k, v in info.items()))
+    return 0
+
+
 def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     from embed.dataset import load_adapters, schema_of
     from embed.evaluate import evaluate, format_table
@@ -331,6 +482,49 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("train", help="train the W2T embedder of a space and embed its adapters")
+    s.add_argument("--space", help="base model (default: the only one)")
+    s.add_argument("--objective", choices=["supervised", "contrastive", "both"], default="supervised")
+    s.add_argument("--epochs", type=int, default=60)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("embed", help="embed every adapter not yet embedded (every space, or --space) and update the indexes")
+    s.add_argument("--space")
+    s.add_argument("--device")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_embed)
+
+    s = sub.add_parser("search", help="the adapters most similar to a stored adapter (id) or a file/directory (path)")
+    s.add_argument("query", metavar="ID_OR_PATH", help="a stored adapter id, or a path that is read and canonicalized, not stored")
+    s.add_argument("-k", type=int, default=10)
+    s.add_argument("--space")
+    s.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE", help="only adapters with this given label")
+    s.add_argument(
+        "--method",
+        choices=["exact", "sketch", "w2t"],
+        default="exact",
+        help="exact: dW-sketch index candidates re-ranked by exact dW cosine (default); sketch or w2t: embeddings alone",
+    )
+    s.add_argument("--device")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_search)
+
+    s = sub.add_parser("predict", help="predicted attributes (with probabilities) and performance (with an interval)")
+    s.add_argument("query", metavar="ID_OR_PATH")
+    s.add_argument("--space")
+    s.add_argument("--device")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_predict)
+
+    s = sub.add_parser("index", help="rebuild the FAISS index of a space from the database, or show its stats")
+    s.add_argument("action", choices=["rebuild", "stats"])
+    s.add_argument("--space")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_index)
 
     s = sub.add_parser("list", help="list stored adapters")
     s.add_argument("--base-model", metavar="NAME")

@@ -12,6 +12,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -122,3 +123,48 @@ class Measurement(Base):
     split: Mapped[str] = mapped_column(String(32), default="test")
 
     adapter: Mapped[Adapter] = relationship(back_populates="measurements")
+
+
+class EmbeddingSpace(Base):
+    """A base model and its module vocabulary: adapters that fit it can be embedded and compared."""
+
+    __tablename__ = "embedding_space"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    base_model: Mapped[str] = mapped_column(String(255), index=True)
+    schema: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    embedders: Mapped[list[Embedder]] = relationship(back_populates="space", cascade="all, delete-orphan", order_by="Embedder.id")
+
+
+class Embedder(Base):
+    """One way of embedding a space: a trained W2T checkpoint or the training-free dW sketch."""
+
+    __tablename__ = "embedder"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    space_id: Mapped[int] = mapped_column(ForeignKey("embedding_space.id", ondelete="CASCADE"), index=True)
+    method: Mapped[str] = mapped_column(String(32))  # w2t | dw_sketch
+    objective: Mapped[str | None] = mapped_column(String(32))
+    checkpoint: Mapped[str | None] = mapped_column(Text)  # directory under the data dir
+    dim: Mapped[int] = mapped_column(Integer)
+    config: Mapped[dict] = mapped_column(JSON, default=dict)
+    metrics: Mapped[dict] = mapped_column(JSON, default=dict)
+    active: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    space: Mapped[EmbeddingSpace] = relationship(back_populates="embedders")
+
+
+class Embedding(Base):
+    """An adapter's vector under one embedder (float32 bytes)."""
+
+    __tablename__ = "embedding"
+    __table_args__ = (UniqueConstraint("adapter_id", "embedder_id", name="uq_embedding_adapter_id_embedder_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), index=True)
+    embedder_id: Mapped[int] = mapped_column(ForeignKey("embedder.id", ondelete="CASCADE"), index=True)
+    vector: Mapped[bytes] = mapped_column(LargeBinary)

@@ -1,0 +1,239 @@
+"""What the `zoo` commands do with embeddings: train, embed, search, predict.
+
+Plain functions over a session, the blob store and the data dir; no printing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from embed.baselines import SKETCH_K, dw_sketch
+from embed.dataset import SpaceSchema, ZooAdapter, load_adapters, schema_of
+from embed.registry import active_embedder, embedded_ids, ensure_space, get_space, open_index, register, slug, store_embeddings
+from embed.train import Embedder as W2TEmbedder
+from embed.train import TrainOptions, train_w2t
+from zoo.blobs import BlobStore
+from zoo.canonical import CanonicalFactors, frobenius_norm_sq, inner_product
+from zoo.db.models import Adapter, Embedder, EmbeddingSpace, Label
+from zoo.errors import ZooError
+from zoo.formats import read_adapter
+from zoo.ingest import canonicalize_modules, pick_device
+
+EmbedFn = Callable[[list[ZooAdapter]], np.ndarray]
+
+
+def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None) -> tuple[EmbedFn, SpaceSchema]:
+    """How an embedder turns adapters into unit vectors, and the module vocabulary it was made for."""
+    if embedder.method == "w2t":
+        model = W2TEmbedder.load(data_dir / str(embedder.checkpoint), device)
+        return model.embed, model.schema
+    schema = SpaceSchema.from_dict(embedder.config["schema"])
+    k, seed = int(embedder.config["k"]), int(embedder.config["seed"])
+    return (lambda adapters: dw_sketch(adapters, schema, k, seed).astype(np.float32)), schema
+
+
+def ensure_sketch(session: Session, space: EmbeddingSpace, schema: SpaceSchema) -> Embedder:
+    """The space's training-free sketch embedder (a new one if the module vocabulary grew)."""
+    current = active_embedder(session, space, method="dw_sketch")
+    if current is not None and SpaceSchema.from_dict(current.config["schema"]) == schema:
+        return current
+    dim = len(schema.modules) * SKETCH_K * SKETCH_K
+    return register(session, space, "dw_sketch", dim, config={"schema": schema.as_dict(), "k": SKETCH_K, "seed": 0})
+
+
+@dataclass
+class EmbedReport:
+    space: str
+    embedder_id: int
+    method: str
+    embedded: int
+    skipped_not_fitting: int
+    total: int
+    index: str
+
+
+def embed_space(session: Session, blobs: BlobStore, data_dir: Path, base_model: str, device: str | None = None) -> list[EmbedReport]:
+    """Embed every adapter of the space not yet embedded, under every active embedder; update the indexes."""
+    adapters = load_adapters(session, blobs, base_model)
+    if not adapters:
+        return []
+    schema = schema_of(base_model, adapters)
+    space = ensure_space(session, schema)
+    ensure_sketch(session, space, schema)
+    reports = []
+    for embedder in session.scalars(select(Embedder).where(Embedder.space_id == space.id, Embedder.active.is_(True))):
+        fn, emb_schema = embed_function(embedder, data_dir, device)
+        done = embedded_ids(session, embedder)
+        todo = [a for a in adapters if a.id not in done and emb_schema.fits(a.factors)]
+        misfits = sum(1 for a in adapters if a.id not in done and not emb_schema.fits(a.factors))
+        for start in range(0, len(todo), 256):
+            chunk = todo[start : start + 256]
+            store_embeddings(session, embedder, [a.id for a in chunk], fn(chunk))
+        session.flush()
+        index, state = open_index(session, data_dir, embedder)
+        reports.append(EmbedReport(base_model, embedder.id, embedder.method, len(todo), misfits, index.size, state))
+    return reports
+
+
+def train_space(
+    session: Session, blobs: BlobStore, data_dir: Path, base_model: str, options: TrainOptions, progress: bool = True
+) -> tuple[Embedder, W2TEmbedder]:
+    """Train W2T on every adapter of the space (labels and measurements as given), register and save it."""
+    adapters = load_adapters(session, blobs, base_model)
+    if len(adapters) < 10:
+        raise ZooError(f"space {base_model} has {len(adapters)} adapters: training needs at least 10")
+    schema = schema_of(base_model, adapters)
+    space = ensure_space(session, schema)
+    t0 = time.perf_counter()
+    model = train_w2t(adapters, schema, options, progress=progress)
+    checkpoint = Path("embedders") / f"{slug(base_model)}-w2t-{options.objective}-{int(time.time())}"
+    model.save(data_dir / checkpoint)
+    best = min(h["val_loss"] for h in model.history) if model.history else None
+    metrics = {
+        "best_val_loss": best,
+        "epochs": len(model.history),
+        "train_seconds": round(time.perf_counter() - t0, 1),
+        "n_adapters": len(adapters),
+    }
+    embedder = register(
+        session,
+        space,
+        "w2t",
+        model.model.config.embed_dim,
+        objective=options.objective,
+        checkpoint=str(checkpoint),
+        config={"options": {k: v for k, v in options.__dict__.items() if k != "device"}, "model": model.model.config.as_dict()},
+        metrics=metrics,
+    )
+    return embedder, model
+
+
+def resolve_space(session: Session, requested: str | None) -> EmbeddingSpace:
+    spaces = list(session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.name)))
+    if requested:
+        space = get_space(session, requested)
+        if space is None:
+            raise ZooError(f"no embedding space {requested!r}; spaces: {', '.join(s.name for s in spaces) or 'none (run `zoo embed`)'}")
+        return space
+    if len(spaces) != 1:
+        names = ", ".join(s.name for s in spaces) or "none yet: run `zoo embed`"
+        raise ZooError(f"--space is needed: this zoo has {len(spaces)} embedding spaces ({names})")
+    return spaces[0]
+
+
+def query_adapter(session: Session, blobs: BlobStore, id_or_path: str, device: str | None = None) -> tuple[ZooAdapter, str | None]:
+    """(adapter, its base model) for a stored id, or a path read and canonicalized without storing it."""
+    if id_or_path.isdigit() and not Path(id_or_path).exists():
+        a = session.get(Adapter, int(id_or_path))
+        if a is None or a.factors_blob is None:
+            raise ZooError(f"no LoRA adapter with id {id_or_path}: see `zoo list`")
+        labels = {lb.key: lb.value for lb in session.scalars(select(Label).where(Label.adapter_id == a.id, Label.source == "given"))}
+        return ZooAdapter(a.id, a.name, dict(blobs.get_factors(a.factors_blob)), labels, {}, a.source_uri), a.base_model
+    data = read_adapter(Path(id_or_path))
+    if not data.modules:
+        raise ZooError(f"{id_or_path}: a full checkpoint without --base has no low-rank update to search with")
+    factors = canonicalize_modules(data.modules, pick_device(device))
+    return ZooAdapter(-1, data.path.name, {m.name: f for m, f in zip(data.modules, factors, strict=True)}), data.base_model
+
+
+@dataclass
+class Hit:
+    adapter_id: int
+    name: str
+    score: float
+    labels: dict[str, str]
+
+
+#: Search methods: "exact" ranks the sketch index's top RERANK_POOL candidates by exact dW cosine
+#: computed from the canonical factors; "sketch" and "w2t" rank by their embeddings alone.
+SEARCH_METHODS = ("exact", "sketch", "w2t")
+RERANK_POOL = 200
+
+
+def exact_cosine(query: ZooAdapter, other: dict[str, CanonicalFactors]) -> float:
+    """Cosine of the two adapters' full updates (all modules), from canonical factors."""
+    qq = sum(frobenius_norm_sq(f) for f in query.factors.values())
+    oo = sum(frobenius_norm_sq(f) for f in other.values())
+    qo = sum(inner_product(f, other[n]) for n, f in query.factors.items() if n in other)
+    return qo / max(math.sqrt(qq * oo), 1e-30)
+
+
+def search(
+    session: Session,
+    blobs: BlobStore,
+    data_dir: Path,
+    space: EmbeddingSpace,
+    query: ZooAdapter,
+    k: int,
+    filters: dict[str, str],
+    device: str | None = None,
+    method: str = "exact",
+) -> tuple[list[Hit], Embedder]:
+    if method not in SEARCH_METHODS:
+        raise ZooError(f"unknown search method {method!r}; one of {', '.join(SEARCH_METHODS)}")
+    embedder = active_embedder(session, space, method="w2t" if method == "w2t" else "dw_sketch")
+    if embedder is None:
+        todo = "zoo train" if method == "w2t" else "zoo embed"
+        raise ZooError(f"space {space.name} has no {method} embeddings yet: run `{todo} --space {space.name}`")
+    fn, schema = embed_function(embedder, data_dir, device)
+    if not schema.fits(query.factors):
+        raise ZooError(f"{query.name} does not fit space {space.name}: its modules or shapes differ from the space's")
+    index, _ = open_index(session, data_dir, embedder)
+    vector = fn([query])
+    want = k + (1 if query.id > 0 else 0)
+    fetch = index.size if filters else (max(want, RERANK_POOL) if method == "exact" else want)
+    scores, ids = index.search(vector, fetch)
+    pairs = [(float(s), int(i)) for s, i in zip(scores[0], ids[0], strict=True) if i >= 0]
+    if method == "exact":
+        pool = pairs[: max(RERANK_POOL, want) * (10 if filters else 1)]
+        rescored = []
+        for _, adapter_id in pool:
+            a = session.get(Adapter, adapter_id)
+            if a is not None and a.factors_blob:
+                rescored.append((exact_cosine(query, dict(blobs.get_factors(a.factors_blob))), adapter_id))
+        pairs = sorted(rescored, key=lambda p: -p[0])
+    hits: list[Hit] = []
+    for score, adapter_id in pairs:
+        if adapter_id < 0 or adapter_id == query.id:
+            continue
+        labels = {
+            lb.key: lb.value for lb in session.scalars(select(Label).where(Label.adapter_id == int(adapter_id), Label.source == "given"))
+        }
+        if any(labels.get(key) != value for key, value in filters.items()):
+            continue
+        a = session.get(Adapter, int(adapter_id))
+        hits.append(Hit(int(adapter_id), a.name if a else "?", float(score), labels))
+        if len(hits) == k:
+            break
+    return hits, embedder
+
+
+def predict(
+    session: Session, blobs: BlobStore, data_dir: Path, space: EmbeddingSpace, query: ZooAdapter, device: str | None = None
+) -> tuple[dict[str, list[tuple[str, float]]], dict[str, tuple[float, float, float]], Embedder]:
+    """Top class probabilities per attribute, and (value, low, high) per metric (a 90 % interval)."""
+    embedder = active_embedder(session, space, method="w2t")
+    if embedder is None or embedder.objective == "contrastive":
+        raise ZooError(f"space {space.name} has no supervised W2T embedder: run `zoo train --space {space.name}`")
+    model = W2TEmbedder.load(data_dir / str(embedder.checkpoint), device)
+    if not model.schema.fits(query.factors):
+        raise ZooError(f"{query.name} does not fit space {space.name}")
+    probs, values = model.predict([query])
+    attrs = {}
+    for key, p in probs.items():
+        classes = model.model.config.categorical[key]
+        order = np.argsort(-p[0])[:3]
+        attrs[key] = [(classes[i], float(p[0][i])) for i in order]
+    metrics = {}
+    for key, v in values.items():
+        half = 1.645 * model.residual_std.get(key, float("nan"))
+        metrics[key] = (float(v[0]), float(v[0] - half), float(v[0] + half))
+    return attrs, metrics, embedder
