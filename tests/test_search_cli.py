@@ -1,0 +1,101 @@
+"""zoo embed / search / train / predict / index against real databases and real PEFT adapters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embed.index import brute_force, sidecar
+from tests.conftest import CLI
+from tests.factories import train_peft_adapter
+
+
+@pytest.fixture(scope="module")
+def small_zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("small-zoo")
+    rows = ["name,task,test_accuracy"]
+    for i in range(12):
+        task = "qv" if i % 2 else "qk"
+        train_peft_adapter(root / "zoo" / f"a{i:02d}", seed=i, steps=4, targets=("q_proj", "v_proj") if i % 2 else ("q_proj", "k_proj"))
+        rows.append(f"a{i:02d},{task},{0.5 + i / 40}")
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def ingest(cli: CLI, small_zoo: Path) -> list[dict]:
+    rc, results = cli.json_lines("ingest", str(small_zoo / "zoo"), "--labels", str(small_zoo / "labels.csv"), "--base-model", "tiny")
+    assert rc == 0
+    return results
+
+
+def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
+    results = ingest(cli, small_zoo)
+    rc, (reports,) = cli.json_lines("embed")
+    assert rc == 0 and reports[0]["method"] == "dw_sketch" and reports[0]["embedded"] == 12 and reports[0]["total"] == 12
+    rc, (again,) = cli.json_lines("embed")
+    assert again[0]["embedded"] == 0 and again[0]["index"] == "loaded"
+
+    first = results[0]["adapter_id"]
+    rc, (found,) = cli.json_lines("search", str(first), "-k", "5")
+    assert rc == 0 and found["method"] == "exact" and len(found["results"]) == 5
+    assert first not in [r["adapter_id"] for r in found["results"]]
+    scores = [r["score"] for r in found["results"]]
+    assert scores == sorted(scores, reverse=True)
+    # the same adapter given as a path (read, canonicalized, not stored) finds itself first with cosine 1
+    rc, (by_path,) = cli.json_lines("search", str(small_zoo / "zoo" / "a00"), "-k", "3")
+    assert by_path["results"][0]["adapter_id"] == first and by_path["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+    rc, (filtered,) = cli.json_lines("search", str(first), "-k", "10", "--filter", "task=qv")
+    assert filtered["results"] and all(r["labels"]["task"] == "qv" for r in filtered["results"])
+
+    # FAISS agrees with a brute-force numpy search over the stored sketch embeddings
+    from embed.registry import active_embedder, load_embeddings
+    from embed.service import resolve_space
+    from zoo.db.session import session_factory
+
+    with session_factory(cli.settings.database_url)() as session:
+        embedder = active_embedder(session, resolve_space(session, None), method="dw_sketch")
+        ids, vectors = load_embeddings(session, embedder)
+    rc, (sk,) = cli.json_lines("search", str(first), "-k", "4", "--method", "sketch")
+    row = int(np.nonzero(ids == first)[0][0])
+    _, ref = brute_force(ids, vectors, vectors[row : row + 1], 5)
+    assert [r["adapter_id"] for r in sk["results"]] == [i for i in ref[0].tolist() if i != first][:4]
+
+    rc, (stats,) = cli.json_lines("index", "stats")
+    assert stats["count"] == 12 and stats["recall@10_vs_exact"] == 1.0 and stats["state"] == "loaded"
+    # an index file that disagrees with the database is rebuilt from it
+    path = cli.settings.data_dir / "index" / f"embedder-{stats['embedder_id']}.faiss"
+    meta = json.loads(sidecar(path).read_text())
+    sidecar(path).write_text(json.dumps({**meta, "checksum": "stale"}))
+    rc, (stats,) = cli.json_lines("index", "stats")
+    assert stats["state"].startswith("rebuilt (index disagreed")
+    rc, (stats,) = cli.json_lines("index", "rebuild")
+    assert stats["state"] == "rebuilt (asked)" and stats["count"] == 12
+
+
+def test_train_predict(cli: CLI, small_zoo: Path) -> None:
+    ingest(cli, small_zoo)
+    rc, (info,) = cli.json_lines("train", "--epochs", "2")
+    assert rc == 0 and info["heads"] == ["task"] and info["regression"] == ["test_accuracy"]
+    assert info["embedded"] == {"w2t": 12, "dw_sketch": 12}
+    assert Path(info["checkpoint"], "model.safetensors").exists()
+    rc, (pred,) = cli.json_lines("predict", str(small_zoo / "zoo" / "a03"))
+    assert rc == 0
+    probs = [c["probability"] for c in pred["attributes"]["task"]]
+    assert {c["value"] for c in pred["attributes"]["task"]} == {"qk", "qv"} and sum(probs) == pytest.approx(1.0, abs=1e-4)
+    m = pred["metrics"]["test_accuracy"]
+    assert m["low"] <= m["value"] <= m["high"]
+    rc, (found,) = cli.json_lines("search", "1", "-k", "3", "--method", "w2t")
+    assert rc == 0 and len(found["results"]) == 3
+
+
+def test_search_errors(cli: CLI, small_zoo: Path) -> None:
+    rc, _, err = cli("search", "1")
+    assert rc == 2 and "no LoRA adapter with id 1" in err
+    ingest(cli, small_zoo)
+    rc, _, err = cli("search", "1")
+    assert rc == 2 and "run `zoo embed`" in err
+    rc, _, err = cli("predict", "1")
+    assert rc == 2 and "zoo" in err
