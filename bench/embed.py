@@ -1,0 +1,67 @@
+"""Benchmark: adapters embedded per second by W2T (untrained weights: the cost is the same) and
+by the training-free dW sketch, on a synthetic digits-vit-shaped space (24 modules, rank ≤ 16).
+
+Prints a table and, on the last line, one JSON object (adapters_per_s for each, and the ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from embed.baselines import dw_sketch
+from embed.dataset import ZooAdapter, schema_of
+from embed.model import W2T, W2TConfig
+from embed.train import Embedder
+from zoo.canonical import canonicalize
+
+
+def synthetic(n: int, rank: int, seed: int = 0) -> list[ZooAdapter]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj": (48, 48), "k_proj": (48, 48), "v_proj": (48, 48), "o_proj": (48, 48), "fc1": (96, 48), "fc2": (48, 96)}
+    out = []
+    for i in range(n):
+        factors = {}
+        for layer in range(4):
+            for t, (o, d) in shapes.items():
+                factors[f"blocks.{layer}.{t}"] = canonicalize(torch.randn(rank, d, generator=gen), torch.randn(o, rank, generator=gen))
+        out.append(ZooAdapter(i + 1, f"s{i}", factors))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--adapters", type=int, default=512)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    adapters = synthetic(args.adapters, args.rank)
+    schema = schema_of("bench", adapters)
+    model = W2T(W2TConfig(schema.type_shapes(), n_layers=4)).to(args.device)
+    emb = Embedder(model, schema, args.rank, {}, "supervised")
+    emb.embed(adapters[:8])
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    t0 = time.perf_counter()
+    emb.embed(adapters)
+    sync()
+    t_w2t = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dw_sketch(adapters, schema)
+    t_sketch = time.perf_counter() - t0
+    result = {
+        "adapters": args.adapters,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "w2t_adapters_per_s": round(args.adapters / t_w2t, 1),
+        "sketch_adapters_per_s": round(args.adapters / t_sketch, 1),
+        "w2t_vs_sketch": round(t_sketch / t_w2t, 2),
+    }
+    print(f"{args.adapters} adapters on {args.device}: W2T {result['w2t_adapters_per_s']}/s, dW sketch {result['sketch_adapters_per_s']}/s")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
