@@ -164,6 +164,7 @@ def test_quickstart(tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixtu
     assert main(["quickstart", "--count", "3", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "3 digits-vit adapters" in out and "3 ingested" in out and "zoo list" in out
+    assert "embedded 3 adapters" in out and "W2T not trained" in out
     assert main(["list", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert len(listing) == 3 and all(a["base_model"] == digits.BASE_MODEL for a in listing)

@@ -88,7 +88,10 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
-    """The main job on embedded defaults: build a demo zoo, store it, say what to run next."""
+    """The main job on embedded defaults: build a demo zoo, store it, embed it, train W2T, say what to run next."""
+    from embed import service
+    from embed.train import TrainOptions
+
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
     zoo_dir = settings.data_dir / "demo-zoo"
@@ -97,8 +100,18 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     )
     label_rows = read_labels_csv(Path(str(report["labels"])))
     counts, failures = run_ingest(settings, [str(zoo_dir)], IngestOptions(), label_rows, as_json=False, progress=not args.json)
+    base = str(report["base_model"])
+    trained: dict[str, object] | None = None
+    with session_factory(settings.database_url)() as session, session.begin():
+        embedded = service.embed_space(session, _blobs(settings), settings.data_dir, base)
+        n = embedded[0].total if embedded else 0
+        if n >= 10:
+            options = TrainOptions(epochs=args.epochs, attributes=("task",))
+            embedder, _ = service.train_space(session, _blobs(settings), settings.data_dir, base, options, progress=not args.json)
+            service.embed_space(session, _blobs(settings), settings.data_dir, base)
+            trained = {"embedder_id": embedder.id, **embedder.metrics}
     if args.json:
-        _print_json({"zoo": report, "ingest": counts, "database": settings.database_url})
+        _print_json({"zoo": report, "ingest": counts, "database": settings.database_url, "embedded": n, "w2t": trained})
         return 1 if failures else 0
     _print_zoo_report(report)
     print(
@@ -107,7 +120,15 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     )
     for f in failures:
         print(f"  failed: {f}")
-    print("next:\n  zoo list\n  zoo show 1\n  zoo ingest PATH_TO_YOUR_ADAPTERS --base-model NAME")
+    print(f"embedded {n} adapters (dW sketch index)")
+    if trained:
+        print(f"trained W2T on them: embedder {trained['embedder_id']}, {trained['epochs']} epochs in {trained['train_seconds']} s")
+    else:
+        print("W2T not trained: it needs at least 10 adapters (use a larger --count)")
+    print(
+        "next:\n  zoo list\n  zoo show 1 --plot spectra.png\n  zoo search 1 -k 5\n  zoo predict 1\n  zoo eval\n"
+        "  zoo ingest PATH_TO_YOUR_ADAPTERS --base-model NAME"
+    )
     return 1 if failures else 0
 
 
@@ -463,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and prints what was made and what to run next.",
     )
     s.add_argument("--count", type=int, default=100, help="adapters in the demo zoo (default: %(default)s)")
+    s.add_argument("--epochs", type=int, default=40, help="W2T training epochs (default: %(default)s)")
     s.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_quickstart)
