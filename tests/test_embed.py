@@ -91,7 +91,7 @@ def test_embedding_is_factorization_and_sign_invariant(zoo: list[ZooAdapter]) ->
 
 def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) -> None:
     schema = schema_of("synthetic", zoo)
-    emb = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1), progress=False)
+    emb = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1, attributes=None), progress=False)
     assert set(emb.model.config.categorical) == {"task", "rank"}
     assert emb.model.config.regression == ["test_accuracy"]
     assert 1 <= len(emb.history) <= 3
@@ -101,7 +101,7 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     p0, v0 = emb.predict(zoo[:6])
     p1, v1 = loaded.predict(zoo[:6])
     assert np.allclose(p0["task"], p1["task"], atol=1e-6) and np.allclose(v0["test_accuracy"], v1["test_accuracy"], atol=1e-6)
-    again = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1), progress=False)
+    again = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1, attributes=None), progress=False)
     assert np.allclose(again.embed(zoo[:6]), emb.embed(zoo[:6]), atol=1e-5)  # deterministic from the seed
 
 

@@ -106,7 +106,7 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
         embedded = service.embed_space(session, _blobs(settings), settings.data_dir, base)
         n = embedded[0].total if embedded else 0
         if n >= 10:
-            options = TrainOptions(epochs=args.epochs, attributes=("task",))
+            options = TrainOptions(epochs=args.epochs)
             embedder, _ = service.train_space(session, _blobs(settings), settings.data_dir, base, options, progress=not args.json)
             service.embed_space(session, _blobs(settings), settings.data_dir, base)
             trained = {"embedder_id": embedder.id, **embedder.metrics}
@@ -256,7 +256,8 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
 
     require_schema(settings.database_url)
     space = _space(settings, args.space)
-    options = TrainOptions(objective=args.objective, epochs=args.epochs, seed=args.seed, device=args.device)
+    attributes = None if args.attributes == "all" else tuple(a for a in args.attributes.split(",") if a)
+    options = TrainOptions(objective=args.objective, epochs=args.epochs, seed=args.seed, device=args.device, attributes=attributes)
     with session_factory(settings.database_url)() as session, session.begin():
         embedder, model = service.train_space(session, _blobs(settings), settings.data_dir, space, options, progress=not args.json)
         reports = service.embed_space(session, _blobs(settings), settings.data_dir, space, args.device)
@@ -408,7 +409,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
         adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
     if len(adapters) < 10:
         raise ZooError(f"space {space} has {len(adapters)} adapters: evaluation needs at least 10")
-    options = TrainOptions(epochs=args.epochs, seed=args.seed, device=args.device, attributes=("task",))
+    options = TrainOptions(epochs=args.epochs, seed=args.seed, device=args.device)
     result = evaluate(adapters, schema_of(space, adapters), options, args.test_fraction, args.seed, progress=not args.json)
     if args.json:
         _print_json(result)
@@ -498,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Hit@1/Hit@10/MRR/nDCG@10 (relevance = same task).",
     )
     s.add_argument("--space", help="base model (default: the only one)")
-    s.add_argument("--epochs", type=int, default=60)
+    s.add_argument("--epochs", type=int, default=80)
     s.add_argument("--test-fraction", type=float, default=0.2)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
@@ -508,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="train the W2T embedder of a space and embed its adapters")
     s.add_argument("--space", help="base model (default: the only one)")
     s.add_argument("--objective", choices=["supervised", "contrastive", "both"], default="supervised")
-    s.add_argument("--epochs", type=int, default=60)
+    s.add_argument("--attributes", default="task", metavar="A,B|all", help="attributes that get a prediction head (default: task)")
+    s.add_argument("--epochs", type=int, default=80)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--json", action="store_true")
