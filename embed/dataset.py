@@ -30,16 +30,14 @@ class SpaceSchema:
     def module_names(self) -> list[str]:
         return [m[0] for m in self.modules]
 
-    @property
-    def module_types(self) -> list[str]:
-        return sorted({module_type(n) for n, _, _ in self.modules})
+    @staticmethod
+    def type_key(name: str, out: int, inp: int) -> str:
+        """Modules sharing projections: same type and shape (BERT has three `dense` shapes)."""
+        return f"{module_type(name)}@{out}x{inp}"
 
     def type_shapes(self) -> dict[str, tuple[int, int]]:
-        """Shape per module type (one shape per type is required for shared projections)."""
-        shapes: dict[str, tuple[int, int]] = {}
-        for name, out, inp in self.modules:
-            shapes.setdefault(module_type(name), (out, inp))
-        return shapes
+        """Shape per module type key (see type_key)."""
+        return {self.type_key(n, o, i): (o, i) for n, o, i in self.modules}
 
     def layer_of(self, name: str) -> int:
         return layer_index(name) or 0

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from embed.dataset import SpaceSchema, ZooAdapter
-from zoo.formats.model import module_type
 
 
 @dataclass
@@ -42,8 +41,8 @@ def tokenize(adapters: list[ZooAdapter], schema: SpaceSchema, rank: int) -> Batc
     """Padded tensors per module type for the adapters (components beyond `rank` are cut)."""
     shapes = schema.type_shapes()
     by_type: dict[str, list[str]] = {}
-    for name in schema.module_names:
-        by_type.setdefault(module_type(name), []).append(name)
+    for name, o, i in schema.modules:
+        by_type.setdefault(schema.type_key(name, o, i), []).append(name)
     out: Batch = {}
     n = len(adapters)
     for mtype, names in by_type.items():

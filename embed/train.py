@@ -241,6 +241,8 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
             if len(rows) < 2:
                 continue
             loss = loss_on(rows, train=True)
+            if not loss.requires_grad:  # nothing known about these adapters for this objective
+                continue
             opt.zero_grad()
             loss.backward()
             opt.step()

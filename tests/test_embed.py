@@ -138,3 +138,21 @@ def test_zoo_eval_command(cli, tmp_path: Path) -> None:  # type: ignore[no-untyp
     assert result["methods"]["raw_cosine"]["hit@1"] is not None  # the source files are still on disk
     rc, _, err = cli("eval", "--space", "nope")
     assert rc == 2 and "no embedding space 'nope'" in err
+
+
+def test_one_module_type_with_several_shapes() -> None:
+    """BERT names three differently shaped layers `dense`: each shape gets its own projections."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"layer.0.attention.output.dense": (8, 8), "layer.0.intermediate.dense": (16, 8), "layer.0.output.dense": (8, 16)}
+    adapters = [
+        ZooAdapter(
+            i + 1,
+            f"b{i}",
+            {n: canonicalize(torch.randn(2, d, generator=gen), torch.randn(o, 2, generator=gen)) for n, (o, d) in shapes.items()},
+        )
+        for i in range(4)
+    ]
+    schema = schema_of("bert", adapters)
+    assert len(schema.type_shapes()) == 3
+    emb = train_w2t(adapters, schema, TrainOptions(epochs=1), progress=False)
+    assert emb.embed(adapters).shape == (4, emb.model.config.embed_dim)
