@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -269,7 +269,3 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
             if len(pairs) >= 2:
                 embedder.residual_std[m] = float(np.std([p - t for p, t in pairs]))
     return embedder
-
-
-def options_dict(options: TrainOptions) -> dict[str, object]:
-    return asdict(options)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from zoo.db.models import Adapter
@@ -22,10 +22,6 @@ def list_adapters(session: Session, base_model: str | None = None, limit: int | 
     if limit is not None:
         stmt = stmt.limit(limit)
     return list(session.scalars(stmt))
-
-
-def count_adapters(session: Session) -> int:
-    return int(session.scalar(select(func.count(Adapter.id))) or 0)
 
 
 def by_canonical_hash(session: Session, base_model: str, canonical_hash: str) -> Adapter | None:
