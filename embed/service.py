@@ -235,5 +235,6 @@ def predict(
     metrics = {}
     for key, v in values.items():
         half = 1.645 * model.residual_std.get(key, float("nan"))
-        metrics[key] = (float(v[0]), float(v[0] - half), float(v[0] + half))
+        low, high = model.metric_range.get(key, (-math.inf, math.inf))
+        metrics[key] = (float(v[0]), max(float(v[0] - half), low), min(float(v[0] + half), high))
     return attrs, metrics, embedder

@@ -74,6 +74,8 @@ class Embedder:
     history: list[dict[str, float]] = field(default_factory=list)
     #: per metric: std of (predicted - measured) on the validation adapters, for prediction intervals
     residual_std: dict[str, float] = field(default_factory=dict)
+    #: per metric: (min, max) over the training adapters; predictions and intervals stay inside it
+    metric_range: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def _batches(self, adapters: list[ZooAdapter], size: int = 256):  # type: ignore[no-untyped-def]
         for start in range(0, len(adapters), size):
@@ -100,7 +102,8 @@ class Embedder:
                 probs[k].append(torch.softmax(v, dim=-1).cpu())
             for k, v in reg.items():
                 mean, std = self.metric_stats[k]
-                values[k].append(v.cpu() * std + mean)
+                low, high = self.metric_range.get(k, (-math.inf, math.inf))
+                values[k].append((v.cpu() * std + mean).clamp(low, high))
         return {k: torch.cat(v).numpy() for k, v in probs.items()}, {k: torch.cat(v).numpy() for k, v in values.items()}
 
     def save(self, directory: Path) -> None:
@@ -114,6 +117,7 @@ class Embedder:
             "objective": self.objective,
             "history": self.history,
             "residual_std": self.residual_std,
+            "metric_range": self.metric_range,
         }
         (directory / "embedder.json").write_text(json.dumps(meta, indent=1))
 
@@ -124,9 +128,9 @@ class Embedder:
         model.load_state_dict(load_file(str(directory / "model.safetensors")))
         model.to(torch.device(device or "cpu"))
         stats = {k: (float(v[0]), float(v[1])) for k, v in meta["metric_stats"].items()}
-        return cls(
-            model, SpaceSchema.from_dict(meta["schema"]), int(meta["rank"]), stats, meta["objective"], meta["history"], meta["residual_std"]
-        )
+        ranges = {k: (float(v[0]), float(v[1])) for k, v in meta.get("metric_range", {}).items()}
+        schema = SpaceSchema.from_dict(meta["schema"])
+        return cls(model, schema, int(meta["rank"]), stats, meta["objective"], meta["history"], meta["residual_std"], ranges)
 
 
 def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrastive_view: bool) -> Batch:
@@ -174,10 +178,11 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
     if options.attributes is not None:
         categorical = {k: v for k, v in categorical.items() if k in options.attributes}
     metrics = [m for m in options.metrics if any(m in a.measurements for a in adapters)] if options.objective != "contrastive" else []
-    stats = {}
+    stats, ranges = {}, {}
     for m in metrics:
         vals = np.array([a.measurements[m] for a in adapters if m in a.measurements])
         stats[m] = (float(vals.mean()), float(vals.std() or 1.0))
+        ranges[m] = (float(vals.min()), float(vals.max()))
     rank = max_rank(adapters)
     config = W2TConfig(
         type_shapes=schema.type_shapes(),
@@ -260,7 +265,7 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
                 break
     model.load_state_dict(best_state)
     model.eval()
-    embedder = Embedder(model, schema, rank, stats, options.objective, history)
+    embedder = Embedder(model, schema, rank, stats, options.objective, history, metric_range=ranges)
     if metrics and n_val >= 2:
         val = [adapters[i] for i in val_idx.tolist()]
         _, predicted = embedder.predict(val)

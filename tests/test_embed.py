@@ -101,6 +101,9 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     p0, v0 = emb.predict(zoo[:6])
     p1, v1 = loaded.predict(zoo[:6])
     assert np.allclose(p0["task"], p1["task"], atol=1e-6) and np.allclose(v0["test_accuracy"], v1["test_accuracy"], atol=1e-6)
+    measured = [a.measurements["test_accuracy"] for a in zoo]
+    assert loaded.metric_range["test_accuracy"] == (min(measured), max(measured))
+    assert min(measured) <= v1["test_accuracy"].min() and v1["test_accuracy"].max() <= max(measured)
     again = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1, attributes=None), progress=False)
     assert np.allclose(again.embed(zoo[:6]), emb.embed(zoo[:6]), atol=1e-5)  # deterministic from the seed
 
