@@ -17,11 +17,12 @@ from sqlalchemy.orm import Session
 
 from embed.baselines import SKETCH_K, dw_sketch
 from embed.dataset import SpaceSchema, ZooAdapter, load_adapters, schema_of
+from embed.graph import RERANK_POOL, load_rows, update_graph
 from embed.registry import active_embedder, embedded_ids, ensure_space, get_space, open_index, register, slug, store_embeddings
+from embed.similarity import contextual_scores, module_cosine_matrix
 from embed.train import Embedder as W2TEmbedder
 from embed.train import TrainOptions, train_w2t
 from zoo.blobs import BlobStore
-from zoo.canonical import CanonicalFactors, frobenius_norm_sq, inner_product
 from zoo.db.models import Adapter, Embedder, EmbeddingSpace, Label
 from zoo.errors import ZooError
 from zoo.formats import read_adapter
@@ -79,6 +80,8 @@ def embed_space(session: Session, blobs: BlobStore, data_dir: Path, base_model: 
             store_embeddings(session, embedder, [a.id for a in chunk], fn(chunk))
         session.flush()
         index, state = open_index(session, data_dir, embedder)
+        if embedder.method == "dw_sketch":
+            update_graph(session, space, index, fn, {a.id: a for a in adapters if emb_schema.fits(a.factors)})
         reports.append(EmbedReport(base_model, embedder.id, embedder.method, len(todo), misfits, index.size, state))
     return reports
 
@@ -152,18 +155,10 @@ class Hit:
     labels: dict[str, str]
 
 
-#: Search methods: "exact" ranks the sketch index's top RERANK_POOL candidates by exact dW cosine
-#: computed from the canonical factors; "sketch" and "w2t" rank by their embeddings alone.
-SEARCH_METHODS = ("exact", "sketch", "w2t")
-RERANK_POOL = 200
-
-
-def exact_cosine(query: ZooAdapter, other: dict[str, CanonicalFactors]) -> float:
-    """Cosine of the two adapters' full updates (all modules), from canonical factors."""
-    qq = sum(frobenius_norm_sq(f) for f in query.factors.values())
-    oo = sum(frobenius_norm_sq(f) for f in other.values())
-    qo = sum(inner_product(f, other[n]) for n, f in query.factors.items() if n in other)
-    return qo / max(math.sqrt(qq * oo), 1e-30)
+#: Search methods. context (the default): the sketch index's RERANK_POOL nearest candidates, scored
+#: by exact module cosine plus the cosine of neighbourhoods (embed/similarity.py); module: exact
+#: module cosine alone; sketch and w2t: their embeddings alone.
+SEARCH_METHODS = ("context", "module", "sketch", "w2t")
 
 
 def search(
@@ -175,7 +170,7 @@ def search(
     k: int,
     filters: dict[str, str],
     device: str | None = None,
-    method: str = "exact",
+    method: str = "context",
 ) -> tuple[list[Hit], Embedder]:
     if method not in SEARCH_METHODS:
         raise ZooError(f"unknown search method {method!r}; one of {', '.join(SEARCH_METHODS)}")
@@ -187,33 +182,40 @@ def search(
     if not schema.fits(query.factors):
         raise ZooError(f"{query.name} does not fit space {space.name}: its modules or shapes differ from the space's")
     index, _ = open_index(session, data_dir, embedder)
-    vector = fn([query])
     want = k + (1 if query.id > 0 else 0)
-    fetch = index.size if filters else (max(want, RERANK_POOL) if method == "exact" else want)
-    scores, ids = index.search(vector, fetch)
-    pairs = [(float(s), int(i)) for s, i in zip(scores[0], ids[0], strict=True) if i >= 0]
-    if method == "exact":
-        pool = pairs[: max(RERANK_POOL, want) * (10 if filters else 1)]
-        rescored = []
-        for _, adapter_id in pool:
-            a = session.get(Adapter, adapter_id)
-            if a is not None and a.factors_blob:
-                rescored.append((exact_cosine(query, dict(blobs.get_factors(a.factors_blob))), adapter_id))
-        pairs = sorted(rescored, key=lambda p: -p[0])
+    exact = method in ("context", "module")
+    fetch = index.size if filters else (max(want, RERANK_POOL) if exact else want)
+    scores, ids = index.search(fn([query]), fetch)
+    pairs = [(float(s), int(i)) for s, i in zip(scores[0], ids[0], strict=True) if i >= 0 and i != query.id]
+    if filters:
+        pairs = [(s, i) for s, i in pairs if _matches(session, i, filters)]
+    if exact:
+        pairs = _rescore(session, blobs, query, [i for _, i in pairs[: max(RERANK_POOL, want)]], method == "context")
     hits: list[Hit] = []
-    for score, adapter_id in pairs:
-        if adapter_id < 0 or adapter_id == query.id:
-            continue
-        labels = {
-            lb.key: lb.value for lb in session.scalars(select(Label).where(Label.adapter_id == int(adapter_id), Label.source == "given"))
-        }
-        if any(labels.get(key) != value for key, value in filters.items()):
-            continue
-        a = session.get(Adapter, int(adapter_id))
-        hits.append(Hit(int(adapter_id), a.name if a else "?", float(score), labels))
-        if len(hits) == k:
-            break
+    for score, adapter_id in pairs[:k]:
+        a = session.get(Adapter, adapter_id)
+        hits.append(Hit(adapter_id, a.name if a else "?", score, _given_labels(session, adapter_id)))
     return hits, embedder
+
+
+def _given_labels(session: Session, adapter_id: int) -> dict[str, str]:
+    return {lb.key: lb.value for lb in session.scalars(select(Label).where(Label.adapter_id == adapter_id, Label.source == "given"))}
+
+
+def _matches(session: Session, adapter_id: int, filters: dict[str, str]) -> bool:
+    labels = _given_labels(session, adapter_id)
+    return all(labels.get(key) == value for key, value in filters.items())
+
+
+def _rescore(session: Session, blobs: BlobStore, query: ZooAdapter, pool: list[int], context: bool) -> list[tuple[float, int]]:
+    """The pool ranked by module cosine, plus the neighbourhood term when `context`."""
+    found = {a.id: a for a in session.scalars(select(Adapter).where(Adapter.id.in_(pool))) if a.factors_blob}
+    ids = [i for i in pool if i in found]
+    first = module_cosine_matrix([query.factors], [dict(blobs.get_factors(str(found[i].factors_blob))) for i in ids])[0]
+    if context:
+        rows = load_rows(session, ids)
+        first = contextual_scores(query.id if query.id > 0 else None, ids, first, [rows.get(i, {}) for i in ids])
+    return sorted(zip(first.tolist(), ids, strict=True), key=lambda p: -p[0])
 
 
 def predict(

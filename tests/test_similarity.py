@@ -1,0 +1,87 @@
+"""Module cosine, the neighbour graph and contextual scores (embed/similarity.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embed.evaluate import refactorized
+from embed.similarity import add_to_graph, contextual_scores, module_cosine_matrix, neighbour_row
+from tests.test_embed import synthetic_zoo
+from zoo.canonical import canonicalize
+
+SHAPES = {"q": (12, 10), "v": (12, 10), "fc": (16, 12)}
+
+
+def random_adapter(gen: torch.Generator, modules: tuple[str, ...]) -> dict:
+    out = {}
+    for name in modules:
+        o, i = SHAPES[name]
+        r = int(torch.randint(1, 5, (1,), generator=gen))
+        scale = float(torch.rand(1, generator=gen) * 3)
+        out[name] = canonicalize(torch.randn(r, i, generator=gen), torch.randn(o, r, generator=gen) * scale)
+    return out
+
+
+def dense_module_cosine(x: dict, y: dict) -> float:
+    """The reference: per-module cosine of materialized dW, averaged over shared modules."""
+    shared = sorted(set(x) & set(y))
+    if not shared:
+        return 0.0
+    cos = []
+    for name in shared:
+        a = ((x[name].U * x[name].S) @ x[name].V.T).double().flatten()
+        b = ((y[name].U * y[name].S) @ y[name].V.T).double().flatten()
+        cos.append(float(a @ b / (a.norm() * b.norm())))
+    return float(np.mean(cos))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_module_cosine_matches_dense_dw(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    sets = [("q", "v"), ("fc",), ("q", "v", "fc"), ("v",)]
+    adapters = [random_adapter(gen, sets[int(torch.randint(0, 4, (1,), generator=gen))]) for _ in range(5)]
+    got = module_cosine_matrix(adapters[:2], adapters, chunk=1)
+    want = np.array([[dense_module_cosine(q, g) for g in adapters] for q in adapters[:2]])
+    assert np.allclose(got, want, atol=1e-5)
+    assert np.allclose(np.diag(got), [1.0 if q else 0.0 for q in adapters[:2]], atol=1e-5)
+
+
+def test_module_cosine_is_factorization_invariant() -> None:
+    zoo = synthetic_zoo(n_per_task=3, tasks=2)
+    again = [refactorized(a, seed=i) for i, a in enumerate(zoo)]
+    first = module_cosine_matrix([a.factors for a in zoo], [a.factors for a in zoo])
+    second = module_cosine_matrix([a.factors for a in again], [a.factors for a in zoo])
+    assert np.abs(first - second).max() < 1e-4
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 30), k=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+def test_incremental_graph_equals_batch_top_k(n: int, k: int, seed: int) -> None:
+    """Adding adapters one at a time, each scored against all earlier ones, gives every adapter its exact top k."""
+    rng = np.random.default_rng(seed)
+    sim = rng.uniform(-1, 1, (n, n))
+    sim = (sim + sim.T) / 2
+    rows: dict[int, dict[int, float]] = {}
+    for i in range(n):
+        add_to_graph(rows, i, list(range(i)), sim[i, :i], k)
+    for i in range(n):
+        others = [j for j in range(n) if j != i]
+        assert rows[i] == neighbour_row(others, sim[i, others], k)
+
+
+def test_contextual_scores_add_the_neighbourhood_cosine() -> None:
+    # the query resembles 1 and 2 directly; 3 shares nothing with it but has 1 and 2 as neighbours
+    first = np.array([0.9, 0.8, 0.0, 0.1])
+    ids = [1, 2, 3, 4]
+    rows = [{2: 0.8, 3: 0.5}, {1: 0.8, 3: 0.4}, {1: 0.5, 2: 0.4}, {7: 0.9, 99: 0.5}]
+    got = contextual_scores(99, ids, first, rows, weight=0.5, k=2)
+    query_row = np.array([0.9, 0.8, 0.0])  # over ids 1, 2, 3
+    own_3 = np.array([0.5, 0.4, 1.0])
+    assert got[2] == pytest.approx(0.5 * query_row @ own_3 / (np.linalg.norm(query_row) * np.linalg.norm(own_3)))
+    assert got[3] == pytest.approx(0.1)  # its neighbourhood shares nothing with the query's; the query's own id (99) is dropped
+    assert got[0] > first[0] and got[1] > first[1]
