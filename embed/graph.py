@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from embed.dataset import ZooAdapter
 from embed.index import AdapterIndex
-from embed.similarity import add_to_graph, module_cosine_matrix
+from embed.similarity import ModuleStack, add_to_graph
 from zoo.db.models import EmbeddingSpace, NeighbourList
 
 #: candidates taken from the sketch index before exact scoring
@@ -46,14 +46,19 @@ def update_graph(
     todo = [a for i, a in adapters.items() if i not in stored and i in in_index]
     rows = {i: {int(j): float(s) for j, s in nl.neighbours} for i, nl in stored.items()}
     changed: set[int] = set()
+    order = list(adapters)
+    row_of = {i: r for r, i in enumerate(order)}
+    stack = ModuleStack([adapters[i].factors for i in order])
     bar = tqdm(total=len(todo), desc=f"neighbours {space.name}", unit="adapter", disable=not progress)
     for start in range(0, len(todo), 256):
         chunk = todo[start : start + 256]
         _, found = index.search(sketch(chunk), min(RERANK_POOL + 1, index.size))
-        for a, ids in zip(chunk, found, strict=True):
-            candidates = [int(i) for i in ids if i >= 0 and i != a.id and int(i) in adapters]
-            scores = module_cosine_matrix([a.factors], [adapters[i].factors for i in candidates])[0] if candidates else np.zeros(0)
-            changed |= add_to_graph(rows, a.id, candidates, scores)
+        pools = [[int(i) for i in ids if i >= 0 and i != a.id and int(i) in row_of] for a, ids in zip(chunk, found, strict=True)]
+        union = sorted({i for pool in pools for i in pool})
+        col = {i: c for c, i in enumerate(union)}
+        scores = stack.select([row_of[i] for i in union]).cosines(stack.select([row_of[a.id] for a in chunk]))
+        for r, (a, pool) in enumerate(zip(chunk, pools, strict=True)):
+            changed |= add_to_graph(rows, a.id, pool, scores[r, [col[i] for i in pool]])
             bar.update(1)
     bar.close()
     for i in changed:

@@ -23,6 +23,7 @@ from embed.tokens import Batch
 class W2TConfig:
     type_shapes: dict[str, tuple[int, int]]  # module type -> (out, in)
     n_layers: int
+    n_modules: int = 0  # modules in the space; > 0: a linear readout of all modules' sketches, concatenated
     dim: int = 64
     embed_dim: int = 64
     outer_dim: int = 16
@@ -86,10 +87,15 @@ class W2T(nn.Module):
         self.module_encoder = _encoder(d, config.heads, config.module_layers, config.dropout)
         self.module_pool = AttentionPool(d)
         self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, config.embed_dim))
+        # the learned two-sided sketches of every module side by side (module identity kept), read out
+        # linearly: the path that a linear classifier on a fixed dW sketch shows to be strong
+        self.readout = (
+            nn.Sequential(nn.Dropout(config.dropout), nn.Linear(config.n_modules * k * k, config.embed_dim)) if config.n_modules else None
+        )
         self.heads = nn.ModuleDict({k: nn.Linear(config.embed_dim, len(v)) for k, v in config.categorical.items()})
         self.regressors = nn.ModuleDict({k: nn.Linear(config.embed_dim, 1) for k in config.regression})
 
-    def _module_tokens(self, mtype: str, tok) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    def _module_tokens(self, mtype: str, tok) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
         B, M, R, _ = tok.u.shape
         a = self.proj_u[mtype](tok.u)  # (B, M, R, k)
         b = self.proj_v[mtype](tok.v)
@@ -100,7 +106,8 @@ class W2T(nn.Module):
         # module, normalized by the adapter's total ||dW||_F (what exact dW cosine compares)
         sigma = tok.log_sigma.exp() * tok.mask
         total = sigma.pow(2).flatten(1).sum(dim=1).sqrt().clamp_min(1e-12)
-        linear_sketch = self.sketch((sigma.unsqueeze(-1) * outer).sum(dim=2) / total[:, None, None])  # (B, M, d)
+        module_sketch = (sigma.unsqueeze(-1) * outer).sum(dim=2) / total[:, None, None]  # (B, M, k²)
+        linear_sketch = self.sketch(module_sketch)  # (B, M, d)
         ls = tok.log_sigma
         ls_max = ls.masked_fill(~tok.mask, float("-inf")).amax(dim=-1, keepdim=True).clamp_min(-30.0)
         rel = (ls - ls_max).masked_fill(~tok.mask, 0.0)
@@ -113,16 +120,19 @@ class W2T(nn.Module):
         pooled = self.rank_pool(x, flat_mask, prior=rel.reshape(B * M, R)).reshape(B, M, -1) + linear_sketch
         t = self.types.index(mtype)
         pooled = pooled + self.layer_emb(tok.layers.clamp(0, self.config.n_layers))[None] + self.type_emb.weight[t]
-        return pooled, has_any.reshape(B, M)
+        return pooled, has_any.reshape(B, M), module_sketch
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Adapter embeddings (B, embed_dim), not normalized."""
-        parts, masks = zip(*(self._module_tokens(t, batch[t]) for t in self.types if t in batch), strict=True)
+        parts, masks, sketches = zip(*(self._module_tokens(t, batch[t]) for t in self.types if t in batch), strict=True)
         x = torch.cat(parts, dim=1)
         mask = torch.cat(masks, dim=1)
         safe = mask | ~mask.any(dim=-1, keepdim=True)
         x = self.module_encoder(x, src_key_padding_mask=~safe)
-        return self.out(self.module_pool(x, mask))
+        z = self.out(self.module_pool(x, mask))
+        if self.readout is not None:
+            z = z + self.readout(torch.cat(sketches, dim=1).flatten(1))
+        return z
 
     def predict(self, z: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(class logits per attribute, standardized regression outputs per metric)."""

@@ -187,6 +187,7 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
     config = W2TConfig(
         type_shapes=schema.type_shapes(),
         n_layers=max(schema.layer_of(n) for n in schema.module_names) + 1,
+        n_modules=len(schema.modules),
         dim=options.dim,
         embed_dim=options.dim,
         dropout=options.dropout,

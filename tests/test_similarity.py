@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embed.evaluate import refactorized
-from embed.similarity import add_to_graph, contextual_scores, module_cosine_matrix, neighbour_row
+from embed.similarity import ModuleStack, add_to_graph, contextual_scores, module_cosine_matrix, neighbour_row
 from tests.test_embed import synthetic_zoo
 from zoo.canonical import canonicalize
 
-SHAPES = {"q": (12, 10), "v": (12, 10), "fc": (16, 12)}
+# small modules are compared as dense dW, large ones (o, always) through their factors
+SHAPES = {"q": (12, 10), "v": (12, 10), "fc": (16, 12), "o": (40, 30)}
 
 
 def random_adapter(gen: torch.Generator, modules: tuple[str, ...]) -> dict:
@@ -43,11 +44,14 @@ def dense_module_cosine(x: dict, y: dict) -> float:
 @given(seed=st.integers(0, 2**31 - 1))
 def test_module_cosine_matches_dense_dw(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    sets = [("q", "v"), ("fc",), ("q", "v", "fc"), ("v",)]
+    sets = [("q", "v", "o"), ("fc",), ("q", "v", "fc", "o"), ("v",)]
     adapters = [random_adapter(gen, sets[int(torch.randint(0, 4, (1,), generator=gen))]) for _ in range(5)]
-    got = module_cosine_matrix(adapters[:2], adapters, chunk=1)
+    got = module_cosine_matrix(adapters[:2], adapters)
     want = np.array([[dense_module_cosine(q, g) for g in adapters] for q in adapters[:2]])
     assert np.allclose(got, want, atol=1e-5)
+    stack = ModuleStack(adapters)
+    assert stack.dense.keys() | stack.factors.keys() == stack.present.keys() and "o" not in stack.dense
+    assert np.allclose(stack.cosines(stack.select([1, 0]), chunk=1), want[::-1], atol=1e-5)
     assert np.allclose(np.diag(got), [1.0 if q else 0.0 for q in adapters[:2]], atol=1e-5)
 
 
