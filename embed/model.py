@@ -6,7 +6,9 @@ projections (a learned two-sided sketch of u_i v_iᵀ, invariant to the joint si
 pooling
 uses a learned query with a σ prior (log σ_i/σ_max added to the attention logits), so weak
 components count little. Module tokens get layer and module-type embeddings, a transformer over
-modules mixes them, and attention pooling gives one vector per adapter.
+modules mixes them, and attention pooling gives one vector per adapter. A linear readout of
+every module's σ-weighted sketch, side by side, is added to that vector: attention pooling
+averages module identity away, and a linear classifier on a fixed dW sketch is strong.
 """
 
 from __future__ import annotations
