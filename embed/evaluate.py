@@ -15,17 +15,16 @@ import torch
 
 from embed.baselines import cosine_from_gram, dw_gram, dw_sketch, raw_factor_vectors, spectra_vectors
 from embed.dataset import SpaceSchema, ZooAdapter, split_ids
-from embed.graph import RERANK_POOL
 from embed.metrics import classification, cosine, knn_classify, knn_regress, regression, retrieval
-from embed.similarity import ModuleStack, add_to_graph, contextual_scores
+from embed.similarity import ModuleStack
 from embed.tokens import max_rank
 from embed.train import Embedder, TrainOptions, train_w2t
 from zoo.canonical import CanonicalFactors, canonicalize
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"
-#: `context` is what `zoo search` ranks by by default; `module_cosine` is its first-order part
-METHODS = ("context", "module_cosine", "w2t_supervised", "w2t_contrastive", "dw_cosine", "dw_sketch", "raw_cosine", "spectra_knn")
+#: `module_cosine` is what `zoo search` ranks by by default
+METHODS = ("module_cosine", "w2t_supervised", "w2t_contrastive", "dw_cosine", "dw_sketch", "raw_cosine", "spectra_knn")
 KEYS = ("attr_acc", "attr_macro_f1", "perf_mae", "perf_spearman", "perf_kendall", "hit@1", "hit@10", "mrr", "ndcg@10")
 
 
@@ -95,9 +94,6 @@ def evaluate(
     module = stack.cosines(stack)
     timings["module_cosine"] = time.perf_counter() - t0
     methods["module_cosine"] = _score(module, adapters, test_pos, train_pos, predict=True)
-    t0 = time.perf_counter()
-    methods["context"] = _score(context_similarity(adapters, module, sketch_sim, test_pos), adapters, test_pos, train_pos, predict=False)
-    timings["context"] = timings["module_cosine"] + time.perf_counter() - t0
 
     raw = raw_factor_vectors(adapters, schema, max_rank(adapters))
     methods["raw_cosine"] = (
@@ -134,28 +130,6 @@ def evaluate(
         "invariance_min_cosine": invariance,
         "seconds": {k: round(v, 2) for k, v in timings.items()},
     }
-
-
-def context_similarity(adapters: list[ZooAdapter], module: np.ndarray, sketch_sim: np.ndarray, query_pos: list[int]) -> np.ndarray:
-    """What `zoo search` scores, for each query row (-inf outside its candidate pool): candidates are the
-    RERANK_POOL nearest by sketch, neighbour rows are built as `zoo embed` builds them (in id order)."""
-    n = len(adapters)
-
-    def pool(i: int) -> list[int]:
-        s = sketch_sim[i].copy()
-        s[i] = -np.inf
-        return np.argsort(-s, kind="stable")[: min(RERANK_POOL, n - 1)].tolist()
-
-    rows: dict[int, dict[int, float]] = {}
-    for i in sorted(range(n), key=lambda p: adapters[p].id):
-        cand = pool(i)
-        add_to_graph(rows, adapters[i].id, [adapters[j].id for j in cand], module[i, cand])
-    out = np.full((n, n), -np.inf)
-    for q in query_pos:
-        cand = pool(q)
-        ids = [adapters[j].id for j in cand]
-        out[q, cand] = contextual_scores(adapters[q].id, ids, module[q, cand], [rows[i] for i in ids])
-    return out
 
 
 def _head_scores(emb: Embedder, adapters: list[ZooAdapter], test_pos: list[int]) -> dict[str, float | None]:

@@ -17,9 +17,8 @@ from sqlalchemy.orm import Session
 
 from embed.baselines import SKETCH_K, dw_sketch
 from embed.dataset import SpaceSchema, ZooAdapter, load_adapters, schema_of
-from embed.graph import RERANK_POOL, load_rows, update_graph
 from embed.registry import active_embedder, embedded_ids, ensure_space, get_space, open_index, register, slug, store_embeddings
-from embed.similarity import contextual_scores, module_cosine_matrix
+from embed.similarity import module_cosine_matrix
 from embed.train import Embedder as W2TEmbedder
 from embed.train import TrainOptions, train_w2t
 from zoo.blobs import BlobStore
@@ -80,8 +79,6 @@ def embed_space(session: Session, blobs: BlobStore, data_dir: Path, base_model: 
             store_embeddings(session, embedder, [a.id for a in chunk], fn(chunk))
         session.flush()
         index, state = open_index(session, data_dir, embedder)
-        if embedder.method == "dw_sketch":
-            update_graph(session, space, index, fn, {a.id: a for a in adapters if emb_schema.fits(a.factors)})
         reports.append(EmbedReport(base_model, embedder.id, embedder.method, len(todo), misfits, index.size, state))
     return reports
 
@@ -155,10 +152,10 @@ class Hit:
     labels: dict[str, str]
 
 
-#: Search methods. context (the default): the sketch index's RERANK_POOL nearest candidates, scored
-#: by exact module cosine plus the cosine of neighbourhoods (embed/similarity.py); module: exact
-#: module cosine alone; sketch and w2t: their embeddings alone.
-SEARCH_METHODS = ("context", "module", "sketch", "w2t")
+#: Search methods. module (the default): the sketch index's RERANK_POOL nearest candidates ranked by
+#: exact module cosine (embed/similarity.py); sketch and w2t: their embeddings alone.
+SEARCH_METHODS = ("module", "sketch", "w2t")
+RERANK_POOL = 200
 
 
 def search(
@@ -170,7 +167,7 @@ def search(
     k: int,
     filters: dict[str, str],
     device: str | None = None,
-    method: str = "context",
+    method: str = "module",
 ) -> tuple[list[Hit], Embedder]:
     if method not in SEARCH_METHODS:
         raise ZooError(f"unknown search method {method!r}; one of {', '.join(SEARCH_METHODS)}")
@@ -183,14 +180,14 @@ def search(
         raise ZooError(f"{query.name} does not fit space {space.name}: its modules or shapes differ from the space's")
     index, _ = open_index(session, data_dir, embedder)
     want = k + (1 if query.id > 0 else 0)
-    exact = method in ("context", "module")
+    exact = method == "module"
     fetch = index.size if filters else (max(want, RERANK_POOL) if exact else want)
     scores, ids = index.search(fn([query]), fetch)
     pairs = [(float(s), int(i)) for s, i in zip(scores[0], ids[0], strict=True) if i >= 0 and i != query.id]
     if filters:
         pairs = [(s, i) for s, i in pairs if _matches(session, i, filters)]
     if exact:
-        pairs = _rescore(session, blobs, query, [i for _, i in pairs[: max(RERANK_POOL, want)]], method == "context")
+        pairs = _rescore(session, blobs, query, [i for _, i in pairs[: max(RERANK_POOL, want)]])
     hits: list[Hit] = []
     for score, adapter_id in pairs[:k]:
         a = session.get(Adapter, adapter_id)
@@ -207,14 +204,11 @@ def _matches(session: Session, adapter_id: int, filters: dict[str, str]) -> bool
     return all(labels.get(key) == value for key, value in filters.items())
 
 
-def _rescore(session: Session, blobs: BlobStore, query: ZooAdapter, pool: list[int], context: bool) -> list[tuple[float, int]]:
-    """The pool ranked by module cosine, plus the neighbourhood term when `context`."""
+def _rescore(session: Session, blobs: BlobStore, query: ZooAdapter, pool: list[int]) -> list[tuple[float, int]]:
+    """The pool ranked by exact module cosine."""
     found = {a.id: a for a in session.scalars(select(Adapter).where(Adapter.id.in_(pool))) if a.factors_blob}
     ids = [i for i in pool if i in found]
     first = module_cosine_matrix([query.factors], [dict(blobs.get_factors(str(found[i].factors_blob))) for i in ids])[0]
-    if context:
-        rows = load_rows(session, ids)
-        first = contextual_scores(query.id if query.id > 0 else None, ids, first, [rows.get(i, {}) for i in ids])
     return sorted(zip(first.tolist(), ids, strict=True), key=lambda p: -p[0])
 
 

@@ -5,15 +5,10 @@
   materializing dW. Unlike the cosine of the whole update, every shared module counts equally,
   so a large update of one module cannot drown the others, and adapters that target different
   module sets are compared on what they share.
-- Contextual score: module cosine plus CONTEXT_WEIGHT × the cosine of the two adapters'
-  neighbourhoods (their top-NEIGHBOURS module-cosine rows, each with itself at 1). Two adapters
-  that rarely share modules (one adapting attention, one the MLP) but share neighbours (adapters
-  of all modules on the same task) are drawn together: a second-order similarity.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -22,12 +17,6 @@ import torch
 from zoo.canonical import CanonicalFactors
 
 Factors = Mapping[str, CanonicalFactors]
-NeighbourRow = Mapping[int, float]
-
-#: neighbours kept per adapter in the neighbour graph and per query
-NEIGHBOURS = 20
-#: weight of the neighbourhood cosine against the module cosine
-CONTEXT_WEIGHT = 0.5
 
 
 class ModuleStack:
@@ -107,59 +96,3 @@ def module_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors])
     """(len(queries), len(gallery)) mean per-module dW cosines over shared modules; 0 where none is shared."""
     stack = ModuleStack([*queries, *gallery])
     return stack.select(range(len(queries), stack.size)).cosines(stack.select(range(len(queries))))
-
-
-def neighbour_row(ids: Sequence[int], scores: np.ndarray, k: int = NEIGHBOURS) -> dict[int, float]:
-    """The k best-scoring ids (positive scores only) as a sparse row."""
-    order = np.argsort(-scores, kind="stable")[:k]
-    return {int(ids[j]): float(scores[j]) for j in order if scores[j] > 0}
-
-
-def add_to_graph(
-    rows: dict[int, dict[int, float]], new_id: int, candidate_ids: Sequence[int], scores: np.ndarray, k: int = NEIGHBOURS
-) -> set[int]:
-    """Give `new_id` its row from its scored candidates, and enter it into each candidate's row
-    (present in `rows`) where it ranks among that candidate's top k. Returns the ids whose rows changed.
-    """
-    rows[new_id] = neighbour_row(candidate_ids, scores, k)
-    changed = {new_id}
-    for cid, score in zip(candidate_ids, scores, strict=True):
-        row = rows.get(int(cid))
-        if row is None or score <= 0 or new_id in row:
-            continue
-        if len(row) < k or score > min(row.values()):
-            row[new_id] = float(score)
-            if len(row) > k:
-                del row[min(row, key=row.__getitem__)]
-            changed.add(int(cid))
-    return changed
-
-
-def _sparse_cosine(a: NeighbourRow, b: NeighbourRow) -> float:
-    if len(a) > len(b):
-        a, b = b, a
-    dot = sum(v * b[i] for i, v in a.items() if i in b)
-    norm = math.sqrt(sum(v * v for v in a.values()) * sum(v * v for v in b.values()))
-    return dot / norm if norm > 0 else 0.0
-
-
-def contextual_scores(
-    query_id: int | None,
-    candidate_ids: Sequence[int],
-    first: np.ndarray,
-    candidate_rows: Sequence[NeighbourRow],
-    weight: float = CONTEXT_WEIGHT,
-    k: int = NEIGHBOURS,
-) -> np.ndarray:
-    """Module cosine `first` (query vs candidates) plus `weight` × neighbourhood cosine.
-
-    The query's neighbourhood is its top-k candidates by `first`; each candidate's is its stored
-    row plus itself. The query's own id (a stored query) is dropped from the candidates' rows.
-    """
-    query_row = neighbour_row(candidate_ids, first, k)
-    out = np.array(first, dtype=np.float64)
-    for j, (cid, row) in enumerate(zip(candidate_ids, candidate_rows, strict=True)):
-        own = {i: s for i, s in row.items() if i != query_id}
-        own[int(cid)] = 1.0
-        out[j] += weight * _sparse_cosine(query_row, own)
-    return out

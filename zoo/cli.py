@@ -529,9 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE", help="only adapters with this given label")
     s.add_argument(
         "--method",
-        default="context",
-        help="context (default): the sketch index's nearest 200 re-scored by exact module cosine plus the cosine of "
-        "their neighbourhoods; module: exact module cosine alone; sketch or w2t: ranked by those embeddings alone",
+        default="module",
+        help="module (default): the sketch index's nearest 200 ranked by exact module cosine (the mean over shared "
+        "modules of the per-module dW cosine); sketch or w2t: ranked by those embeddings alone",
     )
     s.add_argument("--device")
     s.add_argument("--json", action="store_true")

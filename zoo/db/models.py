@@ -168,14 +168,3 @@ class Embedding(Base):
     adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), index=True)
     embedder_id: Mapped[int] = mapped_column(ForeignKey("embedder.id", ondelete="CASCADE"), index=True)
     vector: Mapped[bytes] = mapped_column(LargeBinary)
-
-
-class NeighbourList(Base):
-    """An adapter's nearest neighbours in its space by module cosine: [[adapter_id, score], ...], best first."""
-
-    __tablename__ = "neighbour_list"
-
-    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), primary_key=True)
-    space_id: Mapped[int] = mapped_column(ForeignKey("embedding_space.id", ondelete="CASCADE"), index=True)
-    neighbours: Mapped[list] = mapped_column(JSON, default=list)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(), onupdate=func.now())
