@@ -16,7 +16,7 @@ import torch
 from embed.baselines import cosine_from_gram, dw_gram, dw_sketch, raw_factor_vectors, spectra_vectors
 from embed.dataset import SpaceSchema, ZooAdapter, split_ids
 from embed.metrics import classification, cosine, knn_classify, knn_regress, regression, retrieval
-from embed.similarity import ModuleStack
+from embed.similarity import ModuleStack, dense_modules
 from embed.tokens import max_rank
 from embed.train import Embedder, TrainOptions, train_w2t
 from zoo.canonical import CanonicalFactors, canonicalize
@@ -90,7 +90,7 @@ def evaluate(
     sketch_vs_exact = float(np.corrcoef(sketch_sim[off], exact[off])[0, 1]) if len(adapters) > 2 else None
 
     t0 = time.perf_counter()
-    stack = ModuleStack([a.factors for a in adapters])
+    stack = ModuleStack([a.factors for a in adapters], dense_modules([a.factors for a in adapters]))
     module = stack.cosines(stack)
     timings["module_cosine"] = time.perf_counter() - t0
     methods["module_cosine"] = _score(module, adapters, test_pos, train_pos, predict=True)

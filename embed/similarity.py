@@ -19,80 +19,70 @@ from zoo.canonical import CanonicalFactors
 Factors = Mapping[str, CanonicalFactors]
 
 
+def dense_modules(adapters: Sequence[Factors]) -> set[str]:
+    """Modules whose flattened dW is no bigger than twice their largest factors: compared dense."""
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for a in adapters:
+        for name, f in a.items():
+            if f.rank:
+                _, _, r = shapes.get(name, (0, 0, 0))
+                shapes[name] = (f.U.shape[0], f.V.shape[0], max(r, f.rank))
+    return {n for n, (out, inp, r) in shapes.items() if out * inp <= 2 * r * (out + inp)}
+
+
 class ModuleStack:
     """Many adapters' modules stacked per module name, for batched module cosines.
 
-    Per module: the unit-norm dW flattened (N, out·in) where that is no bigger than twice the
-    factors, else the factors zero-padded to the largest rank: U (N, R, out), V (N, R, in) and
-    σ/|σ| (N, R). Rows of adapters without the module are zero and marked absent.
+    Per module, either the unit-norm dW flattened (N, out·in) (`dense` modules), or every
+    adapter's components side by side: U (Σr, out), V (Σr, in), σ/|σ| (Σr,) and the adapter each
+    component belongs to. Stacks compared with each other must share `dense`.
     """
 
-    def __init__(self, adapters: Sequence[Factors]) -> None:
+    def __init__(self, adapters: Sequence[Factors], dense: set[str]) -> None:
         self.size = len(adapters)
         self.present: dict[str, torch.Tensor] = {}
         self.dense: dict[str, torch.Tensor] = {}
-        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         names = sorted({n for a in adapters for n, f in a.items() if f.rank})
         for name in names:
             rows = [(j, a[name]) for j, a in enumerate(adapters) if name in a and a[name].rank]
-            out, inp = rows[0][1].U.shape[0], rows[0][1].V.shape[0]
-            rank = max(f.rank for _, f in rows)
             present = torch.zeros(self.size, dtype=torch.bool)
             present[[j for j, _ in rows]] = True
             self.present[name] = present
-            if out * inp <= 2 * rank * (out + inp):
-                flat = torch.zeros(self.size, out * inp)
-                for j, f in rows:
-                    flat[j] = ((f.U * (f.S / f.S.norm().clamp_min(1e-30))) @ f.V.T).reshape(-1)
+            unit = [f.S / f.S.norm().clamp_min(1e-30) for _, f in rows]
+            if name in dense:
+                flat = torch.zeros(self.size, rows[0][1].U.shape[0] * rows[0][1].V.shape[0])
+                for (j, f), s in zip(rows, unit, strict=True):
+                    flat[j] = ((f.U * s) @ f.V.T).reshape(-1)
                 self.dense[name] = flat
-                continue
-            U, V, S = torch.zeros(self.size, rank, out), torch.zeros(self.size, rank, inp), torch.zeros(self.size, rank)
-            for j, f in rows:
-                U[j, : f.rank] = f.U.T
-                V[j, : f.rank] = f.V.T
-                S[j, : f.rank] = f.S / f.S.norm().clamp_min(1e-30)
-            self.factors[name] = (U, V, S)
+            else:
+                owner = torch.cat([torch.full((f.rank,), j) for j, f in rows])
+                U = torch.cat([f.U for _, f in rows], dim=1).T.contiguous()
+                V = torch.cat([f.V for _, f in rows], dim=1).T.contiguous()
+                self.factors[name] = (U, V, torch.cat(unit), owner)
 
-    def cosines(self, queries: ModuleStack, chunk: int = 64) -> np.ndarray:
-        """(queries.size, self.size) mean per-module cosines over shared modules; 0 where none is shared.
-
-        Both stacks must come from one ModuleStack (by `select`), so their layouts agree.
-        """
+    def cosines(self, queries: ModuleStack, chunk: int = 4096) -> np.ndarray:
+        """(queries.size, self.size) mean per-module cosines over shared modules; 0 where none is shared."""
         total = torch.zeros(queries.size, self.size, dtype=torch.float64)
         count = torch.zeros(queries.size, self.size, dtype=torch.float64)
         for name in queries.present.keys() & self.present.keys():
-            both = (queries.present[name][:, None] & self.present[name][None, :]).double()
-            count += both
             if (name in self.dense) != (name in queries.dense):
-                raise ValueError("stacks of different layouts: select both from one ModuleStack")
+                raise ValueError("stacks of different layouts: build both with the same `dense`")
+            count += (queries.present[name][:, None] & self.present[name][None, :]).double()
             if name in self.dense:
-                total += (queries.dense[name] @ self.dense[name].T).double() * both
+                total += (queries.dense[name] @ self.dense[name].T).double()
                 continue
-            Ug, Vg, Sg = self.factors[name]
-            Uq, Vq, Sq = queries.factors[name]
-            G, R = Sg.shape
-            ug, vg = Ug.reshape(G * R, -1), Vg.reshape(G * R, -1)
-            for start in range(0, queries.size, chunk):
+            Ug, Vg, Sg, og = self.factors[name]
+            Uq, Vq, Sq, oq = queries.factors[name]
+            for start in range(0, len(Sq), chunk):
                 sl = slice(start, start + chunk)
-                q, r = Sq[sl].shape
-                uu = (Uq[sl].reshape(q * r, -1) @ ug.T).reshape(q, r, G, R)
-                vv = (Vq[sl].reshape(q * r, -1) @ vg.T).reshape(q, r, G, R)
-                cos = (uu * vv * Sq[sl][:, :, None, None] * Sg[None, None]).sum(dim=(1, 3))
-                total[sl] += cos.double() * both[sl]
+                terms = (Uq[sl] @ Ug.T) * (Vq[sl] @ Vg.T) * Sq[sl, None] * Sg[None, :]  # (components, components)
+                per_query = torch.zeros(queries.size, len(Sg)).index_add_(0, oq[sl], terms)
+                total += torch.zeros(queries.size, self.size).index_add_(1, og, per_query).double()
         return (total / count.clamp_min(1)).numpy()
-
-    def select(self, rows: Sequence[int]) -> ModuleStack:
-        """The stack of a subset of its adapters (same layout per module)."""
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
-        sub = ModuleStack([])
-        sub.size = len(idx)
-        sub.present = {n: p[idx] for n, p in self.present.items()}
-        sub.dense = {n: d[idx] for n, d in self.dense.items()}
-        sub.factors = {n: (U[idx], V[idx], S[idx]) for n, (U, V, S) in self.factors.items()}
-        return sub
 
 
 def module_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors]) -> np.ndarray:
     """(len(queries), len(gallery)) mean per-module dW cosines over shared modules; 0 where none is shared."""
-    stack = ModuleStack([*queries, *gallery])
-    return stack.select(range(len(queries), stack.size)).cosines(stack.select(range(len(queries))))
+    dense = dense_modules([*queries, *gallery])
+    return ModuleStack(gallery, dense).cosines(ModuleStack(queries, dense))

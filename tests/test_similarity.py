@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embed.evaluate import refactorized
-from embed.similarity import ModuleStack, module_cosine_matrix
+from embed.similarity import ModuleStack, dense_modules, module_cosine_matrix
 from tests.test_embed import synthetic_zoo
 from zoo.canonical import canonicalize
 
@@ -48,9 +48,10 @@ def test_module_cosine_matches_dense_dw(seed: int) -> None:
     got = module_cosine_matrix(adapters[:2], adapters)
     want = np.array([[dense_module_cosine(q, g) for g in adapters] for q in adapters[:2]])
     assert np.allclose(got, want, atol=1e-5)
-    stack = ModuleStack(adapters)
+    dense = dense_modules(adapters)
+    stack = ModuleStack(adapters, dense)
     assert stack.dense.keys() | stack.factors.keys() == stack.present.keys() and "o" not in stack.dense
-    assert np.allclose(stack.cosines(stack.select([1, 0]), chunk=1), want[::-1], atol=1e-5)
+    assert np.allclose(stack.cosines(ModuleStack(adapters[1::-1], dense), chunk=1), want[::-1], atol=1e-5)
     assert np.allclose(np.diag(got), [1.0 if q else 0.0 for q in adapters[:2]], atol=1e-5)
 
 
