@@ -16,15 +16,15 @@ import torch
 from embed.baselines import cosine_from_gram, dw_gram, dw_sketch, raw_factor_vectors, spectra_vectors
 from embed.dataset import SpaceSchema, ZooAdapter, split_ids
 from embed.metrics import classification, cosine, knn_classify, knn_regress, regression, retrieval
-from embed.similarity import ModuleStack, dense_modules
+from embed.similarity import ModuleStack, dense_modules, hybrid_score
 from embed.tokens import max_rank
 from embed.train import Embedder, TrainOptions, train_w2t
 from zoo.canonical import CanonicalFactors, canonicalize
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"
-#: `module_cosine` is what `zoo search` ranks by by default
-METHODS = ("module_cosine", "w2t_supervised", "w2t_contrastive", "dw_cosine", "dw_sketch", "raw_cosine", "spectra_knn")
+#: `hybrid` is what `zoo search` ranks by by default once a supervised W2T is trained, `module_cosine` before
+METHODS = ("hybrid", "module_cosine", "w2t_supervised", "w2t_contrastive", "dw_cosine", "dw_sketch", "raw_cosine", "spectra_knn")
 KEYS = ("attr_acc", "attr_macro_f1", "perf_mae", "perf_spearman", "perf_kendall", "hit@1", "hit@10", "mrr", "ndcg@10")
 
 
@@ -114,6 +114,7 @@ def evaluate(
         methods[name] = _score(sim, adapters, test_pos, train_pos, predict=objective == "contrastive")
         if objective == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
+            methods["hybrid"] = _score(hybrid_score(module, sim, emb.hybrid_weight), adapters, test_pos, train_pos, predict=True)
 
     sup = embedders["supervised"]
     probe = [adapters[p] for p in test_pos[:20]]
@@ -128,6 +129,7 @@ def evaluate(
         "methods": {m: methods[m] for m in METHODS if m in methods},
         "sketch_vs_exact_cosine_corr": sketch_vs_exact,
         "invariance_min_cosine": invariance,
+        "hybrid_weight": sup.hybrid_weight,
         "seconds": {k: round(v, 2) for k, v in timings.items()},
     }
 

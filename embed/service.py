@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from embed.baselines import SKETCH_K, dw_sketch
 from embed.dataset import SpaceSchema, ZooAdapter, load_adapters, schema_of
 from embed.registry import active_embedder, embedded_ids, ensure_space, get_space, open_index, register, slug, store_embeddings
-from embed.similarity import module_cosine_matrix
+from embed.similarity import hybrid_score, module_cosine_matrix
 from embed.train import Embedder as W2TEmbedder
 from embed.train import TrainOptions, train_w2t
 from zoo.blobs import BlobStore
@@ -152,10 +152,24 @@ class Hit:
     labels: dict[str, str]
 
 
-#: Search methods. module (the default): the sketch index's RERANK_POOL nearest candidates ranked by
-#: exact module cosine (embed/similarity.py); sketch and w2t: their embeddings alone.
-SEARCH_METHODS = ("module", "sketch", "w2t")
+#: Search methods. hybrid: exact module cosine and the supervised W2T embedding's cosine, mixed by
+#: the weight chosen on the validation adapters in training, over the union of both indexes' RERANK_POOL nearest; module: the sketch index's
+#: RERANK_POOL nearest ranked by exact module cosine (embed/similarity.py); sketch and w2t: their
+#: embeddings alone. The default is hybrid once a supervised W2T is trained, module before.
+SEARCH_METHODS = ("hybrid", "module", "sketch", "w2t")
 RERANK_POOL = 200
+
+
+@dataclass
+class SearchResult:
+    hits: list[Hit]
+    method: str
+    embedder_ids: list[int]
+
+
+def default_search_method(session: Session, space: EmbeddingSpace) -> str:
+    w2t = active_embedder(session, space, method="w2t")
+    return "hybrid" if w2t is not None and w2t.objective != "contrastive" else "module"
 
 
 def search(
@@ -167,32 +181,50 @@ def search(
     k: int,
     filters: dict[str, str],
     device: str | None = None,
-    method: str = "module",
-) -> tuple[list[Hit], Embedder]:
+    method: str | None = None,
+) -> SearchResult:
+    method = method or default_search_method(session, space)
     if method not in SEARCH_METHODS:
         raise ZooError(f"unknown search method {method!r}; one of {', '.join(SEARCH_METHODS)}")
-    embedder = active_embedder(session, space, method="w2t" if method == "w2t" else "dw_sketch")
-    if embedder is None:
-        todo = "zoo train" if method == "w2t" else "zoo embed"
-        raise ZooError(f"space {space.name} has no {method} embeddings yet: run `{todo} --space {space.name}`")
-    fn, schema = embed_function(embedder, data_dir, device)
-    if not schema.fits(query.factors):
-        raise ZooError(f"{query.name} does not fit space {space.name}: its modules or shapes differ from the space's")
-    index, _ = open_index(session, data_dir, embedder)
+    uses = {"hybrid": ("dw_sketch", "w2t"), "module": ("dw_sketch",), "sketch": ("dw_sketch",), "w2t": ("w2t",)}[method]
+    embedders = [_embedder_for(session, space, m, method) for m in uses]
     want = k + (1 if query.id > 0 else 0)
-    exact = method == "module"
-    fetch = index.size if filters else (max(want, RERANK_POOL) if exact else want)
-    scores, ids = index.search(fn([query]), fetch)
-    pairs = [(float(s), int(i)) for s, i in zip(scores[0], ids[0], strict=True) if i >= 0 and i != query.id]
-    if filters:
-        pairs = [(s, i) for s, i in pairs if _matches(session, i, filters)]
+    exact = method in ("hybrid", "module")
+    pool: dict[int, float] = {}
+    query_vectors: dict[int, np.ndarray] = {}
+    for embedder in embedders:
+        fn, schema = embed_function(embedder, data_dir, device)
+        if not schema.fits(query.factors):
+            raise ZooError(f"{query.name} does not fit space {space.name}: its modules or shapes differ from the space's")
+        index, _ = open_index(session, data_dir, embedder)
+        query_vectors[embedder.id] = fn([query])
+        fetch = index.size if filters else (max(want, RERANK_POOL) if exact else want)
+        scores, ids = index.search(query_vectors[embedder.id], fetch)
+        found = [(int(i), float(sc)) for sc, i in zip(scores[0], ids[0], strict=True) if i >= 0 and i != query.id]
+        if filters:
+            found = [(i, sc) for i, sc in found if _matches(session, i, filters)]
+        for i, sc in found[: max(RERANK_POOL, want)] if exact else found:
+            pool.setdefault(i, sc)
     if exact:
-        pairs = _rescore(session, blobs, query, [i for _, i in pairs[: max(RERANK_POOL, want)]])
+        w2t = embedders[1] if method == "hybrid" else None
+        pairs = _rescore(session, blobs, data_dir, query, list(pool), w2t, device)
+    else:
+        pairs = sorted(((sc, i) for i, sc in pool.items()), key=lambda p: -p[0])
     hits: list[Hit] = []
     for score, adapter_id in pairs[:k]:
         a = session.get(Adapter, adapter_id)
         hits.append(Hit(adapter_id, a.name if a else "?", score, _given_labels(session, adapter_id)))
-    return hits, embedder
+    return SearchResult(hits, method, [e.id for e in embedders])
+
+
+def _embedder_for(session: Session, space: EmbeddingSpace, kind: str, method: str) -> Embedder:
+    embedder = active_embedder(session, space, method=kind)
+    if embedder is None:
+        todo = "zoo train" if kind == "w2t" else "zoo embed"
+        raise ZooError(f"space {space.name} has no {kind} embeddings yet for --method {method}: run `{todo} --space {space.name}`")
+    if method == "hybrid" and kind == "w2t" and embedder.objective == "contrastive":
+        raise ZooError(f"--method hybrid needs a supervised W2T: run `zoo train --space {space.name}`")
+    return embedder
 
 
 def _given_labels(session: Session, adapter_id: int) -> dict[str, str]:
@@ -204,12 +236,17 @@ def _matches(session: Session, adapter_id: int, filters: dict[str, str]) -> bool
     return all(labels.get(key) == value for key, value in filters.items())
 
 
-def _rescore(session: Session, blobs: BlobStore, query: ZooAdapter, pool: list[int]) -> list[tuple[float, int]]:
-    """The pool ranked by exact module cosine."""
+def _rescore(
+    session: Session, blobs: BlobStore, data_dir: Path, query: ZooAdapter, pool: list[int], w2t: Embedder | None, device: str | None
+) -> list[tuple[float, int]]:
+    """The pool ranked by exact module cosine, or by the hybrid score when a W2T embedder is given."""
     found = {a.id: a for a in session.scalars(select(Adapter).where(Adapter.id.in_(pool))) if a.factors_blob}
-    ids = [i for i in pool if i in found]
-    first = module_cosine_matrix([query.factors], [dict(blobs.get_factors(str(found[i].factors_blob))) for i in ids])[0]
-    return sorted(zip(first.tolist(), ids, strict=True), key=lambda p: -p[0])
+    candidates = [ZooAdapter(i, found[i].name, dict(blobs.get_factors(str(found[i].factors_blob)))) for i in pool if i in found]
+    scores = module_cosine_matrix([query.factors], [c.factors for c in candidates])[0]
+    if w2t is not None:
+        model = W2TEmbedder.load(data_dir / str(w2t.checkpoint), device)
+        scores = hybrid_score(scores, (model.embed(candidates) @ model.embed([query]).T)[:, 0], model.hybrid_weight)
+    return sorted(zip(scores.tolist(), [c.id for c in candidates], strict=True), key=lambda p: -p[0])
 
 
 def predict(

@@ -86,3 +86,8 @@ def module_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors])
     """(len(queries), len(gallery)) mean per-module dW cosines over shared modules; 0 where none is shared."""
     dense = dense_modules([*queries, *gallery])
     return ModuleStack(gallery, dense).cosines(ModuleStack(queries, dense))
+
+
+def hybrid_score(module_cosine: np.ndarray, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:
+    """(1 - weight) × module cosine + weight × the supervised W2T embedding's cosine."""
+    return (1.0 - weight) * module_cosine + weight * w2t_cosine

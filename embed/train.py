@@ -22,7 +22,9 @@ from torch import nn
 from tqdm import tqdm
 
 from embed.dataset import SpaceSchema, ZooAdapter
+from embed.metrics import retrieval
 from embed.model import W2T, W2TConfig
+from embed.similarity import hybrid_score, module_cosine_matrix
 from embed.tokens import Batch, TypeTokens, max_rank, select, to_device, tokenize
 from zoo.labels import TASK_KEY
 
@@ -76,6 +78,8 @@ class Embedder:
     residual_std: dict[str, float] = field(default_factory=dict)
     #: per metric: (min, max) over the training adapters; predictions and intervals stay inside it
     metric_range: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: weight of this embedding's cosine against module cosine in the hybrid search score, chosen on the validation adapters
+    hybrid_weight: float = 0.5
 
     def _batches(self, adapters: list[ZooAdapter], size: int = 256):  # type: ignore[no-untyped-def]
         for start in range(0, len(adapters), size):
@@ -118,6 +122,7 @@ class Embedder:
             "history": self.history,
             "residual_std": self.residual_std,
             "metric_range": self.metric_range,
+            "hybrid_weight": self.hybrid_weight,
         }
         (directory / "embedder.json").write_text(json.dumps(meta, indent=1))
 
@@ -130,7 +135,9 @@ class Embedder:
         stats = {k: (float(v[0]), float(v[1])) for k, v in meta["metric_stats"].items()}
         ranges = {k: (float(v[0]), float(v[1])) for k, v in meta.get("metric_range", {}).items()}
         schema = SpaceSchema.from_dict(meta["schema"])
-        return cls(model, schema, int(meta["rank"]), stats, meta["objective"], meta["history"], meta["residual_std"], ranges)
+        return cls(
+            model, schema, int(meta["rank"]), stats, meta["objective"], meta["history"], meta["residual_std"], ranges, meta["hybrid_weight"]
+        )
 
 
 def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrastive_view: bool) -> Batch:
@@ -274,4 +281,27 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
             pairs = [(p, a.measurements[m]) for p, a in zip(predicted[m], val, strict=True) if m in a.measurements]
             if len(pairs) >= 2:
                 embedder.residual_std[m] = float(np.std([p - t for p, t in pairs]))
+    if n_val >= 2:
+        embedder.hybrid_weight = choose_hybrid_weight(embedder, adapters, val_idx.tolist())
     return embedder
+
+
+HYBRID_WEIGHTS = tuple(i / 10 for i in range(11))
+
+
+def choose_hybrid_weight(embedder: Embedder, adapters: list[ZooAdapter], val_rows: list[int]) -> float:
+    """The hybrid weight that retrieves best (MRR + nDCG@10, relevance = same task) with the validation
+    adapters as queries against all the training adapters; 0.5 when the validation adapters have no tasks."""
+    queries = [r for r in val_rows if TASK_KEY in adapters[r].labels]
+    if len(queries) < 2:
+        return 0.5
+    module = module_cosine_matrix([adapters[r].factors for r in queries], [a.factors for a in adapters])
+    z = embedder.embed(adapters)
+    w2t = z[queries] @ z.T
+    tasks = [a.labels.get(TASK_KEY, "") for a in adapters]
+
+    def quality(weight: float) -> float:
+        r = retrieval(hybrid_score(module, w2t, weight), [tasks[q] for q in queries], tasks, list(queries))
+        return r["mrr"] + r["ndcg@10"]
+
+    return max(HYBRID_WEIGHTS, key=quality)

@@ -12,7 +12,7 @@ from embed.baselines import cosine_from_gram, dw_gram, dw_sketch
 from embed.dataset import ZooAdapter, schema_of
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
-from embed.train import Embedder, TrainOptions, train_w2t
+from embed.train import HYBRID_WEIGHTS, Embedder, TrainOptions, train_w2t
 from zoo.canonical import canonicalize
 
 MODULES = [(f"layers.{layer}.{t}", 24, 20) for layer in range(2) for t in ("q_proj", "v_proj")]
@@ -101,6 +101,7 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     p0, v0 = emb.predict(zoo[:6])
     p1, v1 = loaded.predict(zoo[:6])
     assert np.allclose(p0["task"], p1["task"], atol=1e-6) and np.allclose(v0["test_accuracy"], v1["test_accuracy"], atol=1e-6)
+    assert emb.hybrid_weight in HYBRID_WEIGHTS and loaded.hybrid_weight == emb.hybrid_weight
     measured = [a.measurements["test_accuracy"] for a in zoo]
     assert loaded.metric_range["test_accuracy"] == (min(measured), max(measured))
     assert min(measured) <= v1["test_accuracy"].min() and v1["test_accuracy"].max() <= max(measured)

@@ -89,6 +89,10 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     assert m["low"] <= m["value"] <= m["high"]
     rc, (found,) = cli.json_lines("search", "1", "-k", "3", "--method", "w2t")
     assert rc == 0 and len(found["results"]) == 3
+    # with a supervised W2T trained, search defaults to the hybrid; a stored adapter given by path scores 1 with itself
+    rc, (hybrid,) = cli.json_lines("search", str(small_zoo / "zoo" / "a03"), "-k", "3")
+    assert rc == 0 and hybrid["method"] == "hybrid" and len(hybrid["embedder_ids"]) == 2
+    assert hybrid["results"][0]["name"] == "a03" and hybrid["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_search_errors(cli: CLI, small_zoo: Path) -> None:

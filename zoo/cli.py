@@ -320,15 +320,16 @@ def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
     with session_factory(settings.database_url)() as session:
         query, base = service.query_adapter(session, _blobs(settings), args.query, args.device)
         space = service.resolve_space(session, args.space or base)
-        hits, embedder = service.search(
+        found = service.search(
             session, _blobs(settings), settings.data_dir, space, query, args.k, _filters(args.filter), args.device, args.method
         )
-    rows = [h.__dict__ for h in hits]
+    rows = [h.__dict__ for h in found.hits]
     if args.json:
-        _print_json({"query": args.query, "space": space.name, "method": args.method, "embedder_id": embedder.id, "results": rows})
+        _print_json({"query": args.query, "space": space.name, "method": found.method, "embedder_ids": found.embedder_ids, "results": rows})
         return 0
-    print(f"nearest to {query.name} in {space.name} by {args.method} (embedder {embedder.id}):")
-    for h in hits:
+    used = ", ".join(str(i) for i in found.embedder_ids)
+    print(f"nearest to {query.name} in {space.name} by {found.method} (embedders {used}):")
+    for h in found.hits:
         task = h.labels.get("task", "")
         print(f"  {h.score:7.4f}  {h.adapter_id:>6}  {h.name:<32} {task}")
     return 0
@@ -529,9 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE", help="only adapters with this given label")
     s.add_argument(
         "--method",
-        default="module",
-        help="module (default): the sketch index's nearest 200 ranked by exact module cosine (the mean over shared "
-        "modules of the per-module dW cosine); sketch or w2t: ranked by those embeddings alone",
+        help="hybrid (the default once `zoo train` has made a supervised W2T): exact module cosine and W2T cosine, "
+        "mixed by the weight that retrieved best on the validation adapters, over both indexes' nearest 200; module (the default before): the sketch index's nearest 200 "
+        "ranked by exact module cosine (the mean over shared modules of the per-module dW cosine); sketch or w2t: "
+        "ranked by those embeddings alone",
     )
     s.add_argument("--device")
     s.add_argument("--json", action="store_true")
