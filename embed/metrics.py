@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from scipy.stats import kendalltau, spearmanr
-from sklearn.metrics import f1_score
 
 KNN_K = 10
 
@@ -63,6 +61,8 @@ def knn_regress(sim: np.ndarray, train_values: np.ndarray, k: int = KNN_K) -> np
 
 
 def classification(pred: list[str], true: list[str]) -> dict[str, float]:
+    from sklearn.metrics import f1_score  # imported here: every `zoo` command loads this module, few score
+
     return {
         "attr_acc": float(np.mean([p == t for p, t in zip(pred, true, strict=True)])),
         "attr_macro_f1": float(f1_score(true, pred, average="macro")),
@@ -70,6 +70,8 @@ def classification(pred: list[str], true: list[str]) -> dict[str, float]:
 
 
 def regression(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    from scipy.stats import kendalltau, spearmanr  # imported here: every `zoo` command loads this module, few score
+
     return {
         "perf_mae": float(np.abs(pred - true).mean()),
         "perf_spearman": float(spearmanr(pred, true).statistic),
