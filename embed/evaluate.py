@@ -90,7 +90,8 @@ def evaluate(
     sketch_vs_exact = float(np.corrcoef(sketch_sim[off], exact[off])[0, 1]) if len(adapters) > 2 else None
 
     t0 = time.perf_counter()
-    stack = ModuleStack([a.factors for a in adapters], dense_modules([a.factors for a in adapters]))
+    factors = [a.factors for a in adapters]
+    stack = ModuleStack(factors, dense_modules(factors))
     module = stack.cosines(stack)
     timings["module_cosine"] = time.perf_counter() - t0
     methods["module_cosine"] = _score(module, adapters, test_pos, train_pos, predict=True)

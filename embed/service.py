@@ -5,6 +5,7 @@ Plain functions over a session, the blob store and the data dir; no printing.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -30,10 +31,16 @@ from zoo.ingest import canonicalize_modules, pick_device
 EmbedFn = Callable[[list[ZooAdapter]], np.ndarray]
 
 
+@functools.lru_cache(maxsize=4)
+def load_w2t(checkpoint: Path, device: str | None) -> W2TEmbedder:
+    """A W2T checkpoint, loaded once per process (checkpoint directories are never rewritten)."""
+    return W2TEmbedder.load(checkpoint, device)
+
+
 def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None) -> tuple[EmbedFn, SpaceSchema]:
     """How an embedder turns adapters into unit vectors, and the module vocabulary it was made for."""
     if embedder.method == "w2t":
-        model = W2TEmbedder.load(data_dir / str(embedder.checkpoint), device)
+        model = load_w2t(data_dir / str(embedder.checkpoint), device)
         return model.embed, model.schema
     schema = SpaceSchema.from_dict(embedder.config["schema"])
     k, seed = int(embedder.config["k"]), int(embedder.config["seed"])
@@ -153,9 +160,10 @@ class Hit:
 
 
 #: Search methods. hybrid: exact module cosine and the supervised W2T embedding's cosine, mixed by
-#: the weight chosen on the validation adapters in training, over the union of both indexes' RERANK_POOL nearest; module: the sketch index's
-#: RERANK_POOL nearest ranked by exact module cosine (embed/similarity.py); sketch and w2t: their
-#: embeddings alone. The default is hybrid once a supervised W2T is trained, module before.
+#: the weight chosen on the validation adapters in training, over the union of both indexes'
+#: RERANK_POOL nearest; module: the sketch index's RERANK_POOL nearest ranked by exact module
+#: cosine (embed/similarity.py); sketch and w2t: their embeddings alone. The default is hybrid
+#: once a supervised W2T is trained, module before.
 SEARCH_METHODS = ("hybrid", "module", "sketch", "w2t")
 RERANK_POOL = 200
 
@@ -191,23 +199,23 @@ def search(
     want = k + (1 if query.id > 0 else 0)
     exact = method in ("hybrid", "module")
     pool: dict[int, float] = {}
-    query_vectors: dict[int, np.ndarray] = {}
+    query_vector = np.zeros(0)
     for embedder in embedders:
         fn, schema = embed_function(embedder, data_dir, device)
         if not schema.fits(query.factors):
             raise ZooError(f"{query.name} does not fit space {space.name}: its modules or shapes differ from the space's")
         index, _ = open_index(session, data_dir, embedder)
-        query_vectors[embedder.id] = fn([query])
+        query_vector = fn([query])  # the hybrid's last embedder is W2T: its query vector is reused below
         fetch = index.size if filters else (max(want, RERANK_POOL) if exact else want)
-        scores, ids = index.search(query_vectors[embedder.id], fetch)
+        scores, ids = index.search(query_vector, fetch)
         found = [(int(i), float(sc)) for sc, i in zip(scores[0], ids[0], strict=True) if i >= 0 and i != query.id]
         if filters:
             found = [(i, sc) for i, sc in found if _matches(session, i, filters)]
         for i, sc in found[: max(RERANK_POOL, want)] if exact else found:
             pool.setdefault(i, sc)
     if exact:
-        w2t = embedders[1] if method == "hybrid" else None
-        pairs = _rescore(session, blobs, data_dir, query, list(pool), w2t, device)
+        w2t = (load_w2t(data_dir / str(embedders[1].checkpoint), device), query_vector) if method == "hybrid" else None
+        pairs = _rescore(session, blobs, query, list(pool), w2t)
     else:
         pairs = sorted(((sc, i) for i, sc in pool.items()), key=lambda p: -p[0])
     hits: list[Hit] = []
@@ -237,15 +245,15 @@ def _matches(session: Session, adapter_id: int, filters: dict[str, str]) -> bool
 
 
 def _rescore(
-    session: Session, blobs: BlobStore, data_dir: Path, query: ZooAdapter, pool: list[int], w2t: Embedder | None, device: str | None
+    session: Session, blobs: BlobStore, query: ZooAdapter, pool: list[int], w2t: tuple[W2TEmbedder, np.ndarray] | None
 ) -> list[tuple[float, int]]:
-    """The pool ranked by exact module cosine, or by the hybrid score when a W2T embedder is given."""
+    """The pool ranked by exact module cosine, or by the hybrid score given W2T and the query's W2T vector."""
     found = {a.id: a for a in session.scalars(select(Adapter).where(Adapter.id.in_(pool))) if a.factors_blob}
     candidates = [ZooAdapter(i, found[i].name, dict(blobs.get_factors(str(found[i].factors_blob)))) for i in pool if i in found]
     scores = module_cosine_matrix([query.factors], [c.factors for c in candidates])[0]
     if w2t is not None:
-        model = W2TEmbedder.load(data_dir / str(w2t.checkpoint), device)
-        scores = hybrid_score(scores, (model.embed(candidates) @ model.embed([query]).T)[:, 0], model.hybrid_weight)
+        model, query_vector = w2t
+        scores = hybrid_score(scores, (model.embed(candidates) @ query_vector.T)[:, 0], model.hybrid_weight)
     return sorted(zip(scores.tolist(), [c.id for c in candidates], strict=True), key=lambda p: -p[0])
 
 
@@ -256,7 +264,7 @@ def predict(
     embedder = active_embedder(session, space, method="w2t")
     if embedder is None or embedder.objective == "contrastive":
         raise ZooError(f"space {space.name} has no supervised W2T embedder: run `zoo train --space {space.name}`")
-    model = W2TEmbedder.load(data_dir / str(embedder.checkpoint), device)
+    model = load_w2t(data_dir / str(embedder.checkpoint), device)
     if not model.schema.fits(query.factors):
         raise ZooError(f"{query.name} does not fit space {space.name}")
     probs, values = model.predict([query])
