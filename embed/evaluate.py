@@ -3,7 +3,8 @@
 Split by adapter (seeded). Retrieval: each held-out adapter is a query, the gallery is every
 other adapter of the space, relevance = same task. Attributes (the task) and performance
 (test accuracy) are predicted for held-out adapters from what training saw only: kNN over the
-training adapters for similarity-only methods, the heads for W2T (supervised).
+training adapters for similarity-only methods, W2T (supervised)'s own predictors (its heads, or
+kNN in its embedding for a metric where that ranked its validation adapters better).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _head_scores(emb: Embedder, adapters: list[ZooAdapter], test_pos: list[int])
     test = [adapters[p] for p in test_pos]
     probs, values = emb.predict(test)
     out: dict[str, float | None] = {}
-    classes = emb.model.config.categorical.get(TASK_KEY)
+    classes = emb.config.categorical.get(TASK_KEY)
     if classes is not None and all(TASK_KEY in a.labels for a in test):
         pred = [classes[i] for i in probs[TASK_KEY].argmax(axis=1)]
         out.update(classification(pred, [a.labels[TASK_KEY] for a in test]))

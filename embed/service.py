@@ -106,7 +106,7 @@ def train_space(
     best = min(h["val_loss"] for h in model.history) if model.history else None
     metrics = {
         "best_val_loss": best,
-        "epochs": len(model.history),
+        "epochs": [sum(1 for h in model.history if h["member"] == i) for i in range(len(model.models))],
         "train_seconds": round(time.perf_counter() - t0, 1),
         "n_adapters": len(adapters),
     }
@@ -114,10 +114,10 @@ def train_space(
         session,
         space,
         "w2t",
-        model.model.config.embed_dim,
+        model.dim,
         objective=options.objective,
         checkpoint=str(checkpoint),
-        config={"options": {k: v for k, v in options.__dict__.items() if k != "device"}, "model": model.model.config.as_dict()},
+        config={"options": {k: v for k, v in options.__dict__.items() if k != "device"}, "model": model.config.as_dict()},
         metrics=metrics,
     )
     return embedder, model
@@ -259,8 +259,8 @@ def _rescore(
 
 def predict(
     session: Session, blobs: BlobStore, data_dir: Path, space: EmbeddingSpace, query: ZooAdapter, device: str | None = None
-) -> tuple[dict[str, list[tuple[str, float]]], dict[str, tuple[float, float, float]], Embedder]:
-    """Top class probabilities per attribute, and (value, low, high) per metric (a 90 % interval)."""
+) -> tuple[dict[str, list[tuple[str, float]]], dict[str, tuple[float, float, float, str]], Embedder]:
+    """Top class probabilities per attribute, and (value, low, high, predictor) per metric (a 90 % interval)."""
     embedder = active_embedder(session, space, method="w2t")
     if embedder is None or embedder.objective == "contrastive":
         raise ZooError(f"space {space.name} has no supervised W2T embedder: run `zoo train --space {space.name}`")
@@ -270,12 +270,12 @@ def predict(
     probs, values = model.predict([query])
     attrs = {}
     for key, p in probs.items():
-        classes = model.model.config.categorical[key]
+        classes = model.config.categorical[key]
         order = np.argsort(-p[0])[:3]
         attrs[key] = [(classes[i], float(p[0][i])) for i in order]
     metrics = {}
     for key, v in values.items():
         half = 1.645 * model.residual_std.get(key, float("nan"))
         low, high = model.metric_range.get(key, (-math.inf, math.inf))
-        metrics[key] = (float(v[0]), max(float(v[0] - half), low), min(float(v[0] + half), high))
+        metrics[key] = (float(v[0]), max(float(v[0] - half), low), min(float(v[0] + half), high), model.predictor.get(key, "head"))
     return attrs, metrics, embedder

@@ -5,6 +5,13 @@ standardized measured metric. Contrastive: two views of every adapter (its weake
 components truncated, small noise on u and v); positives are the other view and, where the zoo
 has them, adapters of the same task (supervised-contrastive loss). Early stopping on a
 validation split; deterministic from the seed on the CPU.
+
+An embedder is a small ensemble: `members` models trained from consecutive seeds on the same
+split. Its embedding concatenates theirs (so its cosine is their mean cosine) and its class
+probabilities average theirs; one W2T model varies a lot from seed to seed on a few hundred
+adapters. Each metric is predicted either by the regression heads or by the measured values of
+the most similar training adapters in the embedding, whichever ranks the validation adapters
+better (Spearman).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from embed.dataset import SpaceSchema, ZooAdapter
-from embed.metrics import retrieval
+from embed.metrics import knn_regress, retrieval
 from embed.model import W2T, W2TConfig
 from embed.similarity import hybrid_score, module_cosine_matrix
 from embed.tokens import Batch, TypeTokens, max_rank, select, to_device, tokenize
@@ -50,6 +57,8 @@ class TrainOptions:
     #: generating hyperparameters made the task embedding much worse on the reference zoo (docs/results.md).
     attributes: tuple[str, ...] | None = ("task",)
     dropout: float = 0.2
+    #: models in the ensemble, trained from seeds seed, seed + 1, ...
+    members: int = 3
 
 
 def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
@@ -64,15 +73,19 @@ def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
     return out
 
 
+PREDICTORS = ("head", "neighbours")
+
+
 @dataclass
 class Embedder:
-    """A trained W2T model with everything needed to embed and predict new adapters."""
+    """A trained W2T ensemble with everything needed to embed and predict new adapters."""
 
-    model: W2T
+    models: list[W2T]
     schema: SpaceSchema
     rank: int
     metric_stats: dict[str, tuple[float, float]]
     objective: str
+    #: per member and epoch: {"member", "epoch", "train_loss", "val_loss"}
     history: list[dict[str, float]] = field(default_factory=list)
     #: per metric: std of (predicted - measured) on the validation adapters, for prediction intervals
     residual_std: dict[str, float] = field(default_factory=dict)
@@ -80,41 +93,80 @@ class Embedder:
     metric_range: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: weight of this embedding's cosine against module cosine in the hybrid search score, chosen on the validation adapters
     hybrid_weight: float = 0.5
+    #: per metric: "head" (the members' regression heads, averaged) or "neighbours" (similarity-weighted
+    #: kNN over the embeddings of the training adapters), chosen on the validation adapters
+    predictor: dict[str, str] = field(default_factory=dict)
+    #: embeddings of the training adapters, and their measured values per metric (NaN where unknown)
+    memory: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
+    memory_values: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def config(self) -> W2TConfig:
+        return self.models[0].config
+
+    @property
+    def dim(self) -> int:
+        """Dimension of the embedding: the members' embeddings side by side."""
+        return len(self.models) * self.config.embed_dim
 
     def _batches(self, adapters: list[ZooAdapter], size: int = 256):  # type: ignore[no-untyped-def]
         for start in range(0, len(adapters), size):
             yield tokenize(adapters[start : start + size], self.schema, self.rank)
 
     @torch.no_grad()
-    def embed(self, adapters: list[ZooAdapter]) -> np.ndarray:
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        parts = [self.model(to_device(b, device)).cpu() for b in self._batches(adapters)]
-        z = torch.cat(parts) if parts else torch.zeros(0, self.model.config.embed_dim)
-        return nn.functional.normalize(z, dim=-1).numpy()
+    def _forward(self, adapters: list[ZooAdapter]) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(unit embeddings, class probabilities per attribute, head outputs per metric in their own units)."""
+        device = next(self.models[0].parameters()).device
+        zs, probs, heads = [], {k: [] for k in self.config.categorical}, {k: [] for k in self.config.regression}  # type: ignore[var-annotated]
+        for b in self._batches(adapters):
+            b = to_device(b, device)
+            parts, member_probs, member_values = [], [], []
+            for model in self.models:
+                model.eval()
+                z = model(b)
+                parts.append(nn.functional.normalize(z, dim=-1))
+                logits, reg = model.predict(z)
+                member_probs.append({k: torch.softmax(v, dim=-1) for k, v in logits.items()})
+                member_values.append(reg)
+            zs.append((torch.cat(parts, dim=-1) / math.sqrt(len(self.models))).cpu())
+            for k in probs:
+                probs[k].append(torch.stack([p[k] for p in member_probs]).mean(0).cpu())
+            for k in heads:
+                mean, std = self.metric_stats[k]
+                heads[k].append(torch.stack([v[k] for v in member_values]).mean(0).cpu() * std + mean)
+        z = torch.cat(zs).numpy() if zs else np.zeros((0, self.dim), dtype=np.float32)
+        return z, {k: torch.cat(v).numpy() for k, v in probs.items()}, {k: torch.cat(v).numpy() for k, v in heads.items()}
 
-    @torch.no_grad()
+    def embed(self, adapters: list[ZooAdapter]) -> np.ndarray:
+        """Unit vectors (len(adapters), dim): cosine = the members' mean cosine."""
+        return self._forward(adapters)[0]
+
+    def neighbour_values(self, z: np.ndarray, metric: str) -> np.ndarray:
+        """Similarity-weighted mean of the metric over the most similar adapters of the memory."""
+        values = self.memory_values[metric]
+        known = ~np.isnan(values)
+        return knn_regress(z @ self.memory[known].T, values[known])
+
     def predict(self, adapters: list[ZooAdapter]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(class probabilities per attribute, predicted metric values in their own units)."""
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        probs: dict[str, list[torch.Tensor]] = {k: [] for k in self.model.config.categorical}
-        values: dict[str, list[torch.Tensor]] = {k: [] for k in self.model.config.regression}
-        for b in self._batches(adapters):
-            logits, reg = self.model.predict(self.model(to_device(b, device)))
-            for k, v in logits.items():
-                probs[k].append(torch.softmax(v, dim=-1).cpu())
-            for k, v in reg.items():
-                mean, std = self.metric_stats[k]
-                low, high = self.metric_range.get(k, (-math.inf, math.inf))
-                values[k].append((v.cpu() * std + mean).clamp(low, high))
-        return {k: torch.cat(v).numpy() for k, v in probs.items()}, {k: torch.cat(v).numpy() for k, v in values.items()}
+        z, probs, values = self._forward(adapters)
+        for k in values:
+            if self.predictor.get(k) == "neighbours" and len(adapters):
+                values[k] = self.neighbour_values(z, k)
+            low, high = self.metric_range.get(k, (-math.inf, math.inf))
+            values[k] = np.clip(values[k], low, high)
+        return probs, values
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}, str(directory / "model.safetensors"))
+        state = {f"{i}.{k}": v.detach().cpu().contiguous() for i, m in enumerate(self.models) for k, v in m.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"))
+        memory = {"embedding": torch.from_numpy(np.ascontiguousarray(self.memory, dtype=np.float32))}
+        memory.update({f"values.{k}": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in self.memory_values.items()})
+        save_file(memory, str(directory / "memory.safetensors"))
         meta = {
-            "config": self.model.config.as_dict(),
+            "config": self.config.as_dict(),
+            "members": len(self.models),
             "schema": self.schema.as_dict(),
             "rank": self.rank,
             "metric_stats": self.metric_stats,
@@ -123,20 +175,34 @@ class Embedder:
             "residual_std": self.residual_std,
             "metric_range": self.metric_range,
             "hybrid_weight": self.hybrid_weight,
+            "predictor": self.predictor,
         }
         (directory / "embedder.json").write_text(json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, directory: Path, device: str | None = None) -> Embedder:
         meta = json.loads((directory / "embedder.json").read_text())
-        model = W2T(W2TConfig.from_dict(meta["config"]))
-        model.load_state_dict(load_file(str(directory / "model.safetensors")))
-        model.to(torch.device(device or "cpu"))
-        stats = {k: (float(v[0]), float(v[1])) for k, v in meta["metric_stats"].items()}
-        ranges = {k: (float(v[0]), float(v[1])) for k, v in meta.get("metric_range", {}).items()}
-        schema = SpaceSchema.from_dict(meta["schema"])
+        config = W2TConfig.from_dict(meta["config"])
+        state = load_file(str(directory / "model.safetensors"))
+        models = []
+        for i in range(int(meta["members"])):
+            model = W2T(config)
+            model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"{i}.")})
+            models.append(model.to(torch.device(device or "cpu")))
+        memory = load_file(str(directory / "memory.safetensors"))
         return cls(
-            model, schema, int(meta["rank"]), stats, meta["objective"], meta["history"], meta["residual_std"], ranges, meta["hybrid_weight"]
+            models,
+            SpaceSchema.from_dict(meta["schema"]),
+            int(meta["rank"]),
+            {k: (float(v[0]), float(v[1])) for k, v in meta["metric_stats"].items()},
+            meta["objective"],
+            meta["history"],
+            meta["residual_std"],
+            {k: (float(v[0]), float(v[1])) for k, v in meta["metric_range"].items()},
+            meta["hybrid_weight"],
+            meta["predictor"],
+            memory["embedding"].numpy(),
+            {k.removeprefix("values."): v.numpy() for k, v in memory.items() if k.startswith("values.")},
         )
 
 
@@ -176,10 +242,84 @@ def _supcon(z1: torch.Tensor, z2: torch.Tensor, groups: torch.Tensor, temperatur
     return -(log_prob.masked_fill(~pos, 0.0).sum(1) / pos.sum(1).clamp_min(1)).mean()
 
 
+@dataclass
+class _Data:
+    """Everything training reads, tokenized once and shared by the members."""
+
+    tokens: Batch
+    targets: dict[str, torch.Tensor]
+    reg_targets: dict[str, torch.Tensor]
+    groups: torch.Tensor
+    train_idx: torch.Tensor
+    val_idx: torch.Tensor
+
+
+def _train_member(config: W2TConfig, data: _Data, options: TrainOptions, seed: int, device: torch.device, desc: str, progress: bool):  # type: ignore[no-untyped-def]
+    """One model, early-stopped on the validation loss: (model, history)."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = W2T(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
+
+    def loss_on(rows: torch.Tensor, train: bool) -> torch.Tensor:
+        batch = select(data.tokens, rows)
+        total = torch.zeros((), device=device)
+        if options.objective in ("supervised", "both"):
+            view = _augment(batch, gen, options, contrastive_view=options.augment_truncation) if train else batch
+            z = model(to_device(view, device))
+            logits, reg = model.predict(z)
+            for k, lg in logits.items():
+                y = data.targets[k][rows].to(device)
+                if (y != -100).any():
+                    total = total + nn.functional.cross_entropy(lg, y, ignore_index=-100)
+            for k, out in reg.items():
+                y = data.reg_targets[k][rows].to(device)
+                ok = ~torch.isnan(y)
+                if ok.any():
+                    total = total + nn.functional.mse_loss(out[ok], y[ok])
+        if options.objective in ("contrastive", "both"):
+            z1 = model(to_device(_augment(batch, gen, options, contrastive_view=True), device))
+            z2 = model(to_device(_augment(batch, gen, options, contrastive_view=True), device))
+            total = total + _supcon(z1, z2, data.groups[rows].to(device), options.temperature)
+        return total
+
+    n_val = len(data.val_idx)
+    best, best_state, stale = math.inf, copy.deepcopy(model.state_dict()), 0
+    history: list[dict[str, float]] = []
+    bar = tqdm(range(options.epochs), desc=desc, unit="epoch", disable=not progress)
+    for epoch in bar:
+        model.train()
+        order = data.train_idx[torch.randperm(len(data.train_idx), generator=gen)]
+        train_loss = 0.0
+        for start in range(0, len(order), options.batch_size):
+            rows = order[start : start + options.batch_size]
+            if len(rows) < 2:
+                continue
+            loss = loss_on(rows, train=True)
+            if not loss.requires_grad:  # nothing known about these adapters for this objective
+                continue
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            train_loss += float(loss.detach()) * len(rows)
+        model.eval()
+        with torch.no_grad():
+            val_loss = float(loss_on(data.val_idx, train=False)) if n_val >= 2 else train_loss / max(1, len(order))
+        history.append({"epoch": epoch, "train_loss": train_loss / max(1, len(order)), "val_loss": val_loss})
+        bar.set_postfix(val=f"{val_loss:.3f}")
+        if val_loss < best - 1e-4:
+            best, best_state, stale = val_loss, copy.deepcopy(model.state_dict()), 0
+        else:
+            stale += 1
+            if stale >= options.patience:
+                break
+    model.load_state_dict(best_state)
+    model.eval()
+    return model, history
+
+
 def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, progress: bool = True) -> Embedder:
-    """Train on `adapters` (a validation split is held out of them for early stopping)."""
-    torch.manual_seed(options.seed)
-    gen = torch.Generator().manual_seed(options.seed)
+    """Train on `adapters` (a validation split is held out of them for early stopping and model choices)."""
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     categorical = categorical_attributes(adapters) if options.objective != "contrastive" else {}
     if options.attributes is not None:
@@ -201,102 +341,76 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         categorical=categorical,
         regression=metrics,
     )
-    model = W2T(config).to(device)
-    tokens = tokenize(adapters, schema, rank)
     n = len(adapters)
-    targets = {
-        k: torch.tensor([classes.index(a.labels[k]) if k in a.labels else -100 for a in adapters]) for k, classes in categorical.items()
-    }
-    reg_targets = {
-        m: torch.tensor([(a.measurements[m] - stats[m][0]) / stats[m][1] if m in a.measurements else float("nan") for a in adapters])
-        for m in metrics
-    }
     task_values = sorted({a.labels.get(TASK_KEY, "") for a in adapters})
-    groups = torch.tensor(
-        [task_values.index(a.labels[TASK_KEY]) if TASK_KEY in a.labels else len(task_values) + i for i, a in enumerate(adapters)]
-    )
-    perm = torch.randperm(n, generator=gen)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(options.seed))
     n_val = max(1, int(round(options.val_fraction * n))) if n >= 10 else 0
-    val_idx, train_idx = perm[:n_val], perm[n_val:]
-    opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
-
-    def loss_on(rows: torch.Tensor, train: bool) -> torch.Tensor:
-        batch = select(tokens, rows)
-        total = torch.zeros((), device=device)
-        if options.objective in ("supervised", "both"):
-            view = _augment(batch, gen, options, contrastive_view=options.augment_truncation) if train else batch
-            z = model(to_device(view, device))
-            logits, reg = model.predict(z)
-            for k, lg in logits.items():
-                y = targets[k][rows].to(device)
-                if (y != -100).any():
-                    total = total + nn.functional.cross_entropy(lg, y, ignore_index=-100)
-            for k, out in reg.items():
-                y = reg_targets[k][rows].to(device)
-                ok = ~torch.isnan(y)
-                if ok.any():
-                    total = total + nn.functional.mse_loss(out[ok], y[ok])
-        if options.objective in ("contrastive", "both"):
-            z1 = model(to_device(_augment(batch, gen, options, contrastive_view=True), device))
-            z2 = model(to_device(_augment(batch, gen, options, contrastive_view=True), device))
-            total = total + _supcon(z1, z2, groups[rows].to(device), options.temperature)
-        return total
-
-    best, best_state, stale = math.inf, copy.deepcopy(model.state_dict()), 0
-    history: list[dict[str, float]] = []
-    bar = tqdm(range(options.epochs), desc=f"train w2t ({options.objective})", unit="epoch", disable=not progress)
-    for epoch in bar:
-        model.train()
-        order = train_idx[torch.randperm(len(train_idx), generator=gen)]
-        train_loss = 0.0
-        for start in range(0, len(order), options.batch_size):
-            rows = order[start : start + options.batch_size]
-            if len(rows) < 2:
-                continue
-            loss = loss_on(rows, train=True)
-            if not loss.requires_grad:  # nothing known about these adapters for this objective
-                continue
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            train_loss += float(loss.detach()) * len(rows)
-        model.eval()
-        with torch.no_grad():
-            val_loss = float(loss_on(val_idx, train=False)) if n_val >= 2 else train_loss / max(1, len(order))
-        history.append({"epoch": epoch, "train_loss": train_loss / max(1, len(order)), "val_loss": val_loss})
-        bar.set_postfix(val=f"{val_loss:.3f}")
-        if val_loss < best - 1e-4:
-            best, best_state, stale = val_loss, copy.deepcopy(model.state_dict()), 0
-        else:
-            stale += 1
-            if stale >= options.patience:
-                break
-    model.load_state_dict(best_state)
-    model.eval()
-    embedder = Embedder(model, schema, rank, stats, options.objective, history, metric_range=ranges)
+    data = _Data(
+        tokens=tokenize(adapters, schema, rank),
+        targets={
+            k: torch.tensor([classes.index(a.labels[k]) if k in a.labels else -100 for a in adapters]) for k, classes in categorical.items()
+        },
+        reg_targets={
+            m: torch.tensor([(a.measurements[m] - stats[m][0]) / stats[m][1] if m in a.measurements else float("nan") for a in adapters])
+            for m in metrics
+        },
+        groups=torch.tensor(
+            [task_values.index(a.labels[TASK_KEY]) if TASK_KEY in a.labels else len(task_values) + i for i, a in enumerate(adapters)]
+        ),
+        train_idx=perm[n_val:],
+        val_idx=perm[:n_val],
+    )
+    models, history = [], []
+    for i in range(max(1, options.members)):
+        desc = f"train w2t ({options.objective}, model {i + 1}/{max(1, options.members)})"
+        model, member_history = _train_member(config, data, options, options.seed + i, device, desc, progress)
+        models.append(model)
+        history += [{"member": i, **h} for h in member_history]
+    embedder = Embedder(models, schema, rank, stats, options.objective, history, metric_range=ranges)
+    z = embedder.embed(adapters)
+    train_rows, val_rows = data.train_idx.tolist(), data.val_idx.tolist()
+    embedder.memory = z[train_rows]
+    embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in train_rows]) for m in metrics}
     if metrics and n_val >= 2:
-        val = [adapters[i] for i in val_idx.tolist()]
-        _, predicted = embedder.predict(val)
-        for m in metrics:
-            pairs = [(p, a.measurements[m]) for p, a in zip(predicted[m], val, strict=True) if m in a.measurements]
-            if len(pairs) >= 2:
-                embedder.residual_std[m] = float(np.std([p - t for p, t in pairs]))
+        _choose_predictors(embedder, [adapters[r] for r in val_rows], z[val_rows])
+    measured = [r for r, a in enumerate(adapters) if any(m in a.measurements for m in metrics)]
+    embedder.memory = z[measured]
+    embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in measured]) for m in metrics}
     if n_val >= 2:
-        embedder.hybrid_weight = choose_hybrid_weight(embedder, adapters, val_idx.tolist())
+        embedder.hybrid_weight = choose_hybrid_weight(z, adapters, val_rows)
     return embedder
+
+
+def _choose_predictors(embedder: Embedder, val: list[ZooAdapter], z_val: np.ndarray) -> None:
+    """Per metric: the predictor (heads or neighbours among the training adapters) that ranks the validation
+    adapters better (Spearman; the heads on a tie or with fewer than 5), and its residual std."""
+    from scipy.stats import spearmanr  # imported here: every `zoo` command loads this module, few train
+
+    _, _, head = embedder._forward(val)
+    for m in embedder.config.regression:
+        rows = [i for i, a in enumerate(val) if m in a.measurements]
+        if len(rows) < 2:
+            continue
+        truth = np.array([val[i].measurements[m] for i in rows])
+        candidates = {"head": head[m][rows], "neighbours": embedder.neighbour_values(z_val[rows], m)}
+        quality = {k: float(np.nan_to_num(spearmanr(v, truth).statistic, nan=-1.0)) for k, v in candidates.items()}
+        choice = "neighbours" if len(rows) >= 5 and quality["neighbours"] > quality["head"] else "head"
+        embedder.predictor[m] = choice
+        low, high = embedder.metric_range[m]
+        embedder.residual_std[m] = float(np.std(np.clip(candidates[choice], low, high) - truth))
 
 
 HYBRID_WEIGHTS = tuple(i / 10 for i in range(11))
 
 
-def choose_hybrid_weight(embedder: Embedder, adapters: list[ZooAdapter], val_rows: list[int]) -> float:
+def choose_hybrid_weight(z: np.ndarray, adapters: list[ZooAdapter], val_rows: list[int]) -> float:
     """The hybrid weight that retrieves best (MRR + nDCG@10, relevance = same task) with the validation
-    adapters as queries against all the training adapters; 0.5 when the validation adapters have no tasks."""
+    adapters as queries against all the training adapters (z: the W2T embeddings of `adapters`); 0.5 when
+    the validation adapters have no tasks."""
     queries = [r for r in val_rows if TASK_KEY in adapters[r].labels]
     if len(queries) < 2:
         return 0.5
     module = module_cosine_matrix([adapters[r].factors for r in queries], [a.factors for a in adapters])
-    z = embedder.embed(adapters)
     w2t = z[queries] @ z.T
     tasks = [a.labels.get(TASK_KEY, "") for a in adapters]
 

@@ -12,7 +12,7 @@ from embed.baselines import cosine_from_gram, dw_gram, dw_sketch
 from embed.dataset import ZooAdapter, schema_of
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
-from embed.train import HYBRID_WEIGHTS, Embedder, TrainOptions, train_w2t
+from embed.train import HYBRID_WEIGHTS, PREDICTORS, Embedder, TrainOptions, train_w2t
 from zoo.canonical import canonicalize
 
 MODULES = [(f"layers.{layer}.{t}", 24, 20) for layer in range(2) for t in ("q_proj", "v_proj")]
@@ -92,9 +92,12 @@ def test_embedding_is_factorization_and_sign_invariant(zoo: list[ZooAdapter]) ->
 def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) -> None:
     schema = schema_of("synthetic", zoo)
     emb = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1, attributes=None), progress=False)
-    assert set(emb.model.config.categorical) == {"task", "rank"}
-    assert emb.model.config.regression == ["test_accuracy"]
-    assert 1 <= len(emb.history) <= 3
+    assert set(emb.config.categorical) == {"task", "rank"}
+    assert emb.config.regression == ["test_accuracy"]
+    assert len(emb.models) == TrainOptions().members
+    assert all(1 <= sum(1 for h in emb.history if h["member"] == i) <= 3 for i in range(len(emb.models)))
+    assert emb.predictor["test_accuracy"] in PREDICTORS
+    assert len(emb.memory) == len(emb.memory_values["test_accuracy"]) == len(zoo)  # every adapter is measured
     emb.save(tmp_path / "ckpt")
     loaded = Embedder.load(tmp_path / "ckpt")
     assert np.allclose(loaded.embed(zoo[:6]), emb.embed(zoo[:6]), atol=1e-6)
@@ -102,6 +105,7 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     p1, v1 = loaded.predict(zoo[:6])
     assert np.allclose(p0["task"], p1["task"], atol=1e-6) and np.allclose(v0["test_accuracy"], v1["test_accuracy"], atol=1e-6)
     assert emb.hybrid_weight in HYBRID_WEIGHTS and loaded.hybrid_weight == emb.hybrid_weight
+    assert loaded.predictor == emb.predictor and np.array_equal(loaded.memory, emb.memory)
     measured = [a.measurements["test_accuracy"] for a in zoo]
     assert loaded.metric_range["test_accuracy"] == (min(measured), max(measured))
     assert min(measured) <= v1["test_accuracy"].min() and v1["test_accuracy"].max() <= max(measured)
@@ -160,4 +164,4 @@ def test_one_module_type_with_several_shapes() -> None:
     schema = schema_of("bert", adapters)
     assert len(schema.type_shapes()) == 3
     emb = train_w2t(adapters, schema, TrainOptions(epochs=1), progress=False)
-    assert emb.embed(adapters).shape == (4, emb.model.config.embed_dim)
+    assert emb.embed(adapters).shape == (4, emb.dim)

@@ -257,7 +257,9 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     require_schema(settings.database_url)
     space = _space(settings, args.space)
     attributes = None if args.attributes == "all" else tuple(a for a in args.attributes.split(",") if a)
-    options = TrainOptions(objective=args.objective, epochs=args.epochs, seed=args.seed, device=args.device, attributes=attributes)
+    options = TrainOptions(
+        objective=args.objective, epochs=args.epochs, seed=args.seed, device=args.device, attributes=attributes, members=args.members
+    )
     with session_factory(settings.database_url)() as session, session.begin():
         embedder, model = service.train_space(session, _blobs(settings), settings.data_dir, space, options, progress=not args.json)
         reports = service.embed_space(session, _blobs(settings), settings.data_dir, space, args.device)
@@ -267,8 +269,10 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
             "objective": embedder.objective,
             "checkpoint": str(settings.data_dir / str(embedder.checkpoint)),
             **embedder.metrics,
-            "heads": sorted(model.model.config.categorical),
-            "regression": model.model.config.regression,
+            "heads": sorted(model.config.categorical),
+            "regression": model.config.regression,
+            "predictors": model.predictor,
+            "hybrid_weight": model.hybrid_weight,
             "embedded": {r.method: r.total for r in reports},
         }
     if args.json:
@@ -276,8 +280,8 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     else:
         print(
             f"trained W2T ({info['objective']}) on {info['n_adapters']} adapters of {space} in {info['train_seconds']} s, "
-            f"{info['epochs']} epochs, best validation loss {info['best_val_loss']:.4f}; embedder {info['embedder_id']}, "
-            f"checkpoint {info['checkpoint']}"
+            f"{len(model.models)} models ({'+'.join(map(str, info['epochs']))} epochs), best validation loss {info['best_val_loss']:.4f}; "
+            f"embedder {info['embedder_id']}, checkpoint {info['checkpoint']}"
         )
     return 0
 
@@ -335,6 +339,9 @@ def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+PREDICTOR_WORDS = {"head": "regression heads", "neighbours": "most similar training adapters"}
+
+
 def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
     from embed import service
 
@@ -350,15 +357,17 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
                 "space": space.name,
                 "embedder_id": embedder.id,
                 "attributes": {k: [{"value": v, "probability": p} for v, p in top] for k, top in attrs.items()},
-                "metrics": {k: {"value": v, "low": lo, "high": hi, "interval": 0.9} for k, (v, lo, hi) in metrics.items()},
+                "metrics": {
+                    k: {"value": v, "low": lo, "high": hi, "interval": 0.9, "predictor": how} for k, (v, lo, hi, how) in metrics.items()
+                },
             }
         )
         return 0
     print(f"{query.name} in {space.name} (embedder {embedder.id}):")
     for key, top in attrs.items():
         print(f"  {key:<16} " + ", ".join(f"{v} ({p:.0%})" for v, p in top))
-    for key, (v, lo, hi) in metrics.items():
-        print(f"  {key:<16} {v:.3f}  (90% interval {lo:.3f}..{hi:.3f})")
+    for key, (v, lo, hi, how) in metrics.items():
+        print(f"  {key:<16} {v:.3f}  (90% interval {lo:.3f}..{hi:.3f}; from the {PREDICTOR_WORDS[how]})")
     return 0
 
 
@@ -410,7 +419,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
         adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
     if len(adapters) < 10:
         raise ZooError(f"space {space} has {len(adapters)} adapters: evaluation needs at least 10")
-    options = TrainOptions(epochs=args.epochs, seed=args.seed, device=args.device)
+    options = TrainOptions(epochs=args.epochs, seed=args.seed, device=args.device, members=args.members)
     result = evaluate(adapters, schema_of(space, adapters), options, args.test_fraction, args.seed, progress=not args.json)
     if args.json:
         _print_json(result)
@@ -501,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--space", help="base model (default: the only one)")
     s.add_argument("--epochs", type=int, default=80)
+    s.add_argument("--members", type=int, default=3, help="W2T models in the ensemble, from consecutive seeds (default: 3)")
     s.add_argument("--test-fraction", type=float, default=0.2)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
@@ -512,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--objective", choices=["supervised", "contrastive", "both"], default="supervised")
     s.add_argument("--attributes", default="task", metavar="A,B|all", help="attributes that get a prediction head (default: task)")
     s.add_argument("--epochs", type=int, default=80)
+    s.add_argument("--members", type=int, default=3, help="W2T models in the ensemble, from consecutive seeds (default: 3)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--json", action="store_true")
