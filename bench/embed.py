@@ -1,5 +1,5 @@
-"""Benchmark: adapters embedded per second by W2T (untrained weights: the cost is the same) and
-by the training-free dW sketch, on a synthetic digits-vit-shaped space (24 modules, rank ≤ 16).
+"""Benchmark: adapters embedded per second by a W2T embedder (an ensemble of `--members` models;
+untrained weights: the cost is the same) and by the training-free dW sketch, on a synthetic digits-vit-shaped space (24 modules, rank ≤ 16).
 
 Prints a table and, on the last line, one JSON object (adapters_per_s for each, and the ratio).
 """
@@ -15,7 +15,7 @@ import torch
 from embed.baselines import dw_sketch
 from embed.dataset import ZooAdapter, schema_of
 from embed.model import W2T, W2TConfig
-from embed.train import Embedder
+from embed.train import Embedder, TrainOptions
 from zoo.canonical import canonicalize
 
 
@@ -36,12 +36,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapters", type=int, default=512)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--members", type=int, default=TrainOptions().members)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     adapters = synthetic(args.adapters, args.rank)
     schema = schema_of("bench", adapters)
-    model = W2T(W2TConfig(schema.type_shapes(), n_layers=4)).to(args.device)
-    emb = Embedder(model, schema, args.rank, {}, "supervised")
+    dim = TrainOptions().dim
+    config = W2TConfig(schema.type_shapes(), n_layers=4, n_modules=len(schema.modules), dim=dim, embed_dim=dim)
+    emb = Embedder([W2T(config).to(args.device) for _ in range(args.members)], schema, args.rank, {}, "supervised")
     emb.embed(adapters[:8])
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     t0 = time.perf_counter()
@@ -54,12 +56,14 @@ def main() -> None:
     result = {
         "adapters": args.adapters,
         "device": args.device,
+        "members": args.members,
         "threads": torch.get_num_threads(),
         "w2t_adapters_per_s": round(args.adapters / t_w2t, 1),
         "sketch_adapters_per_s": round(args.adapters / t_sketch, 1),
         "w2t_vs_sketch": round(t_sketch / t_w2t, 2),
     }
-    print(f"{args.adapters} adapters on {args.device}: W2T {result['w2t_adapters_per_s']}/s, dW sketch {result['sketch_adapters_per_s']}/s")
+    w2t, sketch = result["w2t_adapters_per_s"], result["sketch_adapters_per_s"]
+    print(f"{args.adapters} adapters on {args.device}: W2T ({args.members} models) {w2t}/s, dW sketch {sketch}/s")
     print(json.dumps(result))
 
 

@@ -132,6 +132,7 @@ def evaluate(
         "sketch_vs_exact_cosine_corr": sketch_vs_exact,
         "invariance_min_cosine": invariance,
         "hybrid_weight": sup.hybrid_weight,
+        "w2t_predictor": sup.predictor,
         "seconds": {k: round(v, 2) for k, v in timings.items()},
     }
 
@@ -157,4 +158,7 @@ def format_table(result: dict[str, object]) -> str:
         lines.append(f"{name:<16}{cells}")
     lines.append(f"sketch vs exact dW cosine, correlation over pairs: {result['sketch_vs_exact_cosine_corr']}")
     lines.append(f"invariance (re-factorized with random G), min cosine: {result['invariance_min_cosine']}")
+    lines.append(f"hybrid weight of the W2T cosine: {result['hybrid_weight']}")
+    for metric, how in result["w2t_predictor"].items():  # type: ignore[attr-defined]
+        lines.append(f"W2T (supervised) predicts {metric} by: {how} (chosen on its validation adapters)")
     return "\n".join(lines)
