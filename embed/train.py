@@ -6,12 +6,14 @@ components truncated, small noise on u and v); positives are the other view and,
 has them, adapters of the same task (supervised-contrastive loss). Early stopping on a
 validation split; deterministic from the seed on the CPU.
 
-An embedder is a small ensemble: `members` models trained from consecutive seeds on the same
-split. Its embedding concatenates theirs (so its cosine is their mean cosine) and its class
-probabilities average theirs; one W2T model varies a lot from seed to seed on a few hundred
-adapters. Each metric is predicted either by the regression heads or by the measured values of
-the most similar training adapters in the embedding, whichever ranks the validation adapters
-better (Spearman).
+An embedder is a small ensemble: `members` models trained from consecutive seeds, each
+early-stopped on its own slice of the adapters, so the ensemble learns from all of them and every
+held-out slice has a member that never trained on it. Its embedding concatenates theirs (its
+cosine is their mean cosine) and its class probabilities average theirs: one W2T model varies a
+lot from seed to seed on a few hundred adapters. Each metric is predicted either by the
+regression heads or by the measured values of the most similar training adapters in the
+embedding, whichever ranks the held-out adapters better (Spearman, out of fold); the hybrid search
+weight is chosen out of fold too.
 """
 
 from __future__ import annotations
@@ -250,12 +252,34 @@ class _Data:
     targets: dict[str, torch.Tensor]
     reg_targets: dict[str, torch.Tensor]
     groups: torch.Tensor
-    train_idx: torch.Tensor
-    val_idx: torch.Tensor
 
 
-def _train_member(config: W2TConfig, data: _Data, options: TrainOptions, seed: int, device: torch.device, desc: str, progress: bool):  # type: ignore[no-untyped-def]
-    """One model, early-stopped on the validation loss: (model, history)."""
+@dataclass
+class _Fold:
+    """One member's split: it trains on `train` and early-stops on `val`."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+
+
+def _folds(n: int, members: int, options: TrainOptions) -> list[_Fold]:
+    """Each member validates on its own slice of one seeded permutation (disjoint while they fit), so the
+    ensemble as a whole learns from every adapter and each adapter has a member that never trained on it."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(options.seed))
+    n_val = max(1, int(round(options.val_fraction * n))) if n >= 10 else 0
+    out = []
+    for i in range(members):
+        val = (torch.arange(n_val) + i * n_val) % n
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[val] = False
+        out.append(_Fold(train=perm[rest], val=perm[val]))
+    return out
+
+
+def _train_member(
+    config: W2TConfig, data: _Data, fold: _Fold, options: TrainOptions, seed: int, device: torch.device, desc: str, progress: bool
+) -> tuple[W2T, list[dict[str, float]]]:
+    """One model, early-stopped on its fold's validation loss: (model, history)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = W2T(config).to(device)
@@ -283,13 +307,13 @@ def _train_member(config: W2TConfig, data: _Data, options: TrainOptions, seed: i
             total = total + _supcon(z1, z2, data.groups[rows].to(device), options.temperature)
         return total
 
-    n_val = len(data.val_idx)
+    n_val = len(fold.val)
     best, best_state, stale = math.inf, copy.deepcopy(model.state_dict()), 0
     history: list[dict[str, float]] = []
     bar = tqdm(range(options.epochs), desc=desc, unit="epoch", disable=not progress)
     for epoch in bar:
         model.train()
-        order = data.train_idx[torch.randperm(len(data.train_idx), generator=gen)]
+        order = fold.train[torch.randperm(len(fold.train), generator=gen)]
         train_loss = 0.0
         for start in range(0, len(order), options.batch_size):
             rows = order[start : start + options.batch_size]
@@ -304,7 +328,7 @@ def _train_member(config: W2TConfig, data: _Data, options: TrainOptions, seed: i
             train_loss += float(loss.detach()) * len(rows)
         model.eval()
         with torch.no_grad():
-            val_loss = float(loss_on(data.val_idx, train=False)) if n_val >= 2 else train_loss / max(1, len(order))
+            val_loss = float(loss_on(fold.val, train=False)) if n_val >= 2 else train_loss / max(1, len(order))
         history.append({"epoch": epoch, "train_loss": train_loss / max(1, len(order)), "val_loss": val_loss})
         bar.set_postfix(val=f"{val_loss:.3f}")
         if val_loss < best - 1e-4:
@@ -343,8 +367,6 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
     )
     n = len(adapters)
     task_values = sorted({a.labels.get(TASK_KEY, "") for a in adapters})
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(options.seed))
-    n_val = max(1, int(round(options.val_fraction * n))) if n >= 10 else 0
     data = _Data(
         tokens=tokenize(adapters, schema, rank),
         targets={
@@ -357,62 +379,75 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         groups=torch.tensor(
             [task_values.index(a.labels[TASK_KEY]) if TASK_KEY in a.labels else len(task_values) + i for i, a in enumerate(adapters)]
         ),
-        train_idx=perm[n_val:],
-        val_idx=perm[:n_val],
     )
+    members = max(1, options.members)
+    folds = _folds(n, members, options)
     models, history = [], []
-    for i in range(max(1, options.members)):
-        desc = f"train w2t ({options.objective}, model {i + 1}/{max(1, options.members)})"
-        model, member_history = _train_member(config, data, options, options.seed + i, device, desc, progress)
+    for i, fold in enumerate(folds):
+        desc = f"train w2t ({options.objective}, model {i + 1}/{members})"
+        model, member_history = _train_member(config, data, fold, options, options.seed + i, device, desc, progress)
         models.append(model)
         history += [{"member": i, **h} for h in member_history]
     embedder = Embedder(models, schema, rank, stats, options.objective, history, metric_range=ranges)
+    # choices made out of fold: each member scores the adapters it early-stopped on and never trained on
+    held_out = [(Embedder([m], schema, rank, stats, options.objective, metric_range=ranges), f) for m, f in zip(models, folds, strict=True)]
+    held_out = [(e, f) for e, f in held_out if len(f.val) >= 2]
+    if held_out:
+        fold_z = [e.embed(adapters) for e, _ in held_out]
+        if metrics:
+            _choose_predictors(embedder, adapters, [(e, z, f) for (e, f), z in zip(held_out, fold_z, strict=True)])
+        embedder.hybrid_weight = choose_hybrid_weight(adapters, [(z, f.val.tolist()) for z, (_, f) in zip(fold_z, held_out, strict=True)])
     z = embedder.embed(adapters)
-    train_rows, val_rows = data.train_idx.tolist(), data.val_idx.tolist()
-    embedder.memory = z[train_rows]
-    embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in train_rows]) for m in metrics}
-    if metrics and n_val >= 2:
-        _choose_predictors(embedder, [adapters[r] for r in val_rows], z[val_rows])
     measured = [r for r, a in enumerate(adapters) if any(m in a.measurements for m in metrics)]
     embedder.memory = z[measured]
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in measured]) for m in metrics}
-    if n_val >= 2:
-        embedder.hybrid_weight = choose_hybrid_weight(z, adapters, val_rows)
     return embedder
 
 
-def _choose_predictors(embedder: Embedder, val: list[ZooAdapter], z_val: np.ndarray) -> None:
-    """Per metric: the predictor (heads or neighbours among the training adapters) that ranks the validation
-    adapters better (Spearman; the heads on a tie or with fewer than 5), and its residual std."""
+def _choose_predictors(embedder: Embedder, adapters: list[ZooAdapter], held_out: list[tuple[Embedder, np.ndarray, _Fold]]) -> None:
+    """Per metric: the predictor (heads, or neighbours among the training adapters) that ranks the held-out
+    adapters better (Spearman, pooled over the members' folds; the heads on a tie or with fewer than 5), and
+    the std of its residuals there."""
     from scipy.stats import spearmanr  # imported here: every `zoo` command loads this module, few train
 
-    _, _, head = embedder._forward(val)
-    for m in embedder.config.regression:
-        rows = [i for i, a in enumerate(val) if m in a.measurements]
-        if len(rows) < 2:
+    pooled: dict[str, dict[str, list[float]]] = {m: {"truth": [], "head": [], "neighbours": []} for m in embedder.config.regression}
+    for member, z, fold in held_out:
+        val, train = fold.val.tolist(), fold.train.tolist()
+        _, _, head = member._forward([adapters[r] for r in val])
+        for m, acc in pooled.items():
+            member.memory = z[train]
+            member.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in train])}
+            rows = [j for j, r in enumerate(val) if m in adapters[r].measurements]
+            if not rows or np.isnan(member.memory_values[m]).all():
+                continue
+            acc["truth"] += [adapters[val[j]].measurements[m] for j in rows]
+            acc["head"] += head[m][rows].tolist()
+            acc["neighbours"] += member.neighbour_values(z[[val[j] for j in rows]], m).tolist()
+    for m, acc in pooled.items():
+        truth = np.array(acc["truth"])
+        if len(truth) < 2:
             continue
-        truth = np.array([val[i].measurements[m] for i in rows])
-        candidates = {"head": head[m][rows], "neighbours": embedder.neighbour_values(z_val[rows], m)}
-        quality = {k: float(np.nan_to_num(spearmanr(v, truth).statistic, nan=-1.0)) for k, v in candidates.items()}
-        choice = "neighbours" if len(rows) >= 5 and quality["neighbours"] > quality["head"] else "head"
+        quality = {k: float(np.nan_to_num(spearmanr(acc[k], truth).statistic, nan=-1.0)) for k in PREDICTORS}
+        choice = "neighbours" if len(truth) >= 5 and quality["neighbours"] > quality["head"] else "head"
         embedder.predictor[m] = choice
         low, high = embedder.metric_range[m]
-        embedder.residual_std[m] = float(np.std(np.clip(candidates[choice], low, high) - truth))
+        embedder.residual_std[m] = float(np.std(np.clip(acc[choice], low, high) - truth))
 
 
 HYBRID_WEIGHTS = tuple(i / 10 for i in range(11))
 
 
-def choose_hybrid_weight(z: np.ndarray, adapters: list[ZooAdapter], val_rows: list[int]) -> float:
-    """The hybrid weight that retrieves best (MRR + nDCG@10, relevance = same task) with the validation
-    adapters as queries against all the training adapters (z: the W2T embeddings of `adapters`); 0.5 when
-    the validation adapters have no tasks."""
-    queries = [r for r in val_rows if TASK_KEY in adapters[r].labels]
+def choose_hybrid_weight(adapters: list[ZooAdapter], held_out: list[tuple[np.ndarray, list[int]]]) -> float:
+    """The hybrid weight that retrieves best (MRR + nDCG@10, relevance = same task), pooled over the held-out
+    folds: each fold's adapters query all adapters, with the W2T cosine of the member that never trained on
+    them (held_out: (that member's embeddings of `adapters`, the fold's rows)); 0.5 when they have no tasks."""
+    tasks = [a.labels.get(TASK_KEY, "") for a in adapters]
+    folds = [(z, [r for r in rows if tasks[r]]) for z, rows in held_out]
+    queries = [r for _, rows in folds for r in rows]
     if len(queries) < 2:
         return 0.5
     module = module_cosine_matrix([adapters[r].factors for r in queries], [a.factors for a in adapters])
-    w2t = z[queries] @ z.T
-    tasks = [a.labels.get(TASK_KEY, "") for a in adapters]
+    w2t = np.concatenate([z[rows] @ z.T for z, rows in folds if rows])
 
     def quality(weight: float) -> float:
         r = retrieval(hybrid_score(module, w2t, weight), [tasks[q] for q in queries], tasks, list(queries))
