@@ -7,12 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from embed.baselines import cosine_from_gram, dw_gram, dw_sketch
 from embed.dataset import ZooAdapter, schema_of
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
-from embed.train import HYBRID_WEIGHTS, PREDICTORS, Embedder, TrainOptions, train_w2t
+from embed.train import HYBRID_WEIGHTS, PREDICTORS, Embedder, TrainOptions, _folds, train_w2t
 from zoo.canonical import canonicalize
 
 MODULES = [(f"layers.{layer}.{t}", 24, 20) for layer in range(2) for t in ("q_proj", "v_proj")]
@@ -79,6 +81,18 @@ def test_retrieval_metrics_by_hand() -> None:
     # query 0: ranking [1(b), 2(a), 3(b)] -> first hit at 2; query 1: ranking [0(a), 3(b), 2(a)] -> first hit at 2
     assert r["hit@1"] == 0.0 and r["hit@10"] == 1.0 and r["mrr"] == pytest.approx(0.5)
     assert r["ndcg@10"] == pytest.approx(1 / np.log2(3))
+
+
+@given(n=st.integers(10, 400), members=st.integers(1, 8), seed=st.integers(0, 3))
+def test_member_folds_are_disjoint_held_out_slices(n: int, members: int, seed: int) -> None:
+    folds = _folds(n, members, TrainOptions(seed=seed))
+    assert len(folds) == members
+    for f in folds:
+        val, train = set(f.val.tolist()), set(f.train.tolist())
+        assert not val & train and val | train == set(range(n)) and len(val) == round(0.15 * n)
+    held_out = [r for f in folds for r in f.val.tolist()]
+    if members * round(0.15 * n) <= n:  # the slices fit: no adapter is held out of two members
+        assert len(held_out) == len(set(held_out))
 
 
 def test_embedding_is_factorization_and_sign_invariant(zoo: list[ZooAdapter]) -> None:
