@@ -11,9 +11,9 @@ early-stopped on its own slice of the adapters, so the ensemble learns from all 
 held-out slice has a member that never trained on it. Its embedding concatenates theirs (its
 cosine is their mean cosine) and its class probabilities average theirs: one W2T model varies a
 lot from seed to seed on a few hundred adapters. Each metric is predicted either by the
-regression heads or by the measured values of the most similar training adapters in the
-embedding, whichever ranks the held-out adapters better (Spearman, out of fold); the hybrid search
-weight is chosen out of fold too.
+regression heads or, where they rank the held-out adapters clearly better (Spearman, out of fold,
+paired bootstrap), by the measured values of the most similar training adapters in the embedding;
+the hybrid search weight is chosen out of fold too.
 """
 
 from __future__ import annotations
@@ -405,11 +405,8 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
 
 
 def _choose_predictors(embedder: Embedder, adapters: list[ZooAdapter], held_out: list[tuple[Embedder, np.ndarray, _Fold]]) -> None:
-    """Per metric: the predictor (heads, or neighbours among the training adapters) that ranks the held-out
-    adapters better (Spearman, pooled over the members' folds; the heads on a tie or with fewer than 5), and
-    the std of its residuals there."""
-    from scipy.stats import spearmanr  # imported here: every `zoo` command loads this module, few train
-
+    """Per metric: the heads, or the neighbours among the training adapters where they rank the held-out
+    adapters (pooled over the members' folds) clearly better; and the std of its residuals there."""
     pooled: dict[str, dict[str, list[float]]] = {m: {"truth": [], "head": [], "neighbours": []} for m in embedder.config.regression}
     for member, z, fold in held_out:
         val, train = fold.val.tolist(), fold.train.tolist()
@@ -427,11 +424,37 @@ def _choose_predictors(embedder: Embedder, adapters: list[ZooAdapter], held_out:
         truth = np.array(acc["truth"])
         if len(truth) < 2:
             continue
-        quality = {k: float(np.nan_to_num(spearmanr(acc[k], truth).statistic, nan=-1.0)) for k in PREDICTORS}
-        choice = "neighbours" if len(truth) >= 5 and quality["neighbours"] > quality["head"] else "head"
+        choice = "neighbours" if _clearly_better(np.array(acc["neighbours"]), np.array(acc["head"]), truth) else "head"
         embedder.predictor[m] = choice
         low, high = embedder.metric_range[m]
         embedder.residual_std[m] = float(np.std(np.clip(acc[choice], low, high) - truth))
+
+
+def _clearly_better(candidate: np.ndarray, default: np.ndarray, truth: np.ndarray) -> bool:
+    """Whether `candidate` ranks like `truth` better than `default` does, with 95 % confidence (one-sided,
+    paired bootstrap of the Spearman difference). Held-out scores compare single members, and averaging
+    helps the heads more than the neighbours, so the heads stay unless the neighbours are clearly better."""
+    from scipy.stats import bootstrap, spearmanr  # imported here: every `zoo` command loads this module, few train
+
+    if len(truth) < 5:
+        return False
+
+    def gain(c: np.ndarray, d: np.ndarray, t: np.ndarray) -> float:
+        return float(np.nan_to_num(spearmanr(c, t).statistic, nan=-1.0) - np.nan_to_num(spearmanr(d, t).statistic, nan=-1.0))
+
+    if gain(candidate, default, truth) <= 0:
+        return False
+    ci = bootstrap(
+        (candidate, default, truth),
+        gain,
+        paired=True,
+        vectorized=False,
+        n_resamples=1000,
+        confidence_level=0.90,
+        method="percentile",
+        rng=np.random.default_rng(0),
+    ).confidence_interval
+    return bool(ci.low > 0)
 
 
 HYBRID_WEIGHTS = tuple(i / 10 for i in range(11))

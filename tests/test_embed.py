@@ -14,7 +14,7 @@ from embed.baselines import cosine_from_gram, dw_gram, dw_sketch
 from embed.dataset import ZooAdapter, schema_of
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
-from embed.train import HYBRID_WEIGHTS, PREDICTORS, Embedder, TrainOptions, _folds, train_w2t
+from embed.train import HYBRID_WEIGHTS, PREDICTORS, Embedder, TrainOptions, _clearly_better, _folds, train_w2t
 from zoo.canonical import canonicalize
 
 MODULES = [(f"layers.{layer}.{t}", 24, 20) for layer in range(2) for t in ("q_proj", "v_proj")]
@@ -93,6 +93,16 @@ def test_member_folds_are_disjoint_held_out_slices(n: int, members: int, seed: i
     held_out = [r for f in folds for r in f.val.tolist()]
     if members * round(0.15 * n) <= n:  # the slices fit: no adapter is held out of two members
         assert len(held_out) == len(set(held_out))
+
+
+def test_neighbours_replace_the_heads_only_when_clearly_better() -> None:
+    rng = np.random.default_rng(0)
+    truth = rng.normal(size=200)
+    close, far = truth + 0.5 * rng.normal(size=200), truth + 2.0 * rng.normal(size=200)
+    assert _clearly_better(close, far, truth)
+    assert not _clearly_better(far, close, truth)
+    assert not _clearly_better(close, close + 1e-3 * rng.normal(size=200), truth)  # a hair better is not clearly better
+    assert not _clearly_better(close[:4], far[:4], truth[:4])  # too few to tell
 
 
 def test_embedding_is_factorization_and_sign_invariant(zoo: list[ZooAdapter]) -> None:
