@@ -542,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--method",
         help="hybrid (the default once `zoo train` has made a supervised W2T): exact module cosine and W2T cosine, "
-        "mixed by the weight that retrieved best on the validation adapters, over both indexes' nearest 200; "
+        "mixed by the weight that retrieved best on held-out adapters, over both indexes' nearest 200; "
         "module (the default before): the sketch index's nearest 200 ranked by exact module cosine (the mean over "
         "shared modules of the per-module dW cosine); sketch or w2t: ranked by those embeddings alone",
     )
