@@ -1,5 +1,6 @@
 """Benchmark: adapters embedded per second by a W2T embedder (an ensemble of `--members` models;
-untrained weights: the cost is the same) and by the training-free dW sketch, on a synthetic digits-vit-shaped space (24 modules, rank ≤ 16).
+untrained weights: the cost is the same) and by the training-free dW sketch, on a synthetic
+digits-vit-shaped space (24 modules, rank ≤ 16).
 
 Prints a table and, on the last line, one JSON object (adapters_per_s for each, and the ratio).
 """

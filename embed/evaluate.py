@@ -4,7 +4,7 @@ Split by adapter (seeded). Retrieval: each held-out adapter is a query, the gall
 other adapter of the space, relevance = same task. Attributes (the task) and performance
 (test accuracy) are predicted for held-out adapters from what training saw only: kNN over the
 training adapters for similarity-only methods, W2T (supervised)'s own predictors (its heads, or
-kNN in its embedding for a metric where that ranked its validation adapters better).
+kNN in its embedding for a metric where that ranked its held-out slices clearly better).
 """
 
 from __future__ import annotations
@@ -160,5 +160,5 @@ def format_table(result: dict[str, object]) -> str:
     lines.append(f"invariance (re-factorized with random G), min cosine: {result['invariance_min_cosine']}")
     lines.append(f"hybrid weight of the W2T cosine: {result['hybrid_weight']}")
     for metric, how in result["w2t_predictor"].items():  # type: ignore[attr-defined]
-        lines.append(f"W2T (supervised) predicts {metric} by: {how} (chosen on its validation adapters)")
+        lines.append(f"W2T (supervised) predicts {metric} by: {how} (chosen out of fold)")
     return "\n".join(lines)

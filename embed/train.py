@@ -89,14 +89,14 @@ class Embedder:
     objective: str
     #: per member and epoch: {"member", "epoch", "train_loss", "val_loss"}
     history: list[dict[str, float]] = field(default_factory=list)
-    #: per metric: std of (predicted - measured) on the validation adapters, for prediction intervals
+    #: per metric: std of (predicted - measured) on the held-out slices, for prediction intervals
     residual_std: dict[str, float] = field(default_factory=dict)
     #: per metric: (min, max) over the training adapters; predictions and intervals stay inside it
     metric_range: dict[str, tuple[float, float]] = field(default_factory=dict)
-    #: weight of this embedding's cosine against module cosine in the hybrid search score, chosen on the validation adapters
+    #: weight of this embedding's cosine against module cosine in the hybrid search score, chosen out of fold
     hybrid_weight: float = 0.5
     #: per metric: "head" (the members' regression heads, averaged) or "neighbours" (similarity-weighted
-    #: kNN over the embeddings of the training adapters), chosen on the validation adapters
+    #: kNN over the embeddings of the training adapters), chosen out of fold
     predictor: dict[str, str] = field(default_factory=dict)
     #: embeddings of the training adapters, and their measured values per metric (NaN where unknown)
     memory: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
@@ -119,12 +119,13 @@ class Embedder:
     def _forward(self, adapters: list[ZooAdapter]) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(unit embeddings, class probabilities per attribute, head outputs per metric in their own units)."""
         device = next(self.models[0].parameters()).device
+        for model in self.models:
+            model.eval()
         zs, probs, heads = [], {k: [] for k in self.config.categorical}, {k: [] for k in self.config.regression}  # type: ignore[var-annotated]
         for b in self._batches(adapters):
             b = to_device(b, device)
             parts, member_probs, member_values = [], [], []
             for model in self.models:
-                model.eval()
                 z = model(b)
                 parts.append(nn.functional.normalize(z, dim=-1))
                 logits, reg = model.predict(z)
@@ -343,7 +344,7 @@ def _train_member(
 
 
 def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, progress: bool = True) -> Embedder:
-    """Train on `adapters` (a validation split is held out of them for early stopping and model choices)."""
+    """Train on `adapters`: each member early-stops on its own held-out slice, which also scores the choices."""
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     categorical = categorical_attributes(adapters) if options.objective != "contrastive" else {}
     if options.attributes is not None:
@@ -389,15 +390,13 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         models.append(model)
         history += [{"member": i, **h} for h in member_history]
     embedder = Embedder(models, schema, rank, stats, options.objective, history, metric_range=ranges)
-    # choices made out of fold: each member scores the adapters it early-stopped on and never trained on
-    held_out = [(Embedder([m], schema, rank, stats, options.objective, metric_range=ranges), f) for m, f in zip(models, folds, strict=True)]
-    held_out = [(e, f) for e, f in held_out if len(f.val) >= 2]
-    if held_out:
-        fold_z = [e.embed(adapters) for e, _ in held_out]
+    singles = [Embedder([m], schema, rank, stats, options.objective, metric_range=ranges) for m in models]
+    member_z = [single.embed(adapters) for single in singles]
+    if len(folds[0].val) >= 2:  # choices made out of fold: each member scores the slice it never trained on
         if metrics:
-            _choose_predictors(embedder, adapters, [(e, z, f) for (e, f), z in zip(held_out, fold_z, strict=True)])
-        embedder.hybrid_weight = choose_hybrid_weight(adapters, [(z, f.val.tolist()) for z, (_, f) in zip(fold_z, held_out, strict=True)])
-    z = embedder.embed(adapters)
+            _choose_predictors(embedder, adapters, list(zip(singles, member_z, folds, strict=True)))
+        embedder.hybrid_weight = choose_hybrid_weight(adapters, [(mz, f.val.tolist()) for mz, f in zip(member_z, folds, strict=True)])
+    z = np.concatenate(member_z, axis=1) / math.sqrt(len(models))  # what embedder.embed gives, without a second pass
     measured = [r for r, a in enumerate(adapters) if any(m in a.measurements for m in metrics)]
     embedder.memory = z[measured]
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in measured]) for m in metrics}
@@ -411,9 +410,9 @@ def _choose_predictors(embedder: Embedder, adapters: list[ZooAdapter], held_out:
     for member, z, fold in held_out:
         val, train = fold.val.tolist(), fold.train.tolist()
         _, _, head = member._forward([adapters[r] for r in val])
+        member.memory = z[train]
+        member.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in train]) for m in pooled}
         for m, acc in pooled.items():
-            member.memory = z[train]
-            member.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in train])}
             rows = [j for j, r in enumerate(val) if m in adapters[r].measurements]
             if not rows or np.isnan(member.memory_values[m]).all():
                 continue
