@@ -2,21 +2,26 @@
 untrained weights: the cost is the same) and by the training-free dW sketch, on a synthetic
 digits-vit-shaped space (24 modules, rank ≤ 16).
 
-Prints a table and, on the last line, one JSON object (adapters_per_s for each, and the ratio).
+Each figure is the median of --repeats timed runs after a warm-up. `tokenize_share` is the part of
+the W2T time spent building token batches on the CPU (the rest is the models' forward passes).
+Prints a line and, on the last line, one JSON object (adapters_per_s for each, and the ratios).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from embed.baselines import dw_sketch
 from embed.dataset import ZooAdapter, schema_of
 from embed.model import W2T, W2TConfig
-from embed.train import Embedder, TrainOptions
+from embed.tokens import tokenize
+from embed.train import EMBED_BATCH, Embedder, TrainOptions
 from zoo.canonical import canonicalize
 
 
@@ -33,27 +38,36 @@ def synthetic(n: int, rank: int, seed: int = 0) -> list[ZooAdapter]:
     return out
 
 
+def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapters", type=int, default=512)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--members", type=int, default=TrainOptions().members)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     adapters = synthetic(args.adapters, args.rank)
     schema = schema_of("bench", adapters)
     dim = TrainOptions().dim
     config = W2TConfig(schema.type_shapes(), n_layers=4, n_modules=len(schema.modules), dim=dim, embed_dim=dim)
     emb = Embedder([W2T(config).to(args.device) for _ in range(args.members)], schema, args.rank, {}, "supervised")
-    emb.embed(adapters[:8])
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    t0 = time.perf_counter()
-    emb.embed(adapters)
-    sync()
-    t_w2t = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    dw_sketch(adapters, schema)
-    t_sketch = time.perf_counter() - t0
+    t_w2t = median_time(lambda: emb.embed(adapters), args.repeats, sync)
+    starts = range(0, len(adapters), EMBED_BATCH)
+    t_tokens = median_time(lambda: [tokenize(adapters[i : i + EMBED_BATCH], schema, args.rank) for i in starts], args.repeats, sync)
+    t_sketch = median_time(lambda: dw_sketch(adapters, schema), args.repeats, sync)
     result = {
         "adapters": args.adapters,
         "device": args.device,
@@ -62,6 +76,7 @@ def main() -> None:
         "w2t_adapters_per_s": round(args.adapters / t_w2t, 1),
         "sketch_adapters_per_s": round(args.adapters / t_sketch, 1),
         "w2t_vs_sketch": round(t_sketch / t_w2t, 2),
+        "tokenize_share": round(t_tokens / t_w2t, 2),
     }
     w2t, sketch = result["w2t_adapters_per_s"], result["sketch_adapters_per_s"]
     print(f"{args.adapters} adapters on {args.device}: W2T ({args.members} models) {w2t}/s, dW sketch {sketch}/s")

@@ -104,17 +104,12 @@ class AdapterIndex:
         """(scores, ids) of the k nearest by cosine, best first; id -1 pads when fewer exist."""
         q = normalize(queries)
         k = max(1, min(k, self.size)) if self.size else 1
-        searcher = self._searcher()
-        scores, ids = searcher.search(q, k)
-        return scores, ids
-
-    def _searcher(self) -> faiss.Index:
         if self.approximate or not gpu_available():
-            return self.index
-        with self._lock:
+            return self.index.search(q, k)  # CPU searches may run concurrently
+        with self._lock:  # a GPU index is not thread-safe
             if self._gpu is None:
                 self._gpu = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, self.index)
-            return self._gpu
+            return self._gpu.search(q, k)
 
     def save(self, path: Path, content_checksum: str) -> None:
         """Write the index and its sidecar atomically; content_checksum is that of the database rows."""

@@ -37,6 +37,9 @@ from embed.similarity import hybrid_score, module_cosine_matrix
 from embed.tokens import Batch, TypeTokens, max_rank, select, to_device, tokenize
 from zoo.labels import TASK_KEY
 
+#: adapters per forward pass when embedding
+EMBED_BATCH = 256
+
 
 @dataclass
 class TrainOptions:
@@ -60,7 +63,7 @@ class TrainOptions:
     attributes: tuple[str, ...] | None = ("task",)
     dropout: float = 0.2
     #: models in the ensemble, trained from seeds seed, seed + 1, ...
-    members: int = 3
+    members: int = 5
 
 
 def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
@@ -111,7 +114,7 @@ class Embedder:
         """Dimension of the embedding: the members' embeddings side by side."""
         return len(self.models) * self.config.embed_dim
 
-    def _batches(self, adapters: list[ZooAdapter], size: int = 256):  # type: ignore[no-untyped-def]
+    def _batches(self, adapters: list[ZooAdapter], size: int = EMBED_BATCH):  # type: ignore[no-untyped-def]
         for start in range(0, len(adapters), size):
             yield tokenize(adapters[start : start + size], self.schema, self.rank)
 
