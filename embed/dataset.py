@@ -104,11 +104,15 @@ def base_models(session: Session) -> list[str]:
     )
 
 
-def split_ids(ids: list[int], test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """A seeded split by adapter."""
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(ids))
-    n_test = max(1, int(round(test_fraction * len(ids))))
-    test = sorted(ids[i] for i in order[:n_test])
-    train = sorted(ids[i] for i in order[n_test:])
+def split_positions(adapters: list[ZooAdapter], test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """A seeded split by adapter: (train, test) positions in `adapters`, each in input order.
+
+    It is drawn over the adapters sorted by name (then id), so it does not depend on the order in
+    which they were stored: the same zoo ingested again splits the same way.
+    """
+    by_name = sorted(range(len(adapters)), key=lambda p: (adapters[p].name, adapters[p].id))
+    order = np.random.default_rng(seed).permutation(len(by_name))
+    n_test = max(1, int(round(test_fraction * len(by_name))))
+    test = sorted(by_name[i] for i in order[:n_test])
+    train = sorted(by_name[i] for i in order[n_test:])
     return train, test

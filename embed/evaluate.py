@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from embed.baselines import cosine_from_gram, dw_gram, dw_sketch, raw_factor_vectors, spectra_vectors
-from embed.dataset import SpaceSchema, ZooAdapter, split_ids
+from embed.dataset import SpaceSchema, ZooAdapter, split_positions
 from embed.metrics import classification, cosine, knn_classify, knn_regress, regression, retrieval
 from embed.similarity import ModuleStack, dense_modules, hybrid_score
 from embed.tokens import max_rank
@@ -69,10 +69,7 @@ def evaluate(
     seed: int = 0,
     progress: bool = True,
 ) -> dict[str, object]:
-    ids = [a.id for a in adapters]
-    train_ids, test_ids = split_ids(ids, test_fraction, seed)
-    pos = {a.id: i for i, a in enumerate(adapters)}
-    train_pos, test_pos = [pos[i] for i in train_ids], [pos[i] for i in test_ids]
+    train_pos, test_pos = split_positions(adapters, test_fraction, seed)
     train = [adapters[p] for p in train_pos]
     methods: dict[str, dict[str, float | None]] = {}
     timings: dict[str, float] = {}
@@ -126,8 +123,8 @@ def evaluate(
 
     return {
         "space": schema.base_model,
-        "n_train": len(train_ids),
-        "n_test": len(test_ids),
+        "n_train": len(train_pos),
+        "n_test": len(test_pos),
         "methods": {m: methods[m] for m in METHODS if m in methods},
         "sketch_vs_exact_cosine_corr": sketch_vs_exact,
         "invariance_min_cosine": invariance,

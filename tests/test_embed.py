@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from embed.baselines import cosine_from_gram, dw_gram, dw_sketch
-from embed.dataset import ZooAdapter, schema_of
+from embed.dataset import ZooAdapter, schema_of, split_positions
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
 from embed.train import HYBRID_WEIGHTS, PREDICTORS, Embedder, TrainOptions, _clearly_better, _folds, train_w2t
@@ -93,6 +94,19 @@ def test_member_folds_are_disjoint_held_out_slices(n: int, members: int, seed: i
     held_out = [r for f in folds for r in f.val.tolist()]
     if members * round(0.15 * n) <= n:  # the slices fit: no adapter is held out of two members
         assert len(held_out) == len(set(held_out))
+
+
+@given(n=st.integers(2, 120), seed=st.integers(0, 3), shuffle=st.randoms(use_true_random=False))
+def test_eval_split_depends_on_names_not_on_storage_order(n: int, seed: int, shuffle: random.Random) -> None:
+    adapters = [ZooAdapter(i + 1, f"a{i:03d}", {}) for i in range(n)]
+    restored = adapters[:]
+    shuffle.shuffle(restored)
+    restored = [ZooAdapter(100 + k, a.name, {}) for k, a in enumerate(restored)]  # ingested again, in another order
+    names = lambda zoo, pos: sorted(zoo[p].name for p in pos)  # noqa: E731
+    train, test = split_positions(adapters, 0.2, seed)
+    train2, test2 = split_positions(restored, 0.2, seed)
+    assert names(adapters, test) == names(restored, test2) and names(adapters, train) == names(restored, train2)
+    assert sorted(train + test) == list(range(n)) and len(test) == max(1, round(0.2 * n))
 
 
 def test_neighbours_replace_the_heads_only_when_clearly_better() -> None:
