@@ -10,6 +10,7 @@ kNN in its embedding for a metric where that ranked its held-out slices clearly 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,6 +124,7 @@ def evaluate(
 
     return {
         "space": schema.base_model,
+        "seed": seed,
         "n_train": len(train_pos),
         "n_test": len(test_pos),
         "methods": {m: methods[m] for m in METHODS if m in methods},
@@ -147,15 +149,46 @@ def _head_scores(emb: Embedder, adapters: list[ZooAdapter], test_pos: list[int])
     return out
 
 
-def format_table(result: dict[str, object]) -> str:
-    header = f"{'method':<16}" + "".join(f"{k:>14}" for k in KEYS)
-    lines = [f"space {result['space']}: {result['n_train']} train, {result['n_test']} test adapters", header]
-    for name, row in result["methods"].items():  # type: ignore[attr-defined]
-        cells = "".join(f"{'-':>14}" if row[k] is None else f"{row[k]:>14.3f}" for k in KEYS)
+def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several splits' results as one: per method and metric the mean (`methods`) and the population
+    std (`methods_std`) over the splits where it is defined, with every split's result in `splits`."""
+    methods: dict[str, dict[str, float | None]] = {}
+    spread: dict[str, dict[str, float | None]] = {}
+    for name in results[0]["methods"]:
+        values = {k: [r["methods"][name][k] for r in results if r["methods"][name][k] is not None] for k in KEYS}
+        methods[name] = {k: float(np.mean(v)) if v else None for k, v in values.items()}
+        spread[name] = {k: float(np.std(v)) if v else None for k, v in values.items()}
+    first = results[0]
+    return {
+        "space": first["space"],
+        "n_train": first["n_train"],
+        "n_test": first["n_test"],
+        "seeds": [r["seed"] for r in results],
+        "methods": methods,
+        "methods_std": spread,
+        "splits": results,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The table of one split, or of several (mean ± std, then each split's choices)."""
+    splits = result.get("splits", [result])
+    spread = result.get("methods_std")
+    width = 16 if spread else 14
+    header = f"{'method':<16}" + "".join(f"{k:>{width}}" for k in KEYS)
+    seeds = ", ".join(str(r["seed"]) for r in splits)
+    lines = [f"space {result['space']}: {result['n_train']} train, {result['n_test']} test adapters; split seed {seeds}", header]
+    for name, row in result["methods"].items():
+        if spread:
+            cells = "".join(f"{'-':>{width}}" if row[k] is None else f"{row[k]:>9.3f} ±{spread[name][k]:.3f}" for k in KEYS)
+        else:
+            cells = "".join(f"{'-':>{width}}" if row[k] is None else f"{row[k]:>{width}.3f}" for k in KEYS)
         lines.append(f"{name:<16}{cells}")
-    lines.append(f"sketch vs exact dW cosine, correlation over pairs: {result['sketch_vs_exact_cosine_corr']}")
-    lines.append(f"invariance (re-factorized with random G), min cosine: {result['invariance_min_cosine']}")
-    lines.append(f"hybrid weight of the W2T cosine: {result['hybrid_weight']}")
-    for metric, how in result["w2t_predictor"].items():  # type: ignore[attr-defined]
-        lines.append(f"W2T (supervised) predicts {metric} by: {how} (chosen out of fold)")
+    for r in splits:
+        prefix = f"seed {r['seed']}: " if spread else ""
+        lines.append(f"{prefix}sketch vs exact dW cosine, correlation over pairs: {r['sketch_vs_exact_cosine_corr']}")
+        lines.append(f"{prefix}invariance (re-factorized with random G), min cosine: {r['invariance_min_cosine']}")
+        lines.append(f"{prefix}hybrid weight of the W2T cosine: {r['hybrid_weight']}")
+        for metric, how in r["w2t_predictor"].items():
+            lines.append(f"{prefix}W2T (supervised) predicts {metric} by: {how} (chosen out of fold)")
     return "\n".join(lines)

@@ -183,6 +183,15 @@ def test_zoo_eval_command(cli, tmp_path: Path) -> None:  # type: ignore[no-untyp
     assert result["space"] == "tiny" and (result["n_train"], result["n_test"]) == (9, 3)
     assert set(result["methods"]) == set(METHODS)
     assert result["methods"]["raw_cosine"]["hit@1"] is not None  # the source files are still on disk
+    rc, (combined,) = cli.json_lines("eval", "--epochs", "1", "--members", "1", "--test-fraction", "0.25", "--splits", "2", "--seed", "3")
+    assert rc == 0 and combined["seeds"] == [3, 4] and [r["seed"] for r in combined["splits"]] == [3, 4]
+    for name, row in combined["methods"].items():
+        for key, mean in row.items():
+            values = [r["methods"][name][key] for r in combined["splits"] if r["methods"][name][key] is not None]
+            assert mean == (pytest.approx(np.mean(values)) if values else None)
+            assert combined["methods_std"][name][key] == (pytest.approx(np.std(values)) if values else None)
+    rc, _, err = cli("eval", "--splits", "0")
+    assert rc == 2 and "--splits must be at least 1" in err
     rc, _, err = cli("eval", "--space", "nope")
     assert rc == 2 and "no embedding space 'nope'" in err
 

@@ -410,17 +410,22 @@ def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     from embed.dataset import load_adapters, schema_of
-    from embed.evaluate import evaluate, format_table
+    from embed.evaluate import combine_splits, evaluate, format_table
     from embed.train import TrainOptions
 
+    if args.splits < 1:
+        raise ZooError(f"--splits must be at least 1, got {args.splits}")
     require_schema(settings.database_url)
     space = _space(settings, args.space)
     with session_factory(settings.database_url)() as session:
         adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
     if len(adapters) < 10:
         raise ZooError(f"space {space} has {len(adapters)} adapters: evaluation needs at least 10")
-    options = TrainOptions(epochs=args.epochs, seed=args.seed, device=args.device, members=args.members)
-    result = evaluate(adapters, schema_of(space, adapters), options, args.test_fraction, args.seed, progress=not args.json)
+    results = []
+    for seed in range(args.seed, args.seed + args.splits):
+        options = TrainOptions(epochs=args.epochs, seed=seed, device=args.device, members=args.members)
+        results.append(evaluate(adapters, schema_of(space, adapters), options, args.test_fraction, seed, progress=not args.json))
+    result = results[0] if len(results) == 1 else combine_splits(results)
     if args.json:
         _print_json(result)
     else:
@@ -512,7 +517,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--epochs", type=int, default=80)
     s.add_argument("--members", type=int, default=5, help="W2T models in the ensemble, from consecutive seeds (default: 5)")
     s.add_argument("--test-fraction", type=float, default=0.2)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the split and of the W2T members (default: 0)")
+    s.add_argument(
+        "--splits",
+        type=int,
+        default=1,
+        help="evaluate on this many splits (seeds SEED, SEED+1, ...) and report mean ± std over them (default: 1)",
+    )
     s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_eval)
