@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from bench.timing import median_time
 from zoo.canonical import canonicalize
 from zoo.formats import read_adapter
 from zoo.ingest import canonicalize_modules
@@ -35,18 +33,6 @@ def write_adapter(directory: Path, layers: int, dim: int, rank: int, seed: int) 
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     (directory / "adapter_config.json").write_text(json.dumps(config))
-
-
-def best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -72,9 +58,9 @@ def main() -> None:
             for m in modules:
                 m.A, m.B = m.A.to(device), m.B.to(device)
 
-        t_read = best_time(lambda: read_adapter(directory), args.repeats, lambda: None)
-        t_loop = best_time(lambda: [canonicalize(m.A, m.B, m.scale) for m in modules], args.repeats, sync)
-        t_batch = best_time(lambda: canonicalize_modules(modules, device), args.repeats, sync)
+        t_read = median_time(lambda: read_adapter(directory), args.repeats, lambda: None)
+        t_loop = median_time(lambda: [canonicalize(m.A, m.B, m.scale) for m in modules], args.repeats, sync)
+        t_batch = median_time(lambda: canonicalize_modules(modules, device), args.repeats, sync)
 
         ref = [canonicalize(m.A, m.B, m.scale) for m in modules]
         got = canonicalize_modules(modules, device)

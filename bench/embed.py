@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from bench.timing import median_time
 from embed.baselines import dw_sketch
 from embed.dataset import ZooAdapter, schema_of
 from embed.model import W2T, W2TConfig
@@ -36,18 +34,6 @@ def synthetic(n: int, rank: int, seed: int = 0) -> list[ZooAdapter]:
                 factors[f"blocks.{layer}.{t}"] = canonicalize(torch.randn(rank, d, generator=gen), torch.randn(o, rank, generator=gen))
         out.append(ZooAdapter(i + 1, f"s{i}", factors))
     return out
-
-
-def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
