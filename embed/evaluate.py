@@ -69,7 +69,9 @@ def evaluate(
     test_fraction: float = 0.2,
     seed: int = 0,
     progress: bool = True,
+    contrastive: bool = True,
 ) -> dict[str, object]:
+    """Score every method on one seeded split; `contrastive=False` leaves W2T (contrastive) out (a row of nulls)."""
     train_pos, test_pos = split_positions(adapters, test_fraction, seed)
     train = [adapters[p] for p in train_pos]
     methods: dict[str, dict[str, float | None]] = {}
@@ -103,7 +105,7 @@ def evaluate(
     methods["spectra_knn"] = _score(cosine(spec, spec), adapters, test_pos, train_pos, predict=True)
 
     embedders: dict[str, Embedder] = {}
-    for objective in ("supervised", "contrastive"):
+    for objective in ("supervised", "contrastive") if contrastive else ("supervised",):
         t0 = time.perf_counter()
         emb = train_w2t(train, schema, TrainOptions(**{**options.__dict__, "objective": objective}), progress=progress)
         timings[f"w2t_{objective}_train"] = time.perf_counter() - t0
@@ -116,6 +118,8 @@ def evaluate(
             methods[name].update(_head_scores(emb, adapters, test_pos))
             methods["hybrid"] = _score(hybrid_score(module, sim, emb.hybrid_weight), adapters, test_pos, train_pos, predict=True)
 
+    if not contrastive:
+        methods["w2t_contrastive"] = dict.fromkeys(KEYS)
     sup = embedders["supervised"]
     probe = [adapters[p] for p in test_pos[:20]]
     z0 = sup.embed(probe)

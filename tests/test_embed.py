@@ -183,8 +183,13 @@ def test_zoo_eval_command(cli, tmp_path: Path) -> None:  # type: ignore[no-untyp
     assert result["space"] == "tiny" and (result["n_train"], result["n_test"]) == (9, 3)
     assert set(result["methods"]) == set(METHODS)
     assert result["methods"]["raw_cosine"]["hit@1"] is not None  # the source files are still on disk
-    rc, (combined,) = cli.json_lines("eval", "--epochs", "1", "--members", "1", "--test-fraction", "0.25", "--splits", "2", "--seed", "3")
+    rc, (combined,) = cli.json_lines(
+        "eval", "--epochs", "1", "--members", "1", "--test-fraction", "0.25", "--splits", "2", "--seed", "3", "--no-contrastive"
+    )
     assert rc == 0 and combined["seeds"] == [3, 4] and [r["seed"] for r in combined["splits"]] == [3, 4]
+    assert set(combined["methods"]) == set(METHODS) and set(combined["methods"]["w2t_contrastive"].values()) == {None}
+    assert combined["methods"]["w2t_supervised"]["hit@1"] is not None
+    assert all("w2t_contrastive_train" not in r["seconds"] for r in combined["splits"])
     for name, row in combined["methods"].items():
         for key, mean in row.items():
             values = [r["methods"][name][key] for r in combined["splits"] if r["methods"][name][key] is not None]

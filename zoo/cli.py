@@ -424,7 +424,17 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     results = []
     for seed in range(args.seed, args.seed + args.splits):
         options = TrainOptions(epochs=args.epochs, seed=seed, device=args.device, members=args.members)
-        results.append(evaluate(adapters, schema_of(space, adapters), options, args.test_fraction, seed, progress=not args.json))
+        results.append(
+            evaluate(
+                adapters,
+                schema_of(space, adapters),
+                options,
+                args.test_fraction,
+                seed,
+                progress=not args.json,
+                contrastive=not args.no_contrastive,
+            )
+        )
     result = results[0] if len(results) == 1 else combine_splits(results)
     if args.json:
         _print_json(result)
@@ -523,6 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="evaluate on this many splits (seeds SEED, SEED+1, ...) and report mean ± std over them (default: 1)",
+    )
+    s.add_argument(
+        "--no-contrastive",
+        action="store_true",
+        help="leave W2T (contrastive) out (its row is null): about half the training time",
     )
     s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
