@@ -6,11 +6,14 @@ import csv
 import json
 import multiprocessing
 import os
+import platform
 import shutil
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,11 @@ from zoo.reference.recipes import get_recipe
 ATTRIBUTES_FILE = "zoo_attributes.json"
 LABELS_FILE = "labels.csv"
 #: Per-adapter bookkeeping kept in ATTRIBUTES_FILE but not written to labels.csv.
-NOT_LABELS = ("recipe", "base_model", "train_seconds")
+NOT_LABELS = ("recipe", "base_model", "train_seconds", "cpu_kernels")
+#: Training amplifies float rounding, so a seed gives the same bytes on two machines only if torch's
+#: own kernels (ATen), MKL's and oneDNN's take the same code paths on both. On x86-64 every build
+#: worker is held to AVX2, which AVX-512 CPUs have too; elsewhere nothing is pinned.
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def adapter_name(recipe: str, index: int) -> str:
@@ -53,6 +60,7 @@ def build_one(recipe: str, cache_dir: Path, out_dir: Path, name: str, attrs: dic
     model, acc = r.train(_context(recipe, cache_dir), attrs)
     row = {"name": name, "recipe": recipe, "base_model": r.base_model, **attrs, "test_accuracy": round(acc, 6)}
     row["train_seconds"] = round(time.perf_counter() - t0, 3)
+    row["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
     tmp = out_dir / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), save_embedding_layers=False)  # "auto" would look the base up on the Hub
@@ -66,6 +74,43 @@ def build_one(recipe: str, cache_dir: Path, out_dir: Path, name: str, attrs: dic
 
 def _init_worker() -> None:
     torch.set_num_threads(1)
+
+
+def _prepare(recipe: str, cache_dir: Path) -> None:
+    _context(recipe, cache_dir)
+
+
+@contextmanager
+def _pinned_kernels() -> Iterator[None]:
+    """PINNED_KERNELS in the environment while the block starts worker processes (which read it at
+    start-up, before their first kernel runs); the caller's environment is restored after."""
+    pins = PINNED_KERNELS if platform.machine().lower() in ("x86_64", "amd64") else {}
+    saved = {k: os.environ.get(k) for k in pins}
+    os.environ.update(pins)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _build(
+    recipe: str, cache_dir: Path, out_dir: Path, plan: dict[str, dict[str, object]], workers: int, progress: bool
+) -> list[dict[str, object]]:
+    """Build the planned adapters in fresh worker processes with pinned CPU kernels, the base first."""
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    bar = tqdm(total=len(plan), desc=f"make-zoo {recipe}", unit="adapter", disable=not progress)
+    with _pinned_kernels(), ProcessPoolExecutor(min(workers, len(plan)), mp_context=ctx, initializer=_init_worker) as pool:
+        pool.submit(_prepare, recipe, cache_dir).result()  # pretrain and cache the base once, before any worker needs it
+        for fut in as_completed([pool.submit(build_one, recipe, cache_dir, out_dir, n, a) for n, a in plan.items()]):
+            rows.append(fut.result())
+            bar.update()
+    bar.close()
+    return rows
 
 
 def _finished(out_dir: Path, name: str, attrs: dict[str, object], recipe: str) -> dict[str, object] | None:
@@ -108,20 +153,8 @@ def make_zoo(
     todo = [n for n in plan if n not in rows]
     skipped = len(rows)
     if todo:
-        _context(recipe, cache_dir)  # pretrain and cache the base once, before any worker needs it
-    bar = tqdm(total=len(todo), desc=f"make-zoo {recipe}", unit="adapter", disable=not progress)
-    if workers <= 1 or len(todo) <= 1:
-        for name in todo:
-            rows[name] = build_one(recipe, cache_dir, out_dir, name, plan[name])
-            bar.update()
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
-            futures = {pool.submit(build_one, recipe, cache_dir, out_dir, n, plan[n]): n for n in todo}
-            for fut in as_completed(futures):
-                rows[futures[fut]] = fut.result()
-                bar.update()
-    bar.close()
+        for row in _build(recipe, cache_dir, out_dir, {n: plan[n] for n in todo}, max(1, workers), progress):
+            rows[str(row["name"])] = row
     ordered = [rows[n] for n in plan]
     write_labels(out_dir / LABELS_FILE, ordered)
     elapsed = time.perf_counter() - t_start
@@ -136,6 +169,7 @@ def make_zoo(
         "skipped": skipped,
         "seconds": round(elapsed, 1),
         "train_seconds_per_adapter": round(statistics.mean(built_times), 3) if built_times else None,
+        "cpu_kernels": ", ".join(sorted({str(rows[n]["cpu_kernels"]) for n in todo})) or None,
         "disk_bytes": sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file() and ".cache" not in p.parts),
         "labels": str(out_dir / LABELS_FILE),
         "accuracy": accuracy_spread(ordered),

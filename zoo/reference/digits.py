@@ -272,5 +272,10 @@ def train_adapter(base: DigitsViT, data: DigitsData, attrs: dict[str, object]) -
             loss.backward()
             opt.step()
         model.eval()
-        tx, ty = task_split(task, data.test_x, data.test_y, train=False, seed=seed + 1)
-        return model, accuracy(model, task, tx, ty)
+        return model, held_out_accuracy(model, data, task, seed)
+
+
+def held_out_accuracy(model: nn.Module, data: DigitsData, task: str, seed: int) -> float:
+    """Accuracy on the task's held-out split, drawn as for the adapter trained with this seed."""
+    x, y = task_split(task, data.test_x, data.test_y, train=False, seed=seed + 1)
+    return accuracy(model, task, x, y)
