@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import platform
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from peft import PeftModel
 from tests.conftest import CLI
 from zoo.errors import ZooError
 from zoo.reference import digits
-from zoo.reference.build import ATTRIBUTES_FILE, LABELS_FILE, PINNED_KERNELS, make_zoo, planned_attributes
+from zoo.reference.build import ATTRIBUTES_FILE, LABELS_FILE, kernel_pins, make_zoo, planned_attributes
 
 
 @pytest.fixture(scope="session")
@@ -119,10 +118,10 @@ def test_accuracy_varies_with_attributes(cache_dir: Path, tmp_path: Path) -> Non
 def test_build_pins_cpu_kernels(tiny_zoo: tuple[Path, dict], cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A build's bytes do not follow the caller's kernel settings: workers run pinned kernels."""
     out, report = tiny_zoo
-    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not kernel_pins() or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("kernels are pinned on x86-64 CPUs with AVX2 only")
     assert report["cpu_kernels"] == "AVX2"
-    for key in PINNED_KERNELS:
+    for key in kernel_pins():
         monkeypatch.setenv(key, "default" if key == "ATEN_CPU_CAPABILITY" else "AVX")
     other = tmp_path / "other"
     report = make_zoo(other, "digits-vit", 1, seed=3, workers=1, cache_dir=cache_dir, progress=False)

@@ -77,14 +77,20 @@ def _init_worker() -> None:
 
 
 def _prepare(recipe: str, cache_dir: Path) -> None:
+    """_context in a worker, returning nothing (the context itself is not sent back)."""
     _context(recipe, cache_dir)
+
+
+def kernel_pins() -> dict[str, str]:
+    """The kernel settings build workers start with on this machine: PINNED_KERNELS on x86-64, else none."""
+    return PINNED_KERNELS if platform.machine().lower() in ("x86_64", "amd64") else {}
 
 
 @contextmanager
 def _pinned_kernels() -> Iterator[None]:
-    """PINNED_KERNELS in the environment while the block starts worker processes (which read it at
+    """kernel_pins() in the environment while the block starts worker processes (which read it at
     start-up, before their first kernel runs); the caller's environment is restored after."""
-    pins = PINNED_KERNELS if platform.machine().lower() in ("x86_64", "amd64") else {}
+    pins = kernel_pins()
     saved = {k: os.environ.get(k) for k in pins}
     os.environ.update(pins)
     try:
