@@ -1,5 +1,5 @@
 """Benchmark: adapters embedded per second by a W2T embedder (an ensemble of `--members` models;
-untrained weights: the cost is the same) and by the training-free dW sketch, on a synthetic
+untrained weights: the cost is the same) and by the training-free module sketch, on a synthetic
 digits-vit-shaped space (24 modules, rank ≤ 16).
 
 Each figure is the median of --repeats timed runs after a warm-up. `tokenize_share` is the part of
@@ -15,11 +15,11 @@ import json
 import torch
 
 from bench.timing import median_time
-from embed.baselines import dw_sketch
-from embed.dataset import ZooAdapter, schema_of
 from embed.model import W2T, W2TConfig
+from embed.similarity import module_sketches
 from embed.tokens import tokenize
 from embed.train import EMBED_BATCH, Embedder, TrainOptions
+from embed.types import ZooAdapter, schema_of
 from zoo.canonical import canonicalize
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     t_w2t = median_time(lambda: emb.embed(adapters), args.repeats, sync)
     starts = range(0, len(adapters), EMBED_BATCH)
     t_tokens = median_time(lambda: [tokenize(adapters[i : i + EMBED_BATCH], schema, args.rank) for i in starts], args.repeats, sync)
-    t_sketch = median_time(lambda: dw_sketch(adapters, schema), args.repeats, sync)
+    t_sketch = median_time(lambda: module_sketches([a.factors for a in adapters], schema.module_names), args.repeats, sync)
     result = {
         "adapters": args.adapters,
         "device": args.device,
@@ -65,7 +65,7 @@ def main() -> None:
         "tokenize_share": round(t_tokens / t_w2t, 2),
     }
     w2t, sketch = result["w2t_adapters_per_s"], result["sketch_adapters_per_s"]
-    print(f"{args.adapters} adapters on {args.device}: W2T ({args.members} models) {w2t}/s, dW sketch {sketch}/s")
+    print(f"{args.adapters} adapters on {args.device}: W2T ({args.members} models) {w2t}/s, module sketch {sketch}/s")
     print(json.dumps(result))
 
 

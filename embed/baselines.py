@@ -1,9 +1,6 @@
 """Training-free representations to compare against (and to use with no labels at all).
 
-- exact dW cosine: <dW_x, dW_y> summed over modules, from the canonical form;
-- dW sketch: per module Ωᵀ·dW·Ψ for seeded Gaussian Ω (out × k), Ψ (in × k), computed as
-  (ΩᵀU)·diag(S)·(VᵀΨ) without materializing dW, scaled so inner products are unbiased
-  estimates of <dW_x, dW_y>, concatenated and normalized;
+- exact dW cosine and module cosine, and the module sketch: embed/similarity.py;
 - raw factor cosine: the flattened A and B factors as stored in the files (factorization-
   dependent: the naive baseline);
 - spectra: the singular values of every module, padded to a common rank.
@@ -11,55 +8,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import torch
 
-from embed.dataset import SpaceSchema, ZooAdapter
+from embed.types import SpaceSchema, ZooAdapter
 from zoo.formats import read_adapter
-
-SKETCH_K = 16
-
-
-def dw_gram(adapters: list[ZooAdapter], schema: SpaceSchema) -> np.ndarray:
-    """Exact Gram matrix <dW_i, dW_j> (summed over modules), module by module in float64."""
-    n = len(adapters)
-    gram = torch.zeros(n, n, dtype=torch.float64)
-    for name, out, inp in schema.modules:
-        flat = torch.zeros(n, out * inp, dtype=torch.float32)
-        for i, a in enumerate(adapters):
-            f = a.factors.get(name)
-            if f is not None and f.rank:
-                flat[i] = ((f.U * f.S) @ f.V.T).reshape(-1)
-        gram += (flat @ flat.T).double()
-    return gram.numpy()
-
-
-def cosine_from_gram(gram: np.ndarray) -> np.ndarray:
-    d = np.sqrt(np.clip(np.diag(gram), 1e-30, None))
-    return gram / d[:, None] / d[None, :]
-
-
-def _probes(name: str, out: int, inp: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    s = int.from_bytes(hashlib.sha256(f"sketch|{seed}|{name}|{out}|{inp}".encode()).digest()[:8], "little") >> 1
-    gen = torch.Generator().manual_seed(s)
-    return torch.randn(out, k, generator=gen), torch.randn(inp, k, generator=gen)
-
-
-def dw_sketch(adapters: list[ZooAdapter], schema: SpaceSchema, k: int = SKETCH_K, seed: int = 0) -> np.ndarray:
-    """(N, Σ_m k²) sketch embeddings, L2-normalized; missing modules are zeros."""
-    blocks = []
-    for name, out, inp in schema.modules:
-        omega, psi = _probes(name, out, inp, k, seed)
-        block = torch.zeros(len(adapters), k * k)
-        for i, a in enumerate(adapters):
-            f = a.factors.get(name)
-            if f is not None and f.rank:
-                block[i] = (((omega.T @ f.U) * f.S) @ (f.V.T @ psi)).reshape(-1) / k
-        blocks.append(block)
-    x = torch.cat(blocks, dim=1).numpy()
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 def spectra_vectors(adapters: list[ZooAdapter], schema: SpaceSchema, rank: int) -> np.ndarray:

@@ -13,8 +13,8 @@ import numpy as np
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from embed.dataset import SpaceSchema
 from embed.index import AdapterIndex, checksum, sidecar
+from embed.types import SpaceSchema
 from zoo.db.models import Embedder, Embedding, EmbeddingSpace
 
 

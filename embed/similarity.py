@@ -1,22 +1,34 @@
 """Similarity of adapters from their canonical forms (pure math; no I/O, no database).
 
-- Module cosine: the mean, over the modules two adapters share, of the cosine of their per-module
-  updates <dW_x, dW_y> / (|dW_x| |dW_y|). Computed from (U, S, V) in r×r blocks, never
-  materializing dW. Unlike the cosine of the whole update, every shared module counts equally,
-  so a large update of one module cannot drown the others, and adapters that target different
-  module sets are compared on what they share.
+The one implementation of ⟨dW_x, dW_y⟩ in the project is `ModuleStack`: many adapters' modules,
+padded per module name, compared in r×r blocks without materializing dW (or as flattened dW
+where that is smaller). From its per-module cosines come:
+
+- module cosine: the mean, over the modules two adapters share, of the cosine of their
+  per-module updates. Unlike the cosine of the whole update, every shared module counts
+  equally, so a large update of one module cannot drown the others, and adapters that target
+  different module sets are compared on what they share;
+- whole-update (dW) cosine: Σ_m ⟨dW_x,m, dW_y,m⟩ / (‖dW_x‖ ‖dW_y‖), the training-free bar.
+
+`module_sketches` is the compact stand-in: per module a unit vector of seeded bilinear probes
+(zoo/probes.py), whose inner products estimate that module's cosine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from zoo.canonical import CanonicalFactors
+from zoo.probes import probe_values, probes
 
 Factors = Mapping[str, CanonicalFactors]
+
+#: probe pairs per module in a module sketch
+MODULE_SKETCH_DIM = 64
+_SKETCH_SALT = "module-sketch"
 
 
 def dense_modules(adapters: Sequence[Factors]) -> set[str]:
@@ -31,61 +43,183 @@ def dense_modules(adapters: Sequence[Factors]) -> set[str]:
 
 
 class ModuleStack:
-    """Many adapters' modules stacked per module name, for batched module cosines.
+    """N adapters' modules, one block of arrays per module name, row j = adapter j.
 
-    Per module, either the unit-norm dW flattened (N, out·in) (`dense` modules), or every
-    adapter's components side by side: U (Σr, out), V (Σr, in), σ/|σ| (Σr,) and the adapter each
-    component belongs to. Stacks compared with each other must share `dense`.
+    Per module: `norms` (N,) = ‖dW‖_F (0 where the adapter lacks the module) and either
+    `dense` (N, out·in), the unit-norm dW flattened, or `factors` = (U (N, R, out), V (N, R, in),
+    w (N, R)) with w = S/‖S‖, zero-padded to the module's largest rank R. Stacks compared with
+    each other must agree on which modules are dense.
     """
 
-    def __init__(self, adapters: Sequence[Factors], dense: set[str]) -> None:
-        self.size = len(adapters)
-        self.present: dict[str, torch.Tensor] = {}
-        self.dense: dict[str, torch.Tensor] = {}
-        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        names = sorted({n for a in adapters for n, f in a.items() if f.rank})
-        for name in names:
-            rows = [(j, a[name]) for j, a in enumerate(adapters) if name in a and a[name].rank]
-            present = torch.zeros(self.size, dtype=torch.bool)
-            present[[j for j, _ in rows]] = True
-            self.present[name] = present
-            unit = [f.S / f.S.norm().clamp_min(1e-30) for _, f in rows]
-            if name in dense:
-                flat = torch.zeros(self.size, rows[0][1].U.shape[0] * rows[0][1].V.shape[0])
-                for (j, f), s in zip(rows, unit, strict=True):
-                    flat[j] = ((f.U * s) @ f.V.T).reshape(-1)
-                self.dense[name] = flat
-            else:
-                owner = torch.cat([torch.full((f.rank,), j) for j, f in rows])
-                U = torch.cat([f.U for _, f in rows], dim=1).T.contiguous()
-                V = torch.cat([f.V for _, f in rows], dim=1).T.contiguous()
-                self.factors[name] = (U, V, torch.cat(unit), owner)
+    def __init__(
+        self,
+        size: int,
+        norms: dict[str, torch.Tensor],
+        dense: dict[str, torch.Tensor],
+        factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self.size = size
+        self.norms = norms
+        self.dense = dense
+        self.factors = factors
 
-    def cosines(self, queries: ModuleStack, chunk: int = 4096) -> np.ndarray:
-        """(queries.size, self.size) mean per-module cosines over shared modules; 0 where none is shared."""
+    @classmethod
+    def of(cls, adapters: Sequence[Factors], dense: set[str]) -> ModuleStack:
+        n = len(adapters)
+        norms: dict[str, torch.Tensor] = {}
+        flat: dict[str, torch.Tensor] = {}
+        factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for name in sorted({k for a in adapters for k, f in a.items() if f.rank}):
+            rows = [(j, a[name]) for j, a in enumerate(adapters) if name in a and a[name].rank]
+            out, inp = rows[0][1].U.shape[0], rows[0][1].V.shape[0]
+            norms[name] = torch.zeros(n)
+            for j, f in rows:
+                norms[name][j] = f.S.double().norm()
+            if name in dense:
+                flat[name] = torch.zeros(n, out * inp)
+                for j, f in rows:
+                    flat[name][j] = ((f.U * (f.S / f.S.norm())) @ f.V.T).reshape(-1)
+                continue
+            r = max(f.rank for _, f in rows)
+            U, V, w = torch.zeros(n, r, out), torch.zeros(n, r, inp), torch.zeros(n, r)
+            for j, f in rows:
+                U[j, : f.rank], V[j, : f.rank], w[j, : f.rank] = f.U.T, f.V.T, f.S / f.S.norm()
+            factors[name] = (U, V, w)
+        return cls(n, norms, flat, factors)
+
+    def take(self, rows: Sequence[int] | np.ndarray) -> ModuleStack:
+        """The stack of the given rows, in that order."""
+        idx = torch.as_tensor(np.asarray(rows, dtype=np.int64))
+        return ModuleStack(
+            len(idx),
+            {k: v[idx] for k, v in self.norms.items()},
+            {k: v[idx] for k, v in self.dense.items()},
+            {k: (U[idx], V[idx], w[idx]) for k, (U, V, w) in self.factors.items()},
+        )
+
+    @staticmethod
+    def concat(stacks: Sequence[ModuleStack]) -> ModuleStack:
+        """Rows of several stacks one after the other (factor blocks padded to the largest rank)."""
+        sizes = [s.size for s in stacks]
+        names = sorted({k for s in stacks for k in s.norms})
+        norms = {k: torch.cat([s.norms.get(k, torch.zeros(s.size)) for s in stacks]) for k in names}
+        dense, factors = {}, {}
+        for k in names:
+            owner = next(s for s in stacks if k in s.norms)
+            if k in owner.dense:
+                width = owner.dense[k].shape[1]
+                dense[k] = torch.cat([s.dense.get(k, torch.zeros(s.size, width)) for s in stacks])
+                continue
+            r = max(s.factors[k][0].shape[1] for s in stacks if k in s.factors)
+            out, inp = owner.factors[k][0].shape[2], owner.factors[k][1].shape[2]
+            parts = []
+            for s, n in zip(stacks, sizes, strict=True):
+                U, V, w = s.factors.get(k, (torch.zeros(n, 0, out), torch.zeros(n, 0, inp), torch.zeros(n, 0)))
+                pad = r - U.shape[1]
+                parts.append(
+                    (
+                        torch.nn.functional.pad(U, (0, 0, 0, pad)),
+                        torch.nn.functional.pad(V, (0, 0, 0, pad)),
+                        torch.nn.functional.pad(w, (0, pad)),
+                    )
+                )
+            factors[k] = tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+        return ModuleStack(sum(sizes), norms, dense, factors)  # type: ignore[arg-type]
+
+    def module_cosines(self, queries: ModuleStack, chunk: int = 2048) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Per shared module name: (name, cos (queries.size, self.size) float64, both-present mask)."""
+        for name in sorted(queries.norms.keys() & self.norms.keys()):
+            if (name in self.dense) != (name in queries.dense):
+                raise ValueError(f"stacks of different layouts for module {name}: build both with the same `dense`")
+            shared = (queries.norms[name] > 0)[:, None] & (self.norms[name] > 0)[None, :]
+            if name in self.dense:
+                yield name, (queries.dense[name] @ self.dense[name].T).double(), shared
+                continue
+            Ug, Vg, wg = self.factors[name]
+            Uq, Vq, wq = queries.factors[name]
+            rg, rq = Ug.shape[1], Uq.shape[1]
+            Ug2, Vg2 = Ug.reshape(-1, Ug.shape[2]), Vg.reshape(-1, Vg.shape[2])
+            cos = torch.zeros(queries.size, self.size, dtype=torch.float64)
+            step = max(1, chunk // max(rq, 1))
+            for start in range(0, queries.size, step):
+                sl = slice(start, start + step)
+                q = Uq[sl].shape[0]
+                terms = (Uq[sl].reshape(-1, Uq.shape[2]) @ Ug2.T) * (Vq[sl].reshape(-1, Vq.shape[2]) @ Vg2.T)
+                terms = terms.reshape(q, rq, self.size, rg)
+                cos[sl] = torch.einsum("qi,qinj,nj->qn", wq[sl], terms, wg).double()
+            yield name, cos, shared
+
+    def cosines(self, queries: ModuleStack) -> np.ndarray:
+        """(queries.size, self.size) module cosine: mean per-module cosine over shared modules; 0 where none is shared."""
         total = torch.zeros(queries.size, self.size, dtype=torch.float64)
         count = torch.zeros(queries.size, self.size, dtype=torch.float64)
-        for name in queries.present.keys() & self.present.keys():
-            if (name in self.dense) != (name in queries.dense):
-                raise ValueError("stacks of different layouts: build both with the same `dense`")
-            count += (queries.present[name][:, None] & self.present[name][None, :]).double()
-            if name in self.dense:
-                total += (queries.dense[name] @ self.dense[name].T).double()
-                continue
-            Ug, Vg, Sg, og = self.factors[name]
-            Uq, Vq, Sq, oq = queries.factors[name]
-            for start in range(0, len(Sq), chunk):
-                sl = slice(start, start + chunk)
-                terms = (Uq[sl] @ Ug.T) * (Vq[sl] @ Vg.T) * Sq[sl, None] * Sg[None, :]  # (components, components)
-                per_query = torch.zeros(queries.size, len(Sg)).index_add_(0, oq[sl], terms)
-                total += torch.zeros(queries.size, self.size).index_add_(1, og, per_query).double()
+        for _, cos, shared in self.module_cosines(queries):
+            total += cos * shared
+            count += shared
         return (total / count.clamp_min(1)).numpy()
+
+    def inner_products(self, queries: ModuleStack) -> np.ndarray:
+        """(queries.size, self.size) ⟨dW_q, dW_g⟩ of the whole updates (summed over modules)."""
+        total = torch.zeros(queries.size, self.size, dtype=torch.float64)
+        for name, cos, _ in self.module_cosines(queries):
+            total += cos * queries.norms[name].double()[:, None] * self.norms[name].double()[None, :]
+        return total.numpy()
+
+    def total_norms(self) -> np.ndarray:
+        """(size,) ‖dW‖_F of each whole update."""
+        return torch.sqrt(sum((v.double() ** 2 for v in self.norms.values()), torch.zeros(self.size, dtype=torch.float64))).numpy()
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """Flat name → tensor map for persistence (see `from_arrays`)."""
+        out = {f"norms/{k}": v for k, v in self.norms.items()}
+        out.update({f"dense/{k}": v for k, v in self.dense.items()})
+        for k, (U, V, w) in self.factors.items():
+            out.update({f"U/{k}": U, f"V/{k}": V, f"w/{k}": w})
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, torch.Tensor], size: int) -> ModuleStack:
+        def part(prefix: str) -> dict[str, torch.Tensor]:
+            return {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix + "/")}
+
+        U, V, w = part("U"), part("V"), part("w")
+        return cls(size, part("norms"), part("dense"), {k: (U[k], V[k], w[k]) for k in U})
 
 
 def module_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors]) -> np.ndarray:
     """(len(queries), len(gallery)) mean per-module dW cosines over shared modules; 0 where none is shared."""
     dense = dense_modules([*queries, *gallery])
-    return ModuleStack(gallery, dense).cosines(ModuleStack(queries, dense))
+    return ModuleStack.of(gallery, dense).cosines(ModuleStack.of(queries, dense))
+
+
+def dw_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors]) -> np.ndarray:
+    """(len(queries), len(gallery)) cosine of the whole updates, ⟨dW_q, dW_g⟩ / (‖dW_q‖ ‖dW_g‖)."""
+    dense = dense_modules([*queries, *gallery])
+    g, q = ModuleStack.of(gallery, dense), ModuleStack.of(queries, dense)
+    return g.inner_products(q) / np.maximum(np.outer(q.total_norms(), g.total_norms()), 1e-30)
+
+
+def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int = MODULE_SKETCH_DIM) -> np.ndarray:
+    """(N, len(modules)·dim) float32: per module the unit vector of `dim` seeded probe values ω_jᵀ·dW·ψ_j
+    (zeros where the adapter lacks the module), so a block's inner product estimates that module's cosine."""
+    out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
+    for m, name in enumerate(modules):
+        for i, a in enumerate(adapters):
+            f = a.get(name)
+            if f is None or not f.rank:
+                continue
+            z = probe_values(f, *probes(name, f.U.shape[0], f.V.shape[0], dim, _SKETCH_SALT))
+            out[i, m] = (z / z.norm().clamp_min(1e-300)).cpu().numpy()
+    return out.reshape(len(adapters), -1)
+
+
+def sketch_module_cosines(queries: np.ndarray, gallery: np.ndarray, n_modules: int) -> np.ndarray:
+    """Module cosine estimated from module sketches: block inner products summed, over the shared count."""
+    q = np.asarray(queries, dtype=np.float32).reshape(len(queries), n_modules, -1)
+    g = np.asarray(gallery, dtype=np.float32).reshape(len(gallery), n_modules, -1)
+    dots = q.reshape(len(q), -1) @ g.reshape(len(g), -1).T
+    shared = (np.einsum("qmd,qmd->qm", q, q) > 0.5).astype(np.float32) @ (np.einsum("gmd,gmd->gm", g, g) > 0.5).astype(np.float32).T
+    return dots / np.maximum(shared, 1.0)
 
 
 def hybrid_score(module_cosine: np.ndarray, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:

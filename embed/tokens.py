@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embed.dataset import SpaceSchema, ZooAdapter
+from embed.types import SpaceSchema, ZooAdapter
 
 
 @dataclass

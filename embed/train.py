@@ -30,11 +30,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from embed.dataset import SpaceSchema, ZooAdapter
 from embed.metrics import knn_regress, retrieval
 from embed.model import W2T, W2TConfig
 from embed.similarity import hybrid_score, module_cosine_matrix
 from embed.tokens import Batch, TypeTokens, max_rank, select, to_device, tokenize
+from embed.types import SpaceSchema, ZooAdapter
 from zoo.labels import TASK_KEY
 
 #: adapters per forward pass when embedding

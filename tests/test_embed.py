@@ -11,11 +11,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embed.baselines import cosine_from_gram, dw_gram, dw_sketch
-from embed.dataset import ZooAdapter, schema_of, split_positions
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
+from embed.similarity import ModuleStack, dense_modules, dw_cosine_matrix, module_cosine_matrix, module_sketches, sketch_module_cosines
 from embed.train import HYBRID_WEIGHTS, PREDICTORS, Embedder, TrainOptions, _clearly_better, _folds, train_w2t
+from embed.types import ZooAdapter, schema_of, split_positions
 from zoo.canonical import canonicalize
 
 MODULES = [(f"layers.{layer}.{t}", 24, 20) for layer in range(2) for t in ("q_proj", "v_proj")]
@@ -58,21 +58,27 @@ def zoo() -> list[ZooAdapter]:
     return synthetic_zoo()
 
 
-def test_dw_gram_is_exact(zoo: list[ZooAdapter]) -> None:
-    schema = schema_of("synthetic", zoo)
-    gram = dw_gram(zoo[:5], schema)
+def test_dw_inner_products_are_exact(zoo: list[ZooAdapter]) -> None:
+    factors = [a.factors for a in zoo[:5]]
+    stack = ModuleStack.of(factors, dense_modules(factors))
+    gram = stack.inner_products(stack)
     for i in range(5):
         for j in range(5):
             ref = sum(float((zoo[i].factors[n].delta().double() * zoo[j].factors[n].delta().double()).sum()) for n, _, _ in MODULES)
             assert gram[i, j] == pytest.approx(ref, rel=1e-4)
+    cos = dw_cosine_matrix(factors, factors)
+    assert np.allclose(cos, gram / np.sqrt(np.outer(np.diag(gram), np.diag(gram))), atol=1e-6)
 
 
-def test_sketch_tracks_exact_cosine(zoo: list[ZooAdapter]) -> None:
+def test_module_sketch_tracks_module_cosine(zoo: list[ZooAdapter]) -> None:
     schema = schema_of("synthetic", zoo)
-    exact = cosine_from_gram(dw_gram(zoo, schema))
-    sk = dw_sketch(zoo, schema)
+    factors = [a.factors for a in zoo]
+    exact = module_cosine_matrix(factors, factors)
+    sk = module_sketches(factors, schema.module_names)
+    approx = sketch_module_cosines(sk, sk, len(schema.modules))
     off = ~np.eye(len(zoo), dtype=bool)
-    assert np.corrcoef((sk @ sk.T)[off], exact[off])[0, 1] > 0.8
+    assert np.allclose(np.diag(approx), 1.0, atol=1e-5)
+    assert np.corrcoef(approx[off], exact[off])[0, 1] > 0.8
 
 
 def test_retrieval_metrics_by_hand() -> None:

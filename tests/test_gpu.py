@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from embed.dataset import ZooAdapter, schema_of
 from embed.index import AdapterIndex, gpu_available
 from embed.train import Embedder, TrainOptions, train_w2t
+from embed.types import ZooAdapter, schema_of
 from tests.test_canonical import random_lora
 from tests.test_embed import synthetic_zoo
 from zoo.fingerprint import DUPLICATE_RTOL, relative_distance

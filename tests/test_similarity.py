@@ -49,9 +49,12 @@ def test_module_cosine_matches_dense_dw(seed: int) -> None:
     want = np.array([[dense_module_cosine(q, g) for g in adapters] for q in adapters[:2]])
     assert np.allclose(got, want, atol=1e-5)
     dense = dense_modules(adapters)
-    stack = ModuleStack(adapters, dense)
-    assert stack.dense.keys() | stack.factors.keys() == stack.present.keys() and "o" not in stack.dense
-    assert np.allclose(stack.cosines(ModuleStack(adapters[1::-1], dense), chunk=1), want[::-1], atol=1e-5)
+    stack = ModuleStack.of(adapters, dense)
+    assert stack.dense.keys() | stack.factors.keys() == stack.norms.keys() and "o" not in stack.dense
+    assert np.allclose(stack.cosines(ModuleStack.of(adapters[1::-1], dense)), want[::-1], atol=1e-5)
+    # rows taken, and stacks concatenated (padded to a common rank), score as the adapters themselves
+    parts = ModuleStack.concat([stack.take([4, 2]), ModuleStack.of(adapters[:2], dense)])
+    assert np.allclose(parts.cosines(stack.take([0, 1])), want[:, [4, 2, 0, 1]], atol=1e-5)
     assert np.allclose(np.diag(got), [1.0 if q else 0.0 for q in adapters[:2]], atol=1e-5)
 
 

@@ -147,11 +147,3 @@ def _cond(G: torch.Tensor) -> torch.Tensor:
 
 def frobenius_norm_sq(x: CanonicalFactors) -> float:
     return float((x.S.double() ** 2).sum())
-
-
-def inner_product(x: CanonicalFactors, y: CanonicalFactors) -> float:
-    """Frobenius inner product <dW_x, dW_y> from canonical forms, without materializing dW."""
-    if x.U.shape[0] != y.U.shape[0] or x.V.shape[0] != y.V.shape[0]:
-        raise ValueError("modules of different shapes")
-    M = (x.U.double().T @ y.U.double()) * x.S.double()[:, None] * y.S.double()[None, :]
-    return float((M * (x.V.double().T @ y.V.double())).sum())

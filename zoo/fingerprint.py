@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from zoo.canonical import CanonicalFactors, frobenius_norm_sq
+from zoo.probes import probe_values, probes
 
 FINGERPRINT_DIM = 8
 HASH_DECIMALS = 3
@@ -31,14 +32,6 @@ HASH_DECIMALS = 3
 DUPLICATE_RTOL = 1e-3
 
 NamedFactors = Sequence[tuple[str, CanonicalFactors]]
-
-
-def _probes(name: str, n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    seed = int.from_bytes(hashlib.sha256(f"{name}|{n_rows}|{n_cols}".encode()).digest()[:8], "little") >> 1
-    gen = torch.Generator().manual_seed(seed)
-    omega = torch.randn(n_rows, FINGERPRINT_DIM, generator=gen, dtype=torch.float64)
-    psi = torch.randn(n_cols, FINGERPRINT_DIM, generator=gen, dtype=torch.float64)
-    return omega.to(device), psi.to(device)
 
 
 def structure_hash(shapes: Sequence[tuple[str, int, int]]) -> str:
@@ -52,10 +45,7 @@ def fingerprint(modules: NamedFactors) -> tuple[list[float], float]:
     z = torch.zeros(FINGERPRINT_DIM, dtype=torch.float64)
     total_sq = 0.0
     for name, f in modules:
-        omega, psi = _probes(name, f.U.shape[0], f.V.shape[0], f.U.device)
-        left = omega.T @ f.U.double()  # (d, k)
-        right = psi.T @ f.V.double()  # (d, k)
-        z += ((left * f.S.double()) * right).sum(dim=1).cpu()
+        z += probe_values(f, *probes(name, f.U.shape[0], f.V.shape[0], FINGERPRINT_DIM)).cpu()
         total_sq += frobenius_norm_sq(f)
     norm = math.sqrt(total_sq)
     values = (z / norm).tolist() if norm > 0 else [0.0] * FINGERPRINT_DIM

@@ -11,6 +11,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     String,
@@ -98,7 +99,10 @@ class Label(Base):
     """A known (given) or predicted attribute of an adapter: task, dataset, style, ..."""
 
     __tablename__ = "label"
-    __table_args__ = (UniqueConstraint("adapter_id", "key", "source", name="uq_label_adapter_id_key_source"),)
+    __table_args__ = (
+        UniqueConstraint("adapter_id", "key", "source", name="uq_label_adapter_id_key_source"),
+        Index("ix_label_value", "value", postgresql_using="hash"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), index=True)
@@ -134,6 +138,8 @@ class EmbeddingSpace(Base):
     name: Mapped[str] = mapped_column(String(255), unique=True)
     base_model: Mapped[str] = mapped_column(String(255), index=True)
     schema: Mapped[dict] = mapped_column(JSON)
+    #: bumped in the same transaction as every write of the space's embeddings (see embed/registry.py)
+    version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
     embedders: Mapped[list[Embedder]] = relationship(back_populates="space", cascade="all, delete-orphan", order_by="Embedder.id")
@@ -162,9 +168,14 @@ class Embedding(Base):
     """An adapter's vector under one embedder (float32 bytes)."""
 
     __tablename__ = "embedding"
-    __table_args__ = (UniqueConstraint("adapter_id", "embedder_id", name="uq_embedding_adapter_id_embedder_id"),)
+    __table_args__ = (
+        UniqueConstraint("adapter_id", "embedder_id", name="uq_embedding_adapter_id_embedder_id"),
+        Index("ix_embedding_embedder_id_version", "embedder_id", "version"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), index=True)
     embedder_id: Mapped[int] = mapped_column(ForeignKey("embedder.id", ondelete="CASCADE"), index=True)
     vector: Mapped[bytes] = mapped_column(LargeBinary)
+    #: the space's version that wrote this row: a reader that has seen version v loads rows above v
+    version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

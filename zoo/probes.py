@@ -1,0 +1,34 @@
+"""Seeded Gaussian probes and the bilinear sketches ωᵀ·dW·ψ they give, read off the canonical form.
+
+One implementation for every sketch in the project: the canonical hash's fingerprint and the
+module sketches the search engine ranks by. A probe pair (ω_j, ψ_j) is drawn from a generator
+seeded by the module's name and shape (and an optional salt), so every process draws the same
+probes; z_j = Σ_i σ_i (ω_jᵀu_i)(ψ_jᵀv_i) never materializes dW. Pure torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+
+from zoo.canonical import CanonicalFactors
+
+
+@functools.lru_cache(maxsize=4096)
+def probes(name: str, rows: int, cols: int, count: int, salt: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(Ω (rows × count), Ψ (cols × count)) float64, the same in every process (cached: do not modify)."""
+    key = f"{name}|{rows}|{cols}" + (f"|{salt}" if salt else "")
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+    gen = torch.Generator().manual_seed(seed)
+    omega = torch.randn(rows, count, generator=gen, dtype=torch.float64)
+    psi = torch.randn(cols, count, generator=gen, dtype=torch.float64)
+    return omega, psi
+
+
+def probe_values(f: CanonicalFactors, omega: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+    """z_j = ω_jᵀ·U·diag(S)·Vᵀ·ψ_j for every probe pair j, in float64 on the factors' device."""
+    left = omega.to(f.U.device).T @ f.U.double()  # (count, k)
+    right = psi.to(f.V.device).T @ f.V.double()  # (count, k)
+    return ((left * f.S.double()) * right).sum(dim=1)
