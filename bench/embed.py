@@ -18,7 +18,7 @@ from bench.timing import median_time
 from embed.model import W2T, W2TConfig
 from embed.similarity import module_sketches
 from embed.tokens import tokenize
-from embed.train import EMBED_BATCH, Embedder, TrainOptions
+from embed.train import EMBED_BATCH, TrainOptions, W2TEnsemble
 from embed.types import ZooAdapter, schema_of
 from zoo.canonical import canonicalize
 
@@ -48,7 +48,7 @@ def main() -> None:
     schema = schema_of("bench", adapters)
     dim = TrainOptions().dim
     config = W2TConfig(schema.type_shapes(), n_layers=4, n_modules=len(schema.modules), dim=dim, embed_dim=dim)
-    emb = Embedder([W2T(config).to(args.device) for _ in range(args.members)], schema, args.rank, {}, "supervised")
+    emb = W2TEnsemble([W2T(config).to(args.device) for _ in range(args.members)], schema, args.rank, {}, "supervised")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     t_w2t = median_time(lambda: emb.embed(adapters), args.repeats, sync)
     starts = range(0, len(adapters), EMBED_BATCH)

@@ -19,7 +19,7 @@ from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.metrics import classification, cosine, knn_classify, knn_regress, regression, retrieval
 from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
 from embed.tokens import max_rank
-from embed.train import Embedder, TrainOptions, train_w2t
+from embed.train import TrainOptions, W2TEnsemble, train_w2t
 from embed.types import SpaceSchema, ZooAdapter, split_positions
 from zoo.canonical import CanonicalFactors, canonicalize
 from zoo.labels import TASK_KEY
@@ -105,7 +105,7 @@ def evaluate(
     spec = spectra_vectors(adapters, schema, max_rank(adapters))
     methods["spectra_knn"] = _score(cosine(spec, spec), adapters, test_pos, train_pos, predict=True)
 
-    embedders: dict[str, Embedder] = {}
+    embedders: dict[str, W2TEnsemble] = {}
     for objective in ("supervised", "contrastive") if contrastive else ("supervised",):
         t0 = time.perf_counter()
         emb = train_w2t(train, schema, TrainOptions(**{**options.__dict__, "objective": objective}), progress=progress)
@@ -141,7 +141,7 @@ def evaluate(
     }
 
 
-def _head_scores(emb: Embedder, adapters: list[ZooAdapter], test_pos: list[int]) -> dict[str, float | None]:
+def _head_scores(emb: W2TEnsemble, adapters: list[ZooAdapter], test_pos: list[int]) -> dict[str, float | None]:
     test = [adapters[p] for p in test_pos]
     probs, values = emb.predict(test)
     out: dict[str, float | None] = {}

@@ -1,19 +1,22 @@
-"""FAISS index of one embedding space: ids are adapter ids, scores are cosine similarities.
+"""FAISS index of one embedder: ids are adapter ids, scores are cosine similarities.
 
 Design around FAISS's limits:
-- an exact index is `IndexIDMap2` over `IndexFlatIP`, which supports removal (flat storage
-  compacts) and reconstruction; vectors are L2-normalized so inner product = cosine;
-- above `APPROXIMATE_FROM` vectors an HNSW index is built instead; HNSW cannot remove ids, so
-  removals rebuild it from the stored vectors (the database is the source of truth);
-- GPU indexes take no custom ids and are not thread-safe: a GPU copy is used for searching
-  only, refreshed after writes; CPU searches may run concurrently, writes take a lock;
-- files are written atomically (temporary file + rename) with a sidecar holding the count and
-  a checksum of (ids, vectors), so a mismatch with the database is detected and rebuilt.
+- vectors are L2-normalized, so inner product = cosine;
+- below `IVF_FROM` vectors the index is exact (`IndexIDMap2` over `IndexFlatIP`); from there
+  on it is an inverted file over float16 codes (`IndexIVFScalarQuantizer`, half the memory of
+  float32, cosine error ~1e-3) whose `nprobe` is the smallest that reaches `RECALL_GOAL`
+  recall@10 against exact search on a sample of its own vectors, measured when it is built;
+- both keep every vector reachable by id (`vectors`), so re-ranking and filtered search read
+  the stored vectors and never re-embed;
+- GPU indexes are not thread-safe: a GPU copy of an exact index is searched under a lock;
+  CPU searches run concurrently, writes take the lock;
+- files are written atomically (temporary file + rename) with a sidecar: the embedder, the
+  count, and the space version the index was written at. A reader compares it with the
+  database's version without reading any vector (see embed/engine.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -23,9 +26,9 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-APPROXIMATE_FROM = 50_000
-HNSW_M = 32
-HNSW_EF_SEARCH = 128
+IVF_FROM = 100_000
+RECALL_GOAL = 0.97
+NPROBES = (4, 8, 16, 32, 64, 128, 256)
 
 
 def normalize(vectors: np.ndarray) -> np.ndarray:
@@ -36,83 +39,140 @@ def normalize(vectors: np.ndarray) -> np.ndarray:
     return v / np.maximum(norms, 1e-12)
 
 
-def checksum(ids: np.ndarray, vectors: np.ndarray) -> str:
-    """Order-independent digest of (id, vector) pairs as the database holds them."""
-    ids = np.asarray(ids, dtype=np.int64)
-    order = np.argsort(ids, kind="stable")
-    h = hashlib.sha256(ids[order].tobytes())
-    h.update(np.ascontiguousarray(np.asarray(vectors, dtype=np.float32)[order]).tobytes())
-    return h.hexdigest()
-
-
 def gpu_available() -> bool:
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
 
 class AdapterIndex:
-    def __init__(self, dim: int, approximate: bool = False) -> None:
+    """One embedder's vectors, searchable by cosine and readable by adapter id."""
+
+    def __init__(self, index: faiss.Index, dim: int) -> None:
+        self.index = index
         self.dim = dim
-        self.approximate = approximate
         self._lock = threading.Lock()
         self._gpu: faiss.Index | None = None
-        if approximate:
-            hnsw = faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
-            hnsw.hnsw.efSearch = HNSW_EF_SEARCH
-            self.index: faiss.Index = faiss.IndexIDMap(hnsw)
-        else:
-            self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
 
     @classmethod
-    def build(cls, ids: np.ndarray, vectors: np.ndarray, approximate: bool | None = None) -> AdapterIndex:
-        """A new index over (ids, vectors); approximate (HNSW) from APPROXIMATE_FROM vectors unless told."""
-        if approximate is None:
-            approximate = len(ids) >= APPROXIMATE_FROM
-        index = cls(int(np.asarray(vectors).shape[1]), approximate)
-        if len(ids):
+    def exact(cls, dim: int) -> AdapterIndex:
+        return cls(faiss.IndexIDMap2(faiss.IndexFlatIP(dim)), dim)
+
+    @classmethod
+    def build(cls, ids: np.ndarray, vectors: np.ndarray, ivf: bool | None = None) -> AdapterIndex:
+        """An index over (ids, vectors): exact below IVF_FROM vectors, IVF above (unless told)."""
+        vectors = normalize(vectors) if len(ids) else np.zeros((0, np.asarray(vectors).shape[1]), np.float32)
+        dim = int(vectors.shape[1])
+        if ivf is None:
+            ivf = len(ids) >= IVF_FROM
+        if not ivf:
+            index = cls.exact(dim)
             index.add(ids, vectors)
-        return index
+            return index
+        nlist = int(min(max(16, 4 * np.sqrt(len(ids))), len(ids) // 39 or 1))
+        quantizer = faiss.IndexFlatIP(dim)
+        ivf_index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        rng = np.random.default_rng(0)
+        sample = vectors[rng.choice(len(vectors), size=min(len(vectors), 64 * nlist), replace=False)]
+        ivf_index.train(sample)
+        ivf_index.set_direct_map_type(faiss.DirectMap.Hashtable)
+        obj = cls(ivf_index, dim)
+        obj.add(ids, vectors)
+        obj.tune_nprobe(vectors[rng.choice(len(vectors), size=min(len(vectors), 200), replace=False)])
+        return obj
+
+    @property
+    def kind(self) -> str:
+        return "ivf" if self.ivf else "flat"
+
+    @property
+    def ivf(self) -> bool:
+        return isinstance(self.index, faiss.IndexIVF)
+
+    @property
+    def nprobe(self) -> int | None:
+        return int(self.index.nprobe) if self.ivf else None
 
     @property
     def size(self) -> int:
         return int(self.index.ntotal)
 
-    def ids(self) -> np.ndarray:
-        return faiss.vector_to_array(self.index.id_map).astype(np.int64)
+    def tune_nprobe(self, queries: np.ndarray, k: int = 10) -> float:
+        """Set nprobe to the smallest in NPROBES reaching RECALL_GOAL against exact search; returns that recall."""
+        queries = normalize(queries)
+        ivf = faiss.extract_index_ivf(self.index)
+        ivf.nprobe = ivf.nlist
+        _, exact = self.index.search(queries, k)
+        recall = 1.0
+        for nprobe in [p for p in NPROBES if p < ivf.nlist] + [ivf.nlist]:
+            ivf.nprobe = nprobe
+            recall = recall_at_k(self.index.search(queries, k)[1], exact)
+            if recall >= RECALL_GOAL:
+                break
+        return recall
 
     def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if not len(ids):
+            return
         vectors = normalize(vectors)
         if vectors.shape != (len(ids), self.dim):
             raise ValueError(f"expected {len(ids)} vectors of dimension {self.dim}, got {vectors.shape}")
         with self._lock:
-            present = np.intersect1d(ids, self.ids())
-            if present.size:
-                raise ValueError(f"ids already in the index: {present[:5].tolist()}")
+            present = [int(i) for i in ids[: min(len(ids), 10_000)] if self.contains(int(i))]
+            if present:
+                raise ValueError(f"ids already in the index: {present[:5]}")
             self.index.add_with_ids(vectors, ids)
             self._gpu = None
 
+    def contains(self, adapter_id: int) -> bool:
+        try:
+            self.index.reconstruct(adapter_id)
+        except RuntimeError:
+            return False
+        return True
+
     def remove(self, ids: np.ndarray) -> int:
-        """Remove ids (exact index only; an HNSW index must be rebuilt without them)."""
-        if self.approximate:
-            raise NotImplementedError("HNSW indexes cannot remove ids: rebuild the index from the database")
         with self._lock:
             removed = int(self.index.remove_ids(np.ascontiguousarray(ids, dtype=np.int64)))
             self._gpu = None
             return removed
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, ids) of the k nearest by cosine, best first; id -1 pads when fewer exist."""
+    def upsert(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Add vectors, replacing those of ids already present (a re-embedded adapter)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        old = np.array([i for i in ids.tolist() if self.contains(i)], dtype=np.int64)
+        if len(old):
+            self.remove(old)
+        self.add(ids, vectors)
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        """(len(ids), dim) stored unit vectors of these adapter ids (KeyError for one not in the index)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if not len(ids):
+            return np.zeros((0, self.dim), np.float32)
+        try:
+            return self.index.reconstruct_batch(ids)
+        except RuntimeError as exc:
+            missing = [int(i) for i in ids.tolist() if not self.contains(int(i))]
+            raise KeyError(f"adapters not in the index: {missing[:5]}") from exc
+
+    def search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids) of the k nearest by cosine, best first; id -1 pads when fewer exist.
+        `allowed`: only these adapter ids (a FAISS id selector)."""
         q = normalize(queries)
         k = max(1, min(k, self.size)) if self.size else 1
-        if self.approximate or not gpu_available():
-            return self.index.search(q, k)  # CPU searches may run concurrently
+        params = None
+        if allowed is not None:
+            sel = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
+            params = faiss.SearchParametersIVF(sel=sel, nprobe=self.index.nprobe) if self.ivf else faiss.SearchParameters(sel=sel)
+        if self.ivf or params is not None or not gpu_available():
+            return self.index.search(q, k, params=params)  # CPU searches may run concurrently
         with self._lock:  # a GPU index is not thread-safe
             if self._gpu is None:
                 self._gpu = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, self.index)
             return self._gpu.search(q, k)
 
-    def save(self, path: Path, content_checksum: str) -> None:
-        """Write the index and its sidecar atomically; content_checksum is that of the database rows."""
+    def save(self, path: Path, meta: dict[str, object]) -> None:
+        """Write the index and its sidecar (meta plus dim, count, kind, nprobe) atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
@@ -123,24 +183,25 @@ class AdapterIndex:
                 os.replace(tmp, path)
             finally:
                 Path(tmp).unlink(missing_ok=True)
-            meta = {"dim": self.dim, "count": self.size, "approximate": self.approximate, "checksum": content_checksum}
+            full = {**meta, "dim": self.dim, "count": self.size, "kind": self.kind, "nprobe": self.nprobe}
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
             with os.fdopen(fd, "w") as fh:
-                json.dump(meta, fh)
+                json.dump(full, fh)
             os.replace(tmp, sidecar(path))
 
     @classmethod
     def load(cls, path: Path) -> tuple[AdapterIndex, dict]:
-        meta = json.loads(sidecar(path).read_text())
-        obj = cls.__new__(cls)
-        obj.dim = int(meta["dim"])
-        obj.approximate = bool(meta["approximate"])
-        obj._lock = threading.Lock()
-        obj._gpu = None
-        obj.index = faiss.read_index(str(path))
-        if obj.approximate:
-            faiss.downcast_index(obj.index.index).hnsw.efSearch = HNSW_EF_SEARCH
-        return obj, meta
+        """The index and its sidecar; ValueError when either is missing, unreadable or they disagree."""
+        try:
+            meta = json.loads(sidecar(path).read_text())
+            index = faiss.read_index(str(path))
+        except (OSError, RuntimeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"index file {path} is missing or unreadable ({type(exc).__name__})") from exc
+        if int(index.ntotal) != meta.get("count") or int(index.d) != meta.get("dim"):
+            raise ValueError(f"index file {path} disagrees with its sidecar")
+        if isinstance(index, faiss.IndexIVF):
+            index.nprobe = int(meta["nprobe"])
+        return cls(index, int(meta["dim"])), meta
 
 
 def sidecar(path: Path) -> Path:

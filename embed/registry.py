@@ -1,19 +1,19 @@
-"""Embedding spaces, embedders and embeddings in the database, and each embedder's FAISS index.
+"""Embedding spaces, embedders and embeddings in the database (index files live in embed/indexfiles.py).
 
-The database is the source of truth: an index file whose sidecar count or checksum disagrees
-with the stored embeddings is rebuilt from them.
+Every write of a space's embeddings bumps the space's `version` first, in the same transaction,
+and stamps the rows it writes with the new version. The UPDATE takes the space row's lock, so
+writers of one space commit in version order, and a reader that has seen version v learns of
+everything newer by loading the rows stamped above v: no O(N) check.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from embed.index import AdapterIndex, checksum, sidecar
 from embed.types import SpaceSchema
 from zoo.db.models import Embedder, Embedding, EmbeddingSpace
 
@@ -36,18 +36,35 @@ def ensure_space(session: Session, schema: SpaceSchema) -> EmbeddingSpace:
     return space
 
 
+def bump_version(session: Session, space_id: int) -> int:
+    """Increment the space's version (taking its row lock until commit) and return the new value."""
+    session.execute(update(EmbeddingSpace).where(EmbeddingSpace.id == space_id).values(version=EmbeddingSpace.version + 1))
+    return int(session.scalar(select(EmbeddingSpace.version).where(EmbeddingSpace.id == space_id)))
+
+
+def space_version(session: Session, space_id: int) -> int:
+    return int(session.scalar(select(EmbeddingSpace.version).where(EmbeddingSpace.id == space_id)) or 0)
+
+
+def active_embedders(session: Session, space_id: int) -> list[Embedder]:
+    """The space's active embedders, newest first."""
+    stmt = select(Embedder).where(Embedder.space_id == space_id, Embedder.active.is_(True)).order_by(Embedder.id.desc())
+    return list(session.scalars(stmt))
+
+
 def active_embedder(session: Session, space: EmbeddingSpace, method: str | None = None) -> Embedder | None:
     """The newest active embedder of the space: W2T if one is trained (or `method` if given), else the sketch."""
-    stmt = select(Embedder).where(Embedder.space_id == space.id, Embedder.active.is_(True)).order_by(Embedder.id.desc())
-    embedders = list(session.scalars(stmt))
+    embedders = active_embedders(session, space.id)
     if method:
         return next((e for e in embedders if e.method == method), None)
     return next((e for e in embedders if e.method == "w2t"), None) or next(iter(embedders), None)
 
 
-def register(session: Session, space: EmbeddingSpace, method: str, dim: int, **fields: object) -> Embedder:
-    """A new active embedder; older active ones of the same method are retired."""
-    for old in session.scalars(select(Embedder).where(Embedder.space_id == space.id, Embedder.method == method, Embedder.active.is_(True))):
+def register(session: Session, space: EmbeddingSpace, method: str, dim: int, retire: tuple[str, ...] = (), **fields: object) -> Embedder:
+    """A new active embedder; older active ones of the same method (or of a method in `retire`) are retired."""
+    bump_version(session, space.id)
+    stmt = select(Embedder).where(Embedder.space_id == space.id, Embedder.method.in_((method, *retire)), Embedder.active.is_(True))
+    for old in session.scalars(stmt):
         old.active = False
     e = Embedder(space_id=space.id, method=method, dim=dim, active=True, **fields)
     session.add(e)
@@ -55,19 +72,26 @@ def register(session: Session, space: EmbeddingSpace, method: str, dim: int, **f
     return e
 
 
-def store_embeddings(session: Session, embedder: Embedder, ids: list[int], vectors: np.ndarray) -> None:
+def store_embeddings(session: Session, embedder: Embedder, ids: list[int], vectors: np.ndarray) -> int:
+    """Write (or replace) the adapters' vectors under a new space version; returns that version."""
     if not ids:
-        return
+        return space_version(session, embedder.space_id)
+    version = bump_version(session, embedder.space_id)
     session.execute(delete(Embedding).where(Embedding.embedder_id == embedder.id, Embedding.adapter_id.in_(ids)))
     session.add_all(
-        Embedding(adapter_id=i, embedder_id=embedder.id, vector=np.asarray(v, dtype=np.float32).tobytes())
+        Embedding(adapter_id=i, embedder_id=embedder.id, vector=np.asarray(v, dtype=np.float32).tobytes(), version=version)
         for i, v in zip(ids, vectors, strict=True)
     )
+    session.flush()
+    return version
 
 
-def load_embeddings(session: Session, embedder: Embedder) -> tuple[np.ndarray, np.ndarray]:
+def load_embeddings(session: Session, embedder: Embedder, after_version: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, vectors) of the embedder's rows written after `after_version` (all by default), by adapter id."""
     rows = session.execute(
-        select(Embedding.adapter_id, Embedding.vector).where(Embedding.embedder_id == embedder.id).order_by(Embedding.adapter_id)
+        select(Embedding.adapter_id, Embedding.vector)
+        .where(Embedding.embedder_id == embedder.id, Embedding.version > after_version)
+        .order_by(Embedding.adapter_id)
     ).all()
     ids = np.array([r[0] for r in rows], dtype=np.int64)
     vectors = np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]) if rows else np.zeros((0, embedder.dim), np.float32)
@@ -76,26 +100,3 @@ def load_embeddings(session: Session, embedder: Embedder) -> tuple[np.ndarray, n
 
 def embedded_ids(session: Session, embedder: Embedder) -> set[int]:
     return set(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == embedder.id)))
-
-
-def index_path(data_dir: Path, embedder: Embedder) -> Path:
-    return data_dir / "index" / f"embedder-{embedder.id}.faiss"
-
-
-def open_index(session: Session, data_dir: Path, embedder: Embedder, rebuild: bool = False) -> tuple[AdapterIndex, str]:
-    """The embedder's index, loaded if it matches the database, else rebuilt and saved.
-
-    Returns the index and how it was obtained: loaded | rebuilt (mismatch) | built (none yet) | rebuilt (asked).
-    """
-    ids, vectors = load_embeddings(session, embedder)
-    digest = checksum(ids, vectors)
-    path = index_path(data_dir, embedder)
-    state = "rebuilt (asked)" if rebuild else "built"
-    if path.exists() and sidecar(path).exists() and not rebuild:
-        index, meta = AdapterIndex.load(path)
-        if meta.get("count") == len(ids) == index.size and meta.get("checksum") == digest:
-            return index, "loaded"
-        state = "rebuilt (index disagreed with the database)"
-    index = AdapterIndex.build(ids, vectors)
-    index.save(path, digest)
-    return index, state

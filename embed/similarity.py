@@ -214,12 +214,18 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
 
 
 def sketch_module_cosines(queries: np.ndarray, gallery: np.ndarray, n_modules: int) -> np.ndarray:
-    """Module cosine estimated from module sketches: block inner products summed, over the shared count."""
-    q = np.asarray(queries, dtype=np.float32).reshape(len(queries), n_modules, -1)
-    g = np.asarray(gallery, dtype=np.float32).reshape(len(gallery), n_modules, -1)
-    dots = q.reshape(len(q), -1) @ g.reshape(len(g), -1).T
-    shared = (np.einsum("qmd,qmd->qm", q, q) > 0.5).astype(np.float32) @ (np.einsum("gmd,gmd->gm", g, g) > 0.5).astype(np.float32).T
-    return dots / np.maximum(shared, 1.0)
+    """Module cosine estimated from module sketches (any scaling): the blocks' cosines summed over the
+    modules both have, divided by how many they share; 0 where none is shared."""
+
+    def unit_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        blocks = np.asarray(x, dtype=np.float32).reshape(len(x), n_modules, -1)
+        norms = np.linalg.norm(blocks, axis=2, keepdims=True)
+        present = norms[..., 0] > 1e-12
+        return (blocks / np.maximum(norms, 1e-12)).reshape(len(x), -1), present.astype(np.float32)
+
+    q, q_present = unit_blocks(queries)
+    g, g_present = unit_blocks(gallery)
+    return (q @ g.T) / np.maximum(q_present @ g_present.T, 1.0)
 
 
 def hybrid_score(module_cosine: np.ndarray, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:

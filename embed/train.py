@@ -82,7 +82,7 @@ PREDICTORS = ("head", "neighbours")
 
 
 @dataclass
-class Embedder:
+class W2TEnsemble:
     """A trained W2T ensemble with everything needed to embed and predict new adapters."""
 
     models: list[W2T]
@@ -186,7 +186,7 @@ class Embedder:
         (directory / "embedder.json").write_text(json.dumps(meta, indent=1))
 
     @classmethod
-    def load(cls, directory: Path, device: str | None = None) -> Embedder:
+    def load(cls, directory: Path, device: str | None = None) -> W2TEnsemble:
         meta = json.loads((directory / "embedder.json").read_text())
         config = W2TConfig.from_dict(meta["config"])
         state = load_file(str(directory / "model.safetensors"))
@@ -346,7 +346,7 @@ def _train_member(
     return model, history
 
 
-def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, progress: bool = True) -> Embedder:
+def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, progress: bool = True) -> W2TEnsemble:
     """Train on `adapters`: each member early-stops on its own held-out slice, which also scores the choices."""
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     categorical = categorical_attributes(adapters) if options.objective != "contrastive" else {}
@@ -392,8 +392,8 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         model, member_history = _train_member(config, data, fold, options, options.seed + i, device, desc, progress)
         models.append(model)
         history += [{"member": i, **h} for h in member_history]
-    embedder = Embedder(models, schema, rank, stats, options.objective, history, metric_range=ranges)
-    singles = [Embedder([m], schema, rank, stats, options.objective, metric_range=ranges) for m in models]
+    embedder = W2TEnsemble(models, schema, rank, stats, options.objective, history, metric_range=ranges)
+    singles = [W2TEnsemble([m], schema, rank, stats, options.objective, metric_range=ranges) for m in models]
     member_z = [single.embed(adapters) for single in singles]
     if len(folds[0].val) >= 2:  # choices made out of fold: each member scores the slice it never trained on
         if metrics:
@@ -406,7 +406,7 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
     return embedder
 
 
-def _choose_predictors(embedder: Embedder, adapters: list[ZooAdapter], held_out: list[tuple[Embedder, np.ndarray, _Fold]]) -> None:
+def _choose_predictors(embedder: W2TEnsemble, adapters: list[ZooAdapter], held_out: list[tuple[W2TEnsemble, np.ndarray, _Fold]]) -> None:
     """Per metric: the heads, or the neighbours among the training adapters where they rank the held-out
     adapters (pooled over the members' folds) clearly better; and the std of its residuals there."""
     pooled: dict[str, dict[str, list[float]]] = {m: {"truth": [], "head": [], "neighbours": []} for m in embedder.config.regression}

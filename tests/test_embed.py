@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
 from embed.similarity import ModuleStack, dense_modules, dw_cosine_matrix, module_cosine_matrix, module_sketches, sketch_module_cosines
-from embed.train import HYBRID_WEIGHTS, PREDICTORS, Embedder, TrainOptions, _clearly_better, _folds, train_w2t
+from embed.train import HYBRID_WEIGHTS, PREDICTORS, TrainOptions, W2TEnsemble, _clearly_better, _folds, train_w2t
 from embed.types import ZooAdapter, schema_of, split_positions
 from zoo.canonical import canonicalize
 
@@ -143,7 +143,7 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     assert emb.predictor["test_accuracy"] in PREDICTORS
     assert len(emb.memory) == len(emb.memory_values["test_accuracy"]) == len(zoo)  # every adapter is measured
     emb.save(tmp_path / "ckpt")
-    loaded = Embedder.load(tmp_path / "ckpt")
+    loaded = W2TEnsemble.load(tmp_path / "ckpt")
     assert np.allclose(loaded.embed(zoo[:6]), emb.embed(zoo[:6]), atol=1e-6)
     p0, v0 = emb.predict(zoo[:6])
     p1, v1 = loaded.predict(zoo[:6])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from embed.index import AdapterIndex, gpu_available
-from embed.train import Embedder, TrainOptions, train_w2t
+from embed.train import TrainOptions, W2TEnsemble, train_w2t
 from embed.types import ZooAdapter, schema_of
 from tests.test_canonical import random_lora
 from tests.test_embed import synthetic_zoo
@@ -48,7 +48,7 @@ def test_w2t_trained_on_cuda_embeds_the_same_on_cpu(zoo: list[ZooAdapter], tmp_p
     assert next(emb.models[0].parameters()).device.type == "cuda"
     z_gpu = emb.embed(zoo)
     emb.save(tmp_path / "ckpt")
-    z_cpu = Embedder.load(tmp_path / "ckpt", device="cpu").embed(zoo)
+    z_cpu = W2TEnsemble.load(tmp_path / "ckpt", device="cpu").embed(zoo)
     assert np.min((z_gpu * z_cpu).sum(axis=1)) >= 0.9999
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embed.index import brute_force, sidecar
+from embed.index import brute_force
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 
@@ -34,13 +34,15 @@ def ingest(cli: CLI, small_zoo: Path) -> list[dict]:
 def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     results = ingest(cli, small_zoo)
     rc, (reports,) = cli.json_lines("embed")
-    assert rc == 0 and reports[0]["method"] == "dw_sketch" and reports[0]["embedded"] == 12 and reports[0]["total"] == 12
+    assert rc == 0 and reports[0]["method"] == "module_sketch" and reports[0]["embedded"] == 12 and reports[0]["total"] == 12
+    assert reports[0]["index_kind"] == "flat" and reports[0]["module_store"] == "built"
     rc, (again,) = cli.json_lines("embed")
-    assert again[0]["embedded"] == 0 and again[0]["index"] == "loaded"
+    assert again[0]["embedded"] == 0 and again[0]["index"] == "loaded" and again[0]["module_store"] == "loaded"
 
     first = results[0]["adapter_id"]
     rc, (found,) = cli.json_lines("search", str(first), "-k", "5")
     assert rc == 0 and found["method"] == "module" and len(found["results"]) == 5
+    assert found["module_stage"] == "exact (module store)" and found["index_states"] == {"module_sketch": "loaded"}
     assert first not in [r["adapter_id"] for r in found["results"]]
     scores = [r["score"] for r in found["results"]]
     assert scores == sorted(scores, reverse=True)
@@ -56,7 +58,7 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     from zoo.db.session import session_factory
 
     with session_factory(cli.settings.database_url)() as session:
-        embedder = active_embedder(session, resolve_space(session, None), method="dw_sketch")
+        embedder = active_embedder(session, resolve_space(session, None), method="module_sketch")
         ids, vectors = load_embeddings(session, embedder)
     rc, (sk,) = cli.json_lines("search", str(first), "-k", "4", "--method", "sketch")
     row = int(np.nonzero(ids == first)[0][0])
@@ -64,15 +66,19 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     assert [r["adapter_id"] for r in sk["results"]] == [i for i in ref[0].tolist() if i != first][:4]
 
     rc, (stats,) = cli.json_lines("index", "stats")
-    assert stats["count"] == 12 and stats["recall@10_vs_exact"] == 1.0 and stats["state"] == "loaded"
-    # an index file that disagrees with the database is rebuilt from it
-    path = cli.settings.data_dir / "index" / f"embedder-{stats['embedder_id']}.faiss"
-    meta = json.loads(sidecar(path).read_text())
-    sidecar(path).write_text(json.dumps({**meta, "checksum": "stale"}))
+    (sketch_stats,) = stats["embedders"]
+    assert sketch_stats["count"] == 12 and sketch_stats["recall@10_vs_exact"] == 1.0 and sketch_stats["state"] == "loaded"
+    # an index file that disagrees with the database is detected without reading vectors, the query is
+    # answered from the database's vectors and says so; `zoo index` brings the file back
+    path = cli.settings.data_dir / "index" / f"embedder-{sketch_stats['embedder_id']}.faiss"
+    path.write_bytes(b"not a faiss index")
+    rc, (again,) = cli.json_lines("search", str(first), "-k", "5")
+    assert rc == 0 and [r["adapter_id"] for r in again["results"]] == [r["adapter_id"] for r in found["results"]]
+    assert again["index_states"]["module_sketch"].startswith("answered from the database") and "zoo index rebuild" in again["index_states"]["module_sketch"]
     rc, (stats,) = cli.json_lines("index", "stats")
-    assert stats["state"].startswith("rebuilt (index disagreed")
+    assert stats["embedders"][0]["state"].startswith("rebuilt (the file disagreed")
     rc, (stats,) = cli.json_lines("index", "rebuild")
-    assert stats["state"] == "rebuilt (asked)" and stats["count"] == 12
+    assert stats["embedders"][0]["state"] == "rebuilt (asked)" and stats["embedders"][0]["count"] == 12 and stats["module_store"] == "built"
 
 
 def test_train_predict(cli: CLI, small_zoo: Path) -> None:
@@ -80,7 +86,7 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     rc, (info,) = cli.json_lines("train", "--epochs", "2", "--members", "2")
     assert rc == 0 and info["heads"] == ["task"] and info["regression"] == ["test_accuracy"]
     assert len(info["epochs"]) == 2 and set(info["predictors"]) == {"test_accuracy"}
-    assert info["embedded"] == {"w2t": 12, "dw_sketch": 12}
+    assert info["embedded"] == {"w2t": 12, "module_sketch": 12}
     assert Path(info["checkpoint"], "model.safetensors").exists()
     rc, (pred,) = cli.json_lines("predict", str(small_zoo / "zoo" / "a03"))
     assert rc == 0
@@ -102,5 +108,10 @@ def test_search_errors(cli: CLI, small_zoo: Path) -> None:
     ingest(cli, small_zoo)
     rc, _, err = cli("search", "1")
     assert rc == 2 and "run `zoo embed`" in err
+    rc, _, _ = cli("embed")
+    rc, _, err = cli("search", "1", "-k", "1001")
+    assert rc == 2 and "k must be between 1 and 1000" in err
+    rc, _, err = cli("search", "1", "--method", "nope")
+    assert rc == 2 and "unknown search method" in err
     rc, _, err = cli("predict", "1")
     assert rc == 2 and "zoo" in err

@@ -8,6 +8,26 @@ from pathlib import Path
 class ZooError(Exception):
     """Base class of errors zoo reports to users (no traceback needed)."""
 
+    #: the `zoo` command's exit status and the REST API's HTTP status for this kind of error
+    exit_code = 2
+    http_status = 400
+
+
+class UsageError(ZooError):
+    """A request that cannot be answered as asked (bad argument, k past the cap, unknown method)."""
+
+
+class NotFoundError(ZooError):
+    """The adapter, space or embedder asked for does not exist."""
+
+    http_status = 404
+
+
+class NotReadyError(ZooError):
+    """The zoo lacks what the request needs yet (embeddings, a trained W2T, an index): the message says what to run."""
+
+    http_status = 409
+
 
 class InputError(ZooError):
     """A file or directory that cannot be read as an adapter; nothing is stored for it."""

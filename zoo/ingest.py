@@ -28,7 +28,7 @@ from zoo.formats import (
     module_type,
     read_adapter,
 )
-from zoo.labels import LabelRow
+from zoo.labels import LabelRow, row_for
 from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
 
 UNKNOWN_BASE = "unknown"
@@ -198,9 +198,10 @@ class Ingestor:
         result.notes = list(data.notes)
         return result
 
-    def ingest_many(self, paths: Iterable[Path]) -> Iterator[IngestResult]:
+    def ingest_many(self, paths: Iterable[Path], label_rows: dict[str, LabelRow] | None = None) -> Iterator[IngestResult]:
+        """Every path in turn, each in its own transaction, with its row of `label_rows` (by name) if any."""
         for p in paths:
-            yield self.ingest(p)
+            yield self.ingest(p, labels=row_for(label_rows, p) if label_rows else None)
 
     @staticmethod
     def _attach_labels(session: Session, adapter_id: int, labels: LabelRow) -> None:

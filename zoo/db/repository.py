@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from zoo.db.models import Adapter
+from zoo.db.models import Adapter, Label
+from zoo.errors import UsageError
+
+#: filter keys that are adapter columns; every other key is a given label
+ADAPTER_FILTERS = ("base_model", "format", "rank", "source")
 
 
 def get_adapter(session: Session, adapter_id: int, with_modules: bool = False) -> Adapter | None:
@@ -101,3 +107,42 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
             for m in a.modules
         ],
     }
+
+
+def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, str]) -> list[int]:
+    """Ids of the base model's adapters matching every filter, in one query: `base_model`, `format` and
+    `rank` match exactly, `source` is a prefix of the source URI, any other key is a given label's value."""
+    stmt = select(Adapter.id).where(Adapter.base_model == base_model)
+    for key, value in filters.items():
+        if key == "rank":
+            if not value.isdigit():
+                raise UsageError(f"filter rank={value!r}: the rank is a whole number")
+            stmt = stmt.where(Adapter.rank == int(value))
+        elif key == "format":
+            stmt = stmt.where(Adapter.format == value)
+        elif key == "base_model":
+            stmt = stmt.where(Adapter.base_model == value)
+        elif key == "source":
+            stmt = stmt.where(Adapter.source_uri.startswith(value, autoescape=True))
+        else:
+            labelled = select(Label.adapter_id).where(Label.key == key, Label.value == value, Label.source == "given")
+            stmt = stmt.where(Adapter.id.in_(labelled))
+    return list(session.scalars(stmt.order_by(Adapter.id)))
+
+
+def names_and_labels(session: Session, ids: Iterable[int]) -> dict[int, tuple[str, dict[str, str]]]:
+    """{id: (name, given labels)} of the adapters, in one query."""
+    ids = list(ids)
+    if not ids:
+        return {}
+    rows = session.execute(
+        select(Adapter.id, Adapter.name, Label.key, Label.value)
+        .outerjoin(Label, (Label.adapter_id == Adapter.id) & (Label.source == "given"))
+        .where(Adapter.id.in_(ids))
+    ).all()
+    out: dict[int, tuple[str, dict[str, str]]] = {}
+    for adapter_id, name, key, value in rows:
+        entry = out.setdefault(adapter_id, (name, {}))
+        if key is not None:
+            entry[1][key] = value
+    return out

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from peft import PeftModel
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,502 @@
+"""The query engine: similar-adapter search and prediction at O(k) per query, one engine per process.
+
+Per embedding space it holds, loaded once:
+- each active embedder's FAISS index (embed/index.py), from its file under `DATA/index/`, with
+  every vector reachable by id: re-ranking reads stored vectors and never re-embeds;
+- the supervised W2T ensemble (for the query's own vector and for predictions);
+- the module store: every adapter's canonical factors as one `ModuleStack` (`DATA/rerank/`),
+  for the exact module-cosine stage. `zoo embed` writes it while it fits `module_store_budget()`;
+  a space without one scores module cosine from the stored module sketches instead.
+
+It learns of new embeddings from the space's version (embed/registry.py): one indexed query per
+request; when the version moved, it loads only the rows stamped after the version it has and adds
+them to the indexes (and their factors to the module store). It never rebuilds an index inside a
+query: an index file that is missing, corrupt or disagrees with the database is reported and the
+query is answered from the database's vectors (exact, in memory) while they are few, or refused
+with the command to run. Searches run concurrently; a refresh takes the space's write lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from embed.index import IVF_FROM, AdapterIndex
+from embed.registry import active_embedders, load_embeddings, space_version
+from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
+from embed.types import SpaceSchema
+from zoo.blobs import BlobStore
+from zoo.canonical import CanonicalFactors
+from zoo.db import repository
+from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace
+from zoo.errors import NotFoundError, NotReadyError, UsageError
+
+SKETCH = "module_sketch"
+W2T = "w2t"
+#: hybrid: exact module cosine and the supervised W2T cosine mixed by the weight chosen out of fold
+#: in training, over the union of both indexes' RERANK_POOL nearest; module: the sketch index's
+#: RERANK_POOL nearest ranked by module cosine; sketch and w2t: their embeddings alone.
+SEARCH_METHODS = ("hybrid", "module", "sketch", "w2t")
+METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,)}
+RERANK_POOL = 200
+MAX_K = 1000
+#: filtered searches whose allowed set is at most this large score it exactly from the stored vectors
+FILTER_EXACT_MAX = 50_000
+
+
+def module_store_budget() -> int:
+    """Bytes the module store of one space may take (ZOO_MODULE_STORE_BYTES, default 2 GiB)."""
+    return int(os.environ.get("ZOO_MODULE_STORE_BYTES", 2 << 30))
+
+
+def index_path(data_dir: Path, embedder_id: int) -> Path:
+    return data_dir / "index" / f"embedder-{embedder_id}.faiss"
+
+
+def module_store_path(data_dir: Path, space_id: int) -> Path:
+    return data_dir / "rerank" / f"space-{space_id}.safetensors"
+
+
+# --- index and module-store files (written by `zoo embed` and `zoo index rebuild`) ---------------
+
+
+def update_index_file(session: Session, data_dir: Path, embedder: Embedder, rebuild: bool = False) -> tuple[AdapterIndex, str]:
+    """Bring the embedder's index file up to the database: add the rows written since it was saved, or
+    build it from every row (asked, none yet, or the file disagreed). Returns (index, how)."""
+    version = space_version(session, embedder.space_id)
+    path = index_path(data_dir, embedder.id)
+    how = "rebuilt (asked)" if rebuild else "built"
+    if path.exists() and not rebuild:
+        try:
+            index, meta = _load_consistent(session, path, embedder, version)
+            if meta["version"] == version:
+                return index, "loaded"
+            index.save(path, {"embedder_id": embedder.id, "version": version})
+            return index, "updated"
+        except ValueError:
+            how = "rebuilt (the file disagreed with the database)"
+    ids, vectors = load_embeddings(session, embedder)
+    index = AdapterIndex.build(ids, vectors) if len(ids) else AdapterIndex.exact(embedder.dim)
+    index.save(path, {"embedder_id": embedder.id, "version": version})
+    return index, how
+
+
+def _load_consistent(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[AdapterIndex, dict]:
+    """The index file plus the rows written after it; ValueError when it cannot be made to agree with the database."""
+    index, meta = AdapterIndex.load(path)
+    if meta.get("embedder_id") != embedder.id or int(meta.get("version", -1)) > version:
+        raise ValueError(f"{path} was written for another database or embedder")
+    ids, vectors = load_embeddings(session, embedder, after_version=int(meta["version"]))
+    index.upsert(ids, vectors)
+    stored = session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder.id))
+    if index.size != stored:
+        raise ValueError(f"{path} holds {index.size} vectors, the database {stored}")
+    return index, meta
+
+
+def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, space: EmbeddingSpace, rebuild: bool = False) -> str:
+    """Write the space's module store (every embedded adapter's factors) while it fits the budget."""
+    sketch = next((e for e in active_embedders(session, space.id) if e.method == SKETCH), None)
+    path = module_store_path(data_dir, space.id)
+    if sketch is None:
+        return "none (no module sketch embedder)"
+    ids = sorted(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == sketch.id)))
+    have = None if rebuild else _read_module_store(path)
+    known = set(have[0].tolist()) if have else set()
+    new = [i for i in ids if i not in known]
+    if have and not new:
+        return "loaded"
+    stack = _stack_of(session, blobs, new, have[2] if have else None)
+    if have:
+        stack = ModuleStack.concat([have[1], stack])
+    all_ids = np.concatenate([have[0], np.array(new, dtype=np.int64)]) if have else np.array(new, dtype=np.int64)
+    nbytes = sum(t.numel() * t.element_size() for t in stack.arrays().values())
+    if nbytes > module_store_budget():
+        path.unlink(missing_ok=True)
+        return f"none ({nbytes / 2**30:.1f} GiB is over ZOO_MODULE_STORE_BYTES: module cosine comes from the sketches)"
+    _write_module_store(path, all_ids, stack, space_version(session, space.id))
+    return "updated" if have else "built"
+
+
+def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str] | None) -> ModuleStack:
+    digests = dict(session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.id.in_(ids))).all()) if ids else {}
+    factors = [dict(blobs.get_factors(str(digests[i]))) for i in ids]
+    return ModuleStack.of(factors, dense if dense is not None else dense_modules(factors))
+
+
+def _write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tensors = {k: v.contiguous() for k, v in stack.arrays().items()}
+    tensors["ids"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    meta = {"version": str(version), "dense": json.dumps(sorted(stack.dense))}
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], int] | None:
+    """(ids, stack, dense modules, version), or None when the file is missing or unreadable."""
+    if not path.exists():
+        return None
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as fh:
+            meta = fh.metadata() or {}
+        ids = tensors.pop("ids").numpy()
+        dense = set(json.loads(meta["dense"]))
+        return ids, ModuleStack.from_arrays(tensors, len(ids)), dense, int(meta["version"])
+    except Exception:  # noqa: BLE001 - any unreadable file is treated as absent (and rebuilt by `zoo embed`)
+        return None
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+
+class RWLock:
+    """Many readers or one writer."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+@dataclass
+class LoadedEmbedder:
+    id: int
+    method: str
+    objective: str | None
+    checkpoint: str | None
+    config: dict
+    index: AdapterIndex
+    state: str  # loaded | answered from the database (...)
+
+
+@dataclass
+class ModuleStore:
+    """The exact stage's data: factors of the stored adapters, row per id."""
+
+    stack: ModuleStack
+    rows: dict[int, int]
+    dense: set[str]
+
+    def extended(self, ids: list[int], stack: ModuleStack) -> ModuleStore:
+        start = self.stack.size
+        rows = {**self.rows, **{i: start + j for j, i in enumerate(ids)}}
+        return ModuleStore(ModuleStack.concat([self.stack, stack]), rows, self.dense)
+
+
+@dataclass
+class SpaceState:
+    id: int
+    name: str
+    base_model: str
+    version: int
+    embedders: dict[str, LoadedEmbedder]
+    modules: ModuleStore | None
+    lock: RWLock = field(default_factory=RWLock)
+
+    @property
+    def schema(self) -> SpaceSchema | None:
+        sketch = self.embedders.get(SKETCH)
+        return SpaceSchema.from_dict(sketch.config["schema"]) if sketch else None
+
+    @property
+    def default_method(self) -> str:
+        w2t = self.embedders.get(W2T)
+        return "hybrid" if w2t is not None and w2t.objective != "contrastive" else "module"
+
+
+@dataclass
+class Query:
+    """What a search is about: a stored adapter (its id) or adapter read from a file (its factors)."""
+
+    name: str
+    adapter_id: int | None = None
+    factors_loader: Callable[[], dict[str, CanonicalFactors]] | None = None
+
+    @functools.cached_property
+    def factors(self) -> dict[str, CanonicalFactors]:
+        if self.factors_loader is None:
+            raise NotFoundError(f"adapter {self.adapter_id} has no stored factors")
+        return self.factors_loader()
+
+
+@functools.lru_cache(maxsize=4)
+def load_w2t(checkpoint: Path, device: str | None):  # type: ignore[no-untyped-def]
+    """A W2T checkpoint, loaded once per process (checkpoint directories are never rewritten)."""
+    from embed.train import W2TEnsemble
+
+    return W2TEnsemble.load(checkpoint, device)
+
+
+class QueryEngine:
+    """Similar-adapter queries and predictions against one database and data dir; thread-safe."""
+
+    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, device: str | None = None) -> None:
+        self.sessions = sessions
+        self.blobs = blobs
+        self.data_dir = Path(data_dir)
+        self.device = device
+        self._spaces: dict[str, SpaceState] = {}
+        self._lock = threading.Lock()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def space(self, session: Session, name: str) -> SpaceState:
+        """The space's state, loaded on first use and brought up to the database's version."""
+        with self._lock:
+            state = self._spaces.get(name)
+        if state is None:
+            row = session.scalars(select(EmbeddingSpace).where(EmbeddingSpace.name == name)).one_or_none()
+            if row is None:
+                raise NotFoundError(f"no embedding space {name!r}: run `zoo embed`")
+            state = self._load(session, row)
+            with self._lock:
+                state = self._spaces.setdefault(name, state)
+        self._refresh(session, state)
+        return state
+
+    def _load(self, session: Session, row: EmbeddingSpace) -> SpaceState:
+        version = space_version(session, row.id)
+        embedders: dict[str, LoadedEmbedder] = {}
+        for e in active_embedders(session, row.id):
+            if e.method not in embedders:
+                index, state = self._open_index(session, e, version)
+                embedders[e.method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, state)
+        modules = None
+        have = _read_module_store(module_store_path(self.data_dir, row.id))
+        if have is not None and have[3] <= version:
+            ids, stack, dense, _ = have
+            modules = ModuleStore(stack, {int(i): j for j, i in enumerate(ids.tolist())}, dense)
+        state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules)
+        if modules is not None and SKETCH in embedders:
+            self._extend_modules(session, state, have[3])  # type: ignore[index]
+        return state
+
+    def _open_index(self, session: Session, embedder: Embedder, version: int) -> tuple[AdapterIndex, str]:
+        path = index_path(self.data_dir, embedder.id)
+        try:
+            index, _ = _load_consistent(session, path, embedder, version)
+            return index, "loaded"
+        except ValueError as exc:
+            problem = str(exc)
+        count = session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder.id)) or 0
+        if count > IVF_FROM:
+            raise NotReadyError(f"{problem}; run `zoo index rebuild` to rebuild it from the database")
+        ids, vectors = load_embeddings(session, embedder)
+        index = AdapterIndex.build(ids, vectors, ivf=False) if len(ids) else AdapterIndex.exact(embedder.dim)
+        return index, f"answered from the database ({problem}); run `zoo index rebuild` to save an index"
+
+    def _refresh(self, session: Session, state: SpaceState) -> None:
+        if space_version(session, state.id) == state.version:
+            return
+        with state.lock.write():
+            version = space_version(session, state.id)
+            if version == state.version:
+                return
+            active = {e.method: e.id for e in active_embedders(session, state.id)[::-1]}
+            if active != {m: e.id for m, e in state.embedders.items()}:  # an embedder was trained or replaced
+                row = session.get(EmbeddingSpace, state.id)
+                fresh = self._load(session, row)  # type: ignore[arg-type]
+                state.embedders, state.modules, state.version = fresh.embedders, fresh.modules, fresh.version
+                return
+            for loaded in state.embedders.values():
+                e = session.get(Embedder, loaded.id)
+                ids, vectors = load_embeddings(session, e, after_version=state.version)  # type: ignore[arg-type]
+                loaded.index.upsert(ids, vectors)
+            self._extend_modules(session, state, state.version)
+            state.version = version
+
+    def _extend_modules(self, session: Session, state: SpaceState, after_version: int) -> None:
+        """Add the factors of adapters sketched after `after_version` to the module store."""
+        if state.modules is None:
+            return
+        sketch = session.get(Embedder, state.embedders[SKETCH].id)
+        ids, _ = load_embeddings(session, sketch, after_version=after_version)  # type: ignore[arg-type]
+        new = [int(i) for i in ids.tolist() if int(i) not in state.modules.rows]
+        if new:
+            state.modules = state.modules.extended(new, _stack_of(session, self.blobs, new, state.modules.dense))
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def similar(
+        self, session: Session, space: str, query: Query, k: int, filters: Mapping[str, str] | None = None, method: str | None = None
+    ) -> dict[str, object]:
+        """The k adapters most similar to the query: {space, method, embedder_ids, results, index_states}."""
+        if not 1 <= k <= MAX_K:
+            raise UsageError(f"k must be between 1 and {MAX_K}, got {k}")
+        state = self.space(session, space)
+        method = method or state.default_method
+        if method not in SEARCH_METHODS:
+            raise UsageError(f"unknown search method {method!r}; one of {', '.join(SEARCH_METHODS)}")
+        allowed = np.array(repository.filter_adapter_ids(session, state.base_model, filters), dtype=np.int64) if filters else None
+        with state.lock.read():
+            embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
+            vectors = {e.method: self._query_vector(state, e, query) for e in embedders}
+            exact_stage = method in ("hybrid", "module")
+            fetch = (max(k, RERANK_POOL) if exact_stage else k) + 1
+            pool: set[int] = set()
+            for e in embedders:
+                pool.update(self._nearest(e.index, vectors[e.method], fetch, allowed))
+            pool.discard(-1)
+            if query.adapter_id is not None:
+                pool.discard(query.adapter_id)
+            candidates = np.array(sorted(pool), dtype=np.int64)
+            scores = self._scores(state, method, query, vectors, candidates)
+        top = np.argsort(-scores, kind="stable")[:k]
+        hit_ids = candidates[top].tolist()
+        info = repository.names_and_labels(session, hit_ids)
+        results = [
+            {"adapter_id": i, "name": info.get(i, ("?", {}))[0], "score": float(scores[j]), "labels": info.get(i, ("?", {}))[1]}
+            for i, j in zip(hit_ids, top.tolist(), strict=True)
+        ]
+        return {
+            "space": state.name,
+            "method": method,
+            "embedder_ids": [e.id for e in embedders],
+            "module_stage": self._module_stage(state) if exact_stage else None,
+            "index_states": {e.method: e.state for e in embedders},
+            "results": results,
+        }
+
+    def _embedder(self, state: SpaceState, kind: str, method: str) -> LoadedEmbedder:
+        e = state.embedders.get(kind)
+        if e is None:
+            todo = "zoo train" if kind == W2T else "zoo embed"
+            raise NotReadyError(f"space {state.name} has no {kind} embeddings yet for --method {method}: run `{todo} --space {state.name}`")
+        if method == "hybrid" and kind == W2T and e.objective == "contrastive":
+            raise NotReadyError(f"--method hybrid needs a supervised W2T: run `zoo train --space {state.name}`")
+        return e
+
+    def _query_vector(self, state: SpaceState, e: LoadedEmbedder, query: Query) -> np.ndarray:
+        """The query's unit vector under an embedder: the stored one, else computed from its factors."""
+        if query.adapter_id is not None and e.index.contains(query.adapter_id):
+            return e.index.vectors(np.array([query.adapter_id]))[0]
+        schema = SpaceSchema.from_dict(e.config["schema"]) if e.method == SKETCH else self.w2t(e).schema
+        if not schema.fits(query.factors):
+            raise UsageError(f"{query.name} does not fit space {state.name}: its modules or shapes differ from the space's")
+        if e.method == SKETCH:
+            return module_sketches([query.factors], schema.module_names, int(e.config["dim"]))[0]
+        return self.w2t(e).embed([_as_zoo_adapter(query)])[0]
+
+    def w2t(self, e: LoadedEmbedder):  # type: ignore[no-untyped-def]
+        return load_w2t(self.data_dir / str(e.checkpoint), self.device)
+
+    @staticmethod
+    def _nearest(index: AdapterIndex, vector: np.ndarray, fetch: int, allowed: np.ndarray | None) -> list[int]:
+        if allowed is None:
+            return index.search(vector[None, :], fetch)[1][0].tolist()
+        if len(allowed) > FILTER_EXACT_MAX:
+            return index.search(vector[None, :], fetch, allowed=allowed)[1][0].tolist()
+        try:
+            present, stored = allowed, index.vectors(allowed)
+        except KeyError:  # some allowed adapters are not embedded (yet)
+            present = np.array([i for i in allowed.tolist() if index.contains(i)], dtype=np.int64)
+            stored = index.vectors(present)
+        if not len(present):
+            return []
+        sims = stored @ vector
+        top = np.argpartition(-sims, min(fetch, len(sims) - 1))[:fetch] if len(sims) > fetch else np.arange(len(sims))
+        return present[top].tolist()
+
+    def _module_stage(self, state: SpaceState) -> str:
+        return "exact (module store)" if state.modules is not None else "module sketches (no module store)"
+
+    def _scores(self, state: SpaceState, method: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
+        if not len(ids):
+            return np.zeros(0)
+        if method in ("sketch", "w2t"):
+            kind = SKETCH if method == "sketch" else W2T
+            return state.embedders[kind].index.vectors(ids) @ vectors[kind]
+        module = self._module_cosines(state, query, vectors[SKETCH], ids)
+        if method == "module":
+            return module
+        w2t = state.embedders[W2T]
+        return hybrid_score(module, w2t.index.vectors(ids) @ vectors[W2T], float(self.w2t(w2t).hybrid_weight))
+
+    def _module_cosines(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        store = state.modules
+        if store is not None and all(int(i) in store.rows for i in ids.tolist()):
+            if query.adapter_id is not None and query.adapter_id in store.rows:
+                q = store.stack.take([store.rows[query.adapter_id]])
+            else:
+                q = ModuleStack.of([query.factors], store.dense)
+            return store.stack.take([store.rows[int(i)] for i in ids.tolist()]).cosines(q)[0]
+        n_modules = len(state.schema.modules)  # type: ignore[union-attr]
+        return sketch_module_cosines(sketch[None, :], state.embedders[SKETCH].index.vectors(ids), n_modules)[0]
+
+    def predict(self, session: Session, space: str, query: Query) -> dict[str, object]:
+        """Attributes (top-3 classes with probabilities) and metrics (value, 90 % interval, predictor)."""
+        state = self.space(session, space)
+        e = state.embedders.get(W2T)
+        if e is None or e.objective == "contrastive":
+            raise NotReadyError(f"space {state.name} has no supervised W2T embedder: run `zoo train --space {state.name}`")
+        model = self.w2t(e)
+        if not model.schema.fits(query.factors):
+            raise UsageError(f"{query.name} does not fit space {state.name}")
+        probs, values = model.predict([_as_zoo_adapter(query)])
+        attributes = {}
+        for key, p in probs.items():
+            classes = model.config.categorical[key]
+            order = np.argsort(-p[0])[:3]
+            attributes[key] = [{"value": classes[i], "probability": float(p[0][i])} for i in order]
+        metrics = {}
+        for key, v in values.items():
+            half = 1.645 * model.residual_std.get(key, float("nan"))
+            low, high = model.metric_range.get(key, (-math.inf, math.inf))
+            metrics[key] = {
+                "value": float(v[0]),
+                "low": max(float(v[0] - half), low),
+                "high": min(float(v[0] + half), high),
+                "interval": 0.9,
+                "predictor": model.predictor.get(key, "head"),
+            }
+        return {"space": state.name, "embedder_id": e.id, "attributes": attributes, "metrics": metrics}
+
+
+def _as_zoo_adapter(query: Query):  # type: ignore[no-untyped-def]
+    from embed.types import ZooAdapter
+
+    return ZooAdapter(query.adapter_id or -1, query.name, query.factors)

@@ -1,0 +1,143 @@
+"""The query engine (embed/engine.py) against real databases, real PEFT adapters and a second real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embed import engine as engine_module
+from embed.engine import MAX_K, Query, QueryEngine
+from embed.similarity import module_cosine_matrix
+from tests.conftest import CLI
+from tests.factories import train_peft_adapter
+from zoo.blobs import BlobStore
+from zoo.db.session import session_factory
+from zoo.errors import NotReadyError, UsageError
+
+
+@pytest.fixture(scope="module")
+def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """20 real PEFT adapters in two batches (first/, later/) with labels: task qk or qv, a colour."""
+    root = tmp_path_factory.mktemp("engine-zoo")
+    rows = ["name,task,colour,test_accuracy"]
+    for i in range(20):
+        targets = ("q_proj", "v_proj") if i % 2 else ("q_proj", "k_proj")
+        train_peft_adapter(root / ("first" if i < 14 else "later") / f"e{i:02d}", seed=100 + i, steps=4, targets=targets)
+        rows.append(f"e{i:02d},{'qv' if i % 2 else 'qk'},{'red' if i % 3 == 0 else 'blue'},{0.5 + i / 50}")
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def ingest_and_embed(cli: CLI, zoo: Path, part: str) -> None:
+    rc, _ = cli.json_lines("ingest", str(zoo / part), "--labels", str(zoo / "labels.csv"), "--base-model", "tiny")
+    assert rc == 0
+    rc, _ = cli.json_lines("embed")
+    assert rc == 0
+
+
+def make_engine(cli: CLI) -> QueryEngine:
+    return QueryEngine(session_factory(cli.settings.database_url), BlobStore(cli.settings.blob_dir), cli.settings.data_dir)
+
+
+def ids_of(found: dict) -> list[int]:
+    return [r["adapter_id"] for r in found["results"]]
+
+
+def stored_factors(cli: CLI, ids: list[int]) -> list[dict]:
+    from zoo.db.models import Adapter
+
+    blobs = BlobStore(cli.settings.blob_dir)
+    with session_factory(cli.settings.database_url)() as session:
+        return [dict(blobs.get_factors(str(session.get(Adapter, i).factors_blob))) for i in ids]
+
+
+def test_engine_sees_embeddings_written_by_another_process(cli: CLI, twenty: Path) -> None:
+    ingest_and_embed(cli, twenty, "first")
+    engine = make_engine(cli)
+    with session_factory(cli.settings.database_url)() as session:
+        before = engine.similar(session, "tiny", Query("e00", 1), MAX_K, method="sketch")
+        state = engine.space(session, "tiny")
+        version = state.version
+    assert len(before["results"]) == 13
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    base = [sys.executable, "-m", "zoo.cli", "--db", cli.settings.database_url, "--data-dir", str(cli.settings.data_dir)]
+    subprocess.run([*base, "ingest", str(twenty / "later"), "--labels", str(twenty / "labels.csv"), "--base-model", "tiny", "--json"],
+                   check=True, env=env, capture_output=True)
+    out = subprocess.run([*base, "embed", "--json"], check=True, env=env, capture_output=True, text=True).stdout
+    assert json.loads(out)[0]["embedded"] == 6
+    with session_factory(cli.settings.database_url)() as session:
+        after = engine.similar(session, "tiny", Query("e00", 1), MAX_K, method="module")
+        assert engine.space(session, "tiny") is state and state.version > version  # the same state, refreshed in place
+    assert len(after["results"]) == 19 and after["module_stage"] == "exact (module store)"
+    assert state.modules is not None and len(state.modules.rows) == 20  # the new adapters' factors were added, not reloaded
+    # the refreshed engine ranks exactly as a fresh one that loads the files `zoo embed` wrote
+    with session_factory(cli.settings.database_url)() as session:
+        fresh = make_engine(cli).similar(session, "tiny", Query("e00", 1), MAX_K, method="module")
+    assert ids_of(after) == ids_of(fresh)
+    assert np.allclose([r["score"] for r in after["results"]], [r["score"] for r in fresh["results"]], atol=1e-5)
+
+
+def test_concurrent_queries_agree_with_serial_ones(cli: CLI, twenty: Path) -> None:
+    ingest_and_embed(cli, twenty, "first")
+    ingest_and_embed(cli, twenty, "later")
+    engine = make_engine(cli)
+    jobs = [(i, method) for i in range(1, 21) for method in ("module", "sketch")]
+
+    def run(job: tuple[int, str]) -> list[int]:
+        with session_factory(cli.settings.database_url)() as session:
+            return ids_of(engine.similar(session, "tiny", Query(f"e{job[0]}", job[0]), 5, method=job[1]))
+
+    serial = [run(j) for j in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        threaded = list(pool.map(run, jobs * 3))
+    assert threaded == serial * 3
+
+
+@pytest.mark.parametrize("method", ["module", "sketch"])
+@pytest.mark.parametrize("path", ["stored vectors", "faiss id selector"])
+def test_filtered_results_equal_brute_force(cli: CLI, twenty: Path, method: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "faiss id selector":  # allowed sets above FILTER_EXACT_MAX go to FAISS as an id selector
+        monkeypatch.setattr(engine_module, "FILTER_EXACT_MAX", 0)
+    ingest_and_embed(cli, twenty, "first")
+    ingest_and_embed(cli, twenty, "later")
+    engine = make_engine(cli)
+    filters = {"task": "qv", "colour": "blue"}
+    with session_factory(cli.settings.database_url)() as session:
+        found = engine.similar(session, "tiny", Query("e01", 2), 4, filters, method)
+        state = engine.space(session, "tiny")
+        everything = engine.similar(session, "tiny", Query("e01", 2), MAX_K, method=method)
+    labels = {r["adapter_id"]: r["labels"] for r in everything["results"]}
+    allowed = sorted(i for i, lb in labels.items() if lb["task"] == "qv" and lb["colour"] == "blue")
+    assert len(allowed) >= 4 and all(labels[i]["task"] == "qv" for i in ids_of(found))
+    if method == "module":
+        exact = module_cosine_matrix(stored_factors(cli, [2]), stored_factors(cli, allowed))[0]
+    else:
+        vectors = state.embedders["module_sketch"].index.vectors(np.array([2, *allowed]))
+        exact = vectors[1:] @ vectors[0]
+    want = [allowed[j] for j in np.argsort(-exact, kind="stable")[:4]]
+    assert ids_of(found) == want
+    assert np.allclose([r["score"] for r in found["results"]], np.sort(exact)[::-1][:4], atol=1e-5)
+
+
+def test_k_cap_unknown_filter_values_and_large_stale_indexes(cli: CLI, twenty: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ingest_and_embed(cli, twenty, "first")
+    engine = make_engine(cli)
+    with session_factory(cli.settings.database_url)() as session:
+        with pytest.raises(UsageError, match="k must be between"):
+            engine.similar(session, "tiny", Query("e00", 1), MAX_K + 1)
+        assert engine.similar(session, "tiny", Query("e00", 1), 5, {"task": "no such task"})["results"] == []
+        with pytest.raises(UsageError, match="rank"):
+            engine.similar(session, "tiny", Query("e00", 1), 5, {"rank": "four"})
+        assert len(engine.similar(session, "tiny", Query("e00", 1), 5, {"rank": "4", "format": "peft"})["results"]) == 5
+    for path in (cli.settings.data_dir / "index").glob("*.faiss"):
+        path.unlink()
+    monkeypatch.setattr(engine_module, "IVF_FROM", 10)  # too many vectors to answer from the database
+    with session_factory(cli.settings.database_url)() as session, pytest.raises(NotReadyError, match="zoo index rebuild"):
+        make_engine(cli).similar(session, "tiny", Query("e00", 1), 5)
