@@ -35,6 +35,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.index import IVF_FROM, AdapterIndex
+from embed.metrics import top_k
 from embed.registry import active_embedders, load_embeddings, space_version
 from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
 from embed.types import SpaceSchema
@@ -385,7 +386,7 @@ class QueryEngine:
                 pool.discard(query.adapter_id)
             candidates = np.array(sorted(pool), dtype=np.int64)
             scores = self._scores(state, method, query, vectors, candidates)
-        top = np.argsort(-scores, kind="stable")[:k]
+        top = top_k(scores, k)
         hit_ids = candidates[top].tolist()
         info = repository.names_and_labels(session, hit_ids)
         results = [
@@ -438,8 +439,7 @@ class QueryEngine:
         if not len(present):
             return []
         sims = stored @ vector
-        top = np.argpartition(-sims, min(fetch, len(sims) - 1))[:fetch] if len(sims) > fetch else np.arange(len(sims))
-        return present[top].tolist()
+        return present[top_k(sims, fetch)].tolist()
 
     def _module_stage(self, state: SpaceState) -> str:
         return "exact (module store)" if state.modules is not None else "module sketches (no module store)"
@@ -480,7 +480,7 @@ class QueryEngine:
         attributes = {}
         for key, p in probs.items():
             classes = model.config.categorical[key]
-            order = np.argsort(-p[0])[:3]
+            order = top_k(p[0], 3)
             attributes[key] = [{"value": classes[i], "probability": float(p[0][i])} for i in order]
         metrics = {}
         for key, v in values.items():

@@ -39,11 +39,19 @@ def retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str
     return {"hit@1": hit1 / n, "hit@10": hit10 / n, "mrr": mrr / n, "ndcg@10": ndcg / n}
 
 
+def top_k(row: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k largest values, best first: a partial sort (O(n)), then a sort of those k."""
+    if len(row) > k:
+        part = np.argpartition(-row, k - 1)[:k]
+        return part[np.argsort(-row[part], kind="stable")]
+    return np.argsort(-row, kind="stable")
+
+
 def knn_classify(sim: np.ndarray, train_labels: list[str], k: int = KNN_K) -> list[str]:
     """Similarity-weighted vote of the k most similar training items (sim: test × train)."""
     out = []
     for row in sim:
-        top = np.argsort(-row, kind="stable")[:k]
+        top = top_k(row, k)
         votes: Counter[str] = Counter()
         for j in top:
             votes[train_labels[j]] += max(float(row[j]), 0.0) + 1e-6
@@ -54,7 +62,7 @@ def knn_classify(sim: np.ndarray, train_labels: list[str], k: int = KNN_K) -> li
 def knn_regress(sim: np.ndarray, train_values: np.ndarray, k: int = KNN_K) -> np.ndarray:
     out = np.zeros(len(sim))
     for i, row in enumerate(sim):
-        top = np.argsort(-row, kind="stable")[:k]
+        top = top_k(row, k)
         w = np.maximum(row[top], 0.0) + 1e-6
         out[i] = float((w * train_values[top]).sum() / w.sum())
     return out

@@ -68,8 +68,12 @@ def test_engine_sees_embeddings_written_by_another_process(cli: CLI, twenty: Pat
     assert len(before["results"]) == 13
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     base = [sys.executable, "-m", "zoo.cli", "--db", cli.settings.database_url, "--data-dir", str(cli.settings.data_dir)]
-    subprocess.run([*base, "ingest", str(twenty / "later"), "--labels", str(twenty / "labels.csv"), "--base-model", "tiny", "--json"],
-                   check=True, env=env, capture_output=True)
+    subprocess.run(
+        [*base, "ingest", str(twenty / "later"), "--labels", str(twenty / "labels.csv"), "--base-model", "tiny", "--json"],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     out = subprocess.run([*base, "embed", "--json"], check=True, env=env, capture_output=True, text=True).stdout
     assert json.loads(out)[0]["embedded"] == 6
     with session_factory(cli.settings.database_url)() as session:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +73,8 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     path.write_bytes(b"not a faiss index")
     rc, (again,) = cli.json_lines("search", str(first), "-k", "5")
     assert rc == 0 and [r["adapter_id"] for r in again["results"]] == [r["adapter_id"] for r in found["results"]]
-    assert again["index_states"]["module_sketch"].startswith("answered from the database") and "zoo index rebuild" in again["index_states"]["module_sketch"]
+    state = again["index_states"]["module_sketch"]
+    assert state.startswith("answered from the database") and "zoo index rebuild" in state
     rc, (stats,) = cli.json_lines("index", "stats")
     assert stats["embedders"][0]["state"].startswith("rebuilt (the file disagreed")
     rc, (stats,) = cli.json_lines("index", "rebuild")
