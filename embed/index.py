@@ -31,6 +31,11 @@ RECALL_GOAL = 0.97
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
 
 
+def ivf_lists(n: int) -> int:
+    """Inverted lists for n vectors: about 4·√n, with at least 39 training points per list."""
+    return int(min(max(16, 4 * np.sqrt(n)), max(1, n // 39)))
+
+
 def normalize(vectors: np.ndarray) -> np.ndarray:
     v = np.ascontiguousarray(vectors, dtype=np.float32)
     if v.ndim == 1:
@@ -67,17 +72,23 @@ class AdapterIndex:
             index = cls.exact(dim)
             index.add(ids, vectors)
             return index
-        nlist = int(min(max(16, 4 * np.sqrt(len(ids))), len(ids) // 39 or 1))
-        quantizer = faiss.IndexFlatIP(dim)
-        ivf_index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
         rng = np.random.default_rng(0)
-        sample = vectors[rng.choice(len(vectors), size=min(len(vectors), 64 * nlist), replace=False)]
-        ivf_index.train(sample)
-        ivf_index.set_direct_map_type(faiss.DirectMap.Hashtable)
-        obj = cls(ivf_index, dim)
+        obj = cls.trained_ivf(vectors[rng.choice(len(vectors), size=min(len(vectors), 64 * ivf_lists(len(ids))), replace=False)], len(ids))
         obj.add(ids, vectors)
         obj.tune_nprobe(vectors[rng.choice(len(vectors), size=min(len(vectors), 200), replace=False)])
         return obj
+
+    @classmethod
+    def trained_ivf(cls, sample: np.ndarray, expected: int) -> AdapterIndex:
+        """An empty IVF index for about `expected` vectors, its coarse quantizer trained on `sample`
+        (add the vectors, then `tune_nprobe`)."""
+        sample = normalize(sample)
+        dim = int(sample.shape[1])
+        quantizer = faiss.IndexFlatIP(dim)
+        index = faiss.IndexIVFScalarQuantizer(quantizer, dim, ivf_lists(expected), faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        index.train(sample)
+        index.set_direct_map_type(faiss.DirectMap.Hashtable)
+        return cls(index, dim)
 
     @property
     def kind(self) -> str:
