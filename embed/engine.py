@@ -120,16 +120,28 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
     new = [i for i in ids if i not in known]
     if have and not new:
         return "loaded"
+    if not have and len(ids) > 64:  # estimate from a sample before holding every adapter's factors
+        estimate = _nbytes(_stack_of(session, blobs, ids[:32], None)) / 32 * len(ids)
+        if estimate > module_store_budget():
+            path.unlink(missing_ok=True)
+            return _over_budget(estimate)
     stack = _stack_of(session, blobs, new, have[2] if have else None)
     if have:
         stack = ModuleStack.concat([have[1], stack])
     all_ids = np.concatenate([have[0], np.array(new, dtype=np.int64)]) if have else np.array(new, dtype=np.int64)
-    nbytes = sum(t.numel() * t.element_size() for t in stack.arrays().values())
-    if nbytes > module_store_budget():
+    if _nbytes(stack) > module_store_budget():
         path.unlink(missing_ok=True)
-        return f"none ({nbytes / 2**30:.1f} GiB is over ZOO_MODULE_STORE_BYTES: module cosine comes from the sketches)"
+        return _over_budget(_nbytes(stack))
     _write_module_store(path, all_ids, stack, space_version(session, space.id))
     return "updated" if have else "built"
+
+
+def _nbytes(stack: ModuleStack) -> int:
+    return sum(t.numel() * t.element_size() for t in stack.arrays().values())
+
+
+def _over_budget(nbytes: float) -> str:
+    return f"none ({nbytes / 2**30:.2f} GiB is over ZOO_MODULE_STORE_BYTES: module cosine comes from the module sketches)"
 
 
 def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str] | None) -> ModuleStack:

@@ -85,7 +85,8 @@ class AdapterIndex:
         sample = normalize(sample)
         dim = int(sample.shape[1])
         quantizer = faiss.IndexFlatIP(dim)
-        index = faiss.IndexIVFScalarQuantizer(quantizer, dim, ivf_lists(expected), faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        fp16, inner_product = faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT
+        index = faiss.IndexIVFScalarQuantizer(quantizer, dim, ivf_lists(expected), fp16, inner_product)
         index.train(sample)
         index.set_direct_map_type(faiss.DirectMap.Hashtable)
         return cls(index, dim)

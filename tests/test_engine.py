@@ -145,3 +145,22 @@ def test_k_cap_unknown_filter_values_and_large_stale_indexes(cli: CLI, twenty: P
     monkeypatch.setattr(engine_module, "IVF_FROM", 10)  # too many vectors to answer from the database
     with session_factory(cli.settings.database_url)() as session, pytest.raises(NotReadyError, match="zoo index rebuild"):
         make_engine(cli).similar(session, "tiny", Query("e00", 1), 5)
+
+
+def test_a_space_over_the_module_store_budget_ranks_by_module_sketches(cli: CLI, twenty: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZOO_MODULE_STORE_BYTES", "1000")
+    rc, _ = cli.json_lines("ingest", str(twenty / "first"), "--labels", str(twenty / "labels.csv"), "--base-model", "tiny")
+    rc, (reports,) = cli.json_lines("embed")
+    assert reports[0]["module_store"].startswith("none (") and "ZOO_MODULE_STORE_BYTES" in reports[0]["module_store"]
+    engine = make_engine(cli)
+    with session_factory(cli.settings.database_url)() as session:
+        found = engine.similar(session, "tiny", Query("e00", 1), 13, method="module")
+        vectors = engine.space(session, "tiny").embedders["module_sketch"].index.vectors(np.arange(1, 15))
+    assert found["module_stage"] == "module sketches (no module store)"
+    from embed.similarity import sketch_module_cosines
+
+    n_modules = vectors.shape[1] // 64
+    want = sketch_module_cosines(vectors[:1], vectors[1:], n_modules)[0]
+    assert [r["adapter_id"] for r in found["results"]] == (np.argsort(-want, kind="stable") + 2).tolist()
+    exact = module_cosine_matrix(stored_factors(cli, [1]), stored_factors(cli, list(range(2, 15))))[0]
+    assert np.corrcoef(want, exact)[0, 1] > 0.9  # the sketches track the exact module cosine
