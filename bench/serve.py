@@ -109,7 +109,7 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     from sqlalchemy import insert
 
     from embed.engine import index_path
-    from embed.index import AdapterIndex, ivf_lists
+    from embed.index import IVF_FROM, AdapterIndex, ivf_lists
     from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace, Label
     from zoo.db.session import make_engine, upgrade
 
@@ -177,13 +177,13 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
                         for i, v in zip(ids, vectors, strict=True)
                     ],
                 )
-        if not indexes:  # the coarse quantizers are trained on the first chunk
-            ivf = n >= 100_000
-            for vectors in (sk, w):
-                if ivf:
-                    indexes.append(AdapterIndex.trained_ivf(vectors[: 64 * ivf_lists(n)], n))
-                else:
-                    indexes.append(AdapterIndex.exact(vectors.shape[1]))
+        if not indexes:  # the coarse quantizers are trained on the first 64 adapters a list
+            if n >= IVF_FROM:
+                sample_sk, sample_w, _ = synthetic_chunk(src, 0, min(n, 64 * ivf_lists(n)), seed)
+                indexes = [AdapterIndex.trained_ivf(sample_sk, n), AdapterIndex.trained_ivf(sample_w, n)]
+                del sample_sk, sample_w
+            else:
+                indexes = [AdapterIndex.exact(sk.shape[1]), AdapterIndex.exact(w.shape[1])]
         for index, vectors in zip(indexes, (sk, w), strict=True):
             index.add(ids, vectors)
     db_s = time.perf_counter() - t0
@@ -214,9 +214,14 @@ def exhaustive_top(src: Source, n: int, seed: int, queries: np.ndarray, weight: 
     """Top-k ids of each query by the served score over all N (the baseline), and its time per query."""
     from embed.similarity import hybrid_score, sketch_module_cosines
 
+    q_sk = np.zeros((len(queries), src.sketches.shape[1]), np.float32)
+    q_w = np.zeros((len(queries), src.w2t.shape[1]), np.float32)
+    for start, stop in chunks(n):  # the queries' own vectors, as stored
+        inside = np.nonzero((queries > start) & (queries <= stop))[0]
+        if len(inside):
+            sk, w, _ = synthetic_chunk(src, start, stop, seed)
+            q_sk[inside], q_w[inside] = sk[queries[inside] - 1 - start], w[queries[inside] - 1 - start]
     t0 = time.perf_counter()
-    q_sk, q_w, _ = zip(*(synthetic_chunk(src, int(i) - 1, int(i), seed) for i in queries), strict=True)
-    q_sk, q_w = np.concatenate(q_sk), np.concatenate(q_w)
     best_s = np.full((len(queries), 0), -np.inf)
     best_i = np.zeros((len(queries), 0), dtype=np.int64)
     for start, stop in chunks(n):

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from embed.index import IVF_FROM, AdapterIndex
+from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
 from embed.metrics import top_k
 from embed.registry import active_embedders, load_embeddings, space_version
 from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
@@ -48,11 +48,11 @@ from zoo.errors import NotFoundError, NotReadyError, UsageError
 SKETCH = "module_sketch"
 W2T = "w2t"
 #: hybrid: exact module cosine and the supervised W2T cosine mixed by the weight chosen out of fold
-#: in training, over the union of both indexes' RERANK_POOL nearest; module: the sketch index's
-#: RERANK_POOL nearest ranked by module cosine; sketch and w2t: their embeddings alone.
+#: in training, over the union of both indexes' CANDIDATES nearest; module: the sketch index's
+#: CANDIDATES nearest ranked by module cosine; sketch and w2t: their embeddings alone (their
+#: CANDIDATES nearest re-ranked by the stored vectors).
 SEARCH_METHODS = ("hybrid", "module", "sketch", "w2t")
 METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,)}
-RERANK_POOL = 200
 MAX_K = 1000
 #: filtered searches whose allowed set is at most this large score it exactly from the stored vectors
 FILTER_EXACT_MAX = 50_000
@@ -389,7 +389,7 @@ class QueryEngine:
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
             vectors = {e.method: self._query_vector(state, e, query) for e in embedders}
             exact_stage = method in ("hybrid", "module")
-            fetch = (max(k, RERANK_POOL) if exact_stage else k) + 1
+            fetch = max(k, CANDIDATES) + 1  # re-ranked below by stored vectors (and the module store)
             pool: set[int] = set()
             for e in embedders:
                 pool.update(self._nearest(e.index, vectors[e.method], fetch, allowed))

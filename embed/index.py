@@ -4,8 +4,9 @@ Design around FAISS's limits:
 - vectors are L2-normalized, so inner product = cosine;
 - below `IVF_FROM` vectors the index is exact (`IndexIDMap2` over `IndexFlatIP`); from there
   on it is an inverted file over float16 codes (`IndexIVFScalarQuantizer`, half the memory of
-  float32, cosine error ~1e-3) whose `nprobe` is the smallest that reaches `RECALL_GOAL`
-  recall@10 against exact search on a sample of its own vectors, measured when it is built;
+  float32, cosine error ~1e-3) whose `nprobe` is the smallest that puts `RECALL_GOAL` of the
+  exact top 10 among its `CANDIDATES` nearest, measured on a sample of its own vectors when it is
+  built (the engine re-ranks those candidates by their stored vectors);
 - both keep every vector reachable by id (`vectors`), so re-ranking and filtered search read
   the stored vectors and never re-embed;
 - GPU indexes are not thread-safe: a GPU copy of an exact index is searched under a lock;
@@ -27,13 +28,17 @@ import faiss
 import numpy as np
 
 IVF_FROM = 100_000
+#: the first stage hands this many candidates to the exact re-ranking
+CANDIDATES = 200
+#: an IVF index's nprobe is the smallest that puts this share of the exact top 10 among its CANDIDATES
 RECALL_GOAL = 0.97
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
 
 
 def ivf_lists(n: int) -> int:
-    """Inverted lists for n vectors: about 4·√n, with at least 39 training points per list."""
-    return int(min(max(16, 4 * np.sqrt(n)), max(1, n // 39)))
+    """Inverted lists for n vectors: 2·√n (2,000 at a million: 500 vectors a list), at most n / 39 so
+    that k-means has 39 points a list."""
+    return int(min(max(16, 2 * np.sqrt(n)), max(1, n // 39)))
 
 
 def normalize(vectors: np.ndarray) -> np.ndarray:
@@ -107,8 +112,9 @@ class AdapterIndex:
     def size(self) -> int:
         return int(self.index.ntotal)
 
-    def tune_nprobe(self, queries: np.ndarray, k: int = 10) -> float:
-        """Set nprobe to the smallest in NPROBES reaching RECALL_GOAL against exact search; returns that recall."""
+    def tune_nprobe(self, queries: np.ndarray, k: int = 10, candidates: int = CANDIDATES) -> float:
+        """Set nprobe to the smallest in NPROBES whose `candidates` nearest hold RECALL_GOAL of the exact
+        top k (what re-ranking the candidates by stored vectors then serves); returns that recall."""
         queries = normalize(queries)
         ivf = faiss.extract_index_ivf(self.index)
         ivf.nprobe = ivf.nlist
@@ -116,7 +122,8 @@ class AdapterIndex:
         recall = 1.0
         for nprobe in [p for p in NPROBES if p < ivf.nlist] + [ivf.nlist]:
             ivf.nprobe = nprobe
-            recall = recall_at_k(self.index.search(queries, k)[1], exact)
+            found = self.index.search(queries, candidates)[1]
+            recall = float(np.mean([len(set(e.tolist()) & set(f.tolist())) / k for e, f in zip(exact, found, strict=True)]))
             if recall >= RECALL_GOAL:
                 break
         return recall

@@ -217,15 +217,16 @@ def sketch_module_cosines(queries: np.ndarray, gallery: np.ndarray, n_modules: i
     """Module cosine estimated from module sketches (any scaling): the blocks' cosines summed over the
     modules both have, divided by how many they share; 0 where none is shared."""
 
-    def unit_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def blocks_and_scales(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         blocks = np.asarray(x, dtype=np.float32).reshape(len(x), n_modules, -1)
-        norms = np.linalg.norm(blocks, axis=2, keepdims=True)
-        present = norms[..., 0] > 1e-12
-        return (blocks / np.maximum(norms, 1e-12)).reshape(len(x), -1), present.astype(np.float32)
+        sq = np.einsum("nmd,nmd->nm", blocks, blocks)
+        return blocks, np.where(sq > 1e-24, 1.0 / np.sqrt(np.maximum(sq, 1e-24)), 0.0).astype(np.float32)
 
-    q, q_present = unit_blocks(queries)
-    g, g_present = unit_blocks(gallery)
-    return (q @ g.T) / np.maximum(q_present @ g_present.T, 1.0)
+    q, q_scale = blocks_and_scales(queries)
+    g, g_scale = blocks_and_scales(gallery)
+    per_module = np.einsum("qmd,nmd->qnm", q, g) * q_scale[:, None, :] * g_scale[None, :, :]
+    shared = (q_scale > 0).astype(np.float32) @ (g_scale > 0).astype(np.float32).T
+    return per_module.sum(axis=2) / np.maximum(shared, 1.0)
 
 
 def hybrid_score(module_cosine: np.ndarray, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:
