@@ -54,8 +54,6 @@ W2T = "w2t"
 SEARCH_METHODS = ("hybrid", "module", "sketch", "w2t")
 METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,)}
 MAX_K = 1000
-#: filtered searches whose allowed set is at most this large score it exactly from the stored vectors
-FILTER_EXACT_MAX = 50_000
 
 
 def module_store_budget() -> int:
@@ -439,19 +437,9 @@ class QueryEngine:
 
     @staticmethod
     def _nearest(index: AdapterIndex, vector: np.ndarray, fetch: int, allowed: np.ndarray | None) -> list[int]:
-        if allowed is None:
-            return index.search(vector[None, :], fetch)[1][0].tolist()
-        if len(allowed) > FILTER_EXACT_MAX:
-            return index.search(vector[None, :], fetch, allowed=allowed)[1][0].tolist()
-        try:
-            present, stored = allowed, index.vectors(allowed)
-        except KeyError:  # some allowed adapters are not embedded (yet)
-            present = np.array([i for i in allowed.tolist() if index.contains(i)], dtype=np.int64)
-            stored = index.vectors(present)
-        if not len(present):
+        if allowed is not None and not len(allowed):
             return []
-        sims = stored @ vector
-        return present[top_k(sims, fetch)].tolist()
+        return index.search(vector[None, :], fetch, allowed=allowed)[1][0].tolist()
 
     def _module_stage(self, state: SpaceState) -> str:
         return "exact (module store)" if state.modules is not None else "module sketches (no module store)"

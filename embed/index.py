@@ -176,13 +176,20 @@ class AdapterIndex:
 
     def search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of the k nearest by cosine, best first; id -1 pads when fewer exist.
-        `allowed`: only these adapter ids (a FAISS id selector)."""
+        `allowed`: only these adapter ids (a FAISS id selector; an IVF index probes nprobe / share of
+        the zoo allowed lists, all of them for a small share, where the search is exact)."""
         q = normalize(queries)
         k = max(1, min(k, self.size)) if self.size else 1
         params = None
         if allowed is not None:
-            sel = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
-            params = faiss.SearchParametersIVF(sel=sel, nprobe=self.index.nprobe) if self.ivf else faiss.SearchParameters(sel=sel)
+            allowed = np.ascontiguousarray(allowed, dtype=np.int64)
+            sel = faiss.IDSelectorBatch(allowed)
+            if self.ivf:  # probe 1/selectivity as many lists, so as many allowed vectors are scanned as unfiltered
+                share = max(len(allowed), 1) / max(self.size, 1)
+                nprobe = min(self.index.nlist, int(np.ceil(self.index.nprobe / share)))
+                params = faiss.SearchParametersIVF(sel=sel, nprobe=nprobe)
+            else:
+                params = faiss.SearchParameters(sel=sel)
         if self.ivf or params is not None or not gpu_available():
             return self.index.search(q, k, params=params)  # CPU searches may run concurrently
         with self._lock:  # a GPU index is not thread-safe

@@ -105,10 +105,7 @@ def test_concurrent_queries_agree_with_serial_ones(cli: CLI, twenty: Path) -> No
 
 
 @pytest.mark.parametrize("method", ["module", "sketch"])
-@pytest.mark.parametrize("path", ["stored vectors", "faiss id selector"])
-def test_filtered_results_equal_brute_force(cli: CLI, twenty: Path, method: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if path == "faiss id selector":  # allowed sets above FILTER_EXACT_MAX go to FAISS as an id selector
-        monkeypatch.setattr(engine_module, "FILTER_EXACT_MAX", 0)
+def test_filtered_results_equal_brute_force(cli: CLI, twenty: Path, method: str) -> None:
     ingest_and_embed(cli, twenty, "first")
     ingest_and_embed(cli, twenty, "later")
     engine = make_engine(cli)

@@ -83,6 +83,11 @@ def test_ivf_meets_its_recall_goal_and_round_trips(tmp_path: Path) -> None:
     _, approx = index.search(queries, 10)
     _, exact = brute_force(ids, vecs, queries, 10)
     assert recall_at_k(approx, exact) >= RECALL_GOAL - 0.03
+    # a filter keeping 1 % probes every list: exact over the allowed
+    allowed = ids[::100]
+    _, got = index.search(queries[:20], 10, allowed=allowed)
+    _, ref = brute_force(allowed, vecs[::100], queries[:20], 10)
+    assert recall_at_k(got, ref) == 1.0
     index.upsert(ids[:3], vecs[3:6])
     assert index.size == 8000
     index.save(tmp_path / "ivf.faiss", {"embedder_id": 1, "version": 1})
