@@ -27,20 +27,24 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from embed.checkpoint import checkpoint_meta
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
 from embed.metrics import top_k
 from embed.registry import active_embedders, load_embeddings, space_version
 from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
 from embed.types import SpaceSchema
-from zoo.blobs import BlobStore
-from zoo.canonical import CanonicalFactors
+
+if TYPE_CHECKING:
+    from zoo.blobs import BlobStore
+    from zoo.canonical import CanonicalFactors
 from zoo.db import repository
 from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace
 from zoo.errors import NotFoundError, NotReadyError, UsageError
@@ -135,7 +139,7 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
 
 
 def _nbytes(stack: ModuleStack) -> int:
-    return sum(t.numel() * t.element_size() for t in stack.arrays().values())
+    return sum(a.nbytes for a in stack.arrays().values())
 
 
 def _over_budget(nbytes: float) -> str:
@@ -151,8 +155,8 @@ def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str
 def _write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    tensors = {k: v.contiguous() for k, v in stack.arrays().items()}
-    tensors["ids"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    tensors = {k: np.ascontiguousarray(v) for k, v in stack.arrays().items()}
+    tensors["ids"] = np.ascontiguousarray(ids, dtype=np.int64)
     meta = {"version": str(version), "dense": json.dumps(sorted(stack.dense))}
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)
@@ -164,11 +168,9 @@ def _read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], i
         return None
     try:
         tensors = load_file(str(path))
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as fh:
+        with safe_open(str(path), "np") as fh:
             meta = fh.metadata() or {}
-        ids = tensors.pop("ids").numpy()
+        ids = tensors.pop("ids")
         dense = set(json.loads(meta["dense"]))
         return ids, ModuleStack.from_arrays(tensors, len(ids)), dense, int(meta["version"])
     except Exception:  # noqa: BLE001 - any unreadable file is treated as absent (and rebuilt by `zoo embed`)
@@ -454,7 +456,8 @@ class QueryEngine:
         if method == "module":
             return module
         w2t = state.embedders[W2T]
-        return hybrid_score(module, w2t.index.vectors(ids) @ vectors[W2T], float(self.w2t(w2t).hybrid_weight))
+        weight = float(checkpoint_meta(self.data_dir / str(w2t.checkpoint))["hybrid_weight"])
+        return hybrid_score(module, w2t.index.vectors(ids) @ vectors[W2T], weight)
 
     def _module_cosines(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray) -> np.ndarray:
         store = state.modules

@@ -17,14 +17,14 @@ where that is smaller). From its per-module cosines come:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from zoo.canonical import CanonicalFactors
-from zoo.probes import probe_values, probes
+if TYPE_CHECKING:
+    from zoo.canonical import CanonicalFactors
 
-Factors = Mapping[str, CanonicalFactors]
+Factors = Mapping[str, "CanonicalFactors"]
 
 #: probe pairs per module in a module sketch
 MODULE_SKETCH_DIM = 64
@@ -43,20 +43,20 @@ def dense_modules(adapters: Sequence[Factors]) -> set[str]:
 
 
 class ModuleStack:
-    """N adapters' modules, one block of arrays per module name, row j = adapter j.
+    """N adapters' modules, one block of float32 arrays per module name, row j = adapter j.
 
     Per module: `norms` (N,) = ‖dW‖_F (0 where the adapter lacks the module) and either
     `dense` (N, out·in), the unit-norm dW flattened, or `factors` = (U (N, R, out), V (N, R, in),
     w (N, R)) with w = S/‖S‖, zero-padded to the module's largest rank R. Stacks compared with
-    each other must agree on which modules are dense.
+    each other must agree on which modules are dense. Plain numpy, so a query needs no torch.
     """
 
     def __init__(
         self,
         size: int,
-        norms: dict[str, torch.Tensor],
-        dense: dict[str, torch.Tensor],
-        factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        norms: dict[str, np.ndarray],
+        dense: dict[str, np.ndarray],
+        factors: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
     ) -> None:
         self.size = size
         self.norms = norms
@@ -66,30 +66,31 @@ class ModuleStack:
     @classmethod
     def of(cls, adapters: Sequence[Factors], dense: set[str]) -> ModuleStack:
         n = len(adapters)
-        norms: dict[str, torch.Tensor] = {}
-        flat: dict[str, torch.Tensor] = {}
-        factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        norms: dict[str, np.ndarray] = {}
+        flat: dict[str, np.ndarray] = {}
+        factors: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for name in sorted({k for a in adapters for k, f in a.items() if f.rank}):
-            rows = [(j, a[name]) for j, a in enumerate(adapters) if name in a and a[name].rank]
-            out, inp = rows[0][1].U.shape[0], rows[0][1].V.shape[0]
-            norms[name] = torch.zeros(n)
-            for j, f in rows:
-                norms[name][j] = f.S.double().norm()
+            rows = [(j, _numpy(a[name])) for j, a in enumerate(adapters) if name in a and a[name].rank]
+            out, inp = rows[0][1][0].shape[0], rows[0][1][2].shape[0]
+            norms[name] = np.zeros(n, np.float32)
+            for j, (_, S, _) in rows:
+                norms[name][j] = np.linalg.norm(S.astype(np.float64))
             if name in dense:
-                flat[name] = torch.zeros(n, out * inp)
-                for j, f in rows:
-                    flat[name][j] = ((f.U * (f.S / f.S.norm())) @ f.V.T).reshape(-1)
+                flat[name] = np.zeros((n, out * inp), np.float32)
+                for j, (U, S, V) in rows:
+                    flat[name][j] = ((U * (S / np.linalg.norm(S))) @ V.T).reshape(-1)
                 continue
-            r = max(f.rank for _, f in rows)
-            U, V, w = torch.zeros(n, r, out), torch.zeros(n, r, inp), torch.zeros(n, r)
-            for j, f in rows:
-                U[j, : f.rank], V[j, : f.rank], w[j, : f.rank] = f.U.T, f.V.T, f.S / f.S.norm()
-            factors[name] = (U, V, w)
+            r = max(S.shape[0] for _, (_, S, _) in rows)
+            U_, V_, w_ = np.zeros((n, r, out), np.float32), np.zeros((n, r, inp), np.float32), np.zeros((n, r), np.float32)
+            for j, (U, S, V) in rows:
+                k = S.shape[0]
+                U_[j, :k], V_[j, :k], w_[j, :k] = U.T, V.T, S / np.linalg.norm(S)
+            factors[name] = (U_, V_, w_)
         return cls(n, norms, flat, factors)
 
     def take(self, rows: Sequence[int] | np.ndarray) -> ModuleStack:
         """The stack of the given rows, in that order."""
-        idx = torch.as_tensor(np.asarray(rows, dtype=np.int64))
+        idx = np.asarray(rows, dtype=np.int64)
         return ModuleStack(
             len(idx),
             {k: v[idx] for k, v in self.norms.items()},
@@ -102,75 +103,72 @@ class ModuleStack:
         """Rows of several stacks one after the other (factor blocks padded to the largest rank)."""
         sizes = [s.size for s in stacks]
         names = sorted({k for s in stacks for k in s.norms})
-        norms = {k: torch.cat([s.norms.get(k, torch.zeros(s.size)) for s in stacks]) for k in names}
-        dense, factors = {}, {}
+        norms = {k: np.concatenate([s.norms.get(k, np.zeros(s.size, np.float32)) for s in stacks]) for k in names}
+        dense: dict[str, np.ndarray] = {}
+        factors: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for k in names:
             owner = next(s for s in stacks if k in s.norms)
             if k in owner.dense:
                 width = owner.dense[k].shape[1]
-                dense[k] = torch.cat([s.dense.get(k, torch.zeros(s.size, width)) for s in stacks])
+                dense[k] = np.concatenate([s.dense.get(k, np.zeros((s.size, width), np.float32)) for s in stacks])
                 continue
             r = max(s.factors[k][0].shape[1] for s in stacks if k in s.factors)
             out, inp = owner.factors[k][0].shape[2], owner.factors[k][1].shape[2]
             parts = []
             for s, n in zip(stacks, sizes, strict=True):
-                U, V, w = s.factors.get(k, (torch.zeros(n, 0, out), torch.zeros(n, 0, inp), torch.zeros(n, 0)))
+                empty = (np.zeros((n, 0, out), np.float32), np.zeros((n, 0, inp), np.float32), np.zeros((n, 0), np.float32))
+                U, V, w = s.factors.get(k, empty)
                 pad = r - U.shape[1]
-                parts.append(
-                    (
-                        torch.nn.functional.pad(U, (0, 0, 0, pad)),
-                        torch.nn.functional.pad(V, (0, 0, 0, pad)),
-                        torch.nn.functional.pad(w, (0, pad)),
-                    )
-                )
-            factors[k] = tuple(torch.cat([p[i] for p in parts]) for i in range(3))
-        return ModuleStack(sum(sizes), norms, dense, factors)  # type: ignore[arg-type]
+                parts.append((np.pad(U, ((0, 0), (0, pad), (0, 0))), np.pad(V, ((0, 0), (0, pad), (0, 0))), np.pad(w, ((0, 0), (0, pad)))))
+            U_all, V_all, w_all = (np.concatenate([p[i] for p in parts]) for i in range(3))
+            factors[k] = (U_all, V_all, w_all)
+        return ModuleStack(sum(sizes), norms, dense, factors)
 
-    def module_cosines(self, queries: ModuleStack, chunk: int = 2048) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    def module_cosines(self, queries: ModuleStack, chunk: int = 2048) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
         """Per shared module name: (name, cos (queries.size, self.size) float64, both-present mask)."""
         for name in sorted(queries.norms.keys() & self.norms.keys()):
             if (name in self.dense) != (name in queries.dense):
                 raise ValueError(f"stacks of different layouts for module {name}: build both with the same `dense`")
             shared = (queries.norms[name] > 0)[:, None] & (self.norms[name] > 0)[None, :]
             if name in self.dense:
-                yield name, (queries.dense[name] @ self.dense[name].T).double(), shared
+                yield name, (queries.dense[name] @ self.dense[name].T).astype(np.float64), shared
                 continue
             Ug, Vg, wg = self.factors[name]
             Uq, Vq, wq = queries.factors[name]
             rg, rq = Ug.shape[1], Uq.shape[1]
             Ug2, Vg2 = Ug.reshape(-1, Ug.shape[2]), Vg.reshape(-1, Vg.shape[2])
-            cos = torch.zeros(queries.size, self.size, dtype=torch.float64)
+            cos = np.zeros((queries.size, self.size))
             step = max(1, chunk // max(rq, 1))
             for start in range(0, queries.size, step):
                 sl = slice(start, start + step)
                 q = Uq[sl].shape[0]
                 terms = (Uq[sl].reshape(-1, Uq.shape[2]) @ Ug2.T) * (Vq[sl].reshape(-1, Vq.shape[2]) @ Vg2.T)
-                terms = terms.reshape(q, rq, self.size, rg)
-                cos[sl] = torch.einsum("qi,qinj,nj->qn", wq[sl], terms, wg).double()
+                terms = terms.reshape(q, rq, self.size, rg) * wq[sl][:, :, None, None]
+                cos[sl] = (terms.sum(axis=1) * wg[None, :, :]).sum(axis=2)
             yield name, cos, shared
 
     def cosines(self, queries: ModuleStack) -> np.ndarray:
         """(queries.size, self.size) module cosine: mean per-module cosine over shared modules; 0 where none is shared."""
-        total = torch.zeros(queries.size, self.size, dtype=torch.float64)
-        count = torch.zeros(queries.size, self.size, dtype=torch.float64)
+        total = np.zeros((queries.size, self.size))
+        count = np.zeros((queries.size, self.size))
         for _, cos, shared in self.module_cosines(queries):
             total += cos * shared
             count += shared
-        return (total / count.clamp_min(1)).numpy()
+        return total / np.maximum(count, 1)
 
     def inner_products(self, queries: ModuleStack) -> np.ndarray:
         """(queries.size, self.size) ⟨dW_q, dW_g⟩ of the whole updates (summed over modules)."""
-        total = torch.zeros(queries.size, self.size, dtype=torch.float64)
+        total = np.zeros((queries.size, self.size))
         for name, cos, _ in self.module_cosines(queries):
-            total += cos * queries.norms[name].double()[:, None] * self.norms[name].double()[None, :]
-        return total.numpy()
+            total += cos * queries.norms[name].astype(np.float64)[:, None] * self.norms[name].astype(np.float64)[None, :]
+        return total
 
     def total_norms(self) -> np.ndarray:
         """(size,) ‖dW‖_F of each whole update."""
-        return torch.sqrt(sum((v.double() ** 2 for v in self.norms.values()), torch.zeros(self.size, dtype=torch.float64))).numpy()
+        return np.sqrt(sum((v.astype(np.float64) ** 2 for v in self.norms.values()), np.zeros(self.size)))
 
-    def arrays(self) -> dict[str, torch.Tensor]:
-        """Flat name → tensor map for persistence (see `from_arrays`)."""
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Flat name → array map for persistence (see `from_arrays`)."""
         out = {f"norms/{k}": v for k, v in self.norms.items()}
         out.update({f"dense/{k}": v for k, v in self.dense.items()})
         for k, (U, V, w) in self.factors.items():
@@ -178,12 +176,16 @@ class ModuleStack:
         return out
 
     @classmethod
-    def from_arrays(cls, arrays: Mapping[str, torch.Tensor], size: int) -> ModuleStack:
-        def part(prefix: str) -> dict[str, torch.Tensor]:
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], size: int) -> ModuleStack:
+        def part(prefix: str) -> dict[str, np.ndarray]:
             return {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix + "/")}
 
         U, V, w = part("U"), part("V"), part("w")
         return cls(size, part("norms"), part("dense"), {k: (U[k], V[k], w[k]) for k in U})
+
+
+def _numpy(f: CanonicalFactors) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return f.U.detach().cpu().float().numpy(), f.S.detach().cpu().float().numpy(), f.V.detach().cpu().float().numpy()
 
 
 def module_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors]) -> np.ndarray:
@@ -202,6 +204,8 @@ def dw_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors]) -> 
 def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int = MODULE_SKETCH_DIM) -> np.ndarray:
     """(N, len(modules)·dim) float32: per module the unit vector of `dim` seeded probe values ω_jᵀ·dW·ψ_j
     (zeros where the adapter lacks the module), so a block's inner product estimates that module's cosine."""
+    from zoo.probes import probe_values, probes  # torch: only when sketching
+
     out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
     for m, name in enumerate(modules):
         for i, a in enumerate(adapters):

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from embed.checkpoint import MEMORY, META, WEIGHTS, checkpoint_meta
 from embed.metrics import knn_regress, retrieval
 from embed.model import W2T, W2TConfig
 from embed.similarity import hybrid_score, module_cosine_matrix
@@ -166,10 +167,10 @@ class W2TEnsemble:
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         state = {f"{i}.{k}": v.detach().cpu().contiguous() for i, m in enumerate(self.models) for k, v in m.state_dict().items()}
-        save_file(state, str(directory / "model.safetensors"))
+        save_file(state, str(directory / WEIGHTS))
         memory = {"embedding": torch.from_numpy(np.ascontiguousarray(self.memory, dtype=np.float32))}
         memory.update({f"values.{k}": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in self.memory_values.items()})
-        save_file(memory, str(directory / "memory.safetensors"))
+        save_file(memory, str(directory / MEMORY))
         meta = {
             "config": self.config.as_dict(),
             "members": len(self.models),
@@ -183,19 +184,19 @@ class W2TEnsemble:
             "hybrid_weight": self.hybrid_weight,
             "predictor": self.predictor,
         }
-        (directory / "embedder.json").write_text(json.dumps(meta, indent=1))
+        (directory / META).write_text(json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, directory: Path, device: str | None = None) -> W2TEnsemble:
-        meta = json.loads((directory / "embedder.json").read_text())
+        meta = checkpoint_meta(directory)
         config = W2TConfig.from_dict(meta["config"])
-        state = load_file(str(directory / "model.safetensors"))
+        state = load_file(str(directory / WEIGHTS))
         models = []
         for i in range(int(meta["members"])):
             model = W2T(config)
             model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"{i}.")})
             models.append(model.to(torch.device(device or "cpu")))
-        memory = load_file(str(directory / "memory.safetensors"))
+        memory = load_file(str(directory / MEMORY))
         return cls(
             models,
             SpaceSchema.from_dict(meta["schema"]),

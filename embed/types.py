@@ -8,11 +8,14 @@ space does not know do not fit it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zoo.canonical import CanonicalFactors
-from zoo.formats.model import layer_index, module_type
+from zoo.naming import layer_index, module_type
+
+if TYPE_CHECKING:
+    from zoo.canonical import CanonicalFactors
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,12 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load, save
+if TYPE_CHECKING:
+    import torch
 
-from zoo.canonical import CanonicalFactors
+    from zoo.canonical import CanonicalFactors
 
 
 class BlobStore:
@@ -22,6 +23,8 @@ class BlobStore:
 
     def put(self, tensors: dict[str, torch.Tensor]) -> tuple[str, bool]:
         """Store tensors; returns (digest, created) where created is False if it was already there."""
+        from safetensors.torch import save  # torch is imported only by what reads or writes factors
+
         data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
         digest = hashlib.sha256(data).hexdigest()
         target = self.path(digest)
@@ -41,6 +44,8 @@ class BlobStore:
         return digest, True
 
     def get(self, digest: str) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load
+
         return load(self.path(digest).read_bytes())
 
     def delete(self, digest: str) -> None:
@@ -53,6 +58,8 @@ class BlobStore:
         return self.put(tensors)
 
     def get_factors(self, digest: str) -> list[tuple[str, CanonicalFactors]]:
+        from zoo.canonical import CanonicalFactors
+
         tensors = self.get(digest)
         names = sorted({k[: -len(".U")] for k in tensors if k.endswith(".U")})
         return [(n, CanonicalFactors(tensors[f"{n}.U"], tensors[f"{n}.S"], tensors[f"{n}.V"])) for n in names]

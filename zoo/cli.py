@@ -8,20 +8,21 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import OperationalError
 from tqdm import tqdm
 
 from zoo.blobs import BlobStore
-from zoo.config import Settings
+from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.db import repository
 from zoo.db.session import make_engine, require_schema, session_factory, upgrade
 from zoo.errors import NotFoundError, UsageError, ZooError
-from zoo.formats import DEFAULT_ENERGY, DEFAULT_MAX_RANK
-from zoo.ingest import IngestOptions, Ingestor
 from zoo.labels import LabelRow, read_labels_csv
 from zoo.reference.recipes import RECIPES
-from zoo.sources.local import expand_paths
+
+if TYPE_CHECKING:
+    from zoo.ingest import IngestOptions
 
 
 def _print_json(obj: object) -> None:
@@ -52,6 +53,9 @@ def run_ingest(
     progress: bool = True,
 ) -> tuple[dict[str, int], list[str]]:
     """Ingest every source under paths, printing JSON lines or showing a progress bar. Returns counts by status and failures."""
+    from zoo.ingest import Ingestor
+    from zoo.sources.local import expand_paths
+
     require_schema(settings.database_url)
     ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options)
     counts = {"ingested": 0, "duplicate": 0, "failed": 0}
@@ -70,6 +74,8 @@ def run_ingest(
 
 
 def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
+    from zoo.ingest import IngestOptions
+
     options = IngestOptions(
         base_model=args.base_model,
         base_checkpoint=Path(args.base) if args.base else None,
@@ -89,6 +95,7 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     """The main job on embedded defaults: build a demo zoo, store it, embed it, train W2T, say what to run next."""
     from embed import service
+    from zoo.ingest import IngestOptions
     from zoo.reference.build import make_zoo
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+#: full checkpoints stored as deltas: the fewest components keeping this share of each delta's energy ...
+DEFAULT_ENERGY = 0.9
+#: ... and at most this many
+DEFAULT_MAX_RANK = 64
+
 
 def default_data_dir() -> Path:
     if os.environ.get("ZOO_DATA_DIR"):

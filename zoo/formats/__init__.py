@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.errors import InputError
 from zoo.formats.checkpoint import read_checkpoint
 from zoo.formats.kohya import has_lora_keys, lycoris_kind, read_single_file_lora
@@ -12,9 +13,6 @@ from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES, is_peft_dir, read_peft
 from zoo.formats.safe_load import load_tensors
 
 __all__ = ["AdapterData", "FullMatrix", "LoraModule", "layer_index", "module_type", "read_adapter"]
-
-DEFAULT_ENERGY = 0.9
-DEFAULT_MAX_RANK = 64
 
 
 def read_adapter(path: Path, base: Path | None = None, energy: float = DEFAULT_ENERGY, max_rank: int = DEFAULT_MAX_RANK) -> AdapterData:

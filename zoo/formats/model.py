@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from zoo.errors import InputError
+from zoo.naming import layer_index, module_type
+
+__all__ = ["AdapterData", "FullMatrix", "LoraModule", "check_finite", "check_pair", "layer_index", "module_type"]
 
 
 @dataclass
@@ -59,23 +61,6 @@ class AdapterData:
     extra_tensors: dict[str, list[int]] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-
-
-_LAYER_RE = re.compile(r"(?:^|[._])(\d+)(?:[._]|$)")
-
-
-def layer_index(name: str) -> int | None:
-    """First integer path component of a module name (`model.layers.3.q_proj` → 3)."""
-    m = _LAYER_RE.search(name)
-    return int(m.group(1)) if m else None
-
-
-def module_type(name: str) -> str:
-    """Last non-numeric path component: `model.layers.3.self_attn.q_proj` → q_proj,
-    kohya's `lora_unet_down_blocks_0_attentions_0_proj_in` → proj_in."""
-    parts = [p for p in name.split(".") if p and not p.isdigit()]
-    last = parts[-1] if parts else name
-    return re.split(r"_\d+_", last)[-1]
 
 
 def check_pair(path: Path, name: str, A: torch.Tensor, B: torch.Tensor) -> None:
