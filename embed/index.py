@@ -185,7 +185,7 @@ class AdapterIndex:
             allowed = np.ascontiguousarray(allowed, dtype=np.int64)
             sel = faiss.IDSelectorBatch(allowed)
             if self.ivf:  # probe 1/selectivity as many lists, so as many allowed vectors are scanned as unfiltered
-                share = max(len(allowed), 1) / max(self.size, 1)
+                share = min(max(len(allowed), 1) / max(self.size, 1), 1.0)
                 nprobe = min(self.index.nlist, int(np.ceil(self.index.nprobe / share)))
                 params = faiss.SearchParametersIVF(sel=sel, nprobe=nprobe)
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from zoo.db.models import Base
+from zoo.db.models import Base, on_dialect
 from zoo.db.session import make_engine
 
 config = context.config
@@ -19,6 +19,7 @@ def run_migrations_online() -> None:
             target_metadata=target_metadata,
             render_as_batch=connection.dialect.name == "sqlite",
             compare_type=True,
+            include_object=on_dialect(connection.dialect.name),
         )
         with context.begin_transaction():
             context.run_migrations()

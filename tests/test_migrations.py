@@ -6,13 +6,14 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from zoo.db.models import Base
+from zoo.db.models import Base, on_dialect
 from zoo.db.session import current_revision, downgrade, head_revision, make_engine, upgrade
 
 
 def test_models_match_migrations(db_url: str) -> None:
     with make_engine(db_url).connect() as conn:
-        diffs = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+        opts = {"compare_type": True, "include_object": on_dialect(conn.dialect.name)}
+        diffs = compare_metadata(MigrationContext.configure(conn, opts=opts), Base.metadata)
     assert diffs == []
 
 

@@ -26,6 +26,16 @@ class Base(DeclarativeBase):
     pass
 
 
+def on_dialect(dialect: str):  # type: ignore[no-untyped-def]
+    """An Alembic `include_object` hook: leave out indexes declared for another dialect (`Index.ddl_if`)."""
+
+    def include(obj: object, name: str | None, type_: str, reflected: bool, compare_to: object) -> bool:
+        ddl_if = getattr(obj if not reflected else compare_to, "_ddl_if", None)
+        return ddl_if is None or ddl_if.dialect in (None, dialect)
+
+    return include
+
+
 class Adapter(Base):
     """One ingested update (LoRA adapter or checkpoint delta), unique by canonical hash per base model."""
 
@@ -101,7 +111,10 @@ class Label(Base):
     __tablename__ = "label"
     __table_args__ = (
         UniqueConstraint("adapter_id", "key", "source", name="uq_label_adapter_id_key_source"),
-        Index("ix_label_value", "value", postgresql_using="hash"),
+        # label filters are equality look-ups: a hash index on PostgreSQL (no size limit on values), a
+        # covering index on SQLite (its rows sit among embedding blobs: reading them is the slow part)
+        Index("ix_label_value", "value", postgresql_using="hash").ddl_if(dialect="postgresql"),
+        Index("ix_label_key_value", "key", "value", "source", "adapter_id").ddl_if(dialect="sqlite"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import exists, select
+from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.db.models import Adapter, Label
 from zoo.errors import UsageError
@@ -110,24 +110,41 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
 
 
 def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, str]) -> list[int]:
-    """Ids of the base model's adapters matching every filter, in one query: `base_model`, `format` and
-    `rank` match exactly, `source` is a prefix of the source URI, any other key is a given label's value."""
-    stmt = select(Adapter.id).where(Adapter.base_model == base_model)
+    """Ids of adapters matching every filter, in one query: `base_model`, `format` and `rank` match
+    exactly, `source` is a prefix of the source URI, any other key is a given label's value.
+
+    With a label filter the query reads that label's index entries and checks adapter columns only
+    when a filter names one: ids of other base models may come back, for the caller's index of one
+    space to ignore, so a filter that keeps 1 % of a million adapters reads 1 % of an index. Without
+    one, it selects the base model's adapters."""
+    conditions = []
+    labels: list[tuple[str, str]] = []
     for key, value in filters.items():
         if key == "rank":
             if not value.isdigit():
                 raise UsageError(f"filter rank={value!r}: the rank is a whole number")
-            stmt = stmt.where(Adapter.rank == int(value))
+            conditions.append(Adapter.rank == int(value))
         elif key == "format":
-            stmt = stmt.where(Adapter.format == value)
+            conditions.append(Adapter.format == value)
         elif key == "base_model":
-            stmt = stmt.where(Adapter.base_model == value)
+            conditions.append(Adapter.base_model == value)
         elif key == "source":
-            stmt = stmt.where(Adapter.source_uri.startswith(value, autoescape=True))
+            conditions.append(Adapter.source_uri.startswith(value, autoescape=True))
         else:
-            labelled = select(Label.adapter_id).where(Label.key == key, Label.value == value, Label.source == "given")
-            stmt = stmt.where(Adapter.id.in_(labelled))
-    return list(session.scalars(stmt.order_by(Adapter.id)))
+            labels.append((key, value))
+    if not labels:
+        return list(session.scalars(select(Adapter.id).where(Adapter.base_model == base_model, *conditions).order_by(Adapter.id)))
+    (key, value), rest = labels[0], labels[1:]
+    first = aliased(Label)
+    stmt = select(first.adapter_id).where(first.key == key, first.value == value, first.source == "given")
+    if conditions:
+        stmt = stmt.where(exists().where(Adapter.id == first.adapter_id, *conditions))
+    for key, value in rest:
+        other = aliased(Label)
+        stmt = stmt.where(
+            exists().where(other.adapter_id == first.adapter_id, other.key == key, other.value == value, other.source == "given")
+        )
+    return list(session.connection().execute(stmt.order_by(first.adapter_id)).scalars())  # Core: no ORM work per row
 
 
 def names_and_labels(session: Session, ids: Iterable[int]) -> dict[int, tuple[str, dict[str, str]]]:
