@@ -242,6 +242,7 @@ def main() -> None:
     p.add_argument("--zoo-data-dir", type=Path, help="data dir of the real zoo (default: $ZOO_DATA_DIR)")
     p.add_argument("--zoo-db", help="its database URL (default: SQLite in the data dir)")
     p.add_argument("--work", type=Path, help="where to build the synthetic space (default: a temporary dir, removed)")
+    p.add_argument("--reuse", action="store_true", help="serve the space already built in --work (same --adapters, --seed, --noise)")
     p.add_argument("--queries", type=int, default=300)
     p.add_argument("--recall-queries", type=int, default=50)
     p.add_argument("--threads", type=int, default=8)
@@ -256,12 +257,16 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="zoo-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        ctx = multiprocessing.get_context("spawn")
-        out = ctx.Queue()
-        child = ctx.Process(target=_build_in_child, args=(src, args.adapters, work, args.seed, out))
-        child.start()
-        built = out.get()
-        child.join()
+        if args.reuse:
+            built = json.loads((work / "build.json").read_text())
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            out = ctx.Queue()
+            child = ctx.Process(target=_build_in_child, args=(src, args.adapters, work, args.seed, out))
+            child.start()
+            built = out.get()
+            child.join()
+            (work / "build.json").write_text(json.dumps(built))
         result = serve(src, args, work, built)
     finally:
         if args.work is None:
