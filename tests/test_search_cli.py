@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +48,15 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     assert first not in [r["adapter_id"] for r in found["results"]]
     scores = [r["score"] for r in found["results"]]
     assert scores == sorted(scores, reverse=True)
+    # searching by id loads no torch, peft or matplotlib: start-up is most of a command's time
+    code = (
+        "import sys; from zoo.cli import main; "
+        f"rc = main(['--db', {cli.settings.database_url!r}, '--data-dir', {str(cli.settings.data_dir)!r}, 'search', '{first}', '--json']); "
+        "print(rc, sorted(m for m in ('torch', 'peft', 'matplotlib', 'transformers', 'sklearn') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "0 []"
     # the same adapter given as a path (read, canonicalized, not stored) finds itself first, with module cosine 1
     rc, (by_path,) = cli.json_lines("search", str(small_zoo / "zoo" / "a00"), "-k", "3")
     assert by_path["results"][0]["adapter_id"] == first and by_path["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)
