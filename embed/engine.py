@@ -40,7 +40,7 @@ from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
 from embed.metrics import top_k
 from embed.registry import active_embedders, load_embeddings, space_version
 from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
-from embed.types import SpaceSchema
+from embed.types import SpaceSchema, ZooAdapter
 
 if TYPE_CHECKING:
     from zoo.blobs import BlobStore
@@ -104,10 +104,14 @@ def _load_consistent(session: Session, path: Path, embedder: Embedder, version: 
         raise ValueError(f"{path} was written for another database or embedder")
     ids, vectors = load_embeddings(session, embedder, after_version=int(meta["version"]))
     index.upsert(ids, vectors)
-    stored = session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder.id))
+    stored = _stored_count(session, embedder.id)
     if index.size != stored:
         raise ValueError(f"{path} holds {index.size} vectors, the database {stored}")
     return index, meta
+
+
+def _stored_count(session: Session, embedder_id: int) -> int:
+    return int(session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder_id)) or 0)
 
 
 def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, space: EmbeddingSpace, rebuild: bool = False) -> str:
@@ -335,7 +339,7 @@ class QueryEngine:
             return index, "loaded"
         except ValueError as exc:
             problem = str(exc)
-        count = session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder.id)) or 0
+        count = _stored_count(session, embedder.id)
         if count > IVF_FROM:
             raise NotReadyError(f"{problem}; run `zoo index rebuild` to rebuild it from the database")
         ids, vectors = load_embeddings(session, embedder)
@@ -499,7 +503,5 @@ class QueryEngine:
         return {"space": state.name, "embedder_id": e.id, "attributes": attributes, "metrics": metrics}
 
 
-def _as_zoo_adapter(query: Query):  # type: ignore[no-untyped-def]
-    from embed.types import ZooAdapter
-
+def _as_zoo_adapter(query: Query) -> ZooAdapter:
     return ZooAdapter(query.adapter_id or -1, query.name, query.factors)
