@@ -66,7 +66,7 @@ def module_store_budget() -> int:
 
 
 def index_path(data_dir: Path, embedder_id: int) -> Path:
-    return data_dir / "index" / f"embedder-{embedder_id}.faiss"
+    return data_dir / "index" / f"embedder-{embedder_id}.index"
 
 
 def module_store_path(data_dir: Path, space_id: int) -> Path:
@@ -85,10 +85,13 @@ def update_index_file(session: Session, data_dir: Path, embedder: Embedder, rebu
     if path.exists() and not rebuild:
         try:
             index, meta = _load_consistent(session, path, embedder, version)
-            if meta["version"] == version:
+            if index.ivf != (index.size >= IVF_FROM):
+                how = f"rebuilt ({index.size} vectors outgrew its {index.kind} kind)"
+            elif meta["version"] == version:
                 return index, "loaded"
-            index.save(path, {"embedder_id": embedder.id, "version": version})
-            return index, "updated"
+            else:
+                index.save(path, {"embedder_id": embedder.id, "version": version})
+                return index, "updated"
         except ValueError:
             how = "rebuilt (the file disagreed with the database)"
     ids, vectors = load_embeddings(session, embedder)

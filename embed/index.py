@@ -1,23 +1,30 @@
-"""FAISS index of one embedder: ids are adapter ids, scores are cosine similarities.
+"""The vectors of one embedder: stored by adapter id, searchable by cosine.
 
-Design around FAISS's limits:
-- vectors are L2-normalized, so inner product = cosine;
-- below `IVF_FROM` vectors the index is exact (`IndexIDMap2` over `IndexFlatIP`); from there
-  on it is an inverted file over float16 codes (`IndexIVFScalarQuantizer`, half the memory of
-  float32, cosine error ~1e-3) whose `nprobe` is the smallest that puts `RECALL_GOAL` of the
-  exact top 10 among its `CANDIDATES` nearest, measured on a sample of its own vectors when it is
-  built (the engine re-ranks those candidates by their stored vectors);
-- both keep every vector reachable by id (`vectors`), so re-ranking and filtered search read
-  the stored vectors and never re-embed;
-- GPU indexes are not thread-safe: a GPU copy of an exact index is searched under a lock;
-  CPU searches run concurrently, writes take the lock;
-- files are written atomically (temporary file + rename) with a sidecar: the embedder, the
-  count, and the space version the index was written at. A reader compares it with the
-  database's version without reading any vector (see embed/engine.py).
+An `AdapterIndex` keeps every unit vector in a store of its own (a numpy array, row per adapter,
+with a sorted id → row lookup), so re-ranking and filtered search read stored vectors by id and
+never re-embed. How it searches depends on its size:
+- below `IVF_FROM` vectors it is **flat**: exact cosine by brute force over the float32 store
+  (`faiss.knn`, or `faiss.knn_gpu` when a GPU is present);
+- from there on it is an **inverted file** (`IndexIVF`, ids = adapter ids) over compressed codes,
+  with the store kept in float16 (half the memory; cosine error ~1e-3). The codes follow the
+  dimension, as measured on the synthetic million-adapter space of `bench/serve.py`: at d ≥ 512
+  (the module sketch: 24 modules × 64) product-quantizer fast-scan codes of 4 bits per 4
+  dimensions scan 20–50× faster than float16 codes and hold 0.97 of the exact top 10 among 200
+  candidates; at small d (the W2T embedding, 160) such codes never reach that recall, and
+  float16 codes are cheap to scan anyway. Its `nprobe` is the smallest that puts `RECALL_GOAL` of
+  the exact top 10 (brute force over the store) among its `CANDIDATES` nearest, measured on a
+  sample of its own vectors when it is built; the engine re-ranks those candidates by the store.
+
+Files: one safetensors file per index (ids, vectors, the serialized IVF and a metadata map),
+written to a temporary file, fsynced, renamed over the old one and the directory fsynced, so a
+reader sees the old file or the new one, whole. The metadata carries a SHA-256 of the ids and
+the IVF bytes and the count; `load` refuses a file that disagrees with itself.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import tempfile
@@ -26,6 +33,8 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 IVF_FROM = 100_000
 #: the first stage hands this many candidates to the exact re-ranking
@@ -33,6 +42,11 @@ CANDIDATES = 200
 #: an IVF index's nprobe is the smallest that puts this share of the exact top 10 among its CANDIDATES
 RECALL_GOAL = 0.97
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
+#: a filtered IVF search scores the allowed vectors exactly while they hold at most this many numbers
+#: (10,000 W2T vectors of 160, 1,300 module sketches of 1,536): cheaper than probing every list
+EXACT_FILTER_BUDGET = 2_000_000
+#: from this dimension on, IVF codes are product-quantizer fast-scan codes (4 bits per 4 dimensions)
+PQ_FROM_DIM = 512
 
 
 def ivf_lists(n: int) -> int:
@@ -53,23 +67,35 @@ def gpu_available() -> bool:
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
 
-class AdapterIndex:
-    """One embedder's vectors, searchable by cosine and readable by adapter id."""
+@functools.cache
+def _gpu_resources():  # type: ignore[no-untyped-def]
+    return faiss.StandardGpuResources()
 
-    def __init__(self, index: faiss.Index, dim: int) -> None:
-        self.index = index
+
+class AdapterIndex:
+    """One embedder's unit vectors by adapter id, searchable by cosine (flat or IVF, see the module doc)."""
+
+    def __init__(self, dim: int, ivf: faiss.IndexIVF | None = None) -> None:
         self.dim = dim
+        self._ivf = ivf
+        self._dtype = np.float16 if ivf is not None else np.float32
+        self._ids = np.zeros(0, np.int64)
+        self._store = np.zeros((0, dim), self._dtype)
+        self._size = 0
+        self._sorted_ids = np.zeros(0, np.int64)
+        self._sorted_rows = np.zeros(0, np.int64)
         self._lock = threading.Lock()
-        self._gpu: faiss.Index | None = None
+
+    # -- construction ------------------------------------------------------------------------
 
     @classmethod
     def exact(cls, dim: int) -> AdapterIndex:
-        return cls(faiss.IndexIDMap2(faiss.IndexFlatIP(dim)), dim)
+        return cls(dim)
 
     @classmethod
     def build(cls, ids: np.ndarray, vectors: np.ndarray, ivf: bool | None = None) -> AdapterIndex:
-        """An index over (ids, vectors): exact below IVF_FROM vectors, IVF above (unless told)."""
-        vectors = normalize(vectors) if len(ids) else np.zeros((0, np.asarray(vectors).shape[1]), np.float32)
+        """An index over (ids, vectors): flat below IVF_FROM vectors, IVF from there (unless told)."""
+        vectors = normalize(vectors) if len(ids) else np.zeros((0, np.asarray(vectors).shape[-1]), np.float32)
         dim = int(vectors.shape[1])
         if ivf is None:
             ivf = len(ids) >= IVF_FROM
@@ -78,23 +104,29 @@ class AdapterIndex:
             index.add(ids, vectors)
             return index
         rng = np.random.default_rng(0)
-        obj = cls.trained_ivf(vectors[rng.choice(len(vectors), size=min(len(vectors), 64 * ivf_lists(len(ids))), replace=False)], len(ids))
+        sample = vectors[rng.choice(len(vectors), size=min(len(vectors), 64 * ivf_lists(len(ids))), replace=False)]
+        obj = cls.trained_ivf(sample, len(ids))
         obj.add(ids, vectors)
         obj.tune_nprobe(vectors[rng.choice(len(vectors), size=min(len(vectors), 200), replace=False)])
         return obj
 
     @classmethod
     def trained_ivf(cls, sample: np.ndarray, expected: int) -> AdapterIndex:
-        """An empty IVF index for about `expected` vectors, its coarse quantizer trained on `sample`
-        (add the vectors, then `tune_nprobe`)."""
+        """An empty IVF index for about `expected` vectors, its coarse quantizer and codes trained on
+        `sample` (add the vectors, then `tune_nprobe`)."""
         sample = normalize(sample)
         dim = int(sample.shape[1])
         quantizer = faiss.IndexFlatIP(dim)
-        fp16, inner_product = faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT
-        index = faiss.IndexIVFScalarQuantizer(quantizer, dim, ivf_lists(expected), fp16, inner_product)
+        lists = ivf_lists(expected)
+        if dim >= PQ_FROM_DIM and dim % 4 == 0:
+            index = faiss.IndexIVFPQFastScan(quantizer, dim, lists, dim // 4, 4, faiss.METRIC_INNER_PRODUCT)
+        else:
+            index = faiss.IndexIVFScalarQuantizer(quantizer, dim, lists, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
         index.train(sample)
-        index.set_direct_map_type(faiss.DirectMap.Hashtable)
-        return cls(index, dim)
+        index.nprobe = min(NPROBES[0], lists)
+        return cls(dim, index)
+
+    # -- what it holds -------------------------------------------------------------------------
 
     @property
     def kind(self) -> str:
@@ -102,33 +134,49 @@ class AdapterIndex:
 
     @property
     def ivf(self) -> bool:
-        return isinstance(self.index, faiss.IndexIVF)
+        return self._ivf is not None
+
+    @property
+    def codes(self) -> str | None:
+        """The IVF's codes: 'pq4 fast-scan' or 'fp16'; None when flat."""
+        if self._ivf is None:
+            return None
+        return "pq4 fast-scan" if isinstance(self._ivf, faiss.IndexIVFPQFastScan) else "fp16"
 
     @property
     def nprobe(self) -> int | None:
-        return int(self.index.nprobe) if self.ivf else None
+        return int(self._ivf.nprobe) if self._ivf is not None else None
 
     @property
     def size(self) -> int:
-        return int(self.index.ntotal)
+        return self._size
 
-    def tune_nprobe(self, queries: np.ndarray, k: int = 10, candidates: int = CANDIDATES) -> float:
-        """Set nprobe to the smallest in NPROBES whose `candidates` nearest hold RECALL_GOAL of the exact
-        top k (what re-ranking the candidates by stored vectors then serves); returns that recall."""
-        queries = normalize(queries)
-        ivf = faiss.extract_index_ivf(self.index)
-        ivf.nprobe = ivf.nlist
-        _, exact = self.index.search(queries, k)
-        recall = 1.0
-        for nprobe in [p for p in NPROBES if p < ivf.nlist] + [ivf.nlist]:
-            ivf.nprobe = nprobe
-            found = self.index.search(queries, candidates)[1]
-            recall = float(np.mean([len(set(e.tolist()) & set(f.tolist())) / k for e, f in zip(exact, found, strict=True)]))
-            if recall >= RECALL_GOAL:
-                break
-        return recall
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[: self._size]
+
+    def _rows(self, ids: np.ndarray) -> np.ndarray:
+        """Store rows of these ids; -1 where an id is absent."""
+        pos = np.searchsorted(self._sorted_ids, ids)
+        pos = np.minimum(pos, max(len(self._sorted_ids) - 1, 0))
+        found = (self._sorted_ids[pos] == ids) if len(self._sorted_ids) else np.zeros(len(ids), bool)
+        return np.where(found, self._sorted_rows[pos] if len(self._sorted_rows) else -1, -1)
+
+    def contains(self, adapter_id: int) -> bool:
+        return bool(self._rows(np.array([adapter_id], np.int64))[0] >= 0)
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        """(len(ids), dim) float32 stored unit vectors of these adapter ids (KeyError for one not in the index)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows = self._rows(ids)
+        if (rows < 0).any():
+            raise KeyError(f"adapters not in the index: {ids[rows < 0][:5].tolist()}")
+        return self._store[rows].astype(np.float32, copy=False)
+
+    # -- writes --------------------------------------------------------------------------------
 
     def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Add new ids (ValueError for one already present)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if not len(ids):
             return
@@ -136,102 +184,180 @@ class AdapterIndex:
         if vectors.shape != (len(ids), self.dim):
             raise ValueError(f"expected {len(ids)} vectors of dimension {self.dim}, got {vectors.shape}")
         with self._lock:
-            present = [int(i) for i in ids[: min(len(ids), 10_000)] if self.contains(int(i))]
-            if present:
-                raise ValueError(f"ids already in the index: {present[:5]}")
-            self.index.add_with_ids(vectors, ids)
-            self._gpu = None
+            present = self._rows(ids) >= 0
+            if present.any() or len(np.unique(ids)) != len(ids):
+                raise ValueError(f"ids already in the index: {ids[present][:5].tolist() or 'repeated in the batch'}")
+            self._append(ids, vectors)
+            if self._ivf is not None:
+                self._ivf.add_with_ids(vectors, ids)
 
-    def contains(self, adapter_id: int) -> bool:
-        try:
-            self.index.reconstruct(adapter_id)
-        except RuntimeError:
-            return False
-        return True
-
-    def remove(self, ids: np.ndarray) -> int:
-        with self._lock:
-            removed = int(self.index.remove_ids(np.ascontiguousarray(ids, dtype=np.int64)))
-            self._gpu = None
-            return removed
+    def _append(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        need = self._size + len(ids)
+        if self._size == 0 and vectors.dtype == self._dtype:  # a fresh index takes the arrays as they are
+            self._ids, self._store = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(vectors)
+        elif need > len(self._ids):  # grow by half again: amortized O(1) per vector
+            capacity = max(need, int(len(self._ids) * 1.5), 1024)
+            grown_ids = np.zeros(capacity, np.int64)
+            grown_ids[: self._size] = self._ids[: self._size]
+            grown = np.zeros((capacity, self.dim), self._dtype)
+            grown[: self._size] = self._store[: self._size]
+            self._ids, self._store = grown_ids, grown
+        if self._ids is not ids:
+            self._ids[self._size : need] = ids
+            self._store[self._size : need] = vectors
+        self._size = need
+        self._sorted_rows = np.argsort(self._ids[: self._size], kind="stable")
+        self._sorted_ids = self._ids[: self._size][self._sorted_rows]
 
     def upsert(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         """Add vectors, replacing those of ids already present (a re-embedded adapter)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        old = np.array([i for i in ids.tolist() if self.contains(i)], dtype=np.int64)
-        if len(old):
-            self.remove(old)
-        self.add(ids, vectors)
-
-    def vectors(self, ids: np.ndarray) -> np.ndarray:
-        """(len(ids), dim) stored unit vectors of these adapter ids (KeyError for one not in the index)."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
         if not len(ids):
-            return np.zeros((0, self.dim), np.float32)
-        try:
-            return self.index.reconstruct_batch(ids)
-        except RuntimeError as exc:
-            missing = [int(i) for i in ids.tolist() if not self.contains(int(i))]
-            raise KeyError(f"adapters not in the index: {missing[:5]}") from exc
+            return
+        vectors = normalize(vectors)
+        rows = self._rows(ids)
+        old = rows >= 0
+        if old.any():
+            with self._lock:
+                self._store[rows[old]] = vectors[old]
+                if self._ivf is not None:
+                    self._ivf.remove_ids(ids[old])
+                    self._ivf.add_with_ids(vectors[old], ids[old])
+        self.add(ids[~old], vectors[~old])
+
+    # -- search --------------------------------------------------------------------------------
 
     def search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, ids) of the k nearest by cosine, best first; id -1 pads when fewer exist.
-        `allowed`: only these adapter ids (a FAISS id selector; an IVF index probes nprobe / share of
-        the zoo allowed lists, all of them for a small share, where the search is exact)."""
+        """(scores, ids) of the k nearest by the stored vectors' cosine, best first; id -1 pads when fewer
+        exist. Flat: exact. IVF: its max(k, CANDIDATES) nearest by the codes, re-ranked by the store.
+        `allowed`: only these adapter ids (flat, or few enough for EXACT_FILTER_BUDGET: exact over their
+        rows; else a FAISS id selector probing nprobe / share of the lists, all of them for a small share)."""
         q = normalize(queries)
-        k = max(1, min(k, self.size)) if self.size else 1
+        k = max(1, k)
+        if self._ivf is None:
+            rows = np.arange(self._size) if allowed is None else np.sort(self._rows(np.asarray(allowed, np.int64)))
+            rows = rows[rows >= 0]
+            return self._exact(q, rows, k)
         params = None
         if allowed is not None:
             allowed = np.ascontiguousarray(allowed, dtype=np.int64)
-            sel = faiss.IDSelectorBatch(allowed)
-            if self.ivf:  # probe 1/selectivity as many lists, so as many allowed vectors are scanned as unfiltered
-                share = min(max(len(allowed), 1) / max(self.size, 1), 1.0)
-                nprobe = min(self.index.nlist, int(np.ceil(self.index.nprobe / share)))
-                params = faiss.SearchParametersIVF(sel=sel, nprobe=nprobe)
-            else:
-                params = faiss.SearchParameters(sel=sel)
-        if self.ivf or params is not None or not gpu_available():
-            return self.index.search(q, k, params=params)  # CPU searches may run concurrently
-        with self._lock:  # a GPU index is not thread-safe
-            if self._gpu is None:
-                self._gpu = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, self.index)
-            return self._gpu.search(q, k)
+            if len(allowed) * self.dim <= EXACT_FILTER_BUDGET:  # few enough to score them all from the store
+                rows = np.sort(self._rows(allowed))
+                return self._exact(q, rows[rows >= 0], k)
+            share = min(max(len(allowed), 1) / max(self._size, 1), 1.0)
+            nprobe = min(self._ivf.nlist, int(np.ceil(self._ivf.nprobe / share)))
+            params = faiss.SearchParametersIVF(sel=faiss.IDSelectorBatch(allowed), nprobe=nprobe)
+        _, candidates = self._ivf.search(q, min(max(k, CANDIDATES), max(self._size, 1)), params=params)
+        scores = np.full((len(q), k), -np.inf, np.float32)
+        ids = np.full((len(q), k), -1, np.int64)
+        for i, found in enumerate(candidates):  # re-ranked by the stored vectors
+            found = found[found >= 0]
+            s = self.vectors(found) @ q[i]
+            top = np.argsort(-s, kind="stable")[:k]
+            scores[i, : len(top)], ids[i, : len(top)] = s[top], found[top]
+        return scores, ids
+
+    def _exact(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        scores = np.full((len(q), k), -np.inf, np.float32)
+        ids = np.full((len(q), k), -1, np.int64)
+        if not len(rows):
+            return scores, ids
+        base = self._store[: self._size] if len(rows) == self._size else self._store[rows]
+        kk = min(k, len(rows))
+        if gpu_available():
+            s, r = faiss.knn_gpu(_gpu_resources(), q, np.ascontiguousarray(base, np.float32), kk, metric=faiss.METRIC_INNER_PRODUCT)
+        else:
+            s, r = faiss.knn(q, np.ascontiguousarray(base, np.float32), kk, metric=faiss.METRIC_INNER_PRODUCT)
+        scores[:, :kk] = s
+        ids[:, :kk] = np.where(r >= 0, self._ids[rows[np.maximum(r, 0)]], -1)
+        return scores, ids
+
+    def exact_top(self, queries: np.ndarray, k: int, chunk: int = 50_000) -> np.ndarray:
+        """(len(queries), k) ids of the exact top k over the whole store, by brute force in chunks."""
+        q = normalize(queries)
+        best_s = np.full((len(q), 0), -np.inf, np.float32)
+        best_i = np.zeros((len(q), 0), np.int64)
+        for start in range(0, self._size, chunk):
+            stop = min(self._size, start + chunk)
+            s = q @ self._store[start:stop].astype(np.float32).T
+            all_s = np.concatenate([best_s, s], axis=1)
+            all_i = np.concatenate([best_i, np.broadcast_to(self._ids[start:stop], s.shape)], axis=1)
+            top = np.argsort(-all_s, axis=1, kind="stable")[:, :k]
+            best_s, best_i = np.take_along_axis(all_s, top, 1), np.take_along_axis(all_i, top, 1)
+        return best_i
+
+    def tune_nprobe(self, queries: np.ndarray, k: int = 10, candidates: int = CANDIDATES) -> float:
+        """Set nprobe to the smallest in NPROBES whose `candidates` nearest hold RECALL_GOAL of the exact
+        top k (brute force over the store: what re-ranking the candidates then serves); returns that recall."""
+        if self._ivf is None:
+            return 1.0
+        exact = self.exact_top(queries, k)
+        recall = 1.0
+        for nprobe in [p for p in NPROBES if p < self._ivf.nlist] + [self._ivf.nlist]:
+            self._ivf.nprobe = nprobe
+            found = self._ivf.search(normalize(queries), candidates)[1]
+            recall = recall_at_k(found, exact)
+            if recall >= RECALL_GOAL:
+                break
+        return recall
+
+    # -- files -----------------------------------------------------------------------------------
 
     def save(self, path: Path, meta: dict[str, object]) -> None:
-        """Write the index and its sidecar (meta plus dim, count, kind, nprobe) atomically."""
+        """Write the index with `meta` (plus dim, count, kind, nprobe, checksum) atomically and durably."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".faiss")
+            ids = np.ascontiguousarray(self.ids)
+            tensors = {"ids": ids, "vectors": np.ascontiguousarray(self._store[: self._size])}
+            if self._ivf is not None:
+                tensors["ivf"] = faiss.serialize_index(self._ivf)
+            full = {**meta, "dim": self.dim, "count": self._size, "kind": self.kind, "nprobe": self.nprobe}
+            full["checksum"] = _checksum(ids, tensors.get("ivf"))
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".index")
             os.close(fd)
             try:
-                faiss.write_index(self.index, tmp)
+                save_file(tensors, tmp, metadata={"zoo": json.dumps(full)})
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
                 os.replace(tmp, path)
             finally:
                 Path(tmp).unlink(missing_ok=True)
-            full = {**meta, "dim": self.dim, "count": self.size, "kind": self.kind, "nprobe": self.nprobe}
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-            with os.fdopen(fd, "w") as fh:
-                json.dump(full, fh)
-            os.replace(tmp, sidecar(path))
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
     @classmethod
     def load(cls, path: Path) -> tuple[AdapterIndex, dict]:
-        """The index and its sidecar; ValueError when either is missing, unreadable or they disagree."""
+        """The index and its metadata; ValueError when the file is missing, unreadable or disagrees with itself."""
         try:
-            meta = json.loads(sidecar(path).read_text())
-            index = faiss.read_index(str(path))
-        except (OSError, RuntimeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"index file {path} is missing or unreadable ({type(exc).__name__})") from exc
-        if int(index.ntotal) != meta.get("count") or int(index.d) != meta.get("dim"):
-            raise ValueError(f"index file {path} disagrees with its sidecar")
-        if isinstance(index, faiss.IndexIVF):
-            index.nprobe = int(meta["nprobe"])
-        return cls(index, int(meta["dim"])), meta
+            with safe_open(str(path), "np") as fh:
+                meta = json.loads((fh.metadata() or {})["zoo"])
+                tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            dim, count = int(meta["dim"]), int(meta["count"])
+            ids, vectors = tensors["ids"], tensors["vectors"]
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+            raise ValueError(f"index file {path} is missing or unreadable ({type(exc).__name__})") from None
+        ivf_bytes = tensors.get("ivf")
+        if len(ids) != count or vectors.shape != (count, dim) or meta.get("checksum") != _checksum(ids, ivf_bytes):
+            raise ValueError(f"index file {path} disagrees with itself (count, shape or checksum)")
+        ivf = faiss.deserialize_index(ivf_bytes) if ivf_bytes is not None else None
+        if ivf is not None:
+            if int(ivf.ntotal) != count:
+                raise ValueError(f"index file {path} disagrees with itself (the IVF holds {ivf.ntotal} of {count})")
+            ivf.nprobe = int(meta["nprobe"])
+        index = cls(dim, ivf)
+        index._append(ids, vectors.astype(index._dtype, copy=False))
+        return index, meta
 
 
-def sidecar(path: Path) -> Path:
-    return Path(str(path) + ".json")
+def _checksum(ids: np.ndarray, ivf_bytes: np.ndarray | None) -> str:
+    h = hashlib.sha256(np.ascontiguousarray(ids, np.int64).tobytes())
+    if ivf_bytes is not None:
+        h.update(np.ascontiguousarray(ivf_bytes).tobytes())
+    return h.hexdigest()
 
 
 def brute_force(ids: np.ndarray, vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from sqlalchemy import delete, select, update
+from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.orm import Session
 
 from embed.types import SpaceSchema
@@ -42,8 +42,12 @@ def bump_version(session: Session, space_id: int) -> int:
     return int(session.scalar(select(EmbeddingSpace.version).where(EmbeddingSpace.id == space_id)))
 
 
+_VERSION = select(EmbeddingSpace.version).where(EmbeddingSpace.id == bindparam("space_id"))
+
+
 def space_version(session: Session, space_id: int) -> int:
-    return int(session.scalar(select(EmbeddingSpace.version).where(EmbeddingSpace.id == space_id)) or 0)
+    """The space's version: one indexed read through Core (every query asks it)."""
+    return int(session.connection().execute(_VERSION, {"space_id": space_id}).scalar() or 0)
 
 
 def active_embedders(session: Session, space_id: int) -> list[Embedder]:

@@ -202,6 +202,7 @@ def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name:
             "count": index.size,
             "dim": index.dim,
             "kind": index.kind,
+            "codes": index.codes,
             "nprobe": index.nprobe,
             "state": how,
         }

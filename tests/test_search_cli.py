@@ -81,7 +81,7 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     assert sketch_stats["count"] == 12 and sketch_stats["recall@10_vs_exact"] == 1.0 and sketch_stats["state"] == "loaded"
     # an index file that disagrees with the database is detected without reading vectors, the query is
     # answered from the database's vectors and says so; `zoo index` brings the file back
-    path = cli.settings.data_dir / "index" / f"embedder-{sketch_stats['embedder_id']}.faiss"
+    path = cli.settings.data_dir / "index" / f"embedder-{sketch_stats['embedder_id']}.index"
     path.write_bytes(b"not a faiss index")
     rc, (again,) = cli.json_lines("search", str(first), "-k", "5")
     assert rc == 0 and [r["adapter_id"] for r in again["results"]] == [r["adapter_id"] for r in found["results"]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from sqlalchemy import exists, select
+from sqlalchemy import Select, bindparam, exists, select
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.db.models import Adapter, Label
@@ -133,7 +133,7 @@ def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, 
         else:
             labels.append((key, value))
     if not labels:
-        return list(session.scalars(select(Adapter.id).where(Adapter.base_model == base_model, *conditions).order_by(Adapter.id)))
+        return _first_column(session, select(Adapter.id).where(Adapter.base_model == base_model, *conditions).order_by(Adapter.id))
     (key, value), rest = labels[0], labels[1:]
     first = aliased(Label)
     stmt = select(first.adapter_id).where(first.key == key, first.value == value, first.source == "given")
@@ -144,7 +144,24 @@ def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, 
         stmt = stmt.where(
             exists().where(other.adapter_id == first.adapter_id, other.key == key, other.value == value, other.source == "given")
         )
-    return list(session.connection().execute(stmt.order_by(first.adapter_id)).scalars())  # Core: no ORM work per row
+    return _first_column(session, stmt.order_by(first.adapter_id))
+
+
+def _first_column(session: Session, stmt: Select) -> list[int]:
+    """The first column of every row, fetched by the driver in one call (no per-row result processing:
+    a filter that keeps 1 % of a million adapters returns 10,000 ids)."""
+    result = session.connection().execute(stmt)
+    try:
+        return [row[0] for row in result.cursor.fetchall()]
+    finally:
+        result.close()
+
+
+_NAMES_AND_LABELS = (
+    select(Adapter.id, Adapter.name, Label.key, Label.value)
+    .outerjoin(Label, (Label.adapter_id == Adapter.id) & (Label.source == "given"))
+    .where(Adapter.id.in_(bindparam("ids", expanding=True)))
+)
 
 
 def names_and_labels(session: Session, ids: Iterable[int]) -> dict[int, tuple[str, dict[str, str]]]:
@@ -152,11 +169,7 @@ def names_and_labels(session: Session, ids: Iterable[int]) -> dict[int, tuple[st
     ids = list(ids)
     if not ids:
         return {}
-    rows = session.execute(
-        select(Adapter.id, Adapter.name, Label.key, Label.value)
-        .outerjoin(Label, (Label.adapter_id == Adapter.id) & (Label.source == "given"))
-        .where(Adapter.id.in_(ids))
-    ).all()
+    rows = session.connection().execute(_NAMES_AND_LABELS, {"ids": ids}).all()  # Core: no ORM work per row
     out: dict[int, tuple[str, dict[str, str]]] = {}
     for adapter_id, name, key, value in rows:
         entry = out.setdefault(adapter_id, (name, {}))
