@@ -67,6 +67,9 @@ def gpu_available() -> bool:
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
 
+_GPU_LOCK = threading.Lock()
+
+
 @functools.cache
 def _gpu_resources():  # type: ignore[no-untyped-def]
     return faiss.StandardGpuResources()
@@ -265,7 +268,8 @@ class AdapterIndex:
         base = self._store[: self._size] if len(rows) == self._size else self._store[rows]
         kk = min(k, len(rows))
         if gpu_available():
-            s, r = faiss.knn_gpu(_gpu_resources(), q, np.ascontiguousarray(base, np.float32), kk, metric=faiss.METRIC_INNER_PRODUCT)
+            with _GPU_LOCK:  # one StandardGpuResources is not thread-safe
+                s, r = faiss.knn_gpu(_gpu_resources(), q, np.ascontiguousarray(base, np.float32), kk, metric=faiss.METRIC_INNER_PRODUCT)
         else:
             s, r = faiss.knn(q, np.ascontiguousarray(base, np.float32), kk, metric=faiss.METRIC_INNER_PRODUCT)
         scores[:, :kk] = s

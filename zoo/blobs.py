@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from zoo.canonical import CanonicalFactors
 
 
+#: temporary files of unfinished writes start with this (`zoo check` finds those a crash left)
+TMP_PREFIX = ".tmp-"
+
+
 class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -21,27 +25,37 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.root / digest[:2] / f"{digest}.safetensors"
 
-    def put(self, tensors: dict[str, torch.Tensor]) -> tuple[str, bool]:
-        """Store tensors; returns (digest, created) where created is False if it was already there."""
+    @staticmethod
+    def encode(tensors: dict[str, torch.Tensor]) -> tuple[str, bytes]:
+        """(digest, bytes) of tensors as a blob, without writing it."""
         from safetensors.torch import save  # torch is imported only by what reads or writes factors
 
         data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
-        digest = hashlib.sha256(data).hexdigest()
+        return hashlib.sha256(data).hexdigest(), data
+
+    def write(self, digest: str, data: bytes) -> bool:
+        """Write a blob under its digest, idempotently (True if it was not there): to a temporary
+        file, fsynced, renamed into place and the directory fsynced, so the path is whole or absent."""
         target = self.path(digest)
         if target.exists():
-            return digest, False
+            return False
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=TMP_PREFIX)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
+            dir_fd = os.open(target.parent, os.O_RDONLY)  # the rename itself survives a crash
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        return digest, True
+        return True
 
     def get(self, digest: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
@@ -51,11 +65,12 @@ class BlobStore:
     def delete(self, digest: str) -> None:
         self.path(digest).unlink(missing_ok=True)
 
-    def put_factors(self, modules: list[tuple[str, CanonicalFactors]]) -> tuple[str, bool]:
+    @classmethod
+    def encode_factors(cls, modules: list[tuple[str, CanonicalFactors]]) -> tuple[str, bytes]:
         tensors: dict[str, torch.Tensor] = {}
         for name, f in modules:
             tensors[f"{name}.U"], tensors[f"{name}.S"], tensors[f"{name}.V"] = f.U, f.S, f.V
-        return self.put(tensors)
+        return cls.encode(tensors)
 
     def get_factors(self, digest: str) -> list[tuple[str, CanonicalFactors]]:
         from zoo.canonical import CanonicalFactors

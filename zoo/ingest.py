@@ -9,14 +9,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from sqlalchemy import delete
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.blobs import BlobStore
 from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.db import repository
 from zoo.db.models import Adapter, Label, Measurement, Module
+from zoo.db.session import write_transaction
 from zoo.errors import InputError
 from zoo.fingerprint import DUPLICATE_RTOL, canonical_hash, fingerprint, relative_distance, structure_hash
 from zoo.formats import (
@@ -28,6 +29,7 @@ from zoo.formats import (
     module_type,
     read_adapter,
 )
+from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, row_for
 from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
 
@@ -152,7 +154,7 @@ def describe(data: AdapterData, source_uri: str, options: IngestOptions, device:
         chash, dw_norm = sha, None  # nothing to canonicalize: identical files are the duplicates
     config = data.config
     adapter = Adapter(
-        name=data.path.stem if data.path.is_file() else data.path.name,
+        name=(data.path.stem if data.path.is_file() else data.path.name)[:MAX_ADAPTER_NAME],
         source_uri=source_uri,
         base_model=base_model,
         format=data.format,
@@ -184,16 +186,23 @@ class Ingestor:
         self.device = pick_device(self.options.device)
 
     def ingest(self, path: Path, source_uri: str | None = None, labels: LabelRow | None = None) -> IngestResult:
-        """Ingest one source (and attach its given labels); bad input is reported as failed, never raised."""
+        """Ingest one source (and attach its given labels). Whatever goes wrong becomes a failed result
+        naming the file and the reason, never an exception: bad input, a reader's unexpected error
+        (its type is in the reason), a database that stays busy."""
         source = source_uri or str(path)
         try:
             data = read_adapter(path, self.options.base_checkpoint, self.options.energy, self.options.max_rank)
             described = describe(data, source, self.options, self.device)
         except InputError as exc:
             return IngestResult(source, "failed", error=str(exc))
-        except (RuntimeError, ValueError, OSError) as exc:  # numerical or I/O failure on an otherwise readable file
-            return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {exc}")
-        result = self._store(described, labels)
+        except Exception as exc:  # noqa: BLE001 - a batch goes on past any one file
+            return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {_first_line(exc)}")
+        try:
+            result = self._store_with_retries(described, labels)
+        except InputError as exc:
+            return IngestResult(source, "failed", error=str(exc))
+        except SQLAlchemyError as exc:
+            return IngestResult(source, "failed", error=f"{path}: database error ({type(exc).__name__}: {_first_line(exc.orig or exc)})")
         result.source = source
         result.notes = list(data.notes)
         return result
@@ -227,37 +236,60 @@ class Ingestor:
                 return cand
         return None
 
+    def _store_with_retries(self, d: _Described, labels: LabelRow | None, attempts: int = 3) -> IngestResult:
+        """`_store`, again when a concurrent writer stored the same update first (the unique constraint
+        fired: the next attempt finds it and reports a duplicate, with the labels attached) or when a
+        SQLite database stayed locked past its busy timeout."""
+        for attempt in range(attempts):
+            try:
+                return self._store(d, labels)
+            except (IntegrityError, OperationalError) as exc:
+                if attempt == attempts - 1 or (isinstance(exc, OperationalError) and "locked" not in str(exc.orig)):
+                    raise
+        raise AssertionError("unreachable")
+
     def _store(self, d: _Described, labels: LabelRow | None) -> IngestResult:
+        """One transaction, serialized per (base model, structure) so that the duplicate check sees every
+        earlier writer's update. The blob is written (idempotently, by content) before the row commits
+        and is never deleted here: a committed row always has its blob; a blob left by a transaction
+        that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
-        created_blob: str | None = None
-        try:
-            if d.factors:
-                digest, created = self.blobs.put_factors(d.factors)
-                a.factors_blob = digest
-                created_blob = digest if created else None
-            with self.sessions() as session, session.begin():
-                dup = self._find_duplicate(session, d)
-                if dup is None:
-                    session.add(a)
-                    session.flush()
-                if labels is not None:
-                    self._attach_labels(session, (dup or a).id, labels)
-                if dup is None:
-                    return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
-            # duplicate: nothing was written; drop a blob no row refers to
-            if created_blob:
-                self.blobs.delete(created_blob)
+        with write_transaction(self.sessions, f"ingest:{a.base_model}:{a.structure_hash}") as session:
+            check_space_fits(session, a)
+            dup = self._find_duplicate(session, d)
+            if dup is None:
+                blob = self.blobs.encode_factors(d.factors) if d.factors else None
+                a.factors_blob = blob[0] if blob else None
+                session.add(a)
+                session.flush()  # a database failure here leaves neither rows nor a blob
+                if blob:
+                    self.blobs.write(*blob)
+            if labels is not None:
+                self._attach_labels(session, (dup or a).id, labels)
+            if dup is None:
+                return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
             return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
-        except IntegrityError:
-            # a concurrent ingest stored the same canonical hash first
-            if created_blob:
-                self.blobs.delete(created_blob)
-            with self.sessions() as session:
-                dup = repository.by_canonical_hash(session, a.base_model, a.canonical_hash)
-            if dup is not None:
-                return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
-            raise
-        except BaseException:
-            if created_blob:
-                self.blobs.delete(created_blob)
-            raise
+
+
+def check_space_fits(session: Session, a: Adapter) -> None:
+    """Refuse an adapter whose module shapes conflict with the embedding space of its base model (it
+    would break embedding and training for the whole space)."""
+    from zoo.db.models import EmbeddingSpace
+
+    schema = session.scalars(select(EmbeddingSpace.schema).where(EmbeddingSpace.base_model == a.base_model)).first()
+    if not schema or not a.modules:
+        return
+    known = {str(n): (int(o), int(i)) for n, o, i in schema["modules"]}
+    for m in a.modules:
+        want = known.get(m.name)
+        if want is not None and want != (m.out_features, m.in_features):
+            raise InputError(
+                a.source_uri,
+                f"module {m.name} is {m.out_features}×{m.in_features} but {want[0]}×{want[1]} in the space of base model "
+                f"{a.base_model!r}: not an adapter of that base (pass --base-model to store it elsewhere)",
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -9,12 +12,17 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
 from zoo.errors import ZooError
+
+#: how long a SQLite writer waits for another process's write lock
+SQLITE_BUSY_MS = 60_000
+#: execution option marking a write transaction (see write_transaction)
+WRITE_OPTION = "zoo_write"
 
 
 @cache
@@ -28,10 +36,19 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+            dbapi_conn.isolation_level = None  # transactions are begun below, not by the driver
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_MS}")
+            if parsed.database and parsed.database != ":memory:":
+                cur.execute("PRAGMA journal_mode=WAL")  # readers go on while one process writes
             cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn) -> None:  # type: ignore[no-untyped-def]
+            # a writer takes the write lock when it begins (waiting up to the busy timeout), so that
+            # what it read before writing cannot be changed under it by another process
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
 
         return engine
     return create_engine(url, pool_pre_ping=True)
@@ -39,6 +56,24 @@ def make_engine(url: str) -> Engine:
 
 def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(bind=make_engine(url), expire_on_commit=False)
+
+
+@contextmanager
+def write_transaction(sessions: sessionmaker[Session], *lock_keys: str) -> Iterator[Session]:
+    """A session in one write transaction, committed at the end, serialized against other writers
+    holding any of `lock_keys`: PostgreSQL takes a transaction-level advisory lock per key; SQLite
+    begins IMMEDIATE (one writer at a time, others wait up to the busy timeout)."""
+    with sessions() as session, session.begin():
+        conn = session.connection(execution_options={WRITE_OPTION: True})
+        if conn.dialect.name == "postgresql":
+            for key in sorted(set(lock_keys)):
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": advisory_key(key)})
+        yield session
+
+
+def advisory_key(key: str) -> int:
+    """A signed 64-bit lock id for a text key."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
 
 
 def alembic_config(url: str) -> Config:

@@ -8,6 +8,7 @@ from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.errors import InputError
 from zoo.formats.checkpoint import read_checkpoint
 from zoo.formats.kohya import has_lora_keys, lycoris_kind, read_single_file_lora
+from zoo.formats.limits import check_limits
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, layer_index, module_type
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES, is_peft_dir, read_peft
 from zoo.formats.safe_load import load_tensors
@@ -16,8 +17,14 @@ __all__ = ["AdapterData", "FullMatrix", "LoraModule", "layer_index", "module_typ
 
 
 def read_adapter(path: Path, base: Path | None = None, energy: float = DEFAULT_ENERGY, max_rank: int = DEFAULT_MAX_RANK) -> AdapterData:
-    """Read a PEFT directory, a single-file LoRA or a full checkpoint (with `base`: as low-rank deltas)."""
-    path = Path(path)
+    """Read a PEFT directory, a single-file LoRA or a full checkpoint (with `base`: as low-rank deltas),
+    refusing what is over the limits of zoo/formats/limits.py."""
+    data = _read(Path(path), base, energy, max_rank)
+    check_limits(data, data.base_model)
+    return data
+
+
+def _read(path: Path, base: Path | None, energy: float, max_rank: int) -> AdapterData:
     if not path.exists():
         raise InputError(path, "no such file or directory")
     if path.is_dir():

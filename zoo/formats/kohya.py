@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -30,6 +31,18 @@ def has_lora_keys(keys: list[str]) -> bool:
     return any(k.endswith(down) for k in keys for down, _ in PAIRS)
 
 
+def _alpha(path: Path, stem: str, t: torch.Tensor | None, rank: int) -> float:
+    """A module's alpha: its one-number tensor; missing or zero means alpha = rank (kohya's convention)."""
+    if t is None:
+        return float(rank)
+    if t.numel() != 1:
+        raise InputError(path, f"{stem}.alpha must hold one number, it has shape {list(t.shape)}")
+    alpha = float(t.float().reshape(-1)[0])
+    if not math.isfinite(alpha) or alpha < 0:
+        raise InputError(path, f"{stem}.alpha is {alpha}: it must be a finite number ≥ 0")
+    return alpha if alpha > 0 else float(rank)
+
+
 def read_single_file_lora(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> AdapterData:
     """Modules of a kohya/diffusers LoRA file; a missing or zero alpha means alpha = rank."""
     used: set[str] = set()
@@ -43,14 +56,14 @@ def read_single_file_lora(path: Path, tensors: dict[str, torch.Tensor], metadata
             if up_key not in tensors:
                 raise InputError(path, f"{stem} has a down/A factor but no up/B factor")
             down, up = tensors[key], tensors[up_key]
+            if down.ndim not in (2, 4) or up.ndim not in (2, 4):
+                raise InputError(path, f"{stem}: factors must be matrices (or conv kernels), got {list(down.shape)} and {list(up.shape)}")
             A = down.reshape(down.shape[0], -1)
             B = up.reshape(up.shape[0], -1)
             check_pair(path, stem, A, B)
             rank = A.shape[0]
             alpha_key = stem + ".alpha"
-            alpha = float(tensors[alpha_key].float().reshape(-1)[0]) if alpha_key in tensors else 0.0
-            if not (alpha > 0):
-                alpha = float(rank)
+            alpha = _alpha(path, stem, tensors.get(alpha_key), rank)
             used.update(k for k in (key, up_key, alpha_key) if k in tensors)
             kind = "conv" if down.ndim == 4 else "linear"
             modules.append(LoraModule(stem, A, B, alpha, alpha / rank, kind))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
+import regex
+
 from zoo.errors import InputError
+from zoo.formats.limits import MAX_MODULE_NAME, max_modules
 from zoo.formats.model import AdapterData, LoraModule, check_finite, check_pair
-from zoo.formats.safe_load import load_tensors
+from zoo.formats.safe_load import load_tensors, max_header_bytes
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -21,19 +23,59 @@ def is_peft_dir(path: Path) -> bool:
     return path.is_dir() and (path / CONFIG_NAME).is_file()
 
 
-def _pattern_value(patterns: dict, name: str, default: float) -> float:
-    """Value of the PEFT rank/alpha pattern whose key matches the module name (as PEFT matches them)."""
+#: seconds one rank/alpha pattern may take to match one module name (patterns are user regexes)
+PATTERN_TIMEOUT = 0.05
+
+
+def _pattern_value(source: Path, patterns: dict[str, float], name: str, default: float) -> float:
+    """Value of the PEFT rank/alpha pattern whose key matches the module name (as PEFT matches them);
+    a pattern that backtracks past PATTERN_TIMEOUT is refused."""
     for key, value in patterns.items():
-        if name == key or re.match(rf"(.*\.)?({key})$", name):
-            return float(value)
+        if name == key:
+            return value
+        try:
+            if regex.match(rf"(.*\.)?({key})$", name, timeout=PATTERN_TIMEOUT):
+                return value
+        except TimeoutError:
+            raise InputError(source, f"pattern {key[:60]!r} takes too long to match {name[:60]!r} (a backtracking regex)") from None
     return default
+
+
+def _number(source: Path, config: dict, key: str, default: float, positive: bool = False) -> float:
+    value = config.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or (positive and value <= 0):
+        raise InputError(source, f"{key} must be a {'positive ' if positive else ''}finite number, got {str(value)[:40]!r}")
+    return float(value)
+
+
+def _patterns(source: Path, config: dict, key: str) -> dict[str, float]:
+    """A rank_pattern/alpha_pattern: module-name regexes to positive numbers, each compiled once here."""
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise InputError(source, f"{key} must map module-name patterns to numbers, got a {type(value).__name__}")
+    if len(value) > max_modules():
+        raise InputError(source, f"{key} has {len(value)} patterns, past the limit of {max_modules()}")
+    out: dict[str, float] = {}
+    for pattern, number in value.items():
+        if len(pattern) > MAX_MODULE_NAME:
+            raise InputError(source, f"{key} pattern {pattern[:60]!r}... is longer than {MAX_MODULE_NAME} characters")
+        try:
+            regex.compile(pattern)
+        except regex.error as exc:
+            raise InputError(source, f"{key} pattern {pattern[:60]!r} is not a valid regex ({exc})") from None
+        out[pattern] = _number(source, {key: number}, key, 0.0, positive=True)
+    return out
 
 
 def read_peft(directory: Path) -> AdapterData:
     config_path = directory / CONFIG_NAME
     try:
+        if config_path.stat().st_size > max_header_bytes():
+            raise InputError(config_path, f"adapter config larger than {max_header_bytes()} bytes")
         config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InputError(config_path, f"unreadable adapter config ({exc})") from None
     if not isinstance(config, dict):
         raise InputError(config_path, "adapter config is not a JSON object")
@@ -45,10 +87,12 @@ def read_peft(directory: Path) -> AdapterData:
         raise InputError(directory, f"PEFT adapter without weights: expected one of {', '.join(WEIGHT_NAMES)}")
     tensors, metadata = load_tensors(weights)
 
-    r_default = float(config.get("r", 8))
-    alpha_default = float(config.get("lora_alpha", r_default))
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
+    r_default = _number(config_path, config, "r", 8.0, positive=True)
+    if r_default != int(r_default):
+        raise InputError(config_path, f"r must be a whole number, got {r_default}")
+    alpha_default = _number(config_path, config, "lora_alpha", r_default)
+    rank_pattern = _patterns(config_path, config, "rank_pattern")
+    alpha_pattern = _patterns(config_path, config, "alpha_pattern")
     rslora = bool(config.get("use_rslora", False))
     fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
 
@@ -68,16 +112,19 @@ def read_peft(directory: Path) -> AdapterData:
                 raise InputError(weights, f"{name} has lora_A but no lora_B")
             used.update((key, b_key))
             A, B = tensors[key], tensors[b_key]
+            if A.ndim not in (2, 4) or B.ndim not in (2, 4):
+                got = f"A {list(A.shape)} and B {list(B.shape)}"
+                raise InputError(weights, f"{name}: factors must be matrices (or conv kernels), got {got}")
             embedding = a_suffix == ".lora_embedding_A"
             kind = "embedding" if embedding else ("conv" if A.ndim == 4 else "linear")
             A2 = A.reshape(A.shape[0], -1)
             B2 = B.reshape(B.shape[0], -1)
             check_pair(weights, name, A2, B2)
             r = A2.shape[0]
-            expected = int(_pattern_value(rank_pattern, name, r_default))
+            expected = int(_pattern_value(config_path, rank_pattern, name, r_default))
             if r != expected:
                 raise InputError(weights, f"rank mismatch in {name}: tensors have rank {r}, adapter_config says {expected}")
-            alpha = _pattern_value(alpha_pattern, name, alpha_default)
+            alpha = _pattern_value(config_path, alpha_pattern, name, alpha_default)
             scale = alpha / math.sqrt(r) if rslora else alpha / r
             transposed = embedding or (fan_in_fan_out and kind == "linear")
             if transposed:  # dW = (B·A)ᵀ = Aᵀ·Bᵀ in the stored weight's layout

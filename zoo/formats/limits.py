@@ -1,0 +1,60 @@
+"""What one source may ask of zoo: every reader's result passes `check_limits` before any math.
+
+The limits keep a small hostile file from asking for huge work (a rank of 60,000 means r×r Gram
+matrices; a layer of 10¹⁵ sizes an embedding table; thousands of module names) and keep values
+inside the database's columns (PostgreSQL refuses longer strings and integers past int32).
+"""
+
+from __future__ import annotations
+
+import os
+
+from zoo.errors import InputError
+from zoo.formats.model import AdapterData
+
+#: database column widths (zoo/db/models.py)
+MAX_MODULE_NAME = 512
+MAX_MODULE_TYPE = 128
+MAX_BASE_MODEL = 255
+MAX_TASK_TYPE = 64
+MAX_ADAPTER_NAME = 255
+#: a layer index past this is not a layer
+MAX_LAYER = 100_000
+
+
+def max_rank() -> int:
+    """Largest LoRA rank accepted (ZOO_MAX_RANK, default 4096); a rank must also not exceed both sides of its module."""
+    return int(os.environ.get("ZOO_MAX_RANK", 4096))
+
+
+def max_modules() -> int:
+    """Most modules in one source (ZOO_MAX_MODULES, default 4096)."""
+    return int(os.environ.get("ZOO_MAX_MODULES", 4096))
+
+
+def check_limits(data: AdapterData, base_model: str | None) -> None:
+    """Refuse, naming the file and the limit, what is over a limit."""
+    from zoo.naming import layer_index, module_type
+
+    path = data.weight_files[0] if data.weight_files else data.path
+    count = len(data.modules) + len(data.full_matrices)
+    if count > max_modules():
+        raise InputError(path, f"{count} modules exceed the limit of {max_modules()} (ZOO_MAX_MODULES)")
+    if base_model is not None and len(base_model) > MAX_BASE_MODEL:
+        raise InputError(path, f"base model name of {len(base_model)} characters exceeds {MAX_BASE_MODEL}")
+    task_type = data.config.get("task_type")
+    if task_type is not None and (not isinstance(task_type, str) or len(task_type) > MAX_TASK_TYPE):
+        raise InputError(path, f"task_type must be a string of at most {MAX_TASK_TYPE} characters")
+    names = [m.name for m in data.modules] + [m.name for m in data.full_matrices]
+    for name in names:
+        if len(name) > MAX_MODULE_NAME or len(module_type(name)) > MAX_MODULE_TYPE:
+            raise InputError(path, f"module name {name[:60]!r}... is longer than {MAX_MODULE_NAME} characters")
+        layer = layer_index(name)
+        if layer is not None and layer > MAX_LAYER:
+            raise InputError(path, f"module {name[:80]!r} claims layer {str(layer)[:20]}, past the limit of {MAX_LAYER}")
+    for m in data.modules:
+        out, inp = m.shape
+        if m.rank > max_rank():
+            raise InputError(path, f"{m.name}: rank {m.rank} exceeds the limit of {max_rank()} (ZOO_MAX_RANK)")
+        if m.rank > max(out, inp):  # dW has rank ≤ min(out, in): a rank past both sides only asks for work
+            raise InputError(path, f"{m.name}: rank {m.rank} exceeds both sides of the module ({out}×{inp})")
