@@ -192,7 +192,12 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
         if index.ivf:
             index.tune_nprobe(sample)
         index.save(index_path(work, embedder_id), {"embedder_id": embedder_id, "version": 1})
-    return {"build_s": time.perf_counter() - t0, "database_s": db_s, "nprobe": [ix.nprobe for ix in indexes]}  # type: ignore[dict-item]
+    return {
+        "build_s": time.perf_counter() - t0,
+        "database_s": db_s,
+        "nprobe": [ix.nprobe for ix in indexes],
+        "rerank": [ix.rerank for ix in indexes],
+    }  # type: ignore[dict-item]
 
 
 def _build_in_child(src: Source, n: int, work: Path, seed: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
@@ -273,7 +278,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     print(
         f"{result['adapters']} synthetic adapters (from {len(src.tasks)} real ones): built in {result['build_s']:.0f} s, "
-        f"loaded in {result['load_s']:.1f} s, nprobe {result['nprobe']}\n"
+        f"loaded in {result['load_s']:.1f} s, nprobe {result['nprobe']}, rerank {result['rerank']}\n"
         f"similar-by-id (hybrid, k = 10): p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms; "
         f"{args.threads} threads p99 {result['p99_ms_8_threads']:.2f} ms ({result['queries_per_s_8_threads']:.0f} queries/s); "
         f"1 % filter p50 {result['p50_ms_filtered_1pct']:.2f} ms, p99 {result['p99_ms_filtered_1pct']:.2f} ms\n"
@@ -335,6 +340,7 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
         "database_s": round(built["database_s"], 1),
         "load_s": round(load_s, 2),
         "nprobe": built["nprobe"],
+        "rerank": built.get("rerank"),
         "hybrid_weight": weight,
         "synthetic": True,
     }

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from embed.checkpoint import checkpoint_meta
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
 from embed.metrics import top_k
-from embed.registry import active_embedders, load_embeddings, space_version
+from embed.registry import load_embeddings, serving_embedders, space_version
 from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
 from embed.types import SpaceSchema, ZooAdapter
 
@@ -119,7 +119,7 @@ def _stored_count(session: Session, embedder_id: int) -> int:
 
 def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, space: EmbeddingSpace, rebuild: bool = False) -> str:
     """Write the space's module store (every embedded adapter's factors) while it fits the budget."""
-    sketch = next((e for e in active_embedders(session, space.id) if e.method == SKETCH), None)
+    sketch = serving_embedders(session, space.id).get(SKETCH)
     path = module_store_path(data_dir, space.id)
     if sketch is None:
         return "none (no module sketch embedder)"
@@ -321,10 +321,9 @@ class QueryEngine:
     def _load(self, session: Session, row: EmbeddingSpace) -> SpaceState:
         version = space_version(session, row.id)
         embedders: dict[str, LoadedEmbedder] = {}
-        for e in active_embedders(session, row.id):
-            if e.method not in embedders:
-                index, state = self._open_index(session, e, version)
-                embedders[e.method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, state)
+        for method, e in serving_embedders(session, row.id).items():
+            index, state = self._open_index(session, e, version)
+            embedders[method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, state)
         modules = None
         have = _read_module_store(module_store_path(self.data_dir, row.id))
         if have is not None and have[3] <= version:
@@ -356,7 +355,7 @@ class QueryEngine:
             version = space_version(session, state.id)
             if version == state.version:
                 return
-            active = {e.method: e.id for e in active_embedders(session, state.id)[::-1]}
+            active = {m: e.id for m, e in serving_embedders(session, state.id).items()}
             if active != {m: e.id for m, e in state.embedders.items()}:  # an embedder was trained or replaced
                 row = session.get(EmbeddingSpace, state.id)
                 fresh = self._load(session, row)  # type: ignore[arg-type]

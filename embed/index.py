@@ -7,13 +7,13 @@ never re-embed. How it searches depends on its size:
   (`faiss.knn`, or `faiss.knn_gpu` when a GPU is present);
 - from there on it is an **inverted file** (`IndexIVF`, ids = adapter ids) over compressed codes,
   with the store kept in float16 (half the memory; cosine error ~1e-3). The codes follow the
-  dimension, as measured on the synthetic million-adapter space of `bench/serve.py`: at d ≥ 512
-  (the module sketch: 24 modules × 64) product-quantizer fast-scan codes of 4 bits per 4
-  dimensions scan 20–50× faster than float16 codes and hold 0.97 of the exact top 10 among 200
-  candidates; at small d (the W2T embedding, 160) such codes never reach that recall, and
-  float16 codes are cheap to scan anyway. Its `nprobe` is the smallest that puts `RECALL_GOAL` of
-  the exact top 10 (brute force over the store) among its `CANDIDATES` nearest, measured on a
-  sample of its own vectors when it is built; the engine re-ranks those candidates by the store.
+  dimension, as measured on the synthetic spaces of `bench/serve.py`: at d ≥ 512 (the module
+  sketch: 24 modules × 64) product-quantizer fast-scan codes of 4 bits per 4 dimensions scan
+  20–50× faster than float16 codes; at small d (the W2T embedding, 160) such codes never put 0.97
+  of the exact top 10 among even 200 candidates, and float16 codes are cheap to scan anyway. The
+  IVF's nearest by the codes are re-ranked by the store; how many (`rerank`) and how many lists it
+  probes (`nprobe`) are tuned together when it is built (`tune_nprobe`), on a sample of its own
+  vectors, to put `RECALL_GOAL` of the exact top 10 among them at the least measured time.
 
 Files: one safetensors file per index (ids, vectors, the serialized IVF and a metadata map),
 written to a temporary file, fsynced, renamed over the old one and the directory fsynced, so a
@@ -29,6 +29,7 @@ import json
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import faiss
@@ -40,8 +41,10 @@ IVF_FROM = 100_000
 #: the first stage hands this many candidates to the exact re-ranking
 CANDIDATES = 200
 #: an IVF index's nprobe is the smallest that puts this share of the exact top 10 among its CANDIDATES
-RECALL_GOAL = 0.97
+RECALL_GOAL = 0.98
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
+#: how many of an IVF's nearest by the codes are re-ranked by the store (tuned with nprobe)
+RERANKS = (CANDIDATES, 500, 1000, 2000)
 #: a filtered IVF search scores the allowed vectors exactly while they hold at most this many numbers
 #: (10,000 W2T vectors of 160, 1,300 module sketches of 1,536): cheaper than probing every list
 EXACT_FILTER_BUDGET = 2_000_000
@@ -76,16 +79,22 @@ def _gpu_resources():  # type: ignore[no-untyped-def]
 
 
 class AdapterIndex:
-    """One embedder's unit vectors by adapter id, searchable by cosine (flat or IVF, see the module doc)."""
+    """One embedder's unit vectors by adapter id, searchable by cosine (flat or IVF, see the module doc).
 
-    def __init__(self, dim: int, ivf: faiss.IndexIVF | None = None) -> None:
+    Rows are numbered in insertion order; `_ids[row]` is the adapter id, and the sorted ids with their
+    rows give the reverse.
+    Flat: the store is a float32 array. IVF: a FAISS `IndexRefine` whose base is the IVF over the
+    codes (FAISS ids = rows) and whose refine index, float16 codes, is the store.
+    """
+
+    def __init__(self, dim: int, ivf: faiss.IndexRefine | None = None) -> None:
         self.dim = dim
         self._ivf = ivf
-        self._dtype = np.float16 if ivf is not None else np.float32
+        self.rerank = CANDIDATES
         self._ids = np.zeros(0, np.int64)
-        self._store = np.zeros((0, dim), self._dtype)
+        self._flat = np.zeros((0, dim), np.float32)  # the flat kind's store
         self._size = 0
-        self._sorted_ids = np.zeros(0, np.int64)
+        self._sorted_ids = np.zeros(0, np.int64)  # the ids in order, and the row of each
         self._sorted_rows = np.zeros(0, np.int64)
         self._lock = threading.Lock()
 
@@ -122,12 +131,18 @@ class AdapterIndex:
         quantizer = faiss.IndexFlatIP(dim)
         lists = ivf_lists(expected)
         if dim >= PQ_FROM_DIM and dim % 4 == 0:
-            index = faiss.IndexIVFPQFastScan(quantizer, dim, lists, dim // 4, 4, faiss.METRIC_INNER_PRODUCT)
+            base = faiss.IndexIVFPQFastScan(quantizer, dim, lists, dim // 4, 4, faiss.METRIC_INNER_PRODUCT)
         else:
-            index = faiss.IndexIVFScalarQuantizer(quantizer, dim, lists, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
-        index.train(sample)
-        index.nprobe = min(NPROBES[0], lists)
-        return cls(dim, index)
+            base = faiss.IndexIVFScalarQuantizer(quantizer, dim, lists, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        base.train(sample)
+        base.nprobe = min(NPROBES[0], lists)
+        store = faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        refine = faiss.IndexRefine(base, store)
+        # the C++ objects own their parts (as a deserialized index does), not these Python wrappers
+        base.own_fields, refine.own_fields = True, True
+        for part in (quantizer, base, store):
+            part.this.disown()
+        return cls(dim, refine)
 
     # -- what it holds -------------------------------------------------------------------------
 
@@ -140,15 +155,23 @@ class AdapterIndex:
         return self._ivf is not None
 
     @property
+    def _base(self) -> faiss.IndexIVF:
+        return faiss.downcast_index(self._ivf.base_index)  # type: ignore[union-attr]
+
+    @property
+    def _store(self) -> faiss.IndexScalarQuantizer:
+        return faiss.downcast_index(self._ivf.refine_index)  # type: ignore[union-attr]
+
+    @property
     def codes(self) -> str | None:
         """The IVF's codes: 'pq4 fast-scan' or 'fp16'; None when flat."""
         if self._ivf is None:
             return None
-        return "pq4 fast-scan" if isinstance(self._ivf, faiss.IndexIVFPQFastScan) else "fp16"
+        return "pq4 fast-scan" if isinstance(self._base, faiss.IndexIVFPQFastScan) else "fp16"
 
     @property
     def nprobe(self) -> int | None:
-        return int(self._ivf.nprobe) if self._ivf is not None else None
+        return int(self._base.nprobe) if self._ivf is not None else None
 
     @property
     def size(self) -> int:
@@ -159,11 +182,15 @@ class AdapterIndex:
         return self._ids[: self._size]
 
     def _rows(self, ids: np.ndarray) -> np.ndarray:
-        """Store rows of these ids; -1 where an id is absent."""
-        pos = np.searchsorted(self._sorted_ids, ids)
-        pos = np.minimum(pos, max(len(self._sorted_ids) - 1, 0))
-        found = (self._sorted_ids[pos] == ids) if len(self._sorted_ids) else np.zeros(len(ids), bool)
-        return np.where(found, self._sorted_rows[pos] if len(self._sorted_rows) else -1, -1)
+        """Store rows of these ids; -1 where an id is absent (a binary search in the sorted ids)."""
+        if not self._size:
+            return np.full(len(ids), -1, np.int64)
+        pos = np.minimum(np.searchsorted(self._sorted_ids, ids), self._size - 1)
+        return np.where(self._sorted_ids[pos] == ids, self._sorted_rows[pos], -1)
+
+    def _index_rows(self) -> None:
+        self._sorted_rows = np.argsort(self._ids[: self._size], kind="stable")
+        self._sorted_ids = self._ids[: self._size][self._sorted_rows]
 
     def contains(self, adapter_id: int) -> bool:
         return bool(self._rows(np.array([adapter_id], np.int64))[0] >= 0)
@@ -174,7 +201,15 @@ class AdapterIndex:
         rows = self._rows(ids)
         if (rows < 0).any():
             raise KeyError(f"adapters not in the index: {ids[rows < 0][:5].tolist()}")
-        return self._store[rows].astype(np.float32, copy=False)
+        return self._at(rows)
+
+    def _at(self, rows: np.ndarray) -> np.ndarray:
+        if self._ivf is None:
+            return self._flat[rows]
+        if len(rows) <= 1000:  # FAISS decodes few rows faster; numpy gathers and converts many faster
+            return self._store.reconstruct_batch(np.ascontiguousarray(rows, np.int64)) if len(rows) else np.zeros((0, self.dim), np.float32)
+        codes = faiss.rev_swig_ptr(self._store.codes.data(), self._store.codes.size())
+        return np.frombuffer(codes, dtype=np.float16).reshape(-1, self.dim)[rows].astype(np.float32)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -187,30 +222,33 @@ class AdapterIndex:
         if vectors.shape != (len(ids), self.dim):
             raise ValueError(f"expected {len(ids)} vectors of dimension {self.dim}, got {vectors.shape}")
         with self._lock:
-            present = self._rows(ids) >= 0
-            if present.any() or len(np.unique(ids)) != len(ids):
-                raise ValueError(f"ids already in the index: {ids[present][:5].tolist() or 'repeated in the batch'}")
-            self._append(ids, vectors)
-            if self._ivf is not None:
-                self._ivf.add_with_ids(vectors, ids)
+            present = ids[self._rows(ids) >= 0].tolist()
+            if present or len(np.unique(ids)) != len(ids):
+                raise ValueError(f"ids already in the index: {present[:5] or 'repeated in the batch'}")
+            start = self._size
+            self._grow(start + len(ids))
+            self._ids[start : start + len(ids)] = ids
+            if self._ivf is None:
+                self._flat[start : start + len(ids)] = vectors
+            else:
+                self._base.add_with_ids(vectors, np.arange(start, start + len(ids), dtype=np.int64))
+                self._store.add(vectors)
+                self._ivf.ntotal = self._store.ntotal
+            self._size = start + len(ids)
+            self._index_rows()
 
-    def _append(self, ids: np.ndarray, vectors: np.ndarray) -> None:
-        need = self._size + len(ids)
-        if self._size == 0 and vectors.dtype == self._dtype:  # a fresh index takes the arrays as they are
-            self._ids, self._store = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(vectors)
-        elif need > len(self._ids):  # grow by half again: amortized O(1) per vector
-            capacity = max(need, int(len(self._ids) * 1.5), 1024)
-            grown_ids = np.zeros(capacity, np.int64)
-            grown_ids[: self._size] = self._ids[: self._size]
-            grown = np.zeros((capacity, self.dim), self._dtype)
-            grown[: self._size] = self._store[: self._size]
-            self._ids, self._store = grown_ids, grown
-        if self._ids is not ids:
-            self._ids[self._size : need] = ids
-            self._store[self._size : need] = vectors
-        self._size = need
-        self._sorted_rows = np.argsort(self._ids[: self._size], kind="stable")
-        self._sorted_ids = self._ids[: self._size][self._sorted_rows]
+    def _grow(self, need: int) -> None:
+        """Room for `need` rows, growing by half again (amortized O(1) per vector)."""
+        if need <= len(self._ids):
+            return
+        capacity = max(need, int(len(self._ids) * 1.5), 1024)
+        grown_ids = np.zeros(capacity, np.int64)
+        grown_ids[: self._size] = self._ids[: self._size]
+        self._ids = grown_ids
+        if self._ivf is None:
+            grown = np.zeros((capacity, self.dim), np.float32)
+            grown[: self._size] = self._flat[: self._size]
+            self._flat = grown
 
     def upsert(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         """Add vectors, replacing those of ids already present (a re-embedded adapter)."""
@@ -222,42 +260,45 @@ class AdapterIndex:
         old = rows >= 0
         if old.any():
             with self._lock:
-                self._store[rows[old]] = vectors[old]
-                if self._ivf is not None:
-                    self._ivf.remove_ids(ids[old])
-                    self._ivf.add_with_ids(vectors[old], ids[old])
+                if self._ivf is None:
+                    self._flat[rows[old]] = vectors[old]
+                else:
+                    self._base.remove_ids(rows[old])
+                    self._base.add_with_ids(vectors[old], rows[old])
+                    codes = faiss.rev_swig_ptr(self._store.codes.data(), self._store.codes.size())
+                    view = np.frombuffer(codes, dtype=np.float16).reshape(-1, self.dim)  # the store's codes, in place
+                    view[rows[old]] = vectors[old].astype(np.float16)
         self.add(ids[~old], vectors[~old])
 
     # -- search --------------------------------------------------------------------------------
 
     def search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of the k nearest by the stored vectors' cosine, best first; id -1 pads when fewer
-        exist. Flat: exact. IVF: its max(k, CANDIDATES) nearest by the codes, re-ranked by the store.
+        exist. Flat: exact. IVF: its max(k, rerank) nearest by the codes, re-ranked by the store in FAISS.
         `allowed`: only these adapter ids (flat, or few enough for EXACT_FILTER_BUDGET: exact over their
         rows; else a FAISS id selector probing nprobe / share of the lists, all of them for a small share)."""
         q = normalize(queries)
         k = max(1, k)
-        if self._ivf is None:
-            rows = np.arange(self._size) if allowed is None else np.sort(self._rows(np.asarray(allowed, np.int64)))
-            rows = rows[rows >= 0]
-            return self._exact(q, rows, k)
-        params = None
+        rows = None
         if allowed is not None:
-            allowed = np.ascontiguousarray(allowed, dtype=np.int64)
-            if len(allowed) * self.dim <= EXACT_FILTER_BUDGET:  # few enough to score them all from the store
-                rows = np.sort(self._rows(allowed))
-                return self._exact(q, rows[rows >= 0], k)
-            share = min(max(len(allowed), 1) / max(self._size, 1), 1.0)
-            nprobe = min(self._ivf.nlist, int(np.ceil(self._ivf.nprobe / share)))
-            params = faiss.SearchParametersIVF(sel=faiss.IDSelectorBatch(allowed), nprobe=nprobe)
-        _, candidates = self._ivf.search(q, min(max(k, CANDIDATES), max(self._size, 1)), params=params)
+            rows = np.sort(self._rows(np.ascontiguousarray(allowed, dtype=np.int64)))
+            rows = rows[rows >= 0]
+        if self._ivf is None or (rows is not None and len(rows) * self.dim <= EXACT_FILTER_BUDGET):
+            return self._exact(q, np.arange(self._size) if rows is None else rows, k)
+        base = self._base
+        nprobe = base.nprobe
+        if rows is not None:
+            if not len(rows):
+                return self._exact(q, rows, k)
+            nprobe = min(base.nlist, int(np.ceil(base.nprobe / (len(rows) / max(self._size, 1)))))
+        base_params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows) if rows is not None else None)
+        kk = min(k, self._size)
+        params = faiss.IndexRefineSearchParameters(k_factor=max(kk, self.rerank) / kk, base_index_params=base_params)
         scores = np.full((len(q), k), -np.inf, np.float32)
         ids = np.full((len(q), k), -1, np.int64)
-        for i, found in enumerate(candidates):  # re-ranked by the stored vectors
-            found = found[found >= 0]
-            s = self.vectors(found) @ q[i]
-            top = np.argsort(-s, kind="stable")[:k]
-            scores[i, : len(top)], ids[i, : len(top)] = s[top], found[top]
+        s, r = self._ivf.search(q, kk, params=params)
+        scores[:, :kk] = s
+        ids[:, :kk] = np.where(r >= 0, self._ids[np.maximum(r, 0)], -1)
         return scores, ids
 
     def _exact(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -265,13 +306,13 @@ class AdapterIndex:
         ids = np.full((len(q), k), -1, np.int64)
         if not len(rows):
             return scores, ids
-        base = self._store[: self._size] if len(rows) == self._size else self._store[rows]
+        base = self._flat[: self._size] if self._ivf is None and len(rows) == self._size else self._at(rows)
         kk = min(k, len(rows))
         if gpu_available():
             with _GPU_LOCK:  # one StandardGpuResources is not thread-safe
-                s, r = faiss.knn_gpu(_gpu_resources(), q, np.ascontiguousarray(base, np.float32), kk, metric=faiss.METRIC_INNER_PRODUCT)
+                s, r = faiss.knn_gpu(_gpu_resources(), q, np.ascontiguousarray(base), kk, metric=faiss.METRIC_INNER_PRODUCT)
         else:
-            s, r = faiss.knn(q, np.ascontiguousarray(base, np.float32), kk, metric=faiss.METRIC_INNER_PRODUCT)
+            s, r = faiss.knn(q, np.ascontiguousarray(base), kk, metric=faiss.METRIC_INNER_PRODUCT)
         scores[:, :kk] = s
         ids[:, :kk] = np.where(r >= 0, self._ids[rows[np.maximum(r, 0)]], -1)
         return scores, ids
@@ -283,40 +324,63 @@ class AdapterIndex:
         best_i = np.zeros((len(q), 0), np.int64)
         for start in range(0, self._size, chunk):
             stop = min(self._size, start + chunk)
-            s = q @ self._store[start:stop].astype(np.float32).T
+            s = q @ self._at(np.arange(start, stop)).T
             all_s = np.concatenate([best_s, s], axis=1)
             all_i = np.concatenate([best_i, np.broadcast_to(self._ids[start:stop], s.shape)], axis=1)
             top = np.argsort(-all_s, axis=1, kind="stable")[:, :k]
             best_s, best_i = np.take_along_axis(all_s, top, 1), np.take_along_axis(all_i, top, 1)
         return best_i
 
-    def tune_nprobe(self, queries: np.ndarray, k: int = 10, candidates: int = CANDIDATES) -> float:
-        """Set nprobe to the smallest in NPROBES whose `candidates` nearest hold RECALL_GOAL of the exact
-        top k (brute force over the store: what re-ranking the candidates then serves); returns that recall."""
+    def tune_nprobe(self, queries: np.ndarray, k: int = 10) -> float:
+        """Set (nprobe, rerank): for each re-rank depth in RERANKS the smallest nprobe in NPROBES whose
+        `rerank` nearest by the codes hold RECALL_GOAL of the exact top k (brute force over the store),
+        then of those the pair whose whole search (codes and re-ranking) is fastest on these queries;
+        every list and the deepest re-rank when none reaches the goal. Returns the recall of the pair."""
         if self._ivf is None:
             return 1.0
-        exact = self.exact_top(queries, k)
-        recall = 1.0
-        for nprobe in [p for p in NPROBES if p < self._ivf.nlist] + [self._ivf.nlist]:
-            self._ivf.nprobe = nprobe
-            found = self._ivf.search(normalize(queries), candidates)[1]
-            recall = recall_at_k(found, exact)
-            if recall >= RECALL_GOAL:
-                break
+        q = normalize(queries)
+        exact = self.exact_top(q, k)
+        base = self._base
+        ladder = [p for p in NPROBES if p < base.nlist] + [base.nlist]
+        viable: list[tuple[float, int, int, float]] = []
+
+        def recall_of(nprobe: int, rerank: int) -> float:
+            base.nprobe = nprobe
+            found = base.search(q, min(rerank, self._size))[1]
+            return recall_at_k(np.where(found >= 0, self._ids[np.maximum(found, 0)], -1), exact)
+
+        for rerank in RERANKS:
+            for nprobe in ladder:
+                recall = recall_of(nprobe, rerank)
+                if recall >= RECALL_GOAL:
+                    self.rerank = rerank
+                    t0 = time.perf_counter()
+                    for row in q:
+                        self.search(row[None, :], CANDIDATES)
+                    viable.append((time.perf_counter() - t0, nprobe, rerank, recall))
+                    break
+        if viable:
+            _, nprobe, rerank, recall = min(viable)
+        else:
+            nprobe, rerank = base.nlist, RERANKS[-1]
+            recall = recall_of(nprobe, rerank)
+        base.nprobe, self.rerank = nprobe, rerank
         return recall
 
     # -- files -----------------------------------------------------------------------------------
 
     def save(self, path: Path, meta: dict[str, object]) -> None:
-        """Write the index with `meta` (plus dim, count, kind, nprobe, checksum) atomically and durably."""
+        """Write the index with `meta` (plus dim, count, kind, nprobe, rerank, checksum) atomically and durably."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             ids = np.ascontiguousarray(self.ids)
-            tensors = {"ids": ids, "vectors": np.ascontiguousarray(self._store[: self._size])}
-            if self._ivf is not None:
+            tensors = {"ids": ids}
+            if self._ivf is None:
+                tensors["vectors"] = np.ascontiguousarray(self._flat[: self._size])
+            else:
                 tensors["ivf"] = faiss.serialize_index(self._ivf)
-            full = {**meta, "dim": self.dim, "count": self._size, "kind": self.kind, "nprobe": self.nprobe}
+            full = {**meta, "dim": self.dim, "count": self._size, "kind": self.kind, "nprobe": self.nprobe, "rerank": self.rerank}
             full["checksum"] = _checksum(ids, tensors.get("ivf"))
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".index")
             os.close(fd)
@@ -341,19 +405,27 @@ class AdapterIndex:
                 meta = json.loads((fh.metadata() or {})["zoo"])
                 tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
             dim, count = int(meta["dim"]), int(meta["count"])
-            ids, vectors = tensors["ids"], tensors["vectors"]
+            ids = tensors["ids"]
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
             raise ValueError(f"index file {path} is missing or unreadable ({type(exc).__name__})") from None
-        ivf_bytes = tensors.get("ivf")
-        if len(ids) != count or vectors.shape != (count, dim) or meta.get("checksum") != _checksum(ids, ivf_bytes):
+        ivf_bytes = tensors.pop("ivf", None)
+        flat = tensors.get("vectors")
+        consistent = len(ids) == count and (ivf_bytes is not None or (flat is not None and flat.shape == (count, dim)))
+        if not consistent or meta.get("checksum") != _checksum(ids, ivf_bytes):
             raise ValueError(f"index file {path} disagrees with itself (count, shape or checksum)")
         ivf = faiss.deserialize_index(ivf_bytes) if ivf_bytes is not None else None
-        if ivf is not None:
-            if int(ivf.ntotal) != count:
-                raise ValueError(f"index file {path} disagrees with itself (the IVF holds {ivf.ntotal} of {count})")
-            ivf.nprobe = int(meta["nprobe"])
+        del ivf_bytes
         index = cls(dim, ivf)
-        index._append(ids, vectors.astype(index._dtype, copy=False))
+        if ivf is not None:
+            if int(ivf.ntotal) != count or int(ivf.d) != dim:
+                raise ValueError(f"index file {path} disagrees with itself (the IVF holds {ivf.ntotal} of {count})")
+            index._base.nprobe = int(meta["nprobe"])
+            index.rerank = int(meta.get("rerank", CANDIDATES))
+        else:
+            index._flat = flat  # type: ignore[assignment]
+        index._ids = np.ascontiguousarray(ids, np.int64)
+        index._size = count
+        index._index_rows()
         return index, meta
 
 

@@ -33,6 +33,13 @@ def ensure_space(session: Session, schema: SpaceSchema) -> EmbeddingSpace:
         space = EmbeddingSpace(name=schema.base_model, base_model=schema.base_model, schema=schema.as_dict())
         session.add(space)
         session.flush()
+        return space
+    known = {str(n): (int(o), int(i)) for n, o, i in space.schema["modules"]}
+    new = [(n, o, i) for n, o, i in schema.modules if n not in known]
+    if new:  # a module name keeps the shape it has: ingest refuses adapters that disagree with it
+        merged = sorted([(n, o, i) for n, (o, i) in known.items()] + new)
+        space.schema = {"base_model": space.base_model, "modules": [list(m) for m in merged]}
+        session.flush()
     return space
 
 
@@ -56,18 +63,30 @@ def active_embedders(session: Session, space_id: int) -> list[Embedder]:
     return list(session.scalars(stmt))
 
 
+def serving_embedders(session: Session, space_id: int) -> dict[str, Embedder]:
+    """The embedder that serves each method of the space: the newest active one, and for W2T the newest
+    supervised one when there is one (a contrastive W2T has no heads for predictions or the hybrid)."""
+    out: dict[str, Embedder] = {}
+    for e in sorted(active_embedders(session, space_id), key=lambda e: e.method == "w2t" and e.objective == "contrastive"):
+        out.setdefault(e.method, e)
+    return out
+
+
 def active_embedder(session: Session, space: EmbeddingSpace, method: str | None = None) -> Embedder | None:
-    """The newest active embedder of the space: W2T if one is trained (or `method` if given), else the sketch."""
-    embedders = active_embedders(session, space.id)
+    """The embedder serving `method` (see serving_embedders), or without one: W2T if trained, else the sketch."""
+    serving = serving_embedders(session, space.id)
     if method:
-        return next((e for e in embedders if e.method == method), None)
-    return next((e for e in embedders if e.method == "w2t"), None) or next(iter(embedders), None)
+        return serving.get(method)
+    return serving.get("w2t") or next(iter(serving.values()), None)
 
 
 def register(session: Session, space: EmbeddingSpace, method: str, dim: int, retire: tuple[str, ...] = (), **fields: object) -> Embedder:
-    """A new active embedder; older active ones of the same method (or of a method in `retire`) are retired."""
+    """A new active embedder. Older active ones of the same method and objective (or of a method in
+    `retire`) are retired: a contrastive W2T does not retire the supervised one."""
     bump_version(session, space.id)
-    stmt = select(Embedder).where(Embedder.space_id == space.id, Embedder.method.in_((method, *retire)), Embedder.active.is_(True))
+    objective = fields.get("objective")
+    same = (Embedder.method == method) & (Embedder.objective.is_(None) if objective is None else Embedder.objective == objective)
+    stmt = select(Embedder).where(Embedder.space_id == space.id, same | Embedder.method.in_(retire), Embedder.active.is_(True))
     for old in session.scalars(stmt):
         old.active = False
     e = Embedder(space_id=space.id, method=method, dim=dim, active=True, **fields)
@@ -102,5 +121,9 @@ def load_embeddings(session: Session, embedder: Embedder, after_version: int = -
     return ids, vectors
 
 
-def embedded_ids(session: Session, embedder: Embedder) -> set[int]:
-    return set(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == embedder.id)))
+def embedded_ids(session: Session, embedder: Embedder, among: list[int] | None = None) -> set[int]:
+    """Ids of the adapters the embedder has a vector for (only those `among`, when given)."""
+    stmt = select(Embedding.adapter_id).where(Embedding.embedder_id == embedder.id)
+    if among is not None:
+        stmt = stmt.where(Embedding.adapter_id.in_(among))
+    return set(session.scalars(stmt))

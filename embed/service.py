@@ -7,25 +7,29 @@ plain dict, one per resource, that `--json` prints and the REST API will serve a
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from embed.dataset import load_adapters
 from embed.engine import SKETCH, W2T, Query, QueryEngine, load_w2t, update_index_file, update_module_store
 from embed.index import brute_force, recall_at_k
-from embed.registry import active_embedder, active_embedders, embedded_ids, ensure_space, get_space, load_embeddings, register, slug
+from embed.registry import active_embedder, embedded_ids, ensure_space, get_space, load_embeddings, register, serving_embedders, slug
 from embed.registry import store_embeddings as store_vectors
 from embed.similarity import MODULE_SKETCH_DIM, module_sketches
 from embed.types import SpaceSchema, ZooAdapter, schema_of
 from zoo.blobs import BlobStore
 from zoo.config import Settings
 from zoo.db.models import Adapter, Embedder, EmbeddingSpace
-from zoo.db.session import session_factory
+from zoo.db.session import session_factory, write_transaction
 from zoo.errors import NotFoundError, NotReadyError, UsageError
+
+#: adapters embedded and committed per transaction
+EMBED_CHUNK = 256
 
 EmbedFn = Callable[[list[ZooAdapter]], np.ndarray]
 
@@ -50,57 +54,89 @@ def ensure_sketch(session: Session, space: EmbeddingSpace, schema: SpaceSchema) 
     return register(session, space, SKETCH, dim, retire=("dw_sketch",), config=config)
 
 
-def embed_space(session: Session, blobs: BlobStore, data_dir: Path, base_model: str, device: str | None = None) -> list[dict[str, object]]:
-    """Embed every adapter of the space not yet embedded, under every active embedder; update the index
-    files and the module store. One report per embedder."""
-    adapters = load_adapters(session, blobs, base_model)
+def space_lock(base_model: str) -> str:
+    """The lock key that serializes writers of one space's embedders and embeddings."""
+    return f"space:{base_model}"
+
+
+def embed_space(
+    sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, device: str | None = None
+) -> list[dict[str, object]]:
+    """Embed every adapter of the space not yet embedded, under every serving embedder; update the index
+    files and the module store. One report per embedder.
+
+    Safe to run from several processes at once: the space and its sketch embedder are set up under the
+    space's write lock; vectors are computed outside any transaction and committed 256 at a time, each
+    chunk under the lock and without the adapters another process embedded meanwhile. A run killed
+    half-way keeps its committed chunks, and the next run embeds the rest."""
+    with sessions() as session:
+        adapters = load_adapters(session, blobs, base_model)
     if not adapters:
         return []
     schema = schema_of(base_model, adapters)
-    space = ensure_space(session, schema)
-    ensure_sketch(session, space, schema)
+    with write_transaction(sessions, space_lock(base_model)) as session:
+        space = ensure_space(session, schema)
+        ensure_sketch(session, space, schema)
+        space_id, embedder_ids = space.id, [e.id for e in serving_embedders(session, space.id).values()]
     reports: list[dict[str, object]] = []
-    for embedder in active_embedders(session, space.id):
-        fn, emb_schema = embed_function(embedder, data_dir, device)
-        done = embedded_ids(session, embedder)
+    for embedder_id in embedder_ids:
+        with sessions() as session:
+            embedder = session.get(Embedder, embedder_id)
+            fn, emb_schema = embed_function(embedder, data_dir, device)  # type: ignore[arg-type]
+            done = embedded_ids(session, embedder)  # type: ignore[arg-type]
         todo = [a for a in adapters if a.id not in done and emb_schema.fits(a.factors)]
         misfits = sum(1 for a in adapters if a.id not in done and not emb_schema.fits(a.factors))
-        for start in range(0, len(todo), 256):
-            chunk = todo[start : start + 256]
-            store_vectors(session, embedder, [a.id for a in chunk], fn(chunk))
-        index, how = update_index_file(session, data_dir, embedder)
+        embedded = 0
+        for start in range(0, len(todo), EMBED_CHUNK):
+            chunk = todo[start : start + EMBED_CHUNK]
+            vectors = fn(chunk)
+            with write_transaction(sessions, space_lock(base_model)) as session:
+                embedder = session.get(Embedder, embedder_id)
+                if embedder is None or not embedder.active:  # replaced by a concurrent run: it embeds for its own
+                    break
+                fresh = [j for j, a in enumerate(chunk) if a.id not in embedded_ids(session, embedder, [a.id for a in chunk])]
+                store_vectors(session, embedder, [chunk[j].id for j in fresh], vectors[fresh])
+                embedded += len(fresh)
+        with sessions() as session:
+            embedder = session.get(Embedder, embedder_id)
+            index, how = update_index_file(session, data_dir, embedder)  # type: ignore[arg-type]
+            method = embedder.method  # type: ignore[union-attr]
         reports.append(
             {
                 "space": base_model,
-                "embedder_id": embedder.id,
-                "method": embedder.method,
-                "embedded": len(todo),
+                "embedder_id": embedder_id,
+                "method": method,
+                "embedded": embedded,
                 "skipped_not_fitting": misfits,
                 "total": index.size,
                 "index": how,
                 "index_kind": index.kind,
             }
         )
-    store = update_module_store(session, blobs, data_dir, space)
+    with sessions() as session:
+        store = update_module_store(session, blobs, data_dir, session.get(EmbeddingSpace, space_id))  # type: ignore[arg-type]
     for r in reports:
         r["module_store"] = store
     return reports
 
 
 def train_space(
-    session: Session, blobs: BlobStore, data_dir: Path, base_model: str, options: object, progress: bool = True
+    sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, options: object, progress: bool = True
 ) -> dict[str, object]:
-    """Train W2T on every adapter of the space (labels and measurements as given), register and save it."""
+    """Train W2T on the adapters of the space that fit it (labels and measurements as given), save it
+    under a name no other training uses, and register it. No transaction is open while it trains."""
     from embed.train import train_w2t
 
-    adapters = load_adapters(session, blobs, base_model)
+    with sessions() as session:
+        adapters = load_adapters(session, blobs, base_model)
+    schema = schema_of(base_model, adapters)
+    adapters = [a for a in adapters if schema.fits(a.factors)]
     if len(adapters) < 10:
         raise NotReadyError(f"space {base_model} has {len(adapters)} adapters: training needs at least 10")
-    schema = schema_of(base_model, adapters)
-    space = ensure_space(session, schema)
     t0 = time.perf_counter()
     model = train_w2t(adapters, schema, options, progress=progress)  # type: ignore[arg-type]
-    checkpoint = Path("embedders") / f"{slug(base_model)}-w2t-{options.objective}-{int(time.time())}"  # type: ignore[attr-defined]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    checkpoint = Path("embedders") / f"{slug(base_model)}-w2t-{options.objective}-{stamp}-{uuid.uuid4().hex[:8]}"  # type: ignore[attr-defined]
     model.save(data_dir / checkpoint)
     best = min(h["val_loss"] for h in model.history) if model.history else None
     metrics = {
@@ -109,20 +145,23 @@ def train_space(
         "train_seconds": round(time.perf_counter() - t0, 1),
         "n_adapters": len(adapters),
     }
-    embedder = register(
-        session,
-        space,
-        W2T,
-        model.dim,
-        objective=options.objective,  # type: ignore[attr-defined]
-        checkpoint=str(checkpoint),
-        config={"options": {k: v for k, v in options.__dict__.items() if k != "device"}, "model": model.config.as_dict()},
-        metrics=metrics,
-    )
+    with write_transaction(sessions, space_lock(base_model)) as session:
+        space = ensure_space(session, schema)
+        embedder = register(
+            session,
+            space,
+            W2T,
+            model.dim,
+            objective=options.objective,  # type: ignore[attr-defined]
+            checkpoint=str(checkpoint),
+            config={"options": {k: v for k, v in options.__dict__.items() if k != "device"}, "model": model.config.as_dict()},
+            metrics=metrics,
+        )
+        embedder_id, objective = embedder.id, embedder.objective
     return {
         "space": base_model,
-        "embedder_id": embedder.id,
-        "objective": embedder.objective,
+        "embedder_id": embedder_id,
+        "objective": objective,
         "checkpoint": str(data_dir / checkpoint),
         **metrics,
         "members": len(model.models),
@@ -190,7 +229,7 @@ def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str |
 def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name: str | None, rebuild: bool) -> dict[str, object]:
     """`zoo index rebuild|stats`: every active embedder's index (rebuilt if asked) and the module store."""
     space = resolve_space(session, space_name)
-    embedders = active_embedders(session, space.id)
+    embedders = list(serving_embedders(session, space.id).values())
     if not embedders:
         raise NotReadyError(f"space {space.name} has no embeddings yet: run `zoo embed`")
     out: list[dict[str, object]] = []
@@ -204,6 +243,7 @@ def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name:
             "kind": index.kind,
             "codes": index.codes,
             "nprobe": index.nprobe,
+            "rerank": index.rerank if index.ivf else None,
             "state": how,
         }
         if not rebuild and index.size:
@@ -220,11 +260,11 @@ def prepare_space(settings: Settings, base_model: str, epochs: int, progress: bo
     from embed.train import TrainOptions
 
     blobs = BlobStore(settings.blob_dir)
-    with session_factory(settings.database_url)() as session, session.begin():
-        reports = embed_space(session, blobs, settings.data_dir, base_model)
-        n = int(reports[0]["total"]) if reports else 0  # type: ignore[call-overload]
-        trained = None
-        if n >= 10:
-            trained = train_space(session, blobs, settings.data_dir, base_model, TrainOptions(epochs=epochs), progress)
-            embed_space(session, blobs, settings.data_dir, base_model)
+    sessions = session_factory(settings.database_url)
+    reports = embed_space(sessions, blobs, settings.data_dir, base_model)
+    n = int(reports[0]["total"]) if reports else 0  # type: ignore[call-overload]
+    trained = None
+    if n >= 10:
+        trained = train_space(sessions, blobs, settings.data_dir, base_model, TrainOptions(epochs=epochs), progress)
+        embed_space(sessions, blobs, settings.data_dir, base_model)
     return {"embedded": n, "w2t": trained}

@@ -7,6 +7,7 @@ space does not know do not fit it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -64,14 +65,15 @@ class ZooAdapter:
 
 
 def schema_of(base_model: str, adapters: list[ZooAdapter]) -> SpaceSchema:
-    """The union of module shapes over the adapters (a module name with two shapes is an error)."""
-    seen: dict[str, tuple[int, int]] = {}
+    """The union of module shapes over the adapters. A module name seen with two shapes takes the shape
+    most adapters give it (the first seen on a tie): adapters with the other shape do not fit the
+    space (`SpaceSchema.fits`) and are left out of it, never breaking it for the others."""
+    counts: dict[str, Counter[tuple[int, int]]] = {}
     for a in adapters:
         for name, f in a.factors.items():
-            shape = (int(f.U.shape[0]), int(f.V.shape[0]))
-            if seen.setdefault(name, shape) != shape:
-                raise ValueError(f"module {name} has shapes {seen[name]} and {shape} in base model {base_model}")
-    return SpaceSchema(base_model, tuple(sorted((n, o, i) for n, (o, i) in seen.items())))
+            counts.setdefault(name, Counter())[(int(f.U.shape[0]), int(f.V.shape[0]))] += 1
+    chosen = {name: c.most_common(1)[0][0] for name, c in counts.items()}
+    return SpaceSchema(base_model, tuple(sorted((n, o, i) for n, (o, i) in chosen.items())))
 
 
 def split_positions(adapters: list[ZooAdapter], test_fraction: float, seed: int) -> tuple[list[int], list[int]]:

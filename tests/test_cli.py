@@ -71,7 +71,8 @@ def test_help_runs_as_a_command() -> None:
 
 
 def test_unreachable_database_is_a_clear_error(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    rc = main(["--db", "postgresql://nobody@127.0.0.1:1/none", "--data-dir", str(tmp_path), "list"])
+    rc = main(["--db", "postgresql://nobody:s3cret-pw@127.0.0.1:1/none", "--data-dir", str(tmp_path), "list"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "cannot use the database" in err and "ZOO_DATABASE_URL" in err
+    assert "s3cret-pw" not in err and "nobody:***@127.0.0.1:1/none" in err  # the password is never printed

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from tqdm import tqdm
 
@@ -18,7 +19,7 @@ from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.db import repository
 from zoo.db.session import make_engine, require_schema, session_factory, upgrade
 from zoo.errors import NotFoundError, UsageError, ZooError
-from zoo.labels import LabelRow, read_labels_csv
+from zoo.labels import LabelRow, assign_rows, read_labels_csv
 from zoo.reference.recipes import RECIPES
 
 if TYPE_CHECKING:
@@ -61,8 +62,9 @@ def run_ingest(
     counts = {"ingested": 0, "duplicate": 0, "failed": 0}
     failures: list[str] = []
     sources = expand_paths(paths)
+    labels = assign_rows(label_rows, sources) if label_rows else {}
     with tqdm(total=len(sources), desc="ingest", unit="adapter", disable=True if as_json or not progress else None, file=sys.stderr) as bar:
-        for result in ingestor.ingest_many(sources, label_rows):
+        for result in ingestor.ingest_many([p for p, _ in sources], labels):
             bar.update()
             counts[result.status] += 1
             if as_json:
@@ -267,10 +269,10 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     options = TrainOptions(
         objective=args.objective, epochs=args.epochs, seed=args.seed, device=args.device, attributes=attributes, members=args.members
     )
-    with session_factory(settings.database_url)() as session, session.begin():
-        info = service.train_space(session, _blobs(settings), settings.data_dir, space, options, progress=not args.json)
-        reports = service.embed_space(session, _blobs(settings), settings.data_dir, space, args.device)
-        info["embedded"] = {r["method"]: r["total"] for r in reports}
+    sessions = session_factory(settings.database_url)
+    info = service.train_space(sessions, _blobs(settings), settings.data_dir, space, options, progress=not args.json)
+    reports = service.embed_space(sessions, _blobs(settings), settings.data_dir, space, args.device)
+    info["embedded"] = {r["method"]: r["total"] for r in reports}
     if args.json:
         _print_json(info)
     else:
@@ -287,9 +289,10 @@ def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
     from embed.dataset import base_models
 
     require_schema(settings.database_url)
-    with session_factory(settings.database_url)() as session, session.begin():
+    sessions = session_factory(settings.database_url)
+    with sessions() as session:
         spaces = [args.space] if args.space else base_models(session)
-        reports = [r for sp in spaces for r in service.embed_space(session, _blobs(settings), settings.data_dir, sp, args.device)]
+    reports = [r for sp in spaces for r in service.embed_space(sessions, _blobs(settings), settings.data_dir, sp, args.device)]
     if args.json:
         _print_json(reports)
         return 0
@@ -590,11 +593,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except OperationalError as exc:
         first = str(exc.orig or exc).strip().splitlines()[0]
-        print(
-            f"zoo: error: cannot use the database {settings.database_url!r} ({first}); "
-            "check --db / ZOO_DATABASE_URL and that the server is running",
-            file=sys.stderr,
-        )
+        where = make_url(settings.database_url).render_as_string(hide_password=True)
+        if "database is locked" in first:
+            print(
+                f"zoo: error: the SQLite database {where} stayed locked by another writer past the busy timeout; "
+                "try again, or use PostgreSQL for many concurrent writers",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"zoo: error: cannot use the database {where} ({first}); check --db / ZOO_DATABASE_URL and that the server is running",
+                file=sys.stderr,
+            )
         return 2
 
 

@@ -30,7 +30,7 @@ from zoo.formats import (
     read_adapter,
 )
 from zoo.formats.limits import MAX_ADAPTER_NAME
-from zoo.labels import LabelRow, row_for
+from zoo.labels import LabelRow
 from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
 
 UNKNOWN_BASE = "unknown"
@@ -207,10 +207,10 @@ class Ingestor:
         result.notes = list(data.notes)
         return result
 
-    def ingest_many(self, paths: Iterable[Path], label_rows: dict[str, LabelRow] | None = None) -> Iterator[IngestResult]:
-        """Every path in turn, each in its own transaction, with its row of `label_rows` (by name) if any."""
+    def ingest_many(self, paths: Iterable[Path], labels: dict[Path, LabelRow] | None = None) -> Iterator[IngestResult]:
+        """Every path in turn, each in its own transaction, with its labels (see zoo.labels.assign_rows) if any."""
         for p in paths:
-            yield self.ingest(p, labels=row_for(label_rows, p) if label_rows else None)
+            yield self.ingest(p, labels=(labels or {}).get(p))
 
     @staticmethod
     def _attach_labels(session: Session, adapter_id: int, labels: LabelRow) -> None:

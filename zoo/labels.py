@@ -63,6 +63,26 @@ def read_labels_csv(path: Path, metrics: Sequence[str] = ()) -> dict[str, LabelR
     return rows
 
 
-def row_for(rows: dict[str, LabelRow], source: Path) -> LabelRow | None:
-    """The CSV row of a source: matched on its directory or file name, or the file name without suffix."""
-    return rows.get(source.name) or rows.get(source.stem)
+def assign_rows(rows: dict[str, LabelRow], sources: list[tuple[Path, str]]) -> dict[Path, LabelRow]:
+    """Each source's CSV row. A row's `name` is the source's path relative to the directory given to
+    ingest (with or without its suffix) or, where that is unambiguous, its bare directory or file name.
+    A bare name that fits two sources is refused: it would give both the same labels."""
+    by_key: dict[str, list[Path]] = {}
+    for path, relative in sources:
+        keys = {relative, str(Path(relative).with_suffix("")) if Path(relative).suffix else relative}
+        for key in keys | {path.name, path.stem}:
+            by_key.setdefault(key, []).append(path)
+    out: dict[Path, LabelRow] = {}
+    exact: set[Path] = set()
+    for name, row in rows.items():
+        matches = list(dict.fromkeys(by_key.get(name, [])))
+        if len(matches) > 1:
+            shown = ", ".join(str(m) for m in matches[:3])
+            raise InputError(name, f"labels CSV name matches {len(matches)} sources ({shown}): name them by their relative path")
+        if matches and (matches[0] not in out or "/" in name):  # a relative path wins over a bare name
+            if matches[0] in exact and "/" in name:
+                raise InputError(name, f"labels CSV names {matches[0]} twice")
+            out[matches[0]] = row
+            if "/" in name:
+                exact.add(matches[0])
+    return out

@@ -10,31 +10,38 @@ from zoo.formats.peft import is_peft_dir
 ADAPTER_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
-    """One entry per adapter to ingest, in a stable order.
+def expand_paths(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
+    """One (source, relative name) per adapter to ingest, in a stable order.
 
-    A PEFT directory or a file is itself one source; any other directory is searched
-    recursively for PEFT directories and weight files outside them. A path that does not
-    exist (or a directory holding nothing readable) is kept, so that it is reported as failed.
+    A PEFT directory or a file is itself one source, named by its own name; any other directory is
+    searched recursively for PEFT directories and weight files outside them, each named by its path
+    relative to that directory. Directories reached twice (symlink loops, or a link to a folder
+    already searched) are searched once. A path that does not exist (or a directory holding nothing
+    readable) is kept, so that it is reported as failed.
     """
-    out: list[Path] = []
+    out: dict[Path, str] = {}
     for raw in paths:
         path = Path(raw)
         if not path.is_dir() or is_peft_dir(path):
-            out.append(path)
+            out.setdefault(path, path.name)
             continue
-        found = _scan(path)
-        out.extend(found or [path])
-    return list(dict.fromkeys(out))
+        found = _scan(path, set())
+        for entry in found or [path]:
+            out.setdefault(entry, entry.relative_to(path).as_posix() if found else path.name)
+    return list(out.items())
 
 
-def _scan(root: Path) -> list[Path]:
+def _scan(root: Path, seen: set[Path]) -> list[Path]:
+    real = root.resolve()
+    if real in seen:
+        return []
+    seen.add(real)
     found: list[Path] = []
     for entry in sorted(root.iterdir()):
         if entry.name.startswith("."):
             continue
         if entry.is_dir():
-            found.extend([entry] if is_peft_dir(entry) else _scan(entry))
+            found.extend([entry] if is_peft_dir(entry) else _scan(entry, seen))
         elif entry.suffix in ADAPTER_SUFFIXES:
             found.append(entry)
     return found
