@@ -493,13 +493,14 @@ class QueryEngine:
             attributes[key] = [{"value": classes[i], "probability": float(p[0][i])} for i in order]
         metrics = {}
         for key, v in values.items():
-            half = 1.645 * model.residual_std.get(key, float("nan"))
+            std = model.residual_std.get(key)
             low, high = model.metric_range.get(key, (-math.inf, math.inf))
+            known = std is not None and math.isfinite(std)  # no held-out residuals: no interval (never NaN in JSON)
             metrics[key] = {
                 "value": float(v[0]),
-                "low": max(float(v[0] - half), low),
-                "high": min(float(v[0] + half), high),
-                "interval": 0.9,
+                "low": max(float(v[0] - 1.645 * std), low) if known else None,  # type: ignore[operator]
+                "high": min(float(v[0] + 1.645 * std), high) if known else None,  # type: ignore[operator]
+                "interval": 0.9 if known else None,
                 "predictor": model.predictor.get(key, "head"),
             }
         return {"space": state.name, "embedder_id": e.id, "attributes": attributes, "metrics": metrics}

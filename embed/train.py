@@ -195,7 +195,7 @@ class W2TEnsemble:
         for i in range(int(meta["members"])):
             model = W2T(config)
             model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"{i}.")})
-            models.append(model.to(torch.device(device or "cpu")))
+            models.append(model.to(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))))
         memory = load_file(str(directory / MEMORY))
         return cls(
             models,

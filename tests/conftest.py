@@ -41,9 +41,14 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         make_engine(url).dispose()
         return
     url = request.getfixturevalue("pg_url")
+    truncate_all(url)
+    yield url
+
+
+def truncate_all(url: str) -> None:
+    """Empty every table of a PostgreSQL test database."""
     with make_engine(url).begin() as conn:
         conn.execute(text("TRUNCATE adapter, module, label, measurement, embedding_space, embedder, embedding RESTART IDENTITY CASCADE"))
-    yield url
 
 
 @pytest.fixture

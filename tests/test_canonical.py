@@ -122,10 +122,13 @@ def test_zero_components_are_dropped() -> None:
 def test_half_precision_inputs_accumulate_in_float32() -> None:
     A, B = random_lora(3, 48, 40, 4)
     for dtype in (torch.float16, torch.bfloat16):
-        c = canonicalize(A.to(dtype), B.to(dtype))
+        Ah, Bh = A.to(dtype), B.to(dtype)
+        c = canonicalize(Ah, Bh)
         assert c.U.dtype == torch.float32
-        ref = canonicalize(A.to(dtype).float(), B.to(dtype).float())
-        assert_same(c, ref)
+        # the update the half-precision factors define, exactly: math done in half precision would be
+        # off by ~1e-3 of it, float32 accumulation is within 1e-5
+        exact = Bh.double() @ Ah.double()
+        assert torch.linalg.norm(c.delta().double() - exact) <= 1e-5 * torch.linalg.norm(exact)
 
 
 @settings(max_examples=40, deadline=None)

@@ -60,8 +60,10 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     # the same adapter given as a path (read, canonicalized, not stored) finds itself first, with module cosine 1
     rc, (by_path,) = cli.json_lines("search", str(small_zoo / "zoo" / "a00"), "-k", "3")
     assert by_path["results"][0]["adapter_id"] == first and by_path["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)
-    rc, (filtered,) = cli.json_lines("search", str(first), "-k", "10", "--filter", "task=qv")
-    assert filtered["results"] and all(r["labels"]["task"] == "qv" for r in filtered["results"])
+    rc, (filtered,) = cli.json_lines("search", str(first), "-k", "1000", "--filter", "task=qv")
+    rc, (everything,) = cli.json_lines("search", str(first), "-k", "1000")
+    want = {r["adapter_id"] for r in everything["results"] if r["labels"].get("task") == "qv"}
+    assert want and {r["adapter_id"] for r in filtered["results"]} == want  # every match comes back, nothing else
 
     # FAISS agrees with a brute-force numpy search over the stored sketch embeddings
     from embed.registry import active_embedder, load_embeddings
@@ -125,5 +127,8 @@ def test_search_errors(cli: CLI, small_zoo: Path) -> None:
     assert rc == 2 and "k must be between 1 and 1000" in err
     rc, _, err = cli("search", "1", "--method", "nope")
     assert rc == 2 and "unknown search method" in err
+    for k in ("0", "-3"):
+        rc, _, err = cli("search", "1", "-k", k)
+        assert rc == 2 and "k must be between 1 and 1000" in err
     rc, _, err = cli("predict", "1")
-    assert rc == 2 and "zoo" in err
+    assert rc == 2 and "has no supervised W2T embedder: run `zoo train" in err

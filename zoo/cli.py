@@ -353,7 +353,8 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
     for key, top in pred["attributes"].items():  # type: ignore[attr-defined]
         print(f"  {key:<16} " + ", ".join(f"{c['value']} ({c['probability']:.0%})" for c in top))
     for key, m in pred["metrics"].items():  # type: ignore[attr-defined]
-        print(f"  {key:<16} {m['value']:.3f}  (90% interval {m['low']:.3f}..{m['high']:.3f}; from the {PREDICTOR_WORDS[m['predictor']]})")
+        interval = f"90% interval {m['low']:.3f}..{m['high']:.3f}" if m["interval"] else "no interval: no held-out residuals"
+        print(f"  {key:<16} {m['value']:.3f}  ({interval}; from the {PREDICTOR_WORDS[m['predictor']]})")
     return 0
 
 
@@ -406,6 +407,34 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     else:
         print(format_table(result))
     return 0
+
+
+def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
+    from zoo.check import check
+
+    require_schema(settings.database_url)
+    report = check(settings, repair=args.repair, grace_s=args.grace)
+    if args.json:
+        _print_json(report)
+    else:
+        b = report["blobs"]
+        print(
+            f"{b['rows']} adapters with blobs: {len(b['missing'])} missing, {len(b['corrupt'])} corrupt; "  # type: ignore[index]
+            f"{len(report['orphans'])} orphan blobs, {len(report['temporary_files'])} temporary files "  # type: ignore[arg-type]
+            f"({report['in_flight']} younger than {args.grace:g} s left alone), {report['removed']} removed"
+        )
+        for entry in report["indexes"]:  # type: ignore[attr-defined]
+            if entry["state"] != "ok":
+                print(f"  index: {entry} ")
+        for entry in report["unembedded"]:  # type: ignore[attr-defined]
+            print(f"  {entry['space']}: {entry['count']} adapters not embedded" + (" (embedded now)" if entry.get("repaired") else ""))
+        for line in report["repaired"]:  # type: ignore[attr-defined]
+            print(f"  repaired: {line}")
+        lost = [*b["missing"], *b["corrupt"]]  # type: ignore[index]
+        for x in lost:
+            print(f"  adapter {x['adapter_id']}: blob {x['blob']} is missing or corrupt: ingest it again")
+        print("ok" if report["ok"] else f"{report['problems']} problems" + ("" if args.repair else ": run `zoo check --repair`"))
+    return 0 if report["ok"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -571,6 +600,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int)
     s.add_argument("--json", action="store_true", help="print a JSON array")
     s.set_defaults(func=cmd_list)
+
+    s = sub.add_parser(
+        "check",
+        help="verify blobs against rows, find orphans and temporary files, check indexes and embeddings (exit 1 if anything is wrong)",
+    )
+    s.add_argument("--repair", action="store_true", help="remove orphans and temporary files, rebuild indexes, embed what is missing")
+    s.add_argument(
+        "--grace", type=float, default=3600.0, metavar="SECONDS", help="leave files younger than this alone (default: %(default)s)"
+    )
+    s.add_argument("--json", action="store_true", help="print a JSON object")
+    s.set_defaults(func=cmd_check)
 
     s = sub.add_parser("show", help="one adapter: metadata, modules, spectra, canonical hash")
     s.add_argument("id", type=int)

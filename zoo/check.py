@@ -1,0 +1,166 @@
+"""`zoo check`: fsck for the zoo. Blobs against rows, orphans and temporary files, index files and
+module stores against the database, embeddings against adapters; `--repair` fixes what can be fixed.
+
+What it finds:
+- **missing / corrupt blobs**: a row whose blob is absent or whose bytes do not hash to its digest.
+  Data is lost: nothing repairs it (ingest the adapter again).
+- **orphans**: blob files no row refers to, and temporary files (`.tmp-*`) a killed writer left. A
+  writer inserts its rows, writes its blob, then commits, so a blob younger than the grace period
+  may belong to a transaction still open: those are counted as `in_flight`, never removed.
+- **indexes**: each serving embedder's index file must load, check itself and agree with the
+  database; the module store must be readable. Repair rebuilds them from the database.
+- **unembedded adapters**: adapters that fit a space but have no vector under its module sketch.
+  Repair embeds them (`zoo embed`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import select
+
+from zoo.blobs import TMP_PREFIX, BlobStore
+from zoo.config import Settings
+from zoo.db.models import Adapter, Embedding, EmbeddingSpace, Module
+from zoo.db.session import session_factory
+
+#: seconds a blob or temporary file must be old before `--repair` may remove it
+DEFAULT_GRACE_S = 3600.0
+
+
+def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRACE_S) -> dict[str, object]:
+    """The check report: what was found, what was repaired, and `ok` (nothing wrong left)."""
+    sessions = session_factory(settings.database_url)
+    blobs = BlobStore(settings.blob_dir)
+    with sessions() as session:
+        rows = session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.factors_blob.is_not(None))).all()
+    referenced = {str(digest) for _, digest in rows}
+    missing, corrupt = [], []
+    for adapter_id, digest in rows:
+        path = blobs.path(str(digest))
+        if not path.is_file():
+            missing.append({"adapter_id": adapter_id, "blob": str(digest)})
+        elif _sha256(path) != digest:
+            corrupt.append({"adapter_id": adapter_id, "blob": str(digest)})
+
+    now = time.time()
+    orphans, temporary, in_flight = [], [], 0
+    for path in _files(settings.data_dir):
+        stray = path.name.startswith(TMP_PREFIX)
+        if not stray and not (path.is_relative_to(settings.blob_dir) and path.suffix == ".safetensors" and path.stem not in referenced):
+            continue
+        if now - path.stat().st_mtime < grace_s:
+            in_flight += 1
+            continue
+        (temporary if stray else orphans).append(path)
+    removed = 0
+    if repair:
+        for path in orphans + temporary:
+            path.unlink(missing_ok=True)
+            removed += 1
+
+    indexes, unembedded, repaired = _check_spaces(settings, sessions, blobs, repair)
+    problems = len(missing) + len(corrupt) + (0 if repair else len(orphans) + len(temporary))
+    problems += sum(1 for i in indexes if i["state"] != "ok" and not i.get("repaired"))
+    problems += sum(u["count"] for u in unembedded if not u.get("repaired"))
+    return {
+        "ok": problems == 0,
+        "problems": problems,
+        "blobs": {"rows": len(rows), "missing": missing, "corrupt": corrupt},
+        "orphans": [str(p) for p in orphans],
+        "temporary_files": [str(p) for p in temporary],
+        "in_flight": in_flight,
+        "removed": removed,
+        "indexes": indexes,
+        "unembedded": unembedded,
+        "repaired": repaired,
+    }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(data_dir: Path) -> Iterator[Path]:
+    for sub in ("blobs", "index", "rerank", "embedders"):
+        root = data_dir / sub
+        if root.is_dir():
+            yield from (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) -> tuple[list[dict], list[dict], list[str]]:  # type: ignore[no-untyped-def]
+    """Index files, module stores and missing embeddings per space (embed/ is imported only here)."""
+    from embed.engine import (
+        SKETCH,
+        _load_consistent,
+        _read_module_store,
+        index_path,
+        module_store_path,
+        update_index_file,
+        update_module_store,
+    )
+    from embed.registry import serving_embedders, space_version
+    from embed.service import embed_space
+
+    indexes: list[dict] = []
+    unembedded: list[dict] = []
+    repaired: list[str] = []
+    with sessions() as session:
+        spaces = list(session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.id)))
+    for space in spaces:
+        with sessions() as session:
+            serving = serving_embedders(session, space.id)
+            version = space_version(session, space.id)
+            for e in serving.values():
+                entry: dict[str, object] = {"space": space.name, "embedder_id": e.id, "method": e.method, "state": "ok"}
+                try:
+                    _load_consistent(session, index_path(settings.data_dir, e.id), e, version)
+                except ValueError as exc:
+                    entry["state"] = str(exc)
+                indexes.append(entry)
+            store_path = module_store_path(settings.data_dir, space.id)
+            if store_path.exists() and _read_module_store(store_path) is None:
+                indexes.append({"space": space.name, "module_store": str(store_path), "state": "unreadable"})
+            sketch = serving.get(SKETCH)
+            missing = _unembedded(session, space, sketch.id) if sketch else []
+        if missing:
+            unembedded.append({"space": space.name, "count": len(missing), "adapter_ids": missing[:20]})
+        if not repair:
+            continue
+        if missing:
+            embed_space(sessions, blobs, settings.data_dir, space.base_model)
+            unembedded[-1]["repaired"] = True
+            repaired.append(f"{space.name}: embedded {len(missing)} adapters")
+        with sessions() as session:
+            for entry in indexes:
+                if entry.get("space") == space.name and entry["state"] != "ok":
+                    if "embedder_id" in entry:
+                        e = next(x for x in serving.values() if x.id == entry["embedder_id"])
+                        update_index_file(session, settings.data_dir, session.merge(e), rebuild=True)
+                    else:
+                        update_module_store(session, blobs, settings.data_dir, session.merge(space), rebuild=True)
+                    entry["repaired"] = True
+                    repaired.append(f"{space.name}: rebuilt {entry.get('method', 'module store')}")
+    return indexes, unembedded, repaired
+
+
+def _unembedded(session, space: EmbeddingSpace, sketch_id: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Adapters of the space's base model whose modules all fit its schema but have no sketch vector."""
+    shapes = {str(n): (int(o), int(i)) for n, o, i in space.schema["modules"]}
+    fits: dict[int, bool] = {}
+    stmt = (
+        select(Module.adapter_id, Module.name, Module.out_features, Module.in_features)
+        .join(Adapter, Adapter.id == Module.adapter_id)
+        .where(Adapter.base_model == space.base_model, Adapter.factors_blob.is_not(None))
+    )
+    for adapter_id, name, out, inp in session.execute(stmt):
+        fits[adapter_id] = fits.get(adapter_id, True) and shapes.get(name) == (out, inp)
+    embedded = set(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == sketch_id)))
+    return sorted(i for i, ok in fits.items() if ok and i not in embedded)
