@@ -217,3 +217,21 @@ def test_symlink_loops_are_searched_once(tmp_path: Path, peft_dir: Path) -> None
     (root / "self").symlink_to(root / "a")
     found = expand_paths([root])
     assert [p for p, _ in found] == [root / "a" / "adapter"]
+
+
+def test_labels_match_by_relative_path_and_ambiguous_names_are_refused(cli: CLI, peft_dir: Path, tmp_path: Path) -> None:
+    root = tmp_path / "zoo"
+    shutil.copytree(peft_dir, root / "a" / "x")
+    train_peft_adapter(root / "b" / "x", seed=9, steps=2)
+    (tmp_path / "bare.csv").write_text("name,task\nx,t1\n")
+    rc, _, err = cli("ingest", str(root), "--labels", str(tmp_path / "bare.csv"), "--base-model", "tiny")
+    assert rc == 2 and "matches 2 sources" in err and "relative path" in err
+    assert leftovers(cli) == []
+    (tmp_path / "paths.csv").write_text("name,task\na/x,t1\nb/x,t2\n")
+    rc, results = cli.json_lines("ingest", str(root), "--labels", str(tmp_path / "paths.csv"), "--base-model", "tiny")
+    assert rc == 0 and [r["status"] for r in results] == ["ingested", "ingested"]
+    tasks = {}
+    for r in results:
+        rc, (shown,) = cli.json_lines("show", str(r["adapter_id"]))
+        tasks[r["source"]] = shown["labels"]["task"]
+    assert tasks == {str(root / "a" / "x"): "t1", str(root / "b" / "x"): "t2"}
