@@ -223,3 +223,33 @@ def test_one_module_type_with_several_shapes() -> None:
     assert len(schema.type_shapes()) == 3
     emb = train_w2t(adapters, schema, TrainOptions(epochs=1), progress=False)
     assert emb.embed(adapters).shape == (4, emb.dim)
+
+
+def test_schema_keeps_the_majority_shape_and_leaves_conflicting_adapters_out() -> None:
+    """One module name with two shapes (adapters of 'unknown' base models) no longer breaks the space."""
+    from embed.types import ZooAdapter, schema_of
+    from zoo.canonical import canonicalize
+
+    def adapter(i: int, out: int) -> ZooAdapter:
+        g = torch.Generator().manual_seed(i)
+        return ZooAdapter(i, f"a{i}", {"layers.0.q_proj": canonicalize(torch.randn(2, 8, generator=g), torch.randn(out, 2, generator=g))})
+
+    zoo = [adapter(1, 8), adapter(2, 8), adapter(3, 12)]
+    schema = schema_of("unknown", zoo)
+    assert schema.modules == (("layers.0.q_proj", 8, 8),)
+    assert [schema.fits(a.factors) for a in zoo] == [True, True, False]
+
+
+def test_a_contrastive_w2t_does_not_retire_the_supervised_one(db_url: str) -> None:
+    from embed.registry import active_embedder, ensure_space, register, serving_embedders
+    from embed.types import SpaceSchema
+    from zoo.db.session import session_factory
+
+    with session_factory(db_url)() as session, session.begin():
+        space = ensure_space(session, SpaceSchema("tiny", (("m", 4, 4),)))
+        supervised = register(session, space, "w2t", 8, objective="supervised", checkpoint="s")
+        contrastive = register(session, space, "w2t", 8, objective="contrastive", checkpoint="c")
+        assert supervised.active and contrastive.active
+        assert serving_embedders(session, space.id)["w2t"].id == supervised.id == active_embedder(session, space).id
+        newer = register(session, space, "w2t", 8, objective="supervised", checkpoint="s2")
+        assert not supervised.active and contrastive.active and serving_embedders(session, space.id)["w2t"].id == newer.id

@@ -110,6 +110,8 @@ def test_hostile_tensors_are_refused(cli: CLI, peft_dir: Path, tmp_path: Path) -
         (lambda t: t.update({next(k for k in t if "lora_A" in k): torch.tensor(1.0)}), "factors must be matrices"),
         (lambda t: t.update({"base_model.model." + "m" * 600 + ".lora_A.weight": torch.randn(4, 16),
                              "base_model.model." + "m" * 600 + ".lora_B.weight": torch.randn(16, 4)}), "longer than 512"),
+        (lambda t: t.update({"base_model.model.layers.0." + "t" * 200 + ".lora_A.weight": torch.randn(4, 16),
+                             "base_model.model.layers.0." + "t" * 200 + ".lora_B.weight": torch.randn(16, 4)}), "type name longer than 128"),
         (lambda t: t.update({"base_model.model.layers.99999999999.q_proj.lora_A.weight": torch.randn(4, 16),
                              "base_model.model.layers.99999999999.q_proj.lora_B.weight": torch.randn(16, 4)}), "claims layer"),
         (lambda t: t.update({next(k for k in t if "lora_B" in k): torch.full((16, 4), float("nan"))}), "contains NaN or Inf"),

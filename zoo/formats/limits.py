@@ -47,8 +47,10 @@ def check_limits(data: AdapterData, base_model: str | None) -> None:
         raise InputError(path, f"task_type must be a string of at most {MAX_TASK_TYPE} characters")
     names = [m.name for m in data.modules] + [m.name for m in data.full_matrices]
     for name in names:
-        if len(name) > MAX_MODULE_NAME or len(module_type(name)) > MAX_MODULE_TYPE:
+        if len(name) > MAX_MODULE_NAME:
             raise InputError(path, f"module name {name[:60]!r}... is longer than {MAX_MODULE_NAME} characters")
+        if len(module_type(name)) > MAX_MODULE_TYPE:
+            raise InputError(path, f"module {name[:60]!r}... has a type name longer than {MAX_MODULE_TYPE} characters")
         layer = layer_index(name)
         if layer is not None and layer > MAX_LAYER:
             raise InputError(path, f"module {name[:80]!r} claims layer {str(layer)[:20]}, past the limit of {MAX_LAYER}")
