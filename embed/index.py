@@ -45,6 +45,8 @@ RECALL_GOAL = 0.98
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
 #: how many of an IVF's nearest by the codes are re-ranked by the store (tuned with nprobe)
 RERANKS = (CANDIDATES, 500, 1000, 2000)
+#: the filter share at which an IVF's filtered nprobe is measured when it is built
+FILTER_SHARE = 0.01
 #: a filtered IVF search scores the allowed vectors exactly while they hold at most this many numbers
 #: (10,000 W2T vectors of 160, 1,300 module sketches of 1,536): cheaper than probing every list
 EXACT_FILTER_BUDGET = 2_000_000
@@ -91,6 +93,7 @@ class AdapterIndex:
         self.dim = dim
         self._ivf = ivf
         self.rerank = CANDIDATES
+        self.filter_nprobe = faiss.extract_index_ivf(ivf.base_index).nlist if ivf is not None else 0
         self._ids = np.zeros(0, np.int64)
         self._flat = np.zeros((0, dim), np.float32)  # the flat kind's store
         self._size = 0
@@ -276,7 +279,7 @@ class AdapterIndex:
         """(scores, ids) of the k nearest by the stored vectors' cosine, best first; id -1 pads when fewer
         exist. Flat: exact. IVF: its max(k, rerank) nearest by the codes, re-ranked by the store in FAISS.
         `allowed`: only these adapter ids (flat, or few enough for EXACT_FILTER_BUDGET: exact over their
-        rows; else a FAISS id selector probing nprobe / share of the lists, all of them for a small share)."""
+        rows; else a FAISS id selector probing `filtered_nprobe(share)` lists, measured at build time)."""
         q = normalize(queries)
         k = max(1, k)
         rows = None
@@ -290,7 +293,7 @@ class AdapterIndex:
         if rows is not None:
             if not len(rows):
                 return self._exact(q, rows, k)
-            nprobe = min(base.nlist, int(np.ceil(base.nprobe / (len(rows) / max(self._size, 1)))))
+            nprobe = self.filtered_nprobe(len(rows) / max(self._size, 1))
         base_params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows) if rows is not None else None)
         kk = min(k, self._size)
         params = faiss.IndexRefineSearchParameters(k_factor=max(kk, self.rerank) / kk, base_index_params=base_params)
@@ -365,7 +368,37 @@ class AdapterIndex:
             nprobe, rerank = base.nlist, RERANKS[-1]
             recall = recall_of(nprobe, rerank)
         base.nprobe, self.rerank = nprobe, rerank
+        self._tune_filtered(q, k)
         return recall
+
+    def _tune_filtered(self, q: np.ndarray, k: int) -> None:
+        """Set `filter_nprobe`: the fewest lists (a power of two times nprobe) whose candidates, under a
+        random filter keeping FILTER_SHARE of the rows, hold RECALL_GOAL of the exact top k among them."""
+        base = self._base
+        self.filter_nprobe = base.nlist
+        if self._size * FILTER_SHARE < CANDIDATES:
+            return
+        rng = np.random.default_rng(0)
+        rows = np.sort(rng.choice(self._size, int(self._size * FILTER_SHARE), replace=False))
+        vectors = self._at(rows)
+        exact = self._ids[rows[np.argsort(-(q @ vectors.T), axis=1, kind="stable")[:, :k]]]
+        nprobe = base.nprobe
+        while nprobe < base.nlist:
+            params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows))
+            found = base.search(q, min(self.rerank, len(rows)), params=params)[1]
+            if recall_at_k(np.where(found >= 0, self._ids[np.maximum(found, 0)], -1), exact) >= RECALL_GOAL:
+                self.filter_nprobe = nprobe
+                return
+            nprobe *= 2
+
+    def filtered_nprobe(self, share: float) -> int:
+        """Lists to probe under a filter keeping `share` of the rows: nprobe at share 1, `filter_nprobe`
+        at FILTER_SHARE, geometric in between and beyond (at most every list)."""
+        base = self._base
+        if share >= 1:
+            return int(base.nprobe)
+        exponent = np.log(1 / share) / np.log(1 / FILTER_SHARE)
+        return int(min(base.nlist, np.ceil(base.nprobe * (self.filter_nprobe / base.nprobe) ** exponent)))
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -380,7 +413,15 @@ class AdapterIndex:
                 tensors["vectors"] = np.ascontiguousarray(self._flat[: self._size])
             else:
                 tensors["ivf"] = faiss.serialize_index(self._ivf)
-            full = {**meta, "dim": self.dim, "count": self._size, "kind": self.kind, "nprobe": self.nprobe, "rerank": self.rerank}
+            full = {
+                **meta,
+                "dim": self.dim,
+                "count": self._size,
+                "kind": self.kind,
+                "nprobe": self.nprobe,
+                "rerank": self.rerank,
+                "filter_nprobe": self.filter_nprobe,
+            }
             full["checksum"] = _checksum(ids, tensors.get("ivf"))
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".index")
             os.close(fd)
@@ -421,6 +462,7 @@ class AdapterIndex:
                 raise ValueError(f"index file {path} disagrees with itself (the IVF holds {ivf.ntotal} of {count})")
             index._base.nprobe = int(meta["nprobe"])
             index.rerank = int(meta.get("rerank", CANDIDATES))
+            index.filter_nprobe = int(meta.get("filter_nprobe", index._base.nlist))
         else:
             index._flat = flat  # type: ignore[assignment]
         index._ids = np.ascontiguousarray(ids, np.int64)
