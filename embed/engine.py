@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 from zoo.db import repository
 from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace
 from zoo.errors import NotFoundError, NotReadyError, UsageError
+from zoo.files import replace_durably
 
 SKETCH = "module_sketch"
 W2T = "w2t"
@@ -161,13 +162,10 @@ def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str
 
 
 def _write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     tensors = {k: np.ascontiguousarray(v) for k, v in stack.arrays().items()}
     tensors["ids"] = np.ascontiguousarray(ids, dtype=np.int64)
     meta = {"version": str(version), "dense": json.dumps(sorted(stack.dense))}
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    replace_durably(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def _read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], int] | None:

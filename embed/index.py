@@ -26,8 +26,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,6 +34,8 @@ import faiss
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+from zoo.files import replace_durably
 
 IVF_FROM = 100_000
 #: the first stage hands this many candidates to the exact re-ranking
@@ -211,8 +211,16 @@ class AdapterIndex:
             return self._flat[rows]
         if len(rows) <= 1000:  # FAISS decodes few rows faster; numpy gathers and converts many faster
             return self._store.reconstruct_batch(np.ascontiguousarray(rows, np.int64)) if len(rows) else np.zeros((0, self.dim), np.float32)
+        return self._store_codes()[rows].astype(np.float32)
+
+    def _store_codes(self) -> np.ndarray:
+        """The IVF store's float16 codes as a writable (size, dim) array, in place."""
         codes = faiss.rev_swig_ptr(self._store.codes.data(), self._store.codes.size())
-        return np.frombuffer(codes, dtype=np.float16).reshape(-1, self.dim)[rows].astype(np.float32)
+        return np.frombuffer(codes, dtype=np.float16).reshape(-1, self.dim)
+
+    def _ids_of(self, rows: np.ndarray) -> np.ndarray:
+        """Adapter ids of store rows, -1 where FAISS padded with -1."""
+        return np.where(rows >= 0, self._ids[np.maximum(rows, 0)], -1)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -268,9 +276,7 @@ class AdapterIndex:
                 else:
                     self._base.remove_ids(rows[old])
                     self._base.add_with_ids(vectors[old], rows[old])
-                    codes = faiss.rev_swig_ptr(self._store.codes.data(), self._store.codes.size())
-                    view = np.frombuffer(codes, dtype=np.float16).reshape(-1, self.dim)  # the store's codes, in place
-                    view[rows[old]] = vectors[old].astype(np.float16)
+                    self._store_codes()[rows[old]] = vectors[old].astype(np.float16)
         self.add(ids[~old], vectors[~old])
 
     # -- search --------------------------------------------------------------------------------
@@ -290,9 +296,7 @@ class AdapterIndex:
             return self._exact(q, np.arange(self._size) if rows is None else rows, k)
         base = self._base
         nprobe = base.nprobe
-        if rows is not None:
-            if not len(rows):
-                return self._exact(q, rows, k)
+        if rows is not None:  # not empty: an empty filter is within EXACT_FILTER_BUDGET
             nprobe = self.filtered_nprobe(len(rows) / max(self._size, 1))
         base_params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows) if rows is not None else None)
         kk = min(k, self._size)
@@ -301,7 +305,7 @@ class AdapterIndex:
         ids = np.full((len(q), k), -1, np.int64)
         s, r = self._ivf.search(q, kk, params=params)
         scores[:, :kk] = s
-        ids[:, :kk] = np.where(r >= 0, self._ids[np.maximum(r, 0)], -1)
+        ids[:, :kk] = self._ids_of(r)
         return scores, ids
 
     def _exact(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -317,7 +321,7 @@ class AdapterIndex:
         else:
             s, r = faiss.knn(q, np.ascontiguousarray(base), kk, metric=faiss.METRIC_INNER_PRODUCT)
         scores[:, :kk] = s
-        ids[:, :kk] = np.where(r >= 0, self._ids[rows[np.maximum(r, 0)]], -1)
+        ids[:, :kk] = self._ids_of(np.where(r >= 0, rows[np.maximum(r, 0)], -1))
         return scores, ids
 
     def exact_top(self, queries: np.ndarray, k: int, chunk: int = 50_000) -> np.ndarray:
@@ -350,7 +354,7 @@ class AdapterIndex:
         def recall_of(nprobe: int, rerank: int) -> float:
             base.nprobe = nprobe
             found = base.search(q, min(rerank, self._size))[1]
-            return recall_at_k(np.where(found >= 0, self._ids[np.maximum(found, 0)], -1), exact)
+            return recall_at_k(self._ids_of(found), exact)
 
         for rerank in RERANKS:
             for nprobe in ladder:
@@ -386,7 +390,7 @@ class AdapterIndex:
         while nprobe < base.nlist:
             params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows))
             found = base.search(q, min(self.rerank, len(rows)), params=params)[1]
-            if recall_at_k(np.where(found >= 0, self._ids[np.maximum(found, 0)], -1), exact) >= RECALL_GOAL:
+            if recall_at_k(self._ids_of(found), exact) >= RECALL_GOAL:
                 self.filter_nprobe = nprobe
                 return
             nprobe *= 2
@@ -404,8 +408,6 @@ class AdapterIndex:
 
     def save(self, path: Path, meta: dict[str, object]) -> None:
         """Write the index with `meta` (plus dim, count, kind, nprobe, rerank, checksum) atomically and durably."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             ids = np.ascontiguousarray(self.ids)
             tensors = {"ids": ids}
@@ -423,20 +425,7 @@ class AdapterIndex:
                 "filter_nprobe": self.filter_nprobe,
             }
             full["checksum"] = _checksum(ids, tensors.get("ivf"))
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".index")
-            os.close(fd)
-            try:
-                save_file(tensors, tmp, metadata={"zoo": json.dumps(full)})
-                with open(tmp, "rb+") as fh:
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            replace_durably(path, lambda tmp: save_file(tensors, str(tmp), metadata={"zoo": json.dumps(full)}))
 
     @classmethod
     def load(cls, path: Path) -> tuple[AdapterIndex, dict]:

@@ -94,7 +94,8 @@ def embed_space(
                 embedder = session.get(Embedder, embedder_id)
                 if embedder is None or not embedder.active:  # replaced by a concurrent run: it embeds for its own
                     break
-                fresh = [j for j, a in enumerate(chunk) if a.id not in embedded_ids(session, embedder, [a.id for a in chunk])]
+                meanwhile = embedded_ids(session, embedder, [a.id for a in chunk])
+                fresh = [j for j, a in enumerate(chunk) if a.id not in meanwhile]
                 store_vectors(session, embedder, [chunk[j].id for j in fresh], vectors[fresh])
                 embedded += len(fresh)
         with sessions() as session:

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from zoo.files import replace_durably
 
 if TYPE_CHECKING:
     import torch
 
     from zoo.canonical import CanonicalFactors
-
-
-#: temporary files of unfinished writes start with this (`zoo check` finds those a crash left)
-TMP_PREFIX = ".tmp-"
 
 
 class BlobStore:
@@ -33,37 +29,16 @@ class BlobStore:
         data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
         return hashlib.sha256(data).hexdigest(), data
 
-    def write(self, digest: str, data: bytes) -> bool:
-        """Write a blob under its digest, idempotently (True if it was not there): to a temporary
-        file, fsynced, renamed into place and the directory fsynced, so the path is whole or absent."""
+    def write(self, digest: str, data: bytes) -> None:
+        """Write a blob under its digest, idempotently and whole (see zoo.files.replace_durably)."""
         target = self.path(digest)
-        if target.exists():
-            return False
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=TMP_PREFIX)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-            dir_fd = os.open(target.parent, os.O_RDONLY)  # the rename itself survives a crash
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return True
+        if not target.exists():
+            replace_durably(target, lambda tmp: tmp.write_bytes(data))
 
     def get(self, digest: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
 
         return load(self.path(digest).read_bytes())
-
-    def delete(self, digest: str) -> None:
-        self.path(digest).unlink(missing_ok=True)
 
     @classmethod
     def encode_factors(cls, modules: list[tuple[str, CanonicalFactors]]) -> tuple[str, bytes]:

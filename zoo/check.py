@@ -22,10 +22,11 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from zoo.blobs import TMP_PREFIX, BlobStore
+from zoo.blobs import BlobStore
 from zoo.config import Settings
 from zoo.db.models import Adapter, Embedding, EmbeddingSpace, Module
 from zoo.db.session import session_factory
+from zoo.files import TMP_PREFIX
 
 #: seconds a blob or temporary file must be old before `--repair` may remove it
 DEFAULT_GRACE_S = 3600.0
@@ -96,16 +97,10 @@ def _files(data_dir: Path) -> Iterator[Path]:
 
 
 def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) -> tuple[list[dict], list[dict], list[str]]:  # type: ignore[no-untyped-def]
-    """Index files, module stores and missing embeddings per space (embed/ is imported only here)."""
-    from embed.engine import (
-        SKETCH,
-        _load_consistent,
-        _read_module_store,
-        index_path,
-        module_store_path,
-        update_index_file,
-        update_module_store,
-    )
+    """Index files, module stores and missing embeddings per space (embed/ is imported only here). A
+    space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
+    every index file and module store that is missing or disagrees with the database."""
+    from embed.engine import SKETCH, _load_consistent, _read_module_store, index_path, module_store_path
     from embed.registry import serving_embedders, space_version
     from embed.service import embed_space
 
@@ -115,6 +110,7 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
     with sessions() as session:
         spaces = list(session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.id)))
     for space in spaces:
+        found: list[dict] = []
         with sessions() as session:
             serving = serving_embedders(session, space.id)
             version = space_version(session, space.id)
@@ -124,30 +120,22 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
                     _load_consistent(session, index_path(settings.data_dir, e.id), e, version)
                 except ValueError as exc:
                     entry["state"] = str(exc)
-                indexes.append(entry)
+                found.append(entry)
             store_path = module_store_path(settings.data_dir, space.id)
             if store_path.exists() and _read_module_store(store_path) is None:
-                indexes.append({"space": space.name, "module_store": str(store_path), "state": "unreadable"})
+                found.append({"space": space.name, "module_store": str(store_path), "state": "unreadable"})
             sketch = serving.get(SKETCH)
             missing = _unembedded(session, space, sketch.id) if sketch else []
-        if missing:
-            unembedded.append({"space": space.name, "count": len(missing), "adapter_ids": missing[:20]})
-        if not repair:
-            continue
-        if missing:
+        bad = [entry for entry in found if entry["state"] != "ok"]
+        gap = {"space": space.name, "count": len(missing), "adapter_ids": missing[:20]} if missing else None
+        if repair and (bad or gap):
             embed_space(sessions, blobs, settings.data_dir, space.base_model)
-            unembedded[-1]["repaired"] = True
-            repaired.append(f"{space.name}: embedded {len(missing)} adapters")
-        with sessions() as session:
-            for entry in indexes:
-                if entry.get("space") == space.name and entry["state"] != "ok":
-                    if "embedder_id" in entry:
-                        e = next(x for x in serving.values() if x.id == entry["embedder_id"])
-                        update_index_file(session, settings.data_dir, session.merge(e), rebuild=True)
-                    else:
-                        update_module_store(session, blobs, settings.data_dir, session.merge(space), rebuild=True)
-                    entry["repaired"] = True
-                    repaired.append(f"{space.name}: rebuilt {entry.get('method', 'module store')}")
+            for entry in [*bad, *([gap] if gap else [])]:
+                entry["repaired"] = True
+            repaired += [f"{space.name}: rebuilt {e.get('method', 'module store')}" for e in bad]
+            repaired += [f"{space.name}: embedded {len(missing)} adapters"] if missing else []
+        indexes += found
+        unembedded += [gap] if gap else []
     return indexes, unembedded, repaired
 
 

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from zoo.blobs import BlobStore
 from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.db import repository
-from zoo.db.models import Adapter, Label, Measurement, Module
+from zoo.db.models import Adapter, EmbeddingSpace, Label, Measurement, Module
 from zoo.db.session import write_transaction
 from zoo.errors import InputError
 from zoo.fingerprint import DUPLICATE_RTOL, canonical_hash, fingerprint, relative_distance, structure_hash
@@ -240,18 +240,20 @@ class Ingestor:
         """`_store`, again when a concurrent writer stored the same update first (the unique constraint
         fired: the next attempt finds it and reports a duplicate, with the labels attached) or when a
         SQLite database stayed locked past its busy timeout."""
-        for attempt in range(attempts):
+        for _ in range(attempts - 1):
             try:
                 return self._store(d, labels)
-            except (IntegrityError, OperationalError) as exc:
-                if attempt == attempts - 1 or (isinstance(exc, OperationalError) and "locked" not in str(exc.orig)):
+            except IntegrityError:
+                continue
+            except OperationalError as exc:
+                if "locked" not in str(exc.orig):
                     raise
-        raise AssertionError("unreachable")
+        return self._store(d, labels)
 
     def _store(self, d: _Described, labels: LabelRow | None) -> IngestResult:
         """One transaction, serialized per (base model, structure) so that the duplicate check sees every
-        earlier writer's update. The blob is written (idempotently, by content) before the row commits
-        and is never deleted here: a committed row always has its blob; a blob left by a transaction
+        earlier writer's update. The blob is written (idempotently, by content) after the rows are
+        inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob left by a transaction
         that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
         with write_transaction(self.sessions, f"ingest:{a.base_model}:{a.structure_hash}") as session:
@@ -274,8 +276,6 @@ class Ingestor:
 def check_space_fits(session: Session, a: Adapter) -> None:
     """Refuse an adapter whose module shapes conflict with the embedding space of its base model (it
     would break embedding and training for the whole space)."""
-    from zoo.db.models import EmbeddingSpace
-
     schema = session.scalars(select(EmbeddingSpace.schema).where(EmbeddingSpace.base_model == a.base_model)).first()
     if not schema or not a.modules:
         return

@@ -69,8 +69,7 @@ def assign_rows(rows: dict[str, LabelRow], sources: list[tuple[Path, str]]) -> d
     A bare name that fits two sources is refused: it would give both the same labels."""
     by_key: dict[str, list[Path]] = {}
     for path, relative in sources:
-        keys = {relative, str(Path(relative).with_suffix("")) if Path(relative).suffix else relative}
-        for key in keys | {path.name, path.stem}:
+        for key in {relative, str(Path(relative).with_suffix("")), path.name, path.stem}:
             by_key.setdefault(key, []).append(path)
     out: dict[Path, LabelRow] = {}
     exact: set[Path] = set()

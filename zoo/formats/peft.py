@@ -27,22 +27,23 @@ def is_peft_dir(path: Path) -> bool:
 PATTERN_TIMEOUT = 0.05
 
 
-def _pattern_value(source: Path, patterns: dict[str, float], name: str, default: float) -> float:
+Patterns = list[tuple[str, "regex.Pattern[str]", float]]
+
+
+def _pattern_value(source: Path, patterns: Patterns, name: str, default: float) -> float:
     """Value of the PEFT rank/alpha pattern whose key matches the module name (as PEFT matches them);
     a pattern that backtracks past PATTERN_TIMEOUT is refused."""
-    for key, value in patterns.items():
-        if name == key:
-            return value
+    for key, compiled, value in patterns:
         try:
-            if regex.match(rf"(.*\.)?({key})$", name, timeout=PATTERN_TIMEOUT):
+            if name == key or compiled.match(name, timeout=PATTERN_TIMEOUT):
                 return value
         except TimeoutError:
             raise InputError(source, f"pattern {key[:60]!r} takes too long to match {name[:60]!r} (a backtracking regex)") from None
     return default
 
 
-def _number(source: Path, config: dict, key: str, default: float, positive: bool = False) -> float:
-    value = config.get(key)
+def _number(source: Path, key: str, value: object, default: float, positive: bool = False) -> float:
+    """A config number: `default` when absent, else a finite (positive) int or float."""
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or (positive and value <= 0):
@@ -50,22 +51,22 @@ def _number(source: Path, config: dict, key: str, default: float, positive: bool
     return float(value)
 
 
-def _patterns(source: Path, config: dict, key: str) -> dict[str, float]:
-    """A rank_pattern/alpha_pattern: module-name regexes to positive numbers, each compiled once here."""
+def _patterns(source: Path, config: dict, key: str) -> Patterns:
+    """A rank_pattern/alpha_pattern: (key, compiled as PEFT matches it, positive number), compiled once here."""
     value = config.get(key) or {}
     if not isinstance(value, dict):
         raise InputError(source, f"{key} must map module-name patterns to numbers, got a {type(value).__name__}")
     if len(value) > max_modules():
         raise InputError(source, f"{key} has {len(value)} patterns, past the limit of {max_modules()}")
-    out: dict[str, float] = {}
+    out: Patterns = []
     for pattern, number in value.items():
         if len(pattern) > MAX_MODULE_NAME:
             raise InputError(source, f"{key} pattern {pattern[:60]!r}... is longer than {MAX_MODULE_NAME} characters")
         try:
-            regex.compile(pattern)
+            compiled = regex.compile(rf"(.*\.)?({pattern})$")
         except regex.error as exc:
             raise InputError(source, f"{key} pattern {pattern[:60]!r} is not a valid regex ({exc})") from None
-        out[pattern] = _number(source, {key: number}, key, 0.0, positive=True)
+        out.append((pattern, compiled, _number(source, key, number, 0.0, positive=True)))
     return out
 
 
@@ -87,10 +88,10 @@ def read_peft(directory: Path) -> AdapterData:
         raise InputError(directory, f"PEFT adapter without weights: expected one of {', '.join(WEIGHT_NAMES)}")
     tensors, metadata = load_tensors(weights)
 
-    r_default = _number(config_path, config, "r", 8.0, positive=True)
+    r_default = _number(config_path, "r", config.get("r"), 8.0, positive=True)
     if r_default != int(r_default):
         raise InputError(config_path, f"r must be a whole number, got {r_default}")
-    alpha_default = _number(config_path, config, "lora_alpha", r_default)
+    alpha_default = _number(config_path, "lora_alpha", config.get("lora_alpha"), r_default)
     rank_pattern = _patterns(config_path, config, "rank_pattern")
     alpha_pattern = _patterns(config_path, config, "alpha_pattern")
     rslora = bool(config.get("use_rslora", False))
@@ -150,8 +151,8 @@ def read_peft(directory: Path) -> AdapterData:
         "target_modules": config.get("target_modules"),
         "task_type": config.get("task_type"),
         "modules_to_save": config.get("modules_to_save"),
-        "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern,
+        "rank_pattern": {k: v for k, _, v in rank_pattern},
+        "alpha_pattern": {k: v for k, _, v in alpha_pattern},
         "peft_version": config.get("peft_version"),
     }
     return AdapterData(
