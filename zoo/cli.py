@@ -235,6 +235,57 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(settings: Settings, args: argparse.Namespace) -> int:
+    from zoo.export import export_files, export_notes, export_zip, load_for_export
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        factors, meta = load_for_export(session, _blobs(settings), args.id)
+    out = Path(args.out)
+    if args.format == "peft" and out.suffix == ".zip":
+        targets = {out: export_zip(factors, meta)}
+    else:
+        targets = _export_targets(out, args.format, export_files(factors, meta, args.format))
+    _write_new(targets)
+    info = {
+        "adapter_id": meta.adapter_id,
+        "name": meta.name,
+        "format": args.format,
+        "files": [str(p) for p in targets],
+        "size_bytes": sum(len(data) for data in targets.values()),
+        "notes": export_notes(meta),
+    }
+    if args.json:
+        _print_json(info)
+        return 0
+    print(f"adapter {meta.adapter_id} ({meta.name}) exported as {args.format}: {', '.join(info['files'])}")  # type: ignore[arg-type]
+    for note in info["notes"]:  # type: ignore[attr-defined]
+        print(f"note: {note}")
+    return 0
+
+
+def _export_targets(out: Path, fmt: str, files: dict[str, bytes]) -> dict[Path, bytes]:
+    """Where each exported file goes: into --out for a PEFT directory or an existing directory, else to --out itself."""
+    if fmt == "peft" or out.is_dir():
+        return {out / name: data for name, data in files.items()}
+    (data,) = files.values()
+    return {out: data}
+
+
+def _write_new(targets: dict[Path, bytes]) -> None:
+    """Write every file, refusing to replace any file that exists."""
+    taken = [str(p) for p in targets if p.exists()]
+    if taken:
+        raise UsageError(f"{taken[0]} exists: choose another --out")
+    for path, data in targets.items():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("xb") as fh:
+                fh.write(data)
+        except OSError as exc:
+            raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def _space(settings: Settings, requested: str | None) -> str:
     from embed.dataset import base_models
 
@@ -611,6 +662,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="print a JSON object")
     s.set_defaults(func=cmd_check)
+
+    s = sub.add_parser(
+        "export",
+        help="write a stored LoRA adapter as a PEFT directory (or .zip), a diffusers or a kohya .safetensors file",
+        description="Rebuilt from the canonical form: B = U·√S, A = √S·Vᵀ at the canonical rank with alpha = rank "
+        "(scaling 1), so the file's update is the stored one and ingesting it again finds the stored adapter. "
+        "Checkpoints, DoRA adapters and conv modules are refused; existing files are never replaced.",
+    )
+    s.add_argument("id", type=int)
+    s.add_argument("--format", required=True, metavar="peft|diffusers|kohya")
+    s.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="peft: a directory, or a .zip file; diffusers and kohya: a .safetensors file, or an existing directory to write it in",
+    )
+    s.add_argument("--json", action="store_true", help="print a JSON object")
+    s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("show", help="one adapter: metadata, modules, spectra, canonical hash")
     s.add_argument("id", type=int)

@@ -29,6 +29,12 @@ class NotReadyError(ZooError):
     http_status = 409
 
 
+class StorageError(ZooError):
+    """Stored data a request needs is missing or unreadable (a blob): `zoo check` reports it; ingest the adapter again."""
+
+    http_status = 500
+
+
 class InputError(ZooError):
     """A file or directory that cannot be read as an adapter; nothing is stored for it."""
 

@@ -1,0 +1,199 @@
+"""A stored LoRA adapter written back as files: a PEFT directory (or its zip), a diffusers-style or a
+kohya-style `.safetensors` file, rebuilt from its canonical form.
+
+Each module's update is stored as U·diag(S)·Vᵀ = s·B·A with the file's scaling s (alpha/r, or
+alpha/√r with rsLoRA) folded into S. An export writes B = U·√S and A = √S·Vᵀ at the canonical rank
+k = len(S) with alpha = k, so the file's scaling is 1 and its effective update is the stored one.
+Keys are the exact inverse of the readers in zoo/formats (same module names, same suffixes), so
+ingesting an export finds the stored adapter as a duplicate.
+
+Refused: stored checkpoints (spectra only, or truncated low-rank deltas named by state-dict keys:
+not LoRA adapters), DoRA adapters (their magnitude vectors are not stored) and conv modules (their
+kernel size is not stored, only the flattened in·kh·kw).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save
+from sqlalchemy.orm import Session
+
+from zoo.blobs import BlobStore
+from zoo.canonical import CanonicalFactors
+from zoo.db import repository
+from zoo.errors import NotFoundError, StorageError, UsageError
+from zoo.fingerprint import NamedFactors
+from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
+from zoo.formats.peft import _PAIRS as PEFT_PAIRS
+from zoo.formats.peft import _PREFIX as PEFT_PREFIX
+from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
+from zoo.ingest import UNKNOWN_BASE
+
+FORMATS = ("peft", "diffusers", "kohya")
+#: stored formats whose updates are LoRA adapters (the others are checkpoints)
+LORA_FORMATS = ("peft", "kohya")
+DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+_KOHYA_PAIR, _DIFFUSERS_PAIR = SINGLE_FILE_PAIRS[0], SINGLE_FILE_PAIRS[2]
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed: the same adapter always zips to the same bytes
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    kind: str  # linear | conv | embedding
+    transposed: bool  # the stored update is (B·A)ᵀ of PEFT's factors (embeddings, fan_in_fan_out layers)
+
+
+@dataclass(frozen=True)
+class ExportMeta:
+    """What an export needs to know of a stored adapter besides its factors."""
+
+    adapter_id: int
+    name: str
+    format: str
+    base_model: str | None  # None when unknown
+    config: dict
+    modules: dict[str, ModuleLayout]
+    extra_tensors: tuple[str, ...] = ()
+
+
+def lora_factors(f: CanonicalFactors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A k×in, B out×k) with B·A = U·diag(S)·Vᵀ: B = U·√S, A = √S·Vᵀ. A zero update (k = 0) is
+    written as rank 1 zeros, as no format has rank 0."""
+    if f.rank == 0:
+        return f.V.new_zeros(1, f.V.shape[0]), f.U.new_zeros(f.U.shape[0], 1)
+    root = f.S.sqrt()
+    return (f.V * root).T.contiguous(), (f.U * root).contiguous()
+
+
+def export_files(factors: NamedFactors, meta: ExportMeta, fmt: str) -> dict[str, bytes]:
+    """The files of an export in format `fmt` (peft | diffusers | kohya), by file name."""
+    check_exportable(meta, fmt)
+    if fmt == "peft":
+        config = json.dumps(peft_config(factors, meta), indent=2, sort_keys=True) + "\n"
+        return {CONFIG_NAME: config.encode(), WEIGHT_NAMES[0]: _safetensors(_peft_tensors(factors, meta), {})}
+    header = {"ss_sd_model_name": meta.base_model} if meta.base_model else {}  # the header key the reader takes the base from
+    if fmt == "diffusers":
+        return {DIFFUSERS_WEIGHT_NAME: _safetensors(_single_file_tensors(factors, _DIFFUSERS_PAIR, alpha=False), header)}
+    return {f"{file_stem(meta)}.safetensors": _safetensors(_single_file_tensors(factors, _KOHYA_PAIR, alpha=True), header)}
+
+
+def export_zip(factors: NamedFactors, meta: ExportMeta) -> bytes:
+    """The PEFT export as a zip holding one directory named after the adapter."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in export_files(factors, meta, "peft").items():
+            info = zipfile.ZipInfo(f"{file_stem(meta)}/{name}", date_time=_ZIP_DATE)
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    return buf.getvalue()
+
+
+def check_exportable(meta: ExportMeta, fmt: str) -> None:
+    """Refuse an unknown format and what cannot be written as a LoRA file (see the module docstring)."""
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    what = f"adapter {meta.adapter_id} ({meta.name})"
+    if meta.format not in LORA_FORMATS:
+        raise UsageError(f"{what} is a {meta.format}, not a LoRA adapter: only {' and '.join(LORA_FORMATS)} adapters can be exported")
+    if meta.config.get("use_dora"):
+        raise UsageError(f"{what} is a DoRA adapter: its magnitude vectors are not stored, so it cannot be written back")
+    conv = sorted(name for name, m in meta.modules.items() if m.kind == "conv")
+    if conv:
+        raise UsageError(f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored, so it cannot be written back")
+
+
+def export_notes(meta: ExportMeta) -> list[str]:
+    """What a user should know of an export: tensors of the source that are not in it."""
+    if not meta.extra_tensors:
+        return []
+    shown = ", ".join(meta.extra_tensors[:3]) + (", ..." if len(meta.extra_tensors) > 3 else "")
+    return [f"{len(meta.extra_tensors)} tensors of the source that are not LoRA factors ({shown}) are not stored and not exported"]
+
+
+def file_stem(meta: ExportMeta) -> str:
+    """The adapter's name made safe as a file name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", meta.name).strip("._-") or f"adapter-{meta.adapter_id}"
+
+
+def peft_config(factors: NamedFactors, meta: ExportMeta) -> dict[str, object]:
+    """adapter_config.json: r and lora_alpha the most common rank (scaling 1), exact-name patterns for the other modules."""
+    ranks = {name: max(f.rank, 1) for name, f in factors}
+    counts = Counter(ranks.values())
+    r = max(counts, key=lambda k: (counts[k], k))
+    pattern = {f"^{re.escape(name)}": k for name, k in ranks.items() if k != r}
+    return {
+        "peft_type": "LORA",
+        "base_model_name_or_path": meta.base_model,
+        "task_type": meta.config.get("task_type"),
+        "target_modules": meta.config.get("target_modules") or sorted(ranks),
+        "r": r,
+        "lora_alpha": r,
+        "rank_pattern": pattern,
+        "alpha_pattern": pattern,
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": any(m.transposed and m.kind == "linear" for m in meta.modules.values()),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "inference_mode": True,
+    }
+
+
+def _peft_tensors(factors: NamedFactors, meta: ExportMeta) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, f in factors:
+        A, B = lora_factors(f)
+        layout = meta.modules[name]
+        if layout.transposed:  # PEFT's factors give dWᵀ: (B·A)ᵀ = Aᵀ·Bᵀ
+            A, B = B.T.contiguous(), A.T.contiguous()
+        a_suffix, b_suffix = PEFT_PAIRS[1] if layout.kind == "embedding" else PEFT_PAIRS[0]
+        out[PEFT_PREFIX + name + a_suffix], out[PEFT_PREFIX + name + b_suffix] = A, B
+    return out
+
+
+def _single_file_tensors(factors: NamedFactors, pair: tuple[str, str], alpha: bool) -> dict[str, torch.Tensor]:
+    """down/A and up/B factors in the layout of the layer's stored weight (dW = up·down), with an alpha = rank tensor if asked."""
+    out: dict[str, torch.Tensor] = {}
+    for name, f in factors:
+        A, B = lora_factors(f)
+        out[name + pair[0]], out[name + pair[1]] = A, B
+        if alpha:
+            out[f"{name}.alpha"] = A.new_tensor(float(A.shape[0]))
+    return out
+
+
+def _safetensors(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> bytes:
+    return save(tensors, metadata={"format": "pt", **header})
+
+
+def load_for_export(session: Session, blobs: BlobStore, adapter_id: int) -> tuple[NamedFactors, ExportMeta]:
+    """A stored adapter's canonical factors (none for a spectra-only checkpoint) and what its export needs."""
+    adapter = repository.get_adapter(session, adapter_id, with_modules=True)
+    if adapter is None:
+        raise NotFoundError(f"no adapter with id {adapter_id}: see `zoo list`")
+    meta = ExportMeta(
+        adapter_id=adapter.id,
+        name=adapter.name,
+        format=adapter.format,
+        base_model=None if adapter.base_model == UNKNOWN_BASE else adapter.base_model,
+        config=adapter.config or {},
+        modules={m.name: ModuleLayout(m.kind, m.transposed) for m in adapter.modules},
+        extra_tensors=tuple(adapter.extra_tensors or ()),
+    )
+    if adapter.factors_blob is None:
+        return [], meta
+    try:
+        return blobs.get_factors(adapter.factors_blob), meta
+    except (OSError, SafetensorError) as exc:
+        raise StorageError(
+            f"adapter {adapter_id}: its factors blob {adapter.factors_blob} is missing or unreadable ({type(exc).__name__}): "
+            "see `zoo check`, and ingest the adapter again"
+        ) from None
