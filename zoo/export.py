@@ -32,9 +32,9 @@ from zoo.db import repository
 from zoo.errors import NotFoundError, StorageError, UsageError
 from zoo.fingerprint import NamedFactors
 from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
-from zoo.formats.peft import _PAIRS as PEFT_PAIRS
-from zoo.formats.peft import _PREFIX as PEFT_PREFIX
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
+from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
+from zoo.formats.peft import PAIRS as PEFT_PAIRS
 from zoo.ingest import UNKNOWN_BASE
 
 FORMATS = ("peft", "diffusers", "kohya")

@@ -15,8 +15,8 @@ from zoo.formats.safe_load import load_tensors, max_header_bytes
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
-_PREFIX = "base_model.model."
-_PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_embedding_A", ".lora_embedding_B"))
+KEY_PREFIX = "base_model.model."
+PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_embedding_A", ".lora_embedding_B"))
 
 
 def is_peft_dir(path: Path) -> bool:
@@ -98,12 +98,12 @@ def read_peft(directory: Path) -> AdapterData:
     fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
 
     def strip(key: str) -> str:
-        return key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
+        return key[len(KEY_PREFIX) :] if key.startswith(KEY_PREFIX) else key
 
     used: set[str] = set()
     modules: list[LoraModule] = []
     for key in sorted(tensors):
-        for a_suffix, b_suffix in _PAIRS:
+        for a_suffix, b_suffix in PAIRS:
             if not key.endswith(a_suffix):
                 continue
             stem = key[: -len(a_suffix)]
@@ -132,7 +132,7 @@ def read_peft(directory: Path) -> AdapterData:
                 A2, B2 = B2.T, A2.T
             modules.append(LoraModule(name, A2, B2, alpha, scale, kind, transposed))
     for key in tensors:
-        if key.endswith(tuple(b for _, b in _PAIRS)) and key not in used:
+        if key.endswith(tuple(b for _, b in PAIRS)) and key not in used:
             raise InputError(weights, f"{strip(key)} has lora_B but no lora_A")
     if not modules:
         raise InputError(weights, "empty adapter: no lora_A/lora_B tensors found")
