@@ -36,6 +36,7 @@ from safetensors.numpy import load_file, save_file
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from embed.attributes import AdapterAttributes, last_label_id
 from embed.checkpoint import checkpoint_meta
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
 from embed.metrics import top_k
@@ -109,13 +110,13 @@ def _load_consistent(session: Session, path: Path, embedder: Embedder, version: 
         raise ValueError(f"{path} was written for another database or embedder")
     ids, vectors = load_embeddings(session, embedder, after_version=int(meta["version"]))
     index.upsert(ids, vectors)
-    stored = _stored_count(session, embedder.id)
+    stored = stored_count(session, embedder.id)
     if index.size != stored:
         raise ValueError(f"{path} holds {index.size} vectors, the database {stored}")
     return index, meta
 
 
-def _stored_count(session: Session, embedder_id: int) -> int:
+def stored_count(session: Session, embedder_id: int) -> int:
     return int(session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder_id)) or 0)
 
 
@@ -254,6 +255,7 @@ class SpaceState:
     version: int
     embedders: dict[str, LoadedEmbedder]
     modules: ModuleStore | None
+    attributes: AdapterAttributes
     lock: RWLock = field(default_factory=RWLock)
 
     @property
@@ -331,7 +333,8 @@ class QueryEngine:
         if have is not None and have[3] <= version:
             ids, stack, dense, _ = have
             modules = ModuleStore(stack, {int(i): j for j, i in enumerate(ids.tolist())}, dense)
-        state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules)
+        ids = np.unique(np.concatenate([np.zeros(0, np.int64), *(e.index.ids for e in embedders.values())])).tolist()
+        state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules, AdapterAttributes.load(session, ids))
         if modules is not None and SKETCH in embedders:
             self._extend_modules(session, state, have[3])  # type: ignore[index]
         return state
@@ -343,7 +346,7 @@ class QueryEngine:
             return index, "loaded"
         except ValueError as exc:
             problem = str(exc)
-        count = _stored_count(session, embedder.id)
+        count = stored_count(session, embedder.id)
         if count > IVF_FROM:
             raise NotReadyError(f"{problem}; run `zoo index rebuild` to rebuild it from the database")
         ids, vectors = load_embeddings(session, embedder)
@@ -351,24 +354,30 @@ class QueryEngine:
         return index, f"answered from the database ({problem}); run `zoo index rebuild` to save an index"
 
     def _refresh(self, session: Session, state: SpaceState) -> None:
-        if space_version(session, state.id) == state.version:
+        """Catch up with the database: new embeddings (the space version moved), new labels (the last label id did)."""
+        if space_version(session, state.id) == state.version and last_label_id(session) == state.attributes.mark:
             return
         with state.lock.write():
             version = space_version(session, state.id)
-            if version == state.version:
-                return
-            active = {m: e.id for m, e in serving_embedders(session, state.id).items()}
-            if active != {m: e.id for m, e in state.embedders.items()}:  # an embedder was trained or replaced
-                row = session.get(EmbeddingSpace, state.id)
-                fresh = self._load(session, row)  # type: ignore[arg-type]
-                state.embedders, state.modules, state.version = fresh.embedders, fresh.modules, fresh.version
-                return
-            for loaded in state.embedders.values():
-                e = session.get(Embedder, loaded.id)
-                ids, vectors = load_embeddings(session, e, after_version=state.version)  # type: ignore[arg-type]
-                loaded.index.upsert(ids, vectors)
-            self._extend_modules(session, state, state.version)
-            state.version = version
+            if version != state.version:
+                self._catch_up(session, state, version)
+            state.attributes.refresh(session)
+
+    def _catch_up(self, session: Session, state: SpaceState, version: int) -> None:
+        active = {m: e.id for m, e in serving_embedders(session, state.id).items()}
+        if active != {m: e.id for m, e in state.embedders.items()}:  # an embedder was trained or replaced
+            row = session.get(EmbeddingSpace, state.id)
+            fresh = self._load(session, row)  # type: ignore[arg-type]
+            state.embedders, state.modules, state.attributes = fresh.embedders, fresh.modules, fresh.attributes
+            state.version = fresh.version
+            return
+        for loaded in state.embedders.values():
+            e = session.get(Embedder, loaded.id)
+            ids, vectors = load_embeddings(session, e, after_version=state.version)  # type: ignore[arg-type]
+            loaded.index.upsert(ids, vectors)
+            state.attributes.add(session, ids.tolist())
+        self._extend_modules(session, state, state.version)
+        state.version = version
 
     def _extend_modules(self, session: Session, state: SpaceState, after_version: int) -> None:
         """Add the factors of adapters sketched after `after_version` to the module store."""
@@ -392,8 +401,8 @@ class QueryEngine:
         method = method or state.default_method
         if method not in SEARCH_METHODS:
             raise UsageError(f"unknown search method {method!r}; one of {', '.join(SEARCH_METHODS)}")
-        allowed = np.array(repository.filter_adapter_ids(session, state.base_model, filters), dtype=np.int64) if filters else None
         with state.lock.read():
+            allowed = self._allowed(session, state, filters) if filters else None
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
             vectors = {e.method: self._query_vector(state, e, query) for e in embedders}
             exact_stage = method in ("hybrid", "module")
@@ -406,12 +415,12 @@ class QueryEngine:
                 pool.discard(query.adapter_id)
             candidates = np.array(sorted(pool), dtype=np.int64)
             scores = self._scores(state, method, query, vectors, candidates)
-        top = top_k(scores, k)
-        hit_ids = candidates[top].tolist()
-        info = repository.names_and_labels(session, hit_ids)
+            top = top_k(scores, k)
+            hit_ids = candidates[top].tolist()
+            info = [state.attributes.name_and_labels(i) for i in hit_ids]
         results = [
-            {"adapter_id": i, "name": info.get(i, ("?", {}))[0], "score": float(scores[j]), "labels": info.get(i, ("?", {}))[1]}
-            for i, j in zip(hit_ids, top.tolist(), strict=True)
+            {"adapter_id": i, "name": name, "score": float(scores[j]), "labels": labels}
+            for i, j, (name, labels) in zip(hit_ids, top.tolist(), info, strict=True)
         ]
         return {
             "space": state.name,
@@ -421,6 +430,17 @@ class QueryEngine:
             "index_states": {e.method: e.state for e in embedders},
             "results": results,
         }
+
+    @staticmethod
+    def _allowed(session: Session, state: SpaceState, filters: Mapping[str, str]) -> np.ndarray:
+        """Ids the filters keep: label keys from memory, adapter columns (base_model, format, rank, source) in SQL."""
+        columns = {k: v for k, v in filters.items() if k in repository.COLUMN_FILTERS}
+        allowed = np.array(repository.filter_adapter_ids(session, state.base_model, columns), np.int64) if columns else None
+        for key, value in filters.items():
+            if key not in repository.COLUMN_FILTERS:
+                ids = state.attributes.with_label(key, value)
+                allowed = ids if allowed is None else np.intersect1d(allowed, ids, assume_unique=True)
+        return np.sort(allowed)  # type: ignore[arg-type]
 
     def _embedder(self, state: SpaceState, kind: str, method: str) -> LoadedEmbedder:
         e = state.embedders.get(kind)

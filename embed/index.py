@@ -15,6 +15,17 @@ never re-embed. How it searches depends on its size:
   probes (`nprobe`) are tuned together when it is built (`tune_nprobe`), on a sample of its own
   vectors, to put `RECALL_GOAL` of the exact top 10 among them at the least measured time.
 
+Filtered search (`allowed` ids) takes the cheapest of three ways:
+- **exact** over the allowed rows of the store while they are few (`EXACT_FILTER_BUDGET` numbers);
+- **subset**: an IVF index also keeps every row as an 8-bit product-quantizer code of 8 dimensions
+  a byte (192 bytes for a module sketch), in row order, so the allowed rows' codes are gathered and
+  scored by FAISS's asymmetric distance (cost ∝ allowed rows), and their `filter_rerank` nearest
+  re-ranked by the store;
+- **probe**: the IVF with an id selector over `filtered_nprobe(share)` lists (cost ∝ lists probed).
+The subset's re-rank depth and the probe's lists are measured when the index is built, under a
+random filter keeping `FILTER_SHARE` of the rows, and so is each way's time; a query takes the way
+whose measured cost, scaled to its own filter, is lower.
+
 Files: one safetensors file per index (ids, vectors, the serialized IVF and a metadata map),
 written to a temporary file, fsynced, renamed over the old one and the directory fsynced, so a
 reader sees the old file or the new one, whole. The metadata carries a SHA-256 of the ids and
@@ -52,6 +63,10 @@ FILTER_SHARE = 0.01
 EXACT_FILTER_BUDGET = 2_000_000
 #: from this dimension on, IVF codes are product-quantizer fast-scan codes (4 bits per 4 dimensions)
 PQ_FROM_DIM = 512
+#: the subset codes: one byte per this many dimensions (or the largest divisor of d below it)
+SUBSET_DIMS_PER_BYTE = 8
+#: vectors the subset codes are trained on
+SUBSET_TRAIN = 20_000
 
 
 def ivf_lists(n: int) -> int:
@@ -94,6 +109,10 @@ class AdapterIndex:
         self._ivf = ivf
         self.rerank = CANDIDATES
         self.filter_nprobe = faiss.extract_index_ivf(ivf.base_index).nlist if ivf is not None else 0
+        self._subset: faiss.IndexPQ | None = None  # the IVF kind's subset codes, row order
+        self.filter_rerank = RERANKS[-1]
+        self.subset_row_s = np.inf  # measured cost of the subset way per allowed row, and of the probe way per list
+        self.probe_list_s = 0.0
         self._ids = np.zeros(0, np.int64)
         self._flat = np.zeros((0, dim), np.float32)  # the flat kind's store
         self._size = 0
@@ -145,7 +164,11 @@ class AdapterIndex:
         base.own_fields, refine.own_fields = True, True
         for part in (quantizer, base, store):
             part.this.disown()
-        return cls(dim, refine)
+        index = cls(dim, refine)
+        per_byte = next(b for b in range(SUBSET_DIMS_PER_BYTE, 0, -1) if dim % b == 0)
+        index._subset = faiss.IndexPQ(dim, dim // per_byte, 8, faiss.METRIC_INNER_PRODUCT)
+        index._subset.train(sample[np.random.default_rng(1).permutation(len(sample))[:SUBSET_TRAIN]])
+        return index
 
     # -- what it holds -------------------------------------------------------------------------
 
@@ -218,6 +241,12 @@ class AdapterIndex:
         codes = faiss.rev_swig_ptr(self._store.codes.data(), self._store.codes.size())
         return np.frombuffer(codes, dtype=np.float16).reshape(-1, self.dim)
 
+    def _subset_codes(self) -> np.ndarray:
+        """The subset codes as a writable (size, bytes per code) array, in place."""
+        sub = self._subset
+        codes = faiss.rev_swig_ptr(sub.codes.data(), sub.codes.size())  # type: ignore[union-attr]
+        return np.frombuffer(codes, dtype=np.uint8).reshape(-1, sub.code_size)  # type: ignore[union-attr]
+
     def _ids_of(self, rows: np.ndarray) -> np.ndarray:
         """Adapter ids of store rows, -1 where FAISS padded with -1."""
         return np.where(rows >= 0, self._ids[np.maximum(rows, 0)], -1)
@@ -244,6 +273,7 @@ class AdapterIndex:
             else:
                 self._base.add_with_ids(vectors, np.arange(start, start + len(ids), dtype=np.int64))
                 self._store.add(vectors)
+                self._subset.add(vectors)  # type: ignore[union-attr]
                 self._ivf.ntotal = self._store.ntotal
             self._size = start + len(ids)
             self._index_rows()
@@ -277,6 +307,7 @@ class AdapterIndex:
                     self._base.remove_ids(rows[old])
                     self._base.add_with_ids(vectors[old], rows[old])
                     self._store_codes()[rows[old]] = vectors[old].astype(np.float16)
+                    self._subset_codes()[rows[old]] = self._subset.sa_encode(vectors[old])  # type: ignore[union-attr]
         self.add(ids[~old], vectors[~old])
 
     # -- search --------------------------------------------------------------------------------
@@ -284,8 +315,7 @@ class AdapterIndex:
     def search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of the k nearest by the stored vectors' cosine, best first; id -1 pads when fewer
         exist. Flat: exact. IVF: its max(k, rerank) nearest by the codes, re-ranked by the store in FAISS.
-        `allowed`: only these adapter ids (flat, or few enough for EXACT_FILTER_BUDGET: exact over their
-        rows; else a FAISS id selector probing `filtered_nprobe(share)` lists, measured at build time)."""
+        `allowed`: only these adapter ids, by the cheapest way (module doc: exact, subset or probe)."""
         q = normalize(queries)
         k = max(1, k)
         rows = None
@@ -294,18 +324,48 @@ class AdapterIndex:
             rows = rows[rows >= 0]
         if self._ivf is None or (rows is not None and len(rows) * self.dim <= EXACT_FILTER_BUDGET):
             return self._exact(q, np.arange(self._size) if rows is None else rows, k)
-        base = self._base
-        nprobe = base.nprobe
-        if rows is not None:  # not empty: an empty filter is within EXACT_FILTER_BUDGET
-            nprobe = self.filtered_nprobe(len(rows) / max(self._size, 1))
+        if rows is not None and self.subset_cheaper(len(rows)):
+            return self._search_subset(q, rows, k)
+        return self._probe(q, k, rows)
+
+    def subset_cheaper(self, allowed: int) -> bool:
+        """Whether a filter keeping `allowed` rows costs less by the subset codes than by probing lists."""
+        return allowed * self.subset_row_s <= self.filtered_nprobe(allowed / max(self._size, 1)) * self.probe_list_s
+
+    def _probe(self, q: np.ndarray, k: int, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The IVF's nearest (among `rows` by an id selector), re-ranked by the store in FAISS."""
+        nprobe = self._base.nprobe if rows is None else self.filtered_nprobe(len(rows) / max(self._size, 1))
         base_params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows) if rows is not None else None)
         kk = min(k, self._size)
         params = faiss.IndexRefineSearchParameters(k_factor=max(kk, self.rerank) / kk, base_index_params=base_params)
         scores = np.full((len(q), k), -np.inf, np.float32)
         ids = np.full((len(q), k), -1, np.int64)
-        s, r = self._ivf.search(q, kk, params=params)
+        s, r = self._ivf.search(q, kk, params=params)  # type: ignore[union-attr]
         scores[:, :kk] = s
         ids[:, :kk] = self._ids_of(r)
+        return scores, ids
+
+    def _subset_nearest(self, q: np.ndarray, rows: np.ndarray, depth: int) -> np.ndarray:
+        """(len(q), depth) rows of `rows` nearest by the subset codes (-1 pads)."""
+        codes = np.ascontiguousarray(self._subset_codes()[rows])
+        depth = min(depth, len(rows))
+        values = np.empty((len(q), depth), np.float32)
+        found = np.empty((len(q), depth), np.int64)
+        heap = faiss.float_minheap_array_t()
+        heap.nh, heap.k, heap.val, heap.ids = len(q), depth, faiss.swig_ptr(values), faiss.swig_ptr(found)
+        self._subset.pq.search_ip(faiss.swig_ptr(q), len(q), faiss.swig_ptr(codes), len(codes), heap, True)  # type: ignore[union-attr]
+        return np.where(found >= 0, rows[np.maximum(found, 0)], -1)
+
+    def _search_subset(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The `filter_rerank` nearest among `rows` by the subset codes, re-ranked by the store."""
+        scores = np.full((len(q), k), -np.inf, np.float32)
+        ids = np.full((len(q), k), -1, np.int64)
+        for i, (row, found) in enumerate(zip(q, self._subset_nearest(q, rows, max(k, self.filter_rerank)), strict=True)):
+            found = found[found >= 0]
+            exact = self._at(found) @ row
+            top = np.argsort(-exact, kind="stable")[:k]
+            scores[i, : len(top)] = exact[top]
+            ids[i, : len(top)] = self._ids[found[top]]
         return scores, ids
 
     def _exact(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -376,10 +436,14 @@ class AdapterIndex:
         return recall
 
     def _tune_filtered(self, q: np.ndarray, k: int) -> None:
-        """Set `filter_nprobe`: the fewest lists (a power of two times nprobe) whose candidates, under a
-        random filter keeping FILTER_SHARE of the rows, hold RECALL_GOAL of the exact top k among them."""
+        """Under a random filter keeping FILTER_SHARE of the rows, set `filter_nprobe` (the fewest lists, a
+        power of two times nprobe, whose candidates hold RECALL_GOAL of the exact top k among the allowed)
+        and `filter_rerank` (the fewest subset-code nearest that do), and time both ways per query.
+        Below CANDIDATES allowed rows at that share nothing is measured: probing takes every list, and the
+        subset way, bounded by so few rows, is always taken."""
         base = self._base
-        self.filter_nprobe = base.nlist
+        self.filter_nprobe, self.filter_rerank = base.nlist, RERANKS[-1]
+        self.subset_row_s, self.probe_list_s = 0.0, np.inf
         if self._size * FILTER_SHARE < CANDIDATES:
             return
         rng = np.random.default_rng(0)
@@ -391,9 +455,21 @@ class AdapterIndex:
             params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows))
             found = base.search(q, min(self.rerank, len(rows)), params=params)[1]
             if recall_at_k(self._ids_of(found), exact) >= RECALL_GOAL:
-                self.filter_nprobe = nprobe
-                return
+                break
             nprobe *= 2
+        self.filter_nprobe = min(nprobe, base.nlist)
+        self.filter_rerank = next(
+            (r for r in RERANKS if recall_at_k(self._ids_of(self._subset_nearest(q, rows, r)), exact) >= RECALL_GOAL), RERANKS[-1]
+        )
+        t0 = time.perf_counter()
+        for row in q:
+            self._search_subset(row[None, :], rows, CANDIDATES)
+        t1 = time.perf_counter()
+        for row in q:
+            self._probe(row[None, :], CANDIDATES, rows)
+        t2 = time.perf_counter()
+        self.subset_row_s = (t1 - t0) / len(q) / len(rows)
+        self.probe_list_s = (t2 - t1) / len(q) / self.filter_nprobe
 
     def filtered_nprobe(self, share: float) -> int:
         """Lists to probe under a filter keeping `share` of the rows: nprobe at share 1, `filter_nprobe`
@@ -415,6 +491,7 @@ class AdapterIndex:
                 tensors["vectors"] = np.ascontiguousarray(self._flat[: self._size])
             else:
                 tensors["ivf"] = faiss.serialize_index(self._ivf)
+                tensors["subset"] = faiss.serialize_index(self._subset)
             full = {
                 **meta,
                 "dim": self.dim,
@@ -423,8 +500,11 @@ class AdapterIndex:
                 "nprobe": self.nprobe,
                 "rerank": self.rerank,
                 "filter_nprobe": self.filter_nprobe,
+                "filter_rerank": self.filter_rerank,
+                "subset_row_s": self.subset_row_s,
+                "probe_list_s": self.probe_list_s,
             }
-            full["checksum"] = _checksum(ids, tensors.get("ivf"))
+            full["checksum"] = _checksum(ids, tensors.get("ivf"), tensors.get("subset"))
             replace_durably(path, lambda tmp: save_file(tensors, str(tmp), metadata={"zoo": json.dumps(full)}))
 
     @classmethod
@@ -438,32 +518,37 @@ class AdapterIndex:
             ids = tensors["ids"]
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
             raise ValueError(f"index file {path} is missing or unreadable ({type(exc).__name__})") from None
-        ivf_bytes = tensors.pop("ivf", None)
+        ivf_bytes, subset_bytes = tensors.pop("ivf", None), tensors.pop("subset", None)
         flat = tensors.get("vectors")
-        consistent = len(ids) == count and (ivf_bytes is not None or (flat is not None and flat.shape == (count, dim)))
-        if not consistent or meta.get("checksum") != _checksum(ids, ivf_bytes):
+        consistent = len(ids) == count and (
+            (ivf_bytes is not None and subset_bytes is not None) or (flat is not None and flat.shape == (count, dim))
+        )
+        if not consistent or meta.get("checksum") != _checksum(ids, ivf_bytes, subset_bytes):
             raise ValueError(f"index file {path} disagrees with itself (count, shape or checksum)")
         ivf = faiss.deserialize_index(ivf_bytes) if ivf_bytes is not None else None
-        del ivf_bytes
         index = cls(dim, ivf)
         if ivf is not None:
-            if int(ivf.ntotal) != count or int(ivf.d) != dim:
+            index._subset = faiss.deserialize_index(subset_bytes)
+            if int(ivf.ntotal) != count or int(ivf.d) != dim or int(index._subset.ntotal) != count:
                 raise ValueError(f"index file {path} disagrees with itself (the IVF holds {ivf.ntotal} of {count})")
             index._base.nprobe = int(meta["nprobe"])
-            index.rerank = int(meta.get("rerank", CANDIDATES))
-            index.filter_nprobe = int(meta.get("filter_nprobe", index._base.nlist))
+            index.rerank = int(meta["rerank"])
+            index.filter_nprobe, index.filter_rerank = int(meta["filter_nprobe"]), int(meta["filter_rerank"])
+            index.subset_row_s, index.probe_list_s = float(meta["subset_row_s"]), float(meta["probe_list_s"])
         else:
             index._flat = flat  # type: ignore[assignment]
+        del ivf_bytes, subset_bytes
         index._ids = np.ascontiguousarray(ids, np.int64)
         index._size = count
         index._index_rows()
         return index, meta
 
 
-def _checksum(ids: np.ndarray, ivf_bytes: np.ndarray | None) -> str:
+def _checksum(ids: np.ndarray, *parts: np.ndarray | None) -> str:
     h = hashlib.sha256(np.ascontiguousarray(ids, np.int64).tobytes())
-    if ivf_bytes is not None:
-        h.update(np.ascontiguousarray(ivf_bytes).tobytes())
+    for part in parts:
+        if part is not None:
+            h.update(np.ascontiguousarray(part).tobytes())
     return h.hexdigest()
 
 

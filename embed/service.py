@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from embed.dataset import load_adapters
 from embed.engine import SKETCH, W2T, Query, QueryEngine, load_w2t, update_index_file, update_module_store
 from embed.index import brute_force, recall_at_k
+from embed.maps import refresh_map
 from embed.registry import active_embedder, embedded_ids, ensure_space, get_space, load_embeddings, register, serving_embedders, slug
 from embed.registry import store_embeddings as store_vectors
 from embed.similarity import MODULE_SKETCH_DIM, module_sketches
@@ -63,7 +64,7 @@ def embed_space(
     sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, device: str | None = None
 ) -> list[dict[str, object]]:
     """Embed every adapter of the space not yet embedded, under every serving embedder; update the index
-    files and the module store. One report per embedder.
+    files, the module store and the map. One report per embedder.
 
     Safe to run from several processes at once: the space and its sketch embedder are set up under the
     space's write lock; vectors are computed outside any transaction and committed 256 at a time, each
@@ -116,8 +117,10 @@ def embed_space(
         )
     with sessions() as session:
         store = update_module_store(session, blobs, data_dir, session.get(EmbeddingSpace, space_id))  # type: ignore[arg-type]
+        zoo_map = refresh_map(session, data_dir, space_id)
     for r in reports:
         r["module_store"] = store
+        r["map"] = zoo_map
     return reports
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sqlalchemy import select
 
 from embed import engine as engine_module
 from embed.engine import MAX_K, Query, QueryEngine
@@ -18,6 +19,7 @@ from embed.similarity import module_cosine_matrix
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from zoo.blobs import BlobStore
+from zoo.db.models import Label
 from zoo.db.session import session_factory
 from zoo.errors import NotReadyError, UsageError
 
@@ -113,9 +115,10 @@ def test_filtered_results_equal_brute_force(cli: CLI, twenty: Path, method: str)
     with session_factory(cli.settings.database_url)() as session:
         found = engine.similar(session, "tiny", Query("e01", 2), 4, filters, method)
         state = engine.space(session, "tiny")
-        everything = engine.similar(session, "tiny", Query("e01", 2), MAX_K, method=method)
-    labels = {r["adapter_id"]: r["labels"] for r in everything["results"]}
-    allowed = sorted(i for i, lb in labels.items() if lb["task"] == "qv" and lb["colour"] == "blue")
+        labels: dict[int, dict[str, str]] = {}
+        for adapter_id, key, value in session.execute(select(Label.adapter_id, Label.key, Label.value)).all():
+            labels.setdefault(adapter_id, {})[key] = value
+    allowed = sorted(i for i, lb in labels.items() if lb["task"] == "qv" and lb["colour"] == "blue" and i != 2)
     assert len(allowed) >= 4 and all(labels[i]["task"] == "qv" for i in ids_of(found))
     if method == "module":
         exact = module_cosine_matrix(stored_factors(cli, [2]), stored_factors(cli, allowed))[0]
@@ -125,6 +128,34 @@ def test_filtered_results_equal_brute_force(cli: CLI, twenty: Path, method: str)
     want = [allowed[j] for j in np.argsort(-exact, kind="stable")[:4]]
     assert ids_of(found) == want
     assert np.allclose([r["score"] for r in found["results"]], np.sort(exact)[::-1][:4], atol=1e-5)
+
+
+def test_engine_sees_label_changes_without_a_restart(cli: CLI, twenty: Path, tmp_path: Path) -> None:
+    ingest_and_embed(cli, twenty, "first")
+    engine = make_engine(cli)
+    sessions = session_factory(cli.settings.database_url)
+
+    def green() -> dict:
+        with sessions() as session:
+            return engine.similar(session, "tiny", Query("e00", 1), MAX_K, {"colour": "green"}, "sketch")
+
+    assert green()["results"] == []
+    (tmp_path / "relabel.csv").write_text("name,colour\ne03,green\ne05,green\n")
+    rc, _ = cli.json_lines(
+        "ingest",
+        str(twenty / "first" / "e03"),
+        str(twenty / "first" / "e05"),
+        "--labels",
+        str(tmp_path / "relabel.csv"),
+        "--base-model",
+        "tiny",
+    )
+    assert rc == 0
+    after = green()
+    assert sorted(ids_of(after)) == [4, 6] and all(r["labels"] == {"task": "qv", "colour": "green"} for r in after["results"])
+    with sessions() as session:  # e03 was red: the old value no longer matches it
+        red = engine.similar(session, "tiny", Query("e00", 1), MAX_K, {"colour": "red"}, "sketch")
+    assert 4 not in ids_of(red) and {r["labels"]["colour"] for r in red["results"]} == {"red"}
 
 
 def test_k_cap_unknown_filter_values_and_large_stale_indexes(cli: CLI, twenty: Path, monkeypatch: pytest.MonkeyPatch) -> None:

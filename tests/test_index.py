@@ -120,3 +120,41 @@ def test_high_dimensional_ivf_uses_fast_scan_codes_and_meets_its_recall_goal() -
         "qd,qkd->qk", queries / np.linalg.norm(queries, axis=1, keepdims=True), index.vectors(approx.ravel()).reshape(50, 10, 512)
     )
     assert np.allclose(scores, ref, atol=1e-5)
+
+
+def test_filtered_ivf_search_by_subset_codes_and_by_probing_both_meet_the_goal(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids, vecs = clustered(30_000, 64, seed=5)
+    index = AdapterIndex.build(ids, vecs, ivf=True)
+    # 300 allowed at FILTER_SHARE: both ways were measured when the index was built
+    assert index.subset_row_s > 0 and 0 < index.probe_list_s < np.inf
+    assert index.filter_rerank >= 200 and index.nprobe <= index.filter_nprobe <= index._base.nlist  # type: ignore[operator]
+    monkeypatch.setattr("embed.index.EXACT_FILTER_BUDGET", 0)  # never exact: exercise the two approximate ways
+    rng = np.random.default_rng(6)
+    queries = vecs[:40] + 0.05 * rng.standard_normal((40, 64)).astype(np.float32)
+    allowed_rows = np.sort(rng.choice(len(ids), 600, replace=False))
+    _, ref = brute_force(ids[allowed_rows], vecs[allowed_rows], queries, 10)
+    for subset, probe in ((0.0, 1.0), (1.0, 0.0)):  # costs that force one way, then the other
+        index.subset_row_s, index.probe_list_s = subset, probe
+        assert index.subset_cheaper(600) == (subset == 0.0)
+        scores, got = index.search(queries, 10, allowed=ids[allowed_rows])
+        assert set(got.ravel().tolist()) <= set(ids[allowed_rows].tolist())
+        assert recall_at_k(got, ref) >= RECALL_GOAL - 0.03
+        assert np.all(np.diff(scores, axis=1) <= 1e-6)  # best first, by the stored vectors
+    # the cost model: the subset way for few allowed rows, probing for many
+    index.subset_row_s, index.probe_list_s = 1e-6, 1e-4
+    assert index.subset_cheaper(100) and not index.subset_cheaper(29_000)
+
+
+def test_subset_codes_follow_upserts_and_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids, vecs = clustered(8000, 32, seed=7)
+    index = AdapterIndex.build(ids, vecs, ivf=True)
+    index.upsert(ids[:1], -vecs[:1])  # the adapter moved to the opposite side
+    monkeypatch.setattr("embed.index.EXACT_FILTER_BUDGET", 0)
+    index.filter_rerank = 5  # its 5 nearest by the subset codes: found only if its code moved too
+    allowed = ids[:2000]
+    _, got = index.search(-vecs[:1], 1, allowed=allowed)
+    assert got[0, 0] == ids[0]
+    index.save(tmp_path / "ivf.index", {"embedder_id": 1, "version": 1})
+    loaded, meta = AdapterIndex.load(tmp_path / "ivf.index")
+    assert meta["filter_rerank"] == loaded.filter_rerank == index.filter_rerank
+    assert np.array_equal(loaded.search(-vecs[:1], 5, allowed=allowed)[1], index.search(-vecs[:1], 5, allowed=allowed)[1])

@@ -8,7 +8,8 @@ What it finds:
   writer inserts its rows, writes its blob, then commits, so a blob younger than the grace period
   may belong to a transaction still open: those are counted as `in_flight`, never removed.
 - **indexes**: each serving embedder's index file must load, check itself and agree with the
-  database; the module store must be readable. Repair rebuilds them from the database.
+  database; the module store must be readable; so must the space's map file (embed/maps.py). Repair
+  rebuilds them from the database.
 - **unembedded adapters**: adapters that fit a space but have no vector under its module sketch.
   Repair embeds them (`zoo embed`).
 """
@@ -90,17 +91,18 @@ def _sha256(path: Path) -> str:
 
 
 def _files(data_dir: Path) -> Iterator[Path]:
-    for sub in ("blobs", "index", "rerank", "embedders"):
+    for sub in ("blobs", "index", "rerank", "embedders", "map"):
         root = data_dir / sub
         if root.is_dir():
             yield from (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) -> tuple[list[dict], list[dict], list[str]]:  # type: ignore[no-untyped-def]
-    """Index files, module stores and missing embeddings per space (embed/ is imported only here). A
-    space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
-    every index file and module store that is missing or disagrees with the database."""
+    """Index files, module stores, maps and missing embeddings per space (embed/ is imported only here).
+    A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
+    every index file, module store and map that is missing or disagrees with the database."""
     from embed.engine import SKETCH, _load_consistent, _read_module_store, index_path, module_store_path
+    from embed.maps import map_embedder, map_path, map_state
     from embed.registry import serving_embedders, space_version
     from embed.service import embed_space
 
@@ -124,6 +126,10 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
             store_path = module_store_path(settings.data_dir, space.id)
             if store_path.exists() and _read_module_store(store_path) is None:
                 found.append({"space": space.name, "module_store": str(store_path), "state": "unreadable"})
+            shown = map_embedder(session, space.id)
+            if shown is not None:
+                map_file = str(map_path(settings.data_dir, shown.id))
+                found.append({"space": space.name, "map": map_file, "state": map_state(session, settings.data_dir, shown)})
             sketch = serving.get(SKETCH)
             missing = _unembedded(session, space, sketch.id) if sketch else []
         bad = [entry for entry in found if entry["state"] != "ok"]
@@ -132,7 +138,7 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
             embed_space(sessions, blobs, settings.data_dir, space.base_model)
             for entry in [*bad, *([gap] if gap else [])]:
                 entry["repaired"] = True
-            repaired += [f"{space.name}: rebuilt {e.get('method', 'module store')}" for e in bad]
+            repaired += [f"{space.name}: rebuilt {e.get('method', 'map' if 'map' in e else 'module store')}" for e in bad]
             repaired += [f"{space.name}: embedded {len(missing)} adapters"] if missing else []
         indexes += found
         unembedded += [gap] if gap else []

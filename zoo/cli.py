@@ -352,7 +352,7 @@ def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
     for r in reports:
         print(
             f"{r['space']}: {r['method']} (embedder {r['embedder_id']}) embedded {r['embedded']} new adapters, {r['total']} in the "
-            f"{r['index_kind']} index ({r['index']}); module store: {r['module_store']}"
+            f"{r['index_kind']} index ({r['index']}); module store: {r['module_store']}; map: {r['map']}"
             + (f"; {r['skipped_not_fitting']} do not fit this embedder's modules" if r["skipped_not_fitting"] else "")
         )
     return 0
@@ -422,6 +422,42 @@ def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
         print(f"{info['space']}: " + ", ".join(f"{k}: {v}" for k, v in e.items()))
     print(f"{info['space']}: module store: {info['module_store']}")
     return 0
+
+
+def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
+    from embed.maps import refresh_map, space_map
+    from embed.service import resolve_space
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        space = resolve_space(session, args.space)
+        saved = refresh_map(session, settings.data_dir, space.id, rebuild=args.rebuild)
+        found = space_map(session, settings.data_dir, space.name, args.color_by, args.limit)
+    found["file"] = saved
+    if args.plot:
+        from zoo.plots import plot_map
+
+        plot_map(found, Path(args.plot))
+    if args.json:
+        _print_json(found)
+        return 0
+    first, second = found["explained"]  # type: ignore[misc]
+    print(
+        f"{found['space']}: {found['shown']} of {found['count']} adapters by {found['method']} (embedder {found['embedder_id']}), "
+        f"PCA axes holding {first:.0%} and {second:.0%} of the variance; map file: {saved}"
+    )
+    print("colour keys: " + (", ".join(found["color_keys"]) or "none (no given labels or test measurements)"))  # type: ignore[arg-type]
+    legend: dict | None = found["legend"]  # type: ignore[assignment]
+    if legend is not None:
+        if legend["kind"] == "metric":
+            spread = f"{legend['min']:.4g}..{legend['max']:.4g}" if legend["min"] is not None else "-"
+        else:
+            spread = ", ".join(f"{v['value']} ({v['count']})" for v in legend["values"]) or "-"
+        print(f"{args.color_by}: {spread}; {legend['missing']} shown adapters without it")
+    if args.plot:
+        print(f"map drawn to {args.plot}")
+    return 0
+
 
 
 def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
@@ -645,6 +681,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--space")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_index)
+
+    s = sub.add_parser(
+        "map",
+        help="the zoo map: a 2-D PCA of a space's embeddings (W2T if trained, else module sketches), saved, drawn or printed",
+        description="Brings the space's map file up to date (new adapters are projected onto the saved axes; it is fitted "
+        "again when asked, when missing or when its points more than doubled since the fit), then shows it.",
+    )
+    s.add_argument("--space")
+    s.add_argument("--color-by", metavar="KEY", help="a given label key, or metric:NAME for a measured test metric")
+    s.add_argument("--limit", type=int, default=5000, help="at most this many points, a deterministic spread (default: %(default)s)")
+    s.add_argument("--rebuild", action="store_true", help="fit the map again from every embedding")
+    s.add_argument("--plot", metavar="PNG", help="draw the map to this image file")
+    s.add_argument("--json", action="store_true", help="print the map resource as one JSON object")
+    s.set_defaults(func=cmd_map)
 
     s = sub.add_parser("list", help="list stored adapters")
     s.add_argument("--base-model", metavar="NAME")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -40,6 +41,43 @@ def plot_spectra(name: str, modules: Sequence[Mapping[str, object]], path: Path)
         sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, top))
         fig.colorbar(sm, ax=axes, label="layer", shrink=0.8)
     fig.suptitle(f"spectra of {name}")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+#: label values drawn in a colour of their own; the rest are grey
+MAP_CATEGORIES = 10
+
+
+def plot_map(zoo_map: Mapping[str, Any], path: Path) -> Path:
+    """The zoo map's points (embed/maps.py `space_map`): one colour per label value (the most common
+    ones), a colour scale for a metric, grey where a point has no value."""
+    points = zoo_map["points"]
+    legend = zoo_map["legend"]
+    fig, ax = plt.subplots(figsize=(7.5, 6), layout="constrained")
+    bare = [p for p in points if p["value"] is None] if legend else points
+    if bare:
+        ax.scatter([p["x"] for p in bare], [p["y"] for p in bare], s=8, color="lightgrey" if legend else "tab:blue", label="no value")
+    if legend and legend["kind"] == "metric":
+        have = [p for p in points if p["value"] is not None]
+        dots = ax.scatter([p["x"] for p in have], [p["y"] for p in have], c=[p["value"] for p in have], s=10, cmap="viridis")
+        fig.colorbar(dots, ax=ax, label=zoo_map["color_by"])
+    elif legend:
+        top = [v["value"] for v in legend["values"][:MAP_CATEGORIES]]
+        cmap = plt.get_cmap("tab10")
+        for i, value in enumerate(top):
+            group = [p for p in points if p["value"] == value]
+            ax.scatter([p["x"] for p in group], [p["y"] for p in group], s=10, color=cmap(i), label=str(value))
+        rest = [p for p in points if p["value"] is not None and p["value"] not in top]
+        if rest:
+            ax.scatter([p["x"] for p in rest], [p["y"] for p in rest], s=8, color="dimgrey", label="other")
+        ax.legend(title=zoo_map["color_by"], fontsize="small", markerscale=1.5)
+    first, second = zoo_map["explained"]
+    ax.set_xlabel(f"PC1 ({first:.0%} of the variance)")
+    ax.set_ylabel(f"PC2 ({second:.0%})")
+    ax.set_title(f"{zoo_map['space']}: {zoo_map['shown']} of {zoo_map['count']} adapters, {zoo_map['method']} embedding")
+    ax.grid(True, alpha=0.3)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

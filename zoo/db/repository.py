@@ -109,6 +109,10 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
     }
 
 
+#: filter keys that are adapter columns (any other key is a given label)
+COLUMN_FILTERS = ("rank", "format", "base_model", "source")
+
+
 def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, str]) -> list[int]:
     """Ids of adapters matching every filter, in one query: `base_model`, `format` and `rank` match
     exactly, `source` is a prefix of the source URI, any other key is a given label's value.

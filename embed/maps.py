@@ -1,0 +1,320 @@
+"""The zoo map: a 2-D projection (embed/projection.py) of one embedder's vectors, stored and served.
+
+Which embedder: the space's supervised W2T when it has one, else its module sketch (`map_embedder`).
+
+File: `DATA/map/embedder-N.safetensors`: ids (int64, ascending), xy (float32), the projection's mean
+and basis, and a metadata map (embedder id, the space version it covers, the points it was fitted
+with, the variance share of each axis, a SHA-256 of all of it), replaced whole with
+`zoo.files.replace_durably`.
+
+`update_map` runs where index files are brought up to date (`zoo embed`, `zoo train`, `zoo map`,
+`zoo check --repair`), never in a request. It fits the map when the file is missing, unreadable,
+written for another embedder or database, or when asked (`rebuild`); otherwise it projects only the
+vectors written since the file's version with the stored basis, so no point moves. **Refit rule**: when
+the points added since the fit outnumber those it was fitted with (the map more than doubled), it is
+fitted again: refits are rare (amortized O(1) per point) and the picture only changes after the zoo
+has.
+
+`space_map` is the resource a page draws: it reads the file (once per file and space version),
+projects in memory what was embedded since, and when the file is missing or bad answers from the
+database's vectors (fitted in memory, not saved) while there are at most `FIT_IN_REQUEST`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+from sqlalchemy import Connection, Integer, bindparam, func, select
+from sqlalchemy.orm import Session
+
+from embed.engine import SKETCH, W2T
+from embed.projection import Projection, fit, spread_sample
+from embed.registry import get_space, load_embeddings, serving_embedders, space_version
+from zoo.db.models import Adapter, Embedder, Embedding, Label, Measurement
+from zoo.errors import NotFoundError, NotReadyError, UsageError
+from zoo.files import replace_durably
+
+DEFAULT_POINTS = 5_000
+MAX_POINTS = 100_000
+#: a request fits a missing or bad map in memory while the embedder has at most this many vectors
+FIT_IN_REQUEST = 100_000
+#: `color_by` of a measured metric (split "test"); any other key is a given label
+METRIC = "metric:"
+#: maps kept in memory by `current_map` (per file and space version)
+CACHED_MAPS = 4
+
+
+def map_path(data_dir: Path, embedder_id: int) -> Path:
+    return Path(data_dir) / "map" / f"embedder-{embedder_id}.safetensors"
+
+
+def map_embedder(session: Session, space_id: int) -> Embedder | None:
+    """The embedder a space's map shows: its supervised W2T, else its module sketch."""
+    serving = serving_embedders(session, space_id)
+    w2t = serving.get(W2T)
+    return w2t if w2t is not None and w2t.objective != "contrastive" else serving.get(SKETCH)
+
+
+@dataclass(frozen=True)
+class ZooMap:
+    """Points (ids ascending, xy) of one embedder at a space version, and the projection that made them."""
+
+    embedder_id: int
+    version: int
+    fitted: int  # points when the projection was fitted
+    projection: Projection
+    ids: np.ndarray
+    xy: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    def with_points(self, ids: np.ndarray, xy: np.ndarray, version: int) -> ZooMap:
+        """The map with these points added (or replacing those of the same ids), at `version`."""
+        old = ~np.isin(self.ids, ids)
+        all_ids, all_xy = np.concatenate([self.ids[old], ids]), np.concatenate([self.xy[old], xy])
+        order = np.argsort(all_ids, kind="stable")
+        return replace(self, version=version, ids=all_ids[order], xy=all_xy[order])
+
+
+# --- the file ------------------------------------------------------------------------------------
+
+
+def write_map(path: Path, m: ZooMap) -> None:
+    tensors = {
+        "ids": np.ascontiguousarray(m.ids, np.int64),
+        "xy": np.ascontiguousarray(m.xy, np.float32),
+        "mean": np.ascontiguousarray(m.projection.mean, np.float32),
+        "basis": np.ascontiguousarray(m.projection.basis, np.float32),
+    }
+    meta: dict[str, object] = {
+        "embedder_id": m.embedder_id,
+        "version": m.version,
+        "fitted": m.fitted,
+        "explained": list(m.projection.explained),
+    }
+    meta["checksum"] = _checksum(tensors, meta)
+    replace_durably(path, lambda tmp: save_file(tensors, str(tmp), metadata={"zoo": json.dumps(meta)}))
+
+
+def read_map(path: Path) -> ZooMap:
+    """The map file; ValueError when it is missing, unreadable or disagrees with its checksum."""
+    if not path.exists():
+        raise ValueError(f"no map file {path}")
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), "np") as fh:
+            meta = json.loads((fh.metadata() or {})["zoo"])
+        checksum = meta.pop("checksum")
+        intact = checksum == _checksum(tensors, meta)
+        ids, xy, mean, basis = tensors["ids"], tensors["xy"], tensors["mean"], tensors["basis"]
+        explained = (float(meta["explained"][0]), float(meta["explained"][1]))
+        m = ZooMap(int(meta["embedder_id"]), int(meta["version"]), int(meta["fitted"]), Projection(mean, basis, explained), ids, xy)
+    except Exception as exc:  # noqa: BLE001 - whatever safetensors or json make of a damaged file, it is unreadable
+        raise ValueError(f"map file {path} is unreadable ({type(exc).__name__})") from None
+    if not intact or xy.shape != (len(ids), 2) or basis.shape != (2, len(mean)):
+        raise ValueError(f"map file {path} disagrees with itself (checksum or shapes)")
+    return m
+
+
+def _checksum(tensors: dict[str, np.ndarray], meta: dict[str, object]) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        h.update(f"{name}:{tensors[name].dtype}:{tensors[name].shape}".encode())
+        h.update(np.ascontiguousarray(tensors[name]).tobytes())
+    return h.hexdigest()
+
+
+def _stored_count(session: Session, embedder_id: int) -> int:
+    return int(session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder_id)) or 0)
+
+
+def _consistent(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[ZooMap, int]:
+    """The map file plus the points embedded after its version, and how many were added; ValueError when it
+    cannot be made to agree with the database."""
+    m = read_map(path)
+    if m.embedder_id != embedder.id or m.version > version or len(m.projection.mean) != embedder.dim:
+        raise ValueError(f"map file {path} was written for another database or embedder")
+    ids, vectors = load_embeddings(session, embedder, after_version=m.version)
+    if len(ids):
+        m = m.with_points(ids, m.projection.project(vectors), version)
+    stored = _stored_count(session, embedder.id)
+    if m.count != stored:
+        raise ValueError(f"map file {path} holds {m.count} points, the database {stored} vectors")
+    return m, len(ids)
+
+
+def _fitted(session: Session, embedder: Embedder, version: int) -> ZooMap:
+    ids, vectors = load_embeddings(session, embedder)
+    projection = fit(ids, vectors)
+    return ZooMap(embedder.id, version, len(ids), projection, ids, projection.project(vectors))
+
+
+def update_map(session: Session, data_dir: Path, embedder: Embedder, rebuild: bool = False) -> tuple[ZooMap, str]:
+    """Bring the embedder's map file up to the database: project the points embedded since it was saved,
+    or fit it (asked, none yet, unreadable, another embedder's, or outgrown: see the module doc). Returns
+    (map, how)."""
+    version = space_version(session, embedder.space_id)
+    path = map_path(data_dir, embedder.id)
+    how = "fitted (asked)"
+    if not rebuild:
+        try:
+            m, added = _consistent(session, path, embedder, version)
+        except ValueError as exc:
+            how = f"fitted ({exc})"
+        else:
+            if m.count - m.fitted <= m.fitted:
+                if added:
+                    write_map(path, m)
+                return m, f"updated ({added} points projected)" if added else "loaded"
+            how = f"fitted again ({m.count - m.fitted} points since the fit outnumber its {m.fitted})"
+    m = _fitted(session, embedder, version)
+    write_map(path, m)
+    return m, how
+
+
+def refresh_map(session: Session, data_dir: Path, space_id: int, rebuild: bool = False) -> str:
+    """`update_map` for the space's map embedder; how it went."""
+    embedder = map_embedder(session, space_id)
+    return update_map(session, data_dir, embedder, rebuild)[1] if embedder is not None else "none (no embeddings)"
+
+
+def map_state(session: Session, data_dir: Path, embedder: Embedder) -> str:
+    """ "ok", or why the embedder's map file does not agree with the database (for `zoo check`)."""
+    try:
+        _consistent(session, map_path(data_dir, embedder.id), embedder, space_version(session, embedder.space_id))
+    except ValueError as exc:
+        return str(exc)
+    return "ok"
+
+
+# --- the resource --------------------------------------------------------------------------------
+
+_CACHE: dict[tuple, tuple[ZooMap, str]] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def current_map(session: Session, data_dir: Path, embedder: Embedder) -> tuple[ZooMap, str]:
+    """The embedder's map at the database's version, and how it was had. Writes nothing."""
+    version = space_version(session, embedder.space_id)
+    path = map_path(data_dir, embedder.id)
+    try:
+        stat = path.stat()
+        stamp: tuple[int, int, int] | None = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+    except OSError:
+        stamp = None
+    key = (str(path.resolve()), stamp, embedder.id, version)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    try:
+        m, added = _consistent(session, path, embedder, version)
+        state = "loaded" + (f" ({added} points embedded since it was saved projected in memory)" if added else "")
+    except ValueError as exc:
+        if _stored_count(session, embedder.id) > FIT_IN_REQUEST:
+            raise NotReadyError(f"{exc}: run `zoo map` to fit it") from None
+        m, state = _fitted(session, embedder, version), f"fitted from the database ({exc}); run `zoo map` to save it"
+    with _CACHE_LOCK:
+        while len(_CACHE) >= CACHED_MAPS:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = (m, state)
+    return m, state
+
+
+_IDS = bindparam("ids", type_=Integer, expanding=True, literal_execute=True)  # rendered inline: no bound-parameter limit
+_NAMES = select(Adapter.id, Adapter.name).where(Adapter.id.in_(_IDS))
+_LABEL_KEYS = select(Label.key).where(Label.source == "given", Label.adapter_id.in_(_IDS)).distinct()
+_METRICS = select(Measurement.metric).where(Measurement.split == "test", Measurement.adapter_id.in_(_IDS)).distinct()
+_LABEL_VALUES = select(Label.adapter_id, Label.value).where(
+    Label.source == "given", Label.key == bindparam("key"), Label.adapter_id.in_(_IDS)
+)
+_METRIC_VALUES = select(Measurement.adapter_id, Measurement.value).where(
+    Measurement.split == "test", Measurement.metric == bindparam("key"), Measurement.adapter_id.in_(_IDS)
+)
+
+
+def space_map(
+    session: Session,
+    data_dir: Path,
+    space_name: str,
+    color_by: str | None = None,
+    limit: int = DEFAULT_POINTS,
+    highlight: Sequence[int] = (),
+) -> dict[str, object]:
+    """The map resource: {space, embedder_id, method, projection, explained, state, count (points in the
+    map), shown, points [{id, name, x, y, value}], color_by, legend, color_keys}. At most `limit` points:
+    the `highlight` ids, then a deterministic spread of the rest (embed/projection.py `spread_sample`).
+    `value` is the point's given label `color_by`, or its measured test metric for `metric:<name>`;
+    `color_keys` lists the keys the shown points can be coloured by."""
+    if not 1 <= limit <= MAX_POINTS:
+        raise UsageError(f"limit must be between 1 and {MAX_POINTS}, got {limit}")
+    space = get_space(session, space_name)
+    if space is None:
+        raise NotFoundError(f"no embedding space {space_name!r}: run `zoo embed`")
+    embedder = map_embedder(session, space.id)
+    if embedder is None:
+        raise NotReadyError(f"space {space.name} has no embeddings yet: run `zoo embed --space {space.name}`")
+    m, state = current_map(session, data_dir, embedder)
+    rows = spread_sample(m.ids, limit, np.asarray(highlight, np.int64))
+    ids = m.ids[rows].tolist()
+    names: dict[int, str] = {}
+    keys: list[str] = []
+    values: dict[int, object] = {}
+    if ids:
+        conn = session.connection()
+        names = dict(conn.execute(_NAMES, {"ids": ids}).all())  # type: ignore[arg-type]
+        keys = sorted(conn.execute(_LABEL_KEYS, {"ids": ids}).scalars())
+        keys += sorted(METRIC + k for k in conn.execute(_METRICS, {"ids": ids}).scalars())
+        values = _values(conn, color_by, ids)
+    points = [
+        {"id": i, "name": names.get(i, "?"), "x": round(x, 6), "y": round(y, 6), "value": values.get(i)}
+        for i, (x, y) in zip(ids, m.xy[rows].tolist(), strict=True)
+    ]
+    return {
+        "space": space.name,
+        "embedder_id": embedder.id,
+        "method": embedder.method,
+        "projection": "pca",
+        "explained": list(m.projection.explained),
+        "state": state,
+        "count": m.count,
+        "shown": len(points),
+        "points": points,
+        "color_by": color_by,
+        "legend": _legend(color_by, values, len(points)),
+        "color_keys": keys,
+    }
+
+
+def _values(conn: Connection, color_by: str | None, ids: list[int]) -> dict[int, object]:
+    """{id: value} of the points that have one, in one query."""
+    if not color_by:
+        return {}
+    if color_by.startswith(METRIC):
+        rows = conn.execute(_METRIC_VALUES, {"ids": ids, "key": color_by[len(METRIC) :]}).all()
+        return {i: float(v) for i, v in rows if v is not None and math.isfinite(v)}
+    return dict(conn.execute(_LABEL_VALUES, {"ids": ids, "key": color_by}).all())  # type: ignore[arg-type]
+
+
+def _legend(color_by: str | None, values: dict[int, object], shown: int) -> dict[str, object] | None:
+    """Labels: each value with its count among the shown points, most common first; metrics: the range."""
+    if color_by is None:
+        return None
+    missing = shown - len(values)
+    if color_by.startswith(METRIC):
+        numbers = [float(v) for v in values.values()]  # type: ignore[arg-type]
+        return {"kind": "metric", "min": min(numbers, default=None), "max": max(numbers, default=None), "missing": missing}
+    counts = sorted(Counter(values.values()).items(), key=lambda kv: (-kv[1], str(kv[0])))
+    return {"kind": "label", "values": [{"value": v, "count": c} for v, c in counts], "missing": missing}
