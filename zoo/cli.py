@@ -459,7 +459,6 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-
 def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     from embed.dataset import load_adapters
     from embed.evaluate import combine_splits, evaluate, format_table
