@@ -23,7 +23,7 @@ def test_ingest_list_show(cli: CLI, tmp_path: Path) -> None:
     assert all(set(r) >= {"source", "status", "adapter_id", "canonical_hash", "error"} for r in results)
 
     rc, (listing,) = cli.json_lines("list")
-    assert rc == 0 and [a["name"] for a in listing] == ["a", "k", "b"]
+    assert rc == 0 and [a["name"] for a in listing["results"]] == ["b", "k", "a"]  # newest first
     rc, (shown,) = cli.json_lines("show", str(results[0]["adapter_id"]))
     assert rc == 0
     assert shown["canonical_hash"] == results[0]["canonical_hash"]

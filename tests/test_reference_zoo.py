@@ -188,7 +188,7 @@ def test_quickstart(tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixtu
     assert "embedded 3 adapters" in out and "W2T not trained" in out
     assert main(["list", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
-    assert len(listing) == 3 and all(a["base_model"] == digits.BASE_MODEL for a in listing)
+    assert listing["total"] == 3 and all(a["base_model"] == digits.BASE_MODEL for a in listing["results"])
     assert main(["quickstart", "--count", "3", "--workers", "1"]) == 0  # a second run is idempotent
     assert "0 ingested, 3 already there" in capsys.readouterr().out
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from zoo.blobs import BlobStore
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.db import repository
+from zoo.db.catalog import MAX_PER_PAGE, SORTS, search_catalog
 from zoo.db.session import make_engine, require_schema, session_factory, upgrade
 from zoo.errors import NotFoundError, UsageError, ZooError
 from zoo.labels import LabelRow, assign_rows, read_labels_csv
@@ -167,13 +168,20 @@ def _print_zoo_report(report: dict) -> None:
 
 def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
     require_schema(settings.database_url)
+    filters = _filters(args.filter)
+    if args.base_model:
+        filters.setdefault("base_model", args.base_model)
     with session_factory(settings.database_url)() as session:
-        rows = [repository.adapter_summary(a) for a in repository.list_adapters(session, args.base_model, args.limit)]
+        found = search_catalog(session, args.query, filters, args.sort, args.page, args.per_page)
     if args.json:
-        _print_json(rows)
+        _print_json(found)
         return 0
+    total, rows = found["total"], found["results"]
     if not rows:
-        print("no adapters yet: add some with `zoo ingest PATH`")
+        if total:
+            print(f"page {args.page} is past the last page of {total} adapters")
+        else:
+            print("no adapters match" if args.query or filters else "no adapters yet: add some with `zoo ingest PATH`")
         return 0
     print(f"{'id':>5}  {'name':<32} {'format':<16} {'rank':>4}  {'base model':<28} hash")
     for r in rows:
@@ -181,6 +189,9 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
             f"{r['id']:>5}  {str(r['name'])[:32]:<32} {r['format']:<16} {r['rank'] or '-':>4}  "
             f"{str(r['base_model'])[:28]:<28} {str(r['canonical_hash'])[:12]}"
         )
+    pages = -(-total // args.per_page)
+    if pages > 1:
+        print(f"page {args.page} of {pages} ({total} adapters, sorted by {found['sort']}): --page N for another")
     return 0
 
 
@@ -695,10 +706,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the map resource as one JSON object")
     s.set_defaults(func=cmd_map)
 
-    s = sub.add_parser("list", help="list stored adapters")
-    s.add_argument("--base-model", metavar="NAME")
-    s.add_argument("--limit", type=int)
-    s.add_argument("--json", action="store_true", help="print a JSON array")
+    s = sub.add_parser(
+        "list",
+        help="list and search stored adapters: free text, filters, sorts, pages",
+        description="Searches names, base model, labels (keys and values), tags, model cards and source URIs: "
+        "words are AND-ed, punctuated words are phrases (task=even, digits-vit-00012), the last word is a prefix.",
+    )
+    s.add_argument("--query", "-q", metavar="TEXT", help="free text")
+    s.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE", help="base_model, format, rank, source (prefix), label")
+    s.add_argument("--base-model", metavar="NAME", help="same as --filter base_model=NAME")
+    s.add_argument("--sort", choices=SORTS, help="default: relevance with --query, else newest")
+    s.add_argument("--page", type=int, default=1)
+    s.add_argument("--per-page", type=int, default=20, help=f"at most {MAX_PER_PAGE} (default %(default)s)")
+    s.add_argument("--json", action="store_true", help="print the whole result: page, total and facets")
     s.set_defaults(func=cmd_list)
 
     s = sub.add_parser(

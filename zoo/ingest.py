@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from zoo.blobs import BlobStore
 from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.db import repository
+from zoo.db.catalog import refresh_search_text
 from zoo.db.models import Adapter, EmbeddingSpace, Label, Measurement, Module
 from zoo.db.session import write_transaction
 from zoo.errors import InputError
@@ -251,8 +252,8 @@ class Ingestor:
         return self._store(d, labels)
 
     def _store(self, d: _Described, labels: LabelRow | None) -> IngestResult:
-        """One transaction, serialized per (base model, structure) so that the duplicate check sees every
-        earlier writer's update. The blob is written (idempotently, by content) after the rows are
+        """One transaction (rows, labels and the search document), serialized per (base model, structure)
+        so that the duplicate check sees every earlier writer's update. The blob is written (idempotently, by content) after the rows are
         inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob left by a transaction
         that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
@@ -268,6 +269,9 @@ class Ingestor:
                     self.blobs.write(*blob)
             if labels is not None:
                 self._attach_labels(session, (dup or a).id, labels)
+            if dup is None or labels is not None:
+                session.flush()
+                refresh_search_text(session, [(dup or a).id])
             if dup is None:
                 return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
             return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)

@@ -8,6 +8,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Computed,
     DateTime,
     Float,
     ForeignKey,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     UniqueConstraint,
     func,
 )
+from sqlalchemy.dialects.postgresql import TSVECTOR
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -26,12 +28,22 @@ class Base(DeclarativeBase):
     pass
 
 
+#: SQLite's full-text index of `adapter_text` (an FTS5 virtual table and its shadow tables), made by
+#: migration 0005 and kept outside this metadata
+SQLITE_FTS_TABLE = "adapter_text_fts"
+
+
 def on_dialect(dialect: str):  # type: ignore[no-untyped-def]
-    """An Alembic `include_object` hook: leave out indexes declared for another dialect (`Index.ddl_if`)."""
+    """An Alembic `include_object` hook: leave out indexes (`Index.ddl_if`) and columns (`info["dialect"]`)
+    declared for another dialect, and SQLite's FTS5 tables."""
 
     def include(obj: object, name: str | None, type_: str, reflected: bool, compare_to: object) -> bool:
-        ddl_if = getattr(obj if not reflected else compare_to, "_ddl_if", None)
-        return ddl_if is None or ddl_if.dialect in (None, dialect)
+        if type_ == "table" and name and name.startswith(SQLITE_FTS_TABLE):
+            return False
+        declared = obj if not reflected else compare_to
+        ddl_if = getattr(declared, "_ddl_if", None)
+        only = ddl_if.dialect if ddl_if is not None else getattr(declared, "info", {}).get("dialect")
+        return only in (None, dialect)
 
     return include
 
@@ -65,7 +77,7 @@ class Adapter(Base):
     license: Mapped[str | None] = mapped_column(String(128))
     tags: Mapped[list | None] = mapped_column(JSON)
     card: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(), index=True)  # catalog: newest first
 
     modules: Mapped[list[Module]] = relationship(back_populates="adapter", cascade="all, delete-orphan", order_by="Module.id")
     labels: Mapped[list[Label]] = relationship(back_populates="adapter", cascade="all, delete-orphan", order_by="Label.key")
@@ -125,6 +137,22 @@ class Label(Base):
     model_version: Mapped[str | None] = mapped_column(String(64))
 
     adapter: Mapped[Adapter] = relationship(back_populates="labels")
+
+
+class AdapterText(Base):
+    """An adapter's search document (see zoo/db/catalog.py), rewritten with the adapter and its given labels.
+    PostgreSQL keeps its tsvector in a generated column under a GIN index; SQLite indexes it with an FTS5
+    table (migration 0005)."""
+
+    __tablename__ = "adapter_text"
+    __table_args__ = (Index("ix_adapter_text_document_tsv", "document_tsv", postgresql_using="gin").ddl_if(dialect="postgresql"),)
+
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), primary_key=True)
+    document: Mapped[str] = mapped_column(Text)
+    #: PostgreSQL only: stored, so that matching and ranking read it instead of parsing the document again
+    document_tsv: Mapped[str | None] = mapped_column(
+        TSVECTOR, Computed("to_tsvector('simple'::regconfig, document)", persisted=True), deferred=True, info={"dialect": "postgresql"}
+    )
 
 
 class Measurement(Base):

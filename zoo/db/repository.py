@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from sqlalchemy import Select, bindparam, exists, select
+from sqlalchemy import ColumnElement, Select, bindparam, exists, select
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.db.models import Adapter, Label
@@ -19,15 +19,6 @@ def get_adapter(session: Session, adapter_id: int, with_modules: bool = False) -
     if with_modules:
         stmt = stmt.options(selectinload(Adapter.modules))
     return session.scalars(stmt).one_or_none()
-
-
-def list_adapters(session: Session, base_model: str | None = None, limit: int | None = None, offset: int = 0) -> list[Adapter]:
-    stmt = select(Adapter).order_by(Adapter.id).offset(offset)
-    if base_model:
-        stmt = stmt.where(Adapter.base_model == base_model)
-    if limit is not None:
-        stmt = stmt.limit(limit)
-    return list(session.scalars(stmt))
 
 
 def by_canonical_hash(session: Session, base_model: str, canonical_hash: str) -> Adapter | None:
@@ -113,15 +104,10 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
 COLUMN_FILTERS = ("rank", "format", "base_model", "source")
 
 
-def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, str]) -> list[int]:
-    """Ids of adapters matching every filter, in one query: `base_model`, `format` and `rank` match
-    exactly, `source` is a prefix of the source URI, any other key is a given label's value.
-
-    With a label filter the query reads that label's index entries and checks adapter columns only
-    when a filter names one: ids of other base models may come back, for the caller's index of one
-    space to ignore, so a filter that keeps 1 % of a million adapters reads 1 % of an index. Without
-    one, it selects the base model's adapters."""
-    conditions = []
+def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]], list[tuple[str, str]]]:
+    """Filters as conditions on adapter columns and (key, value) pairs of given labels: `base_model`,
+    `format` and `rank` match exactly, `source` is a prefix of the source URI, any other key is a label."""
+    conditions: list[ColumnElement[bool]] = []
     labels: list[tuple[str, str]] = []
     for key, value in filters.items():
         if key == "rank":
@@ -136,6 +122,18 @@ def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, 
             conditions.append(Adapter.source_uri.startswith(value, autoescape=True))
         else:
             labels.append((key, value))
+    return conditions, labels
+
+
+def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, str]) -> list[int]:
+    """Ids of adapters matching every filter, in one query: `base_model`, `format` and `rank` match
+    exactly, `source` is a prefix of the source URI, any other key is a given label's value.
+
+    With a label filter the query reads that label's index entries and checks adapter columns only
+    when a filter names one: ids of other base models may come back, for the caller's index of one
+    space to ignore, so a filter that keeps 1 % of a million adapters reads 1 % of an index. Without
+    one, it selects the base model's adapters."""
+    conditions, labels = split_filters(filters)
     if not labels:
         return _first_column(session, select(Adapter.id).where(Adapter.base_model == base_model, *conditions).order_by(Adapter.id))
     (key, value), rest = labels[0], labels[1:]

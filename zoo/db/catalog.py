@@ -1,0 +1,282 @@
+"""Catalog search (the search page, `GET /api/v1/adapters`, `zoo list`): free text over each adapter's
+search document with the database's own full-text index, the engine's filters, facets, sorts and pages.
+
+Search words are the letters-and-digits runs of a text after Unicode compatibility decomposition,
+without accents, case-folded (`digits-vit-00012` is `digits vit 00012`, `task=even` is `task even`).
+A document is the search words of an adapter's name, base model, format, given labels (each as
+`key value`), tags, source URI and model card, joined by spaces: PostgreSQL's `simple` parser and
+SQLite's FTS5 `ascii` tokenizer split it at the spaces only, so both databases index the same words.
+
+A query's words (split at white space) are AND-ed; a word of several search words is a phrase (so
+`task=even` finds the label, `digits-vit-00012` the name) and the last word's last search word
+matches as a prefix. Queries are built from search words only, so no user text is ever query syntax.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sqlalchemy import (
+    CTE,
+    ColumnElement,
+    Connection,
+    Integer,
+    Select,
+    String,
+    cast,
+    column,
+    delete,
+    func,
+    insert,
+    literal,
+    literal_column,
+    or_,
+    select,
+    table,
+    union_all,
+)
+from sqlalchemy.orm import Session
+
+from zoo.db import repository
+from zoo.db.models import SQLITE_FTS_TABLE, Adapter, AdapterText, Label
+from zoo.errors import UsageError
+
+SORTS = ("relevance", "name", "newest", "rank")
+MAX_PER_PAGE = 100
+#: facets of adapter columns, in the order they are returned; label facets follow as `label:<key>`
+COLUMN_FACETS = ("base_model", "format", "rank", "source")
+#: values kept per facet, the most frequent first
+FACET_VALUES = 50
+#: a query's words past this many are ignored (FTS5 and tsquery expressions stay small)
+MAX_QUERY_WORDS = 32
+#: search words are cut to this many characters, in documents and queries alike
+MAX_WORD_CHARS = 64
+#: model-card characters indexed (a tsvector holds at most 1 MB)
+MAX_CARD_CHARS = 100_000
+#: adapters whose documents are written per statement
+REFRESH_BATCH = 500
+
+_WORD = re.compile(r"[^\W_]+")
+_TOTAL = "total"
+_SIMPLE = literal_column("'simple'::regconfig")
+_FTS = table(SQLITE_FTS_TABLE, column("rowid", Integer))
+_FTS_NAME = literal_column(SQLITE_FTS_TABLE)
+_TEXT = AdapterText.__table__
+_FACET_EXPRESSIONS: dict[str, ColumnElement[Any]] = {
+    "base_model": Adapter.base_model,
+    "format": Adapter.format,
+    "rank": cast(Adapter.rank, String),
+    # the source URI up to its last "/": its directory (rolled up to ancestor directories in Python)
+    "source": func.rtrim(Adapter.source_uri, func.replace(Adapter.source_uri, literal_column("'/'"), literal_column("''"))),
+}
+
+
+def search_words(text: str) -> list[str]:
+    """The search words of a text: letters-and-digits runs, accents dropped, case-folded, cut to MAX_WORD_CHARS."""
+    decomposed = unicodedata.normalize("NFKD", text)
+    folded = "".join(c for c in decomposed if not unicodedata.combining(c)).casefold()
+    return [w[:MAX_WORD_CHARS] for w in _WORD.findall(folded)]
+
+
+def search_document(
+    name: str, base_model: str, fmt: str, source_uri: str, tags: object, card: str | None, labels: Mapping[str, str]
+) -> str:
+    """An adapter's search document: the search words of its text fields and given labels, space-separated."""
+    fields = [name, base_model, fmt, *(f"{k} {v}" for k, v in sorted(labels.items()))]
+    fields += [str(t) for t in tags] if isinstance(tags, list) else []
+    fields += [source_uri, (card or "")[:MAX_CARD_CHARS]]
+    return " ".join(search_words(" ".join(fields)))
+
+
+_DOCUMENT_FIELDS = select(Adapter.id, Adapter.name, Adapter.base_model, Adapter.format, Adapter.source_uri, Adapter.tags, Adapter.card)
+
+
+def refresh_search_text(db: Session | Connection, adapter_ids: Iterable[int]) -> None:
+    """(Re)write the search documents of these adapters from their rows and given labels. Call it in the
+    transaction that writes the adapter or its labels. It reads only columns that exist since migration
+    0001, so migration 0005 backfills with it."""
+    ids = sorted(set(adapter_ids))
+    for start in range(0, len(ids), REFRESH_BATCH):
+        chunk = ids[start : start + REFRESH_BATCH]
+        labels: dict[int, dict[str, str]] = {}
+        given = select(Label.adapter_id, Label.key, Label.value).where(Label.adapter_id.in_(chunk), Label.source == "given")
+        for adapter_id, key, value in db.execute(given):
+            labels.setdefault(adapter_id, {})[key] = value
+        rows = [
+            {
+                "adapter_id": r.id,
+                "document": search_document(r.name, r.base_model, r.format, r.source_uri, r.tags, r.card, labels.get(r.id, {})),
+            }
+            for r in db.execute(_DOCUMENT_FIELDS.where(Adapter.id.in_(chunk)))
+        ]
+        db.execute(delete(_TEXT).where(_TEXT.c.adapter_id.in_(chunk)))
+        if rows:
+            db.execute(insert(_TEXT), rows)
+
+
+def query_phrases(q: str | None) -> list[list[str]]:
+    """A query's words (split at white space) as lists of search words; words without any are dropped."""
+    phrases = [words for words in map(search_words, (q or "").split()) if words]
+    return phrases[:MAX_QUERY_WORDS]
+
+
+def tsquery_text(phrases: list[list[str]]) -> str:
+    """PostgreSQL `to_tsquery` text: phrases (`<->`) AND-ed, the last search word a prefix (`:*`)."""
+    quoted = [[f"'{w}'" for w in words] for words in phrases]
+    quoted[-1][-1] += ":*"
+    return " & ".join("(" + " <-> ".join(words) + ")" for words in quoted)
+
+
+def fts5_query_text(phrases: list[list[str]]) -> str:
+    """SQLite FTS5 MATCH text: quoted phrases AND-ed, the last one's last word a prefix (`*`)."""
+    quoted = ['"' + " ".join(words) + '"' for words in phrases]
+    quoted[-1] += " *"
+    return " AND ".join(quoted)
+
+
+def _restrict(stmt: Select, dialect: str, phrases: list[list[str]], filters: Mapping[str, str]) -> tuple[Select, ColumnElement[Any] | None]:
+    """stmt (over Adapter) kept to adapters matching the phrases and filters, and the relevance order
+    (best first) when there are phrases."""
+    conditions, labels = repository.split_filters(filters)
+    for key, value in labels:
+        given = select(Label.adapter_id).where(Label.key == key, Label.value == value, Label.source == "given")
+        conditions.append(Adapter.id.in_(given))
+    stmt = stmt.where(*conditions)
+    if not phrases:
+        return stmt, None
+    if dialect == "postgresql":
+        tsquery = func.to_tsquery(_SIMPLE, tsquery_text(phrases))
+        stmt = stmt.join(AdapterText, AdapterText.adapter_id == Adapter.id).where(AdapterText.document_tsv.bool_op("@@")(tsquery))
+        return stmt, func.ts_rank(AdapterText.document_tsv, tsquery).desc()
+    # `rowid + 0` keeps SQLite from putting the FTS table in the inner loop (one full-text search per
+    # adapter kept by a filter): it runs the search once and looks the hits' adapters up by id
+    stmt = stmt.join(_FTS, Adapter.id == _FTS.c.rowid + 0).where(_FTS_NAME.bool_op("MATCH")(fts5_query_text(phrases)))
+    return stmt, func.bm25(_FTS_NAME)
+
+
+def _order(sort: str, dialect: str, relevance: ColumnElement[Any] | None) -> list[ColumnElement[Any]]:
+    if sort == "relevance" and relevance is not None:
+        return [relevance, Adapter.id]
+    if sort == "name":  # code point order on both databases (SQLite's default collation)
+        return [Adapter.name.collate("C") if dialect == "postgresql" else Adapter.name, Adapter.id]
+    if sort == "rank":
+        return [Adapter.rank.asc().nulls_last(), Adapter.id]
+    return [Adapter.created_at.desc(), Adapter.id.desc()]
+
+
+def _matching(dialect: str, phrases: list[list[str]], filters: Mapping[str, str], name: str) -> CTE:
+    """The ids of the adapters matching the phrases and filters, with their column facets' values."""
+    columns = [Adapter.id, *(expr.label(key) for key, expr in _FACET_EXPRESSIONS.items())]
+    return _restrict(select(*columns), dialect, phrases, filters)[0].cte(name)
+
+
+def _column_facet(matching: CTE, key: str) -> Select:
+    """(facet, value, n) for one adapter column over the matching adapters."""
+    value = matching.c[key]
+    return (
+        select(literal(key).label("facet"), value.label("value"), func.count().label("n"))
+        .where(value.is_not(None), value != "")
+        .group_by(value)
+    )
+
+
+def _label_facets(matching: CTE, only: str | None = None, exclude: Iterable[str] = ()) -> Select:
+    """(`label:<key>`, value, n) over the matching adapters' given labels: of key `only`, else of every key
+    but those of adapter columns and `exclude`."""
+    stmt = select((literal("label:") + Label.key).label("facet"), Label.value, func.count())
+    stmt = stmt.join(matching, matching.c.id == Label.adapter_id).where(Label.source == "given")
+    keys = Label.key == only if only is not None else Label.key.not_in([*repository.ADAPTER_FILTERS, *exclude])
+    return stmt.where(keys).group_by(Label.key, Label.value)
+
+
+def _facets_statement(dialect: str, phrases: list[list[str]], filters: Mapping[str, str]) -> Select:
+    """One statement for the total and every facet. A facet counts the adapters matching the query and
+    every filter but its own (so it shows the alternatives to a chosen value): the facets of filtered keys
+    each read their own matching set."""
+    matching = _matching(dialect, phrases, filters, "matching")
+    parts = [select(literal(_TOTAL).label("facet"), literal("").label("value"), func.count().label("n")).select_from(matching)]
+    parts += [_column_facet(matching, key) for key in COLUMN_FACETS if key not in filters]
+    parts.append(_label_facets(matching, exclude=filters))
+    for i, key in enumerate(filters):
+        others = _matching(dialect, phrases, {k: v for k, v in filters.items() if k != key}, f"matching_{i}")
+        parts.append(_column_facet(others, key) if key in _FACET_EXPRESSIONS else _label_facets(others, only=key))
+    g = union_all(*parts).subquery()
+    place = func.row_number().over(partition_by=g.c.facet, order_by=(g.c.n.desc(), g.c.value)).label("place")
+    ranked = select(g.c.facet, g.c.value, g.c.n, place).subquery()
+    return select(ranked.c.facet, ranked.c.value, ranked.c.n).where(or_(ranked.c.place <= FACET_VALUES, ranked.c.facet == "source"))
+
+
+def _roll_up(directories: dict[str, int]) -> dict[str, int]:
+    """Counts per directory including the directories below it (what the `source` prefix filter keeps)."""
+    out = dict.fromkeys(directories, 0)
+    for path, n in directories.items():
+        end = len(path)
+        while end > 0:
+            if path[:end] in out:
+                out[path[:end]] += n
+            end = path.rfind("/", 0, end - 1) + 1
+    return out
+
+
+def _facet_values(counts: dict[Any, int]) -> list[dict[str, Any]]:
+    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:FACET_VALUES]
+    return [{"value": value, "count": n} for value, n in ordered]
+
+
+def _read_facets(rows: Iterable[tuple[str, str, int]]) -> tuple[int, dict[str, list[dict[str, Any]]]]:
+    total = 0
+    counts: dict[str, dict[Any, int]] = {key: {} for key in COLUMN_FACETS}
+    for facet, value, n in rows:
+        if facet == _TOTAL:
+            total = n
+        else:
+            counts.setdefault(facet, {})[int(value) if facet == "rank" else value] = n
+    counts["source"] = _roll_up(counts["source"])
+    labels = sorted(k for k in counts if k not in COLUMN_FACETS)
+    return total, {key: _facet_values(counts[key]) for key in [*COLUMN_FACETS, *labels]}
+
+
+def _checked_sort(sort: str | None, phrases: list[list[str]], page: int, per_page: int) -> str:
+    """The sort to apply (relevance needs query words; without them the newest come first)."""
+    if sort is not None and sort not in SORTS:
+        raise UsageError(f"sort {sort!r}: use one of {', '.join(SORTS)}")
+    if not 1 <= per_page <= MAX_PER_PAGE:
+        raise UsageError(f"per_page {per_page}: at least 1 and at most {MAX_PER_PAGE}")
+    if page < 1:
+        raise UsageError(f"page {page}: pages count from 1")
+    if sort in (None, "relevance"):
+        return "relevance" if phrases else "newest"
+    return sort
+
+
+def search_catalog(
+    session: Session, q: str | None, filters: Mapping[str, str], sort: str | None = None, page: int = 1, per_page: int = 20
+) -> dict[str, Any]:
+    """One page of the adapters matching free text `q` and `filters` (the engine's: base_model, format,
+    rank, source prefix, any other key a given label), with the total and facets, as a plain dict.
+
+    Sorts: relevance (the default with query words: PostgreSQL ts_rank, SQLite bm25), name (code point
+    order), newest (the default otherwise), rank (LoRA rank, unknown last). Three statements: the page,
+    its labels, and the total with every facet."""
+    phrases = query_phrases(q)
+    sort = _checked_sort(sort, phrases, page, per_page)
+    dialect = session.get_bind().dialect.name
+    stmt, relevance = _restrict(select(Adapter), dialect, phrases, filters)
+    stmt = stmt.order_by(*_order(sort, dialect, relevance)).limit(per_page).offset((page - 1) * per_page)
+    adapters = list(session.scalars(stmt))
+    labels = repository.names_and_labels(session, [a.id for a in adapters])
+    total, facets = _read_facets(session.execute(_facets_statement(dialect, phrases, filters)))
+    results = [{**repository.adapter_summary(a), "labels": labels[a.id][1], "tags": a.tags or []} for a in adapters]
+    return {
+        "q": q,
+        "filters": dict(filters),
+        "sort": sort,
+        "page": page,
+        "per_page": per_page,
+        "total": total,
+        "results": results,
+        "facets": facets,
+    }
