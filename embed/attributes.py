@@ -60,10 +60,24 @@ class AdapterAttributes:
         self._sorted = np.zeros(0, np.int64)
 
     @classmethod
-    def load(cls, session: Session, ids: list[int]) -> AdapterAttributes:
-        """The attributes of these adapters; the mark is read first, so a label written meanwhile is applied by `refresh`."""
+    def load(cls, session: Session, base_model: str, ids: np.ndarray) -> AdapterAttributes:
+        """The attributes of these adapters of one base model, read in two sequential scans (not by id);
+        the mark is read first, so a label written meanwhile is applied by `refresh`."""
         attributes = cls(last_label_id(session))
-        attributes.add(session, ids)
+        conn = session.connection()
+        rows = conn.execute(select(Adapter.id, Adapter.name).where(Adapter.base_model == base_model).order_by(Adapter.id)).all()
+        held = np.array([r[0] for r in rows], np.int64)
+        keep = np.isin(held, ids)
+        attributes.ids = held[keep]
+        attributes.names = [r[1] for r, k in zip(rows, keep.tolist(), strict=True) if k]
+        attributes._order = np.arange(len(attributes.ids))
+        attributes._sorted = attributes.ids
+        stmt = (
+            select(Label.id, Label.adapter_id, Label.key, Label.value)
+            .join(Adapter, Adapter.id == Label.adapter_id)
+            .where(Adapter.base_model == base_model, Label.source == "given")
+        )
+        attributes._apply(conn.execute(stmt).all())
         return attributes
 
     def __len__(self) -> int:

@@ -333,8 +333,9 @@ class QueryEngine:
         if have is not None and have[3] <= version:
             ids, stack, dense, _ = have
             modules = ModuleStore(stack, {int(i): j for j, i in enumerate(ids.tolist())}, dense)
-        ids = np.unique(np.concatenate([np.zeros(0, np.int64), *(e.index.ids for e in embedders.values())])).tolist()
-        state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules, AdapterAttributes.load(session, ids))
+        ids = np.unique(np.concatenate([np.zeros(0, np.int64), *(e.index.ids for e in embedders.values())]))
+        attributes = AdapterAttributes.load(session, row.base_model, ids)
+        state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules, attributes)
         if modules is not None and SKETCH in embedders:
             self._extend_modules(session, state, have[3])  # type: ignore[index]
         return state
