@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.dataset import load_adapters
-from embed.engine import SKETCH, W2T, Query, QueryEngine, load_w2t, update_index_file, update_module_store
+from embed.engine import SKETCH, W2T, Query, QueryEngine, load_w2t, stored_count, update_index_file, update_module_store
 from embed.index import brute_force, recall_at_k
 from embed.maps import refresh_map
 from embed.registry import active_embedder, embedded_ids, ensure_space, get_space, load_embeddings, register, serving_embedders, slug
@@ -248,6 +248,7 @@ def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name:
             "codes": index.codes,
             "nprobe": index.nprobe,
             "rerank": index.rerank if index.ivf else None,
+            "filtered": {"nprobe": index.filter_nprobe, "subset_rerank": index.filter_rerank} if index.ivf else None,
             "state": how,
         }
         if not rebuild and index.size:
@@ -272,3 +273,40 @@ def prepare_space(settings: Settings, base_model: str, epochs: int, progress: bo
         trained = train_space(sessions, blobs, settings.data_dir, base_model, TrainOptions(epochs=epochs), progress)
         embed_space(sessions, blobs, settings.data_dir, base_model)
     return {"embedded": n, "w2t": trained}
+
+
+def list_spaces(session: Session) -> list[dict[str, object]]:
+    """The spaces resource: each space with its serving embedders and how many adapters they embed."""
+    out = []
+    for space in session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.name)):
+        embedders = [
+            {"id": e.id, "method": e.method, "objective": e.objective, "dim": e.dim, "embedded": stored_count(session, e.id)}
+            for e in serving_embedders(session, space.id).values()
+        ]
+        out.append({"name": space.name, "base_model": space.base_model, "version": space.version, "embedders": embedders})
+    return out
+
+
+def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k: int = 10) -> dict[str, object]:
+    """The adapter page's resource: everything stored, its nearest neighbours and its predictions
+    (each None with the reason when the zoo is not ready for it)."""
+    from zoo.db import repository
+
+    detail = repository.adapter_detail(adapter)
+    detail["duplicate_sources"] = repository.duplicate_sources(session, adapter.id)
+    space = get_space(session, adapter.base_model)
+    detail["space"] = space.name if space else None
+    detail["neighbours"] = detail["predictions"] = None
+    detail["not_ready"] = []
+    if space is None or adapter.factors_blob is None:
+        detail["not_ready"].append("not embedded: run `zoo embed`" if adapter.factors_blob else "a checkpoint without a low-rank update")
+        return detail
+    for key, call in (
+        ("neighbours", lambda: search(engine, session, str(adapter.id), k, space.name)),
+        ("predictions", lambda: predict(engine, session, str(adapter.id), space.name)),
+    ):
+        try:
+            detail[key] = call()
+        except (NotReadyError, NotFoundError) as exc:
+            detail["not_ready"].append(str(exc))
+    return detail

@@ -48,7 +48,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def truncate_all(url: str) -> None:
     """Empty every table of a PostgreSQL test database."""
     with make_engine(url).begin() as conn:
-        conn.execute(text("TRUNCATE adapter, module, label, measurement, embedding_space, embedder, embedding RESTART IDENTITY CASCADE"))
+        tables = "adapter, module, label, measurement, embedding_space, embedder, embedding, api_token, job, job_item"
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
 
 
 @pytest.fixture

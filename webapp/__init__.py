@@ -1,1 +1,42 @@
-"""Flask web app (built in a later issue)."""
+"""The web app: `create_app()` with a `ui` blueprint (HTML pages) and an `api` blueprint (`/api/v1`,
+JSON, OpenAPI at `/api/v1/openapi.json`, docs at `/api/v1/docs`). Run it with `zoo serve`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from apiflask import APIFlask
+
+from zoo import __version__
+from zoo.config import Settings
+from zoo.db.session import require_schema
+
+
+def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
+    """The app for one database and data dir (config keys ZOO_DATABASE_URL, ZOO_DATA_DIR, ZOO_IMPORT_ROOT,
+    ZOO_MAX_UPLOAD_BYTES, ZOO_READ_TOKEN_REQUIRED, ZOO_TIME_LIMIT_S; else the environment)."""
+    from webapp import errors
+    from webapp.api import api
+    from webapp.context import WebConfig, ZooContext, close_session
+    from webapp.ui import ui
+
+    config = dict(config or {})
+    settings = Settings.load(config.get("ZOO_DATABASE_URL"), config.get("ZOO_DATA_DIR"))  # type: ignore[arg-type]
+    require_schema(settings.database_url)
+    web = WebConfig.from_env(config)
+    app = APIFlask(__name__, title="zoo", version=__version__, spec_path="/api/v1/openapi.json", docs_path="/api/v1/docs")
+    app.config.update(
+        MAX_CONTENT_LENGTH=web.max_upload_bytes + (1 << 20),  # the multipart envelope around the files
+        SWAGGER_UI_CSS="/static/vendor/swagger-ui/swagger-ui.css",
+        SWAGGER_UI_BUNDLE_JS="/static/vendor/swagger-ui/swagger-ui-bundle.js",
+        SWAGGER_UI_STANDALONE_PRESET_JS="/static/vendor/swagger-ui/swagger-ui-standalone-preset.js",
+        DOCS_FAVICON=None,
+        JSON_SORT_KEYS=False,
+        **{k: v for k, v in config.items() if not k.startswith("ZOO_")},
+    )
+    app.extensions["zoo"] = ZooContext.open(settings, web)
+    app.teardown_appcontext(close_session)
+    errors.register(app)
+    app.register_blueprint(api)
+    app.register_blueprint(ui)
+    return app

@@ -111,7 +111,7 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     ready = service.prepare_space(settings, str(report["base_model"]), args.epochs, progress)
     if args.json:
         _print_json({"zoo": report, "ingest": counts, "database": settings.database_url, **ready})
-        return 1 if failures else 0
+        return _serve_after(settings, args, failures)
     _print_zoo_report(report)
     print(
         f"stored in {make_engine(settings.database_url).url.render_as_string(hide_password=True)}: "
@@ -127,9 +127,20 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
         print("W2T not trained: it needs at least 10 adapters (use a larger --count)")
     print(
         "next:\n  zoo list\n  zoo show 1 --plot spectra.png\n  zoo search 1 -k 5\n  zoo predict 1\n  zoo eval\n"
-        "  zoo ingest PATH_TO_YOUR_ADAPTERS --base-model NAME"
+        "  zoo ingest PATH_TO_YOUR_ADAPTERS --base-model NAME\n"
+        f"  zoo --data-dir {settings.data_dir} serve   # then open http://127.0.0.1:5000/"
     )
-    return 1 if failures else 0
+    return _serve_after(settings, args, failures)
+
+
+def _serve_after(settings: Settings, args: argparse.Namespace, failures: list[str]) -> int:
+    if failures or not args.serve:
+        return 1 if failures else 0
+    from webapp.serve import serve
+
+    print("open http://127.0.0.1:5000/ (Ctrl-C stops the server)", file=sys.stderr)
+    serve(settings, "127.0.0.1", 5000, workers=1, threads=4)
+    return 0
 
 
 def cmd_make_zoo(settings: Settings, args: argparse.Namespace) -> int:
@@ -534,6 +545,43 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    from webapp.serve import serve
+
+    require_schema(settings.database_url)
+    print(
+        f"zoo: serving {settings.data_dir} on http://{args.host}:{args.port}/ ({args.workers} workers × {args.threads} threads)",
+        file=sys.stderr,
+    )
+    serve(settings, args.host, args.port, args.workers, args.threads)
+    return 0
+
+
+def cmd_token(settings: Settings, args: argparse.Namespace) -> int:
+    from zoo import tokens
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url).begin() as session:
+        if args.action == "create":
+            row, token = tokens.create_token(session, args.name)
+            out: object = {**tokens.token_summary(row), "token": token}
+        elif args.action == "revoke":
+            out = tokens.token_summary(tokens.revoke_token(session, args.id))
+        else:
+            out = tokens.list_tokens(session)
+    if args.json:
+        _print_json(out)
+    elif args.action == "create":
+        print(f"token {out['id']} ({out['name']}): {out['token']}\nkeep it now: it is stored hashed and cannot be shown again")  # type: ignore[index]
+    elif args.action == "revoke":
+        print(f"token {out['id']} ({out['name']}) revoked")  # type: ignore[index]
+    else:
+        for t in out:  # type: ignore[attr-defined]
+            revoked = "REVOKED" if t["revoked_at"] else ""
+            print(f"{t['id']:>4}  {t['name']:<24} created {t['created_at']}  last used {t['last_used_at'] or '-'}  {revoked}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zoo",
@@ -604,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--count", type=int, default=100, help="adapters in the demo zoo (default: %(default)s)")
     s.add_argument("--epochs", type=int, default=40, help="W2T training epochs (default: %(default)s)")
     s.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    s.add_argument("--serve", action="store_true", help="then serve the web app on http://127.0.0.1:5000/")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_quickstart)
 
@@ -749,6 +798,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="print a JSON object")
     s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("serve", help="serve the web app and REST API (gunicorn)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=5000)
+    s.add_argument("--workers", type=int, default=2, help="processes, each with its own query engine (default: %(default)s)")
+    s.add_argument("--threads", type=int, default=4, help="threads per process (default: %(default)s)")
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("token", help="API tokens for the REST API's write endpoints: create NAME | list | revoke ID")
+    tsub = s.add_subparsers(dest="action", required=True)
+    t = tsub.add_parser("create", help="make a token (shown once)")
+    t.add_argument("name")
+    t.add_argument("--json", action="store_true")
+    t = tsub.add_parser("list", help="tokens, without their secrets")
+    t.add_argument("--json", action="store_true")
+    t = tsub.add_parser("revoke", help="revoke a token by id")
+    t.add_argument("id", type=int)
+    t.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_token)
 
     s = sub.add_parser("show", help="one adapter: metadata, modules, spectra, canonical hash")
     s.add_argument("id", type=int)

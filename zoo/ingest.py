@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from sqlalchemy import delete, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -17,7 +17,7 @@ from zoo.blobs import BlobStore
 from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.db import repository
 from zoo.db.catalog import refresh_search_text
-from zoo.db.models import Adapter, EmbeddingSpace, Label, Measurement, Module
+from zoo.db.models import Adapter, EmbeddingSpace, Module
 from zoo.db.session import write_transaction
 from zoo.errors import InputError
 from zoo.fingerprint import DUPLICATE_RTOL, canonical_hash, fingerprint, relative_distance, structure_hash
@@ -213,20 +213,6 @@ class Ingestor:
         for p in paths:
             yield self.ingest(p, labels=(labels or {}).get(p))
 
-    @staticmethod
-    def _attach_labels(session: Session, adapter_id: int, labels: LabelRow) -> None:
-        """Given labels and measurements replace earlier ones with the same key (also for duplicates)."""
-        if labels.attributes:
-            session.execute(delete(Label).where(Label.adapter_id == adapter_id, Label.source == "given", Label.key.in_(labels.attributes)))
-            session.add_all(Label(adapter_id=adapter_id, key=k, value=v, source="given") for k, v in labels.attributes.items())
-        if labels.measurements:
-            session.execute(
-                delete(Measurement).where(
-                    Measurement.adapter_id == adapter_id, Measurement.split == "test", Measurement.metric.in_(labels.measurements)
-                )
-            )
-            session.add_all(Measurement(adapter_id=adapter_id, metric=k, value=v, split="test") for k, v in labels.measurements.items())
-
     def _find_duplicate(self, session: Session, d: _Described) -> Adapter | None:
         a = d.adapter
         same = repository.by_canonical_hash(session, a.base_model, a.canonical_hash)
@@ -268,7 +254,7 @@ class Ingestor:
                 if blob:
                     self.blobs.write(*blob)
             if labels is not None:
-                self._attach_labels(session, (dup or a).id, labels)
+                repository.replace_labels(session, (dup or a).id, labels.attributes, labels.measurements)
             if dup is None or labels is not None:
                 session.flush()
                 refresh_search_text(session, [(dup or a).id])

@@ -220,3 +220,50 @@ class Embedding(Base):
     vector: Mapped[bytes] = mapped_column(LargeBinary)
     #: the space's version that wrote this row: a reader that has seen version v loads rows above v
     version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class ApiToken(Base):
+    """A token for the REST API's write endpoints; only its SHA-256 is stored."""
+
+    __tablename__ = "api_token"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Job(Base):
+    """A batch of sources to ingest, with a state per item (see zoo/jobs.py)."""
+
+    __tablename__ = "job"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), default="ingest")
+    state: Mapped[str] = mapped_column(String(16), default="queued", index=True)  # queued | running | done | cancelled
+    options: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_by: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    items: Mapped[list[JobItem]] = relationship(back_populates="job", cascade="all, delete-orphan", order_by="JobItem.id")
+
+
+class JobItem(Base):
+    """One source of a job: queued | running | done | duplicate | failed (with its reason)."""
+
+    __tablename__ = "job_item"
+    __table_args__ = (Index("ix_job_item_job_id_state", "job_id", "state"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"))
+    source: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    reason: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    adapter_id: Mapped[int | None] = mapped_column(ForeignKey("adapter.id", ondelete="SET NULL"))
+    updated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    job: Mapped[Job] = relationship(back_populates="items")

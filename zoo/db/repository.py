@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from sqlalchemy import ColumnElement, Select, bindparam, exists, select
+from sqlalchemy import ColumnElement, Select, bindparam, delete, exists, select
 from sqlalchemy.orm import Session, aliased, selectinload
 
-from zoo.db.models import Adapter, Label
+from zoo.db.models import Adapter, JobItem, Label, Measurement
 from zoo.errors import UsageError
 
 #: filter keys that are adapter columns; every other key is a given label
@@ -100,10 +100,6 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
     }
 
 
-#: filter keys that are adapter columns (any other key is a given label)
-COLUMN_FILTERS = ("rank", "format", "base_model", "source")
-
-
 def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]], list[tuple[str, str]]]:
     """Filters as conditions on adapter columns and (key, value) pairs of given labels: `base_model`,
     `format` and `rank` match exactly, `source` is a prefix of the source URI, any other key is a label."""
@@ -123,6 +119,10 @@ def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]]
         else:
             labels.append((key, value))
     return conditions, labels
+
+
+#: filter keys that are adapter columns (any other key is a given label)
+COLUMN_FILTERS = ("rank", "format", "base_model", "source")
 
 
 def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, str]) -> list[int]:
@@ -178,3 +178,23 @@ def names_and_labels(session: Session, ids: Iterable[int]) -> dict[int, tuple[st
         if key is not None:
             entry[1][key] = value
     return out
+
+
+def duplicate_sources(session: Session, adapter_id: int) -> list[str]:
+    """Sources that jobs found to be this adapter (same canonical form), oldest first."""
+    stmt = select(JobItem.source).where(JobItem.adapter_id == adapter_id, JobItem.state == "duplicate").order_by(JobItem.id)
+    return list(session.scalars(stmt))
+
+
+def replace_labels(session: Session, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:
+    """Given labels and test measurements replace earlier ones with the same key (new rows: see embed/attributes.py)."""
+    if attributes:
+        session.execute(delete(Label).where(Label.adapter_id == adapter_id, Label.source == "given", Label.key.in_(attributes)))
+        session.add_all(Label(adapter_id=adapter_id, key=k, value=v, source="given") for k, v in attributes.items())
+    if measurements:
+        session.execute(
+            delete(Measurement).where(
+                Measurement.adapter_id == adapter_id, Measurement.split == "test", Measurement.metric.in_(measurements)
+            )
+        )
+        session.add_all(Measurement(adapter_id=adapter_id, metric=k, value=v, split="test") for k, v in measurements.items())

@@ -1,0 +1,186 @@
+"""Benchmark: similar-adapter requests over HTTP through `zoo serve`, against the engine's own time.
+
+The space is bench/serve.py's synthetic one (mixtures of a real zoo's adapters; see there), by
+default 100,000 adapters. `zoo serve` (gunicorn, --workers processes × --threads threads) serves
+it on loopback; --clients threads, each on its own keep-alive connection, send
+`GET /api/v1/adapters/{id}/similar?k=10` for random ids. In the same run it measures:
+- the HTTP latency each client sees (p50, p99) and requests/s;
+- the engine's time for the same requests, from the `Server-Timing: engine;dur=` header the API
+  sets around its engine call, and so the web layer's share: HTTP minus engine, per request;
+- the same queries through an in-process QueryEngine with as many threads (the engine baseline).
+
+    python -m bench.api --zoo-data-dir DIR   # DIR: a data dir where `zoo train` ran
+
+Prints a table and, on the last line, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from bench.serve import _build_in_child, load_source, percentiles
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:  # type: ignore[type-arg]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"zoo serve exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/api/v1/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("zoo serve did not come up")
+
+
+def run_clients(port: int, ids: np.ndarray, clients: int) -> tuple[list[float], list[float], float]:
+    """(HTTP seconds, engine seconds) per request and the wall time, `clients` keep-alive connections at once."""
+    parts = np.array_split(ids, clients)
+
+    def client(part: np.ndarray) -> list[tuple[float, float]]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        out = []
+        for i in part.tolist():
+            t = time.perf_counter()
+            conn.request("GET", f"/api/v1/adapters/{i}/similar?k=10")
+            response = conn.getresponse()
+            body = response.read()
+            elapsed = time.perf_counter() - t
+            if response.status != 200:
+                raise SystemExit(f"request for {i}: {response.status} {body[:200]!r}")
+            timing = response.getheader("Server-Timing") or ""
+            out.append((elapsed, float(timing.split("dur=")[1]) / 1e3))
+        conn.close()
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for part in pool.map(client, parts) for r in part]
+    return [h for h, _ in results], [e for _, e in results], time.perf_counter() - t0
+
+
+def engine_baseline(work: Path, space: str, ids: np.ndarray, threads: int) -> list[float]:
+    """The same queries through an in-process engine, `threads` at once (seconds each)."""
+    from embed.engine import Query, QueryEngine
+    from zoo.blobs import BlobStore
+    from zoo.db.session import session_factory
+
+    sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
+    engine = QueryEngine(sessions, BlobStore(work / "blobs"), work)
+
+    def one(i: int) -> float:
+        with sessions() as session:
+            t = time.perf_counter()
+            engine.similar(session, space, Query(str(i), i), 10)
+            return time.perf_counter() - t
+
+    for i in ids[:50].tolist():
+        one(i)
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, ids.tolist()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--adapters", type=int, default=100_000)
+    p.add_argument("--zoo-data-dir", type=Path, help="data dir of the real zoo (default: $ZOO_DATA_DIR)")
+    p.add_argument("--zoo-db", help="its database URL (default: SQLite in the data dir)")
+    p.add_argument("--work", type=Path, help="where to build the synthetic space (default: a temporary dir)")
+    p.add_argument("--reuse", action="store_true", help="serve the space already built in --work")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--workers", type=int, default=2, help="zoo serve processes (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=4, help="threads per process (default: %(default)s)")
+    p.add_argument("--noise", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    from zoo.config import Settings
+
+    settings = Settings.load(args.zoo_db, args.zoo_data_dir)
+    src = load_source(settings.database_url, settings.data_dir, args.noise)
+    work = args.work or Path(tempfile.mkdtemp(prefix="zoo-bench-api-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.reuse:
+        built = json.loads((work / "build.json").read_text())
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        child = ctx.Process(target=_build_in_child, args=(src, args.adapters, work, args.seed, out))
+        child.start()
+        built = out.get()
+        child.join()
+        (work / "build.json").write_text(json.dumps(built))
+    space = "synthetic/" + src.sketch_config["schema"]["base_model"]
+    rng = np.random.default_rng(args.seed + 2)
+    ids = rng.integers(1, args.adapters + 1, args.requests)
+    port = free_port()
+    cmd = [sys.executable, "-m", "zoo.cli", "--db", f"sqlite:///{work / 'zoo.db'}", "--data-dir", str(work), "serve"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(args.workers), "--threads", str(args.threads)]
+    with open(work / "serve.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(port, proc)
+            t0 = time.perf_counter()
+            run_clients(port, rng.integers(1, args.adapters + 1, 50 * args.workers * args.threads), args.clients)  # every worker loads
+            warm_s = time.perf_counter() - t0
+            http_s, engine_s, wall = run_clients(port, ids, args.clients)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    overhead = [h - e for h, e in zip(http_s, engine_s, strict=True)]
+    baseline = engine_baseline(work, space, ids, args.clients)
+    (h50, h99), (e50, e99), (o50, o99), (b50, b99) = (percentiles(x) for x in (http_s, engine_s, overhead, baseline))
+    result = {
+        "adapters": args.adapters,
+        "requests": len(ids),
+        "clients": args.clients,
+        "workers": args.workers,
+        "threads": args.threads,
+        "http_p50_ms": round(h50, 3),
+        "http_p99_ms": round(h99, 3),
+        "requests_per_s": round(len(ids) / wall, 1),
+        "engine_in_server_p50_ms": round(e50, 3),
+        "engine_in_server_p99_ms": round(e99, 3),
+        "web_layer_p50_ms": round(o50, 3),
+        "web_layer_p99_ms": round(o99, 3),
+        "engine_in_process_p50_ms": round(b50, 3),
+        "engine_in_process_p99_ms": round(b99, 3),
+        "http_minus_engine_in_process_p50_ms": round(h50 - b50, 3),
+        "http_minus_engine_in_process_p99_ms": round(h99 - b99, 3),
+        "warm_up_s": round(warm_s, 1),
+        "synthetic": True,
+    }
+    print(
+        f"{args.adapters} synthetic adapters, {args.clients} clients, zoo serve {args.workers} workers × {args.threads} threads\n"
+        f"HTTP p50 {h50:.2f} ms, p99 {h99:.2f} ms, {result['requests_per_s']:.0f} requests/s\n"
+        f"engine inside the server p50 {e50:.2f} ms, p99 {e99:.2f} ms: the web layer adds p50 {o50:.2f} ms, p99 {o99:.2f} ms\n"
+        f"engine in process ({args.clients} threads) p50 {b50:.2f} ms, p99 {b99:.2f} ms"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

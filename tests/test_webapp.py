@@ -1,0 +1,318 @@
+"""The web app and REST API through Flask's test client, on SQLite and PostgreSQL, on a small real zoo
+(real PEFT adapters, ingested, embedded and with W2T trained)."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from flask.testing import FlaskClient
+
+from tests.conftest import _backends, truncate_all
+from tests.factories import train_peft_adapter, write_kohya_file
+from webapp import create_app
+from zoo.cli import main
+from zoo.db.session import make_engine, upgrade
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """12 real PEFT adapters (two tasks, two target sets) with labels, and one more kept out of the zoo."""
+    root = tmp_path_factory.mktemp("web-zoo")
+    rows = ["name,task,test_accuracy"]
+    for i in range(N):
+        task = "qv" if i % 2 else "qk"
+        train_peft_adapter(root / "zoo" / f"w{i:02d}", seed=i, steps=4, targets=("q_proj", "v_proj") if i % 2 else ("q_proj", "k_proj"))
+        rows.append(f"w{i:02d},{task},{0.5 + i / 40}")
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    train_peft_adapter(root / "outside" / "new", seed=99, steps=4, targets=("q_proj", "v_proj"))
+    return root
+
+
+@dataclass
+class Web:
+    client: FlaskClient
+    url: str
+    data_dir: Path
+    adapters: Path
+
+    def zoo(self, *args: str) -> int:
+        return main(["--db", self.url, "--data-dir", str(self.data_dir), *args])
+
+
+@pytest.fixture(scope="module", params=_backends())
+def web(request: pytest.FixtureRequest, adapters: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Web]:
+    tmp = tmp_path_factory.mktemp(f"web-{request.param}")
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp / 'zoo.db'}"
+        upgrade(url)
+    else:
+        url = request.getfixturevalue("pg_url")
+        truncate_all(url)
+    data_dir = tmp / "data"
+    base = ["--db", url, "--data-dir", str(data_dir)]
+    assert main([*base, "ingest", str(adapters / "zoo"), "--labels", str(adapters / "labels.csv"), "--base-model", "tiny", "--json"]) == 0
+    assert main([*base, "train", "--epochs", "2", "--members", "2", "--json"]) == 0
+    app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(data_dir), "ZOO_IMPORT_ROOT": str(adapters), "TESTING": True})
+    yield Web(app.test_client(), url, data_dir, adapters)
+    make_engine(url).dispose()
+
+
+def error_of(response) -> dict:  # type: ignore[no-untyped-def]
+    body = response.get_json()
+    assert set(body) == {"error"} and set(body["error"]) == {"status", "type", "message", "detail"}
+    assert body["error"]["status"] == response.status_code
+    return body["error"]
+
+
+def peft_files(path: Path) -> dict:
+    return {"file": [(io.BytesIO((path / n).read_bytes()), n) for n in ("adapter_config.json", "adapter_model.safetensors")]}
+
+
+def zipped(path: Path) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for n in ("adapter_config.json", "adapter_model.safetensors"):
+            zf.write(path / n, f"{path.name}/{n}")
+    return buf.getvalue()
+
+
+def test_health_and_openapi(web: Web) -> None:
+    r = web.client.get("/api/v1/health")
+    assert r.status_code == 200 and r.json["adapters"] == N and r.json["status"] == "ok"
+    spec = web.client.get("/api/v1/openapi.json").json
+    assert spec["openapi"].startswith("3.")
+    for path in (
+        "/api/v1/adapters",
+        "/api/v1/adapters/{adapter_id}",
+        "/api/v1/adapters/{adapter_id}/similar",
+        "/api/v1/similar",
+        "/api/v1/predict/attributes",
+        "/api/v1/predict/performance",
+        "/api/v1/adapters/{adapter_id}/download",
+        "/api/v1/spaces",
+        "/api/v1/spaces/{name}/map",
+        "/api/v1/ingest",
+        "/api/v1/jobs/{job_id}",
+        "/api/v1/health",
+    ):
+        assert path in spec["paths"], path
+    assert "BearerAuth" in json.dumps(spec["components"])
+    docs = web.client.get("/api/v1/docs").get_data(as_text=True)
+    assert "/static/vendor/swagger-ui/swagger-ui-bundle.js" in docs and "cdn." not in docs and "https://" not in docs.split("<body")[0]
+
+
+def test_adapter_detail_and_not_found(web: Web) -> None:
+    r = web.client.get("/api/v1/adapters/1")
+    assert r.status_code == 200
+    a = r.json
+    assert a["id"] == 1 and a["labels"]["task"] in ("qk", "qv") and a["modules"] and a["canonical_hash"]
+    assert [x["adapter_id"] for x in a["neighbours"]["results"]] and 1 not in [x["adapter_id"] for x in a["neighbours"]["results"]]
+    assert a["predictions"]["attributes"]["task"] and a["predictions"]["embedder_id"]
+    e = error_of(web.client.get("/api/v1/adapters/9999"))
+    assert e["status"] == 404 and "9999" in e["message"]
+    assert error_of(web.client.get("/api/v1/nope"))["status"] == 404
+    assert error_of(web.client.delete("/api/v1/health"))["status"] == 405
+
+
+def test_similar_by_id(web: Web) -> None:
+    r = web.client.get("/api/v1/adapters/1/similar?k=5&method=module")
+    assert r.status_code == 200 and len(r.json["results"]) == 5 and r.json["method"] == "module"
+    scores = [x["score"] for x in r.json["results"]]
+    assert scores == sorted(scores, reverse=True)
+    same = web.client.get("/api/v1/adapters/1/similar?k=20&filter=task=qv").json["results"]
+    assert same and all(x["labels"]["task"] == "qv" for x in same) and len(same) == N // 2
+    assert error_of(web.client.get("/api/v1/adapters/1/similar?k=1001"))["status"] == 422
+    assert error_of(web.client.get("/api/v1/adapters/1/similar?k=abc"))["type"] == "validation"
+    assert error_of(web.client.get("/api/v1/adapters/1/similar?filter=task"))["status"] == 400
+    assert error_of(web.client.get("/api/v1/adapters/1/similar?method=nope"))["status"] == 422
+    assert error_of(web.client.get("/api/v1/adapters/1/similar?space=nope"))["status"] == 404
+    assert error_of(web.client.get("/api/v1/adapters/999/similar"))["status"] == 404
+
+
+def test_similar_by_upload_in_every_shape(web: Web, tmp_path: Path) -> None:
+    stored = web.adapters / "zoo" / "w03"
+    by_id = web.client.get("/api/v1/adapters/4/similar?k=3").json["results"]
+    r = web.client.post("/api/v1/similar", data={**peft_files(stored), "k": "4"}, content_type="multipart/form-data")
+    assert r.status_code == 200, r.json
+    top = r.json["results"]
+    assert top[0]["name"] == "w03" and top[0]["score"] == pytest.approx(1.0, abs=1e-3)  # itself, read from the upload
+    assert [x["adapter_id"] for x in top[1:]] == [x["adapter_id"] for x in by_id]
+    r = web.client.post("/api/v1/similar", data={"file": [(io.BytesIO(zipped(stored)), "w03.zip")]}, content_type="multipart/form-data")
+    assert r.status_code == 200 and r.json["results"][0]["name"] == "w03"
+    kohya = tmp_path / "k.safetensors"
+    write_kohya_file(kohya)
+    upload = {"file": [(io.BytesIO(kohya.read_bytes()), "k.safetensors")]}
+    r = web.client.post("/api/v1/similar", data=upload, content_type="multipart/form-data")
+    # read (its base model comes from its metadata), and this zoo has no space for it
+    assert error_of(r)["status"] == 404 and "no embedding space 'sd-v1-5'" in error_of(r)["message"]
+    r = web.client.post(
+        "/api/v1/similar",
+        data={"file": [(io.BytesIO(kohya.read_bytes()), "k.safetensors")], "space": "tiny"},
+        content_type="multipart/form-data",
+    )
+    assert error_of(r)["status"] == 400 and "does not fit space tiny" in error_of(r)["message"]
+
+
+@pytest.mark.parametrize(
+    ("files", "status", "says"),
+    [
+        ([(b"\x00" * 64, "adapter.safetensors")], 422, "adapter.safetensors"),
+        ([(b"PK\x03\x04 not really", "a.zip")], 422, "not a readable zip"),
+        ([(b"\x80\x04K\x01.", "adapter_model.bin")], 422, "not an adapter upload"),
+        ([(b"{}", "adapter_config.json")], 422, "not an adapter upload"),
+    ],
+)
+def test_bad_uploads_are_refused_with_the_reason(web: Web, files: list, status: int, says: str) -> None:
+    r = web.client.post("/api/v1/similar", data={"file": [(io.BytesIO(b), n) for b, n in files]}, content_type="multipart/form-data")
+    e = error_of(r)
+    assert e["status"] == status and says in e["message"]
+
+
+def test_unsafe_zips_are_refused(web: Web) -> None:
+    stored = web.adapters / "zoo" / "w03"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.write(stored / "adapter_config.json", "../adapter_config.json")
+        zf.write(stored / "adapter_model.safetensors", "../adapter_model.safetensors")
+    r = web.client.post("/api/v1/similar", data={"file": [(io.BytesIO(buf.getvalue()), "evil.zip")]}, content_type="multipart/form-data")
+    assert error_of(r)["status"] == 422 and "unsafe member" in error_of(r)["message"]
+
+
+def test_upload_limits_and_types(web: Web, adapters: Path) -> None:
+    small = create_app({"ZOO_DATABASE_URL": web.url, "ZOO_DATA_DIR": str(web.data_dir), "ZOO_MAX_UPLOAD_BYTES": 1000}).test_client()
+    r = small.post("/api/v1/similar", data=peft_files(adapters / "zoo" / "w01"), content_type="multipart/form-data")
+    assert error_of(r)["status"] == 413
+    r = web.client.post("/api/v1/similar", json={"file": "x"})
+    assert error_of(r)["status"] == 415
+
+
+def test_predict_by_id_batch_and_upload(web: Web) -> None:
+    r = web.client.post("/api/v1/predict/attributes", json={"adapter_id": 2})
+    assert r.status_code == 200
+    (p,) = r.json["predictions"]
+    assert set(p) == {"query", "query_name", "space", "embedder_id", "attributes"}
+    assert sum(c["probability"] for c in p["attributes"]["task"]) == pytest.approx(1.0, abs=1e-4)
+    r = web.client.post("/api/v1/predict/performance", json={"adapter_ids": [1, 2, 3]})
+    assert r.status_code == 200 and [p["query"] for p in r.json["predictions"]] == ["1", "2", "3"]
+    m = r.json["predictions"][0]["metrics"]["test_accuracy"]
+    assert m["low"] <= m["value"] <= m["high"] and m["interval"] == 0.9
+    r = web.client.post("/api/v1/predict/attributes", data=peft_files(web.adapters / "outside" / "new"), content_type="multipart/form-data")
+    assert r.status_code == 200 and r.json["predictions"][0]["query_name"] == "upload"
+    assert error_of(web.client.post("/api/v1/predict/attributes", json={}))["status"] == 400
+    assert error_of(web.client.post("/api/v1/predict/attributes", json={"adapter_ids": list(range(1, 200))}))["status"] == 422
+    assert error_of(web.client.post("/api/v1/predict/performance", json={"adapter_id": 999}))["status"] == 404
+
+
+def test_download_in_each_format(web: Web) -> None:
+    r = web.client.get("/api/v1/adapters/1/download?format=peft")
+    assert r.status_code == 200 and r.mimetype == "application/zip" and "attachment" in r.headers["Content-Disposition"]
+    names = zipfile.ZipFile(io.BytesIO(r.data)).namelist()
+    assert any(n.endswith("adapter_config.json") for n in names) and any(n.endswith("adapter_model.safetensors") for n in names)
+    for fmt in ("diffusers", "kohya"):
+        r = web.client.get(f"/api/v1/adapters/1/download?format={fmt}")
+        assert r.status_code == 200 and r.headers["Content-Disposition"].endswith('.safetensors"')
+    assert error_of(web.client.get("/api/v1/adapters/1/download?format=onnx"))["status"] == 422
+    assert error_of(web.client.get("/api/v1/adapters/999/download"))["status"] == 404
+
+
+def test_spaces(web: Web) -> None:
+    (space,) = web.client.get("/api/v1/spaces").json["spaces"]
+    assert space["name"] == "tiny" and {e["method"] for e in space["embedders"]} == {"module_sketch", "w2t"}
+    assert all(e["embedded"] == N for e in space["embedders"])
+
+
+def test_ingest_needs_a_token_and_stays_in_the_import_root(web: Web, tmp_path: Path) -> None:
+    body = {"paths": ["outside/new"]}
+    assert error_of(web.client.post("/api/v1/ingest", json=body))["status"] == 401
+    assert error_of(web.client.post("/api/v1/ingest", json=body, headers={"Authorization": "Bearer zoo_wrong"}))["status"] == 401
+    assert web.zoo("token", "create", "tests", "--json") == 0
+    from zoo import tokens
+    from zoo.db.session import session_factory
+
+    with session_factory(web.url).begin() as session:
+        _, token = tokens.create_token(session, "web-test")
+    auth = {"Authorization": f"Bearer {token}"}
+    for path in ("/etc", "../../etc/passwd", str(web.adapters.parent)):
+        e = error_of(web.client.post("/api/v1/ingest", json={"paths": [path]}, headers=auth))
+        assert e["status"] == 400 and "outside the import root" in e["message"]
+    link = web.adapters / "escape"
+    if not link.exists():
+        link.symlink_to(tmp_path)
+    assert "outside the import root" in error_of(web.client.post("/api/v1/ingest", json={"paths": ["escape"]}, headers=auth))["message"]
+    r = web.client.post("/api/v1/ingest", json={"paths": ["outside/new", "zoo/w00"], "base_model": "tiny"}, headers=auth)
+    assert r.status_code == 202 and r.json["counts"]["total"] == 2
+    job = _wait(web, r.json["id"])
+    assert job["state"] == "done" and sorted(i["state"] for i in job["items"]) == ["done", "duplicate"]
+    assert job["created_by"] == "web-test"
+    upload = {**peft_files(web.adapters / "zoo" / "w05"), "base_model": "tiny"}
+    r = web.client.post("/api/v1/ingest", data=upload, headers=auth, content_type="multipart/form-data")
+    assert r.status_code == 202
+    job = _wait(web, r.json["id"])
+    assert [i["state"] for i in job["items"]] == ["duplicate"]
+    assert not list((web.data_dir / "uploads").iterdir())  # the saved upload is gone once the job ends
+    listed = web.client.get("/api/v1/jobs").json["jobs"]
+    assert [j["id"] for j in listed][:2] == [job["id"], job["id"] - 1]
+    assert web.zoo("token", "revoke", "2") == 0
+    assert error_of(web.client.post("/api/v1/ingest", json=body, headers=auth))["status"] == 401
+
+
+def test_label_edits_need_a_token_and_reach_search_and_filters(web: Web) -> None:
+    body = {"labels": {"style": "watercolour"}, "measurements": {"test_accuracy": 0.91}}
+    assert error_of(web.client.put("/api/v1/adapters/3/labels", json=body))["status"] == 401
+    from zoo import tokens
+    from zoo.db.session import session_factory
+
+    with session_factory(web.url).begin() as session:
+        _, token = tokens.create_token(session, "labeller")
+    auth = {"Authorization": f"Bearer {token}"}
+    r = web.client.put("/api/v1/adapters/3/labels", json=body, headers=auth)
+    assert r.status_code == 200 and r.json["labels"]["style"] == "watercolour" and r.json["measurements"]["test_accuracy"] == 0.91
+    found = web.client.get("/api/v1/adapters?q=watercolour").json
+    assert [a["id"] for a in found["results"]] == [3]
+    near = web.client.get("/api/v1/adapters/1/similar?k=20&filter=style=watercolour").json["results"]
+    assert [x["adapter_id"] for x in near] == [3] and near[0]["labels"]["style"] == "watercolour"
+    assert error_of(web.client.put("/api/v1/adapters/3/labels", json={}, headers=auth))["status"] == 400
+    assert error_of(web.client.put("/api/v1/adapters/999/labels", json=body, headers=auth))["status"] == 404
+    bad = {"measurements": {"test_accuracy": "high"}}
+    assert error_of(web.client.put("/api/v1/adapters/3/labels", json=bad, headers=auth))["status"] == 422
+
+
+def _wait(web: Web, job_id: int) -> dict:
+    import time
+
+    for _ in range(600):
+        job = web.client.get(f"/api/v1/jobs/{job_id}").json
+        if job["state"] == "done":
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not finish: {job}")
+
+
+def test_reads_can_require_a_token(web: Web) -> None:
+    closed = create_app({"ZOO_DATABASE_URL": web.url, "ZOO_DATA_DIR": str(web.data_dir), "ZOO_READ_TOKEN_REQUIRED": "1"}).test_client()
+    assert error_of(closed.get("/api/v1/adapters/1"))["status"] == 401
+    assert closed.get("/api/v1/health").status_code == 200
+
+
+def test_pages_render_with_their_json_twins(web: Web) -> None:
+    for path, twin in (("/", "/api/v1/adapters"), ("/adapters/1", "/api/v1/adapters/1"), ("/jobs", "/api/v1/jobs")):
+        r = web.client.get(path)
+        assert r.status_code == 200 and r.mimetype == "text/html"
+        assert f'rel="alternate" type="application/json" href="{twin}' in r.get_data(as_text=True)
+    page = web.client.get("/adapters/1").get_data(as_text=True)
+    assert "Nearest neighbours" in page and "predicted by embedder" in page and "format=kohya" in page
+    assert web.client.get("/map").status_code == 200 and web.client.get("/similar").status_code == 200
+    r = web.client.post("/similar", data=peft_files(web.adapters / "zoo" / "w03"), content_type="multipart/form-data")
+    assert r.status_code == 200 and "Nearest to" in r.get_data(as_text=True)
+    r = web.client.get("/adapters/9999")
+    assert r.status_code == 404 and r.mimetype == "text/html" and "no adapter with id 9999" in r.get_data(as_text=True)
+    for html in (web.client.get(p).get_data(as_text=True) for p in ("/", "/adapters/1", "/map")):
+        assert "https://" not in html and "http://" not in html.replace('href="http://localhost', "")

@@ -1,0 +1,261 @@
+"""The REST API, `/api/v1`: JSON twins of the pages, and the calls programs make.
+
+Views parse, call zoo/embed, and return the resource dict; no math or SQL here. Expensive calls
+(uploads, predictions) run under the app's time limit with a session of their own.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from apiflask import APIBlueprint, abort
+from flask import Response, request
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+from werkzeug.exceptions import UnsupportedMediaType
+
+from embed import service
+from webapp import schemas
+from webapp.auth import token_auth
+from webapp.context import db, zoo
+from zoo import __version__
+from zoo.db import repository
+from zoo.db.models import Adapter
+from zoo.db.session import current_revision
+from zoo.errors import NotFoundError, UsageError
+from zoo.sources.upload import Upload, materialize
+from zoo.tokens import verify_token
+
+api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
+T = TypeVar("T")
+
+
+def parse_filters(values: list[str]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        key, sep, value = v.partition("=")
+        if not sep or not key or not value:
+            raise UsageError(f"filter {v!r}: write key=value")
+        out[key] = value
+    return out
+
+
+def with_session(fn: Callable[[Session], T]) -> Callable[[], T]:
+    """fn with a session of its own (for calls run in the app's pool, outside the request)."""
+    sessions = zoo().sessions
+
+    def run() -> T:
+        with sessions() as session:
+            return fn(session)
+
+    return run
+
+
+def limited_upload(files: list, fn: Callable[[Session, str], T]) -> T:
+    """fn(session, path) on the uploaded files laid out in a temporary directory, under the time limit."""
+    ctx = zoo()
+    uploads = [Upload(f.filename or "upload", f.stream) for f in files]
+    uploads_dir = ctx.settings.data_dir / "uploads"  # requests touch no directory but the data dir and the import root
+    uploads_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="query-", dir=uploads_dir) as tmp:
+        path = materialize(uploads, Path(tmp), ctx.web.max_upload_bytes)
+
+        def run() -> T:
+            with ctx.sessions() as session:
+                return fn(session, str(path))
+
+        return ctx.limited(run)
+
+
+def get_adapter(adapter_id: int, with_modules: bool = False) -> Adapter:
+    adapter = repository.get_adapter(db(), adapter_id, with_modules=with_modules)
+    if adapter is None:
+        raise NotFoundError(f"no adapter with id {adapter_id}")
+    return adapter
+
+
+@api.get("/health")
+@api.output(schemas.Health)
+def health() -> dict[str, object]:
+    """Liveness and the database's state."""
+    count = db().scalar(select(func.count()).select_from(Adapter))
+    return {
+        "status": "ok",
+        "database": "ok",
+        "adapters": count,
+        "schema": current_revision(zoo().settings.database_url),
+        "version": __version__,
+    }
+
+
+@api.get("/adapters")
+@api.input(schemas.CatalogQuery, location="query", arg_name="query")
+def adapters(query: dict) -> dict[str, object]:
+    """Search the catalog: free text, facets with counts, sorting, pages."""
+    from zoo.db.catalog import search_catalog
+
+    return search_catalog(db(), query["q"], parse_filters(query["filter"]), query["sort"], query["page"], query["per_page"])
+
+
+@api.get("/adapters/<int:adapter_id>")
+def adapter(adapter_id: int) -> dict[str, object]:
+    """Everything stored about an adapter, its neighbours and its predictions (the adapter page's twin)."""
+    return service.adapter_resource(zoo().engine, db(), get_adapter(adapter_id, with_modules=True))
+
+
+@api.get("/adapters/<int:adapter_id>/similar")
+@api.input(schemas.SimilarQuery, location="query", arg_name="query")
+@api.output(schemas.SimilarOut)
+def similar(adapter_id: int, query: dict) -> tuple[dict[str, object], int, dict[str, str]]:
+    """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share)."""
+    start = time.perf_counter()
+    found = service.search(zoo().engine, db(), str(adapter_id), query["k"], query["space"], parse_filters(query["filter"]), query["method"])
+    return found, 200, {"Server-Timing": f"engine;dur={(time.perf_counter() - start) * 1e3:.3f}"}
+
+
+@api.post("/similar")
+@api.input(schemas.SimilarUpload, location="form_and_files", arg_name="form")
+@api.output(schemas.SimilarOut)
+def similar_upload(form: dict) -> dict[str, object]:
+    """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored)."""
+    filters = parse_filters(form["filter"])
+    engine = zoo().engine
+    return limited_upload(form["file"], lambda s, path: service.search(engine, s, path, form["k"], form["space"], filters, form["method"]))
+
+
+def _predict(part: str, body: dict) -> dict[str, object]:
+    engine = zoo().engine
+    files = request.files.getlist("file")
+    if files:
+        found = [limited_upload(files, lambda s, path: service.predict(engine, s, path, body.get("space")))]
+    else:
+        ids = body.get("adapter_ids") or ([body["adapter_id"]] if body.get("adapter_id") else [])
+        if not ids:
+            raise UsageError("send adapter_id, adapter_ids, or an upload in the `file` field")
+        found = zoo().limited(with_session(lambda s: [service.predict(engine, s, str(i), body.get("space")) for i in ids]))
+    keep = ("query", "query_name", "space", "embedder_id", part)
+    return {"predictions": [{k: p[k] for k in keep} for p in found]}
+
+
+@api.post("/predict/attributes")
+@api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
+def predict_attributes(body: dict) -> dict[str, object]:
+    """Predicted attributes (top classes with probabilities) of stored adapters, or of an upload (`file`)."""
+    return _predict("attributes", body)
+
+
+@api.post("/predict/performance")
+@api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
+def predict_performance(body: dict) -> dict[str, object]:
+    """Predicted performance (value with a 90 % interval) of stored adapters, or of an upload (`file`)."""
+    return _predict("metrics", body)
+
+
+@api.get("/adapters/<int:adapter_id>/download")
+@api.input(schemas.DownloadQuery, location="query", arg_name="query")
+@api.doc(responses={200: {"description": "a zip (peft) or a .safetensors file"}})
+def download(adapter_id: int, query: dict) -> Response:
+    """The adapter rebuilt from its canonical form as a PEFT directory (zip), a diffusers or a kohya file."""
+    from zoo.export import export_files, export_zip, file_stem, load_for_export
+
+    factors, meta = load_for_export(db(), zoo().blobs, adapter_id)
+    fmt = query["format"]
+    if fmt == "peft":
+        body, name, mime = export_zip(factors, meta), f"{file_stem(meta)}-peft.zip", "application/zip"
+    else:
+        ((filename, body),) = export_files(factors, meta, fmt).items()
+        name, mime = filename, "application/octet-stream"
+    return Response(body, mimetype=mime, headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+@api.put("/adapters/<int:adapter_id>/labels")
+@api.auth_required(token_auth)
+@api.input(schemas.LabelsBody, location="json", arg_name="body")
+def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
+    """Set given labels and test measurements (replacing those with the same key); needs a token."""
+    from zoo.db.catalog import refresh_search_text
+    from zoo.db.session import write_transaction
+
+    if not body["labels"] and not body["measurements"]:
+        raise UsageError("send labels and/or measurements to set")
+    get_adapter(adapter_id)
+    with write_transaction(zoo().sessions, f"labels:{adapter_id}") as session:
+        repository.replace_labels(session, adapter_id, body["labels"], body["measurements"])
+        session.flush()
+        refresh_search_text(session, [adapter_id])
+    db().rollback()  # end the request's read transaction: read what was just committed
+    detail = repository.adapter_detail(get_adapter(adapter_id))
+    return {"id": adapter_id, "labels": detail["labels"], "measurements": detail["measurements"]}
+
+
+@api.get("/spaces")
+def spaces() -> dict[str, object]:
+    """Embedding spaces and their serving embedders."""
+    return {"spaces": service.list_spaces(db())}
+
+
+@api.get("/spaces/<path:name>/map")
+@api.input(schemas.MapQuery, location="query", arg_name="query")
+def space_map(name: str, query: dict) -> dict[str, object]:
+    """The space's 2-D map: points, and the keys they can be coloured by."""
+    from embed.maps import space_map as build_map
+
+    return build_map(db(), zoo().settings.data_dir, name, query["color_by"], query["limit"], query["highlight"])
+
+
+@api.post("/ingest")
+@api.auth_required(token_auth)
+@api.input(schemas.IngestBody, location="json_or_form", arg_name="body")
+@api.output(schemas.Job, status_code=202)
+def ingest(body: dict) -> dict[str, object]:
+    """Queue an ingestion job of paths under the import root, or of uploaded files (`file`); needs a token."""
+    from webapp.jobs import start_ingest
+
+    return start_ingest(body.get("paths") or [], request.files.getlist("file"), body.get("base_model"), token_auth.current_user.name)
+
+
+@api.get("/jobs")
+def jobs() -> dict[str, object]:
+    """The newest ingestion jobs with counts per item state."""
+    from zoo.jobs import list_jobs
+
+    return {"jobs": list_jobs(db())}
+
+
+@api.get("/jobs/<int:job_id>")
+@api.output(schemas.Job)
+def job(job_id: int) -> dict[str, object]:
+    """An ingestion job: its state and each item's."""
+    from zoo.jobs import get_job
+
+    return get_job(db(), job_id)
+
+
+#: request bodies each write endpoint reads (anything else is 415)
+BODY_TYPES = {
+    "api.similar_upload": ("multipart/form-data",),
+    "api.predict_attributes": ("application/json", "multipart/form-data"),
+    "api.predict_performance": ("application/json", "multipart/form-data"),
+    "api.ingest": ("application/json", "multipart/form-data"),
+    "api.set_labels": ("application/json",),
+}
+
+
+@api.before_request
+def _body_type() -> None:
+    allowed = BODY_TYPES.get(request.endpoint or "")
+    if allowed and request.mimetype not in allowed:
+        raise UnsupportedMediaType(f"send {' or '.join(allowed)}, not {request.mimetype or 'no body'}")
+
+
+@api.before_request
+def _read_token() -> None:
+    """With ZOO_READ_TOKEN_REQUIRED, reads need a token too (health and the OpenAPI document stay open)."""
+    if zoo().web.read_token_required and request.method == "GET" and request.endpoint != "api.health":
+        scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not token or verify_token(db(), token.strip()) is None:
+            abort(401, "this server needs a token for reads too: send Authorization: Bearer <token> (`zoo token create`)")

@@ -1,0 +1,57 @@
+"""Ingestion jobs started from the web app: checked paths or saved uploads, run in the app's job thread."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+from webapp.context import db, zoo
+from zoo.errors import UsageError
+from zoo.ingest import IngestOptions
+from zoo.jobs import create_job, job_detail, run_job
+from zoo.sources.local import expand_paths
+from zoo.sources.upload import Upload, materialize
+
+
+def import_path(raw: str) -> Path:
+    """The path, resolved (symlinks included), if it lies under the import root; UsageError otherwise."""
+    root = zoo().web.import_root
+    if root is None:
+        raise UsageError("ingest by path is off: set ZOO_IMPORT_ROOT to the directory paths may name, or upload files")
+    path = (root / raw).resolve() if not Path(raw).is_absolute() else Path(raw).resolve()
+    if not path.is_relative_to(root):
+        raise UsageError(f"{raw}: outside the import root {root}")
+    return path
+
+
+def start_ingest(paths: list[str], files: list, base_model: str | None, created_by: str) -> dict[str, object]:
+    """Create a job for the paths (or the upload, saved under the data dir until the job ends) and start it."""
+    ctx = zoo()
+    if bool(paths) == bool(files):
+        raise UsageError("send either `paths` (under the import root) or files in the `file` field")
+    upload_dir = None
+    if files:
+        upload_dir = ctx.settings.data_dir / "uploads" / uuid.uuid4().hex
+        upload_dir.mkdir(parents=True)
+        try:
+            sources = [str(materialize([Upload(f.filename or "upload", f.stream) for f in files], upload_dir, ctx.web.max_upload_bytes))]
+        except Exception:
+            shutil.rmtree(upload_dir, ignore_errors=True)
+            raise
+    else:
+        sources = [str(source) for source, _ in expand_paths([import_path(p) for p in paths])]
+    session = db()
+    job = create_job(session, sources, {"base_model": base_model}, created_by)
+    session.commit()
+    detail = job_detail(session, job)
+
+    def run() -> None:
+        try:
+            run_job(ctx.sessions, ctx.blobs, job.id, IngestOptions(base_model=base_model))
+        finally:
+            if upload_dir is not None:
+                shutil.rmtree(upload_dir, ignore_errors=True)
+
+    ctx.jobs.submit(run)
+    return detail

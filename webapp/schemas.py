@@ -1,0 +1,98 @@
+"""Request and response schemas of the REST API (they also make its OpenAPI document)."""
+
+from __future__ import annotations
+
+from apiflask import Schema
+from apiflask.fields import Dict, File, Float, Integer, List, Nested, Raw, String
+from apiflask.validators import Length, OneOf, Range
+
+from embed.engine import MAX_K, SEARCH_METHODS
+from zoo.export import FORMATS
+
+MAX_IDS = 100
+
+
+class Filters(Schema):
+    filter = List(
+        String(), load_default=list, metadata={"description": "key=value, repeatable: base_model, format, rank, source (prefix) or a label"}
+    )
+
+
+class CatalogQuery(Filters):
+    q = String(load_default=None, validate=Length(max=1000), metadata={"description": "free text: names, base model, labels, tags, card"})
+    sort = String(load_default=None, validate=OneOf(("relevance", "name", "newest", "rank")))
+    page = Integer(load_default=1, validate=Range(1, 1_000_000))
+    per_page = Integer(load_default=20, validate=Range(1, 100))
+
+
+class SimilarQuery(Filters):
+    k = Integer(load_default=10, validate=Range(1, MAX_K))
+    space = String(load_default=None)
+    method = String(load_default=None, validate=OneOf(SEARCH_METHODS))
+
+
+class SimilarUpload(SimilarQuery):
+    file = List(File(), required=True, metadata={"description": "a PEFT directory's two files, a zip of one, or one LoRA .safetensors"})
+
+
+class DownloadQuery(Schema):
+    format = String(load_default="peft", validate=OneOf(FORMATS))
+
+
+class PredictBody(Schema):
+    adapter_id = Integer(validate=Range(1))
+    adapter_ids = List(Integer(validate=Range(1)), validate=Length(1, MAX_IDS))
+    space = String(load_default=None)
+
+
+class IngestBody(Schema):
+    paths = List(String(validate=Length(1, 4096)), validate=Length(1, 10_000), metadata={"description": "paths under the import root"})
+    base_model = String(load_default=None)
+
+
+class Hit(Schema):
+    adapter_id = Integer()
+    name = String()
+    score = Float()
+    labels = Dict(keys=String(), values=String())
+
+
+class SimilarOut(Schema):
+    query = Raw()
+    query_name = String()
+    space = String()
+    method = String()
+    embedder_ids = List(Integer())
+    module_stage = String(allow_none=True)
+    index_states = Dict(keys=String(), values=String())
+    results = List(Nested(Hit))
+
+
+class Health(Schema):
+    status = String()
+    database = String()
+    adapters = Integer()
+    schema = String(allow_none=True)
+    version = String()
+
+
+class Job(Schema):
+    id = Integer()
+    kind = String()
+    state = String()
+    created_by = String(allow_none=True)
+    created_at = String(allow_none=True)
+    finished_at = String(allow_none=True)
+    counts = Dict(keys=String(), values=Integer())
+    items = List(Dict())
+
+
+class MapQuery(Schema):
+    color_by = String(load_default=None, metadata={"description": "a label key, or metric:<name>"})
+    limit = Integer(load_default=5000, validate=Range(1, 100_000))
+    highlight = List(Integer(), load_default=list, metadata={"description": "ids always drawn"})
+
+
+class LabelsBody(Schema):
+    labels = Dict(keys=String(validate=Length(1, 128)), values=String(validate=Length(1, 1000)), load_default=dict)
+    measurements = Dict(keys=String(validate=Length(1, 128)), values=Float(allow_nan=False), load_default=dict)

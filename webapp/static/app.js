@@ -1,0 +1,75 @@
+/* zoo's pages: the spectra chart of an adapter and the zoo map (Chart.js, served locally). */
+"use strict";
+
+const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+  "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354"];
+
+function zooSpectra(modules) {
+  const canvas = document.getElementById("spectra");
+  const picker = document.getElementById("spectra-type");
+  const types = [...new Set(modules.map((m) => m.module_type))].sort();
+  types.forEach((t) => picker.add(new Option(t, t)));
+  let chart = null;
+  function draw() {
+    const chosen = modules.filter((m) => m.module_type === picker.value && m.singular_values.length);
+    const datasets = chosen.map((m, i) => ({
+      label: m.layer_index === null ? m.name : "layer " + m.layer_index,
+      data: m.singular_values.map((s, j) => ({ x: j + 1, y: s })),
+      borderColor: PALETTE[i % PALETTE.length], backgroundColor: PALETTE[i % PALETTE.length], pointRadius: 2, showLine: true,
+    }));
+    if (chart) chart.destroy();
+    chart = new Chart(canvas, {
+      type: "scatter", data: { datasets },
+      options: { maintainAspectRatio: false, animation: false,
+        scales: { x: { title: { display: true, text: "component" }, ticks: { precision: 0 } },
+                  y: { type: "logarithmic", title: { display: true, text: "singular value" } } } },
+    });
+    canvas.dataset.series = String(datasets.length);
+  }
+  picker.addEventListener("change", draw);
+  if (types.length) draw();
+}
+
+function colourFor(value, lo, hi) {
+  const t = hi > lo ? (value - lo) / (hi - lo) : 0.5;
+  return `hsl(${Math.round(240 - 240 * t)}, 75%, 45%)`;
+}
+
+async function zooMap(url, colorBy, highlight) {
+  const params = new URLSearchParams({ limit: "20000" });
+  if (colorBy) params.set("color_by", colorBy);
+  if (highlight) params.append("highlight", highlight);
+  const info = document.getElementById("map-info");
+  const response = await fetch(url + "?" + params);
+  const data = await response.json();
+  if (!response.ok) { info.textContent = data.error.message; return; }
+  const picker = document.getElementById("color-by");
+  (data.color_keys || []).forEach((k) => picker.add(new Option(k, k, false, k === colorBy)));
+  const points = data.points.map((p) => ({ x: p.x, y: p.y, id: p.id, name: p.name, value: p.value }));
+  const numeric = points.some((p) => typeof p.value === "number");
+  let datasets;
+  if (colorBy && !numeric) {
+    const groups = new Map();
+    points.forEach((p) => { const k = p.value === null ? "(none)" : String(p.value); (groups.get(k) || groups.set(k, []).get(k)).push(p); });
+    datasets = [...groups.entries()].sort().map(([k, ps], i) => ({ label: k, data: ps, backgroundColor: PALETTE[i % PALETTE.length], pointRadius: 3 }));
+  } else {
+    const values = points.map((p) => p.value).filter((v) => typeof v === "number");
+    const lo = Math.min(...values), hi = Math.max(...values);
+    datasets = [{ label: colorBy || "adapters", data: points, pointRadius: 3,
+      backgroundColor: points.map((p) => (typeof p.value === "number" ? colourFor(p.value, lo, hi) : "#9aa5b1")) }];
+  }
+  const marked = points.filter((p) => String(p.id) === String(highlight));
+  if (marked.length) datasets.unshift({ label: "this adapter", data: marked, backgroundColor: "#000", pointRadius: 8, pointStyle: "star", borderColor: "#000" });
+  info.textContent = `${data.count} adapters (${data.points.length} drawn), ${data.method} embedding, PCA. Click a point to open it.`;
+  const canvas = document.getElementById("map");
+  const chart = new Chart(canvas, {
+    type: "scatter", data: { datasets },
+    options: { maintainAspectRatio: false, animation: false,
+      plugins: { tooltip: { callbacks: { label: (c) => c.raw.name + (c.raw.value !== null && c.raw.value !== undefined ? " — " + c.raw.value : "") } },
+                 legend: { display: datasets.length > 1 } },
+      onClick: (event, elements) => { if (elements.length) { const p = chart.data.datasets[elements[0].datasetIndex].data[elements[0].index]; window.location = "/adapters/" + p.id; } },
+      scales: { x: { ticks: { display: false } }, y: { ticks: { display: false } } } },
+  });
+  canvas.dataset.points = String(points.length);
+  window.zooMapChart = chart;
+}

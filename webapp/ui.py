@@ -1,0 +1,73 @@
+"""The pages people use. Each renders the same resource dict as its JSON twin under /api/v1."""
+
+from __future__ import annotations
+
+from apiflask import APIBlueprint
+from flask import render_template, request, url_for
+
+from embed import service
+from webapp.api import get_adapter, limited_upload, parse_filters
+from webapp.context import db, zoo
+from zoo.errors import ZooError
+
+ui = APIBlueprint("ui", __name__, enable_openapi=False)
+
+
+def _filters_from_args() -> list[str]:
+    return [f for f in request.args.getlist("filter") if f]
+
+
+@ui.get("/")
+def search_page() -> str:
+    from zoo.db.catalog import search_catalog
+
+    filters = _filters_from_args()
+    page = max(1, request.args.get("page", 1, type=int) or 1)
+    found = search_catalog(db(), request.args.get("q") or None, parse_filters(filters), request.args.get("sort") or None, page, 20)
+    return render_template("search.html", found=found, filters=filters, twin=url_for("api.adapters", **request.args.to_dict(flat=False)))
+
+
+@ui.get("/adapters/<int:adapter_id>")
+def adapter_page(adapter_id: int) -> str:
+    resource = service.adapter_resource(zoo().engine, db(), get_adapter(adapter_id, with_modules=True))
+    return render_template("adapter.html", a=resource, twin=url_for("api.adapter", adapter_id=adapter_id))
+
+
+@ui.get("/map")
+def map_page() -> str:
+    spaces = service.list_spaces(db())
+    name = request.args.get("space") or (spaces[0]["name"] if spaces else None)
+    return render_template(
+        "map.html", spaces=spaces, space=name, color_by=request.args.get("color_by") or "", highlight=request.args.get("highlight") or ""
+    )
+
+
+@ui.route("/similar", methods=["GET", "POST"])
+def similar_page() -> tuple[str, int] | str:
+    if request.method == "GET":
+        return render_template("similar.html", result=None, error=None)
+    engine = zoo().engine
+    k = min(max(request.form.get("k", 10, type=int) or 10, 1), 100)
+    try:
+
+        def run(session, path):  # type: ignore[no-untyped-def]
+            found = service.search(engine, session, path, k)
+            try:
+                predicted = service.predict(engine, session, path, str(found["space"]))
+            except ZooError as exc:
+                predicted = {"error": str(exc)}
+            return found, predicted
+
+        found, predicted = limited_upload(request.files.getlist("file"), run)
+    except ZooError as exc:
+        from webapp.errors import status_of
+
+        return render_template("similar.html", result=None, error=str(exc)), status_of(exc)
+    return render_template("similar.html", result=found, predicted=predicted, error=None)
+
+
+@ui.get("/jobs")
+def jobs_page() -> str:
+    from zoo.jobs import list_jobs
+
+    return render_template("jobs.html", jobs=list_jobs(db()), twin=url_for("api.jobs"))

@@ -1,0 +1,109 @@
+"""Uploaded files (the web app's `file` fields) laid out on disk as one adapter to read.
+
+Accepted: the two files of a PEFT directory (`adapter_config.json` and `adapter_model.safetensors`),
+a zip of one PEFT directory, or one LoRA `.safetensors` file. Names are never used as paths: each
+file is written under a fixed name in a fresh directory, and a zip's members are checked (no
+absolute or parent paths, no links, at most MAX_ZIP_MEMBERS, the sum of their sizes within the
+upload limit) before anything is extracted. Only safetensors weights are taken: no pickles.
+"""
+
+from __future__ import annotations
+
+import stat
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from zoo.errors import InputError
+from zoo.formats.peft import CONFIG_NAME
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+MAX_ZIP_MEMBERS = 16
+
+
+class UploadTooLarge(InputError):
+    """The upload, or what a zip expands to, is over the limit."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    filename: str
+    stream: BinaryIO
+
+
+def materialize(files: Sequence[Upload], workdir: Path, max_bytes: int) -> Path:
+    """Write the uploaded files under `workdir` (which must be empty) and return the path to read as one adapter."""
+    if not files:
+        raise InputError("upload", "no file: send a `file` field (a PEFT directory's two files, a zip of one, or a .safetensors)")
+    names = sorted(PurePosixPath(f.filename.replace("\\", "/")).name for f in files)
+    if len(files) == 2 and names == sorted((CONFIG_NAME, PEFT_WEIGHTS)):
+        target = workdir / "upload"  # the query's name: two loose files carry no folder name
+        target.mkdir()
+        for f in files:
+            _copy(f, target / PurePosixPath(f.filename.replace("\\", "/")).name, max_bytes)
+        return target
+    if len(files) == 1 and names[0].lower().endswith(".zip"):
+        archive = workdir / "upload.zip"
+        _copy(files[0], archive, max_bytes)
+        return _extract_peft(archive, workdir / _safe_name(names[0][: -len(".zip")]), max_bytes, names[0])
+    if len(files) == 1 and names[0].lower().endswith(".safetensors"):
+        target = workdir / _safe_name(names[0])
+        _copy(files[0], target, max_bytes)
+        return target
+    raise InputError(
+        ", ".join(names),
+        f"not an adapter upload: send {CONFIG_NAME} with {PEFT_WEIGHTS}, a .zip of a PEFT directory, or one .safetensors file",
+    )
+
+
+def _safe_name(name: str) -> str:
+    """A file name made of letters, digits, '-', '_' and '.', not starting with '.' (never a path)."""
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:128].lstrip(".")
+    return stem or "upload"
+
+
+def _copy(upload: Upload, target: Path, max_bytes: int) -> None:
+    """Copy the stream in chunks, refusing past `max_bytes` (the stream may lie about its length)."""
+    written = 0
+    with target.open("xb") as out:
+        while chunk := upload.stream.read(1 << 20):
+            written += len(chunk)
+            if written > max_bytes:
+                raise UploadTooLarge(upload.filename, f"larger than the upload limit of {max_bytes} bytes")
+            out.write(chunk)
+
+
+def _extract_peft(archive: Path, target: Path, max_bytes: int, label: str) -> Path:
+    """Extract the zip's adapter_config.json and adapter_model.safetensors (in one folder) into `target`."""
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            members = [m for m in zf.infolist() if not m.is_dir()]
+            if len(members) > MAX_ZIP_MEMBERS:
+                raise InputError(label, f"a zip of {len(members)} files: a PEFT directory has 2 (at most {MAX_ZIP_MEMBERS} are read)")
+            wanted: dict[str, zipfile.ZipInfo] = {}
+            for m in members:
+                path = PurePosixPath(m.filename)
+                if path.is_absolute() or ".." in path.parts or stat.S_ISLNK(m.external_attr >> 16):
+                    raise InputError(label, f"unsafe member {m.filename!r} (absolute, parent path or link)")
+                if path.name in (CONFIG_NAME, PEFT_WEIGHTS):
+                    if path.name in wanted:
+                        raise InputError(label, f"more than one {path.name}: zip one PEFT directory")
+                    wanted[path.name] = m
+            if (
+                set(wanted) != {CONFIG_NAME, PEFT_WEIGHTS}
+                or wanted[CONFIG_NAME].filename.rsplit("/", 1)[:-1] != wanted[PEFT_WEIGHTS].filename.rsplit("/", 1)[:-1]
+            ):
+                raise InputError(label, f"no PEFT directory: the zip needs {CONFIG_NAME} and {PEFT_WEIGHTS} in one folder")
+            if sum(m.file_size for m in wanted.values()) > max_bytes:
+                raise UploadTooLarge(label, f"expands past the upload limit of {max_bytes} bytes")
+            target.mkdir()
+            for name, m in wanted.items():
+                with zf.open(m) as src:
+                    _copy(Upload(m.filename, src), target / name, max_bytes)  # type: ignore[arg-type]
+    except zipfile.BadZipFile as exc:
+        raise InputError(label, f"not a readable zip ({exc})") from None
+    finally:
+        archive.unlink(missing_ok=True)
+    return target
