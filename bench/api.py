@@ -6,7 +6,8 @@ it on loopback; --clients threads, each on its own keep-alive connection, send
 `GET /api/v1/adapters/{id}/similar?k=10` for random ids. In the same run it measures:
 - the HTTP latency each client sees (p50, p99) and requests/s;
 - the engine's time for the same requests, from the `Server-Timing: engine;dur=` header the API
-  sets around its engine call, and so the web layer's share: HTTP minus engine, per request;
+  sets around its engine call, and so the web layer's share: HTTP minus engine, per request (with
+  --clients at once it includes waiting for a core; one client alone gives the layer's own cost);
 - the same queries through an in-process QueryEngine with as many threads (the engine baseline).
 
     python -m bench.api --zoo-data-dir DIR   # DIR: a data dir where `zoo train` ran
@@ -147,10 +148,12 @@ def main() -> None:
             run_clients(port, rng.integers(1, args.adapters + 1, 50 * args.workers * args.threads), args.clients)  # every worker loads
             warm_s = time.perf_counter() - t0
             http_s, engine_s, wall = run_clients(port, ids, args.clients)
+            one_http, one_engine, _ = run_clients(port, ids[: len(ids) // 4], 1)  # no queueing: the layer's own cost
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     overhead = [h - e for h, e in zip(http_s, engine_s, strict=True)]
+    one_overhead = percentiles([h - e for h, e in zip(one_http, one_engine, strict=True)])
     baseline = engine_baseline(work, space, ids, args.clients)
     (h50, h99), (e50, e99), (o50, o99), (b50, b99) = (percentiles(x) for x in (http_s, engine_s, overhead, baseline))
     result = {
@@ -166,6 +169,8 @@ def main() -> None:
         "engine_in_server_p99_ms": round(e99, 3),
         "web_layer_p50_ms": round(o50, 3),
         "web_layer_p99_ms": round(o99, 3),
+        "web_layer_p50_ms_1_client": round(one_overhead[0], 3),
+        "web_layer_p99_ms_1_client": round(one_overhead[1], 3),
         "engine_in_process_p50_ms": round(b50, 3),
         "engine_in_process_p99_ms": round(b99, 3),
         "http_minus_engine_in_process_p50_ms": round(h50 - b50, 3),
@@ -177,6 +182,7 @@ def main() -> None:
         f"{args.adapters} synthetic adapters, {args.clients} clients, zoo serve {args.workers} workers × {args.threads} threads\n"
         f"HTTP p50 {h50:.2f} ms, p99 {h99:.2f} ms, {result['requests_per_s']:.0f} requests/s\n"
         f"engine inside the server p50 {e50:.2f} ms, p99 {e99:.2f} ms: the web layer adds p50 {o50:.2f} ms, p99 {o99:.2f} ms\n"
+        f"one client (no queueing): the web layer adds p50 {one_overhead[0]:.2f} ms, p99 {one_overhead[1]:.2f} ms\n"
         f"engine in process ({args.clients} threads) p50 {b50:.2f} ms, p99 {b99:.2f} ms"
     )
     print(json.dumps(result))

@@ -194,10 +194,11 @@ def make_query(session: Session, blobs: BlobStore, id_or_path: str, device: str 
     """(query, its base model) for a stored id, or for a path read and canonicalized without storing it."""
     if id_or_path.isdigit() and not Path(id_or_path).exists():
         row = session.execute(select(Adapter.name, Adapter.base_model, Adapter.factors_blob).where(Adapter.id == int(id_or_path))).first()
-        if row is None or row.factors_blob is None:
-            raise NotFoundError(f"no LoRA adapter with id {id_or_path}: see `zoo list`")
-        digest = str(row.factors_blob)
-        return Query(row.name, int(id_or_path), lambda: dict(blobs.get_factors(digest))), row.base_model
+        if row is None:
+            raise NotFoundError(f"no adapter with id {id_or_path}: see `zoo list`")
+        digest = row.factors_blob  # None for a checkpoint: it is found by its stored vectors, if it has any
+        loader = (lambda: dict(blobs.get_factors(str(digest)))) if digest else None
+        return Query(row.name, int(id_or_path), loader), row.base_model
     from zoo.formats import read_adapter
     from zoo.ingest import canonicalize_modules, pick_device
 

@@ -118,7 +118,7 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
 
 def test_search_errors(cli: CLI, small_zoo: Path) -> None:
     rc, _, err = cli("search", "1")
-    assert rc == 2 and "no LoRA adapter with id 1" in err
+    assert rc == 2 and "no adapter with id 1" in err
     ingest(cli, small_zoo)
     rc, _, err = cli("search", "1")
     assert rc == 2 and "run `zoo embed`" in err
