@@ -223,10 +223,19 @@ def test_download_in_each_format(web: Web) -> None:
     assert error_of(web.client.get("/api/v1/adapters/999/download"))["status"] == 404
 
 
-def test_spaces(web: Web) -> None:
+def test_spaces_and_the_map(web: Web) -> None:
     (space,) = web.client.get("/api/v1/spaces").json["spaces"]
     assert space["name"] == "tiny" and {e["method"] for e in space["embedders"]} == {"module_sketch", "w2t"}
-    assert all(e["embedded"] == N for e in space["embedders"])
+    assert all(e["embedded"] >= N for e in space["embedders"])
+    m = web.client.get("/api/v1/spaces/tiny/map?color_by=task").json
+    assert m["method"] == "w2t" and m["count"] >= N and len(m["points"]) == m["count"]
+    by_id = {p["id"]: p for p in m["points"]}
+    assert by_id[1]["value"] == "qk" and by_id[2]["value"] == "qv" and "task" in m["color_keys"]
+    few = web.client.get("/api/v1/spaces/tiny/map?limit=3&highlight=7").json
+    assert len(few["points"]) == 3 and 7 in [p["id"] for p in few["points"]]
+    assert error_of(web.client.get("/api/v1/spaces/nope/map"))["status"] == 404
+    assert error_of(web.client.get("/api/v1/spaces/tiny/map?limit=0"))["status"] == 422
+    assert error_of(web.client.get("/api/v1/jobs/999"))["status"] == 404
 
 
 def test_ingest_needs_a_token_and_stays_in_the_import_root(web: Web, tmp_path: Path) -> None:
