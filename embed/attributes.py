@@ -19,6 +19,7 @@ import numpy as np
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
+from embed.lookup import RowLookup
 from zoo.db.models import Adapter, Label
 
 
@@ -56,8 +57,7 @@ class AdapterAttributes:
         self.names: list[str] = []
         self.labels: dict[str, LabelColumn] = {}
         self.mark = mark  # label rows up to this id are applied
-        self._order = np.zeros(0, np.int64)
-        self._sorted = np.zeros(0, np.int64)
+        self._lookup = RowLookup(self.ids)
 
     @classmethod
     def load(cls, session: Session, base_model: str, ids: np.ndarray) -> AdapterAttributes:
@@ -70,8 +70,7 @@ class AdapterAttributes:
         keep = np.isin(held, ids)
         attributes.ids = held[keep]
         attributes.names = [r[1] for r, k in zip(rows, keep.tolist(), strict=True) if k]
-        attributes._order = np.arange(len(attributes.ids))
-        attributes._sorted = attributes.ids
+        attributes._lookup = RowLookup(attributes.ids)
         stmt = (
             select(Label.id, Label.adapter_id, Label.key, Label.value)
             .join(Adapter, Adapter.id == Label.adapter_id)
@@ -85,10 +84,7 @@ class AdapterAttributes:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows of these ids, -1 where absent."""
-        if not self.names:
-            return np.full(len(ids), -1, np.int64)
-        pos = np.minimum(np.searchsorted(self._sorted, ids), len(self._sorted) - 1)
-        return np.where(self._sorted[pos] == ids, self._order[pos], -1)
+        return self._lookup(ids)
 
     def add(self, session: Session, ids: list[int]) -> None:
         """Load the names and current labels of the adapters not held yet (the mark stays: see refresh)."""
@@ -102,8 +98,7 @@ class AdapterAttributes:
             self.names.extend(names[i] for i in present)
             for column in self.labels.values():
                 column.codes = np.concatenate([column.codes, np.full(len(present), -1, np.int32)])
-            self._order = np.argsort(self.ids, kind="stable")
-            self._sorted = self.ids[self._order]
+            self._lookup = RowLookup(self.ids)
             if present:
                 self._apply(conn.execute(_LABELS_OF, {"ids": present}).all())
 

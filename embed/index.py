@@ -16,7 +16,8 @@ never re-embed. How it searches depends on its size:
   vectors, to put `RECALL_GOAL` of the exact top 10 among them at the least measured time.
 
 Filtered search (`allowed` ids) takes the cheapest of three ways:
-- **exact** over the allowed rows of the store while they are few (`EXACT_FILTER_BUDGET` numbers);
+- **exact** over the allowed rows of the store while they are no more than the subset way would
+  re-rank anyway (`filter_rerank`);
 - **subset**: an IVF index also keeps every row as an 8-bit product-quantizer code of 8 dimensions
   a byte (192 bytes for a module sketch), in row order, so the allowed rows' codes are gathered and
   scored by FAISS's asymmetric distance (cost ∝ allowed rows), and their `filter_rerank` nearest
@@ -46,6 +47,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from embed.lookup import RowLookup
 from zoo.files import replace_durably
 
 IVF_FROM = 100_000
@@ -58,9 +60,6 @@ NPROBES = (4, 8, 16, 32, 64, 128, 256)
 RERANKS = (CANDIDATES, 500, 1000, 2000)
 #: the filter share at which an IVF's filtered nprobe is measured when it is built
 FILTER_SHARE = 0.01
-#: a filtered IVF search scores the allowed vectors exactly while they hold at most this many numbers
-#: (10,000 W2T vectors of 160, 1,300 module sketches of 1,536): cheaper than probing every list
-EXACT_FILTER_BUDGET = 2_000_000
 #: from this dimension on, IVF codes are product-quantizer fast-scan codes (4 bits per 4 dimensions)
 PQ_FROM_DIM = 512
 #: the subset codes: one byte per this many dimensions (or the largest divisor of d below it)
@@ -116,8 +115,7 @@ class AdapterIndex:
         self._ids = np.zeros(0, np.int64)
         self._flat = np.zeros((0, dim), np.float32)  # the flat kind's store
         self._size = 0
-        self._sorted_ids = np.zeros(0, np.int64)  # the ids in order, and the row of each
-        self._sorted_rows = np.zeros(0, np.int64)
+        self._lookup = RowLookup(self._ids)
         self._lock = threading.Lock()
 
     # -- construction ------------------------------------------------------------------------
@@ -208,15 +206,11 @@ class AdapterIndex:
         return self._ids[: self._size]
 
     def _rows(self, ids: np.ndarray) -> np.ndarray:
-        """Store rows of these ids; -1 where an id is absent (a binary search in the sorted ids)."""
-        if not self._size:
-            return np.full(len(ids), -1, np.int64)
-        pos = np.minimum(np.searchsorted(self._sorted_ids, ids), self._size - 1)
-        return np.where(self._sorted_ids[pos] == ids, self._sorted_rows[pos], -1)
+        """Store rows of these ids; -1 where an id is absent."""
+        return self._lookup(ids)
 
     def _index_rows(self) -> None:
-        self._sorted_rows = np.argsort(self._ids[: self._size], kind="stable")
-        self._sorted_ids = self._ids[: self._size][self._sorted_rows]
+        self._lookup = RowLookup(self._ids[: self._size])
 
     def contains(self, adapter_id: int) -> bool:
         return bool(self._rows(np.array([adapter_id], np.int64))[0] >= 0)
@@ -322,7 +316,7 @@ class AdapterIndex:
         if allowed is not None:
             rows = np.sort(self._rows(np.ascontiguousarray(allowed, dtype=np.int64)))
             rows = rows[rows >= 0]
-        if self._ivf is None or (rows is not None and len(rows) * self.dim <= EXACT_FILTER_BUDGET):
+        if self._ivf is None or (rows is not None and len(rows) <= max(k, self.filter_rerank)):
             return self._exact(q, np.arange(self._size) if rows is None else rows, k)
         if rows is not None and self.subset_cheaper(len(rows)):
             return self._search_subset(q, rows, k)

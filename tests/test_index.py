@@ -6,8 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from embed.index import RECALL_GOAL, AdapterIndex, brute_force, recall_at_k
+from embed.lookup import RowLookup
 
 
 def data(n: int = 500, dim: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -122,13 +125,13 @@ def test_high_dimensional_ivf_uses_fast_scan_codes_and_meets_its_recall_goal() -
     assert np.allclose(scores, ref, atol=1e-5)
 
 
-def test_filtered_ivf_search_by_subset_codes_and_by_probing_both_meet_the_goal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filtered_ivf_search_by_subset_codes_and_by_probing_both_meet_the_goal() -> None:
     ids, vecs = clustered(30_000, 64, seed=5)
     index = AdapterIndex.build(ids, vecs, ivf=True)
     # 300 allowed at FILTER_SHARE: both ways were measured when the index was built
     assert index.subset_row_s > 0 and 0 < index.probe_list_s < np.inf
     assert index.filter_rerank >= 200 and index.nprobe <= index.filter_nprobe <= index._base.nlist  # type: ignore[operator]
-    monkeypatch.setattr("embed.index.EXACT_FILTER_BUDGET", 0)  # never exact: exercise the two approximate ways
+    index.filter_rerank = 200  # fewer than the allowed: never exact, exercise the two approximate ways
     rng = np.random.default_rng(6)
     queries = vecs[:40] + 0.05 * rng.standard_normal((40, 64)).astype(np.float32)
     allowed_rows = np.sort(rng.choice(len(ids), 600, replace=False))
@@ -145,11 +148,10 @@ def test_filtered_ivf_search_by_subset_codes_and_by_probing_both_meet_the_goal(m
     assert index.subset_cheaper(100) and not index.subset_cheaper(29_000)
 
 
-def test_subset_codes_follow_upserts_and_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_subset_codes_follow_upserts_and_round_trip(tmp_path: Path) -> None:
     ids, vecs = clustered(8000, 32, seed=7)
     index = AdapterIndex.build(ids, vecs, ivf=True)
     index.upsert(ids[:1], -vecs[:1])  # the adapter moved to the opposite side
-    monkeypatch.setattr("embed.index.EXACT_FILTER_BUDGET", 0)
     index.filter_rerank = 5  # its 5 nearest by the subset codes: found only if its code moved too
     allowed = ids[:2000]
     _, got = index.search(-vecs[:1], 1, allowed=allowed)
@@ -158,3 +160,17 @@ def test_subset_codes_follow_upserts_and_round_trip(tmp_path: Path, monkeypatch:
     loaded, meta = AdapterIndex.load(tmp_path / "ivf.index")
     assert meta["filter_rerank"] == loaded.filter_rerank == index.filter_rerank
     assert np.array_equal(loaded.search(-vecs[:1], 5, allowed=allowed)[1], index.search(-vecs[:1], 5, allowed=allowed)[1])
+
+
+@given(
+    ids=st.lists(st.integers(0, 5000), unique=True, max_size=300),
+    spread=st.sampled_from([1, 1000]),
+    asked=st.lists(st.integers(-5, 6_000_000), max_size=50),
+)
+def test_row_lookup_agrees_with_a_dict(ids: list[int], spread: int, asked: list[int]) -> None:
+    """Dense ids (a direct table) and sparse ones (binary search) give the same rows as a dict."""
+    held = [i * spread for i in ids]
+    lookup = RowLookup(np.array(held, np.int64))
+    rows = {i: r for r, i in enumerate(held)}
+    probe = np.array(asked + held[:20], np.int64)
+    assert lookup(probe).tolist() == [rows.get(i, -1) for i in probe.tolist()]
