@@ -93,3 +93,24 @@ def write_kohya_file(
             tensors[f"{stem}.alpha"] = torch.tensor(float(alpha))
     save_file(tensors, str(path), metadata=metadata or {"ss_network_dim": str(rank), "ss_sd_model_name": "sd-v1-5"})
     return tensors
+
+
+def seed_zoo(root: Path, database_url: str, count: int = 12) -> Path:
+    """A small real zoo for the web app's tests: `count` PEFT adapters under root/zoo (tasks qk and qv in turn, with a
+    test_accuracy) ingested as base model `tiny` into the (migrated) database, embedded, W2T trained; one more
+    adapter, root/outside/new, stays out of it. Returns the data dir (root/data)."""
+    from zoo.cli import main
+
+    rows = ["name,task,test_accuracy"]
+    for i in range(count):
+        qv = i % 2 == 1
+        train_peft_adapter(root / "zoo" / f"w{i:02d}", seed=i, steps=4, targets=("q_proj", "v_proj") if qv else ("q_proj", "k_proj"))
+        rows.append(f"w{i:02d},{'qv' if qv else 'qk'},{0.5 + i / 40}")
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    train_peft_adapter(root / "outside" / "new", seed=99, steps=4, targets=("q_proj", "v_proj"))
+    data_dir = root / "data"
+    base = ["--db", database_url, "--data-dir", str(data_dir)]
+    ingest = ["ingest", str(root / "zoo"), "--labels", str(root / "labels.csv"), "--base-model", "tiny", "--json"]
+    if main([*base, *ingest]) != 0 or main([*base, "train", "--epochs", "2", "--members", "2", "--json"]) != 0:
+        raise RuntimeError("seeding the test zoo failed")
+    return data_dir

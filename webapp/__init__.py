@@ -15,7 +15,7 @@ from zoo.db.session import require_schema
 def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     """The app for one database and data dir (config keys ZOO_DATABASE_URL, ZOO_DATA_DIR, ZOO_IMPORT_ROOT,
     ZOO_MAX_UPLOAD_BYTES, ZOO_READ_TOKEN_REQUIRED, ZOO_TIME_LIMIT_S; else the environment)."""
-    from webapp import errors
+    from webapp import errors, schemas
     from webapp.api import api
     from webapp.context import WebConfig, ZooContext, close_session
     from webapp.ui import ui
@@ -30,8 +30,10 @@ def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
         SWAGGER_UI_CSS="/static/vendor/swagger-ui/swagger-ui.css",
         SWAGGER_UI_BUNDLE_JS="/static/vendor/swagger-ui/swagger-ui-bundle.js",
         SWAGGER_UI_STANDALONE_PRESET_JS="/static/vendor/swagger-ui/swagger-ui-standalone-preset.js",
-        DOCS_FAVICON=None,
+        DOCS_FAVICON="data:,",  # no icon, and no request for one (None would be fetched as ./None)
         JSON_SORT_KEYS=False,
+        HTTP_ERROR_SCHEMA=schemas.Error,  # the one error shape (webapp/errors.py) in the OpenAPI document
+        VALIDATION_ERROR_SCHEMA=schemas.Error,
         **{k: v for k, v in config.items() if not k.startswith("ZOO_")},
     )
     app.extensions["zoo"] = ZooContext.open(settings, web)

@@ -20,7 +20,7 @@ from werkzeug.exceptions import UnsupportedMediaType
 
 from embed import service
 from webapp import schemas
-from webapp.auth import token_auth
+from webapp.auth import stamped_token, token_auth
 from webapp.context import db, zoo
 from zoo import __version__
 from zoo.db import repository
@@ -28,10 +28,17 @@ from zoo.db.models import Adapter
 from zoo.db.session import current_revision
 from zoo.errors import NotFoundError, UsageError
 from zoo.sources.upload import Upload, materialize
-from zoo.tokens import verify_token
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
 T = TypeVar("T")
+
+# Error statuses the OpenAPI document lists besides apiflask's own (404 with a path parameter, 422 with an input,
+# 401 with auth): 400 usage (a bad filter or argument), 401 for reads under ZOO_READ_TOKEN_REQUIRED, 409 not ready
+# (no embedding or W2T yet), 413/415 an upload too large or of the wrong type, 503 past the time limit. A list
+# replaces apiflask's automatic 200, so views without @api.output list theirs.
+READ = [400, 401]
+ENGINE = [*READ, 404, 409]
+UPLOAD = [400, 404, 409, 413, 415, 422, 503]
 
 
 def parse_filters(values: list[str]) -> dict[str, str]:
@@ -71,6 +78,15 @@ def limited_upload(files: list, fn: Callable[[Session, str], T]) -> T:
         return ctx.limited(run)
 
 
+@api.url_value_preprocessor
+def ids_in_range(_endpoint: str | None, values: dict[str, object] | None) -> None:
+    """A path id past what an SQL INTEGER key holds names nothing: 404, not an overflow in the database driver."""
+    for key in ("adapter_id", "job_id"):
+        value = (values or {}).get(key)
+        if isinstance(value, int) and value > schemas.MAX_ID:
+            raise NotFoundError(f"no {key.removesuffix('_id')} with id {value}")
+
+
 def get_adapter(adapter_id: int, with_modules: bool = False) -> Adapter:
     adapter = repository.get_adapter(db(), adapter_id, with_modules=with_modules)
     if adapter is None:
@@ -93,6 +109,7 @@ def health() -> dict[str, object]:
 
 
 @api.get("/adapters")
+@api.doc(responses=[200, *READ])
 @api.input(schemas.CatalogQuery, location="query", arg_name="query")
 def adapters(query: dict) -> dict[str, object]:
     """Search the catalog: free text, facets with counts, sorting, pages."""
@@ -102,6 +119,7 @@ def adapters(query: dict) -> dict[str, object]:
 
 
 @api.get("/adapters/<int:adapter_id>")
+@api.doc(responses=[200, *ENGINE])
 def adapter(adapter_id: int) -> dict[str, object]:
     """Everything stored about an adapter, its neighbours and its predictions (the adapter page's twin)."""
     return service.adapter_resource(zoo().engine, db(), get_adapter(adapter_id, with_modules=True))
@@ -110,6 +128,7 @@ def adapter(adapter_id: int) -> dict[str, object]:
 @api.get("/adapters/<int:adapter_id>/similar")
 @api.input(schemas.SimilarQuery, location="query", arg_name="query")
 @api.output(schemas.SimilarOut)
+@api.doc(responses=ENGINE)
 def similar(adapter_id: int, query: dict) -> tuple[dict[str, object], int, dict[str, str]]:
     """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share)."""
     start = time.perf_counter()
@@ -120,6 +139,7 @@ def similar(adapter_id: int, query: dict) -> tuple[dict[str, object], int, dict[
 @api.post("/similar")
 @api.input(schemas.SimilarUpload, location="form_and_files", arg_name="form")
 @api.output(schemas.SimilarOut)
+@api.doc(responses=UPLOAD)
 def similar_upload(form: dict) -> dict[str, object]:
     """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored)."""
     filters = parse_filters(form["filter"])
@@ -143,6 +163,7 @@ def _predict(part: str, body: dict) -> dict[str, object]:
 
 @api.post("/predict/attributes")
 @api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
+@api.doc(responses=[200, *UPLOAD])
 def predict_attributes(body: dict) -> dict[str, object]:
     """Predicted attributes (top classes with probabilities) of stored adapters, or of an upload (`file`)."""
     return _predict("attributes", body)
@@ -150,6 +171,7 @@ def predict_attributes(body: dict) -> dict[str, object]:
 
 @api.post("/predict/performance")
 @api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
+@api.doc(responses=[200, *UPLOAD])
 def predict_performance(body: dict) -> dict[str, object]:
     """Predicted performance (value with a 90 % interval) of stored adapters, or of an upload (`file`)."""
     return _predict("metrics", body)
@@ -157,7 +179,7 @@ def predict_performance(body: dict) -> dict[str, object]:
 
 @api.get("/adapters/<int:adapter_id>/download")
 @api.input(schemas.DownloadQuery, location="query", arg_name="query")
-@api.doc(responses={200: {"description": "a zip (peft) or a .safetensors file"}})
+@api.doc(responses={200: {"description": "a zip (peft) or a .safetensors file"}, 400: "Bad Request", 401: "Unauthorized"})
 def download(adapter_id: int, query: dict) -> Response:
     """The adapter rebuilt from its canonical form as a PEFT directory (zip), a diffusers or a kohya file."""
     from zoo.export import export_files, export_zip, file_stem, load_for_export
@@ -175,6 +197,7 @@ def download(adapter_id: int, query: dict) -> Response:
 @api.put("/adapters/<int:adapter_id>/labels")
 @api.auth_required(token_auth)
 @api.input(schemas.LabelsBody, location="json", arg_name="body")
+@api.doc(responses=[200, 400, 413, 415])
 def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
     """Set given labels and test measurements (replacing those with the same key); needs a token."""
     from zoo.db.catalog import refresh_search_text
@@ -193,6 +216,7 @@ def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
 
 
 @api.get("/spaces")
+@api.doc(responses=[200, *READ])
 def spaces() -> dict[str, object]:
     """Embedding spaces and their serving embedders."""
     return {"spaces": service.list_spaces(db())}
@@ -200,6 +224,7 @@ def spaces() -> dict[str, object]:
 
 @api.get("/spaces/<path:name>/map")
 @api.input(schemas.MapQuery, location="query", arg_name="query")
+@api.doc(responses=[200, *ENGINE])
 def space_map(name: str, query: dict) -> dict[str, object]:
     """The space's 2-D map: points, and the keys they can be coloured by."""
     from embed.maps import space_map as build_map
@@ -211,6 +236,7 @@ def space_map(name: str, query: dict) -> dict[str, object]:
 @api.auth_required(token_auth)
 @api.input(schemas.IngestBody, location="json_or_form", arg_name="body")
 @api.output(schemas.Job, status_code=202)
+@api.doc(responses=[400, 413, 415])
 def ingest(body: dict) -> dict[str, object]:
     """Queue an ingestion job of paths under the import root, or of uploaded files (`file`); needs a token."""
     from webapp.jobs import start_ingest
@@ -219,6 +245,7 @@ def ingest(body: dict) -> dict[str, object]:
 
 
 @api.get("/jobs")
+@api.doc(responses=[200, *READ])
 def jobs() -> dict[str, object]:
     """The newest ingestion jobs with counts per item state."""
     from zoo.jobs import list_jobs
@@ -228,6 +255,7 @@ def jobs() -> dict[str, object]:
 
 @api.get("/jobs/<int:job_id>")
 @api.output(schemas.Job)
+@api.doc(responses=READ)
 def job(job_id: int) -> dict[str, object]:
     """An ingestion job: its state and each item's."""
     from zoo.jobs import get_job
@@ -235,12 +263,14 @@ def job(job_id: int) -> dict[str, object]:
     return get_job(db(), job_id)
 
 
+#: json_or_form inputs: JSON or a urlencoded form (as their OpenAPI document says), or a multipart form with a `file` upload
+JSON_OR_FORM = ("application/json", "application/x-www-form-urlencoded", "multipart/form-data")
 #: request bodies each write endpoint reads (anything else is 415)
 BODY_TYPES = {
     "api.similar_upload": ("multipart/form-data",),
-    "api.predict_attributes": ("application/json", "multipart/form-data"),
-    "api.predict_performance": ("application/json", "multipart/form-data"),
-    "api.ingest": ("application/json", "multipart/form-data"),
+    "api.predict_attributes": JSON_OR_FORM,
+    "api.predict_performance": JSON_OR_FORM,
+    "api.ingest": JSON_OR_FORM,
     "api.set_labels": ("application/json",),
 }
 
@@ -257,5 +287,23 @@ def _read_token() -> None:
     """With ZOO_READ_TOKEN_REQUIRED, reads need a token too (health and the OpenAPI document stay open)."""
     if zoo().web.read_token_required and request.method == "GET" and request.endpoint != "api.health":
         scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not token or verify_token(db(), token.strip()) is None:
+        if scheme.lower() != "bearer" or not token or stamped_token(token.strip()) is None:
             abort(401, "this server needs a token for reads too: send Authorization: Bearer <token> (`zoo token create`)")
+
+
+@api.before_request
+def refuse_nul() -> None:
+    """Text holding NUL characters (path, query, form, file names, JSON) is refused alike on both databases:
+    PostgreSQL cannot store it, and a query with it fails in the driver."""
+    fields = [*(request.view_args or {}).items(), *request.args.items(multi=True), *request.form.items(multi=True)]
+    texts = [t for pair in fields for t in pair] + [f.filename for _, f in request.files.items(multi=True)]
+    if any(isinstance(t, str) and "\x00" in t for t in texts) or (request.is_json and _holds_nul(request.get_json(silent=True))):
+        raise UsageError("text in a request may not hold NUL characters")
+
+
+def _holds_nul(value: object) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    return isinstance(value, list) and any(_holds_nul(v) for v in value)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from apiflask import HTTPTokenAuth
 
-from webapp.context import db
+from webapp.context import zoo
 from zoo.db.models import ApiToken
+from zoo.db.session import write_transaction
 from zoo.tokens import verify_token
 
 token_auth = HTTPTokenAuth(scheme="Bearer", description="A token from `zoo token create NAME`")
 
 
 @token_auth.verify_token
-def _verify(token: str) -> ApiToken | None:
-    session = db()
-    row = verify_token(session, token)
-    session.commit()  # the last-use stamp
-    return row
+def stamped_token(token: str) -> ApiToken | None:
+    """The live token's row, its last use stamped in a write transaction of its own: not in the request's session,
+    whose read transaction SQLite cannot turn into a write once another writer (an ingest job) has committed."""
+    with write_transaction(zoo().sessions) as session:
+        return verify_token(session, token)

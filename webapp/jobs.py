@@ -22,6 +22,10 @@ def import_path(raw: str) -> Path:
     path = (root / raw).resolve() if not Path(raw).is_absolute() else Path(raw).resolve()
     if not path.is_relative_to(root):
         raise UsageError(f"{raw}: outside the import root {root}")
+    try:
+        path.exists()  # a name the OS refuses (too long) is the caller's error; a missing path fails as the job's item
+    except OSError as exc:
+        raise UsageError(f"{raw[:200]}: {exc.strerror}") from None
     return path
 
 

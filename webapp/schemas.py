@@ -10,6 +10,9 @@ from embed.engine import MAX_K, SEARCH_METHODS
 from zoo.export import FORMATS
 
 MAX_IDS = 100
+MAX_PAGE = 1_000_000
+#: the largest id an SQL INTEGER key holds (PostgreSQL's int4); larger ones overflow in the database driver
+MAX_ID = 2**31 - 1
 
 
 class Filters(Schema):
@@ -21,7 +24,7 @@ class Filters(Schema):
 class CatalogQuery(Filters):
     q = String(load_default=None, validate=Length(max=1000), metadata={"description": "free text: names, base model, labels, tags, card"})
     sort = String(load_default=None, validate=OneOf(("relevance", "name", "newest", "rank")))
-    page = Integer(load_default=1, validate=Range(1, 1_000_000))
+    page = Integer(load_default=1, validate=Range(1, MAX_PAGE))
     per_page = Integer(load_default=20, validate=Range(1, 100))
 
 
@@ -40,14 +43,27 @@ class DownloadQuery(Schema):
 
 
 class PredictBody(Schema):
-    adapter_id = Integer(validate=Range(1))
-    adapter_ids = List(Integer(validate=Range(1)), validate=Length(1, MAX_IDS))
+    adapter_id = Integer(validate=Range(1, MAX_ID))
+    adapter_ids = List(Integer(validate=Range(1, MAX_ID)), validate=Length(1, MAX_IDS))
     space = String(load_default=None)
 
 
 class IngestBody(Schema):
     paths = List(String(validate=Length(1, 4096)), validate=Length(1, 10_000), metadata={"description": "paths under the import root"})
     base_model = String(load_default=None)
+
+
+class ErrorDetail(Schema):
+    status = Integer(required=True)
+    type = String(required=True)
+    message = String(required=True)
+    detail = Raw(required=True, allow_none=True)
+
+
+class Error(Schema):
+    """Every error the API answers (webapp/errors.py), validation errors included."""
+
+    error = Nested(ErrorDetail, required=True)
 
 
 class Hit(Schema):
@@ -90,7 +106,7 @@ class Job(Schema):
 class MapQuery(Schema):
     color_by = String(load_default=None, metadata={"description": "a label key, or metric:<name>"})
     limit = Integer(load_default=5000, validate=Range(1, 100_000))
-    highlight = List(Integer(), load_default=list, metadata={"description": "ids always drawn"})
+    highlight = List(Integer(validate=Range(1, MAX_ID)), load_default=list, metadata={"description": "ids always drawn"})
 
 
 class LabelsBody(Schema):

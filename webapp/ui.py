@@ -6,11 +6,14 @@ from apiflask import APIBlueprint
 from flask import render_template, request, url_for
 
 from embed import service
-from webapp.api import get_adapter, limited_upload, parse_filters
+from webapp.api import get_adapter, ids_in_range, limited_upload, parse_filters, refuse_nul
 from webapp.context import db, zoo
+from webapp.schemas import MAX_PAGE
 from zoo.errors import ZooError
 
 ui = APIBlueprint("ui", __name__, enable_openapi=False)
+ui.url_value_preprocessor(ids_in_range)
+ui.before_request(refuse_nul)
 
 
 def _filters_from_args() -> list[str]:
@@ -22,9 +25,11 @@ def search_page() -> str:
     from zoo.db.catalog import search_catalog
 
     filters = _filters_from_args()
-    page = max(1, request.args.get("page", 1, type=int) or 1)
-    found = search_catalog(db(), request.args.get("q") or None, parse_filters(filters), request.args.get("sort") or None, page, 20)
-    return render_template("search.html", found=found, filters=filters, twin=url_for("api.adapters", **request.args.to_dict(flat=False)))
+    page = min(max(1, request.args.get("page", 1, type=int) or 1), MAX_PAGE)  # an offset the database can hold
+    sort = request.args.get("sort") or None  # the page keeps this, not found["sort"]: a resolved default would stick to later searches
+    found = search_catalog(db(), request.args.get("q") or None, parse_filters(filters), sort, page, 20)
+    twin = url_for("api.adapters", **request.args.to_dict(flat=False))
+    return render_template("search.html", found=found, filters=filters, sort=sort, twin=twin)
 
 
 @ui.get("/adapters/<int:adapter_id>")

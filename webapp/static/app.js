@@ -56,7 +56,7 @@ async function zooMap(url, colorBy, highlight) {
     const values = points.map((p) => p.value).filter((v) => typeof v === "number");
     const lo = Math.min(...values), hi = Math.max(...values);
     datasets = [{ label: colorBy || "adapters", data: points, pointRadius: 3,
-      backgroundColor: points.map((p) => (typeof p.value === "number" ? colourFor(p.value, lo, hi) : "#9aa5b1")) }];
+      backgroundColor: colorBy ? points.map((p) => (typeof p.value === "number" ? colourFor(p.value, lo, hi) : "#9aa5b1")) : PALETTE[0] }];
   }
   const marked = points.filter((p) => String(p.id) === String(highlight));
   if (marked.length) datasets.unshift({ label: "this adapter", data: marked, backgroundColor: "#000", pointRadius: 8, pointStyle: "star", borderColor: "#000" });
@@ -68,7 +68,8 @@ async function zooMap(url, colorBy, highlight) {
       plugins: { tooltip: { callbacks: { label: (c) => c.raw.name + (c.raw.value !== null && c.raw.value !== undefined ? " — " + c.raw.value : "") } },
                  legend: { display: datasets.length > 1 } },
       onClick: (event, elements) => { if (elements.length) { const p = chart.data.datasets[elements[0].datasetIndex].data[elements[0].index]; window.location = "/adapters/" + p.id; } },
-      scales: { x: { ticks: { display: false } }, y: { ticks: { display: false } } } },
+      scales: { x: { grace: "5%", ticks: { display: false }, title: { display: true, text: "PC 1" } },
+                y: { grace: "5%", ticks: { display: false }, title: { display: true, text: "PC 2" } } } },
   });
   canvas.dataset.points = String(points.length);
   window.zooMapChart = chart;

@@ -1,0 +1,266 @@
+"""The web app end to end in a real browser (Debian's chromium driven by Playwright) against `zoo serve` on a
+small real zoo: search and facets, the adapter page, the map, an upload, a download, a phone-sized screen.
+Every page may only reach 127.0.0.1 and must log no console error.
+
+Screenshots of each page go to $ZOO_SCREENSHOTS (else the test's tmp dir)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from playwright.sync_api import Browser, Page, sync_playwright
+
+from tests.factories import seed_zoo
+from zoo.db.session import make_engine, upgrade
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (apt-get install -y chromium)")
+
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+
+
+@dataclass
+class Server:
+    url: str
+    root: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`zoo serve` (one gunicorn worker) on a free port over a seeded SQLite zoo."""
+    root = tmp_path_factory.mktemp("browser-zoo")
+    db_url = f"sqlite:///{root / 'zoo.db'}"
+    upgrade(db_url)
+    data_dir = seed_zoo(root, db_url)
+    make_engine(db_url).dispose()
+    port = _free_port()
+    cmd = [sys.executable, "-m", "zoo.cli", "--db", db_url, "--data-dir", str(data_dir), "serve", "--host", "127.0.0.1"]
+    log = (root / "serve.log").open("wb")
+    proc = subprocess.Popen([*cmd, "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/v1/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"zoo serve did not come up: {(root / 'serve.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield Server(url, root)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM))
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = Path(os.environ["ZOO_SCREENSHOTS"]) if os.environ.get("ZOO_SCREENSHOTS") else tmp_path_factory.mktemp("screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@dataclass
+class Tab:
+    """A page at one viewport that records every request and console error, for `assert_local_and_quiet`."""
+
+    page: Page
+    base: str
+    shots: Path
+    prefix: str
+    requests: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def goto(self, path: str) -> None:
+        self.page.goto(self.base + path)
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=str(self.shots / f"{self.prefix}-{name}.png"), full_page=True)
+
+    def no_horizontal_overflow(self) -> None:
+        width, inner = self.page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+        assert width <= inner, f"{self.page.url}: {width} px wide in a {inner} px viewport"
+
+    def assert_local_and_quiet(self) -> None:
+        outside = [u for u in self.requests if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).hostname != "127.0.0.1"]
+        assert not outside, f"requests left 127.0.0.1: {outside}"
+        assert not self.errors, f"console errors: {self.errors}"
+
+
+def _tab(browser: Browser, server: Server, shots: Path, viewport: dict[str, int], prefix: str) -> Iterator[Tab]:
+    context = browser.new_context(viewport=viewport, accept_downloads=True)
+    page = context.new_page()
+    tab = Tab(page, server.url, shots, prefix)
+    page.on("request", lambda r: tab.requests.append(r.url))
+    page.on("console", lambda m: tab.errors.append(f"{page.url}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: tab.errors.append(f"{page.url}: {e}"))
+    yield tab
+    context.close()
+    tab.assert_local_and_quiet()
+
+
+@pytest.fixture
+def desktop(browser: Browser, server: Server, shots: Path) -> Iterator[Tab]:
+    yield from _tab(browser, server, shots, DESKTOP, "desktop")
+
+
+@pytest.fixture
+def phone(browser: Browser, server: Server, shots: Path) -> Iterator[Tab]:
+    yield from _tab(browser, server, shots, PHONE, "phone")
+
+
+def _total(tab: Tab) -> int:
+    return int(tab.page.inner_text("p.total").split()[0])
+
+
+def test_search_facets_and_the_adapter_page(desktop: Tab, tmp_path: Path) -> None:
+    page = desktop.page
+    desktop.goto("/")
+    page.fill("input[name=q]", "tiny")
+    page.click("form.search button[type=submit]")
+    page.wait_for_url(re.compile(r"\?q=tiny"))
+    assert page.input_value("select[name=sort]") == "relevance"  # the landing page's "newest" does not stick to a query
+    assert page.locator("article.card").count() == 12 and _total(desktop) == 12
+    desktop.shot("search")
+    task = page.locator("section.facet").filter(has=page.get_by_role("heading", name="task", exact=True))
+    task.get_by_role("link", name="qv", exact=True).click()
+    page.wait_for_url(re.compile(r"filter=task%3Dqv"))
+    assert _total(desktop) == 6 and page.locator("article.card").count() == 6
+    assert page.locator(".active-filters .chip").inner_text().startswith("task=qv")
+    desktop.shot("search-facet")
+
+    page.locator("article.card h2 a").first.click()
+    page.wait_for_url(re.compile(r"/adapters/\d+$"))
+    neighbours = page.locator("ol.neighbours li")
+    assert neighbours.count() >= 5
+    scores = [float(s) for s in page.locator("ol.neighbours .score").all_inner_texts()]
+    assert scores == sorted(scores, reverse=True)
+    page.wait_for_selector("#spectra[data-series]")
+    series = page.evaluate("Chart.getChart(document.getElementById('spectra')).data.datasets.map((d) => d.data.length)")
+    assert int(page.get_attribute("#spectra", "data-series")) == len(series) >= 2 and min(series) >= 1
+    assert "predicted by embedder" in page.locator("h2", has_text="Predictions").inner_text()
+    assert page.locator("dl.predictions .chip").count() >= 1
+    assert page.locator("dl.kv dd", has_text="measured").count() == 1  # the given test_accuracy, told apart from predictions
+    desktop.shot("adapter")
+
+    with page.expect_download() as info:
+        page.locator(".downloads a.button", has_text="peft").click()
+    saved = tmp_path / info.value.suggested_filename
+    info.value.save_as(saved)
+    assert saved.suffix == ".zip" and any(n.endswith("adapter_config.json") for n in zipfile.ZipFile(saved).namelist())
+
+
+def _click_point(tab: Tab, dataset: int) -> int:
+    """Click the map's first point of a dataset at the pixel Chart.js drew it; the adapter id it stands for."""
+    js = "(i) => { const c = window.zooMapChart, p = c.getDatasetMeta(i).data[0]; return [p.x, p.y, c.data.datasets[i].data[0].id]; }"
+    x, y, adapter_id = tab.page.evaluate(js, dataset)
+    box = tab.page.locator("#map").bounding_box()
+    assert box is not None
+    tab.page.mouse.click(box["x"] + x, box["y"] + y)
+    return int(adapter_id)
+
+
+def test_map_point_opens_its_adapter(desktop: Tab) -> None:
+    page = desktop.page
+    desktop.goto("/map")
+    page.wait_for_selector("#map[data-points]")
+    assert int(page.get_attribute("#map", "data-points")) == 12
+    desktop.shot("map")
+    clicked = _click_point(desktop, dataset=0)
+    page.wait_for_url(re.compile(rf"/adapters/{clicked}$"))
+    assert page.locator("h1").inner_text().startswith("w")
+
+    desktop.goto("/map?color_by=task&highlight=3")  # the adapter page's "show on map", coloured
+    page.wait_for_selector("#map[data-points]")
+    labels = page.evaluate("window.zooMapChart.data.datasets.map((d) => d.label)")
+    assert labels == ["this adapter", "qk", "qv"] and page.input_value("#color-by") == "task"
+    desktop.shot("map-coloured")
+    assert _click_point(desktop, dataset=0) == 3
+    page.wait_for_url(re.compile(r"/adapters/3$"))
+
+
+def test_upload_finds_similar_adapters(desktop: Tab, server: Server) -> None:
+    page = desktop.page
+    desktop.goto("/similar")
+    new = server.root / "outside" / "new"
+    page.set_input_files("input[type=file]", [str(new / "adapter_config.json"), str(new / "adapter_model.safetensors")])
+    page.click("form.upload button[type=submit]")
+    page.wait_for_selector("#similar-results li")
+    assert page.locator("#similar-results li").count() == 10
+    assert "predicted by embedder" in page.locator("h2", has_text="Predictions").inner_text()
+    desktop.shot("similar")
+
+
+def test_other_pages_stay_local(desktop: Tab) -> None:
+    page = desktop.page
+    desktop.goto("/jobs")
+    assert page.locator("h1").inner_text() == "Ingestion jobs"
+    desktop.shot("jobs")
+    desktop.goto("/api/v1/docs")
+    page.wait_for_selector(".swagger-ui .opblock")
+    desktop.shot("api-docs")
+    desktop.goto("/adapters/9999")
+    assert "no adapter with id 9999" in page.locator(".error").inner_text()
+    desktop.errors[:] = [e for e in desktop.errors if "status of 404" not in e]  # the browser logs the page's own 404
+
+
+def test_phone_layout(phone: Tab) -> None:
+    page = phone.page
+    phone.goto("/?q=tiny")
+    assert page.locator("article.card").count() == 12
+    phone.no_horizontal_overflow()
+    phone.shot("search")
+
+    page.locator("article.card h2 a").first.click()
+    page.wait_for_url(re.compile(r"/adapters/\d+$"))
+    page.wait_for_selector("#spectra[data-series]")
+    phone.no_horizontal_overflow()
+    for target in ("h1", ".downloads a.button >> nth=0", "ol.neighbours li a >> nth=0", "#spectra", "#spectra-type"):
+        box = page.locator(target).bounding_box()
+        assert box and box["width"] > 0 and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], target
+    phone.shot("adapter")
+    page.locator("ol.neighbours li a").first.click()
+    page.wait_for_url(re.compile(r"/adapters/\d+$"))
+
+    phone.goto("/map")
+    page.wait_for_selector("#map[data-points]")
+    phone.no_horizontal_overflow()
+    phone.shot("map")
+    phone.goto("/similar")
+    phone.no_horizontal_overflow()
+    phone.shot("similar")
