@@ -132,6 +132,10 @@ def test_similar_by_id(web: Web) -> None:
     assert error_of(web.client.get("/api/v1/adapters/1/similar?k=1001"))["status"] == 422
     assert error_of(web.client.get("/api/v1/adapters/1/similar?k=abc"))["type"] == "validation"
     assert error_of(web.client.get("/api/v1/adapters/1/similar?filter=task"))["status"] == 400
+    for rank in ("99999999999999", "²", "-1", "4.0"):  # never a database error: out of range, not ASCII digits
+        assert "whole number" in error_of(web.client.get(f"/api/v1/adapters/1/similar?filter=rank={rank}"))["message"]
+        assert error_of(web.client.get(f"/api/v1/adapters?filter=rank={rank}"))["status"] == 400
+    assert [x["adapter_id"] for x in web.client.get("/api/v1/adapters/1/similar?filter=rank=4&k=3").json["results"]]
     assert error_of(web.client.get("/api/v1/adapters/1/similar?method=nope"))["status"] == 422
     assert error_of(web.client.get("/api/v1/adapters/1/similar?space=nope"))["status"] == 404
     assert error_of(web.client.get("/api/v1/adapters/999/similar"))["status"] == 404

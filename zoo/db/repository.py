@@ -107,8 +107,8 @@ def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]]
     labels: list[tuple[str, str]] = []
     for key, value in filters.items():
         if key == "rank":
-            if not value.isdigit():
-                raise UsageError(f"filter rank={value!r}: the rank is a whole number")
+            if not (value.isascii() and value.isdigit() and len(value) <= 9):
+                raise UsageError(f"filter rank={value!r}: the rank is a whole number below 10^9")
             conditions.append(Adapter.rank == int(value))
         elif key == "format":
             conditions.append(Adapter.format == value)
