@@ -177,13 +177,14 @@ def train_space(
 
 
 def resolve_space(session: Session, requested: str | None) -> EmbeddingSpace:
+    """The space asked for (one indexed read), or the zoo's only one."""
+    space = get_space(session, requested) if requested else None
+    if space is not None:
+        return space
     spaces = list(session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.name)))
     if requested:
-        space = get_space(session, requested)
-        if space is None:
-            known = ", ".join(s.name for s in spaces) or "none (run `zoo embed`)"
-            raise NotFoundError(f"no embedding space {requested!r}; spaces: {known}")
-        return space
+        known = ", ".join(s.name for s in spaces) or "none (run `zoo embed`)"
+        raise NotFoundError(f"no embedding space {requested!r}; spaces: {known}")
     if len(spaces) != 1:
         names = ", ".join(s.name for s in spaces) or "none yet: run `zoo embed`"
         raise UsageError(f"--space is needed: this zoo has {len(spaces)} embedding spaces ({names})")
@@ -193,7 +194,8 @@ def resolve_space(session: Session, requested: str | None) -> EmbeddingSpace:
 def make_query(session: Session, blobs: BlobStore, id_or_path: str, device: str | None = None) -> tuple[Query, str | None]:
     """(query, its base model) for a stored id, or for a path read and canonicalized without storing it."""
     if id_or_path.isdigit() and not Path(id_or_path).exists():
-        row = session.execute(select(Adapter.name, Adapter.base_model, Adapter.factors_blob).where(Adapter.id == int(id_or_path))).first()
+        stmt = select(Adapter.name, Adapter.base_model, Adapter.factors_blob).where(Adapter.id == int(id_or_path))
+        row = session.connection().execute(stmt).first()  # Core: no ORM work on the query path
         if row is None:
             raise NotFoundError(f"no adapter with id {id_or_path}: see `zoo list`")
         digest = row.factors_blob  # None for a checkpoint: it is found by its stored vectors, if it has any
@@ -221,14 +223,19 @@ def search(
 ) -> dict[str, object]:
     """The search resource: the query, then the engine's answer."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
-    found = engine.similar(session, resolve_space(session, space or base).name, query, k, filters or {}, method)
+    found = engine.similar(session, _space_name(session, space or base), query, k, filters or {}, method)
     return {"query": id_or_path, "query_name": query.name, **found}
 
 
 def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None) -> dict[str, object]:
     """The prediction resource: predicted attributes and metrics of the query."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
-    return {"query": id_or_path, "query_name": query.name, **engine.predict(session, resolve_space(session, space or base).name, query)}
+    return {"query": id_or_path, "query_name": query.name, **engine.predict(session, _space_name(session, space or base), query)}
+
+
+def _space_name(session: Session, requested: str | None) -> str:
+    """The space to query: a name is checked by the engine (which holds loaded spaces by name), else the zoo's only one."""
+    return requested or resolve_space(session, None).name
 
 
 def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name: str | None, rebuild: bool) -> dict[str, object]:
