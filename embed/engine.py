@@ -40,7 +40,7 @@ from embed.attributes import AdapterAttributes, last_label_id
 from embed.checkpoint import checkpoint_meta
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
 from embed.metrics import top_k
-from embed.registry import load_embeddings, serving_embedders, space_version
+from embed.registry import deleted_since, load_embeddings, serving_embedders, space_version
 from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
 from embed.types import SpaceSchema, ZooAdapter
 
@@ -108,6 +108,7 @@ def _load_consistent(session: Session, path: Path, embedder: Embedder, version: 
     index, meta = AdapterIndex.load(path)
     if meta.get("embedder_id") != embedder.id or int(meta.get("version", -1)) > version:
         raise ValueError(f"{path} was written for another database or embedder")
+    index.remove(deleted_since(session, embedder.space_id, int(meta["version"])))  # before adding: an id may come back
     ids, vectors = load_embeddings(session, embedder, after_version=int(meta["version"]))
     index.upsert(ids, vectors)
     stored = stored_count(session, embedder.id)
@@ -372,8 +373,10 @@ class QueryEngine:
             state.embedders, state.modules, state.attributes = fresh.embedders, fresh.modules, fresh.attributes
             state.version = fresh.version
             return
+        deleted = deleted_since(session, state.id, state.version)
         for loaded in state.embedders.values():
             e = session.get(Embedder, loaded.id)
+            loaded.index.remove(deleted)  # before adding: an id may come back
             ids, vectors = load_embeddings(session, e, after_version=state.version)  # type: ignore[arg-type]
             loaded.index.upsert(ids, vectors)
             state.attributes.add(session, ids.tolist())

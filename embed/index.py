@@ -199,11 +199,13 @@ class AdapterIndex:
 
     @property
     def size(self) -> int:
-        return self._size
+        """Vectors held (rows of removed adapters not counted)."""
+        return self._lookup.size
 
     @property
     def ids(self) -> np.ndarray:
-        return self._ids[: self._size]
+        ids = self._ids[: self._size]
+        return ids[ids >= 0]
 
     def _rows(self, ids: np.ndarray) -> np.ndarray:
         """Store rows of these ids; -1 where an id is absent."""
@@ -303,6 +305,24 @@ class AdapterIndex:
                     self._store_codes()[rows[old]] = vectors[old].astype(np.float16)
                     self._subset_codes()[rows[old]] = self._subset.sa_encode(vectors[old])  # type: ignore[union-attr]
         self.add(ids[~old], vectors[~old])
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Drop these ids (deleted adapters; absent ones are ignored). Flat: the rows are compacted. IVF:
+        they leave the inverted lists, and their store rows stay, dead (-1 ids), until a rebuild."""
+        rows = self._rows(np.ascontiguousarray(ids, dtype=np.int64))
+        rows = np.unique(rows[rows >= 0])
+        if not len(rows):
+            return
+        with self._lock:
+            if self._ivf is None:
+                keep = np.setdiff1d(np.arange(self._size), rows)
+                self._flat[: len(keep)] = self._flat[keep]
+                self._ids[: len(keep)] = self._ids[keep]
+                self._size = len(keep)
+            else:
+                self._base.remove_ids(faiss.IDSelectorBatch(rows))
+                self._ids[rows] = -1
+            self._index_rows()
 
     # -- search --------------------------------------------------------------------------------
 
@@ -479,7 +499,7 @@ class AdapterIndex:
     def save(self, path: Path, meta: dict[str, object]) -> None:
         """Write the index with `meta` (plus dim, count, kind, nprobe, rerank, checksum) atomically and durably."""
         with self._lock:
-            ids = np.ascontiguousarray(self.ids)
+            ids = np.ascontiguousarray(self._ids[: self._size])  # dead rows (-1) included: they are rows of the store
             tensors = {"ids": ids}
             if self._ivf is None:
                 tensors["vectors"] = np.ascontiguousarray(self._flat[: self._size])

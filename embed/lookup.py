@@ -14,16 +14,19 @@ class RowLookup:
     ids among a million costs ~0.05 ms by the table, ~2 ms by the search."""
 
     def __init__(self, ids: np.ndarray) -> None:
+        """Row i holds ids[i]; a negative id marks a dead row (never found)."""
         ids = np.asarray(ids, np.int64)
+        rows = np.flatnonzero(ids >= 0)
+        ids = ids[rows]
         self.size = len(ids)
         self._table: np.ndarray | None = None
         top = int(ids.max()) if self.size else -1
-        if self.size and int(ids.min()) >= 0 and self.size >= DENSE * (top + 1):
+        if self.size and self.size >= DENSE * (top + 1):
             self._table = np.full(top + 1, -1, np.int64)
-            self._table[ids] = np.arange(self.size)
+            self._table[ids] = rows
         else:
-            self._rows = np.argsort(ids, kind="stable")
-            self._sorted = ids[self._rows]
+            order = np.argsort(ids, kind="stable")
+            self._rows, self._sorted = rows[order], ids[order]
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, np.int64)

@@ -15,7 +15,7 @@ from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.orm import Session
 
 from embed.types import SpaceSchema
-from zoo.db.models import Embedder, Embedding, EmbeddingSpace
+from zoo.db.models import DeletedAdapter, Embedder, Embedding, EmbeddingSpace
 
 
 def slug(name: str) -> str:
@@ -107,6 +107,12 @@ def store_embeddings(session: Session, embedder: Embedder, ids: list[int], vecto
     )
     session.flush()
     return version
+
+
+def deleted_since(session: Session, space_id: int, after_version: int) -> np.ndarray:
+    """Ids of the space's adapters deleted after `after_version` (their tombstones' versions)."""
+    stmt = select(DeletedAdapter.adapter_id).where(DeletedAdapter.space_id == space_id, DeletedAdapter.version > after_version)
+    return np.array(sorted(session.scalars(stmt)), dtype=np.int64)
 
 
 def load_embeddings(session: Session, embedder: Embedder, after_version: int = -1) -> tuple[np.ndarray, np.ndarray]:

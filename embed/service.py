@@ -19,13 +19,23 @@ from embed.dataset import load_adapters
 from embed.engine import SKETCH, W2T, Query, QueryEngine, load_w2t, stored_count, update_index_file, update_module_store
 from embed.index import brute_force, recall_at_k
 from embed.maps import refresh_map
-from embed.registry import active_embedder, embedded_ids, ensure_space, get_space, load_embeddings, register, serving_embedders, slug
+from embed.registry import (
+    active_embedder,
+    bump_version,
+    embedded_ids,
+    ensure_space,
+    get_space,
+    load_embeddings,
+    register,
+    serving_embedders,
+    slug,
+)
 from embed.registry import store_embeddings as store_vectors
 from embed.similarity import MODULE_SKETCH_DIM, module_sketches
 from embed.types import SpaceSchema, ZooAdapter, schema_of
 from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.models import Adapter, Embedder, EmbeddingSpace
+from zoo.db.models import Adapter, DeletedAdapter, Embedder, EmbeddingSpace
 from zoo.db.session import session_factory, write_transaction
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 
@@ -318,3 +328,22 @@ def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k:
         except (NotReadyError, NotFoundError) as exc:
             detail["not_ready"].append(str(exc))
     return detail
+
+
+def delete_adapter(sessions: sessionmaker[Session], adapter_id: int) -> dict[str, object]:
+    """Delete an adapter and everything stored with it (rows; its blob stays for `zoo check --repair`),
+    leaving a tombstone under a new version of its space, so that engines and index files drop it."""
+    with sessions() as session:
+        base = session.scalar(select(Adapter.base_model).where(Adapter.id == adapter_id))
+    if base is None:
+        raise NotFoundError(f"no adapter with id {adapter_id}")
+    with write_transaction(sessions, space_lock(base)) as session:
+        adapter = session.get(Adapter, adapter_id)
+        if adapter is None:
+            raise NotFoundError(f"no adapter with id {adapter_id}")
+        space = get_space(session, base)
+        if space is not None:
+            session.add(DeletedAdapter(adapter_id=adapter_id, space_id=space.id, version=bump_version(session, space.id)))
+        name = adapter.name
+        session.delete(adapter)
+    return {"id": adapter_id, "name": name, "deleted": True}

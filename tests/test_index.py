@@ -174,3 +174,24 @@ def test_row_lookup_agrees_with_a_dict(ids: list[int], spread: int, asked: list[
     rows = {i: r for r, i in enumerate(held)}
     probe = np.array(asked + held[:20], np.int64)
     assert lookup(probe).tolist() == [rows.get(i, -1) for i in probe.tolist()]
+
+
+@pytest.mark.parametrize("ivf", [False, True])
+def test_removed_ids_are_never_found_and_stay_removed_through_a_file(tmp_path: Path, ivf: bool) -> None:
+    ids, vecs = clustered(8000, 32, seed=9)
+    index = AdapterIndex.build(ids, vecs, ivf=ivf)
+    gone = ids[:100]
+    index.remove(np.concatenate([gone, [-5, 10**12]]))  # absent ids are ignored
+    assert index.size == 7900 and not index.contains(int(gone[0])) and set(index.ids.tolist()) == set(ids[100:].tolist())
+    _, found = index.search(vecs[:100], 10)  # each removed vector's own query
+    assert not set(found.ravel().tolist()) & set(gone.tolist())
+    _, exact = brute_force(ids[100:], vecs[100:], vecs[:100], 10)
+    assert recall_at_k(found, exact) >= RECALL_GOAL - 0.05
+    _, filtered = index.search(vecs[:5], 10, allowed=ids[:300])
+    assert not set(filtered.ravel().tolist()) & set(gone.tolist())
+    index.add(gone[:1], vecs[:1])  # an id can come back (a new adapter reusing it)
+    assert index.contains(int(gone[0])) and index.size == 7901
+    index.save(tmp_path / "i.index", {"embedder_id": 1, "version": 1})
+    loaded, _ = AdapterIndex.load(tmp_path / "i.index")
+    assert loaded.size == 7901 and np.array_equal(np.sort(loaded.ids), np.sort(index.ids))
+    assert np.array_equal(loaded.search(vecs[:20], 10)[1], index.search(vecs[:20], 10)[1])

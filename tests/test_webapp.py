@@ -298,6 +298,30 @@ def test_label_edits_need_a_token_and_reach_search_and_filters(web: Web) -> None
     assert error_of(web.client.put("/api/v1/adapters/3/labels", json=bad, headers=auth))["status"] == 422
 
 
+def test_delete_needs_a_token_and_the_adapter_leaves_every_index(web: Web) -> None:
+    assert error_of(web.client.delete("/api/v1/adapters/9"))["status"] == 401
+    from zoo import tokens
+    from zoo.db.session import session_factory
+
+    with session_factory(web.url).begin() as session:
+        _, token = tokens.create_token(session, "remover")
+    auth = {"Authorization": f"Bearer {token}"}
+    assert 9 in [x["adapter_id"] for x in web.client.get("/api/v1/adapters/10/similar?k=20").json["results"]]  # the engine holds it
+    r = web.client.delete("/api/v1/adapters/9", headers=auth)
+    assert r.status_code == 200 and r.json == {"id": 9, "name": "w08", "deleted": True}
+    assert error_of(web.client.get("/api/v1/adapters/9"))["status"] == 404
+    for method in ("hybrid", "module", "sketch", "w2t"):  # the running engine dropped it from both indexes
+        found = web.client.get(f"/api/v1/adapters/10/similar?k=20&method={method}").json["results"]
+        assert 9 not in [x["adapter_id"] for x in found] and len(found) >= N - 2
+    assert 9 not in [a["id"] for a in web.client.get("/api/v1/adapters?per_page=100").json["results"]]
+    assert error_of(web.client.delete("/api/v1/adapters/9", headers=auth))["status"] == 404
+    # a fresh engine (another process) reads the index files, which `zoo embed` brings up to date
+    assert web.zoo("embed", "--json") == 0
+    fresh = create_app({"ZOO_DATABASE_URL": web.url, "ZOO_DATA_DIR": str(web.data_dir)}).test_client()
+    found = fresh.get("/api/v1/adapters/10/similar?k=20").json["results"]
+    assert 9 not in [x["adapter_id"] for x in found] and fresh.get("/api/v1/spaces/tiny/map").status_code == 200
+
+
 def _wait(web: Web, job_id: int) -> dict:
     import time
 

@@ -215,6 +215,14 @@ def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
     return {"id": adapter_id, "labels": detail["labels"], "measurements": detail["measurements"]}
 
 
+@api.delete("/adapters/<int:adapter_id>")
+@api.auth_required(token_auth)
+@api.doc(responses=[200, 404])
+def delete_adapter(adapter_id: int) -> dict[str, object]:
+    """Delete an adapter (its rows, labels and embeddings; it leaves every index); needs a token."""
+    return service.delete_adapter(zoo().sessions, adapter_id)
+
+
 @api.get("/spaces")
 @api.doc(responses=[200, *READ])
 def spaces() -> dict[str, object]:

@@ -267,3 +267,17 @@ class JobItem(Base):
     updated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     job: Mapped[Job] = relationship(back_populates="items")
+
+
+class DeletedAdapter(Base):
+    """A deleted adapter's id, stamped with the version of its space that the deletion wrote: query
+    engines and index files drop it from their indexes when they catch up past that version."""
+
+    __tablename__ = "deleted_adapter"
+    __table_args__ = (Index("ix_deleted_adapter_space_id_version", "space_id", "version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(Integer)
+    space_id: Mapped[int] = mapped_column(ForeignKey("embedding_space.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(BigInteger)
+    deleted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
