@@ -278,9 +278,10 @@ def space_map(
         keys = sorted(conn.execute(_LABEL_KEYS, {"ids": ids}).scalars())
         keys += sorted(METRIC + k for k in conn.execute(_METRICS, {"ids": ids}).scalars())
         values = _values(conn, color_by, ids)
-    points = [
-        {"id": i, "name": names.get(i, "?"), "x": round(x, 6), "y": round(y, 6), "value": values.get(i)}
+    points = [  # a deleted adapter's point stays in the file until a refit: it has no name and is left out
+        {"id": i, "name": names[i], "x": round(x, 6), "y": round(y, 6), "value": values.get(i)}
         for i, (x, y) in zip(ids, m.xy[rows].tolist(), strict=True)
+        if i in names
     ]
     return {
         "space": space.name,
