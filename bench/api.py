@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import multiprocessing
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.serve import _build_in_child, load_source, percentiles
+from bench.serve import build_or_reuse, load_source, percentiles
 
 
 def free_port() -> int:
@@ -124,16 +123,7 @@ def main() -> None:
     src = load_source(settings.database_url, settings.data_dir, args.noise)
     work = args.work or Path(tempfile.mkdtemp(prefix="zoo-bench-api-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.reuse:
-        built = json.loads((work / "build.json").read_text())
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        out = ctx.Queue()
-        child = ctx.Process(target=_build_in_child, args=(src, args.adapters, work, args.seed, out))
-        child.start()
-        built = out.get()
-        child.join()
-        (work / "build.json").write_text(json.dumps(built))
+    build_or_reuse(src, args.adapters, work, args.seed, args.reuse)
     space = "synthetic/" + src.sketch_config["schema"]["base_model"]
     rng = np.random.default_rng(args.seed + 2)
     ids = rng.integers(1, args.adapters + 1, args.requests)

@@ -204,6 +204,21 @@ def _build_in_child(src: Source, n: int, work: Path, seed: int, out: multiproces
     out.put(build(src, n, work, seed))
 
 
+def build_or_reuse(src: Source, n: int, work: Path, seed: int, reuse: bool) -> dict:
+    """The build's figures: read from `work/build.json` (reuse), or from a build in a child process (so that the
+    serving process's memory is its own), then saved there."""
+    if reuse:
+        return json.loads((work / "build.json").read_text())  # type: ignore[no-any-return]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_build_in_child, args=(src, n, work, seed, out))
+    child.start()
+    built = out.get()
+    child.join()
+    (work / "build.json").write_text(json.dumps(built))
+    return built  # type: ignore[no-any-return]
+
+
 def rss_gb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -267,17 +282,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="zoo-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        if args.reuse:
-            built = json.loads((work / "build.json").read_text())
-        else:
-            ctx = multiprocessing.get_context("spawn")
-            out = ctx.Queue()
-            child = ctx.Process(target=_build_in_child, args=(src, args.adapters, work, args.seed, out))
-            child.start()
-            built = out.get()
-            child.join()
-            (work / "build.json").write_text(json.dumps(built))
-        result = serve(src, args, work, built)
+        result = serve(src, args, work, build_or_reuse(src, args.adapters, work, args.seed, args.reuse))
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -14,26 +14,12 @@ import pytest
 from flask.testing import FlaskClient
 
 from tests.conftest import _backends, truncate_all
-from tests.factories import train_peft_adapter, write_kohya_file
+from tests.factories import seed_zoo, write_kohya_file
 from webapp import create_app
 from zoo.cli import main
 from zoo.db.session import make_engine, upgrade
 
 N = 12
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """12 real PEFT adapters (two tasks, two target sets) with labels, and one more kept out of the zoo."""
-    root = tmp_path_factory.mktemp("web-zoo")
-    rows = ["name,task,test_accuracy"]
-    for i in range(N):
-        task = "qv" if i % 2 else "qk"
-        train_peft_adapter(root / "zoo" / f"w{i:02d}", seed=i, steps=4, targets=("q_proj", "v_proj") if i % 2 else ("q_proj", "k_proj"))
-        rows.append(f"w{i:02d},{task},{0.5 + i / 40}")
-    (root / "labels.csv").write_text("\n".join(rows) + "\n")
-    train_peft_adapter(root / "outside" / "new", seed=99, steps=4, targets=("q_proj", "v_proj"))
-    return root
 
 
 @dataclass
@@ -48,20 +34,18 @@ class Web:
 
 
 @pytest.fixture(scope="module", params=_backends())
-def web(request: pytest.FixtureRequest, adapters: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Web]:
-    tmp = tmp_path_factory.mktemp(f"web-{request.param}")
+def web(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Web]:
+    """The app on a seeded zoo (tests/factories.py seed_zoo: adapters w00..w11, tasks qk/qv, and outside/new)."""
+    root = tmp_path_factory.mktemp(f"web-{request.param}")
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp / 'zoo.db'}"
+        url = f"sqlite:///{root / 'zoo.db'}"
         upgrade(url)
     else:
         url = request.getfixturevalue("pg_url")
         truncate_all(url)
-    data_dir = tmp / "data"
-    base = ["--db", url, "--data-dir", str(data_dir)]
-    assert main([*base, "ingest", str(adapters / "zoo"), "--labels", str(adapters / "labels.csv"), "--base-model", "tiny", "--json"]) == 0
-    assert main([*base, "train", "--epochs", "2", "--members", "2", "--json"]) == 0
-    app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(data_dir), "ZOO_IMPORT_ROOT": str(adapters), "TESTING": True})
-    yield Web(app.test_client(), url, data_dir, adapters)
+    data_dir = seed_zoo(root, url, N)
+    app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(data_dir), "ZOO_IMPORT_ROOT": str(root), "TESTING": True})
+    yield Web(app.test_client(), url, data_dir, root)
     make_engine(url).dispose()
 
 
@@ -190,9 +174,9 @@ def test_unsafe_zips_are_refused(web: Web) -> None:
     assert error_of(r)["status"] == 422 and "unsafe member" in error_of(r)["message"]
 
 
-def test_upload_limits_and_types(web: Web, adapters: Path) -> None:
+def test_upload_limits_and_types(web: Web) -> None:
     small = create_app({"ZOO_DATABASE_URL": web.url, "ZOO_DATA_DIR": str(web.data_dir), "ZOO_MAX_UPLOAD_BYTES": 1000}).test_client()
-    r = small.post("/api/v1/similar", data=peft_files(adapters / "zoo" / "w01"), content_type="multipart/form-data")
+    r = small.post("/api/v1/similar", data=peft_files(web.adapters / "zoo" / "w01"), content_type="multipart/form-data")
     assert error_of(r)["status"] == 413
     r = web.client.post("/api/v1/similar", json={"file": "x"})
     assert error_of(r)["status"] == 415
@@ -321,6 +305,25 @@ def test_delete_needs_a_token_and_the_adapter_leaves_every_index(web: Web) -> No
     found = fresh.get("/api/v1/adapters/10/similar?k=20").json["results"]
     assert 9 not in [x["adapter_id"] for x in found]
     assert 9 not in [p["id"] for p in fresh.get("/api/v1/spaces/tiny/map").json["points"]]
+
+
+def test_an_ingest_job_goes_on_past_a_hostile_file_and_names_it(web: Web) -> None:
+    from zoo import tokens
+    from zoo.db.session import session_factory
+
+    with session_factory(web.url).begin() as session:
+        _, token = tokens.create_token(session, "hostile")
+    good = (web.adapters / "zoo" / "w01" / "adapter_model.safetensors").read_bytes()
+    (web.adapters / "outside" / "truncated.safetensors").write_bytes(good[: len(good) // 2])
+    (web.adapters / "outside" / "pickle.bin").write_bytes(b"\x80\x04cos\nsystem\n.")
+    before = web.client.get("/api/v1/health").json["adapters"]
+    body = {"paths": ["outside/truncated.safetensors", "outside/pickle.bin", "zoo/w01"], "base_model": "tiny"}
+    r = web.client.post("/api/v1/ingest", json=body, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 202
+    items = _wait(web, r.json["id"])["items"]
+    assert [i["state"] for i in items] == ["failed", "failed", "duplicate"]
+    assert "truncated.safetensors" in items[0]["reason"] and "pickle.bin" in items[1]["reason"]
+    assert web.client.get("/api/v1/health").json["adapters"] == before  # nothing stored for them
 
 
 def _wait(web: Web, job_id: int) -> dict:
