@@ -41,16 +41,6 @@ ENGINE = [*READ, 404, 409]
 UPLOAD = [400, 404, 409, 413, 415, 422, 503]
 
 
-def parse_filters(values: list[str]) -> dict[str, str]:
-    out = {}
-    for v in values:
-        key, sep, value = v.partition("=")
-        if not sep or not key or not value:
-            raise UsageError(f"filter {v!r}: write key=value")
-        out[key] = value
-    return out
-
-
 def with_session(fn: Callable[[Session], T]) -> Callable[[], T]:
     """fn with a session of its own (for calls run in the app's pool, outside the request)."""
     sessions = zoo().sessions
@@ -69,13 +59,8 @@ def limited_upload(files: list, fn: Callable[[Session, str], T]) -> T:
     uploads_dir = ctx.settings.data_dir / "uploads"  # requests touch no directory but the data dir and the import root
     uploads_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="query-", dir=uploads_dir) as tmp:
-        path = materialize(uploads, Path(tmp), ctx.web.max_upload_bytes)
-
-        def run() -> T:
-            with ctx.sessions() as session:
-                return fn(session, str(path))
-
-        return ctx.limited(run)
+        path = str(materialize(uploads, Path(tmp), ctx.web.max_upload_bytes))
+        return ctx.limited(with_session(lambda session: fn(session, path)))
 
 
 @api.url_value_preprocessor
@@ -115,7 +100,7 @@ def adapters(query: dict) -> dict[str, object]:
     """Search the catalog: free text, facets with counts, sorting, pages."""
     from zoo.db.catalog import search_catalog
 
-    return search_catalog(db(), query["q"], parse_filters(query["filter"]), query["sort"], query["page"], query["per_page"])
+    return search_catalog(db(), query["q"], repository.parse_filters(query["filter"]), query["sort"], query["page"], query["per_page"])
 
 
 @api.get("/adapters/<int:adapter_id>")
@@ -132,7 +117,8 @@ def adapter(adapter_id: int) -> dict[str, object]:
 def similar(adapter_id: int, query: dict) -> tuple[dict[str, object], int, dict[str, str]]:
     """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share)."""
     start = time.perf_counter()
-    found = service.search(zoo().engine, db(), str(adapter_id), query["k"], query["space"], parse_filters(query["filter"]), query["method"])
+    filters = repository.parse_filters(query["filter"])
+    found = service.search(zoo().engine, db(), str(adapter_id), query["k"], query["space"], filters, query["method"])
     return found, 200, {"Server-Timing": f"engine;dur={(time.perf_counter() - start) * 1e3:.3f}"}
 
 
@@ -142,7 +128,7 @@ def similar(adapter_id: int, query: dict) -> tuple[dict[str, object], int, dict[
 @api.doc(responses=UPLOAD)
 def similar_upload(form: dict) -> dict[str, object]:
     """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored)."""
-    filters = parse_filters(form["filter"])
+    filters = repository.parse_filters(form["filter"])
     engine = zoo().engine
     return limited_upload(form["file"], lambda s, path: service.search(engine, s, path, form["k"], form["space"], filters, form["method"]))
 

@@ -6,9 +6,10 @@ from apiflask import APIBlueprint
 from flask import render_template, request, url_for
 
 from embed import service
-from webapp.api import get_adapter, ids_in_range, limited_upload, parse_filters, refuse_nul
+from webapp.api import get_adapter, ids_in_range, limited_upload, refuse_nul
 from webapp.context import db, zoo
 from webapp.schemas import MAX_PAGE
+from zoo.db import repository
 from zoo.errors import ZooError
 
 ui = APIBlueprint("ui", __name__, enable_openapi=False)
@@ -27,7 +28,7 @@ def search_page() -> str:
     filters = _filters_from_args()
     page = min(max(1, request.args.get("page", 1, type=int) or 1), MAX_PAGE)  # an offset the database can hold
     sort = request.args.get("sort") or None  # the page keeps this, not found["sort"]: a resolved default would stick to later searches
-    found = search_catalog(db(), request.args.get("q") or None, parse_filters(filters), sort, page, 20)
+    found = search_catalog(db(), request.args.get("q") or None, repository.parse_filters(filters), sort, page, 20)
     twin = url_for("api.adapters", **request.args.to_dict(flat=False))
     return render_template("search.html", found=found, filters=filters, sort=sort, twin=twin)
 

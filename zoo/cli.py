@@ -179,7 +179,7 @@ def _print_zoo_report(report: dict) -> None:
 
 def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
     require_schema(settings.database_url)
-    filters = _filters(args.filter)
+    filters = repository.parse_filters(args.filter)
     if args.base_model:
         filters.setdefault("base_model", args.base_model)
     with session_factory(settings.database_url)() as session:
@@ -380,22 +380,13 @@ def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _filters(values: list[str]) -> dict[str, str]:
-    out = {}
-    for v in values:
-        if "=" not in v:
-            raise UsageError(f"--filter takes key=value, got {v!r}")
-        key, value = v.split("=", 1)
-        out[key] = value
-    return out
-
-
 def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
     from embed import service
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
-        found = service.search(_engine(settings, args.device), session, args.query, args.k, args.space, _filters(args.filter), args.method)
+        filters = repository.parse_filters(args.filter)
+        found = service.search(_engine(settings, args.device), session, args.query, args.k, args.space, filters, args.method)
     if args.json:
         _print_json(found)
         return 0

@@ -121,6 +121,17 @@ def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]]
     return conditions, labels
 
 
+def parse_filters(values: Iterable[str]) -> dict[str, str]:
+    """`key=value` texts (the CLI's --filter, the API's filter parameter) as a mapping."""
+    out = {}
+    for v in values:
+        key, sep, value = v.partition("=")
+        if not sep or not key or not value:
+            raise UsageError(f"filter {v!r}: write key=value")
+        out[key] = value
+    return out
+
+
 #: filter keys that are adapter columns (any other key is a given label)
 COLUMN_FILTERS = ("rank", "format", "base_model", "source")
 
