@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,8 @@ class IngestResult:
     error: str | None = None
     name: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: seconds spent in each stage (read, describe, store), for job statistics and bench.ingest
+    timings: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -191,21 +194,28 @@ class Ingestor:
         naming the file and the reason, never an exception: bad input, a reader's unexpected error
         (its type is in the reason), a database that stays busy."""
         source = source_uri or str(path)
+        timings: dict[str, float] = {}
+        t = time.perf_counter()
         try:
             data = read_adapter(path, self.options.base_checkpoint, self.options.energy, self.options.max_rank)
+            timings["read"], t = time.perf_counter() - t, time.perf_counter()
             described = describe(data, source, self.options, self.device)
+            timings["describe"], t = time.perf_counter() - t, time.perf_counter()
         except InputError as exc:
-            return IngestResult(source, "failed", error=str(exc))
+            return IngestResult(source, "failed", error=str(exc), timings=timings)
         except Exception as exc:  # noqa: BLE001 - a batch goes on past any one file
-            return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {_first_line(exc)}")
+            return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {_first_line(exc)}", timings=timings)
         try:
             result = self._store_with_retries(described, labels)
         except InputError as exc:
-            return IngestResult(source, "failed", error=str(exc))
+            return IngestResult(source, "failed", error=str(exc), timings=timings)
         except SQLAlchemyError as exc:
-            return IngestResult(source, "failed", error=f"{path}: database error ({type(exc).__name__}: {_first_line(exc.orig or exc)})")
+            error = f"{path}: database error ({type(exc).__name__}: {_first_line(exc.orig or exc)})"
+            return IngestResult(source, "failed", error=error, timings=timings)
+        timings["store"] = time.perf_counter() - t
         result.source = source
         result.notes = list(data.notes)
+        result.timings = timings
         return result
 
     def ingest_many(self, paths: Iterable[Path], labels: dict[Path, LabelRow] | None = None) -> Iterator[IngestResult]:

@@ -52,12 +52,25 @@ class Adapter(Base):
     """One ingested update (LoRA adapter or checkpoint delta), unique by canonical hash per base model."""
 
     __tablename__ = "adapter"
-    __table_args__ = (UniqueConstraint("base_model", "canonical_hash", name="uq_adapter_base_model_canonical_hash"),)
+    __table_args__ = (
+        UniqueConstraint("base_model", "canonical_hash", name="uq_adapter_base_model_canonical_hash"),
+        Index("ix_adapter_base_model_structure_hash_dw_norm", "base_model", "structure_hash", "dw_norm"),  # near-duplicate look-up
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(255))
-    source_uri: Mapped[str] = mapped_column(Text)
+    source_uri: Mapped[str] = mapped_column(Text, index=True)
+    #: the commit sha a Hub source resolved to (None for local files)
     source_revision: Mapped[str | None] = mapped_column(String(64))
+    #: the Hub repo's owner (None for local files)
+    author: Mapped[str | None] = mapped_column(String(128), index=True)
+    #: what the source said about the adapter beyond its files (Hub: datasets, downloads, likes, pipeline tag, the card's
+    #: base_model and its relation, ...)
+    source_metadata: Mapped[dict] = mapped_column(JSON, default=dict, server_default="{}")
+    #: the adapter stored from the same source at an earlier revision
+    previous_version_id: Mapped[int | None] = mapped_column(
+        ForeignKey("adapter.id", ondelete="SET NULL", name="fk_adapter_previous_version_id_adapter")
+    )
     base_model: Mapped[str] = mapped_column(String(255), index=True)
     format: Mapped[str] = mapped_column(String(32))
     rank: Mapped[int | None] = mapped_column(Integer)
@@ -255,7 +268,10 @@ class JobItem(Base):
     """One source of a job: queued | running | done | duplicate | failed (with its reason)."""
 
     __tablename__ = "job_item"
-    __table_args__ = (Index("ix_job_item_job_id_state", "job_id", "state"),)
+    __table_args__ = (
+        Index("ix_job_item_job_id_state", "job_id", "state"),
+        Index("ix_job_item_state_lease_expires_at", "state", "lease_expires_at"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"))
@@ -265,6 +281,12 @@ class JobItem(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     adapter_id: Mapped[int | None] = mapped_column(ForeignKey("adapter.id", ondelete="SET NULL"))
     updated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: the worker holding a running item, and until when: a lease not renewed by its heartbeat returns the item to the queue
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: seconds per ingest stage (fetch, read, describe, store, ...) of the last attempt
+    timings: Mapped[dict | None] = mapped_column(JSON)
 
     job: Mapped[Job] = relationship(back_populates="items")
 
