@@ -33,6 +33,7 @@ from zoo.formats import (
 )
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow
+from zoo.sources import Origin
 from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
 
 UNKNOWN_BASE = "unknown"
@@ -189,17 +190,22 @@ class Ingestor:
         self.options = options or IngestOptions()
         self.device = pick_device(self.options.device)
 
-    def ingest(self, path: Path, source_uri: str | None = None, labels: LabelRow | None = None) -> IngestResult:
-        """Ingest one source (and attach its given labels). Whatever goes wrong becomes a failed result
-        naming the file and the reason, never an exception: bad input, a reader's unexpected error
-        (its type is in the reason), a database that stays busy."""
-        source = source_uri or str(path)
+    def ingest(
+        self, path: Path, source_uri: str | None = None, labels: LabelRow | None = None, origin: Origin | None = None
+    ) -> IngestResult:
+        """Ingest one source (and attach its given labels; `origin`: what its source says about it, stored
+        on the row). Whatever goes wrong becomes a failed result naming the file and the reason, never an
+        exception: bad input, a reader's unexpected error (its type is in the reason), a database that
+        stays busy."""
+        source = source_uri or (origin.uri if origin else str(path))
         timings: dict[str, float] = {}
         t = time.perf_counter()
         try:
             data = read_adapter(path, self.options.base_checkpoint, self.options.energy, self.options.max_rank)
             timings["read"], t = time.perf_counter() - t, time.perf_counter()
             described = describe(data, source, self.options, self.device)
+            if origin is not None:
+                apply_origin(described.adapter, origin)
             timings["describe"], t = time.perf_counter() - t, time.perf_counter()
         except InputError as exc:
             return IngestResult(source, "failed", error=str(exc), timings=timings)
@@ -271,6 +277,13 @@ class Ingestor:
             if dup is None:
                 return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
             return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
+
+
+def apply_origin(a: Adapter, origin: Origin) -> None:
+    """Copy what the source said onto the adapter row."""
+    a.source_uri, a.source_revision, a.author = origin.uri, origin.revision, origin.author
+    a.license, a.tags, a.card = origin.license, list(origin.tags) or None, origin.card
+    a.source_metadata = dict(origin.metadata)
 
 
 def check_space_fits(session: Session, a: Adapter) -> None:
