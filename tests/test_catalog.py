@@ -352,20 +352,16 @@ def test_deleting_an_adapter_removes_its_document(db_url: str) -> None:
 def test_migration_backfills_existing_adapters_and_downgrades(db_url: str) -> None:
     downgrade(db_url, "0004")
     assert "adapter_text" not in inspect(make_engine(db_url)).get_table_names()
-    with session_factory(db_url)() as s, s.begin():
-        s.add(
-            Adapter(
-                name="old-adapter",
-                source_uri="/zoos/old/old-adapter",
-                base_model="tiny",
-                format="peft",
-                canonical_hash="1" * 64,
-                structure_hash="0" * 64,
-                file_sha256="0" * 64,
-                size_bytes=1,
-                labels=[Label(key="task", value="legacy-task")],
-            )
+    with make_engine(db_url).begin() as conn:  # the columns of schema 0004 only (the models are at the head)
+        conn.execute(
+            text(
+                "INSERT INTO adapter (id, name, source_uri, base_model, format, canonical_hash, structure_hash, file_sha256, size_bytes, "
+                "config, file_metadata, extra_tensors, notes) VALUES (1, 'old-adapter', '/zoos/old/old-adapter', 'tiny', 'peft', "
+                ":h1, :h0, :h0, 1, '{}', '{}', '{}', '[]')"
+            ),
+            {"h1": "1" * 64, "h0": "0" * 64},
         )
+        conn.execute(text("INSERT INTO label (adapter_id, key, value, source) VALUES (1, 'task', 'legacy-task', 'given')"))
     upgrade(db_url)
     assert found_names(db_url, "task=legacy-task") == {"old-adapter"}
     assert catalog(db_url, "old")["facets"]["label:task"] == [{"value": "legacy-task", "count": 1}]

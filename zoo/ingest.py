@@ -18,7 +18,7 @@ from zoo.blobs import BlobStore
 from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.db import repository
 from zoo.db.catalog import refresh_search_text
-from zoo.db.models import Adapter, EmbeddingSpace, Module
+from zoo.db.models import Adapter, EmbeddingSpace, Label, Module
 from zoo.db.session import write_transaction
 from zoo.errors import InputError
 from zoo.fingerprint import DUPLICATE_RTOL, canonical_hash, fingerprint, relative_distance, structure_hash
@@ -32,7 +32,7 @@ from zoo.formats import (
     read_adapter,
 )
 from zoo.formats.limits import MAX_ADAPTER_NAME
-from zoo.labels import LabelRow
+from zoo.labels import LabelRow, source_labels
 from zoo.sources import Origin
 from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
 
@@ -205,7 +205,7 @@ class Ingestor:
             timings["read"], t = time.perf_counter() - t, time.perf_counter()
             described = describe(data, source, self.options, self.device)
             if origin is not None:
-                apply_origin(described.adapter, origin)
+                apply_origin(described.adapter, origin, labels)
             timings["describe"], t = time.perf_counter() - t, time.perf_counter()
         except InputError as exc:
             return IngestResult(source, "failed", error=str(exc), timings=timings)
@@ -279,11 +279,13 @@ class Ingestor:
             return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
 
 
-def apply_origin(a: Adapter, origin: Origin) -> None:
-    """Copy what the source said onto the adapter row."""
+def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> None:
+    """Copy what the source said onto the adapter row, with the given labels it implies (zoo.labels.source_labels:
+    stored with a new adapter only, never over a stored one's)."""
     a.source_uri, a.source_revision, a.author = origin.uri, origin.revision, origin.author
     a.license, a.tags, a.card = origin.license, list(origin.tags) or None, origin.card
     a.source_metadata = dict(origin.metadata)
+    a.labels = [Label(key=k, value=v, source="given") for k, v in source_labels(origin.metadata, labels).items()]
 
 
 def check_space_fits(session: Session, a: Adapter) -> None:

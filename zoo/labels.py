@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +14,8 @@ from zoo.errors import InputError
 DEFAULT_METRICS = ("test_accuracy",)
 #: The attribute that defines "same task" for retrieval.
 TASK_KEY = "task"
+#: The given label a source's datasets become (see source_labels).
+DATASET_KEY = "dataset"
 
 
 @dataclass
@@ -85,3 +87,13 @@ def assign_rows(rows: dict[str, LabelRow], sources: list[tuple[Path, str]]) -> d
             if "/" in name:
                 exact.add(matches[0])
     return out
+
+
+def source_labels(metadata: Mapping[str, object], given: LabelRow | None) -> dict[str, str]:
+    """Given labels that what a source said implies: the model card's datasets become the label `dataset` when the
+    card names exactly one and the user gave no `dataset` label (several datasets stay searchable, not a label)."""
+    datasets = metadata.get("datasets")
+    names = {d.strip() for d in datasets if isinstance(d, str) and d.strip()} if isinstance(datasets, list) else set()
+    if len(names) != 1 or (given is not None and DATASET_KEY in given.attributes):
+        return {}
+    return {DATASET_KEY: names.pop()}

@@ -57,7 +57,7 @@ def upgrade() -> None:
         for statement in SQLITE_FTS:
             op.execute(statement)
     op.create_index("ix_adapter_created_at", "adapter", ["created_at"])  # the catalog's default order: newest first
-    refresh_search_text(bind, bind.scalars(sa.text("SELECT id FROM adapter")).all())
+    refresh_search_text(bind, bind.scalars(sa.text("SELECT id FROM adapter")).all(), source_fields=False)
 
 
 def downgrade() -> None:

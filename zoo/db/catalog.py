@@ -4,7 +4,8 @@ search document with the database's own full-text index, the engine's filters, f
 Search words are the letters-and-digits runs of a text after Unicode compatibility decomposition,
 without accents, case-folded (`digits-vit-00012` is `digits vit 00012`, `task=even` is `task even`).
 A document is the search words of an adapter's name, base model, format, given labels (each as
-`key value`), tags, source URI and model card, joined by spaces: PostgreSQL's `simple` parser and
+`key value`), tags, what its source said (`author A`, `dataset D` for each of the card's datasets,
+`pipeline_tag P`), source URI and model card, joined by spaces: PostgreSQL's `simple` parser and
 SQLite's FTS5 `ascii` tokenizer split it at the spaces only, so both databases index the same words.
 
 A query's words (split at white space) are AND-ed; a word of several search words is a phrase (so
@@ -46,7 +47,8 @@ from zoo.errors import UsageError
 
 SORTS = ("relevance", "name", "newest", "rank")
 MAX_PER_PAGE = 100
-#: facets of adapter columns, in the order they are returned; label facets follow as `label:<key>`
+#: facets of adapter columns, in the order they are returned; the source's facets (repository.SOURCE_FIELDS: author,
+#: license, pipeline_tag, library, base_model_relation) follow where they have values, then label facets as `label:<key>`
 COLUMN_FACETS = ("base_model", "format", "rank", "source")
 #: values kept per facet, the most frequent first
 FACET_VALUES = 50
@@ -71,6 +73,7 @@ _FACET_EXPRESSIONS: dict[str, ColumnElement[Any]] = {
     "rank": cast(Adapter.rank, String),
     # the source URI up to its last "/": its directory (rolled up to ancestor directories in Python)
     "source": func.rtrim(Adapter.source_uri, func.replace(Adapter.source_uri, literal_column("'/'"), literal_column("''"))),
+    **repository.SOURCE_FIELDS,
 }
 
 
@@ -82,22 +85,39 @@ def search_words(text: str) -> list[str]:
 
 
 def search_document(
-    name: str, base_model: str, fmt: str, source_uri: str, tags: object, card: str | None, labels: Mapping[str, str]
+    name: str,
+    base_model: str,
+    fmt: str,
+    source_uri: str,
+    tags: object,
+    card: str | None,
+    labels: Mapping[str, str],
+    author: str | None = None,
+    source_metadata: object = None,
 ) -> str:
-    """An adapter's search document: the search words of its text fields and given labels, space-separated."""
+    """An adapter's search document: the search words of its text fields, given labels and what its source said
+    (author, the card's datasets, pipeline tag), space-separated."""
     fields = [name, base_model, fmt, *(f"{k} {v}" for k, v in sorted(labels.items()))]
     fields += [str(t) for t in tags] if isinstance(tags, list) else []
+    meta = source_metadata if isinstance(source_metadata, dict) else {}
+    datasets = meta.get("datasets")
+    fields += [f"author {author}"] if author else []
+    fields += [f"dataset {d}" for d in datasets if isinstance(d, str)] if isinstance(datasets, list) else []
+    fields += [f"pipeline_tag {meta['pipeline_tag']}"] if isinstance(meta.get("pipeline_tag"), str) else []
     fields += [source_uri, (card or "")[:MAX_CARD_CHARS]]
     return " ".join(search_words(" ".join(fields)))
 
 
-_DOCUMENT_FIELDS = select(Adapter.id, Adapter.name, Adapter.base_model, Adapter.format, Adapter.source_uri, Adapter.tags, Adapter.card)
+_DOCUMENT_FIELDS = (Adapter.id, Adapter.name, Adapter.base_model, Adapter.format, Adapter.source_uri, Adapter.tags, Adapter.card)
+#: columns added by migration 0008
+_SOURCE_DOCUMENT_FIELDS = (Adapter.author, Adapter.source_metadata)
 
 
-def refresh_search_text(db: Session | Connection, adapter_ids: Iterable[int]) -> None:
+def refresh_search_text(db: Session | Connection, adapter_ids: Iterable[int], source_fields: bool = True) -> None:
     """(Re)write the search documents of these adapters from their rows and given labels. Call it in the
-    transaction that writes the adapter or its labels. It reads only columns that exist since migration
-    0001, so migration 0005 backfills with it."""
+    transaction that writes the adapter or its labels. Migration 0005 backfills with it, with
+    `source_fields=False`: the author and source metadata columns come with migration 0008."""
+    fields = select(*_DOCUMENT_FIELDS, *(_SOURCE_DOCUMENT_FIELDS if source_fields else ()))
     ids = sorted(set(adapter_ids))
     for start in range(0, len(ids), REFRESH_BATCH):
         chunk = ids[start : start + REFRESH_BATCH]
@@ -108,9 +128,11 @@ def refresh_search_text(db: Session | Connection, adapter_ids: Iterable[int]) ->
         rows = [
             {
                 "adapter_id": r.id,
-                "document": search_document(r.name, r.base_model, r.format, r.source_uri, r.tags, r.card, labels.get(r.id, {})),
+                "document": search_document(
+                    r.name, r.base_model, r.format, r.source_uri, r.tags, r.card, labels.get(r.id, {}), *r[len(_DOCUMENT_FIELDS) :]
+                ),
             }
-            for r in db.execute(_DOCUMENT_FIELDS.where(Adapter.id.in_(chunk)))
+            for r in db.execute(fields.where(Adapter.id.in_(chunk)))
         ]
         db.execute(delete(_TEXT).where(_TEXT.c.adapter_id.in_(chunk)))
         if rows:
@@ -188,7 +210,7 @@ def _label_facets(matching: CTE, only: str | None = None, exclude: Iterable[str]
     but those of adapter columns and `exclude`."""
     stmt = select((literal("label:") + Label.key).label("facet"), Label.value, func.count())
     stmt = stmt.join(matching, matching.c.id == Label.adapter_id).where(Label.source == "given")
-    keys = Label.key == only if only is not None else Label.key.not_in([*repository.ADAPTER_FILTERS, *exclude])
+    keys = Label.key == only if only is not None else Label.key.not_in([*repository.COLUMN_FILTERS, *exclude])
     return stmt.where(keys).group_by(Label.key, Label.value)
 
 
@@ -198,7 +220,7 @@ def _facets_statement(dialect: str, phrases: list[list[str]], filters: Mapping[s
     each read their own matching set."""
     matching = _matching(dialect, phrases, filters, "matching")
     parts = [select(literal(_TOTAL).label("facet"), literal("").label("value"), func.count().label("n")).select_from(matching)]
-    parts += [_column_facet(matching, key) for key in COLUMN_FACETS if key not in filters]
+    parts += [_column_facet(matching, key) for key in (*COLUMN_FACETS, *repository.SOURCE_FIELDS) if key not in filters]
     parts.append(_label_facets(matching, exclude=filters))
     for i, key in enumerate(filters):
         others = _matching(dialect, phrases, {k: v for k, v in filters.items() if k != key}, f"matching_{i}")
@@ -235,8 +257,9 @@ def _read_facets(rows: Iterable[tuple[str, str, int]]) -> tuple[int, dict[str, l
         else:
             counts.setdefault(facet, {})[int(value) if facet == "rank" else value] = n
     counts["source"] = _roll_up(counts["source"])
-    labels = sorted(k for k in counts if k not in COLUMN_FACETS)
-    return total, {key: _facet_values(counts[key]) for key in [*COLUMN_FACETS, *labels]}
+    given = [k for k in repository.SOURCE_FIELDS if counts.get(k)]
+    labels = sorted(k for k in counts if k not in COLUMN_FACETS and k not in repository.SOURCE_FIELDS)
+    return total, {key: _facet_values(counts[key]) for key in [*COLUMN_FACETS, *given, *labels]}
 
 
 def _checked_sort(sort: str | None, phrases: list[list[str]], page: int, per_page: int) -> str:
@@ -256,7 +279,8 @@ def search_catalog(
     session: Session, q: str | None, filters: Mapping[str, str], sort: str | None = None, page: int = 1, per_page: int = 20
 ) -> dict[str, Any]:
     """One page of the adapters matching free text `q` and `filters` (the engine's: base_model, format,
-    rank, source prefix, any other key a given label), with the total and facets, as a plain dict.
+    rank, source prefix, the source's fields (author, license, pipeline_tag, library, base_model_relation), any
+    other key a given label), with the total and facets, as a plain dict.
 
     Sorts: relevance (the default with query words: PostgreSQL ts_rank, SQLite bm25), name (code point
     order), newest (the default otherwise), rank (LoRA rank, unknown last). Three statements: the page,

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from sqlalchemy import ColumnElement, Select, bindparam, delete, exists, select
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.db.models import Adapter, JobItem, Label, Measurement
 from zoo.errors import UsageError
-
-#: filter keys that are adapter columns; every other key is a given label
-ADAPTER_FILTERS = ("base_model", "format", "rank", "source")
 
 
 def get_adapter(session: Session, adapter_id: int, with_modules: bool = False) -> Adapter | None:
@@ -50,6 +48,7 @@ def adapter_summary(a: Adapter) -> dict[str, object]:
         "alpha": a.alpha,
         "canonical_hash": a.canonical_hash,
         "source_uri": a.source_uri,
+        "author": a.author,
         "created_at": a.created_at.isoformat() if a.created_at else None,
     }
 
@@ -59,6 +58,8 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
     return {
         **adapter_summary(a),
         "source_revision": a.source_revision,
+        "previous_version_id": a.previous_version_id,
+        "source_metadata": a.source_metadata,
         "target_modules": a.target_modules,
         "task_type": a.task_type,
         "structure_hash": a.structure_hash,
@@ -100,13 +101,28 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
     }
 
 
+#: what a source (the Hub) said about an adapter, by filter and facet key: each matches exactly
+SOURCE_FIELDS: dict[str, ColumnElement[Any]] = {
+    "author": Adapter.author,
+    "license": Adapter.license,
+    "pipeline_tag": Adapter.source_metadata["pipeline_tag"].as_string(),
+    "library": Adapter.source_metadata["library_name"].as_string(),
+    "base_model_relation": Adapter.source_metadata["base_model_relation"].as_string(),
+}
+#: filter keys that are adapter columns (any other key is a given label)
+COLUMN_FILTERS = ("rank", "format", "base_model", "source", *SOURCE_FIELDS)
+
+
 def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]], list[tuple[str, str]]]:
     """Filters as conditions on adapter columns and (key, value) pairs of given labels: `base_model`,
-    `format` and `rank` match exactly, `source` is a prefix of the source URI, any other key is a label."""
+    `format`, `rank` and the SOURCE_FIELDS (author, license, pipeline_tag, library, base_model_relation)
+    match exactly, `source` is a prefix of the source URI, any other key is a label."""
     conditions: list[ColumnElement[bool]] = []
     labels: list[tuple[str, str]] = []
     for key, value in filters.items():
-        if key == "rank":
+        if key in SOURCE_FIELDS:
+            conditions.append(SOURCE_FIELDS[key] == value)
+        elif key == "rank":
             if not (value.isascii() and value.isdigit() and len(value) <= 9):
                 raise UsageError(f"filter rank={value!r}: the rank is a whole number below 10^9")
             conditions.append(Adapter.rank == int(value))
@@ -132,13 +148,8 @@ def parse_filters(values: Iterable[str]) -> dict[str, str]:
     return out
 
 
-#: filter keys that are adapter columns (any other key is a given label)
-COLUMN_FILTERS = ("rank", "format", "base_model", "source")
-
-
 def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, str]) -> list[int]:
-    """Ids of adapters matching every filter, in one query: `base_model`, `format` and `rank` match
-    exactly, `source` is a prefix of the source URI, any other key is a given label's value.
+    """Ids of adapters matching every filter, in one query (see split_filters).
 
     With a label filter the query reads that label's index entries and checks adapter columns only
     when a filter names one: ids of other base models may come back, for the caller's index of one
