@@ -236,6 +236,8 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
         "file_sha256",
         "size_bytes",
         "source_uri",
+        "source_revision",
+        "author",
     ):
         print(f"{key:>15}: {detail[key]}")
     for note in detail["notes"]:  # type: ignore[attr-defined]
@@ -255,6 +257,59 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
             f"{m['effective_rank']:>6.2f} {alpha:>6}"
         )
     return 0
+
+
+def cmd_lineage(settings: Settings, args: argparse.Namespace) -> int:
+    from zoo.lineage import lineage
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        found = lineage(session, args.id)
+    if args.json:
+        _print_json(found)
+    else:
+        print("\n".join(lineage_lines(found)))
+    return 0
+
+
+def lineage_lines(found: dict) -> list[str]:
+    """The lineage resource as a readable tree."""
+
+    def ref(a: dict) -> str:
+        by = f"  by {a['author']}" if a["author"] else ""
+        at = f"  @ {a['source_revision'][:12]}" if a["source_revision"] else ""
+        return f"#{a['id']} {a['name']}{by}{at}"
+
+    def tree(nodes: list[dict], indent: str) -> list[str]:
+        out = []
+        for i, n in enumerate(nodes):
+            last = i == len(nodes) - 1
+            notes = [f"stored as #{n['adapter_id']}" if n["adapter_id"] else ""]
+            notes += ["cycle: not followed" if n["cycle"] else "", "more above, not shown" if n["truncated"] else ""]
+            shown = ", ".join(x for x in notes if x)
+            of = f"{n['relation']} of " if n["relation"] else ""
+            out.append(f"{indent}{'└─' if last else '├─'} {of}{n['model']}{f'  ({shown})' if shown else ''}")
+            out += tree(n["base_models"], indent + ("   " if last else "│  "))
+        return out
+
+    me = found["adapter"]
+    lines = [f"{ref(me)}  {me['source_uri']}", "base models:"]
+    lines += tree(found["base_models"], "  ") or ["  none known"]
+    older, newer = found["versions"]["older"], found["versions"]["newer"]
+    if older or newer:
+        lines.append("versions (oldest first):")
+        for a, mark in [*((a, "") for a in reversed(older)), (me, "  ← this one"), *((a, "") for a in newer)]:
+            when = a["last_modified"] or a["created_at"] or ""
+            lines.append(f"  {ref(a)}  {when}{mark}")
+    for key, title in (("same_base_model", "same base model"), ("same_author", "same author"), ("same_source", "same source")):
+        group = found[key]
+        if group["value"] is None:
+            continue
+        total = f"{group['total']}{'+' if group['capped'] else ''}"
+        shown = f", the newest {len(group['adapters'])}" if len(group["adapters"]) < group["total"] else ""
+        lines.append(f"{title} {group['value']}: {total} other{'' if group['total'] == 1 else 's'}{shown}")
+        lines += [f"  {ref(a)}" for a in group["adapters"]]
+    return lines
 
 
 def cmd_export(settings: Settings, args: argparse.Namespace) -> int:
@@ -808,6 +863,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("id", type=int)
     t.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_token)
+
+    s = sub.add_parser(
+        "lineage",
+        help="one adapter's lineage: its base-model tree, its versions, and the adapters of the same base model, author and source",
+    )
+    s.add_argument("id", type=int)
+    s.add_argument("--json", action="store_true", help="print a JSON object")
+    s.set_defaults(func=cmd_lineage)
 
     s = sub.add_parser("show", help="one adapter: metadata, modules, spectra, canonical hash")
     s.add_argument("id", type=int)
