@@ -8,7 +8,8 @@ it on loopback; --clients threads, each on its own keep-alive connection, send
 - the engine's time for the same requests, from the `Server-Timing: engine;dur=` header the API
   sets around its engine call, and so the web layer's share: HTTP minus engine, per request (with
   --clients at once it includes waiting for a core; one client alone gives the layer's own cost);
-- the same queries through an in-process QueryEngine with as many threads (the engine baseline).
+- the same queries through an in-process QueryEngine with as many threads (the engine baseline),
+  in turns with the HTTP requests (--rounds) so that both meet the same background load.
 
     python -m bench.api --zoo-data-dir DIR   # DIR: a data dir where `zoo train` ran
 
@@ -81,25 +82,29 @@ def run_clients(port: int, ids: np.ndarray, clients: int) -> tuple[list[float], 
     return [h for h, _ in results], [e for _, e in results], time.perf_counter() - t0
 
 
-def engine_baseline(work: Path, space: str, ids: np.ndarray, threads: int) -> list[float]:
+class EngineBaseline:
     """The same queries through an in-process engine, `threads` at once (seconds each)."""
-    from embed.engine import Query, QueryEngine
-    from zoo.blobs import BlobStore
-    from zoo.db.session import session_factory
 
-    sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
-    engine = QueryEngine(sessions, BlobStore(work / "blobs"), work)
+    def __init__(self, work: Path, space: str, threads: int) -> None:
+        from embed.engine import QueryEngine
+        from zoo.blobs import BlobStore
+        from zoo.db.session import session_factory
 
-    def one(i: int) -> float:
-        with sessions() as session:
+        self.sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
+        self.engine = QueryEngine(self.sessions, BlobStore(work / "blobs"), work)
+        self.space, self.threads = space, threads
+
+    def one(self, i: int) -> float:
+        from embed.engine import Query
+
+        with self.sessions() as session:
             t = time.perf_counter()
-            engine.similar(session, space, Query(str(i), i), 10)
+            self.engine.similar(session, self.space, Query(str(i), i), 10)
             return time.perf_counter() - t
 
-    for i in ids[:50].tolist():
-        one(i)
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(one, ids.tolist()))
+    def run(self, ids: np.ndarray) -> list[float]:
+        with ThreadPoolExecutor(self.threads) as pool:
+            return list(pool.map(self.one, ids.tolist()))
 
 
 def main() -> None:
@@ -111,6 +116,7 @@ def main() -> None:
     p.add_argument("--reuse", action="store_true", help="serve the space already built in --work")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4, help="turns of HTTP and in-process engine (default: %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="zoo serve processes (default: %(default)s)")
     p.add_argument("--threads", type=int, default=4, help="threads per process (default: %(default)s)")
     p.add_argument("--noise", type=float, default=0.02)
@@ -130,6 +136,12 @@ def main() -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "zoo.cli", "--db", f"sqlite:///{work / 'zoo.db'}", "--data-dir", str(work), "serve"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(args.workers), "--threads", str(args.threads)]
+    baseline = EngineBaseline(work, space, args.clients)
+    baseline.run(ids[:50])  # loads the engine
+    http_s: list[float] = []
+    engine_s: list[float] = []
+    in_process: list[float] = []
+    wall = 0.0
     with open(work / "serve.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -137,15 +149,18 @@ def main() -> None:
             t0 = time.perf_counter()
             run_clients(port, rng.integers(1, args.adapters + 1, 50 * args.workers * args.threads), args.clients)  # every worker loads
             warm_s = time.perf_counter() - t0
-            http_s, engine_s, wall = run_clients(port, ids, args.clients)
+            # HTTP and the in-process engine take turns, so that both meet the same background load
+            for part in np.array_split(ids, args.rounds):
+                h, e, w = run_clients(port, part, args.clients)
+                http_s, engine_s, wall = http_s + h, engine_s + e, wall + w
+                in_process += baseline.run(part)
             one_http, one_engine, _ = run_clients(port, ids[: len(ids) // 4], 1)  # no queueing: the layer's own cost
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     overhead = [h - e for h, e in zip(http_s, engine_s, strict=True)]
     one_overhead = percentiles([h - e for h, e in zip(one_http, one_engine, strict=True)])
-    baseline = engine_baseline(work, space, ids, args.clients)
-    (h50, h99), (e50, e99), (o50, o99), (b50, b99) = (percentiles(x) for x in (http_s, engine_s, overhead, baseline))
+    (h50, h99), (e50, e99), (o50, o99), (b50, b99) = (percentiles(x) for x in (http_s, engine_s, overhead, in_process))
     result = {
         "adapters": args.adapters,
         "requests": len(ids),
@@ -165,6 +180,7 @@ def main() -> None:
         "engine_in_process_p99_ms": round(b99, 3),
         "http_minus_engine_in_process_p50_ms": round(h50 - b50, 3),
         "http_minus_engine_in_process_p99_ms": round(h99 - b99, 3),
+        "rounds": args.rounds,
         "warm_up_s": round(warm_s, 1),
         "synthetic": True,
     }
