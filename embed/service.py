@@ -306,12 +306,14 @@ def list_spaces(session: Session) -> list[dict[str, object]]:
 
 
 def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k: int = 10) -> dict[str, object]:
-    """The adapter page's resource: everything stored, its nearest neighbours and its predictions
+    """The adapter page's resource: everything stored, its lineage, its nearest neighbours and its predictions
     (each None with the reason when the zoo is not ready for it)."""
     from zoo.db import repository
+    from zoo.lineage import lineage
 
     detail = repository.adapter_detail(adapter)
     detail["duplicate_sources"] = repository.duplicate_sources(session, adapter.id)
+    detail["lineage"] = lineage(session, adapter.id)
     space = get_space(session, adapter.base_model)
     detail["space"] = space.name if space else None
     detail["neighbours"] = detail["predictions"] = None

@@ -176,6 +176,9 @@ def test_search_facets_and_the_adapter_page(desktop: Tab, tmp_path: Path) -> Non
     assert "predicted by embedder" in page.locator("h2", has_text="Predictions").inner_text()
     assert page.locator("dl.predictions .chip").count() >= 1
     assert page.locator("dl.kv dd", has_text="measured").count() == 1  # the given test_accuracy, told apart from predictions
+    lineage = page.locator("section.lineage")  # the other 11 adapters of base model tiny, each a link
+    assert lineage.locator("h3", has_text="Same base model").inner_text().split()[-1] == "11"
+    assert lineage.locator("ul.related li a[href^='/adapters/']").count() == 11
     desktop.shot("adapter")
 
     with page.expect_download() as info:

@@ -110,6 +110,16 @@ def adapter(adapter_id: int) -> dict[str, object]:
     return service.adapter_resource(zoo().engine, db(), get_adapter(adapter_id, with_modules=True))
 
 
+@api.get("/adapters/<int:adapter_id>/lineage")
+@api.output(schemas.Lineage)
+@api.doc(responses=[*READ, 404])
+def lineage(adapter_id: int) -> dict[str, object]:
+    """The adapter's base-model tree, its versions, and the adapters of the same base model, author and source."""
+    from zoo.lineage import lineage as adapter_lineage
+
+    return adapter_lineage(db(), adapter_id)
+
+
 @api.get("/adapters/<int:adapter_id>/similar")
 @api.input(schemas.SimilarQuery, location="query", arg_name="query")
 @api.output(schemas.SimilarOut)

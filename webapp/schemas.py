@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from apiflask import Schema
-from apiflask.fields import Dict, File, Float, Integer, List, Nested, Raw, String
+from apiflask.fields import Boolean, Dict, File, Float, Integer, List, Nested, Raw, String
 from apiflask.validators import Length, OneOf, Range
 
 from embed.engine import MAX_K, SEARCH_METHODS
@@ -17,12 +17,21 @@ MAX_ID = 2**31 - 1
 
 class Filters(Schema):
     filter = List(
-        String(), load_default=list, metadata={"description": "key=value, repeatable: base_model, format, rank, source (prefix) or a label"}
+        String(),
+        load_default=list,
+        metadata={
+            "description": "key=value, repeatable: base_model, format, rank, source (prefix), author, license, pipeline_tag, library, "
+            "base_model_relation, or a label"
+        },
     )
 
 
 class CatalogQuery(Filters):
-    q = String(load_default=None, validate=Length(max=1000), metadata={"description": "free text: names, base model, labels, tags, card"})
+    q = String(
+        load_default=None,
+        validate=Length(max=1000),
+        metadata={"description": "free text: names, base model, labels, tags, author, datasets, pipeline tag, card"},
+    )
     sort = String(load_default=None, validate=OneOf(("relevance", "name", "newest", "rank")))
     page = Integer(load_default=1, validate=Range(1, MAX_PAGE))
     per_page = Integer(load_default=20, validate=Range(1, 100))
@@ -112,3 +121,50 @@ class MapQuery(Schema):
 class LabelsBody(Schema):
     labels = Dict(keys=String(validate=Length(1, 128)), values=String(validate=Length(1, 1000)), load_default=dict)
     measurements = Dict(keys=String(validate=Length(1, 128)), values=Float(allow_nan=False), load_default=dict)
+
+
+class AdapterRef(Schema):
+    id = Integer()
+    name = String()
+    author = String(allow_none=True)
+    base_model = String()
+    source_uri = String()
+    source_revision = String(allow_none=True)
+    created_at = String(allow_none=True)
+    last_modified = String(allow_none=True)
+
+
+class LineageAdapter(AdapterRef):
+    relation = String(allow_none=True)
+
+
+class BaseModelNode(Schema):
+    model = String()
+    relation = String(allow_none=True, metadata={"description": "what the model below is of this one: adapter, finetune, merge, quantized"})
+    adapter_id = Integer(allow_none=True, metadata={"description": "the stored adapter from hf://<model>"})
+    described_by = String(allow_none=True, metadata={"description": "stored (an adapter's metadata), recorded (the source's tree) or none"})
+    cycle = Boolean()
+    truncated = Boolean()
+    base_models = List(Nested(lambda: BaseModelNode()))
+
+
+class Versions(Schema):
+    older = List(Nested(AdapterRef), metadata={"description": "previous versions, nearest first"})
+    newer = List(Nested(AdapterRef), metadata={"description": "later versions, nearest first"})
+
+
+class RelatedAdapters(Schema):
+    value = String(allow_none=True)
+    total = Integer(metadata={"description": "other adapters with this value (counted up to a cap)"})
+    capped = Boolean()
+    adapters = List(Nested(AdapterRef), metadata={"description": "the newest of them"})
+
+
+class Lineage(Schema):
+    adapter = Nested(LineageAdapter)
+    base_models = List(Nested(BaseModelNode))
+    versions = Nested(Versions)
+    same_base_model = Nested(RelatedAdapters)
+    same_author = Nested(RelatedAdapters)
+    same_source = Nested(RelatedAdapters)
+    limit = Integer()
