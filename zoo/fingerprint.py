@@ -32,6 +32,8 @@ HASH_DECIMALS = 3
 DUPLICATE_RTOL = 1e-3
 
 NamedFactors = Sequence[tuple[str, CanonicalFactors]]
+#: (normalized probe values z, total Frobenius norm) of an adapter
+Fingerprint = tuple[list[float], float]
 
 
 def structure_hash(shapes: Sequence[tuple[str, int, int]]) -> str:
@@ -40,7 +42,7 @@ def structure_hash(shapes: Sequence[tuple[str, int, int]]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def fingerprint(modules: NamedFactors) -> tuple[list[float], float]:
+def fingerprint(modules: NamedFactors) -> Fingerprint:
     """(normalized probe values z, total Frobenius norm) of an adapter."""
     z = torch.zeros(FINGERPRINT_DIM, dtype=torch.float64)
     total_sq = 0.0
@@ -52,16 +54,17 @@ def fingerprint(modules: NamedFactors) -> tuple[list[float], float]:
     return values, norm
 
 
-def _hashed_values(modules: NamedFactors) -> list[float]:
-    z, norm = fingerprint(modules)
+def _hashed_values(modules: NamedFactors, fp: Fingerprint | None = None) -> list[float]:
+    z, norm = fp or fingerprint(modules)
     log_norm = math.log10(norm) if norm > 0 else -math.inf
     return [*z, log_norm]
 
 
-def canonical_hash(modules: NamedFactors) -> str:
-    """SHA-256 of module structure plus the rounded fingerprint (see module docstring)."""
+def canonical_hash(modules: NamedFactors, fp: Fingerprint | None = None) -> str:
+    """SHA-256 of module structure plus the rounded fingerprint (see module docstring); `fp`: the modules'
+    fingerprint, when the caller has it already."""
     shapes = [(name, f.U.shape[0], f.V.shape[0]) for name, f in modules]
-    rounded = [round(v, HASH_DECIMALS) if math.isfinite(v) else str(v) for v in _hashed_values(modules)]
+    rounded = [round(v, HASH_DECIMALS) if math.isfinite(v) else str(v) for v in _hashed_values(modules, fp)]
     payload = json.dumps({"structure": structure_hash(shapes), "values": rounded}, separators=(",", ":"))
     return hashlib.sha256(payload.encode()).hexdigest()
 

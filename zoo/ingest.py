@@ -2,41 +2,36 @@
 
 from __future__ import annotations
 
-import hashlib
+import os
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.blobs import BlobStore
 from zoo.canonical import CanonicalFactors, canonicalize_batched
+from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.db import repository
-from zoo.db.catalog import refresh_search_text
-from zoo.db.models import Adapter, EmbeddingSpace, Label, Module
+from zoo.db.catalog import refresh_search_text, write_search_text
+from zoo.db.models import Adapter, EmbeddingSpace, Label, Measurement, Module
 from zoo.db.session import write_transaction
 from zoo.errors import InputError
 from zoo.fingerprint import DUPLICATE_RTOL, canonical_hash, fingerprint, relative_distance, structure_hash
-from zoo.formats import (
-    DEFAULT_ENERGY,
-    DEFAULT_MAX_RANK,
-    AdapterData,
-    LoraModule,
-    layer_index,
-    module_type,
-    read_adapter,
-)
+from zoo.formats import AdapterData, LoraModule, RawAdapter, layer_index, module_type, open_adapter, parse_adapter
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
 from zoo.sources import Origin
 from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
 
 UNKNOWN_BASE = "unknown"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ class IngestResult:
     error: str | None = None
     name: str | None = None
     notes: list[str] = field(default_factory=list)
-    #: seconds spent in each stage (read, describe, store), for job statistics and bench.ingest
+    #: seconds spent in each stage (read, canonicalize, describe, store), for job statistics and bench.ingest
     timings: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -68,6 +63,16 @@ def pick_device(device: str | None) -> torch.device:
     if device:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def share_cores(processes: int) -> int:
+    """Give this process's torch its share of the machine's cores when `processes` ingest processes run on it at
+    once (at least one thread): more intra-op threads than cores make every small kernel wait for descheduled
+    threads. Returns the thread count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // max(1, processes))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def canonicalize_modules(modules: list[LoraModule], device: torch.device) -> list[CanonicalFactors]:
@@ -85,55 +90,54 @@ def canonicalize_modules(modules: list[LoraModule], device: torch.device) -> lis
     return [f for f in out if f is not None]
 
 
-def file_digest(paths: Iterable[Path]) -> tuple[str, int]:
-    """SHA-256 and total size of the weight files."""
-    h = hashlib.sha256()
-    size = 0
-    for p in paths:
-        with p.open("rb") as fh:
-            while chunk := fh.read(1 << 20):
-                h.update(chunk)
-                size += len(chunk)
-    return h.hexdigest(), size
+def adapter_name(path: Path) -> str:
+    """The name an adapter gets from its path: a file's stem or a directory's name."""
+    return (path.stem if path.is_file() else path.name)[:MAX_ADAPTER_NAME]
 
 
-def _module_row(name: str, kind: str, shape: tuple[int, int], spec: Spectrum, **extra: object) -> Module:
-    return Module(
-        name=name,
-        layer_index=layer_index(name),
-        module_type=module_type(name),
-        kind=kind,
-        out_features=shape[0],
-        in_features=shape[1],
-        singular_values=spec.singular_values,
-        spectral_norm=spec.spectral_norm,
-        frobenius_norm=spec.frobenius_norm,
-        stable_rank=spec.stable_rank,
-        effective_rank=spec.effective_rank,
-        power_law_alpha=spec.power_law_alpha,
-        power_law_xmin=spec.power_law_xmin,
-        power_law_ks=spec.power_law_ks,
-        **extra,
-    )
+def _module_row(name: str, kind: str, shape: tuple[int, int], spec: Spectrum, **lora: object) -> dict[str, object]:
+    """A module table row (without its adapter id), for one bulk insert per adapter."""
+    return {
+        "name": name,
+        "layer_index": layer_index(name),
+        "module_type": module_type(name),
+        "kind": kind,
+        "out_features": shape[0],
+        "in_features": shape[1],
+        "rank": None,
+        "canonical_rank": None,
+        "alpha": None,
+        "scale": None,
+        "transposed": False,
+        **lora,
+        "singular_values": spec.singular_values,
+        "spectral_norm": spec.spectral_norm,
+        "frobenius_norm": spec.frobenius_norm,
+        "stable_rank": spec.stable_rank,
+        "effective_rank": spec.effective_rank,
+        "power_law_alpha": spec.power_law_alpha,
+        "power_law_xmin": spec.power_law_xmin,
+        "power_law_ks": spec.power_law_ks,
+    }
 
 
 @dataclass
 class _Described:
-    """An adapter ready to store: rows to write and, for LoRA-like updates, its canonical factors."""
+    """An adapter ready to store: its row, its module rows and, for LoRA-like updates, its canonical factors
+    and their blob (digest, bytes), encoded before the store's lock is taken."""
 
     adapter: Adapter
+    modules: list[dict[str, object]]
     factors: list[tuple[str, CanonicalFactors]]
+    blob: tuple[str, bytes] | None
 
 
-def describe(data: AdapterData, source_uri: str, options: IngestOptions, device: torch.device) -> _Described:
-    """Canonicalize, compute spectra and hashes; no database access."""
-    sha, size = file_digest(data.weight_files)
-    base_model = options.base_model or data.base_model or UNKNOWN_BASE
+def describe(data: AdapterData, source_uri: str, base_model: str, canonical: list[CanonicalFactors]) -> _Described:
+    """Spectra, hashes and rows of a read adapter from its modules' canonical factors; no database access."""
     factors: list[tuple[str, CanonicalFactors]] = []
-    rows: list[Module] = []
+    rows: list[dict[str, object]] = []
     if data.modules:
-        canon = canonicalize_modules(data.modules, device)
-        for m, f in zip(data.modules, canon, strict=True):
+        for m, f in zip(data.modules, canonical, strict=True):
             factors.append((m.name, f))
             rows.append(
                 _module_row(
@@ -149,17 +153,17 @@ def describe(data: AdapterData, source_uri: str, options: IngestOptions, device:
                 )
             )
         shapes = [(n, int(f.U.shape[0]), int(f.V.shape[0])) for n, f in factors]
-        chash = canonical_hash(factors)
-        _, norm = fingerprint(factors)
-        dw_norm: float | None = norm
+        fp = fingerprint(factors)
+        chash, dw_norm = canonical_hash(factors, fp), fp[1]
     else:
         for fm in data.full_matrices:
             rows.append(_module_row(fm.name, "full", (int(fm.weight.shape[0]), int(fm.weight.shape[1])), matrix_spectrum(fm.weight)))
         shapes = [(fm.name, int(fm.weight.shape[0]), int(fm.weight.shape[1])) for fm in data.full_matrices]
-        chash, dw_norm = sha, None  # nothing to canonicalize: identical files are the duplicates
+        chash, dw_norm = data.file_sha256, None  # nothing to canonicalize: identical files are the duplicates
+    blob = BlobStore.encode_factors(factors) if factors else None
     config = data.config
     adapter = Adapter(
-        name=(data.path.stem if data.path.is_file() else data.path.name)[:MAX_ADAPTER_NAME],
+        name=adapter_name(data.path),
         source_uri=source_uri,
         base_model=base_model,
         format=data.format,
@@ -170,15 +174,20 @@ def describe(data: AdapterData, source_uri: str, options: IngestOptions, device:
         canonical_hash=chash,
         structure_hash=structure_hash(shapes),
         dw_norm=dw_norm,
-        file_sha256=sha,
-        size_bytes=size,
+        file_sha256=data.file_sha256,
+        size_bytes=data.size_bytes,
+        factors_blob=blob[0] if blob else None,
         config=config,
         file_metadata=data.metadata,
         extra_tensors=data.extra_tensors,
         notes=data.notes,
-        modules=rows,
     )
-    return _Described(adapter, factors)
+    return _Described(adapter, rows, factors, blob)
+
+
+def store_lock(base_model: str, structure: str) -> str:
+    """The lock serializing writers of one (base model, structure): the duplicate check sees every earlier one's update."""
+    return f"ingest:{base_model}:{structure}"
 
 
 class Ingestor:
@@ -196,32 +205,43 @@ class Ingestor:
         """Ingest one source (and attach its given labels; `origin`: what its source says about it, stored
         on the row). Whatever goes wrong becomes a failed result naming the file and the reason, never an
         exception: bad input, a reader's unexpected error (its type is in the reason), a database that
-        stays busy."""
+        stays busy.
+
+        Files already stored are recognized before any math: when the weight file's SHA-256, the base model
+        and the config values the update depends on match a stored adapter's, it is the duplicate (see
+        `_stored_copy`). `timings` has seconds per stage: read, canonicalize, describe, store."""
         source = source_uri or (origin.uri if origin else str(path))
         timings: dict[str, float] = {}
-        t = time.perf_counter()
         try:
-            data = read_adapter(path, self.options.base_checkpoint, self.options.energy, self.options.max_rank)
-            timings["read"], t = time.perf_counter() - t, time.perf_counter()
-            described = describe(data, source, self.options, self.device)
-            if origin is not None:
-                apply_origin(described.adapter, origin, labels)
-            timings["describe"], t = time.perf_counter() - t, time.perf_counter()
-        except InputError as exc:
-            return IngestResult(source, "failed", error=str(exc), timings=timings)
-        except Exception as exc:  # noqa: BLE001 - a batch goes on past any one file
-            return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {_first_line(exc)}", timings=timings)
-        try:
-            result = self._store_with_retries(described, labels)
+            return self._ingest(Path(path), source, labels, origin, timings)
         except InputError as exc:
             return IngestResult(source, "failed", error=str(exc), timings=timings)
         except SQLAlchemyError as exc:
-            error = f"{path}: database error ({type(exc).__name__}: {_first_line(exc.orig or exc)})"
+            error = f"{path}: database error ({type(exc).__name__}: {_first_line(getattr(exc, 'orig', None) or exc)})"
             return IngestResult(source, "failed", error=error, timings=timings)
-        timings["store"] = time.perf_counter() - t
-        result.source = source
-        result.notes = list(data.notes)
-        result.timings = timings
+        except Exception as exc:  # noqa: BLE001 - a batch goes on past any one file
+            return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {_first_line(exc)}", timings=timings)
+
+    def _ingest(self, path: Path, source: str, labels: LabelRow | None, origin: Origin | None, timings: dict[str, float]) -> IngestResult:
+        lap = _Laps(timings)
+        raw = open_adapter(path)
+        base_model = self.options.base_model or raw.base_model or UNKNOWN_BASE
+        lap("read")
+        result = self._stored_copy(raw, base_model, labels)
+        if result is None:
+            opts = self.options
+            data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
+            lap("read")
+            canonical = canonicalize_modules(data.modules, self.device) if data.modules else []
+            lap("canonicalize")
+            described = describe(data, source, base_model, canonical)
+            if origin is not None:
+                apply_origin(described.adapter, origin, labels)
+            lap("describe")
+            result = self._with_retries(self._store, described, labels)
+            result.notes = list(data.notes)
+        lap("store")
+        result.source, result.timings = source, timings
         return result
 
     def ingest_many(self, paths: Iterable[Path], labels: dict[Path, LabelRow] | None = None) -> Iterator[IngestResult]:
@@ -229,54 +249,95 @@ class Ingestor:
         for p in paths:
             yield self.ingest(p, labels=(labels or {}).get(p))
 
-    def _find_duplicate(self, session: Session, d: _Described) -> Adapter | None:
+    def _stored_copy(self, raw: RawAdapter, base_model: str, labels: LabelRow | None) -> IngestResult | None:
+        """The duplicate result for files already stored, without reading tensors: a stored adapter of this base model
+        from a weight file with the same SHA-256, in the same format, with the same config values the update depends
+        on (a full checkpoint only while no --base makes it a delta). Given labels are attached to it as on any
+        duplicate. None when there is no such adapter (or it was deleted meanwhile)."""
+        if raw.format is None or not isinstance(base_model, str) or (raw.format == "checkpoint" and self.options.base_checkpoint):
+            return None
+        with self.sessions() as session:
+            rows = repository.stored_copies(session, raw.weights.sha256, base_model, raw.format)
+        match = next((r for r in rows if all((r.config or {}).get(k) == v for k, v in raw.settings.items())), None)
+        if match is None:
+            return None
+        lock = store_lock(base_model, match.structure_hash)
+        if labels is not None and not self._with_retries(self._attach_labels, match.id, lock, labels):
+            return None
+        return IngestResult(str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path))
+
+    def _attach_labels(self, adapter_id: int, lock: str, labels: LabelRow) -> bool:
+        """Given labels onto a stored adapter (False if it is gone), in one transaction under the store's lock."""
+        with write_transaction(self.sessions, lock) as session:
+            if session.get(Adapter, adapter_id) is None:
+                return False
+            repository.replace_labels(session, adapter_id, labels.attributes, labels.measurements)
+            session.flush()
+            refresh_search_text(session, [adapter_id])
+        return True
+
+    def _find_duplicate(self, session: Session, d: _Described) -> repository.Candidate | None:
+        """The stored adapter with this canonical hash, else the first near one (same structure, close norm) within
+        DUPLICATE_RTOL of this update."""
         a = d.adapter
-        same = repository.by_canonical_hash(session, a.base_model, a.canonical_hash)
-        if same is not None or a.dw_norm is None:
-            return same
-        for cand in repository.near_duplicates(session, a.base_model, a.structure_hash, a.dw_norm, DUPLICATE_RTOL):
-            if cand.factors_blob and relative_distance(d.factors, self.blobs.get_factors(cand.factors_blob)) <= DUPLICATE_RTOL:
-                return cand
+        for c in repository.duplicate_candidates(session, a.base_model, a.canonical_hash, a.structure_hash, a.dw_norm, DUPLICATE_RTOL):
+            if c.canonical_hash == a.canonical_hash:
+                return c
+            if c.factors_blob and relative_distance(d.factors, self.blobs.get_factors(c.factors_blob)) <= DUPLICATE_RTOL:
+                return c
         return None
 
-    def _store_with_retries(self, d: _Described, labels: LabelRow | None, attempts: int = 3) -> IngestResult:
-        """`_store`, again when a concurrent writer stored the same update first (the unique constraint
-        fired: the next attempt finds it and reports a duplicate, with the labels attached) or when a
-        SQLite database stayed locked past its busy timeout."""
+    def _with_retries(self, write: Callable[..., T], *args: object, attempts: int = 3) -> T:
+        """`write(*args)`, again when a concurrent writer stored the same update or labels first (a unique
+        constraint fired: the next attempt finds it and reports a duplicate, with the labels attached) or
+        when a SQLite database stayed locked past its busy timeout."""
         for _ in range(attempts - 1):
             try:
-                return self._store(d, labels)
+                return write(*args)
             except IntegrityError:
                 continue
             except OperationalError as exc:
                 if "locked" not in str(exc.orig):
                     raise
-        return self._store(d, labels)
+        return write(*args)
 
     def _store(self, d: _Described, labels: LabelRow | None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized per (base model, structure)
-        so that the duplicate check sees every earlier writer's update. The blob is written (idempotently, by content) after the rows are
-        inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob left by a transaction
-        that failed is an orphan for `zoo check --repair`."""
+        so that the duplicate check sees every earlier writer's update. The blob is written (idempotently, by
+        content) after the rows are inserted and before they commit, and is never deleted here: a committed
+        row always has its blob; a blob left by a transaction that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
-        with write_transaction(self.sessions, f"ingest:{a.base_model}:{a.structure_hash}") as session:
-            check_space_fits(session, a)
+        with write_transaction(self.sessions, store_lock(a.base_model, a.structure_hash)) as session:
+            check_space_fits(session, a, d.modules)
             dup = self._find_duplicate(session, d)
-            if dup is None:
-                blob = self.blobs.encode_factors(d.factors) if d.factors else None
-                a.factors_blob = blob[0] if blob else None
-                session.add(a)
-                session.flush()  # a database failure here leaves neither rows nor a blob
-                if blob:
-                    self.blobs.write(*blob)
+            if dup is not None:
+                if labels is not None:
+                    repository.replace_labels(session, dup.id, labels.attributes, labels.measurements)
+                    session.flush()
+                    refresh_search_text(session, [dup.id])
+                return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
             if labels is not None:
-                repository.replace_labels(session, (dup or a).id, labels.attributes, labels.measurements)
-            if dup is None or labels is not None:
-                session.flush()
-                refresh_search_text(session, [(dup or a).id])
-            if dup is None:
-                return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
-            return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
+                a.labels.extend(Label(key=k, value=v, source="given") for k, v in labels.attributes.items())
+                a.measurements = [Measurement(metric=k, value=v, split="test") for k, v in labels.measurements.items()]
+            session.add(a)
+            session.flush()  # the adapter, its labels and measurements: one statement each
+            session.execute(insert(Module), [{**row, "adapter_id": a.id} for row in d.modules])
+            write_search_text(session, a, {lb.key: lb.value for lb in a.labels})
+            if d.blob:
+                self.blobs.write(*d.blob)
+            return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
+
+
+class _Laps:
+    """Adds the seconds since the previous lap to a stage's total."""
+
+    def __init__(self, timings: dict[str, float]) -> None:
+        self.timings, self.t = timings, time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.timings[stage] = self.timings.get(stage, 0.0) + now - self.t
+        self.t = now
 
 
 def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> None:
@@ -288,19 +349,19 @@ def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> 
     a.labels = [Label(key=k, value=v, source="given") for k, v in source_labels(origin.metadata, labels).items()]
 
 
-def check_space_fits(session: Session, a: Adapter) -> None:
+def check_space_fits(session: Session, a: Adapter, modules: list[dict[str, object]]) -> None:
     """Refuse an adapter whose module shapes conflict with the embedding space of its base model (it
     would break embedding and training for the whole space)."""
     schema = session.scalars(select(EmbeddingSpace.schema).where(EmbeddingSpace.base_model == a.base_model)).first()
-    if not schema or not a.modules:
+    if not schema or not modules:
         return
     known = {str(n): (int(o), int(i)) for n, o, i in schema["modules"]}
-    for m in a.modules:
-        want = known.get(m.name)
-        if want is not None and want != (m.out_features, m.in_features):
+    for m in modules:
+        want, have = known.get(str(m["name"])), (m["out_features"], m["in_features"])
+        if want is not None and want != have:
             raise InputError(
                 a.source_uri,
-                f"module {m.name} is {m.out_features}×{m.in_features} but {want[0]}×{want[1]} in the space of base model "
+                f"module {m['name']} is {have[0]}×{have[1]} but {want[0]}×{want[1]} in the space of base model "
                 f"{a.base_model!r}: not an adapter of that base (pass --base-model to store it elsewhere)",
             )
 

@@ -139,6 +139,14 @@ def refresh_search_text(db: Session | Connection, adapter_ids: Iterable[int], so
             db.execute(insert(_TEXT), rows)
 
 
+def write_search_text(db: Session | Connection, adapter: Adapter, labels: Mapping[str, str]) -> None:
+    """Write the search document of an adapter inserted in this transaction from its row in memory and its given
+    labels, reading nothing back (refresh_search_text rewrites the documents of stored adapters)."""
+    a = adapter
+    document = search_document(a.name, a.base_model, a.format, a.source_uri, a.tags, a.card, labels, a.author, a.source_metadata)
+    db.execute(insert(_TEXT), [{"adapter_id": a.id, "document": document}])
+
+
 def query_phrases(q: str | None) -> list[list[str]]:
     """A query's words (split at white space) as lists of search words; words without any are dropped."""
     phrases = [words for words in map(search_words, (q or "").split()) if words]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Select, bindparam, delete, exists, select
+from sqlalchemy import ColumnElement, CompoundSelect, Select, bindparam, delete, exists, select, union_all
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.db.models import Adapter, JobItem, Label, Measurement
@@ -19,23 +19,61 @@ def get_adapter(session: Session, adapter_id: int, with_modules: bool = False) -
     return session.scalars(stmt).one_or_none()
 
 
-def by_canonical_hash(session: Session, base_model: str, canonical_hash: str) -> Adapter | None:
-    stmt = select(Adapter).where(Adapter.base_model == base_model, Adapter.canonical_hash == canonical_hash)
-    return session.scalars(stmt).one_or_none()
+#: near-duplicate candidates read on each side of an adapter's norm, the closest norms first: a re-factorized
+#: copy's norm equals the original's to float precision, so it is among them unless this many stored adapters
+#: of the same structure have norms closer still; the limit keeps the check O(1) in the size of the zoo
+NEAR_DUPLICATE_LIMIT = 8
 
 
-def near_duplicates(session: Session, base_model: str, structure_hash: str, dw_norm: float, rtol: float) -> list[Adapter]:
-    """Adapters of the same base and structure whose total ||dW||_F is within rtol of dw_norm."""
+class Candidate(NamedTuple):
+    """A stored adapter a new one may duplicate."""
+
+    id: int
+    canonical_hash: str
+    factors_blob: str | None
+    dw_norm: float | None
+
+
+def duplicate_candidates(
+    session: Session,
+    base_model: str,
+    canonical_hash: str,
+    structure_hash: str,
+    dw_norm: float | None,
+    rtol: float,
+    limit: int = NEAR_DUPLICATE_LIMIT,
+) -> list[Candidate]:
+    """In one query: the adapter of this base model with this canonical hash, then (with a norm) up to `limit`
+    adapters of the same base and structure on each side of dw_norm within rtol, closest norm first."""
+    cols = (Adapter.id, Adapter.canonical_hash, Adapter.factors_blob, Adapter.dw_norm)
+    stmt: Select | CompoundSelect = select(*cols).where(Adapter.base_model == base_model, Adapter.canonical_hash == canonical_hash)
+    if dw_norm is not None:
+        same = select(*cols).where(Adapter.base_model == base_model, Adapter.structure_hash == structure_hash)
+        above = same.where(Adapter.dw_norm.between(dw_norm, dw_norm * (1 + rtol))).order_by(Adapter.dw_norm).limit(limit)
+        below = same.where(Adapter.dw_norm < dw_norm, Adapter.dw_norm >= dw_norm * (1 - rtol)).order_by(Adapter.dw_norm.desc()).limit(limit)
+        stmt = union_all(stmt, select(above.subquery()), select(below.subquery()))
+    found = {row[0]: Candidate(*row) for row in session.execute(stmt)}
+    return sorted(found.values(), key=lambda c: (c.canonical_hash != canonical_hash, abs((c.dw_norm or 0.0) - (dw_norm or 0.0))))
+
+
+class StoredCopy(NamedTuple):
+    """A stored adapter read from a weight file with a given SHA-256."""
+
+    id: int
+    canonical_hash: str
+    format: str
+    config: dict | None
+    structure_hash: str
+
+
+def stored_copies(session: Session, file_sha256: str, base_model: str, fmt: str) -> list[StoredCopy]:
+    """Adapters of this base model and format stored from a weight file with this SHA-256, oldest first."""
     stmt = (
-        select(Adapter)
-        .where(
-            Adapter.base_model == base_model,
-            Adapter.structure_hash == structure_hash,
-            Adapter.dw_norm.between(dw_norm * (1 - rtol), dw_norm * (1 + rtol)),
-        )
+        select(Adapter.id, Adapter.canonical_hash, Adapter.format, Adapter.config, Adapter.structure_hash)
+        .where(Adapter.file_sha256 == file_sha256, Adapter.base_model == base_model, Adapter.format == fmt)
         .order_by(Adapter.id)
     )
-    return list(session.scalars(stmt))
+    return [StoredCopy(*row) for row in session.execute(stmt)]
 
 
 def adapter_summary(a: Adapter) -> dict[str, object]:

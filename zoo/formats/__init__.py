@@ -1,45 +1,119 @@
-"""Reading adapter files into plain `AdapterData`: one reader per format, chosen by content."""
+"""Reading adapter files into plain `AdapterData`: one reader per format, chosen by content.
+
+Reading is two steps, so that every byte is read once and a stored copy is recognized before any
+tensor is built: `open_adapter` reads the files (the weight file whole, hashed as it is read) and
+checks what needs no tensors (the PEFT config, the safetensors header); `parse_adapter` builds the
+modules from those bytes. `read_adapter` does both.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.errors import InputError
 from zoo.formats.checkpoint import read_checkpoint
-from zoo.formats.kohya import has_lora_keys, lycoris_kind, read_single_file_lora
+from zoo.formats.kohya import has_lora_keys, kohya_base_model, lycoris_kind, read_single_file_lora
 from zoo.formats.limits import check_limits
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, layer_index, module_type
-from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES, is_peft_dir, read_peft
-from zoo.formats.safe_load import load_tensors
+from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES, PeftConfig, is_peft_dir, parse_peft, peft_weights, read_peft_config
+from zoo.formats.safe_load import (
+    SAFETENSORS_SUFFIX,
+    SafetensorsHeader,
+    WeightFile,
+    parse_weights_only_pickle,
+    read_weight_file,
+    safetensors_header,
+    safetensors_tensors,
+)
 
-__all__ = ["AdapterData", "FullMatrix", "LoraModule", "layer_index", "module_type", "read_adapter"]
+__all__ = [
+    "AdapterData",
+    "FullMatrix",
+    "LoraModule",
+    "RawAdapter",
+    "layer_index",
+    "module_type",
+    "open_adapter",
+    "parse_adapter",
+    "read_adapter",
+]
+
+
+@dataclass
+class RawAdapter:
+    """A source's files, read once and checked as far as that needs no tensors."""
+
+    path: Path
+    weights: WeightFile
+    #: peft | kohya | checkpoint; None for a single pickle file (known once its tensors are loaded)
+    format: str | None
+    #: the base model the files name
+    base_model: str | None = None
+    #: what the update depends on besides the weight bytes, as the adapter's recorded config holds it
+    settings: dict[str, object] = field(default_factory=dict)
+    peft: PeftConfig | None = None
+    header: SafetensorsHeader | None = None
 
 
 def read_adapter(path: Path, base: Path | None = None, energy: float = DEFAULT_ENERGY, max_rank: int = DEFAULT_MAX_RANK) -> AdapterData:
     """Read a PEFT directory, a single-file LoRA or a full checkpoint (with `base`: as low-rank deltas),
     refusing what is over the limits of zoo/formats/limits.py."""
-    data = _read(Path(path), base, energy, max_rank)
-    check_limits(data, data.base_model)
-    return data
+    return parse_adapter(open_adapter(path), base, energy, max_rank)
 
 
-def _read(path: Path, base: Path | None, energy: float, max_rank: int) -> AdapterData:
+def open_adapter(path: Path) -> RawAdapter:
+    """Read the files of a PEFT directory (or a file in one) or of a single weight file."""
+    path = Path(path)
     if not path.exists():
         raise InputError(path, "no such file or directory")
     if path.is_dir():
         if is_peft_dir(path):
-            return read_peft(path)
+            return _open_peft(path)
         raise InputError(path, f"not an adapter directory: expected {CONFIG_NAME} and {' or '.join(WEIGHT_NAMES)}")
     if path.name == CONFIG_NAME or (path.name in WEIGHT_NAMES and (path.parent / CONFIG_NAME).is_file()):
-        return read_peft(path.parent)
-    tensors, metadata = load_tensors(path)
-    if not tensors:
+        return _open_peft(path.parent)
+    weights = read_weight_file(path)
+    if path.suffix != SAFETENSORS_SUFFIX:
+        return RawAdapter(path, weights, None)
+    header = safetensors_header(path, weights.data)
+    fmt = file_format(path, list(header.entries))
+    return RawAdapter(path, weights, fmt, kohya_base_model(header.metadata) if fmt == "kohya" else None, header=header)
+
+
+def _open_peft(directory: Path) -> RawAdapter:
+    config = read_peft_config(directory)
+    weights = read_weight_file(peft_weights(directory))
+    return RawAdapter(directory, weights, "peft", config.base_model, config.settings(), peft=config)
+
+
+def file_format(path: Path, keys: list[str]) -> str:
+    """kohya (a single-file LoRA) or checkpoint, by a file's tensor names; LyCORIS and empty files are refused."""
+    if not keys:
         raise InputError(path, "empty file: no tensors")
-    keys = list(tensors)
     kind = lycoris_kind(keys)
     if kind:
         raise InputError(path, f"unsupported LyCORIS {kind} adapter: only LoRA (B·A) updates can be canonicalized")
-    if has_lora_keys(keys):
-        return read_single_file_lora(path, tensors, metadata)
-    return read_checkpoint(path, tensors, metadata, base, energy, max_rank)
+    return "kohya" if has_lora_keys(keys) else "checkpoint"
+
+
+def parse_adapter(
+    raw: RawAdapter, base: Path | None = None, energy: float = DEFAULT_ENERGY, max_rank: int = DEFAULT_MAX_RANK
+) -> AdapterData:
+    """The modules (or matrices) of read files, checked against the limits of zoo/formats/limits.py."""
+    if raw.peft is not None:
+        data = parse_peft(raw.path, raw.peft, raw.weights)
+    else:
+        if raw.header is not None:
+            tensors, metadata = safetensors_tensors(raw.weights, raw.header), raw.header.metadata
+        else:
+            tensors, metadata = parse_weights_only_pickle(raw.weights), {}
+        fmt = raw.format or file_format(raw.path, list(tensors))
+        if fmt == "kohya":
+            data = read_single_file_lora(raw.path, tensors, metadata)
+        else:
+            data = read_checkpoint(raw.path, tensors, metadata, base, energy, max_rank)
+    data.file_sha256, data.size_bytes = raw.weights.sha256, raw.weights.size
+    check_limits(data, data.base_model)
+    return data

@@ -43,6 +43,11 @@ def _alpha(path: Path, stem: str, t: torch.Tensor | None, rank: int) -> float:
     return alpha if alpha > 0 else float(rank)
 
 
+def kohya_base_model(metadata: dict[str, str]) -> str | None:
+    """The base model a kohya file's training metadata names."""
+    return metadata.get("ss_sd_model_name") or metadata.get("ss_base_model_version")
+
+
 def read_single_file_lora(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> AdapterData:
     """Modules of a kohya/diffusers LoRA file; a missing or zero alpha means alpha = rank."""
     used: set[str] = set()
@@ -82,7 +87,7 @@ def read_single_file_lora(path: Path, tensors: dict[str, torch.Tensor], metadata
         path=path,
         format="kohya",
         weight_files=[path],
-        base_model=metadata.get("ss_sd_model_name") or metadata.get("ss_base_model_version"),
+        base_model=kohya_base_model(metadata),
         modules=modules,
         config={"ranks": ranks, "alphas": alphas, "r": max(ranks), "lora_alpha": alphas[-1]},
         extra_tensors=extra,

@@ -61,6 +61,9 @@ class AdapterData:
     extra_tensors: dict[str, list[int]] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: SHA-256 and size of the weight file, from the bytes the tensors were read from
+    file_sha256: str = ""
+    size_bytes: int = 0
 
 
 def check_pair(path: Path, name: str, A: torch.Tensor, B: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import regex
@@ -11,7 +12,7 @@ import regex
 from zoo.errors import InputError
 from zoo.formats.limits import MAX_MODULE_NAME, max_modules
 from zoo.formats.model import AdapterData, LoraModule, check_finite, check_pair
-from zoo.formats.safe_load import load_tensors, max_header_bytes
+from zoo.formats.safe_load import WeightFile, max_header_bytes, parse_tensors
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -70,7 +71,37 @@ def _patterns(source: Path, config: dict, key: str) -> Patterns:
     return out
 
 
-def read_peft(directory: Path) -> AdapterData:
+@dataclass(frozen=True)
+class PeftConfig:
+    """A PEFT adapter's adapter_config.json, checked: the values its update depends on besides its weights."""
+
+    path: Path
+    raw: dict
+    r: float
+    alpha: float
+    rank_pattern: Patterns
+    alpha_pattern: Patterns
+    rslora: bool
+    fan_in_fan_out: bool
+
+    @property
+    def base_model(self) -> str | None:
+        return self.raw.get("base_model_name_or_path")
+
+    def settings(self) -> dict[str, object]:
+        """The values the update depends on besides the weights, as the adapter's recorded config holds them."""
+        return {
+            "r": int(self.r),
+            "lora_alpha": self.alpha,
+            "use_rslora": self.rslora,
+            "fan_in_fan_out": self.fan_in_fan_out,
+            "rank_pattern": {k: v for k, _, v in self.rank_pattern},
+            "alpha_pattern": {k: v for k, _, v in self.alpha_pattern},
+        }
+
+
+def read_peft_config(directory: Path) -> PeftConfig:
+    """The checked adapter_config.json of a PEFT directory."""
     config_path = directory / CONFIG_NAME
     try:
         if config_path.stat().st_size > max_header_bytes():
@@ -83,19 +114,33 @@ def read_peft(directory: Path) -> AdapterData:
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise InputError(config_path, f"unsupported PEFT type {peft_type}: only LORA adapters can be canonicalized")
-    weights = next((directory / n for n in WEIGHT_NAMES if (directory / n).is_file()), None)
-    if weights is None:
-        raise InputError(directory, f"PEFT adapter without weights: expected one of {', '.join(WEIGHT_NAMES)}")
-    tensors, metadata = load_tensors(weights)
-
     r_default = _number(config_path, "r", config.get("r"), 8.0, positive=True)
     if r_default != int(r_default):
         raise InputError(config_path, f"r must be a whole number, got {r_default}")
-    alpha_default = _number(config_path, "lora_alpha", config.get("lora_alpha"), r_default)
-    rank_pattern = _patterns(config_path, config, "rank_pattern")
-    alpha_pattern = _patterns(config_path, config, "alpha_pattern")
-    rslora = bool(config.get("use_rslora", False))
-    fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
+    return PeftConfig(
+        path=config_path,
+        raw=config,
+        r=r_default,
+        alpha=_number(config_path, "lora_alpha", config.get("lora_alpha"), r_default),
+        rank_pattern=_patterns(config_path, config, "rank_pattern"),
+        alpha_pattern=_patterns(config_path, config, "alpha_pattern"),
+        rslora=bool(config.get("use_rslora", False)),
+        fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+    )
+
+
+def peft_weights(directory: Path) -> Path:
+    """The weight file of a PEFT directory."""
+    weights = next((directory / n for n in WEIGHT_NAMES if (directory / n).is_file()), None)
+    if weights is None:
+        raise InputError(directory, f"PEFT adapter without weights: expected one of {', '.join(WEIGHT_NAMES)}")
+    return weights
+
+
+def parse_peft(directory: Path, cfg: PeftConfig, weights_file: WeightFile) -> AdapterData:
+    """The modules of a PEFT adapter from its checked config and its weight file's bytes."""
+    weights = weights_file.path
+    tensors, metadata = parse_tensors(weights_file)
 
     def strip(key: str) -> str:
         return key[len(KEY_PREFIX) :] if key.startswith(KEY_PREFIX) else key
@@ -122,12 +167,12 @@ def read_peft(directory: Path) -> AdapterData:
             B2 = B.reshape(B.shape[0], -1)
             check_pair(weights, name, A2, B2)
             r = A2.shape[0]
-            expected = int(_pattern_value(config_path, rank_pattern, name, r_default))
+            expected = int(_pattern_value(cfg.path, cfg.rank_pattern, name, cfg.r))
             if r != expected:
                 raise InputError(weights, f"rank mismatch in {name}: tensors have rank {r}, adapter_config says {expected}")
-            alpha = _pattern_value(config_path, alpha_pattern, name, alpha_default)
-            scale = alpha / math.sqrt(r) if rslora else alpha / r
-            transposed = embedding or (fan_in_fan_out and kind == "linear")
+            alpha = _pattern_value(cfg.path, cfg.alpha_pattern, name, cfg.alpha)
+            scale = alpha / math.sqrt(r) if cfg.rslora else alpha / r
+            transposed = embedding or (cfg.fan_in_fan_out and kind == "linear")
             if transposed:  # dW = (B·A)ᵀ = Aᵀ·Bᵀ in the stored weight's layout
                 A2, B2 = B2.T, A2.T
             modules.append(LoraModule(name, A2, B2, alpha, scale, kind, transposed))
@@ -142,24 +187,19 @@ def read_peft(directory: Path) -> AdapterData:
         extra[strip(key)] = list(tensors[key].shape)
     r_values = sorted({m.rank for m in modules})
     recorded = {
-        "r": int(r_default),
-        "lora_alpha": alpha_default,
+        **cfg.settings(),
         "ranks": r_values,
-        "use_rslora": rslora,
-        "use_dora": bool(config.get("use_dora", False)),
-        "fan_in_fan_out": fan_in_fan_out,
-        "target_modules": config.get("target_modules"),
-        "task_type": config.get("task_type"),
-        "modules_to_save": config.get("modules_to_save"),
-        "rank_pattern": {k: v for k, _, v in rank_pattern},
-        "alpha_pattern": {k: v for k, _, v in alpha_pattern},
-        "peft_version": config.get("peft_version"),
+        "use_dora": bool(cfg.raw.get("use_dora", False)),
+        "target_modules": cfg.raw.get("target_modules"),
+        "task_type": cfg.raw.get("task_type"),
+        "modules_to_save": cfg.raw.get("modules_to_save"),
+        "peft_version": cfg.raw.get("peft_version"),
     }
     return AdapterData(
         path=directory,
         format="peft",
         weight_files=[weights],
-        base_model=config.get("base_model_name_or_path"),
+        base_model=cfg.base_model,
         modules=modules,
         config=recorded,
         extra_tensors=extra,

@@ -1,22 +1,36 @@
-"""Loading tensors from untrusted files: safetensors with header checks, weights-only pickles."""
+"""Loading tensors from untrusted files: safetensors with header checks, weights-only pickles.
+
+A weight file is read once (`read_weight_file`): its bytes are hashed as they are read, and the
+tensors are then built from those same bytes, so ingest never opens a file twice.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from zoo.errors import InputError
 
 #: bytes per element of each safetensors dtype
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+#: the torch dtype of each safetensors dtype
+TORCH_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+                "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16,
+                "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+                "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64}  # fmt: skip
+SAFETENSORS_SUFFIX = ".safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+#: bytes read (and hashed) per call
+_CHUNK = 1 << 22
 
 
 def max_header_bytes() -> int:
@@ -29,44 +43,88 @@ def max_file_bytes() -> int:
     return int(os.environ.get("ZOO_MAX_FILE_BYTES", 4 << 30))
 
 
-def check_file_size(path: Path) -> int:
-    size = path.stat().st_size
+@dataclass(frozen=True)
+class WeightFile:
+    """A weight file's bytes, read once, and their SHA-256."""
+
+    path: Path
+    data: bytearray
+    sha256: str
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+def check_file_size(path: Path, size: int) -> None:
     if size > max_file_bytes():
         raise InputError(path, f"file of {size} bytes exceeds the limit of {max_file_bytes()} bytes (ZOO_MAX_FILE_BYTES)")
-    return size
+
+
+def read_weight_file(path: Path) -> WeightFile:
+    """The bytes of a .safetensors or weights-only pickle file and their SHA-256, hashed while they are read;
+    a file over max_file_bytes() is refused before it is read, one that changes while read after."""
+    if path.suffix != SAFETENSORS_SUFFIX and path.suffix not in PICKLE_SUFFIXES:
+        raise InputError(path, "unsupported file type: expected .safetensors (or a weights-only .bin/.pt/.pth)")
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            check_file_size(path, size)
+            data = bytearray(size)
+            with memoryview(data) as view:
+                done = 0
+                while done < size and (n := fh.readinto(view[done : done + _CHUNK])):
+                    h.update(view[done : done + n])
+                    done += n
+            if done < size:
+                raise InputError(path, f"the file changed while it was read (it had {size} bytes, then {done})")
+            if fh.read(1):
+                raise InputError(path, f"the file changed while it was read (it grew past {size} bytes)")
+    except FileNotFoundError:
+        raise InputError(path, "no such file") from None
+    except OSError as exc:
+        raise InputError(path, f"unreadable ({exc.strerror or type(exc).__name__})") from None
+    return WeightFile(path, data, h.hexdigest())
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def read_safetensors_header(path: Path) -> dict:
-    """Validate the framing of a safetensors file and every tensor entry of its header (dtype, shape,
-    offsets that match the shape, inside the file and not overlapping); return the parsed header."""
-    size = check_file_size(path)
-    with path.open("rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise InputError(path, f"truncated safetensors file ({size} bytes, no header length)")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > max_header_bytes():
-            raise InputError(path, f"safetensors header of {n} bytes exceeds the limit of {max_header_bytes()} bytes")
-        if 8 + n > size:
-            raise InputError(path, f"truncated safetensors file: header claims {n} bytes but the file has {size}")
-        raw = fh.read(n)
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A checked safetensors header: tensor entries by name, `__metadata__`, where the tensor data starts."""
+
+    entries: dict[str, dict]
+    metadata: dict[str, str]
+    data_start: int
+
+
+def safetensors_header(path: Path, data: bytes | bytearray) -> SafetensorsHeader:
+    """Check the framing of a safetensors file's bytes and every tensor entry of its header (dtype, shape,
+    offsets that match the shape, inside the file, not overlapping and, as the format requires, packed
+    from the start of the data to its end)."""
+    size = len(data)
+    if size < 8:
+        raise InputError(path, f"truncated safetensors file ({size} bytes, no header length)")
+    (n,) = struct.unpack_from("<Q", data)
+    if n > max_header_bytes():
+        raise InputError(path, f"safetensors header of {n} bytes exceeds the limit of {max_header_bytes()} bytes")
+    if 8 + n > size:
+        raise InputError(path, f"truncated safetensors file: header claims {n} bytes but the file has {size}")
     try:
-        header = json.loads(raw)
+        header = json.loads(bytes(data[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InputError(path, f"corrupt safetensors header (not JSON: {type(exc).__name__})") from None
     if not isinstance(header, dict):
         raise InputError(path, "corrupt safetensors header (not a JSON object)")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise InputError(path, "corrupt safetensors header: __metadata__ must map names to strings")
     data_size = size - 8 - n
     spans: list[tuple[int, int]] = []
     for key, info in header.items():
-        if key == "__metadata__":
-            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
-                raise InputError(path, "corrupt safetensors header: __metadata__ must map names to strings")
-            continue
         if not isinstance(info, dict):
             raise InputError(path, f"corrupt safetensors header: tensor {key!r} is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -84,42 +142,53 @@ def read_safetensors_header(path: Path) -> dict:
             raise InputError(path, f"corrupt safetensors header: tensor {key!r} of shape {shape} does not fill its {span} bytes")
         spans.append((offsets[0], offsets[1]))
     spans.sort()
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+    end = 0
+    for start, stop in spans:
         if start < end:
             raise InputError(path, "corrupt safetensors header: tensors overlap")
-    return header
+        if start > end:
+            raise InputError(path, f"corrupt safetensors file: {start - end} data bytes at offset {end} belong to no tensor")
+        end = stop
+    if end != data_size:
+        raise InputError(path, f"corrupt safetensors file: {data_size - end} data bytes after the last tensor belong to no tensor")
+    return SafetensorsHeader(header, {str(k): v for k, v in (meta or {}).items()}, 8 + n)
 
 
-def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and `__metadata__` of a safetensors file, refusing malformed files by name."""
-    header = read_safetensors_header(path)
+def safetensors_tensors(wf: WeightFile, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes under its checked header: views of the bytes (no copy),
+    except those whose offset is not a multiple of their element size, which are copied."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key, info in header.entries.items():
+        dtype, shape, (begin, end) = TORCH_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+        if begin == end:
+            tensors[key] = torch.empty(shape, dtype=dtype)
+            continue
+        offset = header.data_start + begin
+        t = torch.frombuffer(wf.data, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+        tensors[key] = t if offset % DTYPE_BYTES[info["dtype"]] == 0 else t.clone()
+    return tensors
+
+
+def parse_weights_only_pickle(wf: WeightFile) -> dict[str, torch.Tensor]:
+    """A torch pickle's bytes loaded with weights_only=True: code in the pickle is never run."""
     try:
-        tensors = load_file(str(path), device="cpu")
-    except (SafetensorError, ValueError, RuntimeError) as exc:
-        raise InputError(path, f"corrupt safetensors file ({exc})") from None
-    meta = header.get("__metadata__") or {}
-    return tensors, {str(k): str(v) for k, v in meta.items()}
-
-
-def load_weights_only_pickle(path: Path) -> dict[str, torch.Tensor]:
-    """A torch pickle loaded with weights_only=True: code in the pickle is never run."""
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        obj = torch.load(io.BytesIO(wf.data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever a hostile pickle makes torch raise, the file is refused
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(path, f"refused: not a weights-only torch file ({first})") from None
+        raise InputError(wf.path, f"refused: not a weights-only torch file ({first})") from None
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise InputError(path, "refused: expected a dict of tensors")
+        raise InputError(wf.path, "refused: expected a dict of tensors")
     return obj
+
+
+def parse_tensors(wf: WeightFile) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors (and metadata) of a read .safetensors file or weights-only .bin/.pt/.pth pickle."""
+    if wf.path.suffix == SAFETENSORS_SUFFIX:
+        header = safetensors_header(wf.path, wf.data)
+        return safetensors_tensors(wf, header), header.metadata
+    return parse_weights_only_pickle(wf), {}
 
 
 def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors (and metadata) of a .safetensors file or a weights-only .bin/.pt/.pth pickle."""
-    if not path.exists():
-        raise InputError(path, "no such file")
-    if path.suffix == ".safetensors":
-        return load_safetensors(path)
-    if path.suffix in {".bin", ".pt", ".pth"}:
-        check_file_size(path)
-        return load_weights_only_pickle(path), {}
-    raise InputError(path, "unsupported file type: expected .safetensors (or a weights-only .bin/.pt/.pth)")
+    return parse_tensors(read_weight_file(path))
