@@ -28,7 +28,7 @@ MAX_NODES = 64
 #: adapters listed per group (and versions each way)
 RELATED = 20
 #: a group's count stops here (its index range is read no further)
-COUNT_CAP = 10_000
+COUNT_CAP = 1_000
 
 _SUMMARY = select(
     Adapter.id,
