@@ -14,6 +14,9 @@ target_metadata = Base.metadata
 def run_migrations_online() -> None:
     engine = make_engine(config.get_main_option("sqlalchemy.url"))
     with engine.connect() as connection:
+        sqlite = connection.dialect.name == "sqlite"
+        if sqlite:  # batch operations copy and drop tables: with foreign keys on, dropping one deletes its children
+            connection.connection.driver_connection.execute("PRAGMA foreign_keys=OFF")  # before the transaction begins: a no-op inside one
         context.configure(
             connection=connection,
             target_metadata=target_metadata,
@@ -24,6 +27,12 @@ def run_migrations_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         connection.commit()
+        if sqlite:
+            raw = connection.connection.driver_connection
+            broken = raw.execute("PRAGMA foreign_key_check").fetchall()
+            raw.execute("PRAGMA foreign_keys=ON")
+            if broken:
+                raise RuntimeError(f"the migration left rows pointing at nothing: {broken[:5]}")
 
 
 if context.is_offline_mode():

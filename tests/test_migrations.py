@@ -23,3 +23,22 @@ def test_downgrade_and_upgrade(db_url: str) -> None:
     assert "adapter" not in inspect(make_engine(db_url)).get_table_names()
     upgrade(db_url)
     assert {"adapter", "module"} <= set(inspect(make_engine(db_url)).get_table_names())
+
+
+def test_upgrade_keeps_rows_of_tables_it_rebuilds(db_url: str) -> None:
+    """SQLite rebuilds a table to alter it: with foreign keys on, dropping the old copy would delete its children."""
+    downgrade(db_url, "0007")
+    with make_engine(db_url).begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO adapter (id, name, source_uri, base_model, format, canonical_hash, structure_hash, file_sha256, size_bytes,"
+            " config, file_metadata, extra_tensors, notes) VALUES (1, 'a', '/a', 'b', 'peft', 'h', 's', 'f', 1, '{}', '{}', '{}', '[]')"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO module (adapter_id, name, module_type, kind, out_features, in_features, transposed, singular_values,"
+            " spectral_norm, frobenius_norm, stable_rank, effective_rank) VALUES (1, 'm', 'q', 'linear', 2, 2, false, '[1.0]', 1, 1, 1, 1)"
+        )
+        conn.exec_driver_sql("INSERT INTO label (adapter_id, key, value, source) VALUES (1, 'task', 't', 'given')")
+    upgrade(db_url)
+    with make_engine(db_url).connect() as conn:
+        counts = [conn.exec_driver_sql(f"SELECT count(*) FROM {t}").scalar() for t in ("adapter", "module", "label")]
+    assert counts == [1, 1, 1]
