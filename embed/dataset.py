@@ -10,14 +10,16 @@ from zoo.blobs import BlobStore
 from zoo.db.models import Adapter
 
 
-def load_adapters(session: Session, blobs: BlobStore, base_model: str) -> list[ZooAdapter]:
-    """Every stored LoRA-like adapter of a base model, with its given labels and test measurements."""
+def load_adapters(session: Session, blobs: BlobStore, base_model: str, ids: list[int] | None = None) -> list[ZooAdapter]:
+    """Every stored LoRA-like adapter of a base model (only those `ids`, when given), with its given labels and test measurements."""
     stmt = (
         select(Adapter)
         .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
         .options(selectinload(Adapter.labels), selectinload(Adapter.measurements))
         .order_by(Adapter.id)
     )
+    if ids is not None:
+        stmt = stmt.where(Adapter.id.in_(ids))
     out = []
     for a in session.scalars(stmt):
         out.append(

@@ -89,49 +89,87 @@ def embed_space(
         space = ensure_space(session, schema)
         ensure_sketch(session, space, schema)
         space_id, embedder_ids = space.id, [e.id for e in serving_embedders(session, space.id).values()]
-    reports: list[dict[str, object]] = []
-    for embedder_id in embedder_ids:
-        with sessions() as session:
-            embedder = session.get(Embedder, embedder_id)
-            fn, emb_schema = embed_function(embedder, data_dir, device)  # type: ignore[arg-type]
-            done = embedded_ids(session, embedder)  # type: ignore[arg-type]
-        todo = [a for a in adapters if a.id not in done and emb_schema.fits(a.factors)]
-        misfits = sum(1 for a in adapters if a.id not in done and not emb_schema.fits(a.factors))
-        embedded = 0
-        for start in range(0, len(todo), EMBED_CHUNK):
-            chunk = todo[start : start + EMBED_CHUNK]
-            vectors = fn(chunk)
-            with write_transaction(sessions, space_lock(base_model)) as session:
-                embedder = session.get(Embedder, embedder_id)
-                if embedder is None or not embedder.active:  # replaced by a concurrent run: it embeds for its own
-                    break
-                meanwhile = embedded_ids(session, embedder, [a.id for a in chunk])
-                fresh = [j for j, a in enumerate(chunk) if a.id not in meanwhile]
-                store_vectors(session, embedder, [chunk[j].id for j in fresh], vectors[fresh])
-                embedded += len(fresh)
-        with sessions() as session:
-            embedder = session.get(Embedder, embedder_id)
-            index, how = update_index_file(session, data_dir, embedder)  # type: ignore[arg-type]
-            method = embedder.method  # type: ignore[union-attr]
-        reports.append(
-            {
-                "space": base_model,
-                "embedder_id": embedder_id,
-                "method": method,
-                "embedded": embedded,
-                "skipped_not_fitting": misfits,
-                "total": index.size,
-                "index": how,
-                "index_kind": index.kind,
-            }
-        )
+    counts = {e: _embed_with(sessions, data_dir, base_model, e, adapters, device, subset=False) for e in embedder_ids}
+    files = refresh_space_files(sessions, blobs, data_dir, space_id)
+    indexes, rest = files.pop("indexes"), files  # type: ignore[var-annotated]
+    return [
+        {"space": base_model, "embedder_id": e, **indexes[e], "embedded": embedded, "skipped_not_fitting": misfits, **rest}
+        for e, (embedded, misfits) in counts.items()
+        if e in indexes
+    ]
+
+
+def embed_adapters(
+    sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, adapter_ids: list[int], device: str | None = None
+) -> dict[str, int]:
+    """Embed newly stored adapters under the serving embedders of their spaces: the incremental path
+    workers take after each batch. Query engines see them at their next query (the space's version
+    moved); index files, module stores and maps catch up in `refresh_space_files`. Only spaces that
+    have embedders already (a new space waits for `zoo embed`), only adapters that fit an embedder's
+    modules (a wider vocabulary waits for `zoo embed` too). Returns the count embedded per space."""
     with sessions() as session:
+        rows = session.execute(
+            select(Adapter.base_model, Adapter.id).where(Adapter.id.in_(adapter_ids), Adapter.factors_blob.is_not(None))
+        ).all()
+    by_space: dict[str, list[int]] = {}
+    for base_model, adapter_id in rows:
+        by_space.setdefault(base_model, []).append(adapter_id)
+    out: dict[str, int] = {}
+    for base_model, ids in sorted(by_space.items()):
+        with sessions() as session:
+            space = get_space(session, base_model)
+            embedder_ids = [e.id for e in serving_embedders(session, space.id).values()] if space else []
+            adapters = load_adapters(session, blobs, base_model, ids) if embedder_ids else []
+        counts = [_embed_with(sessions, data_dir, base_model, e, adapters, device, subset=True)[0] for e in embedder_ids]
+        if counts:
+            out[base_model] = max(counts)
+    return out
+
+
+def _embed_with(
+    sessions: sessionmaker[Session],
+    data_dir: Path,
+    base_model: str,
+    embedder_id: int,
+    adapters: list[ZooAdapter],
+    device: str | None,
+    subset: bool,
+) -> tuple[int, int]:
+    """Vectors of the adapters the embedder has none for (that fit it), committed EMBED_CHUNK at a time
+    under the space's lock, skipping what another process embedded meanwhile; (embedded, not fitting).
+    `subset`: the adapters are a few of the space's (look up only theirs)."""
+    with sessions() as session:
+        embedder = session.get(Embedder, embedder_id)
+        fn, emb_schema = embed_function(embedder, data_dir, device)  # type: ignore[arg-type]
+        done = embedded_ids(session, embedder, [a.id for a in adapters] if subset else None)  # type: ignore[arg-type]
+    todo = [a for a in adapters if a.id not in done and emb_schema.fits(a.factors)]
+    misfits = sum(1 for a in adapters if a.id not in done and not emb_schema.fits(a.factors))
+    embedded = 0
+    for start in range(0, len(todo), EMBED_CHUNK):
+        chunk = todo[start : start + EMBED_CHUNK]
+        vectors = fn(chunk)
+        with write_transaction(sessions, space_lock(base_model)) as session:
+            embedder = session.get(Embedder, embedder_id)
+            if embedder is None or not embedder.active:  # replaced by a concurrent run: it embeds for its own
+                break
+            meanwhile = embedded_ids(session, embedder, [a.id for a in chunk])
+            fresh = [j for j, a in enumerate(chunk) if a.id not in meanwhile]
+            store_vectors(session, embedder, [chunk[j].id for j in fresh], vectors[fresh])
+            embedded += len(fresh)
+    return embedded, misfits
+
+
+def refresh_space_files(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int) -> dict[str, object]:
+    """Bring the space's files up to the database: each serving embedder's index file (method, total,
+    how, kind by embedder id), the module store and the map."""
+    indexes: dict[int, dict[str, object]] = {}
+    with sessions() as session:
+        for embedder in serving_embedders(session, space_id).values():
+            index, how = update_index_file(session, data_dir, embedder)
+            indexes[embedder.id] = {"method": embedder.method, "total": index.size, "index": how, "index_kind": index.kind}
         store = update_module_store(session, blobs, data_dir, session.get(EmbeddingSpace, space_id))  # type: ignore[arg-type]
         zoo_map = refresh_map(session, data_dir, space_id)
-    for r in reports:
-        r["module_store"] = store
-        r["map"] = zoo_map
-    return reports
+    return {"indexes": indexes, "module_store": store, "map": zoo_map}
 
 
 def train_space(

@@ -251,9 +251,10 @@ def ingest(body: dict) -> dict[str, object]:
 
 
 @api.get("/jobs")
-@api.doc(responses=[200, *READ])
+@api.output(schemas.JobList)
+@api.doc(responses=READ)
 def jobs() -> dict[str, object]:
-    """The newest ingestion jobs with counts per item state."""
+    """The newest ingestion jobs with counts per item state, throughput and ETA."""
     from zoo.jobs import list_jobs
 
     return {"jobs": list_jobs(db())}
@@ -263,7 +264,7 @@ def jobs() -> dict[str, object]:
 @api.output(schemas.Job)
 @api.doc(responses=READ)
 def job(job_id: int) -> dict[str, object]:
-    """An ingestion job: its state and each item's."""
+    """An ingestion job: counts per item state, throughput, ETA, mean seconds per stage and the slowest, and its items."""
     from zoo.jobs import get_job
 
     return get_job(db(), job_id)

@@ -1,4 +1,5 @@
-"""Ingestion jobs started from the web app: checked paths or saved uploads, run in the app's job thread."""
+"""Ingestion jobs started from the web app: checked paths or saved uploads, worked on in the app's job thread
+(with the same claims and leases as `zoo worker`, which may take a share of the items too)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from pathlib import Path
 
 from webapp.context import db, zoo
 from zoo.errors import UsageError
-from zoo.ingest import IngestOptions
-from zoo.jobs import create_job, job_detail, run_job
+from zoo.jobs import create_job, job_detail
 from zoo.sources.local import expand_paths
 from zoo.sources.upload import Upload, materialize
+from zoo.worker import WorkerOptions, run_worker
 
 
 def import_path(raw: str) -> Path:
@@ -30,7 +31,9 @@ def import_path(raw: str) -> Path:
 
 
 def start_ingest(paths: list[str], files: list, base_model: str | None, created_by: str) -> dict[str, object]:
-    """Create a job for the paths (or the upload, saved under the data dir until the job ends) and start it."""
+    """Create a job for the paths (or the upload, saved under the data dir until the job ends) and start it: the
+    job thread works on its items until none is queued or held by a worker, embedding what it stored. A job
+    the app leaves unfinished (the app stopped) is finished by `zoo worker`."""
     ctx = zoo()
     if bool(paths) == bool(files):
         raise UsageError("send either `paths` (under the import root) or files in the `file` field")
@@ -52,7 +55,7 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
 
     def run() -> None:
         try:
-            run_job(ctx.sessions, ctx.blobs, job.id, IngestOptions(base_model=base_model))
+            run_worker(ctx.settings, WorkerOptions(job_id=job.id, drain=True), progress=False)
         finally:
             if upload_dir is not None:
                 shutil.rmtree(upload_dir, ignore_errors=True)

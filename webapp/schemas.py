@@ -101,15 +101,37 @@ class Health(Schema):
     version = String()
 
 
+class JobItem(Schema):
+    id = Integer()
+    source = String()
+    state = String(metadata={"description": "queued, running, done, duplicate, failed or cancelled"})
+    reason = String(allow_none=True, metadata={"description": "why it failed (or the error of an attempt that will be retried)"})
+    attempts = Integer()
+    adapter_id = Integer(allow_none=True, metadata={"description": "the adapter stored, or found to be the same (duplicate)"})
+    lease_owner = String(allow_none=True, metadata={"description": "the worker (host:pid:thread) holding a running item"})
+    started_at = String(allow_none=True)
+    timings = Dict(keys=String(), values=Float(), allow_none=True, metadata={"description": "seconds per ingest stage"})
+
+
 class Job(Schema):
     id = Integer()
     kind = String()
-    state = String()
+    state = String(metadata={"description": "queued, running, done or cancelled"})
     created_by = String(allow_none=True)
     created_at = String(allow_none=True)
     finished_at = String(allow_none=True)
-    counts = Dict(keys=String(), values=Integer())
-    items = List(Dict())
+    counts = Dict(keys=String(), values=Integer(), metadata={"description": "items per state, and total"})
+    processed = Integer(metadata={"description": "items done, duplicate or failed"})
+    elapsed_s = Float(allow_none=True, metadata={"description": "seconds since the first claim (to the last finish once done)"})
+    throughput = Float(allow_none=True, metadata={"description": "items processed per second over elapsed_s"})
+    eta_s = Float(allow_none=True, metadata={"description": "seconds until the queued and running items are done, at that rate"})
+    stages = Dict(keys=String(), values=Float(), metadata={"description": "mean seconds per ingest stage over the latest items"})
+    slowest_stage = String(allow_none=True)
+    items = List(Nested(JobItem), metadata={"description": "the first 1000 items (failed ones first), by id"})
+
+
+class JobList(Schema):
+    jobs = List(Nested(Job(exclude=("stages", "slowest_stage", "items"))), metadata={"description": "the newest 50 jobs, newest first"})
 
 
 class MapQuery(Schema):

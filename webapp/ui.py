@@ -77,3 +77,10 @@ def jobs_page() -> str:
     from zoo.jobs import list_jobs
 
     return render_template("jobs.html", jobs=list_jobs(db()), twin=url_for("api.jobs"))
+
+
+@ui.get("/jobs/<int:job_id>")
+def job_page(job_id: int) -> str:
+    from zoo.jobs import get_job
+
+    return render_template("job.html", j=get_job(db(), job_id), twin=url_for("api.job", job_id=job_id))

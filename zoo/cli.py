@@ -591,6 +591,116 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
+    from zoo import jobs
+
+    require_schema(settings.database_url)
+    sessions = session_factory(settings.database_url)
+    if args.action == "add":
+        from zoo.sources.local import expand_paths
+
+        sources = [str(source.absolute()) for source, _ in expand_paths(args.paths)]
+        with sessions.begin() as session:
+            job = jobs.create_job(session, sources, {"base_model": args.base_model} if args.base_model else {}, "cli")
+            out: object = jobs.job_detail(session, job, items=False)
+    elif args.action == "retry":
+        out = jobs.retry_job(sessions, args.id)
+    elif args.action == "cancel":
+        out = jobs.cancel_job(sessions, args.id)
+    else:
+        with sessions() as session:
+            out = jobs.list_jobs(session, args.limit) if args.action == "list" else jobs.get_job(session, args.id)
+    if args.json:
+        _print_json(out)
+    elif args.action == "list":
+        print("\n".join(job_list_lines(out)) if out else "no jobs yet: `zoo jobs add PATH...` queues one for `zoo worker`")  # type: ignore[arg-type]
+    else:
+        print("\n".join(job_lines(out)))  # type: ignore[arg-type]
+    return 0
+
+
+def job_list_lines(found: list[dict]) -> list[str]:
+    lines = [
+        f"{'id':>5}  {'state':<9} {'total':>6} {'done':>6} {'dup':>5} {'failed':>6} {'queued':>6} {'running':>7} {'items/s':>8}  created"
+    ]
+    for j in found:
+        c = j["counts"]
+        rate = f"{j['throughput']:.2f}" if j["throughput"] else "-"
+        lines.append(
+            f"{j['id']:>5}  {j['state']:<9} {c['total']:>6} {c['done']:>6} {c['duplicate']:>5} {c['failed']:>6} {c['queued']:>6} "
+            f"{c['running']:>7} {rate:>8}  {str(j['created_at'])[:19]}"
+        )
+    return lines
+
+
+def job_lines(j: dict) -> list[str]:
+    """A job resource as text: counts, throughput and ETA, stage means, failed items."""
+    from zoo.jobs import ITEM_STATES
+
+    c = j["counts"]
+    when = f"created {str(j['created_at'])[:19]}" + (f", finished {str(j['finished_at'])[:19]}" if j["finished_at"] else "")
+    lines = [f"job {j['id']}: {j['state']} ({j['kind']}, by {j['created_by'] or '-'}, {when})"]
+    lines.append(f"  {c['total']} items: " + ", ".join(f"{c[s]} {s}" for s in ITEM_STATES if c[s] or s in ("done", "failed")))
+    if j["throughput"]:
+        eta = f"; ETA {j['eta_s']:.0f} s" if j["eta_s"] is not None else ""
+        lines.append(f"  {j['processed']} processed in {j['elapsed_s']:.1f} s: {j['throughput']:.2f} items/s{eta}")
+    if j.get("stages"):
+        total = sum(j["stages"].values())
+        means = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in j["stages"].items())
+        slowest = j["slowest_stage"]
+        lines.append(f"  per item: {means}; slowest stage: {slowest} ({j['stages'][slowest] / total:.0%})")
+    for key in ("requeued", "cancelled_items"):
+        if key in j:
+            lines.append(f"  {j[key]} items {'queued again' if key == 'requeued' else 'cancelled'}")
+    failed = [i for i in j.get("items", []) if i["state"] == "failed"]
+    if failed:
+        lines.append("  failed (`zoo jobs retry` queues them again):")
+        lines += [f"    #{i['id']} {i['reason'] or i['source']}" for i in failed]
+    return lines
+
+
+def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from zoo.jobs import get_job
+    from zoo.worker import WorkerOptions, run_worker
+
+    require_schema(settings.database_url)
+    if args.concurrency < 1 or args.embed_every < 1:
+        raise UsageError("--concurrency and --embed-every must be at least 1")
+    if args.job is not None:
+        with session_factory(settings.database_url)() as session:
+            get_job(session, args.job, items=False)
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("zoo worker: stopping once the items in hand are finished (again to quit now)", file=sys.stderr)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        options = WorkerOptions(job_id=args.job, drain=args.drain, device=args.device)
+        summary = run_worker(settings, options, args.concurrency, args.embed_every, progress=False if args.json else None, stop=stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if args.json:
+        _print_json(summary)
+        return 0
+    embedded = ", ".join(f"{n} in {space}" for space, n in summary["embedded"].items()) or "none"  # type: ignore[attr-defined]
+    print(
+        f"{summary['processed']} items in {summary['seconds']:.1f} s ({summary['items_per_s'] or 0:.2f}/s): "
+        f"{summary['done']} done, {summary['duplicate']} duplicate, {summary['failed']} failed"
+        + (f", {summary['queued']} queued again" if summary["queued"] else "")
+        + (f", {summary['lost']} taken over by another worker" if summary["lost"] else "")
+        + f"; embedded: {embedded}"
+    )
+    return 0
+
+
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from webapp.serve import serve
 
@@ -844,6 +954,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="print a JSON object")
     s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser(
+        "jobs",
+        help="ingestion jobs: add PATH... | list | show ID | retry ID | cancel ID",
+        description="A job is a list of sources with a state per item, kept in the database: `zoo worker` processes, "
+        "the web app's ingest endpoint and `zoo crawl` make them. Re-running a job skips its finished items.",
+    )
+    jsub = s.add_subparsers(dest="action", required=True)
+    j = jsub.add_parser("add", help="queue a job of the adapters under PATHs for `zoo worker`")
+    j.add_argument("paths", nargs="+", metavar="PATH")
+    j.add_argument("--base-model", metavar="NAME", help="base model name to record (overrides the files)")
+    j.add_argument("--json", action="store_true")
+    j = jsub.add_parser("list", help="the newest jobs with counts per item state and items/s")
+    j.add_argument("--limit", type=int, default=50)
+    j.add_argument("--json", action="store_true")
+    for action, text in (
+        ("show", "counts, throughput, ETA, mean seconds per stage and the slowest, failed items"),
+        ("retry", "queue the failed and cancelled items again"),
+        ("cancel", "cancel the queued items (running ones finish)"),
+    ):
+        j = jsub.add_parser(action, help=text)
+        j.add_argument("id", type=int)
+        j.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_jobs)
+
+    s = sub.add_parser(
+        "worker",
+        help="process queued job items (`zoo jobs`) with N processes, embedding new adapters in batches",
+        description="Claims items under a lease renewed by a heartbeat (ZOO_JOB_LEASE_S, default 60 s): a killed worker's "
+        "items go back to the queue when their lease runs out. Several workers on several machines can share PostgreSQL. "
+        "Newly stored adapters are embedded in batches into spaces that have embedders, so a running `zoo serve` finds them.",
+    )
+    s.add_argument("--concurrency", type=int, default=1, help="worker processes (default: %(default)s)")
+    s.add_argument("--drain", action="store_true", help="exit once nothing is queued or being worked on (default: keep polling)")
+    s.add_argument("--job", type=int, metavar="ID", help="only this job's items")
+    s.add_argument("--embed-every", type=int, default=64, metavar="N", help="embed after every N new adapters (default: %(default)s)")
+    s.add_argument("--device", help="torch device for canonicalization (default: cuda if available, else cpu)")
+    s.add_argument("--json", action="store_true", help="no progress bar; print a JSON summary at the end")
+    s.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("serve", help="serve the web app and REST API (gunicorn)")
     s.add_argument("--host", default="127.0.0.1")

@@ -1,60 +1,264 @@
-"""Ingestion jobs: a list of sources stored with a state per item, so progress is visible from any
-process and a job survives the process that made it. `run_job` works through a job's queued items,
-one transaction per item (the ingest's own) plus one per state change."""
+"""Ingestion jobs: a list of sources stored with a state per item, so that progress is visible from any
+process and a job survives the process that made it.
+
+An item is queued, then running under a lease (its owner, until when), then done | duplicate | failed
+(with its reason) | cancelled. Workers (zoo/worker.py, the web app's job thread, later Ray tasks) share
+the queue through four calls, each one short transaction given only a session factory:
+
+- `claim_items`: queued items, or running ones whose lease expired, become running under the caller's
+  lease. PostgreSQL picks them with `SELECT … FOR UPDATE SKIP LOCKED` (claimers never wait on each
+  other); SQLite begins the transaction IMMEDIATE (one writer at a time).
+- `renew_leases`: the heartbeat of a process pushes its items' leases forward.
+- `finish_item`: the outcome, written only while the caller still holds the lease: a worker whose
+  lease ran out and was taken over drops its result (the ingest is idempotent by canonical hash, so
+  the item is stored once whichever worker's write counts).
+- `release_item`: an attempt that broke unexpectedly goes back to the queue, failed after MAX_ATTEMPTS.
+
+A job is done when none of its items is queued or running. Lock order on PostgreSQL: item rows, then
+the job row, in every transaction.
+"""
 
 from __future__ import annotations
 
-from collections import Counter
+import os
+from collections import Counter, defaultdict
 from collections.abc import Iterable
-from datetime import datetime, timezone
-from pathlib import Path
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from zoo.blobs import BlobStore
 from zoo.db.models import Job, JobItem
-from zoo.errors import NotFoundError
-from zoo.ingest import IngestOptions, Ingestor
+from zoo.db.session import write_transaction
+from zoo.errors import NotFoundError, UsageError
 
-ITEM_STATES = ("queued", "running", "done", "duplicate", "failed")
+ITEM_STATES = ("queued", "running", "done", "duplicate", "failed", "cancelled")
+#: states of an item whose source was worked on to the end
+PROCESSED = ("done", "duplicate", "failed")
+#: states an item leaves only through `zoo jobs retry` (failed, cancelled) or never
+FINISHED = (*PROCESSED, "cancelled")
+#: an item is failed once this many attempts broke off (its worker killed, or an unexpected error)
+MAX_ATTEMPTS = 3
+#: items listed in a job's detail (its counts cover them all)
+ITEMS_SHOWN = 1000
+#: the stage means come from this many most recently finished items
+STAGE_SAMPLE = 1000
+
+
+def lease_seconds() -> float:
+    """How long a claim holds an item without a heartbeat (ZOO_JOB_LEASE_S, default 60)."""
+    return float(os.environ.get("ZOO_JOB_LEASE_S", "60"))
 
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _utc(t: datetime | None) -> datetime | None:
+    """SQLite gives naive datetimes back; every stored time is UTC."""
+    return t.replace(tzinfo=timezone.utc) if t is not None and t.tzinfo is None else t
+
+
+@dataclass(frozen=True)
+class Claim:
+    """An item a worker holds: what to ingest, with the job's ingest options."""
+
+    item_id: int
+    job_id: int
+    source: str
+    attempt: int
+    options: dict[str, object]
+
+
 def create_job(session: Session, sources: Iterable[str], options: dict[str, object], created_by: str | None = None) -> Job:
+    """A job with one queued item per source (flushed, not committed); a job of no sources is done at once."""
     job = Job(kind="ingest", state="queued", options=dict(options), created_by=created_by)
     job.items = [JobItem(source=s, state="queued", attempts=0) for s in sources]
+    if not job.items:
+        job.state, job.finished_at = "done", _now()
     session.add(job)
     session.flush()
     return job
 
 
-def run_job(sessions: sessionmaker[Session], blobs: BlobStore, job_id: int, options: IngestOptions) -> dict[str, object]:
-    """Ingest the job's queued items in order; returns the job's detail when none is left."""
-    ingestor = Ingestor(sessions, blobs, options)
-    with sessions.begin() as session:
-        session.get_one(Job, job_id).state = "running"
-    while True:
-        with sessions.begin() as session:
-            item = session.scalars(
-                select(JobItem).where(JobItem.job_id == job_id, JobItem.state == "queued").order_by(JobItem.id).limit(1)
-            ).first()
-            if item is None:
-                break
-            item.state, item.attempts, item.updated_at = "running", item.attempts + 1, _now()
-            item_id, source = item.id, item.source
-        result = ingestor.ingest(Path(source))
-        with sessions.begin() as session:
-            item = session.get_one(JobItem, item_id)
-            item.state = "done" if result.status == "ingested" else result.status
-            item.adapter_id, item.reason, item.updated_at = result.adapter_id, result.error, _now()
-    with sessions.begin() as session:
-        job = session.get_one(Job, job_id)
-        job.state, job.finished_at = "done", _now()
-        return job_detail(session, job)
+# --- the queue ---------------------------------------------------------------------------------------
+
+
+def claim_items(sessions: sessionmaker[Session], owner: str, lease_s: float, limit: int = 1, job_id: int | None = None) -> list[Claim]:
+    """Up to `limit` items (of one job, or of any job not cancelled) now held by `owner` for `lease_s`
+    seconds: queued ones, or running ones whose lease expired (their worker stopped). Items that ran out
+    of attempts that way are failed first, and expired items of cancelled jobs cancelled."""
+    now = _now()
+    with write_transaction(sessions) as session:
+        _expire(session, now, job_id)
+        live = Job.state.in_(("queued", "running"))
+        claimable = or_(
+            JobItem.state == "queued",
+            and_(JobItem.state == "running", JobItem.lease_expires_at < now, JobItem.attempts < MAX_ATTEMPTS),
+        )
+        stmt = (
+            select(JobItem, Job.options)
+            .join(Job, Job.id == JobItem.job_id)
+            .where(claimable, live, *_scope(job_id))
+            .limit(limit)
+            .with_for_update(skip_locked=True, of=JobItem)
+        )
+        rows = session.execute(stmt).all()
+        claims = []
+        for item, options in rows:
+            item.state, item.attempts, item.lease_owner, item.reason = "running", item.attempts + 1, owner, None
+            item.lease_expires_at, item.started_at, item.updated_at = now + timedelta(seconds=lease_s), now, now
+            claims.append(Claim(item.id, item.job_id, item.source, item.attempts, dict(options or {})))
+        jobs = {c.job_id for c in claims}
+        if jobs:
+            session.execute(update(Job).where(Job.id.in_(jobs), Job.state == "queued").values(state="running"))
+        return claims
+
+
+def renew_leases(sessions: sessionmaker[Session], owner: str, item_ids: Iterable[int], lease_s: float) -> set[int]:
+    """Push the leases of `owner`'s items forward; returns the ids it still holds."""
+    ids = list(item_ids)
+    if not ids:
+        return set()
+    held = (JobItem.id.in_(ids), JobItem.lease_owner == owner, JobItem.state == "running")
+    with write_transaction(sessions) as session:
+        session.execute(update(JobItem).where(*held).values(lease_expires_at=_now() + timedelta(seconds=lease_s)))
+        return set(session.scalars(select(JobItem.id).where(*held)))
+
+
+def finish_item(
+    sessions: sessionmaker[Session],
+    owner: str,
+    item_id: int,
+    state: str,
+    adapter_id: int | None = None,
+    reason: str | None = None,
+    timings: dict[str, float] | None = None,
+) -> bool:
+    """Write an item's outcome (done | duplicate | failed) and clear its lease, if `owner` still holds
+    it; False (nothing written) when another worker took it over. Settles the job."""
+    if state not in PROCESSED:
+        raise ValueError(f"an item finishes as one of {PROCESSED}, not {state!r}")
+    values = {"state": state, "adapter_id": adapter_id, "reason": reason, "timings": timings or {}}
+    return _settle_item(sessions, owner, item_id, values)
+
+
+def release_item(sessions: sessionmaker[Session], owner: str, item_id: int, reason: str) -> str | None:
+    """An attempt broke off with an error the worker did not expect: the item goes back to the queue
+    with the reason, or is failed with it after MAX_ATTEMPTS attempts. Returns the new state, or None
+    when `owner` no longer held it."""
+    with write_transaction(sessions) as session:
+        attempts = session.scalar(select(JobItem.attempts).where(*_held(owner, item_id)))
+        if attempts is None:
+            return None
+        if attempts >= MAX_ATTEMPTS:
+            state, reason = "failed", f"{reason} (attempt {attempts} of {MAX_ATTEMPTS}: given up)"
+        else:
+            state = "queued"
+        _settle_held(session, owner, item_id, {"state": state, "reason": reason})
+        return state
+
+
+def _held(owner: str, item_id: int) -> tuple[ColumnElement[bool], ...]:
+    return JobItem.id == item_id, JobItem.lease_owner == owner, JobItem.state == "running"
+
+
+def _settle_item(sessions: sessionmaker[Session], owner: str, item_id: int, values: dict[str, object]) -> bool:
+    with write_transaction(sessions) as session:
+        return _settle_held(session, owner, item_id, values)
+
+
+def _settle_held(session: Session, owner: str, item_id: int, values: dict[str, object]) -> bool:
+    """Write `values` and clear the lease if `owner` holds the item, then settle its job."""
+    clear = {"lease_owner": None, "lease_expires_at": None, "updated_at": _now()}
+    job_id = session.execute(update(JobItem).where(*_held(owner, item_id)).values(**values, **clear).returning(JobItem.job_id)).scalar()
+    if job_id is None:
+        return False
+    _settle_jobs(session, [job_id])
+    return True
+
+
+def _scope(job_id: int | None) -> tuple[ColumnElement[bool], ...]:
+    return () if job_id is None else (JobItem.job_id == job_id,)
+
+
+def _expire(session: Session, now: datetime, job_id: int | None) -> None:
+    """Expired items out of attempts become failed; expired items of cancelled jobs cancelled."""
+    expired = (JobItem.state == "running", JobItem.lease_expires_at < now, *_scope(job_id))
+    cancelled_jobs = select(Job.id).where(Job.state == "cancelled")
+    spent = and_(*expired, JobItem.attempts >= MAX_ATTEMPTS, JobItem.job_id.not_in(cancelled_jobs))
+    dropped = and_(*expired, JobItem.job_id.in_(cancelled_jobs))
+    jobs = set(session.scalars(select(JobItem.job_id).where(or_(spent, dropped)).distinct()))
+    if not jobs:
+        return
+    clear = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
+    reason = f"its worker stopped (killed, or out of memory?) in each of {MAX_ATTEMPTS} attempts: given up"
+    session.execute(update(JobItem).where(spent).values(state="failed", reason=reason, **clear))
+    session.execute(update(JobItem).where(dropped).values(state="cancelled", reason="cancelled; its worker stopped", **clear))
+    _settle_jobs(session, jobs)
+
+
+def _settle_jobs(session: Session, job_ids: Iterable[int]) -> None:
+    """Jobs with no item queued or running are finished: done, or cancelled as they were (job rows locked,
+    so that the last two items finishing at once cannot both miss it)."""
+    jobs = session.scalars(select(Job).where(Job.id.in_(set(job_ids))).order_by(Job.id).with_for_update()).all()
+    for job in jobs:
+        pending = exists().where(JobItem.job_id == job.id, JobItem.state.in_(("queued", "running")))
+        if session.scalar(select(pending)):
+            continue
+        if job.state != "cancelled":
+            job.state = "done"
+        job.finished_at = job.finished_at or _now()
+
+
+def pending_items(session: Session, job_id: int | None = None) -> int:
+    """Items queued or running (of one job, or of any)."""
+    stmt = select(func.count()).select_from(JobItem).where(JobItem.state.in_(("queued", "running")), *_scope(job_id))
+    return int(session.scalar(stmt) or 0)
+
+
+# --- commands ----------------------------------------------------------------------------------------
+
+
+def _job_or_404(session: Session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFoundError(f"no job with id {job_id}: see `zoo jobs list`")
+    return job
+
+
+def retry_job(sessions: sessionmaker[Session], job_id: int) -> dict[str, object]:
+    """Queue the job's failed and cancelled items again (with fresh attempts); its finished ones stay."""
+    with write_transaction(sessions) as session:
+        job = _job_or_404(session, job_id)
+        again = (JobItem.job_id == job_id, JobItem.state.in_(("failed", "cancelled")))
+        n = session.execute(update(JobItem).where(*again).values(state="queued", attempts=0, reason=None, updated_at=_now())).rowcount
+        if n:
+            job.state, job.finished_at = "queued", None
+        elif job.state == "cancelled":
+            raise UsageError(f"job {job_id} is cancelled with no item to retry")
+    with sessions() as session:
+        return {**get_job(session, job_id, items=False), "requeued": n}
+
+
+def cancel_job(sessions: sessionmaker[Session], job_id: int) -> dict[str, object]:
+    """Cancel the job: its queued items are cancelled, its running ones finish."""
+    with write_transaction(sessions) as session:
+        job = _job_or_404(session, job_id)
+        n = session.execute(
+            update(JobItem)
+            .where(JobItem.job_id == job_id, JobItem.state == "queued")
+            .values(state="cancelled", reason="cancelled", updated_at=_now())
+        ).rowcount
+        if job.state in ("queued", "running"):
+            job.state = "cancelled"
+        _settle_jobs(session, [job_id])
+    with sessions() as session:
+        return {**get_job(session, job_id, items=False), "cancelled_items": n}
+
+
+# --- resources ---------------------------------------------------------------------------------------
 
 
 def _counts(session: Session, job_ids: list[int]) -> dict[int, dict[str, int]]:
@@ -67,7 +271,54 @@ def _counts(session: Session, job_ids: list[int]) -> dict[int, dict[str, int]]:
     return {i: {s: c[s] for s in ITEM_STATES} | {"total": sum(c.values())} for i, c in counts.items()}
 
 
-def _summary(job: Job, counts: dict[str, int]) -> dict[str, object]:
+def _progress(session: Session, jobs: list[Job], counts: dict[int, dict[str, int]]) -> dict[int, dict[str, object]]:
+    """Per job: items processed, seconds since its first claim (to its last finish once nothing is
+    pending), items/s over that time, and the ETA of the pending items at that rate."""
+    ids = [j.id for j in jobs]
+    spans = {
+        job_id: (_utc(first), _utc(last))
+        for job_id, first, last in session.execute(
+            select(JobItem.job_id, func.min(JobItem.started_at), func.max(JobItem.updated_at))
+            .where(JobItem.job_id.in_(ids), JobItem.started_at.is_not(None))
+            .group_by(JobItem.job_id)
+        )
+    }
+    now, out = _now(), {}
+    for job in jobs:
+        c = counts[job.id]
+        processed, pending = sum(c[s] for s in PROCESSED), c["queued"] + c["running"]
+        first, last = spans.get(job.id, (None, None))
+        end = now if pending and job.state != "cancelled" else last
+        elapsed = max((end - first).total_seconds(), 0.0) if first and end else None
+        rate = processed / elapsed if elapsed and processed else None
+        out[job.id] = {
+            "processed": processed,
+            "elapsed_s": round(elapsed, 3) if elapsed is not None else None,
+            "throughput": round(rate, 3) if rate else None,
+            "eta_s": round(pending / rate, 1) if rate and pending and job.state != "cancelled" else None,
+        }
+    return out
+
+
+def stage_means(session: Session, job_id: int) -> dict[str, float]:
+    """Mean seconds per ingest stage over the job's most recently finished items (STAGE_SAMPLE of them)."""
+    stmt = (
+        select(JobItem.timings)
+        .where(JobItem.job_id == job_id, JobItem.state.in_(PROCESSED), JobItem.timings.is_not(None))
+        .order_by(JobItem.updated_at.desc())
+        .limit(STAGE_SAMPLE)
+    )
+    sums: dict[str, float] = defaultdict(float)
+    n = 0
+    for timings in session.scalars(stmt):
+        if timings:
+            n += 1
+            for stage, seconds in timings.items():
+                sums[stage] += float(seconds)
+    return {stage: round(total / n, 6) for stage, total in sums.items()} if n else {}
+
+
+def _summary(job: Job, counts: dict[str, int], progress: dict[str, object]) -> dict[str, object]:
     return {
         "id": job.id,
         "kind": job.kind,
@@ -76,27 +327,46 @@ def _summary(job: Job, counts: dict[str, int]) -> dict[str, object]:
         "created_at": job.created_at.isoformat() if job.created_at else None,
         "finished_at": job.finished_at.isoformat() if job.finished_at else None,
         "counts": counts,
+        **progress,
     }
 
 
-def job_detail(session: Session, job: Job) -> dict[str, object]:
-    """The job resource: its summary and every item."""
-    items = [
-        {"id": i.id, "source": i.source, "state": i.state, "reason": i.reason, "attempts": i.attempts, "adapter_id": i.adapter_id}
-        for i in job.items
-    ]
-    return {**_summary(job, _counts(session, [job.id])[job.id]), "items": items}
+def _item(i: JobItem) -> dict[str, object]:
+    return {
+        "id": i.id,
+        "source": i.source,
+        "state": i.state,
+        "reason": i.reason,
+        "attempts": i.attempts,
+        "adapter_id": i.adapter_id,
+        "lease_owner": i.lease_owner,
+        "started_at": i.started_at.isoformat() if i.started_at else None,
+        "timings": i.timings,
+    }
 
 
-def get_job(session: Session, job_id: int) -> dict[str, object]:
-    job = session.get(Job, job_id)
-    if job is None:
-        raise NotFoundError(f"no job with id {job_id}")
-    return job_detail(session, job)
+def job_detail(session: Session, job: Job, items: bool = True) -> dict[str, object]:
+    """The job resource: its summary, progress, mean seconds per stage and the slowest stage, and its
+    first ITEMS_SHOWN items (the failed ones first)."""
+    counts = _counts(session, [job.id])
+    detail = _summary(job, counts[job.id], _progress(session, [job], counts)[job.id])
+    stages = stage_means(session, job.id)
+    detail["stages"] = stages
+    detail["slowest_stage"] = max(stages, key=stages.__getitem__) if stages else None
+    if items:
+        order = (JobItem.state != "failed", JobItem.id)
+        rows = session.scalars(select(JobItem).where(JobItem.job_id == job.id).order_by(*order).limit(ITEMS_SHOWN))
+        detail["items"] = sorted((_item(i) for i in rows), key=lambda i: i["id"])  # type: ignore[arg-type, return-value]
+    return detail
+
+
+def get_job(session: Session, job_id: int, items: bool = True) -> dict[str, object]:
+    return job_detail(session, _job_or_404(session, job_id), items)
 
 
 def list_jobs(session: Session, limit: int = 50) -> list[dict[str, object]]:
-    """The newest jobs, with counts per item state (no items)."""
+    """The newest jobs, with counts per item state and progress (no items)."""
     jobs = list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit)))
     counts = _counts(session, [j.id for j in jobs])
-    return [_summary(j, counts[j.id]) for j in jobs]
+    progress = _progress(session, jobs, counts)
+    return [_summary(j, counts[j.id], progress[j.id]) for j in jobs]

@@ -1,0 +1,329 @@
+"""`zoo worker`: works through the queued items of ingestion jobs (zoo/jobs.py) with N processes.
+
+Each process claims one item at a time under a lease that its heartbeat thread renews, ingests it and
+writes the outcome. A process killed mid-item loses nothing: its lease runs out and another worker
+claims the item again. The process that runs `zoo worker` (or the web app's job thread) shows the
+progress and embeds what was stored in batches through the incremental path (embed.service.embed_adapters),
+so a running `zoo serve` finds new adapters at its next query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import wait as wait_for
+from pathlib import Path
+from typing import Protocol
+
+from sqlalchemy.orm import Session, sessionmaker
+from tqdm import tqdm
+
+from zoo.blobs import BlobStore
+from zoo.config import Settings
+from zoo.db.session import session_factory
+from zoo.ingest import IngestOptions, Ingestor, IngestResult
+from zoo.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
+
+log = logging.getLogger(__name__)
+
+#: newly stored adapters are embedded once this many are waiting (and whenever the queue runs dry)
+EMBED_EVERY = 64
+
+
+class StopFlag(Protocol):
+    def is_set(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    job_id: int | None = None  # only this job's items
+    drain: bool = False  # stop once nothing is queued or held by another worker
+    lease_s: float = field(default_factory=lease_seconds)
+    poll_s: float = 2.0  # how often an idle worker looks for new items
+    device: str | None = None  # torch device for canonicalization
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one claimed item: done | duplicate | failed, queued (an unexpected error: tried
+    again later) or lost (the lease had been taken over: the result was dropped)."""
+
+    item_id: int
+    job_id: int
+    source: str
+    state: str
+    adapter_id: int | None = None
+    reason: str | None = None
+    seconds: float = 0.0
+
+
+def owner_name() -> str:
+    """Who holds a lease: host:pid:thread."""
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+
+
+class Heartbeat:
+    """A daemon thread renewing the leases this process holds, three times per lease."""
+
+    def __init__(self, sessions: sessionmaker[Session], lease_s: float) -> None:
+        self.sessions, self.lease_s = sessions, lease_s
+        self._held: dict[int, str] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="zoo-heartbeat", daemon=True).start()
+
+    def hold(self, owner: str, item_id: int) -> None:
+        with self._lock:
+            self._held[item_id] = owner
+
+    def drop(self, item_id: int) -> None:
+        with self._lock:
+            self._held.pop(item_id, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.lease_s / 3)
+            with self._lock:
+                by_owner: dict[str, list[int]] = {}
+                for item_id, owner in self._held.items():
+                    by_owner.setdefault(owner, []).append(item_id)
+            for owner, ids in by_owner.items():
+                try:
+                    renew_leases(self.sessions, owner, ids, self.lease_s)
+                except Exception as exc:  # noqa: BLE001 - a database hiccup: the next beat tries again
+                    log.warning("renewing leases of %s failed: %s", owner, exc)
+
+
+_HEARTBEATS: dict[tuple[str, float], Heartbeat] = {}
+_HEARTBEATS_LOCK = threading.Lock()
+
+
+def heartbeat(database_url: str, lease_s: float) -> Heartbeat:
+    """This process's heartbeat for a database and lease length (started on first use)."""
+    with _HEARTBEATS_LOCK:
+        key = (database_url, lease_s)
+        if key not in _HEARTBEATS:
+            _HEARTBEATS[key] = Heartbeat(session_factory(database_url), lease_s)
+        return _HEARTBEATS[key]
+
+
+def ingest_options(job_options: dict[str, object], device: str | None = None) -> IngestOptions:
+    """A job's stored options (base_model, base_checkpoint, energy, max_rank) as ingest options."""
+    known = {k: job_options[k] for k in ("base_model", "energy", "max_rank") if job_options.get(k) is not None}
+    base = job_options.get("base_checkpoint")
+    return IngestOptions(**known, base_checkpoint=Path(str(base)) if base else None, device=device)  # type: ignore[arg-type]
+
+
+def ingest_source(ingestor: Ingestor, source: str) -> IngestResult:
+    """Ingest one job source (the one place a source string becomes files: local paths today)."""
+    return ingestor.ingest(Path(source))
+
+
+def process_claim(sessions: sessionmaker[Session], ingestor: Ingestor, claim: Claim, owner: str) -> Outcome:
+    """Ingest a claimed item and write its outcome (if the lease is still ours)."""
+    start = time.perf_counter()
+    try:
+        result = ingest_source(ingestor, claim.source)
+    except BaseException as exc:
+        reason = f"{claim.source}: {type(exc).__name__}: {str(exc).strip()[:300]}"
+        state = release_item(sessions, owner, claim.item_id, reason if isinstance(exc, Exception) else f"{reason} (interrupted)")
+        if not isinstance(exc, Exception):
+            raise
+        return Outcome(claim.item_id, claim.job_id, claim.source, state or "lost", None, reason, time.perf_counter() - start)
+    state = "done" if result.status == "ingested" else result.status
+    held = finish_item(sessions, owner, claim.item_id, state, result.adapter_id, result.error, result.timings)
+    seconds = time.perf_counter() - start
+    return Outcome(claim.item_id, claim.job_id, claim.source, state if held else "lost", result.adapter_id, result.error, seconds)
+
+
+def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator[Outcome | None]:
+    """One worker's loop in this thread: claim, ingest, finish; yields each outcome, and None whenever
+    it finds nothing to claim. With `drain`, returns once nothing is queued or held by anyone."""
+    sessions = session_factory(settings.database_url)
+    blobs = BlobStore(settings.blob_dir)
+    beat = heartbeat(settings.database_url, options.lease_s)
+    owner = owner_name()
+    ingestors: dict[str, Ingestor] = {}
+    while not stop.is_set():
+        claims = claim_items(sessions, owner, options.lease_s, 1, options.job_id)
+        if not claims:
+            yield None
+            if options.drain:
+                with sessions() as session:
+                    if not pending_items(session, options.job_id):
+                        return
+            stop.wait(min(options.poll_s, 0.5) if options.drain else options.poll_s)
+            continue
+        claim = claims[0]
+        key = json.dumps(claim.options, sort_keys=True, default=str)
+        if key not in ingestors:
+            ingestors[key] = Ingestor(sessions, blobs, ingest_options(claim.options, options.device))
+        beat.hold(owner, claim.item_id)
+        try:
+            outcome = process_claim(sessions, ingestors[key], claim, owner)
+        finally:
+            beat.drop(claim.item_id)
+        yield outcome
+
+
+class EmbedBatches:
+    """Collects the ids of newly stored adapters; embeds them every `every` (and when flushed), and
+    brings the touched spaces' files up to date when flushed with `files`."""
+
+    def __init__(self, settings: Settings, every: int, device: str | None = None) -> None:
+        self.settings, self.every, self.device = settings, every, device
+        self.sessions = session_factory(settings.database_url)
+        self.blobs = BlobStore(settings.blob_dir)
+        self.pending: list[int] = []
+        self.touched: set[str] = set()
+        self.embedded: Counter[str] = Counter()
+
+    def add(self, outcome: Outcome) -> None:
+        if outcome.state == "done" and outcome.adapter_id is not None:
+            self.pending.append(outcome.adapter_id)
+            if len(self.pending) >= self.every:
+                self.flush(files=False)
+
+    def flush(self, files: bool = True) -> None:
+        from embed.registry import get_space
+        from embed.service import embed_adapters, refresh_space_files
+
+        if self.pending:
+            done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, self.pending, self.device)
+            self.pending = []
+            self.embedded.update(done)
+            self.touched.update(done)
+        if files:
+            for base_model in sorted(self.touched):
+                with self.sessions() as session:
+                    space = get_space(session, base_model)
+                if space is not None:
+                    refresh_space_files(self.sessions, self.blobs, self.settings.data_dir, space.id)
+            self.touched.clear()
+
+
+def _child(settings: Settings, options: WorkerOptions, out: multiprocessing.Queue, stop: StopFlag, threads: int) -> None:
+    """A worker process: ingests until told to stop or its parent dies (items in hand are finished)."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which tells us to stop
+    torch.set_num_threads(threads)
+    parent = multiprocessing.parent_process()
+    local_stop = threading.Event()
+
+    def watch() -> None:
+        wait_for([parent.sentinel] if parent else [])
+        local_stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+    class Either:
+        def is_set(self) -> bool:
+            return stop.is_set() or local_stop.is_set()
+
+        def wait(self, timeout: float | None = None) -> bool:
+            local_stop.wait(timeout)
+            return self.is_set()
+
+    for outcome in work(settings, options, Either()):
+        if outcome is not None:
+            out.put(asdict(outcome))
+
+
+def outcomes(settings: Settings, options: WorkerOptions, concurrency: int, stop: threading.Event) -> Iterator[Outcome | None]:
+    """Outcomes from `concurrency` workers: this thread for one, else that many processes (ingest is
+    CPU-bound torch work: processes, one torch thread each while they fill the cores). None: nothing new."""
+    if concurrency == 1:
+        yield from work(settings, options, stop)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue = ctx.Queue()
+    child_stop = ctx.Event()
+    threads = max(1, (os.cpu_count() or 1) // concurrency)
+    children = [
+        ctx.Process(target=_child, args=(settings, options, results, child_stop, threads), name=f"zoo-worker-{i}", daemon=True)
+        for i in range(concurrency)
+    ]
+    for c in children:
+        c.start()
+    try:
+        while True:
+            if stop.is_set():
+                child_stop.set()
+            try:
+                yield Outcome(**results.get(timeout=0.5))
+            except queue.Empty:
+                if not any(c.is_alive() for c in children):
+                    break
+                yield None
+    finally:
+        child_stop.set()
+        while any(c.is_alive() for c in children):  # keep reading: a child exits once its queued outcomes are out
+            with contextlib.suppress(queue.Empty):
+                results.get(timeout=0.1)
+        for c in children:
+            c.join()
+    failed = [f"{c.name} exited with {c.exitcode}" for c in children if c.exitcode]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+
+
+def run_worker(
+    settings: Settings,
+    options: WorkerOptions,
+    concurrency: int = 1,
+    embed_every: int = EMBED_EVERY,
+    progress: bool | None = None,
+    stop: threading.Event | None = None,
+) -> dict[str, object]:
+    """Work through queued items until stopped (or drained), with a progress bar (None: when stderr is a
+    terminal), embedding new adapters in batches. Returns the summary: outcomes, embedded, rate."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    stop = stop or threading.Event()
+    sessions = session_factory(settings.database_url)
+    batches = EmbedBatches(settings, embed_every, options.device)
+    tally: Counter[str] = Counter()
+    jobs: set[int] = set()
+    start = last_count = time.perf_counter()
+    with sessions() as session:
+        total = pending_items(session, options.job_id)
+    bar = tqdm(total=total, desc="worker", unit="item", disable=None if progress is None else not progress, file=sys.stderr)
+    with bar:
+        for outcome in outcomes(settings, options, concurrency, stop):
+            if outcome is None:
+                batches.flush()
+            else:
+                tally[outcome.state] += 1
+                jobs.add(outcome.job_id)
+                batches.add(outcome)
+                bar.update()
+                bar.set_postfix({k: tally[k] for k in ("done", "duplicate", "failed") if tally[k]}, refresh=False)
+            if not bar.disable and time.perf_counter() - last_count > 2:
+                with sessions() as session:
+                    bar.total = bar.n + pending_items(session, options.job_id)
+                last_count = time.perf_counter()
+        batches.flush()
+    seconds = time.perf_counter() - start
+    processed = sum(tally[s] for s in ("done", "duplicate", "failed"))
+    return {
+        "processed": processed,
+        **{s: tally[s] for s in ("done", "duplicate", "failed", "queued", "lost")},
+        "embedded": dict(batches.embedded),
+        "jobs": sorted(jobs),
+        "concurrency": concurrency,
+        "seconds": round(seconds, 3),
+        "items_per_s": round(processed / seconds, 3) if seconds > 0 else None,
+    }
