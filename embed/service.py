@@ -35,7 +35,7 @@ from embed.similarity import MODULE_SKETCH_DIM, module_sketches
 from embed.types import SpaceSchema, ZooAdapter, schema_of
 from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.models import Adapter, DeletedAdapter, Embedder, EmbeddingSpace
+from zoo.db.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace
 from zoo.db.session import session_factory, write_transaction
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 
@@ -118,12 +118,25 @@ def embed_adapters(
     for base_model, ids in sorted(by_space.items()):
         with sessions() as session:
             space = get_space(session, base_model)
-            embedder_ids = [e.id for e in serving_embedders(session, space.id).values()] if space else []
-            adapters = load_adapters(session, blobs, base_model, ids) if embedder_ids else []
-        counts = [_embed_with(sessions, data_dir, base_model, e, adapters, device, subset=True)[0] for e in embedder_ids]
+            embedders = list(serving_embedders(session, space.id).values()) if space else []
+            missing = sorted({i for e in embedders for i in set(ids) - embedded_ids(session, e, ids)})
+            adapters = load_adapters(session, blobs, base_model, missing) if missing else []
+        counts = [_embed_with(sessions, data_dir, base_model, e.id, adapters, device, subset=True)[0] for e in embedders]
         if counts:
             out[base_model] = max(counts)
     return out
+
+
+def unembedded_ids(session: Session, base_model: str) -> list[int]:
+    """The space's stored LoRA-like adapters without a vector under its serving module sketch (one anti-join;
+    none when the space has no sketch yet): what a worker killed between storing and embedding left behind."""
+    space = get_space(session, base_model)
+    sketch = serving_embedders(session, space.id).get(SKETCH) if space else None
+    if sketch is None:
+        return []
+    vector = select(Embedding.id).where(Embedding.adapter_id == Adapter.id, Embedding.embedder_id == sketch.id)
+    stmt = select(Adapter.id).where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None), ~vector.exists())
+    return list(session.scalars(stmt.order_by(Adapter.id)))
 
 
 def _embed_with(

@@ -114,3 +114,19 @@ def seed_zoo(root: Path, database_url: str, count: int = 12) -> Path:
     if main([*base, *ingest]) != 0 or main([*base, "train", "--epochs", "2", "--members", "2", "--json"]) != 0:
         raise RuntimeError("seeding the test zoo failed")
     return data_dir
+
+
+def write_random_peft_adapters(root: Path, count: int, seed: int = 0, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> list[Path]:
+    """`count` distinct PEFT adapters of TinyLM under root/NNNN, written by PEFT's save_pretrained with random LoRA
+    factors (A and B, so no two share a canonical form): real PEFT output, without training each one."""
+    model = get_peft_model(TinyLM(seed=0), LoraConfig(target_modules=list(targets), r=4, lora_alpha=8))
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        out.append(root / f"{i:04d}")
+        model.save_pretrained(str(out[-1]))
+    return out

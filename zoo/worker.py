@@ -179,8 +179,9 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
 
 
 class EmbedBatches:
-    """Collects the ids of newly stored adapters; embeds them every `every` (and when flushed), and
-    brings the touched spaces' files up to date when flushed with `files`."""
+    """Collects the adapters that outcomes stored or found (a duplicate may be one a killed worker stored but
+    never embedded); embeds those without vectors every `every` of them, and when flushed with `files`: then
+    also whatever the touched spaces still lack (a killed worker's last batch), and brings their files up to date."""
 
     def __init__(self, settings: Settings, every: int, device: str | None = None) -> None:
         self.settings, self.every, self.device = settings, every, device
@@ -191,27 +192,36 @@ class EmbedBatches:
         self.embedded: Counter[str] = Counter()
 
     def add(self, outcome: Outcome) -> None:
-        if outcome.state == "done" and outcome.adapter_id is not None:
+        if outcome.state in ("done", "duplicate") and outcome.adapter_id is not None:
             self.pending.append(outcome.adapter_id)
             if len(self.pending) >= self.every:
                 self.flush(files=False)
 
+    def _embed(self, ids: list[int]) -> None:
+        from embed.service import embed_adapters
+
+        done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, ids, self.device)
+        self.embedded.update(done)
+        self.touched.update(done)
+
     def flush(self, files: bool = True) -> None:
         from embed.registry import get_space
-        from embed.service import embed_adapters, refresh_space_files
+        from embed.service import refresh_space_files, unembedded_ids
 
         if self.pending:
-            done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, self.pending, self.device)
-            self.pending = []
-            self.embedded.update(done)
-            self.touched.update(done)
-        if files:
-            for base_model in sorted(self.touched):
-                with self.sessions() as session:
-                    space = get_space(session, base_model)
-                if space is not None:
-                    refresh_space_files(self.sessions, self.blobs, self.settings.data_dir, space.id)
-            self.touched.clear()
+            ids, self.pending = self.pending, []
+            self._embed(ids)
+        if not files:
+            return
+        for base_model in sorted(self.touched):
+            with self.sessions() as session:
+                left = unembedded_ids(session, base_model)
+            if left:
+                self._embed(left)
+            with self.sessions() as session:
+                space_id = get_space(session, base_model).id  # type: ignore[union-attr]
+            refresh_space_files(self.sessions, self.blobs, self.settings.data_dir, space_id)
+        self.touched.clear()
 
 
 def _child(settings: Settings, options: WorkerOptions, out: multiprocessing.Queue, stop: StopFlag, threads: int) -> None:
