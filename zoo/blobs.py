@@ -23,10 +23,11 @@ class BlobStore:
 
     @staticmethod
     def encode(tensors: dict[str, torch.Tensor]) -> tuple[str, bytes]:
-        """(digest, bytes) of tensors as a blob, without writing it."""
-        from safetensors.torch import save  # torch is imported only by what reads or writes factors
+        """(digest, bytes) of tensors of numpy's dtypes (factors are float32) as a blob, without writing it: the
+        bytes safetensors.torch.save writes, through safetensors' numpy writer (several times faster on small tensors)."""
+        from safetensors.numpy import save
 
-        data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        data = save({k: v.detach().cpu().contiguous().numpy() for k, v in tensors.items()})
         return hashlib.sha256(data).hexdigest(), data
 
     def write(self, digest: str, data: bytes) -> None:

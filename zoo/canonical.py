@@ -86,9 +86,10 @@ def canonicalize_batched(
     or as sequences of 2-D tensors (shapes may then differ between modules).
 
     A Cholesky-QR formulation: Gram matrices and the final products are float32 GEMMs that
-    stream each factor twice, and every r×r factorization (Cholesky, SVD, triangular solve)
-    runs batched in float64. Modules whose Gram matrices are ill-conditioned (see
-    GRAM_COND_LIMIT) fall back to Householder QR. Runs on whatever device A and B are on.
+    stream each factor twice, batched over the modules of each shape, and every r×r
+    factorization (Cholesky, eigenvalues, SVD, triangular solve) runs once for all n modules,
+    batched in float64. Modules whose Gram matrices are ill-conditioned (see GRAM_COND_LIMIT)
+    fall back to Householder QR. Runs on whatever device A and B are on.
     """
     As = [_as_float32(a) for a in (A.unbind(0) if isinstance(A, torch.Tensor) else A)]
     Bs = [_as_float32(b) for b in (B.unbind(0) if isinstance(B, torch.Tensor) else B)]
@@ -99,42 +100,53 @@ def canonicalize_batched(
         a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] != As[0].shape[0] for a, b in zip(As, Bs, strict=True)
     ):
         raise ValueError("expected n pairs of A (r×in) and B (out×r) with one common rank r")
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, (a, b) in enumerate(zip(As, Bs, strict=True)):
+        shapes.setdefault((b.shape[0], a.shape[1]), []).append(i)
+    groups = [(idx, torch.stack([As[i] for i in idx]), torch.stack([Bs[i] for i in idx])) for idx in shapes.values()]
+    order = [i for idx, _, _ in groups for i in idx]  # the modules as the r×r batch holds them
     device = As[0].device
-    scale_t = torch.as_tensor(scale, dtype=torch.float64).reshape(-1).expand(n).to(device)
+    scale_t = torch.as_tensor(scale, dtype=torch.float64).reshape(-1).expand(n).to(device)[order]
 
-    G_B = torch.stack([b.T @ b for b in Bs]).double()
-    G_A = torch.stack([a @ a.T for a in As]).double()
-    L_B, info_b = torch.linalg.cholesky_ex(G_B)
-    L_A, info_a = torch.linalg.cholesky_ex(G_A)
-    good = (info_b == 0) & (info_a == 0) & (_cond(G_B) < GRAM_COND_LIMIT) & (_cond(G_A) < GRAM_COND_LIMIT)
-    eye = torch.eye(L_B.shape[-1], dtype=L_B.dtype, device=device).expand_as(L_B)
-    L_B = torch.where(good[:, None, None], L_B, eye)
-    L_A = torch.where(good[:, None, None], L_A, eye)
+    # Gram matrices BᵀB of every module, then AAᵀ of every module: one batch for each r×r step
+    G = torch.cat([b.transpose(1, 2) @ b for _, _, b in groups] + [a @ a.transpose(1, 2) for _, a, _ in groups]).double()
+    L, info = torch.linalg.cholesky_ex(G)
+    ok = (info == 0) & (_cond(G) < GRAM_COND_LIMIT)
+    good = ok[:n] & ok[n:]
+    L = torch.where(good.repeat(2)[:, None, None], L, torch.eye(L.shape[-1], dtype=L.dtype, device=device).expand_as(L))
+    L_B, L_A = L[:n], L[n:]
 
     # s·R_B R_Aᵀ with R = Lᵀ; then U = B R_B⁻¹ U' and V = Aᵀ R_A⁻¹ V' as one r×r solve and one GEMM each.
     Up, S, Vph = torch.linalg.svd(scale_t[:, None, None] * (L_B.transpose(1, 2) @ L_A))
-    C_B = torch.linalg.solve_triangular(L_B.transpose(1, 2), Up, upper=True).to(torch.float32)
-    C_A = torch.linalg.solve_triangular(L_A.transpose(1, 2), Vph.transpose(1, 2), upper=True).to(torch.float32)
+    C = torch.linalg.solve_triangular(L.transpose(1, 2), torch.cat([Up, Vph.transpose(1, 2)]), upper=True).to(torch.float32)
     keep = _keep_mask(S).sum(dim=-1).tolist()  # components are sorted, so the kept ones are a prefix
     S32 = S.to(torch.float32)
+    is_good = good.tolist()
 
-    out: list[CanonicalFactors] = []
-    for i, ok in enumerate(good.tolist()):
-        if not ok:
-            out.append(canonicalize(As[i], Bs[i], float(scale_t[i])))
-            continue
-        k = keep[i]
-        U = Bs[i] @ C_B[i, :, :k]
+    out: list[CanonicalFactors | None] = [None] * n
+    start = 0
+    for idx, A3, B3 in groups:
+        rows = slice(start, start + len(idx))
+        U = B3 @ C[:n][rows]
         signs = _column_signs(U)
-        U.mul_(signs)
-        V = As[i].T @ (C_A[i, :, :k] * signs)
-        out.append(CanonicalFactors(U=U, S=S32[i, :k], V=V))
-    return out
+        U.mul_(signs[:, None, :])
+        V = A3.transpose(1, 2) @ (C[n:][rows] * signs[:, None, :])
+        for j, i in enumerate(idx):
+            pos, k = start + j, keep[start + j]
+            if not is_good[pos]:
+                out[i] = canonicalize(As[i], Bs[i], float(scale_t[pos]))
+            elif k == U.shape[-1]:
+                out[i] = CanonicalFactors(U=U[j], S=S32[pos], V=V[j])
+            else:
+                out[i] = CanonicalFactors(U=U[j, :, :k].contiguous(), S=S32[pos, :k].contiguous(), V=V[j, :, :k].contiguous())
+        start += len(idx)
+    return [f for f in out if f is not None]
 
 
 def _column_signs(U: torch.Tensor) -> torch.Tensor:
-    """+1/-1 per column: the sign of the column's largest-magnitude entry (one reduction, no temporaries)."""
-    lo, hi = torch.aminmax(U, dim=0)
+    """+1/-1 per column (of each matrix of a stack): the sign of the column's largest-magnitude entry (one
+    reduction, no temporaries)."""
+    lo, hi = torch.aminmax(U, dim=-2)
     return torch.where(hi >= -lo, 1.0, -1.0).to(U.dtype)
 
 

@@ -43,13 +43,18 @@ def structure_hash(shapes: Sequence[tuple[str, int, int]]) -> str:
 
 
 def fingerprint(modules: NamedFactors) -> Fingerprint:
-    """(normalized probe values z, total Frobenius norm) of an adapter."""
+    """(normalized probe values z, total Frobenius norm) of an adapter (modules of one shape and rank go through
+    the probes together)."""
     z = torch.zeros(FINGERPRINT_DIM, dtype=torch.float64)
-    total_sq = 0.0
+    groups: dict[tuple[int, int, int], list[tuple[str, CanonicalFactors]]] = {}
     for name, f in modules:
-        z += probe_values(f, *probes(name, f.U.shape[0], f.V.shape[0], FINGERPRINT_DIM)).cpu()
-        total_sq += frobenius_norm_sq(f)
-    norm = math.sqrt(total_sq)
+        groups.setdefault((f.U.shape[0], f.V.shape[0], f.rank), []).append((name, f))
+    for (rows, cols, _), group in groups.items():
+        stacked = CanonicalFactors(*(torch.stack([getattr(f, part) for _, f in group]) for part in ("U", "S", "V")))
+        probe_pairs = [probes(name, rows, cols, FINGERPRINT_DIM) for name, _ in group]
+        omega, psi = torch.stack([o for o, _ in probe_pairs]), torch.stack([p for _, p in probe_pairs])
+        z += probe_values(stacked, omega, psi).sum(dim=0).cpu()
+    norm = math.sqrt(sum(frobenius_norm_sq(f) for _, f in modules))
     values = (z / norm).tolist() if norm > 0 else [0.0] * FINGERPRINT_DIM
     return values, norm
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import defaultdict
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from sqlalchemy import insert, select
+from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -185,9 +186,30 @@ def describe(data: AdapterData, source_uri: str, base_model: str, canonical: lis
     return _Described(adapter, rows, factors, blob)
 
 
-def store_lock(base_model: str, structure: str) -> str:
-    """The lock serializing writers of one (base model, structure): the duplicate check sees every earlier one's update."""
-    return f"ingest:{base_model}:{structure}"
+def store_locks(base_model: str, structure: str, dw_norm: float | None) -> list[str]:
+    """The locks a writer of an update takes so that the duplicate check sees every update it could duplicate:
+    per (base model, structure) and bucket of log ||dW||, those of every norm within DUPLICATE_RTOL of its own
+    (two or three buckets). A duplicate's norm lies in that window (| ||x|| - ||y|| | <= ||x - y||), so two
+    writers of duplicates share a bucket, while writers of different updates of one structure go on at once.
+    Updates without a norm (full checkpoints, deduplicated by file hash) take one lock per structure."""
+    stem = f"ingest:{base_model}:{structure}"
+    if dw_norm is None or not dw_norm > 0 or not math.isfinite(dw_norm):
+        return [stem]
+    low, high = norm_window(dw_norm)
+    return [f"{stem}:{b}" for b in range(_bucket(low), _bucket(high) + 1)]
+
+
+def norm_window(dw_norm: float) -> tuple[float, float]:
+    """The norms an update within DUPLICATE_RTOL of one of norm dw_norm can have."""
+    return dw_norm * (1 - DUPLICATE_RTOL), dw_norm / (1 - DUPLICATE_RTOL)
+
+
+#: width of a norm bucket in log ||dW||: the window of norm_window spans at most two boundaries
+_BUCKET_WIDTH = 2 * -math.log1p(-DUPLICATE_RTOL)
+
+
+def _bucket(norm: float) -> int:
+    return math.floor(math.log(norm) / _BUCKET_WIDTH)
 
 
 class Ingestor:
@@ -228,6 +250,7 @@ class Ingestor:
         base_model = self.options.base_model or raw.base_model or UNKNOWN_BASE
         lap("read")
         result = self._stored_copy(raw, base_model, labels)
+        lap("store")
         if result is None:
             opts = self.options
             data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
@@ -256,20 +279,21 @@ class Ingestor:
         duplicate. None when there is no such adapter (or it was deleted meanwhile)."""
         if raw.format is None or not isinstance(base_model, str) or (raw.format == "checkpoint" and self.options.base_checkpoint):
             return None
-        with self.sessions() as session:
-            rows = repository.stored_copies(session, raw.weights.sha256, base_model, raw.format)
+        with self.sessions() as session:  # one statement: no transaction around it
+            conn = session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+            rows = repository.stored_copies(conn, raw.weights.sha256, base_model, raw.format)
         match = next((r for r in rows if all((r.config or {}).get(k) == v for k, v in raw.settings.items())), None)
         if match is None:
             return None
-        lock = store_lock(base_model, match.structure_hash)
-        if labels is not None and not self._with_retries(self._attach_labels, match.id, lock, labels):
+        locks = store_locks(base_model, match.structure_hash, match.dw_norm)
+        if labels is not None and not self._with_retries(self._attach_labels, match.id, locks, labels):
             return None
         return IngestResult(str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path))
 
-    def _attach_labels(self, adapter_id: int, lock: str, labels: LabelRow) -> bool:
-        """Given labels onto a stored adapter (False if it is gone), in one transaction under the store's lock."""
-        with write_transaction(self.sessions, lock) as session:
-            if session.get(Adapter, adapter_id) is None:
+    def _attach_labels(self, adapter_id: int, locks: list[str], labels: LabelRow) -> bool:
+        """Given labels onto a stored adapter (False if it is gone), in one transaction under the store's locks."""
+        with write_transaction(self.sessions, *locks) as session:
+            if session.connection().execute(_ADAPTER_EXISTS, {"id": adapter_id}).first() is None:
                 return False
             repository.replace_labels(session, adapter_id, labels.attributes, labels.measurements)
             session.flush()
@@ -302,12 +326,12 @@ class Ingestor:
         return write(*args)
 
     def _store(self, d: _Described, labels: LabelRow | None) -> IngestResult:
-        """One transaction (rows, labels and the search document), serialized per (base model, structure)
-        so that the duplicate check sees every earlier writer's update. The blob is written (idempotently, by
+        """One transaction (rows, labels and the search document), serialized with writers of updates it could
+        duplicate (see store_locks) so that the duplicate check sees every earlier one's update. The blob is written (idempotently, by
         content) after the rows are inserted and before they commit, and is never deleted here: a committed
         row always has its blob; a blob left by a transaction that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
-        with write_transaction(self.sessions, store_lock(a.base_model, a.structure_hash)) as session:
+        with write_transaction(self.sessions, *store_locks(a.base_model, a.structure_hash, a.dw_norm)) as session:
             check_space_fits(session, a, d.modules)
             dup = self._find_duplicate(session, d)
             if dup is not None:
@@ -316,16 +340,29 @@ class Ingestor:
                     session.flush()
                     refresh_search_text(session, [dup.id])
                 return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
-            if labels is not None:
-                a.labels.extend(Label(key=k, value=v, source="given") for k, v in labels.attributes.items())
-                a.measurements = [Measurement(metric=k, value=v, split="test") for k, v in labels.measurements.items()]
-            session.add(a)
-            session.flush()  # the adapter, its labels and measurements: one statement each
-            session.execute(insert(Module), [{**row, "adapter_id": a.id} for row in d.modules])
-            write_search_text(session, a, {lb.key: lb.value for lb in a.labels})
+            given = {lb.key: lb.value for lb in a.labels} | (labels.attributes if labels else {})
+            measured = labels.measurements if labels else {}
+            conn = session.connection()
+            a.id = conn.execute(_INSERT_ADAPTER, {c: getattr(a, c) for c in _ADAPTER_COLUMNS if c in a.__dict__}).scalar_one()
+            _insert_rows(conn, Module, [{**row, "adapter_id": a.id} for row in d.modules])
+            _insert_rows(conn, Label, [{"adapter_id": a.id, "key": k, "value": v, "source": "given"} for k, v in given.items()])
+            _insert_rows(conn, Measurement, [{"adapter_id": a.id, "metric": k, "value": v, "split": "test"} for k, v in measured.items()])
+            write_search_text(conn, a, given)
             if d.blob:
                 self.blobs.write(*d.blob)
             return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
+
+
+_ADAPTER_COLUMNS = tuple(c.key for c in Adapter.__table__.columns)
+_ADAPTER_EXISTS = select(Adapter.id).where(Adapter.id == bindparam("id"))
+_INSERT_ADAPTER = insert(Adapter.__table__).returning(Adapter.__table__.c.id)
+
+
+def _insert_rows(conn: Connection, model: type[Module | Label | Measurement], rows: list[dict[str, object]]) -> None:
+    """Rows of a table in one executemany (psycopg pipelines it; the cheapest way for SQLAlchemy and the driver to
+    send a few dozen rows: a multi-row VALUES statement costs several times the CPU to build and parse)."""
+    if rows:
+        conn.execute(insert(model.__table__), rows)
 
 
 class _Laps:
@@ -349,10 +386,13 @@ def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> 
     a.labels = [Label(key=k, value=v, source="given") for k, v in source_labels(origin.metadata, labels).items()]
 
 
+_SPACE_SCHEMA = select(EmbeddingSpace.schema).where(EmbeddingSpace.base_model == bindparam("base_model")).limit(1)
+
+
 def check_space_fits(session: Session, a: Adapter, modules: list[dict[str, object]]) -> None:
     """Refuse an adapter whose module shapes conflict with the embedding space of its base model (it
     would break embedding and training for the whole space)."""
-    schema = session.scalars(select(EmbeddingSpace.schema).where(EmbeddingSpace.base_model == a.base_model)).first()
+    schema = session.connection().execute(_SPACE_SCHEMA, {"base_model": a.base_model}).scalar()
     if not schema or not modules:
         return
     known = {str(n): (int(o), int(i)) for n, o, i in schema["modules"]}

@@ -28,7 +28,9 @@ def probes(name: str, rows: int, cols: int, count: int, salt: str = "") -> tuple
 
 
 def probe_values(f: CanonicalFactors, omega: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
-    """z_j = ω_jᵀ·U·diag(S)·Vᵀ·ψ_j for every probe pair j, in float64 on the factors' device."""
-    left = omega.to(f.U.device).T @ f.U.double()  # (count, k)
-    right = psi.to(f.V.device).T @ f.V.double()  # (count, k)
-    return ((left * f.S.double()) * right).sum(dim=1)
+    """z_j = ω_jᵀ·U·diag(S)·Vᵀ·ψ_j for every probe pair j, in float64 on the factors' device. Factors and probes
+    may also be stacks of n modules of one shape and rank (U n×out×k, S n×k, V n×in×k, Ω n×out×count,
+    Ψ n×in×count): then n×count values, one row per module."""
+    left = omega.to(f.U.device).transpose(-1, -2) @ f.U.double()  # (count, k)
+    right = psi.to(f.V.device).transpose(-1, -2) @ f.V.double()  # (count, k)
+    return ((left * f.S.double().unsqueeze(-2)) * right).sum(dim=-1)

@@ -144,7 +144,7 @@ def write_search_text(db: Session | Connection, adapter: Adapter, labels: Mappin
     labels, reading nothing back (refresh_search_text rewrites the documents of stored adapters)."""
     a = adapter
     document = search_document(a.name, a.base_model, a.format, a.source_uri, a.tags, a.card, labels, a.author, a.source_metadata)
-    db.execute(insert(_TEXT), [{"adapter_id": a.id, "document": document}])
+    db.execute(insert(_TEXT), {"adapter_id": a.id, "document": document})
 
 
 def query_phrases(q: str | None) -> list[list[str]]:

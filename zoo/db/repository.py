@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, CompoundSelect, Select, bindparam, delete, exists, select, union_all
+from sqlalchemy import ColumnElement, Connection, Select, bindparam, delete, exists, select, union_all
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.db.models import Adapter, JobItem, Label, Measurement
@@ -34,25 +34,34 @@ class Candidate(NamedTuple):
     dw_norm: float | None
 
 
+_CANDIDATE = select(Adapter.id, Adapter.canonical_hash, Adapter.factors_blob, Adapter.dw_norm).where(
+    Adapter.base_model == bindparam("base_model")
+)
+_SAME_HASH = _CANDIDATE.where(Adapter.canonical_hash == bindparam("canonical_hash"))
+_SAME_STRUCTURE = _CANDIDATE.where(Adapter.structure_hash == bindparam("structure_hash"))
+_ABOVE = _SAME_STRUCTURE.where(Adapter.dw_norm.between(bindparam("norm"), bindparam("high"))).order_by(Adapter.dw_norm)
+_BELOW = _SAME_STRUCTURE.where(Adapter.dw_norm < bindparam("norm"), Adapter.dw_norm >= bindparam("low")).order_by(Adapter.dw_norm.desc())
+_CANDIDATES = union_all(
+    _SAME_HASH,
+    select(_ABOVE.limit(NEAR_DUPLICATE_LIMIT).subquery()),
+    select(_BELOW.limit(NEAR_DUPLICATE_LIMIT).subquery()),
+)
+
+
 def duplicate_candidates(
-    session: Session,
-    base_model: str,
-    canonical_hash: str,
-    structure_hash: str,
-    dw_norm: float | None,
-    rtol: float,
-    limit: int = NEAR_DUPLICATE_LIMIT,
+    session: Session, base_model: str, canonical_hash: str, structure_hash: str, dw_norm: float | None, rtol: float
 ) -> list[Candidate]:
-    """In one query: the adapter of this base model with this canonical hash, then (with a norm) up to `limit`
-    adapters of the same base and structure on each side of dw_norm within rtol, closest norm first."""
-    cols = (Adapter.id, Adapter.canonical_hash, Adapter.factors_blob, Adapter.dw_norm)
-    stmt: Select | CompoundSelect = select(*cols).where(Adapter.base_model == base_model, Adapter.canonical_hash == canonical_hash)
-    if dw_norm is not None:
-        same = select(*cols).where(Adapter.base_model == base_model, Adapter.structure_hash == structure_hash)
-        above = same.where(Adapter.dw_norm.between(dw_norm, dw_norm * (1 + rtol))).order_by(Adapter.dw_norm).limit(limit)
-        below = same.where(Adapter.dw_norm < dw_norm, Adapter.dw_norm >= dw_norm * (1 - rtol)).order_by(Adapter.dw_norm.desc()).limit(limit)
-        stmt = union_all(stmt, select(above.subquery()), select(below.subquery()))
-    found = {row[0]: Candidate(*row) for row in session.execute(stmt)}
+    """In one query: the adapter of this base model with this canonical hash, then (with a norm) up to
+    NEAR_DUPLICATE_LIMIT adapters of the same base and structure on each side of dw_norm (an index range scan
+    each) whose norms an update within rtol of it can have, dw_norm·(1 - rtol) to dw_norm/(1 - rtol), closest
+    norm first."""
+    params: dict[str, object] = {"base_model": base_model, "canonical_hash": canonical_hash}
+    if dw_norm is None:
+        rows = session.connection().execute(_SAME_HASH, params)
+    else:
+        params.update(structure_hash=structure_hash, norm=dw_norm, low=dw_norm * (1 - rtol), high=dw_norm / (1 - rtol))
+        rows = session.connection().execute(_CANDIDATES, params)
+    found = {row[0]: Candidate(*row) for row in rows}
     return sorted(found.values(), key=lambda c: (c.canonical_hash != canonical_hash, abs((c.dw_norm or 0.0) - (dw_norm or 0.0))))
 
 
@@ -61,19 +70,22 @@ class StoredCopy(NamedTuple):
 
     id: int
     canonical_hash: str
-    format: str
     config: dict | None
     structure_hash: str
+    dw_norm: float | None
 
 
-def stored_copies(session: Session, file_sha256: str, base_model: str, fmt: str) -> list[StoredCopy]:
+_STORED_COPIES = (
+    select(Adapter.id, Adapter.canonical_hash, Adapter.config, Adapter.structure_hash, Adapter.dw_norm)
+    .where(Adapter.file_sha256 == bindparam("sha"), Adapter.base_model == bindparam("base_model"), Adapter.format == bindparam("fmt"))
+    .order_by(Adapter.id)
+)
+
+
+def stored_copies(conn: Connection, file_sha256: str, base_model: str, fmt: str) -> list[StoredCopy]:
     """Adapters of this base model and format stored from a weight file with this SHA-256, oldest first."""
-    stmt = (
-        select(Adapter.id, Adapter.canonical_hash, Adapter.format, Adapter.config, Adapter.structure_hash)
-        .where(Adapter.file_sha256 == file_sha256, Adapter.base_model == base_model, Adapter.format == fmt)
-        .order_by(Adapter.id)
-    )
-    return [StoredCopy(*row) for row in session.execute(stmt)]
+    rows = conn.execute(_STORED_COPIES, {"sha": file_sha256, "base_model": base_model, "fmt": fmt})
+    return [StoredCopy(*row) for row in rows]
 
 
 def adapter_summary(a: Adapter) -> dict[str, object]:

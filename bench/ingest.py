@@ -1,0 +1,264 @@
+"""Benchmark: ingest speed end to end, from local files into SQLite and PostgreSQL, with 1 and 2 workers.
+
+For each backend and worker count, in a fresh database and data dir (PostgreSQL's created and
+dropped here): every adapter of the set is ingested by worker processes (a worker is a process
+running an Ingestor over its share of the files, torch using its share of the cores, as
+`zoo.ingest.share_cores` sets it), then the same directory is ingested again (every file a
+duplicate, recognized by its SHA-256 before any math), then `zoo embed` embeds the new adapters
+(module sketches) and is timed apart. Each configuration runs --repeats times; the median counts.
+
+Prints a table with ratios against baselines measured in the same run (2 workers vs 1, re-ingest vs
+first ingest, PostgreSQL vs SQLite), the share of time per stage (read, canonicalize, describe,
+store, embed) and, on the last line, one JSON object.
+
+The adapter set: --adapters DIR (e.g. a quickstart data dir's demo-zoo/), else digits-vit adapters
+trained by the reference recipe into --work (once; later runs reuse them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from zoo.config import normalize_database_url
+from zoo.labels import LabelRow, assign_rows, read_labels_csv
+from zoo.reference.build import LABELS_FILE, make_zoo
+from zoo.sources.local import expand_paths
+
+STAGES = ("read", "canonicalize", "describe", "store")
+PHASES = ("ingest", "reingest")
+
+
+def _worker(url: str, blob_dir: str, share: list[tuple[Path, LabelRow | None]], processes: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
+    """One worker: warm up (read and canonicalize one file, storing nothing), then per phase wait for the start,
+    ingest its share (with its labels, if any) and send back (counts, seconds per stage, failures)."""
+    from zoo.blobs import BlobStore
+    from zoo.db.session import session_factory
+    from zoo.formats import read_adapter
+    from zoo.ingest import Ingestor, canonicalize_modules, share_cores
+
+    threads = share_cores(processes)
+    ingestor = Ingestor(session_factory(url), BlobStore(Path(blob_dir)))
+    sources = [p for p, _ in share]
+    labels = {p: row for p, row in share if row is not None}
+    if sources:
+        canonicalize_modules(read_adapter(sources[0]).modules, ingestor.device)
+    for _ in PHASES:
+        barrier.wait()
+        counts: Counter[str] = Counter()
+        stages: Counter[str] = Counter()
+        failures: list[str] = []
+        for result in ingestor.ingest_many(sources, labels):
+            counts[result.status] += 1
+            stages.update(result.timings)
+            if result.status == "failed":
+                failures.append(result.error or result.source)
+        out.put({"counts": dict(counts), "stages": dict(stages), "failures": failures[:5], "threads": threads})
+
+
+@contextlib.contextmanager
+def fresh_database(backend: str, admin_url: str, root: Path) -> Iterator[str]:
+    """A migrated, empty database: a SQLite file under root, or a PostgreSQL database created (and dropped after)."""
+    from zoo.db.session import make_engine, upgrade
+
+    if backend == "sqlite":
+        url = f"sqlite:///{root / 'zoo.db'}"
+        upgrade(url)
+        yield url
+        make_engine(url).dispose()
+        return
+    admin = create_engine(normalize_database_url(admin_url), isolation_level="AUTOCOMMIT")
+    name = f"zoo_bench_ingest_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(normalize_database_url(admin_url)).set(database=name).render_as_string(hide_password=False)
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        make_engine(url).dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def run_config(backend: str, workers: int, sources: list[tuple[Path, LabelRow | None]], embed: bool, args: argparse.Namespace) -> dict:
+    """One measurement: fresh database, ingest, re-ingest (and `zoo embed`, if `embed`) with `workers` processes."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(dir=args.work, prefix="run-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
+        barrier, out = ctx.Barrier(workers + 1), ctx.Queue()
+        procs = [
+            ctx.Process(target=_worker, args=(url, f"{tmp}/blobs", sources[i::workers], workers, barrier, out)) for i in range(workers)
+        ]
+        for p in procs:
+            p.start()
+        phases = {}
+        try:
+            for phase in PHASES:
+                barrier.wait(timeout=600)
+                t0 = time.perf_counter()
+                results = [out.get(timeout=3600) for _ in procs]
+                wall = time.perf_counter() - t0
+                counts = sum((Counter(r["counts"]) for r in results), Counter())
+                stages = sum((Counter(r["stages"]) for r in results), Counter())
+                phases[phase] = {
+                    "wall_s": wall,
+                    "per_s": len(sources) / wall,
+                    "counts": dict(counts),
+                    "stage_s": {k: stages.get(k, 0.0) for k in STAGES},
+                    "failures": [f for r in results for f in r["failures"]],
+                    "threads": results[0]["threads"],
+                }
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+        timed_embed = time_embed(url, Path(tmp)) if embed else None
+    return {"backend": backend, "workers": workers, **phases, "embed": timed_embed}
+
+
+def time_embed(url: str, data_dir: Path) -> dict:
+    """`zoo embed` of everything just ingested (in this process), timed."""
+    from zoo.cli import main
+
+    buf = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["--db", url, "--data-dir", str(data_dir), "embed", "--json"])
+    seconds = time.perf_counter() - t0
+    reports = json.loads(buf.getvalue() or "[]") if rc == 0 else []
+    embedded = sum(int(r.get("embedded", 0)) for r in reports)
+    return {"seconds": seconds, "embedded": embedded, "method": [r.get("method") for r in reports], "rc": rc}
+
+
+def adapter_set(args: argparse.Namespace) -> tuple[Path, list[tuple[Path, LabelRow | None]]]:
+    """The directory of adapters and its adapters (one per source), with their rows of its labels.csv under --labels."""
+    if args.adapters:
+        root = args.adapters
+    else:
+        root = args.work / f"digits-vit-{args.count}"
+        print(f"building (or reusing) {args.count} digits-vit adapters in {root}", flush=True)
+        make_zoo(root, "digits-vit", args.count, seed=0, workers=os.cpu_count() or 1, cache_dir=args.work / "cache", progress=True)
+    found = expand_paths([root])
+    labels = assign_rows(read_labels_csv(root / LABELS_FILE), found) if args.labels else {}
+    return root, [(p, labels.get(p)) for p, _ in found]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median first-ingest rate, with the range of both rates over the runs."""
+    ordered = sorted(runs, key=lambda r: r["ingest"]["per_s"])
+    chosen = dict(ordered[len(ordered) // 2])
+    chosen["range"] = {ph: [min(r[ph]["per_s"] for r in runs), max(r[ph]["per_s"] for r in runs)] for ph in PHASES}
+    chosen["embed"] = next((r["embed"] for r in runs if r["embed"]), None)
+    return chosen
+
+
+def shares(run: dict, n: int) -> dict[str, float]:
+    """Share of the time per adapter in each stage (stage seconds summed over the workers), embed included when timed."""
+    seconds = {k: run["ingest"]["stage_s"][k] / n for k in STAGES}
+    if run.get("embed"):
+        seconds["embed"] = run["embed"]["seconds"] / max(1, run["embed"]["embedded"] or n)
+    total = sum(seconds.values()) or 1.0
+    return {k: round(v / total, 3) for k, v in seconds.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--adapters", type=Path, help="a directory of adapters (default: build digits-vit adapters into --work)")
+    p.add_argument("--count", type=int, default=120, help="adapters to build without --adapters (default: %(default)s)")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "zoo-bench-ingest", help="built adapters and run dirs")
+    p.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/postgres", help="PostgreSQL admin URL (default: %(default)s)")
+    p.add_argument("--backends", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes (default: 1 2)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration, the median counts (default: %(default)s)")
+    p.add_argument("--labels", action="store_true", help="attach the set's labels.csv on both ingests, as quickstart does")
+    p.add_argument("--no-embed", dest="embed", action="store_false", help="skip timing zoo embed")
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    root, sources = adapter_set(args)
+    paths = [p for p, _ in sources]
+    sizes = [sum(f.stat().st_size for f in (p.rglob("*.safetensors") if p.is_dir() else [p])) for p in paths]
+    load = os.getloadavg()[0]
+    print(
+        f"{len(paths)} adapters from {root} (median weight file {statistics.median(sizes) / 1024:.0f} KiB), "
+        f"{os.cpu_count()} cores, load average {load:.2f} at start, {args.repeats} runs per configuration"
+        + (", with labels" if args.labels else "")
+    )
+    results: dict[tuple[str, int], dict] = {}
+    for backend in args.backends:
+        for workers in args.workers:
+            first = args.embed and workers == min(args.workers)
+            runs = [run_config(backend, workers, sources, first and i == 0, args) for i in range(args.repeats)]
+            for r in runs:
+                bad = {ph: r[ph]["failures"] for ph in PHASES if r[ph]["failures"]}
+                if bad:
+                    print(f"  {backend} {workers} workers: failures {bad}")
+            results[backend, workers] = median_run(runs)
+
+    base_w = min(args.workers)
+    print()
+    print(f"{'backend':<11} {'workers':>7} {'threads':>7} {'ingest/s':>9} {'range':>13} {'vs ' + str(base_w) + 'w':>6} "
+          f"{'re-ingest/s':>11} {'range':>13} {'vs ingest':>9}   share of stage time: read/canon/describe/store")  # fmt: skip
+    table = []
+    for (backend, workers), r in results.items():
+        ing, re_ = r["ingest"], r["reingest"]
+        vs_base = ing["per_s"] / results[backend, base_w]["ingest"]["per_s"]
+        stage_total = sum(ing["stage_s"].values()) or 1.0
+        stage_share = "/".join(f"{ing['stage_s'][k] / stage_total:.0%}" for k in STAGES)
+        lo, hi = r["range"]["ingest"]
+        rlo, rhi = r["range"]["reingest"]
+        print(
+            f"{backend:<11} {workers:>7} {ing['threads']:>7} {ing['per_s']:>9.1f} {f'{lo:.0f}-{hi:.0f}':>13} {vs_base:>5.2f}x "
+            f"{re_['per_s']:>11.0f} {f'{rlo:.0f}-{rhi:.0f}':>13} {re_['per_s'] / ing['per_s']:>8.1f}x   {stage_share}"
+        )
+        table.append(
+            {
+                "backend": backend,
+                "workers": workers,
+                "threads": ing["threads"],
+                "adapters_per_s": round(ing["per_s"], 1),
+                "adapters_per_s_range": [round(x, 1) for x in r["range"]["ingest"]],
+                "vs_1_worker": round(vs_base, 2),
+                "reingest_files_per_s": round(re_["per_s"], 1),
+                "reingest_files_per_s_range": [round(x, 1) for x in r["range"]["reingest"]],
+                "reingest_vs_ingest": round(re_["per_s"] / ing["per_s"], 1),
+                "ms_per_adapter": {k: round(ing["stage_s"][k] / len(paths) * 1e3, 2) for k in STAGES},
+                "counts": ing["counts"],
+                "reingest_counts": re_["counts"],
+            }
+        )
+    summary: dict[str, object] = {"adapters": len(paths), "source": str(root), "cores": os.cpu_count(), "load_at_start": round(load, 2)}
+    summary["repeats"], summary["labels"], summary["runs"] = args.repeats, args.labels, table
+    if "sqlite" in args.backends and "postgresql" in args.backends:
+        for workers in args.workers:
+            pg, sq = results["postgresql", workers]["ingest"]["per_s"], results["sqlite", workers]["ingest"]["per_s"]
+            print(f"postgresql vs sqlite, {workers} worker(s): {pg / sq:.2f}x")
+            summary[f"postgresql_vs_sqlite_{workers}w"] = round(pg / sq, 2)
+    for backend in args.backends:
+        r = results[backend, base_w]
+        if r.get("embed"):
+            e = r["embed"]
+            rate = e["embedded"] / e["seconds"] if e["seconds"] else 0.0
+            print(f"zoo embed ({backend}, {e['method']}): {e['embedded']} adapters in {e['seconds']:.2f} s ({rate:.0f}/s, rc {e['rc']})")
+            summary[f"embed_{backend}"] = {"adapters": e["embedded"], "seconds": round(e["seconds"], 2), "per_s": round(rate, 1)}
+        share = shares(r, len(paths))
+        print(f"share of time per adapter ({backend}, {base_w} worker): " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()))
+        summary[f"share_{backend}"] = share
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
