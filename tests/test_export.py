@@ -28,7 +28,7 @@ from zoo.errors import NotFoundError, StorageError, UsageError
 from zoo.export import ExportMeta, export_files, export_zip, file_stem, load_for_export, lora_factors
 from zoo.fingerprint import NamedFactors
 from zoo.formats import read_adapter
-from zoo.ingest import IngestOptions, Ingestor, describe
+from zoo.ingest import UNKNOWN_BASE, IngestOptions, Ingestor, canonicalize_modules, describe
 
 BASE = "tiny-lm"
 
@@ -136,7 +136,9 @@ def test_every_export_ingests_again_as_the_same_adapter(
     ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), IngestOptions())
     for fmt, path in exports.items():
         path = path if fmt in ("peft", "zip") else next(path.iterdir())
-        described = describe(read_adapter(path), str(path), IngestOptions(), torch.device("cpu")).adapter
+        data = read_adapter(path)
+        canonical = canonicalize_modules(data.modules, torch.device("cpu"))
+        described = describe(data, str(path), data.base_model or UNKNOWN_BASE, canonical).adapter
         assert (described.canonical_hash, described.base_model) == (stored_hash, base_model), fmt
         result = ingestor.ingest(path)
         assert (result.status, result.adapter_id) == ("duplicate", adapter_id), (fmt, result.error)
