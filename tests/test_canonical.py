@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zoo.canonical import CanonicalFactors, canonicalize, canonicalize_batched
-from zoo.fingerprint import canonical_hash, hash_margin, relative_distance
+from zoo.fingerprint import FINGERPRINT_DIM, canonical_hash, fingerprint, hash_margin, relative_distance
+from zoo.probes import probes
 
 # Tolerances (float32 inputs, float64 r×r parts): components agree to 1e-4 relative to S_max
 # after a re-factorization with cond(G) <= ~100; reconstruction to 1e-5.
@@ -94,6 +98,50 @@ def test_batched_matches_reference(seed: int, shape: tuple[int, int, int], n: in
     scale = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
     for i, got in enumerate(canonicalize_batched(A, B, scale)):
         assert_same(got, canonicalize(A[i], B[i], float(scale[i])))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    r=st.integers(1, 6),
+    sizes=st.lists(st.tuples(st.integers(6, 40), st.integers(6, 40)), min_size=1, max_size=6),
+)
+def test_batched_modules_of_several_shapes_match_reference(seed: int, r: int, sizes: list[tuple[int, int]]) -> None:
+    """Modules of one rank and different shapes go through one batch (grouped by shape inside), in input order; an
+    ill-conditioned one among them falls back on its own."""
+    pairs = [random_lora(seed + i, out, inp, r) for i, (out, inp) in enumerate(sizes)]
+    if r > 1:
+        A, B = pairs[-1]
+        B = B.clone()
+        B[:, -1] = B[:, 0] * (1 + 1e-7)  # nearly dependent columns: cond(BᵀB) huge
+        pairs[-1] = (A, B)
+    scale = [0.5 + i for i in range(len(pairs))]
+    got = canonicalize_batched([a for a, _ in pairs], [b for _, b in pairs], scale)
+    for (A, B), s, g in zip(pairs, scale, got, strict=True):
+        ref = canonicalize(A, B, s)
+        if g.rank == ref.rank == min(A.shape[0], *B.shape) and ref.S[-1] > 1e-3 * ref.S[0]:
+            assert_same(g, ref)
+        assert torch.allclose(g.delta(), s * B @ A, atol=1e-4 * max(1.0, float((s * B @ A).abs().max())))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    sizes=st.lists(st.tuples(st.integers(4, 20), st.integers(4, 20), st.integers(1, 4)), min_size=1, max_size=8),
+)
+def test_fingerprint_is_the_sum_of_every_modules_probe_values(seed: int, sizes: list[tuple[int, int, int]]) -> None:
+    """The fingerprint (modules of one shape batched together) equals Σ ωᵀ·dW·ψ module by module, on dense dW."""
+    mods = []
+    for i, (out, inp, r) in enumerate(sizes):
+        A, B = random_lora(seed + i, out, inp, r)
+        mods.append((f"layers.{i % 3}.m{i}", canonicalize(A, B)))
+    z = torch.zeros(FINGERPRINT_DIM, dtype=torch.float64)
+    for name, f in mods:
+        omega, psi = probes(name, f.U.shape[0], f.V.shape[0], FINGERPRINT_DIM)
+        z += ((omega.T @ f.delta().double()) * psi.T).sum(dim=1)
+    values, norm = fingerprint(mods)
+    assert norm == pytest.approx(math.sqrt(sum(float(f.delta().double().pow(2).sum()) for _, f in mods)), rel=1e-5)
+    assert values == pytest.approx((z / norm).tolist(), abs=1e-5)
 
 
 def test_batched_falls_back_for_ill_conditioned_factors() -> None:

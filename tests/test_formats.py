@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pickle
@@ -228,6 +229,51 @@ def test_corrupt_header(tmp_path: Path) -> None:
     path.write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{[")
     with pytest.raises(InputError, match="corrupt safetensors header"):
         read_adapter(path)
+
+
+def _safetensors(entries: list[tuple[str, str, list[int], bytes]], metadata: dict[str, str] | None = None, tail: bytes = b"") -> bytes:
+    """A safetensors file written by hand (name, dtype, shape, bytes in order), so that offsets can be odd."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape, raw in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + b"".join(raw for *_, raw in entries) + tail
+
+
+def test_weights_are_read_once_hashed_and_viewed_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "k.safetensors"
+    tensors = write_kohya_file(path)
+    data = read_adapter(path)
+    assert data.file_sha256 == hashlib.sha256(path.read_bytes()).hexdigest() and data.size_bytes == path.stat().st_size
+    by_name = {m.name: m for m in data.modules}
+    for stem, m in by_name.items():
+        assert torch.equal(m.A, tensors[f"{stem}.lora_down.weight"].reshape(m.A.shape[0], -1))
+    # a tensor at an offset its element size does not divide (the format allows it) is read right
+    g = torch.Generator().manual_seed(0)
+    down, up = torch.randn(2, 5, generator=g), torch.randn(3, 2, generator=g)
+    odd = tmp_path / "odd.safetensors"
+    odd.write_bytes(_safetensors([("m.alpha", "F16", [], torch.tensor(2.0).half().numpy().tobytes()),
+                                  ("m.lora_down.weight", "F32", [2, 5], down.numpy().tobytes()),
+                                  ("m.lora_up.weight", "F32", [3, 2], up.numpy().tobytes())]))  # fmt: skip
+    (m,) = read_adapter(odd).modules
+    assert torch.equal(m.A, down) and torch.equal(m.B, up) and m.alpha == 2.0
+
+
+@pytest.mark.parametrize(
+    ("offsets", "tail", "reason"),
+    [((0, 8), b"junk", "4 data bytes after the last tensor"), ((4, 12), b"", "4 data bytes at offset 0 belong to no tensor")],
+)
+def test_tensor_data_must_fill_the_file_exactly(tmp_path: Path, offsets: tuple[int, int], tail: bytes, reason: str) -> None:
+    raw = torch.ones(2).numpy().tobytes()
+    header = {"w.lora_down.weight": {"dtype": "F32", "shape": [1, 2], "data_offsets": list(offsets)}}
+    text = json.dumps(header).encode()
+    path = tmp_path / "gap.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + (b"\0" * offsets[0]) + raw + tail)
+    with pytest.raises(InputError, match=reason) as exc:
+        read_adapter(path)
+    assert str(path) in str(exc.value)
 
 
 class _Exploit:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from sqlalchemy import func, select, text
 
@@ -14,11 +18,15 @@ from tests.factories import train_peft_adapter, write_kohya_file
 from zoo.blobs import BlobStore
 from zoo.canonical import canonicalize
 from zoo.config import Settings
-from zoo.db.models import Adapter, Module
+from zoo.db.catalog import refresh_search_text
+from zoo.db.models import Adapter, AdapterText, Label, Measurement, Module
+from zoo.db.repository import NEAR_DUPLICATE_LIMIT, duplicate_candidates
 from zoo.db.session import make_engine, session_factory
-from zoo.fingerprint import relative_distance
+from zoo.fingerprint import DUPLICATE_RTOL, relative_distance
 from zoo.formats import read_adapter
-from zoo.ingest import IngestOptions, Ingestor
+from zoo.ingest import UNKNOWN_BASE, IngestOptions, Ingestor, norm_window, store_locks
+from zoo.labels import LabelRow
+from zoo.sources import Origin
 
 
 def make_ingestor(settings: Settings, **options: object) -> Ingestor:
@@ -206,3 +214,120 @@ def test_duplicate_check_tolerance(settings: Settings, tmp_path: Path) -> None:
     assert ingestor.ingest(tmp_path / "far").status == "ingested"
     near = ingestor.ingest(tmp_path / "near")
     assert (near.status, near.adapter_id) == ("duplicate", first.adapter_id)
+
+
+def stored_labels(settings: Settings, adapter_id: int) -> tuple[dict[str, str], dict[str, float], str]:
+    """Given labels, test measurements and the search document of an adapter."""
+    with make_engine(settings.database_url).connect() as c:
+        labels = dict(c.execute(select(Label.key, Label.value).where(Label.adapter_id == adapter_id, Label.source == "given")).all())
+        measured = dict(c.execute(select(Measurement.metric, Measurement.value).where(Measurement.adapter_id == adapter_id)).all())
+        document = c.execute(select(AdapterText.document).where(AdapterText.adapter_id == adapter_id)).scalar_one()
+    return labels, measured, document
+
+
+def test_stored_files_are_duplicates_before_any_math_and_get_their_labels(settings: Settings, tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "a", seed=2)
+    ingestor = make_ingestor(settings)
+    first = ingestor.ingest(tmp_path / "a", labels=LabelRow({"task": "qv"}, {"test_accuracy": 0.5}))
+    assert first.status == "ingested" and set(first.timings) == {"read", "canonicalize", "describe", "store"}
+    with session_factory(settings.database_url)() as s:
+        assert (
+            s.get(Adapter, first.adapter_id).file_sha256
+            == hashlib.sha256((tmp_path / "a" / "adapter_model.safetensors").read_bytes()).hexdigest()
+        )
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")  # the same files elsewhere: found by their SHA-256
+    again = ingestor.ingest(tmp_path / "copy", labels=LabelRow({"task": "qk", "style": "terse"}, {"test_accuracy": 0.75}))
+    assert (again.status, again.adapter_id, again.canonical_hash, again.name) == (
+        "duplicate",
+        first.adapter_id,
+        first.canonical_hash,
+        "copy",
+    )
+    assert set(again.timings) == {"read", "store"}  # nothing was canonicalized
+    labels, measured, document = stored_labels(settings, first.adapter_id)
+    assert labels == {"task": "qk", "style": "terse"} and measured == {"test_accuracy": 0.75}
+    assert "task qk" in document and "style terse" in document
+    assert row_counts(settings)[0] == 1
+
+    # what the update depends on besides the weights is compared too: the same weights at another alpha are
+    # another update, and under another base model another adapter
+    shutil.copytree(tmp_path / "a", tmp_path / "alpha")
+    config = json.loads((tmp_path / "alpha" / "adapter_config.json").read_text())
+    (tmp_path / "alpha" / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 16}))
+    other = ingestor.ingest(tmp_path / "alpha")
+    assert other.status == "ingested" and "canonicalize" in other.timings
+    assert make_ingestor(settings, base_model="elsewhere").ingest(tmp_path / "a").status == "ingested"
+    # a stored adapter deleted meanwhile is not answered from its hash
+    with session_factory(settings.database_url)() as s, s.begin():
+        s.delete(s.get(Adapter, other.adapter_id))
+    assert ingestor.ingest(tmp_path / "alpha").status == "ingested"
+
+
+def test_kohya_files_and_checkpoints_are_recognized_by_their_hash(settings: Settings, tmp_path: Path) -> None:
+    write_kohya_file(tmp_path / "k.safetensors")
+    g = torch.Generator().manual_seed(0)
+    base = {"l.weight": torch.randn(32, 24, generator=g)}
+    save_file({"l.weight": base["l.weight"] + torch.randn(32, 24, generator=g) * 0.01}, str(tmp_path / "tuned.safetensors"))
+    save_file(base, str(tmp_path / "base.safetensors"))
+    plain = make_ingestor(settings)
+    for name in ("k.safetensors", "tuned.safetensors"):
+        first = plain.ingest(tmp_path / name)
+        again = plain.ingest(tmp_path / name)
+        assert (again.status, again.adapter_id, set(again.timings)) == ("duplicate", first.adapter_id, {"read", "store"}), name
+    # with a base, a stored full checkpoint is not the low-rank delta the same file now gives
+    delta = make_ingestor(settings, base_checkpoint=tmp_path / "base.safetensors").ingest(tmp_path / "tuned.safetensors")
+    assert delta.status == "ingested" and "low-rank deltas" in delta.notes[0]
+
+
+def test_a_near_duplicate_is_found_among_many_adapters_of_close_norm(settings: Settings, tmp_path: Path) -> None:
+    """The near-duplicate check reads a few candidates of the closest norms (repository.NEAR_DUPLICATE_LIMIT a side),
+    and still finds a re-factorized copy whose canonical hash differs (as it can at a rounding boundary) among
+    more adapters of the same structure and base, within the tolerance on both sides of its norm."""
+    train_peft_adapter(tmp_path / "a", seed=4)
+    refactorize(tmp_path / "a", tmp_path / "b", seed=9)
+    ingestor = make_ingestor(settings)
+    first = ingestor.ingest(tmp_path / "a")
+    decoys = 3 * NEAR_DUPLICATE_LIMIT
+    with session_factory(settings.database_url)() as s, s.begin():
+        a = s.get(Adapter, first.adapter_id)
+        a.canonical_hash = "f" * 64  # as if the copy's hash rounded the other way
+        norm, structure = a.dw_norm, a.structure_hash
+        for i in range(decoys):  # norms closer to the copy's than the tolerance, on both sides, but never closer than a's
+            side = 1 if i % 2 else -1
+            s.add(Adapter(name=f"decoy{i}", source_uri=f"decoy{i}", base_model=UNKNOWN_BASE, format="peft", canonical_hash=f"{i:064d}",
+                          structure_hash=structure, dw_norm=norm * (1 + side * (i + 1) * DUPLICATE_RTOL / (decoys + 2)),
+                          file_sha256=f"{i:064d}", size_bytes=1, factors_blob=a.factors_blob))  # fmt: skip
+    with session_factory(settings.database_url)() as s:
+        found = duplicate_candidates(s, UNKNOWN_BASE, "1" * 64, structure, norm, DUPLICATE_RTOL)
+    assert len(found) == 2 * NEAR_DUPLICATE_LIMIT and found[0].id == first.adapter_id
+    gaps = [abs(c.dw_norm - norm) for c in found]
+    assert gaps == sorted(gaps)
+    copy = ingestor.ingest(tmp_path / "b")
+    assert (copy.status, copy.adapter_id) == ("duplicate", first.adapter_id)
+    with session_factory(settings.database_url)() as s:  # an exact hash comes first, however far its norm
+        farthest = s.scalars(select(Adapter.id).where(Adapter.name == f"decoy{decoys - 1}")).one()
+        assert duplicate_candidates(s, UNKNOWN_BASE, f"{decoys - 1:064d}", structure, norm, DUPLICATE_RTOL)[0].id == farthest
+
+
+@given(norm=st.floats(1e-30, 1e30), t=st.floats(0.0, 1.0))
+def test_writers_of_updates_within_the_tolerance_share_a_lock(norm: float, t: float) -> None:
+    low, high = norm_window(norm)
+    other = low + t * (high - low)
+    mine, theirs = store_locks("b", "s", norm), store_locks("b", "s", other)
+    assert set(mine) & set(theirs) and len(mine) <= 3
+    assert not set(mine) & set(store_locks("b", "s", norm * 1.01))  # far apart: stored at once
+    assert not set(mine) & set(store_locks("b", "other structure", norm))
+
+
+def test_a_new_adapters_search_document_is_the_one_refresh_writes(settings: Settings, tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "a")
+    origin = Origin("hf://someone/a-repo", "abc123", author="someone", license="mit", tags=["lora", "Ünïcode"],
+                    card="# A card\nabout digits", metadata={"datasets": ["mnist"], "pipeline_tag": "image-classification"})  # fmt: skip
+    result = make_ingestor(settings).ingest(tmp_path / "a", labels=LabelRow({"task": "qv"}, {"test_accuracy": 0.5}), origin=origin)
+    assert result.status == "ingested", result.error
+    labels, _, written = stored_labels(settings, result.adapter_id)
+    assert labels == {"task": "qv", "dataset": "mnist"}
+    with session_factory(settings.database_url)() as s, s.begin():
+        refresh_search_text(s, [result.adapter_id])
+    assert stored_labels(settings, result.adapter_id)[2] == written
+    assert all(word in written.split() for word in ("someone", "mnist", "unicode", "qv", "digits"))
