@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
 from webapp.context import db, zoo
 from zoo.errors import UsageError
-from zoo.jobs import create_job, job_detail
+from zoo.jobs import PROCESSED, create_job, job_detail
 from zoo.sources.local import expand_paths
 from zoo.sources.upload import Upload, materialize
-from zoo.worker import WorkerOptions, run_worker
+from zoo.worker import EMBED_EVERY, EmbedBatches, WorkerOptions, work
 
 
 def import_path(raw: str) -> Path:
@@ -31,7 +32,7 @@ def import_path(raw: str) -> Path:
 
 
 def start_ingest(paths: list[str], files: list, base_model: str | None, created_by: str) -> dict[str, object]:
-    """Create a job for the paths (or the upload, saved under the data dir until the job ends) and start it: the
+    """Create a job for the paths (or the upload, saved under the data dir until its item is finished) and start it: the
     job thread works on its items until none is queued or held by a worker, embedding what it stored. A job
     the app leaves unfinished (the app stopped) is finished by `zoo worker`."""
     ctx = zoo()
@@ -53,12 +54,21 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
     session.commit()
     detail = job_detail(session, job)
 
+    def remove_upload() -> None:
+        if upload_dir is not None:
+            shutil.rmtree(upload_dir, ignore_errors=True)
+
     def run() -> None:
+        batches = EmbedBatches(ctx.settings, EMBED_EVERY)
         try:
-            run_worker(ctx.settings, WorkerOptions(job_id=job.id, drain=True), progress=False)
+            for outcome in work(ctx.settings, WorkerOptions(job_id=job.id, drain=True), threading.Event()):
+                if outcome is not None:
+                    batches.add(outcome)
+                    if outcome.state in PROCESSED:  # an upload is one item: its files are done with once it is
+                        remove_upload()
         finally:
-            if upload_dir is not None:
-                shutil.rmtree(upload_dir, ignore_errors=True)
+            remove_upload()
+        batches.flush()
 
     ctx.jobs.submit(run)
     return detail

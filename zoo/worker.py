@@ -159,11 +159,11 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
     while not stop.is_set():
         claims = claim_items(sessions, owner, options.lease_s, 1, options.job_id)
         if not claims:
-            yield None
             if options.drain:
                 with sessions() as session:
                     if not pending_items(session, options.job_id):
                         return
+            yield None
             stop.wait(min(options.poll_s, 0.5) if options.drain else options.poll_s)
             continue
         claim = claims[0]
