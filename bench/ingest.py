@@ -29,6 +29,8 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
@@ -43,15 +45,21 @@ STAGES = ("read", "canonicalize", "describe", "store")
 PHASES = ("ingest", "reingest")
 
 
-def _worker(url: str, blob_dir: str, share: list[tuple[Path, LabelRow | None]], processes: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
+def _worker(
+    url: str, blob_dir: str, share: list[tuple[Path, LabelRow | None]], processes: int, threads: int | None, barrier: Barrier, out: Queue
+) -> None:
     """One worker: warm up (read and canonicalize one file, storing nothing), then per phase wait for the start,
     ingest its share (with its labels, if any) and send back (counts, seconds per stage, failures)."""
+    import torch
+
     from zoo.blobs import BlobStore
     from zoo.db.session import session_factory
     from zoo.formats import read_adapter
     from zoo.ingest import Ingestor, canonicalize_modules, share_cores
 
-    threads = share_cores(processes)
+    if threads:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads() if threads else share_cores(processes)
     ingestor = Ingestor(session_factory(url), BlobStore(Path(blob_dir)))
     sources = [p for p, _ in share]
     labels = {p: row for p, row in share if row is not None}
@@ -102,7 +110,8 @@ def run_config(backend: str, workers: int, sources: list[tuple[Path, LabelRow | 
     with tempfile.TemporaryDirectory(dir=args.work, prefix="run-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
         barrier, out = ctx.Barrier(workers + 1), ctx.Queue()
         procs = [
-            ctx.Process(target=_worker, args=(url, f"{tmp}/blobs", sources[i::workers], workers, barrier, out)) for i in range(workers)
+            ctx.Process(target=_worker, args=(url, f"{tmp}/blobs", sources[i::workers], workers, args.threads, barrier, out))
+            for i in range(workers)
         ]
         for p in procs:
             p.start()
@@ -184,6 +193,7 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes (default: 1 2)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, the median counts (default: %(default)s)")
+    p.add_argument("--threads", type=int, help="torch threads per worker (default: its share of the cores, zoo.ingest.share_cores)")
     p.add_argument("--labels", action="store_true", help="attach the set's labels.csv on both ingests, as quickstart does")
     p.add_argument("--no-embed", dest="embed", action="store_false", help="skip timing zoo embed")
     args = p.parse_args()

@@ -23,8 +23,8 @@ from zoo.db.models import Adapter, AdapterText, Label, Measurement, Module
 from zoo.db.repository import NEAR_DUPLICATE_LIMIT, duplicate_candidates
 from zoo.db.session import make_engine, session_factory
 from zoo.fingerprint import DUPLICATE_RTOL, relative_distance
-from zoo.formats import read_adapter
-from zoo.ingest import UNKNOWN_BASE, IngestOptions, Ingestor, norm_window, store_locks
+from zoo.formats import AdapterData, LoraModule, read_adapter
+from zoo.ingest import SMALL_ADAPTER_ELEMENTS, UNKNOWN_BASE, IngestOptions, Ingestor, norm_window, small_work_on_one_thread, store_locks
 from zoo.labels import LabelRow
 from zoo.sources import Origin
 
@@ -331,3 +331,19 @@ def test_a_new_adapters_search_document_is_the_one_refresh_writes(settings: Sett
         refresh_search_text(s, [result.adapter_id])
     assert stored_labels(settings, result.adapter_id)[2] == written
     assert all(word in written.split() for word in ("someone", "mnist", "unicode", "qv", "digits"))
+
+
+def test_small_adapters_are_described_on_one_thread(tmp_path: Path) -> None:
+    train_peft_adapter(tmp_path / "a")
+    small = read_adapter(tmp_path / "a")
+    wide = LoraModule("m", torch.zeros(8, SMALL_ADAPTER_ELEMENTS // 8), torch.zeros(8, 8), alpha=8.0, scale=1.0)
+    big = AdapterData(tmp_path, "peft", [], modules=[wide])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for data, inside in ((small, 1), (big, 2)):
+            with small_work_on_one_thread(data):
+                assert torch.get_num_threads() == inside
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

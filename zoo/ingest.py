@@ -7,6 +7,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -74,6 +75,28 @@ def share_cores(processes: int) -> int:
     threads = max(1, cores // max(1, processes))
     torch.set_num_threads(threads)
     return threads
+
+
+#: adapters with fewer factor (or matrix) elements than this are described on one torch thread: their kernels are too
+#: small to share out, and waking a thread pool costs more than the work (on a busy machine, ten times more)
+SMALL_ADAPTER_ELEMENTS = 1 << 20
+
+
+@contextmanager
+def small_work_on_one_thread(data: AdapterData) -> Iterator[None]:
+    """Run the block on one torch thread when the adapter is small (see SMALL_ADAPTER_ELEMENTS), restoring the
+    thread count after. Torch's setting is per process: another thread's large adapter meanwhile runs slower,
+    not wrong."""
+    elements = sum(m.A.numel() + m.B.numel() for m in data.modules) + sum(m.weight.numel() for m in data.full_matrices)
+    before = torch.get_num_threads()
+    if before == 1 or elements >= SMALL_ADAPTER_ELEMENTS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def canonicalize_modules(modules: list[LoraModule], device: torch.device) -> list[CanonicalFactors]:
@@ -255,9 +278,10 @@ class Ingestor:
             opts = self.options
             data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
             lap("read")
-            canonical = canonicalize_modules(data.modules, self.device) if data.modules else []
-            lap("canonicalize")
-            described = describe(data, source, base_model, canonical)
+            with small_work_on_one_thread(data):
+                canonical = canonicalize_modules(data.modules, self.device) if data.modules else []
+                lap("canonicalize")
+                described = describe(data, source, base_model, canonical)
             if origin is not None:
                 apply_origin(described.adapter, origin, labels)
             lap("describe")
