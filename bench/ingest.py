@@ -24,6 +24,8 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -153,6 +155,20 @@ def time_embed(url: str, data_dir: Path) -> dict:
     return {"seconds": seconds, "embedded": embedded, "method": [r.get("method") for r in reports], "rc": rc}
 
 
+def run_zoo_worker(backend: str, workers: int, root: Path, args: argparse.Namespace) -> dict:
+    """`zoo jobs add ROOT` then `zoo worker --concurrency W --drain` in a fresh database: the job's own throughput
+    (its first item's start to its last item's end) and the worker command's wall time (process start included)."""
+    with tempfile.TemporaryDirectory(dir=args.work, prefix="job-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
+        zoo = [sys.executable, "-m", "zoo.cli", "--db", url, "--data-dir", tmp]
+        job = json.loads(subprocess.run([*zoo, "jobs", "add", str(root), "--json"], check=True, capture_output=True, text=True).stdout)
+        t0 = time.perf_counter()
+        subprocess.run([*zoo, "worker", "--concurrency", str(workers), "--drain", "--json"], check=True, capture_output=True)
+        wall = time.perf_counter() - t0
+        shown = subprocess.run([*zoo, "jobs", "show", str(job["id"]), "--json"], check=True, capture_output=True, text=True).stdout
+        done = json.loads(shown)
+    return {"job_per_s": done["throughput"], "command_wall_s": wall, "counts": done["counts"], "slowest_stage": done["slowest_stage"]}
+
+
 def adapter_set(args: argparse.Namespace) -> tuple[Path, list[tuple[Path, LabelRow | None]]]:
     """The directory of adapters and its adapters (one per source), with their rows of its labels.csv under --labels."""
     if args.adapters:
@@ -196,6 +212,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads per worker (default: its share of the cores, zoo.ingest.share_cores)")
     p.add_argument("--labels", action="store_true", help="attach the set's labels.csv on both ingests, as quickstart does")
     p.add_argument("--no-embed", dest="embed", action="store_false", help="skip timing zoo embed")
+    p.add_argument("--zoo-worker", action="store_true", help="also time `zoo worker --concurrency W --drain` on a job of the set")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     root, sources = adapter_set(args)
@@ -267,6 +284,16 @@ def main() -> None:
         share = shares(r, len(paths))
         print(f"share of time per adapter ({backend}, {base_w} worker): " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()))
         summary[f"share_{backend}"] = share
+    if args.zoo_worker:
+        for backend in args.backends:
+            for workers in args.workers:
+                w = run_zoo_worker(backend, workers, root, args)
+                per_s = len(paths) / w["command_wall_s"]
+                print(
+                    f"zoo worker --concurrency {workers} ({backend}): job {w['job_per_s']:.1f} items/s, command {per_s:.1f}/s with its "
+                    f"start ({w['command_wall_s']:.1f} s), slowest stage {w['slowest_stage']}, counts {w['counts']}"
+                )
+                summary[f"zoo_worker_{backend}_{workers}w"] = {"job_per_s": w["job_per_s"], "command_per_s": round(per_s, 1)}
     print(json.dumps(summary))
 
 
