@@ -248,6 +248,12 @@ def test_stored_files_are_duplicates_before_any_math_and_get_their_labels(settin
     assert labels == {"task": "qk", "style": "terse"} and measured == {"test_accuracy": 0.75}
     assert "task qk" in document and "style terse" in document
     assert row_counts(settings)[0] == 1
+    with make_engine(settings.database_url).connect() as c:
+        label_ids = c.execute(select(Label.id).order_by(Label.id)).scalars().all()
+    unchanged = ingestor.ingest(tmp_path / "a", labels=LabelRow({"task": "qk"}, {"test_accuracy": 0.75}))
+    assert (unchanged.status, unchanged.adapter_id) == ("duplicate", first.adapter_id)
+    with make_engine(settings.database_url).connect() as c:  # labels it has already are not written again
+        assert c.execute(select(Label.id).order_by(Label.id)).scalars().all() == label_ids
 
     # what the update depends on besides the weights is compared too: the same weights at another alpha are
     # another update, and under another base model another adapter

@@ -300,17 +300,18 @@ class Ingestor:
         """The duplicate result for files already stored, without reading tensors: a stored adapter of this base model
         from a weight file with the same SHA-256, in the same format, with the same config values the update depends
         on (a full checkpoint only while no --base makes it a delta). Given labels are attached to it as on any
-        duplicate. None when there is no such adapter (or it was deleted meanwhile)."""
+        duplicate (unless it has them already). None when there is no such adapter (or it was deleted meanwhile)."""
         if raw.format is None or not isinstance(base_model, str) or (raw.format == "checkpoint" and self.options.base_checkpoint):
             return None
-        with self.sessions() as session:  # one statement: no transaction around it
+        with self.sessions() as session:  # reads only: no transaction around them
             conn = session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
             rows = repository.stored_copies(conn, raw.weights.sha256, base_model, raw.format)
-        match = next((r for r in rows if all((r.config or {}).get(k) == v for k, v in raw.settings.items())), None)
-        if match is None:
-            return None
+            match = next((r for r in rows if all((r.config or {}).get(k) == v for k, v in raw.settings.items())), None)
+            if match is None:
+                return None
+            same = labels is None or repository.has_labels(conn, match.id, labels.attributes, labels.measurements)
         locks = store_locks(base_model, match.structure_hash, match.dw_norm)
-        if labels is not None and not self._with_retries(self._attach_labels, match.id, locks, labels):
+        if labels is not None and not same and not self._with_retries(self._attach_labels, match.id, locks, labels):
             return None
         return IngestResult(str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path))
 

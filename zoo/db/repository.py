@@ -258,6 +258,23 @@ def duplicate_sources(session: Session, adapter_id: int) -> list[str]:
     return list(session.scalars(stmt))
 
 
+_GIVEN = select(Label.key, Label.value).where(
+    Label.adapter_id == bindparam("id"), Label.source == "given", Label.key.in_(bindparam("keys", expanding=True))
+)
+_TESTED = select(Measurement.metric, Measurement.value).where(
+    Measurement.adapter_id == bindparam("id"), Measurement.split == "test", Measurement.metric.in_(bindparam("keys", expanding=True))
+)
+
+
+def has_labels(conn: Connection, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> bool:
+    """Whether the adapter's given labels and test measurements of these keys have these values already (replace_labels
+    would change nothing)."""
+    for stmt, wanted in ((_GIVEN, attributes), (_TESTED, measurements)):
+        if wanted and dict(conn.execute(stmt, {"id": adapter_id, "keys": list(wanted)}).all()) != dict(wanted):
+            return False
+    return True
+
+
 def replace_labels(session: Session, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:
     """Given labels and test measurements replace earlier ones with the same key (new rows: see embed/attributes.py)."""
     if attributes:
