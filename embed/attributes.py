@@ -111,7 +111,7 @@ class AdapterAttributes:
 
     def _apply(self, rows: list) -> None:  # type: ignore[type-arg]
         """Set label values from (label id, adapter id, key, value) rows in id order: the newest wins."""
-        rows = sorted(rows)
+        rows = sorted(rows, key=lambda r: r[0])  # by label id: ints compare fast, SQLAlchemy rows do not (2 s per 100k)
         where = self.rows(np.array([r[1] for r in rows], np.int64)).tolist() if rows else []
         for (_, _, key, value), row in zip(rows, where, strict=True):
             if row < 0:
