@@ -54,24 +54,36 @@ def run_ingest(
     as_json: bool,
     progress: bool = True,
 ) -> tuple[dict[str, int], list[str]]:
-    """Ingest every source under paths, printing JSON lines or showing a progress bar. Returns counts by status and failures."""
-    from zoo.ingest import Ingestor
-    from zoo.sources.local import expand_paths
+    """Ingest every source under paths (and `hf://` sources), printing JSON lines or showing a progress bar.
+    Returns counts by status and failures."""
+    from itertools import chain
 
+    from zoo.ingest import Ingestor
+    from zoo.sources import hub
+    from zoo.sources.local import expand_paths
+    from zoo.sources.resolve import ingest_source, is_remote
+
+    remote = [p for p in paths if is_remote(p)]
+    for source in remote:
+        hub.parse(source)  # a malformed source is a usage error before anything runs
     require_schema(settings.database_url)
     ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options)
     counts = {"ingested": 0, "duplicate": 0, "failed": 0}
     failures: list[str] = []
-    sources = expand_paths(paths)
+    sources = expand_paths([p for p in paths if not is_remote(p)])
     labels = assign_rows(label_rows, sources) if label_rows else {}
-    with tqdm(total=len(sources), desc="ingest", unit="adapter", disable=True if as_json or not progress else None, file=sys.stderr) as bar:
-        for result in ingestor.ingest_many([p for p, _ in sources], labels):
+    results = chain(ingestor.ingest_many([p for p, _ in sources], labels), (ingest_source(ingestor, s) for s in remote))
+    total = len(sources) + len(remote)
+    with tqdm(total=total, desc="ingest", unit="adapter", disable=True if as_json or not progress else None, file=sys.stderr) as bar:
+        for result in results:
             bar.update()
             counts[result.status] += 1
             if as_json:
                 _print_json(result.as_dict())
             elif result.status == "failed":
                 failures.append(result.error or result.source)
+            elif result.revision:
+                bar.write(f"{result.source} at revision {result.revision}: {result.status}, adapter {result.adapter_id}", file=sys.stdout)
             bar.set_postfix(counts)
     return counts, failures
 

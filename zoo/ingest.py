@@ -54,6 +54,8 @@ class IngestResult:
     error: str | None = None
     name: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: the commit a Hub source was pinned to
+    revision: str | None = None
     #: seconds spent in each stage (read, canonicalize, describe, store), for job statistics and bench.ingest
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -315,6 +317,16 @@ class Ingestor:
             return None
         return IngestResult(str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path))
 
+    def stored_revision(self, uri: str, revision: str) -> IngestResult | None:
+        """The duplicate result when an adapter of this source at this revision is stored already (answered before
+        anything is downloaded), else None."""
+        with self.sessions() as session:
+            row = session.execute(_STORED_REVISION, {"uri": uri, "revision": revision}).first()
+        if row is None:
+            return None
+        note = f"{uri} at revision {revision} is stored already (adapter {row.id}): same revision, nothing downloaded"
+        return IngestResult(uri, "duplicate", row.id, row.canonical_hash, name=row.name, notes=[note], revision=revision)
+
     def _attach_labels(self, adapter_id: int, locks: list[str], labels: LabelRow) -> bool:
         """Given labels onto a stored adapter (False if it is gone), in one transaction under the store's locks."""
         with write_transaction(self.sessions, *locks) as session:
@@ -365,6 +377,9 @@ class Ingestor:
                     session.flush()
                     refresh_search_text(session, [dup.id])
                 return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
+            if a.source_revision is not None:  # a new revision of a stored source is its next version
+                previous = {"uri": a.source_uri, "revision": a.source_revision}
+                a.previous_version_id = session.connection().execute(_PREVIOUS_VERSION, previous).scalar()
             given = {lb.key: lb.value for lb in a.labels} | (labels.attributes if labels else {})
             measured = labels.measurements if labels else {}
             conn = session.connection()
@@ -381,6 +396,19 @@ class Ingestor:
 _ADAPTER_COLUMNS = tuple(c.key for c in Adapter.__table__.columns)
 _ADAPTER_EXISTS = select(Adapter.id).where(Adapter.id == bindparam("id"))
 _INSERT_ADAPTER = insert(Adapter.__table__).returning(Adapter.__table__.c.id)
+_STORED_REVISION = (
+    select(Adapter.id, Adapter.canonical_hash, Adapter.name)
+    .where(Adapter.source_uri == bindparam("uri"), Adapter.source_revision == bindparam("revision"))
+    .order_by(Adapter.id.desc())
+    .limit(1)
+)
+#: the newest stored adapter of a source at another revision
+_PREVIOUS_VERSION = (
+    select(Adapter.id)
+    .where(Adapter.source_uri == bindparam("uri"), Adapter.source_revision != bindparam("revision"))
+    .order_by(Adapter.id.desc())
+    .limit(1)
+)
 
 
 def _insert_rows(conn: Connection, model: type[Module | Label | Measurement], rows: list[dict[str, object]]) -> None:
@@ -406,6 +434,8 @@ def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> 
     """Copy what the source said onto the adapter row, with the given labels it implies (zoo.labels.source_labels:
     stored with a new adapter only, never over a stored one's)."""
     a.source_uri, a.source_revision, a.author = origin.uri, origin.revision, origin.author
+    if origin.name:
+        a.name = origin.name[:MAX_ADAPTER_NAME]
     a.license, a.tags, a.card = origin.license, list(origin.tags) or None, origin.card
     a.source_metadata = dict(origin.metadata)
     a.labels = [Label(key=k, value=v, source="given") for k, v in source_labels(origin.metadata, labels).items()]

@@ -127,8 +127,11 @@ def ingest_options(job_options: dict[str, object], device: str | None = None) ->
 
 
 def ingest_source(ingestor: Ingestor, source: str) -> IngestResult:
-    """Ingest one job source (the one place a source string becomes files: local paths today)."""
-    return ingestor.ingest(Path(source))
+    """Ingest one job source: a local path or an `hf://` source (zoo.sources.resolve, the one place a source
+    string becomes files)."""
+    from zoo.sources.resolve import ingest_source as ingest_resolved
+
+    return ingest_resolved(ingestor, source)
 
 
 def process_claim(sessions: sessionmaker[Session], ingestor: Ingestor, claim: Claim, owner: str) -> Outcome:
