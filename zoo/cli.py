@@ -631,6 +631,24 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_crawl(settings: Settings, args: argparse.Namespace) -> int:
+    from zoo import jobs
+    from zoo.sources.hub import crawl
+
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit must be at least 1")
+    require_schema(settings.database_url)
+    sources = crawl(args.base_model, search=args.search, author=args.author, library=args.library, limit=args.limit)
+    with session_factory(settings.database_url).begin() as session:
+        job = jobs.create_job(session, sources, {}, "crawl")
+        out = {**jobs.job_detail(session, job, items=False), "sources": sources}
+    if args.json:
+        _print_json(out)
+    else:
+        print(f"job {out['id']}: {len(sources)} adapters of {args.base_model} queued; run `zoo worker --drain`")
+    return 0
+
+
 def job_list_lines(found: list[dict]) -> list[str]:
     lines = [
         f"{'id':>5}  {'state':<9} {'total':>6} {'done':>6} {'dup':>5} {'failed':>6} {'queued':>6} {'running':>7} {'items/s':>8}  created"
@@ -990,6 +1008,19 @@ def build_parser() -> argparse.ArgumentParser:
         j.add_argument("id", type=int)
         j.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_jobs)
+
+    s = sub.add_parser(
+        "crawl",
+        help="queue the Hub's adapters of a base model as one job (HfApi.list_models, filter base_model:adapter:ID)",
+        description="Lists the Hub's adapters of a base model and queues them (hf://owner/repo) as one job for `zoo worker`.",
+    )
+    s.add_argument("--base-model", required=True, metavar="ID", help="the base model's Hub id, e.g. meta-llama/Llama-3.1-8B")
+    s.add_argument("--search", metavar="TEXT", help="only repos whose id contains TEXT")
+    s.add_argument("--author", metavar="A", help="only repos of this user or organization")
+    s.add_argument("--library", metavar="NAME", help="only repos of this library, e.g. peft")
+    s.add_argument("--limit", type=int, metavar="N", help="at most N repos")
+    s.add_argument("--json", action="store_true", help="print the job as a JSON object")
+    s.set_defaults(func=cmd_crawl)
 
     s = sub.add_parser(
         "worker",

@@ -322,11 +322,26 @@ def download(resolved: Resolved) -> tuple[Path, Origin]:
     )
     for name, expected in r.files.items():
         _verify(r.source, local / name, name, *expected)
+    _record_ref(local.parent.parent, r.ref.revision or "main", r.sha)
     origin = r.origin
     card_file = local / CARD
     if CARD in r.files and card_file.is_file():
         origin = replace(origin, card=card_file.read_text(errors="replace").replace("\x00", ""))
     return local / r.target, origin
+
+
+def _record_ref(storage: Path, revision: str, sha: str) -> None:
+    """Record in the cache's refs/ which commit the branch or tag was (the download was pinned to the sha, so the
+    client did not), so that offline mode finds it."""
+    if _SHA.match(revision) or not (storage / "snapshots" / sha).is_dir():
+        return
+    ref = storage / "refs" / revision
+    if ref.is_file() and ref.read_text().strip() == sha:
+        return
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+    tmp.write_text(sha)
+    tmp.replace(ref)
 
 
 def _verify(source: str, path: Path, name: str, size: int | None, digest: str | None, lfs: bool) -> None:
@@ -344,6 +359,27 @@ def _verify(source: str, path: Path, name: str, size: int | None, digest: str | 
         path.unlink(missing_ok=True)
         blob.unlink(missing_ok=True)
         raise InputError(source, f"{name} changed on the Hub after it was listed (its bytes are not those listed): try again")
+
+
+def crawl(
+    base_model: str, search: str | None = None, author: str | None = None, library: str | None = None, limit: int | None = None
+) -> list[str]:
+    """The Hub's adapters of a base model (its `base_model:adapter:ID` tag) as hf:// sources, every page followed."""
+    from huggingface_hub import HfApi
+
+    if not base_model or any(c.isspace() for c in base_model):
+        raise UsageError(f"{base_model!r} is not a Hub model id")
+    api = HfApi(endpoint=_endpoint())
+    filters = [f"base_model:adapter:{base_model}", *([library] if library else [])]
+    what = f"adapters of {base_model}"
+
+    def listing() -> list[str]:
+        return [SCHEME + m.id for m in api.list_models(filter=filters, search=search, author=author, limit=limit)]
+
+    try:
+        return _hub_errors(what, HubRef(base_model, None, ""), listing)
+    except InputError as exc:
+        raise UsageError(f"listing the Hub's {exc}") from None
 
 
 def fetch(source: str) -> tuple[Path, Origin]:
