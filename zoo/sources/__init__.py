@@ -19,8 +19,8 @@ class Origin:
     license: str | None = None
     tags: list[str] = field(default_factory=list)
     card: str | None = None
-    #: the adapter's name when its files' own name means nothing (a Hub cache folder is named by the commit)
-    name: str | None = None
     #: the rest: datasets, downloads, likes, pipeline_tag, library_name, card_base_model (list),
     #: base_model_relation (adapter | finetune | merge | quantized), ...
     metadata: dict[str, object] = field(default_factory=dict)
+    #: the adapter's name when its files' own name means nothing (a Hub cache folder is named by the commit)
+    name: str | None = None
