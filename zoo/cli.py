@@ -91,6 +91,11 @@ def run_ingest(
 def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     from zoo.ingest import IngestOptions
 
+    if args.ray is not None:
+        require_schema(settings.database_url)
+        base = str(Path(args.base).absolute()) if args.base else None
+        options = {"base_model": args.base_model, "base_checkpoint": base, "energy": args.energy, "max_rank": args.max_rank}
+        return run_job_on_ray(settings, queue_job(settings, args.paths, options, args.labels, args.metrics, "ingest --ray"), args)
     options = IngestOptions(
         base_model=args.base_model,
         base_checkpoint=Path(args.base) if args.base else None,
@@ -609,12 +614,9 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     require_schema(settings.database_url)
     sessions = session_factory(settings.database_url)
     if args.action == "add":
-        from zoo.sources.local import expand_paths
-
-        sources = [str(source.absolute()) for source, _ in expand_paths(args.paths)]
-        with sessions.begin() as session:
-            job = jobs.create_job(session, sources, {"base_model": args.base_model} if args.base_model else {}, "cli")
-            out: object = jobs.job_detail(session, job, items=False)
+        job_id = queue_job(settings, args.paths, {"base_model": args.base_model}, args.labels, args.metrics, "cli")
+        with sessions() as session:
+            out: object = jobs.get_job(session, job_id, items=False)
     elif args.action == "retry":
         out = jobs.retry_job(sessions, args.id)
     elif args.action == "cancel":
@@ -631,6 +633,19 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def queue_job(
+    settings: Settings, paths: list[str], options: dict[str, object], labels_csv: str | None, metrics: Sequence[str], created_by: str
+) -> int:
+    """Queue the sources under `paths` (local or `hf://`) as one job, with their labels CSV rows; its id."""
+    from zoo import jobs
+    from zoo.sources.resolve import job_sources
+
+    label_rows = read_labels_csv(Path(labels_csv), metrics) if labels_csv else {}
+    sources, labels = job_sources(paths, label_rows)
+    with session_factory(settings.database_url).begin() as session:
+        return jobs.create_job(session, sources, {k: v for k, v in options.items() if v is not None}, created_by, labels).id
+
+
 def cmd_crawl(settings: Settings, args: argparse.Namespace) -> int:
     from zoo import jobs
     from zoo.sources.hub import crawl
@@ -642,11 +657,45 @@ def cmd_crawl(settings: Settings, args: argparse.Namespace) -> int:
     with session_factory(settings.database_url).begin() as session:
         job = jobs.create_job(session, sources, {}, "crawl")
         out = {**jobs.job_detail(session, job, items=False), "sources": sources}
+    if args.ray is not None:
+        return run_job_on_ray(settings, int(out["id"]), args)  # type: ignore[call-overload]
     if args.json:
         _print_json(out)
     else:
         print(f"job {out['id']}: {len(sources)} adapters of {args.base_model} queued; run `zoo worker --drain`")
     return 0
+
+
+def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) -> int:
+    """Work a queued job on Ray (zoo/ray_runner.py); print the worker's summary and the failed items."""
+    from zoo.jobs import get_job
+    from zoo.ray_runner import run_on_ray
+
+    device, progress = getattr(args, "device", None), False if args.json else None
+    summary = run_on_ray(settings, job_id, args.ray or None, args.concurrency, device=device, progress=progress)
+    with session_factory(settings.database_url)() as session:
+        job = get_job(session, job_id)
+    failed = [i for i in job["items"] if i["state"] == "failed"]  # type: ignore[union-attr]
+    if args.json:
+        _print_json({**summary, "job": {k: v for k, v in job.items() if k != "items"}, "failures": failed})
+    else:
+        ray = summary["ray"]
+        print(f"job {job_id} on Ray ({ray['nodes']} nodes, {ray['cpus']} CPUs, {ray['gpus']:g} GPUs): " + worker_line(summary))  # type: ignore[index]
+        for item in failed:
+            print(f"  failed: {item['reason'] or item['source']}")
+    return 1 if failed else 0
+
+
+def worker_line(summary: dict[str, object]) -> str:
+    """A worker run's summary in one line."""
+    embedded = ", ".join(f"{n} in {space}" for space, n in summary["embedded"].items()) or "none"  # type: ignore[attr-defined]
+    return (
+        f"{summary['processed']} items in {summary['seconds']:.1f} s ({summary['items_per_s'] or 0:.2f}/s): "
+        f"{summary['done']} done, {summary['duplicate']} duplicate, {summary['failed']} failed"
+        + (f", {summary['queued']} queued again" if summary["queued"] else "")
+        + (f", {summary['lost']} taken over by another worker" if summary["lost"] else "")
+        + f"; embedded: {embedded}"
+    )
 
 
 def job_list_lines(found: list[dict]) -> list[str]:
@@ -720,14 +769,7 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(summary)
         return 0
-    embedded = ", ".join(f"{n} in {space}" for space, n in summary["embedded"].items()) or "none"  # type: ignore[attr-defined]
-    print(
-        f"{summary['processed']} items in {summary['seconds']:.1f} s ({summary['items_per_s'] or 0:.2f}/s): "
-        f"{summary['done']} done, {summary['duplicate']} duplicate, {summary['failed']} failed"
-        + (f", {summary['queued']} queued again" if summary["queued"] else "")
-        + (f", {summary['lost']} taken over by another worker" if summary["lost"] else "")
-        + f"; embedded: {embedded}"
-    )
+    print(worker_line(summary))
     return 0
 
 
@@ -766,6 +808,19 @@ def cmd_token(settings: Settings, args: argparse.Namespace) -> int:
             revoked = "REVOKED" if t["revoked_at"] else ""
             print(f"{t['id']:>4}  {t['name']:<24} created {t['created_at']}  last used {t['last_used_at'] or '-'}  {revoked}")
     return 0
+
+
+def add_ray_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="queue the sources as a job and work it on a Ray cluster (needs the `ray` extra): ADDRESS as ray.init takes it "
+        "(e.g. auto, HOST:6379, ray://HOST:10001); none: RAY_ADDRESS, or a new local instance on this machine's cores. "
+        "Progress is in the job (`zoo jobs show`); more than one node needs PostgreSQL and a data dir every node mounts",
+    )
+    s.add_argument("--concurrency", type=int, metavar="N", help="with --ray: ingest tasks (default: one per CPU of the cluster)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -809,7 +864,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="COL,...",
         help="further numeric CSV columns to store as measurements",
     )
-    s.add_argument("--json", action="store_true", help="one JSON object per source, no progress bar")
+    add_ray_arguments(s)
+    s.add_argument("--json", action="store_true", help="one JSON object per source, no progress bar (with --ray: one summary)")
     s.set_defaults(func=cmd_ingest)
 
     s = sub.add_parser(
@@ -992,9 +1048,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the web app's ingest endpoint and `zoo crawl` make them. Re-running a job skips its finished items.",
     )
     jsub = s.add_subparsers(dest="action", required=True)
-    j = jsub.add_parser("add", help="queue a job of the adapters under PATHs for `zoo worker`")
+    j = jsub.add_parser("add", help="queue a job of the adapters under PATHs (local or hf://...) for `zoo worker`")
     j.add_argument("paths", nargs="+", metavar="PATH")
     j.add_argument("--base-model", metavar="NAME", help="base model name to record (overrides the files)")
+    j.add_argument("--labels", metavar="CSV", help="known attributes and measurements per source, as for `zoo ingest --labels`")
+    j.add_argument(
+        "--metrics", type=lambda v: [c for c in v.split(",") if c], default=[], metavar="COL,...", help="further numeric CSV columns"
+    )
     j.add_argument("--json", action="store_true")
     j = jsub.add_parser("list", help="the newest jobs with counts per item state and items/s")
     j.add_argument("--limit", type=int, default=50)
@@ -1019,7 +1079,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--author", metavar="A", help="only repos of this user or organization")
     s.add_argument("--library", metavar="NAME", help="only repos of this library, e.g. peft")
     s.add_argument("--limit", type=int, metavar="N", help="at most N repos")
-    s.add_argument("--json", action="store_true", help="print the job as a JSON object")
+    add_ray_arguments(s)
+    s.add_argument("--json", action="store_true", help="print the job as a JSON object (with --ray: the run's summary)")
     s.set_defaults(func=cmd_crawl)
 
     s = sub.add_parser(

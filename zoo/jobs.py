@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from zoo.db.models import Job, JobItem
 from zoo.db.session import write_transaction
 from zoo.errors import NotFoundError, UsageError
+from zoo.labels import LabelRow
 
 ITEM_STATES = ("queued", "running", "done", "duplicate", "failed", "cancelled")
 #: states of an item whose source was worked on to the end
@@ -69,17 +70,34 @@ class Claim:
     source: str
     attempt: int
     options: dict[str, object]
+    labels: LabelRow | None = None
 
 
-def create_job(session: Session, sources: Iterable[str], options: dict[str, object], created_by: str | None = None) -> Job:
-    """A job with one queued item per source (flushed, not committed); a job of no sources is done at once."""
+def create_job(
+    session: Session,
+    sources: Iterable[str],
+    options: dict[str, object],
+    created_by: str | None = None,
+    labels: Mapping[str, LabelRow] | None = None,
+) -> Job:
+    """A job with one queued item per source, each with its given labels if any (flushed, not committed);
+    a job of no sources is done at once."""
     job = Job(kind="ingest", state="queued", options=dict(options), created_by=created_by)
-    job.items = [JobItem(source=s, state="queued", attempts=0) for s in sources]
+    labels = labels or {}
+    job.items = [JobItem(source=s, state="queued", attempts=0, labels=_label_json(labels.get(s))) for s in sources]
     if not job.items:
         job.state, job.finished_at = "done", _now()
     session.add(job)
     session.flush()
     return job
+
+
+def _label_json(row: LabelRow | None) -> dict[str, object] | None:
+    return {"attributes": row.attributes, "measurements": row.measurements} if row else None
+
+
+def _label_row(stored: dict | None) -> LabelRow | None:
+    return LabelRow(dict(stored.get("attributes", {})), dict(stored.get("measurements", {}))) if stored else None
 
 
 # --- the queue ---------------------------------------------------------------------------------------
@@ -109,7 +127,7 @@ def claim_items(sessions: sessionmaker[Session], owner: str, lease_s: float, lim
         for item, options in rows:
             item.state, item.attempts, item.lease_owner, item.reason = "running", item.attempts + 1, owner, None
             item.lease_expires_at, item.started_at, item.updated_at = now + timedelta(seconds=lease_s), now, now
-            claims.append(Claim(item.id, item.job_id, item.source, item.attempts, dict(options or {})))
+            claims.append(Claim(item.id, item.job_id, item.source, item.attempts, dict(options or {}), _label_row(item.labels)))
         jobs = {c.job_id for c in claims}
         if jobs:
             session.execute(update(Job).where(Job.id.in_(jobs), Job.state == "queued").values(state="running"))

@@ -33,8 +33,9 @@ from tqdm import tqdm
 from zoo.blobs import BlobStore
 from zoo.config import Settings
 from zoo.db.session import session_factory
-from zoo.ingest import IngestOptions, Ingestor, IngestResult
+from zoo.ingest import IngestOptions, Ingestor
 from zoo.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
+from zoo.sources.resolve import ingest_source
 
 log = logging.getLogger(__name__)
 
@@ -126,19 +127,11 @@ def ingest_options(job_options: dict[str, object], device: str | None = None) ->
     return IngestOptions(**known, base_checkpoint=Path(str(base)) if base else None, device=device)  # type: ignore[arg-type]
 
 
-def ingest_source(ingestor: Ingestor, source: str) -> IngestResult:
-    """Ingest one job source: a local path or an `hf://` source (zoo.sources.resolve, the one place a source
-    string becomes files)."""
-    from zoo.sources.resolve import ingest_source as ingest_resolved
-
-    return ingest_resolved(ingestor, source)
-
-
 def process_claim(sessions: sessionmaker[Session], ingestor: Ingestor, claim: Claim, owner: str) -> Outcome:
     """Ingest a claimed item and write its outcome (if the lease is still ours)."""
     start = time.perf_counter()
     try:
-        result = ingest_source(ingestor, claim.source)
+        result = ingest_source(ingestor, claim.source, claim.labels)
     except BaseException as exc:
         reason = f"{claim.source}: {type(exc).__name__}: {str(exc).strip()[:300]}"
         state = release_item(sessions, owner, claim.item_id, reason if isinstance(exc, Exception) else f"{reason} (interrupted)")
@@ -293,6 +286,15 @@ def outcomes(settings: Settings, options: WorkerOptions, concurrency: int, stop:
         raise RuntimeError("; ".join(failed))
 
 
+class Batches(Protocol):
+    """Where outcomes' adapters go to be embedded: EmbedBatches here, or an embedding actor (zoo/ray_runner.py)."""
+
+    embedded: Counter[str]
+
+    def add(self, outcome: Outcome) -> None: ...
+    def flush(self, files: bool = True) -> None: ...
+
+
 def run_worker(
     settings: Settings,
     options: WorkerOptions,
@@ -301,13 +303,27 @@ def run_worker(
     progress: bool | None = None,
     stop: threading.Event | None = None,
 ) -> dict[str, object]:
-    """Work through queued items until stopped (or drained), with a progress bar (None: when stderr is a
-    terminal), embedding new adapters in batches. Returns the summary: outcomes, embedded, rate."""
+    """Work through queued items with `concurrency` processes until stopped (or drained), embedding new
+    adapters in batches; see `drive`."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     stop = stop or threading.Event()
-    sessions = session_factory(settings.database_url)
     batches = EmbedBatches(settings, embed_every, options.device)
+    return drive(settings, options, outcomes(settings, options, concurrency, stop), batches, concurrency, progress)
+
+
+def drive(
+    settings: Settings,
+    options: WorkerOptions,
+    found: Iterator[Outcome | None],
+    batches: Batches,
+    concurrency: int,
+    progress: bool | None = None,
+) -> dict[str, object]:
+    """Tally outcomes as they come, with a progress bar (None: when stderr is a terminal), hand stored
+    adapters to `batches` (flushed whenever the workers find nothing new, and at the end). Returns the
+    summary: outcomes by state, embedded per space, jobs, rate."""
+    sessions = session_factory(settings.database_url)
     tally: Counter[str] = Counter()
     jobs: set[int] = set()
     start = last_count = time.perf_counter()
@@ -315,7 +331,7 @@ def run_worker(
         total = pending_items(session, options.job_id)
     bar = tqdm(total=total, desc="worker", unit="item", disable=None if progress is None else not progress, file=sys.stderr)
     with bar:
-        for outcome in outcomes(settings, options, concurrency, stop):
+        for outcome in found:
             if outcome is None:
                 batches.flush()
             else:

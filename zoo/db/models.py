@@ -287,6 +287,8 @@ class JobItem(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     #: seconds per ingest stage (fetch, read, describe, store, ...) of the last attempt
     timings: Mapped[dict | None] = mapped_column(JSON)
+    #: the source's given labels ({"attributes": {...}, "measurements": {...}}), from a labels CSV
+    labels: Mapped[dict | None] = mapped_column(JSON)
 
     job: Mapped[Job] = relationship(back_populates="items")
 

@@ -3,6 +3,7 @@ from the Hub (zoo/sources/hub.py). `zoo ingest`, `zoo worker` and the web app's 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,22 @@ if TYPE_CHECKING:
 def is_remote(source: str) -> bool:
     """Whether the source is fetched (a Hub source) rather than read where it is."""
     return hub.is_hub_source(source)
+
+
+def job_sources(paths: Iterable[str], label_rows: dict[str, LabelRow] | None = None) -> tuple[list[str], dict[str, LabelRow]]:
+    """A job's sources from command-line paths: `hf://` sources as given (a malformed one is a usage error
+    here), local paths expanded (zoo.sources.local) to absolute paths; and each local source's labels CSV row."""
+    from zoo.labels import assign_rows
+    from zoo.sources.local import expand_paths
+
+    paths = list(paths)
+    remote = [p for p in paths if is_remote(p)]
+    for source in remote:
+        hub.parse(source)
+    local = expand_paths([p for p in paths if not is_remote(p)])
+    labels = assign_rows(label_rows, local) if label_rows else {}
+    sources = [str(path.absolute()) for path, _ in local]
+    return [*sources, *remote], {str(path.absolute()): row for path, row in labels.items()}
 
 
 def fetch_source(source: str) -> tuple[Path, Origin | None]:
