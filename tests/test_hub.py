@@ -64,6 +64,7 @@ def test_ingest_pins_the_sha_and_reingest_downloads_nothing(cli: CLI, hub: HubSe
     rc, [shown] = cli.json_lines("show", str(out["adapter_id"]))
     assert shown["source_revision"] == repo.head.sha and shown["source_uri"] == "hf://alice/lora-a"
     assert shown["author"] == "alice" and shown["license"] == "mit"
+    assert shown["base_model"] == BASE  # the card's, where the adapter's config names none
     assert shown["name"] == "alice/lora-a"
     meta = shown["source_metadata"]
     assert meta["card_base_model"] == [BASE] and meta["base_model_relation"] == "adapter"
@@ -105,6 +106,10 @@ def test_crawl_queues_every_page_and_the_worker_runs_them(cli: CLI, hub: HubServ
     assert only["sources"] == ["hf://bob/b"]
     rc, [summary] = cli.json_lines("worker", "--drain", "--job", str(job["id"]))
     assert rc == 0 and summary["done"] == 3 and summary["failed"] == 1, summary
+    rc, [added] = cli.json_lines("jobs", "add", "hf://alice/a", "hf://bob/b@main")  # Hub sources are queued as given
+    rc, [shown] = cli.json_lines("jobs", "show", str(added["id"]))
+    assert [i["source"] for i in shown["items"]] == ["hf://alice/a", "hf://bob/b@main"]
+    assert cli("jobs", "add", "hf://not a repo")[0] != 0
     rc, [shown] = cli.json_lines("jobs", "show", str(job["id"]))
     [failed] = [i for i in shown["items"] if i["state"] == "failed"]
     assert failed["source"] == "hf://dave/gone" and failed["reason"].startswith("hf://dave/gone: no such repo")

@@ -272,7 +272,8 @@ class Ingestor:
     def _ingest(self, path: Path, source: str, labels: LabelRow | None, origin: Origin | None, timings: dict[str, float]) -> IngestResult:
         lap = _Laps(timings)
         raw = open_adapter(path)
-        base_model = self.options.base_model or raw.base_model or UNKNOWN_BASE
+        named = origin.base_model if origin is not None else None
+        base_model = self.options.base_model or named or raw.base_model or UNKNOWN_BASE  # a Hub card over a config's (often local) path
         lap("read")
         result = self._stored_copy(raw, base_model, labels)
         lap("store")

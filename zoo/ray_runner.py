@@ -54,13 +54,17 @@ def connect(settings: Settings, address: str | None) -> Any:
     ray = import_ray()
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
     if not ray.is_initialized():
-        ray.init(
-            address=address or None,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            runtime_env={"env_vars": env} if env else None,
-        )
+        try:
+            ray.init(
+                address=address or None,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                runtime_env={"env_vars": env} if env else None,
+            )
+        except ConnectionError as exc:
+            hint = "" if os.environ.get("RAY_AUTH_MODE") else "; a cluster with token authentication needs RAY_AUTH_MODE=token here"
+            raise UsageError(f"cannot join the Ray cluster at {address}: {str(exc).splitlines()[0]}{hint}") from None
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1 and settings.database_url.startswith("sqlite"):
         raise UsageError(

@@ -24,3 +24,9 @@ class Origin:
     metadata: dict[str, object] = field(default_factory=dict)
     #: the adapter's name when its files' own name means nothing (a Hub cache folder is named by the commit)
     name: str | None = None
+
+    @property
+    def base_model(self) -> str | None:
+        """The one base model the source names (a model card's `base_model`), if it names exactly one."""
+        named = self.metadata.get("card_base_model")
+        return named[0] if isinstance(named, list) and len(named) == 1 and isinstance(named[0], str) else None
