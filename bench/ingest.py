@@ -11,6 +11,9 @@ Prints a table with ratios against baselines measured in the same run (2 workers
 first ingest, PostgreSQL vs SQLite), the share of time per stage (read, canonicalize, describe,
 store, embed) and, on the last line, one JSON object.
 
+With --zoo-worker, `zoo jobs add` + `zoo worker --concurrency W --drain` is timed too, and with --ray
+`zoo ingest --ray` (a new local Ray instance), against that worker as its baseline.
+
 The adapter set: --adapters DIR (e.g. a quickstart data dir's demo-zoo/), else digits-vit adapters
 trained by the reference recipe into --work (once; later runs reuse them).
 """
@@ -169,6 +172,20 @@ def run_zoo_worker(backend: str, workers: int, root: Path, args: argparse.Namesp
     return {"job_per_s": done["throughput"], "command_wall_s": wall, "counts": done["counts"], "slowest_stage": done["slowest_stage"]}
 
 
+def run_on_ray(backend: str, root: Path, args: argparse.Namespace) -> dict:
+    """`zoo ingest ROOT --ray` (a new local Ray instance on this machine's cores) in a fresh database: the job's own
+    throughput and the command's wall time (Ray's start included)."""
+    with tempfile.TemporaryDirectory(dir=args.work, prefix="ray-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
+        zoo = [sys.executable, "-m", "zoo.cli", "--db", url, "--data-dir", tmp]
+        subprocess.run([*zoo, "init"], check=True, capture_output=True)
+        t0 = time.perf_counter()
+        ran = subprocess.run([*zoo, "ingest", str(root), "--ray", "--json"], capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        summary = json.loads(ran.stdout.splitlines()[-1])
+    job = summary["job"]
+    return {"job_per_s": job["throughput"], "command_wall_s": wall, "counts": job["counts"], "slowest_stage": job["slowest_stage"]}
+
+
 def adapter_set(args: argparse.Namespace) -> tuple[Path, list[tuple[Path, LabelRow | None]]]:
     """The directory of adapters and its adapters (one per source), with their rows of its labels.csv under --labels."""
     if args.adapters:
@@ -213,6 +230,7 @@ def main() -> None:
     p.add_argument("--labels", action="store_true", help="attach the set's labels.csv on both ingests, as quickstart does")
     p.add_argument("--no-embed", dest="embed", action="store_false", help="skip timing zoo embed")
     p.add_argument("--zoo-worker", action="store_true", help="also time `zoo worker --concurrency W --drain` on a job of the set")
+    p.add_argument("--ray", action="store_true", help="also time `zoo ingest ROOT --ray` (with --zoo-worker: against it)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     root, sources = adapter_set(args)
@@ -294,6 +312,17 @@ def main() -> None:
                     f"start ({w['command_wall_s']:.1f} s), slowest stage {w['slowest_stage']}, counts {w['counts']}"
                 )
                 summary[f"zoo_worker_{backend}_{workers}w"] = {"job_per_s": w["job_per_s"], "command_per_s": round(per_s, 1)}
+    if args.ray:
+        for backend in args.backends:
+            r = run_on_ray(backend, root, args)
+            per_s = len(paths) / r["command_wall_s"]
+            baseline = summary.get(f"zoo_worker_{backend}_{max(args.workers)}w")
+            versus = f"; vs zoo worker --concurrency {max(args.workers)}: {r['job_per_s'] / baseline['job_per_s']:.2f}x" if baseline else ""
+            print(
+                f"zoo ingest --ray ({backend}): job {r['job_per_s']:.1f} items/s, command {per_s:.1f}/s with Ray's start "
+                f"({r['command_wall_s']:.1f} s), slowest stage {r['slowest_stage']}, counts {r['counts']}{versus}"
+            )
+            summary[f"ray_{backend}"] = {"job_per_s": r["job_per_s"], "command_per_s": round(per_s, 1)}
     print(json.dumps(summary))
 
 
