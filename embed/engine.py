@@ -39,9 +39,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from embed.attributes import AdapterAttributes, last_label_id
 from embed.checkpoint import checkpoint_meta
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
-from embed.metrics import top_k
+from embed.metrics import KNN_K, top_k
 from embed.registry import deleted_since, load_embeddings, serving_embedders, space_version
-from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
+from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines, hybrid_score, module_sketches, sketch_module_cosines
 from embed.types import SpaceSchema, ZooAdapter
 
 if TYPE_CHECKING:
@@ -54,12 +54,13 @@ from zoo.files import replace_durably
 
 SKETCH = "module_sketch"
 W2T = "w2t"
-#: hybrid: exact module cosine and the supervised W2T cosine mixed by the weight chosen out of fold
-#: in training, over the union of both indexes' CANDIDATES nearest; module: the sketch index's
-#: CANDIDATES nearest ranked by module cosine; sketch and w2t: their embeddings alone (their
+#: hybrid: the search score `zoo train` chose out of fold (embed/choice.py): an exact score (dw or module)
+#: mixed with the supervised W2T cosine by the chosen weight (0: the exact score alone), over the union of
+#: both indexes' CANDIDATES nearest; module and dw: the sketch index's CANDIDATES nearest ranked by the
+#: mean module cosine or the whole update's cosine; sketch and w2t: their embeddings alone (their
 #: CANDIDATES nearest re-ranked by the stored vectors).
-SEARCH_METHODS = ("hybrid", "module", "sketch", "w2t")
-METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,)}
+SEARCH_METHODS = ("hybrid", "module", "dw", "sketch", "w2t")
+METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "dw": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,)}
 MAX_K = 1000
 
 
@@ -409,7 +410,7 @@ class QueryEngine:
             allowed = self._allowed(session, state, filters) if filters else None
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
             vectors = {e.method: self._query_vector(state, e, query) for e in embedders}
-            exact_stage = method in ("hybrid", "module")
+            exact_stage = method in ("hybrid", "module", "dw")
             fetch = max(k, CANDIDATES) + 1  # re-ranked below by stored vectors (and the module store)
             pool: set[int] = set()
             for e in embedders:
@@ -484,26 +485,30 @@ class QueryEngine:
         if method in ("sketch", "w2t"):
             kind = SKETCH if method == "sketch" else W2T
             return state.embedders[kind].index.vectors(ids) @ vectors[kind]
-        module = self._module_cosines(state, query, vectors[SKETCH], ids)
-        if method == "module":
-            return module
-        w2t = state.embedders[W2T]
-        weight = float(checkpoint_meta(self.data_dir / str(w2t.checkpoint))["hybrid_weight"])
-        return hybrid_score(module, w2t.index.vectors(ids) @ vectors[W2T], weight)
+        if method in EXACT_SCORES:
+            return self._exact(state, query, vectors[SKETCH], ids, method)
+        meta = checkpoint_meta(self.data_dir / str(state.embedders[W2T].checkpoint))
+        weight = float(meta["hybrid_weight"])
+        exact = self._exact(state, query, vectors[SKETCH], ids, meta.get("exact_score", "module")) if weight < 1 else 0.0
+        return hybrid_score(exact, state.embedders[W2T].index.vectors(ids) @ vectors[W2T], weight)  # type: ignore[arg-type]
 
-    def _module_cosines(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def _exact(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray, score: str) -> np.ndarray:
+        """An exact score (embed.similarity.exact_cosines) from the module store; without one, the module sketches'
+        cosine stands in for both."""
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):
             if query.adapter_id is not None and query.adapter_id in store.rows:
                 q = store.stack.take([store.rows[query.adapter_id]])
             else:
                 q = ModuleStack.of([query.factors], store.dense)
-            return store.stack.take([store.rows[int(i)] for i in ids.tolist()]).cosines(q)[0]
+            return exact_cosines(store.stack.take([store.rows[int(i)] for i in ids.tolist()]), q, score)[0]
         n_modules = len(state.schema.modules)  # type: ignore[union-attr]
         return sketch_module_cosines(sketch[None, :], state.embedders[SKETCH].index.vectors(ids), n_modules)[0]
 
     def predict(self, session: Session, space: str, query: Query) -> dict[str, object]:
-        """Attributes (top-3 classes with probabilities) and metrics (value, 90 % interval, predictor)."""
+        """Attributes (top-3 classes with probabilities) and metrics (value, 90 % interval, predictor), each by
+        the predictor `zoo train` chose: the W2T heads, a kNN in its embedding, or a kNN over the search score
+        among the labelled adapters it trained with ("search")."""
         state = self.space(session, space)
         e = state.embedders.get(W2T)
         if e is None or e.objective == "contrastive":
@@ -512,24 +517,85 @@ class QueryEngine:
         if not model.schema.fits(query.factors):
             raise UsageError(f"{query.name} does not fit space {state.name}")
         probs, values = model.predict([_as_zoo_adapter(query)])
+        searched = [k for k in (*probs, *values) if model.predictor.get(k) == "search"]
+        near = self._labelled_neighbours(session, state, model, query) if searched else (np.zeros(0, np.int64), np.zeros(0))
         attributes = {}
         for key, p in probs.items():
             classes = model.config.categorical[key]
-            order = top_k(p[0], 3)
-            attributes[key] = [{"value": classes[i], "probability": float(p[0][i])} for i in order]
+            shares = p[0]
+            if model.predictor.get(key) == "search":
+                shares = knn_shares(near, np.array([classes.index(v) if v else -1 for v in model.memory_labels[key]]), len(classes), shares)
+            order = top_k(shares, 3)
+            attributes[key] = [{"value": classes[i], "probability": float(shares[i])} for i in order]
         metrics = {}
         for key, v in values.items():
+            value = float(v[0])
+            if model.predictor.get(key) == "search":
+                value = float(model.clip(key, np.array([knn_value(near, model.memory_values[key], value)]))[0])
             std = model.residual_std.get(key)
             low, high = model.metric_range.get(key, (-math.inf, math.inf))
             known = std is not None and math.isfinite(std)  # no held-out residuals: no interval (never NaN in JSON)
             metrics[key] = {
-                "value": float(v[0]),
-                "low": max(float(v[0] - 1.645 * std), low) if known else None,  # type: ignore[operator]
-                "high": min(float(v[0] + 1.645 * std), high) if known else None,  # type: ignore[operator]
+                "value": value,
+                "low": max(value - 1.645 * std, low) if known else None,  # type: ignore[operator]
+                "high": min(value + 1.645 * std, high) if known else None,  # type: ignore[operator]
                 "interval": 0.9 if known else None,
                 "predictor": model.predictor.get(key, "head"),
             }
-        return {"space": state.name, "embedder_id": e.id, "attributes": attributes, "metrics": metrics}
+        return {
+            "space": state.name,
+            "embedder_id": e.id,
+            "attributes": attributes,
+            "metrics": metrics,
+            "predictors": {k: model.predictor.get(k, "head") for k in (*probs, *values)},
+            "search": model.search,
+            "choices": model.choices,
+        }
+
+    def _labelled_neighbours(self, session: Session, state: SpaceState, model: object, query: Query) -> tuple[np.ndarray, np.ndarray]:
+        """The labelled training adapters nearest the query by the search score: (their positions in the model's
+        memory, scores), from both indexes' CANDIDATES nearest among them, scored as `similar` scores."""
+        memory_ids = model.memory_ids  # type: ignore[attr-defined]
+        allowed = np.sort(memory_ids)
+        with state.lock.read():
+            embedders = [self._embedder(state, kind, "hybrid") for kind in METHOD_EMBEDDERS["hybrid"]]
+            vectors = {e.method: self._query_vector(state, e, query) for e in embedders}
+            pool: set[int] = set()
+            for e in embedders:
+                pool.update(self._nearest(e.index, vectors[e.method], CANDIDATES, allowed))
+            pool.discard(-1)
+            if query.adapter_id is not None:
+                pool.discard(query.adapter_id)
+            candidates = np.array(sorted(pool), dtype=np.int64)
+            scores = self._scores(state, "hybrid", query, vectors, candidates)
+        at = {int(i): j for j, i in enumerate(memory_ids.tolist())}
+        return np.array([at[int(i)] for i in candidates.tolist()], np.int64), scores
+
+
+def knn_shares(near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, fallback: np.ndarray) -> np.ndarray:
+    """Class shares of the similarity-weighted vote of the KNN_K nearest with a known class (classes: per memory
+    position, -1 unknown); `fallback` (the heads') where none is known."""
+    positions, scores = near
+    known = classes[positions] >= 0 if len(positions) else np.zeros(0, bool)
+    if not known.any():
+        return fallback
+    pos, sc = positions[known], scores[known]
+    top = top_k(sc, KNN_K)
+    votes = np.zeros(n_classes)
+    np.add.at(votes, classes[pos[top]], np.maximum(sc[top], 0.0) + 1e-6)
+    return votes / votes.sum()
+
+
+def knn_value(near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float) -> float:
+    """Similarity-weighted mean of the KNN_K nearest with a known value (values: per memory position, NaN unknown)."""
+    positions, scores = near
+    known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
+    if not known.any():
+        return fallback
+    pos, sc = positions[known], scores[known]
+    top = top_k(sc, KNN_K)
+    w = np.maximum(sc[top], 0.0) + 1e-6
+    return float((w * values[pos[top]]).sum() / w.sum())
 
 
 def _as_zoo_adapter(query: Query) -> ZooAdapter:

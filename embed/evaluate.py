@@ -1,10 +1,11 @@
 """`zoo eval`: every method on one held-out split, one table.
 
-Split by adapter (seeded). Retrieval: each held-out adapter is a query, the gallery is every
-other adapter of the space, relevance = same task. Attributes (the task) and performance
-(test accuracy) are predicted for held-out adapters from what training saw only: kNN over the
-training adapters for similarity-only methods, W2T (supervised)'s own predictors (its heads, or
-kNN in its embedding for a metric where that ranked its held-out slices clearly better).
+Split by adapter (seeded), with full labels (a fraction held out) or scarce ones (a few labelled
+adapters per task, the rest unlabelled queries). Retrieval: each held-out adapter is a query, the
+gallery is every other adapter of the space, relevance = same task. Attributes (the task) and
+performance (test accuracy) are predicted for held-out adapters from the labelled training adapters
+only: kNN over them for similarity-only methods; the row `default` is what `zoo search` and
+`zoo predict` do after `zoo train` (the search score and predictors chosen out of fold, embed/choice.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.metrics import classification, cosine, knn_classify, knn_regress, regression, retrieval
-from embed.similarity import ModuleStack, dense_modules, hybrid_score, module_sketches, sketch_module_cosines
+from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines, hybrid_score, module_sketches, sketch_module_cosines
 from embed.tokens import max_rank
 from embed.train import TrainOptions, W2TEnsemble, train_w2t
 from embed.types import SpaceSchema, ZooAdapter, split_positions
@@ -25,8 +26,8 @@ from zoo.canonical import CanonicalFactors, canonicalize
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"
-#: `hybrid` is what `zoo search` ranks by by default once a supervised W2T is trained, `module_cosine` before
-METHODS = ("hybrid", "module_cosine", "w2t_supervised", "w2t_contrastive", "dw_cosine", "module_sketch", "raw_cosine", "spectra_knn")
+#: `default` is what `zoo search` and `zoo predict` do once a supervised W2T is trained (embed/choice.py), `module_cosine` before
+METHODS = ("default", "dw_cosine", "module_cosine", "w2t_supervised", "w2t_contrastive", "module_sketch", "raw_cosine", "spectra_knn")
 KEYS = ("attr_acc", "attr_macro_f1", "perf_mae", "perf_spearman", "perf_kendall", "hit@1", "hit@10", "mrr", "ndcg@10")
 
 
@@ -70,25 +71,33 @@ def evaluate(
     seed: int = 0,
     progress: bool = True,
     contrastive: bool = True,
+    labelled_per_task: int | None = None,
+    label_fraction: float | None = None,
 ) -> dict[str, object]:
-    """Score every method on one seeded split; `contrastive=False` leaves W2T (contrastive) out (a row of nulls)."""
-    train_pos, test_pos = split_positions(adapters, test_fraction, seed)
-    train = [adapters[p] for p in train_pos]
+    """Score every method on one seeded split; `contrastive=False` leaves W2T (contrastive) out (a row of nulls).
+
+    Full labels (default): a `test_fraction` of the adapters is held out, W2T trains on the rest. Label-scarce
+    (`labelled_per_task` N or `label_fraction` F): per task, N adapters (or a fraction F, at least one) keep
+    their labels and measurements; the others lose theirs and are the queries. W2T trains on every adapter
+    (the unlabelled ones without targets), and kNN rows predict from the labelled adapters only."""
+    scarce = labelled_per_task is not None or label_fraction is not None
+    if scarce:
+        train_pos, test_pos = labelled_split(adapters, labelled_per_task, label_fraction, seed)
+        held = set(test_pos)
+        fit = [ZooAdapter(a.id, a.name, a.factors, {}, {}, a.source_uri) if p in held else a for p, a in enumerate(adapters)]
+    else:
+        train_pos, test_pos = split_positions(adapters, test_fraction, seed)
+        fit = [adapters[p] for p in train_pos]
     methods: dict[str, dict[str, float | None]] = {}
     timings: dict[str, float] = {}
 
     factors = [a.factors for a in adapters]
     t0 = time.perf_counter()
     stack = ModuleStack.of(factors, dense_modules(factors))
-    norms = stack.total_norms()
-    exact = stack.inner_products(stack) / np.maximum(np.outer(norms, norms), 1e-30)
+    exact = {score: exact_cosines(stack, stack, score) for score in EXACT_SCORES}
     timings["dw_cosine"] = time.perf_counter() - t0
-    methods["dw_cosine"] = _score(exact, adapters, test_pos, train_pos, predict=True)
-
-    t0 = time.perf_counter()
-    module = stack.cosines(stack)
-    timings["module_cosine"] = time.perf_counter() - t0
-    methods["module_cosine"] = _score(module, adapters, test_pos, train_pos, predict=True)
+    methods["dw_cosine"] = _score(exact["dw"], adapters, test_pos, train_pos, predict=True)
+    methods["module_cosine"] = _score(exact["module"], adapters, test_pos, train_pos, predict=True)
 
     t0 = time.perf_counter()
     sketch = module_sketches(factors, schema.module_names)
@@ -96,7 +105,7 @@ def evaluate(
     timings["module_sketch"] = time.perf_counter() - t0
     methods["module_sketch"] = _score(sketch_sim, adapters, test_pos, train_pos, predict=True)
     off = ~np.eye(len(adapters), dtype=bool)
-    sketch_vs_exact = float(np.corrcoef(sketch_sim[off], module[off])[0, 1]) if len(adapters) > 2 else None
+    sketch_vs_exact = float(np.corrcoef(sketch_sim[off], exact["module"][off])[0, 1]) if len(adapters) > 2 else None
 
     raw = raw_factor_vectors(adapters, schema, max_rank(adapters))
     methods["raw_cosine"] = (
@@ -108,7 +117,7 @@ def evaluate(
     embedders: dict[str, W2TEnsemble] = {}
     for objective in ("supervised", "contrastive") if contrastive else ("supervised",):
         t0 = time.perf_counter()
-        emb = train_w2t(train, schema, TrainOptions(**{**options.__dict__, "objective": objective}), progress=progress)
+        emb = train_w2t(fit, schema, TrainOptions(**{**options.__dict__, "objective": objective}), progress=progress)
         timings[f"w2t_{objective}_train"] = time.perf_counter() - t0
         embedders[objective] = emb
         z = emb.embed(adapters)
@@ -117,7 +126,7 @@ def evaluate(
         methods[name] = _score(sim, adapters, test_pos, train_pos, predict=objective == "contrastive")
         if objective == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
-            methods["hybrid"] = _score(hybrid_score(module, sim, emb.hybrid_weight), adapters, test_pos, train_pos, predict=True)
+            methods["default"] = _default_scores(emb, exact, sim, adapters, test_pos, train_pos)
 
     if not contrastive:
         methods["w2t_contrastive"] = dict.fromkeys(KEYS)
@@ -130,15 +139,65 @@ def evaluate(
     return {
         "space": schema.base_model,
         "seed": seed,
+        "protocol": _protocol(labelled_per_task, label_fraction),
         "n_train": len(train_pos),
         "n_test": len(test_pos),
         "methods": {m: methods[m] for m in METHODS if m in methods},
         "sketch_vs_exact_cosine_corr": sketch_vs_exact,
         "invariance_min_cosine": invariance,
-        "hybrid_weight": sup.hybrid_weight,
+        "search": sup.search,
         "w2t_predictor": sup.predictor,
+        "choices": sup.choices,
         "seconds": {k: round(v, 2) for k, v in timings.items()},
     }
+
+
+def _protocol(labelled_per_task: int | None, label_fraction: float | None) -> str:
+    if labelled_per_task is not None:
+        return f"{labelled_per_task} labelled per task"
+    if label_fraction is not None:
+        return f"{label_fraction:g} of each task labelled"
+    return "full labels"
+
+
+def labelled_split(adapters: list[ZooAdapter], per_task: int | None, fraction: float | None, seed: int) -> tuple[list[int], list[int]]:
+    """(labelled, queries) positions: per task, `per_task` adapters (or `fraction` of them, at least one) drawn
+    with the seed over the adapters sorted by name keep their labels; the task's others are the queries.
+    Adapters without a task are in neither."""
+    if (per_task is None) == (fraction is None):
+        raise ValueError("give one of labelled_per_task and label_fraction")
+    if per_task is not None and per_task < 1 or fraction is not None and not 0 < fraction < 1:
+        raise ValueError("labelled_per_task must be at least 1 and label_fraction between 0 and 1")
+    rng = np.random.default_rng(seed)
+    by_task: dict[str, list[int]] = {}
+    for p in sorted(range(len(adapters)), key=lambda p: (adapters[p].name, adapters[p].id)):
+        if adapters[p].labels.get(TASK_KEY):
+            by_task.setdefault(adapters[p].labels[TASK_KEY], []).append(p)
+    labelled: list[int] = []
+    queries: list[int] = []
+    for task in sorted(by_task):
+        members = by_task[task]
+        n = per_task if per_task is not None else max(1, int(round(fraction * len(members))))  # type: ignore[operator]
+        chosen = set(rng.permutation(len(members))[: min(n, len(members) - 1)].tolist())  # a task keeps a query
+        labelled += [members[i] for i in sorted(chosen)]
+        queries += [members[i] for i in range(len(members)) if i not in chosen]
+    return sorted(labelled), sorted(queries)
+
+
+def _default_scores(
+    emb: W2TEnsemble, exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int], train_pos: list[int]
+) -> dict[str, float | None]:
+    """What `zoo search` and `zoo predict` do after `zoo train`: the chosen search score, and each target by its
+    chosen predictor (a kNN over the search score among the labelled training adapters, the heads, or the kNN in
+    the embedding)."""
+    sim = hybrid_score(exact[emb.exact_score], w2t, emb.hybrid_weight)
+    out = _score(sim, adapters, test_pos, train_pos, predict=False)
+    heads = _head_scores(emb, adapters, test_pos)
+    searched = _score(sim, adapters, test_pos, train_pos, predict=True)
+    for target, keys in ((TASK_KEY, ("attr_acc", "attr_macro_f1")), (PERF_METRIC, ("perf_mae", "perf_spearman", "perf_kendall"))):
+        source = searched if emb.predictor.get(target) == "search" else heads
+        out.update({k: source.get(k) for k in keys})
+    return out
 
 
 def _head_scores(emb: W2TEnsemble, adapters: list[ZooAdapter], test_pos: list[int]) -> dict[str, float | None]:
@@ -166,6 +225,7 @@ def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
     first = results[0]
     return {
         "space": first["space"],
+        "protocol": first.get("protocol", "full labels"),
         "n_train": first["n_train"],
         "n_test": first["n_test"],
         "seeds": [r["seed"] for r in results],
@@ -182,7 +242,9 @@ def format_table(result: dict[str, Any]) -> str:
     width = 16 if spread else 14
     header = f"{'method':<16}" + "".join(f"{k:>{width}}" for k in KEYS)
     seeds = ", ".join(str(r["seed"]) for r in splits)
-    lines = [f"space {result['space']}: {result['n_train']} train, {result['n_test']} test adapters; split seed {seeds}", header]
+    protocol = result.get("protocol", "full labels")
+    sizes = f"{result['n_train']} train, {result['n_test']} test adapters"
+    lines = [f"space {result['space']} ({protocol}): {sizes}; split seed {seeds}", header]
     for name, row in result["methods"].items():
         if spread:
             cells = "".join(f"{'-':>{width}}" if row[k] is None else f"{row[k]:>9.3f} ±{spread[name][k]:.3f}" for k in KEYS)
@@ -193,7 +255,6 @@ def format_table(result: dict[str, Any]) -> str:
         prefix = f"seed {r['seed']}: " if spread else ""
         lines.append(f"{prefix}module sketch vs exact module cosine, correlation over pairs: {r['sketch_vs_exact_cosine_corr']}")
         lines.append(f"{prefix}invariance (re-factorized with random G), min cosine: {r['invariance_min_cosine']}")
-        lines.append(f"{prefix}hybrid weight of the W2T cosine: {r['hybrid_weight']}")
-        for metric, how in r["w2t_predictor"].items():
-            lines.append(f"{prefix}W2T (supervised) predicts {metric} by: {how} (chosen out of fold)")
+        for target, c in r["choices"].items():
+            lines.append(f"{prefix}{target} by {c['chosen']} (out of fold: {c['reason']})")
     return "\n".join(lines)

@@ -13,9 +13,19 @@ def retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str
     """Hit@1, Hit@10, MRR, nDCG@10 of ranking the gallery by similarity; relevance = same label.
 
     sim is (queries × gallery); self_index[q] is the query's own gallery column (excluded) or None.
+    A query with no relevant item counts 0.
     """
-    hit1 = hit10 = mrr = ndcg = 0.0
+    per_query = retrieval_per_query(sim, query_labels, gallery_labels, self_index)
+    return {k: float(v.mean()) if len(v) else 0.0 for k, v in per_query.items()}
+
+
+def retrieval_per_query(
+    sim: np.ndarray, query_labels: list[str], gallery_labels: list[str], self_index: list[int | None]
+) -> dict[str, np.ndarray]:
+    """`retrieval`'s metrics per query (0 for a query with no relevant item)."""
+    out = {k: np.zeros(len(sim)) for k in ("hit@1", "hit@10", "mrr", "ndcg@10")}
     g_labels = np.array(gallery_labels)
+    discounts = 1.0 / np.log2(np.arange(2, 12))
     for q, row in enumerate(sim):
         scores = row.astype(np.float64).copy()
         if self_index[q] is not None:
@@ -27,16 +37,12 @@ def retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str
         n_rel = int(rel.sum())
         if n_rel == 0:
             continue
-        first = int(np.argmax(rel))
-        hit1 += rel[0]
-        hit10 += float(rel[:10].any())
-        mrr += 1.0 / (first + 1)
-        discounts = 1.0 / np.log2(np.arange(2, 12))
+        out["hit@1"][q] = rel[0]
+        out["hit@10"][q] = float(rel[:10].any())
+        out["mrr"][q] = 1.0 / (int(np.argmax(rel)) + 1)
         dcg = float((rel[:10] * discounts[: len(rel[:10])]).sum())
-        ideal = float(discounts[: min(10, n_rel)].sum())
-        ndcg += dcg / ideal
-    n = len(sim)
-    return {"hit@1": hit1 / n, "hit@10": hit10 / n, "mrr": mrr / n, "ndcg@10": ndcg / n}
+        out["ndcg@10"][q] = dcg / float(discounts[: min(10, n_rel)].sum())
+    return out
 
 
 def top_k(row: np.ndarray, k: int) -> np.ndarray:

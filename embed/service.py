@@ -209,6 +209,8 @@ def train_space(
         "epochs": [sum(1 for h in model.history if h["member"] == i) for i in range(len(model.models))],
         "train_seconds": round(time.perf_counter() - t0, 1),
         "n_adapters": len(adapters),
+        "search": model.search,
+        "choices": model.choices,
     }
     with write_transaction(sessions, space_lock(base_model)) as session:
         space = ensure_space(session, schema)
@@ -233,6 +235,7 @@ def train_space(
         "heads": sorted(model.config.categorical),
         "regression": model.config.regression,
         "predictors": model.predictor,
+        "exact_score": model.exact_score,
         "hybrid_weight": model.hybrid_weight,
     }
 
@@ -349,7 +352,14 @@ def list_spaces(session: Session) -> list[dict[str, object]]:
     out = []
     for space in session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.name)):
         embedders = [
-            {"id": e.id, "method": e.method, "objective": e.objective, "dim": e.dim, "embedded": stored_count(session, e.id)}
+            {
+                "id": e.id,
+                "method": e.method,
+                "objective": e.objective,
+                "dim": e.dim,
+                "embedded": stored_count(session, e.id),
+                **{k: (e.metrics or {})[k] for k in ("search", "choices") if k in (e.metrics or {})},
+            }
             for e in serving_embedders(session, space.id).values()
         ]
         out.append({"name": space.name, "base_model": space.base_model, "version": space.version, "embedders": embedders})

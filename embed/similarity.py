@@ -197,8 +197,21 @@ def module_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors])
 def dw_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors]) -> np.ndarray:
     """(len(queries), len(gallery)) cosine of the whole updates, ⟨dW_q, dW_g⟩ / (‖dW_q‖ ‖dW_g‖)."""
     dense = dense_modules([*queries, *gallery])
-    g, q = ModuleStack.of(gallery, dense), ModuleStack.of(queries, dense)
-    return g.inner_products(q) / np.maximum(np.outer(q.total_norms(), g.total_norms()), 1e-30)
+    return exact_cosines(ModuleStack.of(gallery, dense), ModuleStack.of(queries, dense), "dw")
+
+
+#: the training-free exact scores: the whole update's cosine, and the mean per-module cosine
+EXACT_SCORES = ("dw", "module")
+
+
+def exact_cosines(gallery: ModuleStack, queries: ModuleStack, score: str) -> np.ndarray:
+    """(queries, gallery) exact scores: "dw", the cosine of the whole updates, or "module", the mean cosine over
+    shared modules."""
+    if score == "module":
+        return gallery.cosines(queries)
+    if score != "dw":
+        raise ValueError(f"unknown exact score {score!r}; one of {EXACT_SCORES}")
+    return gallery.inner_products(queries) / np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)
 
 
 def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int = MODULE_SKETCH_DIM) -> np.ndarray:
@@ -233,6 +246,6 @@ def sketch_module_cosines(queries: np.ndarray, gallery: np.ndarray, n_modules: i
     return per_module.sum(axis=2) / np.maximum(shared, 1.0)
 
 
-def hybrid_score(module_cosine: np.ndarray, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:
-    """(1 - weight) × module cosine + weight × the supervised W2T embedding's cosine."""
-    return (1.0 - weight) * module_cosine + weight * w2t_cosine
+def hybrid_score(exact: np.ndarray, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:
+    """(1 - weight) × an exact score + weight × the supervised W2T embedding's cosine."""
+    return (1.0 - weight) * exact + weight * w2t_cosine

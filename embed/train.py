@@ -31,9 +31,10 @@ from torch import nn
 from tqdm import tqdm
 
 from embed.checkpoint import MEMORY, META, WEIGHTS, checkpoint_meta
-from embed.metrics import knn_regress, retrieval
+from embed.choice import Fold, choose_attribute, choose_metric, choose_search, parse_search, search_name
+from embed.metrics import knn_regress
 from embed.model import W2T, W2TConfig
-from embed.similarity import hybrid_score, module_cosine_matrix
+from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
 from embed.tokens import Batch, TypeTokens, max_rank, select, to_device, tokenize
 from embed.types import SpaceSchema, ZooAdapter
 from zoo.labels import TASK_KEY
@@ -97,14 +98,26 @@ class W2TEnsemble:
     residual_std: dict[str, float] = field(default_factory=dict)
     #: per metric: (min, max) over the training adapters; predictions and intervals stay inside it
     metric_range: dict[str, tuple[float, float]] = field(default_factory=dict)
-    #: weight of this embedding's cosine against module cosine in the hybrid search score, chosen out of fold
-    hybrid_weight: float = 0.5
-    #: per metric: "head" (the members' regression heads, averaged) or "neighbours" (similarity-weighted
-    #: kNN over the embeddings of the training adapters), chosen out of fold
+    #: the search score, chosen out of fold (embed/choice.py): an exact score ("dw": the whole update's cosine,
+    #: "module": the mean module cosine) mixed with this embedding's cosine at `hybrid_weight` (0: exact alone)
+    exact_score: str = "dw"
+    hybrid_weight: float = 0.0
+    #: per attribute: "head" or "search" (similarity-weighted kNN over the search score among the labelled
+    #: training adapters); per metric: "head", "neighbours" (kNN over this embedding) or "search"; out of fold
     predictor: dict[str, str] = field(default_factory=dict)
-    #: embeddings of the training adapters, and their measured values per metric (NaN where unknown)
+    #: the labelled training adapters: ids, embeddings, measured values per metric (NaN where unknown) and
+    #: labels per attribute ("" where unknown)
     memory: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
     memory_values: dict[str, np.ndarray] = field(default_factory=dict)
+    memory_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    memory_labels: dict[str, list[str]] = field(default_factory=dict)
+    #: each choice with its out-of-fold scores and reason (embed.choice.Choice.as_dict), by "search" and target
+    choices: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    @property
+    def search(self) -> str:
+        """The chosen search score's name (embed.choice.search_name)."""
+        return search_name(self.exact_score, self.hybrid_weight)
 
     @property
     def config(self) -> W2TConfig:
@@ -155,20 +168,28 @@ class W2TEnsemble:
         return knn_regress(z @ self.memory[known].T, values[known])
 
     def predict(self, adapters: list[ZooAdapter]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """(class probabilities per attribute, predicted metric values in their own units)."""
+        """(class probabilities per attribute, predicted metric values in their own units) from the heads, or
+        for a metric whose predictor is "neighbours" from the kNN in the embedding. Targets whose predictor is
+        "search" need the exact scores to the memory: the caller predicts those (embed.engine, embed.evaluate)."""
         z, probs, values = self._forward(adapters)
         for k in values:
             if self.predictor.get(k) == "neighbours" and len(adapters):
                 values[k] = self.neighbour_values(z, k)
-            low, high = self.metric_range.get(k, (-math.inf, math.inf))
-            values[k] = np.clip(values[k], low, high)
+            values[k] = self.clip(k, values[k])
         return probs, values
+
+    def clip(self, metric: str, values: np.ndarray) -> np.ndarray:
+        low, high = self.metric_range.get(metric, (-math.inf, math.inf))
+        return np.clip(values, low, high)
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         state = {f"{i}.{k}": v.detach().cpu().contiguous() for i, m in enumerate(self.models) for k, v in m.state_dict().items()}
         save_file(state, str(directory / WEIGHTS))
-        memory = {"embedding": torch.from_numpy(np.ascontiguousarray(self.memory, dtype=np.float32))}
+        memory = {
+            "embedding": torch.from_numpy(np.ascontiguousarray(self.memory, dtype=np.float32)),
+            "ids": torch.from_numpy(np.ascontiguousarray(self.memory_ids, dtype=np.int64)),
+        }
         memory.update({f"values.{k}": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in self.memory_values.items()})
         save_file(memory, str(directory / MEMORY))
         meta = {
@@ -181,8 +202,11 @@ class W2TEnsemble:
             "history": self.history,
             "residual_std": self.residual_std,
             "metric_range": self.metric_range,
+            "exact_score": self.exact_score,
             "hybrid_weight": self.hybrid_weight,
             "predictor": self.predictor,
+            "memory_labels": self.memory_labels,
+            "choices": self.choices,
         }
         (directory / META).write_text(json.dumps(meta, indent=1))
 
@@ -206,10 +230,14 @@ class W2TEnsemble:
             meta["history"],
             meta["residual_std"],
             {k: (float(v[0]), float(v[1])) for k, v in meta["metric_range"].items()},
+            meta.get("exact_score", "module"),  # checkpoints from before the choice mixed with module cosine
             meta["hybrid_weight"],
             meta["predictor"],
             memory["embedding"].numpy(),
             {k.removeprefix("values."): v.numpy() for k, v in memory.items() if k.startswith("values.")},
+            memory["ids"].numpy() if "ids" in memory else np.zeros(0, dtype=np.int64),
+            meta.get("memory_labels", {}),
+            meta.get("choices", {}),
         )
 
 
@@ -396,87 +424,55 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
     embedder = W2TEnsemble(models, schema, rank, stats, options.objective, history, metric_range=ranges)
     singles = [W2TEnsemble([m], schema, rank, stats, options.objective, metric_range=ranges) for m in models]
     member_z = [single.embed(adapters) for single in singles]
-    if len(folds[0].val) >= 2:  # choices made out of fold: each member scores the slice it never trained on
-        if metrics:
-            _choose_predictors(embedder, adapters, list(zip(singles, member_z, folds, strict=True)))
-        embedder.hybrid_weight = choose_hybrid_weight(adapters, [(mz, f.val.tolist()) for mz, f in zip(member_z, folds, strict=True)])
     z = np.concatenate(member_z, axis=1) / math.sqrt(len(models))  # what embedder.embed gives, without a second pass
-    measured = [r for r, a in enumerate(adapters) if any(m in a.measurements for m in metrics)]
-    embedder.memory = z[measured]
-    embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in measured]) for m in metrics}
+    known = [r for r, a in enumerate(adapters) if any(k in a.labels for k in categorical) or any(m in a.measurements for m in metrics)]
+    embedder.memory, embedder.memory_ids = z[known], np.array([adapters[r].id for r in known], dtype=np.int64)
+    embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
+    embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
+    if len(folds[0].val) >= 2 and options.objective != "contrastive":  # choices made out of fold
+        _choose(embedder, [adapters[r] for r in known], known, singles, member_z, folds)
     return embedder
 
 
-def _choose_predictors(embedder: W2TEnsemble, adapters: list[ZooAdapter], held_out: list[tuple[W2TEnsemble, np.ndarray, _Fold]]) -> None:
-    """Per metric: the heads, or the neighbours among the training adapters where they rank the held-out
-    adapters (pooled over the members' folds) clearly better; and the std of its residuals there."""
-    pooled: dict[str, dict[str, list[float]]] = {m: {"truth": [], "head": [], "neighbours": []} for m in embedder.config.regression}
-    for member, z, fold in held_out:
-        val, train = fold.val.tolist(), fold.train.tolist()
-        _, _, head = member._forward([adapters[r] for r in val])
-        member.memory = z[train]
-        member.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in train]) for m in pooled}
-        for m, acc in pooled.items():
-            rows = [j for j, r in enumerate(val) if m in adapters[r].measurements]
-            if not rows or np.isnan(member.memory_values[m]).all():
-                continue
-            acc["truth"] += [adapters[val[j]].measurements[m] for j in rows]
-            acc["head"] += head[m][rows].tolist()
-            acc["neighbours"] += member.neighbour_values(z[[val[j] for j in rows]], m).tolist()
-    for m, acc in pooled.items():
-        truth = np.array(acc["truth"])
-        if len(truth) < 2:
-            continue
-        choice = "neighbours" if _clearly_better(np.array(acc["neighbours"]), np.array(acc["head"]), truth) else "head"
-        embedder.predictor[m] = choice
-        low, high = embedder.metric_range[m]
-        embedder.residual_std[m] = float(np.std(np.clip(acc[choice], low, high) - truth))
-
-
-def _clearly_better(candidate: np.ndarray, default: np.ndarray, truth: np.ndarray) -> bool:
-    """Whether `candidate` ranks like `truth` better than `default` does, with 95 % confidence (one-sided,
-    paired bootstrap of the Spearman difference). Held-out scores compare single members, and averaging
-    helps the heads more than the neighbours, so the heads stay unless the neighbours are clearly better."""
-    from scipy.stats import bootstrap, spearmanr  # imported here: every `zoo` command loads this module, few train
-
-    if len(truth) < 5:
-        return False
-
-    def gain(c: np.ndarray, d: np.ndarray, t: np.ndarray) -> float:
-        return float(np.nan_to_num(spearmanr(c, t).statistic, nan=-1.0) - np.nan_to_num(spearmanr(d, t).statistic, nan=-1.0))
-
-    if gain(candidate, default, truth) <= 0:
-        return False
-    ci = bootstrap(
-        (candidate, default, truth),
-        gain,
-        paired=True,
-        vectorized=False,
-        n_resamples=1000,
-        confidence_level=0.90,
-        method="percentile",
-        rng=np.random.default_rng(0),
-    ).confidence_interval
-    return bool(ci.low > 0)
-
-
-HYBRID_WEIGHTS = tuple(i / 10 for i in range(11))
-
-
-def choose_hybrid_weight(adapters: list[ZooAdapter], held_out: list[tuple[np.ndarray, list[int]]]) -> float:
-    """The hybrid weight that retrieves best (MRR + nDCG@10, relevance = same task), pooled over the held-out
-    folds: each fold's adapters query all adapters, with the W2T cosine of the member that never trained on
-    them (held_out: (that member's embeddings of `adapters`, the fold's rows)); 0.5 when they have no tasks."""
-    tasks = [a.labels.get(TASK_KEY, "") for a in adapters]
-    folds = [(z, [r for r in rows if tasks[r]]) for z, rows in held_out]
-    queries = [r for _, rows in folds for r in rows]
-    if len(queries) < 2:
-        return 0.5
-    module = module_cosine_matrix([adapters[r].factors for r in queries], [a.factors for a in adapters])
-    w2t = np.concatenate([z[rows] @ z.T for z, rows in folds if rows])
-
-    def quality(weight: float) -> float:
-        r = retrieval(hybrid_score(module, w2t, weight), [tasks[q] for q in queries], tasks, list(queries))
-        return r["mrr"] + r["ndcg@10"]
-
-    return max(HYBRID_WEIGHTS, key=quality)
+def _choose(
+    embedder: W2TEnsemble,
+    labelled: list[ZooAdapter],
+    rows: list[int],
+    singles: list[W2TEnsemble],
+    member_z: list[np.ndarray],
+    folds: list[_Fold],
+) -> None:
+    """The search score and each target's predictor, out of fold (embed/choice.py), over the labelled adapters
+    (`labelled`, at `rows` of the training set); and the std of the chosen metric predictors' residuals there."""
+    at = {r: i for i, r in enumerate(rows)}
+    views = [
+        Fold([at[r] for r in f.val.tolist() if r in at], [at[r] for r in f.train.tolist() if r in at], mz[rows])
+        for f, mz in zip(folds, member_z, strict=True)
+    ]
+    dense = dense_modules([a.factors for a in labelled])
+    stack = ModuleStack.of([a.factors for a in labelled], dense)
+    exact = {score: exact_cosines(stack, stack, score) for score in EXACT_SCORES}
+    search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views)
+    embedder.exact_score, embedder.hybrid_weight = parse_search(search.chosen)
+    embedder.choices = {"search": search.as_dict()}
+    heads: dict[str, dict[int, object]] = {}
+    for single, view in zip(singles, views, strict=True):  # each member predicts the rows it never trained on
+        _, probs, values = single._forward([labelled[i] for i in view.val])
+        for k, p in probs.items():
+            classes = embedder.config.categorical[k]
+            heads.setdefault(k, {}).update({i: classes[c] for i, c in zip(view.val, p.argmax(axis=1).tolist(), strict=True)})
+        for m, v in values.items():
+            heads.setdefault(m, {}).update(dict(zip(view.val, v.tolist(), strict=True)))
+            single.memory = view.z[view.train]
+            single.memory_values = {m: embedder.memory_values[m][view.train]}
+            nbrs = single.neighbour_values(view.z[view.val], m) if not np.isnan(single.memory_values[m]).all() else v
+            heads.setdefault(f"neighbours.{m}", {}).update(dict(zip(view.val, nbrs.tolist(), strict=True)))
+    for k in embedder.config.categorical:
+        choice, _ = choose_attribute(exact, search.chosen, embedder.memory_labels[k], heads.get(k, {}), views)  # type: ignore[arg-type]
+        embedder.predictor[k], embedder.choices[k] = choice.chosen, choice.as_dict()
+    for m in embedder.config.regression:
+        learned = {"head": heads.get(m, {}), "neighbours": heads.get(f"neighbours.{m}", {})}
+        choice, pred, truth = choose_metric(exact, search.chosen, embedder.memory_values[m], learned, views)  # type: ignore[arg-type]
+        embedder.predictor[m], embedder.choices[m] = choice.chosen, choice.as_dict()
+        if len(truth) >= 2:
+            embedder.residual_std[m] = float(np.std(embedder.clip(m, pred) - truth))

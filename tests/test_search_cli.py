@@ -99,7 +99,7 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     ingest(cli, small_zoo)
     rc, (info,) = cli.json_lines("train", "--epochs", "2", "--members", "2")
     assert rc == 0 and info["heads"] == ["task"] and info["regression"] == ["test_accuracy"]
-    assert len(info["epochs"]) == 2 and set(info["predictors"]) == {"test_accuracy"}
+    assert len(info["epochs"]) == 2 and set(info["predictors"]) == {"task", "test_accuracy"}
     assert info["embedded"] == {"w2t": 12, "module_sketch": 12}
     assert Path(info["checkpoint"], "model.safetensors").exists()
     rc, (pred,) = cli.json_lines("predict", str(small_zoo / "zoo" / "a03"))
@@ -108,6 +108,7 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     assert {c["value"] for c in pred["attributes"]["task"]} == {"qk", "qv"} and sum(probs) == pytest.approx(1.0, abs=1e-4)
     m = pred["metrics"]["test_accuracy"]
     assert m["low"] <= m["value"] <= m["high"] and m["predictor"] == info["predictors"]["test_accuracy"]
+    assert pred["predictors"] == info["predictors"] and pred["search"] == info["choices"]["search"]["chosen"]
     rc, (found,) = cli.json_lines("search", "1", "-k", "3", "--method", "w2t")
     assert rc == 0 and len(found["results"]) == 3
     # with a supervised W2T trained, search defaults to the hybrid; a stored adapter given by path scores 1 with itself

@@ -473,7 +473,11 @@ def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-PREDICTOR_WORDS = {"head": "regression heads", "neighbours": "most similar training adapters"}
+PREDICTOR_WORDS = {
+    "head": "W2T heads",
+    "neighbours": "most similar training adapters in the W2T embedding",
+    "search": "most similar labelled adapters by the search score",
+}
 
 
 def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
@@ -552,6 +556,9 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
 
     if args.splits < 1:
         raise UsageError(f"--splits must be at least 1, got {args.splits}")
+    per_task, fraction = args.labelled_per_task, args.label_fraction
+    if per_task is not None and per_task < 1 or fraction is not None and not 0 < fraction < 1:
+        raise UsageError("--labelled-per-task must be at least 1 and --label-fraction between 0 and 1")
     require_schema(settings.database_url)
     space = _space(settings, args.space)
     with session_factory(settings.database_url)() as session:
@@ -570,6 +577,8 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
                 seed,
                 progress=not args.json,
                 contrastive=not args.no_contrastive,
+                labelled_per_task=args.labelled_per_task,
+                label_fraction=args.label_fraction,
             )
         )
     result = results[0] if len(results) == 1 else combine_splits(results)
@@ -909,7 +918,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--space", help="base model (default: the only one)")
     s.add_argument("--epochs", type=int, default=80)
     s.add_argument("--members", type=int, default=5, help="W2T models in the ensemble, from consecutive seeds (default: 5)")
-    s.add_argument("--test-fraction", type=float, default=0.2)
+    s.add_argument("--test-fraction", type=float, default=0.2, help="full labels: the adapters held out (default: %(default)s)")
+    scarce = s.add_mutually_exclusive_group()
+    scarce.add_argument(
+        "--labelled-per-task",
+        type=int,
+        metavar="N",
+        help="label-scarce protocol: per task, N adapters keep their labels; the others are ingested unlabelled and are the queries",
+    )
+    scarce.add_argument("--label-fraction", type=float, metavar="F", help="label-scarce protocol: a fraction F of each task is labelled")
     s.add_argument("--seed", type=int, default=0, help="seed of the split and of the W2T members (default: 0)")
     s.add_argument(
         "--splits",

@@ -1,0 +1,187 @@
+"""Methods chosen from the data, out of fold: the search score, and each attribute's and metric's predictor.
+
+The rule (DESIGN.md): a learned method replaces a training-free one only where it wins out of fold.
+Every choice is scored on the adapters a W2T ensemble member never trained on (its fold), pooled over
+the members, against the labelled adapters:
+
+- search: the exact scores (the whole update's dW cosine, the mean module cosine) and their mixes with
+  the W2T cosine, by each held-out adapter's MRR + nDCG@10 (relevance = same task). The better exact
+  score is the default; the best mix replaces it only if its per-query gain is clearly positive
+  (paired bootstrap, one-sided 95 %), so with few labels the training-free score stays;
+- an attribute: a similarity-weighted kNN over the chosen search score, unless the W2T heads classify
+  the held-out adapters clearly better;
+- a metric: the same kNN, unless the heads or the kNN in the W2T embedding rank the held-out adapters
+  clearly better (Spearman).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from embed.metrics import KNN_K, knn_classify, knn_regress, retrieval_per_query
+from embed.similarity import EXACT_SCORES, hybrid_score
+
+#: W2T weights of the mixes tried (1.0: the W2T cosine alone)
+MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
+#: bootstrap resamples and one-sided confidence of "clearly better"
+RESAMPLES = 1000
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One member's out-of-fold view: rows it never trained on (`val`) and rows it did (`train`), as
+    positions in the labelled set, and its W2T embeddings of that set."""
+
+    val: list[int]
+    train: list[int]
+    z: np.ndarray
+
+
+@dataclass
+class Choice:
+    """What was chosen, with the out-of-fold scores of every candidate and the reason."""
+
+    chosen: str
+    scores: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"chosen": self.chosen, "scores": {k: round(v, 4) for k, v in self.scores.items()}, "reason": self.reason}
+
+
+def search_name(exact: str, weight: float) -> str:
+    """A search candidate's name: `dw`, `module`, `w2t`, or `dw+w2t@0.3`."""
+    if weight <= 0:
+        return exact
+    return "w2t" if weight >= 1 else f"{exact}+w2t@{weight:g}"
+
+
+def parse_search(name: str) -> tuple[str, float]:
+    """(exact score, W2T weight) of a search candidate's name."""
+    if name in EXACT_SCORES:
+        return name, 0.0
+    if name == "w2t":
+        return EXACT_SCORES[0], 1.0
+    exact, weight = name.split("+w2t@")
+    return exact, float(weight)
+
+
+def clearly_better(candidate: np.ndarray, default: np.ndarray, statistic: Callable[[np.ndarray], float] | None = None) -> bool:
+    """Whether the candidate's per-item scores beat the default's with one-sided 95 % confidence (paired
+    bootstrap of the mean difference); too few items (< 5) never do."""
+    if len(candidate) < 5:
+        return False
+    diff = np.asarray(candidate, np.float64) - np.asarray(default, np.float64)
+    if diff.mean() <= 0:
+        return False
+    rng = np.random.default_rng(0)
+    means = diff[rng.integers(0, len(diff), size=(RESAMPLES, len(diff)))].mean(axis=1)
+    return bool(np.quantile(means, 1 - CONFIDENCE) > 0)
+
+
+def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice:
+    """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
+    between the labelled adapters (n × n), `tasks` their tasks ("" unknown)."""
+    queries = [[r for r in f.val if tasks[r]] for f in folds]
+    flat = [r for rows in queries for r in rows]
+    if len(flat) < 2:
+        return Choice(EXACT_SCORES[0], reason="fewer than 2 held-out adapters with a task: the whole update's dW cosine")
+    w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(folds, queries, strict=True) if q])
+
+    def quality(sim: np.ndarray) -> np.ndarray:
+        per = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
+        return per["mrr"] + per["ndcg@10"]
+
+    per_query = {}
+    for score in EXACT_SCORES:
+        for weight in (0.0, *MIX_WEIGHTS):
+            name = search_name(score, weight)
+            if name not in per_query:
+                per_query[name] = quality(hybrid_score(exact[score][flat], w2t, weight))
+    means = {k: float(v.mean()) for k, v in per_query.items()}
+    free = max(EXACT_SCORES, key=lambda k: means[k])  # ties: the first, the whole update's cosine
+    learned = max((k for k in per_query if k not in EXACT_SCORES), key=lambda k: means[k])
+    if clearly_better(per_query[learned], per_query[free]):
+        reason = f"{learned} retrieves clearly better than {free} on {len(flat)} held-out adapters"
+        return Choice(learned, means, reason)
+    reason = f"no W2T mix retrieves clearly better than {free} on {len(flat)} held-out adapters (best: {learned})"
+    return Choice(free, means, reason)
+
+
+def search_similarity(exact: dict[str, np.ndarray], choice: str, z: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
+    """The chosen search score between labelled adapters `rows` and `cols` (W2T cosine from embeddings z)."""
+    score, weight = parse_search(choice)
+    return hybrid_score(exact[score][np.ix_(rows, cols)], z[rows] @ z[cols].T, weight)
+
+
+def choose_attribute(
+    exact: dict[str, np.ndarray], search: str, labels: list[str], head: dict[int, str], folds: list[Fold]
+) -> tuple[Choice, dict[str, np.ndarray]]:
+    """`search` (a kNN over the chosen search score) or `head`, for one attribute: labels per labelled adapter
+    ("" unknown), the heads' out-of-fold predictions by row. Returns the choice and the per-item hits."""
+    hits: dict[str, list[float]] = {"search": [], "head": []}
+    for f in folds:
+        val = [r for r in f.val if labels[r] and r in head]
+        train = [r for r in f.train if labels[r]]
+        if not val or not train:
+            continue
+        knn = knn_classify(search_similarity(exact, search, f.z, val, train), [labels[r] for r in train], KNN_K)
+        hits["search"] += [float(p == labels[r]) for p, r in zip(knn, val, strict=True)]
+        hits["head"] += [float(head[r] == labels[r]) for r in val]
+    per = {k: np.array(v) for k, v in hits.items()}
+    means = {k: float(v.mean()) if len(v) else 0.0 for k, v in per.items()}
+    if clearly_better(per["head"], per["search"]):
+        return Choice("head", means, f"the heads classify clearly better on {len(per['head'])} held-out adapters"), per
+    return Choice("search", means, f"the heads do not classify clearly better than a {KNN_K}-NN over {search}"), per
+
+
+def choose_metric(
+    exact: dict[str, np.ndarray], search: str, values: np.ndarray, learned: dict[str, dict[int, float]], folds: list[Fold]
+) -> tuple[Choice, np.ndarray, np.ndarray]:
+    """`search` (kNN over the chosen search score) or a learned predictor (`learned`: its out-of-fold predictions
+    by row, e.g. the heads and a kNN in the W2T embedding), for one metric (values per labelled adapter, NaN
+    unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
+    preds: dict[str, list[float]] = {"search": [], **{k: [] for k in learned}}
+    truth: list[float] = []
+    for f in folds:
+        val = [r for r in f.val if not np.isnan(values[r]) and all(r in p for p in learned.values())]
+        train = [r for r in f.train if not np.isnan(values[r])]
+        if not val or not train:
+            continue
+        preds["search"] += knn_regress(search_similarity(exact, search, f.z, val, train), values[train], KNN_K).tolist()
+        for k, p in learned.items():
+            preds[k] += [p[r] for r in val]
+        truth += values[val].tolist()
+    t = np.array(truth)
+    per = {k: np.array(v) for k, v in preds.items()}
+    means = {k: _spearman(v, t) for k, v in per.items()}
+    if len(t) >= 5 and learned:
+        best = max(learned, key=lambda k: means[k])
+        if clearly_better_rank(per[best], per["search"], t):
+            return Choice(best, means, f"{best} ranks {len(t)} held-out adapters clearly better (Spearman)"), per[best], t
+    return Choice("search", means, f"no learned predictor ranks clearly better than a {KNN_K}-NN over {search}"), per["search"], t
+
+
+def _spearman(pred: np.ndarray, truth: np.ndarray) -> float:
+    from scipy.stats import spearmanr  # imported here: every `zoo` command loads this module, few train
+
+    if len(truth) < 2:
+        return float("nan")
+    return float(np.nan_to_num(spearmanr(pred, truth).statistic, nan=-1.0))
+
+
+def clearly_better_rank(candidate: np.ndarray, default: np.ndarray, truth: np.ndarray) -> bool:
+    """Whether `candidate` ranks like `truth` better than `default` with one-sided 95 % confidence (paired
+    bootstrap of the Spearman difference)."""
+    if len(truth) < 5 or _spearman(candidate, truth) <= _spearman(default, truth):
+        return False
+    rng = np.random.default_rng(0)
+    gains = []
+    for _ in range(RESAMPLES // 2):
+        i = rng.integers(0, len(truth), len(truth))
+        gains.append(_spearman(candidate[i], truth[i]) - _spearman(default[i], truth[i]))
+    return bool(np.quantile(gains, 1 - CONFIDENCE) > 0)

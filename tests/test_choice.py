@@ -1,0 +1,85 @@
+"""Methods chosen out of fold (embed/choice.py): a learned method replaces a training-free one only when it
+wins clearly; with few labels the exact scores stay."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embed.choice import (
+    MIX_WEIGHTS,
+    Fold,
+    choose_attribute,
+    choose_metric,
+    choose_search,
+    clearly_better,
+    clearly_better_rank,
+    parse_search,
+    search_name,
+)
+from embed.similarity import EXACT_SCORES
+
+
+@given(st.sampled_from(EXACT_SCORES), st.sampled_from((0.0, *MIX_WEIGHTS)))
+def test_search_names_round_trip(exact: str, weight: float) -> None:
+    name = search_name(exact, weight)
+    back_exact, back_weight = parse_search(name)
+    assert back_weight == weight and (back_exact == exact or weight >= 1)
+
+
+def test_clearly_better_needs_a_clear_and_large_enough_win() -> None:
+    rng = np.random.default_rng(0)
+    truth = rng.normal(size=200)
+    close, far = truth + 0.5 * rng.normal(size=200), truth + 2.0 * rng.normal(size=200)
+    assert clearly_better_rank(close, far, truth) and not clearly_better_rank(far, close, truth)
+    assert not clearly_better_rank(close, close + 1e-3 * rng.normal(size=200), truth)  # a hair better is not clearly better
+    assert not clearly_better_rank(close[:4], far[:4], truth[:4])  # too few to tell
+    hits, misses = np.ones(60), np.r_[np.ones(30), np.zeros(30)]
+    assert clearly_better(hits, misses) and not clearly_better(misses, hits)
+    assert not clearly_better(np.r_[1.0, np.ones(3)], np.r_[0.0, np.ones(3)])  # too few
+
+
+def _zoo(n_tasks: int, per_task: int, w2t_noise: float, seed: int = 0) -> tuple[dict[str, np.ndarray], list[str], list[Fold]]:
+    """Exact scores that carry the task weakly (a noisy cosine) and W2T embeddings that carry it with `w2t_noise`."""
+    rng = np.random.default_rng(seed)
+    tasks = [f"t{i}" for i in range(n_tasks) for _ in range(per_task)]
+    centers = rng.normal(size=(n_tasks, 8))
+    x = np.repeat(centers, per_task, axis=0) + 2.5 * rng.normal(size=(len(tasks), 8))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    exact = {"dw": x @ x.T, "module": x @ x.T * 0.9}
+    folds = []
+    perm = rng.permutation(len(tasks))
+    for part in np.array_split(perm, 4):
+        z = np.repeat(centers, per_task, axis=0) + w2t_noise * rng.normal(size=(len(tasks), 8))
+        z /= np.linalg.norm(z, axis=1, keepdims=True)
+        folds.append(Fold(sorted(part.tolist()), sorted(set(range(len(tasks))) - set(part.tolist())), z))
+    return exact, tasks, folds
+
+
+def test_search_keeps_the_exact_score_unless_w2t_clearly_retrieves_better() -> None:
+    exact, tasks, folds = _zoo(6, 12, w2t_noise=0.05)  # W2T separates the tasks, the exact score barely
+    chosen = choose_search(exact, tasks, folds)
+    assert chosen.chosen not in EXACT_SCORES and chosen.scores[chosen.chosen] > chosen.scores["dw"]
+    exact, tasks, folds = _zoo(6, 12, w2t_noise=20.0)  # W2T is noise
+    chosen = choose_search(exact, tasks, folds)
+    assert chosen.chosen == "dw" and "no W2T mix" in chosen.reason  # the better exact score (dw ≥ module here)
+    exact, tasks, folds = _zoo(2, 2, w2t_noise=0.05)  # four labels: too few to tell
+    assert choose_search(exact, tasks, folds).chosen in EXACT_SCORES
+
+
+def test_attribute_and_metric_predictors_default_to_the_knn() -> None:
+    exact, tasks, folds = _zoo(4, 10, w2t_noise=0.05)
+    good_heads = {r: t for r, t in enumerate(tasks)}
+    choice, hits = choose_attribute(exact, "dw", tasks, good_heads, folds)
+    assert hits["head"].mean() == 1.0 and (choice.chosen == "head") == (hits["search"].mean() < 0.85)
+    wrong_heads = {r: "t0" for r in range(len(tasks))}
+    assert choose_attribute(exact, "dw", tasks, wrong_heads, folds)[0].chosen == "search"
+    rng = np.random.default_rng(1)
+    values = np.array([float(t[1:]) for t in tasks]) + 0.1 * rng.normal(size=len(tasks))
+    perfect = {r: float(v) for r, v in enumerate(values)}
+    noise = {r: float(v) for r, v in enumerate(rng.normal(size=len(tasks)))}
+    choice, pred, truth = choose_metric(exact, "w2t", values, {"head": perfect, "neighbours": noise}, folds)
+    assert choice.chosen in ("head", "search") and len(pred) == len(truth) == len(tasks)
+    choice, _, _ = choose_metric(exact, "w2t", values, {"head": noise}, folds)
+    assert choice.chosen == "search" and choice.scores["search"] > choice.scores["head"]
