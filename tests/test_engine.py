@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from embed import engine as engine_module
 from embed.engine import MAX_K, Query, QueryEngine
-from embed.similarity import module_cosine_matrix
+from embed.similarity import dw_cosine_matrix, module_cosine_matrix
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from zoo.blobs import BlobStore
@@ -106,7 +106,7 @@ def test_concurrent_queries_agree_with_serial_ones(cli: CLI, twenty: Path) -> No
     assert threaded == serial * 3
 
 
-@pytest.mark.parametrize("method", ["module", "sketch"])
+@pytest.mark.parametrize("method", ["module", "dw", "sketch"])
 def test_filtered_results_equal_brute_force(cli: CLI, twenty: Path, method: str) -> None:
     ingest_and_embed(cli, twenty, "first")
     ingest_and_embed(cli, twenty, "later")
@@ -122,6 +122,8 @@ def test_filtered_results_equal_brute_force(cli: CLI, twenty: Path, method: str)
     assert len(allowed) >= 4 and all(labels[i]["task"] == "qv" for i in ids_of(found))
     if method == "module":
         exact = module_cosine_matrix(stored_factors(cli, [2]), stored_factors(cli, allowed))[0]
+    elif method == "dw":
+        exact = dw_cosine_matrix(stored_factors(cli, [2]), stored_factors(cli, allowed))[0]
     else:
         vectors = state.embedders["module_sketch"].index.vectors(np.array([2, *allowed]))
         exact = vectors[1:] @ vectors[0]

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sqlalchemy import select
 
 from embed.index import brute_force
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
+from tests.test_engine import stored_factors
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,25 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     m = pred["metrics"]["test_accuracy"]
     assert m["low"] <= m["value"] <= m["high"] and m["predictor"] == info["predictors"]["test_accuracy"]
     assert pred["predictors"] == info["predictors"] and pred["search"] == info["choices"]["search"]["chosen"]
+    # twelve labelled adapters are too few for W2T to win clearly: search stays exact, predictions are a kNN over it
+    assert info["choices"]["search"]["chosen"] in ("dw", "module") and info["predictors"] == {"task": "search", "test_accuracy": "search"}
+    from embed.metrics import knn_regress
+    from embed.similarity import dw_cosine_matrix, module_cosine_matrix
+    from zoo.db.models import Label, Measurement
+    from zoo.db.session import session_factory as sessions_of
+
+    with sessions_of(cli.settings.database_url)() as session:
+        accuracy = dict(session.execute(select(Measurement.adapter_id, Measurement.value)).all())
+        tasks = dict(session.execute(select(Label.adapter_id, Label.value).where(Label.key == "task")).all())
+    others = sorted(i for i in accuracy if i != 3)
+    score = dw_cosine_matrix if info["choices"]["search"]["chosen"] == "dw" else module_cosine_matrix
+    sim = score(stored_factors(cli, [3]), stored_factors(cli, others))
+    rc, (by_id,) = cli.json_lines("predict", "3")
+    want = knn_regress(sim, np.array([accuracy[i] for i in others]))[0]
+    assert by_id["metrics"]["test_accuracy"]["value"] == pytest.approx(want, abs=1e-5)  # itself left out
+    top = np.argsort(-sim[0])[:10]
+    votes = {t: sum(max(sim[0][j], 0) + 1e-6 for j in top if tasks[others[j]] == t) for t in ("qk", "qv")}
+    assert by_id["attributes"]["task"][0]["value"] == max(votes, key=votes.get)
     rc, (found,) = cli.json_lines("search", "1", "-k", "3", "--method", "w2t")
     assert rc == 0 and len(found["results"]) == 3
     # with a supervised W2T trained, search defaults to the hybrid; a stored adapter given by path scores 1 with itself
