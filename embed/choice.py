@@ -8,8 +8,9 @@ the members, against the labelled adapters:
   the W2T cosine, by each held-out adapter's MRR + nDCG@10 (relevance = same task). The better exact
   score is the default; the best mix replaces it only if its per-query gain is clearly positive
   (paired bootstrap, one-sided 95 %), so with few labels the training-free score stays;
-- an attribute: a similarity-weighted kNN over the chosen search score, unless the W2T heads classify
-  the held-out adapters clearly better;
+- an attribute: a similarity-weighted kNN over the chosen search score, unless the W2T heads or a
+  few-shot readout of the W2T embedding (nearest class mean, logistic regression on the frozen
+  embedding) classify the held-out adapters clearly better;
 - a metric: the same kNN, unless the heads or the kNN in the W2T embedding rank the held-out adapters
   clearly better (Spearman).
 """
@@ -119,24 +120,60 @@ def search_similarity(exact: dict[str, np.ndarray], choice: str, z: np.ndarray, 
 
 
 def choose_attribute(
-    exact: dict[str, np.ndarray], search: str, labels: list[str], head: dict[int, str], folds: list[Fold]
+    exact: dict[str, np.ndarray], search: str, labels: list[str], learned: dict[str, dict[int, str]], folds: list[Fold]
 ) -> tuple[Choice, dict[str, np.ndarray]]:
-    """`search` (a kNN over the chosen search score) or `head`, for one attribute: labels per labelled adapter
-    ("" unknown), the heads' out-of-fold predictions by row. Returns the choice and the per-item hits."""
-    hits: dict[str, list[float]] = {"search": [], "head": []}
+    """`search` (a kNN over the chosen search score) or a learned predictor (`learned`: its out-of-fold predictions
+    by row: the W2T heads, few-shot readouts of the embedding), for one attribute (labels per labelled adapter,
+    "" unknown). Returns the choice and the per-item hits."""
+    hits: dict[str, list[float]] = {"search": [], **{k: [] for k in learned}}
     for f in folds:
-        val = [r for r in f.val if labels[r] and r in head]
+        val = [r for r in f.val if labels[r] and all(r in p for p in learned.values())]
         train = [r for r in f.train if labels[r]]
         if not val or not train:
             continue
         knn = knn_classify(search_similarity(exact, search, f.z, val, train), [labels[r] for r in train], KNN_K)
         hits["search"] += [float(p == labels[r]) for p, r in zip(knn, val, strict=True)]
-        hits["head"] += [float(head[r] == labels[r]) for r in val]
+        for k, p in learned.items():
+            hits[k] += [float(p[r] == labels[r]) for r in val]
     per = {k: np.array(v) for k, v in hits.items()}
     means = {k: float(v.mean()) if len(v) else 0.0 for k, v in per.items()}
-    if clearly_better(per["head"], per["search"]):
-        return Choice("head", means, f"the heads classify clearly better on {len(per['head'])} held-out adapters"), per
-    return Choice("search", means, f"the heads do not classify clearly better than a {KNN_K}-NN over {search}"), per
+    if learned:
+        best = max(learned, key=lambda k: means[k])
+        if clearly_better(per[best], per["search"]):
+            return Choice(best, means, f"{best} classifies {len(per[best])} held-out adapters clearly better"), per
+    return Choice("search", means, f"no learned predictor classifies clearly better than a {KNN_K}-NN over {search}"), per
+
+
+def prototype_predictions(z: np.ndarray, labels: list[str], train: list[int], rows: list[int]) -> list[str]:
+    """Nearest class mean in the embedding: each row's class among the labelled `train` rows' classes."""
+    classes = sorted({labels[r] for r in train if labels[r]})
+    means = np.stack([z[[r for r in train if labels[r] == c]].mean(axis=0) for c in classes])
+    means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+    return [classes[i] for i in (z[rows] @ means.T).argmax(axis=1)]
+
+
+def logistic_readout(z: np.ndarray, labels: list[str]) -> object | None:
+    """Logistic regression on frozen embeddings of the labelled rows (None with fewer than two classes)."""
+    from sklearn.linear_model import LogisticRegression  # imported here: every `zoo` command loads this module, few train
+
+    known = [r for r, label in enumerate(labels) if label]
+    if len({labels[r] for r in known}) < 2:
+        return None
+    return LogisticRegression(max_iter=2000, C=1.0).fit(z[known], [labels[r] for r in known])
+
+
+def readout_predictions(labels: list[str], folds: list[Fold]) -> dict[str, dict[int, str]]:
+    """Out-of-fold predictions of the few-shot readouts (prototype, logistic regression) of each member's embedding."""
+    out: dict[str, dict[int, str]] = {"prototype": {}, "logreg": {}}
+    for f in folds:
+        train = [r for r in f.train if labels[r]]
+        val = [r for r in f.val if labels[r]]
+        if not val or len({labels[r] for r in train}) < 2:
+            continue
+        out["prototype"].update(zip(val, prototype_predictions(f.z, labels, train, val), strict=True))
+        model = logistic_readout(f.z[train], [labels[r] for r in train])
+        out["logreg"].update(zip(val, model.predict(f.z[val]).tolist(), strict=True))  # type: ignore[attr-defined]
+    return out
 
 
 def choose_metric(

@@ -31,7 +31,16 @@ from torch import nn
 from tqdm import tqdm
 
 from embed.checkpoint import MEMORY, META, WEIGHTS, checkpoint_meta
-from embed.choice import Fold, choose_attribute, choose_metric, choose_search, parse_search, search_name
+from embed.choice import (
+    Fold,
+    choose_attribute,
+    choose_metric,
+    choose_search,
+    logistic_readout,
+    parse_search,
+    readout_predictions,
+    search_name,
+)
 from embed.metrics import knn_regress
 from embed.model import W2T, W2TConfig
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
@@ -113,6 +122,8 @@ class W2TEnsemble:
     memory_labels: dict[str, list[str]] = field(default_factory=dict)
     #: each choice with its out-of-fold scores and reason (embed.choice.Choice.as_dict), by "search" and target
     choices: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: per attribute predicted by "logreg": the logistic regression on the embedding (classes, coef, intercept)
+    readouts: dict[str, dict[str, list]] = field(default_factory=dict)
 
     @property
     def search(self) -> str:
@@ -172,11 +183,37 @@ class W2TEnsemble:
         for a metric whose predictor is "neighbours" from the kNN in the embedding. Targets whose predictor is
         "search" need the exact scores to the memory: the caller predicts those (embed.engine, embed.evaluate)."""
         z, probs, values = self._forward(adapters)
+        for k in probs:
+            if self.predictor.get(k) in ("prototype", "logreg") and len(adapters):
+                probs[k] = self._readout(k, z)
         for k in values:
             if self.predictor.get(k) == "neighbours" and len(adapters):
                 values[k] = self.neighbour_values(z, k)
             values[k] = self.clip(k, values[k])
         return probs, values
+
+    def _readout(self, attribute: str, z: np.ndarray) -> np.ndarray:
+        """Class probabilities (in the heads' class order) of a few-shot readout of the embedding: the nearest
+        class mean of the memory (softmax of cosines at temperature 0.1), or the logistic regression."""
+        classes = self.config.categorical[attribute]
+        if self.predictor[attribute] == "prototype":
+            labels = np.array(self.memory_labels[attribute])
+            means = np.stack([self.memory[labels == c].mean(axis=0) if (labels == c).any() else np.zeros(self.dim) for c in classes])
+            means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+            logits = (z @ means.T) / 0.1
+            logits[:, ~(means != 0).any(axis=1)] = -np.inf
+        else:
+            r = self.readouts[attribute]
+            scores = z @ np.array(r["coef"]).T + np.array(r["intercept"])
+            logits = np.full((len(z), len(classes)), -np.inf)
+            known = [classes.index(c) for c in r["classes"]]
+            if len(r["classes"]) == 2:  # binary: one column, the second class's log-odds
+                logits[:, known[0]], logits[:, known[1]] = 0.0, scores[:, 0]
+            else:
+                logits[:, known] = scores
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        return p / p.sum(axis=1, keepdims=True)
 
     def clip(self, metric: str, values: np.ndarray) -> np.ndarray:
         low, high = self.metric_range.get(metric, (-math.inf, math.inf))
@@ -207,6 +244,7 @@ class W2TEnsemble:
             "predictor": self.predictor,
             "memory_labels": self.memory_labels,
             "choices": self.choices,
+            "readouts": self.readouts,
         }
         (directory / META).write_text(json.dumps(meta, indent=1))
 
@@ -238,6 +276,7 @@ class W2TEnsemble:
             memory["ids"].numpy() if "ids" in memory else np.zeros(0, dtype=np.int64),
             meta.get("memory_labels", {}),
             meta.get("choices", {}),
+            meta.get("readouts", {}),
         )
 
 
@@ -468,8 +507,13 @@ def _choose(
             nbrs = single.neighbour_values(view.z[view.val], m) if not np.isnan(single.memory_values[m]).all() else v
             heads.setdefault(f"neighbours.{m}", {}).update(dict(zip(view.val, nbrs.tolist(), strict=True)))
     for k in embedder.config.categorical:
-        choice, _ = choose_attribute(exact, search.chosen, embedder.memory_labels[k], heads.get(k, {}), views)  # type: ignore[arg-type]
+        labels = embedder.memory_labels[k]
+        learned = {"head": heads.get(k, {}), **readout_predictions(labels, views)}
+        choice, _ = choose_attribute(exact, search.chosen, labels, learned, views)  # type: ignore[arg-type]
         embedder.predictor[k], embedder.choices[k] = choice.chosen, choice.as_dict()
+        if choice.chosen == "logreg":
+            model = logistic_readout(embedder.memory, labels)
+            embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
     for m in embedder.config.regression:
         learned = {"head": heads.get(m, {}), "neighbours": heads.get(f"neighbours.{m}", {})}
         choice, pred, truth = choose_metric(exact, search.chosen, embedder.memory_values[m], learned, views)  # type: ignore[arg-type]

@@ -16,6 +16,8 @@ from embed.choice import (
     clearly_better,
     clearly_better_rank,
     parse_search,
+    prototype_predictions,
+    readout_predictions,
     search_name,
 )
 from embed.similarity import EXACT_SCORES
@@ -71,10 +73,10 @@ def test_search_keeps_the_exact_score_unless_w2t_clearly_retrieves_better() -> N
 def test_attribute_and_metric_predictors_default_to_the_knn() -> None:
     exact, tasks, folds = _zoo(4, 10, w2t_noise=0.05)
     good_heads = {r: t for r, t in enumerate(tasks)}
-    choice, hits = choose_attribute(exact, "dw", tasks, good_heads, folds)
+    choice, hits = choose_attribute(exact, "dw", tasks, {"head": good_heads}, folds)
     assert hits["head"].mean() == 1.0 and (choice.chosen == "head") == (hits["search"].mean() < 0.85)
     wrong_heads = {r: "t0" for r in range(len(tasks))}
-    assert choose_attribute(exact, "dw", tasks, wrong_heads, folds)[0].chosen == "search"
+    assert choose_attribute(exact, "dw", tasks, {"head": wrong_heads}, folds)[0].chosen == "search"
     rng = np.random.default_rng(1)
     values = np.array([float(t[1:]) for t in tasks]) + 0.1 * rng.normal(size=len(tasks))
     perfect = {r: float(v) for r, v in enumerate(values)}
@@ -83,3 +85,17 @@ def test_attribute_and_metric_predictors_default_to_the_knn() -> None:
     assert choice.chosen in ("head", "search") and len(pred) == len(truth) == len(tasks)
     choice, _, _ = choose_metric(exact, "w2t", values, {"head": noise}, folds)
     assert choice.chosen == "search" and choice.scores["search"] > choice.scores["head"]
+
+
+def test_few_shot_readouts_of_a_separable_embedding() -> None:
+    rng = np.random.default_rng(2)
+    labels = [f"c{i % 3}" for i in range(30)]
+    centers = rng.normal(size=(3, 6)) * 3
+    z = np.stack([centers[int(label[1])] for label in labels]) + 0.1 * rng.normal(size=(30, 6))
+    folds = [Fold(list(range(i, 30, 5)), [r for r in range(30) if (r - i) % 5], z) for i in range(5)]
+    out = readout_predictions(labels, folds)
+    assert {r: labels[r] for r in range(30)} == out["prototype"] == out["logreg"]
+    assert prototype_predictions(z, labels, list(range(10)), list(range(10, 30))) == labels[10:]
+    exact = {"dw": np.eye(30), "module": np.eye(30)}  # an exact score that knows nothing
+    choice, hits = choose_attribute(exact, "dw", labels, out, folds)
+    assert choice.chosen in ("prototype", "logreg") and hits[choice.chosen].mean() == 1.0

@@ -246,3 +246,26 @@ def test_a_contrastive_w2t_does_not_retire_the_supervised_one(db_url: str) -> No
         assert serving_embedders(session, space.id)["w2t"].id == supervised.id == active_embedder(session, space).id
         newer = register(session, space, "w2t", 8, objective="supervised", checkpoint="s2")
         assert not supervised.active and contrastive.active and serving_embedders(session, space.id)["w2t"].id == newer.id
+
+
+@pytest.mark.parametrize("readout", ["prototype", "logreg"])
+def test_few_shot_readouts_predict_after_a_round_trip(zoo: list[ZooAdapter], tmp_path: Path, readout: str) -> None:
+    from embed.choice import logistic_readout, prototype_predictions
+
+    emb = train_w2t(zoo, schema_of("synthetic", zoo), TrainOptions(epochs=2, seed=0, members=2), progress=False)
+    labels = emb.memory_labels["task"]
+    emb.predictor["task"] = readout  # what training would store had this readout won out of fold
+    if readout == "logreg":
+        model = logistic_readout(emb.memory, labels)
+        emb.readouts["task"] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}
+    emb.save(tmp_path / "ckpt")
+    probs, _ = W2TEnsemble.load(tmp_path / "ckpt").predict(zoo)
+    classes = emb.config.categorical["task"]
+    assert np.allclose(probs["task"].sum(axis=1), 1.0) and probs["task"].shape == (len(zoo), len(classes))
+    predicted = [classes[i] for i in probs["task"].argmax(axis=1)]
+    z = emb.embed(zoo)
+    if readout == "prototype":
+        assert predicted == prototype_predictions(np.vstack([emb.memory, z]), labels + [""] * len(zoo), list(range(len(labels))),
+                                                  list(range(len(labels), len(labels) + len(zoo))))  # fmt: skip
+    else:
+        assert predicted == model.predict(z).tolist()
