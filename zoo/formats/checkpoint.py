@@ -77,7 +77,7 @@ def read_checkpoint(
         A, B, frac, method = _low_rank(delta, energy, max_rank)
         methods.add(method)
         captured.append(frac)
-        modules.append(LoraModule(key, A, B, alpha=float(A.shape[0]), scale=1.0, kind="conv" if w.ndim == 4 else "linear"))
+        modules.append(LoraModule(key, A, B, alpha=float(A.shape[0]), scale=1.0, kind="conv" if w.ndim > 2 else "linear"))
     if not modules:
         raise InputError(path, f"identical to the base {base}: every weight matrix has a zero delta")
     notes = [

@@ -17,7 +17,7 @@ __all__ = ["AdapterData", "FullMatrix", "LoraModule", "check_finite", "check_pai
 class LoraModule:
     """One low-rank update dW = scale · B · A in the layout of the layer's stored weight.
 
-    A is (r × in), B is (out × r). Conv kernels are flattened (in = in_channels·kh·kw);
+    A is (r × in), B is (out × r). Conv kernels (1-, 2- and 3-d) are flattened (in = in_channels·kh·kw...);
     for embeddings and fan_in_fan_out (GPT-2 Conv1D) layers the factors are swapped and
     transposed so that dW matches the stored weight (`transposed` records it).
     """

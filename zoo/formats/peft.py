@@ -18,6 +18,9 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 KEY_PREFIX = "base_model.model."
 PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_embedding_A", ".lora_embedding_B"))
+#: factor dimensions read: matrices, and the kernels of PEFT's Conv1d, Conv2d and Conv3d LoRA layers
+#: (A: r × in × k..., B: out × r × 1...), flattened to r × in·k... and out × r
+CONV_NDIMS = (2, 3, 4, 5)
 
 
 def is_peft_dir(path: Path) -> bool:
@@ -158,13 +161,17 @@ def parse_peft(directory: Path, cfg: PeftConfig, weights_file: WeightFile) -> Ad
                 raise InputError(weights, f"{name} has lora_A but no lora_B")
             used.update((key, b_key))
             A, B = tensors[key], tensors[b_key]
-            if A.ndim not in (2, 4) or B.ndim not in (2, 4):
+            if A.ndim not in CONV_NDIMS or B.ndim not in CONV_NDIMS:
                 got = f"A {list(A.shape)} and B {list(B.shape)}"
                 raise InputError(weights, f"{name}: factors must be matrices (or conv kernels), got {got}")
             embedding = a_suffix == ".lora_embedding_A"
-            kind = "embedding" if embedding else ("conv" if A.ndim == 4 else "linear")
+            kind = "embedding" if embedding else ("conv" if A.ndim > 2 else "linear")
             A2 = A.reshape(A.shape[0], -1)
             B2 = B.reshape(B.shape[0], -1)
+            if kind == "conv" and B.ndim == A.ndim and 0 < B2.shape[1] < A2.shape[0] and A2.shape[0] % B2.shape[1] == 0:
+                # PEFT's LoRA on a conv with groups > 1: B is grouped (out × r/groups), the update is not B·A
+                got = f"B's kernel {list(B.shape)} has {B2.shape[1]} input channel{'s' if B2.shape[1] > 1 else ''} for rank {A2.shape[0]}"
+                raise InputError(weights, f"{name}: LoRA on a grouped convolution ({got}) is not supported")
             check_pair(weights, name, A2, B2)
             r = A2.shape[0]
             expected = int(_pattern_value(cfg.path, cfg.rank_pattern, name, cfg.r))
