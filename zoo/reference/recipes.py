@@ -57,7 +57,25 @@ def _docs() -> Recipe:
     )
 
 
-RECIPES: dict[str, Callable[[], Recipe]] = {"digits-vit": _digits, "docs-minilm": _docs}
+def _shapes() -> Recipe:
+    from zoo.reference import shapes
+
+    def prepare(cache_dir: Path) -> tuple[shapes.ShapesCNN, shapes.ShapesData]:
+        data = shapes.load_data()
+        return shapes.load_base(cache_dir, data), data
+
+    return Recipe(
+        name="shapes-cnn",
+        base_model=shapes.BASE_MODEL,
+        description="a small residual CNN pretrained on procedurally drawn 16×16 shapes and textures, LoRA on subsets "
+        "of its Conv2d layers; tasks: shape pairs, class subsets, image transforms, shifted labels, label noise, size",
+        prepare=prepare,
+        sample_attributes=shapes.sample_attributes,
+        train=lambda ctx, attrs: shapes.train_adapter(ctx[0], ctx[1], attrs),
+    )
+
+
+RECIPES: dict[str, Callable[[], Recipe]] = {"digits-vit": _digits, "docs-minilm": _docs, "shapes-cnn": _shapes}
 
 
 def get_recipe(name: str) -> Recipe:
