@@ -78,13 +78,16 @@ class TrainOptions:
 
 
 def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
-    """Attributes worth a classification head: known for most adapters, few distinct values."""
+    """Attributes worth a classification head: known for most of the labelled adapters (those with any label or
+    measurement: a zoo may hold far more unlabelled ones), few distinct values, at least two examples per value
+    on average."""
     keys = sorted({k for a in adapters for k in a.labels})
+    labelled = sum(1 for a in adapters if a.labels or a.measurements)
     out = {}
     for key in keys:
         values = [a.labels[key] for a in adapters if key in a.labels]
         distinct = sorted(set(values))
-        if len(values) >= 0.5 * len(adapters) and 2 <= len(distinct) <= 64 and len(distinct) <= 0.25 * len(values):
+        if len(values) >= 0.5 * labelled and 2 <= len(distinct) <= 64 and len(distinct) <= 0.5 * len(values):
             out[key] = distinct
     return out
 
@@ -325,6 +328,16 @@ class _Data:
     reg_targets: dict[str, torch.Tensor]
     groups: torch.Tensor
 
+    @property
+    def has_target(self) -> torch.Tensor:
+        """Per row: whether any supervised target (a class or a metric value) is known."""
+        known = torch.zeros(len(self.groups), dtype=torch.bool)
+        for y in self.targets.values():
+            known |= y != -100
+        for y in self.reg_targets.values():
+            known |= ~torch.isnan(y)
+        return known
+
 
 @dataclass
 class _Fold:
@@ -357,9 +370,15 @@ def _train_member(
     model = W2T(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
 
+    has_target = data.has_target
+
     def loss_on(rows: torch.Tensor, train: bool) -> torch.Tensor:
-        batch = select(data.tokens, rows)
         total = torch.zeros((), device=device)
+        if options.objective == "supervised":  # only rows with a target count: the others are not forwarded at all
+            rows = rows[has_target[rows]]
+            if not len(rows):
+                return total
+        batch = select(data.tokens, rows)
         if options.objective in ("supervised", "both"):
             view = _augment(batch, gen, options, contrastive_view=options.augment_truncation) if train else batch
             z = model(to_device(view, device))
@@ -461,16 +480,26 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         models.append(model)
         history += [{"member": i, **h} for h in member_history]
     embedder = W2TEnsemble(models, schema, rank, stats, options.objective, history, metric_range=ranges)
-    singles = [W2TEnsemble([m], schema, rank, stats, options.objective, metric_range=ranges) for m in models]
+    remember_and_choose(embedder, adapters, options)
+    return embedder
+
+
+def remember_and_choose(embedder: W2TEnsemble, adapters: list[ZooAdapter], options: TrainOptions) -> None:
+    """A trained ensemble's memory (its labelled training adapters) and its out-of-fold choices, from the adapters
+    it trained on (in the same order) and the options it trained with (which fix each member's fold)."""
+    models, config, e = embedder.models, embedder.config, embedder
+    singles = [W2TEnsemble([m], e.schema, e.rank, e.metric_stats, e.objective, metric_range=e.metric_range) for m in models]
     member_z = [single.embed(adapters) for single in singles]
     z = np.concatenate(member_z, axis=1) / math.sqrt(len(models))  # what embedder.embed gives, without a second pass
+    categorical, metrics = config.categorical, config.regression
     known = [r for r, a in enumerate(adapters) if any(k in a.labels for k in categorical) or any(m in a.measurements for m in metrics)]
     embedder.memory, embedder.memory_ids = z[known], np.array([adapters[r].id for r in known], dtype=np.int64)
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
-    if len(folds[0].val) >= 2 and options.objective != "contrastive":  # choices made out of fold
+    embedder.predictor, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}
+    folds = _folds(len(adapters), len(models), options)
+    if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
         _choose(embedder, [adapters[r] for r in known], known, singles, member_z, folds)
-    return embedder
 
 
 def _choose(

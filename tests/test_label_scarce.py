@@ -1,0 +1,162 @@
+"""The label-scarce protocol (`zoo eval --labelled-per-task N` / `--label-fraction F`): which adapters keep labels,
+what the kNN rows may see, and that its row `default` is what `zoo search` and `zoo predict` do after `zoo train`."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embed.evaluate import evaluate, labelled_split
+from embed.metrics import classification, knn_classify, knn_regress, regression, retrieval
+from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
+from embed.train import TrainOptions, categorical_attributes, train_w2t
+from embed.types import ZooAdapter, schema_of
+from tests.conftest import CLI
+from tests.test_embed import synthetic_zoo
+
+
+def _named(tasks: list[str]) -> list[ZooAdapter]:
+    return [ZooAdapter(i + 1, f"a{i:03d}", {}, {"task": t} if t else {}) for i, t in enumerate(tasks)]
+
+
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=8),
+    unlabelled=st.integers(0, 5),
+    n=st.integers(1, 12),
+    seed=st.integers(0, 5),
+    shuffle=st.randoms(use_true_random=False),
+)
+def test_labelled_split_keeps_n_per_task_and_a_query_for_each(
+    sizes: list[int], unlabelled: int, n: int, seed: int, shuffle: random.Random
+) -> None:
+    tasks = [f"t{t}" for t, size in enumerate(sizes) for _ in range(size)] + [""] * unlabelled
+    shuffle.shuffle(tasks)
+    adapters = _named(tasks)
+    labelled, queries = labelled_split(adapters, n, None, seed)
+    assert not set(labelled) & set(queries) and sorted(labelled + queries) == [p for p, t in enumerate(tasks) if t]
+    for t, size in enumerate(sizes):
+        kept = [p for p in labelled if tasks[p] == f"t{t}"]
+        assert len(kept) == min(n, size - 1)  # every task keeps at least one query
+        assert any(tasks[p] == f"t{t}" for p in queries)
+    # the split depends on names and tasks, not on the order the adapters were stored in
+    restored = adapters[:]
+    shuffle.shuffle(restored)
+    restored = [ZooAdapter(500 + k, a.name, {}, a.labels) for k, a in enumerate(restored)]
+    again, _ = labelled_split(restored, n, None, seed)
+    assert sorted(restored[p].name for p in again) == sorted(adapters[p].name for p in labelled)
+
+
+@given(sizes=st.lists(st.integers(2, 40), min_size=1, max_size=6), fraction=st.floats(0.01, 0.99), seed=st.integers(0, 3))
+def test_label_fraction_keeps_a_rounded_share_of_each_task(sizes: list[int], fraction: float, seed: int) -> None:
+    tasks = [f"t{t}" for t, size in enumerate(sizes) for _ in range(size)]
+    labelled, queries = labelled_split(_named(tasks), None, fraction, seed)
+    for t, size in enumerate(sizes):
+        kept = sum(1 for p in labelled if tasks[p] == f"t{t}")
+        assert kept == min(max(1, round(fraction * size)), size - 1)
+
+
+def test_labelled_split_refuses_bad_arguments() -> None:
+    adapters = _named(["a", "a", "b", "b"])
+    for per_task, fraction in ((None, None), (2, 0.5), (0, None), (None, 0.0), (None, 1.0)):
+        with pytest.raises(ValueError):
+            labelled_split(adapters, per_task, fraction, 0)
+
+
+def test_a_task_head_with_most_adapters_unlabelled() -> None:
+    """A user's zoo: a few labelled adapters among many unlabelled ones still get a task head (and a task predictor)."""
+    zoo = synthetic_zoo(n_per_task=10, tasks=4)
+    labelled, _ = labelled_split(zoo, 3, None, 0)
+    scarce = [a if p in labelled else ZooAdapter(a.id, a.name, a.factors) for p, a in enumerate(zoo)]
+    assert categorical_attributes(scarce)["task"] == ["task0", "task1", "task2", "task3"]  # 12 of 40 labelled
+    emb = train_w2t(scarce, schema_of("synthetic", scarce), TrainOptions(epochs=2, members=2), progress=False)
+    assert emb.config.categorical == {"task": ["task0", "task1", "task2", "task3"]} and "task" in emb.predictor
+    assert sorted(emb.memory_ids.tolist()) == sorted(zoo[p].id for p in labelled)  # only the labelled are remembered
+    # sparse attributes (a value per adapter, or known for few of the labelled) get no head
+    extra = {p: {"uid": a.name, **({"x": str(p % 2)} if p < 8 else {})} for p, a in enumerate(scarce) if p in labelled}
+    rare = [ZooAdapter(a.id, a.name, a.factors, {**a.labels, **extra.get(p, {})}) for p, a in enumerate(scarce)]
+    assert set(categorical_attributes(rare)) == {"task", "rank"}
+
+
+def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
+    zoo = synthetic_zoo(n_per_task=8, tasks=4, seed=3)
+    result = evaluate(zoo, schema_of("synthetic", zoo), TrainOptions(epochs=2, members=2), seed=1, progress=False, contrastive=False,
+                      labelled_per_task=3)  # fmt: skip
+    labelled, queries = labelled_split(zoo, 3, None, 1)
+    assert (result["n_train"], result["n_test"]) == (12, 20) and result["protocol"] == "3 labelled per task"
+    factors = [a.factors for a in zoo]
+    stack = ModuleStack.of(factors, dense_modules(factors))
+    tasks = [a.labels["task"] for a in zoo]
+    perf = np.array([a.measurements["test_accuracy"] for a in zoo])
+    for score in EXACT_SCORES:
+        sim = exact_cosines(stack, stack, score)
+        sub = sim[np.ix_(queries, labelled)]
+        want = {
+            **retrieval(sim[queries], [tasks[q] for q in queries], tasks, list(queries)),  # the gallery: every other adapter
+            **classification(knn_classify(sub, [tasks[p] for p in labelled]), [tasks[q] for q in queries]),
+            **regression(knn_regress(sub, perf[labelled]), perf[queries]),
+        }
+        row = result["methods"][f"{score}_cosine"]
+        assert row == pytest.approx({k: want.get(k, row[k]) for k in row})
+    default = result["methods"]["default"]
+    assert all(default[k] is not None for k in ("attr_acc", "perf_spearman", "hit@1", "mrr", "ndcg@10"))
+    assert set(result["choices"]) == {"search", "task", "test_accuracy"}
+
+
+@pytest.mark.slow
+def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_path: Path) -> None:
+    """Adapters ingested with labels on N per task only, `zoo train`, then `zoo search` and `zoo predict` on each
+    unlabelled adapter: their scores are the eval's row `default` under the same labels and options."""
+    from embed.dataset import load_adapters
+    from tests.factories import train_peft_adapter
+    from zoo.blobs import BlobStore
+    from zoo.db.session import session_factory
+
+    targets = {"qv": ("q_proj", "v_proj"), "qk": ("q_proj", "k_proj"), "kv": ("k_proj", "v_proj"), "qkv": ("q_proj", "k_proj", "v_proj")}
+    names, tasks, accuracy = [], {}, {}
+    for i in range(24):
+        task = sorted(targets)[i % 4]
+        name = f"s{i:02d}"
+        train_peft_adapter(tmp_path / "zoo" / name, seed=i, steps=2 + i % 5, targets=targets[task])
+        names.append(name)
+        tasks[name], accuracy[name] = task, 0.4 + 0.02 * (i % 5) + 0.01 * (i % 4)
+    labelled, _ = labelled_split(_named([tasks[n] for n in names]), 3, None, 2)
+    kept = {names[p] for p in labelled}
+    rows = ["name,task,test_accuracy"] + [f"{n},{tasks[n]},{accuracy[n]}" for n in names if n in kept]
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    rc, _ = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
+    assert rc == 0
+    rc, (info,) = cli.json_lines("train", "--epochs", "3", "--members", "2", "--seed", "2")
+    assert rc == 0 and info["heads"] == ["task"] and set(info["predictors"]) == {"task", "test_accuracy"}
+
+    with session_factory(cli.settings.database_url)() as session:
+        stored = load_adapters(session, BlobStore(cli.settings.blob_dir), "tiny")
+    full = [ZooAdapter(a.id, a.name, a.factors, {"task": tasks[a.name]}, {"test_accuracy": accuracy[a.name]}) for a in stored]
+    options = TrainOptions(epochs=3, seed=2, members=2)
+    result = evaluate(full, schema_of("tiny", full), options, seed=2, progress=False, contrastive=False, labelled_per_task=3)
+    assert result["choices"] == info["choices"]  # the same W2T, the same choices
+
+    ids = [a.id for a in full]
+    queries = [p for p, a in enumerate(full) if a.name not in kept]
+    sim = np.full((len(queries), len(full)), -np.inf)
+    predicted, values = [], []
+    for row, q in enumerate(queries):
+        rc, (found,) = cli.json_lines("search", str(ids[q]), "-k", "1000")
+        assert rc == 0 and found["method"] == "hybrid" and len(found["results"]) == len(full) - 1
+        for hit in found["results"]:
+            sim[row, ids.index(hit["adapter_id"])] = hit["score"]
+        rc, (pred,) = cli.json_lines("predict", str(ids[q]))
+        assert rc == 0 and pred["search"] == info["choices"]["search"]["chosen"]
+        predicted.append(pred["attributes"]["task"][0]["value"])
+        values.append(pred["metrics"]["test_accuracy"]["value"])
+    gallery = [a.labels["task"] for a in full]
+    served = {
+        **retrieval(sim, [gallery[q] for q in queries], gallery, list(queries)),
+        **classification(predicted, [gallery[q] for q in queries]),
+        **regression(np.array(values), np.array([full[q].measurements["test_accuracy"] for q in queries])),
+    }
+    assert served == pytest.approx(result["methods"]["default"], abs=1e-4)
