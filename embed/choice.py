@@ -5,14 +5,16 @@ Every choice is scored on the adapters a W2T ensemble member never trained on (i
 the members, against the labelled adapters:
 
 - search: the exact scores (the whole update's dW cosine, the mean module cosine) and their mixes with
-  the W2T cosine, by each held-out adapter's MRR + nDCG@10 (relevance = same task). The better exact
-  score is the default; the best mix replaces it only if its per-query gain is clearly positive
+  the W2T cosine, by each held-out adapter's MRR + nDCG@10 (relevance = same task). The exact score is the
+  whole update's cosine unless module cosine retrieves better by more than the standard error of the
+  per-query difference; a mix (or W2T alone) replaces it only if its per-query gain is clearly positive
   (paired bootstrap, one-sided 95 %), so with few labels the training-free score stays;
-- an attribute: a similarity-weighted kNN over the chosen search score, unless the W2T heads or a
-  few-shot readout of the W2T embedding (nearest class mean, logistic regression on the frozen
-  embedding) classify the held-out adapters clearly better;
-- a metric: the same kNN, unless the heads or the kNN in the W2T embedding rank the held-out adapters
-  clearly better (Spearman).
+- an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score,
+  or either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify
+  the held-out adapters best, unless the W2T heads or a few-shot readout of the W2T embedding (nearest class
+  mean, logistic regression on the frozen embedding) classify them clearly better;
+- a metric: the same kNN family (best Spearman), unless the heads or the kNN in the W2T embedding rank the
+  held-out adapters clearly better (Spearman).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from embed.similarity import EXACT_SCORES, hybrid_score
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
+#: neighbours tried by the kNN predictors, in order of preference on a tie
+KNN_KS = (KNN_K, 5, 3, 1)
 #: bootstrap resamples and one-sided confidence of "clearly better"
 RESAMPLES = 1000
 CONFIDENCE = 0.95
@@ -71,6 +75,27 @@ def parse_search(name: str) -> tuple[str, float]:
     return exact, float(weight)
 
 
+def knn_name(similarity: str, k: int) -> str:
+    """A kNN predictor's name: `knn dw k=3`, `knn module+w2t@0.1 k=10`."""
+    return f"knn {similarity} k={k}"
+
+
+def parse_knn(name: str) -> tuple[str, int]:
+    """(similarity, k) of a kNN predictor's name."""
+    similarity, k = name.removeprefix("knn ").rsplit(" k=", 1)
+    return similarity, int(k)
+
+
+def knn_similarities(search: str) -> list[str]:
+    """The similarities a kNN predictor may use: the search score first, then the exact scores."""
+    return [search, *(s for s in EXACT_SCORES if s != search)]
+
+
+def standard_error(diff: np.ndarray) -> float:
+    """Standard error of the mean of per-item differences."""
+    return float(np.std(diff, ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("inf")
+
+
 def clearly_better(candidate: np.ndarray, default: np.ndarray, statistic: Callable[[np.ndarray], float] | None = None) -> bool:
     """Whether the candidate's per-item scores beat the default's with one-sided 95 % confidence (paired
     bootstrap of the mean difference); too few items (< 5) never do."""
@@ -104,12 +129,19 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
             if name not in per_query:
                 per_query[name] = quality(hybrid_score(exact[score][flat], w2t, weight))
     means = {k: float(v.mean()) for k, v in per_query.items()}
-    free = max(EXACT_SCORES, key=lambda k: means[k])  # ties: the first, the whole update's cosine
+    base = EXACT_SCORES[0]  # the whole update's cosine, the training-free bar
+    best = max(EXACT_SCORES, key=lambda k: means[k])  # ties: the first
+    gain = per_query[best] - per_query[base]
+    free = best if best != base and gain.mean() > standard_error(gain) else base
+    if free != base:
+        why = f"{best} beats {base} by more than its standard error"
+    else:
+        why = f"{base}: no exact score beats it by more than its standard error"
     learned = max((k for k in per_query if k not in EXACT_SCORES), key=lambda k: means[k])
     if clearly_better(per_query[learned], per_query[free]):
-        reason = f"{learned} retrieves clearly better than {free} on {len(flat)} held-out adapters"
+        reason = f"{learned} retrieves clearly better than {free} on {len(flat)} held-out adapters ({why})"
         return Choice(learned, means, reason)
-    reason = f"no W2T mix retrieves clearly better than {free} on {len(flat)} held-out adapters (best: {learned})"
+    reason = f"no W2T mix retrieves clearly better than {free} on {len(flat)} held-out adapters (best: {learned}; {why})"
     return Choice(free, means, reason)
 
 
@@ -122,26 +154,31 @@ def search_similarity(exact: dict[str, np.ndarray], choice: str, z: np.ndarray, 
 def choose_attribute(
     exact: dict[str, np.ndarray], search: str, labels: list[str], learned: dict[str, dict[int, str]], folds: list[Fold]
 ) -> tuple[Choice, dict[str, np.ndarray]]:
-    """`search` (a kNN over the chosen search score) or a learned predictor (`learned`: its out-of-fold predictions
-    by row: the W2T heads, few-shot readouts of the embedding), for one attribute (labels per labelled adapter,
-    "" unknown). Returns the choice and the per-item hits."""
-    hits: dict[str, list[float]] = {"search": [], **{k: [] for k in learned}}
+    """A kNN among the labelled adapters (`knn SIMILARITY k=K`, the best of knn_similarities(search) × KNN_KS) or a
+    learned predictor (`learned`: its out-of-fold predictions by row: the W2T heads, few-shot readouts of the
+    embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice and the per-item hits."""
+    knns = [knn_name(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
+    hits: dict[str, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
     for f in folds:
         val = [r for r in f.val if labels[r] and all(r in p for p in learned.values())]
         train = [r for r in f.train if labels[r]]
         if not val or not train:
             continue
-        knn = knn_classify(search_similarity(exact, search, f.z, val, train), [labels[r] for r in train], KNN_K)
-        hits["search"] += [float(p == labels[r]) for p, r in zip(knn, val, strict=True)]
+        for similarity in knn_similarities(search):
+            sim = search_similarity(exact, similarity, f.z, val, train)
+            for k in KNN_KS:
+                pred = knn_classify(sim, [labels[r] for r in train], k)
+                hits[knn_name(similarity, k)] += [float(p == labels[r]) for p, r in zip(pred, val, strict=True)]
         for k, p in learned.items():
             hits[k] += [float(p[r] == labels[r]) for r in val]
     per = {k: np.array(v) for k, v in hits.items()}
     means = {k: float(v.mean()) if len(v) else 0.0 for k, v in per.items()}
+    free = max(knns, key=lambda k: means[k])  # ties: the first (the search score, the most neighbours)
     if learned:
         best = max(learned, key=lambda k: means[k])
-        if clearly_better(per[best], per["search"]):
-            return Choice(best, means, f"{best} classifies {len(per[best])} held-out adapters clearly better"), per
-    return Choice("search", means, f"no learned predictor classifies clearly better than a {KNN_K}-NN over {search}"), per
+        if clearly_better(per[best], per[free]):
+            return Choice(best, means, f"{best} classifies {len(per[best])} held-out adapters clearly better than {free}"), per
+    return Choice(free, means, f"the best kNN on {len(per[free])} held-out adapters; no learned predictor classifies clearly better"), per
 
 
 def prototype_predictions(z: np.ndarray, labels: list[str], train: list[int], rows: list[int]) -> list[str]:
@@ -179,28 +216,37 @@ def readout_predictions(labels: list[str], folds: list[Fold]) -> dict[str, dict[
 def choose_metric(
     exact: dict[str, np.ndarray], search: str, values: np.ndarray, learned: dict[str, dict[int, float]], folds: list[Fold]
 ) -> tuple[Choice, np.ndarray, np.ndarray]:
-    """`search` (kNN over the chosen search score) or a learned predictor (`learned`: its out-of-fold predictions
-    by row, e.g. the heads and a kNN in the W2T embedding), for one metric (values per labelled adapter, NaN
-    unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
-    preds: dict[str, list[float]] = {"search": [], **{k: [] for k in learned}}
+    """A kNN among the labelled adapters (as for attributes, by Spearman) or a learned predictor (`learned`: its
+    out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric (values per
+    labelled adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
+    knns = [knn_name(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
+    preds: dict[str, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
     truth: list[float] = []
     for f in folds:
         val = [r for r in f.val if not np.isnan(values[r]) and all(r in p for p in learned.values())]
         train = [r for r in f.train if not np.isnan(values[r])]
         if not val or not train:
             continue
-        preds["search"] += knn_regress(search_similarity(exact, search, f.z, val, train), values[train], KNN_K).tolist()
+        for similarity in knn_similarities(search):
+            sim = search_similarity(exact, similarity, f.z, val, train)
+            for k in KNN_KS:
+                preds[knn_name(similarity, k)] += knn_regress(sim, values[train], k).tolist()
         for k, p in learned.items():
             preds[k] += [p[r] for r in val]
         truth += values[val].tolist()
     t = np.array(truth)
     per = {k: np.array(v) for k, v in preds.items()}
     means = {k: _spearman(v, t) for k, v in per.items()}
+    free = max(knns, key=lambda k: np.nan_to_num(means[k], nan=-2.0))  # ties: the first
     if len(t) >= 5 and learned:
-        best = max(learned, key=lambda k: means[k])
-        if clearly_better_rank(per[best], per["search"], t):
-            return Choice(best, means, f"{best} ranks {len(t)} held-out adapters clearly better (Spearman)"), per[best], t
-    return Choice("search", means, f"no learned predictor ranks clearly better than a {KNN_K}-NN over {search}"), per["search"], t
+        best = max(learned, key=lambda k: np.nan_to_num(means[k], nan=-2.0))
+        if clearly_better_rank(per[best], per[free], t):
+            return Choice(best, means, f"{best} ranks {len(t)} held-out adapters clearly better than {free} (Spearman)"), per[best], t
+    return (
+        Choice(free, means, f"the best kNN on {len(t)} held-out adapters; no learned predictor ranks clearly better (Spearman)"),
+        per[free],
+        t,
+    )
 
 
 def _spearman(pred: np.ndarray, truth: np.ndarray) -> float:
@@ -208,6 +254,8 @@ def _spearman(pred: np.ndarray, truth: np.ndarray) -> float:
 
     if len(truth) < 2:
         return float("nan")
+    if np.ptp(pred) == 0 or np.ptp(truth) == 0:  # a constant ranks nothing
+        return -1.0
     return float(np.nan_to_num(spearmanr(pred, truth).statistic, nan=-1.0))
 
 

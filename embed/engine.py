@@ -38,8 +38,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from embed.attributes import AdapterAttributes, last_label_id
 from embed.checkpoint import checkpoint_meta
+from embed.choice import parse_search, search_name
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
-from embed.metrics import KNN_K, top_k
+from embed.metrics import KNN_K, top_k, weighted_mean
 from embed.registry import deleted_since, load_embeddings, serving_embedders, space_version
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines, hybrid_score, module_sketches, sketch_module_cosines
 from embed.types import SpaceSchema, ZooAdapter
@@ -488,8 +489,14 @@ class QueryEngine:
         if method in EXACT_SCORES:
             return self._exact(state, query, vectors[SKETCH], ids, method)
         meta = checkpoint_meta(self.data_dir / str(state.embedders[W2T].checkpoint))
-        weight = float(meta["hybrid_weight"])
-        exact = self._exact(state, query, vectors[SKETCH], ids, meta.get("exact_score", "module")) if weight < 1 else 0.0
+        return self._search_scores(state, search_name(meta.get("exact_score", "module"), float(meta["hybrid_weight"])), query, vectors, ids)
+
+    def _search_scores(self, state: SpaceState, name: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
+        """A search score by its name (embed.choice.search_name: `dw`, `module`, `module+w2t@0.1`, `w2t`)."""
+        score, weight = parse_search(name)
+        if weight <= 0:
+            return self._exact(state, query, vectors[SKETCH], ids, score)
+        exact = self._exact(state, query, vectors[SKETCH], ids, score) if weight < 1 else 0.0
         return hybrid_score(exact, state.embedders[W2T].index.vectors(ids) @ vectors[W2T], weight)  # type: ignore[arg-type]
 
     def _exact(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray, score: str) -> np.ndarray:
@@ -507,8 +514,9 @@ class QueryEngine:
 
     def predict(self, session: Session, space: str, query: Query) -> dict[str, object]:
         """Attributes (top-3 classes with probabilities) and metrics (value, 90 % interval, predictor), each by
-        the predictor `zoo train` chose: the W2T heads, a kNN in its embedding, or a kNN over the search score
-        among the labelled adapters it trained with ("search")."""
+        the predictor `zoo train` chose out of fold: the W2T heads or a readout of its embedding, a kNN in its
+        embedding, or a similarity-weighted kNN among the labelled adapters it trained with ("knn", by an exact
+        or search score and k)."""
         state = self.space(session, space)
         e = state.embedders.get(W2T)
         if e is None or e.objective == "contrastive":
@@ -517,21 +525,23 @@ class QueryEngine:
         if not model.schema.fits(query.factors):
             raise UsageError(f"{query.name} does not fit space {state.name}")
         probs, values = model.predict([_as_zoo_adapter(query)])
-        searched = [k for k in (*probs, *values) if model.predictor.get(k) == "search"]
-        near = self._labelled_neighbours(session, state, model, query) if searched else (np.zeros(0, np.int64), np.zeros(0))
+        similarities = {str(model.knn[k]["similarity"]) for k in (*probs, *values) if model.predictor.get(k) == "knn"}
+        near = {name: self._labelled_neighbours(session, state, model, query, name) for name in sorted(similarities)}
         attributes = {}
         for key, p in probs.items():
             classes = model.config.categorical[key]
             shares = p[0]
-            if model.predictor.get(key) == "search":
-                shares = knn_shares(near, np.array([classes.index(v) if v else -1 for v in model.memory_labels[key]]), len(classes), shares)
+            if model.predictor.get(key) == "knn":
+                labels = np.array([classes.index(v) if v else -1 for v in model.memory_labels[key]])
+                shares = knn_shares(near[model.knn[key]["similarity"]], labels, len(classes), shares, int(model.knn[key]["k"]))
             order = top_k(shares, 3)
             attributes[key] = [{"value": classes[i], "probability": float(shares[i])} for i in order]
         metrics = {}
         for key, v in values.items():
             value = float(v[0])
-            if model.predictor.get(key) == "search":
-                value = float(model.clip(key, np.array([knn_value(near, model.memory_values[key], value)]))[0])
+            if model.predictor.get(key) == "knn":
+                found = knn_value(near[model.knn[key]["similarity"]], model.memory_values[key], value, int(model.knn[key]["k"]))
+                value = float(model.clip(key, np.array([found]))[0])
             std = model.residual_std.get(key)
             low, high = model.metric_range.get(key, (-math.inf, math.inf))
             known = std is not None and math.isfinite(std)  # no held-out residuals: no interval (never NaN in JSON)
@@ -541,20 +551,24 @@ class QueryEngine:
                 "high": min(value + 1.645 * std, high) if known else None,  # type: ignore[operator]
                 "interval": 0.9 if known else None,
                 "predictor": model.predictor.get(key, "head"),
+                "method": model.predictor_name(key),
             }
         return {
             "space": state.name,
             "embedder_id": e.id,
             "attributes": attributes,
             "metrics": metrics,
-            "predictors": {k: model.predictor.get(k, "head") for k in (*probs, *values)},
+            "predictors": {k: model.predictor_name(k) for k in (*probs, *values)},
             "search": model.search,
             "choices": model.choices,
         }
 
-    def _labelled_neighbours(self, session: Session, state: SpaceState, model: object, query: Query) -> tuple[np.ndarray, np.ndarray]:
-        """The labelled training adapters nearest the query by the search score: (their positions in the model's
-        memory, scores), from both indexes' CANDIDATES nearest among them, scored as `similar` scores."""
+    def _labelled_neighbours(
+        self, session: Session, state: SpaceState, model: object, query: Query, similarity: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The labelled training adapters nearest the query by a search score (`similarity`, a name as
+        embed.choice.search_name gives): (their positions in the model's memory, scores), from both indexes'
+        CANDIDATES nearest among them, re-scored exactly."""
         memory_ids = model.memory_ids  # type: ignore[attr-defined]
         allowed = np.sort(memory_ids)
         with state.lock.read():
@@ -567,35 +581,36 @@ class QueryEngine:
             if query.adapter_id is not None:
                 pool.discard(query.adapter_id)
             candidates = np.array(sorted(pool), dtype=np.int64)
-            scores = self._scores(state, "hybrid", query, vectors, candidates)
+            scores = self._search_scores(state, similarity, query, vectors, candidates) if len(candidates) else np.zeros(0)
         at = {int(i): j for j, i in enumerate(memory_ids.tolist())}
         return np.array([at[int(i)] for i in candidates.tolist()], np.int64), scores
 
 
-def knn_shares(near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, fallback: np.ndarray) -> np.ndarray:
-    """Class shares of the similarity-weighted vote of the KNN_K nearest with a known class (classes: per memory
+def knn_shares(
+    near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, fallback: np.ndarray, k: int = KNN_K
+) -> np.ndarray:
+    """Class shares of the similarity-weighted vote of the k nearest with a known class (classes: per memory
     position, -1 unknown); `fallback` (the heads') where none is known."""
     positions, scores = near
     known = classes[positions] >= 0 if len(positions) else np.zeros(0, bool)
     if not known.any():
         return fallback
     pos, sc = positions[known], scores[known]
-    top = top_k(sc, KNN_K)
+    top = top_k(sc, k)
     votes = np.zeros(n_classes)
     np.add.at(votes, classes[pos[top]], np.maximum(sc[top], 0.0) + 1e-6)
     return votes / votes.sum()
 
 
-def knn_value(near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float) -> float:
-    """Similarity-weighted mean of the KNN_K nearest with a known value (values: per memory position, NaN unknown)."""
+def knn_value(near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float, k: int = KNN_K) -> float:
+    """Similarity-weighted mean of the k nearest with a known value (values: per memory position, NaN unknown)."""
     positions, scores = near
     known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
     if not known.any():
         return fallback
     pos, sc = positions[known], scores[known]
-    top = top_k(sc, KNN_K)
-    w = np.maximum(sc[top], 0.0) + 1e-6
-    return float((w * values[pos[top]]).sum() / w.sum())
+    top = top_k(sc, k)
+    return weighted_mean(values[pos[top]], np.maximum(sc[top], 0.0) + 1e-6)
 
 
 def _as_zoo_adapter(query: Query) -> ZooAdapter:

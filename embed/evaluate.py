@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from embed.baselines import raw_factor_vectors, spectra_vectors
-from embed.metrics import classification, cosine, knn_classify, knn_regress, regression, retrieval
+from embed.choice import parse_search
+from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, regression, retrieval
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines, hybrid_score, module_sketches, sketch_module_cosines
 from embed.tokens import max_rank
 from embed.train import TrainOptions, W2TEnsemble, train_w2t
@@ -47,7 +48,9 @@ def refactorized(a: ZooAdapter, seed: int) -> ZooAdapter:
     return ZooAdapter(a.id, a.name, factors, a.labels, a.measurements, a.source_uri)
 
 
-def _score(sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train_pos: list[int], predict: bool) -> dict[str, float | None]:
+def _score(
+    sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train_pos: list[int], predict: bool, k: int = KNN_K
+) -> dict[str, float | None]:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
     out: dict[str, float | None] = dict.fromkeys(KEYS)
     q = [p for p in test_pos if tasks[p]]
@@ -56,10 +59,10 @@ def _score(sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train
     if predict:
         sub = sim[np.ix_(test_pos, train_pos)]
         if all(tasks[p] for p in train_pos + test_pos):
-            out.update(classification(knn_classify(sub, [tasks[p] for p in train_pos]), [tasks[p] for p in test_pos]))
+            out.update(classification(knn_classify(sub, [tasks[p] for p in train_pos], k), [tasks[p] for p in test_pos]))
         perf = np.array([all_ad[p].measurements.get(PERF_METRIC, np.nan) for p in range(len(all_ad))])
         if not np.isnan(perf[train_pos + test_pos]).any():
-            out.update(regression(knn_regress(sub, perf[train_pos]), perf[test_pos]))
+            out.update(regression(knn_regress(sub, perf[train_pos], k), perf[test_pos]))
     return out
 
 
@@ -146,7 +149,7 @@ def evaluate(
         "sketch_vs_exact_cosine_corr": sketch_vs_exact,
         "invariance_min_cosine": invariance,
         "search": sup.search,
-        "w2t_predictor": sup.predictor,
+        "w2t_predictor": {k: sup.predictor_name(k) for k in sup.predictor},
         "choices": sup.choices,
         "seconds": {k: round(v, 2) for k, v in timings.items()},
     }
@@ -188,14 +191,16 @@ def _default_scores(
     emb: W2TEnsemble, exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int], train_pos: list[int]
 ) -> dict[str, float | None]:
     """What `zoo search` and `zoo predict` do after `zoo train`: the chosen search score, and each target by its
-    chosen predictor (a kNN over the search score among the labelled training adapters, the heads, or the kNN in
-    the embedding)."""
-    sim = hybrid_score(exact[emb.exact_score], w2t, emb.hybrid_weight)
-    out = _score(sim, adapters, test_pos, train_pos, predict=False)
+    chosen predictor (a kNN among the labelled training adapters by the similarity and k chosen, the heads or a
+    readout of the embedding, or the kNN in the embedding)."""
+    out = _score(hybrid_score(exact[emb.exact_score], w2t, emb.hybrid_weight), adapters, test_pos, train_pos, predict=False)
     heads = _head_scores(emb, adapters, test_pos)
-    searched = _score(sim, adapters, test_pos, train_pos, predict=True)
     for target, keys in ((TASK_KEY, ("attr_acc", "attr_macro_f1")), (PERF_METRIC, ("perf_mae", "perf_spearman", "perf_kendall"))):
-        source = searched if emb.predictor.get(target) == "search" else heads
+        source = heads
+        if emb.predictor.get(target) == "knn":
+            score, weight = parse_search(str(emb.knn[target]["similarity"]))
+            sim = hybrid_score(exact[score], w2t, weight)
+            source = _score(sim, adapters, test_pos, train_pos, predict=True, k=int(emb.knn[target]["k"]))  # type: ignore[call-overload]
         out.update({k: source.get(k) for k in keys})
     return out
 

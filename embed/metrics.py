@@ -66,12 +66,19 @@ def knn_classify(sim: np.ndarray, train_labels: list[str], k: int = KNN_K) -> li
 
 
 def knn_regress(sim: np.ndarray, train_values: np.ndarray, k: int = KNN_K) -> np.ndarray:
+    """Similarity-weighted mean of the k most similar training items' values (sim: test × train)."""
     out = np.zeros(len(sim))
     for i, row in enumerate(sim):
         top = top_k(row, k)
-        w = np.maximum(row[top], 0.0) + 1e-6
-        out[i] = float((w * train_values[top]).sum() / w.sum())
+        out[i] = weighted_mean(train_values[top], np.maximum(row[top], 0.0) + 1e-6)
     return out
+
+
+def weighted_mean(values: np.ndarray, weights: np.ndarray) -> float:
+    """Σ w·v / Σ w, written as an offset from the first value: neighbours that agree give their value exactly (one
+    neighbour's value, not v·w/w), so equal predictions stay equal whatever the weights' rounding."""
+    v0 = float(values[0])
+    return v0 + float((weights * (values - v0)).sum() / weights.sum())
 
 
 def classification(pred: list[str], true: list[str]) -> dict[str, float]:

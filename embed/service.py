@@ -234,7 +234,7 @@ def train_space(
         "members": len(model.models),
         "heads": sorted(model.config.categorical),
         "regression": model.config.regression,
-        "predictors": model.predictor,
+        "predictors": {k: model.predictor_name(k) for k in model.predictor},
         "exact_score": model.exact_score,
         "hybrid_weight": model.hybrid_weight,
     }

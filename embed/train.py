@@ -36,12 +36,14 @@ from embed.choice import (
     choose_attribute,
     choose_metric,
     choose_search,
+    knn_name,
     logistic_readout,
+    parse_knn,
     parse_search,
     readout_predictions,
     search_name,
 )
-from embed.metrics import knn_regress
+from embed.metrics import KNN_K, knn_regress
 from embed.model import W2T, W2TConfig
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
 from embed.tokens import Batch, TypeTokens, max_rank, select, to_device, tokenize
@@ -114,8 +116,9 @@ class W2TEnsemble:
     #: "module": the mean module cosine) mixed with this embedding's cosine at `hybrid_weight` (0: exact alone)
     exact_score: str = "dw"
     hybrid_weight: float = 0.0
-    #: per attribute: "head" or "search" (similarity-weighted kNN over the search score among the labelled
-    #: training adapters); per metric: "head", "neighbours" (kNN over this embedding) or "search"; out of fold
+    #: per attribute: "head", "prototype", "logreg" (readouts of this embedding) or "knn" (a similarity-weighted
+    #: kNN among the labelled training adapters, by the similarity and k in `knn`); per metric: "head",
+    #: "neighbours" (kNN over this embedding) or "knn"; chosen out of fold
     predictor: dict[str, str] = field(default_factory=dict)
     #: the labelled training adapters: ids, embeddings, measured values per metric (NaN where unknown) and
     #: labels per attribute ("" where unknown)
@@ -127,6 +130,23 @@ class W2TEnsemble:
     choices: dict[str, dict[str, object]] = field(default_factory=dict)
     #: per attribute predicted by "logreg": the logistic regression on the embedding (classes, coef, intercept)
     readouts: dict[str, dict[str, list]] = field(default_factory=dict)
+    #: per target predicted by "knn": {"similarity": a search score's name (embed.choice.search_name), "k": neighbours}
+    knn: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    def choose(self, target: str, chosen: str) -> None:
+        """Record a target's predictor from its chosen candidate's name (embed.choice: `head`, `knn dw k=3`, ...)."""
+        if chosen.startswith("knn "):
+            similarity, k = parse_knn(chosen)
+            self.predictor[target], self.knn[target] = "knn", {"similarity": similarity, "k": k}
+        else:
+            self.predictor[target] = chosen
+            self.knn.pop(target, None)
+
+    def predictor_name(self, target: str) -> str:
+        """A target's predictor as a candidate's name: `head`, `logreg`, `knn dw k=3`."""
+        if self.predictor.get(target) == "knn":
+            return knn_name(str(self.knn[target]["similarity"]), int(self.knn[target]["k"]))  # type: ignore[call-overload]
+        return self.predictor.get(target, "head")
 
     @property
     def search(self) -> str:
@@ -184,7 +204,7 @@ class W2TEnsemble:
     def predict(self, adapters: list[ZooAdapter]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(class probabilities per attribute, predicted metric values in their own units) from the heads, or
         for a metric whose predictor is "neighbours" from the kNN in the embedding. Targets whose predictor is
-        "search" need the exact scores to the memory: the caller predicts those (embed.engine, embed.evaluate)."""
+        "knn" need the exact scores to the memory: the caller predicts those (embed.engine, embed.evaluate)."""
         z, probs, values = self._forward(adapters)
         for k in probs:
             if self.predictor.get(k) in ("prototype", "logreg") and len(adapters):
@@ -248,6 +268,7 @@ class W2TEnsemble:
             "memory_labels": self.memory_labels,
             "choices": self.choices,
             "readouts": self.readouts,
+            "knn": self.knn,
         }
         (directory / META).write_text(json.dumps(meta, indent=1))
 
@@ -262,6 +283,7 @@ class W2TEnsemble:
             model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"{i}.")})
             models.append(model.to(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))))
         memory = load_file(str(directory / MEMORY))
+        knn = _knn_of(meta)  # before the predictors are read: it renames an old checkpoint's "search"
         return cls(
             models,
             SpaceSchema.from_dict(meta["schema"]),
@@ -280,7 +302,18 @@ class W2TEnsemble:
             meta.get("memory_labels", {}),
             meta.get("choices", {}),
             meta.get("readouts", {}),
+            knn=knn,
         )
+
+
+def _knn_of(meta: dict) -> dict[str, dict[str, object]]:
+    """The kNN predictors of a checkpoint; before they were chosen, "search" meant a 10-NN over the search score."""
+    knn = dict(meta.get("knn", {}))
+    for target, predictor in meta["predictor"].items():
+        if predictor == "search":
+            meta["predictor"][target] = "knn"
+            knn[target] = {"similarity": search_name(meta.get("exact_score", "module"), meta["hybrid_weight"]), "k": KNN_K}
+    return knn
 
 
 def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrastive_view: bool) -> Batch:
@@ -496,7 +529,7 @@ def remember_and_choose(embedder: W2TEnsemble, adapters: list[ZooAdapter], optio
     embedder.memory, embedder.memory_ids = z[known], np.array([adapters[r].id for r in known], dtype=np.int64)
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
-    embedder.predictor, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}
+    embedder.predictor, embedder.knn, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}, {}
     folds = _folds(len(adapters), len(models), options)
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
         _choose(embedder, [adapters[r] for r in known], known, singles, member_z, folds)
@@ -539,13 +572,15 @@ def _choose(
         labels = embedder.memory_labels[k]
         learned = {"head": heads.get(k, {}), **readout_predictions(labels, views)}
         choice, _ = choose_attribute(exact, search.chosen, labels, learned, views)  # type: ignore[arg-type]
-        embedder.predictor[k], embedder.choices[k] = choice.chosen, choice.as_dict()
+        embedder.choose(k, choice.chosen)
+        embedder.choices[k] = choice.as_dict()
         if choice.chosen == "logreg":
             model = logistic_readout(embedder.memory, labels)
             embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
     for m in embedder.config.regression:
         learned = {"head": heads.get(m, {}), "neighbours": heads.get(f"neighbours.{m}", {})}
         choice, pred, truth = choose_metric(exact, search.chosen, embedder.memory_values[m], learned, views)  # type: ignore[arg-type]
-        embedder.predictor[m], embedder.choices[m] = choice.chosen, choice.as_dict()
+        embedder.choose(m, choice.chosen)
+        embedder.choices[m] = choice.as_dict()
         if len(truth) >= 2:
             embedder.residual_std[m] = float(np.std(embedder.clip(m, pred) - truth))

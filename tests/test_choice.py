@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from embed.choice import (
+    KNN_KS,
     MIX_WEIGHTS,
     Fold,
     choose_attribute,
@@ -15,11 +16,15 @@ from embed.choice import (
     choose_search,
     clearly_better,
     clearly_better_rank,
+    knn_name,
+    knn_similarities,
+    parse_knn,
     parse_search,
     prototype_predictions,
     readout_predictions,
     search_name,
 )
+from embed.metrics import KNN_K
 from embed.similarity import EXACT_SCORES
 
 
@@ -72,19 +77,61 @@ def test_search_keeps_the_exact_score_unless_w2t_clearly_retrieves_better() -> N
 
 def test_attribute_and_metric_predictors_default_to_the_knn() -> None:
     exact, tasks, folds = _zoo(4, 10, w2t_noise=0.05)
+    knns = [knn_name(s, k) for s in knn_similarities("dw") for k in KNN_KS]
     good_heads = {r: t for r, t in enumerate(tasks)}
     choice, hits = choose_attribute(exact, "dw", tasks, {"head": good_heads}, folds)
-    assert hits["head"].mean() == 1.0 and (choice.chosen == "head") == (hits["search"].mean() < 0.85)
+    best_knn = max(hits[k].mean() for k in knns)
+    assert hits["head"].mean() == 1.0 and (choice.chosen == "head") == (best_knn < 0.85)
     wrong_heads = {r: "t0" for r in range(len(tasks))}
-    assert choose_attribute(exact, "dw", tasks, {"head": wrong_heads}, folds)[0].chosen == "search"
+    choice, hits = choose_attribute(exact, "dw", tasks, {"head": wrong_heads}, folds)
+    assert choice.chosen in knns and hits[choice.chosen].mean() == max(hits[k].mean() for k in knns)
     rng = np.random.default_rng(1)
     values = np.array([float(t[1:]) for t in tasks]) + 0.1 * rng.normal(size=len(tasks))
     perfect = {r: float(v) for r, v in enumerate(values)}
     noise = {r: float(v) for r, v in enumerate(rng.normal(size=len(tasks)))}
     choice, pred, truth = choose_metric(exact, "w2t", values, {"head": perfect, "neighbours": noise}, folds)
-    assert choice.chosen in ("head", "search") and len(pred) == len(truth) == len(tasks)
+    assert len(pred) == len(truth) == len(tasks)
+    assert choice.chosen == "head" or choice.scores[choice.chosen] >= choice.scores["head"] - 0.1
     choice, _, _ = choose_metric(exact, "w2t", values, {"head": noise}, folds)
-    assert choice.chosen == "search" and choice.scores["search"] > choice.scores["head"]
+    assert choice.chosen.startswith("knn ") and choice.scores[choice.chosen] > choice.scores["head"]
+    assert choice.scores[choice.chosen] == max(v for k, v in choice.scores.items() if k.startswith("knn "))
+
+
+def test_the_knn_takes_few_neighbours_when_each_class_has_few_labels() -> None:
+    """Three labelled adapters per class, all alike (a shared direction) but nearest to their own class: 10
+    neighbours outvote the two of its class, one neighbour never does; the kNN's k is chosen out of fold."""
+    rng = np.random.default_rng(0)
+    n_classes, per = 8, 3
+    labels = [f"c{c}" for c in range(n_classes) for _ in range(per)]
+    x = 3 + np.repeat(rng.normal(size=(n_classes, 16)), per, axis=0) + 0.5 * rng.normal(size=(n_classes * per, 16))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    exact = {"dw": x @ x.T, "module": x @ x.T}
+    z = np.eye(len(labels))
+    folds = [Fold(list(range(i, len(labels), 4)), [r for r in range(len(labels)) if (r - i) % 4], z) for i in range(4)]
+    choice, hits = choose_attribute(exact, "dw", labels, {}, folds)
+    assert parse_knn(choice.chosen)[1] < KNN_K and hits[choice.chosen].mean() > hits[knn_name("dw", KNN_K)].mean()
+    values = np.array([float(label[1:]) for label in labels])
+    choice, _, _ = choose_metric(exact, "dw", values, {}, folds)
+    assert parse_knn(choice.chosen)[1] < KNN_K
+
+
+@given(st.sampled_from(("dw", "module", "module+w2t@0.3", "w2t")), st.sampled_from(KNN_KS))
+def test_knn_names_round_trip(similarity: str, k: int) -> None:
+    assert parse_knn(knn_name(similarity, k)) == (similarity, k)
+    assert knn_similarities(similarity)[0] == similarity and set(EXACT_SCORES) <= set(knn_similarities(similarity))
+
+
+def test_search_prefers_the_whole_update_unless_module_cosine_is_better_by_more_than_its_error() -> None:
+    exact, tasks, folds = _zoo(6, 12, w2t_noise=20.0)
+    rng = np.random.default_rng(5)
+    wobble = 0.02 * rng.normal(size=exact["dw"].shape)
+    tied = {"dw": exact["dw"], "module": exact["dw"] + (wobble + wobble.T) / 2}  # the same ranking, give or take
+    chosen = choose_search(tied, tasks, folds)
+    assert chosen.chosen == "dw" and "no exact score beats it" in chosen.reason
+    same = np.array([[float(a == b) for b in tasks] for a in tasks])
+    better = {"dw": exact["dw"], "module": 0.5 * same + 0.5 * exact["dw"]}  # module cosine sees the task
+    chosen = choose_search(better, tasks, folds)
+    assert chosen.chosen == "module" and chosen.scores["module"] > chosen.scores["dw"] and "standard error" in chosen.reason
 
 
 def test_few_shot_readouts_of_a_separable_embedding() -> None:

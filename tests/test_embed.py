@@ -131,7 +131,9 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     assert emb.config.regression == ["test_accuracy"]
     assert len(emb.models) == TrainOptions().members
     assert all(1 <= sum(1 for h in emb.history if h["member"] == i) <= 3 for i in range(len(emb.models)))
-    assert emb.predictor["test_accuracy"] in ("head", "neighbours", "search") and emb.predictor["task"] in ("head", "search")
+    assert emb.predictor["test_accuracy"] in ("head", "neighbours", "knn")
+    assert emb.predictor["task"] in ("head", "prototype", "logreg", "knn")
+    assert all(emb.predictor_name(k) == emb.choices[k]["chosen"] for k in emb.predictor)
     assert set(emb.choices) == {"search", "task", "rank", "test_accuracy"} and emb.choices["search"]["chosen"] == emb.search
     assert len(emb.memory) == len(emb.memory_values["test_accuracy"]) == len(zoo)  # every adapter is measured
     emb.save(tmp_path / "ckpt")
@@ -141,7 +143,7 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     p1, v1 = loaded.predict(zoo[:6])
     assert np.allclose(p0["task"], p1["task"], atol=1e-6) and np.allclose(v0["test_accuracy"], v1["test_accuracy"], atol=1e-6)
     assert emb.hybrid_weight in (0.0, *MIX_WEIGHTS) and (loaded.hybrid_weight, loaded.exact_score) == (emb.hybrid_weight, emb.exact_score)
-    assert loaded.predictor == emb.predictor and np.array_equal(loaded.memory, emb.memory)
+    assert loaded.predictor == emb.predictor and loaded.knn == emb.knn and np.array_equal(loaded.memory, emb.memory)
     assert sorted(loaded.memory_ids.tolist()) == sorted(a.id for a in zoo) and loaded.memory_labels == emb.memory_labels
     measured = [a.measurements["test_accuracy"] for a in zoo]
     assert loaded.metric_range["test_accuracy"] == (min(measured), max(measured))

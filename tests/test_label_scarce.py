@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from embed.evaluate import evaluate, labelled_split
-from embed.metrics import classification, knn_classify, knn_regress, regression, retrieval
+from embed.metrics import classification, knn_classify, knn_regress, regression, retrieval, weighted_mean
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
 from embed.train import TrainOptions, categorical_attributes, train_w2t
 from embed.types import ZooAdapter, schema_of
@@ -160,3 +160,15 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
         **regression(np.array(values), np.array([full[q].measurements["test_accuracy"] for q in queries])),
     }
     assert served == pytest.approx(result["methods"]["default"], abs=1e-4)
+
+
+@given(
+    st.lists(st.floats(-10, 10), min_size=1, max_size=12).flatmap(
+        lambda v: st.tuples(st.just(v), st.lists(st.floats(1e-6, 1.0), min_size=len(v), max_size=len(v)))
+    )
+)
+def test_weighted_mean_is_exact_when_neighbours_agree(values_weights: tuple[list[float], list[float]]) -> None:
+    values, weights = np.array(values_weights[0]), np.array(values_weights[1])
+    assert weighted_mean(values, weights) == pytest.approx(float((weights * values).sum() / weights.sum()), abs=1e-9)
+    assert weighted_mean(np.full(len(values), values[0]), weights) == values[0]  # one neighbour's value, exactly
+    assert min(values) - 1e-9 <= weighted_mean(values, weights) <= max(values) + 1e-9

@@ -426,6 +426,8 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
             f"{info['members']} models ({'+'.join(map(str, info['epochs']))} epochs), best validation loss {info['best_val_loss']:.4f}; "
             f"embedder {info['embedder_id']}, checkpoint {info['checkpoint']}"
         )
+        for target, c in info["choices"].items():  # chosen out of fold: what search and predict will use
+            print(f"  {target} by {c['chosen']}: {c['reason']}")
     return 0
 
 
@@ -476,7 +478,7 @@ def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
 PREDICTOR_WORDS = {
     "head": "W2T heads",
     "neighbours": "most similar training adapters in the W2T embedding",
-    "search": "most similar labelled adapters by the search score",
+    "knn": "most similar labelled adapters",
 }
 
 
@@ -494,7 +496,7 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
         print(f"  {key:<16} " + ", ".join(f"{c['value']} ({c['probability']:.0%})" for c in top))
     for key, m in pred["metrics"].items():  # type: ignore[attr-defined]
         interval = f"90% interval {m['low']:.3f}..{m['high']:.3f}" if m["interval"] else "no interval: no held-out residuals"
-        print(f"  {key:<16} {m['value']:.3f}  ({interval}; from the {PREDICTOR_WORDS[m['predictor']]})")
+        print(f"  {key:<16} {m['value']:.3f}  ({interval}; {m['method']}: from the {PREDICTOR_WORDS.get(m['predictor'], m['predictor'])})")
     return 0
 
 
