@@ -76,8 +76,11 @@ def evaluate(
     contrastive: bool = True,
     labelled_per_task: int | None = None,
     label_fraction: float | None = None,
+    objective: str = "supervised",
 ) -> dict[str, object]:
     """Score every method on one seeded split; `contrastive=False` leaves W2T (contrastive) out (a row of nulls).
+    `objective` is that of the W2T `zoo train` makes (its rows: w2t_supervised and default): "supervised", or
+    "both" (also contrastive on every adapter, the unlabelled included).
 
     Full labels (default): a `test_fraction` of the adapters is held out, W2T trains on the rest. Label-scarce
     (`labelled_per_task` N or `label_fraction` F): per task, N adapters (or a fraction F, at least one) keep
@@ -118,16 +121,16 @@ def evaluate(
     methods["spectra_knn"] = _score(cosine(spec, spec), adapters, test_pos, train_pos, predict=True)
 
     embedders: dict[str, W2TEnsemble] = {}
-    for objective in ("supervised", "contrastive") if contrastive else ("supervised",):
+    for kind, trained_as in (("supervised", objective), ("contrastive", "contrastive")) if contrastive else (("supervised", objective),):
         t0 = time.perf_counter()
-        emb = train_w2t(fit, schema, TrainOptions(**{**options.__dict__, "objective": objective}), progress=progress)
-        timings[f"w2t_{objective}_train"] = time.perf_counter() - t0
-        embedders[objective] = emb
+        emb = train_w2t(fit, schema, TrainOptions(**{**options.__dict__, "objective": trained_as}), progress=progress)
+        timings[f"w2t_{kind}_train"] = time.perf_counter() - t0
+        embedders[kind] = emb
         z = emb.embed(adapters)
         sim = z @ z.T
-        name = f"w2t_{objective}"
-        methods[name] = _score(sim, adapters, test_pos, train_pos, predict=objective == "contrastive")
-        if objective == "supervised":
+        name = f"w2t_{kind}"
+        methods[name] = _score(sim, adapters, test_pos, train_pos, predict=kind == "contrastive")
+        if kind == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
             methods["default"] = _default_scores(emb, exact, sim, adapters, test_pos, train_pos)
 
@@ -143,6 +146,7 @@ def evaluate(
         "space": schema.base_model,
         "seed": seed,
         "protocol": _protocol(labelled_per_task, label_fraction),
+        "objective": objective,
         "n_train": len(train_pos),
         "n_test": len(test_pos),
         "methods": {m: methods[m] for m in METHODS if m in methods},
@@ -231,6 +235,7 @@ def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "space": first["space"],
         "protocol": first.get("protocol", "full labels"),
+        "objective": first.get("objective", "supervised"),
         "n_train": first["n_train"],
         "n_test": first["n_test"],
         "seeds": [r["seed"] for r in results],
@@ -249,7 +254,8 @@ def format_table(result: dict[str, Any]) -> str:
     seeds = ", ".join(str(r["seed"]) for r in splits)
     protocol = result.get("protocol", "full labels")
     sizes = f"{result['n_train']} train, {result['n_test']} test adapters"
-    lines = [f"space {result['space']} ({protocol}): {sizes}; split seed {seeds}", header]
+    objective = result.get("objective", "supervised")
+    lines = [f"space {result['space']} ({protocol}; W2T {objective}): {sizes}; split seed {seeds}", header]
     for name, row in result["methods"].items():
         if spread:
             cells = "".join(f"{'-':>{width}}" if row[k] is None else f"{row[k]:>9.3f} ±{spread[name][k]:.3f}" for k in KEYS)

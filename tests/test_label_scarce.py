@@ -108,9 +108,10 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
 
 
 @pytest.mark.slow
-def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_path: Path) -> None:
-    """Adapters ingested with labels on N per task only, `zoo train`, then `zoo search` and `zoo predict` on each
-    unlabelled adapter: their scores are the eval's row `default` under the same labels and options."""
+@pytest.mark.parametrize("objective", ["supervised", "both"])
+def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_path: Path, objective: str) -> None:
+    """Adapters ingested with labels on N per task only, `zoo train --objective`, then `zoo search` and `zoo predict`
+    on each unlabelled adapter: their scores are the eval's row `default` under the same labels and options."""
     from embed.dataset import load_adapters
     from tests.factories import train_peft_adapter
     from zoo.blobs import BlobStore
@@ -130,15 +131,17 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
     rc, _ = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
     assert rc == 0
-    rc, (info,) = cli.json_lines("train", "--epochs", "3", "--members", "2", "--seed", "2")
+    rc, (info,) = cli.json_lines("train", "--epochs", "3", "--members", "2", "--seed", "2", "--objective", objective)
     assert rc == 0 and info["heads"] == ["task"] and set(info["predictors"]) == {"task", "test_accuracy"}
 
     with session_factory(cli.settings.database_url)() as session:
         stored = load_adapters(session, BlobStore(cli.settings.blob_dir), "tiny")
     full = [ZooAdapter(a.id, a.name, a.factors, {"task": tasks[a.name]}, {"test_accuracy": accuracy[a.name]}) for a in stored]
     options = TrainOptions(epochs=3, seed=2, members=2)
-    result = evaluate(full, schema_of("tiny", full), options, seed=2, progress=False, contrastive=False, labelled_per_task=3)
-    assert result["choices"] == info["choices"]  # the same W2T, the same choices
+    result = evaluate(
+        full, schema_of("tiny", full), options, seed=2, progress=False, contrastive=False, labelled_per_task=3, objective=objective
+    )
+    assert result["objective"] == info["objective"] == objective and result["choices"] == info["choices"]  # the same W2T, the same choices
 
     ids = [a.id for a in full]
     queries = [p for p, a in enumerate(full) if a.name not in kept]

@@ -581,6 +581,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
                 contrastive=not args.no_contrastive,
                 labelled_per_task=args.labelled_per_task,
                 label_fraction=args.label_fraction,
+                objective=args.objective,
             )
         )
     result = results[0] if len(results) == 1 else combine_splits(results)
@@ -929,6 +930,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="label-scarce protocol: per task, N adapters keep their labels; the others are ingested unlabelled and are the queries",
     )
     scarce.add_argument("--label-fraction", type=float, metavar="F", help="label-scarce protocol: a fraction F of each task is labelled")
+    s.add_argument(
+        "--objective",
+        choices=["supervised", "both"],
+        default="supervised",
+        help="of the W2T that `zoo train` makes and the default row uses: supervised, or both (also contrastive on every "
+        "adapter, the unlabelled included) (default: %(default)s)",
+    )
     s.add_argument("--seed", type=int, default=0, help="seed of the split and of the W2T members (default: 0)")
     s.add_argument(
         "--splits",
