@@ -4,11 +4,12 @@ The rule (DESIGN.md): a learned method replaces a training-free one only where i
 Every choice is scored on the adapters a W2T ensemble member never trained on (its fold), pooled over
 the members, against the labelled adapters:
 
-- search: the exact scores (the whole update's dW cosine, the mean module cosine) and their mixes with
-  the W2T cosine, by each held-out adapter's MRR + nDCG@10 (relevance = same task). The exact score is the
-  whole update's cosine unless module cosine retrieves better by more than the standard error of the
+- search: the exact scores (the whole update's dW cosine, the mean module cosine), then mixes of the chosen
+  one with the W2T cosine, by each held-out adapter's MRR + nDCG@10 (relevance = same task). The exact score
+  is the whole update's cosine unless module cosine retrieves better by more than the standard error of the
   per-query difference; a mix (or W2T alone) replaces it only if its per-query gain is clearly positive
-  (paired bootstrap, one-sided 95 %), so with few labels the training-free score stays;
+  (paired bootstrap, one-sided 95 %). A replacement must also be behind on none of hit@1, MRR and nDCG@10
+  (means), so with few labels the training-free score stays;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score,
   or either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify
   the held-out adapters best, unless the W2T heads or a few-shot readout of the W2T embedding (nearest class
@@ -31,6 +32,8 @@ from embed.similarity import EXACT_SCORES, hybrid_score
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
 #: neighbours tried by the kNN predictors, in order of preference on a tie
 KNN_KS = (KNN_K, 5, 3, 1)
+#: retrieval measures a search score replacing another must not be behind on (out of fold, means)
+SEARCH_KEYS = ("hit@1", "mrr", "ndcg@10")
 #: bootstrap resamples and one-sided confidence of "clearly better"
 RESAMPLES = 1000
 CONFIDENCE = 0.95
@@ -111,37 +114,48 @@ def clearly_better(candidate: np.ndarray, default: np.ndarray, statistic: Callab
 
 def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
-    between the labelled adapters (n × n), `tasks` their tasks ("" unknown)."""
+    between the labelled adapters (n × n), `tasks` their tasks ("" unknown). The exact score is chosen first;
+    W2T is mixed only into that one (a mix over the score not chosen would re-open a choice the data did not
+    settle)."""
     queries = [[r for r in f.val if tasks[r]] for f in folds]
     flat = [r for rows in queries for r in rows]
     if len(flat) < 2:
         return Choice(EXACT_SCORES[0], reason="fewer than 2 held-out adapters with a task: the whole update's dW cosine")
     w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(folds, queries, strict=True) if q])
+    per: dict[str, dict[str, np.ndarray]] = {}
 
-    def quality(sim: np.ndarray) -> np.ndarray:
-        per = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
-        return per["mrr"] + per["ndcg@10"]
+    def score(name: str, sim: np.ndarray) -> None:
+        per[name] = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
+        per[name]["quality"] = per[name]["mrr"] + per[name]["ndcg@10"]
 
-    per_query = {}
-    for score in EXACT_SCORES:
-        for weight in (0.0, *MIX_WEIGHTS):
-            name = search_name(score, weight)
-            if name not in per_query:
-                per_query[name] = quality(hybrid_score(exact[score][flat], w2t, weight))
-    means = {k: float(v.mean()) for k, v in per_query.items()}
+    def behind_on(name: str, default: str) -> list[str]:
+        return [k for k in SEARCH_KEYS if per[name][k].mean() < per[default][k].mean()]
+
+    for exact_score in EXACT_SCORES:
+        score(exact_score, exact[exact_score][flat])
     base = EXACT_SCORES[0]  # the whole update's cosine, the training-free bar
-    best = max(EXACT_SCORES, key=lambda k: means[k])  # ties: the first
-    gain = per_query[best] - per_query[base]
-    free = best if best != base and gain.mean() > standard_error(gain) else base
+    best = max(EXACT_SCORES, key=lambda k: per[k]["quality"].mean())  # ties: the first
+    gain = per[best]["quality"] - per[base]["quality"]
+    free = best if best != base and gain.mean() > standard_error(gain) and not behind_on(best, base) else base
     if free != base:
         why = f"{best} beats {base} by more than its standard error"
     else:
-        why = f"{base}: no exact score beats it by more than its standard error"
-    learned = max((k for k in per_query if k not in EXACT_SCORES), key=lambda k: means[k])
-    if clearly_better(per_query[learned], per_query[free]):
-        reason = f"{learned} retrieves clearly better than {free} on {len(flat)} held-out adapters ({why})"
-        return Choice(learned, means, reason)
-    reason = f"no W2T mix retrieves clearly better than {free} on {len(flat)} held-out adapters (best: {learned}; {why})"
+        why = f"{base}: no exact score beats it by more than its standard error and on every measure"
+    mixes = [search_name(free, w) for w in MIX_WEIGHTS]
+    for name, weight in zip(mixes, MIX_WEIGHTS, strict=True):
+        score(name, hybrid_score(exact[free][flat], w2t, weight))
+    means = {k: float(v["quality"].mean()) for k, v in per.items()}
+    learned = max(mixes, key=lambda k: means[k])
+    n = len(flat)
+    eligible = [k for k in mixes if not behind_on(k, free)]
+    if eligible:
+        candidate = max(eligible, key=lambda k: means[k])
+        if clearly_better(per[candidate]["quality"], per[free]["quality"]):
+            reason = f"{candidate} retrieves clearly better than {free} on {n} held-out adapters, and is behind on no measure ({why})"
+            return Choice(candidate, means, reason)
+    behind = behind_on(learned, free)
+    lag = f", and is behind on {', '.join(behind)}" if behind else ""
+    reason = f"no W2T mix retrieves clearly better than {free} on {n} held-out adapters (best: {learned}{lag}; {why})"
     return Choice(free, means, reason)
 
 

@@ -134,6 +134,17 @@ def test_search_prefers_the_whole_update_unless_module_cosine_is_better_by_more_
     assert chosen.chosen == "module" and chosen.scores["module"] > chosen.scores["dw"] and "standard error" in chosen.reason
 
 
+def test_w2t_is_mixed_only_into_the_exact_score_chosen() -> None:
+    exact, tasks, folds = _zoo(6, 12, w2t_noise=0.05)
+    rng = np.random.default_rng(7)
+    noise = rng.normal(size=exact["dw"].shape)
+    worse = {"dw": exact["dw"], "module": exact["dw"] + (noise + noise.T)}  # module cosine ranks worse than dw
+    chosen = choose_search(worse, tasks, folds)
+    mixes = [k for k in chosen.scores if "+w2t@" in k]
+    assert mixes and all(k.startswith("dw+") for k in mixes) and not chosen.chosen.startswith("module")
+    assert chosen.chosen != "dw"  # W2T separates the tasks: a mix (or W2T alone) over dw wins
+
+
 def test_few_shot_readouts_of_a_separable_embedding() -> None:
     rng = np.random.default_rng(2)
     labels = [f"c{i % 3}" for i in range(30)]
