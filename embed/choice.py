@@ -8,8 +8,8 @@ the members, against the labelled adapters:
   one with the W2T cosine, by each held-out adapter's MRR + nDCG@10 (relevance = same task). The exact score
   is the whole update's cosine unless module cosine retrieves better by more than the standard error of the
   per-query difference; a mix (or W2T alone) replaces it only if its per-query gain is clearly positive
-  (paired bootstrap, one-sided 95 %). A replacement must also be behind on none of hit@1, MRR and nDCG@10
-  (means), so with few labels the training-free score stays;
+  (paired bootstrap, one-sided 95 %), the mix with the highest lower bound of that gain. A replacement must
+  also be behind on none of hit@1, MRR and nDCG@10 (means), so with few labels the training-free score stays;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score,
   or either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify
   the held-out adapters best, unless the W2T heads or a few-shot readout of the W2T embedding (nearest class
@@ -20,7 +20,6 @@ the members, against the labelled adapters:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,17 +98,22 @@ def standard_error(diff: np.ndarray) -> float:
     return float(np.std(diff, ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("inf")
 
 
-def clearly_better(candidate: np.ndarray, default: np.ndarray, statistic: Callable[[np.ndarray], float] | None = None) -> bool:
-    """Whether the candidate's per-item scores beat the default's with one-sided 95 % confidence (paired
-    bootstrap of the mean difference); too few items (< 5) never do."""
+def gain_lower_bound(candidate: np.ndarray, default: np.ndarray) -> float:
+    """The one-sided 95 % lower bound of the candidate's mean per-item gain over the default (paired bootstrap,
+    the same resamples for every candidate of one size); -inf with fewer than 5 items."""
     if len(candidate) < 5:
-        return False
+        return float("-inf")
     diff = np.asarray(candidate, np.float64) - np.asarray(default, np.float64)
-    if diff.mean() <= 0:
-        return False
     rng = np.random.default_rng(0)
     means = diff[rng.integers(0, len(diff), size=(RESAMPLES, len(diff)))].mean(axis=1)
-    return bool(np.quantile(means, 1 - CONFIDENCE) > 0)
+    return float(np.quantile(means, 1 - CONFIDENCE))
+
+
+def clearly_better(candidate: np.ndarray, default: np.ndarray) -> bool:
+    """Whether the candidate's per-item scores beat the default's with one-sided 95 % confidence (paired
+    bootstrap of the mean difference); too few items (< 5) never do."""
+    diff = np.asarray(candidate, np.float64) - np.asarray(default, np.float64)
+    return len(diff) >= 5 and diff.mean() > 0 and gain_lower_bound(candidate, default) > 0
 
 
 def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice:
@@ -148,10 +152,14 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     learned = max(mixes, key=lambda k: means[k])
     n = len(flat)
     eligible = [k for k in mixes if not behind_on(k, free)]
+    bound = {k: gain_lower_bound(per[k]["quality"], per[free]["quality"]) for k in eligible}
     if eligible:
-        candidate = max(eligible, key=lambda k: means[k])
+        candidate = max(eligible, key=lambda k: bound[k])  # the surest gain, not the largest mean: fewer labels, smaller steps
         if clearly_better(per[candidate]["quality"], per[free]["quality"]):
-            reason = f"{candidate} retrieves clearly better than {free} on {n} held-out adapters, and is behind on no measure ({why})"
+            reason = (
+                f"{candidate} retrieves clearly better than {free} on {n} held-out adapters (the surest gain: 95 % lower bound "
+                f"{bound[candidate]:+.3f} of MRR + nDCG@10), and is behind on no measure ({why})"
+            )
             return Choice(candidate, means, reason)
     behind = behind_on(learned, free)
     lag = f", and is behind on {', '.join(behind)}" if behind else ""

@@ -14,6 +14,7 @@ from embed.choice import (
     choose_attribute,
     choose_metric,
     choose_search,
+    gain_lower_bound,
     clearly_better,
     clearly_better_rank,
     knn_name,
@@ -157,3 +158,14 @@ def test_few_shot_readouts_of_a_separable_embedding() -> None:
     exact = {"dw": np.eye(30), "module": np.eye(30)}  # an exact score that knows nothing
     choice, hits = choose_attribute(exact, "dw", labels, out, folds)
     assert choice.chosen in ("prototype", "logreg") and hits[choice.chosen].mean() == 1.0
+
+
+def test_the_surest_gain_beats_a_larger_but_noisier_one() -> None:
+    rng = np.random.default_rng(3)
+    default = rng.uniform(size=60)
+    steady = default + 0.05  # a small gain on every query
+    noisy = default + 0.1 + rng.normal(scale=1.0, size=60)  # twice the mean gain, mostly noise
+    assert (noisy - default).mean() > (steady - default).mean()
+    assert gain_lower_bound(steady, default) > 0 > gain_lower_bound(noisy, default)
+    assert clearly_better(steady, default) and not clearly_better(noisy, default)
+    assert gain_lower_bound(steady[:4], default[:4]) == float("-inf")  # too few queries to tell
