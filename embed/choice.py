@@ -33,6 +33,10 @@ MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
 KNN_KS = (KNN_K, 5, 3, 1)
 #: retrieval measures a search score replacing another must not be behind on (out of fold, means)
 SEARCH_KEYS = ("hit@1", "mrr", "ndcg@10")
+#: W2T mixes compete only where at least this share of the space's adapters has a task: held-out retrieval is
+#: measured among those, and a gallery mostly of unlabelled adapters ranks otherwise (more near-duplicates, none
+#: of them trained on)
+MIN_LABELLED_SHARE = 0.5
 #: bootstrap resamples and one-sided confidence of "clearly better"
 RESAMPLES = 1000
 CONFIDENCE = 0.95
@@ -116,11 +120,12 @@ def clearly_better(candidate: np.ndarray, default: np.ndarray) -> bool:
     return len(diff) >= 5 and diff.mean() > 0 and gain_lower_bound(candidate, default) > 0
 
 
-def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice:
+def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold], space_size: int | None = None) -> Choice:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
-    between the labelled adapters (n × n), `tasks` their tasks ("" unknown). The exact score is chosen first;
-    W2T is mixed only into that one (a mix over the score not chosen would re-open a choice the data did not
-    settle)."""
+    between the labelled adapters (n × n), `tasks` their tasks ("" unknown), `space_size` the number of adapters
+    search ranks (default: n). The exact score is chosen first; W2T is mixed only into that one (a mix over the
+    score not chosen would re-open a choice the data did not settle), and only where the adapters with a task
+    are at least MIN_LABELLED_SHARE of the space."""
     queries = [[r for r in f.val if tasks[r]] for f in folds]
     flat = [r for rows in queries for r in rows]
     if len(flat) < 2:
@@ -145,6 +150,14 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
         why = f"{best} beats {base} by more than its standard error"
     else:
         why = f"{base}: no exact score beats it by more than its standard error and on every measure"
+    with_task, size = sum(1 for t in tasks if t), space_size or len(tasks)
+    if with_task < MIN_LABELLED_SHARE * size:
+        means = {k: float(v["quality"].mean()) for k, v in per.items()}
+        reason = (
+            f"{with_task} of {size} adapters have a task: retrieval among them does not stand for the space's, "
+            f"so no W2T mix competes ({why})"
+        )
+        return Choice(free, means, reason)
     mixes = [search_name(free, w) for w in MIX_WEIGHTS]
     for name, weight in zip(mixes, MIX_WEIGHTS, strict=True):
         score(name, hybrid_score(exact[free][flat], w2t, weight))

@@ -553,7 +553,7 @@ def _choose(
     dense = dense_modules([a.factors for a in labelled])
     stack = ModuleStack.of([a.factors for a in labelled], dense)
     exact = {score: exact_cosines(stack, stack, score) for score in EXACT_SCORES}
-    search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views)
+    search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views, len(member_z[0]))
     embedder.exact_score, embedder.hybrid_weight = parse_search(search.chosen)
     embedder.choices = {"search": search.as_dict()}
     heads: dict[str, dict[int, object]] = {}

@@ -14,9 +14,9 @@ from embed.choice import (
     choose_attribute,
     choose_metric,
     choose_search,
-    gain_lower_bound,
     clearly_better,
     clearly_better_rank,
+    gain_lower_bound,
     knn_name,
     knn_similarities,
     parse_knn,
@@ -169,3 +169,11 @@ def test_the_surest_gain_beats_a_larger_but_noisier_one() -> None:
     assert gain_lower_bound(steady, default) > 0 > gain_lower_bound(noisy, default)
     assert clearly_better(steady, default) and not clearly_better(noisy, default)
     assert gain_lower_bound(steady[:4], default[:4]) == float("-inf")  # too few queries to tell
+
+
+def test_no_w2t_mix_where_most_of_the_space_has_no_task() -> None:
+    exact, tasks, folds = _zoo(6, 12, w2t_noise=0.05)  # W2T separates the tasks: a mix wins when the labelled are the space
+    assert choose_search(exact, tasks, folds, space_size=len(tasks)).chosen not in EXACT_SCORES
+    scarce = choose_search(exact, tasks, folds, space_size=3 * len(tasks))  # two thirds of the space unlabelled
+    assert scarce.chosen in EXACT_SCORES and "no W2T mix competes" in scarce.reason
+    assert all("w2t" not in k for k in scarce.scores)
