@@ -116,8 +116,8 @@ def gain_lower_bound(candidate: np.ndarray, default: np.ndarray) -> float:
 def clearly_better(candidate: np.ndarray, default: np.ndarray) -> bool:
     """Whether the candidate's per-item scores beat the default's with one-sided 95 % confidence (paired
     bootstrap of the mean difference); too few items (< 5) never do."""
-    diff = np.asarray(candidate, np.float64) - np.asarray(default, np.float64)
-    return len(diff) >= 5 and diff.mean() > 0 and gain_lower_bound(candidate, default) > 0
+    gain = float(np.mean(np.asarray(candidate, np.float64) - np.asarray(default, np.float64)))
+    return gain > 0 and gain_lower_bound(candidate, default) > 0  # the bound is -inf below 5 items
 
 
 def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold], space_size: int | None = None) -> Choice:
@@ -130,7 +130,6 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     flat = [r for rows in queries for r in rows]
     if len(flat) < 2:
         return Choice(EXACT_SCORES[0], reason="fewer than 2 held-out adapters with a task: the whole update's dW cosine")
-    w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(folds, queries, strict=True) if q])
     per: dict[str, dict[str, np.ndarray]] = {}
 
     def score(name: str, sim: np.ndarray) -> None:
@@ -152,12 +151,12 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
         why = f"{base}: no exact score beats it by more than its standard error and on every measure"
     with_task, size = sum(1 for t in tasks if t), space_size or len(tasks)
     if with_task < MIN_LABELLED_SHARE * size:
-        means = {k: float(v["quality"].mean()) for k, v in per.items()}
         reason = (
             f"{with_task} of {size} adapters have a task: retrieval among them does not stand for the space's, "
             f"so no W2T mix competes ({why})"
         )
-        return Choice(free, means, reason)
+        return Choice(free, {k: float(v["quality"].mean()) for k, v in per.items()}, reason)
+    w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(folds, queries, strict=True) if q])
     mixes = [search_name(free, w) for w in MIX_WEIGHTS]
     for name, weight in zip(mixes, MIX_WEIGHTS, strict=True):
         score(name, hybrid_score(exact[free][flat], w2t, weight))
