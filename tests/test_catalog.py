@@ -8,7 +8,7 @@ import random
 import uuid
 from collections import Counter
 from collections.abc import Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +196,7 @@ def test_ten_kilobytes_of_text(db_url: str) -> None:
 def synthetic_zoo(url: str, n: int = 57, seed: int = 0) -> list[dict[str, Any]]:
     """n adapters with varied columns, labels, sources and creation times; returns their specs."""
     rng = random.Random(seed)
-    start = datetime(2020, 1, 1, tzinfo=timezone.utc)
+    start = datetime(2020, 1, 1, tzinfo=UTC)
     specs = []
     for i in range(n):
         labels = {"task": rng.choice(["even", "odd", "rot90", "noise"]), "seed": str(i % 7)}

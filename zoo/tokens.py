@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -34,7 +34,7 @@ def verify_token(session: Session, token: str) -> ApiToken | None:
     """The live token row for `token`, its last use stamped; None when unknown or revoked."""
     row = session.scalars(select(ApiToken).where(ApiToken.token_sha256 == digest(token), ApiToken.revoked_at.is_(None))).one_or_none()
     if row is not None:
-        session.execute(update(ApiToken).where(ApiToken.id == row.id).values(last_used_at=datetime.now(timezone.utc)))
+        session.execute(update(ApiToken).where(ApiToken.id == row.id).values(last_used_at=datetime.now(UTC)))
     return row
 
 
@@ -47,7 +47,7 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
     if row is None:
         raise NotFoundError(f"no API token with id {token_id}: see `zoo token list`")
     if row.revoked_at is None:
-        row.revoked_at = datetime.now(timezone.utc)
+        row.revoked_at = datetime.now(UTC)
     return row
 
 
