@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from embed.metrics import KNN_K, knn_classify, knn_regress, retrieval_per_query
+from embed.calibration import Calibration, class_prior
+from embed.calibration import fit as fit_calibration
+from embed.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
 from embed.similarity import EXACT_SCORES, hybrid_score
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
@@ -37,6 +39,8 @@ SEARCH_KEYS = ("hit@1", "mrr", "ndcg@10")
 #: measured among those, and a gallery mostly of unlabelled adapters ranks otherwise (more near-duplicates, none
 #: of them trained on)
 MIN_LABELLED_SHARE = 0.5
+#: temperature of the nearest-class-mean readout's softmax over cosines
+PROTOTYPE_TEMPERATURE = 0.1
 #: bootstrap resamples and one-sided confidence of "clearly better"
 RESAMPLES = 1000
 CONFIDENCE = 0.95
@@ -186,13 +190,21 @@ def search_similarity(exact: dict[str, np.ndarray], choice: str, z: np.ndarray, 
 
 
 def choose_attribute(
-    exact: dict[str, np.ndarray], search: str, labels: list[str], learned: dict[str, dict[int, str]], folds: list[Fold]
-) -> tuple[Choice, dict[str, np.ndarray]]:
+    exact: dict[str, np.ndarray],
+    search: str,
+    labels: list[str],
+    classes: list[str],
+    learned: dict[str, dict[int, np.ndarray]],
+    folds: list[Fold],
+) -> tuple[Choice, dict[str, np.ndarray], Calibration]:
     """A kNN among the labelled adapters (`knn SIMILARITY k=K`, the best of knn_similarities(search) × KNN_KS) or a
-    learned predictor (`learned`: its out-of-fold predictions by row: the W2T heads, few-shot readouts of the
-    embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice and the per-item hits."""
+    learned predictor (`learned`: its out-of-fold class shares over `classes` by row: the W2T heads, few-shot
+    readouts of the embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice,
+    every candidate's per-item hits, and the chosen predictor's calibration, fit on its out-of-fold shares."""
+    index = np.array([classes.index(label) if label else -1 for label in labels], np.int64)
     knns = [knn_name(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
-    hits: dict[str, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
+    shares: dict[str, list[np.ndarray]] = {k: [] for k in (*knns, *learned)}
+    truth: list[int] = []
     for f in folds:
         val = [r for r in f.val if labels[r] and all(r in p for p in learned.values())]
         train = [r for r in f.train if labels[r]]
@@ -201,26 +213,51 @@ def choose_attribute(
         for similarity in knn_similarities(search):
             sim = search_similarity(exact, similarity, f.z, val, train)
             for k in KNN_KS:
-                pred = knn_classify(sim, [labels[r] for r in train], k)
-                hits[knn_name(similarity, k)] += [float(p == labels[r]) for p, r in zip(pred, val, strict=True)]
+                shares[knn_name(similarity, k)].append(knn_vote_shares(sim, index[train], len(classes), k))
         for k, p in learned.items():
-            hits[k] += [float(p[r] == labels[r]) for r in val]
-    per = {k: np.array(v) for k, v in hits.items()}
+            shares[k].append(np.stack([p[r] for r in val]))
+        truth += index[val].tolist()
+    t = np.array(truth, np.int64)
+    oof = {k: np.concatenate(v) if v else np.zeros((0, len(classes))) for k, v in shares.items()}
+    per = {k: (v.argmax(axis=1) == t).astype(np.float64) for k, v in oof.items()}
     means = {k: float(v.mean()) if len(v) else 0.0 for k, v in per.items()}
     free = max(knns, key=lambda k: means[k])  # ties: the first (the search score, the most neighbours)
+    chosen = free
+    reason = f"the best kNN on {len(per[free])} held-out adapters; no learned predictor classifies clearly better"
     if learned:
         best = max(learned, key=lambda k: means[k])
         if clearly_better(per[best], per[free]):
-            return Choice(best, means, f"{best} classifies {len(per[best])} held-out adapters clearly better than {free}"), per
-    return Choice(free, means, f"the best kNN on {len(per[free])} held-out adapters; no learned predictor classifies clearly better"), per
+            chosen, reason = best, f"{best} classifies {len(per[best])} held-out adapters clearly better than {free}"
+    calibration = fit_calibration(oof[chosen], t, class_prior(index[index >= 0], len(classes)))
+    return Choice(chosen, means, reason), per, calibration
+
+
+def prototype_shares(z: np.ndarray, labels: list[str], classes: list[str], train: list[int], rows: list[int]) -> np.ndarray:
+    """Nearest class mean in the embedding, as class shares over `classes` (softmax of the cosines to the labelled
+    `train` rows' class means at temperature PROTOTYPE_TEMPERATURE; a class with no labelled row gets 0)."""
+    means = np.zeros((len(classes), z.shape[1]))
+    for c, name in enumerate(classes):
+        members = [r for r in train if labels[r] == name]
+        if members:
+            means[c] = z[members].mean(axis=0)
+    present = (means != 0).any(axis=1)
+    means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+    logits = (z[rows] @ means.T) / PROTOTYPE_TEMPERATURE
+    logits[:, ~present] = -np.inf
+    return softmax_rows(logits)
+
+
+def softmax_rows(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax (-inf columns get 0)."""
+    logits = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    return p / p.sum(axis=1, keepdims=True)
 
 
 def prototype_predictions(z: np.ndarray, labels: list[str], train: list[int], rows: list[int]) -> list[str]:
     """Nearest class mean in the embedding: each row's class among the labelled `train` rows' classes."""
     classes = sorted({labels[r] for r in train if labels[r]})
-    means = np.stack([z[[r for r in train if labels[r] == c]].mean(axis=0) for c in classes])
-    means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
-    return [classes[i] for i in (z[rows] @ means.T).argmax(axis=1)]
+    return [classes[i] for i in prototype_shares(z, labels, classes, train, rows).argmax(axis=1)]
 
 
 def logistic_readout(z: np.ndarray, labels: list[str]) -> object | None:
@@ -233,17 +270,20 @@ def logistic_readout(z: np.ndarray, labels: list[str]) -> object | None:
     return LogisticRegression(max_iter=2000, C=1.0).fit(z[known], [labels[r] for r in known])
 
 
-def readout_predictions(labels: list[str], folds: list[Fold]) -> dict[str, dict[int, str]]:
-    """Out-of-fold predictions of the few-shot readouts (prototype, logistic regression) of each member's embedding."""
-    out: dict[str, dict[int, str]] = {"prototype": {}, "logreg": {}}
+def readout_predictions(labels: list[str], classes: list[str], folds: list[Fold]) -> dict[str, dict[int, np.ndarray]]:
+    """Out-of-fold class shares (over `classes`) of the few-shot readouts (prototype, logistic regression) of each
+    member's embedding."""
+    out: dict[str, dict[int, np.ndarray]] = {"prototype": {}, "logreg": {}}
     for f in folds:
         train = [r for r in f.train if labels[r]]
         val = [r for r in f.val if labels[r]]
         if not val or len({labels[r] for r in train}) < 2:
             continue
-        out["prototype"].update(zip(val, prototype_predictions(f.z, labels, train, val), strict=True))
+        out["prototype"].update(zip(val, prototype_shares(f.z, labels, classes, train, val), strict=True))
         model = logistic_readout(f.z[train], [labels[r] for r in train])
-        out["logreg"].update(zip(val, model.predict(f.z[val]).tolist(), strict=True))  # type: ignore[attr-defined]
+        p = np.zeros((len(val), len(classes)))
+        p[:, [classes.index(c) for c in model.classes_]] = model.predict_proba(f.z[val])  # type: ignore[attr-defined]
+        out["logreg"].update(zip(val, p, strict=True))
     return out
 
 

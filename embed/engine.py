@@ -37,10 +37,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.attributes import AdapterAttributes, last_label_id
+from embed.calibration import is_sure
 from embed.checkpoint import checkpoint_meta
 from embed.choice import parse_search, search_name
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
-from embed.metrics import KNN_K, top_k, weighted_mean
+from embed.metrics import KNN_K, knn_vote_shares, top_k, weighted_mean
 from embed.registry import deleted_since, load_embeddings, serving_embedders, space_version
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines, hybrid_score, module_sketches, sketch_module_cosines
 from embed.types import SpaceSchema, ZooAdapter
@@ -63,6 +64,8 @@ W2T = "w2t"
 SEARCH_METHODS = ("hybrid", "module", "dw", "sketch", "w2t")
 METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "dw": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,)}
 MAX_K = 1000
+#: labelled neighbours counted as support of an attribute predicted by something other than a kNN
+SUPPORT_K = 5
 
 
 def module_store_budget() -> int:
@@ -526,16 +529,28 @@ class QueryEngine:
             raise UsageError(f"{query.name} does not fit space {state.name}")
         probs, values = model.predict([_as_zoo_adapter(query)])
         similarities = {str(model.knn[k]["similarity"]) for k in (*probs, *values) if model.predictor.get(k) == "knn"}
+        if probs:
+            similarities.add(model.search)  # the labelled neighbours that support (or not) each attribute's prediction
         near = {name: self._labelled_neighbours(session, state, model, query, name) for name in sorted(similarities)}
-        attributes = {}
+        attributes, confidence = {}, {}
         for key, p in probs.items():
             classes = model.config.categorical[key]
-            shares = p[0]
-            if model.predictor.get(key) == "knn":
-                labels = np.array([classes.index(v) if v else -1 for v in model.memory_labels[key]])
-                shares = knn_shares(near[model.knn[key]["similarity"]], labels, len(classes), shares, int(model.knn[key]["k"]))
+            labels = np.array([classes.index(v) if v else -1 for v in model.memory_labels[key]])
+            knn = model.knn.get(key) if model.predictor.get(key) == "knn" else None
+            k = int(knn["k"]) if knn else SUPPORT_K
+            around = near[str(knn["similarity"]) if knn else model.search]
+            shares = knn_shares(around, labels, len(classes), p[0], k) if knn else p[0]
+            shares = model.calibrated(key, shares)
+            support = neighbour_classes(around, labels, len(classes), k)
             order = top_k(shares, 3)
-            attributes[key] = [{"value": classes[i], "probability": float(shares[i])} for i in order]
+            attributes[key] = [{"value": classes[i], "probability": float(shares[i]), "neighbours": int(support[i])} for i in order]
+            top, n = int(order[0]), int(support.sum())
+            confidence[key] = {
+                "sure": is_sure(float(shares[top]), int(support[top]), n),
+                "neighbours": n,
+                "agreeing": int(support[top]),
+                "calibrated": key in model.calibration,
+            }
         metrics = {}
         for key, v in values.items():
             value = float(v[0])
@@ -557,6 +572,7 @@ class QueryEngine:
             "space": state.name,
             "embedder_id": e.id,
             "attributes": attributes,
+            "confidence": confidence,
             "metrics": metrics,
             "predictors": {k: model.predictor_name(k) for k in (*probs, *values)},
             "search": model.search,
@@ -592,14 +608,17 @@ def knn_shares(
     """Class shares of the similarity-weighted vote of the k nearest with a known class (classes: per memory
     position, -1 unknown); `fallback` (the heads') where none is known."""
     positions, scores = near
-    known = classes[positions] >= 0 if len(positions) else np.zeros(0, bool)
-    if not known.any():
+    if not len(positions) or not (classes[positions] >= 0).any():
         return fallback
-    pos, sc = positions[known], scores[known]
-    top = top_k(sc, k)
-    votes = np.zeros(n_classes)
-    np.add.at(votes, classes[pos[top]], np.maximum(sc[top], 0.0) + 1e-6)
-    return votes / votes.sum()
+    return knn_vote_shares(scores[None, :], classes[positions], n_classes, k)[0]
+
+
+def neighbour_classes(near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, k: int) -> np.ndarray:
+    """Per class, how many of the k nearest labelled neighbours (with a known class) have it."""
+    positions, scores = near
+    known = classes[positions] >= 0 if len(positions) else np.zeros(0, bool)
+    top = top_k(scores[known], k)
+    return np.bincount(classes[positions[known]][top], minlength=n_classes)
 
 
 def knn_value(near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float, k: int = KNN_K) -> float:

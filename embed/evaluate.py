@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from embed.baselines import raw_factor_vectors, spectra_vectors
+from embed.calibration import expected_calibration_error
 from embed.choice import parse_search
-from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, regression, retrieval
+from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines, hybrid_score, module_sketches, sketch_module_cosines
 from embed.tokens import max_rank
 from embed.train import TrainOptions, W2TEnsemble, train_w2t
@@ -29,7 +30,21 @@ from zoo.labels import TASK_KEY
 PERF_METRIC = "test_accuracy"
 #: `default` is what `zoo search` and `zoo predict` do once a supervised W2T is trained (embed/choice.py), `module_cosine` before
 METHODS = ("default", "dw_cosine", "module_cosine", "w2t_supervised", "w2t_contrastive", "module_sketch", "raw_cosine", "spectra_knn")
-KEYS = ("attr_acc", "attr_macro_f1", "perf_mae", "perf_spearman", "perf_kendall", "hit@1", "hit@10", "mrr", "ndcg@10")
+#: attr_ece: expected calibration error of the task's probabilities as served; attr_wrong_at_100: wrong answers given
+#: at ≥ 99.5 % (both only for `default`, the one row whose probabilities are served)
+KEYS = (
+    "attr_acc",
+    "attr_macro_f1",
+    "attr_ece",
+    "attr_wrong_at_100",
+    "perf_mae",
+    "perf_spearman",
+    "perf_kendall",
+    "hit@1",
+    "hit@10",
+    "mrr",
+    "ndcg@10",
+)
 
 
 def refactorized(a: ZooAdapter, seed: int) -> ZooAdapter:
@@ -196,16 +211,41 @@ def _default_scores(
 ) -> dict[str, float | None]:
     """What `zoo search` and `zoo predict` do after `zoo train`: the chosen search score, and each target by its
     chosen predictor (a kNN among the labelled training adapters by the similarity and k chosen, the heads or a
-    readout of the embedding, or the kNN in the embedding)."""
+    readout of the embedding, or the kNN in the embedding), the task's probabilities calibrated as served."""
     out = _score(hybrid_score(exact[emb.exact_score], w2t, emb.hybrid_weight), adapters, test_pos, train_pos, predict=False)
-    heads = _head_scores(emb, adapters, test_pos)
-    for target, keys in ((TASK_KEY, ("attr_acc", "attr_macro_f1")), (PERF_METRIC, ("perf_mae", "perf_spearman", "perf_kendall"))):
-        source = heads
-        if emb.predictor.get(target) == "knn":
-            score, weight = parse_search(str(emb.knn[target]["similarity"]))
-            sim = hybrid_score(exact[score], w2t, weight)
-            source = _score(sim, adapters, test_pos, train_pos, predict=True, k=int(emb.knn[target]["k"]))  # type: ignore[call-overload]
-        out.update({k: source.get(k) for k in keys})
+    out.update(_calibrated_task_scores(emb, exact, w2t, adapters, test_pos, train_pos))
+    source = _head_scores(emb, adapters, test_pos)
+    if emb.predictor.get(PERF_METRIC) == "knn":
+        score, weight = parse_search(str(emb.knn[PERF_METRIC]["similarity"]))
+        sim = hybrid_score(exact[score], w2t, weight)
+        source = _score(sim, adapters, test_pos, train_pos, predict=True, k=int(emb.knn[PERF_METRIC]["k"]))  # type: ignore[call-overload]
+    out.update({k: source.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
+    return out
+
+
+def _calibrated_task_scores(
+    emb: W2TEnsemble, exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int], train_pos: list[int]
+) -> dict[str, float | None]:
+    """Accuracy, macro F1, expected calibration error and wrong answers given at ≥ 99.5 % of the task as served:
+    the chosen predictor's shares, calibrated."""
+    classes = emb.config.categorical.get(TASK_KEY)
+    test = [adapters[p] for p in test_pos]
+    if classes is None or not test or not all(a.labels.get(TASK_KEY) in classes for a in test):
+        return {}
+    if emb.predictor.get(TASK_KEY) == "knn":
+        score, weight = parse_search(str(emb.knn[TASK_KEY]["similarity"]))
+        sim = hybrid_score(exact[score], w2t, weight)[np.ix_(test_pos, train_pos)]
+        known = [adapters[p].labels.get(TASK_KEY, "") for p in train_pos]
+        index = np.array([classes.index(label) if label in classes else -1 for label in known])
+        shares = knn_vote_shares(sim, index, len(classes), int(emb.knn[TASK_KEY]["k"]))  # type: ignore[call-overload]
+    else:
+        shares = emb.predict(test)[0][TASK_KEY]
+    probs = emb.calibrated(TASK_KEY, shares)
+    truth = np.array([classes.index(a.labels[TASK_KEY]) for a in test])
+    top = probs.argmax(axis=1)
+    out: dict[str, float | None] = dict(classification([classes[i] for i in top], [a.labels[TASK_KEY] for a in test]))
+    out["attr_ece"] = expected_calibration_error(probs.max(axis=1), top == truth)
+    out["attr_wrong_at_100"] = float(((probs.max(axis=1) >= 0.995) & (top != truth)).sum())
     return out
 
 

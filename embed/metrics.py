@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
 KNN_K = 10
@@ -53,16 +51,28 @@ def top_k(row: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-row, kind="stable")
 
 
+def knn_vote_shares(sim: np.ndarray, train_classes: np.ndarray, n_classes: int, k: int = KNN_K) -> np.ndarray:
+    """Per row of sim (test × train), the class shares of the similarity-weighted vote of the k most similar
+    training items with a known class (train_classes: class index per column, -1 unknown); a row with no known
+    neighbour gets zeros."""
+    sim = np.atleast_2d(sim)
+    known = np.flatnonzero(np.asarray(train_classes) >= 0)
+    out = np.zeros((len(sim), n_classes))
+    if not len(known):
+        return out
+    classes = np.asarray(train_classes)[known]
+    for i, row in enumerate(sim[:, known]):
+        top = top_k(row, k)
+        np.add.at(out[i], classes[top], np.maximum(row[top], 0.0) + 1e-6)
+        out[i] /= out[i].sum()
+    return out
+
+
 def knn_classify(sim: np.ndarray, train_labels: list[str], k: int = KNN_K) -> list[str]:
     """Similarity-weighted vote of the k most similar training items (sim: test × train)."""
-    out = []
-    for row in sim:
-        top = top_k(row, k)
-        votes: Counter[str] = Counter()
-        for j in top:
-            votes[train_labels[j]] += max(float(row[j]), 0.0) + 1e-6
-        out.append(votes.most_common(1)[0][0])
-    return out
+    classes = sorted(set(train_labels))
+    index = np.array([classes.index(label) for label in train_labels])
+    return [classes[int(i)] for i in knn_vote_shares(sim, index, len(classes), k).argmax(axis=1)]
 
 
 def knn_regress(sim: np.ndarray, train_values: np.ndarray, k: int = KNN_K) -> np.ndarray:

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from embed.calibration import Calibration
 from embed.checkpoint import MEMORY, META, WEIGHTS, checkpoint_meta
 from embed.choice import (
     Fold,
@@ -40,8 +41,10 @@ from embed.choice import (
     logistic_readout,
     parse_knn,
     parse_search,
+    prototype_shares,
     readout_predictions,
     search_name,
+    softmax_rows,
 )
 from embed.metrics import KNN_K, knn_regress
 from embed.model import W2T, W2TConfig
@@ -132,6 +135,14 @@ class W2TEnsemble:
     readouts: dict[str, dict[str, list]] = field(default_factory=dict)
     #: per target predicted by "knn": {"similarity": a search score's name (embed.choice.search_name), "k": neighbours}
     knn: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: per attribute: the chosen predictor's calibration, fit on its out-of-fold shares (embed/calibration.py);
+    #: checkpoints from before calibration have none and serve raw shares
+    calibration: dict[str, Calibration] = field(default_factory=dict)
+
+    def calibrated(self, attribute: str, shares: np.ndarray) -> np.ndarray:
+        """The chosen predictor's raw class shares of an attribute as calibrated probabilities."""
+        c = self.calibration.get(attribute)
+        return c.apply(shares) if c is not None else shares
 
     def choose(self, target: str, chosen: str) -> None:
         """Record a target's predictor from its chosen candidate's name (embed.choice: `head`, `knn dw k=3`, ...)."""
@@ -220,23 +231,19 @@ class W2TEnsemble:
         class mean of the memory (softmax of cosines at temperature 0.1), or the logistic regression."""
         classes = self.config.categorical[attribute]
         if self.predictor[attribute] == "prototype":
-            labels = np.array(self.memory_labels[attribute])
-            means = np.stack([self.memory[labels == c].mean(axis=0) if (labels == c).any() else np.zeros(self.dim) for c in classes])
-            means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
-            logits = (z @ means.T) / 0.1
-            logits[:, ~(means != 0).any(axis=1)] = -np.inf
+            labels = self.memory_labels[attribute]
+            memory = np.vstack([self.memory, z])
+            train = [r for r, label in enumerate(labels) if label]
+            return prototype_shares(memory, labels + [""] * len(z), classes, train, list(range(len(labels), len(memory))))
+        r = self.readouts[attribute]
+        scores = z @ np.array(r["coef"]).T + np.array(r["intercept"])
+        logits = np.full((len(z), len(classes)), -np.inf)
+        known = [classes.index(c) for c in r["classes"]]
+        if len(r["classes"]) == 2:  # binary: one column, the second class's log-odds
+            logits[:, known[0]], logits[:, known[1]] = 0.0, scores[:, 0]
         else:
-            r = self.readouts[attribute]
-            scores = z @ np.array(r["coef"]).T + np.array(r["intercept"])
-            logits = np.full((len(z), len(classes)), -np.inf)
-            known = [classes.index(c) for c in r["classes"]]
-            if len(r["classes"]) == 2:  # binary: one column, the second class's log-odds
-                logits[:, known[0]], logits[:, known[1]] = 0.0, scores[:, 0]
-            else:
-                logits[:, known] = scores
-        logits -= logits.max(axis=1, keepdims=True)
-        p = np.exp(logits)
-        return p / p.sum(axis=1, keepdims=True)
+            logits[:, known] = scores
+        return softmax_rows(logits)
 
     def clip(self, metric: str, values: np.ndarray) -> np.ndarray:
         low, high = self.metric_range.get(metric, (-math.inf, math.inf))
@@ -269,6 +276,7 @@ class W2TEnsemble:
             "choices": self.choices,
             "readouts": self.readouts,
             "knn": self.knn,
+            "calibration": {k: c.as_dict() for k, c in self.calibration.items()},
         }
         (directory / META).write_text(json.dumps(meta, indent=1))
 
@@ -303,6 +311,7 @@ class W2TEnsemble:
             meta.get("choices", {}),
             meta.get("readouts", {}),
             knn=knn,
+            calibration={k: Calibration.from_dict(c) for k, c in meta.get("calibration", {}).items()},
         )
 
 
@@ -530,6 +539,7 @@ def remember_and_choose(embedder: W2TEnsemble, adapters: list[ZooAdapter], optio
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
     embedder.predictor, embedder.knn, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}, {}
+    embedder.calibration = {}
     folds = _folds(len(adapters), len(models), options)
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
         _choose(embedder, [adapters[r] for r in known], known, singles, member_z, folds)
@@ -560,8 +570,7 @@ def _choose(
     for single, view in zip(singles, views, strict=True):  # each member predicts the rows it never trained on
         _, probs, values = single._forward([labelled[i] for i in view.val])
         for k, p in probs.items():
-            classes = embedder.config.categorical[k]
-            heads.setdefault(k, {}).update({i: classes[c] for i, c in zip(view.val, p.argmax(axis=1).tolist(), strict=True)})
+            heads.setdefault(k, {}).update(zip(view.val, p, strict=True))
         for m, v in values.items():
             heads.setdefault(m, {}).update(dict(zip(view.val, v.tolist(), strict=True)))
             single.memory = view.z[view.train]
@@ -569,9 +578,9 @@ def _choose(
             nbrs = single.neighbour_values(view.z[view.val], m) if not np.isnan(single.memory_values[m]).all() else v
             heads.setdefault(f"neighbours.{m}", {}).update(dict(zip(view.val, nbrs.tolist(), strict=True)))
     for k in embedder.config.categorical:
-        labels = embedder.memory_labels[k]
-        learned = {"head": heads.get(k, {}), **readout_predictions(labels, views)}
-        choice, _ = choose_attribute(exact, search.chosen, labels, learned, views)  # type: ignore[arg-type]
+        labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
+        learned = {"head": heads.get(k, {}), **readout_predictions(labels, classes, views)}
+        choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views)  # type: ignore[arg-type]
         embedder.choose(k, choice.chosen)
         embedder.choices[k] = choice.as_dict()
         if choice.chosen == "logreg":

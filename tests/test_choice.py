@@ -48,6 +48,10 @@ def test_clearly_better_needs_a_clear_and_large_enough_win() -> None:
     assert not clearly_better(np.r_[1.0, np.ones(3)], np.r_[0.0, np.ones(3)])  # too few
 
 
+def _onehot(i: int, n: int) -> np.ndarray:
+    return np.eye(n)[i]
+
+
 def _zoo(n_tasks: int, per_task: int, w2t_noise: float, seed: int = 0) -> tuple[dict[str, np.ndarray], list[str], list[Fold]]:
     """Exact scores that carry the task weakly (a noisy cosine) and W2T embeddings that carry it with `w2t_noise`."""
     rng = np.random.default_rng(seed)
@@ -79,12 +83,13 @@ def test_search_keeps_the_exact_score_unless_w2t_clearly_retrieves_better() -> N
 def test_attribute_and_metric_predictors_default_to_the_knn() -> None:
     exact, tasks, folds = _zoo(4, 10, w2t_noise=0.05)
     knns = [knn_name(s, k) for s in knn_similarities("dw") for k in KNN_KS]
-    good_heads = {r: t for r, t in enumerate(tasks)}
-    choice, hits = choose_attribute(exact, "dw", tasks, {"head": good_heads}, folds)
+    classes = sorted(set(tasks))
+    good_heads = {r: _onehot(classes.index(t), len(classes)) for r, t in enumerate(tasks)}
+    choice, hits, _ = choose_attribute(exact, "dw", tasks, classes, {"head": good_heads}, folds)
     best_knn = max(hits[k].mean() for k in knns)
     assert hits["head"].mean() == 1.0 and (choice.chosen == "head") == (best_knn < 0.85)
-    wrong_heads = {r: "t0" for r in range(len(tasks))}
-    choice, hits = choose_attribute(exact, "dw", tasks, {"head": wrong_heads}, folds)
+    wrong_heads = {r: _onehot(0, len(classes)) for r in range(len(tasks))}
+    choice, hits, _ = choose_attribute(exact, "dw", tasks, classes, {"head": wrong_heads}, folds)
     assert choice.chosen in knns and hits[choice.chosen].mean() == max(hits[k].mean() for k in knns)
     rng = np.random.default_rng(1)
     values = np.array([float(t[1:]) for t in tasks]) + 0.1 * rng.normal(size=len(tasks))
@@ -109,7 +114,7 @@ def test_the_knn_takes_few_neighbours_when_each_class_has_few_labels() -> None:
     exact = {"dw": x @ x.T, "module": x @ x.T}
     z = np.eye(len(labels))
     folds = [Fold(list(range(i, len(labels), 4)), [r for r in range(len(labels)) if (r - i) % 4], z) for i in range(4)]
-    choice, hits = choose_attribute(exact, "dw", labels, {}, folds)
+    choice, hits, _ = choose_attribute(exact, "dw", labels, sorted(set(labels)), {}, folds)
     assert parse_knn(choice.chosen)[1] < KNN_K and hits[choice.chosen].mean() > hits[knn_name("dw", KNN_K)].mean()
     values = np.array([float(label[1:]) for label in labels])
     choice, _, _ = choose_metric(exact, "dw", values, {}, folds)
@@ -152,11 +157,14 @@ def test_few_shot_readouts_of_a_separable_embedding() -> None:
     centers = rng.normal(size=(3, 6)) * 3
     z = np.stack([centers[int(label[1])] for label in labels]) + 0.1 * rng.normal(size=(30, 6))
     folds = [Fold(list(range(i, 30, 5)), [r for r in range(30) if (r - i) % 5], z) for i in range(5)]
-    out = readout_predictions(labels, folds)
-    assert {r: labels[r] for r in range(30)} == out["prototype"] == out["logreg"]
+    classes = sorted(set(labels))
+    out = readout_predictions(labels, classes, folds)
+    for readout in ("prototype", "logreg"):
+        assert {r: labels[r] for r in range(30)} == {r: classes[int(p.argmax())] for r, p in out[readout].items()}
+        assert all(np.isclose(p.sum(), 1.0) for p in out[readout].values())
     assert prototype_predictions(z, labels, list(range(10)), list(range(10, 30))) == labels[10:]
     exact = {"dw": np.eye(30), "module": np.eye(30)}  # an exact score that knows nothing
-    choice, hits = choose_attribute(exact, "dw", labels, out, folds)
+    choice, hits, _ = choose_attribute(exact, "dw", labels, classes, out, folds)
     assert choice.chosen in ("prototype", "logreg") and hits[choice.chosen].mean() == 1.0
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from embed.calibration import expected_calibration_error
 from embed.evaluate import evaluate, labelled_split
 from embed.metrics import classification, knn_classify, knn_regress, regression, retrieval, weighted_mean
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
@@ -146,7 +147,7 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
     ids = [a.id for a in full]
     queries = [p for p, a in enumerate(full) if a.name not in kept]
     sim = np.full((len(queries), len(full)), -np.inf)
-    predicted, values = [], []
+    predicted, values, confidence = [], [], []
     for row, q in enumerate(queries):
         rc, (found,) = cli.json_lines("search", str(ids[q]), "-k", "1000")
         assert rc == 0 and found["method"] == "hybrid" and len(found["results"]) == len(full) - 1
@@ -155,6 +156,7 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
         rc, (pred,) = cli.json_lines("predict", str(ids[q]))
         assert rc == 0 and pred["search"] == info["choices"]["search"]["chosen"]
         predicted.append(pred["attributes"]["task"][0]["value"])
+        confidence.append(pred["attributes"]["task"][0]["probability"])
         values.append(pred["metrics"]["test_accuracy"]["value"])
     gallery = [a.labels["task"] for a in full]
     served = {
@@ -162,6 +164,9 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
         **classification(predicted, [gallery[q] for q in queries]),
         **regression(np.array(values), np.array([full[q].measurements["test_accuracy"] for q in queries])),
     }
+    right = np.array([p == gallery[q] for p, q in zip(predicted, queries, strict=True)])
+    served["attr_ece"] = expected_calibration_error(np.array(confidence), right)
+    served["attr_wrong_at_100"] = float(((np.array(confidence) >= 0.995) & ~right).sum())
     assert served == pytest.approx(result["methods"]["default"], abs=1e-4)
 
 

@@ -135,6 +135,22 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     top = np.argsort(-sim[0])[:k]
     votes = {t: sum(max(sim[0][j], 0) + 1e-6 for j in top if tasks[others[j]] == t) for t in ("qk", "qv")}
     assert by_id["attributes"]["task"][0]["value"] == max(votes, key=votes.get)
+    # the served probabilities are the vote's shares calibrated as fit out of fold, with the neighbours counted
+    from embed.calibration import is_sure
+    from embed.train import W2TEnsemble
+
+    emb = W2TEnsemble.load(Path(info["checkpoint"]))
+    classes = emb.config.categorical["task"]
+    shares = np.array([votes.get(c, 0.0) for c in classes])
+    want_p = emb.calibration["task"].apply(shares / shares.sum())
+    served = {c["value"]: c for c in by_id["attributes"]["task"]}
+    assert all(served[c]["probability"] == pytest.approx(want_p[i], abs=1e-6) for i, c in enumerate(classes))
+    assert all(served[c]["neighbours"] == sum(tasks[others[j]] == c for j in top) for c in classes)
+    confidence = by_id["confidence"]["task"]
+    winner = by_id["attributes"]["task"][0]
+    assert confidence["neighbours"] == len(top) and confidence["agreeing"] == winner["neighbours"] and confidence["calibrated"]
+    assert confidence["sure"] == is_sure(winner["probability"], winner["neighbours"], len(top))
+    assert max(c["probability"] for c in by_id["attributes"]["task"]) < 1.0  # never certain on 11 labelled adapters
     rc, (found,) = cli.json_lines("search", "1", "-k", "3", "--method", "w2t")
     assert rc == 0 and len(found["results"]) == 3
     # with a supervised W2T trained, search defaults to the hybrid; a stored adapter given by path scores 1 with itself

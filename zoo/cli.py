@@ -493,7 +493,10 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     print(f"{pred['query_name']} in {pred['space']} (embedder {pred['embedder_id']}):")
     for key, top in pred["attributes"].items():  # type: ignore[attr-defined]
-        print(f"  {key:<16} " + ", ".join(f"{c['value']} ({c['probability']:.0%})" for c in top))
+        c = pred["confidence"][key]  # type: ignore[index]
+        verdict = "" if c["sure"] else "not sure: "
+        support = f"{c['agreeing']} of {c['neighbours']} nearest labelled adapters agree" if c["neighbours"] else "no labelled neighbours"
+        print(f"  {key:<16} {verdict}" + ", ".join(f"{t['value']} {t['probability']:.0%}" for t in top) + f"  ({support})")
     for key, m in pred["metrics"].items():  # type: ignore[attr-defined]
         interval = f"90% interval {m['low']:.3f}..{m['high']:.3f}" if m["interval"] else "no interval: no held-out residuals"
         print(f"  {key:<16} {m['value']:.3f}  ({interval}; {m['method']}: from the {PREDICTOR_WORDS.get(m['predictor'], m['predictor'])})")

@@ -1,0 +1,110 @@
+"""Class probabilities that mean what they say, fit out of fold.
+
+A predictor's raw shares (a kNN's similarity-weighted votes, the heads' softmax, a readout's) are
+often too sure: a 3-NN whose neighbours agree says 100 %, and is wrong as often as 3-NNs are.
+`fit` takes the chosen predictor's out-of-fold shares and the true classes and finds a temperature
+T and a share ε of the class prior such that
+
+    calibrated = (1 − ε) · normalize(shares ** (1 / T)) + ε · prior
+
+has the lowest log loss on them (a grid: two numbers are what a few dozen held-out adapters support).
+ε never goes below 1 / (n + 2) for n held-out adapters, so nothing is ever called certain on the
+strength of n examples. Pure numpy: no database, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TEMPERATURES = tuple(float(t) for t in np.geomspace(1 / 16, 4.0, 19))
+MIXES = tuple(float(m) for m in np.linspace(0.0, 0.9, 91))
+#: below this many held-out adapters nothing is fit: half the prior is mixed in
+MIN_FIT = 5
+#: a prediction is "sure" when its calibrated probability is at least this and most labelled neighbours agree
+SURE = 0.5
+#: equal-width confidence bins of the expected calibration error
+ECE_BINS = 10
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How to turn one predictor's raw class shares into calibrated probabilities."""
+
+    temperature: float = 1.0
+    mix: float = 0.0
+    prior: tuple[float, ...] = ()
+    n: int = 0  # held-out adapters it was fit on
+
+    def apply(self, shares: np.ndarray) -> np.ndarray:
+        """Calibrated probabilities of rows of raw shares (n × classes, or one row)."""
+        p = np.atleast_2d(np.asarray(shares, np.float64))
+        sharpened = _sharpen(p, self.temperature)
+        prior = np.asarray(self.prior, np.float64) if self.prior else np.full(p.shape[1], 1.0 / p.shape[1])
+        out = (1.0 - self.mix) * sharpened + self.mix * prior
+        return out if np.ndim(shares) == 2 else out[0]
+
+    def as_dict(self) -> dict[str, object]:
+        prior = [round(x, 6) for x in self.prior]
+        return {"temperature": round(self.temperature, 4), "mix": round(self.mix, 4), "prior": prior, "n": self.n}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Calibration:
+        return cls(float(d["temperature"]), float(d["mix"]), tuple(float(x) for x in d["prior"]), int(d["n"]))
+
+
+def _sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
+    """Rows of p raised to 1/T and renormalized (zeros stay zero; an all-zero row becomes uniform)."""
+    q = np.power(np.clip(p, 0.0, None), 1.0 / temperature)
+    total = q.sum(axis=1, keepdims=True)
+    return np.where(total > 0, q / np.where(total > 0, total, 1.0), 1.0 / p.shape[1])
+
+
+def class_prior(truth: np.ndarray, n_classes: int) -> tuple[float, ...]:
+    """Class frequencies of the labelled adapters, add-one smoothed (no class has probability 0)."""
+    counts = np.bincount(np.asarray(truth, np.int64), minlength=n_classes).astype(np.float64) + 1.0
+    return tuple((counts / counts.sum()).tolist())
+
+
+def fit(shares: np.ndarray, truth: np.ndarray, prior: tuple[float, ...]) -> Calibration:
+    """The temperature and prior share with the lowest log loss of out-of-fold `shares` (n × classes) against
+    the true class indices `truth`; ε ≥ 1 / (n + 2). Fewer than MIN_FIT items: T = 1, ε = 0.5."""
+    n = len(truth)
+    if n < MIN_FIT:
+        return Calibration(1.0, 0.5, prior, n)
+    shares = np.asarray(shares, np.float64)
+    truth = np.asarray(truth, np.int64)
+    floor = 1.0 / (n + 2)
+    mixes = np.array([floor, *(m for m in MIXES if m > floor)])
+    prior_true = np.asarray(prior)[truth]
+    best = (np.inf, 1.0, floor)
+    for t in TEMPERATURES:
+        p_true = _sharpen(shares, t)[np.arange(n), truth]
+        # log loss of every mix at once: rows are mixes, columns items
+        loss = -np.log((1.0 - mixes[:, None]) * p_true[None, :] + mixes[:, None] * prior_true[None, :]).mean(axis=1)
+        i = int(np.argmin(loss))
+        if loss[i] < best[0] - 1e-12:
+            best = (float(loss[i]), t, float(mixes[i]))
+    return Calibration(best[1], best[2], prior, n)
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float:
+    """Top-label ECE of answers given with probability `confidence` and right where `correct`: over equal-width
+    bins of the confidence, the count-weighted mean gap between the bin's accuracy and its mean confidence."""
+    conf, right = np.asarray(confidence, np.float64), np.asarray(correct, np.float64)
+    if not len(conf):
+        return float("nan")
+    which = np.minimum((conf * bins).astype(np.int64), bins - 1)
+    gap = 0.0
+    for b in range(bins):
+        in_bin = which == b
+        if in_bin.any():
+            gap += in_bin.sum() * abs(right[in_bin].mean() - conf[in_bin].mean())
+    return float(gap / len(conf))
+
+
+def is_sure(probability: float, agreeing: int, neighbours: int) -> bool:
+    """A prediction worth stating: calibrated probability ≥ SURE and more than half its labelled neighbours agree
+    (no neighbours: the probability alone)."""
+    return probability >= SURE and (neighbours == 0 or 2 * agreeing > neighbours)

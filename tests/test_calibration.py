@@ -1,0 +1,78 @@
+"""Calibrated class probabilities (embed/calibration.py): fit out of fold, they say how often they are right."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from embed.calibration import Calibration, class_prior, expected_calibration_error, fit, is_sure
+
+
+def _overconfident(n: int, n_classes: int, accuracy: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """One-hot shares (a 1-NN: always "100 %") that are right with probability `accuracy`."""
+    rng = np.random.default_rng(seed)
+    truth = rng.integers(0, n_classes, n)
+    wrong = (truth + rng.integers(1, n_classes, n)) % n_classes
+    pred = np.where(rng.random(n) < accuracy, truth, wrong)
+    return np.eye(n_classes)[pred], truth
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    arrays(np.float64, (7, 5), elements=st.floats(0, 1)),
+    st.sampled_from((0.25, 1.0, 4.0)),
+    st.floats(0.01, 0.9),
+)
+def test_calibrated_rows_are_distributions_that_never_say_certain(shares: np.ndarray, temperature: float, mix: float) -> None:
+    c = Calibration(temperature, mix, class_prior(np.arange(5), 5), 10)
+    p = c.apply(shares)
+    assert p.shape == shares.shape and np.allclose(p.sum(axis=1), 1.0)
+    assert (p > 0).all() and (p.max(axis=1) < 1.0).all()
+    assert np.allclose(c.apply(shares[0]), p[0])  # one row or many, the same
+
+
+def test_a_one_nn_that_is_right_60_percent_of_the_time_says_about_60_percent() -> None:
+    shares, truth = _overconfident(400, 8, 0.6, seed=0)
+    raw_ece = _ece(shares, truth)
+    c = fit(shares, truth, class_prior(truth, 8))
+    fresh, fresh_truth = _overconfident(2000, 8, 0.6, seed=1)  # the same predictor on adapters it was not fit on
+    calibrated = c.apply(fresh)
+    assert raw_ece > 0.3 and _ece(calibrated, fresh_truth) < 0.05
+    assert abs(calibrated.max(axis=1).mean() - 0.6) < 0.05
+    assert (calibrated.argmax(axis=1) == fresh.argmax(axis=1)).all()  # calibration keeps the answer
+
+
+def test_a_perfect_record_on_few_items_is_still_not_certainty() -> None:
+    shares, truth = _overconfident(20, 4, 1.0, seed=2)
+    c = fit(shares, truth, class_prior(truth, 4))
+    assert c.mix >= 1 / 22 and c.apply(shares).max() < 0.99
+    tiny = fit(shares[:3], truth[:3], class_prior(truth[:3], 4))
+    assert tiny.mix == 0.5 and tiny.n == 3  # too few to fit: half the prior
+
+
+def test_temperature_sharpens_shares_that_are_too_modest() -> None:
+    rng = np.random.default_rng(3)
+    truth = rng.integers(0, 3, 600)
+    shares = np.full((600, 3), 0.3)
+    shares[np.arange(600), truth] = 0.4  # always right, never says more than 40 %
+    c = fit(shares, truth, class_prior(truth, 3))
+    assert c.temperature < 1 and c.apply(shares).max(axis=1).mean() > 0.8
+
+
+def _ece(probs: np.ndarray, truth: np.ndarray) -> float:
+    return expected_calibration_error(probs.max(axis=1), probs.argmax(axis=1) == truth)
+
+
+def test_expected_calibration_error_of_plain_cases() -> None:
+    eight_of_ten = np.r_[np.ones(8), np.zeros(2)]
+    assert np.isclose(expected_calibration_error(np.full(10, 0.8), eight_of_ten), 0.0)  # says 80 %, right 8 times in 10
+    assert np.isclose(expected_calibration_error(np.full(10, 0.8), np.r_[np.ones(6), np.zeros(4)]), 0.2)
+    assert np.isclose(expected_calibration_error(np.r_[np.full(5, 1.0), np.full(5, 0.55)], np.r_[np.ones(5), np.zeros(5)]), 0.275)
+
+
+def test_round_trip_and_sureness() -> None:
+    c = Calibration(0.5, 0.1, (0.25, 0.75), 12)
+    assert Calibration.from_dict(c.as_dict()) == c
+    assert is_sure(0.7, 4, 5) and not is_sure(0.7, 2, 5) and not is_sure(0.4, 5, 5) and is_sure(0.6, 0, 0)
