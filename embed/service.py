@@ -331,20 +331,32 @@ def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name:
     return {"space": space.name, "embedders": out, "module_store": update_module_store(session, blobs, data_dir, space, rebuild=rebuild)}
 
 
-def prepare_space(settings: Settings, base_model: str, epochs: int, progress: bool = True) -> dict[str, object]:
-    """Embed a space and, when it has at least 10 adapters, train W2T on it and embed it with that too
-    (the end of `zoo quickstart`): {"embedded": adapters in the index, "w2t": the training report or None}."""
-    from embed.train import TrainOptions
-
+def prepare_space(settings: Settings, base_model: str, options: object, retrain: bool = False, progress: bool = True) -> dict[str, object]:
+    """Embed a space and, when it has at least 10 adapters, train W2T on it (with `options`, embed.train.TrainOptions)
+    and embed it with that too (the end of `zoo quickstart`). A supervised W2T already trained on exactly the
+    space's adapters is kept unless `retrain`. {"embedded": adapters in the index, "w2t": the training report,
+    or the kept embedder's (with "reused": True), or None}."""
     blobs = BlobStore(settings.blob_dir)
     sessions = session_factory(settings.database_url)
     reports = embed_space(sessions, blobs, settings.data_dir, base_model)
     n = int(reports[0]["total"]) if reports else 0  # type: ignore[call-overload]
     trained = None
     if n >= 10:
-        trained = train_space(sessions, blobs, settings.data_dir, base_model, TrainOptions(epochs=epochs), progress)
-        embed_space(sessions, blobs, settings.data_dir, base_model)
+        trained = None if retrain else _trained_on(sessions, base_model, n)
+        if trained is None:
+            trained = train_space(sessions, blobs, settings.data_dir, base_model, options, progress)
+            embed_space(sessions, blobs, settings.data_dir, base_model)
     return {"embedded": n, "w2t": trained}
+
+
+def _trained_on(sessions: sessionmaker[Session], base_model: str, n: int) -> dict[str, object] | None:
+    """The serving supervised W2T of a space, if it was trained on exactly its `n` adapters: its report."""
+    with sessions() as session:
+        space = get_space(session, base_model)
+        e = serving_embedders(session, space.id).get(W2T) if space else None
+        if e is None or e.objective == "contrastive" or (e.metrics or {}).get("n_adapters") != n:
+            return None
+        return {"space": base_model, "embedder_id": e.id, "objective": e.objective, "reused": True, **(e.metrics or {})}
 
 
 def list_spaces(session: Session) -> list[dict[str, object]]:

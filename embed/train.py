@@ -21,7 +21,8 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -475,6 +476,20 @@ def _train_member(
     return model, history
 
 
+def _seconds_per_epoch(config: W2TConfig, data: _Data, fold: _Fold, options: TrainOptions, device: torch.device) -> float:
+    """Wall seconds of one training epoch here and now, measured on a throwaway model (the estimate `zoo train`
+    prints before it starts)."""
+    t0 = time.perf_counter()
+    _train_member(config, data, fold, replace(options, epochs=1), options.seed, device, "", progress=False)
+    return time.perf_counter() - t0
+
+
+def _duration(seconds: float) -> str:
+    """A human duration: `45 s`, `3 min 20 s`."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s"
+
+
 def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, progress: bool = True) -> W2TEnsemble:
     """Train on `adapters`: each member early-stops on its own held-out slice, which also scores the choices."""
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -515,6 +530,13 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
     )
     members = max(1, options.members)
     folds = _folds(n, members, options)
+    if progress:
+        per_epoch = _seconds_per_epoch(config, data, folds[0], options, device)
+        tqdm.write(
+            f"W2T ({options.objective}): {members} models × up to {options.epochs} epochs on {n} adapters, "
+            f"about {_duration(per_epoch * members * options.epochs)} here ({per_epoch:.2f} s an epoch; each model stops "
+            f"early once its validation loss has not improved for {options.patience} epochs)"
+        )
     models, history = [], []
     for i, fold in enumerate(folds):
         desc = f"train w2t ({options.objective}, model {i + 1}/{members})"

@@ -191,6 +191,16 @@ def test_quickstart(tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixtu
     assert listing["total"] == 3 and all(a["base_model"] == digits.BASE_MODEL for a in listing["results"])
     assert main(["quickstart", "--count", "3", "--workers", "1"]) == 0  # a second run is idempotent
     assert "0 ingested, 3 already there" in capsys.readouterr().out
+    quick = ["quickstart", "--count", "12", "--workers", "1", "--epochs", "1", "--members", "2", "--json"]
+    assert main(quick) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert first["ingest"]["ingested"] == 9 and first["w2t"]["n_adapters"] == 12 and "reused" not in first["w2t"]
+    assert main(quick) == 0  # trained on these 12 already: kept, not trained again
+    second = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert second["w2t"]["reused"] and second["w2t"]["embedder_id"] == first["w2t"]["embedder_id"]
+    assert main([*quick, "--retrain"]) == 0
+    third = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert "reused" not in third["w2t"] and third["w2t"]["embedder_id"] > first["w2t"]["embedder_id"]
 
 
 @pytest.mark.slow

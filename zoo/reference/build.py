@@ -12,7 +12,8 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -111,12 +112,24 @@ def _build(
     ctx = multiprocessing.get_context("spawn")
     bar = tqdm(total=len(plan), desc=f"make-zoo {recipe}", unit="adapter", disable=not progress)
     with _pinned_kernels(), ProcessPoolExecutor(min(workers, len(plan)), mp_context=ctx, initializer=_init_worker) as pool:
-        pool.submit(_prepare, recipe, cache_dir).result()  # pretrain and cache the base once, before any worker needs it
+        prepared = pool.submit(_prepare, recipe, cache_dir)  # pretrain and cache the base once, before any worker needs it
+        while not _done_within(prepared, 5.0):
+            bar.set_postfix_str(f"preparing the {recipe} base model (once, then cached)")
+        bar.set_postfix_str("")
         for fut in as_completed([pool.submit(build_one, recipe, cache_dir, out_dir, n, a) for n, a in plan.items()]):
             rows.append(fut.result())
             bar.update()
     bar.close()
     return rows
+
+
+def _done_within(future: Future, seconds: float) -> bool:
+    """Whether the future finished within `seconds` (its exception, if any, is raised)."""
+    try:
+        future.result(timeout=seconds)
+    except FutureTimeout:
+        return False
+    return True
 
 
 def _finished(out_dir: Path, name: str, attrs: dict[str, object], recipe: str) -> dict[str, object] | None:
