@@ -51,6 +51,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     db_url = f"sqlite:///{root / 'zoo.db'}"
     upgrade(db_url)
     data_dir = seed_zoo(root, db_url)
+    # more labels, as a real zoo has: a seed per adapter (a facet to fold away) and a group of 9 values (more than shown)
+    (root / "more.csv").write_text("name,seed,group\n" + "".join(f"w{i:02d},{1000 + i},g{i % 9}\n" for i in range(12)))
+    more = ["--db", db_url, "--data-dir", str(data_dir), "ingest", str(root / "zoo"), "--labels", str(root / "more.csv")]
+    more += ["--base-model", "tiny", "--json"]
+    assert subprocess.run([sys.executable, "-m", "zoo.cli", *more], capture_output=True).returncode == 0
     make_engine(db_url).dispose()
     port = _free_port()
     cmd = [sys.executable, "-m", "zoo.cli", "--db", db_url, "--data-dir", str(data_dir), "serve", "--host", "127.0.0.1"]
@@ -157,6 +162,18 @@ def test_search_facets_and_the_adapter_page(desktop: Tab, tmp_path: Path) -> Non
     assert page.input_value("select[name=sort]") == "relevance"  # the landing page's "newest" does not stick to a query
     assert page.locator("article.card").count() == 12 and _total(desktop) == 12
     desktop.shot("search")
+    headings = page.locator("aside.facets section.facet h3")
+    assert headings.first.inner_text().lower() == "task"  # the facet people filter by comes first
+    seed = page.locator("details.more-facets section.facet").filter(has=page.locator("h3", has_text=re.compile("^seed$", re.I)))
+    assert seed.count() == 1 and not seed.is_visible()  # a value per adapter: folded away
+    page.locator("details.more-facets > summary").click()
+    assert seed.is_visible()
+    group = page.locator("aside.facets > section.facet").filter(has=page.get_by_role("heading", name="group", exact=True))
+    assert group.locator("> ul > li").count() == 8 and group.locator("details.more-values summary").inner_text() == "all 9"
+    hidden = group.locator("details.more-values li a")
+    assert hidden.count() == 1 and not hidden.is_visible()
+    group.locator("details.more-values summary").click()
+    assert hidden.is_visible()
     task = page.locator("section.facet").filter(has=page.get_by_role("heading", name="task", exact=True))
     task.get_by_role("link", name="qv", exact=True).click()
     page.wait_for_url(re.compile(r"filter=task%3Dqv"))
@@ -247,6 +264,8 @@ def test_phone_layout(phone: Tab) -> None:
     phone.goto("/?q=tiny")
     assert page.locator("article.card").count() == 12
     phone.no_horizontal_overflow()
+    first = page.locator("article.card").first.bounding_box()
+    assert first and first["y"] + first["height"] <= PHONE["height"]  # results start on the first screen, below the facets
     phone.shot("search")
 
     page.locator("article.card h2 a").first.click()

@@ -11,6 +11,7 @@ from webapp.context import db, zoo
 from webapp.schemas import MAX_PAGE
 from zoo.db import repository
 from zoo.errors import ZooError
+from zoo.labels import TASK_KEY
 
 ui = APIBlueprint("ui", __name__, enable_openapi=False)
 ui.url_value_preprocessor(ids_in_range)
@@ -30,7 +31,19 @@ def search_page() -> str:
     sort = request.args.get("sort") or None  # the page keeps this, not found["sort"]: a resolved default would stick to later searches
     found = search_catalog(db(), request.args.get("q") or None, repository.parse_filters(filters), sort, page, 20)
     twin = url_for("api.adapters", **request.args.to_dict(flat=False))
-    return render_template("search.html", found=found, filters=filters, sort=sort, twin=twin)
+    major, minor = facet_groups(found["facets"])
+    return render_template("search.html", found=found, filters=filters, sort=sort, twin=twin, major=major, minor=minor)
+
+
+def facet_groups(facets: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
+    """The facets worth filtering by, the task first, and the others (a single value, or one that most adapters
+    share with no other: seeds, learning rates), shown folded. Empty facets are in neither."""
+
+    def minor(values: list[dict]) -> bool:
+        return len(values) < 2 or 2 * sum(v["count"] == 1 for v in values) > sum(v["count"] for v in values)
+
+    keys = sorted((k for k, v in facets.items() if v), key=lambda k: k != f"label:{TASK_KEY}")  # stable otherwise
+    return [k for k in keys if not minor(facets[k])], [k for k in keys if minor(facets[k])]
 
 
 @ui.get("/adapters/<int:adapter_id>")
