@@ -266,14 +266,14 @@ def make_query(session: Session, blobs: BlobStore, id_or_path: str, device: str 
         loader = (lambda: dict(blobs.get_factors(str(digest)))) if digest else None
         return Query(row.name, int(id_or_path), loader), row.base_model
     from zoo.formats import read_adapter
-    from zoo.ingest import canonicalize_modules, pick_device
+    from zoo.ingest import adapter_name, canonicalize_modules, pick_device
 
     data = read_adapter(Path(id_or_path))
     if not data.modules:
         raise UsageError(f"{id_or_path}: a full checkpoint without --base has no low-rank update to search with")
     factors = canonicalize_modules(data.modules, pick_device(device))
     named = {m.name: f for m, f in zip(data.modules, factors, strict=True)}
-    return Query(data.path.name, None, lambda: named), data.base_model
+    return Query(adapter_name(data.path), None, lambda: named), data.base_model
 
 
 def search(

@@ -188,6 +188,14 @@ def test_zoo_export_command(cli: CLI, sources: Path, tmp_path: Path) -> None:
     assert info["notes"] and "(head.bias, head.weight)" in info["notes"][0]  # the head is recorded, not stored
     rc, (info,) = cli.json_lines("export", str(head_id), "--format", "peft", "--out", str(tmp_path / "head.zip"))
     assert rc == 0 and zipfile.is_zipfile(tmp_path / "head.zip")
+    rc, (again,) = cli.json_lines("ingest", str(tmp_path / "head.zip"))  # what export writes, ingest and search read
+    assert rc == 0 and again["status"] == "duplicate" and again["adapter_id"] == head_id and again["name"] == "head"
+    assert cli("embed")[0] == 0
+    rc, (found,) = cli.json_lines("search", str(tmp_path / "head.zip"), "-k", "1", "--space", space_of(cli, head_id))
+    assert rc == 0 and found["query_name"] == "head" and found["results"][0]["adapter_id"] == head_id and found["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
+    (tmp_path / "broken.zip").write_bytes((tmp_path / "head.zip").read_bytes()[:-100])
+    rc, (bad,) = cli.json_lines("ingest", str(tmp_path / "broken.zip"))
+    assert rc == 1 and bad["status"] == "failed" and "broken.zip" in bad["error"] and "not a readable zip" in bad["error"]
 
     rc, out, _ = cli("export", str(head_id), "--format", "kohya", "--out", str(tmp_path))  # an existing directory
     assert rc == 0 and (tmp_path / "head.safetensors").is_file() and "exported as kohya" in out and "note:" in out
@@ -200,6 +208,11 @@ def test_zoo_export_command(cli: CLI, sources: Path, tmp_path: Path) -> None:
     ]:
         rc, _, err = cli("export", *args, "--out", str(tmp_path / "never"))
         assert rc == 2 and reason in err and not (tmp_path / "never").exists()
+
+
+def space_of(cli: CLI, adapter_id: int) -> str:
+    rc, (shown,) = cli.json_lines("show", str(adapter_id))
+    return str(shown["base_model"])
 
 
 def random_factors(seed: int, out: int, inp: int, k: int) -> CanonicalFactors:

@@ -186,7 +186,7 @@ def test_predict_by_id_batch_and_upload(web: Web) -> None:
     r = web.client.post("/api/v1/predict/attributes", json={"adapter_id": 2})
     assert r.status_code == 200
     (p,) = r.json["predictions"]
-    assert set(p) == {"query", "query_name", "space", "embedder_id", "attributes"}
+    assert set(p) == {"query", "query_name", "space", "embedder_id", "attributes", "confidence"}
     assert sum(c["probability"] for c in p["attributes"]["task"]) == pytest.approx(1.0, abs=1e-4)
     r = web.client.post("/api/v1/predict/performance", json={"adapter_ids": [1, 2, 3]})
     assert r.status_code == 200 and [p["query"] for p in r.json["predictions"]] == ["1", "2", "3"]

@@ -155,15 +155,22 @@ def _predict(part: str, body: dict) -> dict[str, object]:
         if not ids:
             raise UsageError("send adapter_id, adapter_ids, or an upload in the `file` field")
         found = zoo().limited(with_session(lambda s: [service.predict(engine, s, str(i), body.get("space")) for i in ids]))
-    keep = ("query", "query_name", "space", "embedder_id", part)
+    keep = ("query", "query_name", "space", "embedder_id", *PREDICTION_PARTS[part])
     return {"predictions": [{k: p[k] for k in keep} for p in found]}
+
+
+#: what each predict endpoint returns of a prediction: attributes come with their confidence (labelled neighbours
+#: that agree, "sure" or not)
+PREDICTION_PARTS = {"attributes": ("attributes", "confidence"), "metrics": ("metrics",)}
 
 
 @api.post("/predict/attributes")
 @api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
 @api.doc(responses=[200, *UPLOAD])
 def predict_attributes(body: dict) -> dict[str, object]:
-    """Predicted attributes (top classes with probabilities) of stored adapters, or of an upload (`file`)."""
+    """Predicted attributes of stored adapters, or of an upload (`file`): the top classes with calibrated probabilities
+    and the labelled neighbours that have each, and per attribute its confidence (`sure`: the top class is at least
+    50 % likely and most of its labelled neighbours agree)."""
     return _predict("attributes", body)
 
 

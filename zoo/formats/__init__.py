@@ -13,11 +13,21 @@ from pathlib import Path
 
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.errors import InputError
+from zoo.formats.archive import ZIP_SUFFIX, read_peft_zip
 from zoo.formats.checkpoint import read_checkpoint
 from zoo.formats.kohya import has_lora_keys, kohya_base_model, lycoris_kind, read_single_file_lora
 from zoo.formats.limits import check_limits
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, layer_index, module_type
-from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES, PeftConfig, is_peft_dir, parse_peft, peft_weights, read_peft_config
+from zoo.formats.peft import (
+    CONFIG_NAME,
+    WEIGHT_NAMES,
+    PeftConfig,
+    is_peft_dir,
+    parse_peft,
+    parse_peft_config,
+    peft_weights,
+    read_peft_config,
+)
 from zoo.formats.safe_load import (
     SAFETENSORS_SUFFIX,
     SafetensorsHeader,
@@ -64,7 +74,7 @@ def read_adapter(path: Path, base: Path | None = None, energy: float = DEFAULT_E
 
 
 def open_adapter(path: Path) -> RawAdapter:
-    """Read the files of a PEFT directory (or a file in one) or of a single weight file."""
+    """Read the files of a PEFT directory (or a file in one, or a zip of one) or of a single weight file."""
     path = Path(path)
     if not path.exists():
         raise InputError(path, "no such file or directory")
@@ -74,6 +84,10 @@ def open_adapter(path: Path) -> RawAdapter:
         raise InputError(path, f"not an adapter directory: expected {CONFIG_NAME} and {' or '.join(WEIGHT_NAMES)}")
     if path.name == CONFIG_NAME or (path.name in WEIGHT_NAMES and (path.parent / CONFIG_NAME).is_file()):
         return _open_peft(path.parent)
+    if path.suffix.lower() == ZIP_SUFFIX:
+        text, weights = read_peft_zip(path)
+        config = parse_peft_config(path / CONFIG_NAME, text)
+        return RawAdapter(path, weights, "peft", config.base_model, config.settings(), peft=config)
     weights = read_weight_file(path)
     if path.suffix != SAFETENSORS_SUFFIX:
         return RawAdapter(path, weights, None)

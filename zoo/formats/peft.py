@@ -109,8 +109,17 @@ def read_peft_config(directory: Path) -> PeftConfig:
     try:
         if config_path.stat().st_size > max_header_bytes():
             raise InputError(config_path, f"adapter config larger than {max_header_bytes()} bytes")
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        text = config_path.read_bytes()
+    except OSError as exc:
+        raise InputError(config_path, f"unreadable adapter config ({exc})") from None
+    return parse_peft_config(config_path, text)
+
+
+def parse_peft_config(config_path: Path, text: bytes) -> PeftConfig:
+    """The checked adapter_config.json from its bytes (`config_path` names it in errors)."""
+    try:
+        config = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InputError(config_path, f"unreadable adapter config ({exc})") from None
     if not isinstance(config, dict):
         raise InputError(config_path, "adapter config is not a JSON object")

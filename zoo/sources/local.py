@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zoo.formats.peft import is_peft_dir
 
-ADAPTER_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+ADAPTER_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".zip")  # .zip: a zipped PEFT directory
 
 
 def expand_paths(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:

@@ -2,14 +2,14 @@
 
 Accepted: the two files of a PEFT directory (`adapter_config.json` and `adapter_model.safetensors`),
 a zip of one PEFT directory, or one LoRA `.safetensors` file. Names are never used as paths: each
-file is written under a fixed name in a fresh directory, and a zip's members are checked (no
+file is written under a sanitized name in a fresh directory, and a zip's members are checked (no
 absolute or parent paths, no links, at most MAX_ZIP_MEMBERS, the sum of their sizes within the
-upload limit) before anything is extracted. Only safetensors weights are taken: no pickles.
+upload limit) before it is read; it is read into memory, never extracted. Only safetensors weights
+are taken: no pickles.
 """
 
 from __future__ import annotations
 
-import stat
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,10 +17,8 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from zoo.errors import InputError
+from zoo.formats.archive import PEFT_WEIGHTS, ZIP_SUFFIX, peft_members
 from zoo.formats.peft import CONFIG_NAME
-
-PEFT_WEIGHTS = "adapter_model.safetensors"
-MAX_ZIP_MEMBERS = 16
 
 
 class UploadTooLarge(InputError):
@@ -44,10 +42,10 @@ def materialize(files: Sequence[Upload], workdir: Path, max_bytes: int) -> Path:
         for f in files:
             _copy(f, target / PurePosixPath(f.filename.replace("\\", "/")).name, max_bytes)
         return target
-    if len(files) == 1 and names[0].lower().endswith(".zip"):
-        archive = workdir / "upload.zip"
+    if len(files) == 1 and names[0].lower().endswith(ZIP_SUFFIX):
+        archive = workdir / _safe_name(names[0])
         _copy(files[0], archive, max_bytes)
-        return _extract_peft(archive, workdir / _safe_name(names[0][: -len(".zip")]), max_bytes, names[0])
+        return _checked_zip(archive, max_bytes, names[0])
     if len(files) == 1 and names[0].lower().endswith(".safetensors"):
         target = workdir / _safe_name(names[0])
         _copy(files[0], target, max_bytes)
@@ -75,35 +73,14 @@ def _copy(upload: Upload, target: Path, max_bytes: int) -> None:
             out.write(chunk)
 
 
-def _extract_peft(archive: Path, target: Path, max_bytes: int, label: str) -> Path:
-    """Extract the zip's adapter_config.json and adapter_model.safetensors (in one folder) into `target`."""
+def _checked_zip(archive: Path, max_bytes: int, label: str) -> Path:
+    """The uploaded zip, once its PEFT members (zoo.formats.archive.peft_members) are found and expand to no more
+    than `max_bytes`; it is read into memory from there, never extracted."""
     try:
         with zipfile.ZipFile(archive) as zf:
-            members = [m for m in zf.infolist() if not m.is_dir()]
-            if len(members) > MAX_ZIP_MEMBERS:
-                raise InputError(label, f"a zip of {len(members)} files: a PEFT directory has 2 (at most {MAX_ZIP_MEMBERS} are read)")
-            wanted: dict[str, zipfile.ZipInfo] = {}
-            for m in members:
-                path = PurePosixPath(m.filename)
-                if path.is_absolute() or ".." in path.parts or stat.S_ISLNK(m.external_attr >> 16):
-                    raise InputError(label, f"unsafe member {m.filename!r} (absolute, parent path or link)")
-                if path.name in (CONFIG_NAME, PEFT_WEIGHTS):
-                    if path.name in wanted:
-                        raise InputError(label, f"more than one {path.name}: zip one PEFT directory")
-                    wanted[path.name] = m
-            if (
-                set(wanted) != {CONFIG_NAME, PEFT_WEIGHTS}
-                or wanted[CONFIG_NAME].filename.rsplit("/", 1)[:-1] != wanted[PEFT_WEIGHTS].filename.rsplit("/", 1)[:-1]
-            ):
-                raise InputError(label, f"no PEFT directory: the zip needs {CONFIG_NAME} and {PEFT_WEIGHTS} in one folder")
-            if sum(m.file_size for m in wanted.values()) > max_bytes:
-                raise UploadTooLarge(label, f"expands past the upload limit of {max_bytes} bytes")
-            target.mkdir()
-            for name, m in wanted.items():
-                with zf.open(m) as src:
-                    _copy(Upload(m.filename, src), target / name, max_bytes)  # type: ignore[arg-type]
+            wanted = peft_members(zf, label)
     except zipfile.BadZipFile as exc:
         raise InputError(label, f"not a readable zip ({exc})") from None
-    finally:
-        archive.unlink(missing_ok=True)
-    return target
+    if sum(m.file_size for m in wanted.values()) > max_bytes:
+        raise UploadTooLarge(label, f"expands past the upload limit of {max_bytes} bytes")
+    return archive

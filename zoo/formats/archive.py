@@ -1,0 +1,58 @@
+"""A PEFT directory in a zip (what `zoo export --format peft --out X.zip` and the download endpoint write):
+its two members found by one rule, for reading into memory here and for the web upload's extraction."""
+
+from __future__ import annotations
+
+import hashlib
+import stat
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from zoo.errors import InputError
+from zoo.formats.peft import CONFIG_NAME
+from zoo.formats.safe_load import WeightFile, check_file_size, max_header_bytes
+
+ZIP_SUFFIX = ".zip"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+#: members of a zip looked at; a PEFT directory has 2 (a README, a tokenizer may ride along)
+MAX_ZIP_MEMBERS = 16
+
+
+def peft_members(zf: zipfile.ZipFile, label: str | Path) -> dict[str, zipfile.ZipInfo]:
+    """The zip's adapter_config.json and adapter_model.safetensors, in one folder, by name; refused: more than
+    MAX_ZIP_MEMBERS files, members with absolute or parent paths or links, two of either, neither in one folder."""
+    members = [m for m in zf.infolist() if not m.is_dir()]
+    if len(members) > MAX_ZIP_MEMBERS:
+        raise InputError(label, f"a zip of {len(members)} files: a PEFT directory has 2 (at most {MAX_ZIP_MEMBERS} are read)")
+    wanted: dict[str, zipfile.ZipInfo] = {}
+    for m in members:
+        path = PurePosixPath(m.filename)
+        if path.is_absolute() or ".." in path.parts or stat.S_ISLNK(m.external_attr >> 16):
+            raise InputError(label, f"unsafe member {m.filename!r} (absolute, parent path or link)")
+        if path.name in (CONFIG_NAME, PEFT_WEIGHTS):
+            if path.name in wanted:
+                raise InputError(label, f"more than one {path.name}: zip one PEFT directory")
+            wanted[path.name] = m
+    if (
+        set(wanted) != {CONFIG_NAME, PEFT_WEIGHTS}
+        or PurePosixPath(wanted[CONFIG_NAME].filename).parent != PurePosixPath(wanted[PEFT_WEIGHTS].filename).parent
+    ):
+        raise InputError(label, f"no PEFT directory: the zip needs {CONFIG_NAME} and {PEFT_WEIGHTS} in one folder")
+    return wanted
+
+
+def read_peft_zip(path: Path) -> tuple[bytes, WeightFile]:
+    """(adapter_config.json's bytes, the weights read into memory and hashed) of a zipped PEFT directory, each
+    member held to the limits its loose file has (ZOO_MAX_HEADER_BYTES, ZOO_MAX_FILE_BYTES) before it is read."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            wanted = peft_members(zf, path)
+            config, weights = wanted[CONFIG_NAME], wanted[PEFT_WEIGHTS]
+            if config.file_size > max_header_bytes():
+                raise InputError(path, f"adapter config larger than {max_header_bytes()} bytes")
+            check_file_size(path, weights.file_size)
+            text = zf.read(config)
+            data = bytearray(zf.read(weights))  # zipfile stops at the declared size and checks the CRC
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise InputError(path, f"not a readable zip ({exc})") from None
+    return text, WeightFile(path / PEFT_WEIGHTS, data, hashlib.sha256(data).hexdigest())
