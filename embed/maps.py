@@ -39,10 +39,11 @@ from sqlalchemy.orm import Session
 
 from embed.engine import SKETCH, W2T
 from embed.projection import Projection, fit, spread_sample
-from embed.registry import get_space, load_embeddings, serving_embedders, space_version
+from embed.registry import deleted_since, get_space, load_embeddings, serving_embedders, space_version
 from zoo.db.models import Adapter, Embedder, Embedding, Label, Measurement
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import replace_durably
+from zoo.labels import TASK_KEY
 
 DEFAULT_POINTS = 5_000
 MAX_POINTS = 100_000
@@ -79,6 +80,11 @@ class ZooMap:
     @property
     def count(self) -> int:
         return len(self.ids)
+
+    def without(self, ids: np.ndarray, version: int) -> ZooMap:
+        """The map without the points of these ids, at `version`."""
+        keep = ~np.isin(self.ids, ids)
+        return replace(self, version=version, ids=self.ids[keep], xy=self.xy[keep])
 
     def with_points(self, ids: np.ndarray, xy: np.ndarray, version: int) -> ZooMap:
         """The map with these points added (or replacing those of the same ids), at `version`."""
@@ -140,19 +146,26 @@ def _stored_count(session: Session, embedder_id: int) -> int:
     return int(session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder_id)) or 0)
 
 
-def _consistent(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[ZooMap, int]:
-    """The map file plus the points embedded after its version, and how many were added; ValueError when it
-    cannot be made to agree with the database."""
+def _consistent(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[ZooMap, str]:
+    """The map file without the adapters deleted after its version (their tombstones) and with the points
+    embedded after it, and what changed ("" nothing); ValueError when it cannot be made to agree with the
+    database."""
     m = read_map(path)
     if m.embedder_id != embedder.id or m.version > version or len(m.projection.mean) != embedder.dim:
         raise ValueError(f"map file {path} was written for another database or embedder")
-    ids, vectors = load_embeddings(session, embedder, after_version=m.version)
+    since = m.version
+    gone = deleted_since(session, embedder.space_id, since)
+    ids, vectors = load_embeddings(session, embedder, after_version=since)
+    dropped = int(np.isin(m.ids, gone).sum())
+    if dropped:
+        m = m.without(gone, version)
     if len(ids):
         m = m.with_points(ids, m.projection.project(vectors), version)
     stored = _stored_count(session, embedder.id)
     if m.count != stored:
         raise ValueError(f"map file {path} holds {m.count} points, the database {stored} vectors")
-    return m, len(ids)
+    changes = ([f"{dropped} deleted points dropped"] if dropped else []) + ([f"{len(ids)} points projected"] if len(ids) else [])
+    return m, ", ".join(changes)
 
 
 def _fitted(session: Session, embedder: Embedder, version: int) -> ZooMap:
@@ -170,14 +183,14 @@ def update_map(session: Session, data_dir: Path, embedder: Embedder, rebuild: bo
     how = "fitted (asked)"
     if not rebuild:
         try:
-            m, added = _consistent(session, path, embedder, version)
+            m, changed = _consistent(session, path, embedder, version)
         except ValueError as exc:
             how = f"fitted ({exc})"
         else:
             if m.count - m.fitted <= m.fitted:
-                if added:
+                if changed:
                     write_map(path, m)
-                return m, f"updated ({added} points projected)" if added else "loaded"
+                return m, f"updated ({changed})" if changed else "loaded"
             how = f"fitted again ({m.count - m.fitted} points since the fit outnumber its {m.fitted})"
     m = _fitted(session, embedder, version)
     write_map(path, m)
@@ -220,8 +233,8 @@ def current_map(session: Session, data_dir: Path, embedder: Embedder) -> tuple[Z
     if hit is not None:
         return hit
     try:
-        m, added = _consistent(session, path, embedder, version)
-        state = "loaded" + (f" ({added} points embedded since it was saved projected in memory)" if added else "")
+        m, changed = _consistent(session, path, embedder, version)
+        state = "loaded" + (f" ({changed} in memory since it was saved)" if changed else "")
     except ValueError as exc:
         if _stored_count(session, embedder.id) > FIT_IN_REQUEST:
             raise NotReadyError(f"{exc}: run `zoo map` to fit it") from None
@@ -256,8 +269,9 @@ def space_map(
     """The map resource: {space, embedder_id, method, projection, explained, state, count (points in the
     map), shown, points [{id, name, x, y, value}], color_by, legend, color_keys}. At most `limit` points:
     the `highlight` ids, then a deterministic spread of the rest (embed/projection.py `spread_sample`).
-    `value` is the point's given label `color_by`, or its measured test metric for `metric:<name>`;
-    `color_keys` lists the keys the shown points can be coloured by."""
+    `value` is the point's given label `color_by`, or its measured test metric for `metric:<name>`; without
+    `color_by` the points are coloured by their task where they have one ("" colours nothing); `color_keys`
+    lists the keys the shown points can be coloured by."""
     if not 1 <= limit <= MAX_POINTS:
         raise UsageError(f"limit must be between 1 and {MAX_POINTS}, got {limit}")
     space = get_space(session, space_name)
@@ -277,6 +291,8 @@ def space_map(
         names = dict(conn.execute(_NAMES, {"ids": ids}).all())  # type: ignore[arg-type]
         keys = sorted(conn.execute(_LABEL_KEYS, {"ids": ids}).scalars())
         keys += sorted(METRIC + k for k in conn.execute(_METRICS, {"ids": ids}).scalars())
+        if color_by is None:  # not asked: the task where the points have one ("" asks for no colouring)
+            color_by = TASK_KEY if TASK_KEY in keys else ""
         values = _values(conn, color_by, ids)
     points = [  # a deleted adapter's point stays in the file until a refit: it has no name and is left out
         {"id": i, "name": names[i], "x": round(x, 6), "y": round(y, 6), "value": values.get(i)}
@@ -293,7 +309,7 @@ def space_map(
         "count": m.count,
         "shown": len(points),
         "points": points,
-        "color_by": color_by,
+        "color_by": color_by or None,
         "legend": _legend(color_by, values, len(points)),
         "color_keys": keys,
     }
@@ -311,7 +327,7 @@ def _values(conn: Connection, color_by: str | None, ids: list[int]) -> dict[int,
 
 def _legend(color_by: str | None, values: dict[int, object], shown: int) -> dict[str, object] | None:
     """Labels: each value with its count among the shown points, most common first; metrics: the range."""
-    if color_by is None:
+    if not color_by:
         return None
     missing = shown - len(values)
     if color_by.startswith(METRIC):

@@ -220,15 +220,20 @@ def test_map_point_opens_its_adapter(desktop: Tab) -> None:
     desktop.goto("/map")
     page.wait_for_selector("#map[data-points]")
     assert int(page.get_attribute("#map", "data-points")) == 12
+    assert page.input_value("#color-by") == "task"  # coloured by task unless asked otherwise
     desktop.shot("map")
     clicked = _click_point(desktop, dataset=0)
     page.wait_for_url(re.compile(rf"/adapters/{clicked}$"))
     assert page.locator("h1").inner_text().startswith("w")
 
-    desktop.goto("/map?color_by=task&highlight=3")  # the adapter page's "show on map", coloured
+    desktop.goto("/map?highlight=3")  # the adapter page's "show on map": coloured by task, as the map is by default
     page.wait_for_selector("#map[data-points]")
     labels = page.evaluate("window.zooMapChart.data.datasets.map((d) => d.label)")
     assert labels == ["this adapter", "qk", "qv"] and page.input_value("#color-by") == "task"
+    colours = page.evaluate("window.zooMapChart.data.datasets.map((d) => d.backgroundColor)")
+    assert len(set(colours)) == 3
+    for n in (2, 17, 18, 19, 60):  # any number of groups, each its own colour (17 tasks in the demo zoo)
+        assert page.evaluate(f"new Set([...Array({n}).keys()].map((i) => categoryColour(i, {n}))).size") == n
     desktop.shot("map-coloured")
     assert _click_point(desktop, dataset=0) == 3
     page.wait_for_url(re.compile(r"/adapters/3$"))

@@ -299,6 +299,7 @@ def test_delete_needs_a_token_and_the_adapter_leaves_every_index(web: Web) -> No
         assert 9 not in [x["adapter_id"] for x in found] and len(found) >= N - 2
     assert 9 not in [a["id"] for a in web.client.get("/api/v1/adapters?per_page=100").json["results"]]
     assert error_of(web.client.delete("/api/v1/adapters/9", headers=auth))["status"] == 404
+    assert web.zoo("check") == 0  # index files, module store and map agree with the database and its tombstone
     # a fresh engine (another process) reads the index files, which `zoo embed` brings up to date
     assert web.zoo("embed", "--json") == 0
     fresh = create_app({"ZOO_DATABASE_URL": web.url, "ZOO_DATA_DIR": str(web.data_dir)}).test_client()

@@ -57,7 +57,7 @@ def map_page() -> str:
     spaces = service.list_spaces(db())
     name = request.args.get("space") or (spaces[0]["name"] if spaces else None)
     return render_template(
-        "map.html", spaces=spaces, space=name, color_by=request.args.get("color_by") or "", highlight=request.args.get("highlight") or ""
+        "map.html", spaces=spaces, space=name, color_by=request.args.get("color_by"), highlight=request.args.get("highlight") or ""
     )
 
 

@@ -31,6 +31,22 @@ def _print_json(obj: object) -> None:
     print(json.dumps(obj, default=str))
 
 
+def human(value: object) -> str:
+    """A value as a person reads it: numbers to 4 significant digits, lists joined, nothing as "-"."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list | tuple):
+        return ", ".join(human(v) for v in value)
+    return str(value)
+
+
+def plural(n: object, word: str) -> str:
+    """`1 problem`, `3 problems`."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def cmd_init(settings: Settings, args: argparse.Namespace) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
@@ -271,7 +287,7 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
         "source_revision",
         "author",
     ):
-        print(f"{key:>15}: {detail[key]}")
+        print(f"{key:>15}: {human(detail[key])}")
     for note in detail["notes"]:  # type: ignore[attr-defined]
         print(f"{'note':>15}: {note}")
     for key, value in detail["labels"].items():  # type: ignore[attr-defined]
@@ -528,7 +544,7 @@ def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
         _print_json(info)
         return 0
     for e in info["embedders"]:  # type: ignore[attr-defined]
-        print(f"{info['space']}: " + ", ".join(f"{k}: {v}" for k, v in e.items()))
+        print(f"{info['space']}: " + ", ".join(f"{k}: {human(v)}" for k, v in e.items() if v is not None))
     print(f"{info['space']}: module store: {info['module_store']}")
     return 0
 
@@ -626,7 +642,9 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
         )
         for entry in report["indexes"]:  # type: ignore[attr-defined]
             if entry["state"] != "ok":
-                print(f"  index: {entry} ")
+                what = "map" if "map" in entry else f"{entry['method']} index" if "method" in entry else "module store"
+                done = " (rebuilt)" if entry.get("repaired") else ""
+                print(f"  {entry['space']}: {what}: {entry['state']}{done}")
         for entry in report["unembedded"]:  # type: ignore[attr-defined]
             print(f"  {entry['space']}: {entry['count']} adapters not embedded" + (" (embedded now)" if entry.get("repaired") else ""))
         for line in report["repaired"]:  # type: ignore[attr-defined]
@@ -634,7 +652,7 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
         lost = [*b["missing"], *b["corrupt"]]  # type: ignore[index]
         for x in lost:
             print(f"  adapter {x['adapter_id']}: blob {x['blob']} is missing or corrupt: ingest it again")
-        print("ok" if report["ok"] else f"{report['problems']} problems" + ("" if args.repair else ": run `zoo check --repair`"))
+        print("ok" if report["ok"] else plural(report["problems"], "problem") + ("" if args.repair else ": run `zoo check --repair`"))
     return 0 if report["ok"] else 1
 
 
@@ -720,7 +738,8 @@ def worker_line(summary: dict[str, object]) -> str:
     """A worker run's summary in one line."""
     embedded = ", ".join(f"{n} in {space}" for space, n in summary["embedded"].items()) or "none"  # type: ignore[attr-defined]
     return (
-        f"{summary['processed']} items in {summary['seconds']:.1f} s ({summary['items_per_s'] or 0:.2f}/s): "
+        f"{plural(summary['processed'], 'item')} in {summary['ingest_seconds']:.1f} s ({summary['items_per_s'] or 0:.2f} items/s), "
+        f"{summary['seconds']:.1f} s with embedding: "
         f"{summary['done']} done, {summary['duplicate']} duplicate, {summary['failed']} failed"
         + (f", {summary['queued']} queued again" if summary["queued"] else "")
         + (f", {summary['lost']} taken over by another worker" if summary["lost"] else "")

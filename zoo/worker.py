@@ -322,11 +322,12 @@ def drive(
 ) -> dict[str, object]:
     """Tally outcomes as they come, with a progress bar (None: when stderr is a terminal), hand stored
     adapters to `batches` (flushed whenever the workers find nothing new, and at the end). Returns the
-    summary: outcomes by state, embedded per space, jobs, rate."""
+    summary: outcomes by state, embedded per space, jobs, and the rate over the time the items took (as
+    `zoo jobs show` measures a job's)."""
     sessions = session_factory(settings.database_url)
     tally: Counter[str] = Counter()
     jobs: set[int] = set()
-    start = last_count = time.perf_counter()
+    start = last_count = last_outcome = time.perf_counter()
     with sessions() as session:
         total = pending_items(session, options.job_id)
     bar = tqdm(total=total, desc="worker", unit="item", disable=None if progress is None else not progress, file=sys.stderr)
@@ -336,6 +337,7 @@ def drive(
                 batches.flush()
             else:
                 tally[outcome.state] += 1
+                last_outcome = time.perf_counter()
                 jobs.add(outcome.job_id)
                 batches.add(outcome)
                 bar.update()
@@ -354,5 +356,7 @@ def drive(
         "jobs": sorted(jobs),
         "concurrency": concurrency,
         "seconds": round(seconds, 3),
-        "items_per_s": round(processed / seconds, 3) if seconds > 0 else None,
+        # as `zoo jobs show` counts a job's rate: from the first claim to the last outcome (not the embedding after it)
+        "ingest_seconds": round(last_outcome - start, 3),
+        "items_per_s": round(processed / (last_outcome - start), 3) if processed and last_outcome > start else None,
     }

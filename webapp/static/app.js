@@ -4,6 +4,13 @@
 const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
   "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354"];
 
+/* The i-th of n categorical colours: the palette while it lasts, else hues a golden angle apart at three
+   lightnesses, so that no two of any number of groups share a colour. */
+function categoryColour(i, n) {
+  if (n <= PALETTE.length) return PALETTE[i];
+  return `hsl(${Math.round((i * 137.508) % 360)}, 70%, ${[38, 52, 66][i % 3]}%)`;
+}
+
 function zooSpectra(modules) {
   const canvas = document.getElementById("spectra");
   const picker = document.getElementById("spectra-type");
@@ -37,12 +44,13 @@ function colourFor(value, lo, hi) {
 
 async function zooMap(url, colorBy, highlight) {
   const params = new URLSearchParams({ limit: "20000" });
-  if (colorBy) params.set("color_by", colorBy);
+  if (colorBy !== null) params.set("color_by", colorBy);  // null: the server's default (the task); "": none
   if (highlight) params.append("highlight", highlight);
   const info = document.getElementById("map-info");
   const response = await fetch(url + "?" + params);
   const data = await response.json();
   if (!response.ok) { info.textContent = data.error.message; return; }
+  colorBy = data.color_by;  // what the map is coloured by: the task when none was asked for
   const picker = document.getElementById("color-by");
   (data.color_keys || []).forEach((k) => picker.add(new Option(k, k, false, k === colorBy)));
   const points = data.points.map((p) => ({ x: p.x, y: p.y, id: p.id, name: p.name, value: p.value }));
@@ -51,7 +59,9 @@ async function zooMap(url, colorBy, highlight) {
   if (colorBy && !numeric) {
     const groups = new Map();
     points.forEach((p) => { const k = p.value === null ? "(none)" : String(p.value); (groups.get(k) || groups.set(k, []).get(k)).push(p); });
-    datasets = [...groups.entries()].sort().map(([k, ps], i) => ({ label: k, data: ps, backgroundColor: PALETTE[i % PALETTE.length], pointRadius: 3 }));
+    const named = [...groups.entries()].filter(([k]) => k !== "(none)").sort();
+    datasets = named.map(([k, ps], i) => ({ label: k, data: ps, backgroundColor: categoryColour(i, named.length), pointRadius: 3 }));
+    if (groups.has("(none)")) datasets.push({ label: "(none)", data: groups.get("(none)"), backgroundColor: "#9aa5b1", pointRadius: 3 });
   } else {
     const values = points.map((p) => p.value).filter((v) => typeof v === "number");
     const lo = Math.min(...values), hi = Math.max(...values);
