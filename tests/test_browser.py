@@ -56,6 +56,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     more = ["--db", db_url, "--data-dir", str(data_dir), "ingest", str(root / "zoo"), "--labels", str(root / "more.csv")]
     more += ["--base-model", "tiny", "--json"]
     assert subprocess.run([sys.executable, "-m", "zoo.cli", *more], capture_output=True).returncode == 0
+    # a job with an item that fails, with a long source and reason (the job page must wrap them)
+    missing = str(root / "adapters-that-were-moved-elsewhere" / ("a-rather-long-folder-name-" * 6) / "lora")
+    for args in (["jobs", "add", missing, "--base-model", "tiny"], ["worker", "--drain", "--concurrency", "1"]):
+        subprocess.run([sys.executable, "-m", "zoo.cli", "--db", db_url, "--data-dir", str(data_dir), *args], capture_output=True)
     make_engine(db_url).dispose()
     port = _free_port()
     cmd = [sys.executable, "-m", "zoo.cli", "--db", db_url, "--data-dir", str(data_dir), "serve", "--host", "127.0.0.1"]
@@ -256,12 +260,25 @@ def test_other_pages_stay_local(desktop: Tab) -> None:
     desktop.goto("/jobs")
     assert page.locator("h1").inner_text() == "Ingestion jobs"
     desktop.shot("jobs")
+    desktop.goto("/jobs/1")
+    _reason_fits(desktop, DESKTOP["width"])
+    desktop.shot("job")
     desktop.goto("/api/v1/docs")
     page.wait_for_selector(".swagger-ui .opblock")
+    assert page.locator("header.top a.brand").count() == 1  # the site's header: a way back to the app
     desktop.shot("api-docs")
     desktop.goto("/adapters/9999")
     assert "no adapter with id 9999" in page.locator(".error").inner_text()
+    assert page.title() == "Not found · zoo" and page.locator("h1").inner_text() == "Not found (404)"
     desktop.errors[:] = [e for e in desktop.errors if "status of 404" not in e]  # the browser logs the page's own 404
+
+
+def _reason_fits(tab: Tab, width: int) -> None:
+    """The failed item's reason is on the job page whole, inside the viewport (wrapped, not cut at the table's edge)."""
+    cell = tab.page.locator("table tbody tr td.wrap").last
+    assert "no such file" in cell.inner_text()
+    box = cell.bounding_box()
+    assert box and box["x"] + box["width"] <= width, box
 
 
 def test_phone_layout(phone: Tab) -> None:
@@ -291,3 +308,8 @@ def test_phone_layout(phone: Tab) -> None:
     phone.goto("/similar")
     phone.no_horizontal_overflow()
     phone.shot("similar")
+    phone.goto("/api/v1/docs")
+    page.wait_for_selector(".swagger-ui .opblock")
+    phone.no_horizontal_overflow()
+    assert page.locator("header.top a.brand").is_visible()
+    phone.shot("api-docs")

@@ -24,13 +24,10 @@ def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     settings = Settings.load(config.get("ZOO_DATABASE_URL"), config.get("ZOO_DATA_DIR"))  # type: ignore[arg-type]
     require_schema(settings.database_url)
     web = WebConfig.from_env(config)
-    app = APIFlask(__name__, title="zoo", version=__version__, spec_path="/api/v1/openapi.json", docs_path="/api/v1/docs")
+    # the docs page is the ui blueprint's (webapp/templates/api_docs.html: the site's header, a phone layout)
+    app = APIFlask(__name__, title="zoo", version=__version__, spec_path="/api/v1/openapi.json", docs_path=None)
     app.config.update(
         MAX_CONTENT_LENGTH=web.max_upload_bytes + (1 << 20),  # the multipart envelope around the files
-        SWAGGER_UI_CSS="/static/vendor/swagger-ui/swagger-ui.css",
-        SWAGGER_UI_BUNDLE_JS="/static/vendor/swagger-ui/swagger-ui-bundle.js",
-        SWAGGER_UI_STANDALONE_PRESET_JS="/static/vendor/swagger-ui/swagger-ui-standalone-preset.js",
-        DOCS_FAVICON="data:,",  # no icon, and no request for one (None would be fetched as ./None)
         JSON_SORT_KEYS=False,
         HTTP_ERROR_SCHEMA=schemas.Error,  # the one error shape (webapp/errors.py) in the OpenAPI document
         VALIDATION_ERROR_SCHEMA=schemas.Error,

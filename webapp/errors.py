@@ -12,6 +12,7 @@ from typing import Any
 from apiflask import APIFlask, HTTPError
 from flask import Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import HTTP_STATUS_CODES
 
 from zoo.errors import InputError, ZooError
 
@@ -38,7 +39,8 @@ def _respond(status: int, kind: str, message: str, detail: Any = None, headers: 
         response.status_code = status
         response.headers.update(headers or {})
         return response
-    return render_template("error.html", status=status, kind=kind, message=message), status, headers or {}
+    heading = HTTP_STATUS_CODES.get(status, "Error").capitalize()  # "Not found", not the exception's class name
+    return render_template("error.html", status=status, heading=heading, message=message), status, headers or {}
 
 
 def register(app: APIFlask) -> None:

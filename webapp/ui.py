@@ -46,6 +46,12 @@ def facet_groups(facets: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
     return [k for k in keys if not minor(facets[k])], [k for k in keys if minor(facets[k])]
 
 
+@ui.get("/api/v1/docs")
+def api_docs_page() -> str:
+    """Swagger UI over the OpenAPI document, inside the site's own page."""
+    return render_template("api_docs.html", spec=url_for("openapi.spec"))
+
+
 @ui.get("/adapters/<int:adapter_id>")
 def adapter_page(adapter_id: int) -> str:
     resource = service.adapter_resource(zoo().engine, db(), get_adapter(adapter_id, with_modules=True))

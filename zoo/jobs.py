@@ -33,6 +33,7 @@ from zoo.db.models import Job, JobItem
 from zoo.db.session import write_transaction
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow
+from zoo.timestamps import as_utc, iso_seconds
 
 ITEM_STATES = ("queued", "running", "done", "duplicate", "failed", "cancelled")
 #: states of an item whose source was worked on to the end
@@ -54,11 +55,6 @@ def lease_seconds() -> float:
 
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-def _utc(t: datetime | None) -> datetime | None:
-    """SQLite gives naive datetimes back; every stored time is UTC."""
-    return t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t
 
 
 @dataclass(frozen=True)
@@ -294,7 +290,7 @@ def _progress(session: Session, jobs: list[Job], counts: dict[int, dict[str, int
     pending), items/s over that time, and the ETA of the pending items at that rate."""
     ids = [j.id for j in jobs]
     spans = {
-        job_id: (_utc(first), _utc(last))
+        job_id: (as_utc(first), as_utc(last))
         for job_id, first, last in session.execute(
             select(JobItem.job_id, func.min(JobItem.started_at), func.max(JobItem.updated_at))
             .where(JobItem.job_id.in_(ids), JobItem.started_at.is_not(None))
@@ -342,8 +338,8 @@ def _summary(job: Job, counts: dict[str, int], progress: dict[str, object]) -> d
         "kind": job.kind,
         "state": job.state,
         "created_by": job.created_by,
-        "created_at": job.created_at.isoformat() if job.created_at else None,
-        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        "created_at": iso_seconds(job.created_at),
+        "finished_at": iso_seconds(job.finished_at),
         "counts": counts,
         **progress,
     }
@@ -358,7 +354,7 @@ def _item(i: JobItem) -> dict[str, object]:
         "attempts": i.attempts,
         "adapter_id": i.adapter_id,
         "lease_owner": i.lease_owner,
-        "started_at": i.started_at.isoformat() if i.started_at else None,
+        "started_at": iso_seconds(i.started_at),
         "timings": i.timings,
     }
 

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, aliased
 from zoo.db.models import Adapter
 from zoo.errors import NotFoundError
 from zoo.ingest import UNKNOWN_BASE
+from zoo.timestamps import iso_seconds
 
 #: a Hub source's URI prefix: the stored adapter of Hub model `owner/name` has the source `hf://owner/name`
 HUB_PREFIX = "hf://"
@@ -167,7 +168,7 @@ def _summary(row: Any) -> dict[str, Any]:
         "base_model": row.base_model,
         "source_uri": row.source_uri,
         "source_revision": row.source_revision,
-        "created_at": row.created_at.isoformat() if row.created_at else None,
+        "created_at": iso_seconds(row.created_at),
         "last_modified": row.last_modified,
     }
 

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from zoo.db.models import ApiToken
 from zoo.errors import NotFoundError, UsageError
+from zoo.timestamps import iso_seconds
 
 PREFIX = "zoo_"
 
@@ -52,13 +53,10 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
 
 
 def token_summary(t: ApiToken) -> dict[str, object]:
-    def iso(d: datetime | None) -> str | None:
-        return d.isoformat() if d else None
-
     return {
         "id": t.id,
         "name": t.name,
-        "created_at": iso(t.created_at),
-        "last_used_at": iso(t.last_used_at),
-        "revoked_at": iso(t.revoked_at),
+        "created_at": iso_seconds(t.created_at),
+        "last_used_at": iso_seconds(t.last_used_at),
+        "revoked_at": iso_seconds(t.revoked_at),
     }

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.db.models import Adapter, JobItem, Label, Measurement
 from zoo.errors import UsageError
+from zoo.timestamps import iso_seconds
 
 
 def get_adapter(session: Session, adapter_id: int, with_modules: bool = False) -> Adapter | None:
@@ -99,7 +100,7 @@ def adapter_summary(a: Adapter) -> dict[str, object]:
         "canonical_hash": a.canonical_hash,
         "source_uri": a.source_uri,
         "author": a.author,
-        "created_at": a.created_at.isoformat() if a.created_at else None,
+        "created_at": iso_seconds(a.created_at),
     }
 
 
