@@ -74,7 +74,7 @@ def test_adapters_are_real_peft_adapters_that_score_their_label(tiny_zoo: tuple[
     assert cfg["base_model_name_or_path"] == digits.BASE_MODEL
 
 
-def test_labels_csv_matches_the_files(tiny_zoo: tuple[Path, dict]) -> None:
+def test_labels_csv_matches_the_files(tiny_zoo: tuple[Path, dict], cache_dir: Path) -> None:
     out, report = tiny_zoo
     with open(out / LABELS_FILE) as fh:
         rows = list(csv.DictReader(fh))
@@ -86,6 +86,11 @@ def test_labels_csv_matches_the_files(tiny_zoo: tuple[Path, dict]) -> None:
             assert row[key] == str(value) == str(attrs[key])
         assert 0.0 <= float(row["test_accuracy"]) <= 1.0
     assert report["count"] == 4 and report["built"] == 4
+    # each task's accuracy comes with what to read it against: chance, and the base model with no adapter
+    base, data = digits.load_base(cache_dir), digits.load_data()
+    for task, s in report["accuracy"]["by"]["task"].items():
+        assert s["chance"] == round(1 / len(digits.task_classes(task)), 3)
+        assert s["base"] == round(digits.held_out_accuracy(base, data, task, seed=0), 3)
 
 
 def test_same_seed_same_adapters_and_resume(tiny_zoo: tuple[Path, dict], cache_dir: Path, tmp_path: Path) -> None:

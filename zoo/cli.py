@@ -221,8 +221,14 @@ def _print_zoo_report(report: dict) -> None:
         + f"; {report['disk_bytes'] / 2**20:.1f} MiB"
     )
     print(f"test accuracy: mean {acc['mean']:.3f}, std {acc['std']:.3f}, range {acc['min']:.3f}..{acc['max']:.3f}")
-    for value, s in report["accuracy"]["by"].get("task", {}).items():
-        print(f"  {value:<16} mean {s['mean']:.3f}  range {s['min']:.3f}..{s['max']:.3f}  n={s['n']}")
+    tasks = report["accuracy"]["by"].get("task", {})
+    if tasks:
+        print(f"  {'task':<16} {'adapters: mean':>14}  {'range':<12} {'n':>3}  {'chance':>6}  {'base model alone':>16}")
+    for value, s in tasks.items():
+        base = f"{s['base']:.3f}" if s.get("base") is not None else "-"
+        print(f"  {value:<16} {s['mean']:>14.3f}  {s['min']:.3f}..{s['max']:.3f} {s['n']:>3}  {s['chance']:>6.3f}  {base:>16}")
+    if tasks:
+        print("  (held-out test accuracy; docs/reference-zoos.md says why some tasks stay low)")
 
 
 def cmd_list(settings: Settings, args: argparse.Namespace) -> int:

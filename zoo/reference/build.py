@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from zoo.errors import ZooError
-from zoo.reference.recipes import get_recipe
+from zoo.reference.recipes import Recipe, get_recipe
 
 ATTRIBUTES_FILE = "zoo_attributes.json"
 LABELS_FILE = "labels.csv"
@@ -191,8 +191,20 @@ def make_zoo(
         "cpu_kernels": ", ".join(sorted({str(rows[n]["cpu_kernels"]) for n in todo})) or None,
         "disk_bytes": sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file() and ".cache" not in p.parts),
         "labels": str(out_dir / LABELS_FILE),
-        "accuracy": accuracy_spread(ordered),
+        "accuracy": with_task_reference(accuracy_spread(ordered), r, cache_dir),
     }
+
+
+def with_task_reference(spread: dict[str, object], r: Recipe, cache_dir: Path) -> dict[str, object]:
+    """The spread with each task's chance accuracy and the base model's own accuracy on it (no adapter): what
+    an adapter's test accuracy is to be read against."""
+    tasks = spread.get("by", {}).get("task", {})  # type: ignore[attr-defined]
+    if tasks:
+        ctx = _context(r.name, cache_dir)
+        for task, s in tasks.items():
+            base = r.base_accuracy(ctx, task)
+            s.update(chance=round(r.chance(task), 3), base=round(base, 3) if base is not None else None)
+    return spread
 
 
 def write_labels(path: Path, rows: list[dict[str, object]]) -> None:

@@ -23,6 +23,11 @@ class Recipe:
     sample_attributes: Callable[[np.random.Generator], dict[str, object]]
     #: (prepared context, attributes) -> (trained PEFT model, held-out test accuracy)
     train: Callable[[Any, dict[str, object]], tuple[PeftModel, float]]
+    #: a task's chance accuracy (one over its classes)
+    chance: Callable[[str], float]
+    #: (prepared context, task) -> the base model's own held-out accuracy on the task, with no adapter (None where
+    #: the base has no head for the task)
+    base_accuracy: Callable[[Any, str], float | None]
 
 
 def _digits() -> Recipe:
@@ -40,6 +45,8 @@ def _digits() -> Recipe:
         prepare=prepare,
         sample_attributes=digits.sample_attributes,
         train=lambda ctx, attrs: digits.train_adapter(ctx[0], ctx[1], attrs),
+        chance=lambda task: 1 / len(digits.task_classes(task)),
+        base_accuracy=lambda ctx, task: digits.held_out_accuracy(ctx[0], ctx[1], task, seed=0),
     )
 
 
@@ -54,6 +61,8 @@ def _docs() -> Recipe:
         prepare=text.prepare,
         sample_attributes=text.sample_attributes,
         train=text.train_adapter,
+        chance=lambda task: 1 / len(text.task_topics(task)),
+        base_accuracy=lambda ctx, task: None,  # each adapter trains its own head: the base has none to score
     )
 
 
@@ -72,6 +81,8 @@ def _shapes() -> Recipe:
         prepare=prepare,
         sample_attributes=shapes.sample_attributes,
         train=lambda ctx, attrs: shapes.train_adapter(ctx[0], ctx[1], attrs),
+        chance=lambda task: 1 / len(shapes.task_classes(task)),
+        base_accuracy=lambda ctx, task: shapes.held_out_accuracy(ctx[0], ctx[1], task, seed=0),
     )
 
 
