@@ -42,6 +42,11 @@ def human(value: object) -> str:
     return str(value)
 
 
+def percent(p: float) -> str:
+    """A probability as a person reads it: `62%`, never a rounded `100%` or `0%` (`>99%`, `<1%`)."""
+    return ">99%" if p >= 0.995 else "<1%" if p < 0.005 else f"{p:.0%}"
+
+
 def plural(n: object, word: str) -> str:
     """`1 problem`, `3 problems`."""
     return f"{n} {word}{'' if n == 1 else 's'}"
@@ -533,7 +538,7 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
         c = pred["confidence"][key]  # type: ignore[index]
         verdict = "" if c["sure"] else "not sure: "
         support = f"{c['agreeing']} of {c['neighbours']} nearest labelled adapters agree" if c["neighbours"] else "no labelled neighbours"
-        print(f"  {key:<16} {verdict}" + ", ".join(f"{t['value']} {t['probability']:.0%}" for t in top) + f"  ({support})")
+        print(f"  {key:<16} {verdict}" + ", ".join(f"{t['value']} {percent(t['probability'])}" for t in top) + f"  ({support})")
     for key, m in pred["metrics"].items():  # type: ignore[attr-defined]
         interval = f"90% interval {m['low']:.3f}..{m['high']:.3f}" if m["interval"] else "no interval: no held-out residuals"
         print(f"  {key:<16} {m['value']:.3f}  ({interval}; {m['method']}: from the {PREDICTOR_WORDS.get(m['predictor'], m['predictor'])})")
