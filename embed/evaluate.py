@@ -285,6 +285,10 @@ def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _rounded(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The table of one split, or of several (mean ± std, then each split's choices)."""
     splits = result.get("splits", [result])
@@ -304,8 +308,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{name:<16}{cells}")
     for r in splits:
         prefix = f"seed {r['seed']}: " if spread else ""
-        lines.append(f"{prefix}module sketch vs exact module cosine, correlation over pairs: {r['sketch_vs_exact_cosine_corr']}")
-        lines.append(f"{prefix}invariance (re-factorized with random G), min cosine: {r['invariance_min_cosine']}")
+        lines.append(f"{prefix}module sketch vs exact module cosine, correlation over pairs: {_rounded(r['sketch_vs_exact_cosine_corr'])}")
+        lines.append(f"{prefix}invariance (re-factorized with random G), min cosine: {_rounded(r['invariance_min_cosine'], 6)}")
         for target, c in r["choices"].items():
             lines.append(f"{prefix}{target} by {c['chosen']} (out of fold: {c['reason']})")
     return "\n".join(lines)
