@@ -589,7 +589,7 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
             spread = f"{legend['min']:.4g}..{legend['max']:.4g}" if legend["min"] is not None else "-"
         else:
             spread = ", ".join(f"{v['value']} ({v['count']})" for v in legend["values"]) or "-"
-        print(f"{args.color_by}: {spread}; {legend['missing']} shown adapters without it")
+        print(f"{found['color_by']}: {spread}; {legend['missing']} shown adapters without it")
     if args.plot:
         print(f"map drawn to {args.plot}")
     return 0
