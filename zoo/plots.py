@@ -47,7 +47,7 @@ def plot_spectra(name: str, modules: Sequence[Mapping[str, object]], path: Path)
 
 
 #: label values drawn in a colour of their own; the rest are grey
-MAP_CATEGORIES = 10
+MAP_CATEGORIES = 20
 
 
 def plot_map(zoo_map: Mapping[str, Any], path: Path) -> Path:
@@ -65,7 +65,7 @@ def plot_map(zoo_map: Mapping[str, Any], path: Path) -> Path:
         fig.colorbar(dots, ax=ax, label=zoo_map["color_by"])
     elif legend:
         top = [v["value"] for v in legend["values"][:MAP_CATEGORIES]]
-        cmap = plt.get_cmap("tab10")
+        cmap = plt.get_cmap("tab20")  # 20 distinct colours: the demo zoo has 17 tasks
         for i, value in enumerate(top):
             group = [p for p in points if p["value"] == value]
             ax.scatter([p["x"] for p in group], [p["y"] for p in group], s=10, color=cmap(i), label=str(value))
