@@ -9,14 +9,18 @@ T and a share ε of the class prior such that
 
 has the lowest log loss on them (a grid: two numbers are what a few dozen held-out adapters support).
 ε never goes below 1 / (n + 2) for n held-out adapters, so nothing is ever called certain on the
-strength of n examples. Pure numpy: no database, no torch.
+strength of n examples. A k-NN vote among the labelled adapters is calibrated on their leave-one-out
+votes instead, its level set by a learning-curve extrapolation (`knn_calibration`). Pure numpy: no
+database, no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+
+from embed.metrics import knn_vote_shares
 
 TEMPERATURES = tuple(float(t) for t in np.geomspace(1 / 16, 4.0, 19))
 MIXES = tuple(float(m) for m in np.linspace(0.0, 0.9, 91))
@@ -87,6 +91,51 @@ def fit(shares: np.ndarray, truth: np.ndarray, prior: tuple[float, ...]) -> Cali
         if loss[i] < best[0] - 1e-12:
             best = (float(loss[i]), t, float(mixes[i]))
     return Calibration(best[1], best[2], prior, n)
+
+
+def knn_calibration(sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, prior: tuple[float, ...], draws: int = 5) -> Calibration:
+    """The calibration of a k-NN vote among labelled adapters, from their leave-one-out votes (`sim`: n × n among
+    them, `classes` their class indices): each is voted on by all the others, n − 1 labelled where what is served
+    has n, closer than the held-out folds' share. Fewer labels of its own class still make the leave-one-out vote
+    less accurate than the served one, and with a few labels per class one label matters: the vote is run once
+    more with a second adapter of each one's class left out (`draws` times), and the accuracy extrapolated one
+    label further along that learning curve; the prior's share is then set so that the mean calibrated top
+    probability matches it."""
+    n = len(classes)
+    if n < MIN_FIT:
+        return Calibration(1.0, 0.5, prior, n)
+    others = np.array(sim, np.float64)
+    np.fill_diagonal(others, -np.inf)
+    shares = knn_vote_shares(others, classes, n_classes, k)
+    loo = float((shares.argmax(axis=1) == classes).mean())
+    rng = np.random.default_rng(0)
+    fewer = []
+    for _ in range(draws):
+        dropped = others.copy()
+        for i in range(n):
+            same = np.flatnonzero((classes == classes[i]) & (np.arange(n) != i))
+            if len(same):
+                dropped[i, rng.choice(same)] = -np.inf
+        fewer.append(float((knn_vote_shares(dropped, classes, n_classes, k).argmax(axis=1) == classes).mean()))
+    target = min(max(loo, 2 * loo - float(np.mean(fewer))), 1.0 - 1.0 / (n + 2))
+    return with_mean_confidence(fit(shares, classes, prior), shares, target)
+
+
+def with_mean_confidence(c: Calibration, shares: np.ndarray, target: float) -> Calibration:
+    """`c` with the prior's share (never below 1/(n + 2)) that makes the mean top probability of `shares` `target`
+    (bisection: more of the prior, less sure)."""
+    floor = 1.0 / (c.n + 2)
+
+    def mean_top(mix: float) -> float:
+        return float(replace(c, mix=mix).apply(shares).max(axis=1).mean())
+
+    low, high = floor, 1.0
+    if mean_top(low) <= target:
+        return replace(c, mix=low)
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mean_top(mid) > target else (low, mid)
+    return replace(c, mix=(low + high) / 2)
 
 
 def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from embed.calibration import Calibration, class_prior
+from embed.calibration import Calibration, class_prior, knn_calibration
 from embed.calibration import fit as fit_calibration
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
 from embed.similarity import EXACT_SCORES, hybrid_score
@@ -196,11 +196,14 @@ def choose_attribute(
     classes: list[str],
     learned: dict[str, dict[int, np.ndarray]],
     folds: list[Fold],
+    z: np.ndarray,
 ) -> tuple[Choice, dict[str, np.ndarray], Calibration]:
     """A kNN among the labelled adapters (`knn SIMILARITY k=K`, the best of knn_similarities(search) × KNN_KS) or a
     learned predictor (`learned`: its out-of-fold class shares over `classes` by row: the W2T heads, few-shot
     readouts of the embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice,
-    every candidate's per-item hits, and the chosen predictor's calibration, fit on its out-of-fold shares."""
+    every candidate's per-item hits, and the chosen predictor's calibration: a learned one's fit on its
+    out-of-fold shares, a kNN's on the leave-one-out votes among all the labelled adapters (embed.calibration
+    knn_calibration; `z`: the served embedding of the labelled adapters, for similarities mixed with W2T)."""
     index = np.array([classes.index(label) if label else -1 for label in labels], np.int64)
     knns = [knn_name(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
     shares: dict[str, list[np.ndarray]] = {k: [] for k in (*knns, *learned)}
@@ -228,7 +231,13 @@ def choose_attribute(
         best = max(learned, key=lambda k: means[k])
         if clearly_better(per[best], per[free]):
             chosen, reason = best, f"{best} classifies {len(per[best])} held-out adapters clearly better than {free}"
-    calibration = fit_calibration(oof[chosen], t, class_prior(index[index >= 0], len(classes)))
+    prior = class_prior(index[index >= 0], len(classes))
+    if chosen in knns:
+        similarity, k = parse_knn(chosen)
+        rows = np.flatnonzero(index >= 0).tolist()
+        calibration = knn_calibration(search_similarity(exact, similarity, z, rows, rows), index[rows], len(classes), k, prior)
+    else:
+        calibration = fit_calibration(oof[chosen], t, prior)
     return Choice(chosen, means, reason), per, calibration
 
 

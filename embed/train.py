@@ -602,7 +602,7 @@ def _choose(
     for k in embedder.config.categorical:
         labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
         learned = {"head": heads.get(k, {}), **readout_predictions(labels, classes, views)}
-        choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views)  # type: ignore[arg-type]
+        choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views, embedder.memory)  # type: ignore[arg-type]
         embedder.choose(k, choice.chosen)
         embedder.choices[k] = choice.as_dict()
         if choice.chosen == "logreg":

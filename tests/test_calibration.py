@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from embed.calibration import Calibration, class_prior, expected_calibration_error, fit, is_sure
+from embed.calibration import Calibration, class_prior, expected_calibration_error, fit, is_sure, knn_calibration
+from embed.metrics import knn_vote_shares
 
 
 def _overconfident(n: int, n_classes: int, accuracy: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,3 +77,29 @@ def test_round_trip_and_sureness() -> None:
     c = Calibration(0.5, 0.1, (0.25, 0.75), 12)
     assert Calibration.from_dict(c.as_dict()) == c
     assert is_sure(0.7, 4, 5) and not is_sure(0.7, 2, 5) and not is_sure(0.4, 5, 5) and is_sure(0.6, 0, 0)
+
+
+def _clusters(n_classes: int, per_class: int, seed: int, spread: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    centers = np.random.default_rng(99).normal(size=(n_classes, 12))
+    y = np.repeat(np.arange(n_classes), per_class)
+    x = centers[y] + spread * rng.normal(size=(len(y), 12))
+    return x / np.linalg.norm(x, axis=1, keepdims=True), y
+
+
+def test_a_knn_among_few_labels_is_calibrated_from_leave_one_out_votes() -> None:
+    """Four labelled per class, queries from the same classes: leave-one-out votes see three of their class and are
+    less often right than the served votes over four; the learning-curve level makes up for it."""
+    n_classes, eces, accs, confs = 10, [], [], []
+    for seed in range(6):
+        x, y = _clusters(n_classes, 4, seed)
+        q, qy = _clusters(n_classes, 40, 100 + seed)
+        for k in (1, 3):
+            c = knn_calibration(x @ x.T, y, n_classes, k, class_prior(y, n_classes))
+            p = c.apply(knn_vote_shares(q @ x.T, y, n_classes, k))
+            right = p.argmax(axis=1) == qy
+            eces.append(expected_calibration_error(p.max(axis=1), right))
+            accs.append(right.mean())
+            confs.append(p.max(axis=1).mean())
+            assert p.max() < 1 - 1 / (len(y) + 2) + 1e-9  # never certain on 40 labelled adapters
+    assert np.mean(eces) < 0.1 and abs(np.mean(confs) - np.mean(accs)) < 0.08

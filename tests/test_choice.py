@@ -85,11 +85,11 @@ def test_attribute_and_metric_predictors_default_to_the_knn() -> None:
     knns = [knn_name(s, k) for s in knn_similarities("dw") for k in KNN_KS]
     classes = sorted(set(tasks))
     good_heads = {r: _onehot(classes.index(t), len(classes)) for r, t in enumerate(tasks)}
-    choice, hits, _ = choose_attribute(exact, "dw", tasks, classes, {"head": good_heads}, folds)
+    choice, hits, _ = choose_attribute(exact, "dw", tasks, classes, {"head": good_heads}, folds, folds[0].z)
     best_knn = max(hits[k].mean() for k in knns)
     assert hits["head"].mean() == 1.0 and (choice.chosen == "head") == (best_knn < 0.85)
     wrong_heads = {r: _onehot(0, len(classes)) for r in range(len(tasks))}
-    choice, hits, _ = choose_attribute(exact, "dw", tasks, classes, {"head": wrong_heads}, folds)
+    choice, hits, _ = choose_attribute(exact, "dw", tasks, classes, {"head": wrong_heads}, folds, folds[0].z)
     assert choice.chosen in knns and hits[choice.chosen].mean() == max(hits[k].mean() for k in knns)
     rng = np.random.default_rng(1)
     values = np.array([float(t[1:]) for t in tasks]) + 0.1 * rng.normal(size=len(tasks))
@@ -114,7 +114,7 @@ def test_the_knn_takes_few_neighbours_when_each_class_has_few_labels() -> None:
     exact = {"dw": x @ x.T, "module": x @ x.T}
     z = np.eye(len(labels))
     folds = [Fold(list(range(i, len(labels), 4)), [r for r in range(len(labels)) if (r - i) % 4], z) for i in range(4)]
-    choice, hits, _ = choose_attribute(exact, "dw", labels, sorted(set(labels)), {}, folds)
+    choice, hits, _ = choose_attribute(exact, "dw", labels, sorted(set(labels)), {}, folds, z)
     assert parse_knn(choice.chosen)[1] < KNN_K and hits[choice.chosen].mean() > hits[knn_name("dw", KNN_K)].mean()
     values = np.array([float(label[1:]) for label in labels])
     choice, _, _ = choose_metric(exact, "dw", values, {}, folds)
@@ -164,7 +164,7 @@ def test_few_shot_readouts_of_a_separable_embedding() -> None:
         assert all(np.isclose(p.sum(), 1.0) for p in out[readout].values())
     assert prototype_predictions(z, labels, list(range(10)), list(range(10, 30))) == labels[10:]
     exact = {"dw": np.eye(30), "module": np.eye(30)}  # an exact score that knows nothing
-    choice, hits, _ = choose_attribute(exact, "dw", labels, classes, out, folds)
+    choice, hits, _ = choose_attribute(exact, "dw", labels, classes, out, folds, z)
     assert choice.chosen in ("prototype", "logreg") and hits[choice.chosen].mean() == 1.0
 
 
