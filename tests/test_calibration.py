@@ -101,5 +101,5 @@ def test_a_knn_among_few_labels_is_calibrated_from_leave_one_out_votes() -> None
             eces.append(expected_calibration_error(p.max(axis=1), right))
             accs.append(right.mean())
             confs.append(p.max(axis=1).mean())
-            assert p.max() < 1 - 1 / (len(y) + 2) + 1e-9  # never certain on 40 labelled adapters
+            assert p.max() <= 1 - (1 - max(c.prior)) / (len(y) + 2) + 1e-9  # never certain on 40 labelled adapters
     assert np.mean(eces) < 0.1 and abs(np.mean(confs) - np.mean(accs)) < 0.08
