@@ -130,7 +130,9 @@ def test_crawl_on_a_ray_cluster_survives_a_killed_task(pg_cli: CLI, ray_cluster:
         out, err = driver.communicate(timeout=300)
     assert driver.returncode == 0, err[-3000:]
     summary = json.loads(out.splitlines()[-1])
-    assert summary["failures"] == [] and summary["job"]["counts"]["done"] == count, summary
+    counts = summary["job"]["counts"]
+    # the killed task may have committed its adapter before it died: the item's second attempt finds it stored (duplicate)
+    assert summary["failures"] == [] and counts["done"] + counts["duplicate"] == count and counts["duplicate"] <= 1, summary
     assert summary["embedded"] == {BASE: count}  # stored under the base model their cards name
     with sessions() as session:
         items = session.execute(select(JobItem.id, JobItem.attempts, JobItem.adapter_id, JobItem.source)).all()
