@@ -948,12 +948,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "quickstart",
         help="build a demo zoo and store it on the embedded defaults",
-        description="Builds a small digits-vit demo zoo under the data dir (100 LoRA adapters of a tiny ViT, "
+        description="Builds a small digits-vit demo zoo under the data dir (80 LoRA adapters of a tiny ViT, "
         "trained with PEFT on 17 tasks), ingests it with its labels, embeds it, trains a small W2T on it and prints "
         "what was made and what to run next: about 2 minutes on 2 CPU cores. A second run reuses what exists "
         "(seconds).",
     )
-    s.add_argument("--count", type=int, default=100, help="adapters in the demo zoo (default: %(default)s)")
+    s.add_argument("--count", type=int, default=80, help="adapters in the demo zoo (default: %(default)s)")
     s.add_argument("--epochs", type=int, default=20, help="most W2T training epochs per model (default: %(default)s)")
     s.add_argument("--members", type=int, default=3, help="W2T models in the ensemble (default: %(default)s; `zoo train`: 5)")
     s.add_argument("--retrain", action="store_true", help="train W2T again even if one was trained on these adapters")
