@@ -109,11 +109,13 @@ def knn_calibration(sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int
     shares = knn_vote_shares(others, classes, n_classes, k)
     loo = float((shares.argmax(axis=1) == classes).mean())
     rng = np.random.default_rng(0)
+    members = {c: np.flatnonzero(classes == c) for c in np.unique(classes)}
     fewer = []
     for _ in range(draws):
         dropped = others.copy()
         for i in range(n):
-            same = np.flatnonzero((classes == classes[i]) & (np.arange(n) != i))
+            same = members[classes[i]]
+            same = same[same != i]
             if len(same):
                 dropped[i, rng.choice(same)] = -np.inf
         fewer.append(float((knn_vote_shares(dropped, classes, n_classes, k).argmax(axis=1) == classes).mean()))

@@ -535,7 +535,7 @@ class QueryEngine:
         attributes, confidence = {}, {}
         for key, p in probs.items():
             classes = model.config.categorical[key]
-            labels = np.array([classes.index(v) if v else -1 for v in model.memory_labels[key]])
+            labels = model.memory_classes(key)
             knn = model.knn.get(key) if model.predictor.get(key) == "knn" else None
             k = int(knn["k"]) if knn else SUPPORT_K
             around = near[str(knn["similarity"]) if knn else model.search]

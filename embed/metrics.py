@@ -71,7 +71,8 @@ def knn_vote_shares(sim: np.ndarray, train_classes: np.ndarray, n_classes: int, 
 def knn_classify(sim: np.ndarray, train_labels: list[str], k: int = KNN_K) -> list[str]:
     """Similarity-weighted vote of the k most similar training items (sim: test × train)."""
     classes = sorted(set(train_labels))
-    index = np.array([classes.index(label) for label in train_labels])
+    at = {c: i for i, c in enumerate(classes)}
+    index = np.array([at[label] for label in train_labels])
     return [classes[int(i)] for i in knn_vote_shares(sim, index, len(classes), k).argmax(axis=1)]
 
 

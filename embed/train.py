@@ -139,6 +139,14 @@ class W2TEnsemble:
     #: per attribute: the chosen predictor's calibration, fit on its out-of-fold shares (embed/calibration.py);
     #: checkpoints from before calibration have none and serve raw shares
     calibration: dict[str, Calibration] = field(default_factory=dict)
+    _memory_classes: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def memory_classes(self, attribute: str) -> np.ndarray:
+        """The memory's class index (in the heads' class order, -1 unknown) per labelled adapter, computed once."""
+        if attribute not in self._memory_classes:
+            at = {c: i for i, c in enumerate(self.config.categorical[attribute])}
+            self._memory_classes[attribute] = np.array([at.get(v, -1) for v in self.memory_labels[attribute]], np.int64)
+        return self._memory_classes[attribute]
 
     def calibrated(self, attribute: str, shares: np.ndarray) -> np.ndarray:
         """The chosen predictor's raw class shares of an attribute as calibrated probabilities."""
@@ -561,7 +569,7 @@ def remember_and_choose(embedder: W2TEnsemble, adapters: list[ZooAdapter], optio
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
     embedder.predictor, embedder.knn, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}, {}
-    embedder.calibration = {}
+    embedder.calibration, embedder._memory_classes = {}, {}
     folds = _folds(len(adapters), len(models), options)
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
         _choose(embedder, [adapters[r] for r in known], known, singles, member_z, folds)
