@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import struct
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +59,16 @@ def refuse(cli: CLI, source: Path, reason: str) -> dict:
 def peft_copy(peft_dir: Path, tmp_path: Path, name: str = "bad") -> Path:
     out = tmp_path / name
     shutil.copytree(peft_dir, out)
+    return out
+
+
+def zipped(peft_dir: Path, out: Path, prefix: str = "", extra: int = 0) -> Path:
+    """The PEFT directory as a zip, its members under `prefix`, with `extra` small files beside them."""
+    with zipfile.ZipFile(out, "w") as zf:
+        for name in ("adapter_config.json", WEIGHTS):
+            zf.write(peft_dir / name, prefix + name)
+        for i in range(extra):
+            zf.writestr(f"notes/{i}.txt", "x")
     return out
 
 
@@ -176,7 +187,13 @@ def test_pickles_with_code_sizes_and_unexpected_errors(cli: CLI, peft_dir: Path,
     # a file over the size cap
     monkeypatch.setenv("ZOO_MAX_FILE_BYTES", "100")
     refuse(cli, peft_copy(peft_dir, tmp_path, "big"), "exceeds the limit of 100 bytes")
+    refuse(cli, zipped(peft_dir, tmp_path / "big.zip"), "exceeds the limit of 100 bytes")  # zipped: the same limit, before reading
     monkeypatch.delenv("ZOO_MAX_FILE_BYTES")
+    # zips that are not one PEFT directory: parent paths, too many members, a truncated archive
+    refuse(cli, zipped(peft_dir, tmp_path / "up.zip", prefix="../"), "unsafe member")
+    refuse(cli, zipped(peft_dir, tmp_path / "many.zip", extra=20), "a zip of 22 files")
+    (tmp_path / "cut.zip").write_bytes(zipped(peft_dir, tmp_path / "whole.zip").read_bytes()[:-64])
+    refuse(cli, tmp_path / "cut.zip", "not a readable zip")
     # an exception type nothing anticipates, raised inside the math by the library: a failed item named
     # with the type, the batch goes on, and the exit status is 1
     real_qr = torch.linalg.qr
