@@ -16,7 +16,7 @@ import torch
 
 from bench.timing import median_time
 from embed.model import W2T, W2TConfig
-from embed.similarity import module_sketches
+from embed.similarity import module_sketches, sketch_width
 from embed.tokens import tokenize
 from embed.train import EMBED_BATCH, TrainOptions, W2TEnsemble
 from embed.types import ZooAdapter, schema_of
@@ -53,7 +53,9 @@ def main() -> None:
     t_w2t = median_time(lambda: emb.embed(adapters), args.repeats, sync)
     starts = range(0, len(adapters), EMBED_BATCH)
     t_tokens = median_time(lambda: [tokenize(adapters[i : i + EMBED_BATCH], schema, args.rank) for i in starts], args.repeats, sync)
-    t_sketch = median_time(lambda: module_sketches([a.factors for a in adapters], schema.module_names), args.repeats, sync)
+    t_sketch = median_time(
+        lambda: module_sketches([a.factors for a in adapters], schema.module_names, sketch_width(len(schema.modules))), args.repeats, sync
+    )
     result = {
         "adapters": args.adapters,
         "device": args.device,

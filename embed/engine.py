@@ -23,6 +23,7 @@ import json
 import math
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from zoo.blobs import BlobStore
     from zoo.canonical import CanonicalFactors
 from zoo.db import repository
-from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace
+from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import replace_durably
 
@@ -71,6 +72,12 @@ SUPPORT_K = 5
 def module_store_budget() -> int:
     """Bytes the module store of one space may take (ZOO_MODULE_STORE_BYTES, default 2 GiB)."""
     return int(os.environ.get("ZOO_MODULE_STORE_BYTES", 2 << 30))
+
+
+def spaces_budget() -> int:
+    """Bytes the spaces one engine holds loaded may take together (ZOO_SPACES_BYTES, default 4 GiB: two spaces whose
+    module stores are at the 2 GiB limit); the space being queried is kept even when it alone passes it."""
+    return int(os.environ.get("ZOO_SPACES_BYTES", 4 << 30))
 
 
 def index_path(data_dir: Path, embedder_id: int) -> Path:
@@ -138,11 +145,10 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
     new = [i for i in ids if i not in known]
     if have and not new:
         return "loaded"
-    if not have and len(ids) > 64:  # estimate from a sample before holding every adapter's factors
-        estimate = _nbytes(_stack_of(session, blobs, ids[:32], None)) / 32 * len(ids)
-        if estimate > module_store_budget():
-            path.unlink(missing_ok=True)
-            return _over_budget(estimate)
+    estimate = module_store_bytes(session, space.base_model, len(ids))
+    if estimate > module_store_budget():  # known from the module table before any factors are read
+        path.unlink(missing_ok=True)
+        return _over_budget(estimate)
     stack = _stack_of(session, blobs, new, have[2] if have else None)
     if have:
         stack = ModuleStack.concat([have[1], stack])
@@ -152,6 +158,22 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
         return _over_budget(_nbytes(stack))
     _write_module_store(path, all_ids, stack, space_version(session, space.id))
     return "updated" if have else "built"
+
+
+def module_store_bytes(session: Session, base_model: str, adapters: int) -> int:
+    """The bytes a module store of `adapters` adapters of the space takes (ModuleStack's layout: per module its
+    padded factors, or its flattened dW where that is smaller), from the module table's shapes and ranks."""
+    stmt = (
+        select(Module.out_features, Module.in_features, func.max(Module.canonical_rank))
+        .join(Adapter, Adapter.id == Module.adapter_id)
+        .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
+        .group_by(Module.name, Module.out_features, Module.in_features)
+    )
+    per_adapter = 0
+    for out, inp, rank in session.execute(stmt):
+        r = int(rank or 0)
+        per_adapter += 1 + (out * inp if out * inp <= 2 * r * (out + inp) else r * (out + inp + 1))
+    return 4 * per_adapter * adapters
 
 
 def _nbytes(stack: ModuleStack) -> int:
@@ -275,6 +297,30 @@ class SpaceState:
         return "hybrid" if w2t is not None and w2t.objective != "contrastive" else "module"
 
 
+#: bytes per held adapter besides its vectors: an index's id and row lookup; a module store's row (a dict entry);
+#: a name (a short str) and its row lookup
+ID_BYTES, ROW_BYTES, NAME_BYTES = 16, 100, 112
+
+
+def space_bytes(state: SpaceState) -> int:
+    """The memory a loaded space holds, estimated from its parts: each index's vectors, the module store's arrays
+    and rows, the names and a label code per adapter and key. W2T models are held per process (`load_w2t`)."""
+    total = sum(index_bytes(e.index) for e in state.embedders.values())
+    if state.modules is not None:
+        total += _nbytes(state.modules.stack) + ROW_BYTES * len(state.modules.rows)
+    attributes = state.attributes
+    return total + len(attributes) * (NAME_BYTES + 4 * len(attributes.labels))
+
+
+def index_bytes(index: AdapterIndex) -> int:
+    """An index's vectors: float32 in a flat one; in an IVF one the float16 store, the list codes (float16 or 4-bit
+    PQ) and the 8-bit subset codes (embed/index.py)."""
+    if not index.ivf:
+        return index.size * (4 * index.dim + ID_BYTES)
+    codes = 2 * index.dim if index.codes == "fp16" else index.dim // 8
+    return index.size * (2 * index.dim + codes + index.dim // 8 + ID_BYTES)
+
+
 @dataclass
 class Query:
     """What a search is about: a stored adapter (its id) or adapter read from a file (its factors)."""
@@ -309,15 +355,21 @@ class QueryEngine:
         self.blobs = blobs
         self.data_dir = Path(data_dir)
         self.device = device
-        self._spaces: dict[str, SpaceState] = {}
+        self._spaces: OrderedDict[str, SpaceState] = OrderedDict()  # least recently used first
+        self._bytes: dict[str, int] = {}  # space_bytes of each held state
+        self._marks: dict[str, tuple[int, int, int]] = {}  # (version, label mark, module store) each was measured at
         self._lock = threading.Lock()
 
     # -- state ---------------------------------------------------------------------------------
 
     def space(self, session: Session, name: str) -> SpaceState:
-        """The space's state, loaded on first use and brought up to the database's version."""
+        """The space's state, loaded on first use and brought up to the database's version. Loaded spaces are
+        kept within `spaces_budget()`: the least recently used others are dropped when this one would pass it
+        (a query holding a dropped state finishes on it; the next query of that space loads it again)."""
         with self._lock:
             state = self._spaces.get(name)
+            if state is not None:
+                self._spaces.move_to_end(name)
         if state is None:
             row = session.scalars(select(EmbeddingSpace).where(EmbeddingSpace.name == name)).one_or_none()
             if row is None:
@@ -325,8 +377,34 @@ class QueryEngine:
             state = self._load(session, row)
             with self._lock:
                 state = self._spaces.setdefault(name, state)
+                self._spaces.move_to_end(name)
         self._refresh(session, state)
+        self._account(name, state)
         return state
+
+    def _account(self, name: str, state: SpaceState) -> None:
+        """Record the state's bytes (again when it caught up with the database) and drop the least recently
+        used other spaces while the loaded ones pass the budget."""
+        mark = (state.version, state.attributes.mark, id(state.modules))
+        if self._marks.get(name) == mark:
+            return
+        nbytes = space_bytes(state)
+        budget = spaces_budget()
+        with self._lock:
+            if self._spaces.get(name) is not state:  # dropped (or replaced) meanwhile
+                return
+            self._bytes[name], self._marks[name] = nbytes, mark
+            for other in [n for n in self._spaces if n != name]:  # least recently used first
+                if sum(self._bytes.values()) <= budget:
+                    break
+                del self._spaces[other]
+                self._bytes.pop(other, None)
+                self._marks.pop(other, None)
+
+    def loaded_spaces(self) -> dict[str, int]:
+        """The spaces held now, least recently used first, with the bytes each is estimated to take."""
+        with self._lock:
+            return {name: self._bytes.get(name, 0) for name in self._spaces}
 
     def _load(self, session: Session, row: EmbeddingSpace) -> SpaceState:
         version = space_version(session, row.id)

@@ -20,7 +20,16 @@ from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.calibration import expected_calibration_error
 from embed.choice import parse_search
 from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval
-from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines, hybrid_score, module_sketches, sketch_module_cosines
+from embed.similarity import (
+    EXACT_SCORES,
+    ModuleStack,
+    dense_modules,
+    exact_cosines,
+    hybrid_score,
+    module_sketches,
+    sketch_module_cosines,
+    sketch_width,
+)
 from embed.tokens import max_rank
 from embed.train import TrainOptions, W2TEnsemble, train_w2t
 from embed.types import SpaceSchema, ZooAdapter, split_positions
@@ -121,7 +130,7 @@ def evaluate(
     methods["module_cosine"] = _score(exact["module"], adapters, test_pos, train_pos, predict=True)
 
     t0 = time.perf_counter()
-    sketch = module_sketches(factors, schema.module_names)
+    sketch = module_sketches(factors, schema.module_names, sketch_width(len(schema.modules)))
     sketch_sim = sketch_module_cosines(sketch, sketch, len(schema.modules))
     timings["module_sketch"] = time.perf_counter() - t0
     methods["module_sketch"] = _score(sketch_sim, adapters, test_pos, train_pos, predict=True)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.dataset import load_adapters
@@ -31,14 +32,16 @@ from embed.registry import (
     slug,
 )
 from embed.registry import store_embeddings as store_vectors
-from embed.similarity import MODULE_SKETCH_DIM, module_sketches
-from embed.types import SpaceSchema, ZooAdapter, schema_of
+from embed.similarity import module_sketches, sketch_width
+from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes, schema_of
 from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace
+from zoo.db.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.db.session import session_factory, write_transaction
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 
+#: how module-sketch blocks are scaled (embed.similarity.module_sketches); embedders of another scale are replaced
+SKETCH_SCALE = "module-norm"
 #: adapters embedded and committed per transaction
 EMBED_CHUNK = 256
 
@@ -56,13 +59,13 @@ def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None
 
 
 def ensure_sketch(session: Session, space: EmbeddingSpace, schema: SpaceSchema) -> Embedder:
-    """The space's training-free module-sketch embedder (a new one if the module vocabulary grew)."""
+    """The space's training-free module-sketch embedder (a new one if the module vocabulary grew, or if the current
+    one was made with other probes per module or before blocks were scaled by the module's norm)."""
     current = active_embedder(session, space, method=SKETCH)
-    if current is not None and SpaceSchema.from_dict(current.config["schema"]) == schema:
+    config = {"schema": schema.as_dict(), "dim": sketch_width(len(schema.modules)), "scale": SKETCH_SCALE}
+    if current is not None and current.config == config:
         return current
-    dim = len(schema.modules) * MODULE_SKETCH_DIM
-    config = {"schema": schema.as_dict(), "dim": MODULE_SKETCH_DIM}
-    return register(session, space, SKETCH, dim, retire=("dw_sketch",), config=config)
+    return register(session, space, SKETCH, len(schema.modules) * int(config["dim"]), retire=("dw_sketch",), config=config)
 
 
 def space_lock(base_model: str) -> str:
@@ -76,20 +79,22 @@ def embed_space(
     """Embed every adapter of the space not yet embedded, under every serving embedder; update the index
     files, the module store and the map. One report per embedder.
 
-    Safe to run from several processes at once: the space and its sketch embedder are set up under the
-    space's write lock; vectors are computed outside any transaction and committed 256 at a time, each
-    chunk under the lock and without the adapters another process embedded meanwhile. A run killed
-    half-way keeps its committed chunks, and the next run embeds the rest."""
+    Memory does not grow with the zoo: the space's module vocabulary comes from the module table, and the
+    adapters' factors are read from the blob store a chunk at a time (`chunk_size`), each chunk embedded by
+    every embedder and forgotten. Safe to run from several processes at once: the space and its sketch
+    embedder are set up under the space's write lock; vectors are computed outside any transaction and
+    committed a chunk at a time, each under the lock and without the adapters another process embedded
+    meanwhile. A run killed half-way keeps its committed chunks, and the next run embeds the rest."""
     with sessions() as session:
-        adapters = load_adapters(session, blobs, base_model)
-    if not adapters:
+        schema = stored_schema(session, base_model)
+        ids = space_adapter_ids(session, base_model)
+    if not ids:
         return []
-    schema = schema_of(base_model, adapters)
     with write_transaction(sessions, space_lock(base_model)) as session:
         space = ensure_space(session, schema)
         ensure_sketch(session, space, schema)
         space_id, embedder_ids = space.id, [e.id for e in serving_embedders(session, space.id).values()]
-    counts = {e: _embed_with(sessions, data_dir, base_model, e, adapters, device, subset=False) for e in embedder_ids}
+    counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, ids, device, subset=False)
     files = refresh_space_files(sessions, blobs, data_dir, space_id)
     indexes, rest = files.pop("indexes"), files  # type: ignore[var-annotated]
     return [
@@ -118,12 +123,10 @@ def embed_adapters(
     for base_model, ids in sorted(by_space.items()):
         with sessions() as session:
             space = get_space(session, base_model)
-            embedders = list(serving_embedders(session, space.id).values()) if space else []
-            missing = sorted({i for e in embedders for i in set(ids) - embedded_ids(session, e, ids)})
-            adapters = load_adapters(session, blobs, base_model, missing) if missing else []
-        counts = [_embed_with(sessions, data_dir, base_model, e.id, adapters, device, subset=True)[0] for e in embedders]
+            embedder_ids = [e.id for e in serving_embedders(session, space.id).values()] if space else []
+        counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, sorted(ids), device, subset=True)
         if counts:
-            out[base_model] = max(counts)
+            out[base_model] = max(embedded for embedded, _ in counts.values())
     return out
 
 
@@ -139,37 +142,103 @@ def unembedded_ids(session: Session, base_model: str) -> list[int]:
     return list(session.scalars(stmt.order_by(Adapter.id)))
 
 
-def _embed_with(
+def stored_schema(session: Session, base_model: str) -> SpaceSchema:
+    """The module vocabulary of a base model's stored LoRA-like adapters, read from the module table (no blobs):
+    the vocabulary `embed.types.schema_of` gives for their factors."""
+    stmt = (
+        select(Module.name, Module.out_features, Module.in_features, func.count(), func.min(Module.adapter_id))
+        .join(Adapter, Adapter.id == Module.adapter_id)
+        .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
+        .group_by(Module.name, Module.out_features, Module.in_features)
+    )
+    return schema_from_shapes(base_model, [(str(n), int(o), int(i), int(c), int(first)) for n, o, i, c, first in session.execute(stmt)])
+
+
+def space_adapter_ids(session: Session, base_model: str) -> list[int]:
+    """Ids of a base model's stored LoRA-like adapters, in order."""
+    stmt = select(Adapter.id).where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None)).order_by(Adapter.id)
+    return list(session.scalars(stmt))
+
+
+#: float32 factor bytes read from the blob store per embedding chunk (at most EMBED_CHUNK adapters)
+EMBED_CHUNK_BYTES = 512 << 20
+
+
+def chunk_size(session: Session, base_model: str) -> int:
+    """Adapters per embedding chunk: as many as hold EMBED_CHUNK_BYTES of canonical factors on average (from the
+    module table), between 1 and EMBED_CHUNK."""
+    stmt = (
+        select(
+            func.sum((Module.out_features + Module.in_features) * func.coalesce(Module.canonical_rank, 0)),
+            func.count(Adapter.id.distinct()),
+        )
+        .join(Adapter, Adapter.id == Module.adapter_id)
+        .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
+    )
+    elements, adapters = session.execute(stmt).one()
+    per_adapter = 4 * int(elements or 0) / max(int(adapters or 0), 1)
+    return max(1, min(EMBED_CHUNK, int(EMBED_CHUNK_BYTES // max(per_adapter, 1.0))))
+
+
+@dataclass
+class _Plan:
+    """One embedder's part of an embedding run."""
+
+    id: int
+    fn: EmbedFn
+    schema: SpaceSchema
+    done: set[int]
+    embedded: int = 0
+    misfits: int = 0
+    retired: bool = False
+
+
+def _embed_ids(
     sessions: sessionmaker[Session],
+    blobs: BlobStore,
     data_dir: Path,
     base_model: str,
-    embedder_id: int,
-    adapters: list[ZooAdapter],
+    embedder_ids: list[int],
+    ids: list[int],
     device: str | None,
     subset: bool,
-) -> tuple[int, int]:
-    """Vectors of the adapters the embedder has none for (that fit it), committed EMBED_CHUNK at a time
-    under the space's lock, skipping what another process embedded meanwhile; (embedded, not fitting).
-    `subset`: the adapters are a few of the space's (look up only theirs)."""
+) -> dict[int, tuple[int, int]]:
+    """Vectors, under each embedder, of the adapters among `ids` it has none for (and that fit it): the adapters are
+    read a chunk at a time and each chunk committed under the space's lock, skipping what another process embedded
+    meanwhile. (embedded, not fitting) per embedder id. `subset`: the ids are a few of the space's (look up only theirs)."""
+    plans: list[_Plan] = []
     with sessions() as session:
-        embedder = session.get(Embedder, embedder_id)
-        fn, emb_schema = embed_function(embedder, data_dir, device)  # type: ignore[arg-type]
-        done = embedded_ids(session, embedder, [a.id for a in adapters] if subset else None)  # type: ignore[arg-type]
-    todo = [a for a in adapters if a.id not in done and emb_schema.fits(a.factors)]
-    misfits = sum(1 for a in adapters if a.id not in done and not emb_schema.fits(a.factors))
-    embedded = 0
-    for start in range(0, len(todo), EMBED_CHUNK):
-        chunk = todo[start : start + EMBED_CHUNK]
-        vectors = fn(chunk)
-        with write_transaction(sessions, space_lock(base_model)) as session:
+        for embedder_id in embedder_ids:
             embedder = session.get(Embedder, embedder_id)
-            if embedder is None or not embedder.active:  # replaced by a concurrent run: it embeds for its own
-                break
-            meanwhile = embedded_ids(session, embedder, [a.id for a in chunk])
-            fresh = [j for j, a in enumerate(chunk) if a.id not in meanwhile]
-            store_vectors(session, embedder, [chunk[j].id for j in fresh], vectors[fresh])
-            embedded += len(fresh)
-    return embedded, misfits
+            fn, schema = embed_function(embedder, data_dir, device)  # type: ignore[arg-type]
+            plans.append(_Plan(embedder_id, fn, schema, embedded_ids(session, embedder, ids if subset else None)))  # type: ignore[arg-type]
+        per_chunk = chunk_size(session, base_model)
+    todo = [i for i in ids if any(i not in p.done for p in plans)]
+    for start in range(0, len(todo), per_chunk):
+        with sessions() as session:
+            adapters = load_adapters(session, blobs, base_model, todo[start : start + per_chunk])
+        for plan in plans:
+            if not plan.retired:
+                _embed_chunk(sessions, base_model, plan, adapters)
+    return {p.id: (p.embedded, p.misfits) for p in plans}
+
+
+def _embed_chunk(sessions: sessionmaker[Session], base_model: str, plan: _Plan, adapters: list[ZooAdapter]) -> None:
+    mine = [a for a in adapters if a.id not in plan.done]
+    fitting = [a for a in mine if plan.schema.fits(a.factors)]
+    plan.misfits += len(mine) - len(fitting)
+    if not fitting:
+        return
+    vectors = plan.fn(fitting)
+    with write_transaction(sessions, space_lock(base_model)) as session:
+        embedder = session.get(Embedder, plan.id)
+        if embedder is None or not embedder.active:  # replaced by a concurrent run: it embeds for its own
+            plan.retired = True
+            return
+        meanwhile = embedded_ids(session, embedder, [a.id for a in fitting])
+        fresh = [j for j, a in enumerate(fitting) if a.id not in meanwhile]
+        store_vectors(session, embedder, [fitting[j].id for j in fresh], vectors[fresh])
+        plan.embedded += len(fresh)
 
 
 def refresh_space_files(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int) -> dict[str, object]:
@@ -359,10 +428,16 @@ def _trained_on(sessions: sessionmaker[Session], base_model: str, n: int) -> dic
         return {"space": base_model, "embedder_id": e.id, "objective": e.objective, "reused": True, **(e.metrics or {})}
 
 
-def list_spaces(session: Session) -> list[dict[str, object]]:
-    """The spaces resource: each space with its serving embedders and how many adapters they embed."""
-    out = []
+def list_spaces(session: Session, engine: QueryEngine | None = None, counted: bool = True) -> list[dict[str, object]]:
+    """The spaces resource: each space with its serving embedders, how many adapters they embed (`adapters`: the
+    most any of them does) and, given a query engine, whether it holds the space loaded and the bytes it takes.
+    `counted=False`: names and base models only (counting reads every embedding row of the space's index)."""
+    held = engine.loaded_spaces() if engine is not None else {}
+    out: list[dict[str, object]] = []
     for space in session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.name)):
+        if not counted:
+            out.append({"name": space.name, "base_model": space.base_model})
+            continue
         embedders = [
             {
                 "id": e.id,
@@ -374,7 +449,11 @@ def list_spaces(session: Session) -> list[dict[str, object]]:
             }
             for e in serving_embedders(session, space.id).values()
         ]
-        out.append({"name": space.name, "base_model": space.base_model, "version": space.version, "embedders": embedders})
+        adapters = max((int(e["embedded"]) for e in embedders), default=0)  # type: ignore[call-overload]
+        entry = {"name": space.name, "base_model": space.base_model, "version": space.version, "adapters": adapters, "embedders": embedders}
+        if engine is not None:
+            entry |= {"loaded": space.name in held, "bytes": held.get(space.name)}
+        out.append(entry)
     return out
 
 

@@ -10,8 +10,10 @@ where that is smaller). From its per-module cosines come:
   different module sets are compared on what they share;
 - whole-update (dW) cosine: Σ_m ⟨dW_x,m, dW_y,m⟩ / (‖dW_x‖ ‖dW_y‖), the training-free bar.
 
-`module_sketches` is the compact stand-in: per module a unit vector of seeded bilinear probes
-(zoo/probes.py), whose inner products estimate that module's cosine.
+`module_sketches` is the compact stand-in: per module `sketch_width` seeded bilinear probes
+(zoo/probes.py) divided by the module's ‖dW‖_F, whose inner products estimate that module's cosine
+without bias; the probes per module shrink as modules grow in number, so that a whole vector never
+passes MAX_SEARCH_DIM (a space of more than MAX_SEARCH_DIM modules keeps one probe per module).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ if TYPE_CHECKING:
 
 Factors = Mapping[str, "CanonicalFactors"]
 
-#: probe pairs per module in a module sketch
+#: probe pairs per module in a module sketch (at most)
 MODULE_SKETCH_DIM = 64
+#: the most dimensions a search vector of any space has (see sketch_width)
+MAX_SEARCH_DIM = 2048
 _SKETCH_SALT = "module-sketch"
 
 
@@ -214,36 +218,51 @@ def exact_cosines(gallery: ModuleStack, queries: ModuleStack, score: str) -> np.
     return gallery.inner_products(queries) / np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)
 
 
-def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int = MODULE_SKETCH_DIM) -> np.ndarray:
-    """(N, len(modules)·dim) float32: per module the unit vector of `dim` seeded probe values ω_jᵀ·dW·ψ_j
-    (zeros where the adapter lacks the module), so a block's inner product estimates that module's cosine."""
-    from zoo.probes import probe_values, probes  # torch: only when sketching
+def sketch_width(n_modules: int) -> int:
+    """Probe pairs per module for a space of `n_modules`: MODULE_SKETCH_DIM, fewer where the whole vector would pass
+    MAX_SEARCH_DIM (at least one). The module cosine's estimate averages over modules, so its error stays near
+    1/√(n_modules · width) ≥ 1/√MAX_SEARCH_DIM however the dimensions are shared out."""
+    return max(1, min(MODULE_SKETCH_DIM, MAX_SEARCH_DIM // max(n_modules, 1)))
+
+
+def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int) -> np.ndarray:
+    """(N, len(modules)·dim) float32: per module its `dim` seeded probe values ω_jᵀ·dW·ψ_j divided by √dim·‖dW‖_F
+    (zeros where the adapter lacks the module), so that a block's inner product with another adapter's is an
+    unbiased estimate of that module's cosine. Probes are drawn once per module for all the adapters."""
+    import torch
+
+    from zoo.probes import draw_probes, probe_values  # torch: only when sketching
 
     out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
     for m, name in enumerate(modules):
-        for i, a in enumerate(adapters):
-            f = a.get(name)
-            if f is None or not f.rank:
-                continue
-            z = probe_values(f, *probes(name, f.U.shape[0], f.V.shape[0], dim, _SKETCH_SALT))
-            out[i, m] = (z / z.norm().clamp_min(1e-300)).cpu().numpy()
+        present = [(i, a[name]) for i, a in enumerate(adapters) if name in a and a[name].rank]
+        if not present:
+            continue
+        first = present[0][1]
+        omega, psi = draw_probes(name, first.U.shape[0], first.V.shape[0], dim, _SKETCH_SALT)
+        for i, f in present:
+            z = probe_values(f, omega, psi)
+            out[i, m] = (z / (torch.linalg.vector_norm(f.S.double()) * dim**0.5).clamp_min(1e-300)).cpu().numpy()
     return out.reshape(len(adapters), -1)
 
 
 def sketch_module_cosines(queries: np.ndarray, gallery: np.ndarray, n_modules: int) -> np.ndarray:
-    """Module cosine estimated from module sketches (any scaling): the blocks' cosines summed over the
-    modules both have, divided by how many they share; 0 where none is shared."""
+    """Module cosine estimated from module sketches (any overall scaling, e.g. the index's unit vectors): the
+    vectors' cosine times √(modules of the query · modules of the other) over the modules both have. A present
+    module's block has expected squared norm 1, so a vector's squared norm is about its module count; 0 where none
+    is shared."""
 
-    def blocks_and_scales(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        blocks = np.asarray(x, dtype=np.float32).reshape(len(x), n_modules, -1)
-        sq = np.einsum("nmd,nmd->nm", blocks, blocks)
-        return blocks, np.where(sq > 1e-24, 1.0 / np.sqrt(np.maximum(sq, 1e-24)), 0.0).astype(np.float32)
+    def unit_and_presence(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = np.asarray(x, dtype=np.float32)
+        present = (np.abs(x.reshape(len(x), n_modules, -1)).max(axis=2) > 0).astype(np.float32)
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
+        return x / np.maximum(norms, 1e-30), present
 
-    q, q_scale = blocks_and_scales(queries)
-    g, g_scale = blocks_and_scales(gallery)
-    per_module = np.einsum("qmd,nmd->qnm", q, g) * q_scale[:, None, :] * g_scale[None, :, :]
-    shared = (q_scale > 0).astype(np.float32) @ (g_scale > 0).astype(np.float32).T
-    return per_module.sum(axis=2) / np.maximum(shared, 1.0)
+    q, q_present = unit_and_presence(queries)
+    g, g_present = unit_and_presence(gallery)
+    shared = q_present @ g_present.T
+    scale = np.sqrt(np.outer(q_present.sum(axis=1), g_present.sum(axis=1)))
+    return (q @ g.T).astype(np.float64) * scale / np.maximum(shared, 1.0)
 
 
 def hybrid_score(exact: np.ndarray, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:

@@ -7,7 +7,6 @@ space does not know do not fit it.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,15 +64,27 @@ class ZooAdapter:
 
 
 def schema_of(base_model: str, adapters: list[ZooAdapter]) -> SpaceSchema:
-    """The union of module shapes over the adapters. A module name seen with two shapes takes the shape
-    most adapters give it (the first seen on a tie): adapters with the other shape do not fit the
-    space (`SpaceSchema.fits`) and are left out of it, never breaking it for the others."""
-    counts: dict[str, Counter[tuple[int, int]]] = {}
+    """The union of module shapes over the adapters (see `schema_from_shapes`)."""
+    counts: dict[tuple[str, int, int], list[int]] = {}
     for a in adapters:
         for name, f in a.factors.items():
-            counts.setdefault(name, Counter())[(int(f.U.shape[0]), int(f.V.shape[0]))] += 1
-    chosen = {name: c.most_common(1)[0][0] for name, c in counts.items()}
-    return SpaceSchema(base_model, tuple(sorted((n, o, i) for n, (o, i) in chosen.items())))
+            seen = counts.setdefault((name, int(f.U.shape[0]), int(f.V.shape[0])), [0, a.id])
+            seen[0] += 1
+            seen[1] = min(seen[1], a.id)
+    return schema_from_shapes(base_model, [(n, o, i, c, first) for (n, o, i), (c, first) in counts.items()])
+
+
+def schema_from_shapes(base_model: str, shapes: list[tuple[str, int, int, int, int]]) -> SpaceSchema:
+    """The space of (name, out, in, adapters with that shape, the first such adapter's id) rows. A module name seen
+    with two shapes takes the shape most adapters give it (on a tie, the one of the lowest adapter id): adapters
+    with the other shape do not fit the space (`SpaceSchema.fits`) and are left out of it, never breaking it for
+    the others."""
+    chosen: dict[str, tuple[int, int, int, int]] = {}
+    for name, out, inp, count, first in shapes:
+        best = chosen.get(name)
+        if best is None or (count, -first) > (best[2], -best[3]):
+            chosen[name] = (out, inp, count, first)
+    return SpaceSchema(base_model, tuple(sorted((n, o, i) for n, (o, i, _, _) in chosen.items())))
 
 
 def split_positions(adapters: list[ZooAdapter], test_fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 from embed.choice import MIX_WEIGHTS
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
-from embed.similarity import ModuleStack, dense_modules, dw_cosine_matrix, module_cosine_matrix, module_sketches, sketch_module_cosines
+from embed.similarity import (
+    ModuleStack,
+    dense_modules,
+    dw_cosine_matrix,
+    module_cosine_matrix,
+    module_sketches,
+    sketch_module_cosines,
+    sketch_width,
+)
 from embed.train import TrainOptions, W2TEnsemble, _folds, train_w2t
 from embed.types import ZooAdapter, schema_of, split_positions
 from zoo.canonical import canonicalize
@@ -75,7 +83,7 @@ def test_module_sketch_tracks_module_cosine(zoo: list[ZooAdapter]) -> None:
     schema = schema_of("synthetic", zoo)
     factors = [a.factors for a in zoo]
     exact = module_cosine_matrix(factors, factors)
-    sk = module_sketches(factors, schema.module_names)
+    sk = module_sketches(factors, schema.module_names, sketch_width(len(schema.modules)))
     approx = sketch_module_cosines(sk, sk, len(schema.modules))
     off = ~np.eye(len(zoo), dtype=bool)
     assert np.allclose(np.diag(approx), 1.0, atol=1e-5)

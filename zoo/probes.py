@@ -16,15 +16,18 @@ import torch
 from zoo.canonical import CanonicalFactors
 
 
-@functools.lru_cache(maxsize=4096)
-def probes(name: str, rows: int, cols: int, count: int, salt: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """(Ω (rows × count), Ψ (cols × count)) float64, the same in every process (cached: do not modify)."""
+def draw_probes(name: str, rows: int, cols: int, count: int, salt: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(Ω (rows × count), Ψ (cols × count)) float64, the same in every process."""
     key = f"{name}|{rows}|{cols}" + (f"|{salt}" if salt else "")
     seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
     gen = torch.Generator().manual_seed(seed)
     omega = torch.randn(rows, count, generator=gen, dtype=torch.float64)
     psi = torch.randn(cols, count, generator=gen, dtype=torch.float64)
     return omega, psi
+
+
+#: `draw_probes`, cached for callers that draw the same probes for one adapter after another (do not modify them)
+probes = functools.lru_cache(maxsize=4096)(draw_probes)
 
 
 def probe_values(f: CanonicalFactors, omega: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
