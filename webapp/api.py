@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from werkzeug.exceptions import UnsupportedMediaType
 
 from embed import service
+from embed.engine import spaces_budget
 from webapp import schemas
 from webapp.auth import stamped_token, token_auth
 from webapp.context import db, zoo
@@ -94,13 +95,25 @@ def health() -> dict[str, object]:
 
 
 @api.get("/adapters")
-@api.doc(responses=[200, *READ])
+@api.doc(responses=[200, *READ, 404])
 @api.input(schemas.CatalogQuery, location="query", arg_name="query")
 def adapters(query: dict) -> dict[str, object]:
     """Search the catalog: free text, facets with counts, sorting, pages."""
     from zoo.db.catalog import search_catalog
 
-    return search_catalog(db(), query["q"], repository.parse_filters(query["filter"]), query["sort"], query["page"], query["per_page"])
+    filters = space_filters(db(), query["space"], repository.parse_filters(query["filter"]))
+    return search_catalog(db(), query["q"], filters, query["sort"], query["page"], query["per_page"])
+
+
+def space_filters(session: Session, space: str | None, filters: dict[str, str]) -> dict[str, str]:
+    """The filters that keep a space's adapters (those of its base model) besides `filters`; 404 for an unknown
+    space (naming the known ones), 400 when a base_model filter names another base."""
+    if not space:
+        return filters
+    base = service.resolve_space(session, space).base_model
+    if filters.get("base_model", base) != base:
+        raise UsageError(f"filter base_model={filters['base_model']} is not the base model of space {space} ({base})")
+    return {**filters, "base_model": base}
 
 
 @api.get("/adapters/<int:adapter_id>")
@@ -231,8 +244,10 @@ def delete_adapter(adapter_id: int) -> dict[str, object]:
 @api.get("/spaces")
 @api.doc(responses=[200, *READ])
 def spaces() -> dict[str, object]:
-    """Embedding spaces and their serving embedders."""
-    return {"spaces": service.list_spaces(db())}
+    """Embedding spaces (one per base model) and their serving embedders; whether this process's query engine holds
+    each loaded and the bytes it takes, within `budget_bytes` (ZOO_SPACES_BYTES: least recently used spaces are dropped)."""
+    listed = service.list_spaces(db(), zoo().engine)
+    return {"spaces": listed, "loaded_bytes": sum(int(s["bytes"] or 0) for s in listed), "budget_bytes": spaces_budget()}  # type: ignore[call-overload]
 
 
 @api.get("/spaces/<path:name>/map")

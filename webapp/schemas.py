@@ -35,11 +35,12 @@ class CatalogQuery(Filters):
     sort = String(load_default=None, validate=OneOf(("relevance", "name", "newest", "rank")))
     page = Integer(load_default=1, validate=Range(1, MAX_PAGE))
     per_page = Integer(load_default=20, validate=Range(1, 100))
+    space = String(load_default=None, metadata={"description": "only adapters of this embedding space (its base model)"})
 
 
 class SimilarQuery(Filters):
     k = Integer(load_default=10, validate=Range(1, MAX_K))
-    space = String(load_default=None)
+    space = String(load_default=None, metadata={"description": "the space to search (default: the space of the query's base model)"})
     method = String(load_default=None, validate=OneOf(SEARCH_METHODS))
 
 

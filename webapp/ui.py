@@ -6,10 +6,11 @@ from apiflask import APIBlueprint
 from flask import render_template, request, url_for
 
 from embed import service
-from webapp.api import get_adapter, ids_in_range, limited_upload, refuse_nul
+from webapp.api import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
 from webapp.context import db, zoo
 from webapp.schemas import MAX_PAGE
 from zoo.db import repository
+from zoo.db.catalog import FACET_VALUES
 from zoo.errors import ZooError
 from zoo.labels import TASK_KEY
 
@@ -27,12 +28,24 @@ def search_page() -> str:
     from zoo.db.catalog import search_catalog
 
     filters = _filters_from_args()
+    space = request.args.get("space") or None
     page = min(max(1, request.args.get("page", 1, type=int) or 1), MAX_PAGE)  # an offset the database can hold
     sort = request.args.get("sort") or None  # the page keeps this, not found["sort"]: a resolved default would stick to later searches
-    found = search_catalog(db(), request.args.get("q") or None, repository.parse_filters(filters), sort, page, 20)
+    chosen = space_filters(db(), space, repository.parse_filters(filters))
+    found = search_catalog(db(), request.args.get("q") or None, chosen, sort, page, 20)
     twin = url_for("api.adapters", **request.args.to_dict(flat=False))
-    major, minor = facet_groups(found["facets"])
-    return render_template("search.html", found=found, filters=filters, sort=sort, twin=twin, major=major, minor=minor)
+    major, minor = facet_groups({k: v for k, v in found["facets"].items() if not (space and k == "base_model")})  # the space names it
+    spaces = space_choices(service.list_spaces(db(), counted=False), found["facets"].get("base_model", []))
+    return render_template(
+        "search.html", found=found, filters=filters, sort=sort, twin=twin, major=major, minor=minor, space=space, spaces=spaces
+    )
+
+
+def space_choices(spaces: list[dict], base_models: list[dict]) -> list[dict]:
+    """The spaces to pick from, each with how many adapters of the search are in it (from the base_model facet, which
+    counts them whichever space is picked; None past the facet's values)."""
+    counts = {v["value"]: v["count"] for v in base_models}
+    return [{"name": s["name"], "count": counts.get(s["base_model"], None if len(counts) >= FACET_VALUES else 0)} for s in spaces]
 
 
 def facet_groups(facets: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
@@ -62,21 +75,23 @@ def adapter_page(adapter_id: int) -> str:
 def map_page() -> str:
     spaces = service.list_spaces(db())
     name = request.args.get("space") or (spaces[0]["name"] if spaces else None)
-    return render_template(
-        "map.html", spaces=spaces, space=name, color_by=request.args.get("color_by"), highlight=request.args.get("highlight") or ""
-    )
+    color_by, highlight = request.args.get("color_by"), request.args.get("highlight") or ""
+    twin = url_for("api.space_map", name=name, color_by=color_by or None, highlight=highlight or None) if name else None
+    return render_template("map.html", spaces=spaces, space=name, color_by=color_by, highlight=highlight, twin=twin)
 
 
 @ui.route("/similar", methods=["GET", "POST"])
 def similar_page() -> tuple[str, int] | str:
+    spaces = service.list_spaces(db())
     if request.method == "GET":
-        return render_template("similar.html", result=None, error=None)
+        return render_template("similar.html", result=None, error=None, spaces=spaces, space=request.args.get("space") or "")
     engine = zoo().engine
     k = min(max(request.form.get("k", 10, type=int) or 10, 1), 100)
+    space = request.form.get("space") or None  # None: the space of the adapter's own base model
     try:
 
         def run(session, path):  # type: ignore[no-untyped-def]
-            found = service.search(engine, session, path, k)
+            found = service.search(engine, session, path, k, space)
             try:
                 predicted = service.predict(engine, session, path, str(found["space"]))
             except ZooError as exc:
@@ -87,8 +102,8 @@ def similar_page() -> tuple[str, int] | str:
     except ZooError as exc:
         from webapp.errors import status_of
 
-        return render_template("similar.html", result=None, error=str(exc)), status_of(exc)
-    return render_template("similar.html", result=found, predicted=predicted, error=None)
+        return render_template("similar.html", result=None, error=str(exc), spaces=spaces, space=space or ""), status_of(exc)
+    return render_template("similar.html", result=found, predicted=predicted, error=None, spaces=spaces, space=space or "")
 
 
 @ui.get("/jobs")
