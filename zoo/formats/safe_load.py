@@ -2,6 +2,11 @@
 
 A weight file is read once (`read_weight_file`): its bytes are hashed as they are read, and the
 tensors are then built from those same bytes, so ingest never opens a file twice.
+
+A safetensors file of at least `stream_min_bytes()` (a full checkpoint) is not held: it is hashed as
+it is read, keeping only its header (`StreamedFile`), and its tensors are then read one at a time
+(`StreamedTensors`), each checked against the file as it was hashed: read in the file's order, the
+bytes the tensors were built from are hashed again and must give the same SHA-256 (`verify`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,12 +49,42 @@ def max_file_bytes() -> int:
     return int(os.environ.get("ZOO_MAX_FILE_BYTES", 4 << 30))
 
 
+def stream_min_bytes() -> int:
+    """Safetensors files at least this large are streamed, not held (ZOO_STREAM_MIN_BYTES, default 256 MiB)."""
+    return int(os.environ.get("ZOO_STREAM_MIN_BYTES", 256 << 20))
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is written, truncated or replaced (a write updates ctime, which no one can set)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 @dataclass(frozen=True)
-class WeightFile:
-    """A weight file's bytes, read once, and their SHA-256."""
+class StreamedFile:
+    """A file too large to hold, read once to hash it: its size, its first bytes (the safetensors header) and its
+    identity when hashed. Sliced (within `head`) and sized like the bytes it stands for."""
 
     path: Path
-    data: bytearray
+    size: int
+    head: bytes
+    identity: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: slice) -> bytes:
+        start, stop, _ = index.indices(self.size)
+        if stop > len(self.head):
+            raise InputError(self.path, f"bytes {start}:{stop} were not kept when the file was read")
+        return self.head[start:stop]
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """A weight file's bytes, read once (or, for a large safetensors file, streamed: see StreamedFile), and their SHA-256."""
+
+    path: Path
+    data: bytearray | StreamedFile
     sha256: str
 
     @property
@@ -63,14 +99,18 @@ def check_file_size(path: Path, size: int) -> None:
 
 def read_weight_file(path: Path) -> WeightFile:
     """The bytes of a .safetensors or weights-only pickle file and their SHA-256, hashed while they are read;
-    a file over max_file_bytes() is refused before it is read, one that changes while read after."""
+    a file over max_file_bytes() is refused before it is read, one that changes while read after. A safetensors
+    file of stream_min_bytes() or more is hashed without being held (see StreamedFile)."""
     if path.suffix != SAFETENSORS_SUFFIX and path.suffix not in PICKLE_SUFFIXES:
         raise InputError(path, "unsupported file type: expected .safetensors (or a weights-only .bin/.pt/.pth)")
     h = hashlib.sha256()
     try:
         with path.open("rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+            st = os.fstat(fh.fileno())
+            size = st.st_size
             check_file_size(path, size)
+            if path.suffix == SAFETENSORS_SUFFIX and size >= stream_min_bytes():
+                return _hash_streamed(path, fh, st, h)
             data = bytearray(size)
             with memoryview(data) as view:
                 done = 0
@@ -86,6 +126,44 @@ def read_weight_file(path: Path) -> WeightFile:
     except OSError as exc:
         raise InputError(path, f"unreadable ({exc.strerror or type(exc).__name__})") from None
     return WeightFile(path, data, h.hexdigest())
+
+
+def _hash_streamed(path: Path, fh: io.BufferedReader, st: os.stat_result, h: hashlib._Hash) -> WeightFile:
+    """Hash an open safetensors file chunk by chunk, keeping only its header's bytes (when the header is within
+    max_header_bytes(); safetensors_header refuses it otherwise)."""
+    head = fh.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    if n <= max_header_bytes():
+        head += fh.read(n)
+    h.update(head)
+    done = len(head)
+    buf = bytearray(_CHUNK)
+    with memoryview(buf) as view:
+        while n := fh.readinto(view):
+            h.update(view[:n])
+            done += n
+    if done != st.st_size or _identity(os.fstat(fh.fileno())) != _identity(st):
+        raise InputError(path, f"the file changed while it was read (it had {st.st_size} bytes, then {done})")
+    return WeightFile(path, StreamedFile(path, st.st_size, bytes(head), _identity(st)), h.hexdigest())
+
+
+def open_streamed(path: Path) -> StreamedTensors:
+    """The tensors of a safetensors file read one at a time under its checked header, without hashing the file
+    (for a base checkpoint, whose bytes are not recorded)."""
+    try:
+        with path.open("rb") as fh:
+            st = os.fstat(fh.fileno())
+            check_file_size(path, st.st_size)
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            if n <= max_header_bytes():
+                head += fh.read(n)
+    except FileNotFoundError:
+        raise InputError(path, "no such file") from None
+    except OSError as exc:
+        raise InputError(path, f"unreadable ({exc.strerror or type(exc).__name__})") from None
+    source = StreamedFile(path, st.st_size, head, _identity(st))
+    return StreamedTensors(WeightFile(path, source, ""), safetensors_header(path, source))
 
 
 def _is_int(x: object) -> bool:
@@ -108,7 +186,7 @@ def safetensors_header(path: Path, data: bytes | bytearray) -> SafetensorsHeader
     size = len(data)
     if size < 8:
         raise InputError(path, f"truncated safetensors file ({size} bytes, no header length)")
-    (n,) = struct.unpack_from("<Q", data)
+    (n,) = struct.unpack("<Q", bytes(data[0:8]))
     if n > max_header_bytes():
         raise InputError(path, f"safetensors header of {n} bytes exceeds the limit of {max_header_bytes()} bytes")
     if 8 + n > size:
@@ -154,9 +232,12 @@ def safetensors_header(path: Path, data: bytes | bytearray) -> SafetensorsHeader
     return SafetensorsHeader(header, {str(k): v for k, v in (meta or {}).items()}, 8 + n)
 
 
-def safetensors_tensors(wf: WeightFile, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
+def safetensors_tensors(wf: WeightFile, header: SafetensorsHeader) -> Mapping[str, torch.Tensor]:
     """The tensors of a safetensors file's bytes under its checked header: views of the bytes (no copy),
-    except those whose offset is not a multiple of their element size, which are copied."""
+    except those whose offset is not a multiple of their element size, which are copied; for a streamed file,
+    a mapping that reads each tensor when it is looked up (see StreamedTensors)."""
+    if isinstance(wf.data, StreamedFile):
+        return StreamedTensors(wf, header)
     tensors: dict[str, torch.Tensor] = {}
     for key, info in header.entries.items():
         dtype, shape, (begin, end) = TORCH_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
@@ -167,6 +248,75 @@ def safetensors_tensors(wf: WeightFile, header: SafetensorsHeader) -> dict[str, 
         t = torch.frombuffer(wf.data, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
         tensors[key] = t if offset % DTYPE_BYTES[info["dtype"]] == 0 else t.clone()
     return tensors
+
+
+class StreamedTensors(Mapping[str, torch.Tensor]):
+    """The tensors of a streamed safetensors file (under its checked header), each read from the file when it is
+    looked up and not kept; iteration is in the file's order. Every read checks that the file is the one that was
+    hashed (same identity); reads in the file's order also hash the bytes the tensors are built from, and once the
+    last byte is read that hash must be the file's SHA-256. `verify()` completes that check whatever was read."""
+
+    def __init__(self, wf: WeightFile, header: SafetensorsHeader) -> None:
+        assert isinstance(wf.data, StreamedFile)
+        self.path, self.source, self.header, self.sha256 = wf.path, wf.data, header, wf.sha256
+        self._order = sorted(header.entries, key=lambda k: header.entries[k]["data_offsets"][0])
+        self._data_size = self.source.size - header.data_start
+        self._hash = hashlib.sha256(self.source.head[: header.data_start])
+        self._hashed = 0  # data bytes hashed so far, in order from the start
+        self.verified = not self.sha256  # nothing to check against when the file was not hashed
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.header.entries
+
+    def shape(self, key: str) -> list[int]:
+        return list(self.header.entries[key]["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return TORCH_DTYPES[self.header.entries[key]["dtype"]]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        info = self.header.entries[key]
+        begin, end = info["data_offsets"]
+        dtype, shape = TORCH_DTYPES[info["dtype"]], info["shape"]
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        buf = self._read(self.header.data_start + begin, end - begin)
+        if begin == self._hashed:
+            self._account(buf)
+        return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).reshape(shape)
+
+    def verify(self) -> None:
+        """Hash the data bytes not yet hashed in order and compare with the file's SHA-256."""
+        while not self.verified:
+            n = min(_CHUNK, self._data_size - self._hashed)
+            self._account(self._read(self.header.data_start + self._hashed, n) if n else bytearray())
+
+    def _account(self, buf: bytearray) -> None:
+        self._hash.update(buf)
+        self._hashed += len(buf)
+        if self._hashed == self._data_size and self.sha256:
+            if self._hash.hexdigest() != self.sha256:
+                raise InputError(self.path, "the file changed while it was read (its bytes no longer have the SHA-256 first read)")
+            self.verified = True
+
+    def _read(self, offset: int, n: int) -> bytearray:
+        buf = bytearray(n)
+        try:
+            with self.path.open("rb") as fh:
+                same = _identity(os.fstat(fh.fileno())) == self.source.identity
+                fh.seek(offset)
+                got = fh.readinto(buf) if same else 0
+        except OSError as exc:
+            raise InputError(self.path, f"unreadable ({exc.strerror or type(exc).__name__})") from None
+        if not same or got != n:
+            raise InputError(self.path, "the file changed while it was read (it is no longer the file whose header was checked)")
+        return buf
 
 
 def parse_weights_only_pickle(wf: WeightFile) -> dict[str, torch.Tensor]:
@@ -182,10 +332,15 @@ def parse_weights_only_pickle(wf: WeightFile) -> dict[str, torch.Tensor]:
 
 
 def parse_tensors(wf: WeightFile) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors (and metadata) of a read .safetensors file or weights-only .bin/.pt/.pth pickle."""
+    """Tensors (and metadata) of a read .safetensors file or weights-only .bin/.pt/.pth pickle (a streamed file's
+    all read, in its order, and verified)."""
     if wf.path.suffix == SAFETENSORS_SUFFIX:
         header = safetensors_header(wf.path, wf.data)
-        return safetensors_tensors(wf, header), header.metadata
+        tensors = safetensors_tensors(wf, header)
+        held = dict(tensors)
+        if isinstance(tensors, StreamedTensors):
+            tensors.verify()
+        return held, header.metadata
     return parse_weights_only_pickle(wf), {}
 
 
