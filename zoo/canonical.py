@@ -91,8 +91,8 @@ def canonicalize_batched(
     batched in float64. Modules whose Gram matrices are ill-conditioned (see GRAM_COND_LIMIT)
     fall back to Householder QR. Runs on whatever device A and B are on.
     """
-    As = [_as_float32(a) for a in (A.unbind(0) if isinstance(A, torch.Tensor) else A)]
-    Bs = [_as_float32(b) for b in (B.unbind(0) if isinstance(B, torch.Tensor) else B)]
+    As = list(A.unbind(0) if isinstance(A, torch.Tensor) else A)
+    Bs = list(B.unbind(0) if isinstance(B, torch.Tensor) else B)
     n = len(As)
     if n == 0:
         return []
@@ -103,7 +103,7 @@ def canonicalize_batched(
     shapes: dict[tuple[int, int], list[int]] = {}
     for i, (a, b) in enumerate(zip(As, Bs, strict=True)):
         shapes.setdefault((b.shape[0], a.shape[1]), []).append(i)
-    groups = [(idx, torch.stack([As[i] for i in idx]), torch.stack([Bs[i] for i in idx])) for idx in shapes.values()]
+    groups = [(idx, _stack_float32([As[i] for i in idx]), _stack_float32([Bs[i] for i in idx])) for idx in shapes.values()]
     order = [i for idx, _, _ in groups for i in idx]  # the modules as the r×r batch holds them
     device = As[0].device
     scale_t = torch.as_tensor(scale, dtype=torch.float64).reshape(-1).expand(n).to(device)[order]
@@ -134,13 +134,21 @@ def canonicalize_batched(
         for j, i in enumerate(idx):
             pos, k = start + j, keep[start + j]
             if not is_good[pos]:
-                out[i] = canonicalize(As[i], Bs[i], float(scale_t[pos]))
+                out[i] = canonicalize(A3[j], B3[j], float(scale_t[pos]))
             elif k == U.shape[-1]:
                 out[i] = CanonicalFactors(U=U[j], S=S32[pos], V=V[j])
             else:
                 out[i] = CanonicalFactors(U=U[j, :, :k].contiguous(), S=S32[pos, :k].contiguous(), V=V[j, :, :k].contiguous())
         start += len(idx)
     return [f for f in out if f is not None]
+
+
+def _stack_float32(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Matrices of one shape stacked into one new float32 tensor, converted as they are copied: one kernel, one
+    pass over the input and one allocation (converting each first and stacking after costs a second pass and an
+    allocation per matrix, ten times slower for bf16 factors)."""
+    out = torch.empty((len(ts), *ts[0].shape), dtype=torch.float32, device=ts[0].device)
+    return torch.stack(ts, out=out)
 
 
 def _column_signs(U: torch.Tensor) -> torch.Tensor:
