@@ -1,17 +1,77 @@
-"""Content-addressed blob store for canonical factors (safetensors files named by SHA-256)."""
+"""Content-addressed blob store for canonical factors (safetensors files named by SHA-256).
+
+Ingest writes an adapter's factors in one pass (`stage_factors`): straight from the tensors' memory to a
+temporary file in the store, hashed as they are written, with the bytes `safetensors.numpy.save` would give
+(so a digest does not depend on which writer made the blob), and made durable there. It does so on a thread
+of its own (`BlobWriter`) while the adapter is described and its rows are written: the transaction waits for
+the digest before inserting the adapter's row and for the fsync before renaming the file to its digest
+(`commit`) and committing; a duplicate's file is removed (`discard`).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zoo.files import replace_durably
+import numpy as np
+
+from zoo.files import TMP_PREFIX
 
 if TYPE_CHECKING:
     import torch
 
     from zoo.canonical import CanonicalFactors
+
+#: the safetensors dtype of each numpy dtype a blob may hold
+_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.float16): "F16"}
+#: bytes written between hints to the kernel to start writing them back (so that the final fsync waits for less)
+_WRITEBACK_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class StagedBlob:
+    """A blob written whole and fsynced to a temporary file in the store, not yet under its digest."""
+
+    digest: str
+    tmp: Path
+    size: int
+
+
+def safetensors_layout(arrays: dict[str, np.ndarray]) -> tuple[bytes, list[np.ndarray]]:
+    """(the 8-byte length and JSON header, the arrays in the order their bytes follow it) of a safetensors file of
+    `arrays`, as safetensors writes it: tensors sorted by name (all of one dtype), compact JSON, the header padded
+    with spaces to a multiple of 8 bytes."""
+    header: dict[str, dict[str, object]] = {}
+    ordered: list[np.ndarray] = []
+    offset = 0
+    for key in sorted(arrays):
+        a = np.ascontiguousarray(arrays[key])
+        if a.dtype not in _DTYPES or (ordered and a.dtype != ordered[0].dtype):
+            raise ValueError(f"blob tensors must share one float dtype, {key} is {a.dtype}")
+        header[key] = {"dtype": _DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        ordered.append(a)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, ordered
+
+
+def factor_arrays(modules: Sequence[tuple[str, CanonicalFactors]]) -> dict[str, np.ndarray]:
+    """The blob's tensors of canonical factors, `<module>.U`, `.S` and `.V`, as numpy views (no copy of contiguous factors)."""
+    out: dict[str, np.ndarray] = {}
+    for name, f in modules:
+        for part, t in (("U", f.U), ("S", f.S), ("V", f.V)):
+            out[f"{name}.{part}"] = t.detach().cpu().contiguous().numpy()
+    return out
 
 
 class BlobStore:
@@ -21,32 +81,58 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.root / digest[:2] / f"{digest}.safetensors"
 
+    def stage_factors(self, modules: Sequence[tuple[str, CanonicalFactors]]) -> StagedBlob:
+        """Write the factors' blob to a temporary file in the store in one pass from their memory, hashing the bytes
+        as they go out, and fsync it; `commit` puts it under its digest, `discard` removes it."""
+        return self.stage_arrays(factor_arrays(modules))
+
+    def stage_arrays(self, arrays: dict[str, np.ndarray], hashed: Callable[[str], None] | None = None) -> StagedBlob:
+        """stage_factors of the blob's arrays (see factor_arrays); `hashed(digest)` is called once every byte is
+        hashed and written, before the fsync."""
+        head, ordered = safetensors_layout(arrays)
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=self.root, prefix=TMP_PREFIX, suffix=".safetensors")
+        tmp, h = Path(name), hashlib.sha256(head)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as fh:
+                _write_all(fh, memoryview(head))
+                size = started = len(head)
+                for a in ordered:
+                    view = memoryview(a.reshape(-1).view(np.uint8))  # bytes of the array's memory, no copy
+                    h.update(view)
+                    _write_all(fh, view)
+                    size += a.nbytes
+                    if size - started >= _WRITEBACK_CHUNK:
+                        _start_writeback(fh.fileno(), started, size - started)
+                        started = size
+                digest = h.hexdigest()
+                if hashed is not None:
+                    hashed(digest)
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return StagedBlob(digest, tmp, size)
+
+    def commit(self, staged: StagedBlob) -> None:
+        """Put a staged blob under its digest (durably: the rename and its directory are fsynced); when that blob
+        is stored already, the staged copy is removed."""
+        target = self.path(staged.digest)
+        if target.exists():
+            staged.tmp.unlink(missing_ok=True)
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged.tmp, target)
+        _fsync_dir(target.parent)
+
     @staticmethod
-    def encode(tensors: dict[str, torch.Tensor]) -> tuple[str, bytes]:
-        """(digest, bytes) of tensors of numpy's dtypes (factors are float32) as a blob, without writing it: the
-        bytes safetensors.torch.save writes, through safetensors' numpy writer (several times faster on small tensors)."""
-        from safetensors.numpy import save
-
-        data = save({k: v.detach().cpu().contiguous().numpy() for k, v in tensors.items()})
-        return hashlib.sha256(data).hexdigest(), data
-
-    def write(self, digest: str, data: bytes) -> None:
-        """Write a blob under its digest, idempotently and whole (see zoo.files.replace_durably)."""
-        target = self.path(digest)
-        if not target.exists():
-            replace_durably(target, lambda tmp: tmp.write_bytes(data))
+    def discard(staged: StagedBlob) -> None:
+        staged.tmp.unlink(missing_ok=True)
 
     def get(self, digest: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
 
         return load(self.path(digest).read_bytes())
-
-    @classmethod
-    def encode_factors(cls, modules: list[tuple[str, CanonicalFactors]]) -> tuple[str, bytes]:
-        tensors: dict[str, torch.Tensor] = {}
-        for name, f in modules:
-            tensors[f"{name}.U"], tensors[f"{name}.S"], tensors[f"{name}.V"] = f.U, f.S, f.V
-        return cls.encode(tensors)
 
     def get_factors(self, digest: str) -> list[tuple[str, CanonicalFactors]]:
         from zoo.canonical import CanonicalFactors
@@ -54,3 +140,57 @@ class BlobStore:
         tensors = self.get(digest)
         names = sorted({k[: -len(".U")] for k in tensors if k.endswith(".U")})
         return [(n, CanonicalFactors(tensors[f"{n}.U"], tensors[f"{n}.S"], tensors[f"{n}.V"])) for n in names]
+
+
+class BlobWriter:
+    """A factors' blob staged (BlobStore.stage_factors) by a thread of its own while the caller goes on: `digest()`
+    waits until its bytes are hashed, `staged()` until they are durable (raising what the writing raised),
+    `discard()` until the thread is done, then removes the staged file unless it was committed."""
+
+    def __init__(self, store: BlobStore, modules: Sequence[tuple[str, CanonicalFactors]]) -> None:
+        arrays = factor_arrays(modules)  # numpy views, taken here: the thread touches no torch tensor
+        self._digest: Future[str] = Future()
+        self._staged: Future[StagedBlob] = Future()
+        self._thread = threading.Thread(target=self._run, args=(store, arrays), name="zoo-blob-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self, store: BlobStore, arrays: dict[str, np.ndarray]) -> None:
+        try:
+            self._staged.set_result(store.stage_arrays(arrays, hashed=self._digest.set_result))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, who reports it
+            if not self._digest.done():
+                self._digest.set_exception(exc)
+            self._staged.set_exception(exc)
+
+    def digest(self) -> str:
+        return self._digest.result()
+
+    def staged(self) -> StagedBlob:
+        return self._staged.result()
+
+    def discard(self) -> None:
+        self._thread.join()
+        if self._staged.exception() is None:
+            BlobStore.discard(self._staged.result())
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing back a written range now (Linux starts writeback of dirty pages on
+    POSIX_FADV_DONTNEED and keeps them cached while it runs), so that the final fsync has less left to wait for."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _write_all(fh: object, view: memoryview) -> None:
+    """Write every byte of `view` to an unbuffered file (a raw write may write fewer)."""
+    while view:
+        n = fh.write(view)  # type: ignore[attr-defined]
+        view = view[n:]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -17,7 +18,7 @@ from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from zoo.blobs import BlobStore
+from zoo.blobs import BlobStore, BlobWriter
 from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.db import repository
@@ -25,7 +26,7 @@ from zoo.db.catalog import refresh_search_text, write_search_text
 from zoo.db.models import Adapter, EmbeddingSpace, Label, Measurement, Module
 from zoo.db.session import write_transaction
 from zoo.errors import InputError
-from zoo.fingerprint import DUPLICATE_RTOL, canonical_hash, fingerprint, relative_distance, structure_hash
+from zoo.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
 from zoo.formats import AdapterData, LoraModule, RawAdapter, layer_index, module_type, open_adapter, parse_adapter
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
@@ -33,6 +34,8 @@ from zoo.sources import Origin
 from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
 
 UNKNOWN_BASE = "unknown"
+#: formats whose reading is per-module checks only (a checkpoint's, with a base, factorizes whole matrices)
+LORA_FORMATS = ("peft", "kohya")
 T = TypeVar("T")
 
 
@@ -85,13 +88,13 @@ SMALL_ADAPTER_ELEMENTS = 1 << 20
 
 
 @contextmanager
-def small_work_on_one_thread(data: AdapterData) -> Iterator[None]:
-    """Run the block on one torch thread when the adapter is small (see SMALL_ADAPTER_ELEMENTS), restoring the
-    thread count after. Torch's setting is per process: another thread's large adapter meanwhile runs slower,
-    not wrong."""
-    elements = sum(m.A.numel() + m.B.numel() for m in data.modules) + sum(m.weight.numel() for m in data.full_matrices)
+def one_torch_thread(when: bool = True) -> Iterator[None]:
+    """Run the block on one torch thread (when `when`), restoring the thread count after: for loops of small
+    per-module kernels, each of which would otherwise hand its work to the intra-op thread pool and wait for its
+    threads (on a busy machine a 2-thread kernel of a few MB measured 100 times slower than on one thread). Torch's
+    setting is per process: another thread's large adapter meanwhile runs slower, not wrong."""
     before = torch.get_num_threads()
-    if before == 1 or elements >= SMALL_ADAPTER_ELEMENTS:
+    if before == 1 or not when:
         yield
         return
     torch.set_num_threads(1)
@@ -99,6 +102,12 @@ def small_work_on_one_thread(data: AdapterData) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def small_work_on_one_thread(data: AdapterData) -> contextlib.AbstractContextManager[None]:
+    """Run the block on one torch thread when the adapter is small (see SMALL_ADAPTER_ELEMENTS)."""
+    elements = sum(m.A.numel() + m.B.numel() for m in data.modules) + sum(m.weight.numel() for m in data.full_matrices)
+    return one_torch_thread(elements < SMALL_ADAPTER_ELEMENTS)
 
 
 def canonicalize_modules(modules: list[LoraModule], device: torch.device) -> list[CanonicalFactors]:
@@ -149,17 +158,23 @@ def _module_row(name: str, kind: str, shape: tuple[int, int], spec: Spectrum, **
 
 @dataclass
 class _Described:
-    """An adapter ready to store: its row, its module rows and, for LoRA-like updates, its canonical factors
-    and their blob (digest, bytes), encoded before the store's lock is taken."""
+    """An adapter ready to store: its row, its module rows and, for LoRA-like updates, its canonical factors and
+    their sketch (the blob is staged after: see Ingestor._ingest)."""
 
     adapter: Adapter
     modules: list[dict[str, object]]
     factors: list[tuple[str, CanonicalFactors]]
-    blob: tuple[str, bytes] | None
+    sketch: Sketch | None
 
 
 def describe(data: AdapterData, source_uri: str, base_model: str, canonical: list[CanonicalFactors]) -> _Described:
-    """Spectra, hashes and rows of a read adapter from its modules' canonical factors; no database access."""
+    """Spectra, hashes and rows of a read adapter from its modules' canonical factors (module by module, on one
+    torch thread: see one_torch_thread); no database access."""
+    with one_torch_thread(bool(data.modules)):
+        return _describe(data, source_uri, base_model, canonical)
+
+
+def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: list[CanonicalFactors]) -> _Described:
     factors: list[tuple[str, CanonicalFactors]] = []
     rows: list[dict[str, object]] = []
     if data.modules:
@@ -179,14 +194,13 @@ def describe(data: AdapterData, source_uri: str, base_model: str, canonical: lis
                 )
             )
         shapes = [(n, int(f.U.shape[0]), int(f.V.shape[0])) for n, f in factors]
-        fp = fingerprint(factors)
-        chash, dw_norm = canonical_hash(factors, fp), fp[1]
+        sk = sketch(factors)
+        chash, dw_norm = canonical_hash(factors, sk.fingerprint), sk.norm
     else:
         for fm in data.full_matrices:
             rows.append(_module_row(fm.name, "full", (int(fm.weight.shape[0]), int(fm.weight.shape[1])), matrix_spectrum(fm.weight)))
         shapes = [(fm.name, int(fm.weight.shape[0]), int(fm.weight.shape[1])) for fm in data.full_matrices]
-        chash, dw_norm = data.file_sha256, None  # nothing to canonicalize: identical files are the duplicates
-    blob = BlobStore.encode_factors(factors) if factors else None
+        chash, dw_norm, sk = data.file_sha256, None, None  # nothing to canonicalize: identical files are the duplicates
     config = data.config
     adapter = Adapter(
         name=adapter_name(data.path),
@@ -200,15 +214,16 @@ def describe(data: AdapterData, source_uri: str, base_model: str, canonical: lis
         canonical_hash=chash,
         structure_hash=structure_hash(shapes),
         dw_norm=dw_norm,
+        dw_probes=sk.raw if sk else None,
         file_sha256=data.file_sha256,
         size_bytes=data.size_bytes,
-        factors_blob=blob[0] if blob else None,
+        factors_blob=None,
         config=config,
         file_metadata=data.metadata,
         extra_tensors=data.extra_tensors,
         notes=data.notes,
     )
-    return _Described(adapter, rows, factors, blob)
+    return _Described(adapter, rows, factors, sk)
 
 
 def store_locks(base_model: str, structure: str, dw_norm: float | None) -> list[str]:
@@ -279,16 +294,23 @@ class Ingestor:
         lap("store")
         if result is None:
             opts = self.options
-            data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
+            with one_torch_thread(raw.format in LORA_FORMATS):  # module by module: see one_torch_thread
+                data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
             lap("read")
             with small_work_on_one_thread(data):
                 canonical = canonicalize_modules(data.modules, self.device) if data.modules else []
                 lap("canonicalize")
-                described = describe(data, source, base_model, canonical)
-            if origin is not None:
-                apply_origin(described.adapter, origin, labels)
-            lap("describe")
-            result = self._with_retries(self._store, described, labels)
+                # the blob is written and fsynced meanwhile (see zoo.blobs); what is left of it once committed is nothing
+                blob = BlobWriter(self.blobs, [(m.name, f) for m, f in zip(data.modules, canonical, strict=True)]) if canonical else None
+                try:
+                    described = describe(data, source, base_model, canonical)
+                    if origin is not None:
+                        apply_origin(described.adapter, origin, labels)
+                    lap("describe")
+                    result = self._with_retries(self._store, described, labels, blob)
+                finally:
+                    if blob is not None:
+                        blob.discard()
             result.notes = list(data.notes)
         lap("store")
         result.source, result.timings = source, timings
@@ -340,12 +362,15 @@ class Ingestor:
 
     def _find_duplicate(self, session: Session, d: _Described) -> repository.Candidate | None:
         """The stored adapter with this canonical hash, else the first near one (same structure, close norm) within
-        DUPLICATE_RTOL of this update."""
+        DUPLICATE_RTOL of this update. A near candidate's factors are read only when its stored probe values do
+        not rule it out (zoo.fingerprint.may_be_duplicate; adapters stored without them are always read)."""
         a = d.adapter
         for c in repository.duplicate_candidates(session, a.base_model, a.canonical_hash, a.structure_hash, a.dw_norm, DUPLICATE_RTOL):
             if c.canonical_hash == a.canonical_hash:
                 return c
-            if c.factors_blob and relative_distance(d.factors, self.blobs.get_factors(c.factors_blob)) <= DUPLICATE_RTOL:
+            if not c.factors_blob or (d.sketch is not None and not may_be_duplicate(d.sketch, c.dw_probes, c.dw_norm)):
+                continue
+            if relative_distance(d.factors, self.blobs.get_factors(c.factors_blob)) <= DUPLICATE_RTOL:
                 return c
         return None
 
@@ -363,11 +388,12 @@ class Ingestor:
                     raise
         return write(*args)
 
-    def _store(self, d: _Described, labels: LabelRow | None) -> IngestResult:
+    def _store(self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
-        duplicate (see store_locks) so that the duplicate check sees every earlier one's update. The blob is written (idempotently, by
-        content) after the rows are inserted and before they commit, and is never deleted here: a committed
-        row always has its blob; a blob left by a transaction that failed is an orphan for `zoo check --repair`."""
+        duplicate (see store_locks) so that the duplicate check sees every earlier one's update. The blob, written
+        and fsynced meanwhile (`blob`), is put under its digest (idempotently, by content) after the rows are
+        inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob
+        left by a transaction that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
         with write_transaction(self.sessions, *store_locks(a.base_model, a.structure_hash, a.dw_norm)) as session:
             check_space_fits(session, a, d.modules)
@@ -384,13 +410,15 @@ class Ingestor:
             given = {lb.key: lb.value for lb in a.labels} | (labels.attributes if labels else {})
             measured = labels.measurements if labels else {}
             conn = session.connection()
+            if blob is not None:
+                a.factors_blob = blob.digest()
             a.id = conn.execute(_INSERT_ADAPTER, {c: getattr(a, c) for c in _ADAPTER_COLUMNS if c in a.__dict__}).scalar_one()
             _insert_rows(conn, Module, [{**row, "adapter_id": a.id} for row in d.modules])
             _insert_rows(conn, Label, [{"adapter_id": a.id, "key": k, "value": v, "source": "given"} for k, v in given.items()])
             _insert_rows(conn, Measurement, [{"adapter_id": a.id, "metric": k, "value": v, "split": "test"} for k, v in measured.items()])
             write_search_text(conn, a, given)
-            if d.blob:
-                self.blobs.write(*d.blob)
+            if blob is not None:
+                self.blobs.commit(blob.staged())
             return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
 
 

@@ -33,9 +33,11 @@ class Candidate(NamedTuple):
     canonical_hash: str
     factors_blob: str | None
     dw_norm: float | None
+    #: its raw probe values (see zoo.fingerprint.may_be_duplicate); None when stored before they were
+    dw_probes: list | None = None
 
 
-_CANDIDATE = select(Adapter.id, Adapter.canonical_hash, Adapter.factors_blob, Adapter.dw_norm).where(
+_CANDIDATE = select(Adapter.id, Adapter.canonical_hash, Adapter.factors_blob, Adapter.dw_norm, Adapter.dw_probes).where(
     Adapter.base_model == bindparam("base_model")
 )
 _SAME_HASH = _CANDIDATE.where(Adapter.canonical_hash == bindparam("canonical_hash"))
