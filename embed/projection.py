@@ -3,7 +3,13 @@
 - **Fit**: rows are taken in id order, so a fit depends on the set of (id, vector) pairs and not on
   their order. Above `MAX_FIT` vectors it is fitted on a deterministic sample: the ids with the
   smallest `id_hash`, which spreads it over the id range and keeps most of it when the zoo grows.
-  The axes are the top two eigenvectors of the sample's covariance (accumulated in float64).
+  The axes are the top two eigenvectors of the sample's covariance C = XᵀX (X the centred sample),
+  found without forming C (d × d would be 30 GiB at SDXL's d = 63,296): a block Lanczos iteration
+  from a fixed random start, thick-restarted, whose every pass reads the sample once in float64
+  chunks of at most `CHUNK_BYTES` (Xᵀ(X V) per chunk), until the two Ritz pairs' residuals are below
+  `TOL` × the largest (at most `MAX_PASSES` passes). Where d ≤ `BLOCK` the start is the identity
+  and the first pass is exact. Working memory is O(d · 4 · `BLOCK`) beside the sample; the share of
+  variance is against the trace (the sum of squared centred entries).
 - **Sign rule**: each axis points so that the sample's scores along it have positive skewness (a
   property of the data, not of the coordinates, so it survives rotations of the input and refits on a
   grown zoo). An axis whose skewness is below `MIN_SKEW` in size, where float noise could decide,
@@ -14,6 +20,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,8 +29,20 @@ import numpy as np
 MAX_FIT = 50_000
 #: skewness below this (in size) leaves an axis's sign to its largest coordinate
 MIN_SKEW = 1e-3
-#: rows converted to float64 at a time
-CHUNK = 4096
+#: bytes of float64 rows converted at a time (fit and project)
+CHUNK_BYTES = 32 << 20
+#: columns the fit's iteration carries: more converge in fewer passes over the sample
+BLOCK = 32
+#: the Lanczos basis is restarted from the best `BLOCK` directions when it would outgrow this many blocks
+MAX_BLOCKS = 4
+#: stop when both axes' residuals ‖Cu − θu‖ are below this × the largest Ritz value θ₁
+TOL = 1e-9
+#: passes over the sample at most (flat spectra converge slowly; their top axes are nearly arbitrary anyway)
+MAX_PASSES = 64
+#: directions whose part outside the basis is below this × θ₁ are float noise and dropped
+RANK_TOL = 1e-12
+#: the start block's seed
+SEED = 0
 
 
 @dataclass(frozen=True)
@@ -40,8 +59,8 @@ class Projection:
         vectors = np.asarray(vectors)
         mean, basis = self.mean.astype(np.float64), self.basis.astype(np.float64)
         out = np.empty((len(vectors), 2), np.float32)
-        for start in range(0, len(vectors), CHUNK):
-            out[start : start + CHUNK] = (vectors[start : start + CHUNK].astype(np.float64) - mean) @ basis.T
+        for start, x in _centred(vectors, mean):
+            out[start : start + len(x)] = x @ basis.T
         return out
 
 
@@ -64,25 +83,76 @@ def spread_sample(ids: np.ndarray, k: int, keep: np.ndarray | None = None) -> np
 
 def fit(ids: np.ndarray, vectors: np.ndarray, max_fit: int = MAX_FIT) -> Projection:
     """The PCA projection of (ids, vectors) onto two axes, on a sample of at most `max_fit` vectors
-    (see the module doc for the sample and the sign rule). No vectors: the first two coordinate axes."""
+    (see the module doc for the sample, the iteration and the sign rule). No vectors, or no variance:
+    the first two coordinate axes."""
     vectors = np.asarray(vectors)
     if vectors.ndim != 2 or vectors.shape[1] < 2 or len(vectors) != len(ids):
         raise ValueError(f"expected one vector of dimension ≥ 2 per id, got {vectors.shape} for {len(ids)} ids")
     d = vectors.shape[1]
-    if not len(vectors):
-        return Projection(np.zeros(d, np.float32), np.eye(2, d, dtype=np.float32), (0.0, 0.0))
-    sample = vectors[spread_sample(ids, max_fit)]
-    mean = sample.mean(axis=0, dtype=np.float64)
-    cov = np.zeros((d, d))
-    for start in range(0, len(sample), CHUNK):
-        x = sample[start : start + CHUNK].astype(np.float64) - mean
-        cov += x.T @ x
-    values, vecs = np.linalg.eigh(cov)  # ascending
-    basis = vecs[:, ::-1][:, :2].T
+    rows = spread_sample(ids, max_fit)
+    sample = vectors if np.array_equal(rows, np.arange(len(vectors))) else vectors[rows]  # no copy when in id order
+    mean = sample.mean(axis=0, dtype=np.float64) if len(sample) else np.zeros(d)
+    total = sum(float(np.einsum("ij,ij->", x, x)) for _, x in _centred(sample, mean))
+    if not total > 0:
+        return Projection(mean.astype(np.float32), np.eye(2, d, dtype=np.float32), (0.0, 0.0))
+    values, basis = top_axes(sample, mean)
     basis *= _signs(basis, Projection(mean, basis, (0.0, 0.0)).project(sample).astype(np.float64))[:, None]
-    top, total = values[::-1][:2].clip(min=0), float(values.clip(min=0).sum())
-    explained = (float(top[0]) / total, float(top[1]) / total) if total > 0 else (0.0, 0.0)
-    return Projection(mean.astype(np.float32), basis.astype(np.float32), explained)
+    top = values.clip(min=0)
+    return Projection(mean.astype(np.float32), basis.astype(np.float32), (float(top[0]) / total, float(top[1]) / total))
+
+
+def top_axes(sample: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the two largest eigenvalues, their unit eigenvectors as rows (2, d)) of C = (sample − mean)ᵀ(sample − mean),
+    by a thick-restarted block Lanczos iteration that never forms C (see the module doc)."""
+    d = sample.shape[1]
+    k = min(BLOCK, d)
+    v = np.eye(d, k) if k == d else np.linalg.qr(np.random.default_rng(SEED).standard_normal((d, k)))[0]
+    w = _times_covariance(sample, mean, v)
+    for passes in range(1, MAX_PASSES + 1):
+        h = v.T @ w
+        theta, y = np.linalg.eigh((h + h.T) / 2)  # Rayleigh–Ritz on span(v), ascending
+        theta, y = theta[::-1], y[:, ::-1]
+        top = y[:, :2]
+        residual = np.linalg.norm(w @ top - (v @ top) * theta[:2], axis=0).max()
+        scale = max(float(theta[0]), np.finfo(float).tiny)
+        if residual <= TOL * scale or passes == MAX_PASSES:
+            break
+        if v.shape[1] + k > MAX_BLOCKS * k:  # thick restart: keep the best k Ritz pairs (C v known for them)
+            v, w, theta = v @ y[:, :k], w @ y[:, :k], theta[:k]
+            new = _outside(v, w - v * theta, RANK_TOL * scale)
+        else:
+            new = _outside(v, w[:, -k:], RANK_TOL * scale)
+        if not new.shape[1]:  # span(v) is invariant under C: the Ritz pairs are exact
+            break
+        v, w = np.hstack([v, new]), np.hstack([w, _times_covariance(sample, mean, new)])
+    return theta[:2], (v @ top).T
+
+
+def _outside(basis: np.ndarray, w: np.ndarray, floor: float) -> np.ndarray:
+    """Orthonormal columns spanning the part of w outside span(basis), directions of norm ≤ floor dropped."""
+    for _ in range(2):
+        w = w - basis @ (basis.T @ w)
+    u, s, _ = np.linalg.svd(w, full_matrices=False)
+    u = u[:, s > floor]
+    u = u - basis @ (basis.T @ u)  # normalizing a small remainder magnifies its overlap with the basis
+    return np.linalg.qr(u)[0]
+
+
+def _times_covariance(sample: np.ndarray, mean: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """C v = Σ over chunks of xᵀ(x v), x a float64 chunk of the centred sample."""
+    out = np.zeros((sample.shape[1], v.shape[1]))
+    for _, x in _centred(sample, mean):
+        out += x.T @ (x @ v)
+    return out
+
+
+def _centred(vectors: np.ndarray, mean: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(start, float64 rows − mean) chunk by chunk, at most `CHUNK_BYTES` (and at least one row) each."""
+    rows = max(1, CHUNK_BYTES // (8 * max(vectors.shape[1], 1)))
+    for start in range(0, len(vectors), rows):
+        x = vectors[start : start + rows].astype(np.float64)
+        x -= mean
+        yield start, x
 
 
 def _signs(basis: np.ndarray, scores: np.ndarray) -> np.ndarray:
