@@ -6,6 +6,7 @@ plain dict, one per resource, that `--json` prints and the REST API will serve a
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -160,12 +161,14 @@ def space_adapter_ids(session: Session, base_model: str) -> list[int]:
     return list(session.scalars(stmt))
 
 
-#: float32 factor bytes read from the blob store per embedding chunk (at most EMBED_CHUNK adapters)
-EMBED_CHUNK_BYTES = 512 << 20
+def embed_chunk_bytes() -> int:
+    """Bytes of float32 factors read from the blob store per embedding chunk (ZOO_EMBED_CHUNK_BYTES, default 512 MiB):
+    with the embedders' own working memory, what `zoo embed` holds at once whatever the zoo's size."""
+    return int(os.environ.get("ZOO_EMBED_CHUNK_BYTES", 512 << 20))
 
 
 def chunk_size(session: Session, base_model: str) -> int:
-    """Adapters per embedding chunk: as many as hold EMBED_CHUNK_BYTES of canonical factors on average (from the
+    """Adapters per embedding chunk: as many as hold `embed_chunk_bytes()` of canonical factors on average (from the
     module table), between 1 and EMBED_CHUNK."""
     stmt = (
         select(
@@ -177,7 +180,7 @@ def chunk_size(session: Session, base_model: str) -> int:
     )
     elements, adapters = session.execute(stmt).one()
     per_adapter = 4 * int(elements or 0) / max(int(adapters or 0), 1)
-    return max(1, min(EMBED_CHUNK, int(EMBED_CHUNK_BYTES // max(per_adapter, 1.0))))
+    return max(1, min(EMBED_CHUNK, int(embed_chunk_bytes() // max(per_adapter, 1.0))))
 
 
 @dataclass
@@ -356,19 +359,28 @@ def search(
 ) -> dict[str, object]:
     """The search resource: the query, then the engine's answer."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
-    found = engine.similar(session, _space_name(session, space or base), query, k, filters or {}, method)
+    found = engine.similar(session, _space_name(session, space, query, base), query, k, filters or {}, method)
     return {"query": id_or_path, "query_name": query.name, **found}
 
 
 def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None) -> dict[str, object]:
     """The prediction resource: predicted attributes and metrics of the query."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
-    return {"query": id_or_path, "query_name": query.name, **engine.predict(session, _space_name(session, space or base), query)}
+    return {"query": id_or_path, "query_name": query.name, **engine.predict(session, _space_name(session, space, query, base), query)}
 
 
-def _space_name(session: Session, requested: str | None) -> str:
-    """The space to query: a name is checked by the engine (which holds loaded spaces by name), else the zoo's only one."""
-    return requested or resolve_space(session, None).name
+def _space_name(session: Session, requested: str | None, query: Query, base: str | None) -> str:
+    """The space to query: the one asked for (checked by the engine, which holds loaded spaces by name), else the
+    query's base model's, else the zoo's only one. A stored adapter is never compared with another base model's
+    adapters, even where its modules have their shapes (Mistral-7B's q/v are Llama-3-8B's)."""
+    if requested and query.adapter_id is not None and base:
+        space_base = session.connection().execute(select(EmbeddingSpace.base_model).where(EmbeddingSpace.name == requested)).scalar()
+        if space_base is not None and space_base != base:
+            raise UsageError(
+                f"adapter {query.adapter_id} is an adapter of {base!r}, not of space {requested!r}'s base model {space_base!r}: "
+                f"search its own space (--space {base})"
+            )
+    return requested or base or resolve_space(session, None).name
 
 
 def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name: str | None, rebuild: bool) -> dict[str, object]:
