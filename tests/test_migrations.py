@@ -6,8 +6,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from zoo.db.models import Base, on_dialect
-from zoo.db.session import current_revision, downgrade, head_revision, make_engine, upgrade
+from zoo.db.models import Adapter, Base, on_dialect
+from zoo.db.session import current_revision, downgrade, head_revision, make_engine, session_factory, upgrade
 
 
 def test_models_match_migrations(db_url: str) -> None:
@@ -42,3 +42,33 @@ def test_upgrade_keeps_rows_of_tables_it_rebuilds(db_url: str) -> None:
     with make_engine(db_url).connect() as conn:
         counts = [conn.exec_driver_sql(f"SELECT count(*) FROM {t}").scalar() for t in ("adapter", "module", "label")]
     assert counts == [1, 1, 1]
+
+
+def test_0010_adds_probe_values_and_takes_them_away(db_url: str) -> None:
+    """Adapters stored before 0010 keep their rows with no probe values (their factors are read when they are
+    near-duplicate candidates); new values round-trip; the downgrade drops the column and keeps the rows."""
+
+    def columns() -> set[str]:
+        return {c["name"] for c in inspect(make_engine(db_url)).get_columns("adapter")}
+
+    downgrade(db_url, "0009")
+    assert "dw_probes" not in columns()
+    with make_engine(db_url).begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO adapter (id, name, source_uri, base_model, format, canonical_hash, structure_hash, file_sha256, size_bytes,"
+            " config, file_metadata, extra_tensors, notes) VALUES (1, 'a', '/a', 'b', 'peft', 'h', 's', 'f', 1, '{}', '{}', '{}', '[]')"
+        )
+    upgrade(db_url)
+    assert "dw_probes" in columns()
+    raw = [0.1, -2.5e-300, 3.0, 1e300, -0.0, 5.0, 6.0, 7.125]
+    with session_factory(db_url)() as s, s.begin():
+        assert s.get(Adapter, 1).dw_probes is None
+        s.add(Adapter(id=2, name="b", source_uri="/b", base_model="b", format="peft", canonical_hash="h2", structure_hash="s",
+                      file_sha256="f2", size_bytes=1, dw_probes=raw))  # fmt: skip
+    with session_factory(db_url)() as s:
+        assert s.get(Adapter, 2).dw_probes == raw
+    downgrade(db_url, "0009")
+    assert "dw_probes" not in columns()
+    with make_engine(db_url).connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM adapter").scalar() == 2
+    upgrade(db_url)
