@@ -32,10 +32,9 @@ BLOCK_ELEMENTS = 1 << 22
 Layout = dict[str, tuple[list[int], torch.dtype]]
 
 
-def _low_rank(delta: torch.Tensor, energy: float, max_rank: int) -> tuple[torch.Tensor, torch.Tensor, float, str]:
+def _low_rank(delta: torch.Tensor, total: float, energy: float, max_rank: int) -> tuple[torch.Tensor, torch.Tensor, float, str]:
     """(A k×in, B out×k, captured energy fraction, method) with k the fewest components
-    reaching `energy` of ||delta||_F², capped at max_rank."""
-    total = _energy(delta)
+    reaching `energy` of ||delta||_F² (`total`, not 0), capped at max_rank."""
     small = min(delta.shape)
     if small <= EXACT_SVD_MAX_DIM:
         U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
@@ -157,10 +156,11 @@ def _deltas(
         check_finite(base, key, w0)
         delta = _delta(w, w0)
         del w, w0
-        if not torch.any(delta):
+        total = _energy(delta)
+        if total == 0:
             unchanged.append(key)
             continue
-        A, B, frac, method = _low_rank(delta, energy, max_rank)
+        A, B, frac, method = _low_rank(delta, total, energy, max_rank)
         del delta
         methods.add(method)
         captured.append(frac)
