@@ -15,6 +15,10 @@ the points added since the fit outnumber those it was fitted with (the map more 
 fitted again: refits are rare (amortized O(1) per point) and the picture only changes after the zoo
 has.
 
+Memory does not grow with the zoo beyond the points themselves (an id and two floats each): a fit
+loads only its sample (at most `MAX_FIT` vectors, chosen by `spread_sample` over the ids), and every
+vector is projected chunk by chunk (`READ_BYTES` at a time) as it is read, when fitted and when caught up.
+
 `space_map` is the resource a page draws: it reads the file (once per file and space version),
 projects in memory what was embedded since, and when the file is missing or bad answers from the
 database's vectors (fitted in memory, not saved) while there are at most `FIT_IN_REQUEST`.
@@ -38,8 +42,16 @@ from sqlalchemy import Connection, Integer, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from embed.engine import SKETCH, W2T
-from embed.projection import Projection, fit, spread_sample
-from embed.registry import deleted_since, get_space, load_embeddings, serving_embedders, space_version
+from embed.projection import MAX_FIT, Projection, fit, spread_sample
+from embed.registry import (
+    deleted_since,
+    embedding_ids,
+    get_space,
+    iter_embeddings,
+    load_embeddings,
+    serving_embedders,
+    space_version,
+)
 from zoo.db.models import Adapter, Embedder, Embedding, Label, Measurement
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import replace_durably
@@ -53,6 +65,8 @@ FIT_IN_REQUEST = 100_000
 METRIC = "metric:"
 #: maps kept in memory by `current_map` (per file and space version)
 CACHED_MAPS = 4
+#: bytes of vectors read from the database at a time when a map is fitted or caught up
+READ_BYTES = 64 << 20
 
 
 def map_path(data_dir: Path, embedder_id: int) -> Path:
@@ -155,12 +169,12 @@ def _consistent(session: Session, path: Path, embedder: Embedder, version: int) 
         raise ValueError(f"map file {path} was written for another database or embedder")
     since = m.version
     gone = deleted_since(session, embedder.space_id, since)
-    ids, vectors = load_embeddings(session, embedder, after_version=since)
+    ids, xy = _projected(session, embedder, m.projection, after_version=since)
     dropped = int(np.isin(m.ids, gone).sum())
     if dropped:
         m = m.without(gone, version)
     if len(ids):
-        m = m.with_points(ids, m.projection.project(vectors), version)
+        m = m.with_points(ids, xy, version)
     stored = _stored_count(session, embedder.id)
     if m.count != stored:
         raise ValueError(f"map file {path} holds {m.count} points, the database {stored} vectors")
@@ -168,10 +182,31 @@ def _consistent(session: Session, path: Path, embedder: Embedder, version: int) 
     return m, ", ".join(changes)
 
 
+def _read_batch(embedder: Embedder) -> int:
+    """Vectors read from the database at a time: `READ_BYTES` of float32."""
+    return max(1, READ_BYTES // (4 * max(embedder.dim, 1)))
+
+
+def _projected(
+    session: Session, embedder: Embedder, projection: Projection, after_version: int = -1, ids: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, xy) of the embedder's vectors (those of `ids`, else those written after `after_version`), projected
+    chunk by chunk as they are read: one chunk of vectors in memory at a time."""
+    found, points = [np.zeros(0, np.int64)], [np.zeros((0, 2), np.float32)]
+    for chunk_ids, vectors in iter_embeddings(session, embedder, after_version, ids=ids, batch=_read_batch(embedder)):
+        found.append(chunk_ids)
+        points.append(projection.project(vectors))
+    return np.concatenate(found), np.concatenate(points)
+
+
 def _fitted(session: Session, embedder: Embedder, version: int) -> ZooMap:
-    ids, vectors = load_embeddings(session, embedder)
-    projection = fit(ids, vectors)
-    return ZooMap(embedder.id, version, len(ids), projection, ids, projection.project(vectors))
+    """Fit on the spread sample of the ids (at most MAX_FIT vectors loaded), then project every vector as it is read."""
+    ids = embedding_ids(session, embedder)
+    sample_ids, sample = load_embeddings(session, embedder, ids=ids[spread_sample(ids, MAX_FIT)])
+    projection = fit(sample_ids, sample)
+    del sample
+    ids, xy = _projected(session, embedder, projection, ids=ids)
+    return ZooMap(embedder.id, version, len(ids), projection, ids, xy)
 
 
 def update_map(session: Session, data_dir: Path, embedder: Embedder, rebuild: bool = False) -> tuple[ZooMap, str]:

@@ -9,9 +9,10 @@ everything newer by loading the rows stamped above v: no O(N) check.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import numpy as np
-from sqlalchemy import bindparam, delete, select, update
+from sqlalchemy import Integer, bindparam, delete, select, update
 from sqlalchemy.orm import Session
 
 from embed.types import SpaceSchema
@@ -115,16 +116,56 @@ def deleted_since(session: Session, space_id: int, after_version: int) -> np.nda
     return np.array(sorted(session.scalars(stmt)), dtype=np.int64)
 
 
-def load_embeddings(session: Session, embedder: Embedder, after_version: int = -1) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, vectors) of the embedder's rows written after `after_version` (all by default), by adapter id."""
-    rows = session.execute(
+def embedding_ids(session: Session, embedder: Embedder, after_version: int = -1) -> np.ndarray:
+    """Ids (int64, ascending) of the adapters with a vector of the embedder written after `after_version`."""
+    stmt = select(Embedding.adapter_id).where(Embedding.embedder_id == embedder.id, Embedding.version > after_version)
+    return np.array(sorted(session.scalars(stmt)), dtype=np.int64)
+
+
+_IDS = bindparam("ids", type_=Integer, expanding=True, literal_execute=True)  # rendered inline: no bound-parameter limit
+#: ids asked for per query by `load_embeddings(..., ids=...)`
+IDS_PER_QUERY = 4096
+
+
+def load_embeddings(
+    session: Session, embedder: Embedder, after_version: int = -1, ids: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, vectors) of the embedder's rows written after `after_version` (all by default), by adapter id;
+    with `ids`, only the rows of those ids (the ones found), read `IDS_PER_QUERY` ids at a time into one array."""
+    if ids is None:
+        rows = session.execute(
+            select(Embedding.adapter_id, Embedding.vector)
+            .where(Embedding.embedder_id == embedder.id, Embedding.version > after_version)
+            .order_by(Embedding.adapter_id)
+        ).all()
+        found = np.array([r[0] for r in rows], dtype=np.int64)
+        vectors = np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]) if rows else np.zeros((0, embedder.dim), np.float32)
+        return found, vectors
+    wanted = np.unique(np.asarray(ids, dtype=np.int64))
+    found, vectors, n = np.empty(len(wanted), np.int64), np.empty((len(wanted), embedder.dim), np.float32), 0
+    stmt = (
         select(Embedding.adapter_id, Embedding.vector)
-        .where(Embedding.embedder_id == embedder.id, Embedding.version > after_version)
+        .where(Embedding.embedder_id == embedder.id, Embedding.version > after_version, Embedding.adapter_id.in_(_IDS))
         .order_by(Embedding.adapter_id)
-    ).all()
-    ids = np.array([r[0] for r in rows], dtype=np.int64)
-    vectors = np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]) if rows else np.zeros((0, embedder.dim), np.float32)
-    return ids, vectors
+    )
+    conn = session.connection()
+    for start in range(0, len(wanted), IDS_PER_QUERY):
+        for i, blob in conn.execute(stmt, {"ids": wanted[start : start + IDS_PER_QUERY].tolist()}):
+            found[n], vectors[n] = i, np.frombuffer(blob, dtype=np.float32)
+            n += 1
+    return found[:n], vectors[:n]
+
+
+def iter_embeddings(
+    session: Session, embedder: Embedder, after_version: int = -1, ids: np.ndarray | None = None, batch: int = 1024
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`load_embeddings` `batch` ids at a time, in id order: (ids, vectors) chunks of the rows of `ids` (default: all
+    the embedder's rows written after `after_version`), so that at most one chunk of vectors is in memory."""
+    ids = embedding_ids(session, embedder, after_version) if ids is None else np.unique(np.asarray(ids, dtype=np.int64))
+    for start in range(0, len(ids), max(1, batch)):
+        chunk = load_embeddings(session, embedder, after_version, ids=ids[start : start + max(1, batch)])
+        if len(chunk[0]):
+            yield chunk
 
 
 def embedded_ids(session: Session, embedder: Embedder, among: list[int] | None = None) -> set[int]:
