@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from sqlalchemy import event
 
+import embed.maps
+import embed.projection
 from embed.maps import map_embedder, map_path, read_map, space_map, write_map
 from embed.projection import MIN_SKEW, fit, spread_sample
 from embed.registry import get_space, load_embeddings, register, store_embeddings
@@ -134,6 +137,65 @@ def test_a_large_input_is_fitted_on_its_spread_sample() -> None:
     perm = rng.permutation(500)
     assert np.array_equal(fit(ids[perm], vectors[perm], max_fit=40).basis, small.basis)
     assert np.array_equal(ids[perm][spread_sample(ids[perm], 40)], ids[rows])
+
+
+@st.composite
+def spiked_clouds(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, vectors): a rank-r signal with two leading scales apart from each other and from the rest, plus
+    noise, at dimensions above the fit's block (so the iteration, not one exact pass, finds the axes)."""
+    n, d, r = draw(st.integers(3, 400)), draw(st.integers(40, 300)), draw(st.integers(2, 12))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scales = np.concatenate([[4.0, 2.0], rng.uniform(0.05, 1.0, r - 2)])
+    directions = np.linalg.qr(rng.standard_normal((d, r)))[0].T
+    vectors = (rng.standard_normal((n, r)) * scales) @ directions + 0.05 * rng.standard_normal((n, d))
+    vectors += draw(st.sampled_from([0.0, 1.0, 30.0])) * rng.standard_normal(d)  # a mean of any size
+    return rng.permutation(np.arange(1, n + 1) * 3), vectors.astype(np.float32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spiked_clouds())
+def test_the_fit_agrees_with_an_exact_eigendecomposition(cloud: tuple[np.ndarray, np.ndarray]) -> None:
+    ids, vectors = cloud
+    centred = vectors.astype(np.float64) - vectors.mean(axis=0, dtype=np.float64)
+    values, vecs = np.linalg.eigh(centred.T @ centred)  # the exact route the fit no longer takes
+    values, vecs = values[::-1], vecs[:, ::-1]
+    if not values[1] > 1.05 * values[2] or not values[0] > 1.05 * values[1]:
+        return  # few points can leave the top two eigenvalues close: then the axes are not defined
+    p = fit(ids, vectors)
+    cosines = np.abs(np.sum(p.basis.astype(np.float64) * vecs[:, :2].T, axis=1))
+    assert np.all(cosines > 1 - 1e-6)
+    assert np.allclose(p.explained, values[:2] / values.clip(min=0).sum(), atol=1e-6)
+    assert np.allclose(p.basis @ p.basis.T, np.eye(2), atol=1e-5)
+
+
+def test_a_wide_space_is_fitted_without_a_d_by_d_matrix() -> None:
+    n, d = 300, 20_000  # d x d float64 would be 3.2 GB
+    rng = np.random.default_rng(11)
+    signal = rng.standard_normal((n, 3)) * [3.0, 1.5, 0.5]
+    vectors = (signal @ np.linalg.qr(rng.standard_normal((d, 3)))[0].T + 0.01 * rng.standard_normal((n, d))).astype(np.float32)
+    ids = np.arange(1, n + 1)
+    tracemalloc.start()
+    try:
+        p = fit(ids, vectors)
+        xy = p.project(vectors)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 160 * 2**20  # numpy reports its buffers to tracemalloc; d x d float64 alone is 3.2 GB
+    centred = vectors.astype(np.float64) - vectors.mean(axis=0, dtype=np.float64)
+    _, s, vt = np.linalg.svd(centred, full_matrices=False)  # n x d: the Gram-sized exact route
+    assert np.all(np.abs(np.sum(p.basis.astype(np.float64) * vt[:2], axis=1)) > 1 - 1e-6)
+    assert np.allclose(p.explained, s[:2] ** 2 / np.sum(s**2), atol=1e-6)
+    assert np.isclose(np.sum(xy.astype(np.float64) ** 2), np.sum(s[:2] ** 2), rtol=1e-5)
+
+
+def test_the_projection_does_not_depend_on_its_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(2)
+    vectors = rng.standard_normal((500, 64)).astype(np.float32)
+    p = fit(np.arange(500), vectors)
+    whole = p.project(vectors)
+    monkeypatch.setattr(embed.projection, "CHUNK_BYTES", 3 * 64 * 8)  # three rows at a time
+    assert np.array_equal(p.project(vectors), whole)
 
 
 # --- the stored map ------------------------------------------------------------------------------
@@ -284,3 +346,33 @@ def test_the_map_shows_the_supervised_w2t_when_there_is_one(cli: CLI, parts: Pat
     assert (
         map_path(cli.settings.data_dir, made["supervised"]).exists() and not map_path(cli.settings.data_dir, made["contrastive"]).exists()
     )
+
+
+def test_the_map_is_the_same_whatever_the_read_chunk(cli: CLI, parts: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ingest_and_embed(cli, parts, "first")
+    ingest_and_embed(cli, parts, "later")
+    _, path, ids, vectors = stored(cli)
+    rc, _ = cli.json_lines("map", "--rebuild")  # read 64 MiB at a time: all 14 vectors in one chunk
+    whole = read_map(path)
+    assert rc == 0 and whole.fitted == 14 and np.array_equal(whole.ids, ids)
+    reads: list[int] = []
+    iterate = embed.maps.iter_embeddings
+
+    def counted(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        for chunk in iterate(*args, **kwargs):  # type: ignore[arg-type]
+            reads.append(len(chunk[0]))
+            yield chunk
+
+    monkeypatch.setattr(embed.maps, "iter_embeddings", counted)
+    monkeypatch.setattr(embed.maps, "READ_BYTES", 3 * 4 * vectors.shape[1])  # three vectors at a time
+    rc, (found,) = cli.json_lines("map", "--rebuild")
+    assert rc == 0 and found["file"] == "fitted (asked)" and reads == [3, 3, 3, 3, 2]
+    small = read_map(path)
+    assert np.array_equal(small.ids, whole.ids) and np.array_equal(small.xy, whole.xy)
+    assert np.array_equal(small.projection.basis, whole.projection.basis) and small.projection.explained == whole.projection.explained
+    monkeypatch.setattr(embed.maps, "MAX_FIT", 5)  # a sample: fitted on 5 vectors loaded by id, all 14 projected
+    rc, (found,) = cli.json_lines("map", "--rebuild")
+    sampled = read_map(path)
+    rows = spread_sample(ids, 5)
+    assert rc == 0 and np.array_equal(sampled.projection.basis, fit(ids[rows], vectors[rows]).basis)
+    assert np.array_equal(sampled.xy, sampled.projection.project(vectors)) and sampled.fitted == 14
