@@ -145,35 +145,59 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
     new = [i for i in ids if i not in known]
     if have and not new:
         return "loaded"
-    estimate = module_store_bytes(session, space.base_model, len(ids))
+    layout = module_layout(session, space.base_model, SpaceSchema.from_dict(sketch.config["schema"]))
+    estimate = len(ids) * layout_bytes(layout)
     if estimate > module_store_budget():  # known from the module table before any factors are read
         path.unlink(missing_ok=True)
         return _over_budget(estimate)
-    stack = _stack_of(session, blobs, new, have[2] if have else None)
+    if have and not set(have[1].norms) <= set(layout):
+        have, new = None, ids  # modules the space no longer has: start again
+    for name, (U, _, _) in have[1].factors.items() if have else ():
+        out, inp, r = layout[name]
+        layout[name] = (out, inp, max(r, U.shape[1]))
+    dense = have[2] if have else {n for n, (o, i, r) in layout.items() if r and o * i <= 2 * r * (o + i)}
+    stack = ModuleStack.allocate(len(ids), layout, dense)
+    start = 0
     if have:
-        stack = ModuleStack.concat([have[1], stack])
+        have[1].copy_into(stack)
+        start = have[1].size
     all_ids = np.concatenate([have[0], np.array(new, dtype=np.int64)]) if have else np.array(new, dtype=np.int64)
-    if _nbytes(stack) > module_store_budget():
-        path.unlink(missing_ok=True)
-        return _over_budget(_nbytes(stack))
+    have = None
+    per_chunk = max(1, embed_chunk_bytes() // max(layout_bytes(layout), 1))
+    for at in range(0, len(new), per_chunk):
+        chunk = new[at : at + per_chunk]
+        stack.fill(start + at, _factors_of(session, blobs, chunk))
     _write_module_store(path, all_ids, stack, space_version(session, space.id))
-    return "updated" if have else "built"
+    return "updated" if start else "built"
 
 
-def module_store_bytes(session: Session, base_model: str, adapters: int) -> int:
-    """The bytes a module store of `adapters` adapters of the space takes (ModuleStack's layout: per module its
-    padded factors, or its flattened dW where that is smaller), from the module table's shapes and ranks."""
+def embed_chunk_bytes() -> int:
+    """Bytes of float32 factors read from the blob store at a time (ZOO_EMBED_CHUNK_BYTES, default 512 MiB) when a
+    space's adapters are embedded or put in its module store: with the embedders' own working memory, what
+    `zoo embed` holds at once besides the module store, whatever the zoo's size."""
+    return int(os.environ.get("ZOO_EMBED_CHUNK_BYTES", 512 << 20))
+
+
+def module_layout(session: Session, base_model: str, schema: SpaceSchema) -> dict[str, tuple[int, int, int]]:
+    """Per module of the space's vocabulary: (out, in, the largest canonical rank stored), from the module table."""
     stmt = (
-        select(Module.out_features, Module.in_features, func.max(Module.canonical_rank))
+        select(Module.name, Module.out_features, Module.in_features, func.max(Module.canonical_rank))
         .join(Adapter, Adapter.id == Module.adapter_id)
         .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
         .group_by(Module.name, Module.out_features, Module.in_features)
     )
-    per_adapter = 0
-    for out, inp, rank in session.execute(stmt):
-        r = int(rank or 0)
-        per_adapter += 1 + (out * inp if out * inp <= 2 * r * (out + inp) else r * (out + inp + 1))
-    return 4 * per_adapter * adapters
+    known = set(schema.modules)
+    return {str(n): (int(o), int(i), int(r or 0)) for n, o, i, r in session.execute(stmt) if (n, o, i) in known}
+
+
+def layout_bytes(layout: dict[str, tuple[int, int, int]]) -> int:
+    """Bytes per adapter of a module store of this layout (ModuleStack's: per module its padded factors, or its
+    flattened dW where that is smaller)."""
+    elements = 0
+    for out, inp, r in layout.values():
+        if r:
+            elements += 1 + (out * inp if out * inp <= 2 * r * (out + inp) else r * (out + inp + 1))
+    return 4 * elements
 
 
 def _nbytes(stack: ModuleStack) -> int:
@@ -184,9 +208,13 @@ def _over_budget(nbytes: float) -> str:
     return f"none ({nbytes / 2**30:.2f} GiB is over ZOO_MODULE_STORE_BYTES: module cosine comes from the module sketches)"
 
 
-def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str] | None) -> ModuleStack:
+def _factors_of(session: Session, blobs: BlobStore, ids: list[int]) -> list[dict[str, CanonicalFactors]]:
     digests = dict(session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.id.in_(ids))).all()) if ids else {}
-    factors = [dict(blobs.get_factors(str(digests[i]))) for i in ids]
+    return [dict(blobs.get_factors(str(digests[i]))) for i in ids]
+
+
+def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str] | None) -> ModuleStack:
+    factors = _factors_of(session, blobs, ids)
     return ModuleStack.of(factors, dense if dense is not None else dense_modules(factors))
 
 

@@ -6,7 +6,6 @@ plain dict, one per resource, that `--json` prints and the REST API will serve a
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -18,7 +17,17 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.dataset import load_adapters
-from embed.engine import SKETCH, W2T, Query, QueryEngine, load_w2t, stored_count, update_index_file, update_module_store
+from embed.engine import (
+    SKETCH,
+    W2T,
+    Query,
+    QueryEngine,
+    embed_chunk_bytes,
+    load_w2t,
+    stored_count,
+    update_index_file,
+    update_module_store,
+)
 from embed.index import brute_force, recall_at_k
 from embed.maps import refresh_map
 from embed.registry import (
@@ -159,12 +168,6 @@ def space_adapter_ids(session: Session, base_model: str) -> list[int]:
     """Ids of a base model's stored LoRA-like adapters, in order."""
     stmt = select(Adapter.id).where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None)).order_by(Adapter.id)
     return list(session.scalars(stmt))
-
-
-def embed_chunk_bytes() -> int:
-    """Bytes of float32 factors read from the blob store per embedding chunk (ZOO_EMBED_CHUNK_BYTES, default 512 MiB):
-    with the embedders' own working memory, what `zoo embed` holds at once whatever the zoo's size."""
-    return int(os.environ.get("ZOO_EMBED_CHUNK_BYTES", 512 << 20))
 
 
 def chunk_size(session: Session, base_model: str) -> int:

@@ -69,28 +69,57 @@ class ModuleStack:
 
     @classmethod
     def of(cls, adapters: Sequence[Factors], dense: set[str]) -> ModuleStack:
-        n = len(adapters)
+        stack = cls.allocate(len(adapters), layout_of(adapters), dense)
+        stack.fill(0, adapters)
+        return stack
+
+    @classmethod
+    def allocate(cls, size: int, layout: Mapping[str, tuple[int, int, int]], dense: set[str]) -> ModuleStack:
+        """A stack of `size` empty rows: per module name (out, in, largest rank); names of rank 0 are left out."""
         norms: dict[str, np.ndarray] = {}
         flat: dict[str, np.ndarray] = {}
         factors: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        for name in sorted({k for a in adapters for k, f in a.items() if f.rank}):
-            rows = [(j, _numpy(a[name])) for j, a in enumerate(adapters) if name in a and a[name].rank]
-            out, inp = rows[0][1][0].shape[0], rows[0][1][2].shape[0]
-            norms[name] = np.zeros(n, np.float32)
-            for j, (_, S, _) in rows:
-                norms[name][j] = np.linalg.norm(S.astype(np.float64))
-            if name in dense:
-                flat[name] = np.zeros((n, out * inp), np.float32)
-                for j, (U, S, V) in rows:
-                    flat[name][j] = ((U * (S / np.linalg.norm(S))) @ V.T).reshape(-1)
+        for name, (out, inp, r) in sorted(layout.items()):
+            if not r:
                 continue
-            r = max(S.shape[0] for _, (_, S, _) in rows)
-            U_, V_, w_ = np.zeros((n, r, out), np.float32), np.zeros((n, r, inp), np.float32), np.zeros((n, r), np.float32)
-            for j, (U, S, V) in rows:
+            norms[name] = np.zeros(size, np.float32)
+            if name in dense:
+                flat[name] = np.zeros((size, out * inp), np.float32)
+            else:
+                factors[name] = (
+                    np.zeros((size, r, out), np.float32),
+                    np.zeros((size, r, inp), np.float32),
+                    np.zeros((size, r), np.float32),
+                )
+        return cls(size, norms, flat, factors)
+
+    def fill(self, start: int, adapters: Sequence[Factors]) -> None:
+        """Write the adapters into rows start, start + 1, ... (modules the stack does not hold must have rank 0)."""
+        for j, a in enumerate(adapters, start):
+            for name, f in a.items():
+                if not f.rank:
+                    continue
+                U, S, V = _numpy(f)
+                norm = np.linalg.norm(S.astype(np.float64))
+                self.norms[name][j] = norm
+                if name in self.dense:
+                    self.dense[name][j] = ((U * (S / norm)) @ V.T).reshape(-1)
+                    continue
+                U_, V_, w_ = self.factors[name]
                 k = S.shape[0]
-                U_[j, :k], V_[j, :k], w_[j, :k] = U.T, V.T, S / np.linalg.norm(S)
-            factors[name] = (U_, V_, w_)
-        return cls(n, norms, flat, factors)
+                U_[j, :k], V_[j, :k], w_[j, :k] = U.T, V.T, S / norm
+
+    def copy_into(self, other: ModuleStack, start: int = 0) -> None:
+        """Write this stack's rows into `other`'s rows start, ... (a layout at least as wide, the same dense modules)."""
+        rows = slice(start, start + self.size)
+        for name, v in self.norms.items():
+            other.norms[name][rows] = v
+        for name, v in self.dense.items():
+            other.dense[name][rows] = v
+        for name, (U, V, w) in self.factors.items():
+            U_, V_, w_ = other.factors[name]
+            k = U.shape[1]
+            U_[rows, :k], V_[rows, :k], w_[rows, :k] = U, V, w
 
     def take(self, rows: Sequence[int] | np.ndarray) -> ModuleStack:
         """The stack of the given rows, in that order."""
@@ -186,6 +215,16 @@ class ModuleStack:
 
         U, V, w = part("U"), part("V"), part("w")
         return cls(size, part("norms"), part("dense"), {k: (U[k], V[k], w[k]) for k in U})
+
+
+def layout_of(adapters: Sequence[Factors]) -> dict[str, tuple[int, int, int]]:
+    """Per module name: (out, in, largest rank) over the adapters, the layout `ModuleStack.allocate` takes."""
+    layout: dict[str, tuple[int, int, int]] = {}
+    for a in adapters:
+        for name, f in a.items():
+            _, _, r = layout.get(name, (0, 0, 0))
+            layout[name] = (int(f.U.shape[0]), int(f.V.shape[0]), max(r, f.rank))
+    return layout
 
 
 def _numpy(f: CanonicalFactors) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

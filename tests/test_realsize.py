@@ -1,0 +1,126 @@
+"""Adapters at the real widths of public models (a block or two of each, zoo.reference.real_shapes): ingested,
+embedded into vectors of bounded size that track exact module cosine, searched by family, in bounded memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from sqlalchemy import select
+
+from embed.similarity import MAX_SEARCH_DIM, MODULE_SKETCH_DIM, module_cosine_matrix, module_sketches, sketch_module_cosines, sketch_width
+from tests.conftest import CLI
+from zoo.blobs import BlobStore
+from zoo.db.models import Adapter, Embedder, EmbeddingSpace
+from zoo.db.session import session_factory
+from zoo.reference.real_shapes import MODELS, write_adapter, write_zoo
+
+
+@given(st.integers(1, 4 * MAX_SEARCH_DIM))
+def test_sketch_width_bounds_the_vector(n_modules: int) -> None:
+    width = sketch_width(n_modules)
+    assert 1 <= width <= MODULE_SKETCH_DIM
+    assert n_modules * width <= max(MAX_SEARCH_DIM, n_modules)
+    if n_modules * MODULE_SKETCH_DIM <= MAX_SEARCH_DIM:
+        assert width == MODULE_SKETCH_DIM  # small spaces keep every probe
+    else:
+        assert n_modules * (width + 1) > MAX_SEARCH_DIM  # and large ones use the whole budget
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_every_kind_is_read_at_its_real_widths(kind: str, cli: CLI, tmp_path: Path) -> None:
+    """One block of each model ingests with the modules, shapes and dtype the generator wrote."""
+    model = MODELS[kind]
+    path = write_adapter(kind, tmp_path, family=0, member=0, layers=1)
+    rc, rows = cli.json_lines("ingest", str(path))
+    assert rc == 0 and rows[0]["status"] == "ingested", rows
+    rc, (shown,) = cli.json_lines("show", str(rows[0]["adapter_id"]))
+    assert rc == 0
+    stored = {(m["name"], *m["shape"]) for m in shown["modules"]}
+    want = {(m.name, m.out, m.fan_in) for m in model.modules(1)}
+    assert stored == want
+    assert {m["rank"] for m in shown["modules"]} == {model.rank}
+    assert max(o for _, o, _ in stored) >= 3072  # real widths, not toy ones
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[Path, int]]]:
+    """Per kind, 3 families × 2 members at one or two blocks of real width."""
+    root = tmp_path_factory.mktemp("realsize")
+    return {kind: write_zoo(kind, root / kind, families=3, members=2, layers=2 if kind == "mistral-7b" else 1) for kind in MODELS}
+
+
+def test_module_sketches_track_module_cosine_at_real_widths(families: dict[str, list[tuple[Path, int]]], cli: CLI) -> None:
+    """Per kind: the sketch estimate of module cosine correlates with the exact one, within the dimension budget."""
+    blobs = BlobStore(cli.settings.blob_dir)
+    for kind, written in families.items():
+        rc, rows = cli.json_lines("ingest", *[str(p) for p, _ in written], "--base-model", kind)
+        assert rc == 0 and all(r["status"] == "ingested" for r in rows), rows
+        with session_factory(cli.settings.database_url)() as session:
+            factors = [dict(blobs.get_factors(str(session.get(Adapter, r["adapter_id"]).factors_blob))) for r in rows]
+        names = sorted(factors[0])
+        width = sketch_width(len(names))
+        sketches = module_sketches(factors, names, width)
+        assert sketches.shape == (len(factors), len(names) * width) and sketches.shape[1] <= MAX_SEARCH_DIM
+        approx = sketch_module_cosines(sketches, sketches, len(names))
+        exact = module_cosine_matrix(factors, factors)
+        off = ~np.eye(len(factors), dtype=bool)
+        assert np.allclose(np.diag(approx), 1.0, atol=1e-5)
+        assert np.corrcoef(approx[off], exact[off])[0, 1] > 0.9, kind
+        assert np.abs(approx[off] - exact[off]).max() < 0.2, kind
+
+
+def test_each_kind_is_searched_by_family(families: dict[str, list[tuple[Path, int]]], cli: CLI) -> None:
+    """`zoo embed` makes one space per base with vectors ≤ MAX_SEARCH_DIM; every adapter's nearest is its family's."""
+    family_of: dict[int, int] = {}
+    ids: dict[str, list[int]] = {}
+    for kind, written in families.items():
+        rc, rows = cli.json_lines("ingest", *[str(p) for p, _ in written], "--base-model", kind)
+        assert rc == 0
+        family_of.update({r["adapter_id"]: f for r, (_, f) in zip(rows, written, strict=True)})
+        ids[kind] = [r["adapter_id"] for r in rows]
+    rc, (reports,) = cli.json_lines("embed")
+    assert rc == 0
+    assert {r["space"] for r in reports} == set(MODELS)
+    with session_factory(cli.settings.database_url)() as session:
+        dims = dict(session.execute(select(EmbeddingSpace.base_model, Embedder.dim).join(Embedder)).all())
+    assert set(dims) == set(MODELS) and max(dims.values()) <= MAX_SEARCH_DIM, dims
+    for kind, members in ids.items():
+        for adapter_id in members:
+            rc, (found,) = cli.json_lines("search", str(adapter_id), "-k", "1", "--space", kind, "--method", "module")
+            assert rc == 0
+            top = found["results"][0]["adapter_id"]
+            assert top in members and family_of[top] == family_of[adapter_id], (kind, adapter_id, top)
+
+
+def _embed_peak_rss(tmp_path: Path, adapters: int) -> int:
+    """Peak RSS (bytes) of `zoo embed` in a child process over `adapters` Llama-3-8B adapters of four real-width
+    blocks, with embedding chunks of one adapter and no module store (which holds every adapter up to its own
+    budget, ZOO_MODULE_STORE_BYTES)."""
+    data = tmp_path / f"data-{adapters}"
+    env = {**os.environ, "ZOO_DATA_DIR": str(data), "ZOO_EMBED_CHUNK_BYTES": str(16 << 20), "ZOO_MODULE_STORE_BYTES": "0"}
+    env.pop("ZOO_DATABASE_URL", None)
+    zoo = [sys.executable, "-m", "zoo.cli"]
+    subprocess.run([*zoo, "init"], env=env, check=True, capture_output=True)
+    written = write_zoo("llama3-8b", tmp_path / f"files-{adapters}", families=adapters, members=1, layers=4)
+    subprocess.run([*zoo, "ingest", *[str(p) for p, _ in written]], env=env, check=True, capture_output=True)
+    code = (
+        "import resource, subprocess, sys\n"
+        "subprocess.run(sys.argv[1:], check=True, capture_output=True)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *zoo, "embed", "--json"], env=env, check=True, capture_output=True, text=True)
+    return int(out.stdout.strip()) * 1024
+
+
+def test_embed_memory_does_not_grow_with_the_zoo(tmp_path: Path) -> None:
+    """3.5 times the adapters (each ~40 MB of float32 factors) cost `zoo embed` less than two adapters' factors."""
+    few, many = _embed_peak_rss(tmp_path, 4), _embed_peak_rss(tmp_path, 14)
+    per_adapter = 4 * sum(16 * (m.out + m.fan_in) for m in MODELS["llama3-8b"].modules(4))
+    assert many - few < 2 * per_adapter, (few, many, per_adapter)
