@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,4 +92,4 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t if t.element_size() > 1 else t.float())  # no float8 reductions on the CPU
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
