@@ -16,6 +16,21 @@ With --zoo-worker, `zoo jobs add` + `zoo worker --concurrency W --drain` is time
 
 The adapter set: --adapters DIR (e.g. a quickstart data dir's demo-zoo/), else digits-vit adapters
 trained by the reference recipe into --work (once; later runs reuse them).
+
+Two modes measure adapters at the real shapes of public models instead (zoo.reference.real_shapes, written
+into --work once; --layers keeps the first blocks only):
+
+- --real KIND...: per kind, one worker process ingests --real-count adapters into a fresh database: MB/s of
+  weight file per adapter (the first, which also draws the probes, apart), seconds per stage, and the ratio of
+  that time to `safetensors.torch.load_file` of the same file, measured in the same process just before.
+- --dense N: N Llama-3-8B adapters whose B factors are rescaled so that every norm falls in one duplicate
+  window, each new one a near-duplicate candidate of every stored one, ingested twice into fresh databases:
+  with the stored probe values (now), and with them cleared after each store, which is what every store did
+  before migration 0010 (read each candidate's factors). Store seconds per adapter and candidates' factors
+  read, before and after.
+
+    python -m bench.ingest --real llama3-8b sdxl --backends sqlite
+    python -m bench.ingest --dense 20 --backends sqlite
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ import io
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +60,7 @@ from sqlalchemy.engine import make_url
 from zoo.config import normalize_database_url
 from zoo.labels import LabelRow, assign_rows, read_labels_csv
 from zoo.reference.build import LABELS_FILE, make_zoo
+from zoo.reference.real_shapes import MODELS
 from zoo.sources.local import expand_paths
 
 STAGES = ("read", "canonicalize", "describe", "store")
@@ -199,6 +216,172 @@ def adapter_set(args: argparse.Namespace) -> tuple[Path, list[tuple[Path, LabelR
     return root, [(p, labels.get(p)) for p, _ in found]
 
 
+def weight_file(path: Path) -> Path:
+    """The weight file of an adapter: a PEFT directory's, or the file itself."""
+    return path / "adapter_model.safetensors" if path.is_dir() else path
+
+
+def real_set(kind: str, count: int, layers: int | None, work: Path) -> list[Path]:
+    """`count` adapters of `kind` at real shapes (families of 3) under `work`, written once and reused."""
+    from zoo.reference.real_shapes import write_adapter
+
+    root = work / f"real-{kind}-{layers or 'all'}"
+    paths = []
+    for i in range(count):
+        name = f"{kind}-f{i % 3}-m{i}"
+        done = root / name if (root / name).is_dir() else root / f"{name}.safetensors"
+        paths.append(done if done.exists() else write_adapter(kind, root, family=i % 3, member=i, layers=layers))
+    return paths
+
+
+def _real_worker(url: str, blob_dir: str, paths: list[Path], out: Queue) -> None:
+    """One worker process (torch on every core, as zoo.ingest.share_cores(1) sets it): per adapter, load_file of its
+    weight file, then its ingest; sends back [(bytes, ingest s, load_file s, stage seconds, status)]."""
+    from safetensors.torch import load_file
+
+    from zoo.blobs import BlobStore
+    from zoo.db.session import session_factory
+    from zoo.ingest import Ingestor, share_cores
+
+    share_cores(1)
+    ingestor = Ingestor(session_factory(url), BlobStore(Path(blob_dir)))
+    rows = []
+    for path in paths:
+        f = weight_file(path)
+        t0 = time.perf_counter()
+        load_file(str(f))
+        loaded = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        result = ingestor.ingest(path)
+        rows.append((f.stat().st_size, time.perf_counter() - t0, loaded, result.timings, result.error or result.status))
+    out.put(rows)
+
+
+def run_real(args: argparse.Namespace) -> dict:
+    """--real: MB/s of adapter file per worker process, per kind and backend, against load_file of the same files."""
+    ctx = multiprocessing.get_context("spawn")
+    summary: dict[str, object] = {}
+    print(f"{'kind':<11} {'backend':<11} {'MB':>5} {'MB/s':>6} {'range':>9} {'first':>6} {'load_file MB/s':>14} {'ratio':>6}   "
+          "seconds per stage (median): read/canonicalize/describe/store")  # fmt: skip
+    for kind in args.real:
+        paths = real_set(kind, args.real_count, args.layers, args.work)
+        for backend in args.backends:
+            with tempfile.TemporaryDirectory(dir=args.work, prefix="real-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
+                out = ctx.Queue()
+                proc = ctx.Process(target=_real_worker, args=(url, f"{tmp}/blobs", paths, out))
+                proc.start()
+                rows = out.get(timeout=7200)
+                proc.join(timeout=60)
+            bad = [r[4] for r in rows if r[4] != "ingested"]
+            first, warm = rows[0], rows[1:] or rows
+            size = statistics.median(r[0] for r in warm) / 1e6
+            rates = [r[0] / 1e6 / r[1] for r in warm]
+            rate = sum(r[0] for r in warm) / 1e6 / sum(r[1] for r in warm)
+            loaded = sum(r[0] for r in warm) / 1e6 / sum(r[2] for r in warm)
+            ratio = sum(r[1] for r in warm) / sum(r[2] for r in warm)
+            stages = {k: statistics.median(r[3].get(k, 0.0) for r in warm) for k in STAGES}
+            print(f"{kind:<11} {backend:<11} {size:>5.0f} {rate:>6.1f} {f'{min(rates):.0f}-{max(rates):.0f}':>9} "
+                  f"{first[0] / 1e6 / first[1]:>6.1f} {loaded:>14.0f} {ratio:>5.0f}x   "
+                  + "/".join(f"{stages[k]:.2f}" for k in STAGES) + (f"   not ingested: {bad[:2]}" if bad else ""))  # fmt: skip
+            summary[f"{kind}_{backend}"] = {
+                "adapters": len(rows),
+                "file_mb": round(size, 1),
+                "mb_per_s": round(rate, 1),
+                "mb_per_s_range": [round(min(rates), 1), round(max(rates), 1)],
+                "first_mb_per_s": round(first[0] / 1e6 / first[1], 1),
+                "load_file_mb_per_s": round(loaded, 1),
+                "vs_load_file": round(ratio, 1),
+                "stage_s": {k: round(v, 3) for k, v in stages.items()},
+                "failures": bad[:5],
+            }
+    return summary
+
+
+def dense_set(count: int, layers: int | None, work: Path) -> list[Path]:
+    """`count` Llama-3-8B adapters (families of 3) whose B factors are rescaled so that every update's norm is 1 (to
+    bf16's rounding, far inside one duplicate window): written once under `work` and reused."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from zoo.reference.real_shapes import write_adapter
+
+    root = work / f"dense-llama3-8b-{layers or 'all'}"
+    paths = []
+    for i in range(count):
+        path = root / f"dense{i}"
+        if not (path / "adapter_model.safetensors").exists():
+            written = write_adapter("llama3-8b", root / "written", family=i % 3, member=i, layers=layers)
+            config = json.loads((written / "adapter_config.json").read_text())
+            tensors = load_file(str(written / "adapter_model.safetensors"))
+            scale = config["lora_alpha"] / config["r"]
+            total = 0.0
+            for key in [k for k in tensors if k.endswith("lora_A.weight")]:
+                a, b = tensors[key].double(), tensors[key.replace("lora_A", "lora_B")].double()
+                total += scale**2 * float(((b.T @ b) * (a @ a.T)).sum())
+            for key in [k for k in tensors if k.endswith("lora_B.weight")]:
+                tensors[key] = (tensors[key].double() / total**0.5).to(torch.bfloat16)
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+            (path / "adapter_config.json").write_text(json.dumps(config))
+            shutil.rmtree(written)
+        paths.append(path)
+    return paths
+
+
+def run_dense(args: argparse.Namespace) -> dict:
+    """--dense: store seconds per adapter in a zoo dense in norms, with stored probe values and without (before 0010)."""
+    from zoo.blobs import BlobStore
+    from zoo.canonical import CanonicalFactors
+    from zoo.db.session import make_engine, session_factory
+    from zoo.ingest import Ingestor, share_cores
+
+    class CountingBlobStore(BlobStore):
+        reads = 0
+
+        def get_factors(self, digest: str) -> list[tuple[str, CanonicalFactors]]:
+            CountingBlobStore.reads += 1
+            return super().get_factors(digest)
+
+    share_cores(1)
+    paths = dense_set(args.dense, args.layers, args.work)
+    size = weight_file(paths[0]).stat().st_size / 1e6
+    summary: dict[str, object] = {"adapters": len(paths), "file_mb": round(size, 1)}
+    print(f"{len(paths)} Llama-3-8B adapters of {size:.0f} MB, every norm in one duplicate window; store seconds per adapter:")
+    for backend in args.backends:
+        runs = {}
+        for mode in ("before", "after"):
+            with tempfile.TemporaryDirectory(dir=args.work, prefix="dense-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
+                blobs = CountingBlobStore(Path(tmp) / "blobs")
+                ingestor = Ingestor(session_factory(url), blobs)
+                CountingBlobStore.reads = 0
+                stores, norms, statuses = [], [], Counter()
+                for path in paths:
+                    result = ingestor.ingest(path)
+                    statuses[result.status] += 1
+                    stores.append(result.timings.get("store", 0.0))
+                    if mode == "before":  # as every adapter stored before migration 0010
+                        with make_engine(url).begin() as conn:
+                            conn.execute(text("UPDATE adapter SET dw_probes = NULL"))
+                with make_engine(url).connect() as conn:
+                    norms = [r[0] for r in conn.execute(text("SELECT dw_norm FROM adapter"))]
+            runs[mode] = {
+                "store_s_median": round(statistics.median(stores), 3),
+                "store_s_last": round(stores[-1], 3),
+                "store_s_total": round(sum(stores), 2),
+                "factors_read": CountingBlobStore.reads,
+                "norm_spread": round(max(norms) / min(norms) - 1, 9) if norms else None,
+                "statuses": dict(statuses),
+            }
+            r = runs[mode]
+            print(f"  {backend:<11} {mode:<6} median {r['store_s_median']:.3f} s, last {r['store_s_last']:.3f} s, total "
+                  f"{r['store_s_total']:.1f} s, candidates' factors read {r['factors_read']}, norms within {r['norm_spread']:.1e}, "
+                  f"{r['statuses']}")  # fmt: skip
+        before, after = runs["before"], runs["after"]
+        print(f"  {backend}: store total before/after {before['store_s_total'] / max(after['store_s_total'], 1e-9):.1f}x")
+        summary[backend] = runs
+    return summary
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run with the median first-ingest rate, with the range of both rates over the runs."""
     ordered = sorted(runs, key=lambda r: r["ingest"]["per_s"])
@@ -231,8 +414,17 @@ def main() -> None:
     p.add_argument("--no-embed", dest="embed", action="store_false", help="skip timing zoo embed")
     p.add_argument("--zoo-worker", action="store_true", help="also time `zoo worker --concurrency W --drain` on a job of the set")
     p.add_argument("--ray", action="store_true", help="also time `zoo ingest ROOT --ray` (with --zoo-worker: against it)")
+    p.add_argument("--real", nargs="+", metavar="KIND", choices=sorted(MODELS), help="adapters at real shapes of these kinds")
+    p.add_argument("--real-count", type=int, default=6, help="adapters per kind for --real (default: %(default)s; the first warms up)")
+    p.add_argument("--dense", type=int, default=0, metavar="N", help="N Llama-3-8B adapters in one duplicate window (see above)")
+    p.add_argument("--layers", type=int, help="--real and --dense: keep the first LAYERS blocks (default: whole models)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.real or args.dense:
+        print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+        summary = {"real": run_real(args) if args.real else None, "dense": run_dense(args) if args.dense else None}
+        print(json.dumps(summary))
+        return
     root, sources = adapter_set(args)
     paths = [p for p, _ in sources]
     sizes = [sum(f.stat().st_size for f in (p.rglob("*.safetensors") if p.is_dir() else [p])) for p in paths]
