@@ -18,7 +18,7 @@ from safetensors.numpy import save
 from safetensors.torch import load_file, save_file
 from sqlalchemy import select, update
 
-from zoo.blobs import BlobStore, factor_arrays
+from zoo.blobs import BlobStore, BlobWriter, factor_arrays
 from zoo.canonical import CanonicalFactors, canonicalize
 from zoo.config import Settings
 from zoo.db.models import Adapter
@@ -239,3 +239,25 @@ def test_a_staged_blob_has_the_bytes_safetensors_writes(names: list[str], seed: 
     back = dict(store.get_factors(staged.digest))
     assert all(torch.equal(back[n].U, f.U) and torch.equal(back[n].S, f.S) and torch.equal(back[n].V, f.V) for n, f in modules)
     shutil.rmtree(store.root)
+
+
+def test_a_blob_writer_commits_or_leaves_nothing_and_reports_its_errors(tmp_path: Path) -> None:
+    """A discarded writer leaves no file whether or not it had finished; a committed blob stays; a writer that cannot
+    write raises its error where its digest is asked for."""
+    modules = [(f"m{i}", random_factors(i, 300, 200, 8)) for i in range(40)]
+    store = BlobStore(tmp_path / "blobs")
+    early = BlobWriter(store, modules)
+    early.discard()
+    finished = BlobWriter(store, modules)
+    finished.staged()
+    finished.discard()
+    assert [p for p in store.root.rglob("*") if p.is_file()] == []
+    kept = BlobWriter(store, modules)
+    store.commit(kept.staged())
+    kept.discard()
+    assert [p for p in store.root.rglob("*") if p.is_file()] == [store.path(kept.digest())]
+    (tmp_path / "a file").write_text("not a directory")
+    failing = BlobWriter(BlobStore(tmp_path / "a file"), modules)
+    with pytest.raises(OSError):
+        failing.digest()
+    failing.discard()
