@@ -7,12 +7,15 @@
   found without forming C (d × d would be 30 GiB at SDXL's d = 63,296): a block Lanczos iteration
   from a fixed random start, thick-restarted, whose every pass reads the sample once in float64
   chunks of at most `CHUNK_BYTES` (Xᵀ(X V) per chunk), until the two Ritz pairs' residuals are below
-  `TOL` × the largest (at most `MAX_PASSES` passes). Where d ≤ `BLOCK` the start is the identity
-  and the first pass is exact. Working memory is O(d · 4 · `BLOCK`) beside the sample; the share of
-  variance is against the trace (the sum of squared centred entries).
-- **Sign rule**: each axis points so that the sample's scores along it have positive skewness (a
-  property of the data, not of the coordinates, so it survives rotations of the input and refits on a
-  grown zoo). An axis whose skewness is below `MIN_SKEW` in size, where float noise could decide,
+  `TOL` × the largest, or nothing but float noise is left outside the basis (at most `MAX_PASSES`
+  passes; a flat spectrum, whose top axes are nearly arbitrary, is the slow case). Where d ≤ `BLOCK`
+  the start is the identity and the first pass is exact. Blocks are orthonormalized through their
+  small Gram matrices; working memory is O(d · `MAX_BLOCKS` · `BLOCK`) beside the sample, and the same
+  sample gives the same bits. The share of variance is against the trace (the sum of squared centred
+  entries).
+- **Sign rule**: each axis points so that the sample's scores along it (its points as projected with
+  the stored float32 parameters) have positive skewness (a property of the data, not of the
+  coordinates, so it survives rotations of the input and refits on a grown zoo). An axis whose skewness is below `MIN_SKEW` in size, where float noise could decide,
   points so that its largest-magnitude coordinate (the first of equals) is positive.
 - **Project**: (v − mean) · basisᵀ in float64 from the float32 parameters that are stored, so a
   vector projected now or later with the same basis lands on the same point.
@@ -92,22 +95,23 @@ def fit(ids: np.ndarray, vectors: np.ndarray, max_fit: int = MAX_FIT) -> Project
     rows = spread_sample(ids, max_fit)
     sample = vectors if np.array_equal(rows, np.arange(len(vectors))) else vectors[rows]  # no copy when in id order
     mean = sample.mean(axis=0, dtype=np.float64) if len(sample) else np.zeros(d)
-    total = sum(float(np.einsum("ij,ij->", x, x)) for _, x in _centred(sample, mean))
+    values, basis, total = top_axes(sample, mean) if len(sample) else (np.zeros(2), np.eye(2, d), 0.0)
     if not total > 0:
         return Projection(mean.astype(np.float32), np.eye(2, d, dtype=np.float32), (0.0, 0.0))
-    values, basis = top_axes(sample, mean)
-    basis *= _signs(basis, Projection(mean, basis, (0.0, 0.0)).project(sample).astype(np.float64))[:, None]
+    mean32, basis32 = mean.astype(np.float32), basis.astype(np.float32)
+    scores = Projection(mean32, basis32, (0.0, 0.0)).project(sample).astype(np.float64)  # the points as served
+    basis32 *= _signs(basis32, scores)[:, None].astype(np.float32)
     top = values.clip(min=0)
-    return Projection(mean.astype(np.float32), basis.astype(np.float32), (float(top[0]) / total, float(top[1]) / total))
+    return Projection(mean32, basis32, (float(top[0]) / total, float(top[1]) / total))
 
 
-def top_axes(sample: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the two largest eigenvalues, their unit eigenvectors as rows (2, d)) of C = (sample − mean)ᵀ(sample − mean),
+def top_axes(sample: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """(the two largest eigenvalues, their unit eigenvectors as rows (2, d), the trace) of C = (sample − mean)ᵀ(sample − mean),
     by a thick-restarted block Lanczos iteration that never forms C (see the module doc)."""
     d = sample.shape[1]
     k = min(BLOCK, d)
     v = np.eye(d, k) if k == d else _outside(np.zeros((d, 0)), np.random.default_rng(SEED).standard_normal((d, k)), 0.0)
-    w = _times_covariance(sample, mean, v)
+    w, trace = _times_covariance(sample, mean, v, trace=True)
     for passes in range(1, MAX_PASSES + 1):
         h = v.T @ w
         theta, y = np.linalg.eigh((h + h.T) / 2)  # Rayleigh–Ritz on span(v), ascending
@@ -124,8 +128,8 @@ def top_axes(sample: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarr
             new = _outside(v, w[:, -k:], RANK_TOL * scale)
         if not new.shape[1]:  # span(v) is invariant under C: the Ritz pairs are exact
             break
-        v, w = np.hstack([v, new]), np.hstack([w, _times_covariance(sample, mean, new)])
-    return theta[:2], (v @ top).T
+        v, w = np.hstack([v, new]), np.hstack([w, _times_covariance(sample, mean, new)[0]])
+    return theta[:2], (v @ top).T, trace
 
 
 def _outside(basis: np.ndarray, w: np.ndarray, floor: float) -> np.ndarray:
@@ -145,12 +149,13 @@ def _orthonormal(w: np.ndarray, floor: float) -> np.ndarray:
     return (w @ z[:, keep]) / np.sqrt(values[keep])
 
 
-def _times_covariance(sample: np.ndarray, mean: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """C v = Σ over chunks of xᵀ(x v), x a float64 chunk of the centred sample."""
-    out = np.zeros((sample.shape[1], v.shape[1]))
+def _times_covariance(sample: np.ndarray, mean: np.ndarray, v: np.ndarray, trace: bool = False) -> tuple[np.ndarray, float]:
+    """(C v, and when asked the trace of C) = Σ over chunks of (xᵀ(x v), Σ x²), x a float64 chunk of the centred sample."""
+    out, total = np.zeros((sample.shape[1], v.shape[1])), 0.0
     for _, x in _centred(sample, mean):
         out += x.T @ (x @ v)
-    return out
+        total += float(np.einsum("ij,ij->", x, x)) if trace else 0.0
+    return out, total
 
 
 def _centred(vectors: np.ndarray, mean: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
