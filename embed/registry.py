@@ -119,7 +119,7 @@ def deleted_since(session: Session, space_id: int, after_version: int) -> np.nda
 def embedding_ids(session: Session, embedder: Embedder, after_version: int = -1) -> np.ndarray:
     """Ids (int64, ascending) of the adapters with a vector of the embedder written after `after_version`."""
     stmt = select(Embedding.adapter_id).where(Embedding.embedder_id == embedder.id, Embedding.version > after_version)
-    return np.array(sorted(session.scalars(stmt)), dtype=np.int64)
+    return np.sort(np.fromiter(session.scalars(stmt), dtype=np.int64))
 
 
 _IDS = bindparam("ids", type_=Integer, expanding=True, literal_execute=True)  # rendered inline: no bound-parameter limit
