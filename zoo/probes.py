@@ -4,14 +4,20 @@ One implementation for every sketch in the project: the canonical hash's fingerp
 module sketches the search engine ranks by. A probe pair (ω_j, ψ_j) is drawn from a generator
 seeded by the module's name and shape (and an optional salt), so every process draws the same
 probes; z_j = Σ_i σ_i (ω_jᵀu_i)(ψ_jᵀv_i) never materializes dW. Pure torch, no I/O.
+
+Drawing a module's probes costs more than using them at LLM widths (Ω and Ψ of a 14,336-wide module are
+~10⁵ Gaussians each), so drawn probes are kept in a cache bounded by bytes (ZOO_PROBE_CACHE_BYTES, default
+512 MiB: every probe of a Llama-3-8B adapter's fingerprint and module sketch), least recently used first out.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import os
+import threading
 
 import torch
+from cachetools import LRUCache, cached
 
 from zoo.canonical import CanonicalFactors
 
@@ -26,8 +32,14 @@ def draw_probes(name: str, rows: int, cols: int, count: int, salt: str = "") -> 
     return omega, psi
 
 
-#: `draw_probes`, cached for callers that draw the same probes for one adapter after another (do not modify them)
-probes = functools.lru_cache(maxsize=4096)(draw_probes)
+def _probe_bytes(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
+    return pair[0].nbytes + pair[1].nbytes
+
+
+_CACHE: LRUCache = LRUCache(maxsize=int(os.environ.get("ZOO_PROBE_CACHE_BYTES", 512 << 20)), getsizeof=_probe_bytes)
+
+#: `draw_probes` through the cache, shared by the threads of a process (the tensors are shared: do not modify them)
+probes = cached(_CACHE, lock=threading.Lock())(draw_probes)
 
 
 def probe_values(f: CanonicalFactors, omega: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
