@@ -3,6 +3,7 @@ embedded into vectors of bounded size that track exact module cosine, searched b
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 from sqlalchemy import select
 
 from embed.similarity import MAX_SEARCH_DIM, MODULE_SKETCH_DIM, module_cosine_matrix, module_sketches, sketch_module_cosines, sketch_width
@@ -124,3 +127,47 @@ def test_embed_memory_does_not_grow_with_the_zoo(tmp_path: Path) -> None:
     few, many = _embed_peak_rss(tmp_path, 4), _embed_peak_rss(tmp_path, 14)
     per_adapter = 4 * sum(16 * (m.out + m.fan_in) for m in MODELS["llama3-8b"].modules(4))
     assert many - few < 2 * per_adapter, (few, many, per_adapter)
+
+
+def _write_thousand_module_adapter(directory: Path, family: int, member: int) -> Path:
+    """A PEFT adapter of 1,000 modules (250 layers × 4 types, 32 wide, r 4): half of each module's rank shared
+    with its family."""
+    gen = torch.Generator().manual_seed(1000 * family + member)
+    shared = torch.Generator().manual_seed(10_000 + family)
+    tensors = {}
+    for layer in range(250):
+        for t in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            stem = f"base_model.model.model.layers.{layer}.self_attn.{t}"
+            A, B = torch.randn(4, 32, generator=gen), torch.randn(32, 4, generator=gen)
+            A[:2], B[:, :2] = torch.randn(2, 32, generator=shared), torch.randn(32, 2, generator=shared)
+            tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = A, B * 0.01
+    out = directory / f"wide-f{family}-m{member}"
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "thousand-modules"}))
+    return out
+
+
+def test_a_thousand_module_adapter_is_embedded_searched_and_predicted(cli: CLI, tmp_path: Path) -> None:
+    """Twelve 1,000-module adapters: `zoo embed` (vectors ≤ MAX_SEARCH_DIM), `zoo train`, then search by family and
+    a prediction for an adapter read from a file."""
+    paths = [_write_thousand_module_adapter(tmp_path / "zoo", f, m) for f in range(3) for m in range(4)]
+    (tmp_path / "labels.csv").write_text("name,task\n" + "".join(f"{p.name},f{p.name.split('-')[1][1:]}\n" for p in paths))
+    rc, rows = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"))
+    assert rc == 0 and len(rows) == 12
+    rc, (reports,) = cli.json_lines("embed")
+    assert rc == 0 and reports[0]["embedded"] == 12
+    rc, _ = cli.json_lines("train", "--epochs", "2", "--members", "1")
+    assert rc == 0
+    with session_factory(cli.settings.database_url)() as session:
+        dims = list(session.scalars(select(Embedder.dim).where(Embedder.active)))
+    assert len(dims) == 2 and max(dims) <= MAX_SEARCH_DIM
+    family = {r["adapter_id"]: r["name"].split("-")[1] for r in rows}
+    for adapter_id in list(family)[::4]:
+        rc, (found,) = cli.json_lines("search", str(adapter_id), "-k", "3", "--method", "module")
+        assert rc == 0 and all(family[h["adapter_id"]] == family[adapter_id] for h in found["results"])
+    query = _write_thousand_module_adapter(tmp_path / "queries", 1, 9)
+    rc, (predicted,) = cli.json_lines("predict", str(query))
+    assert rc == 0
+    assert predicted["attributes"]["task"][0]["value"] == "f1"
