@@ -161,8 +161,9 @@ def peak_rss_kib(settings: Settings, base: Path, tuned: Path) -> tuple[int, dict
 
 
 def test_peak_memory_of_a_checkpoint_delta_is_bounded_by_a_matrix_not_the_files(settings: Settings, tmp_path: Path) -> None:
-    """Four real-width blocks (369 MB a file): holding both files would add ≥ 738 MB over a pair with no blocks; reading
-    a matrix at a time adds about the largest one's float32 delta (46 MB)."""
+    """Four real-width blocks (352 MiB a file): the reader that held both files added 899 MiB of peak RSS over a pair with
+    no blocks; reading a matrix at a time adds 30-100 MiB here (a 5632×2048 matrix: both bf16 tensors, the float32
+    delta, the SVD's work, the factors, and how the allocator keeps freed memory), so half a file is the bound."""
     small = write_checkpoint_pair(tmp_path / "small", layers=0, vocab=2048)
     large = write_checkpoint_pair(tmp_path / "large", layers=4, vocab=2048)
     size = large[1].stat().st_size
@@ -171,4 +172,4 @@ def test_peak_memory_of_a_checkpoint_delta_is_bounded_by_a_matrix_not_the_files(
     after, large_result = peak_rss_kib(settings, *large)
     assert small_result["status"] == large_result["status"] == "ingested", (small_result, large_result)
     extra = (after - before) * 1024
-    assert extra < size / 4, f"ingesting 4 blocks took {extra / 2**20:.0f} MiB more than none (files of {size / 2**20:.0f} MiB)"
+    assert extra < size / 2, f"ingesting 4 blocks took {extra / 2**20:.0f} MiB more than none (files of {size / 2**20:.0f} MiB)"
