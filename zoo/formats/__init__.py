@@ -1,9 +1,10 @@
 """Reading adapter files into plain `AdapterData`: one reader per format, chosen by content.
 
 Reading is two steps, so that every byte is read once and a stored copy is recognized before any
-tensor is built: `open_adapter` reads the files (the weight file whole, hashed as it is read) and
-checks what needs no tensors (the PEFT config, the safetensors header); `parse_adapter` builds the
-modules from those bytes. `read_adapter` does both.
+tensor is built: `open_adapter` reads the files (the weight file whole, hashed as it is read; a safetensors
+file of ZOO_STREAM_MIN_BYTES or more is hashed without being held, and its tensors are read one at a time
+from the same file later, see zoo/formats/safe_load.py) and checks what needs no tensors (the PEFT config,
+the safetensors header); `parse_adapter` builds the modules. `read_adapter` does both.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from zoo.formats.peft import (
 from zoo.formats.safe_load import (
     SAFETENSORS_SUFFIX,
     SafetensorsHeader,
+    StreamedTensors,
     WeightFile,
     parse_weights_only_pickle,
     read_weight_file,
@@ -126,6 +128,8 @@ def parse_adapter(
         fmt = raw.format or file_format(raw.path, list(tensors))
         if fmt == "kohya":
             data = read_single_file_lora(raw.path, tensors, metadata)
+            if isinstance(tensors, StreamedTensors):
+                tensors.verify()  # every tensor was read from the file whose SHA-256 was recorded
         else:
             data = read_checkpoint(raw.path, tensors, metadata, base, energy, max_rank)
     data.file_sha256, data.size_bytes = raw.weights.sha256, raw.weights.size
