@@ -15,8 +15,9 @@
   entries).
 - **Sign rule**: each axis points so that the sample's scores along it (its points as projected with
   the stored float32 parameters) have positive skewness (a property of the data, not of the
-  coordinates, so it survives rotations of the input and refits on a grown zoo). An axis whose skewness is below `MIN_SKEW` in size, where float noise could decide,
-  points so that its largest-magnitude coordinate (the first of equals) is positive.
+  coordinates, so it survives rotations of the input and refits on a grown zoo). An axis whose
+  skewness is below `MIN_SKEW` in size, where float noise could decide, points so that its
+  largest-magnitude coordinate (the first of equals) is positive.
 - **Project**: (v − mean) · basisᵀ in float64 from the float32 parameters that are stored, so a
   vector projected now or later with the same basis lands on the same point.
 """
