@@ -264,53 +264,32 @@ def sketch_width(n_modules: int) -> int:
     return max(1, min(MODULE_SKETCH_DIM, MAX_SEARCH_DIM // max(n_modules, 1)))
 
 
-#: float64 bytes of factors stacked at once when sketching modules of one shape together
-SKETCH_STACK_BYTES = 64 << 20
-
-
 def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int) -> np.ndarray:
     """(N, len(modules)·dim) float32: per module its `dim` seeded probe values ω_jᵀ·dW·ψ_j divided by √dim·‖dW‖_F
     (zeros where the adapter lacks the module), so that a block's inner product with another adapter's is an
-    unbiased estimate of that module's cosine. Modules of one shape go through the probes together, all the
-    adapters at once (a few batched products per shape, not one small one per module and adapter)."""
-    out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
-    shapes: dict[tuple[int, int], list[int]] = {}
-    ranks: dict[tuple[int, int], int] = {}
-    for m, name in enumerate(modules):
-        f = next((a[name] for a in adapters if name in a and a[name].rank), None)
-        if f is not None:
-            shape = (int(f.U.shape[0]), int(f.V.shape[0]))
-            shapes.setdefault(shape, []).append(m)
-            ranks[shape] = max([ranks.get(shape, 0), *(a[name].rank for a in adapters if name in a)])
-    for (rows, cols), members in shapes.items():
-        step = max(1, SKETCH_STACK_BYTES // (8 * len(adapters) * ranks[(rows, cols)] * (rows + cols)))
-        for start in range(0, len(members), step):
-            part = members[start : start + step]
-            out[:, part] = _sketch_stack(adapters, [modules[m] for m in part], rows, cols, ranks[(rows, cols)], dim)
-    return out.reshape(len(adapters), -1)
-
-
-def _sketch_stack(adapters: Sequence[Factors], names: Sequence[str], rows: int, cols: int, rank: int, dim: int) -> np.ndarray:
-    """(N, len(names), dim) module sketch blocks of modules of one shape, zero-padded to one rank."""
+    unbiased estimate of that module's cosine. Module by module, each module's probes taken once for all the
+    adapters; float32 products on one torch thread (each is small: waking a thread pool for it costs more than
+    the product, tens of times more on a busy machine)."""
     import torch
 
     from zoo.probes import probes  # torch: only when sketching
 
-    n, m = len(adapters), len(names)
-    U, V = torch.zeros(n, m, rows, rank, dtype=torch.float64), torch.zeros(n, m, cols, rank, dtype=torch.float64)
-    S = torch.zeros(n, m, rank, dtype=torch.float64)
-    for i, a in enumerate(adapters):
-        for j, name in enumerate(names):
-            f = a.get(name)
-            if f is not None and f.rank:
-                U[i, j, :, : f.rank], V[i, j, :, : f.rank], S[i, j, : f.rank] = f.U, f.V, f.S
-    pairs = [probes(name, rows, cols, dim, _SKETCH_SALT) for name in names]
-    omega, psi = torch.stack([o for o, _ in pairs]), torch.stack([p for _, p in pairs])
-    left = torch.einsum("mrd,nmrk->nmdk", omega, U)
-    right = torch.einsum("mcd,nmck->nmdk", psi, V)
-    z = (left * right * S[:, :, None, :]).sum(dim=-1)
-    norm = torch.linalg.vector_norm(S, dim=-1, keepdim=True) * dim**0.5
-    return torch.where(norm > 0, z / norm.clamp_min(1e-300), 0.0).numpy()
+    out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for m, name in enumerate(modules):
+            present = [(i, a[name]) for i, a in enumerate(adapters) if name in a and a[name].rank]
+            if not present:
+                continue
+            first = present[0][1]
+            omega, psi = (p.float().T.contiguous() for p in probes(name, first.U.shape[0], first.V.shape[0], dim, _SKETCH_SALT))
+            for i, f in present:
+                z = ((omega @ f.U.float()) * (psi @ f.V.float())) @ f.S.float()
+                out[i, m] = (z / (torch.linalg.vector_norm(f.S.double()) * dim**0.5).clamp_min(1e-300)).numpy()
+    finally:
+        torch.set_num_threads(threads)
+    return out.reshape(len(adapters), -1)
 
 
 def sketch_module_cosines(queries: np.ndarray, gallery: np.ndarray, n_modules: int) -> np.ndarray:
