@@ -123,10 +123,11 @@ def _embed_peak_rss(tmp_path: Path, adapters: int) -> int:
 
 
 def test_embed_memory_does_not_grow_with_the_zoo(tmp_path: Path) -> None:
-    """3.5 times the adapters (each ~40 MB of float32 factors) cost `zoo embed` less than two adapters' factors."""
+    """3.5 times the adapters (each ~40 MB of float32 factors) cost `zoo embed` less than three adapters' factors (the
+    whole zoo held at once would add ten): allocator and thread noise is tens of MB."""
     few, many = _embed_peak_rss(tmp_path, 4), _embed_peak_rss(tmp_path, 14)
     per_adapter = 4 * sum(16 * (m.out + m.fan_in) for m in MODELS["llama3-8b"].modules(4))
-    assert many - few < 2 * per_adapter, (few, many, per_adapter)
+    assert many - few < 3 * per_adapter, (few, many, per_adapter)
 
 
 def _write_thousand_module_adapter(directory: Path, family: int, member: int) -> Path:
