@@ -236,7 +236,8 @@ def real_set(kind: str, count: int, layers: int | None, work: Path) -> list[Path
 
 def _real_worker(url: str, blob_dir: str, paths: list[Path], out: Queue) -> None:
     """One worker process (torch on every core, as zoo.ingest.share_cores(1) sets it): per adapter, load_file of its
-    weight file, then its ingest; sends back [(bytes, ingest s, load_file s, stage seconds, status)]."""
+    weight file, then its ingest; sends back [(bytes, ingest s, load_file s, stage seconds, status, ingest CPU s)] (CPU
+    seconds of the process, every thread's: what the ingest costs on a machine that other work does not share)."""
     from safetensors.torch import load_file
 
     from zoo.blobs import BlobStore
@@ -251,9 +252,10 @@ def _real_worker(url: str, blob_dir: str, paths: list[Path], out: Queue) -> None
         t0 = time.perf_counter()
         load_file(str(f))
         loaded = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = ingestor.ingest(path)
-        rows.append((f.stat().st_size, time.perf_counter() - t0, loaded, result.timings, result.error or result.status))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        rows.append((f.stat().st_size, wall, loaded, result.timings, result.error or result.status, cpu))
     out.put(rows)
 
 
@@ -261,7 +263,8 @@ def run_real(args: argparse.Namespace) -> dict:
     """--real: MB/s of adapter file per worker process, per kind and backend, against load_file of the same files."""
     ctx = multiprocessing.get_context("spawn")
     summary: dict[str, object] = {}
-    print(f"{'kind':<11} {'backend':<11} {'MB':>5} {'MB/s':>6} {'range':>9} {'first':>6} {'load_file MB/s':>14} {'ratio':>6}   "
+    print(f"{'kind':<11} {'backend':<11} {'MB':>5} {'MB/s':>6} {'range':>9} {'first':>6} {'MB/cpu-s':>8} "
+          f"{'load_file MB/s':>14} {'ratio':>6}   "
           "seconds per stage (median): read/canonicalize/describe/store")  # fmt: skip
     for kind in args.real:
         paths = real_set(kind, args.real_count, args.layers, args.work)
@@ -279,9 +282,10 @@ def run_real(args: argparse.Namespace) -> dict:
             rate = sum(r[0] for r in warm) / 1e6 / sum(r[1] for r in warm)
             loaded = sum(r[0] for r in warm) / 1e6 / sum(r[2] for r in warm)
             ratio = sum(r[1] for r in warm) / sum(r[2] for r in warm)
+            per_cpu = sum(r[0] for r in warm) / 1e6 / sum(r[5] for r in warm)
             stages = {k: statistics.median(r[3].get(k, 0.0) for r in warm) for k in STAGES}
             print(f"{kind:<11} {backend:<11} {size:>5.0f} {rate:>6.1f} {f'{min(rates):.0f}-{max(rates):.0f}':>9} "
-                  f"{first[0] / 1e6 / first[1]:>6.1f} {loaded:>14.0f} {ratio:>5.0f}x   "
+                  f"{first[0] / 1e6 / first[1]:>6.1f} {per_cpu:>8.1f} {loaded:>14.0f} {ratio:>5.0f}x   "
                   + "/".join(f"{stages[k]:.2f}" for k in STAGES) + (f"   not ingested: {bad[:2]}" if bad else ""))  # fmt: skip
             summary[f"{kind}_{backend}"] = {
                 "adapters": len(rows),
@@ -289,6 +293,7 @@ def run_real(args: argparse.Namespace) -> dict:
                 "mb_per_s": round(rate, 1),
                 "mb_per_s_range": [round(min(rates), 1), round(max(rates), 1)],
                 "first_mb_per_s": round(first[0] / 1e6 / first[1], 1),
+                "mb_per_cpu_s": round(per_cpu, 1),
                 "load_file_mb_per_s": round(loaded, 1),
                 "vs_load_file": round(ratio, 1),
                 "stage_s": {k: round(v, 3) for k, v in stages.items()},
