@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embed.index import RECALL_GOAL, AdapterIndex, brute_force, recall_at_k
+from embed.index import RECALL_GOAL, AdapterIndex, brute_force, pq_subquantizers, recall_at_k
 from embed.lookup import RowLookup
 
 
@@ -123,6 +123,27 @@ def test_high_dimensional_ivf_uses_fast_scan_codes_and_meets_its_recall_goal() -
         "qd,qkd->qk", queries / np.linalg.norm(queries, axis=1, keepdims=True), index.vectors(approx.ravel()).reshape(50, 10, 512)
     )
     assert np.allclose(scores, ref, atol=1e-5)
+
+
+def test_fast_scan_codes_split_any_dimension_into_parts_of_at_most_four() -> None:
+    assert pq_subquantizers(2016) == 504  # Llama-3-8B's sketch: 224 modules × 9 probes
+    assert pq_subquantizers(512) == 128
+    assert pq_subquantizers(1035) == 345  # SDXL's: 1,035 modules × 1 probe, parts of 3
+    assert pq_subquantizers(521) == 521  # a prime: one dimension a part
+    for dim in range(512, 1100):
+        m = pq_subquantizers(dim)
+        assert dim % m == 0 and dim // m <= 4
+
+
+def test_fast_scan_codes_at_a_dimension_four_does_not_divide() -> None:
+    dim = 525  # 175 parts of 3: fast-scan codes, not float16 ones
+    ids, vecs = clustered(6000, dim, seed=8)
+    index = AdapterIndex.build(ids, vecs, ivf=True)
+    assert index.codes == "pq4 fast-scan"
+    queries = vecs[:50] + 0.05 * np.random.default_rng(9).standard_normal((50, dim)).astype(np.float32)
+    _, approx = index.search(queries, 10)
+    _, exact = brute_force(ids, vecs, queries, 10)
+    assert recall_at_k(approx, exact) >= RECALL_GOAL - 0.03
 
 
 def test_filtered_ivf_search_by_subset_codes_and_by_probing_both_meet_the_goal() -> None:
