@@ -2,10 +2,20 @@
 
 The space is SYNTHETIC, derived from a real reference zoo: every synthetic adapter mixes two of
 the zoo's real adapters (weights u and 1 - u, u uniform in [0.5, 1]) plus Gaussian noise, in
-both of its stored representations: the module sketch (renormalized per module) and the W2T
-embedding. It inherits the task of its main parent, so neighbourhoods have the zoo's structure;
-a `shard` label with 100 values gives a filter that keeps 1 % of the zoo. There are no blobs, so
-no module store: module cosine comes from the sketches, as in any space too big for the store.
+both of its stored representations. The module sketch is mixed as stored (each present module's
+block has expected squared norm 1, see `embed.similarity.module_sketches`), its present blocks get
+noise of the same relative size whatever the probes per module, and the whole vector is scaled to
+norm √(modules present), as a real sketch is; the W2T embedding is mixed, noised and made unit.
+It inherits the task of its main parent, so neighbourhoods have the zoo's structure (reported:
+same-task hit@1 of the exact nearest, in the real zoo and in the synthetic space); a `shard` label
+with 100 values gives a filter that keeps 1 % of the zoo. There are no blobs, so no module store:
+module cosine comes from the sketches, as in any space too big for the store.
+
+The real zoo is either given (`--zoo-data-dir`: a data dir where `zoo embed` and `zoo train` ran)
+or built (`--kind KIND`: `--source-families` × `--source-members` adapters of a kind of
+`zoo.reference.real_shapes.MODELS` at their real shapes, or their first `--source-layers` blocks,
+ingested with their family as `task`, `zoo embed`, `zoo train`), once per recipe under a cache dir
+(`--source-dir`), reused by later runs.
 
 Build (timed, in a child process so the serving process's memory is its own): a SQLite database
 with the adapters, their labels and their embeddings, written in bulk, and both FAISS indexes
@@ -14,7 +24,8 @@ stored id with the default method (hybrid) single-threaded, with 8 concurrent th
 1 % label filter. Recall@10 compares the served top 10 with an exhaustive ranking by the same score
 over all N adapters (computed chunk by chunk from the generator: the baseline, timed per query).
 
-    python -m bench.serve --adapters 1000000 --zoo-data-dir DIR   # DIR: a data dir where `zoo train` ran
+    python -m bench.serve --adapters 1000000 --zoo-data-dir DIR
+    python -m bench.serve --adapters 1000000 --kind llama3-8b --work /big/disk/serve-llama
 
 Prints a table and, on the last line, one JSON object.
 """
@@ -22,9 +33,14 @@ Prints a table and, on the last line, one JSON object.
 from __future__ import annotations
 
 import argparse
+import csv
+import functools
 import json
 import multiprocessing
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,6 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
+# before FAISS's OpenMP starts (here and in the spawned build): see embed/index.py; the engine imports FAISS first
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 CHUNK = 50_000
 SHARDS = 100
 
@@ -42,7 +61,7 @@ SHARDS = 100
 class Source:
     """The real zoo's vectors the synthetic adapters are mixed from."""
 
-    sketches: np.ndarray  # (n, modules·dim), unit blocks
+    sketches: np.ndarray  # (n, modules·width), as stored: a present module's block has expected squared norm 1
     w2t: np.ndarray  # (n, dim), unit
     tasks: list[str]
     n_modules: int
@@ -51,41 +70,189 @@ class Source:
     w2t_config: dict
     noise: float
 
+    @property
+    def width(self) -> int:
+        """Probe values per module."""
+        return self.sketches.shape[1] // self.n_modules
 
-def load_source(database_url: str, data_dir: Path, noise: float) -> Source:
+    @functools.cached_property
+    def present(self) -> np.ndarray:
+        """(n, modules) bool: the modules each real adapter has (a nonzero block)."""
+        return np.abs(self.sketches.reshape(len(self.sketches), self.n_modules, -1)).max(axis=2) > 0
+
+
+def _zoo_vectors(database_url: str, data_dir: Path, method: str) -> tuple[dict[str, np.ndarray], dict[str, str], object]:
+    """(name → stored vector, name → given task, the active embedder) of one embedder of a zoo's only space."""
     from sqlalchemy import select
 
     from embed.registry import active_embedder, load_embeddings
     from embed.service import resolve_space
-    from zoo.db.models import Label
+    from zoo.db.models import Adapter, Label
     from zoo.db.session import session_factory
 
     with session_factory(database_url)() as session:
         space = resolve_space(session, None)
-        sketch, w2t = active_embedder(session, space, "module_sketch"), active_embedder(session, space, "w2t")
-        if sketch is None or w2t is None or w2t.objective == "contrastive":
+        embedder = active_embedder(session, space, method)
+        if embedder is None or (method == "w2t" and embedder.objective == "contrastive"):
             raise SystemExit(
                 f"{data_dir}: the bench needs a zoo with module sketches and a supervised W2T: run `zoo embed` and `zoo train`"
             )
-        s_ids, s_vecs = load_embeddings(session, sketch)
-        w_ids, w_vecs = load_embeddings(session, w2t)
-        ids = np.intersect1d(s_ids, w_ids)
-        tasks = dict(session.execute(select(Label.adapter_id, Label.value).where(Label.key == "task", Label.source == "given")).all())
-        return Source(
-            s_vecs[np.searchsorted(s_ids, ids)],
-            w_vecs[np.searchsorted(w_ids, ids)],
-            [tasks.get(int(i), "") for i in ids],
-            len(sketch.config["schema"]["modules"]),
-            dict(sketch.config),
-            str((data_dir / str(w2t.checkpoint)).resolve()),
-            dict(w2t.config),
-            noise,
-        )
+        ids, vectors = load_embeddings(session, embedder)
+        names = dict(session.execute(select(Adapter.id, Adapter.name)).all())
+        given = select(Adapter.name, Label.value).join(Label).where(Label.key == "task", Label.source == "given")
+        tasks = dict(session.execute(given).all())
+        session.expunge(embedder)
+        return {names[int(i)]: v for i, v in zip(ids, vectors, strict=True)}, tasks, embedder
 
 
-def unit_blocks(x: np.ndarray, n_modules: int) -> np.ndarray:
-    blocks = x.reshape(len(x), n_modules, -1)
-    return (blocks / np.maximum(np.linalg.norm(blocks, axis=2, keepdims=True), 1e-12)).reshape(len(x), -1).astype(np.float32)
+def load_source(
+    database_url: str, data_dir: Path, noise: float, w2t_database_url: str | None = None, w2t_data_dir: Path | None = None
+) -> Source:
+    """The real zoo's sketches and supervised W2T vectors, matched by adapter name; the W2T ones from another zoo of the
+    same adapters where given (`w2t_database_url`, `w2t_data_dir`)."""
+    sketches, tasks, sketch = _zoo_vectors(database_url, data_dir, "module_sketch")
+    w2t_dir = w2t_data_dir or data_dir
+    w2t_vectors, _, w2t = _zoo_vectors(w2t_database_url or database_url, w2t_dir, "w2t")
+    names = sorted(sketches.keys() & w2t_vectors.keys())
+    return Source(
+        np.stack([sketches[n] for n in names]).astype(np.float32),
+        np.stack([w2t_vectors[n] for n in names]).astype(np.float32),
+        [tasks.get(n, "") for n in names],
+        len(sketch.config["schema"]["modules"]),  # type: ignore[attr-defined]
+        dict(sketch.config),  # type: ignore[attr-defined]
+        str((w2t_dir / str(w2t.checkpoint)).resolve()),  # type: ignore[attr-defined]
+        dict(w2t.config),  # type: ignore[attr-defined]
+        noise,
+    )
+
+
+def source_root(args: argparse.Namespace) -> Path:
+    """Where the real zoos of `--kind` are built and kept: --source-dir, else a cache dir."""
+    if args.source_dir is not None:
+        return args.source_dir  # type: ignore[no-any-return]
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zoo-bench-serve"
+
+
+def run_bounded(command: list[str], env: dict[str, str], max_rss_gb: float) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    """Run a command; kill it (and exit) when its resident memory, children included, passes `max_rss_gb` (a
+    shared machine: better a failed bench than the kernel's OOM killer choosing someone else's process)."""
+    import psutil
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
+        peak = 0.0
+        while proc.poll() is None:
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                peak = max(peak, sum(q.memory_info().rss for q in tree) / 2**30)
+            except psutil.NoSuchProcess:
+                pass
+            if peak > max_rss_gb:
+                proc.kill()
+                proc.wait()
+                sys.exit(f"{' '.join(command)} passed {max_rss_gb} GB of resident memory: killed (--source-max-rss-gb)")
+            time.sleep(0.5)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
+
+
+def build_zoo(args: argparse.Namespace, layers: int | None, train: bool) -> tuple[Path, dict]:
+    """The data dir of a real zoo of `args.kind` and how it was built: families × members adapters at their real
+    shapes (or their first `layers` blocks), ingested with `task` = family, `zoo embed`, and `zoo train` if `train`.
+    Built once per recipe: a later run finds `source.json` (written last) and reuses the zoo; a partial one is
+    built again."""
+    from zoo.reference.real_shapes import MODELS, write_zoo
+
+    recipe = f"{args.kind}-{args.source_families}x{args.source_members}-layers-{layers if layers is not None else 'all'}"
+    if train:
+        recipe += f"-e{args.source_epochs}-m{args.source_train_members}"
+    root = source_root(args) / recipe
+    done = root / "source.json"
+    if done.exists():
+        return root / "data", json.loads(done.read_text())
+    shutil.rmtree(root, ignore_errors=True)
+    data = root / "data"
+    files = root / "files"
+    env = {**os.environ, "ZOO_DATA_DIR": str(data)}
+    env.pop("ZOO_DATABASE_URL", None)
+    zoo = [sys.executable, "-m", "zoo.cli"]
+    model = MODELS[args.kind]
+    figures: dict[str, object] = {
+        "families": args.source_families,
+        "members": args.source_members,
+        "layers": layers,
+        "modules": len(model.modules(layers)),
+    }
+
+    def step(name: str, command: list[str]) -> None:
+        t0 = time.perf_counter()
+        proc = run_bounded(command, env, args.source_max_rss_gb)
+        if proc.returncode:
+            sys.exit(f"{' '.join(command)} failed (exit status {proc.returncode}):\n{proc.stderr[-3000:]}")
+        figures[f"{name}_s"] = round(time.perf_counter() - t0, 1)
+        print(f"source zoo {recipe}: {name} {figures[f'{name}_s']} s", file=sys.stderr, flush=True)
+
+    step("init", [*zoo, "init"])
+    t0 = time.perf_counter()
+    written = write_zoo(args.kind, files, args.source_families, args.source_members, layers)
+    figures["write_s"] = round(time.perf_counter() - t0, 1)
+    labels = root / "labels.csv"
+    with labels.open("w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(["name", "task"])
+        out.writerows([path.name, f"f{family}"] for path, family in written)
+    step("ingest", [*zoo, "ingest", str(files), "--base-model", model.base_model, "--labels", str(labels), "--json"])
+    shutil.rmtree(files)  # the blobs hold what embed and train read
+    step("embed", [*zoo, "embed", "--space", model.base_model])
+    if train:
+        figures["epochs"], figures["train_members"] = args.source_epochs, args.source_train_members
+        schedule = ["--epochs", str(args.source_epochs), "--members", str(args.source_train_members)]
+        step("train", [*zoo, "train", "--space", model.base_model, *schedule])
+    done.write_text(json.dumps(figures))
+    return data, figures
+
+
+def build_sources(args: argparse.Namespace) -> tuple[Path, Path, dict]:
+    """(data dir of the sketches, data dir of the W2T embeddings, figures) of the real zoo of `--kind`: one zoo at
+    --source-layers, trained; or, with --train-layers, the sketches of that zoo and the W2T embeddings of the same
+    adapters cut to their first --train-layers blocks (a zoo of its own, trained: for sizes whose `zoo train` does not
+    fit in memory)."""
+    from zoo.reference.real_shapes import MODELS
+
+    figures: dict[str, object] = {"kind": args.kind, "base_model": MODELS[args.kind].base_model}
+    if args.train_layers is None:
+        data, figures["zoo"] = build_zoo(args, args.source_layers, train=True)
+        return data, data, figures
+    sketch_data, figures["sketch_zoo"] = build_zoo(args, args.source_layers, train=False)
+    w2t_data, figures["w2t_zoo"] = build_zoo(args, args.train_layers, train=True)
+    return sketch_data, w2t_data, figures
+
+
+def as_sketch(x: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """Mixed sketch vectors (float32, changed in place) scaled as `module_sketches` writes them: norm √(modules
+    present), absent blocks zero. (Not per block: with one probe a module, unit blocks would make every coordinate ±1.)"""
+    x = np.asarray(x, np.float32)
+    blocks = x.reshape(len(x), present.shape[1], -1)
+    blocks *= present[:, :, None]  # in place (x is the caller's scratch)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    x *= np.sqrt(present.sum(axis=1, keepdims=True)) / np.maximum(norms, 1e-12)
+    return x
+
+
+def sketch_noise(src: Source) -> float:
+    """Per-coordinate noise of the sketches: `noise` at MODULE_SKETCH_DIM probes a module, and √(MODULE_SKETCH_DIM /
+    width) times that at fewer, so that every module's block gets noise of the same norm relative to its own (1)."""
+    from embed.similarity import MODULE_SKETCH_DIM
+
+    return src.noise * float(np.sqrt(MODULE_SKETCH_DIM / src.width))
+
+
+def parents(src: Source, start: int, stop: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(main parent, other parent) of synthetic adapters start..stop-1 (the first draws of `synthetic_chunk`)."""
+    rng = np.random.default_rng([seed, start])
+    n = stop - start
+    return rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
 
 
 def synthetic_chunk(src: Source, start: int, stop: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -94,9 +261,12 @@ def synthetic_chunk(src: Source, start: int, stop: int, seed: int) -> tuple[np.n
     n = stop - start
     a, b = rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
     u = rng.uniform(0.5, 1.0, (n, 1)).astype(np.float32)
-    sk = u * src.sketches[a] + (1 - u) * src.sketches[b] + src.noise * rng.standard_normal((n, src.sketches.shape[1]), dtype=np.float32)
+    sk = src.sketches[a] * u  # in place from here: a chunk at 2,048 dimensions is 400 MB an array
+    sk += (1 - u) * src.sketches[b]
+    sk += sketch_noise(src) * rng.standard_normal((n, src.sketches.shape[1]), dtype=np.float32)
     w = u * src.w2t[a] + (1 - u) * src.w2t[b] + src.noise * rng.standard_normal((n, src.w2t.shape[1]), dtype=np.float32)
-    return unit_blocks(sk, src.n_modules), (w / np.linalg.norm(w, axis=1, keepdims=True)).astype(np.float32), a
+    present = src.present
+    return as_sketch(sk, present[a] | present[b]), (w / np.linalg.norm(w, axis=1, keepdims=True)).astype(np.float32), a
 
 
 def chunks(n: int) -> Iterator[tuple[int, int]]:
@@ -258,7 +428,28 @@ def exhaustive_top(
         all_i = np.concatenate([best_i, np.broadcast_to(ids, s.shape)], axis=1)
         top = np.argpartition(-all_s, k, axis=1)[:, :k]
         best_s, best_i = np.take_along_axis(all_s, top, 1), np.take_along_axis(all_i, top, 1)
-    return best_i, (time.perf_counter() - t0) / len(queries)
+    order = np.argsort(-best_s, axis=1, kind="stable")
+    return np.take_along_axis(best_i, order, 1), (time.perf_counter() - t0) / len(queries)
+
+
+def main_parents(src: Source, ids: np.ndarray, seed: int) -> np.ndarray:
+    """The main parent (a real adapter's row) of each synthetic adapter id."""
+    out = np.zeros(len(ids), np.int64)
+    for start, stop in chunks(int(ids.max())):
+        inside = np.nonzero((ids > start) & (ids <= stop))[0]
+        if len(inside):
+            out[inside] = parents(src, start, stop, seed)[0][ids[inside] - 1 - start]
+    return out
+
+
+def real_task_hit_at_1(src: Source, weight: float) -> float:
+    """Share of the real adapters whose nearest other real adapter by the served score has their task."""
+    from embed.similarity import hybrid_score, sketch_module_cosines
+
+    s = hybrid_score(sketch_module_cosines(src.sketches, src.sketches, src.n_modules), src.w2t @ src.w2t.T, weight)
+    np.fill_diagonal(s, -np.inf)
+    tasks = np.array(src.tasks)
+    return float(np.mean(tasks[s.argmax(axis=1)] == tasks))
 
 
 def main() -> None:
@@ -273,12 +464,28 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--noise", type=float, default=0.02, help="per-coordinate noise added to every mixture (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kind", help="build the real zoo instead: adapters of this kind of zoo.reference.real_shapes.MODELS")
+    p.add_argument("--source-families", type=int, default=10)
+    p.add_argument("--source-members", type=int, default=4, help="adapters per family (default: %(default)s)")
+    p.add_argument("--source-layers", type=int, help="keep the first N blocks of the model (default: all, the real size)")
+    p.add_argument("--source-epochs", type=int, default=10, help="zoo train --epochs (default: %(default)s)")
+    p.add_argument("--source-train-members", type=int, default=1, help="zoo train --members (default: %(default)s)")
+    p.add_argument(
+        "--train-layers", type=int, help="W2T embeddings from the same adapters cut to their first N blocks (where full ones do not train)"
+    )
+    p.add_argument("--source-max-rss-gb", type=float, default=12.0, help="kill a source zoo step above this resident memory")
+    p.add_argument("--source-dir", type=Path, help="where the real zoos of --kind are built and kept (default: ~/.cache/zoo-bench-serve)")
     args = p.parse_args()
 
     from zoo.config import Settings
 
-    settings = Settings.load(args.zoo_db, args.zoo_data_dir)
-    src = load_source(settings.database_url, settings.data_dir, args.noise)
+    source: dict | None = None
+    if args.kind:
+        sketch_dir, w2t_dir, source = build_sources(args)
+        src = load_source(f"sqlite:///{sketch_dir / 'zoo.db'}", sketch_dir, args.noise, f"sqlite:///{w2t_dir / 'zoo.db'}", w2t_dir)
+    else:
+        settings = Settings.load(args.zoo_db, args.zoo_data_dir)
+        src = load_source(settings.database_url, settings.data_dir, args.noise)
     work = args.work or Path(tempfile.mkdtemp(prefix="zoo-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -286,6 +493,9 @@ def main() -> None:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
+    result["sketch_dim"], result["w2t_dim"], result["modules"] = src.sketches.shape[1], src.w2t.shape[1], src.n_modules
+    if source is not None:
+        result["kind"], result["source"] = args.kind, source
     print(
         f"{result['adapters']} synthetic adapters (from {len(src.tasks)} real ones): built in {result['build_s']:.0f} s, "
         f"loaded in {result['load_s']:.1f} s, nprobe {result['nprobe']}, rerank {result['rerank']}\n"
@@ -294,7 +504,9 @@ def main() -> None:
         f"1 % filter p50 {result['p50_ms_filtered_1pct']:.2f} ms, p99 {result['p99_ms_filtered_1pct']:.2f} ms\n"
         f"recall@10 vs exhaustive {result['recall_at_10']:.3f} (1 % filter: {result['recall_at_10_filtered_1pct']:.3f}); "
         f"exhaustive {result['exhaustive_ms_per_query']:.0f} ms/query "
-        f"({result['speedup_vs_exhaustive']:.0f}x the served p50); resident memory {result['rss_gb']:.2f} GB"
+        f"({result['speedup_vs_exhaustive']:.0f}x the served p50); resident memory {result['rss_gb']:.2f} GB\n"
+        f"same-task hit@1 of the exact nearest: real zoo {result['task_hit_at_1_real']:.3f}, "
+        f"synthetic {result['task_hit_at_1_synthetic']:.3f}"
     )
     print(json.dumps(result))
 
@@ -333,6 +545,8 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
     rq = queries[: args.recall_queries]
     exact, exhaustive_s = exhaustive_top(src, args.adapters, args.seed, rq, weight, 10)
     recall = float(np.mean([len(set(single[j][1]) & set(exact[j].tolist())) / 10 for j in range(len(rq))]))
+    tasks = np.array(src.tasks)
+    synthetic_hit = float(np.mean(tasks[main_parents(src, exact[:, 0], args.seed)] == tasks[main_parents(src, rq, args.seed)]))
     exact_f, _ = exhaustive_top(src, args.adapters, args.seed, rq, weight, 10, shards[: len(rq)])
     recall_f = float(np.mean([len(set(filtered[j][1]) & set(exact_f[j].tolist())) / 10 for j in range(len(rq))]))
     p50, p99 = percentiles([t for t, _ in single])
@@ -357,6 +571,8 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
         "nprobe": built["nprobe"],
         "rerank": built.get("rerank"),
         "hybrid_weight": weight,
+        "task_hit_at_1_real": round(real_task_hit_at_1(src, weight), 4),
+        "task_hit_at_1_synthetic": round(synthetic_hit, 4),
         "synthetic": True,
     }
 
