@@ -161,7 +161,7 @@ def build_zoo(args: argparse.Namespace, layers: int | None, train: bool) -> tupl
     """The data dir of a real zoo of `args.kind` and how it was built: families × members adapters at their real
     shapes (or their first `layers` blocks), ingested with `task` = family, `zoo embed`, and `zoo train` if `train`.
     Built once per recipe: a later run finds `source.json` (written last) and reuses the zoo; a partial one is
-    built again."""
+    built again. Its blobs and module store are removed when it is done (GBs at real sizes, read by no bench step)."""
     from zoo.reference.real_shapes import MODELS, write_zoo
 
     recipe = f"{args.kind}-{args.source_families}x{args.source_members}-layers-{layers if layers is not None else 'all'}"
@@ -209,6 +209,8 @@ def build_zoo(args: argparse.Namespace, layers: int | None, train: bool) -> tupl
         figures["epochs"], figures["train_members"] = args.source_epochs, args.source_train_members
         schedule = ["--epochs", str(args.source_epochs), "--members", str(args.source_train_members)]
         step("train", [*zoo, "train", "--space", model.base_model, *schedule])
+    for derived in ("blobs", "rerank"):  # the bench reads the embeddings and the checkpoint only
+        shutil.rmtree(data / derived, ignore_errors=True)
     done.write_text(json.dumps(figures))
     return data, figures
 
@@ -308,9 +310,18 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
             )
         )
     indexes: list[AdapterIndex] = []
+    steps = dict.fromkeys(("generate_s", "sql_s", "train_s", "add_s", "tune_s", "save_s"), 0.0)
+    t = time.perf_counter()
+
+    def lap(step: str) -> None:
+        nonlocal t
+        steps[step] += time.perf_counter() - t
+        t = time.perf_counter()
+
     for start, stop in chunks(n):
         sk, w, parent = synthetic_chunk(src, start, stop, seed)
         ids = np.arange(start + 1, stop + 1)
+        lap("generate_s")
         with engine.begin() as conn:
             conn.execute(
                 insert(Adapter),
@@ -347,24 +358,31 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
                         for i, v in zip(ids, vectors, strict=True)
                     ],
                 )
+        lap("sql_s")
         if not indexes:  # the coarse quantizers are trained on the first 64 adapters a list
             if n >= IVF_FROM:
                 sample_sk, sample_w, _ = synthetic_chunk(src, 0, min(n, 64 * ivf_lists(n)), seed)
+                lap("generate_s")
                 indexes = [AdapterIndex.trained_ivf(sample_sk, n), AdapterIndex.trained_ivf(sample_w, n)]
                 del sample_sk, sample_w
             else:
                 indexes = [AdapterIndex.exact(sk.shape[1]), AdapterIndex.exact(w.shape[1])]
+            lap("train_s")
         for index, vectors in zip(indexes, (sk, w), strict=True):
             index.add(ids, vectors)
+        lap("add_s")
     db_s = time.perf_counter() - t0
     sample_sk, sample_w, _ = synthetic_chunk(src, 0, min(n, 200), seed)
     for embedder_id, index, sample in zip((1, 2), indexes, (sample_sk, sample_w), strict=True):
         if index.ivf:
             index.tune_nprobe(sample)
+        lap("tune_s")
         index.save(index_path(work, embedder_id), {"embedder_id": embedder_id, "version": 1})
+        lap("save_s")
     return {
         "build_s": time.perf_counter() - t0,
         "database_s": db_s,
+        "steps_s": {k: round(v, 1) for k, v in steps.items()},
         "nprobe": [ix.nprobe for ix in indexes],
         "rerank": [ix.rerank for ix in indexes],
     }  # type: ignore[dict-item]
@@ -462,6 +480,9 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=300)
     p.add_argument("--recall-queries", type=int, default=50)
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument(
+        "--blas-threads", type=int, help="limit the serving process's BLAS threads (threadpoolctl; default: as zoo serve, the library's)"
+    )
     p.add_argument("--noise", type=float, default=0.02, help="per-coordinate noise added to every mixture (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kind", help="build the real zoo instead: adapters of this kind of zoo.reference.real_shapes.MODELS")
@@ -518,6 +539,10 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
 
     sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
     engine = QueryEngine(sessions, BlobStore(work / "blobs"), work)
+    if args.blas_threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.blas_threads, user_api="blas")
     rng = np.random.default_rng(args.seed + 1)
     queries = rng.integers(1, args.adapters + 1, args.queries)
     with sessions() as session:
@@ -567,10 +592,12 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
         "rss_gb": round(rss_gb(), 3),
         "build_s": round(built["build_s"], 1),
         "database_s": round(built["database_s"], 1),
+        "build_steps_s": built.get("steps_s"),
         "load_s": round(load_s, 2),
         "nprobe": built["nprobe"],
         "rerank": built.get("rerank"),
         "hybrid_weight": weight,
+        "blas_threads": args.blas_threads,
         "task_hit_at_1_real": round(real_task_hit_at_1(src, weight), 4),
         "task_hit_at_1_synthetic": round(synthetic_hit, 4),
         "synthetic": True,
