@@ -11,7 +11,7 @@ from pathlib import Path
 from webapp.context import db, zoo
 from zoo.errors import UsageError
 from zoo.jobs import PROCESSED, create_job, job_detail
-from zoo.sources.local import expand_paths
+from zoo.sources.local import expand_under
 from zoo.sources.upload import Upload, materialize
 from zoo.worker import EMBED_EVERY, EmbedBatches, WorkerOptions, work
 
@@ -39,6 +39,8 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
     if bool(paths) == bool(files):
         raise UsageError("send either `paths` (under the import root) or files in the `file` field")
     upload_dir = None
+    refused: list[tuple[str, str]] = []
+    options: dict[str, object] = {"base_model": base_model}
     if files:
         upload_dir = ctx.settings.data_dir / "uploads" / uuid.uuid4().hex
         upload_dir.mkdir(parents=True)
@@ -48,9 +50,15 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
             shutil.rmtree(upload_dir, ignore_errors=True)
             raise
     else:
-        sources = [str(source) for source, _ in expand_paths([import_path(p) for p in paths])]
+        named = [import_path(p) for p in paths]
+        root = ctx.web.import_root
+        assert root is not None  # import_path refuses every path without one
+        found, left_out = expand_under(root, named)  # nothing resolving outside the root is walked
+        sources = [str(source) for source, _ in found]
+        refused = [(str(path), reason) for path, reason in left_out]
+        options["import_root"] = str(root)  # the worker checks each item again when it reads it
     session = db()
-    job = create_job(session, sources, {"base_model": base_model}, created_by)
+    job = create_job(session, sources, options, created_by, refused=refused)
     session.commit()
     detail = job_detail(session, job)
 

@@ -75,13 +75,16 @@ def create_job(
     options: dict[str, object],
     created_by: str | None = None,
     labels: Mapping[str, LabelRow] | None = None,
+    refused: Iterable[tuple[str, str]] = (),
 ) -> Job:
-    """A job with one queued item per source, each with its given labels if any (flushed, not committed);
-    a job of no sources is done at once."""
+    """A job with one queued item per source, each with its given labels if any (flushed, not committed), and
+    one failed item per (source, reason) refused before it was read; a job with nothing queued is done at once."""
     job = Job(kind="ingest", state="queued", options=dict(options), created_by=created_by)
     labels = labels or {}
     job.items = [JobItem(source=s, state="queued", attempts=0, labels=_label_json(labels.get(s))) for s in sources]
-    if not job.items:
+    queued = bool(job.items)
+    job.items += [JobItem(source=s, state="failed", attempts=0, reason=reason, updated_at=_now()) for s, reason in refused]
+    if not queued:
         job.state, job.finished_at = "done", _now()
     session.add(job)
     session.flush()

@@ -35,6 +35,7 @@ from zoo.config import Settings
 from zoo.db.session import session_factory
 from zoo.ingest import IngestOptions, Ingestor
 from zoo.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
+from zoo.sources.local import escapes
 from zoo.sources.resolve import ingest_source
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,11 @@ def ingest_options(job_options: dict[str, object], device: str | None = None) ->
 def process_claim(sessions: sessionmaker[Session], ingestor: Ingestor, claim: Claim, owner: str) -> Outcome:
     """Ingest a claimed item and write its outcome (if the lease is still ours)."""
     start = time.perf_counter()
+    root = claim.options.get("import_root")
+    reason = escapes(Path(claim.source), Path(str(root))) if root else None  # a link swapped in since the job was made
+    if reason is not None:
+        held = finish_item(sessions, owner, claim.item_id, "failed", None, reason)
+        return Outcome(claim.item_id, claim.job_id, claim.source, "failed" if held else "lost", None, reason, time.perf_counter() - start)
     try:
         result = ingest_source(ingestor, claim.source, claim.labels)
     except BaseException as exc:
