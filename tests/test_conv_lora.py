@@ -56,3 +56,27 @@ def test_conv1d_checkpoint_delta_is_a_conv_module(tmp_path: Path) -> None:
     assert m.kind == "conv" and m.shape == (8, 15) and m.rank == 1
     delta = (m.scale * m.B @ m.A).reshape(8, 3, 5)
     assert torch.allclose(delta, tuned["c1.weight"] - base["c1.weight"], atol=1e-5)
+
+
+def test_tucker_locon_update_is_its_three_convs(tmp_path: Path) -> None:
+    """LyCORIS LoCon's Tucker form (1×1 down, kh×kw mid, 1×1 up) is read as the update its three convolutions apply."""
+    torch.manual_seed(0)
+    down, mid, up = torch.randn(4, 6, 1, 1), torch.randn(4, 4, 3, 3), torch.randn(5, 4, 1, 1)
+    stem = "lora_unet_down_blocks_0_resnets_0_conv1"
+    tensors = {f"{stem}.lora_down.weight": down, f"{stem}.lora_mid.weight": mid, f"{stem}.lora_up.weight": up, f"{stem}.alpha": torch.tensor(2.0)}
+    save_file(tensors, str(tmp_path / "tucker.safetensors"))
+    (m,) = read_adapter(tmp_path / "tucker.safetensors").modules
+    assert (m.kind, m.shape, m.rank, m.scale) == ("conv", (5, 54), 4, 0.5)
+    x = torch.randn(2, 6, 9, 9)
+    three_convs = nn.functional.conv2d(nn.functional.conv2d(nn.functional.conv2d(x, down), mid, padding=1), up)
+    one_conv = nn.functional.conv2d(x, (m.B.float() @ m.A.float()).reshape(5, 6, 3, 3), padding=1)
+    assert torch.allclose(one_conv, three_convs, atol=1e-4)
+
+
+def test_tucker_locon_with_mismatched_mid_is_refused(tmp_path: Path) -> None:
+    stem = "lora_unet_conv_in"
+    tensors = {f"{stem}.lora_down.weight": torch.randn(4, 6, 1, 1), f"{stem}.lora_mid.weight": torch.randn(3, 4, 3, 3)}
+    tensors[f"{stem}.lora_up.weight"] = torch.randn(5, 4, 1, 1)
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(InputError, match=r"bad.safetensors.*shape mismatch in lora_unet_conv_in: lora_down \[4, 6, 1, 1\], lora_mid \[3, 4, 3, 3\]"):
+        read_adapter(tmp_path / "bad.safetensors")

@@ -18,6 +18,23 @@ PAIRS = (
 )
 
 
+#: LyCORIS LoCon's Tucker form: a (rank, rank, kh, kw) kernel between a 1×1 `lora_down` and a 1×1 `lora_up`
+MID = ".lora_mid.weight"
+
+
+def _tucker_down(path: Path, stem: str, down: torch.Tensor, mid: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The A factor (rank, in·kh·kw) of a Tucker LoCon module: ΔW[o, c, h, w] = Σ_ab up[o, a] mid[a, b, h, w] down[b, c],
+    so B = up and A[a, (c, h, w)] = Σ_b mid[a, b, h, w] down[b, c]: the update's exact rank-`rank` factorization."""
+    shapes = f"lora_down {list(down.shape)}, lora_mid {list(mid.shape)}, lora_up {list(up.shape)}"
+    if down.ndim != 4 or mid.ndim != 4 or up.ndim != 4 or down.shape[2:] != (1, 1) or up.shape[2:] != (1, 1):
+        raise InputError(path, f"{stem}: a Tucker LoCon module needs 1×1 lora_down/lora_up kernels around a 4-d lora_mid, got {shapes}")
+    if mid.shape[0] != up.shape[1] or mid.shape[1] != down.shape[0]:
+        raise InputError(path, f"shape mismatch in {stem}: {shapes} do not compose")
+    for label, t in (("lora_mid", mid), ("lora_down", down)):
+        check_finite(path, f"{stem}.{label}", t)
+    return torch.einsum("abhw,bc->achw", mid.float(), down[:, :, 0, 0].float()).reshape(mid.shape[0], -1)
+
+
 def lycoris_kind(keys: list[str]) -> str | None:
     """'LoHa' or 'LoKr' when the keys are LyCORIS ones, else None."""
     if any(".hada_" in k for k in keys):
@@ -63,13 +80,17 @@ def read_single_file_lora(path: Path, tensors: dict[str, torch.Tensor], metadata
             down, up = tensors[key], tensors[up_key]
             if down.ndim not in (2, 4) or up.ndim not in (2, 4):
                 raise InputError(path, f"{stem}: factors must be matrices (or conv kernels), got {list(down.shape)} and {list(up.shape)}")
-            A = down.reshape(down.shape[0], -1)
+            mid_key = stem + MID
+            if mid_key in tensors:
+                A = _tucker_down(path, stem, down, tensors[mid_key], up)
+            else:
+                A = down.reshape(down.shape[0], -1)
             B = up.reshape(up.shape[0], -1)
             check_pair(path, stem, A, B)
             rank = A.shape[0]
             alpha_key = stem + ".alpha"
             alpha = _alpha(path, stem, tensors.get(alpha_key), rank)
-            used.update(k for k in (key, up_key, alpha_key) if k in tensors)
+            used.update(k for k in (key, up_key, alpha_key, mid_key) if k in tensors)
             kind = "conv" if down.ndim == 4 else "linear"
             modules.append(LoraModule(stem, A, B, alpha, alpha / rank, kind))
     orphan_ups = [k for k in tensors if k.endswith(tuple(u for _, u in PAIRS)) and k not in used]
