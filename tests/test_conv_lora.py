@@ -63,7 +63,8 @@ def test_tucker_locon_update_is_its_three_convs(tmp_path: Path) -> None:
     torch.manual_seed(0)
     down, mid, up = torch.randn(4, 6, 1, 1), torch.randn(4, 4, 3, 3), torch.randn(5, 4, 1, 1)
     stem = "lora_unet_down_blocks_0_resnets_0_conv1"
-    tensors = {f"{stem}.lora_down.weight": down, f"{stem}.lora_mid.weight": mid, f"{stem}.lora_up.weight": up, f"{stem}.alpha": torch.tensor(2.0)}
+    tensors = {f"{stem}.lora_down.weight": down, f"{stem}.lora_mid.weight": mid, f"{stem}.lora_up.weight": up}
+    tensors[f"{stem}.alpha"] = torch.tensor(2.0)
     save_file(tensors, str(tmp_path / "tucker.safetensors"))
     (m,) = read_adapter(tmp_path / "tucker.safetensors").modules
     assert (m.kind, m.shape, m.rank, m.scale) == ("conv", (5, 54), 4, 0.5)
@@ -78,5 +79,6 @@ def test_tucker_locon_with_mismatched_mid_is_refused(tmp_path: Path) -> None:
     tensors = {f"{stem}.lora_down.weight": torch.randn(4, 6, 1, 1), f"{stem}.lora_mid.weight": torch.randn(3, 4, 3, 3)}
     tensors[f"{stem}.lora_up.weight"] = torch.randn(5, 4, 1, 1)
     save_file(tensors, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(InputError, match=r"bad.safetensors.*shape mismatch in lora_unet_conv_in: lora_down \[4, 6, 1, 1\], lora_mid \[3, 4, 3, 3\]"):
+    reason = r"bad.safetensors.*shape mismatch in lora_unet_conv_in: lora_down \[4, 6, 1, 1\], lora_mid \[3, 4, 3, 3\]"
+    with pytest.raises(InputError, match=reason):
         read_adapter(tmp_path / "bad.safetensors")

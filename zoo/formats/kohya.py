@@ -81,10 +81,7 @@ def read_single_file_lora(path: Path, tensors: dict[str, torch.Tensor], metadata
             if down.ndim not in (2, 4) or up.ndim not in (2, 4):
                 raise InputError(path, f"{stem}: factors must be matrices (or conv kernels), got {list(down.shape)} and {list(up.shape)}")
             mid_key = stem + MID
-            if mid_key in tensors:
-                A = _tucker_down(path, stem, down, tensors[mid_key], up)
-            else:
-                A = down.reshape(down.shape[0], -1)
+            A = _tucker_down(path, stem, down, tensors[mid_key], up) if mid_key in tensors else down.reshape(down.shape[0], -1)
             B = up.reshape(up.shape[0], -1)
             check_pair(path, stem, A, B)
             rank = A.shape[0]
