@@ -1,12 +1,114 @@
-"""`zoo serve`: the web app under gunicorn (one query engine per worker process, threads within)."""
+"""`zoo serve`: the web app under gunicorn (one query engine per worker process, threads within).
+
+Slow clients. gunicorn's gthread worker hands a connection to a thread as soon as its first bytes arrive, and
+that thread then blocks until the request's headers are complete: 8 clients dripping their headers held every
+thread of 2 workers × 4 threads and the service answered nothing (issue 30). `ZooThreadWorker` gives each
+request a deadline for its headers (ZOO_HEADER_TIMEOUT_S, default 5 s in all, however the bytes trickle) and
+for its body (ZOO_BODY_TIMEOUT_S, default 120 s), and every socket read or write a timeout
+(ZOO_IO_TIMEOUT_S, default 30 s); past one the connection is closed and its thread is free. With 32 threads per
+worker (the default), a few dozen slow clients leave threads for everyone else (measured in docs/results.md,
+issue 30). Threads waiting on a socket cost no CPU; expensive calls run in the app's bounded pool
+(webapp/context.py), not in these threads. Behind a buffering proxy (deploy/nginx.conf) no slow client reaches
+gunicorn at all.
+"""
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
+from gunicorn.http.errors import NoMoreData
+from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from zoo.config import Settings
+
+#: threads per worker process (`zoo serve --threads`)
+DEFAULT_THREADS = 32
+#: seconds a kept-alive connection may idle between requests
+KEEPALIVE_S = 2
+
+
+def _seconds(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+class _DeadlineSocket:
+    """The socket a connection's request parser reads from, each read bounded by the time left to the
+    connection's deadline (headers, then body) and by the I/O timeout."""
+
+    def __init__(self, sock: socket.socket, conn: ZooConn) -> None:
+        self._sock, self._conn = sock, conn
+
+    def recv(self, size: int) -> bytes:
+        left = self._conn.deadline - time.monotonic()
+        if left > 0:
+            self._sock.settimeout(min(left, self._conn.io_timeout))
+            try:
+                return self._sock.recv(size)
+            except TimeoutError:
+                pass
+        # gunicorn closes the connection quietly (a client gone, as far as it knows), and at once: a graceful
+        # close lingers up to 2 s draining what the client still sends, in the worker's main thread
+        self._conn.timed_out = True
+        raise NoMoreData(b"")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class ZooConn(TConn):  # type: ignore[misc]
+    header_timeout = 5.0
+    body_timeout = 120.0
+    io_timeout = 30.0
+    deadline = float("inf")
+    timed_out = False
+
+    def close(self, graceful: bool = False) -> None:
+        super().close(graceful=graceful and not self.timed_out)
+
+    def init(self) -> None:
+        first = not self.initialized
+        super().init()
+        if first and self.parser is not None and hasattr(self.parser, "unreader") and hasattr(self.parser.unreader, "sock"):
+            self.parser.unreader.sock = _DeadlineSocket(self.sock, self)
+
+
+class ZooThreadWorker(ThreadWorker):  # type: ignore[misc]
+    """gthread with a deadline for each request's headers and body and a timeout on each socket operation."""
+
+    def init_process(self) -> None:
+        ZooConn.header_timeout = _seconds("ZOO_HEADER_TIMEOUT_S", ZooConn.header_timeout)
+        ZooConn.body_timeout = _seconds("ZOO_BODY_TIMEOUT_S", ZooConn.body_timeout)
+        ZooConn.io_timeout = _seconds("ZOO_IO_TIMEOUT_S", ZooConn.io_timeout)
+        super().init_process()
+
+    def accept(self, listener: socket.socket) -> None:
+        import errno
+
+        try:
+            client, addr = listener.accept()
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+            return
+        self.nr_conns += 1
+        client.setblocking(True)
+        self.enqueue_req(ZooConn(self.cfg, client, addr, listener.getsockname()))
+
+    def handle(self, conn: ZooConn) -> Any:
+        conn.deadline = time.monotonic() + conn.header_timeout  # the headers of the request this connection sends now
+        return super().handle(conn)
+
+    def handle_request(self, req: Any, conn: ZooConn) -> Any:
+        conn.deadline = time.monotonic() + conn.body_timeout
+        conn.sock.settimeout(conn.io_timeout)  # writes to a client that does not read
+        try:
+            return super().handle_request(req, conn)
+        finally:
+            conn.deadline = float("inf")
 
 
 class ZooServer(BaseApplication):  # type: ignore[misc]
@@ -25,13 +127,15 @@ class ZooServer(BaseApplication):  # type: ignore[misc]
         return create_app({"ZOO_DATABASE_URL": self.settings.database_url, "ZOO_DATA_DIR": str(self.settings.data_dir)})
 
 
-def serve(settings: Settings, host: str, port: int, workers: int, threads: int, timeout: int = 120) -> None:
+def serve(settings: Settings, host: str, port: int, workers: int, threads: int = DEFAULT_THREADS, timeout: int = 120) -> None:
     """Serve until interrupted. Each worker loads the app (and its engine) itself."""
     options = {
         "bind": f"{host}:{port}",
         "workers": workers,
         "threads": threads,
-        "worker_class": "gthread",
+        "worker_class": os.environ.get("ZOO_WORKER_CLASS", "webapp.serve.ZooThreadWorker"),
+        "worker_connections": int(os.environ.get("ZOO_WORKER_CONNECTIONS", 1000)),
+        "keepalive": KEEPALIVE_S,
         "timeout": timeout,
         "accesslog": "-",
         "errorlog": "-",

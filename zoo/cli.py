@@ -192,7 +192,7 @@ def _serve_after(settings: Settings, args: argparse.Namespace, failures: list[st
     from webapp.serve import serve
 
     print("open http://127.0.0.1:5000/ (Ctrl-C stops the server)", file=sys.stderr)
-    serve(settings, "127.0.0.1", 5000, workers=1, threads=4)
+    serve(settings, "127.0.0.1", 5000, workers=1)
     return 0
 
 
@@ -1181,7 +1181,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=5000)
     s.add_argument("--workers", type=int, default=2, help="processes, each with its own query engine (default: %(default)s)")
-    s.add_argument("--threads", type=int, default=4, help="threads per process (default: %(default)s)")
+    s.add_argument(
+        "--threads", type=int, default=32, help="threads per process; a slow client holds one until its deadline (default: %(default)s)"
+    )
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("token", help="API tokens for the REST API's write endpoints: create NAME | list | revoke ID")
