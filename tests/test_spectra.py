@@ -7,8 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zoo.spectra import fit_power_law_tail, matrix_spectrum, spectrum_from_singular_values
+from zoo.spectra import fit_power_law_tail, matrix_spectrum, singular_values, spectrum_from_singular_values
 
 
 def test_descriptors_of_known_singular_values() -> None:
@@ -22,6 +24,19 @@ def test_descriptors_of_known_singular_values() -> None:
     flat = spectrum_from_singular_values(np.ones(5))
     assert flat.effective_rank == pytest.approx(5.0)
     assert flat.stable_rank == pytest.approx(5.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.sampled_from([(7, 3), (3, 7), (40, 40), (5, 2, 3, 3), (3000, 9)]), seed=st.integers(0, 2**16), rank=st.integers(1, 9))
+def test_singular_values_match_an_svd(shape: tuple[int, ...], seed: int, rank: int) -> None:
+    """Tall, wide, square and conv-kernel matrices of any rank: the Gram route's values equal an SVD's (σ_max-relative)."""
+    gen = torch.Generator().manual_seed(seed)
+    left, right = torch.randn(shape[0], rank, generator=gen), torch.randn(rank, math.prod(shape[1:]), generator=gen)
+    W = (left @ right).reshape(shape)
+    ref = np.linalg.svd(W.reshape(shape[0], -1).double().numpy(), compute_uv=False)
+    got = singular_values(W).numpy()
+    assert got.shape == ref.shape and np.all(np.diff(got) <= 0)
+    assert np.allclose(got, ref, atol=1e-6 * ref[0], rtol=0)
 
 
 def test_matrix_spectrum_matches_numpy_svd() -> None:

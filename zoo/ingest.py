@@ -31,7 +31,7 @@ from zoo.formats import AdapterData, LoraModule, RawAdapter, layer_index, module
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
 from zoo.sources import Origin
-from zoo.spectra import Spectrum, matrix_spectrum, spectrum_from_singular_values
+from zoo.spectra import Spectrum, spectrum_from_singular_values
 
 UNKNOWN_BASE = "unknown"
 #: formats read, canonicalized and described on one torch thread (see one_torch_thread; the blob is written on
@@ -110,7 +110,7 @@ def one_torch_thread(when: bool = True) -> Iterator[None]:
 
 def small_work_on_one_thread(data: AdapterData) -> contextlib.AbstractContextManager[None]:
     """Run the block on one torch thread when the adapter is small (see SMALL_ADAPTER_ELEMENTS)."""
-    elements = sum(m.A.numel() + m.B.numel() for m in data.modules) + sum(m.weight.numel() for m in data.full_matrices)
+    elements = sum(m.A.numel() + m.B.numel() for m in data.modules) + sum(fm.shape[0] * fm.shape[1] for fm in data.full_matrices)
     return one_torch_thread(elements < SMALL_ADAPTER_ELEMENTS)
 
 
@@ -201,9 +201,8 @@ def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: li
         sk = sketch(factors)
         chash, dw_norm = canonical_hash(factors, sk.fingerprint), sk.norm
     else:
-        for fm in data.full_matrices:
-            rows.append(_module_row(fm.name, "full", (int(fm.weight.shape[0]), int(fm.weight.shape[1])), matrix_spectrum(fm.weight)))
-        shapes = [(fm.name, int(fm.weight.shape[0]), int(fm.weight.shape[1])) for fm in data.full_matrices]
+        rows.extend(_module_row(fm.name, "full", fm.shape, fm.spectrum) for fm in data.full_matrices)
+        shapes = [(fm.name, *fm.shape) for fm in data.full_matrices]
         chash, dw_norm, sk = data.file_sha256, None, None  # nothing to canonicalize: identical files are the duplicates
     config = data.config
     adapter = Adapter(

@@ -18,6 +18,7 @@ import torch
 from zoo.errors import InputError
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, check_finite
 from zoo.formats.safe_load import SAFETENSORS_SUFFIX, StreamedTensors, load_tensors, open_streamed
+from zoo.spectra import matrix_spectrum
 
 #: Matrices whose smaller side is at most this get an exact SVD; larger ones a randomized one.
 EXACT_SVD_MAX_DIM = 1024
@@ -113,18 +114,19 @@ def read_checkpoint(
 def _full_matrices(
     path: Path, tensors: Mapping[str, torch.Tensor], matrices: set[str], others: dict[str, list[int]], metadata: dict[str, str]
 ) -> AdapterData:
-    """Every weight matrix whole (in the file's dtype, out × rest), for its spectrum."""
-    kept: dict[str, torch.Tensor] = {}
+    """The spectrum of every weight matrix (out × rest), one matrix at a time as it is read: memory is one matrix."""
+    kept: dict[str, FullMatrix] = {}
     for key in tensors:
         t = tensors[key]
         check_finite(path, key, t)
         if key in matrices:
-            kept[key] = _as_matrix(t)
+            W = _as_matrix(t)
+            kept[key] = FullMatrix(key, (int(W.shape[0]), int(W.shape[1])), matrix_spectrum(W))
     return AdapterData(
         path=path,
         format="checkpoint",
         weight_files=[path],
-        full_matrices=[FullMatrix(k, kept[k]) for k in sorted(kept)],
+        full_matrices=[kept[k] for k in sorted(kept)],
         extra_tensors=others,
         metadata=metadata,
         notes=["no --base given: only spectra of the full matrices are stored"],

@@ -10,6 +10,7 @@ import torch
 
 from zoo.errors import InputError
 from zoo.naming import layer_index, module_type
+from zoo.spectra import Spectrum
 
 __all__ = ["AdapterData", "FullMatrix", "LoraModule", "all_finite", "check_finite", "check_pair", "layer_index", "module_type"]
 
@@ -42,10 +43,12 @@ class LoraModule:
 
 @dataclass
 class FullMatrix:
-    """A full weight matrix of a checkpoint read without a base (spectra only)."""
+    """A full weight matrix of a checkpoint read without a base: its shape (out × rest) and spectrum, computed as it
+    was read (the matrix itself is not kept)."""
 
     name: str
-    weight: torch.Tensor
+    shape: tuple[int, int]
+    spectrum: Spectrum
 
 
 @dataclass
