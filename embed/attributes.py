@@ -7,8 +7,9 @@ touched for a while are not in memory. Per row: the name, and per label key a va
 
 It stays current cheaply: label rows are only ever inserted (a new value of a key replaces the old
 row by a new one, with a higher id), so the engine asks for the largest label id per request and,
-when it moved, reads only the rows above the one it has seen. New adapters come with their
-embeddings; the engine adds them with `add`.
+when it moved, reads only the rows above the one it has seen (label ids are never reused: migration
+0011). New adapters come with their embeddings; the engine adds them with `add`, and drops deleted ones
+(their tombstones) with `drop`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,18 @@ class AdapterAttributes:
             self._lookup = RowLookup(self.ids)
             if present:
                 self._apply(conn.execute(_LABELS_OF, {"ids": present}).all())
+
+    def drop(self, ids: np.ndarray) -> None:
+        """Forget these adapters (deleted): their names and labels leave every lookup and filter."""
+        gone = np.isin(self.ids, np.asarray(ids, np.int64))
+        if not gone.any():
+            return
+        keep = ~gone
+        self.ids = self.ids[keep]
+        self.names = [n for n, k in zip(self.names, keep.tolist(), strict=True) if k]
+        for column in self.labels.values():
+            column.codes = column.codes[keep]
+        self._lookup = RowLookup(self.ids)
 
     def refresh(self, session: Session) -> None:
         """Apply the label rows written since the mark (one index read when none were)."""

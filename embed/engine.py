@@ -10,7 +10,9 @@ Per embedding space it holds, loaded once:
 
 It learns of new embeddings from the space's version (embed/registry.py): one indexed query per
 request; when the version moved, it loads only the rows stamped after the version it has and adds
-them to the indexes (and their factors to the module store). It never rebuilds an index inside a
+them to the indexes (and their factors to the module store), and drops the adapters deleted since (their
+tombstones) from everything it holds by id: indexes, module store, names and labels. Ids are never reused
+(migration 0011), so nothing held for a deleted adapter can be served under a later one's id. It never rebuilds an index inside a
 query: an index file that is missing, corrupt or disagrees with the database is reported and the
 query is answered from the database's vectors (exact, in memory) while they are few, or refused
 with the command to run. Searches run concurrently; a refresh takes the space's write lock.
@@ -141,9 +143,15 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
         return "none (no module sketch embedder)"
     ids = sorted(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == sketch.id)))
     have = None if rebuild else _read_module_store(path)
+    dropped = 0
+    if have is not None:  # rows of adapters deleted since it was written, or no longer embedded, leave it
+        stale = stale_module_rows(session, space.id, have[0], have[3], np.array(ids, np.int64))
+        if len(stale):
+            keep = np.flatnonzero(~np.isin(have[0], stale))
+            have, dropped = (have[0][keep], have[1].take(keep), have[2], have[3]), len(stale)
     known = set(have[0].tolist()) if have else set()
     new = [i for i in ids if i not in known]
-    if have and not new:
+    if have and not new and not dropped:
         return "loaded"
     layout = module_layout(session, space.base_model, SpaceSchema.from_dict(sketch.config["schema"]))
     estimate = len(ids) * layout_bytes(layout)
@@ -168,7 +176,8 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
         chunk = new[at : at + per_chunk]
         stack.fill(start + at, _factors_of(session, blobs, chunk))
     _write_module_store(path, all_ids, stack, space_version(session, space.id))
-    return "updated" if start else "built"
+    how = "updated" if start else "built"
+    return f"{how} ({dropped} deleted dropped)" if dropped else how
 
 
 def embed_chunk_bytes() -> int:
@@ -223,6 +232,12 @@ def _write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version
     tensors["ids"] = np.ascontiguousarray(ids, dtype=np.int64)
     meta = {"version": str(version), "dense": json.dumps(sorted(stack.dense))}
     replace_durably(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def stale_module_rows(session: Session, space_id: int, ids: np.ndarray, version: int, embedded: np.ndarray) -> np.ndarray:
+    """Ids of a module store written at `version` that it must not serve: adapters deleted since (their tombstones; an
+    id is never reused, migration 0011, but a store written before that may hold one) or without a sketch vector now."""
+    return ids[np.isin(ids, deleted_since(session, space_id, version)) | ~np.isin(ids, embedded)]
 
 
 def _read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], int] | None:
@@ -301,6 +316,14 @@ class ModuleStore:
         start = self.stack.size
         rows = {**self.rows, **{i: start + j for j, i in enumerate(ids)}}
         return ModuleStore(ModuleStack.concat([self.stack, stack]), rows, self.dense)
+
+    def without(self, ids: np.ndarray) -> ModuleStore:
+        """The store without the rows of these ids (deleted adapters): itself when it holds none of them."""
+        gone = {int(i) for i in np.asarray(ids).tolist()} & self.rows.keys()
+        if not gone:
+            return self
+        kept = sorted((row, i) for i, row in self.rows.items() if i not in gone)
+        return ModuleStore(self.stack.take([row for row, _ in kept]), {i: j for j, (_, i) in enumerate(kept)}, self.dense)
 
 
 @dataclass
@@ -442,9 +465,10 @@ class QueryEngine:
             embedders[method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, state)
         modules = None
         have = _read_module_store(module_store_path(self.data_dir, row.id))
-        if have is not None and have[3] <= version:
+        if have is not None and have[3] <= version and SKETCH in embedders:
             ids, stack, dense, _ = have
             modules = ModuleStore(stack, {int(i): j for j, i in enumerate(ids.tolist())}, dense)
+            modules = modules.without(stale_module_rows(session, row.id, ids, have[3], embedders[SKETCH].index.ids))
         ids = np.unique(np.concatenate([np.zeros(0, np.int64), *(e.index.ids for e in embedders.values())]))
         attributes = AdapterAttributes.load(session, row.base_model, ids)
         state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules, attributes)
@@ -485,6 +509,9 @@ class QueryEngine:
             state.version = fresh.version
             return
         deleted = deleted_since(session, state.id, state.version)
+        if len(deleted):  # every structure keyed by adapter id drops them: indexes (below), module store, names and labels
+            state.modules = state.modules.without(deleted) if state.modules is not None else None
+            state.attributes.drop(deleted)
         for loaded in state.embedders.values():
             e = session.get(Embedder, loaded.id)
             loaded.index.remove(deleted)  # before adding: an id may come back

@@ -10,6 +10,10 @@ What it finds:
 - **indexes**: each serving embedder's index file must load, check itself and agree with the
   database; the module store must be readable; so must the space's map file (embed/maps.py). Repair
   rebuilds them from the database.
+- **stale entries**: every derived structure keyed by adapter id (index files, the module store, the map)
+  must hold exactly the ids the database embeds, once the tombstones written since the file are applied
+  (as the engine applies them): an entry for an id that is no longer in the database (a deleted adapter's
+  vector, factors or point) or a missing one is a problem. Repair rebuilds that file from the database.
 - **unembedded adapters**: adapters that fit a space but have no vector under its module sketch.
   Repair embeds them (`zoo embed`).
 """
@@ -21,11 +25,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 from sqlalchemy import select
 
 from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.models import Adapter, Embedding, EmbeddingSpace, Module
+from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.db.session import session_factory
 from zoo.files import TMP_PREFIX
 
@@ -102,8 +107,9 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
     from embed.engine import SKETCH, _load_consistent, _read_module_store, index_path, module_store_path
-    from embed.maps import map_embedder, map_path, map_state
-    from embed.registry import serving_embedders, space_version
+    from embed.maps import _consistent as map_consistent
+    from embed.maps import map_embedder, map_path
+    from embed.registry import deleted_since, embedding_ids, serving_embedders, space_version
     from embed.service import embed_space
 
     indexes: list[dict] = []
@@ -116,26 +122,46 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
         with sessions() as session:
             serving = serving_embedders(session, space.id)
             version = space_version(session, space.id)
+            embedded = {e.id: embedding_ids(session, e) for e in serving.values()}
             for e in serving.values():
                 entry: dict[str, object] = {"space": space.name, "embedder_id": e.id, "method": e.method, "state": "ok"}
                 try:
-                    _load_consistent(session, index_path(settings.data_dir, e.id), e, version)
+                    index, _ = _load_consistent(session, index_path(settings.data_dir, e.id), e, version)
+                    entry["state"] = _same_ids("index", index.ids, embedded[e.id])
+                    if entry["state"] != "ok":
+                        entry["stale"] = True  # ids disagree though the count may not: repair rebuilds the file
                 except ValueError as exc:
                     entry["state"] = str(exc)
                 found.append(entry)
+            sketch = serving.get(SKETCH)
             store_path = module_store_path(settings.data_dir, space.id)
-            if store_path.exists() and _read_module_store(store_path) is None:
-                found.append({"space": space.name, "module_store": str(store_path), "state": "unreadable"})
+            stale: dict[str, object] = {}
+            if store_path.exists():
+                have = _read_module_store(store_path)
+                state = "unreadable" if have is None else "ok"
+                if have is not None and sketch is not None:
+                    held = have[0][~np.isin(have[0], deleted_since(session, space.id, have[3]))]  # as the engine drops them
+                    state = _same_ids("module store", held, embedded[sketch.id], missing_ok=True)
+                if state != "ok":
+                    stale = {"stale": True} if have is not None else {}
+                    found.append({"space": space.name, "module_store": str(store_path), "state": state, **stale})
             shown = map_embedder(session, space.id)
             if shown is not None:
                 map_file = str(map_path(settings.data_dir, shown.id))
-                found.append({"space": space.name, "map": map_file, "state": map_state(session, settings.data_dir, shown)})
-            sketch = serving.get(SKETCH)
+                stale = {}
+                try:
+                    m, _ = map_consistent(session, map_path(settings.data_dir, shown.id), shown, version)
+                    state = _same_ids("map", m.ids, embedded[shown.id])
+                    stale = {"stale": True} if state != "ok" else {}
+                except ValueError as exc:
+                    state = str(exc)
+                found.append({"space": space.name, "map": map_file, "state": state, **stale})
             missing = _unembedded(session, space, sketch.id) if sketch else []
         bad = [entry for entry in found if entry["state"] != "ok"]
         gap = {"space": space.name, "count": len(missing), "adapter_ids": missing[:20]} if missing else None
         if repair and (bad or gap):
             embed_space(sessions, blobs, settings.data_dir, space.base_model)
+            _rebuild_stale(sessions, blobs, settings.data_dir, space.id, [entry for entry in bad if entry.get("stale")])
             for entry in [*bad, *([gap] if gap else [])]:
                 entry["repaired"] = True
             repaired += [f"{space.name}: rebuilt {e.get('method', 'map' if 'map' in e else 'module store')}" for e in bad]
@@ -143,6 +169,38 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
         indexes += found
         unembedded += [gap] if gap else []
     return indexes, unembedded, repaired
+
+
+#: ids of stale or missing entries listed in a report
+SHOWN_IDS = 20
+
+
+def _same_ids(what: str, held: np.ndarray, embedded: np.ndarray, missing_ok: bool = False) -> str:
+    """ "ok", or which ids the structure holds that the database no longer has (deleted adapters) and, unless
+    `missing_ok` (a module store may lag behind: the engine adds what it lacks), which it lacks."""
+    extra = np.setdiff1d(held, embedded)
+    lacking = np.zeros(0, np.int64) if missing_ok else np.setdiff1d(embedded, held)
+    if not len(extra) and not len(lacking):
+        return "ok"
+    parts = [f"{len(extra)} entries for ids no longer in the database ({extra[:SHOWN_IDS].tolist()})"] if len(extra) else []
+    parts += [f"no entry for {len(lacking)} embedded ids ({lacking[:SHOWN_IDS].tolist()})"] if len(lacking) else []
+    return f"the {what} holds " + "; ".join(parts)
+
+
+def _rebuild_stale(sessions, blobs: BlobStore, data_dir: Path, space_id: int, stale: list[dict]) -> None:  # type: ignore[no-untyped-def]
+    """Rebuild from the database each file whose ids disagreed with it (a count that agrees does not make
+    `embed_space` rebuild it)."""
+    from embed.engine import update_index_file, update_module_store
+    from embed.maps import map_embedder, update_map
+
+    with sessions() as session:
+        for entry in stale:
+            if "embedder_id" in entry:
+                update_index_file(session, data_dir, session.get(Embedder, entry["embedder_id"]), rebuild=True)
+            elif "module_store" in entry:
+                update_module_store(session, blobs, data_dir, session.get(EmbeddingSpace, space_id), rebuild=True)
+            elif "map" in entry:
+                update_map(session, data_dir, map_embedder(session, space_id), rebuild=True)  # type: ignore[arg-type]
 
 
 def _unembedded(session, space: EmbeddingSpace, sketch_id: int) -> list[int]:  # type: ignore[no-untyped-def]

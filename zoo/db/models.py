@@ -55,6 +55,9 @@ class Adapter(Base):
     __table_args__ = (
         UniqueConstraint("base_model", "canonical_hash", name="uq_adapter_base_model_canonical_hash"),
         Index("ix_adapter_base_model_structure_hash_dw_norm", "base_model", "structure_hash", "dw_norm"),  # near-duplicate look-up
+        # ids are never handed out twice (migration 0011), so nothing keyed by a deleted adapter's id (index, module store,
+        # map, the engine's names) can be mistaken for a later one's; PostgreSQL's serial ids never come back anyway
+        {"sqlite_autoincrement": True},
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -143,6 +146,7 @@ class Label(Base):
         # covering index on SQLite (its rows sit among embedding blobs: reading them is the slow part)
         Index("ix_label_value", "value", postgresql_using="hash").ddl_if(dialect="postgresql"),
         Index("ix_label_key_value", "key", "value", "source", "adapter_id").ddl_if(dialect="sqlite"),
+        {"sqlite_autoincrement": True},  # label ids only grow (migration 0011): the engine reads the rows above its mark
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
