@@ -358,3 +358,31 @@ def test_pages_render_with_their_json_twins(web: Web) -> None:
     assert r.status_code == 404 and r.mimetype == "text/html" and "no adapter with id 9999" in r.get_data(as_text=True)
     for html in (web.client.get(p).get_data(as_text=True) for p in ("/", "/adapters/1", "/map")):
         assert "https://" not in html and "http://" not in html.replace('href="http://localhost', "")
+
+
+# --- issue 30: hostile requests, server paths, one error vocabulary, security headers, read tokens ---------------
+
+
+def upload_of(name: str, data: bytes) -> dict:
+    return {"file": [(io.BytesIO(data), name)]}
+
+
+def test_hostile_bodies_and_names_are_4xx_never_500(web: Web, tmp_path: Path) -> None:
+    """JSON nested 10,000 deep (a RecursionError once) or past MAX_JSON_DEPTH is a 400; an upload named upload.zip.zip
+    (a FileExistsError once) is read; a long .safetensors name keeps its suffix (it was cut off and refused)."""
+    for depth in (10_000, 40):
+        deep = "[" * depth + "]" * depth
+        for url in ("/api/v1/predict/attributes", "/api/v1/predict/performance"):
+            e = error_of(web.client.post(url, data=deep, content_type="application/json"))
+            assert e["status"] == 400 and "nested deeper" in e["message"]
+    z = zipped(web.adapters / "zoo" / "w03")
+    r = web.client.post("/api/v1/similar", data={**upload_of("upload.zip.zip", z), "k": "3"}, content_type="multipart/form-data")
+    assert r.status_code == 200 and r.json["results"][0]["name"] == "w03"
+    r = web.client.post("/api/v1/predict/attributes", data=upload_of("upload.zip.zip", z), content_type="multipart/form-data")
+    assert r.status_code == 200 and r.json["predictions"][0]["attributes"]["task"]
+    kohya = tmp_path / "k.safetensors"
+    write_kohya_file(kohya)
+    long = "a-very-long-name-" * 20 + ".safetensors"
+    e = error_of(web.client.post("/api/v1/similar", data=upload_of(long, kohya.read_bytes()), content_type="multipart/form-data"))
+    assert e["status"] == 404 and "no embedding space 'sd-v1-5'" in e["message"]  # read as a kohya file
+

@@ -326,13 +326,34 @@ def refuse_nul() -> None:
     PostgreSQL cannot store it, and a query with it fails in the driver."""
     fields = [*(request.view_args or {}).items(), *request.args.items(multi=True), *request.form.items(multi=True)]
     texts = [t for pair in fields for t in pair] + [f.filename for _, f in request.files.items(multi=True)]
-    if any(isinstance(t, str) and "\x00" in t for t in texts) or (request.is_json and _holds_nul(request.get_json(silent=True))):
+    if any(isinstance(t, str) and "\x00" in t for t in texts) or (request.is_json and _holds_nul(_json_body())):
         raise UsageError("text in a request may not hold NUL characters")
 
 
+#: JSON bodies nest no deeper than this (the deepest the API reads is 3: an object of lists or objects)
+MAX_JSON_DEPTH = 32
+
+
+def _json_body() -> object:
+    """The request's JSON (None if it is not JSON), parsed once for the view too; nested past the parser's recursion
+    limit or past MAX_JSON_DEPTH is a 400."""
+    try:
+        return request.get_json(silent=True)
+    except RecursionError:
+        raise UsageError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+
+
 def _holds_nul(value: object) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
-    return isinstance(value, list) and any(_holds_nul(v) for v in value)
+    """Whether any string (key or value) in the JSON value holds NUL; walked with a stack, not recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise UsageError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False

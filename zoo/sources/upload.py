@@ -56,10 +56,18 @@ def materialize(files: Sequence[Upload], workdir: Path, max_bytes: int) -> Path:
     )
 
 
+#: characters kept of an uploaded file's name (its suffix always kept: a long `.safetensors` name is still read as one)
+MAX_NAME = 128
+
+
 def _safe_name(name: str) -> str:
-    """A file name made of letters, digits, '-', '_' and '.', not starting with '.' (never a path)."""
-    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:128].lstrip(".")
-    return stem or "upload"
+    """A file name made of ASCII letters, digits, '-', '_' and '.', not starting with '.' (never a path), at most
+    MAX_NAME characters with its suffix (".safetensors", ".zip") kept when the stem is cut."""
+    clean = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "_" for c in name)
+    stem, dot, ext = clean.rpartition(".")
+    suffix = dot + ext if dot and 0 < len(ext) <= 16 else ""
+    stem = (stem if suffix else clean).lstrip(".")[: MAX_NAME - len(suffix)] or "upload"
+    return stem + suffix
 
 
 def _copy(upload: Upload, target: Path, max_bytes: int) -> None:
