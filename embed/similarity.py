@@ -272,6 +272,7 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
     the product, tens of times more on a busy machine)."""
     import torch
 
+    from zoo import deadline
     from zoo.probes import probes  # torch: only when sketching
 
     out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
@@ -279,6 +280,7 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
     torch.set_num_threads(1)
     try:
         for m, name in enumerate(modules):
+            deadline.check()  # a web call past its time limit stops here (zoo/deadline.py)
             present = [(i, a[name]) for i, a in enumerate(adapters) if name in a and a[name].rank]
             if not present:
                 continue

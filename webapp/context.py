@@ -1,9 +1,18 @@
 """What a web process holds: settings, the session factory, the blob store, one query engine, and
-a small pool that runs expensive calls under a time limit. One per app, in `app.extensions["zoo"]`."""
+a small pool that runs expensive calls under a time limit. One per app, in `app.extensions["zoo"]`.
+
+The pool is bounded twice: ZOO_CALL_WORKERS threads run calls (default 2 per process) and at most
+ZOO_CALL_QUEUE more wait (default 2); a call beyond that is refused at once with 503 and `Retry-After`
+(`BusyError`), so a flood of expensive calls never holds the server's request threads. A call runs under
+a deadline (zoo/deadline.py) at ZOO_TIME_LIMIT_S from when it was accepted: waiting counts, its loops stop
+at their next step once past it, and its slot is free only when its thread is."""
 
 from __future__ import annotations
 
+import math
 import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -11,22 +20,74 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from flask import current_app, g
+from flask import Response, current_app, g
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.engine import QueryEngine
+from zoo import deadline
 from zoo.blobs import BlobStore
 from zoo.config import Settings
 from zoo.db.session import session_factory
+from zoo.deadline import TimeLimitError
 from zoo.errors import ZooError
 
 T = TypeVar("T")
 
+__all__ = ["BusyError", "CallPool", "TimeLimitError", "WebConfig", "ZooContext", "db", "zoo"]
 
-class TimeLimitError(ZooError):
-    """An expensive call ran past the app's time limit."""
+#: seconds a request waits past its call's deadline for the call to notice it (the call's next step)
+GRACE_S = 1.0
+
+
+class BusyError(ZooError):
+    """The pool for expensive calls is full: try again in `retry_after` seconds."""
 
     http_status = 503
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class CallPool:
+    """`workers` threads for expensive calls and at most `queue` calls waiting; see the module's doc."""
+
+    def __init__(self, workers: int, queue: int, time_limit_s: float) -> None:
+        self.workers, self.queue, self.time_limit_s = workers, queue, time_limit_s
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zoo-call")
+        self._slots = threading.BoundedSemaphore(workers + queue)
+        self._lock = threading.Lock()
+        self.running = 0  # calls accepted and not finished (running or waiting), timed-out ones included
+
+    def _release(self) -> None:
+        with self._lock:
+            self.running -= 1
+        self._slots.release()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """fn() in the pool under the deadline; BusyError when the pool is full, TimeLimitError past the limit."""
+        if not self._slots.acquire(blocking=False):
+            retry = max(1, math.ceil(self.time_limit_s * (self.queue + self.workers) / self.workers / 4))
+            raise BusyError(f"the server is busy with {self.workers + self.queue} expensive calls; try again in {retry} s", retry)
+        end = time.monotonic() + self.time_limit_s
+        with self._lock:
+            self.running += 1
+
+        def call() -> T:
+            try:
+                deadline.check_at(end)  # waited past the limit in the queue: nothing to do
+                with deadline.until(end):
+                    return fn()
+            finally:
+                self._release()
+
+        future = self._executor.submit(call)
+        try:
+            return future.result(timeout=max(0.0, end - time.monotonic()) + GRACE_S)
+        except FutureTimeout:
+            if future.cancel():  # it never started, so call() will not release its slot
+                self._release()
+            raise TimeLimitError(f"the request took longer than {self.time_limit_s:g} s; try a smaller upload or fewer ids") from None
 
 
 @dataclass
@@ -41,6 +102,9 @@ class WebConfig:
     read_token_required: bool = False
     #: seconds an expensive call (an upload read and canonicalized, a prediction) may take
     time_limit_s: float = 60.0
+    #: threads for expensive calls, and calls that may wait for one (per process)
+    call_workers: int = 2
+    call_queue: int = 2
 
     @classmethod
     def from_env(cls, overrides: dict[str, object]) -> WebConfig:
@@ -53,6 +117,8 @@ class WebConfig:
             max_upload_bytes=int(pick("ZOO_MAX_UPLOAD_BYTES", cls.max_upload_bytes)),  # type: ignore[arg-type]
             read_token_required=str(pick("ZOO_READ_TOKEN_REQUIRED", "0")).lower() in ("1", "true", "yes"),
             time_limit_s=float(pick("ZOO_TIME_LIMIT_S", cls.time_limit_s)),  # type: ignore[arg-type]
+            call_workers=max(1, int(pick("ZOO_CALL_WORKERS", cls.call_workers))),  # type: ignore[call-overload]
+            call_queue=max(0, int(pick("ZOO_CALL_QUEUE", cls.call_queue))),  # type: ignore[call-overload]
         )
 
 
@@ -63,22 +129,31 @@ class ZooContext:
     sessions: sessionmaker[Session]
     blobs: BlobStore
     engine: QueryEngine
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="zoo-call"))
+    pool: CallPool
     jobs: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="zoo-job"))
 
     @classmethod
     def open(cls, settings: Settings, web: WebConfig) -> ZooContext:
         sessions = session_factory(settings.database_url)
         blobs = BlobStore(settings.blob_dir)
-        return cls(settings, web, sessions, blobs, QueryEngine(sessions, blobs, settings.data_dir))
+        pool = CallPool(web.call_workers, web.call_queue, web.time_limit_s)
+        return cls(settings, web, sessions, blobs, QueryEngine(sessions, blobs, settings.data_dir), pool)
 
     def limited(self, fn: Callable[[], T]) -> T:
-        """fn() in the pool, or TimeLimitError past the time limit (the call finishes in the background)."""
-        future = self.pool.submit(fn)
+        """fn() in the bounded pool under the time limit (see CallPool.run); a refusal's Retry-After is kept for the
+        response (`retry_after()`)."""
         try:
-            return future.result(timeout=self.web.time_limit_s)
-        except FutureTimeout:
-            raise TimeLimitError(f"the request took longer than {self.web.time_limit_s:g} s; try a smaller upload or fewer ids") from None
+            return self.pool.run(fn)
+        except BusyError as exc:
+            g.zoo_retry_after = exc.retry_after
+            raise
+
+
+def retry_after(response: Response) -> Response:
+    """An after-request hook: a 503 says when to try again (the pool's estimate, else the time limit)."""
+    if response.status_code == 503 and "Retry-After" not in response.headers:
+        response.headers["Retry-After"] = str(g.get("zoo_retry_after") or max(1, math.ceil(zoo().web.time_limit_s)))
+    return response
 
 
 def zoo() -> ZooContext:

@@ -18,6 +18,7 @@ from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from zoo import deadline
 from zoo.blobs import BlobStore, BlobWriter
 from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
@@ -121,6 +122,7 @@ def canonicalize_modules(modules: list[LoraModule], device: torch.device) -> lis
         groups[m.rank].append(i)
     out: list[CanonicalFactors | None] = [None] * len(modules)
     for idx in groups.values():
+        deadline.check()  # a web call past its time limit stops here (zoo/deadline.py)
         As = [modules[i].A.to(device) for i in idx]
         Bs = [modules[i].B.to(device) for i in idx]
         scale = [modules[i].scale for i in idx]
