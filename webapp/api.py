@@ -22,8 +22,8 @@ from embed import service
 from embed.engine import spaces_budget
 from webapp import schemas
 from webapp.auth import stamped_token, token_auth
-from webapp.context import db, zoo
-from zoo import __version__
+from webapp.context import db, retry_after, zoo
+from zoo import __version__, deadline
 from zoo.db import repository
 from zoo.db.models import Adapter
 from zoo.db.session import current_revision
@@ -133,6 +133,10 @@ def lineage(adapter_id: int) -> dict[str, object]:
     return adapter_lineage(db(), adapter_id)
 
 
+#: `similar` with a k past this runs in the bounded pool for expensive calls (webapp/context.py)
+POOLED_K = 100
+
+
 @api.get("/adapters/<int:adapter_id>/similar")
 @api.input(schemas.SimilarQuery, location="query", arg_name="query")
 @api.output(schemas.SimilarOut)
@@ -141,7 +145,11 @@ def similar(adapter_id: int, query: dict) -> Response:
     """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share)."""
     start = time.perf_counter()
     filters = repository.parse_filters(query["filter"])
-    found = service.search(zoo().engine, db(), str(adapter_id), query["k"], query["space"], filters, query["method"])
+    engine, k, space, method = zoo().engine, query["k"], query["space"], query["method"]
+    if k > POOLED_K:  # a large k reads and ranks more: an expensive call, in the bounded pool
+        found = zoo().limited(with_session(lambda s: service.search(engine, s, str(adapter_id), k, space, filters, method)))
+    else:
+        found = service.search(engine, db(), str(adapter_id), k, space, filters, method)
     response = jsonify(found)  # the hot path: the resource is already plain JSON, so skip the schema's dump
     response.headers["Server-Timing"] = f"engine;dur={(time.perf_counter() - start) * 1e3:.3f}"
     return response
@@ -167,9 +175,15 @@ def _predict(part: str, body: dict) -> dict[str, object]:
         ids = body.get("adapter_ids") or ([body["adapter_id"]] if body.get("adapter_id") else [])
         if not ids:
             raise UsageError("send adapter_id, adapter_ids, or an upload in the `file` field")
-        found = zoo().limited(with_session(lambda s: [service.predict(engine, s, str(i), body.get("space")) for i in ids]))
+        found = zoo().limited(with_session(lambda s: [_checked(service.predict, engine, s, str(i), body.get("space")) for i in ids]))
     keep = ("query", "query_name", "space", "embedder_id", *PREDICTION_PARTS[part])
     return {"predictions": [{k: p[k] for k in keep} for p in found]}
+
+
+def _checked(fn: Callable[..., T], *args: object) -> T:
+    """fn(*args) once the call's deadline is not past (a loop's step in the pool: see zoo/deadline.py)."""
+    deadline.check()
+    return fn(*args)
 
 
 #: what each predict endpoint returns of a prediction: attributes come with their confidence (labelled neighbours
@@ -318,6 +332,9 @@ def _read_token() -> None:
         scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not token or stamped_token(token.strip()) is None:
             abort(401, "this server needs a token for reads too: send Authorization: Bearer <token> (`zoo token create`)")
+
+
+api.after_app_request(retry_after)
 
 
 @api.before_request
