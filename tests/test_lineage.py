@@ -332,7 +332,7 @@ def test_the_api_endpoint_and_the_adapter_page(settings: Settings, hub_zoo: dict
     assert client.get(f"/api/v1/adapters/{imdb}").json["lineage"] == r.json  # the page's JSON twin holds it
     missing = client.get("/api/v1/adapters/999/lineage")
     assert missing.status_code == 404 and missing.json == {
-        "error": {"status": 404, "type": "NotFoundError", "message": "no adapter with id 999", "detail": None}
+        "error": {"status": 404, "type": "not_found", "message": "no adapter with id 999", "detail": None}
     }
     assert "/api/v1/adapters/{adapter_id}/lineage" in client.get("/api/v1/openapi.json").json["paths"]
     page = client.get(f"/adapters/{imdb}").get_data(as_text=True)

@@ -374,7 +374,7 @@ def test_hostile_bodies_and_names_are_4xx_never_500(web: Web, tmp_path: Path) ->
         deep = "[" * depth + "]" * depth
         for url in ("/api/v1/predict/attributes", "/api/v1/predict/performance"):
             e = error_of(web.client.post(url, data=deep, content_type="application/json"))
-            assert e["status"] == 400 and "nested deeper" in e["message"]
+            assert e["status"] == 400 and e["type"] == "bad_request" and "nested deeper" in e["message"]
     z = zipped(web.adapters / "zoo" / "w03")
     r = web.client.post("/api/v1/similar", data={**upload_of("upload.zip.zip", z), "k": "3"}, content_type="multipart/form-data")
     assert r.status_code == 200 and r.json["results"][0]["name"] == "w03"
@@ -386,3 +386,29 @@ def test_hostile_bodies_and_names_are_4xx_never_500(web: Web, tmp_path: Path) ->
     e = error_of(web.client.post("/api/v1/similar", data=upload_of(long, kohya.read_bytes()), content_type="multipart/form-data"))
     assert e["status"] == 404 and "no embedding space 'sd-v1-5'" in e["message"]  # read as a kohya file
 
+
+def test_one_error_vocabulary(web: Web) -> None:
+    """Every error's `type` is one snake_case word of webapp.errors.ERROR_TYPES, which the OpenAPI document lists;
+    pages show its title, never an exception's class name."""
+    from webapp.errors import ERROR_TYPES
+
+    spec = web.client.get("/api/v1/openapi.json").json
+    assert spec["components"]["schemas"]["ErrorDetail"]["properties"]["type"]["enum"] == list(ERROR_TYPES)
+    assert all(kind == kind.lower() and " " not in kind for kind in ERROR_TYPES)
+    cases = [
+        (web.client.get("/api/v1/adapters/9999"), "not_found"),
+        (web.client.get("/api/v1/nope"), "not_found"),
+        (web.client.delete("/api/v1/health"), "method_not_allowed"),
+        (web.client.get("/api/v1/adapters/1/similar?filter=task"), "bad_request"),
+        (web.client.get("/api/v1/adapters/1/similar?k=abc"), "validation"),
+        (web.client.post("/api/v1/similar", data=upload_of("a.safetensors", b"\x00"), content_type="multipart/form-data"), "unprocessable"),
+        (web.client.post("/api/v1/similar", json={"file": "x"}), "unsupported_media_type"),
+        (web.client.post("/api/v1/ingest", json={"paths": ["x"]}), "unauthorized"),
+        (web.client.get("/api/v1/spaces/nope/map"), "not_found"),
+    ]
+    for response, kind in cases:
+        assert error_of(response)["type"] == kind, (response.request.path, response.json)
+    page = web.client.get("/adapters/9999").get_data(as_text=True)
+    assert "<title>Not found · zoo</title>" in page and "NotFoundError" not in page
+    page = web.client.post("/jobs").get_data(as_text=True)
+    assert "<title>Method not allowed · zoo</title>" in page and "<h1>Method not allowed <span" in page

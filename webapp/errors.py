@@ -2,7 +2,8 @@
 
 API errors are `{"error": {"status", "type", "message", "detail"}}` with the HTTP status:
 zoo's own errors carry theirs (400 usage, 404 not found, 409 not ready, 422 unreadable adapter,
-500 storage), request validation is 422, too large 413, wrong type 415, auth 401/403.
+500 storage), request validation is 422, too large 413, wrong type 415, auth 401/403. `type` is one
+word of ERROR_TYPES (snake_case; the OpenAPI document's Error schema lists them); pages show its title.
 """
 
 from __future__ import annotations
@@ -12,15 +13,55 @@ from typing import Any
 from apiflask import APIFlask, HTTPError
 from flask import Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
-from werkzeug.http import HTTP_STATUS_CODES
 
 from zoo.errors import InputError, ZooError
 
 API_PREFIX = "/api/"
 
+#: every error's `type`, with its usual status and the title its page shows: one vocabulary for zoo's own errors,
+#: Flask's and apiflask's, gunicorn's (webapp/serve.py) and the proxy's in front (429, 502, 504)
+ERROR_TYPES: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "Bad request"),
+    "unauthorized": (401, "Token needed"),
+    "forbidden": (403, "Forbidden"),
+    "not_found": (404, "Not found"),
+    "method_not_allowed": (405, "Method not allowed"),
+    "not_ready": (409, "Not ready yet"),
+    "too_large": (413, "Too large"),
+    "uri_too_long": (414, "Address too long"),
+    "unsupported_media_type": (415, "Unsupported media type"),
+    "validation": (422, "Invalid request"),
+    "unprocessable": (422, "Not a readable adapter"),
+    "too_many_requests": (429, "Too many requests"),
+    "headers_too_large": (431, "Headers too large"),
+    "internal": (500, "Server error"),
+    "storage": (500, "Stored data missing"),
+    "not_implemented": (501, "Not implemented"),
+    "bad_gateway": (502, "Bad gateway"),
+    "unavailable": (503, "Took too long"),
+    "gateway_timeout": (504, "Gateway timeout"),
+}
+_BY_STATUS = {status: kind for kind, (status, _) in reversed(ERROR_TYPES.items())}  # the first type listed for a status
+
 
 def error_body(status: int, kind: str, message: str, detail: Any = None) -> dict[str, object]:
     return {"error": {"status": status, "type": kind, "message": message, "detail": detail}}
+
+
+def kind_of(status: int) -> str:
+    """The error type for an HTTP status (the first listed for it; else bad_request or internal by its class)."""
+    return _BY_STATUS.get(status) or ("bad_request" if status < 500 else "internal")
+
+
+def zoo_kind(exc: ZooError) -> str:
+    """The error type of one of zoo's errors: by its status, but a file that is no adapter is `unprocessable` (not
+    `validation`, which is a request's fields) and a broken store `storage` (not `internal`)."""
+    from zoo.errors import StorageError
+
+    status = status_of(exc)
+    if status == 422:
+        return "unprocessable"
+    return "storage" if isinstance(exc, StorageError) else kind_of(status)
 
 
 def status_of(exc: ZooError) -> int:
@@ -39,38 +80,23 @@ def _respond(status: int, kind: str, message: str, detail: Any = None, headers: 
         response.status_code = status
         response.headers.update(headers or {})
         return response
-    heading = HTTP_STATUS_CODES.get(status, "Error").capitalize()  # "Not found", not the exception's class name
+    heading = ERROR_TYPES[kind][1]  # "Not found", never a class name
     return render_template("error.html", status=status, heading=heading, message=message), status, headers or {}
 
 
 def register(app: APIFlask) -> None:
     @app.error_processor
     def _apiflask_error(error: HTTPError) -> tuple[dict[str, object], int, Any]:  # validation and abort() in API views
-        kind = "validation" if error.status_code == 422 else _kind(error.status_code)
+        kind = "validation" if error.status_code == 422 else kind_of(error.status_code)
         return error_body(error.status_code, kind, str(error.message), error.detail or None), error.status_code, error.headers
 
     @app.errorhandler(ZooError)
     def _zoo_error(exc: ZooError):  # type: ignore[no-untyped-def]
         status = status_of(exc)
-        return _respond(status, type(exc).__name__, str(exc))
+        return _respond(status, zoo_kind(exc), str(exc))
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):  # type: ignore[no-untyped-def]
         status = exc.code or 500
         allow = getattr(exc, "valid_methods", None)
-        return _respond(status, _kind(status), exc.description or exc.name, headers={"Allow": ", ".join(allow)} if allow else None)
-
-
-def _kind(status: int) -> str:
-    return {
-        400: "bad_request",
-        401: "unauthorized",
-        403: "forbidden",
-        404: "not_found",
-        405: "method_not_allowed",
-        409: "not_ready",
-        413: "too_large",
-        415: "unsupported_media_type",
-        422: "unprocessable",
-        503: "unavailable",
-    }.get(status, "error")
+        return _respond(status, kind_of(status), exc.description or exc.name, headers={"Allow": ", ".join(allow)} if allow else None)

@@ -7,6 +7,7 @@ from apiflask.fields import Boolean, Dict, File, Float, Integer, List, Nested, R
 from apiflask.validators import Length, OneOf, Range
 
 from embed.engine import MAX_K, SEARCH_METHODS
+from webapp.errors import ERROR_TYPES
 from zoo.export import FORMATS
 
 MAX_IDS = 100
@@ -65,7 +66,11 @@ class IngestBody(Schema):
 
 class ErrorDetail(Schema):
     status = Integer(required=True)
-    type = String(required=True)
+    type = String(
+        required=True,
+        validate=OneOf(list(ERROR_TYPES)),
+        metadata={"description": "what went wrong, one of a fixed set: " + ", ".join(f"{k} ({s})" for k, (s, _) in ERROR_TYPES.items())},
+    )
     message = String(required=True)
     detail = Raw(required=True, allow_none=True)
 
