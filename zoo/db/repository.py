@@ -190,8 +190,15 @@ def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]]
     return conditions, labels
 
 
+#: filters one request may name: each is a condition in every catalog and filter statement
+MAX_FILTERS = 32
+
+
 def parse_filters(values: Iterable[str]) -> dict[str, str]:
-    """`key=value` texts (the CLI's --filter, the API's filter parameter) as a mapping."""
+    """`key=value` texts (the CLI's --filter, the API's filter parameter) as a mapping; at most MAX_FILTERS."""
+    values = list(values)
+    if len(values) > MAX_FILTERS:
+        raise UsageError(f"{len(values)} filters: a request may name at most {MAX_FILTERS}")
     out = {}
     for v in values:
         key, sep, value = v.partition("=")
