@@ -377,7 +377,7 @@ def test_hostile_bodies_and_names_are_4xx_never_500(web: Web, tmp_path: Path) ->
             assert e["status"] == 400 and e["type"] == "bad_request" and "nested deeper" in e["message"]
     z = zipped(web.adapters / "zoo" / "w03")
     r = web.client.post("/api/v1/similar", data={**upload_of("upload.zip.zip", z), "k": "3"}, content_type="multipart/form-data")
-    assert r.status_code == 200 and r.json["results"][0]["name"] == "w03"
+    assert r.status_code == 200 and r.json["results"][0]["name"] == "w03" and r.json["query"] == "upload.zip.zip"
     r = web.client.post("/api/v1/predict/attributes", data=upload_of("upload.zip.zip", z), content_type="multipart/form-data")
     assert r.status_code == 200 and r.json["predictions"][0]["attributes"]["task"]
     kohya = tmp_path / "k.safetensors"
@@ -412,3 +412,89 @@ def test_one_error_vocabulary(web: Web) -> None:
     assert "<title>Not found · zoo</title>" in page and "NotFoundError" not in page
     page = web.client.post("/jobs").get_data(as_text=True)
     assert "<title>Method not allowed · zoo</title>" in page and "<h1>Method not allowed <span" in page
+
+
+def _no_server_path(web: Web, body: str) -> None:
+    for path in {str(web.data_dir), str(web.data_dir.resolve()), str(web.adapters), str(web.adapters.resolve())}:
+        assert path not in body, body[:2000]
+
+
+def test_no_server_path_in_a_response(web: Web) -> None:
+    """Upload errors, an upload search's `query`, the find-similar page and an ingest job's items name the upload's
+    file, never the data dir's temporary directory; a path under the import root is named from $ZOO_IMPORT_ROOT."""
+    bad = upload_of("broken.safetensors", b"\x00" * 64)
+    for url in ("/api/v1/similar", "/api/v1/predict/attributes", "/similar"):
+        r = web.client.post(url, data=dict(bad), content_type="multipart/form-data")
+        assert r.status_code == 422 and "broken.safetensors: corrupt safetensors header" in r.get_data(as_text=True)
+        _no_server_path(web, r.get_data(as_text=True))
+        bad = upload_of("broken.safetensors", b"\x00" * 64)  # a stream is read once
+    stored = web.adapters / "zoo" / "w03"
+    for url in ("/api/v1/similar", "/api/v1/predict/performance"):
+        r = web.client.post(url, data=upload_of("w03.zip", zipped(stored)), content_type="multipart/form-data")
+        assert r.status_code == 200 and "w03.zip" in r.get_data(as_text=True)
+        _no_server_path(web, r.get_data(as_text=True))
+    r = web.client.post("/similar", data=peft_files(stored), content_type="multipart/form-data")
+    assert r.status_code == 200 and "Nearest to" in r.get_data(as_text=True)
+    _no_server_path(web, r.get_data(as_text=True))
+
+    from zoo import tokens
+    from zoo.db.session import session_factory
+
+    with session_factory(web.url).begin() as session:
+        _, token = tokens.create_token(session, "paths")
+    auth = {"Authorization": f"Bearer {token}"}
+    r = web.client.post("/api/v1/ingest", data={**upload_of("broken.safetensors", b"\x00" * 64), "base_model": "tiny"}, headers=auth)
+    assert r.status_code == 202
+    _no_server_path(web, r.get_data(as_text=True))
+    (item,) = _wait(web, r.json["id"])["items"]
+    assert item["state"] == "failed" and item["source"] == "broken.safetensors" and item["reason"].startswith("broken.safetensors: ")
+    for url in (f"/api/v1/jobs/{r.json['id']}", f"/jobs/{r.json['id']}", "/api/v1/jobs", "/jobs"):
+        _no_server_path(web, web.client.get(url).get_data(as_text=True))
+    e = error_of(web.client.post("/api/v1/ingest", json={"paths": ["/etc"]}, headers=auth))
+    assert "outside the import root $ZOO_IMPORT_ROOT" in e["message"]
+
+
+def test_security_headers_on_every_response(web: Web) -> None:
+    """CSP, nosniff, no framing and a referrer policy on pages, JSON, files, downloads and errors; the pages carry no
+    inline script or event handler, so the CSP's script-src 'self' runs them whole (tests/test_browser.py drives them)."""
+    from webapp.security import SECURITY_HEADERS
+
+    responses = [web.client.get(p) for p in ("/", "/adapters/1", "/map", "/similar", "/jobs", "/jobs/1", "/api/v1/docs", "/nope")]
+    responses += [web.client.get(p) for p in ("/api/v1/adapters/1", "/api/v1/nope", "/static/app.js", "/api/v1/adapters/1/download")]
+    responses += [web.client.head("/api/v1/health"), web.client.options("/api/v1/health"), web.client.delete("/api/v1/adapters/1")]
+    for r in responses:
+        assert all(r.headers.get(name) == value for name, value in SECURITY_HEADERS.items()), (r.request.path, dict(r.headers))
+    assert "script-src 'self';" in SECURITY_HEADERS["Content-Security-Policy"]
+    for r in responses[:8]:
+        page = r.get_data(as_text=True)
+        assert "<script>" not in page and " on" + "change=" not in page and " on" + "click=" not in page and "style=" not in page
+
+
+def test_gunicorn_refusals_are_json() -> None:
+    """What gunicorn refuses before the app sees it (a request line past its limit: 414) is the error shape as JSON,
+    through gunicorn's own error path."""
+    import logging
+    import socket
+
+    from gunicorn import util
+    from gunicorn.http.errors import LimitRequestLine
+    from gunicorn.workers.base import Worker
+
+    from webapp.security import SECURITY_HEADERS, gunicorn_errors_as_json, write_json_error
+
+    original = util.write_error
+    gunicorn_errors_as_json()
+    try:
+        ours, theirs = socket.socketpair()
+        worker = type("W", (), {"log": logging.getLogger("test"), "cfg": None})()
+        Worker.handle_error(worker, None, ours, ("127.0.0.1", 1), LimitRequestLine(9000, 4094))
+        ours.close()
+        head, _, body = theirs.recv(1 << 16).decode().partition("\r\n\r\n")
+        theirs.close()
+    finally:
+        util.write_error = original
+    assert util.write_error is not write_json_error
+    assert head.startswith("HTTP/1.1 414 ") and "Content-Type: application/json" in head
+    assert all(f"{name}: {value}" in head for name, value in SECURITY_HEADERS.items())
+    error = json.loads(body)["error"]
+    assert error == {"status": 414, "type": "uri_too_long", "message": "Request Line is too large (9000 > 4094)", "detail": None}

@@ -15,7 +15,7 @@ from zoo.db.session import require_schema
 def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     """The app for one database and data dir (config keys ZOO_DATABASE_URL, ZOO_DATA_DIR, ZOO_IMPORT_ROOT,
     ZOO_MAX_UPLOAD_BYTES, ZOO_READ_TOKEN_REQUIRED, ZOO_TIME_LIMIT_S; else the environment)."""
-    from webapp import errors, schemas
+    from webapp import errors, schemas, security
     from webapp.api import api
     from webapp.context import WebConfig, ZooContext, close_session
     from webapp.ui import ui
@@ -36,6 +36,7 @@ def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     app.extensions["zoo"] = ZooContext.open(settings, web)
     app.teardown_appcontext(close_session)
     errors.register(app)
+    security.register(app)  # read tokens, security headers, no server path in a response
     app.register_blueprint(api)
     app.register_blueprint(ui)
     return app

@@ -141,4 +141,7 @@ def serve(settings: Settings, host: str, port: int, workers: int, threads: int =
         "errorlog": "-",
         "proc_name": "zoo-serve",
     }
+    from webapp.security import gunicorn_errors_as_json
+
+    gunicorn_errors_as_json()  # what gunicorn refuses itself (414, 431, 400) in the API's JSON error shape, in every worker
     ZooServer(settings, options).run()

@@ -84,3 +84,13 @@ async function zooMap(url, colorBy, highlight) {
   canvas.dataset.points = String(points.length);
   window.zooMapChart = chart;
 }
+
+/* What the pages' markup asks for, wired here: the Content-Security-Policy (webapp/security.py) runs no inline script
+   or event handler, only this site's files. */
+document.querySelectorAll("select[data-autosubmit]").forEach((s) => s.addEventListener("change", () => s.form.submit()));
+const modulesData = document.getElementById("modules-data");
+if (modulesData) zooSpectra(JSON.parse(modulesData.textContent));
+const mapCanvas = document.getElementById("map");
+if (mapCanvas && mapCanvas.dataset.url) zooMap(mapCanvas.dataset.url, JSON.parse(mapCanvas.dataset.colorBy), mapCanvas.dataset.highlight);
+const swaggerUi = document.getElementById("swagger-ui");
+if (swaggerUi) SwaggerUIBundle({ url: swaggerUi.dataset.spec, dom_id: "#swagger-ui", deepLinking: true, defaultModelsExpandDepth: -1 });

@@ -1,0 +1,117 @@
+"""What every response passes through, in one place: the security headers, and no server path in a response body."""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from apiflask import APIFlask
+from flask import Response
+
+from webapp.context import zoo
+from webapp.errors import error_body
+
+#: on every response. Scripts and styles only from this site's files (no inline script or style, no eval), images
+#: also as data: URIs (Swagger UI's icons), no plugins, no framing, forms post only here
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; font-src 'self' data:; connect-src 'self'; "
+    "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+}
+
+
+def security_headers(response: Response) -> Response:
+    """After every request (pages, JSON, files, errors): the security headers, unless a view set its own."""
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+    return response
+
+
+@dataclass(frozen=True)
+class ServerPaths:
+    """How a body may name the data dir and the import root (each as configured and resolved, as JSON and HTML
+    write them), and the variable that names each in a response."""
+
+    placeholders: dict[str, str]
+    needles: tuple[bytes, ...]
+    pattern: re.Pattern[str]
+
+    @classmethod
+    @functools.lru_cache(maxsize=8)
+    def of(cls, data_dir: str, import_root: str | None) -> ServerPaths:
+        roots = {"$ZOO_DATA_DIR": data_dir, **({"$ZOO_IMPORT_ROOT": import_root} if import_root else {})}
+        placeholders = {
+            form: name
+            for name, root in roots.items()
+            for path in (root, str(Path(root).resolve()))
+            for form in (path, json.dumps(path)[1:-1], html.escape(path))
+        }
+        # an upload's temporary directory (data dir/uploads/<one directory>/) goes whole, leaving the upload's file
+        # name; otherwise a root becomes its variable. Longest first: the data dir may lie inside the import root
+        forms = sorted(placeholders, key=len, reverse=True)
+        uploads = "|".join(re.escape(f) for f in forms if placeholders[f] == "$ZOO_DATA_DIR")
+        roots_re = "|".join(re.escape(f) for f in forms)
+        pattern = re.compile(rf"(?P<upload>(?:{uploads})/uploads/[A-Za-z0-9_.-]+/)|(?P<root>{roots_re})(?![A-Za-z0-9_.-])")
+        return cls(placeholders, tuple({f.encode() for f in forms}), pattern)
+
+    def hide(self, text: str) -> str:
+        return self.pattern.sub(lambda m: "" if m.group("upload") else self.placeholders[m.group("root")], text)
+
+
+def server_paths() -> ServerPaths:
+    ctx = zoo()
+    return ServerPaths.of(str(ctx.settings.data_dir), str(ctx.web.import_root) if ctx.web.import_root else None)
+
+
+def public_text(text: str) -> str:
+    """`text` without the server's paths: an upload's temporary directory dropped (its file name stays), the data dir
+    and the import root named by their variables ($ZOO_DATA_DIR/..., $ZOO_IMPORT_ROOT/...)."""
+    return server_paths().hide(text)
+
+
+def hide_server_paths(response: Response) -> Response:
+    """After every request: a JSON or HTML body that names the data dir or the import root (an upload's error, the
+    `query` of an upload search, a job item's source) names the upload's file or the variable instead."""
+    if response.direct_passthrough or response.is_streamed or response.mimetype not in ("application/json", "text/html"):
+        return response
+    paths = server_paths()
+    body = response.get_data()
+    if any(n in body for n in paths.needles):
+        response.set_data(paths.hide(body.decode()))
+    return response
+
+
+def register(app: APIFlask) -> None:
+    app.after_request(hide_server_paths)
+    app.after_request(security_headers)
+
+
+def write_json_error(sock: object, status_int: int, reason: str, mesg: str) -> None:
+    """gunicorn's util.write_error in the error shape: what gunicorn refuses before the app sees a request (a request
+    line past limit_request_line is 414, headers past their limits 431, a malformed request 400) as JSON, with the
+    security headers, whatever the path (gunicorn has not parsed it)."""
+    from gunicorn import util
+
+    from webapp.errors import kind_of
+
+    body = json.dumps(error_body(status_int, kind_of(status_int), mesg or reason)).encode()
+    head = [f"HTTP/1.1 {status_int} {reason}", "Connection: close", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    head += [f"{name}: {value}" for name, value in SECURITY_HEADERS.items()]
+    util.write_nonblock(sock, ("\r\n".join(head) + "\r\n\r\n").encode("latin1") + body)
+
+
+def gunicorn_errors_as_json() -> None:
+    """Make gunicorn write its own error answers with write_json_error (`zoo serve` calls this before its workers
+    start; gunicorn's workers call util.write_error for every request they refuse)."""
+    from gunicorn import util
+
+    util.write_error = write_json_error
