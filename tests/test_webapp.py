@@ -338,10 +338,59 @@ def _wait(web: Web, job_id: int) -> dict:
     raise AssertionError(f"job {job_id} did not finish: {job}")
 
 
+#: what anyone may call when reads need a token (webapp/security.py OPEN_ENDPOINTS): widening it is a decision
+OPEN = {"api.health", "openapi.spec", "ui.api_docs_page", "static", "ui.sign_in", "ui.sign_out"}
+#: a value for each path argument of the app's routes
+SAMPLES = {"adapter_id": 1, "job_id": 1, "name": "tiny", "filename": "app.css"}
+
+
 def test_reads_can_require_a_token(web: Web) -> None:
-    closed = create_app({"ZOO_DATABASE_URL": web.url, "ZOO_DATA_DIR": str(web.data_dir), "ZOO_READ_TOKEN_REQUIRED": "1"}).test_client()
-    assert error_of(closed.get("/api/v1/adapters/1"))["status"] == 401
-    assert closed.get("/api/v1/health").status_code == 200
+    """With ZOO_READ_TOKEN_REQUIRED every route of the app's own URL map, with every method it accepts (HEAD, OPTIONS
+    and the POST reads included), is a 401 without a token, but for the small open list: a new route cannot escape."""
+    from webapp.security import OPEN_ENDPOINTS, TOKEN_COOKIE
+    from zoo import tokens
+    from zoo.db.session import session_factory
+
+    assert OPEN_ENDPOINTS == OPEN
+    app = create_app({"ZOO_DATABASE_URL": web.url, "ZOO_DATA_DIR": str(web.data_dir), "ZOO_READ_TOKEN_REQUIRED": "1"})
+    closed = app.test_client()
+    walked = set()
+    for rule in app.url_map.iter_rules():
+        built = rule.build({arg: SAMPLES[arg] for arg in rule.arguments})
+        assert built, rule.rule
+        url = built[1]
+        for method in sorted(rule.methods or ()):
+            r = closed.open(url, method=method)
+            walked.add(rule.endpoint)
+            if rule.endpoint in OPEN:
+                assert r.status_code != 401, (method, url)
+            else:
+                assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), (method, url, r.status_code)
+                if url.startswith("/api/") and method != "HEAD":
+                    assert error_of(r)["type"] == "unauthorized"
+    assert len(walked) >= 25
+    page = closed.get("/adapters/1?x=1")  # a page's 401 is a page to sign in on, back to where it was
+    assert page.mimetype == "text/html" and "<title>Sign in · zoo</title>" in page.get_data(as_text=True)
+    assert 'name="next" value="/adapters/1?x=1"' in page.get_data(as_text=True)
+
+    with session_factory(web.url).begin() as session:
+        _, token = tokens.create_token(session, "reader")
+    auth = {"Authorization": f"Bearer {token}"}
+    assert closed.get("/api/v1/adapters/1", headers=auth).status_code == 200
+    assert closed.head("/api/v1/adapters", headers=auth).status_code == 200
+    assert closed.post("/api/v1/predict/attributes", json={"adapter_id": 1}, headers=auth).status_code == 200
+    assert error_of(closed.get("/api/v1/adapters/1", headers={"Authorization": "Bearer zoo_wrong"}))["status"] == 401
+
+    assert closed.post("/sign-in", data={"token": "zoo_wrong", "next": "/map"}).status_code == 401
+    r = closed.post("/sign-in", data={"token": token, "next": "//evil.example/x"})  # never sent off the site
+    assert r.status_code == 303 and r.headers["Location"] == "/"
+    cookie = closed.get_cookie(TOKEN_COOKIE)
+    assert cookie and cookie.http_only and cookie.same_site == "Lax"
+    assert closed.get("/adapters/1").status_code == 200 and closed.get("/api/v1/adapters/1").status_code == 200  # reads take it
+    assert "sign out" in closed.get("/").get_data(as_text=True)
+    assert closed.delete("/api/v1/adapters/1").status_code == 401  # writes never do: they need the header
+    closed.post("/sign-out")
+    assert closed.get_cookie(TOKEN_COOKIE) is None and closed.get("/").status_code == 401
 
 
 def test_pages_render_with_their_json_twins(web: Web) -> None:
@@ -387,33 +436,6 @@ def test_hostile_bodies_and_names_are_4xx_never_500(web: Web, tmp_path: Path) ->
     assert e["status"] == 404 and "no embedding space 'sd-v1-5'" in e["message"]  # read as a kohya file
 
 
-def test_one_error_vocabulary(web: Web) -> None:
-    """Every error's `type` is one snake_case word of webapp.errors.ERROR_TYPES, which the OpenAPI document lists;
-    pages show its title, never an exception's class name."""
-    from webapp.errors import ERROR_TYPES
-
-    spec = web.client.get("/api/v1/openapi.json").json
-    assert spec["components"]["schemas"]["ErrorDetail"]["properties"]["type"]["enum"] == list(ERROR_TYPES)
-    assert all(kind == kind.lower() and " " not in kind for kind in ERROR_TYPES)
-    cases = [
-        (web.client.get("/api/v1/adapters/9999"), "not_found"),
-        (web.client.get("/api/v1/nope"), "not_found"),
-        (web.client.delete("/api/v1/health"), "method_not_allowed"),
-        (web.client.get("/api/v1/adapters/1/similar?filter=task"), "bad_request"),
-        (web.client.get("/api/v1/adapters/1/similar?k=abc"), "validation"),
-        (web.client.post("/api/v1/similar", data=upload_of("a.safetensors", b"\x00"), content_type="multipart/form-data"), "unprocessable"),
-        (web.client.post("/api/v1/similar", json={"file": "x"}), "unsupported_media_type"),
-        (web.client.post("/api/v1/ingest", json={"paths": ["x"]}), "unauthorized"),
-        (web.client.get("/api/v1/spaces/nope/map"), "not_found"),
-    ]
-    for response, kind in cases:
-        assert error_of(response)["type"] == kind, (response.request.path, response.json)
-    page = web.client.get("/adapters/9999").get_data(as_text=True)
-    assert "<title>Not found · zoo</title>" in page and "NotFoundError" not in page
-    page = web.client.post("/jobs").get_data(as_text=True)
-    assert "<title>Method not allowed · zoo</title>" in page and "<h1>Method not allowed <span" in page
-
-
 def _no_server_path(web: Web, body: str) -> None:
     for path in {str(web.data_dir), str(web.data_dir.resolve()), str(web.adapters), str(web.adapters.resolve())}:
         assert path not in body, body[:2000]
@@ -452,6 +474,33 @@ def test_no_server_path_in_a_response(web: Web) -> None:
         _no_server_path(web, web.client.get(url).get_data(as_text=True))
     e = error_of(web.client.post("/api/v1/ingest", json={"paths": ["/etc"]}, headers=auth))
     assert "outside the import root $ZOO_IMPORT_ROOT" in e["message"]
+
+
+def test_one_error_vocabulary(web: Web) -> None:
+    """Every error's `type` is one snake_case word of webapp.errors.ERROR_TYPES, which the OpenAPI document lists;
+    pages show its title, never an exception's class name."""
+    from webapp.errors import ERROR_TYPES
+
+    spec = web.client.get("/api/v1/openapi.json").json
+    assert spec["components"]["schemas"]["ErrorDetail"]["properties"]["type"]["enum"] == list(ERROR_TYPES)
+    assert all(kind == kind.lower() and " " not in kind for kind in ERROR_TYPES)
+    cases = [
+        (web.client.get("/api/v1/adapters/9999"), "not_found"),
+        (web.client.get("/api/v1/nope"), "not_found"),
+        (web.client.delete("/api/v1/health"), "method_not_allowed"),
+        (web.client.get("/api/v1/adapters/1/similar?filter=task"), "bad_request"),
+        (web.client.get("/api/v1/adapters/1/similar?k=abc"), "validation"),
+        (web.client.post("/api/v1/similar", data=upload_of("a.safetensors", b"\x00"), content_type="multipart/form-data"), "unprocessable"),
+        (web.client.post("/api/v1/similar", json={"file": "x"}), "unsupported_media_type"),
+        (web.client.post("/api/v1/ingest", json={"paths": ["x"]}), "unauthorized"),
+        (web.client.get("/api/v1/spaces/nope/map"), "not_found"),
+    ]
+    for response, kind in cases:
+        assert error_of(response)["type"] == kind, (response.request.path, response.json)
+    page = web.client.get("/adapters/9999").get_data(as_text=True)
+    assert "<title>Not found · zoo</title>" in page and "NotFoundError" not in page
+    page = web.client.post("/jobs").get_data(as_text=True)
+    assert "<title>Method not allowed · zoo</title>" in page and "<h1>Method not allowed <span" in page
 
 
 def test_security_headers_on_every_response(web: Web) -> None:

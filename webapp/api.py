@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from apiflask import APIBlueprint, abort
+from apiflask import APIBlueprint
 from flask import Response, jsonify, request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -21,7 +21,7 @@ from werkzeug.exceptions import UnsupportedMediaType
 from embed import service
 from embed.engine import spaces_budget
 from webapp import schemas
-from webapp.auth import stamped_token, token_auth
+from webapp.auth import token_auth
 from webapp.context import db, retry_after, zoo
 from zoo import __version__, deadline
 from zoo.db import repository
@@ -39,7 +39,7 @@ T = TypeVar("T")
 # replaces apiflask's automatic 200, so views without @api.output list theirs.
 READ = [400, 401]
 ENGINE = [*READ, 404, 409]
-UPLOAD = [400, 404, 409, 413, 415, 422, 503]
+UPLOAD = [400, 401, 404, 409, 413, 415, 422, 503]
 
 
 def with_session(fn: Callable[[Session], T]) -> Callable[[], T]:
@@ -323,15 +323,6 @@ def _body_type() -> None:
     allowed = BODY_TYPES.get(request.endpoint or "")
     if allowed and request.mimetype not in allowed:
         raise UnsupportedMediaType(f"send {' or '.join(allowed)}, not {request.mimetype or 'no body'}")
-
-
-@api.before_request
-def _read_token() -> None:
-    """With ZOO_READ_TOKEN_REQUIRED, reads need a token too (health and the OpenAPI document stay open)."""
-    if zoo().web.read_token_required and request.method == "GET" and request.endpoint != "api.health":
-        scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not token or stamped_token(token.strip()) is None:
-            abort(401, "this server needs a token for reads too: send Authorization: Bearer <token> (`zoo token create`)")
 
 
 api.after_app_request(retry_after)

@@ -1,4 +1,12 @@
-"""What every response passes through, in one place: the security headers, and no server path in a response body."""
+"""What every request and response passes through, in one place: the read token (ZOO_READ_TOKEN_REQUIRED), the
+security headers, and no server path in a response body.
+
+Read tokens: with ZOO_READ_TOKEN_REQUIRED every endpoint but OPEN_ENDPOINTS needs a live token, whatever its
+method (GET, HEAD, OPTIONS and the POST reads: similar and predict), before any view or blueprint hook runs. A
+program sends `Authorization: Bearer <token>`; a browser signs in once at /sign-in, which keeps the token in an
+HttpOnly, SameSite=Lax cookie (TOKEN_COOKIE) that reads accept too. Writes still need the header (token_auth):
+the cookie is never enough to change the zoo.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from apiflask import APIFlask
-from flask import Response
+from flask import Response, jsonify, render_template, request
 
+from webapp.auth import stamped_token
 from webapp.context import zoo
-from webapp.errors import error_body
+from webapp.errors import API_PREFIX, error_body
+
+#: endpoints anyone may call when reads need a token: liveness, the API's description and its docs page (the
+#: document only, no data), static files, and signing in
+OPEN_ENDPOINTS = frozenset({"api.health", "openapi.spec", "ui.api_docs_page", "static", "ui.sign_in", "ui.sign_out"})
+#: the cookie a signed-in browser sends its token in
+TOKEN_COOKIE = "zoo_token"
+READ_TOKEN_MESSAGE = "this server needs a token for reads too: send Authorization: Bearer <token> (`zoo token create NAME`)"
 
 #: on every response. Scripts and styles only from this site's files (no inline script or style, no eval), images
 #: also as data: URIs (Swagger UI's icons), no plugins, no framing, forms post only here
@@ -27,6 +43,43 @@ SECURITY_HEADERS = {
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "same-origin",
 }
+
+
+def request_token() -> str | None:
+    """The token the request carries: the Authorization header's, else the sign-in cookie's."""
+    scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.cookies.get(TOKEN_COOKIE) or None
+
+
+def require_read_token() -> Response | tuple | None:
+    """Before every request: under ZOO_READ_TOKEN_REQUIRED, 401 unless the endpoint is open or a live token came
+    (JSON under /api/, else a page to sign in on). A URL no route matches goes on to its 404 or 405."""
+    if not zoo().web.read_token_required or request.endpoint is None or request.endpoint in OPEN_ENDPOINTS:
+        return None
+    token = request_token()
+    if token and stamped_token(token) is not None:
+        return None
+    return unauthorized("that token is not valid (revoked, or mistyped?)" if token else None)
+
+
+def unauthorized(problem: str | None = None) -> Response | tuple:
+    """The 401 for a read without a live token: the error shape under /api/, a sign-in page elsewhere."""
+    headers = {"WWW-Authenticate": 'Bearer realm="zoo"'}
+    if request.path.startswith(API_PREFIX):
+        response = jsonify(error_body(401, "unauthorized", f"{problem}: {READ_TOKEN_MESSAGE}" if problem else READ_TOKEN_MESSAGE))
+        response.status_code = 401
+        response.headers.update(headers)
+        return response
+    return render_template("sign_in.html", problem=problem, next=local_path(request.full_path)), 401, headers
+
+
+def local_path(target: str | None) -> str:
+    """`target` if it is a path on this site (what /sign-in may send a browser back to), else "/"."""
+    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return "/"
+    return target.removesuffix("?")
 
 
 def security_headers(response: Response) -> Response:
@@ -91,6 +144,7 @@ def hide_server_paths(response: Response) -> Response:
 
 
 def register(app: APIFlask) -> None:
+    app.before_request(require_read_token)  # app hooks run before the blueprints' (refuse_nul, body types)
     app.after_request(hide_server_paths)
     app.after_request(security_headers)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from apiflask import APIBlueprint
-from flask import render_template, request, url_for
+from flask import Response, redirect, render_template, request, url_for
 
 from embed import service
 from webapp.api import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
@@ -118,3 +118,32 @@ def job_page(job_id: int) -> str:
     from zoo.jobs import get_job
 
     return render_template("job.html", j=get_job(db(), job_id), twin=url_for("api.job", job_id=job_id))
+
+
+@ui.route("/sign-in", methods=["GET", "POST"])
+def sign_in() -> tuple[str, int] | Response:
+    """Where a browser gives its token when reads need one (ZOO_READ_TOKEN_REQUIRED): kept in an HttpOnly cookie that
+    reads accept like the Authorization header (webapp/security.py); writes still need the header."""
+    from webapp.auth import stamped_token
+    from webapp.security import TOKEN_COOKIE, local_path
+
+    back = local_path(request.values.get("next"))
+    if request.method != "POST":
+        return render_template("sign_in.html", problem=None, next=back), 200
+    token = (request.form.get("token") or "").strip()
+    if not token:
+        return render_template("sign_in.html", problem="paste a token first", next=back), 400
+    if stamped_token(token) is None:
+        return render_template("sign_in.html", problem="that token is not valid (revoked, or mistyped?)", next=back), 401
+    response = redirect(back, code=303)
+    response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Lax", secure=request.is_secure)
+    return response
+
+
+@ui.post("/sign-out")
+def sign_out() -> Response:
+    from webapp.security import TOKEN_COOKIE
+
+    response = redirect(url_for("ui.sign_in"), code=303)
+    response.delete_cookie(TOKEN_COOKIE, httponly=True, samesite="Lax", secure=request.is_secure)
+    return response
