@@ -46,6 +46,7 @@ def seeded(cli: CLI, root: Path, base_model: str = "tiny") -> None:
     assert cli("embed")[0] == 0
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # Ray against PostgreSQL: the crawl test below
 def test_ingest_on_a_local_ray_instance_with_labels(cli: CLI, tmp_path: Path) -> None:
     seeded(cli, tmp_path)
     sources = write_random_peft_adapters(tmp_path / "src", 8)
