@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,26 @@ def test_a_filter_flood_is_refused_and_the_largest_allowed_costs_filters_not_the
     found = catalog(db_url, None, {"task": "odd", "seed": "3", "base_model": "tiny"})
     want = [s for s in specs if s["labels"]["task"] == "odd" and s["labels"]["seed"] == "3" and s["base_model"] == "tiny"]
     assert found["total"] == len(want)
+
+
+def test_a_module_wider_than_the_limit_is_refused_from_its_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8M-wide rank-1 module took a worker from 652 MB to 1.73 GB for good: now a tensor wider than
+    ZOO_MAX_MODULE_WIDTH is refused, naming the file, the tensor and the limit, before any tensor is built."""
+    import torch
+    from safetensors.torch import save_file
+
+    from zoo.errors import InputError
+    from zoo.formats import read_adapter, safe_load
+
+    monkeypatch.setenv("ZOO_MAX_MODULE_WIDTH", "4096")
+    path = tmp_path / "wide.safetensors"
+    stem = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    save_file({f"{stem}.lora_down.weight": torch.ones(1, 5000).half(), f"{stem}.lora_up.weight": torch.ones(64, 1).half()}, str(path))
+    built: list[str] = []
+    monkeypatch.setattr(safe_load.torch, "frombuffer", lambda *a, **k: built.append("tensor"))  # type: ignore[attr-defined]
+    with pytest.raises(InputError, match=r"wide\.safetensors: tensor .*lora_down\.weight.* 5,000 wide, past the limit of 4,096"):
+        read_adapter(path)
+    assert not built
+    monkeypatch.undo()
+    monkeypatch.setenv("ZOO_MAX_MODULE_WIDTH", "8192")
+    assert read_adapter(path).modules[0].shape == (64, 5000)

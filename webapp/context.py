@@ -24,7 +24,7 @@ from flask import Response, current_app, g
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.engine import QueryEngine
-from zoo import deadline
+from zoo import deadline, memory
 from zoo.blobs import BlobStore
 from zoo.config import Settings
 from zoo.db.session import session_factory
@@ -79,6 +79,7 @@ class CallPool:
                 with deadline.until(end):
                     return fn()
             finally:
+                memory.trim()  # what the call freed goes back to the system (zoo/memory.py)
                 self._release()
 
         future = self._executor.submit(call)

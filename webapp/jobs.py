@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 from webapp.context import db, zoo
+from zoo import memory
 from zoo.errors import UsageError
 from zoo.jobs import PROCESSED, create_job, job_detail
 from zoo.sources.local import expand_under
@@ -77,6 +78,7 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
         finally:
             remove_upload()
         batches.flush()
+        memory.trim()  # what reading and sketching the adapters freed goes back to the system (zoo/memory.py)
 
     ctx.jobs.submit(run)
     return detail

@@ -8,6 +8,7 @@ inside the database's columns (PostgreSQL refuses longer strings and integers pa
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 
 from zoo.errors import InputError
 from zoo.formats.model import AdapterData
@@ -32,6 +33,27 @@ def max_modules() -> int:
     return int(os.environ.get("ZOO_MAX_MODULES", 4096))
 
 
+def max_module_width() -> int:
+    """Widest side of a module (or any tensor of two or more dimensions) accepted (ZOO_MAX_MODULE_WIDTH, default
+    524,288 = 2^19: the head or embedding of a 262,144-token vocabulary passes). Sketching a module draws 64 float64
+    probes per row and column: 0.5 KiB of working memory per unit of width, 4 GiB for a module 8M wide (issue 30)."""
+    return int(os.environ.get("ZOO_MAX_MODULE_WIDTH", 1 << 19))
+
+
+def check_widths(path: object, shapes: Iterable[tuple[str, Sequence[int]]]) -> None:
+    """Refuse, naming the file, the tensor and the limit, a tensor of two or more dimensions wider than
+    max_module_width(): from a header's shapes, before any tensor is read."""
+    limit = max_module_width()
+    for name, shape in shapes:
+        if len(shape) >= 2 and max(shape) > limit:
+            need = max(shape) * 64 * 8
+            raise InputError(
+                str(path),
+                f"tensor {name[:120]!r} of shape {list(shape)} is {max(shape):,} wide, past the limit of {limit:,} "
+                f"(ZOO_MAX_MODULE_WIDTH): sketching it would take about {need / 2**30:.1f} GiB of working memory",
+            )
+
+
 def check_limits(data: AdapterData, base_model: str | None) -> None:
     """Refuse, naming the file and the limit, what is over a limit."""
     from zoo.naming import layer_index, module_type
@@ -54,6 +76,7 @@ def check_limits(data: AdapterData, base_model: str | None) -> None:
         layer = layer_index(name)
         if layer is not None and layer > MAX_LAYER:
             raise InputError(path, f"module {name[:80]!r} claims layer {str(layer)[:20]}, past the limit of {MAX_LAYER}")
+    check_widths(path, [(m.name, m.shape) for m in data.modules] + [(m.name, m.shape) for m in data.full_matrices])
     for m in data.modules:
         out, inp = m.shape
         if m.rank > max_rank():

@@ -235,7 +235,11 @@ def safetensors_header(path: Path, data: bytes | bytearray) -> SafetensorsHeader
 def safetensors_tensors(wf: WeightFile, header: SafetensorsHeader) -> Mapping[str, torch.Tensor]:
     """The tensors of a safetensors file's bytes under its checked header: views of the bytes (no copy),
     except those whose offset is not a multiple of their element size, which are copied; for a streamed file,
-    a mapping that reads each tensor when it is looked up (see StreamedTensors)."""
+    a mapping that reads each tensor when it is looked up (see StreamedTensors). A tensor wider than
+    ZOO_MAX_MODULE_WIDTH is refused from the header, before any is read (zoo/formats/limits.py)."""
+    from zoo.formats.limits import check_widths
+
+    check_widths(wf.path, [(key, info["shape"]) for key, info in header.entries.items()])
     if isinstance(wf.data, StreamedFile):
         return StreamedTensors(wf, header)
     tensors: dict[str, torch.Tensor] = {}
