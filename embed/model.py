@@ -9,6 +9,13 @@ components count little. Module tokens get layer and module-type embeddings, a t
 modules mixes them, and attention pooling gives one vector per adapter. A linear readout of
 every module's σ-weighted sketch, side by side, is added to that vector: attention pooling
 averages module identity away, and a linear classifier on a fixed dW sketch is strong.
+
+Bounded for real adapters (embed/tokens.py, issue 29): u and v arrive projected to at most
+`token_width` dims, and where a space has more than `max_module_tokens` modules, the module tokens
+of a group (one type, neighbouring layers) are averaged into one and their sketches summed (a
+sketch of the group's summed update: one type shares P_u, P_v), so that the module transformer and
+the readout see at most `module_groups` tokens. A config without these fields (a checkpoint from
+before) keeps full widths and a token per module.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from embed.tokens import Batch
+from embed.tokens import Batch, TokenSpec, TypeTokens
 
 
 @dataclass
@@ -35,6 +42,20 @@ class W2TConfig:
     dropout: float = 0.0
     categorical: dict[str, list[str]] = field(default_factory=dict)  # attribute -> classes
     regression: list[str] = field(default_factory=list)  # measured metrics
+    token_width: int = 0  # u and v wider than this arrive projected to it (embed.tokens.TokenSpec); 0: full width
+    projection_seed: int = 0
+    max_module_tokens: int = 0  # 0: a module token per module
+    module_groups: int = 0  # module tokens (embed.tokens.module_groups); 0: n_modules, one per module
+
+    @property
+    def tokens(self) -> TokenSpec:
+        """How adapters are tokenized for this model."""
+        return TokenSpec(self.token_width, self.projection_seed, self.max_module_tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        """Module tokens per adapter (and blocks of the readout)."""
+        return self.module_groups or self.n_modules
 
     def as_dict(self) -> dict[str, object]:
         d = asdict(self)
@@ -51,6 +72,17 @@ class W2TConfig:
 def _encoder(dim: int, heads: int, layers: int, dropout: float) -> nn.TransformerEncoder:
     layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=dropout, batch_first=True, norm_first=True)
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+def projected_noise(weight: torch.Tensor, shape: torch.Size, noise: float, generator: torch.Generator | None) -> torch.Tensor:
+    """A draw of P n for n ~ N(0, noise²/p · I_p), P = `weight` (k × p), of `shape` (..., k): as L z with L Lᵀ = P Pᵀ
+    (L constant to autograd: P itself where p ≤ k, else the Cholesky factor of P Pᵀ) and z ~ N(0, I) min(k, p) wide,
+    so that its cost does not grow with p."""
+    k, p = weight.shape
+    P = weight.detach().float()
+    L = P if p <= k else torch.linalg.cholesky(P @ P.T + 1e-12 * torch.eye(k, device=P.device))
+    z = torch.randn(*shape[:-1], L.shape[1], generator=generator).to(weight.device)
+    return (z @ L.T) * (noise / p**0.5)
 
 
 class AttentionPool(nn.Module):
@@ -77,8 +109,9 @@ class W2T(nn.Module):
         d = config.dim
         self.types = sorted(config.type_shapes)
         k = config.outer_dim
-        self.proj_u = nn.ModuleDict({t: nn.Linear(o, k, bias=False) for t, (o, _) in config.type_shapes.items()})
-        self.proj_v = nn.ModuleDict({t: nn.Linear(i, k, bias=False) for t, (_, i) in config.type_shapes.items()})
+        width = config.tokens.side_width
+        self.proj_u = nn.ModuleDict({t: nn.Linear(width(o), k, bias=False) for t, (o, _) in config.type_shapes.items()})
+        self.proj_v = nn.ModuleDict({t: nn.Linear(width(i), k, bias=False) for t, (_, i) in config.type_shapes.items()})
         self.token = nn.Linear(k * k, d)
         self.sketch = nn.Linear(k * k, d)
         self.film = nn.Sequential(nn.Linear(2, d), nn.GELU(), nn.Linear(d, 2 * d))
@@ -92,23 +125,31 @@ class W2T(nn.Module):
         # the learned two-sided sketches of every module side by side (module identity kept), read out
         # linearly: the path that a linear classifier on a fixed dW sketch shows to be strong
         self.readout = (
-            nn.Sequential(nn.Dropout(config.dropout), nn.Linear(config.n_modules * k * k, config.embed_dim)) if config.n_modules else None
+            nn.Sequential(nn.Dropout(config.dropout), nn.Linear(config.n_tokens * k * k, config.embed_dim)) if config.n_modules else None
         )
         self.heads = nn.ModuleDict({k: nn.Linear(config.embed_dim, len(v)) for k, v in config.categorical.items()})
         self.regressors = nn.ModuleDict({k: nn.Linear(config.embed_dim, 1) for k in config.regression})
 
-    def _module_tokens(self, mtype: str, tok) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    def _module_tokens(
+        self, mtype: str, tok: TypeTokens, noise: float = 0.0, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, M, R, _ = tok.u.shape
+        scale = tok.u.shape[-1] ** 0.5
         a = self.proj_u[mtype](tok.u)  # (B, M, R, k)
         b = self.proj_v[mtype](tok.v)
+        if noise:  # P(u + n), n ~ N(0, noise²/width): drawn where it is k wide, not width wide
+            a = a + projected_noise(self.proj_u[mtype].weight, a.shape, noise, generator)
+            b = b + projected_noise(self.proj_v[mtype].weight, b.shape, noise, generator)
+        a = a * scale
         # (P_u u)(P_v v)ᵀ: a learned two-sided sketch of the rank-one term u vᵀ, invariant to (u, v) -> (-u, -v)
-        outer = (a.unsqueeze(-1) * b.unsqueeze(-2)).flatten(-2) * tok.u.shape[-1] ** 0.5
+        outer = (a.unsqueeze(-1) * b.unsqueeze(-2)).flatten(-2)
         x = self.token(outer)
         # σ-weighted sum of the rank-one sketches: a learned linear sketch P_u dW P_vᵀ of the whole
         # module, normalized by the adapter's total ||dW||_F (what exact dW cosine compares)
         sigma = tok.log_sigma.exp() * tok.mask
-        total = sigma.pow(2).flatten(1).sum(dim=1).sqrt().clamp_min(1e-12)
-        module_sketch = (sigma.unsqueeze(-1) * outer).sum(dim=2) / total[:, None, None]  # (B, M, k²)
+        total = (tok.sigma_norms() if tok.norms is None else tok.norms).clamp_min(1e-12)
+        weights = (sigma / total[:, None, None]).unsqueeze(-1)
+        module_sketch = ((a * weights).transpose(-1, -2) @ b).flatten(-2)  # Σ_i σ_i a_i b_iᵀ / total: (B, M, k²)
         linear_sketch = self.sketch(module_sketch)  # (B, M, d)
         ls = tok.log_sigma
         ls_max = ls.masked_fill(~tok.mask, float("-inf")).amax(dim=-1, keepdim=True).clamp_min(-30.0)
@@ -124,17 +165,44 @@ class W2T(nn.Module):
         pooled = pooled + self.layer_emb(tok.layers.clamp(0, self.config.n_layers))[None] + self.type_emb.weight[t]
         return pooled, has_any.reshape(B, M), module_sketch
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Adapter embeddings (B, embed_dim), not normalized."""
-        parts, masks, sketches = zip(*(self._module_tokens(t, batch[t]) for t in self.types if t in batch), strict=True)
-        x = torch.cat(parts, dim=1)
-        mask = torch.cat(masks, dim=1)
+    def forward(
+        self, batch: Batch, noise: float = 0.0, generator: torch.Generator | None = None, readout_scale: float = 1.0
+    ) -> torch.Tensor:
+        """Adapter embeddings (B, embed_dim), not normalized. Training views: `noise`, N(0, noise²/width) on every u and v;
+        `readout_scale`, the readout's input scaled by it (1/the share of the modules a view keeps)."""
+        x, mask, sketches = self._pooled_modules(batch, noise, generator)
+        kept = mask.any(dim=0)  # module tokens no adapter of the batch has change nothing below: left out
+        if bool(kept.any()) and not bool(kept.all()):
+            x, mask = x[:, kept], mask[:, kept]
         safe = mask | ~mask.any(dim=-1, keepdim=True)
         x = self.module_encoder(x, src_key_padding_mask=~safe)
         z = self.out(self.module_pool(x, mask))
         if self.readout is not None:
-            z = z + self.readout(torch.cat(sketches, dim=1).flatten(1))
+            flat = sketches.flatten(1)
+            z = z + self.readout(flat if readout_scale == 1.0 else flat * readout_scale)
         return z
+
+    def _pooled_modules(
+        self, batch: Batch, noise: float, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(module tokens (B, G, d), mask (B, G), summed sketches (B, G, k²)): each group's mean token over the modules
+        the adapter has, and its sketches' sum; with a group per module, the module tokens themselves."""
+        first = next(iter(batch.values()))
+        B, G, k2 = first.mask.shape[0], self.config.n_tokens, self.config.outer_dim**2
+        device = first.mask.device
+        x = torch.zeros(B, G, self.config.dim, device=device)
+        count = torch.zeros(B, G, device=device)
+        sketches = torch.zeros(B, G, k2, device=device)
+        for t in self.types:
+            if t not in batch:
+                continue
+            pooled, has_any, sketch = self._module_tokens(t, batch[t], noise, generator)
+            groups = batch[t].groups
+            present = has_any.to(pooled.dtype)
+            x = x.index_add(1, groups, pooled * present[..., None])
+            count = count.index_add(1, groups, present)
+            sketches = sketches.index_add(1, groups, sketch)
+        return x / count.clamp_min(1.0)[..., None], count > 0, sketches
 
     def predict(self, z: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(class logits per attribute, standardized regression outputs per metric)."""

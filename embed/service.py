@@ -43,7 +43,7 @@ from embed.registry import (
 )
 from embed.registry import store_embeddings as store_vectors
 from embed.similarity import module_sketches, sketch_width
-from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes, schema_of
+from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.blobs import BlobStore
 from zoo.config import Settings
 from zoo.db.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
@@ -264,17 +264,32 @@ def train_space(
     sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, options: object, progress: bool = True
 ) -> dict[str, object]:
     """Train W2T on the adapters of the space that fit it (labels and measurements as given), save it
-    under a name no other training uses, and register it. No transaction is open while it trains."""
-    from embed.train import train_w2t
+    under a name no other training uses, and register it. No transaction is open while it trains.
+
+    The adapters are read a chunk at a time (as `zoo embed` reads them) and held only as W2T's tokens, projected to
+    the options' token width as they are read, with the exact scores among the labelled from a module stack, or
+    from module sketches where the space's module store would pass its budget (as the engine then serves them)."""
+    from embed.dataset import read_training_set
+    from embed.engine import layout_bytes, module_layout, module_store_budget
+    from embed.tokens import torch_threads
+    from embed.train import token_spec, train_w2t
 
     with sessions() as session:
-        adapters = load_adapters(session, blobs, base_model)
-    schema = schema_of(base_model, adapters)
-    adapters = [a for a in adapters if schema.fits(a.factors)]
-    if len(adapters) < 10:
-        raise NotReadyError(f"space {base_model} has {len(adapters)} adapters: training needs at least 10")
+        schema = stored_schema(session, base_model)
+        ids = space_adapter_ids(session, base_model)
+        if len(ids) < 10:
+            raise NotReadyError(f"space {base_model} has {len(ids)} adapters: training needs at least 10")
+        layout = module_layout(session, base_model, schema)
+        per_chunk = chunk_size(session, base_model)
     t0 = time.perf_counter()
-    model = train_w2t(adapters, schema, options, progress=progress)  # type: ignore[arg-type]
+    rank = max((r for _, _, r in layout.values()), default=1) or 1
+    dense = {n for n, (o, i, r) in layout.items() if r and o * i <= 2 * r * (o + i)}
+    exact_from = (layout, dense) if len(ids) * layout_bytes(layout) <= module_store_budget() else None
+    with torch_threads(options.threads):  # type: ignore[attr-defined]
+        data = read_training_set(sessions, blobs, base_model, schema, ids, token_spec(options), rank, per_chunk, exact_from)  # type: ignore[arg-type]
+    if len(data.adapters) < 10:
+        raise NotReadyError(f"space {base_model} has {len(data.adapters)} adapters: training needs at least 10")
+    model = train_w2t(data.adapters, schema, options, progress=progress, tokens=data.tokens, exact=data.exact)  # type: ignore[arg-type]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     checkpoint = Path("embedders") / f"{slug(base_model)}-w2t-{options.objective}-{stamp}-{uuid.uuid4().hex[:8]}"  # type: ignore[attr-defined]
     model.save(data_dir / checkpoint)
@@ -283,7 +298,7 @@ def train_space(
         "best_val_loss": best,
         "epochs": [sum(1 for h in model.history if h["member"] == i) for i in range(len(model.models))],
         "train_seconds": round(time.perf_counter() - t0, 1),
-        "n_adapters": len(adapters),
+        "n_adapters": len(data.adapters),
         "search": model.search,
         "choices": model.choices,
     }

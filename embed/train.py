@@ -22,6 +22,7 @@ import copy
 import json
 import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -50,12 +51,32 @@ from embed.choice import (
 from embed.metrics import KNN_K, knn_regress
 from embed.model import W2T, W2TConfig
 from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
-from embed.tokens import Batch, TypeTokens, max_rank, select, to_device, tokenize
+from embed.tokens import (
+    MAX_MODULE_TOKENS,
+    TOKEN_WIDTH,
+    Batch,
+    TokenSpec,
+    TypeTokens,
+    max_rank,
+    module_groups,
+    n_rows,
+    select,
+    to_device,
+    token_shapes,
+    tokenize,
+    tokens_per_adapter,
+    torch_threads,
+)
 from embed.types import SpaceSchema, ZooAdapter
 from zoo.labels import TASK_KEY
 
-#: adapters per forward pass when embedding
+#: adapters per forward pass when embedding (at most: see TOKENS_PER_BATCH)
 EMBED_BATCH = 256
+#: rank tokens (adapters × modules × padded rank) per forward pass, embedding or training: a batch's memory is bounded
+#: whatever the adapters' size (Llama-3-8B r16: 3,584 a adapter, 73 a batch; SDXL r8: 8,280, 31 a batch)
+TOKENS_PER_BATCH = 1 << 18
+#: rank tokens an adapter brings to a training step (TrainOptions.step_rank_tokens): Llama-3-8B r16, 64 of its 224 modules
+STEP_RANK_TOKENS = 1024
 
 
 @dataclass
@@ -81,6 +102,50 @@ class TrainOptions:
     dropout: float = 0.2
     #: models in the ensemble, trained from seeds seed, seed + 1, ...
     members: int = 5
+    #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width
+    token_width: int = TOKEN_WIDTH
+    #: module tokens per adapter, at most (modules grouped by type and layer beyond it); 0: one per module
+    max_module_tokens: int = MAX_MODULE_TOKENS
+    #: rank tokens an adapter brings to a training step, at most: beyond it a step sees a random subset of the modules
+    #: (_module_view; validation and embedding see them all); 0: every module
+    step_rank_tokens: int = STEP_RANK_TOKENS
+    #: torch threads while training (None: torch's default). One: on a shared 2-core machine two threads wait on each
+    #: other at every small op (a Llama-3-8B step was 2.6 times slower in wall time, docs/results.md)
+    threads: int | None = 1
+
+
+def token_spec(options: TrainOptions) -> TokenSpec:
+    """How the adapters of a training with these options are tokenized."""
+    return TokenSpec(options.token_width, options.seed, options.max_module_tokens)
+
+
+def batch_rows(per_adapter: int, cap: int) -> int:
+    """Adapters per forward pass: at most `cap`, and at most TOKENS_PER_BATCH rank tokens (at least one adapter)."""
+    return max(1, min(cap, TOKENS_PER_BATCH // max(per_adapter, 1)))
+
+
+@dataclass
+class ExactScores:
+    """The exact scores (embed.similarity.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
+    choices compare W2T with. `source` says what they were computed from: "factors" (exact), or "module sketches"
+    where the space is too big for the engine's module store, whose module-cosine estimate then stands in for both
+    scores when a query is served (embed.engine) and so here."""
+
+    ids: np.ndarray
+    scores: dict[str, np.ndarray]
+    source: str = "factors"
+
+    def among(self, ids: list[int]) -> dict[str, np.ndarray]:
+        at = {int(i): j for j, i in enumerate(self.ids.tolist())}
+        idx = np.array([at[int(i)] for i in ids], dtype=np.int64)
+        return {k: v[np.ix_(idx, idx)] for k, v in self.scores.items()}
+
+    @classmethod
+    def of_factors(cls, adapters: list[ZooAdapter]) -> ExactScores:
+        """Exact scores among adapters held with their full factors."""
+        factors = [a.factors for a in adapters]
+        stack = ModuleStack.of(factors, dense_modules(factors))
+        return cls(np.array([a.id for a in adapters], dtype=np.int64), {s: exact_cosines(stack, stack, s) for s in EXACT_SCORES})
 
 
 def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
@@ -182,18 +247,34 @@ class W2TEnsemble:
         """Dimension of the embedding: the members' embeddings side by side."""
         return len(self.models) * self.config.embed_dim
 
-    def _batches(self, adapters: list[ZooAdapter], size: int = EMBED_BATCH):  # type: ignore[no-untyped-def]
-        for start in range(0, len(adapters), size):
-            yield tokenize(adapters[start : start + size], self.schema, self.rank)
+    @property
+    def batch_rows(self) -> int:
+        """Adapters per forward pass: the rank tokens of a batch are bounded, so its memory does not depend on the zoo."""
+        return batch_rows(len(self.schema.modules) * self.rank, EMBED_BATCH)
 
-    @torch.no_grad()
+    def _batches(self, adapters: list[ZooAdapter]) -> Iterator[Batch]:
+        size = self.batch_rows
+        for start in range(0, len(adapters), size):
+            yield tokenize(adapters[start : start + size], self.schema, self.rank, self.config.tokens)
+
+    def _token_batches(self, tokens: Batch, rows: list[int] | None = None) -> Iterator[Batch]:
+        """Bounded batches of the given rows (all by default) of tokens made with this ensemble's spec."""
+        order = torch.arange(n_rows(tokens)) if rows is None else torch.tensor(rows, dtype=torch.long)
+        size = self.batch_rows
+        for start in range(0, len(order), size):
+            yield select(tokens, order[start : start + size])
+
     def _forward(self, adapters: list[ZooAdapter]) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(unit embeddings, class probabilities per attribute, head outputs per metric in their own units)."""
+        return self._forward_batches(self._batches(adapters))
+
+    @torch.no_grad()
+    def _forward_batches(self, batches: Iterable[Batch]) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
         device = next(self.models[0].parameters()).device
         for model in self.models:
             model.eval()
         zs, probs, heads = [], {k: [] for k in self.config.categorical}, {k: [] for k in self.config.regression}  # type: ignore[var-annotated]
-        for b in self._batches(adapters):
+        for b in batches:
             b = to_device(b, device)
             parts, member_probs, member_values = [], [], []
             for model in self.models:
@@ -212,7 +293,8 @@ class W2TEnsemble:
         return z, {k: torch.cat(v).numpy() for k, v in probs.items()}, {k: torch.cat(v).numpy() for k, v in heads.items()}
 
     def embed(self, adapters: list[ZooAdapter]) -> np.ndarray:
-        """Unit vectors (len(adapters), dim): cosine = the members' mean cosine."""
+        """Unit vectors (len(adapters), dim): cosine = the members' mean cosine. The adapters' factors may be at full
+        width or projected with this ensemble's spec (embed.tokens.project)."""
         return self._forward(adapters)[0]
 
     def neighbour_values(self, z: np.ndarray, metric: str) -> np.ndarray:
@@ -270,6 +352,8 @@ class W2TEnsemble:
         save_file(memory, str(directory / MEMORY))
         meta = {
             "config": self.config.as_dict(),
+            # what the config's token_width and projection_seed make of each module type (for reading; not read back)
+            "token_shapes": {t: list(s) for t, s in token_shapes(self.schema, self.config.tokens).items()},
             "members": len(self.models),
             "schema": self.schema.as_dict(),
             "rank": self.rank,
@@ -334,11 +418,39 @@ def _knn_of(meta: dict) -> dict[str, dict[str, object]]:
     return knn
 
 
+def _module_view(tokens: Batch, rows: torch.Tensor, rank_tokens: int, gen: torch.Generator) -> tuple[Batch, float]:
+    """(the rows' tokens of as many modules as `rank_tokens` allows, drawn at random over all types; the readout scale,
+    modules / drawn). Each type keeps the σ norm of the whole adapter, so that a module's sketch is scaled as when all
+    are seen, and the readout of the sketches, scaled, is as large on average. All modules where they fit."""
+    sizes = [tok.mask.shape[1] for tok in tokens.values()]
+    total, rank = sum(sizes), next(iter(tokens.values())).mask.shape[2]
+    k = max(1, rank_tokens // rank) if rank_tokens else total
+    if k >= total:
+        return select(tokens, rows), 1.0
+    chosen = torch.randperm(total, generator=gen)[:k].sort().values
+    out: Batch = {}
+    start = 0
+    for (t, tok), m in zip(tokens.items(), sizes, strict=True):
+        idx = chosen[(chosen >= start) & (chosen < start + m)] - start
+        start += m
+        if len(idx):
+            r, c = rows[:, None], idx[None, :]
+            norms = (tok.log_sigma[rows].exp() * tok.mask[rows]).pow(2).flatten(1).sum(dim=1).sqrt()
+            out[t] = TypeTokens(tok.u[r, c], tok.v[r, c], tok.log_sigma[r, c], tok.mask[r, c], tok.layers[idx], tok.groups[idx], norms)
+    return out, total / k
+
+
+#: a training view's noise on u and v: N(0, VIEW_NOISE² / width) per coordinate (added by the model, embed.model.projected_noise)
+VIEW_NOISE = 0.02
+
+
 def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrastive_view: bool) -> Batch:
+    """A training view's tokens: its weakest components dropped (the model adds the view's noise, VIEW_NOISE). Sign flips
+    of (u_i, v_i) are left out of views: the model is invariant to them, and they cost two passes over u and v."""
     out: Batch = {}
     for t, tok in batch.items():
         u, v, ls, mask = tok.u, tok.v, tok.log_sigma, tok.mask
-        if options.augment_sign_flips or contrastive_view:
+        if options.augment_sign_flips:
             signs = torch.where(torch.rand(mask.shape, generator=gen) < 0.5, -1.0, 1.0)[..., None]
             u, v = u * signs, v * signs
         if options.augment_rank_permutations:
@@ -351,10 +463,8 @@ def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrast
             keep = torch.ceil(count * (0.5 + 0.5 * torch.rand(count.shape, generator=gen)))
             order = torch.argsort(torch.argsort(-ls.masked_fill(~mask, float("-inf")), dim=-1), dim=-1)
             mask = mask & (order < keep)
-            u = u + 0.02 * torch.randn(u.shape, generator=gen) / math.sqrt(u.shape[-1])
-            v = v + 0.02 * torch.randn(v.shape, generator=gen) / math.sqrt(v.shape[-1])
             ls = ls.masked_fill(~mask, 0.0)
-        out[t] = TypeTokens(u, v, ls, mask, tok.layers)
+        out[t] = TypeTokens(u, v, ls, mask, tok.layers, tok.groups, tok.norms)
     return out
 
 
@@ -429,10 +539,11 @@ def _train_member(
             rows = rows[has_target[rows]]
             if not len(rows):
                 return total
-        batch = select(data.tokens, rows)
+        batch, scale = _module_view(data.tokens, rows, options.step_rank_tokens, gen) if train else (select(data.tokens, rows), 1.0)
         if options.objective in ("supervised", "both"):
             view = _augment(batch, gen, options, contrastive_view=options.augment_truncation) if train else batch
-            z = model(to_device(view, device))
+            noise = VIEW_NOISE if train and options.augment_truncation else 0.0
+            z = model(to_device(view, device), noise=noise, generator=gen, readout_scale=scale)
             logits, reg = model.predict(z)
             for k, lg in logits.items():
                 y = data.targets[k][rows].to(device)
@@ -444,12 +555,13 @@ def _train_member(
                 if ok.any():
                     total = total + nn.functional.mse_loss(out[ok], y[ok])
         if options.objective in ("contrastive", "both"):
-            z1 = model(to_device(_augment(batch, gen, options, contrastive_view=True), device))
-            z2 = model(to_device(_augment(batch, gen, options, contrastive_view=True), device))
+            views = [to_device(_augment(batch, gen, options, contrastive_view=True), device) for _ in range(2)]
+            z1, z2 = (model(v, noise=VIEW_NOISE, generator=gen, readout_scale=scale) for v in views)
             total = total + _supcon(z1, z2, data.groups[rows].to(device), options.temperature)
         return total
 
     n_val = len(fold.val)
+    size = batch_rows(tokens_per_adapter(data.tokens), options.batch_size)
     best, best_state, stale = math.inf, copy.deepcopy(model.state_dict()), 0
     history: list[dict[str, float]] = []
     bar = tqdm(range(options.epochs), desc=desc, unit="epoch", disable=not progress)
@@ -457,8 +569,8 @@ def _train_member(
         model.train()
         order = fold.train[torch.randperm(len(fold.train), generator=gen)]
         train_loss = 0.0
-        for start in range(0, len(order), options.batch_size):
-            rows = order[start : start + options.batch_size]
+        for start in range(0, len(order), size):
+            rows = order[start : start + size]
             if len(rows) < 2:
                 continue
             loss = loss_on(rows, train=True)
@@ -470,7 +582,11 @@ def _train_member(
             train_loss += float(loss.detach()) * len(rows)
         model.eval()
         with torch.no_grad():
-            val_loss = float(loss_on(fold.val, train=False)) if n_val >= 2 else train_loss / max(1, len(order))
+            val_loss = (
+                _val_loss(loss_on, fold.val, batch_rows(tokens_per_adapter(data.tokens), n_val))
+                if n_val >= 2
+                else train_loss / max(1, len(order))
+            )
         history.append({"epoch": epoch, "train_loss": train_loss / max(1, len(order)), "val_loss": val_loss})
         bar.set_postfix(val=f"{val_loss:.3f}")
         if val_loss < best - 1e-4:
@@ -482,6 +598,14 @@ def _train_member(
     model.load_state_dict(best_state)
     model.eval()
     return model, history
+
+
+def _val_loss(loss_on, rows: torch.Tensor, size: int) -> float:  # type: ignore[no-untyped-def]
+    """The validation loss of the rows, in batches of at most `size` (one batch, as before, where they fit in one)."""
+    if len(rows) <= size:
+        return float(loss_on(rows, train=False))
+    parts = [(float(loss_on(rows[s : s + size], train=False)), len(rows[s : s + size])) for s in range(0, len(rows), size)]
+    return sum(loss * n for loss, n in parts) / len(rows)
 
 
 def _seconds_per_epoch(config: W2TConfig, data: _Data, fold: _Fold, options: TrainOptions, device: torch.device) -> float:
@@ -498,8 +622,28 @@ def _duration(seconds: float) -> str:
     return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s"
 
 
-def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, progress: bool = True) -> W2TEnsemble:
-    """Train on `adapters`: each member early-stops on its own held-out slice, which also scores the choices."""
+def train_w2t(
+    adapters: list[ZooAdapter],
+    schema: SpaceSchema,
+    options: TrainOptions,
+    progress: bool = True,
+    tokens: Batch | None = None,
+    exact: ExactScores | None = None,
+) -> W2TEnsemble:
+    """Train on `adapters`: each member early-stops on its own held-out slice, which also scores the choices.
+
+    The adapters' tokens are made from their factors (full width), or given: `tokens`, made with `token_spec(options)`
+    (embed.dataset.read_training_set projects them as it reads the adapters, which then need no factors), with the
+    exact scores among the labelled adapters in `exact` (computed from the factors where not given)."""
+    if tokens is not None and exact is None:
+        raise ValueError("adapters given as tokens need their exact scores (ExactScores): their factors may be projected")
+    with torch_threads(options.threads):
+        return _train_w2t(adapters, schema, options, progress, tokens, exact)
+
+
+def _train_w2t(
+    adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, progress: bool, tokens: Batch | None, exact: ExactScores | None
+) -> W2TEnsemble:
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     categorical = categorical_attributes(adapters) if options.objective != "contrastive" else {}
     if options.attributes is not None:
@@ -510,7 +654,8 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         vals = np.array([a.measurements[m] for a in adapters if m in a.measurements])
         stats[m] = (float(vals.mean()), float(vals.std() or 1.0))
         ranges[m] = (float(vals.min()), float(vals.max()))
-    rank = max_rank(adapters)
+    spec = token_spec(options)
+    rank = max_rank(adapters) if tokens is None else next(iter(tokens.values())).mask.shape[-1]
     config = W2TConfig(
         type_shapes=schema.type_shapes(),
         n_layers=max(schema.layer_of(n) for n in schema.module_names) + 1,
@@ -520,11 +665,18 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         dropout=options.dropout,
         categorical=categorical,
         regression=metrics,
+        token_width=spec.width,
+        projection_seed=spec.seed,
+        max_module_tokens=spec.max_module_tokens,
+        module_groups=module_groups(schema, spec.max_module_tokens)[1] if spec.max_module_tokens else 0,
     )
+    if tokens is None:
+        tokens = tokenize(adapters, schema, rank, spec)
+    _check_tokens(tokens, schema, spec, len(adapters))
     n = len(adapters)
     task_values = sorted({a.labels.get(TASK_KEY, "") for a in adapters})
     data = _Data(
-        tokens=tokenize(adapters, schema, rank),
+        tokens=tokens,
         targets={
             k: torch.tensor([classes.index(a.labels[k]) if k in a.labels else -100 for a in adapters]) for k, classes in categorical.items()
         },
@@ -552,16 +704,28 @@ def train_w2t(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOpt
         models.append(model)
         history += [{"member": i, **h} for h in member_history]
     embedder = W2TEnsemble(models, schema, rank, stats, options.objective, history, metric_range=ranges)
-    remember_and_choose(embedder, adapters, options)
+    remember_and_choose(embedder, adapters, options, tokens, exact)
     return embedder
 
 
-def remember_and_choose(embedder: W2TEnsemble, adapters: list[ZooAdapter], options: TrainOptions) -> None:
+def _check_tokens(tokens: Batch, schema: SpaceSchema, spec: TokenSpec, n: int) -> None:
+    widths = token_shapes(schema, spec)
+    got = {t: (int(tok.u.shape[-1]), int(tok.v.shape[-1])) for t, tok in tokens.items()}
+    if got != widths or n_rows(tokens) != n:
+        raise ValueError(f"tokens of {n_rows(tokens)} adapters with widths {got}, not of {n} with {widths}")
+
+
+def remember_and_choose(
+    embedder: W2TEnsemble, adapters: list[ZooAdapter], options: TrainOptions, tokens: Batch | None = None, exact: ExactScores | None = None
+) -> None:
     """A trained ensemble's memory (its labelled training adapters) and its out-of-fold choices, from the adapters
-    it trained on (in the same order) and the options it trained with (which fix each member's fold)."""
+    it trained on (in the same order; or their tokens and exact scores, see train_w2t) and the options it trained
+    with (which fix each member's fold)."""
     models, config, e = embedder.models, embedder.config, embedder
     singles = [W2TEnsemble([m], e.schema, e.rank, e.metric_stats, e.objective, metric_range=e.metric_range) for m in models]
-    member_z = [single.embed(adapters) for single in singles]
+    if tokens is None:
+        tokens = tokenize(adapters, e.schema, e.rank, config.tokens)
+    member_z = [single._forward_batches(single._token_batches(tokens))[0] for single in singles]
     z = np.concatenate(member_z, axis=1) / math.sqrt(len(models))  # what embedder.embed gives, without a second pass
     categorical, metrics = config.categorical, config.regression
     known = [r for r, a in enumerate(adapters) if any(k in a.labels for k in categorical) or any(m in a.measurements for m in metrics)]
@@ -572,7 +736,9 @@ def remember_and_choose(embedder: W2TEnsemble, adapters: list[ZooAdapter], optio
     embedder.calibration, embedder._memory_classes = {}, {}
     folds = _folds(len(adapters), len(models), options)
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
-        _choose(embedder, [adapters[r] for r in known], known, singles, member_z, folds)
+        labelled = [adapters[r] for r in known]
+        scores = exact.among([a.id for a in labelled]) if exact is not None else ExactScores.of_factors(labelled).scores
+        _choose(embedder, labelled, known, singles, member_z, folds, tokens, scores)
 
 
 def _choose(
@@ -582,6 +748,8 @@ def _choose(
     singles: list[W2TEnsemble],
     member_z: list[np.ndarray],
     folds: list[_Fold],
+    tokens: Batch,
+    exact: dict[str, np.ndarray],
 ) -> None:
     """The search score and each target's predictor, out of fold (embed/choice.py), over the labelled adapters
     (`labelled`, at `rows` of the training set); and the std of the chosen metric predictors' residuals there."""
@@ -590,15 +758,12 @@ def _choose(
         Fold([at[r] for r in f.val.tolist() if r in at], [at[r] for r in f.train.tolist() if r in at], mz[rows])
         for f, mz in zip(folds, member_z, strict=True)
     ]
-    dense = dense_modules([a.factors for a in labelled])
-    stack = ModuleStack.of([a.factors for a in labelled], dense)
-    exact = {score: exact_cosines(stack, stack, score) for score in EXACT_SCORES}
     search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views, len(member_z[0]))
     embedder.exact_score, embedder.hybrid_weight = parse_search(search.chosen)
     embedder.choices = {"search": search.as_dict()}
     heads: dict[str, dict[int, object]] = {}
     for single, view in zip(singles, views, strict=True):  # each member predicts the rows it never trained on
-        _, probs, values = single._forward([labelled[i] for i in view.val])
+        _, probs, values = single._forward_batches(single._token_batches(tokens, [rows[i] for i in view.val]))
         for k, p in probs.items():
             heads.setdefault(k, {}).update(zip(view.val, p, strict=True))
         for m, v in values.items():
