@@ -422,10 +422,11 @@ class QueryEngine:
             if state is not None:
                 self._spaces.move_to_end(name)
         if state is None:
-            row = session.scalars(select(EmbeddingSpace).where(EmbeddingSpace.name == name)).one_or_none()
-            if row is None:
-                raise NotFoundError(f"no embedding space {name!r}: run `zoo embed`")
-            state = self._load(session, row)
+            with self._snapshot() as snap:
+                row = snap.scalars(select(EmbeddingSpace).where(EmbeddingSpace.name == name)).one_or_none()
+                if row is None:
+                    raise NotFoundError(f"no embedding space {name!r}: run `zoo embed`")
+                state = self._load(snap, row)
             with self._lock:
                 state = self._spaces.setdefault(name, state)
                 self._spaces.move_to_end(name)
@@ -494,11 +495,22 @@ class QueryEngine:
         """Catch up with the database: new embeddings (the space version moved), new labels (the last label id did)."""
         if space_version(session, state.id) == state.version and last_label_id(session) == state.attributes.mark:
             return
-        with state.lock.write():
-            version = space_version(session, state.id)
+        with state.lock.write(), self._snapshot() as snap:
+            version = space_version(snap, state.id)
             if version != state.version:
-                self._catch_up(session, state, version)
-            state.attributes.refresh(session)
+                self._catch_up(snap, state, version)
+            state.attributes.refresh(snap)
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[Session]:
+        """A session of its own whose reads all see one snapshot of the database (PostgreSQL: REPEATABLE READ; a SQLite
+        read transaction is one already), for loading a space and catching up: under READ COMMITTED each statement saw
+        the commits made since the one before, so an adapter deleted between reading its embedding and its factors'
+        digest failed the request (a KeyError, a 500) and the version read could disagree with the rows loaded."""
+        with self.sessions() as session:
+            if session.get_bind().dialect.name == "postgresql":
+                session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+            yield session
 
     def _catch_up(self, session: Session, state: SpaceState, version: int) -> None:
         active = {m: e.id for m, e in serving_embedders(session, state.id).items()}

@@ -1,8 +1,19 @@
-"""Engine and session setup from one URL, and the schema check every command relies on."""
+"""Engine and session setup from one URL, and the schema check every command relies on.
+
+Pooled connections never cross a fork. `zoo serve` checks the schema in gunicorn's master, which then forks its
+workers: each inherited the master's engine (make_engine is cached per URL) with the master's connection in its
+pool, so two worker processes spoke over one PostgreSQL socket. One worker's BEGIN left the other's connection
+`INTRANS` (its pre-ping then failed: "can't change 'autocommit' now: connection in transaction status INTRANS"),
+and replies meant for one process were read by the other (`ResourceClosedError` on a SELECT whose rows the other
+had taken): intermittent 500s under concurrent load (issue 30). A forked child now starts every engine with an
+empty pool (`dispose(close=False)`: the parent's connections are left to the parent, unclosed).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -25,9 +36,30 @@ SQLITE_BUSY_MS = 60_000
 WRITE_OPTION = "zoo_write"
 
 
+#: every engine made in this process, so that a forked child can drop the connections it inherited
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _forget_inherited_connections() -> None:
+    """In a forked child: a fresh pool for every engine. The parent's connections are not closed (closing one
+    would end the parent's session on the server) nor ever used here."""
+    for engine in list(_ENGINES):
+        engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_forget_inherited_connections)
+
+
 @cache
 def make_engine(url: str) -> Engine:
-    """One engine per URL; SQLite gets foreign keys on and its parent directory created."""
+    """One engine per URL; SQLite gets foreign keys on and its parent directory created. Its pool starts empty in a
+    forked child (module doc)."""
+    engine = _make_engine(url)
+    _ENGINES.add(engine)
+    return engine
+
+
+def _make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
