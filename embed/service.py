@@ -286,7 +286,7 @@ def train_space(
     dense = {n for n, (o, i, r) in layout.items() if r and o * i <= 2 * r * (o + i)}
     exact_from = (layout, dense) if len(ids) * layout_bytes(layout) <= module_store_budget() else None
     with torch_threads(options.threads):  # type: ignore[attr-defined]
-        data = read_training_set(sessions, blobs, base_model, schema, ids, token_spec(options), rank, per_chunk, exact_from)  # type: ignore[arg-type]
+        data = read_training_set(sessions, blobs, base_model, schema, ids, token_spec(options, schema, rank), rank, per_chunk, exact_from)  # type: ignore[arg-type]
     if len(data.adapters) < 10:
         raise NotReadyError(f"space {base_model} has {len(data.adapters)} adapters: training needs at least 10")
     model = train_w2t(data.adapters, schema, options, progress=progress, tokens=data.tokens, exact=data.exact)  # type: ignore[arg-type]

@@ -70,6 +70,10 @@ from embed.tokens import (
 from embed.types import SpaceSchema, ZooAdapter
 from zoo.labels import TASK_KEY
 
+#: an adapter's tokens at full width (float32 u and v) may take this much before its sides are projected (unless a
+#: training names its width): the reference zoos' adapters (all-MiniLM-L6 at r16: 2.7 MB) keep every width, on
+#: which their results were measured; one layer of Llama-3-8B at r16 (5.2 MB) is projected, all 32 take 168 MB
+FULL_WIDTH_TOKEN_BYTES = 4 << 20
 #: adapters per forward pass when embedding (at most: see TOKENS_PER_BATCH)
 EMBED_BATCH = 256
 #: rank tokens (adapters × modules × padded rank) per forward pass, embedding or training: a batch's memory is bounded
@@ -102,8 +106,9 @@ class TrainOptions:
     dropout: float = 0.2
     #: models in the ensemble, trained from seeds seed, seed + 1, ...
     members: int = 5
-    #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width
-    token_width: int = TOKEN_WIDTH
+    #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width; None:
+    #: full width while an adapter's tokens at full width take at most FULL_WIDTH_TOKEN_BYTES, else TOKEN_WIDTH
+    token_width: int | None = None
     #: module tokens per adapter, at most (modules grouped by type and layer beyond it); 0: one per module
     max_module_tokens: int = MAX_MODULE_TOKENS
     #: rank tokens an adapter brings to a training step, at most: beyond it a step sees a random subset of the modules
@@ -114,9 +119,13 @@ class TrainOptions:
     threads: int | None = 1
 
 
-def token_spec(options: TrainOptions) -> TokenSpec:
-    """How the adapters of a training with these options are tokenized."""
-    return TokenSpec(options.token_width, options.seed, options.max_module_tokens)
+def token_spec(options: TrainOptions, schema: SpaceSchema, rank: int) -> TokenSpec:
+    """How the adapters of a training with these options are tokenized, in a space of this schema and padded rank."""
+    width = options.token_width
+    if width is None:
+        full_bytes = 4 * rank * sum(o + i for _, o, i in schema.modules)  # float32 u and v of every component
+        width = TOKEN_WIDTH if full_bytes > FULL_WIDTH_TOKEN_BYTES else 0
+    return TokenSpec(width, options.seed, options.max_module_tokens)
 
 
 def batch_rows(per_adapter: int, cap: int) -> int:
@@ -632,7 +641,7 @@ def train_w2t(
 ) -> W2TEnsemble:
     """Train on `adapters`: each member early-stops on its own held-out slice, which also scores the choices.
 
-    The adapters' tokens are made from their factors (full width), or given: `tokens`, made with `token_spec(options)`
+    The adapters' tokens are made from their factors (full width), or given: `tokens`, made with `token_spec(options, schema, rank)`
     (embed.dataset.read_training_set projects them as it reads the adapters, which then need no factors), with the
     exact scores among the labelled adapters in `exact` (computed from the factors where not given)."""
     if tokens is not None and exact is None:
@@ -654,8 +663,8 @@ def _train_w2t(
         vals = np.array([a.measurements[m] for a in adapters if m in a.measurements])
         stats[m] = (float(vals.mean()), float(vals.std() or 1.0))
         ranges[m] = (float(vals.min()), float(vals.max()))
-    spec = token_spec(options)
     rank = max_rank(adapters) if tokens is None else next(iter(tokens.values())).mask.shape[-1]
+    spec = token_spec(options, schema, rank)
     config = W2TConfig(
         type_shapes=schema.type_shapes(),
         n_layers=max(schema.layer_of(n) for n in schema.module_names) + 1,

@@ -34,7 +34,17 @@ from embed.tokens import (
     tokenize,
     torch_threads,
 )
-from embed.train import STEP_RANK_TOKENS, TOKENS_PER_BATCH, ExactScores, TrainOptions, W2TEnsemble, _module_view, train_w2t
+from embed.train import (
+    FULL_WIDTH_TOKEN_BYTES,
+    STEP_RANK_TOKENS,
+    TOKENS_PER_BATCH,
+    ExactScores,
+    TrainOptions,
+    W2TEnsemble,
+    _module_view,
+    token_spec,
+    train_w2t,
+)
 from embed.types import SpaceSchema, ZooAdapter, schema_of
 from tests.conftest import CLI
 from zoo.blobs import BlobStore
@@ -146,6 +156,24 @@ def test_a_thousand_module_adapter_makes_bounded_tokens_and_embeds() -> None:
     assert np.allclose(emb.embed(projected), z, atol=1e-5)
     view, scale = _module_view(tokenize(adapters, schema, emb.rank, spec), torch.arange(4), STEP_RANK_TOKENS, torch.Generator())
     assert sum(t.mask.shape[1] for t in view.values()) * emb.rank <= STEP_RANK_TOKENS and scale == 1000 / (STEP_RANK_TOKENS // emb.rank)
+
+
+def test_widths_are_kept_while_an_adapters_tokens_are_small() -> None:
+    """By default a space keeps full width while an adapter's full-width tokens fit FULL_WIDTH_TOKEN_BYTES (the
+    reference zoos: all-MiniLM-L6, q/k/v/o and both MLP matrices, r16), and is projected past it (one Llama-3-8B
+    layer at r16); a width named in the options is used as named."""
+    minilm = SpaceSchema("minilm", tuple(sorted((f"layer.{i}.{n}", o, d) for i in range(6) for n, o, d in _MINILM)))
+    llama = SpaceSchema("llama", tuple(sorted((f"layers.0.{n}", o, d) for n, (o, d) in _LLAMA.items())))
+    assert 4 * 16 * sum(o + i for _, o, i in minilm.modules) <= FULL_WIDTH_TOKEN_BYTES < 4 * 16 * sum(o + i for _, o, i in llama.modules)
+    assert token_spec(TrainOptions(), minilm, 16) == TokenSpec(0, 0, MAX_MODULE_TOKENS)
+    assert token_spec(TrainOptions(), llama, 16) == TokenSpec(TOKEN_WIDTH, 0, MAX_MODULE_TOKENS)
+    assert token_spec(TrainOptions(token_width=64, seed=3), minilm, 16) == TokenSpec(64, 3, MAX_MODULE_TOKENS)
+
+
+_MINILM = [("query", 384, 384), ("key", 384, 384), ("value", 384, 384), ("attention.output.dense", 384, 384)]
+_MINILM += [("intermediate.dense", 1536, 384), ("output.dense", 384, 1536)]
+_LLAMA = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "v_proj": (1024, 4096), "o_proj": (4096, 4096)}
+_LLAMA |= {"gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336)}
 
 
 def _ingest(cli: CLI, kind: str, root: Path, layers: int) -> list[dict]:
