@@ -75,6 +75,7 @@ def test_forked_workers_never_share_their_parents_pooled_connection(db_url: str)
     """As under `zoo serve`: the parent touches the database (gunicorn's master checks the schema), then forks
     workers that serve at once. Before the fix each child's first checkout took the parent's pooled connection:
     both children and the parent spoke over one socket (INTRANS at checkout, replies read by the wrong process)."""
+    make_engine(db_url).dispose()  # one connection in the parent's pool, checked in when it forks
     require_schema(db_url)
     with make_engine(db_url).connect() as conn:
         parent_backend = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
