@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from embed.dataset import load_adapters
 from embed.engine import (
+    BUILD_CHUNK_BYTES,
     SKETCH,
     W2T,
     Query,
@@ -34,8 +35,10 @@ from embed.registry import (
     active_embedder,
     bump_version,
     embedded_ids,
+    embedding_ids,
     ensure_space,
     get_space,
+    iter_embeddings,
     load_embeddings,
     register,
     serving_embedders,
@@ -423,11 +426,22 @@ def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name:
             "state": how,
         }
         if not rebuild and index.size:
-            ids, vectors = load_embeddings(session, e)
-            sample = vectors[np.random.default_rng(0).choice(len(vectors), size=min(200, len(vectors)), replace=False)]
-            entry["recall@10_vs_exact"] = recall_at_k(index.search(sample, 10)[1], brute_force(ids, vectors, sample, 10)[1])
+            ids = embedding_ids(session, e)
+            _, sample = load_embeddings(session, e, ids=np.random.default_rng(0).choice(ids, size=min(200, len(ids)), replace=False))
+            entry["recall@10_vs_exact"] = recall_at_k(index.search(sample, 10)[1], exact_top_k(session, e, sample, 10))
         out.append(entry)
     return {"space": space.name, "embedders": out, "module_store": update_module_store(session, blobs, data_dir, space, rebuild=rebuild)}
+
+
+def exact_top_k(session: Session, embedder: Embedder, queries: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the exact cosine top-k of each query among the embedder's stored vectors, read a chunk at a time."""
+    best_s, best_i = np.full((len(queries), 0), -np.inf, np.float32), np.zeros((len(queries), 0), np.int64)
+    for ids, vectors in iter_embeddings(session, embedder, batch=max(1, BUILD_CHUNK_BYTES // (4 * embedder.dim))):
+        sims, found = brute_force(ids, vectors, queries, k)
+        sims, found = np.concatenate([best_s, sims], axis=1), np.concatenate([best_i, found], axis=1)
+        order = np.argsort(-sims, axis=1, kind="stable")[:, :k]
+        best_s, best_i = np.take_along_axis(sims, order, axis=1), np.take_along_axis(found, order, axis=1)
+    return best_i
 
 
 def prepare_space(settings: Settings, base_model: str, options: object, retrain: bool = False, progress: bool = True) -> dict[str, object]:

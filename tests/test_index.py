@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sqlalchemy import select
 
 from embed.index import RECALL_GOAL, AdapterIndex, brute_force, pq_subquantizers, recall_at_k
 from embed.lookup import RowLookup
@@ -216,3 +217,36 @@ def test_removed_ids_are_never_found_and_stay_removed_through_a_file(tmp_path: P
     loaded, _ = AdapterIndex.load(tmp_path / "i.index")
     assert loaded.size == 7901 and np.array_equal(np.sort(loaded.ids), np.sort(index.ids))
     assert np.array_equal(loaded.search(vecs[:20], 10)[1], index.search(vecs[:20], 10)[1])
+
+
+def test_an_index_built_from_the_database_a_chunk_at_a_time(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_index reads the stored vectors a few rows at a time: the flat kind equals one built from all of them at
+    once, the IVF kind meets its recall goal, and the exact top-k read in chunks is the brute force over all."""
+    from sqlalchemy import insert
+
+    from embed import engine, service
+    from embed.registry import ensure_space, register, store_embeddings
+    from embed.types import SpaceSchema
+    from zoo.db.models import Adapter
+    from zoo.db.session import session_factory
+
+    n, dim = 3_000, 32
+    _, vectors = clustered(n, dim, seed=3)
+    with session_factory(db_url)() as session, session.begin():
+        row = {"base_model": "tiny", "format": "peft", "canonical_hash": "h", "structure_hash": "s", "file_sha256": "f", "size_bytes": 1}
+        session.execute(insert(Adapter), [{**row, "name": f"a{i}", "source_uri": f"/a{i}", "canonical_hash": f"h{i}"} for i in range(n)])
+        ids = sorted(session.scalars(select(Adapter.id)))
+        embedder = register(session, ensure_space(session, SpaceSchema("tiny", (("m", 4, 4),))), "sketch", dim)
+        store_embeddings(session, embedder, ids, vectors)
+    monkeypatch.setattr(engine, "BUILD_CHUNK_BYTES", 4 * dim * 257)  # 257 rows a chunk
+    monkeypatch.setattr(service, "BUILD_CHUNK_BYTES", 4 * dim * 257)
+    queries = vectors[:50] + 0.1
+    with session_factory(db_url)() as session:
+        flat = engine.build_index(session, embedder)
+        whole = AdapterIndex.build(np.array(ids), vectors)
+        assert flat.kind == "flat" and flat.size == n
+        assert np.array_equal(flat.search(queries, 10)[1], whole.search(queries, 10)[1])
+        exact = service.exact_top_k(session, embedder, queries, 10)
+        assert np.array_equal(exact, brute_force(np.array(ids), vectors, queries, 10)[1])
+        ivf = engine.build_index(session, embedder, ivf=True)
+        assert ivf.kind == "ivf" and ivf.size == n and recall_at_k(ivf.search(queries, 10)[1], exact) >= RECALL_GOAL
