@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.timing import median_time
-from zoo.canonical import canonicalize
+from zoo.domain.canonical import canonicalize
 from zoo.formats import read_adapter
 from zoo.ingest import canonicalize_modules
 

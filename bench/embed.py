@@ -16,11 +16,11 @@ import torch
 
 from bench.timing import median_time
 from embed.model import W2T, W2TConfig
-from embed.similarity import module_sketches, sketch_width
 from embed.tokens import tokenize
 from embed.train import EMBED_BATCH, TrainOptions, W2TEnsemble
 from embed.types import ZooAdapter, schema_of
-from zoo.canonical import canonicalize
+from zoo.domain.canonical import canonicalize
+from zoo.domain.similarity import module_sketches, sketch_width
 
 
 def synthetic(n: int, rank: int, seed: int = 0) -> list[ZooAdapter]:

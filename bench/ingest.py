@@ -352,8 +352,8 @@ def _unit_norm(tensors: dict, scale: float) -> dict:
 def run_dense(args: argparse.Namespace) -> dict:
     """--dense: store seconds per adapter in a zoo dense in norms, with stored probe values and without (before 0010)."""
     from zoo.blobs import BlobStore
-    from zoo.canonical import CanonicalFactors
     from zoo.db.session import make_engine, session_factory
+    from zoo.domain.canonical import CanonicalFactors
     from zoo.ingest import Ingestor, share_cores
 
     class CountingBlobStore(BlobStore):

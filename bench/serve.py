@@ -3,7 +3,7 @@
 The space is SYNTHETIC, derived from a real reference zoo: every synthetic adapter mixes two of
 the zoo's real adapters (weights u and 1 - u, u uniform in [0.5, 1]) plus Gaussian noise, in
 both of its stored representations. The module sketch is mixed as stored (each present module's
-block has expected squared norm 1, see `embed.similarity.module_sketches`), its present blocks get
+block has expected squared norm 1, see `zoo.domain.similarity.module_sketches`), its present blocks get
 noise of the same relative size whatever the probes per module, and the whole vector is scaled to
 norm √(modules present), as a real sketch is; the W2T embedding is mixed, noised and made unit.
 It inherits the task of its main parent, so neighbourhoods have the zoo's structure (reported:
@@ -246,7 +246,7 @@ def as_sketch(x: np.ndarray, present: np.ndarray) -> np.ndarray:
 def sketch_noise(src: Source) -> float:
     """Per-coordinate noise of the sketches: `noise` at MODULE_SKETCH_DIM probes a module, and √(MODULE_SKETCH_DIM /
     width) times that at fewer, so that every module's block gets noise of the same norm relative to its own (1)."""
-    from embed.similarity import MODULE_SKETCH_DIM
+    from zoo.domain.similarity import MODULE_SKETCH_DIM
 
     return src.noise * float(np.sqrt(MODULE_SKETCH_DIM / src.width))
 
@@ -426,7 +426,7 @@ def exhaustive_top(
 ) -> tuple[np.ndarray, float]:
     """Top-k ids of each query by the served score over all N (the baseline), and its time per query;
     with `shards`, each query's over the adapters of its shard only (the filtered baseline)."""
-    from embed.similarity import hybrid_score, sketch_module_cosines
+    from zoo.domain.similarity import hybrid_score, sketch_module_cosines
 
     q_sk = np.zeros((len(queries), src.sketches.shape[1]), np.float32)
     q_w = np.zeros((len(queries), src.w2t.shape[1]), np.float32)
@@ -465,7 +465,7 @@ def main_parents(src: Source, ids: np.ndarray, seed: int) -> np.ndarray:
 
 def real_task_hit_at_1(src: Source, weight: float) -> float:
     """Share of the real adapters whose nearest other real adapter by the served score has their task."""
-    from embed.similarity import hybrid_score, sketch_module_cosines
+    from zoo.domain.similarity import hybrid_score, sketch_module_cosines
 
     s = hybrid_score(sketch_module_cosines(src.sketches, src.sketches, src.n_modules), src.w2t @ src.w2t.T, weight)
     np.fill_diagonal(s, -np.inf)

@@ -1,6 +1,6 @@
 """Training-free representations to compare against (and to use with no labels at all).
 
-- exact dW cosine and module cosine, and the module sketch: embed/similarity.py;
+- exact dW cosine and module cosine, and the module sketch: zoo/domain/similarity.py;
 - raw factor cosine: the flattened A and B factors as stored in the files (factorization-
   dependent: the naive baseline);
 - spectra: the singular values of every module, padded to a common rank.

@@ -9,10 +9,10 @@ import numpy as np
 from sqlalchemy import select as sql_select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from embed.similarity import EXACT_SCORES, ModuleStack, exact_cosines, module_sketches, sketch_module_cosines, sketch_width
 from embed.types import SpaceSchema, ZooAdapter
 from zoo.blobs import BlobStore
 from zoo.db.models import Adapter
+from zoo.domain.similarity import EXACT_SCORES, ModuleStack, exact_cosines, module_sketches, sketch_module_cosines, sketch_width
 
 if TYPE_CHECKING:  # torch: only when a training set is read
     from embed.tokens import Batch, TokenSpec
@@ -100,7 +100,7 @@ def read_training_set(
 
 class _ExactBuilder:
     """The exact scores among labelled adapters given a chunk at a time: from a module stack (allocated for `capacity`
-    rows, filled as they come) or from module sketches (embed.similarity.module_sketches, as zoo embed makes them)."""
+    rows, filled as they come) or from module sketches (zoo.domain.similarity.module_sketches, as zoo embed makes them)."""
 
     def __init__(self, capacity: int, schema: SpaceSchema, exact_from: tuple[dict[str, tuple[int, int, int]], set[str]] | None) -> None:
         self.schema = schema

@@ -46,12 +46,20 @@ from embed.choice import parse_search, search_name
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
 from embed.metrics import KNN_K, knn_vote_shares, top_k, weighted_mean
 from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
-from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines, hybrid_score, module_sketches, sketch_module_cosines
 from embed.types import SpaceSchema, ZooAdapter
+from zoo.domain.similarity import (
+    EXACT_SCORES,
+    ModuleStack,
+    dense_modules,
+    exact_cosines,
+    hybrid_score,
+    module_sketches,
+    sketch_module_cosines,
+)
 
 if TYPE_CHECKING:
     from zoo.blobs import BlobStore
-    from zoo.canonical import CanonicalFactors
+    from zoo.domain.canonical import CanonicalFactors
 from zoo.db import repository
 from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.errors import NotFoundError, NotReadyError, UsageError
@@ -673,7 +681,7 @@ class QueryEngine:
         return hybrid_score(exact, state.embedders[W2T].index.vectors(ids) @ vectors[W2T], weight)  # type: ignore[arg-type]
 
     def _exact(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray, score: str) -> np.ndarray:
-        """An exact score (embed.similarity.exact_cosines) from the module store; without one, the module sketches'
+        """An exact score (zoo.domain.similarity.exact_cosines) from the module store; without one, the module sketches'
         cosine stands in for both."""
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):

@@ -20,7 +20,11 @@ from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.calibration import expected_calibration_error
 from embed.choice import parse_search
 from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval
-from embed.similarity import (
+from embed.tokens import max_rank
+from embed.train import TrainOptions, W2TEnsemble, train_w2t
+from embed.types import SpaceSchema, ZooAdapter, split_positions
+from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.similarity import (
     EXACT_SCORES,
     ModuleStack,
     dense_modules,
@@ -30,10 +34,6 @@ from embed.similarity import (
     sketch_module_cosines,
     sketch_width,
 )
-from embed.tokens import max_rank
-from embed.train import TrainOptions, W2TEnsemble, train_w2t
-from embed.types import SpaceSchema, ZooAdapter, split_positions
-from zoo.canonical import CanonicalFactors, canonicalize
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"

@@ -45,15 +45,15 @@ from embed.registry import (
     slug,
 )
 from embed.registry import store_embeddings as store_vectors
-from embed.similarity import module_sketches, sketch_width
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.blobs import BlobStore
 from zoo.config import Settings
 from zoo.db.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.db.session import session_factory, write_transaction
+from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 
-#: how module-sketch blocks are scaled (embed.similarity.module_sketches); embedders of another scale are replaced
+#: how module-sketch blocks are scaled (zoo.domain.similarity.module_sketches); embedders of another scale are replaced
 SKETCH_SCALE = "module-norm"
 #: adapters embedded and committed per transaction
 EMBED_CHUNK = 256

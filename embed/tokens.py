@@ -209,7 +209,7 @@ def tokenize(adapters: Sequence[ZooAdapter], schema: SpaceSchema, rank: int, spe
 def project(adapter: ZooAdapter, spec: TokenSpec) -> ZooAdapter:
     """The adapter with every factor side wider than the spec's width projected (what `fill` would do): the form a
     training set is held in. S is kept; U and V are no longer orthonormal."""
-    from zoo.canonical import CanonicalFactors
+    from zoo.domain.canonical import CanonicalFactors
 
     factors = {n: CanonicalFactors(spec.project("u", f.U.T).T, f.S.float(), spec.project("v", f.V.T).T) for n, f in adapter.factors.items()}
     return ZooAdapter(adapter.id, adapter.name, factors, adapter.labels, adapter.measurements, adapter.source_uri)

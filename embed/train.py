@@ -50,7 +50,6 @@ from embed.choice import (
 )
 from embed.metrics import KNN_K, knn_regress
 from embed.model import W2T, W2TConfig
-from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
 from embed.tokens import (
     MAX_MODULE_TOKENS,
     TOKEN_WIDTH,
@@ -68,6 +67,7 @@ from embed.tokens import (
     torch_threads,
 )
 from embed.types import SpaceSchema, ZooAdapter
+from zoo.domain.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
 from zoo.labels import TASK_KEY
 
 #: an adapter's tokens at full width (float32 u and v) may take this much before its sides are projected (unless a
@@ -135,7 +135,7 @@ def batch_rows(per_adapter: int, cap: int) -> int:
 
 @dataclass
 class ExactScores:
-    """The exact scores (embed.similarity.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
+    """The exact scores (zoo.domain.similarity.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
     choices compare W2T with. `source` says what they were computed from: "factors" (exact), or "module sketches"
     where the space is too big for the engine's module store, whose module-cosine estimate then stands in for both
     scores when a query is served (embed.engine) and so here."""

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zoo.naming import layer_index, module_type
+from zoo.domain.naming import layer_index, module_type
 
 if TYPE_CHECKING:
-    from zoo.canonical import CanonicalFactors
+    from zoo.domain.canonical import CanonicalFactors
 
 
 @dataclass(frozen=True)

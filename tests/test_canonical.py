@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zoo.canonical import CanonicalFactors, canonicalize, canonicalize_batched
-from zoo.fingerprint import FINGERPRINT_DIM, canonical_hash, fingerprint, hash_margin, relative_distance
-from zoo.probes import probes
+from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_batched
+from zoo.domain.fingerprint import FINGERPRINT_DIM, canonical_hash, fingerprint, hash_margin, relative_distance
+from zoo.domain.probes import probes
 
 # Tolerances (float32 inputs, float64 r×r parts): components agree to 1e-4 relative to S_max
 # after a re-factorization with cond(G) <= ~100; reconstruction to 1e-5.

@@ -26,7 +26,7 @@ from embed.choice import (
     search_name,
 )
 from embed.metrics import KNN_K
-from embed.similarity import EXACT_SCORES
+from zoo.domain.similarity import EXACT_SCORES
 
 
 @given(st.sampled_from(EXACT_SCORES), st.sampled_from((0.0, *MIX_WEIGHTS)))

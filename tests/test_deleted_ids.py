@@ -15,12 +15,12 @@ from safetensors.numpy import load_file, save_file
 from embed.engine import MAX_K, Query, QueryEngine, index_path, module_store_path
 from embed.index import AdapterIndex
 from embed.service import delete_adapter
-from embed.similarity import dw_cosine_matrix, module_cosine_matrix
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.blobs import BlobStore
 from zoo.db.models import Adapter
 from zoo.db.session import downgrade, make_engine, session_factory, upgrade
+from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
 
 N = 12
 

@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from embed.choice import MIX_WEIGHTS
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
-from embed.similarity import (
+from embed.train import TrainOptions, W2TEnsemble, _folds, train_w2t
+from embed.types import ZooAdapter, schema_of, split_positions
+from zoo.domain.canonical import canonicalize
+from zoo.domain.similarity import (
     ModuleStack,
     dense_modules,
     dw_cosine_matrix,
@@ -23,9 +26,6 @@ from embed.similarity import (
     sketch_module_cosines,
     sketch_width,
 )
-from embed.train import TrainOptions, W2TEnsemble, _folds, train_w2t
-from embed.types import ZooAdapter, schema_of, split_positions
-from zoo.canonical import canonicalize
 
 MODULES = [(f"layers.{layer}.{t}", 24, 20) for layer in range(2) for t in ("q_proj", "v_proj")]
 
@@ -231,7 +231,7 @@ def test_one_module_type_with_several_shapes() -> None:
 def test_schema_keeps_the_majority_shape_and_leaves_conflicting_adapters_out() -> None:
     """One module name with two shapes (adapters of 'unknown' base models) no longer breaks the space."""
     from embed.types import ZooAdapter, schema_of
-    from zoo.canonical import canonicalize
+    from zoo.domain.canonical import canonicalize
 
     def adapter(i: int, out: int) -> ZooAdapter:
         g = torch.Generator().manual_seed(i)

@@ -15,12 +15,12 @@ from sqlalchemy import select
 
 from embed import engine as engine_module
 from embed.engine import MAX_K, Query, QueryEngine
-from embed.similarity import dw_cosine_matrix, module_cosine_matrix
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from zoo.blobs import BlobStore
 from zoo.db.models import Label
 from zoo.db.session import session_factory
+from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
 from zoo.errors import NotReadyError, UsageError
 
 
@@ -187,7 +187,7 @@ def test_a_space_over_the_module_store_budget_ranks_by_module_sketches(cli: CLI,
         found = engine.similar(session, "tiny", Query("e00", 1), 13, method="module")
         vectors = engine.space(session, "tiny").embedders["module_sketch"].index.vectors(np.arange(1, 15))
     assert found["module_stage"] == "module sketches (no module store)"
-    from embed.similarity import sketch_module_cosines
+    from zoo.domain.similarity import sketch_module_cosines
 
     n_modules = vectors.shape[1] // 64
     want = sketch_module_cosines(vectors[:1], vectors[1:], n_modules)[0]

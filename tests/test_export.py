@@ -19,14 +19,14 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import CLI
 from tests.factories import TinyLM, train_peft_adapter, write_kohya_file
 from zoo.blobs import BlobStore
-from zoo.canonical import CanonicalFactors, canonicalize
 from zoo.config import Settings
 from zoo.db.models import Adapter
 from zoo.db.repository import get_adapter
 from zoo.db.session import session_factory
+from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.fingerprint import NamedFactors
 from zoo.errors import NotFoundError, StorageError, UsageError
 from zoo.export import ExportMeta, export_files, export_zip, file_stem, load_for_export, lora_factors
-from zoo.fingerprint import NamedFactors
 from zoo.formats import read_adapter
 from zoo.ingest import UNKNOWN_BASE, IngestOptions, Ingestor, canonicalize_modules, describe
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tests.factories import TinyLM, train_peft_adapter, write_kohya_file
-from zoo.canonical import canonicalize
+from zoo.domain.canonical import canonicalize
 from zoo.errors import InputError
 from zoo.formats import read_adapter
 from zoo.formats.model import layer_index, module_type

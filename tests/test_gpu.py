@@ -16,7 +16,7 @@ from embed.train import TrainOptions, W2TEnsemble, train_w2t
 from embed.types import ZooAdapter, schema_of
 from tests.test_canonical import random_lora
 from tests.test_embed import synthetic_zoo
-from zoo.fingerprint import DUPLICATE_RTOL, relative_distance
+from zoo.domain.fingerprint import DUPLICATE_RTOL, relative_distance
 from zoo.formats.model import LoraModule
 from zoo.ingest import canonicalize_modules
 

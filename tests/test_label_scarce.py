@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from embed.calibration import expected_calibration_error
 from embed.evaluate import evaluate, labelled_split
 from embed.metrics import classification, knn_classify, knn_regress, regression, retrieval, weighted_mean
-from embed.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
 from embed.train import TrainOptions, categorical_attributes, train_w2t
 from embed.types import ZooAdapter, schema_of
 from tests.conftest import CLI
 from tests.test_embed import synthetic_zoo
+from zoo.domain.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
 
 
 def _named(tasks: list[str]) -> list[ZooAdapter]:

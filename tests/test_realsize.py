@@ -17,11 +17,18 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from sqlalchemy import select
 
-from embed.similarity import MAX_SEARCH_DIM, MODULE_SKETCH_DIM, module_cosine_matrix, module_sketches, sketch_module_cosines, sketch_width
 from tests.conftest import CLI
 from zoo.blobs import BlobStore
 from zoo.db.models import Adapter, Embedder, EmbeddingSpace
 from zoo.db.session import session_factory
+from zoo.domain.similarity import (
+    MAX_SEARCH_DIM,
+    MODULE_SKETCH_DIM,
+    module_cosine_matrix,
+    module_sketches,
+    sketch_module_cosines,
+    sketch_width,
+)
 from zoo.reference.real_shapes import MODELS, write_adapter, write_zoo
 
 

@@ -116,9 +116,9 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     assert all(info["predictors"][k].startswith("knn ") for k in ("task", "test_accuracy"))
     from embed.choice import parse_knn
     from embed.metrics import knn_regress
-    from embed.similarity import dw_cosine_matrix, module_cosine_matrix
     from zoo.db.models import Label, Measurement
     from zoo.db.session import session_factory as sessions_of
+    from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
 
     with sessions_of(cli.settings.database_url)() as session:
         accuracy = dict(session.execute(select(Measurement.adapter_id, Measurement.value)).all())

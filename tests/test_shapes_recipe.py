@@ -15,7 +15,7 @@ from peft import PeftModel, get_peft_model
 from torch import nn
 
 from tests.conftest import CLI
-from zoo.canonical import canonicalize
+from zoo.domain.canonical import canonicalize
 from zoo.formats import read_adapter
 from zoo.reference import shapes
 from zoo.reference.build import ATTRIBUTES_FILE, LABELS_FILE, make_zoo, planned_attributes

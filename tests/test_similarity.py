@@ -1,4 +1,4 @@
-"""Module cosine (embed/similarity.py) against materialized dW, and its invariance."""
+"""Module cosine (zoo/domain/similarity.py) against materialized dW, and its invariance."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embed.evaluate import refactorized
-from embed.similarity import ModuleStack, dense_modules, module_cosine_matrix
 from tests.test_embed import synthetic_zoo
-from zoo.canonical import canonicalize
+from zoo.domain.canonical import canonicalize
+from zoo.domain.similarity import ModuleStack, dense_modules, module_cosine_matrix
 
 # small modules are compared as dense dW, large ones (o, always) through their factors
 SHAPES = {"q": (12, 10), "v": (12, 10), "fc": (16, 12), "o": (40, 30)}

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zoo.spectra import fit_power_law_tail, matrix_spectrum, singular_values, spectrum_from_singular_values
+from zoo.domain.spectra import fit_power_law_tail, matrix_spectrum, singular_values, spectrum_from_singular_values
 
 
 def test_descriptors_of_known_singular_values() -> None:

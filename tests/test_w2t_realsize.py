@@ -22,7 +22,6 @@ from embed.engine import module_layout
 from embed.model import W2T
 from embed.registry import load_embeddings
 from embed.service import stored_schema
-from embed.similarity import EXACT_SCORES
 from embed.tokens import (
     MAX_MODULE_TOKENS,
     TOKEN_WIDTH,
@@ -48,9 +47,10 @@ from embed.train import (
 from embed.types import SpaceSchema, ZooAdapter, schema_of
 from tests.conftest import CLI
 from zoo.blobs import BlobStore
-from zoo.canonical import CanonicalFactors
 from zoo.db.models import Adapter, Embedder
 from zoo.db.session import session_factory
+from zoo.domain.canonical import CanonicalFactors
+from zoo.domain.similarity import EXACT_SCORES
 from zoo.reference.real_shapes import write_zoo
 
 

@@ -29,7 +29,7 @@ from zoo.files import TMP_PREFIX
 if TYPE_CHECKING:
     import torch
 
-    from zoo.canonical import CanonicalFactors
+    from zoo.domain.canonical import CanonicalFactors
 
 #: the safetensors dtype of each numpy dtype a blob may hold
 _DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.float16): "F16"}
@@ -142,7 +142,7 @@ class BlobStore:
         return load(self.path(digest).read_bytes())
 
     def get_factors(self, digest: str) -> list[tuple[str, CanonicalFactors]]:
-        from zoo.canonical import CanonicalFactors
+        from zoo.domain.canonical import CanonicalFactors
 
         tensors = self.get(digest)
         names = sorted({k[: -len(".U")] for k in tensors if k.endswith(".U")})

@@ -27,10 +27,10 @@ from safetensors.torch import save
 from sqlalchemy.orm import Session
 
 from zoo.blobs import BlobStore
-from zoo.canonical import CanonicalFactors
 from zoo.db import repository
+from zoo.domain.canonical import CanonicalFactors
+from zoo.domain.fingerprint import NamedFactors
 from zoo.errors import NotFoundError, StorageError, UsageError
-from zoo.fingerprint import NamedFactors
 from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX

@@ -20,19 +20,19 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from zoo import deadline
 from zoo.blobs import BlobStore, BlobWriter
-from zoo.canonical import CanonicalFactors, canonicalize_batched
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.db import repository
 from zoo.db.catalog import refresh_search_text, write_search_text
 from zoo.db.models import Adapter, EmbeddingSpace, Label, Measurement, Module
 from zoo.db.session import write_transaction
+from zoo.domain.canonical import CanonicalFactors, canonicalize_batched
+from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
+from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
 from zoo.errors import InputError
-from zoo.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
 from zoo.formats import AdapterData, LoraModule, RawAdapter, layer_index, module_type, open_adapter, parse_adapter
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
 from zoo.sources import Origin
-from zoo.spectra import Spectrum, spectrum_from_singular_values
 
 UNKNOWN_BASE = "unknown"
 #: formats read, canonicalized and described on one torch thread (see one_torch_thread; the blob is written on
@@ -375,7 +375,7 @@ class Ingestor:
     def _find_duplicate(self, session: Session, d: _Described) -> repository.Candidate | None:
         """The stored adapter with this canonical hash, else the first near one (same structure, close norm) within
         DUPLICATE_RTOL of this update. A near candidate's factors are read only when its stored probe values do
-        not rule it out (zoo.fingerprint.may_be_duplicate; adapters stored without them are always read)."""
+        not rule it out (zoo.domain.fingerprint.may_be_duplicate; adapters stored without them are always read)."""
         a = d.adapter
         for c in repository.duplicate_candidates(session, a.base_model, a.canonical_hash, a.structure_hash, a.dw_norm, DUPLICATE_RTOL):
             if c.canonical_hash == a.canonical_hash:

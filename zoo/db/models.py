@@ -83,7 +83,7 @@ class Adapter(Base):
     canonical_hash: Mapped[str] = mapped_column(String(64))
     structure_hash: Mapped[str] = mapped_column(String(64), index=True)
     dw_norm: Mapped[float | None] = mapped_column(Float, index=True)
-    #: the update's raw probe values z_j·||dW|| (zoo.fingerprint.Sketch.raw), which rule out most near-duplicate
+    #: the update's raw probe values z_j·||dW|| (zoo.domain.fingerprint.Sketch.raw), which rule out most near-duplicate
     #: candidates without reading their factors; None for full checkpoints and adapters stored before 0010
     dw_probes: Mapped[list | None] = mapped_column(JSON)
     file_sha256: Mapped[str] = mapped_column(String(64), index=True)

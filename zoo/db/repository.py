@@ -33,7 +33,7 @@ class Candidate(NamedTuple):
     canonical_hash: str
     factors_blob: str | None
     dw_norm: float | None
-    #: its raw probe values (see zoo.fingerprint.may_be_duplicate); None when stored before they were
+    #: its raw probe values (see zoo.domain.fingerprint.may_be_duplicate); None when stored before they were
     dw_probes: list | None = None
 
 

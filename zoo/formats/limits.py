@@ -56,7 +56,7 @@ def check_widths(path: object, shapes: Iterable[tuple[str, Sequence[int]]]) -> N
 
 def check_limits(data: AdapterData, base_model: str | None) -> None:
     """Refuse, naming the file and the limit, what is over a limit."""
-    from zoo.naming import layer_index, module_type
+    from zoo.domain.naming import layer_index, module_type
 
     path = data.weight_files[0] if data.weight_files else data.path
     count = len(data.modules) + len(data.full_matrices)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from zoo.domain.naming import layer_index, module_type
+from zoo.domain.spectra import Spectrum
 from zoo.errors import InputError
-from zoo.naming import layer_index, module_type
-from zoo.spectra import Spectrum
 
 __all__ = ["AdapterData", "FullMatrix", "LoraModule", "all_finite", "check_finite", "check_pair", "layer_index", "module_type"]
 

@@ -19,7 +19,7 @@ import threading
 import torch
 from cachetools import LRUCache, cached
 
-from zoo.canonical import CanonicalFactors
+from zoo.domain.canonical import CanonicalFactors
 
 
 def draw_probes(name: str, rows: int, cols: int, count: int, salt: str = "") -> tuple[torch.Tensor, torch.Tensor]:

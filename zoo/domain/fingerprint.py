@@ -34,7 +34,7 @@ perturbed just past the tolerance: deduplication is not a security boundary). Ro
 values is ~1e-7·||dW||, far below the threshold of 0.04·||dW||. Different updates of close norms
 (||D|| ~ ||dW||) exceed it on some probe unless all 8 |Δ_j| fall below ~0.03·||D|| (probability
 below 1e-8 even for a rank-1 D), so their factors are almost never read. The screen is only as valid
-as the probes are stable: changing `zoo.probes.draw_probes` changes every canonical hash too.
+as the probes are stable: changing `zoo.domain.probes.draw_probes` changes every canonical hash too.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zoo.canonical import CanonicalFactors, frobenius_norm_sq
-from zoo.probes import probe_values, probes
+from zoo.domain.canonical import CanonicalFactors, frobenius_norm_sq
+from zoo.domain.probes import probe_values, probes
 
 FINGERPRINT_DIM = 8
 HASH_DECIMALS = 3

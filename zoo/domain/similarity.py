@@ -11,7 +11,7 @@ where that is smaller). From its per-module cosines come:
 - whole-update (dW) cosine: Σ_m ⟨dW_x,m, dW_y,m⟩ / (‖dW_x‖ ‖dW_y‖), the training-free bar.
 
 `module_sketches` is the compact stand-in: per module `sketch_width` seeded bilinear probes
-(zoo/probes.py) divided by the module's ‖dW‖_F, whose inner products estimate that module's cosine
+(zoo/domain/probes.py) divided by the module's ‖dW‖_F, whose inner products estimate that module's cosine
 without bias; the probes per module shrink as modules grow in number, so that a whole vector never
 passes MAX_SEARCH_DIM (a space of more than MAX_SEARCH_DIM modules keeps one probe per module).
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from zoo.canonical import CanonicalFactors
+    from zoo.domain.canonical import CanonicalFactors
 
 Factors = Mapping[str, "CanonicalFactors"]
 
@@ -273,7 +273,7 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
     import torch
 
     from zoo import deadline
-    from zoo.probes import probes  # torch: only when sketching
+    from zoo.domain.probes import probes  # torch: only when sketching
 
     out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
     threads = torch.get_num_threads()
