@@ -7,13 +7,13 @@ Create Date: 2026-11-23 18:00:00.000000
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import TSVECTOR
-
-from zoo.db.catalog import refresh_search_text
 
 revision: str = "0005"
 down_revision: str | None = "0004"
@@ -37,6 +37,78 @@ SQLITE_FTS = (
 )
 
 
+#: The backfill below is a frozen copy of zoo/db/catalog.py's search document as it was at this revision (issue 31:
+#: a migration imports nothing live, so it never changes when live code does), over the tables as they were then.
+_ADAPTER = sa.table(
+    "adapter",
+    sa.column("id", sa.Integer()),
+    sa.column("name", sa.String()),
+    sa.column("base_model", sa.String()),
+    sa.column("format", sa.String()),
+    sa.column("source_uri", sa.Text()),
+    sa.column("tags", sa.JSON()),
+    sa.column("card", sa.Text()),
+)
+_LABEL = sa.table(
+    "label",
+    sa.column("adapter_id", sa.Integer()),
+    sa.column("key", sa.String()),
+    sa.column("value", sa.Text()),
+    sa.column("source", sa.String()),
+)
+_TEXT = sa.table("adapter_text", sa.column("adapter_id", sa.Integer()), sa.column("document", sa.Text()))
+_WORD = re.compile(r"[^\W_]+")
+_MAX_WORD_CHARS = 64
+_MAX_CARD_CHARS = 100_000
+_BATCH = 500
+
+
+def _search_words(text: str) -> list[str]:
+    """Letters-and-digits runs, accents dropped, case-folded, cut to _MAX_WORD_CHARS."""
+    decomposed = unicodedata.normalize("NFKD", text)
+    folded = "".join(c for c in decomposed if not unicodedata.combining(c)).casefold()
+    return [w[:_MAX_WORD_CHARS] for w in _WORD.findall(folded)]
+
+
+def _search_document(name: str, base_model: str, fmt: str, source_uri: str, tags: object, card: str | None, labels: dict[str, str]) -> str:
+    """The search words of an adapter's name, base model, format, given labels, tags, source URI and card."""
+    fields = [name, base_model, fmt, *(f"{k} {v}" for k, v in sorted(labels.items()))]
+    fields += [str(t) for t in tags] if isinstance(tags, list) else []
+    fields += [source_uri, (card or "")[:_MAX_CARD_CHARS]]
+    return " ".join(_search_words(" ".join(fields)))
+
+
+def _backfill_search_text(bind: sa.Connection) -> None:
+    """Write the search document of every stored adapter from its row and given labels."""
+    ids = sorted(bind.scalars(sa.select(_ADAPTER.c.id)).all())
+    for start in range(0, len(ids), _BATCH):
+        chunk = ids[start : start + _BATCH]
+        labels: dict[int, dict[str, str]] = {}
+        given = sa.select(_LABEL.c.adapter_id, _LABEL.c.key, _LABEL.c.value).where(
+            _LABEL.c.adapter_id.in_(chunk), _LABEL.c.source == "given"
+        )
+        for adapter_id, key, value in bind.execute(given):
+            labels.setdefault(adapter_id, {})[key] = value
+        fields = sa.select(
+            _ADAPTER.c.id,
+            _ADAPTER.c.name,
+            _ADAPTER.c.base_model,
+            _ADAPTER.c.format,
+            _ADAPTER.c.source_uri,
+            _ADAPTER.c.tags,
+            _ADAPTER.c.card,
+        )
+        rows = [
+            {
+                "adapter_id": r.id,
+                "document": _search_document(r.name, r.base_model, r.format, r.source_uri, r.tags, r.card, labels.get(r.id, {})),
+            }
+            for r in bind.execute(fields.where(_ADAPTER.c.id.in_(chunk)))
+        ]
+        if rows:
+            bind.execute(sa.insert(_TEXT), rows)
+
+
 def upgrade() -> None:
     bind = op.get_bind()
     postgresql = bind.dialect.name == "postgresql"
@@ -57,7 +129,7 @@ def upgrade() -> None:
         for statement in SQLITE_FTS:
             op.execute(statement)
     op.create_index("ix_adapter_created_at", "adapter", ["created_at"])  # the catalog's default order: newest first
-    refresh_search_text(bind, bind.scalars(sa.text("SELECT id FROM adapter")).all(), source_fields=False)
+    _backfill_search_text(bind)
 
 
 def downgrade() -> None:

@@ -128,15 +128,14 @@ def search_document(
 
 
 _DOCUMENT_FIELDS = (Adapter.id, Adapter.name, Adapter.base_model, Adapter.format, Adapter.source_uri, Adapter.tags, Adapter.card)
-#: columns added by migration 0008
+#: what the source said (columns added by migration 0008)
 _SOURCE_DOCUMENT_FIELDS = (Adapter.author, Adapter.source_metadata)
 
 
-def refresh_search_text(db: Session | Connection, adapter_ids: Iterable[int], source_fields: bool = True) -> None:
+def refresh_search_text(db: Session | Connection, adapter_ids: Iterable[int]) -> None:
     """(Re)write the search documents of these adapters from their rows and given labels. Call it in the
-    transaction that writes the adapter or its labels. Migration 0005 backfills with it, with
-    `source_fields=False`: the author and source metadata columns come with migration 0008."""
-    fields = select(*_DOCUMENT_FIELDS, *(_SOURCE_DOCUMENT_FIELDS if source_fields else ()))
+    transaction that writes the adapter or its labels (migration 0005's backfill is its own frozen copy)."""
+    fields = select(*_DOCUMENT_FIELDS, *_SOURCE_DOCUMENT_FIELDS)
     ids = sorted(set(adapter_ids))
     for start in range(0, len(ids), REFRESH_BATCH):
         chunk = ids[start : start + REFRESH_BATCH]
