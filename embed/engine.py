@@ -424,7 +424,7 @@ class Query:
 @functools.lru_cache(maxsize=4)
 def load_w2t(checkpoint: Path, device: str | None):  # type: ignore[no-untyped-def]
     """A W2T checkpoint, loaded once per process (checkpoint directories are never rewritten)."""
-    from embed.train import W2TEnsemble
+    from embed.ensemble import W2TEnsemble
 
     return W2TEnsemble.load(checkpoint, device)
 

@@ -19,9 +19,10 @@ import torch
 from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.calibration import expected_calibration_error
 from embed.choice import parse_search
+from embed.ensemble import W2TEnsemble
 from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval
 from embed.tokens import max_rank
-from embed.train import TrainOptions, W2TEnsemble, train_w2t
+from embed.train import TrainOptions, train_w2t
 from embed.types import SpaceSchema, ZooAdapter, split_positions
 from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.similarity import (

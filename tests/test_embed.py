@@ -12,9 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from embed.choice import MIX_WEIGHTS
+from embed.ensemble import W2TEnsemble
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import retrieval
-from embed.train import TrainOptions, W2TEnsemble, _folds, train_w2t
+from embed.train import TrainOptions, _folds, train_w2t
 from embed.types import ZooAdapter, schema_of, split_positions
 from zoo.domain.canonical import canonicalize
 from zoo.domain.similarity import (

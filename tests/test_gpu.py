@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from embed.ensemble import W2TEnsemble
 from embed.index import AdapterIndex, gpu_available
-from embed.train import TrainOptions, W2TEnsemble, train_w2t
+from embed.train import TrainOptions, train_w2t
 from embed.types import ZooAdapter, schema_of
 from tests.test_canonical import random_lora
 from tests.test_embed import synthetic_zoo

@@ -137,7 +137,7 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     assert by_id["attributes"]["task"][0]["value"] == max(votes, key=votes.get)
     # the served probabilities are the vote's shares calibrated as fit out of fold, with the neighbours counted
     from embed.calibration import is_sure
-    from embed.train import W2TEnsemble
+    from embed.ensemble import W2TEnsemble
 
     emb = W2TEnsemble.load(Path(info["checkpoint"]))
     classes = emb.config.categorical["task"]

@@ -19,6 +19,7 @@ from sqlalchemy import select
 from embed.checkpoint import MEMORY, META, checkpoint_meta
 from embed.dataset import load_adapters, read_training_set
 from embed.engine import module_layout
+from embed.ensemble import TOKENS_PER_BATCH, W2TEnsemble
 from embed.model import W2T
 from embed.registry import load_embeddings
 from embed.service import stored_schema
@@ -36,10 +37,8 @@ from embed.tokens import (
 from embed.train import (
     FULL_WIDTH_TOKEN_BYTES,
     STEP_RANK_TOKENS,
-    TOKENS_PER_BATCH,
     ExactScores,
     TrainOptions,
-    W2TEnsemble,
     _module_view,
     token_spec,
     train_w2t,
