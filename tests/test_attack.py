@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -322,3 +323,111 @@ def test_facets_past_the_exact_limit_are_counted_in_a_sample_and_say_so(db_url: 
     assert small["approximate"] is True and small["results"] == catalog(db_url, None, {"task": "odd"}, per_page=20)["results"]
     want = sum(s["labels"]["task"] == "odd" for s in specs)
     assert 0.4 * want <= small["total"] <= 2.5 * want
+
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+@pytest.fixture(scope="module")
+def proxied(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """deploy/nginx.conf as shipped, its listen port and upstream rewritten (and a body cap of 1 MiB, to test it
+    cheaply), in front of the served zoo; yields the proxy's port. Needs Debian's nginx (CI installs it, and fails if
+    these tests were skipped)."""
+    if NGINX is None:
+        pytest.skip("nginx is not installed: apt-get install nginx-light (CI installs it)")
+    root = tmp_path_factory.mktemp("nginx")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = (DEPLOY / "nginx.conf").read_text()
+    for old, new in (
+        ("server app:5000;", f"server 127.0.0.1:{served.port};"),
+        ("listen 8080;", f"listen 127.0.0.1:{port};"),
+        ("client_max_body_size 257m;", "client_max_body_size 1m;"),
+        ("access_log /dev/stdout;", f"access_log {root}/access.log;"),
+        (
+            "http {",
+            "http {\n" + "".join(f"    {kind}_temp_path {root}/{kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")),
+        ),
+    ):
+        assert conf.count(old) == 1, old
+        conf = conf.replace(old, new)
+    for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (root / kind).mkdir(mode=0o777)
+        (root / kind).chmod(0o777)  # nginx's workers may run as another user
+    (root / "nginx.conf").write_text(conf)
+    for name in ("zoo_api_errors", "zoo_page_errors"):
+        shutil.copy(DEPLOY / name, root / name)
+    cmd = [
+        NGINX,
+        "-p",
+        str(root),
+        "-c",
+        str(root / "nginx.conf"),
+        "-e",
+        str(root / "error.log"),
+        "-g",
+        f"daemon off; pid {root}/nginx.pid;",
+    ]
+    check = subprocess.run([*cmd[:-2], "-t"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(root / "stderr.log").open("wb"))
+    try:
+        deadline_s = time.monotonic() + 20
+        while not probe(port, 0.01, timeout=1) or max(probe(port, 0.01, timeout=1)) >= 1:
+            assert proc.poll() is None and time.monotonic() < deadline_s, (root / "stderr.log").read_text()
+            time.sleep(0.1)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_behind_nginx_64_slow_clients_never_reach_gunicorn(served: Served, proxied: int) -> None:
+    """64 header-dripping connections to the proxy (twice zoo serve's threads): nginx holds them, health through the
+    proxy and straight to gunicorn stays fast."""
+    with SlowClients(proxied, 64):
+        time.sleep(0.3)
+        through = probe(proxied, ATTACK_S / 2, timeout=5)
+        direct = probe(served.port, ATTACK_S / 2, timeout=5)
+    assert p99(through) < PROBE_P99_S and p99(direct) < PROBE_P99_S, (through, direct)
+
+
+def test_nginx_answers_its_own_errors_as_json_under_api(proxied: int) -> None:
+    def ask(method: str, path: str, body: bytes | None = None) -> tuple[int, str, str, dict[str, str]]:
+        conn = http.client.HTTPConnection("127.0.0.1", proxied, timeout=10)
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        r = conn.getresponse()
+        return r.status, r.getheader("Content-Type") or "", r.read().decode(), dict(r.getheaders())
+
+    status, kind, text, _ = ask("GET", "/api/v1/health?x=" + "a" * 9000)
+    assert status == 414 and kind == "application/json" and json.loads(text)["error"]["type"] == "uri_too_long"
+    status, kind, text, _ = ask("POST", "/api/v1/ingest", b"{" + b" " * (2 << 20) + b"}")
+    assert status == 413 and json.loads(text)["error"] == {
+        "status": 413,
+        "type": "too_large",
+        "message": json.loads(text)["error"]["message"],
+        "detail": None,
+    }
+    status, kind, text, _ = ask("POST", "/similar", b"x" * (2 << 20))
+    assert status == 413 and kind == "text/html" and "Too large" in text
+    answers = [ask("POST", "/api/v1/predict/performance", b'{"adapter_id": 1}') for _ in range(12)]  # 2/s, a burst of 6
+    limited = [a for a in answers if a[0] == 429]
+    assert limited and json.loads(limited[0][2])["error"]["type"] == "too_many_requests" and limited[0][3].get("Retry-After") == "1"
+    assert {a[0] for a in answers} <= {200, 429, 503}
+
+
+def test_a_query_matching_most_of_the_catalog_shows_the_newest_unless_relevance_is_asked(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranking 200,000 matches by relevance took 330 ms at 1M adapters: past RANK_ROWS estimated matches (PostgreSQL)
+    a query that chose no sort gets the newest first, and says so; one that asked for relevance gets it."""
+    from tests.test_catalog import catalog, synthetic_zoo
+    from zoo.db import catalog as cat
+
+    synthetic_zoo(db_url)
+    monkeypatch.setattr(cat, "RANK_ROWS", 0)
+    default, asked = catalog(db_url, "alpha", {}), catalog(db_url, "alpha", {}, "relevance")
+    assert asked["sort"] == "relevance" and default["total"] == asked["total"] > 0
+    assert default["sort"] == ("newest" if db_url.startswith("postgresql") else "relevance")

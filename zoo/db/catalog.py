@@ -44,6 +44,7 @@ from sqlalchemy import (
     table,
     union_all,
 )
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from zoo.db import repository
@@ -67,15 +68,22 @@ MAX_CARD_CHARS = 100_000
 REFRESH_BATCH = 500
 #: facets (and the total) over more matching adapters than facet_exact_rows() are counted in a sample of about this
 #: many adapters and scaled: unfiltered facets of a million adapters took 9 s on PostgreSQL (issue 30)
-FACET_SAMPLE_ROWS = 20_000
+FACET_SAMPLE_ROWS = 8_000
 #: runs of consecutive ids the sample is made of
 SAMPLE_WINDOWS = 40
+#: milliseconds exact facets may take on PostgreSQL before they are counted in the sample instead: longer with
+#: filters, whose few matches a sample would mostly miss (5 filters keeping 666 of 1M adapters: the facets of each
+#: filter's alternatives read 100,000 adapters, 0.3-0.8 s)
+FACET_TIMEOUT_MS = 150
+FILTERED_FACET_TIMEOUT_MS = 1500
+#: past this many matches (estimated), a query without a chosen sort shows the newest first, not the most relevant
+RANK_ROWS = 20_000
 
 
 def facet_exact_rows() -> int:
     """Matching adapters (PostgreSQL's estimate) up to which facets and the total are exact (ZOO_FACET_EXACT_ROWS,
-    default 50,000); past it they are counted in a sample and flagged `approximate`."""
-    return int(os.environ.get("ZOO_FACET_EXACT_ROWS", 50_000))
+    default 10,000); past it they are counted in a sample and flagged `approximate`."""
+    return int(os.environ.get("ZOO_FACET_EXACT_ROWS", 10_000))
 
 
 _WORD = re.compile(r"[^\W_]+")
@@ -185,9 +193,13 @@ def fts5_query_text(phrases: list[list[str]]) -> str:
     return " AND ".join(quoted)
 
 
-def _restrict(stmt: Select, dialect: str, phrases: list[list[str]], filters: Mapping[str, str]) -> tuple[Select, ColumnElement[Any] | None]:
+def _restrict(
+    stmt: Select, dialect: str, phrases: list[list[str]], filters: Mapping[str, str], per_row: bool = False
+) -> tuple[Select, ColumnElement[Any] | None]:
     """stmt (over Adapter) kept to adapters matching the phrases and filters, and the relevance order
-    (best first) when there are phrases."""
+    (best first) when there are phrases. `per_row` (PostgreSQL): each adapter's document is looked up and
+    matched by itself, for a few thousand adapters kept otherwise (a sample), instead of every match of the
+    text index being joined to them (83,000 for one phrase: 0.55 s)."""
     conditions, labels = repository.split_filters(filters)
     for key, value in labels:
         given = select(Label.adapter_id).where(Label.key == key, Label.value == value, Label.source == "given")
@@ -197,6 +209,9 @@ def _restrict(stmt: Select, dialect: str, phrases: list[list[str]], filters: Map
         return stmt, None
     if dialect == "postgresql":
         tsquery = func.to_tsquery(_SIMPLE, tsquery_text(phrases))
+        if per_row:
+            document = select(AdapterText.document_tsv).where(AdapterText.adapter_id == Adapter.id).scalar_subquery()
+            return stmt.where(document.bool_op("@@")(tsquery)), None
         stmt = stmt.join(AdapterText, AdapterText.adapter_id == Adapter.id).where(AdapterText.document_tsv.bool_op("@@")(tsquery))
         return stmt, func.ts_rank(AdapterText.document_tsv, tsquery).desc()
     # `rowid + 0` keeps SQLite from putting the FTS table in the inner loop (one full-text search per
@@ -218,7 +233,7 @@ def _order(sort: str, dialect: str, relevance: ColumnElement[Any] | None) -> lis
 def _matching(dialect: str, phrases: list[list[str]], filters: Mapping[str, str], name: str, within: Within = None) -> CTE:
     """The ids of the adapters matching the phrases and filters (within the sample), with their column facets' values."""
     columns = [Adapter.id, *(expr.label(key) for key, expr in _FACET_EXPRESSIONS.items())]
-    stmt = _restrict(select(*columns), dialect, phrases, filters)[0]
+    stmt = _restrict(select(*columns), dialect, phrases, filters, per_row=within is not None)[0]
     return (stmt if within is None else stmt.where(within)).cte(name)
 
 
@@ -255,7 +270,8 @@ def _near_matches(dialect: str, phrases: list[list[str]], filters: Mapping[str, 
     column filter). A facet of a filtered key counts the adapters that miss no filter or only its own: one pass
     for every filter, where a matching set per filter cost O(filters²) (150 filters took 14.7 s, issue 30).
     An adapter that misses at most one of two filters matches one of them: with two filters or more the
-    candidates are read through two of them (label filters first: their index), not the whole catalog."""
+    candidates are read through two of them, not the whole catalog: with two label filters or more, through the
+    adapters that have all the filtered labels but one (the label index)."""
     columns = [Adapter.id, *(expr.label(key) for key, expr in _FACET_EXPRESSIONS.items())]
     column_keys = [k for k in filters if k in repository.COLUMN_FILTERS]
     pairs = [(k, v) for k, v in filters.items() if k not in repository.COLUMN_FILTERS]
@@ -267,16 +283,21 @@ def _near_matches(dialect: str, phrases: list[list[str]], filters: Mapping[str, 
             select(Label.adapter_id, func.count().label("hits"))
             .where(Label.source == "given", or_(*(and_(Label.key == k, Label.value == v) for k, v in pairs)))
             .group_by(Label.adapter_id)
-            .subquery("hits")
         )
-        stmt = stmt.add_columns((col_misses + len(pairs) - func.coalesce(given.c.hits, 0)).label("misses"))
-        stmt = stmt.outerjoin(given, given.c.adapter_id == Adapter.id)
+        if len(pairs) >= 2:  # missing at most one filter, an adapter has all its label filters' labels but one at most
+            given = given.having(func.count() >= len(pairs) - 1)
+        hits = given.subquery("hits")
+        stmt = stmt.add_columns((col_misses + len(pairs) - func.coalesce(hits.c.hits, 0)).label("misses"))
+        if len(pairs) >= 2:
+            stmt = stmt.join(hits, hits.c.adapter_id == Adapter.id)
+        else:
+            stmt = stmt.outerjoin(hits, hits.c.adapter_id == Adapter.id)
     else:
         stmt = stmt.add_columns(col_misses.label("misses"))
-    stmt = _restrict(stmt, dialect, phrases, {})[0]
+    stmt = _restrict(stmt, dialect, phrases, {}, per_row=within is not None)[0]
     if within is not None:
         stmt = stmt.where(within)
-    if len(filters) >= 2:
+    if len(filters) >= 2 and len(pairs) < 2:
         first, second = sorted(filters, key=lambda k: (k in repository.COLUMN_FILTERS, k != "base_model"))[:2]
         stmt = stmt.where(or_(_filter_condition(first, filters[first]), _filter_condition(second, filters[second])))
     near = stmt.subquery("scored")
@@ -319,10 +340,19 @@ def _estimated_matches(session: Session, dialect: str, phrases: list[list[str]],
     if dialect != "postgresql":
         return 0.0
     stmt = _restrict(select(Adapter.id), dialect, phrases, filters)[0]
-    compiled = stmt.compile(dialect=session.get_bind().dialect)  # the user's text stays in bound parameters
+    compiled = stmt.compile(dialect=session.get_bind().dialect, compile_kwargs={"render_postcompile": True})  # text stays bound
     plan = session.connection().exec_driver_sql(f"EXPLAIN (FORMAT JSON) {compiled}", compiled.params).scalar_one()
     plan = json.loads(plan) if isinstance(plan, str) else plan
     return float(plan[0]["Plan"]["Plan Rows"])
+
+
+def _most_matches(session: Session, dialect: str, phrases: list[list[str]], estimate: float) -> float:
+    """An estimate that errs high: the fewest matches of any one word of the query (the planner's estimate of a
+    phrase assumes its words independent: `pixel art`, 83,000 matches, was estimated at 7,500)."""
+    words = [[w] for phrase in phrases for w in phrase][:8]
+    if dialect != "postgresql" or len(words) < 2:
+        return estimate
+    return max(estimate, min(_estimated_matches(session, dialect, [w], {}) for w in words))
 
 
 def _sample(session: Session) -> tuple[ColumnElement[bool], float]:
@@ -336,6 +366,24 @@ def _sample(session: Session) -> tuple[ColumnElement[bool], float]:
     windows = [(low + i * stride, low + i * stride + width - 1) for i in range(SAMPLE_WINDOWS) if i * stride < span]
     covered = sum(min(hi, high) - lo + 1 for lo, hi in windows)
     return or_(*(Adapter.id.between(lo, hi) for lo, hi in windows)), span / max(covered, 1)
+
+
+def _exact_facets(session: Session, dialect: str, stmt: Select, timeout_ms: int) -> list[Any] | None:
+    """The facet statement's rows; on PostgreSQL None past timeout_ms (an estimate can be far off: a phrase
+    matching 83,000 adapters was estimated at a few thousand), its transaction left as it was."""
+    if dialect != "postgresql":
+        return session.execute(stmt).all()
+    previous = session.execute(select(func.current_setting("statement_timeout"))).scalar_one()
+    try:
+        with session.begin_nested():
+            session.execute(select(func.set_config("statement_timeout", str(timeout_ms), True)))
+            rows = session.execute(stmt).all()
+            session.execute(select(func.set_config("statement_timeout", previous, True)))
+            return rows
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) != "57014":  # query_canceled: the statement timeout
+            raise
+        return None
 
 
 def _roll_up(directories: dict[str, int]) -> dict[str, int]:
@@ -390,19 +438,33 @@ def search_catalog(
     rank, source prefix, the source's fields (author, license, pipeline_tag, library, base_model_relation), any
     other key a given label), with the total and facets, as a plain dict.
 
-    Sorts: relevance (the default with query words: PostgreSQL ts_rank, SQLite bm25), name (code point
-    order), newest (the default otherwise), rank (LoRA rank, unknown last). Three statements: the page,
-    its labels, and the total with every facet."""
+    Sorts: relevance (the default with query words: PostgreSQL ts_rank, SQLite bm25; newest instead when no sort
+    is asked for and PostgreSQL estimates more than RANK_ROWS matches), name (code point order), newest (the default
+    otherwise), rank (LoRA rank, unknown last). Statements: the page, its labels, and the total with every facet;
+    on PostgreSQL also the planner's estimate of the matches: past facet_exact_rows(), or when the exact facets run
+    past FACET_TIMEOUT_MS (FILTERED_FACET_TIMEOUT_MS with filters), the total and facets are counted in a sample of
+    ids and scaled (`approximate`)."""
     phrases = query_phrases(q)
-    sort = _checked_sort(sort, phrases, page, per_page)
+    asked, sort = sort, _checked_sort(sort, phrases, page, per_page)
     dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":  # compiling these statements to machine code cost 140 ms each at 1M adapters
+        session.execute(select(func.set_config("jit", "off", True)))  # for this transaction only
+    estimate = _estimated_matches(session, dialect, phrases, filters)
+    if asked is None and sort == "relevance" and _most_matches(session, dialect, phrases, estimate) > RANK_ROWS:
+        sort = "newest"  # ranking 200,000 matches took 330 ms; the newest are found through an index
     stmt, relevance = _restrict(select(Adapter), dialect, phrases, filters)
     stmt = stmt.order_by(*_order(sort, dialect, relevance)).limit(per_page).offset((page - 1) * per_page)
     adapters = list(session.scalars(stmt))
     labels = repository.names_and_labels(session, [a.id for a in adapters])
-    approximate = _estimated_matches(session, dialect, phrases, filters) > facet_exact_rows()
-    within, scale = _sample(session) if approximate else (None, 1.0)
-    total, facets = _read_facets(session.execute(_facets_statement(dialect, phrases, filters, within)), scale)
+    approximate = estimate > facet_exact_rows()
+    timeout = FILTERED_FACET_TIMEOUT_MS if filters else FACET_TIMEOUT_MS
+    rows = None if approximate else _exact_facets(session, dialect, _facets_statement(dialect, phrases, filters), timeout)
+    scale = 1.0
+    if rows is None:  # too many matches, estimated or found past FACET_TIMEOUT_MS
+        approximate = True
+        within, scale = _sample(session)
+        rows = session.execute(_facets_statement(dialect, phrases, filters, within)).all()
+    total, facets = _read_facets(rows, scale)
     results = [{**repository.adapter_summary(a), "labels": labels[a.id][1], "tags": a.tags or []} for a in adapters]
     return {
         "q": q,
