@@ -14,6 +14,16 @@ it on loopback; --clients threads, each on its own keep-alive connection, send
     python -m bench.api --zoo-data-dir DIR   # DIR: a data dir where `zoo train` ran
 
 Prints a table and, on the last line, one JSON object.
+
+Under attack (issue 30), `--attacks` serves that real zoo itself with `zoo serve` as shipped (--workers, its
+default threads, deadlines and bounded pool) and measures, each for --attack-seconds:
+- GET /api/v1/health p50/p99 idle and during 16 slow clients (headers dripped a byte every 0.5 s);
+- GET /api/v1/adapters/{id}/similar?k=10 p50/p99 idle and during 16 clients sending predict/performance with
+  100 ids over and over (and health during them), with the statuses the flood got;
+and `--catalog URL` adds bench.catalog's figures (text + facets, unfiltered facets, 5 filters) for a catalog
+database it builds there (a million adapters by default: --catalog-adapters).
+
+    python -m bench.api --zoo-data-dir DIR --attacks [--catalog postgresql://.../zoo_bench_catalog]
 """
 
 from __future__ import annotations
@@ -107,6 +117,67 @@ class EngineBaseline:
             return list(pool.map(self.one, ids.tolist()))
 
 
+def attacks(database_url: str, data_dir: Path, workers: int, seconds: float, log: Path) -> dict[str, object]:
+    """Health and similar latencies (ms) of a real zoo served as shipped, idle and under the two attacks."""
+    from sqlalchemy import select
+
+    from bench.attack import Flood, SlowClients, post_json, probe
+    from zoo.db.models import Adapter
+    from zoo.db.session import session_factory
+
+    with session_factory(database_url)() as session:
+        ids = list(session.scalars(select(Adapter.id).order_by(Adapter.id).limit(100)))
+    hundred = [ids[i % len(ids)] for i in range(100)]
+    similar = f"/api/v1/adapters/{ids[0]}/similar?k=10"
+    port = free_port()
+    cmd = [sys.executable, "-m", "zoo.cli", "--db", database_url, "--data-dir", str(data_dir), "serve"]
+    out: dict[str, object] = {"workers": workers, "attack_seconds": seconds}
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([*cmd, "--port", str(port), "--workers", str(workers)], stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(port, proc)
+            probe(port, 2, path=similar)  # every worker loads its engine
+            runs = {"health_idle": probe(port, seconds), "similar_idle": probe(port, seconds, path=similar)}
+            with SlowClients(port, 16):
+                time.sleep(0.5)
+                runs["health_16_slow_clients"] = probe(port, seconds)
+            with Flood(port, 16, post_json("/api/v1/predict/performance", {"adapter_ids": hundred})) as flood:
+                time.sleep(0.5)
+                runs["similar_16_predict_floods"] = probe(port, seconds, path=similar)
+                runs["health_16_predict_floods"] = probe(port, seconds)
+            out["predict_flood_statuses"] = {str(k): v for k, v in sorted(flood.statuses.items())}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    for name, times in runs.items():
+        p50, p99 = percentiles(times)
+        out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = round(p50, 1), round(p99, 1)
+        out[f"{name}_failed"] = sum(t >= 5 for t in times)
+    return out
+
+
+def main_attacks(args: argparse.Namespace) -> None:
+    import os
+
+    from zoo.config import Settings
+
+    result: dict[str, object] = {"load_1min": round(os.getloadavg()[0], 2)}
+    settings = Settings.load(args.zoo_db, args.zoo_data_dir)
+    work = args.work or Path(tempfile.mkdtemp(prefix="zoo-bench-attacks-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result["attacks"] = attacks(settings.database_url, settings.data_dir, args.workers, args.attack_seconds, work / "serve.log")
+    if args.catalog:
+        from bench.catalog import build, measure
+
+        result["catalog"] = {"adapters": args.catalog_adapters, "build_s": round(build(args.catalog, args.catalog_adapters), 1)}
+        result["catalog"].update(measure(args.catalog, args.catalog_repeats))  # type: ignore[attr-defined]
+    for key, value in result["attacks"].items():  # type: ignore[attr-defined]
+        print(f"{key:40s} {value}")
+    for key, value in dict(result.get("catalog") or {}).items():  # type: ignore[call-overload]
+        print(f"catalog {key:32s} {value}")
+    print(json.dumps(result))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapters", type=int, default=100_000)
@@ -121,7 +192,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=4, help="threads per process (default: %(default)s)")
     p.add_argument("--noise", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attacks", action="store_true", help="measure the real zoo under slow clients and a predict flood (see above)")
+    p.add_argument("--attack-seconds", type=float, default=10.0)
+    p.add_argument("--catalog", metavar="URL", help="with --attacks: bench.catalog on this PostgreSQL database (built there)")
+    p.add_argument("--catalog-adapters", type=int, default=1_000_000)
+    p.add_argument("--catalog-repeats", type=int, default=50)
     args = p.parse_args()
+    if args.attacks:
+        main_attacks(args)
+        return
 
     from zoo.config import Settings
 
