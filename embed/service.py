@@ -358,8 +358,8 @@ def make_query(session: Session, blobs: BlobStore, id_or_path: str, device: str 
         digest = row.factors_blob  # None for a checkpoint: it is found by its stored vectors, if it has any
         loader = (lambda: dict(blobs.get_factors(str(digest)))) if digest else None
         return Query(row.name, int(id_or_path), loader), row.base_model
-    from zoo.formats import read_adapter
-    from zoo.ingest import adapter_name, canonicalize_modules, pick_device
+    from zoo.domain.canonical import canonicalize_modules, pick_device
+    from zoo.formats import adapter_name, read_adapter
 
     data = read_adapter(Path(id_or_path))
     if not data.modules:

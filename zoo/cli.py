@@ -79,10 +79,10 @@ def run_ingest(
     Returns counts by status and failures."""
     from itertools import chain
 
-    from zoo.ingest import Ingestor
+    from zoo.ingest import Ingestor, ingest_source
     from zoo.sources import hub
     from zoo.sources.local import expand_paths
-    from zoo.sources.resolve import ingest_source, is_remote
+    from zoo.sources.resolve import is_remote
 
     remote = [p for p in paths if is_remote(p)]
     for source in remote:

@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from zoo.blobs import BlobStore
 from zoo.db import repository
+from zoo.db.models import UNKNOWN_BASE
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.fingerprint import NamedFactors
 from zoo.errors import NotFoundError, StorageError, UsageError
@@ -35,7 +36,6 @@ from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
 from zoo.formats.peft import PAIRS as PEFT_PAIRS
-from zoo.ingest import UNKNOWN_BASE
 
 FORMATS = ("peft", "diffusers", "kohya")
 #: stored formats whose updates are LoRA adapters (the others are checkpoints)

@@ -6,7 +6,6 @@ import contextlib
 import math
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -18,23 +17,21 @@ from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from zoo import deadline
 from zoo.blobs import BlobStore, BlobWriter
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.db import repository
 from zoo.db.catalog import refresh_search_text, write_search_text
-from zoo.db.models import Adapter, EmbeddingSpace, Label, Measurement, Module
+from zoo.db.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module
 from zoo.db.session import write_transaction
-from zoo.domain.canonical import CanonicalFactors, canonicalize_batched
+from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
 from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
 from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
-from zoo.errors import InputError
-from zoo.formats import AdapterData, LoraModule, RawAdapter, layer_index, module_type, open_adapter, parse_adapter
+from zoo.errors import InputError, UsageError
+from zoo.formats import AdapterData, RawAdapter, adapter_name, layer_index, module_type, open_adapter, parse_adapter
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
-from zoo.sources import Origin
+from zoo.sources import Origin, hub
 
-UNKNOWN_BASE = "unknown"
 #: formats read, canonicalized and described on one torch thread (see one_torch_thread; the blob is written on
 #: another): their kernels are per module, or batched over modules of a few MB to a few hundred MB, and on a busy
 #: machine (load 6 on 2 cores) a Llama-3-8B r16 adapter's canonicalization took 3.3-8.4 s on two threads against
@@ -69,12 +66,6 @@ class IngestResult:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def pick_device(device: str | None) -> torch.device:
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def share_cores(processes: int) -> int:
@@ -113,27 +104,6 @@ def small_work_on_one_thread(data: AdapterData) -> contextlib.AbstractContextMan
     """Run the block on one torch thread when the adapter is small (see SMALL_ADAPTER_ELEMENTS)."""
     elements = sum(m.A.numel() + m.B.numel() for m in data.modules) + sum(fm.shape[0] * fm.shape[1] for fm in data.full_matrices)
     return one_torch_thread(elements < SMALL_ADAPTER_ELEMENTS)
-
-
-def canonicalize_modules(modules: list[LoraModule], device: torch.device) -> list[CanonicalFactors]:
-    """Canonical factors of every module, batched by rank, returned on the CPU in input order."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, m in enumerate(modules):
-        groups[m.rank].append(i)
-    out: list[CanonicalFactors | None] = [None] * len(modules)
-    for idx in groups.values():
-        deadline.check()  # a web call past its time limit stops here (zoo/deadline.py)
-        As = [modules[i].A.to(device) for i in idx]
-        Bs = [modules[i].B.to(device) for i in idx]
-        scale = [modules[i].scale for i in idx]
-        for i, f in zip(idx, canonicalize_batched(As, Bs, scale), strict=True):
-            out[i] = CanonicalFactors(f.U.cpu(), f.S.cpu(), f.V.cpu())
-    return [f for f in out if f is not None]
-
-
-def adapter_name(path: Path) -> str:
-    """The name an adapter gets from its path: a file's stem or a directory's name."""
-    return (path.stem if path.is_file() else path.name)[:MAX_ADAPTER_NAME]
 
 
 def _module_row(name: str, kind: str, shape: tuple[int, int], spec: Spectrum, **lora: object) -> dict[str, object]:
@@ -469,6 +439,31 @@ class _Laps:
         now = time.perf_counter()
         self.timings[stage] = self.timings.get(stage, 0.0) + now - self.t
         self.t = now
+
+
+def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = None) -> IngestResult:
+    """Ingest one source. A Hub source whose resolved commit is stored already is the duplicate before any
+    download; otherwise its files are fetched and ingested with their origin. Failures name the source."""
+    if not hub.is_hub_source(source):
+        return ingestor.ingest(Path(source), labels=labels)
+    try:
+        resolved = hub.resolve(source)
+        stored = ingestor.stored_revision(resolved.origin.uri, resolved.sha)
+        if stored is not None:
+            stored.revision = resolved.sha
+            return stored
+        path, origin = hub.download(resolved)
+    except (InputError, UsageError) as exc:  # a malformed job item fails like any other
+        return IngestResult(source, "failed", error=str(exc))
+    result = ingestor.ingest(path, labels=labels, origin=origin)
+    result.revision = resolved.sha
+    if result.error:  # a reader names the file in the Hub cache: name the source instead
+        snapshot = str(path if path.is_dir() else path.parent)
+        where = f"{origin.uri}@{resolved.sha[:12]}"
+        result.error = result.error.replace(str(path), where).replace(snapshot, where)
+        if where not in result.error:
+            result.error = f"{where}: {result.error}"
+    return result
 
 
 def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> None:

@@ -33,10 +33,9 @@ from tqdm import tqdm
 from zoo.blobs import BlobStore
 from zoo.config import Settings
 from zoo.db.session import session_factory
-from zoo.ingest import IngestOptions, Ingestor
+from zoo.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
 from zoo.sources.local import escapes
-from zoo.sources.resolve import ingest_source
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,8 @@ class Base(DeclarativeBase):
 #: SQLite's full-text index of `adapter_text` (an FTS5 virtual table and its shadow tables), made by
 #: migration 0005 and kept outside this metadata
 SQLITE_FTS_TABLE = "adapter_text_fts"
+#: an adapter's base_model when neither its files, its source nor the command name one
+UNKNOWN_BASE = "unknown"
 
 
 def on_dialect(dialect: str):  # type: ignore[no-untyped-def]

@@ -14,10 +14,14 @@ large GEMMs in float32 whatever the stored dtype.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from zoo import deadline
 
 #: Components with S_i <= ZERO_RTOL * S_max (or S_i == 0) are dropped as numerically zero.
 ZERO_RTOL = 1e-6
@@ -167,3 +171,42 @@ def _cond(G: torch.Tensor) -> torch.Tensor:
 
 def frobenius_norm_sq(x: CanonicalFactors) -> float:
     return float((x.S.double() ** 2).sum())
+
+
+class LowRankModule(Protocol):
+    """What canonicalize_modules reads of a module (zoo.formats.LoraModule is one): dW = scale · B · A."""
+
+    @property
+    def A(self) -> torch.Tensor: ...  # (r × in)
+
+    @property
+    def B(self) -> torch.Tensor: ...  # (out × r)
+
+    @property
+    def scale(self) -> float: ...
+
+    @property
+    def rank(self) -> int: ...
+
+
+def pick_device(device: str | None) -> torch.device:
+    """The device named, else cuda when available, else cpu."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def canonicalize_modules(modules: Sequence[LowRankModule], device: torch.device) -> list[CanonicalFactors]:
+    """Canonical factors of every module, batched by rank, returned on the CPU in input order."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, m in enumerate(modules):
+        groups[m.rank].append(i)
+    out: list[CanonicalFactors | None] = [None] * len(modules)
+    for idx in groups.values():
+        deadline.check()  # a web call past its time limit stops here (zoo/deadline.py)
+        As = [modules[i].A.to(device) for i in idx]
+        Bs = [modules[i].B.to(device) for i in idx]
+        scale = [modules[i].scale for i in idx]
+        for i, f in zip(idx, canonicalize_batched(As, Bs, scale), strict=True):
+            out[i] = CanonicalFactors(f.U.cpu(), f.S.cpu(), f.V.cpu())
+    return [f for f in out if f is not None]

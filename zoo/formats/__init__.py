@@ -17,7 +17,7 @@ from zoo.errors import InputError
 from zoo.formats.archive import ZIP_SUFFIX, read_peft_zip
 from zoo.formats.checkpoint import read_checkpoint
 from zoo.formats.kohya import has_lora_keys, kohya_base_model, lycoris_kind, read_single_file_lora
-from zoo.formats.limits import check_limits
+from zoo.formats.limits import MAX_ADAPTER_NAME, check_limits
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, layer_index, module_type
 from zoo.formats.peft import (
     CONFIG_NAME,
@@ -45,6 +45,7 @@ __all__ = [
     "FullMatrix",
     "LoraModule",
     "RawAdapter",
+    "adapter_name",
     "layer_index",
     "module_type",
     "open_adapter",
@@ -67,6 +68,11 @@ class RawAdapter:
     settings: dict[str, object] = field(default_factory=dict)
     peft: PeftConfig | None = None
     header: SafetensorsHeader | None = None
+
+
+def adapter_name(path: Path) -> str:
+    """The name an adapter gets from its path: a file's stem or a directory's name."""
+    return (path.stem if path.is_file() else path.name)[:MAX_ADAPTER_NAME]
 
 
 def read_adapter(path: Path, base: Path | None = None, energy: float = DEFAULT_ENERGY, max_rank: int = DEFAULT_MAX_RANK) -> AdapterData:

@@ -1,5 +1,6 @@
 """The one place a source string becomes files to read: local paths pass through, `hf://` sources are fetched
-from the Hub (zoo/sources/hub.py). `zoo ingest`, `zoo worker` and the web app's jobs all go through here."""
+from the Hub (zoo/sources/hub.py). `zoo ingest`, `zoo worker` and the web app's jobs all go through here. Sources yield
+files and never call ingest: zoo.ingest.ingest_source ingests what they yield."""
 
 from __future__ import annotations
 
@@ -7,11 +8,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zoo.errors import InputError, UsageError
 from zoo.sources import Origin, hub
 
 if TYPE_CHECKING:
-    from zoo.ingest import Ingestor, IngestResult
     from zoo.labels import LabelRow
 
 
@@ -41,30 +40,3 @@ def fetch_source(source: str) -> tuple[Path, Origin | None]:
     if hub.is_hub_source(source):
         return hub.fetch(source)
     return Path(source), None
-
-
-def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = None) -> IngestResult:
-    """Ingest one source. A Hub source whose resolved commit is stored already is the duplicate before any
-    download; otherwise its files are fetched and ingested with their origin. Failures name the source."""
-    from zoo.ingest import IngestResult
-
-    if not hub.is_hub_source(source):
-        return ingestor.ingest(Path(source), labels=labels)
-    try:
-        resolved = hub.resolve(source)
-        stored = ingestor.stored_revision(resolved.origin.uri, resolved.sha)
-        if stored is not None:
-            stored.revision = resolved.sha
-            return stored
-        path, origin = hub.download(resolved)
-    except (InputError, UsageError) as exc:  # a malformed job item fails like any other
-        return IngestResult(source, "failed", error=str(exc))
-    result = ingestor.ingest(path, labels=labels, origin=origin)
-    result.revision = resolved.sha
-    if result.error:  # a reader names the file in the Hub cache: name the source instead
-        snapshot = str(path if path.is_dir() else path.parent)
-        where = f"{origin.uri}@{resolved.sha[:12]}"
-        result.error = result.error.replace(str(path), where).replace(snapshot, where)
-        if where not in result.error:
-            result.error = f"{where}: {result.error}"
-    return result
