@@ -109,7 +109,7 @@ def update_index_file(session: Session, data_dir: Path, embedder: Embedder, rebu
     how = "rebuilt (asked)" if rebuild else "built"
     if path.exists() and not rebuild:
         try:
-            index, meta = _load_consistent(session, path, embedder, version)
+            index, meta = load_consistent_index(session, path, embedder, version)
             if index.ivf != (index.size >= IVF_FROM):
                 how = f"rebuilt ({index.size} vectors outgrew its {index.kind} kind)"
             elif meta["version"] == version:
@@ -151,7 +151,7 @@ def build_index(session: Session, embedder: Embedder, ivf: bool | None = None) -
     return index
 
 
-def _load_consistent(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[AdapterIndex, dict]:
+def load_consistent_index(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[AdapterIndex, dict]:
     """The index file plus the rows written after it; ValueError when it cannot be made to agree with the database."""
     index, meta = AdapterIndex.load(path)
     if meta.get("embedder_id") != embedder.id or int(meta.get("version", -1)) > version:
@@ -176,7 +176,7 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
     if sketch is None:
         return "none (no module sketch embedder)"
     ids = sorted(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == sketch.id)))
-    have = None if rebuild else _read_module_store(path)
+    have = None if rebuild else read_module_store(path)
     dropped = 0
     if have is not None:  # rows of adapters deleted since it was written, or no longer embedded, leave it
         stale = stale_module_rows(session, space.id, have[0], have[3], np.array(ids, np.int64))
@@ -274,7 +274,7 @@ def stale_module_rows(session: Session, space_id: int, ids: np.ndarray, version:
     return ids[np.isin(ids, deleted_since(session, space_id, version)) | ~np.isin(ids, embedded)]
 
 
-def _read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], int] | None:
+def read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], int] | None:
     """(ids, stack, dense modules, version), or None when the file is missing or unreadable."""
     if not path.exists():
         return None
@@ -499,7 +499,7 @@ class QueryEngine:
             index, state = self._open_index(session, e, version)
             embedders[method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, state)
         modules = None
-        have = _read_module_store(module_store_path(self.data_dir, row.id))
+        have = read_module_store(module_store_path(self.data_dir, row.id))
         if have is not None and have[3] <= version and SKETCH in embedders:
             ids, stack, dense, _ = have
             modules = ModuleStore(stack, {int(i): j for j, i in enumerate(ids.tolist())}, dense)
@@ -514,7 +514,7 @@ class QueryEngine:
     def _open_index(self, session: Session, embedder: Embedder, version: int) -> tuple[AdapterIndex, str]:
         path = index_path(self.data_dir, embedder.id)
         try:
-            index, _ = _load_consistent(session, path, embedder, version)
+            index, _ = load_consistent_index(session, path, embedder, version)
             return index, "loaded"
         except ValueError as exc:
             problem = str(exc)

@@ -160,7 +160,7 @@ def _stored_count(session: Session, embedder_id: int) -> int:
     return int(session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder_id)) or 0)
 
 
-def _consistent(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[ZooMap, str]:
+def load_consistent_map(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[ZooMap, str]:
     """The map file without the adapters deleted after its version (their tombstones) and with the points
     embedded after it, and what changed ("" nothing); ValueError when it cannot be made to agree with the
     database."""
@@ -218,7 +218,7 @@ def update_map(session: Session, data_dir: Path, embedder: Embedder, rebuild: bo
     how = "fitted (asked)"
     if not rebuild:
         try:
-            m, changed = _consistent(session, path, embedder, version)
+            m, changed = load_consistent_map(session, path, embedder, version)
         except ValueError as exc:
             how = f"fitted ({exc})"
         else:
@@ -241,7 +241,7 @@ def refresh_map(session: Session, data_dir: Path, space_id: int, rebuild: bool =
 def map_state(session: Session, data_dir: Path, embedder: Embedder) -> str:
     """ "ok", or why the embedder's map file does not agree with the database (for `zoo check`)."""
     try:
-        _consistent(session, map_path(data_dir, embedder.id), embedder, space_version(session, embedder.space_id))
+        load_consistent_map(session, map_path(data_dir, embedder.id), embedder, space_version(session, embedder.space_id))
     except ValueError as exc:
         return str(exc)
     return "ok"
@@ -268,7 +268,7 @@ def current_map(session: Session, data_dir: Path, embedder: Embedder) -> tuple[Z
     if hit is not None:
         return hit
     try:
-        m, changed = _consistent(session, path, embedder, version)
+        m, changed = load_consistent_map(session, path, embedder, version)
         state = "loaded" + (f" ({changed} in memory since it was saved)" if changed else "")
     except ValueError as exc:
         if _stored_count(session, embedder.id) > FIT_IN_REQUEST:

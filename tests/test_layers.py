@@ -10,6 +10,7 @@ the list only shrinks; KNOWN_EXCEPTIONS keeps it from growing.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import tomllib
@@ -39,3 +40,18 @@ def test_known_exceptions_only_shrink() -> None:
     assert all(c.get("unmatched_ignore_imports_alerting", "error") == "error" for c in contracts)
     # exact imports only: a wildcard could hide new upward imports
     assert all("*" not in i for i in exceptions)
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name with a leading underscore is its module's own: another module that needs it gets a public name."""
+    found = []
+    for package in ("zoo", "embed", "webapp"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    found += [
+                        f"{path.relative_to(ROOT)}: {node.module}.{a.name}"
+                        for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                    ]
+    assert not found, found

@@ -106,9 +106,8 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
     """Index files, module stores, maps and missing embeddings per space (embed/ is imported only here).
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
-    from embed.engine import SKETCH, _load_consistent, _read_module_store, index_path, module_store_path
-    from embed.maps import _consistent as map_consistent
-    from embed.maps import map_embedder, map_path
+    from embed.engine import SKETCH, index_path, load_consistent_index, module_store_path, read_module_store
+    from embed.maps import load_consistent_map, map_embedder, map_path
     from embed.registry import deleted_since, embedding_ids, serving_embedders, space_version
     from embed.service import embed_space
 
@@ -126,7 +125,7 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
             for e in serving.values():
                 entry: dict[str, object] = {"space": space.name, "embedder_id": e.id, "method": e.method, "state": "ok"}
                 try:
-                    index, _ = _load_consistent(session, index_path(settings.data_dir, e.id), e, version)
+                    index, _ = load_consistent_index(session, index_path(settings.data_dir, e.id), e, version)
                     entry["state"] = _same_ids("index", index.ids, embedded[e.id])
                     if entry["state"] != "ok":
                         entry["stale"] = True  # ids disagree though the count may not: repair rebuilds the file
@@ -137,7 +136,7 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
             store_path = module_store_path(settings.data_dir, space.id)
             stale: dict[str, object] = {}
             if store_path.exists():
-                have = _read_module_store(store_path)
+                have = read_module_store(store_path)
                 state = "unreadable" if have is None else "ok"
                 if have is not None and sketch is not None:
                     held = have[0][~np.isin(have[0], deleted_since(session, space.id, have[3]))]  # as the engine drops them
@@ -150,7 +149,7 @@ def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) 
                 map_file = str(map_path(settings.data_dir, shown.id))
                 stale = {}
                 try:
-                    m, _ = map_consistent(session, map_path(settings.data_dir, shown.id), shown, version)
+                    m, _ = load_consistent_map(session, map_path(settings.data_dir, shown.id), shown, version)
                     state = _same_ids("map", m.ids, embedded[shown.id])
                     stale = {"stale": True} if state != "ok" else {}
                 except ValueError as exc:
