@@ -140,7 +140,7 @@ POOLED_K = 100
 @api.get("/adapters/<int:adapter_id>/similar")
 @api.input(schemas.SimilarQuery, location="query", arg_name="query")
 @api.output(schemas.SimilarOut)
-@api.doc(responses=ENGINE)
+@api.doc(responses=[*ENGINE, 503])  # 503: k > POOLED_K and the pool for expensive calls full, or past the time limit
 def similar(adapter_id: int, query: dict) -> Response:
     """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share)."""
     start = time.perf_counter()
