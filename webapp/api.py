@@ -232,16 +232,14 @@ def download(adapter_id: int, query: dict) -> Response:
 @api.doc(responses=[200, 400, 413, 415])
 def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
     """Set given labels and test measurements (replacing those with the same key); needs a token."""
-    from zoo.db.catalog import refresh_search_text
+    from zoo.db.labels import write_labels
     from zoo.db.session import write_transaction
 
     if not body["labels"] and not body["measurements"]:
         raise UsageError("send labels and/or measurements to set")
     get_adapter(adapter_id)
-    with write_transaction(zoo().sessions, f"labels:{adapter_id}") as session:
-        repository.replace_labels(session, adapter_id, body["labels"], body["measurements"])
-        session.flush()
-        refresh_search_text(session, [adapter_id])
+    with write_transaction(zoo().sessions) as session:
+        write_labels(session, adapter_id, body["labels"], body["measurements"])
     db().rollback()  # end the request's read transaction: read what was just committed
     detail = repository.adapter_detail(get_adapter(adapter_id))
     return {"id": adapter_id, "labels": detail["labels"], "measurements": detail["measurements"]}

@@ -20,7 +20,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from zoo.blobs import BlobStore, BlobWriter
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.db import repository
-from zoo.db.catalog import refresh_search_text, write_search_text
+from zoo.db.catalog import write_search_text
+from zoo.db.labels import write_labels
 from zoo.db.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module
 from zoo.db.session import write_transaction
 from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
@@ -333,13 +334,12 @@ class Ingestor:
         return IngestResult(uri, "duplicate", row.id, row.canonical_hash, name=row.name, notes=[note], revision=revision)
 
     def _attach_labels(self, adapter_id: int, locks: list[str], labels: LabelRow) -> bool:
-        """Given labels onto a stored adapter (False if it is gone), in one transaction under the store's locks."""
+        """Given labels onto a stored adapter (False if it is gone), in one transaction under the store's locks and the
+        adapter's label lock (zoo.db.labels.write_labels)."""
         with write_transaction(self.sessions, *locks) as session:
             if session.connection().execute(_ADAPTER_EXISTS, {"id": adapter_id}).first() is None:
                 return False
-            repository.replace_labels(session, adapter_id, labels.attributes, labels.measurements)
-            session.flush()
-            refresh_search_text(session, [adapter_id])
+            write_labels(session, adapter_id, labels.attributes, labels.measurements)
         return True
 
     def _find_duplicate(self, session: Session, d: _Described) -> repository.Candidate | None:
@@ -372,7 +372,8 @@ class Ingestor:
 
     def _store(self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
-        duplicate (see store_locks) so that the duplicate check sees every earlier one's update. The blob, written
+        duplicate (see store_locks) so that the duplicate check sees every earlier one's update; a duplicate's labels
+        are written under its label lock too (zoo.db.labels.write_labels). The blob, written
         and fsynced meanwhile (`blob`), is put under its digest (idempotently, by content) after the rows are
         inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob
         left by a transaction that failed is an orphan for `zoo check --repair`."""
@@ -382,9 +383,7 @@ class Ingestor:
             dup = self._find_duplicate(session, d)
             if dup is not None:
                 if labels is not None:
-                    repository.replace_labels(session, dup.id, labels.attributes, labels.measurements)
-                    session.flush()
-                    refresh_search_text(session, [dup.id])
+                    write_labels(session, dup.id, labels.attributes, labels.measurements)
                 return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
             if a.source_revision is not None:  # a new revision of a stored source is its next version
                 previous = {"uri": a.source_uri, "revision": a.source_revision}

@@ -96,11 +96,19 @@ def write_transaction(sessions: sessionmaker[Session], *lock_keys: str) -> Itera
     holding any of `lock_keys`: PostgreSQL takes a transaction-level advisory lock per key; SQLite
     begins IMMEDIATE (one writer at a time, others wait up to the busy timeout)."""
     with sessions() as session, session.begin():
-        conn = session.connection(execution_options={WRITE_OPTION: True})
-        if conn.dialect.name == "postgresql":
-            for key in sorted(set(lock_keys)):
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": advisory_key(key)})
+        session.connection(execution_options={WRITE_OPTION: True})
+        take_locks(session, *lock_keys)
         yield session
+
+
+def take_locks(session: Session, *lock_keys: str) -> None:
+    """Take these locks in the session's write transaction (write_transaction), held until it ends: on PostgreSQL a
+    transaction-level advisory lock per key (in sorted order), waiting for a transaction holding one; a lock the
+    transaction holds already is taken again at no cost. On SQLite nothing: the transaction is its only writer."""
+    conn = session.connection()
+    if conn.dialect.name == "postgresql":
+        for key in sorted(set(lock_keys)):
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": advisory_key(key)})
 
 
 def advisory_key(key: str) -> int:

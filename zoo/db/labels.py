@@ -1,0 +1,31 @@
+"""The one label write: an adapter's given labels and test measurements, with its search document, under one lock.
+
+Every writer of a stored adapter's labels goes through `write_labels` (the API's `PUT /adapters/{id}/labels`, and
+ingest when a duplicate brings labels), so two writers of one adapter's labels are serialized on PostgreSQL by the
+same advisory lock, `label_lock(adapter_id)`, whoever they are; SQLite has one writer at a time anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from sqlalchemy.orm import Session
+
+from zoo.db.catalog import refresh_search_text
+from zoo.db.repository import replace_labels
+from zoo.db.session import take_locks
+
+
+def label_lock(adapter_id: int) -> str:
+    """The lock key of an adapter's labels (and search document)."""
+    return f"labels:{adapter_id}"
+
+
+def write_labels(session: Session, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:
+    """Given labels and test measurements replace those with the same key, and the search document is rewritten, in the
+    session's write transaction (zoo.db.session.write_transaction), under `label_lock(adapter_id)`: taken here when the
+    transaction does not hold it yet, and held to its end."""
+    take_locks(session, label_lock(adapter_id))
+    replace_labels(session, adapter_id, attributes, measurements)
+    session.flush()
+    refresh_search_text(session, [adapter_id])
