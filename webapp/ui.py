@@ -6,9 +6,9 @@ from apiflask import APIBlueprint
 from flask import Response, redirect, render_template, request, url_for
 
 from embed import service
-from webapp.api import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
 from webapp.context import db, zoo
 from webapp.schemas import MAX_PAGE
+from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
 from zoo.db import repository
 from zoo.db.catalog import FACET_VALUES
 from zoo.errors import ZooError
