@@ -1,11 +1,10 @@
 """The import rule (issue 31): the contracts in pyproject.toml's [tool.importlinter] hold.
 
-A layer imports only the layers below it (webapp and the command line over the runners, the services, embed, storage,
+A layer imports only the layers below it (the command line over webapp, over the runners, the services, embed, storage,
 sources, file readers and the math); the math imports no database, web or file library; serving does not import
 training; migrations import nothing live; no cycles.
-The imports that break the rule today are listed there as known exceptions: a new upward import fails this test, and so
-does an exception that no longer matches an import (import-linter's unmatched_ignore_imports_alerting = "error"), so
-the list only shrinks; KNOWN_EXCEPTIONS keeps it from growing.
+No import breaks the rule: the contracts list no exception (ignore_imports), and KNOWN_EXCEPTIONS keeps it so; an
+exception that no longer matches an import would fail too (import-linter's unmatched_ignore_imports_alerting = "error").
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: ignore_imports entries over all the contracts today; lower it as they go
-KNOWN_EXCEPTIONS = 2
+#: ignore_imports entries over all the contracts: none is left, and none may come back
+KNOWN_EXCEPTIONS = 0
 
 
 def _contracts() -> list[dict]:
