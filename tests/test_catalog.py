@@ -20,6 +20,7 @@ from sqlalchemy import inspect, select, text
 
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter, write_kohya_file
+from zoo.db import catalog as catalog_module
 from zoo.db import repository
 from zoo.db.catalog import FACET_VALUES, MAX_PER_PAGE, refresh_search_text, search_catalog
 from zoo.db.models import Adapter, AdapterText, Label
@@ -276,6 +277,30 @@ def test_facet_counts_equal_counts_made_in_python(db_url: str, q: str | None, fi
         facet = f"label:{key}" if key not in ("base_model", "format", "rank", "source") else key
         for v in found["facets"][facet]:
             assert catalog(db_url, q, {**filters, key: str(v["value"])})["total"] == v["count"]
+
+
+@pytest.mark.parametrize("read_cost", [0, 10**9])  # on PostgreSQL: through the two narrowest filters; the three narrowest
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"base_model": "tiny", "format": "peft", "style": "pixel art"},
+        {"source": "/zoos/a/", "task": "odd", "style": "ink", "format": "kohya"},
+        {"source": "/zoos/", "base_model": "sd-v1-5", "format": "peft", "task": "even", "seed": "2"},
+        {"task": "noise", "seed": "4", "style": "anime"},
+    ],
+)
+def test_facets_of_many_filters_are_exact_whichever_filters_the_candidates_come_through(
+    db_url: str, filters: dict[str, str], read_cost: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The facets' candidates (the adapters missing at most one filter) are read through two or three of the filters
+    (zoo/db/catalog.py, _candidate_filters, by the cost of reading candidates by id): either way every count is the one
+    made in Python."""
+    monkeypatch.setattr(catalog_module, "CANDIDATE_READ_COST", read_cost)
+    specs = synthetic_zoo(db_url, n=120, seed=3)
+    found = catalog(db_url, None, filters, per_page=MAX_PER_PAGE)
+    assert found["total"] == sum(matches(s, None, filters) for s in specs)
+    got = {key: {v["value"]: v["count"] for v in values} for key, values in found["facets"].items() if values}
+    assert got == {key: counts for key, counts in expected_facets(specs, None, filters).items() if counts}
 
 
 def test_facets_keep_the_most_frequent_values(db_url: str) -> None:

@@ -57,6 +57,9 @@ class Adapter(Base):
     __table_args__ = (
         UniqueConstraint("base_model", "canonical_hash", name="uq_adapter_base_model_canonical_hash"),
         Index("ix_adapter_base_model_structure_hash_dw_norm", "base_model", "structure_hash", "dw_norm"),  # near-duplicate look-up
+        # the catalog's `source` filter is a prefix (LIKE 'p%'): PostgreSQL reads it through a pattern index whatever the
+        # database's collation (migration 0012); SQLite's LIKE ignores case and uses no index anyway
+        Index("ix_adapter_source_uri_prefix", "source_uri", postgresql_ops={"source_uri": "text_pattern_ops"}).ddl_if(dialect="postgresql"),
         # ids are never handed out twice (migration 0011), so nothing keyed by a deleted adapter's id (index, module store,
         # map, the engine's names) can be mistaken for a later one's; PostgreSQL's serial ids never come back anyway
         {"sqlite_autoincrement": True},
