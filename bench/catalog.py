@@ -5,7 +5,7 @@ ranks, 500 authors and source directories, each with given labels `task` (50 val
 two in three, `style` (12), and its search document. Then times `search_catalog` in process, as the search page
 and the API call it, in three cases: a text query with facets, unfiltered facets (the search page's first view),
 and 5 filters (a base model, a format, two labels and a source prefix), p50 and p99 over --repeats runs each, and
-says whether facet counts were approximate (zoo/db/catalog.py: FACET_BUDGET_MS).
+says whether facet counts were approximate (zoo/db/catalog.py: facet_exact_rows, FACET_TIMEOUT_MS).
 
     python -m bench.catalog --db postgresql://postgres@127.0.0.1:5432/zoo_bench_catalog --adapters 1000000
 
