@@ -48,6 +48,7 @@ from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.blobs import BlobStore
 from zoo.config import Settings
+from zoo.db.locks import space_lock
 from zoo.db.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.db.session import session_factory, write_transaction
 from zoo.domain.similarity import module_sketches, sketch_width
@@ -79,11 +80,6 @@ def ensure_sketch(session: Session, space: EmbeddingSpace, schema: SpaceSchema) 
     if current is not None and current.config == config:
         return current
     return register(session, space, SKETCH, len(schema.modules) * int(config["dim"]), retire=("dw_sketch",), config=config)
-
-
-def space_lock(base_model: str) -> str:
-    """The lock key that serializes writers of one space's embedders and embeddings."""
-    return f"space:{base_model}"
 
 
 def embed_space(

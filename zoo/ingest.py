@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -22,6 +21,7 @@ from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.db import repository
 from zoo.db.catalog import write_search_text
 from zoo.db.labels import write_labels
+from zoo.db.locks import store_locks
 from zoo.db.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module
 from zoo.db.session import write_transaction
 from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
@@ -202,32 +202,6 @@ def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: li
     return _Described(adapter, rows, factors, sk)
 
 
-def store_locks(base_model: str, structure: str, dw_norm: float | None) -> list[str]:
-    """The locks a writer of an update takes so that the duplicate check sees every update it could duplicate:
-    per (base model, structure) and bucket of log ||dW||, those of every norm within DUPLICATE_RTOL of its own
-    (two or three buckets). A duplicate's norm lies in that window (| ||x|| - ||y|| | <= ||x - y||), so two
-    writers of duplicates share a bucket, while writers of different updates of one structure go on at once.
-    Updates without a norm (full checkpoints, deduplicated by file hash) take one lock per structure."""
-    stem = f"ingest:{base_model}:{structure}"
-    if dw_norm is None or not dw_norm > 0 or not math.isfinite(dw_norm):
-        return [stem]
-    low, high = norm_window(dw_norm)
-    return [f"{stem}:{b}" for b in range(_bucket(low), _bucket(high) + 1)]
-
-
-def norm_window(dw_norm: float) -> tuple[float, float]:
-    """The norms an update within DUPLICATE_RTOL of one of norm dw_norm can have."""
-    return dw_norm * (1 - DUPLICATE_RTOL), dw_norm / (1 - DUPLICATE_RTOL)
-
-
-#: width of a norm bucket in log ||dW||: the window of norm_window spans at most two boundaries
-_BUCKET_WIDTH = 2 * -math.log1p(-DUPLICATE_RTOL)
-
-
-def _bucket(norm: float) -> int:
-    return math.floor(math.log(norm) / _BUCKET_WIDTH)
-
-
 class Ingestor:
     """Ingests sources one at a time into one database and blob store."""
 
@@ -372,7 +346,7 @@ class Ingestor:
 
     def _store(self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
-        duplicate (see store_locks) so that the duplicate check sees every earlier one's update; a duplicate's labels
+        duplicate (see zoo.db.locks.store_locks) so that the duplicate check sees every earlier one's update; a duplicate's labels
         are written under its label lock too (zoo.db.labels.write_labels). The blob, written
         and fsynced meanwhile (`blob`), is put under its digest (idempotently, by content) after the rows are
         inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob

@@ -12,13 +12,8 @@ from collections.abc import Mapping
 from sqlalchemy.orm import Session
 
 from zoo.db.catalog import refresh_search_text
+from zoo.db.locks import label_lock, take_locks
 from zoo.db.repository import replace_labels
-from zoo.db.session import take_locks
-
-
-def label_lock(adapter_id: int) -> str:
-    """The lock key of an adapter's labels (and search document)."""
-    return f"labels:{adapter_id}"
 
 
 def write_labels(session: Session, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:

@@ -11,7 +11,6 @@ empty pool (`dispose(close=False)`: the parent's connections are left to the par
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
 from collections.abc import Iterator
@@ -23,11 +22,12 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
+from zoo.db.locks import take_locks
 from zoo.errors import ZooError
 
 #: how long a SQLite writer waits for another process's write lock
@@ -99,21 +99,6 @@ def write_transaction(sessions: sessionmaker[Session], *lock_keys: str) -> Itera
         session.connection(execution_options={WRITE_OPTION: True})
         take_locks(session, *lock_keys)
         yield session
-
-
-def take_locks(session: Session, *lock_keys: str) -> None:
-    """Take these locks in the session's write transaction (write_transaction), held until it ends: on PostgreSQL a
-    transaction-level advisory lock per key (in sorted order), waiting for a transaction holding one; a lock the
-    transaction holds already is taken again at no cost. On SQLite nothing: the transaction is its only writer."""
-    conn = session.connection()
-    if conn.dialect.name == "postgresql":
-        for key in sorted(set(lock_keys)):
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": advisory_key(key)})
-
-
-def advisory_key(key: str) -> int:
-    """A signed 64-bit lock id for a text key."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
 
 
 def alembic_config(url: str) -> Config:
