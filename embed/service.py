@@ -16,7 +16,7 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from embed.dataset import load_adapters
+from embed.dataset import base_models, load_adapters
 from embed.engine import (
     BUILD_CHUNK_BYTES,
     SKETCH,
@@ -330,7 +330,7 @@ def train_space(
 
 
 def resolve_space(session: Session, requested: str | None) -> EmbeddingSpace:
-    """The space asked for (one indexed read), or the zoo's only one."""
+    """The embedding space asked for (one indexed read), or the zoo's only one: for queries, which need a space that exists."""
     space = get_space(session, requested) if requested else None
     if space is not None:
         return space
@@ -341,6 +341,19 @@ def resolve_space(session: Session, requested: str | None) -> EmbeddingSpace:
     if len(spaces) != 1:
         names = ", ".join(s.name for s in spaces) or "none yet: run `zoo embed`"
         raise UsageError(f"--space is needed: this zoo has {len(spaces)} embedding spaces ({names})")
+    return spaces[0]
+
+
+def resolve_base_model(session: Session, requested: str | None) -> str:
+    """The space a command that embeds, trains or evaluates works on, by its base model: the one asked for, or the zoo's
+    only base model with LoRA adapters (its space need not exist yet; resolve_space finds spaces that do)."""
+    spaces = base_models(session)
+    if requested:
+        if requested not in spaces:
+            raise NotFoundError(f"no embedding space {requested!r}; spaces (base models with LoRA adapters): {', '.join(spaces) or 'none'}")
+        return requested
+    if len(spaces) != 1:
+        raise UsageError(f"--space is needed: this zoo has {len(spaces)} embedding spaces ({', '.join(spaces) or 'none'})")
     return spaces[0]
 
 

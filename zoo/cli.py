@@ -423,17 +423,10 @@ def _write_new(targets: dict[Path, bytes]) -> None:
 
 
 def _space(settings: Settings, requested: str | None) -> str:
-    from embed.dataset import base_models
+    from embed.service import resolve_base_model
 
     with session_factory(settings.database_url)() as session:
-        spaces = base_models(session)
-    if requested:
-        if requested not in spaces:
-            raise NotFoundError(f"no embedding space {requested!r}; spaces (base models with LoRA adapters): {', '.join(spaces) or 'none'}")
-        return requested
-    if len(spaces) != 1:
-        raise UsageError(f"--space is needed: this zoo has {len(spaces)} embedding spaces ({', '.join(spaces) or 'none'})")
-    return spaces[0]
+        return resolve_base_model(session, requested)
 
 
 def _blobs(settings: Settings) -> BlobStore:
