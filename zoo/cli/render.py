@@ -1,0 +1,148 @@
+"""How the `zoo` command prints: numbers, probabilities and plurals as a person reads them, JSON for scripts, and the
+lines of the reports several commands print."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    pass
+
+
+def print_json(obj: object) -> None:
+    print(json.dumps(obj, default=str))
+
+
+def human(value: object) -> str:
+    """A value as a person reads it: numbers to 4 significant digits, lists joined, nothing as "-"."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list | tuple):
+        return ", ".join(human(v) for v in value)
+    return str(value)
+
+
+def percent(p: float) -> str:
+    """A probability as a person reads it: `62%`, never a rounded `100%` or `0%` (`>99%`, `<1%`)."""
+    return ">99%" if p >= 0.995 else "<1%" if p < 0.005 else f"{p:.0%}"
+
+
+def plural(n: object, word: str) -> str:
+    """`1 problem`, `3 problems`."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def print_zoo_report(report: dict) -> None:
+    acc = report["accuracy"]["overall"]
+    per = report["train_seconds_per_adapter"]
+    print(
+        f"{report['count']} {report['recipe']} adapters in {report['out_dir']} ({report['built']} built, "
+        f"{report['skipped']} already there) in {report['seconds']:.0f} s"
+        + (f", {per:.2f} s of training each on {report['cpu_kernels']} CPU kernels" if per else "")
+        + f"; {report['disk_bytes'] / 2**20:.1f} MiB"
+    )
+    print(f"test accuracy: mean {acc['mean']:.3f}, std {acc['std']:.3f}, range {acc['min']:.3f}..{acc['max']:.3f}")
+    tasks = report["accuracy"]["by"].get("task", {})
+    if tasks:
+        print(f"  {'task':<16} {'adapters: mean':>14}  {'range':<12} {'n':>3}  {'chance':>6}  {'base model alone':>16}")
+    for value, s in tasks.items():
+        base = f"{s['base']:.3f}" if s.get("base") is not None else "-"
+        print(f"  {value:<16} {s['mean']:>14.3f}  {s['min']:.3f}..{s['max']:.3f} {s['n']:>3}  {s['chance']:>6.3f}  {base:>16}")
+    if tasks:
+        print("  (held-out test accuracy; docs/reference-zoos.md says why some tasks stay low)")
+
+
+def lineage_lines(found: dict) -> list[str]:
+    """The lineage resource as a readable tree."""
+
+    def ref(a: dict) -> str:
+        by = f"  by {a['author']}" if a["author"] else ""
+        at = f"  @ {a['source_revision'][:12]}" if a["source_revision"] else ""
+        return f"#{a['id']} {a['name']}{by}{at}"
+
+    def tree(nodes: list[dict], indent: str) -> list[str]:
+        out = []
+        for i, n in enumerate(nodes):
+            last = i == len(nodes) - 1
+            notes = [f"stored as #{n['adapter_id']}" if n["adapter_id"] else ""]
+            notes += ["cycle: not followed" if n["cycle"] else "", "more above, not shown" if n["truncated"] else ""]
+            shown = ", ".join(x for x in notes if x)
+            of = f"{n['relation']} of " if n["relation"] else ""
+            out.append(f"{indent}{'└─' if last else '├─'} {of}{n['model']}{f'  ({shown})' if shown else ''}")
+            out += tree(n["base_models"], indent + ("   " if last else "│  "))
+        return out
+
+    me = found["adapter"]
+    lines = [f"{ref(me)}  {me['source_uri']}", "base models:"]
+    lines += tree(found["base_models"], "  ") or ["  none known"]
+    older, newer = found["versions"]["older"], found["versions"]["newer"]
+    if older or newer:
+        lines.append("versions (oldest first):")
+        for a, mark in [*((a, "") for a in reversed(older)), (me, "  ← this one"), *((a, "") for a in newer)]:
+            when = a["last_modified"] or a["created_at"] or ""
+            lines.append(f"  {ref(a)}  {when}{mark}")
+    for key, title in (("same_base_model", "same base model"), ("same_author", "same author"), ("same_source", "same source")):
+        group = found[key]
+        if group["value"] is None:
+            continue
+        total = f"{group['total']}{'+' if group['capped'] else ''}"
+        shown = f", the newest {len(group['adapters'])}" if len(group["adapters"]) < group["total"] else ""
+        lines.append(f"{title} {group['value']}: {total} other{'' if group['total'] == 1 else 's'}{shown}")
+        lines += [f"  {ref(a)}" for a in group["adapters"]]
+    return lines
+
+
+def worker_line(summary: dict[str, object]) -> str:
+    """A worker run's summary in one line."""
+    embedded = ", ".join(f"{n} in {space}" for space, n in summary["embedded"].items()) or "none"  # type: ignore[attr-defined]
+    return (
+        f"{plural(summary['processed'], 'item')} in {summary['ingest_seconds']:.1f} s ({summary['items_per_s'] or 0:.2f} items/s), "
+        f"{summary['seconds']:.1f} s with embedding: "
+        f"{summary['done']} done, {summary['duplicate']} duplicate, {summary['failed']} failed"
+        + (f", {summary['queued']} queued again" if summary["queued"] else "")
+        + (f", {summary['lost']} taken over by another worker" if summary["lost"] else "")
+        + f"; embedded: {embedded}"
+    )
+
+
+def job_list_lines(found: list[dict]) -> list[str]:
+    lines = [
+        f"{'id':>5}  {'state':<9} {'total':>6} {'done':>6} {'dup':>5} {'failed':>6} {'queued':>6} {'running':>7} {'items/s':>8}  created"
+    ]
+    for j in found:
+        c = j["counts"]
+        rate = f"{j['throughput']:.2f}" if j["throughput"] else "-"
+        lines.append(
+            f"{j['id']:>5}  {j['state']:<9} {c['total']:>6} {c['done']:>6} {c['duplicate']:>5} {c['failed']:>6} {c['queued']:>6} "
+            f"{c['running']:>7} {rate:>8}  {str(j['created_at'])[:19]}"
+        )
+    return lines
+
+
+def job_lines(j: dict) -> list[str]:
+    """A job resource as text: counts, throughput and ETA, stage means, failed items."""
+    from zoo.jobs import ITEM_STATES
+
+    c = j["counts"]
+    when = f"created {str(j['created_at'])[:19]}" + (f", finished {str(j['finished_at'])[:19]}" if j["finished_at"] else "")
+    lines = [f"job {j['id']}: {j['state']} ({j['kind']}, by {j['created_by'] or '-'}, {when})"]
+    lines.append(f"  {c['total']} items: " + ", ".join(f"{c[s]} {s}" for s in ITEM_STATES if c[s] or s in ("done", "failed")))
+    if j["throughput"]:
+        eta = f"; ETA {j['eta_s']:.0f} s" if j["eta_s"] is not None else ""
+        lines.append(f"  {j['processed']} processed in {j['elapsed_s']:.1f} s: {j['throughput']:.2f} items/s{eta}")
+    if j.get("stages"):
+        total = sum(j["stages"].values())
+        means = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in j["stages"].items())
+        slowest = j["slowest_stage"]
+        lines.append(f"  per item: {means}; slowest stage: {slowest} ({j['stages'][slowest] / total:.0%})")
+    for key in ("requeued", "cancelled_items"):
+        if key in j:
+            lines.append(f"  {j[key]} items {'queued again' if key == 'requeued' else 'cancelled'}")
+    failed = [i for i in j.get("items", []) if i["state"] == "failed"]
+    if failed:
+        lines.append("  failed (`zoo jobs retry` queues them again):")
+        lines += [f"    #{i['id']} {i['reason'] or i['source']}" for i in failed]
+    return lines

@@ -1,0 +1,343 @@
+"""`zoo embed`, `zoo train`, `zoo search`, `zoo predict`, `zoo index`, `zoo map`, `zoo eval`: a base model's embedding space."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from zoo.blobs import BlobStore
+from zoo.cli.render import human, percent, print_json
+from zoo.config import Settings
+from zoo.db import repository
+from zoo.db.session import require_schema, session_factory
+from zoo.errors import UsageError
+
+if TYPE_CHECKING:
+    pass
+
+
+def space_of(settings: Settings, requested: str | None) -> str:
+    from embed.service import resolve_base_model
+
+    with session_factory(settings.database_url)() as session:
+        return resolve_base_model(session, requested)
+
+
+def blob_store(settings: Settings) -> BlobStore:
+    return BlobStore(settings.blob_dir)
+
+
+def query_engine(settings: Settings, device: str | None):  # type: ignore[no-untyped-def]
+    from embed.engine import QueryEngine
+
+    return QueryEngine(session_factory(settings.database_url), blob_store(settings), settings.data_dir, device)
+
+
+def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+    from embed.train import TrainOptions
+
+    require_schema(settings.database_url)
+    space = space_of(settings, args.space)
+    attributes = None if args.attributes == "all" else tuple(a for a in args.attributes.split(",") if a)
+    options = TrainOptions(
+        objective=args.objective, epochs=args.epochs, seed=args.seed, device=args.device, attributes=attributes, members=args.members
+    )
+    sessions = session_factory(settings.database_url)
+    info = service.train_space(sessions, blob_store(settings), settings.data_dir, space, options, progress=not args.json)
+    reports = service.embed_space(sessions, blob_store(settings), settings.data_dir, space, args.device)
+    info["embedded"] = {r["method"]: r["total"] for r in reports}
+    if args.json:
+        print_json(info)
+    else:
+        print(
+            f"trained W2T ({info['objective']}) on {info['n_adapters']} adapters of {space} in {info['train_seconds']} s, "
+            f"{info['members']} models ({'+'.join(map(str, info['epochs']))} epochs), best validation loss {info['best_val_loss']:.4f}; "
+            f"embedder {info['embedder_id']}, checkpoint {info['checkpoint']}"
+        )
+        for target, c in info["choices"].items():  # chosen out of fold: what search and predict will use
+            print(f"  {target} by {c['chosen']}: {c['reason']}")
+    return 0
+
+
+def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+    from embed.dataset import base_models
+
+    require_schema(settings.database_url)
+    sessions = session_factory(settings.database_url)
+    with sessions() as session:
+        spaces = [args.space] if args.space else base_models(session)
+    reports = [r for sp in spaces for r in service.embed_space(sessions, blob_store(settings), settings.data_dir, sp, args.device)]
+    if args.json:
+        print_json(reports)
+        return 0
+    if not reports:
+        print("nothing to embed: ingest LoRA adapters first")
+    for r in reports:
+        print(
+            f"{r['space']}: {r['method']} (embedder {r['embedder_id']}) embedded {r['embedded']} new adapters, {r['total']} in the "
+            f"{r['index_kind']} index ({r['index']}); module store: {r['module_store']}; map: {r['map']}"
+            + (f"; {r['skipped_not_fitting']} do not fit this embedder's modules" if r["skipped_not_fitting"] else "")
+        )
+    return 0
+
+
+def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        filters = repository.parse_filters(args.filter)
+        found = service.search(query_engine(settings, args.device), session, args.query, args.k, args.space, filters, args.method)
+    if args.json:
+        print_json(found)
+        return 0
+    used = ", ".join(str(i) for i in found["embedder_ids"])  # type: ignore[attr-defined]
+    stage = f"; module cosine: {found['module_stage']}" if found["module_stage"] else ""
+    print(f"nearest to {found['query_name']} in {found['space']} by {found['method']} (embedders {used}{stage}):")
+    for h in found["results"]:  # type: ignore[attr-defined]
+        print(f"  {h['score']:7.4f}  {h['adapter_id']:>6}  {h['name']:<32} {h['labels'].get('task', '')}")
+    for method, state in found["index_states"].items():  # type: ignore[attr-defined]
+        if state != "loaded":
+            print(f"note: the {method} index was {state}", file=sys.stderr)
+    return 0
+
+
+PREDICTOR_WORDS = {
+    "head": "W2T heads",
+    "neighbours": "most similar training adapters in the W2T embedding",
+    "knn": "most similar labelled adapters",
+}
+
+
+def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        pred = service.predict(query_engine(settings, args.device), session, args.query, args.space)
+    if args.json:
+        print_json(pred)
+        return 0
+    print(f"{pred['query_name']} in {pred['space']} (embedder {pred['embedder_id']}):")
+    for key, top in pred["attributes"].items():  # type: ignore[attr-defined]
+        c = pred["confidence"][key]  # type: ignore[index]
+        verdict = "" if c["sure"] else "not sure: "
+        support = f"{c['agreeing']} of {c['neighbours']} nearest labelled adapters agree" if c["neighbours"] else "no labelled neighbours"
+        print(f"  {key:<16} {verdict}" + ", ".join(f"{t['value']} {percent(t['probability'])}" for t in top) + f"  ({support})")
+    for key, m in pred["metrics"].items():  # type: ignore[attr-defined]
+        interval = f"90% interval {m['low']:.3f}..{m['high']:.3f}" if m["interval"] else "no interval: no held-out residuals"
+        print(f"  {key:<16} {m['value']:.3f}  ({interval}; {m['method']}: from the {PREDICTOR_WORDS.get(m['predictor'], m['predictor'])})")
+    return 0
+
+
+def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
+    from embed import service
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session, session.begin():
+        info = service.index_report(session, blob_store(settings), settings.data_dir, args.space, rebuild=args.action == "rebuild")
+    if args.json:
+        print_json(info)
+        return 0
+    for e in info["embedders"]:  # type: ignore[attr-defined]
+        print(f"{info['space']}: " + ", ".join(f"{k}: {human(v)}" for k, v in e.items() if v is not None))
+    print(f"{info['space']}: module store: {info['module_store']}")
+    return 0
+
+
+def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
+    from embed.maps import refresh_map, space_map
+    from embed.service import resolve_space
+
+    require_schema(settings.database_url)
+    with session_factory(settings.database_url)() as session:
+        space = resolve_space(session, args.space)
+        saved = refresh_map(session, settings.data_dir, space.id, rebuild=args.rebuild)
+        found = space_map(session, settings.data_dir, space.name, args.color_by, args.limit)
+    found["file"] = saved
+    if args.plot:
+        from zoo.plots import plot_map
+
+        plot_map(found, Path(args.plot))
+    if args.json:
+        print_json(found)
+        return 0
+    first, second = found["explained"]  # type: ignore[misc]
+    print(
+        f"{found['space']}: {found['shown']} of {found['count']} adapters by {found['method']} (embedder {found['embedder_id']}), "
+        f"PCA axes holding {first:.0%} and {second:.0%} of the variance; map file: {saved}"
+    )
+    print("colour keys: " + (", ".join(found["color_keys"]) or "none (no given labels or test measurements)"))  # type: ignore[arg-type]
+    legend: dict | None = found["legend"]  # type: ignore[assignment]
+    if legend is not None:
+        if legend["kind"] == "metric":
+            spread = f"{legend['min']:.4g}..{legend['max']:.4g}" if legend["min"] is not None else "-"
+        else:
+            spread = ", ".join(f"{v['value']} ({v['count']})" for v in legend["values"]) or "-"
+        print(f"{found['color_by']}: {spread}; {legend['missing']} shown adapters without it")
+    if args.plot:
+        print(f"map drawn to {args.plot}")
+    return 0
+
+
+def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
+    from embed.dataset import load_adapters
+    from embed.evaluate import combine_splits, evaluate, format_table
+    from embed.train import TrainOptions
+    from embed.types import schema_of
+
+    if args.splits < 1:
+        raise UsageError(f"--splits must be at least 1, got {args.splits}")
+    per_task, fraction = args.labelled_per_task, args.label_fraction
+    if per_task is not None and per_task < 1 or fraction is not None and not 0 < fraction < 1:
+        raise UsageError("--labelled-per-task must be at least 1 and --label-fraction between 0 and 1")
+    require_schema(settings.database_url)
+    space = space_of(settings, args.space)
+    with session_factory(settings.database_url)() as session:
+        adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
+    if len(adapters) < 10:
+        raise UsageError(f"space {space} has {len(adapters)} adapters: evaluation needs at least 10")
+    results = []
+    for seed in range(args.seed, args.seed + args.splits):
+        options = TrainOptions(epochs=args.epochs, seed=seed, device=args.device, members=args.members)
+        results.append(
+            evaluate(
+                adapters,
+                schema_of(space, adapters),
+                options,
+                args.test_fraction,
+                seed,
+                progress=not args.json,
+                contrastive=not args.no_contrastive,
+                labelled_per_task=args.labelled_per_task,
+                label_fraction=args.label_fraction,
+                objective=args.objective,
+            )
+        )
+    result = results[0] if len(results) == 1 else combine_splits(results)
+    if args.json:
+        print_json(result)
+    else:
+        print(format_table(result))
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """This module's commands on the `zoo` parser."""
+    s = sub.add_parser("embed", help="embed every adapter not yet embedded (every space, or --space) and update the indexes")
+    s.add_argument("--space")
+    s.add_argument("--device")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_embed)
+
+    s = sub.add_parser("train", help="train the W2T embedder of a space and embed its adapters")
+    s.add_argument("--space", help="base model (default: the only one)")
+    s.add_argument("--objective", choices=["supervised", "contrastive", "both"], default="supervised")
+    s.add_argument("--attributes", default="task", metavar="A,B|all", help="attributes that get a prediction head (default: task)")
+    s.add_argument("--epochs", type=int, default=80)
+    s.add_argument("--members", type=int, default=5, help="W2T models in the ensemble, from consecutive seeds (default: 5)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("search", help="the adapters most similar to a stored adapter (id) or a file/directory (path)")
+    s.add_argument("query", metavar="ID_OR_PATH", help="a stored adapter id, or a path that is read and canonicalized, not stored")
+    s.add_argument("-k", type=int, default=10, help="how many results (1..1000, default: %(default)s)")
+    s.add_argument("--space")
+    s.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="only adapters with this given label; also format=, rank= and source= (a prefix of the source URI); repeatable",
+    )
+    s.add_argument(
+        "--method",
+        help="hybrid (the default once `zoo train` has made a supervised W2T): exact module cosine and W2T cosine, "
+        "mixed by the weight that retrieved best on held-out adapters, over both indexes' nearest 200; "
+        "module (the default before): the module-sketch index's nearest 200 ranked by module cosine (the mean over "
+        "shared modules of the per-module dW cosine, exact from the module store); sketch or w2t: those embeddings alone",
+    )
+    s.add_argument("--device")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_search)
+
+    s = sub.add_parser("predict", help="predicted attributes (with probabilities) and performance (with an interval)")
+    s.add_argument("query", metavar="ID_OR_PATH")
+    s.add_argument("--space")
+    s.add_argument("--device")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_predict)
+
+    s = sub.add_parser(
+        "index",
+        help="rebuild a space's FAISS indexes and module store from the database, or show their stats",
+        description="stats: each active embedder's index (kind, size, nprobe, recall@10 against exact search on 200 of its "
+        "own vectors), brought up to the database first; rebuild: build them again from the stored embeddings and blobs.",
+    )
+    s.add_argument("action", choices=["rebuild", "stats"])
+    s.add_argument("--space")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_index)
+
+    s = sub.add_parser(
+        "map",
+        help="the zoo map: a 2-D PCA of a space's embeddings (W2T if trained, else module sketches), saved, drawn or printed",
+        description="Brings the space's map file up to date (new adapters are projected onto the saved axes; it is fitted "
+        "again when asked, when missing or when its points more than doubled since the fit), then shows it.",
+    )
+    s.add_argument("--space")
+    s.add_argument("--color-by", metavar="KEY", help="a given label key, or metric:NAME for a measured test metric")
+    s.add_argument("--limit", type=int, default=5000, help="at most this many points, a deterministic spread (default: %(default)s)")
+    s.add_argument("--rebuild", action="store_true", help="fit the map again from every embedding")
+    s.add_argument("--plot", metavar="PNG", help="draw the map to this image file")
+    s.add_argument("--json", action="store_true", help="print the map resource as one JSON object")
+    s.set_defaults(func=cmd_map)
+
+    s = sub.add_parser(
+        "eval",
+        help="compare W2T embeddings with training-free baselines on a held-out split",
+        description="Splits the space's adapters (seeded, by adapter), trains W2T (supervised and "
+        "contrastive) on the training part and scores every method on the held-out part: "
+        "task accuracy and macro-F1, test-accuracy MAE/Spearman/Kendall, retrieval "
+        "Hit@1/Hit@10/MRR/nDCG@10 (relevance = same task).",
+    )
+    s.add_argument("--space", help="base model (default: the only one)")
+    s.add_argument("--epochs", type=int, default=80)
+    s.add_argument("--members", type=int, default=5, help="W2T models in the ensemble, from consecutive seeds (default: 5)")
+    s.add_argument("--test-fraction", type=float, default=0.2, help="full labels: the adapters held out (default: %(default)s)")
+    scarce = s.add_mutually_exclusive_group()
+    scarce.add_argument(
+        "--labelled-per-task",
+        type=int,
+        metavar="N",
+        help="label-scarce protocol: per task, N adapters keep their labels; the others are ingested unlabelled and are the queries",
+    )
+    scarce.add_argument("--label-fraction", type=float, metavar="F", help="label-scarce protocol: a fraction F of each task is labelled")
+    s.add_argument(
+        "--objective",
+        choices=["supervised", "both"],
+        default="supervised",
+        help="of the W2T that `zoo train` makes and the default row uses: supervised, or both (also contrastive on every "
+        "adapter, the unlabelled included) (default: %(default)s)",
+    )
+    s.add_argument("--seed", type=int, default=0, help="seed of the split and of the W2T members (default: 0)")
+    s.add_argument(
+        "--splits",
+        type=int,
+        default=1,
+        help="evaluate on this many splits (seeds SEED, SEED+1, ...) and report mean ± std over them (default: 1)",
+    )
+    s.add_argument(
+        "--no-contrastive",
+        action="store_true",
+        help="leave W2T (contrastive) out (its row is null): about half the training time",
+    )
+    s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_eval)
