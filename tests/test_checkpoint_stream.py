@@ -68,6 +68,7 @@ def ft_shape(path: Path, key: str) -> list[int]:
         return list(f.get_slice(key).get_shape())
 
 
+@pytest.mark.slow
 def test_a_tinyllama_pair_ingests_as_low_rank_deltas(cli: CLI, pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     base, tuned = pair
     rc, (result,) = cli.json_lines("ingest", str(tuned), "--base", str(base), "--base-model", "tinyllama")
@@ -100,6 +101,7 @@ def test_a_tinyllama_pair_ingests_as_low_rank_deltas(cli: CLI, pair: tuple[Path,
     assert again["canonical_hash"] == result["canonical_hash"]
 
 
+@pytest.mark.slow
 def test_streamed_and_held_reads_give_the_same_factors(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     base, tuned = pair
     held = read_adapter(tuned, base=base)
@@ -166,6 +168,7 @@ def peak_rss_kib(settings: Settings, base: Path, tuned: Path) -> tuple[int, dict
     return int(peak), json.loads(lines[-1])
 
 
+@pytest.mark.slow
 def test_peak_memory_of_a_checkpoint_delta_is_bounded_by_a_matrix_not_the_files(settings: Settings, tmp_path: Path) -> None:
     """Four real-width blocks (352 MiB a file): the reader that held both files added 899 MiB of peak RSS over a pair with
     no blocks; reading a matrix at a time adds 30-100 MiB here (a 5632×2048 matrix: both bf16 tensors, the float32

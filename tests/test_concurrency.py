@@ -52,6 +52,7 @@ def fifty(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_four_processes_ingest_and_three_embed_the_same_zoo_at_once(pg_url: str, tmp_path: Path, fifty: Path) -> None:
     from tests.conftest import truncate_all

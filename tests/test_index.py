@@ -111,6 +111,7 @@ def test_ivf_meets_its_recall_goal_and_round_trips(tmp_path: Path) -> None:
     assert np.allclose(loaded.vectors(ids[:3]), index.vectors(ids[:3]))
 
 
+@pytest.mark.slow
 def test_high_dimensional_ivf_uses_fast_scan_codes_and_meets_its_recall_goal() -> None:
     ids, vecs = clustered(6000, 512, seed=3)
     index = AdapterIndex.build(ids, vecs, ivf=True)
@@ -136,6 +137,7 @@ def test_fast_scan_codes_split_any_dimension_into_parts_of_at_most_four() -> Non
         assert dim % m == 0 and dim // m <= 4
 
 
+@pytest.mark.slow
 def test_fast_scan_codes_at_a_dimension_four_does_not_divide() -> None:
     dim = 525  # 175 parts of 3: fast-scan codes, not float16 ones
     ids, vecs = clustered(6000, dim, seed=8)

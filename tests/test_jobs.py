@@ -286,6 +286,7 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_two_workers_and_the_web_app_ingest_the_same_sources_once(pg_url: str, sources: Path, server: tuple[str, Path]) -> None:
     url, data = server
@@ -324,6 +325,7 @@ def test_two_workers_and_the_web_app_ingest_the_same_sources_once(pg_url: str, s
     _check(pg_url, data)
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_a_worker_killed_mid_job_loses_nothing(pg_url: str, sources: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"

@@ -78,6 +78,7 @@ def api_schema(api: Api) -> schemathesis.BaseSchema:
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
+@pytest.mark.slow
 @schema.parametrize()
 @settings(max_examples=10, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 def test_every_operation_conforms(case: schemathesis.Case, api: Api) -> None:

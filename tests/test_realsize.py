@@ -128,6 +128,7 @@ def _embed_peak_rss(tmp_path: Path, adapters: int) -> int:
     return int(out.stdout.strip()) * 1024
 
 
+@pytest.mark.slow
 def test_embed_memory_does_not_grow_with_the_zoo(tmp_path: Path) -> None:
     """Three times the adapters (each ~40 MB of float32 factors) cost `zoo embed` less than three adapters' factors (the
     whole zoo held at once would add six): allocator and thread noise is tens of MB."""
@@ -156,6 +157,7 @@ def _write_thousand_module_adapter(directory: Path, family: int, member: int) ->
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # heavy; the database's part is the same as any zoo's
 def test_a_thousand_module_adapter_is_embedded_searched_and_predicted(cli: CLI, tmp_path: Path) -> None:
     """Ten 1,000-module adapters: `zoo embed` (vectors ≤ MAX_SEARCH_DIM), `zoo train`, then search by family and

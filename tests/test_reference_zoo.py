@@ -53,6 +53,7 @@ def test_tasks_derive_from_the_given_split_only() -> None:
     assert torch.equal(clean, data.test_y)
 
 
+@pytest.mark.slow
 def test_adapters_are_real_peft_adapters_that_score_their_label(tiny_zoo: tuple[Path, dict], cache_dir: Path) -> None:
     out, _ = tiny_zoo
     data = digits.load_data()
@@ -93,6 +94,7 @@ def test_labels_csv_matches_the_files(tiny_zoo: tuple[Path, dict], cache_dir: Pa
         assert s["base"] == round(digits.held_out_accuracy(base, data, task, seed=0), 3)
 
 
+@pytest.mark.slow
 def test_same_seed_same_adapters_and_resume(tiny_zoo: tuple[Path, dict], cache_dir: Path, tmp_path: Path) -> None:
     out, _ = tiny_zoo
     again = tmp_path / "again"
@@ -120,6 +122,7 @@ def test_accuracy_varies_with_attributes(cache_dir: Path, tmp_path: Path) -> Non
     assert strong > weak + 0.3
 
 
+@pytest.mark.slow
 def test_build_pins_cpu_kernels(tiny_zoo: tuple[Path, dict], cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A build's bytes do not follow the caller's kernel settings: workers run pinned kernels."""
     out, report = tiny_zoo
@@ -179,6 +182,7 @@ def test_bad_labels_csv(cli: CLI, tiny_zoo: tuple[Path, dict], tmp_path: Path) -
     assert rc == 2 and "line 2: test_accuracy must be a number" in err
 
 
+@pytest.mark.slow
 def test_quickstart(tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from zoo.cli import main
 

@@ -82,6 +82,7 @@ def test_tasks(data: shapes.ShapesData) -> None:
         shapes.task_split("rot45", data.test_x, data.test_y, data.test_size, train=False, seed=0)
 
 
+@pytest.mark.slow
 def test_base_is_pretrained_and_cached(cache_dir: Path, data: shapes.ShapesData) -> None:
     base = shapes.load_base(cache_dir)
     assert shapes.accuracy(base, "label-noise", data.test_x, data.test_y) > 0.95  # 10-way shape accuracy, held out
@@ -105,6 +106,7 @@ def test_target_sets_are_subsets_of_the_conv_layers(cache_dir: Path) -> None:
     assert chosen["strided"] == {"stages.0.conv1", "stages.0.shortcut", "stages.1.conv1", "stages.1.shortcut"}
 
 
+@pytest.mark.slow
 def test_conv_lora_dw_matches_peft_and_the_merged_model(tiny_zoo: tuple[Path, dict], cache_dir: Path, data: shapes.ShapesData) -> None:
     """Every conv module's dW as read (flattened out × in·kh·kw) is PEFT's delta weight, and adding it to the
     base kernels gives the adapted model's outputs: 3×3 with and without stride, 1×1 shortcuts, the stem."""
@@ -166,6 +168,7 @@ def test_accuracy_varies_with_attributes(cache_dir: Path, data: shapes.ShapesDat
     assert strong > weak + 0.3
 
 
+@pytest.mark.slow
 def test_ingest_and_search_find_the_same_task(cli: CLI, cache_dir: Path, data: shapes.ShapesData, tmp_path: Path) -> None:
     """Conv-LoRA adapters ingest with conv modules, embed, and whole-update dW search finds the same task first."""
     base = shapes.load_base(cache_dir)
