@@ -318,12 +318,12 @@ def test_a_near_duplicate_is_found_among_many_adapters_of_close_norm(settings: S
 
 @given(norm=st.floats(1e-30, 1e30), t=st.floats(0.0, 1.0))
 def test_writers_of_updates_within_the_tolerance_share_a_lock(norm: float, t: float) -> None:
-    low, high = norm_window(norm)
+    low, high = norm_window(norm, DUPLICATE_RTOL)
     other = low + t * (high - low)
-    mine, theirs = store_locks("b", "s", norm), store_locks("b", "s", other)
+    mine, theirs = store_locks("b", "s", norm, DUPLICATE_RTOL), store_locks("b", "s", other, DUPLICATE_RTOL)
     assert set(mine) & set(theirs) and len(mine) <= 3
-    assert not set(mine) & set(store_locks("b", "s", norm * 1.01))  # far apart: stored at once
-    assert not set(mine) & set(store_locks("b", "other structure", norm))
+    assert not set(mine) & set(store_locks("b", "s", norm * 1.01, DUPLICATE_RTOL))  # far apart: stored at once
+    assert not set(mine) & set(store_locks("b", "other structure", norm, DUPLICATE_RTOL))
 
 
 def test_a_new_adapters_search_document_is_the_one_refresh_writes(settings: Settings, tmp_path: Path) -> None:

@@ -292,7 +292,7 @@ class Ingestor:
             if match is None:
                 return None
             same = labels is None or repository.has_labels(conn, match.id, labels.attributes, labels.measurements)
-        locks = store_locks(base_model, match.structure_hash, match.dw_norm)
+        locks = store_locks(base_model, match.structure_hash, match.dw_norm, DUPLICATE_RTOL)
         if labels is not None and not same and not self._with_retries(self._attach_labels, match.id, locks, labels):
             return None
         return IngestResult(str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path))
@@ -352,7 +352,7 @@ class Ingestor:
         inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob
         left by a transaction that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
-        with write_transaction(self.sessions, *store_locks(a.base_model, a.structure_hash, a.dw_norm)) as session:
+        with write_transaction(self.sessions, *store_locks(a.base_model, a.structure_hash, a.dw_norm, DUPLICATE_RTOL)) as session:
             check_space_fits(session, a, d.modules)
             dup = self._find_duplicate(session, d)
             if dup is not None:

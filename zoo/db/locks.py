@@ -1,6 +1,7 @@
 """Every lock a writer takes, in one place: the keys (an update's duplicate window, a space's embeddings, an adapter's
 labels) and taking them in a write transaction (zoo.db.session.write_transaction). On PostgreSQL a key is a
-transaction-level advisory lock; SQLite has one writer at a time and needs none."""
+transaction-level advisory lock; SQLite has one writer at a time and needs none. Imports no torch: every command
+opens a session."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import math
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
-
-from zoo.domain.fingerprint import DUPLICATE_RTOL
 
 
 def take_locks(session: Session, *lock_keys: str) -> None:
@@ -38,27 +37,21 @@ def space_lock(base_model: str) -> str:
     return f"space:{base_model}"
 
 
-def store_locks(base_model: str, structure: str, dw_norm: float | None) -> list[str]:
+def store_locks(base_model: str, structure: str, dw_norm: float | None, rtol: float) -> list[str]:
     """The locks a writer of an update takes so that the duplicate check sees every update it could duplicate:
-    per (base model, structure) and bucket of log ||dW||, those of every norm within DUPLICATE_RTOL of its own
-    (two or three buckets). A duplicate's norm lies in that window (| ||x|| - ||y|| | <= ||x - y||), so two
-    writers of duplicates share a bucket, while writers of different updates of one structure go on at once.
-    Updates without a norm (full checkpoints, deduplicated by file hash) take one lock per structure."""
+    per (base model, structure) and bucket of log ||dW||, those of every norm within `rtol` (the duplicate
+    tolerance, zoo.domain.fingerprint.DUPLICATE_RTOL) of its own (two or three buckets). A duplicate's norm lies in
+    that window (| ||x|| - ||y|| | <= ||x - y||), so two writers of duplicates share a bucket, while writers of
+    different updates of one structure go on at once. Updates without a norm (full checkpoints, deduplicated by file
+    hash) take one lock per structure."""
     stem = f"ingest:{base_model}:{structure}"
     if dw_norm is None or not dw_norm > 0 or not math.isfinite(dw_norm):
         return [stem]
-    low, high = norm_window(dw_norm)
-    return [f"{stem}:{b}" for b in range(_bucket(low), _bucket(high) + 1)]
+    low, high = norm_window(dw_norm, rtol)
+    width = 2 * -math.log1p(-rtol)  # a bucket of log ||dW||: the window spans at most two boundaries
+    return [f"{stem}:{b}" for b in range(math.floor(math.log(low) / width), math.floor(math.log(high) / width) + 1)]
 
 
-def norm_window(dw_norm: float) -> tuple[float, float]:
-    """The norms an update within DUPLICATE_RTOL of one of norm dw_norm can have."""
-    return dw_norm * (1 - DUPLICATE_RTOL), dw_norm / (1 - DUPLICATE_RTOL)
-
-
-#: width of a norm bucket in log ||dW||: the window of norm_window spans at most two boundaries
-_BUCKET_WIDTH = 2 * -math.log1p(-DUPLICATE_RTOL)
-
-
-def _bucket(norm: float) -> int:
-    return math.floor(math.log(norm) / _BUCKET_WIDTH)
+def norm_window(dw_norm: float, rtol: float) -> tuple[float, float]:
+    """The norms an update within `rtol` of one of norm dw_norm can have."""
+    return dw_norm * (1 - rtol), dw_norm / (1 - rtol)
