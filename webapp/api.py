@@ -19,7 +19,7 @@ from embed import service
 from embed.engine import spaces_budget
 from webapp import schemas
 from webapp.auth import token_auth
-from webapp.context import db, retry_after, zoo
+from webapp.context import db, retry_after, zoo_context
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters, with_session
 from zoo import __version__, deadline
 from zoo.db import repository
@@ -49,7 +49,7 @@ def health() -> dict[str, object]:
         "status": "ok",
         "database": "ok",
         "adapters": count,
-        "schema": current_revision(zoo().settings.database_url),
+        "schema": current_revision(zoo_context().settings.database_url),
         "version": __version__,
     }
 
@@ -69,7 +69,7 @@ def adapters(query: dict) -> dict[str, object]:
 @api.doc(responses=[200, *ENGINE])
 def adapter(adapter_id: int) -> dict[str, object]:
     """Everything stored about an adapter, its neighbours and its predictions (the adapter page's twin)."""
-    return service.adapter_resource(zoo().engine, db(), get_adapter(adapter_id, with_modules=True))
+    return service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True))
 
 
 @api.get("/adapters/<int:adapter_id>/lineage")
@@ -94,9 +94,9 @@ def similar(adapter_id: int, query: dict) -> Response:
     """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share)."""
     start = time.perf_counter()
     filters = repository.parse_filters(query["filter"])
-    engine, k, space, method = zoo().engine, query["k"], query["space"], query["method"]
+    engine, k, space, method = zoo_context().engine, query["k"], query["space"], query["method"]
     if k > POOLED_K:  # a large k reads and ranks more: an expensive call, in the bounded pool
-        found = zoo().limited(with_session(lambda s: service.search(engine, s, str(adapter_id), k, space, filters, method)))
+        found = zoo_context().limited(with_session(lambda s: service.search(engine, s, str(adapter_id), k, space, filters, method)))
     else:
         found = service.search(engine, db(), str(adapter_id), k, space, filters, method)
     response = jsonify(found)  # the hot path: the resource is already plain JSON, so skip the schema's dump
@@ -111,12 +111,12 @@ def similar(adapter_id: int, query: dict) -> Response:
 def similar_upload(form: dict) -> dict[str, object]:
     """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored)."""
     filters = repository.parse_filters(form["filter"])
-    engine = zoo().engine
+    engine = zoo_context().engine
     return limited_upload(form["file"], lambda s, path: service.search(engine, s, path, form["k"], form["space"], filters, form["method"]))
 
 
 def _predict(part: str, body: dict) -> dict[str, object]:
-    engine = zoo().engine
+    engine = zoo_context().engine
     files = request.files.getlist("file")
     if files:
         found = [limited_upload(files, lambda s, path: service.predict(engine, s, path, body.get("space")))]
@@ -124,7 +124,9 @@ def _predict(part: str, body: dict) -> dict[str, object]:
         ids = body.get("adapter_ids") or ([body["adapter_id"]] if body.get("adapter_id") else [])
         if not ids:
             raise UsageError("send adapter_id, adapter_ids, or an upload in the `file` field")
-        found = zoo().limited(with_session(lambda s: [_checked(service.predict, engine, s, str(i), body.get("space")) for i in ids]))
+        found = zoo_context().limited(
+            with_session(lambda s: [_checked(service.predict, engine, s, str(i), body.get("space")) for i in ids])
+        )
     keep = ("query", "query_name", "space", "embedder_id", *PREDICTION_PARTS[part])
     return {"predictions": [{k: p[k] for k in keep} for p in found]}
 
@@ -165,7 +167,7 @@ def download(adapter_id: int, query: dict) -> Response:
     """The adapter rebuilt from its canonical form as a PEFT directory (zip), a diffusers or a kohya file."""
     from zoo.export import export_files, export_zip, file_stem, load_for_export
 
-    factors, meta = load_for_export(db(), zoo().blobs, adapter_id)
+    factors, meta = load_for_export(db(), zoo_context().blobs, adapter_id)
     fmt = query["format"]
     if fmt == "peft":
         body, name, mime = export_zip(factors, meta), f"{file_stem(meta)}-peft.zip", "application/zip"
@@ -187,7 +189,7 @@ def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
     if not body["labels"] and not body["measurements"]:
         raise UsageError("send labels and/or measurements to set")
     get_adapter(adapter_id)
-    with write_transaction(zoo().sessions) as session:
+    with write_transaction(zoo_context().sessions) as session:
         write_labels(session, adapter_id, body["labels"], body["measurements"])
     db().rollback()  # end the request's read transaction: read what was just committed
     detail = repository.adapter_detail(get_adapter(adapter_id))
@@ -199,7 +201,7 @@ def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
 @api.doc(responses=[200, 404])
 def delete_adapter(adapter_id: int) -> dict[str, object]:
     """Delete an adapter (its rows, labels and embeddings; it leaves every index); needs a token."""
-    return service.delete_adapter(zoo().sessions, adapter_id)
+    return service.delete_adapter(zoo_context().sessions, adapter_id)
 
 
 @api.get("/spaces")
@@ -207,7 +209,7 @@ def delete_adapter(adapter_id: int) -> dict[str, object]:
 def spaces() -> dict[str, object]:
     """Embedding spaces (one per base model) and their serving embedders; whether this process's query engine holds
     each loaded and the bytes it takes, within `budget_bytes` (ZOO_SPACES_BYTES: least recently used spaces are dropped)."""
-    listed = service.list_spaces(db(), zoo().engine)
+    listed = service.list_spaces(db(), zoo_context().engine)
     return {"spaces": listed, "loaded_bytes": sum(int(s["bytes"] or 0) for s in listed), "budget_bytes": spaces_budget()}  # type: ignore[call-overload]
 
 
@@ -218,7 +220,7 @@ def space_map(name: str, query: dict) -> dict[str, object]:
     """The space's 2-D map: points, and the keys they can be coloured by."""
     from embed.maps import space_map as build_map
 
-    return build_map(db(), zoo().settings.data_dir, name, query["color_by"], query["limit"], query["highlight"])
+    return build_map(db(), zoo_context().settings.data_dir, name, query["color_by"], query["limit"], query["highlight"])
 
 
 @api.post("/ingest")

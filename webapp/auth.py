@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from apiflask import HTTPTokenAuth
 
-from webapp.context import zoo
+from webapp.context import zoo_context
 from zoo.db.models import ApiToken
 from zoo.db.session import write_transaction
 from zoo.tokens import verify_token
@@ -16,5 +16,5 @@ token_auth = HTTPTokenAuth(scheme="Bearer", description="A token from `zoo token
 def stamped_token(token: str) -> ApiToken | None:
     """The live token's row, its last use stamped in a write transaction of its own: not in the request's session,
     whose read transaction SQLite cannot turn into a write once another writer (an ingest job) has committed."""
-    with write_transaction(zoo().sessions) as session:
+    with write_transaction(zoo_context().sessions) as session:
         return verify_token(session, token)

@@ -33,7 +33,7 @@ from zoo.errors import ZooError
 
 T = TypeVar("T")
 
-__all__ = ["BusyError", "CallPool", "TimeLimitError", "WebConfig", "ZooContext", "db", "zoo"]
+__all__ = ["BusyError", "CallPool", "TimeLimitError", "WebConfig", "ZooContext", "db", "zoo_context"]
 
 #: seconds a request waits past its call's deadline for the call to notice it (the call's next step)
 GRACE_S = 1.0
@@ -153,18 +153,18 @@ class ZooContext:
 def retry_after(response: Response) -> Response:
     """An after-request hook: a 503 says when to try again (the pool's estimate, else the time limit)."""
     if response.status_code == 503 and "Retry-After" not in response.headers:
-        response.headers["Retry-After"] = str(g.get("zoo_retry_after") or max(1, math.ceil(zoo().web.time_limit_s)))
+        response.headers["Retry-After"] = str(g.get("zoo_retry_after") or max(1, math.ceil(zoo_context().web.time_limit_s)))
     return response
 
 
-def zoo() -> ZooContext:
+def zoo_context() -> ZooContext:
     return current_app.extensions["zoo"]  # type: ignore[no-any-return]
 
 
 def db() -> Session:
     """This request's session (closed when the request ends)."""
     if "zoo_session" not in g:
-        g.zoo_session = zoo().sessions()
+        g.zoo_session = zoo_context().sessions()
     return g.zoo_session  # type: ignore[no-any-return]
 
 

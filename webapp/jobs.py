@@ -8,7 +8,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from webapp.context import db, zoo
+from webapp.context import db, zoo_context
 from zoo import memory
 from zoo.errors import UsageError
 from zoo.jobs import PROCESSED, create_job, job_detail
@@ -19,7 +19,7 @@ from zoo.worker import EMBED_EVERY, EmbedBatches, WorkerOptions, work
 
 def import_path(raw: str) -> Path:
     """The path, resolved (symlinks included), if it lies under the import root; UsageError otherwise."""
-    root = zoo().web.import_root
+    root = zoo_context().web.import_root
     if root is None:
         raise UsageError("ingest by path is off: set ZOO_IMPORT_ROOT to the directory paths may name, or upload files")
     path = (root / raw).resolve() if not Path(raw).is_absolute() else Path(raw).resolve()
@@ -36,7 +36,7 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
     """Create a job for the paths (or the upload, saved under the data dir until its item is finished) and start it: the
     job thread works on its items until none is queued or held by a worker, embedding what it stored. A job
     the app leaves unfinished (the app stopped) is finished by `zoo worker`."""
-    ctx = zoo()
+    ctx = zoo_context()
     if bool(paths) == bool(files):
         raise UsageError("send either `paths` (under the import root) or files in the `file` field")
     upload_dir = None

@@ -21,7 +21,7 @@ from apiflask import APIFlask
 from flask import Response, jsonify, render_template, request
 
 from webapp.auth import stamped_token
-from webapp.context import zoo
+from webapp.context import zoo_context
 from webapp.errors import API_PREFIX, error_body
 
 #: endpoints anyone may call when reads need a token: liveness, the API's description and its docs page (the
@@ -56,7 +56,7 @@ def request_token() -> str | None:
 def require_read_token() -> Response | tuple | None:
     """Before every request: under ZOO_READ_TOKEN_REQUIRED, 401 unless the endpoint is open or a live token came
     (JSON under /api/, else a page to sign in on). A URL no route matches goes on to its 404 or 405."""
-    if not zoo().web.read_token_required or request.endpoint is None or request.endpoint in OPEN_ENDPOINTS:
+    if not zoo_context().web.read_token_required or request.endpoint is None or request.endpoint in OPEN_ENDPOINTS:
         return None
     token = request_token()
     if token and stamped_token(token) is not None:
@@ -121,7 +121,7 @@ class ServerPaths:
 
 
 def server_paths() -> ServerPaths:
-    ctx = zoo()
+    ctx = zoo_context()
     return ServerPaths.of(str(ctx.settings.data_dir), str(ctx.web.import_root) if ctx.web.import_root else None)
 
 

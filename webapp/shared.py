@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from embed import service
 from webapp import schemas
-from webapp.context import db, zoo
+from webapp.context import db, zoo_context
 from zoo.db import repository
 from zoo.db.models import Adapter
 from zoo.errors import NotFoundError, UsageError
@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 def with_session(fn: Callable[[Session], T]) -> Callable[[], T]:
     """fn with a session of its own (for calls run in the app's pool, outside the request)."""
-    sessions = zoo().sessions
+    sessions = zoo_context().sessions
 
     def run() -> T:
         with sessions() as session:
@@ -36,7 +36,7 @@ def with_session(fn: Callable[[Session], T]) -> Callable[[], T]:
 
 def limited_upload(files: list, fn: Callable[[Session, str], T]) -> T:
     """fn(session, path) on the uploaded files laid out in a temporary directory, under the time limit."""
-    ctx = zoo()
+    ctx = zoo_context()
     uploads = [Upload(f.filename or "upload", f.stream) for f in files]
     uploads_dir = ctx.settings.data_dir / "uploads"  # requests touch no directory but the data dir and the import root
     uploads_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from apiflask import APIBlueprint
 from flask import Response, redirect, render_template, request, url_for
 
 from embed import service
-from webapp.context import db, zoo
+from webapp.context import db, zoo_context
 from webapp.schemas import MAX_PAGE
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
 from zoo.db import repository
@@ -67,7 +67,7 @@ def api_docs_page() -> str:
 
 @ui.get("/adapters/<int:adapter_id>")
 def adapter_page(adapter_id: int) -> str:
-    resource = service.adapter_resource(zoo().engine, db(), get_adapter(adapter_id, with_modules=True))
+    resource = service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True))
     return render_template("adapter.html", a=resource, twin=url_for("api.adapter", adapter_id=adapter_id))
 
 
@@ -85,7 +85,7 @@ def similar_page() -> tuple[str, int] | str:
     spaces = service.list_spaces(db())
     if request.method == "GET":
         return render_template("similar.html", result=None, error=None, spaces=spaces, space=request.args.get("space") or "")
-    engine = zoo().engine
+    engine = zoo_context().engine
     k = min(max(request.form.get("k", 10, type=int) or 10, 1), 100)
     space = request.form.get("space") or None  # None: the space of the adapter's own base model
     try:
