@@ -1,1 +1,2 @@
-"""Weight2Token embedder, FAISS index and predictors (built in a later issue)."""
+"""Adapters as vectors and predictions: the Weight2Token model and its training, method choice and calibration, the
+FAISS indexes, the query engine and the zoo map."""
