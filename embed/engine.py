@@ -44,7 +44,7 @@ from embed.calibration import is_sure
 from embed.checkpoint import checkpoint_meta
 from embed.choice import parse_search, search_name
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
-from embed.metrics import KNN_K, knn_vote_shares, top_k, weighted_mean
+from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
 from embed.types import SpaceSchema, ZooAdapter
 from zoo.domain.similarity import (
@@ -805,9 +805,7 @@ def knn_value(near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback:
     known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
     if not known.any():
         return fallback
-    pos, sc = positions[known], scores[known]
-    top = top_k(sc, k)
-    return weighted_mean(values[pos[top]], np.maximum(sc[top], 0.0) + 1e-6)
+    return float(knn_regress(scores[known][None, :], values[positions[known]], k)[0])  # the vote choice.py scored
 
 
 def _as_zoo_adapter(query: Query) -> ZooAdapter:
