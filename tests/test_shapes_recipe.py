@@ -19,6 +19,7 @@ from zoo.domain.canonical import canonicalize
 from zoo.formats import read_adapter
 from zoo.reference import shapes
 from zoo.reference.build import ATTRIBUTES_FILE, LABELS_FILE, make_zoo, planned_attributes
+from zoo.reference.training import lora_config
 
 #: the first three adapters of seed 30 are quick (10–50 steps) and cover three target sets: "second",
 #: "all" (the stem, strided 3×3 convs and 1×1 shortcuts; rank 16 > the stem's 1·3·3 inputs) and "early"
@@ -98,7 +99,7 @@ def test_target_sets_are_subsets_of_the_conv_layers(cache_dir: Path) -> None:
     assert len(convs) == 7
     chosen = {}
     for key in shapes.TARGET_SETS:
-        model = get_peft_model(copy.deepcopy(base), shapes.lora_config({"rank": 2, "alpha": 4.0, "target_modules": key}))
+        model = get_peft_model(copy.deepcopy(base), lora_config(2, 4.0, shapes.TARGET_SETS[key]))
         chosen[key] = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if hasattr(m, "lora_A")}
         assert chosen[key] and chosen[key] <= convs
     assert chosen["all"] == convs and all(chosen[k] < convs for k in chosen if k != "all")

@@ -9,7 +9,6 @@ not the base ever trains on.
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 from dataclasses import dataclass
@@ -17,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from zoo.reference.training import AdapterPlan, BatchLoss, single_thread, train_lora
 
 BASE_MODEL = "zoo/digits-vit"
 BASE_VERSION = "v1"
@@ -210,17 +211,6 @@ def load_base(cache_dir: Path, data: DigitsData | None = None) -> DigitsViT:
     return model
 
 
-class single_thread:
-    """Run torch on one thread inside the block (bitwise-reproducible CPU training)."""
-
-    def __enter__(self) -> None:
-        self.before = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_num_threads(self.before)
-
-
 # ---- adapters ------------------------------------------------------------------------------
 
 TARGET_SETS = {
@@ -248,31 +238,22 @@ def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
 
 def train_adapter(base: DigitsViT, data: DigitsData, attrs: dict[str, object]) -> tuple[PeftModel, float]:
     """Fine-tune LoRA on the task named in attrs; returns the PEFT model and its held-out accuracy."""
-    task, seed = str(attrs["task"]), int(attrs["seed"])  # type: ignore[call-overload]
-    with single_thread():
-        torch.manual_seed(seed)
-        config = LoraConfig(
-            r=int(attrs["rank"]),  # type: ignore[call-overload]
-            lora_alpha=float(attrs["alpha"]),  # type: ignore[arg-type]
-            target_modules=list(TARGET_SETS[str(attrs["target_modules"])]),
-            lora_dropout=0.0,
-        )
-        model = get_peft_model(copy.deepcopy(base), config)
-        model.peft_config["default"].base_model_name_or_path = BASE_MODEL
-        x, y = task_split(task, data.train_x, data.train_y, train=True, seed=seed)
-        gen = torch.Generator().manual_seed(seed)
-        pick = torch.randperm(len(y), generator=gen)[: int(attrs["n_train"])]  # type: ignore[call-overload]
-        x, y = x[pick], y[pick]
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=float(attrs["learning_rate"]))  # type: ignore[arg-type]
-        model.train()
-        for _ in range(int(attrs["steps"])):  # type: ignore[call-overload]
+    plan = AdapterPlan.of(attrs)
+
+    def pick(gen: torch.Generator) -> BatchLoss:
+        x, y = task_split(plan.task, data.train_x, data.train_y, train=True, seed=plan.seed)
+        chosen = torch.randperm(len(y), generator=gen)[: plan.n_train]
+        x, y = x[chosen], y[chosen]
+
+        def batch_loss(model: PeftModel, gen: torch.Generator) -> torch.Tensor:
             idx = torch.randint(0, len(y), (min(32, len(y)),), generator=gen)
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        model.eval()
-        return model, held_out_accuracy(model, data, task, seed)
+            return nn.functional.cross_entropy(model(x[idx]), y[idx])
+
+        return batch_loss
+
+    with single_thread():
+        model = train_lora(base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick)
+        return model, held_out_accuracy(model, data, plan.task, plan.seed)
 
 
 def held_out_accuracy(model: nn.Module, data: DigitsData, task: str, seed: int) -> float:

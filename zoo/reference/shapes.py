@@ -16,7 +16,6 @@ held-out test set drawn from another seed.
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 from dataclasses import dataclass
@@ -24,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from zoo.reference.digits import single_thread
+from zoo.reference.training import AdapterPlan, BatchLoss, single_thread, train_lora
 
 BASE_MODEL = "zoo/shapes-cnn"
 BASE_VERSION = "v1"
@@ -279,37 +278,24 @@ def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
     }
 
 
-def lora_config(attrs: dict[str, object]) -> LoraConfig:
-    targets = TARGET_SETS[str(attrs["target_modules"])]
-    return LoraConfig(
-        r=int(attrs["rank"]),  # type: ignore[call-overload]
-        lora_alpha=float(attrs["alpha"]),  # type: ignore[arg-type]
-        target_modules=targets if isinstance(targets, str) else list(targets),
-        lora_dropout=0.0,
-    )
-
-
 def train_adapter(base: ShapesCNN, data: ShapesData, attrs: dict[str, object]) -> tuple[PeftModel, float]:
     """Fine-tune LoRA on the task named in attrs; returns the PEFT model and its held-out accuracy."""
-    task, seed = str(attrs["task"]), int(attrs["seed"])  # type: ignore[call-overload]
-    with single_thread():
-        torch.manual_seed(seed)
-        model = get_peft_model(copy.deepcopy(base), lora_config(attrs))
-        model.peft_config["default"].base_model_name_or_path = BASE_MODEL
-        x, y = task_split(task, data.train_x, data.train_y, data.train_size, train=True, seed=seed)
-        gen = torch.Generator().manual_seed(seed)
-        pick = torch.randperm(len(y), generator=gen)[: int(attrs["n_train"])]  # type: ignore[call-overload]
-        x, y = x[pick], y[pick]
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=float(attrs["learning_rate"]))  # type: ignore[arg-type]
-        model.train()
-        for _ in range(int(attrs["steps"])):  # type: ignore[call-overload]
+    plan = AdapterPlan.of(attrs)
+
+    def pick(gen: torch.Generator) -> BatchLoss:
+        x, y = task_split(plan.task, data.train_x, data.train_y, data.train_size, train=True, seed=plan.seed)
+        chosen = torch.randperm(len(y), generator=gen)[: plan.n_train]
+        x, y = x[chosen], y[chosen]
+
+        def batch_loss(model: PeftModel, gen: torch.Generator) -> torch.Tensor:
             idx = torch.randint(0, len(y), (min(32, len(y)),), generator=gen)
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        model.eval()
-        return model, held_out_accuracy(model, data, task, seed)
+            return nn.functional.cross_entropy(model(x[idx]), y[idx])
+
+        return batch_loss
+
+    with single_thread():
+        model = train_lora(base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick)
+        return model, held_out_accuracy(model, data, plan.task, plan.seed)
 
 
 def held_out_accuracy(model: nn.Module, data: ShapesData, task: str, seed: int) -> float:

@@ -11,7 +11,6 @@ disjoint by construction.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib
 import inspect
@@ -21,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from torch import nn
 
-from zoo.reference.digits import single_thread
+from zoo.reference.training import AdapterPlan, BatchLoss, single_thread, train_lora
 
 BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 TOPIC_MODULES: dict[str, tuple[str, ...]] = {
@@ -164,33 +163,23 @@ def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
 
 def train_adapter(ctx: TextContext, attrs: dict[str, object]) -> tuple[PeftModel, float]:
     """LoRA (plus the task head, saved as modules_to_save) on one topic task; held-out accuracy."""
-    task, seed = str(attrs["task"]), int(attrs["seed"])  # type: ignore[call-overload]
-    classes = torch.tensor([TOPICS.index(t) for t in task_topics(task)])
+    plan = AdapterPlan.of(attrs)
+    classes = torch.tensor([TOPICS.index(t) for t in task_topics(plan.task)])
     in_task = torch.isin(ctx.data.labels, classes)
     train_idx = torch.nonzero(in_task & ~ctx.data.is_test).flatten()
     test_idx = torch.nonzero(in_task & ctx.data.is_test).flatten()
-    with single_thread():
-        torch.manual_seed(seed)
-        config = LoraConfig(
-            task_type="SEQ_CLS",
-            r=int(attrs["rank"]),  # type: ignore[call-overload]
-            lora_alpha=float(attrs["alpha"]),  # type: ignore[arg-type]
-            target_modules=list(TARGET_SETS[str(attrs["target_modules"])]),
-            lora_dropout=0.0,
-        )
-        model = get_peft_model(copy.deepcopy(ctx.base), config)
-        model.peft_config["default"].base_model_name_or_path = BASE_MODEL
-        gen = torch.Generator().manual_seed(seed)
-        pool = train_idx[torch.randperm(len(train_idx), generator=gen)[: int(attrs["n_train"])]]  # type: ignore[call-overload]
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=float(attrs["learning_rate"]))  # type: ignore[arg-type]
-        model.train()
-        for _ in range(int(attrs["steps"])):  # type: ignore[call-overload]
+
+    def pick(gen: torch.Generator) -> BatchLoss:
+        pool = train_idx[torch.randperm(len(train_idx), generator=gen)[: plan.n_train]]
+
+        def batch_loss(model: PeftModel, gen: torch.Generator) -> torch.Tensor:
             idx = pool[torch.randint(0, len(pool), (min(16, len(pool)),), generator=gen)]
-            out = model(input_ids=ctx.input_ids[idx], attention_mask=ctx.attention_mask[idx], labels=ctx.data.labels[idx])
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-        model.eval()
+            return model(input_ids=ctx.input_ids[idx], attention_mask=ctx.attention_mask[idx], labels=ctx.data.labels[idx]).loss
+
+        return batch_loss
+
+    with single_thread():
+        model = train_lora(ctx.base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick, task_type="SEQ_CLS")
         with torch.no_grad():
             logits = model(input_ids=ctx.input_ids[test_idx], attention_mask=ctx.attention_mask[test_idx]).logits[:, classes]
         acc = float((classes[logits.argmax(dim=1)] == ctx.data.labels[test_idx]).float().mean())

@@ -1,0 +1,108 @@
+"""The one LoRA training loop the reference recipes share: a typed plan, PEFT wiring, seeded AdamW steps on one thread.
+
+A recipe supplies its base model, the modules to adapt and a `batch_loss(model, generator)`; everything else
+(seeding, the adapter's wiring, the optimizer, the order the generator is drawn from) is here, so every
+recipe's adapters are bitwise reproducible in the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """The generating attributes of one reference adapter."""
+
+    task: str
+    rank: int
+    alpha: float
+    learning_rate: float
+    steps: int
+    n_train: int
+    target_modules: str
+    seed: int
+
+    @classmethod
+    def of(cls, attrs: Mapping[str, object]) -> AdapterPlan:
+        """The plan in a labels row or an attributes dict (extra keys are ignored)."""
+
+        def number(key: str) -> float:
+            value = attrs[key]
+            if not isinstance(value, int | float | str):
+                raise TypeError(f"attribute {key} is {type(value).__name__}, not a number")
+            return float(value)
+
+        return cls(
+            task=str(attrs["task"]),
+            rank=int(number("rank")),
+            alpha=number("alpha"),
+            learning_rate=number("learning_rate"),
+            steps=int(number("steps")),
+            n_train=int(number("n_train")),
+            target_modules=str(attrs["target_modules"]),
+            seed=int(number("seed")),
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class single_thread:
+    """Run torch on one thread inside the block (bitwise-reproducible CPU training)."""
+
+    def __enter__(self) -> None:
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.before)
+
+
+def lora_config(rank: int, alpha: float, targets: str | Sequence[str], **config: object) -> LoraConfig:
+    """PEFT's LoraConfig of a reference adapter: no dropout; `targets` a regex (str) or module names."""
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        lora_dropout=0.0,
+        **config,  # type: ignore[arg-type]  # LoraConfig's fields, passed through
+    )
+
+
+BatchLoss = Callable[[PeftModel, torch.Generator], torch.Tensor]
+
+
+def train_lora(
+    base: nn.Module,
+    base_model: str,
+    plan: AdapterPlan,
+    targets: str | Sequence[str],
+    pick: Callable[[torch.Generator], BatchLoss],
+    **config: object,
+) -> PeftModel:
+    """A LoRA adapter of (a copy of) `base` trained by the plan, in eval mode. Call inside `single_thread()`.
+
+    The global torch seed is the plan's (LoRA's initialization draws from it); one generator seeded the same way
+    is handed to `pick`, which draws the training sample and returns the loss of a batch drawn by it, once per step.
+    `config`: further LoraConfig fields (e.g. task_type)."""
+    torch.manual_seed(plan.seed)
+    model = get_peft_model(copy.deepcopy(base), lora_config(plan.rank, plan.alpha, targets, **config))
+    model.peft_config["default"].base_model_name_or_path = base_model
+    generator = torch.Generator().manual_seed(plan.seed)
+    batch_loss = pick(generator)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=plan.learning_rate)
+    model.train()
+    for _ in range(plan.steps):
+        loss = batch_loss(model, generator)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return model
