@@ -591,11 +591,12 @@ class QueryEngine:
         with state.lock.read():
             allowed = self._allowed(session, state, filters) if filters else None
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
-            vectors = {e.method: self._query_vector(state, e, query) for e in embedders}
+            searched = [e for e in embedders if method != "hybrid" or e.method in stage_kinds(self._hybrid_search(state))]
+            vectors = {e.method: self._query_vector(state, e, query) for e in searched}
             exact_stage = method in ("hybrid", "module", "dw")
             fetch = max(k, CANDIDATES) + 1  # re-ranked below by stored vectors (and the module store)
             pool: set[int] = set()
-            for e in embedders:
+            for e in searched:
                 pool.update(self._nearest(e.index, vectors[e.method], fetch, allowed))
             pool.discard(-1)
             if query.adapter_id is not None:
@@ -669,8 +670,11 @@ class QueryEngine:
             return state.embedders[kind].index.vectors(ids) @ vectors[kind]
         if method in EXACT_SCORES:
             return self._exact(state, query, vectors[SKETCH], ids, method)
-        meta = checkpoint_meta(self.data_dir / str(state.embedders[W2T].checkpoint))
-        return self._search_scores(state, search_name(meta.get("exact_score", "module"), float(meta["hybrid_weight"])), query, vectors, ids)
+        return self._search_scores(state, self._hybrid_search(state), query, vectors, ids)
+
+    def _hybrid_search(self, state: SpaceState) -> str:
+        """The search score `zoo train` chose for the space (a name as embed.choice.search_name gives): hybrid's."""
+        return served_search(self.data_dir / str(state.embedders[W2T].checkpoint))
 
     def _search_scores(self, state: SpaceState, name: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
         """A search score by its name (embed.choice.search_name: `dw`, `module`, `module+w2t@0.1`, `w2t`)."""
@@ -767,9 +771,10 @@ class QueryEngine:
         allowed = np.sort(memory_ids)
         with state.lock.read():
             embedders = [self._embedder(state, kind, "hybrid") for kind in METHOD_EMBEDDERS["hybrid"]]
-            vectors = {e.method: self._query_vector(state, e, query) for e in embedders}
+            searched = [e for e in embedders if e.method in stage_kinds(similarity)]
+            vectors = {e.method: self._query_vector(state, e, query) for e in searched}
             pool: set[int] = set()
-            for e in embedders:
+            for e in searched:
                 pool.update(self._nearest(e.index, vectors[e.method], CANDIDATES, allowed))
             pool.discard(-1)
             if query.adapter_id is not None:
@@ -778,6 +783,20 @@ class QueryEngine:
             scores = self._search_scores(state, similarity, query, vectors, candidates) if len(candidates) else np.zeros(0)
         at = {int(i): j for j, i in enumerate(memory_ids.tolist())}
         return np.array([at[int(i)] for i in candidates.tolist()], np.int64), scores
+
+
+@functools.lru_cache(maxsize=64)
+def served_search(checkpoint: Path) -> str:
+    """The search score a W2T checkpoint serves as hybrid (its directory is never rewritten, so this is cached)."""
+    meta = checkpoint_meta(checkpoint)
+    return search_name(meta.get("exact_score", "module"), float(meta["hybrid_weight"]))
+
+
+def stage_kinds(search: str) -> tuple[str, ...]:
+    """The embedders whose indexes give a search score its candidates: those it weighs (the module sketch for an
+    exact score, W2T for its cosine, both for a mix)."""
+    _, weight = parse_search(search)
+    return (SKETCH,) if weight <= 0 else (W2T,) if weight >= 1 else (SKETCH, W2T)
 
 
 def knn_shares(

@@ -62,6 +62,11 @@ CANDIDATES = 200
 #: an IVF index's nprobe is the smallest that puts this share of the exact top 10 among its CANDIDATES
 RECALL_GOAL = 0.98
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
+#: exact scores within this of the k-th are ties when nprobe is tuned: about what the float16 store rounds a cosine by,
+#: so which of them is "the" k-th is decided by rounding (a space of near-copies has hundreds within it)
+TIE = 1e-4
+#: how deep the exact ranking is read to find the ties of the k-th
+TIE_DEPTH = CANDIDATES
 #: how many of an IVF's nearest by the codes are re-ranked by the store (tuned with nprobe)
 RERANKS = (CANDIDATES, 500, 1000, 2000)
 #: the filter share at which an IVF's filtered nprobe is measured when it is built
@@ -410,8 +415,8 @@ class AdapterIndex:
         ids[:, :kk] = self._ids_of(np.where(r >= 0, rows[np.maximum(r, 0)], -1))
         return scores, ids
 
-    def exact_top(self, queries: np.ndarray, k: int, chunk: int = 50_000) -> np.ndarray:
-        """(len(queries), k) ids of the exact top k over the whole store, by brute force in chunks."""
+    def exact_top(self, queries: np.ndarray, k: int, chunk: int = 50_000) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids), each (len(queries), k), of the exact top k over the whole store, by brute force in chunks."""
         q = normalize(queries)
         best_s = np.full((len(q), 0), -np.inf, np.float32)
         best_i = np.zeros((len(q), 0), np.int64)
@@ -422,7 +427,7 @@ class AdapterIndex:
             all_i = np.concatenate([best_i, np.broadcast_to(self._ids[start:stop], s.shape)], axis=1)
             top = np.argsort(-all_s, axis=1, kind="stable")[:, :k]
             best_s, best_i = np.take_along_axis(all_s, top, 1), np.take_along_axis(all_i, top, 1)
-        return best_i
+        return best_s, best_i
 
     def tune_nprobe(self, queries: np.ndarray, k: int = 10) -> float:
         """Set (nprobe, rerank): for each re-rank depth in RERANKS the smallest nprobe in NPROBES whose
@@ -432,7 +437,7 @@ class AdapterIndex:
         if self._ivf is None:
             return 1.0
         q = normalize(queries)
-        exact = self.exact_top(q, k)
+        exact = TiedTop(*self.exact_top(q, TIE_DEPTH), k)
         base = self._base
         ladder = [p for p in NPROBES if p < base.nlist] + [base.nlist]
         viable: list[tuple[float, int, int, float]] = []
@@ -440,7 +445,7 @@ class AdapterIndex:
         def recall_of(nprobe: int, rerank: int) -> float:
             base.nprobe = nprobe
             found = base.search(q, min(rerank, self._size))[1]
-            return recall_at_k(self._ids_of(found), exact)
+            return exact.recall(self._ids_of(found))
 
         for rerank in RERANKS:
             for nprobe in ladder:
@@ -474,18 +479,19 @@ class AdapterIndex:
             return
         rng = np.random.default_rng(0)
         rows = np.sort(rng.choice(self._size, int(self._size * FILTER_SHARE), replace=False))
-        vectors = self._at(rows)
-        exact = self._ids[rows[np.argsort(-(q @ vectors.T), axis=1, kind="stable")[:, :k]]]
+        scores = q @ self._at(rows).T
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :TIE_DEPTH]
+        exact = TiedTop(np.take_along_axis(scores, order, 1), self._ids[rows[order]], k)
         nprobe = base.nprobe
         while nprobe < base.nlist:
             params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows))
             found = base.search(q, min(self.rerank, len(rows)), params=params)[1]
-            if recall_at_k(self._ids_of(found), exact) >= RECALL_GOAL:
+            if exact.recall(self._ids_of(found)) >= RECALL_GOAL:
                 break
             nprobe *= 2
         self.filter_nprobe = min(nprobe, base.nlist)
         self.filter_rerank = next(
-            (r for r in RERANKS if recall_at_k(self._ids_of(self._subset_nearest(q, rows, r)), exact) >= RECALL_GOAL), RERANKS[-1]
+            (r for r in RERANKS if exact.recall(self._ids_of(self._subset_nearest(q, rows, r))) >= RECALL_GOAL), RERANKS[-1]
         )
         t0 = time.perf_counter()
         for row in q:
@@ -583,6 +589,25 @@ def brute_force(ids: np.ndarray, vectors: np.ndarray, queries: np.ndarray, k: in
     sims = normalize(queries) @ normalize(vectors).T
     order = np.argsort(-sims, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(sims, order, axis=1), np.asarray(ids, dtype=np.int64)[order]
+
+
+class TiedTop:
+    """The exact top k of some queries with their ties: the neighbours scoring more than TIE above the k-th must be
+    found themselves; the rest of the k may be any adapters whose exact score is within TIE of the k-th's."""
+
+    def __init__(self, scores: np.ndarray, ids: np.ndarray, k: int) -> None:
+        kth = scores[:, k - 1 : k]
+        self.k = k
+        self.above = [set(row[s > t + TIE].tolist()) for row, s, t in zip(ids, scores, kth, strict=True)]
+        self.tied = [set(row[np.abs(s - t) <= TIE].tolist()) for row, s, t in zip(ids, scores, kth, strict=True)]
+
+    def recall(self, found: np.ndarray) -> float:
+        """Mean share of the k that `found` (ids per query, -1 pads) holds, a tie of the k-th standing for any other."""
+        shares = []
+        for row, above, tied in zip(found, self.above, self.tied, strict=True):
+            got = set(row.tolist())
+            shares.append((len(above & got) + min(self.k - len(above), len(tied & got))) / self.k)
+        return float(np.mean(shares))
 
 
 def recall_at_k(approx_ids: np.ndarray, exact_ids: np.ndarray) -> float:

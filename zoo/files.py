@@ -1,11 +1,18 @@
-"""Files that are replaced whole: a reader (or a process after a crash) sees the old file or the new one."""
+"""Files that are replaced whole: a reader (or a process after a crash) sees the old file or the new one; and the
+derived files (indexes, module stores, maps), rebuilt from the database whenever one is missing or damaged."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 #: temporary files of unfinished writes start with this (`zoo check` finds those a crash left)
 TMP_PREFIX = ".tmp-"
@@ -31,3 +38,39 @@ def replace_durably(target: Path, write: Callable[[Path], None]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+#: the key of a derived file's safetensors metadata that holds its JSON metadata (with the checksum)
+DERIVED_META_KEY = "zoo"
+
+
+def write_derived(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, object]) -> None:
+    """Write a derived file durably: the tensors, and under DERIVED_META_KEY the JSON metadata (its `version` is
+    the space version it covers) with a checksum over both, which `read_derived` verifies."""
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    full = {**meta, "checksum": derived_checksum(arrays, meta)}
+    replace_durably(path, lambda tmp: save_file(arrays, str(tmp), metadata={DERIVED_META_KEY: json.dumps(full)}))
+
+
+def read_derived(path: Path, what: str) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, metadata) of a derived file written by `write_derived`; ValueError naming `what` (e.g. "index") when
+    the file is missing, unreadable or disagrees with its checksum (the caller rebuilds it from the database)."""
+    try:
+        with safe_open(str(path), "np") as fh:
+            meta = json.loads((fh.metadata() or {})[DERIVED_META_KEY])
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except Exception as exc:  # noqa: BLE001 - whatever safetensors or json make of a damaged file, it is unreadable
+        raise ValueError(f"{what} file {path} is missing or unreadable ({type(exc).__name__})") from None
+    checksum = meta.pop("checksum", None)
+    if checksum != derived_checksum(tensors, meta):
+        raise ValueError(f"{what} file {path} disagrees with itself (checksum)")
+    return tensors, meta
+
+
+def derived_checksum(tensors: Mapping[str, np.ndarray], meta: Mapping[str, object]) -> str:
+    """SHA-256 of the metadata (as sorted JSON) and of every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        h.update(f"{name}:{tensors[name].dtype}:{tensors[name].shape}".encode())
+        h.update(np.ascontiguousarray(tensors[name]).data)
+    return h.hexdigest()
