@@ -21,7 +21,6 @@ with the command to run. Searches run concurrently; a refresh takes the space's 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import threading
@@ -34,8 +33,6 @@ from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -63,7 +60,7 @@ if TYPE_CHECKING:
 from zoo.db import repository
 from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.errors import NotFoundError, NotReadyError, UsageError
-from zoo.files import replace_durably
+from zoo.files import read_derived, write_derived
 
 SKETCH = "module_sketch"
 W2T = "w2t"
@@ -262,10 +259,7 @@ def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str
 
 
 def _write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
-    tensors = {k: np.ascontiguousarray(v) for k, v in stack.arrays().items()}
-    tensors["ids"] = np.ascontiguousarray(ids, dtype=np.int64)
-    meta = {"version": str(version), "dense": json.dumps(sorted(stack.dense))}
-    replace_durably(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    write_derived(path, {**stack.arrays(), "ids": np.asarray(ids, dtype=np.int64)}, {"version": version, "dense": sorted(stack.dense)})
 
 
 def stale_module_rows(session: Session, space_id: int, ids: np.ndarray, version: int, embedded: np.ndarray) -> np.ndarray:
@@ -275,16 +269,11 @@ def stale_module_rows(session: Session, space_id: int, ids: np.ndarray, version:
 
 
 def read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], int] | None:
-    """(ids, stack, dense modules, version), or None when the file is missing or unreadable."""
-    if not path.exists():
-        return None
+    """(ids, stack, dense modules, version), or None when the file is missing, unreadable or damaged."""
     try:
-        tensors = load_file(str(path))
-        with safe_open(str(path), "np") as fh:
-            meta = fh.metadata() or {}
+        tensors, meta = read_derived(path, "module store")
         ids = tensors.pop("ids")
-        dense = set(json.loads(meta["dense"]))
-        return ids, ModuleStack.from_arrays(tensors, len(ids)), dense, int(meta["version"])
+        return ids, ModuleStack.from_arrays(tensors, len(ids)), set(meta["dense"]), int(meta["version"])
     except Exception:  # noqa: BLE001 - any unreadable file is treated as absent (and rebuilt by `zoo embed`)
         return None
 

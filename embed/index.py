@@ -36,8 +36,6 @@ the IVF bytes and the count; `load` refuses a file that disagrees with itself.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import threading
 import time
@@ -50,11 +48,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import faiss  # noqa: E402
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from embed.lookup import RowLookup
-from zoo.files import replace_durably
+from zoo.files import read_derived, write_derived
 
 IVF_FROM = 100_000
 #: the first stage hands this many candidates to the exact re-ranking
@@ -536,27 +532,24 @@ class AdapterIndex:
                 "subset_row_s": self.subset_row_s,
                 "probe_list_s": self.probe_list_s,
             }
-            full["checksum"] = _checksum(ids, tensors.get("ivf"), tensors.get("subset"))
-            replace_durably(path, lambda tmp: save_file(tensors, str(tmp), metadata={"zoo": json.dumps(full)}))
+            write_derived(path, tensors, full)
 
     @classmethod
     def load(cls, path: Path) -> tuple[AdapterIndex, dict]:
         """The index and its metadata; ValueError when the file is missing, unreadable or disagrees with itself."""
+        tensors, meta = read_derived(path, "index")
         try:
-            with safe_open(str(path), "np") as fh:
-                meta = json.loads((fh.metadata() or {})["zoo"])
-                tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
             dim, count = int(meta["dim"]), int(meta["count"])
             ids = tensors["ids"]
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-            raise ValueError(f"index file {path} is missing or unreadable ({type(exc).__name__})") from None
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"index file {path} disagrees with itself (its metadata)") from None
         ivf_bytes, subset_bytes = tensors.pop("ivf", None), tensors.pop("subset", None)
         flat = tensors.get("vectors")
         consistent = len(ids) == count and (
             (ivf_bytes is not None and subset_bytes is not None) or (flat is not None and flat.shape == (count, dim))
         )
-        if not consistent or meta.get("checksum") != _checksum(ids, ivf_bytes, subset_bytes):
-            raise ValueError(f"index file {path} disagrees with itself (count, shape or checksum)")
+        if not consistent:
+            raise ValueError(f"index file {path} disagrees with itself (count or shape)")
         ivf = faiss.deserialize_index(ivf_bytes) if ivf_bytes is not None else None
         index = cls(dim, ivf)
         if ivf is not None:
@@ -574,14 +567,6 @@ class AdapterIndex:
         index._size = count
         index._index_rows()
         return index, meta
-
-
-def _checksum(ids: np.ndarray, *parts: np.ndarray | None) -> str:
-    h = hashlib.sha256(np.ascontiguousarray(ids, np.int64).tobytes())
-    for part in parts:
-        if part is not None:
-            h.update(np.ascontiguousarray(part).tobytes())
-    return h.hexdigest()
 
 
 def brute_force(ids: np.ndarray, vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

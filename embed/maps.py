@@ -26,8 +26,6 @@ database's vectors (fitted in memory, not saved) while there are at most `FIT_IN
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import threading
 from collections import Counter
@@ -36,8 +34,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
 from sqlalchemy import Connection, Integer, bindparam, func, select
 from sqlalchemy.orm import Session
 
@@ -54,7 +50,7 @@ from embed.registry import (
 )
 from zoo.db.models import Adapter, Embedder, Embedding, Label, Measurement
 from zoo.errors import NotFoundError, NotReadyError, UsageError
-from zoo.files import replace_durably
+from zoo.files import read_derived, write_derived
 from zoo.labels import TASK_KEY
 
 DEFAULT_POINTS = 5_000
@@ -113,47 +109,27 @@ class ZooMap:
 
 def write_map(path: Path, m: ZooMap) -> None:
     tensors = {
-        "ids": np.ascontiguousarray(m.ids, np.int64),
-        "xy": np.ascontiguousarray(m.xy, np.float32),
-        "mean": np.ascontiguousarray(m.projection.mean, np.float32),
-        "basis": np.ascontiguousarray(m.projection.basis, np.float32),
+        "ids": np.asarray(m.ids, np.int64),
+        "xy": np.asarray(m.xy, np.float32),
+        "mean": np.asarray(m.projection.mean, np.float32),
+        "basis": np.asarray(m.projection.basis, np.float32),
     }
-    meta: dict[str, object] = {
-        "embedder_id": m.embedder_id,
-        "version": m.version,
-        "fitted": m.fitted,
-        "explained": list(m.projection.explained),
-    }
-    meta["checksum"] = _checksum(tensors, meta)
-    replace_durably(path, lambda tmp: save_file(tensors, str(tmp), metadata={"zoo": json.dumps(meta)}))
+    meta = {"embedder_id": m.embedder_id, "version": m.version, "fitted": m.fitted, "explained": list(m.projection.explained)}
+    write_derived(path, tensors, meta)
 
 
 def read_map(path: Path) -> ZooMap:
     """The map file; ValueError when it is missing, unreadable or disagrees with its checksum."""
-    if not path.exists():
-        raise ValueError(f"no map file {path}")
+    tensors, meta = read_derived(path, "map")
     try:
-        tensors = load_file(str(path))
-        with safe_open(str(path), "np") as fh:
-            meta = json.loads((fh.metadata() or {})["zoo"])
-        checksum = meta.pop("checksum")
-        intact = checksum == _checksum(tensors, meta)
         ids, xy, mean, basis = tensors["ids"], tensors["xy"], tensors["mean"], tensors["basis"]
         explained = (float(meta["explained"][0]), float(meta["explained"][1]))
         m = ZooMap(int(meta["embedder_id"]), int(meta["version"]), int(meta["fitted"]), Projection(mean, basis, explained), ids, xy)
-    except Exception as exc:  # noqa: BLE001 - whatever safetensors or json make of a damaged file, it is unreadable
-        raise ValueError(f"map file {path} is unreadable ({type(exc).__name__})") from None
-    if not intact or xy.shape != (len(ids), 2) or basis.shape != (2, len(mean)):
-        raise ValueError(f"map file {path} disagrees with itself (checksum or shapes)")
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ValueError(f"map file {path} disagrees with itself (its metadata)") from None
+    if xy.shape != (len(ids), 2) or basis.shape != (2, len(mean)):
+        raise ValueError(f"map file {path} disagrees with itself (shapes)")
     return m
-
-
-def _checksum(tensors: dict[str, np.ndarray], meta: dict[str, object]) -> str:
-    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        h.update(f"{name}:{tensors[name].dtype}:{tensors[name].shape}".encode())
-        h.update(np.ascontiguousarray(tensors[name]).tobytes())
-    return h.hexdigest()
 
 
 def _stored_count(session: Session, embedder_id: int) -> int:

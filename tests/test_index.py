@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from embed.index import RECALL_GOAL, AdapterIndex, brute_force, pq_subquantizers, recall_at_k
+from embed.index import NPROBES, RECALL_GOAL, TIE, AdapterIndex, TiedTop, brute_force, pq_subquantizers, recall_at_k
 from embed.lookup import RowLookup
 
 
@@ -109,6 +109,32 @@ def test_ivf_meets_its_recall_goal_and_round_trips(tmp_path: Path) -> None:
     assert meta["nprobe"] == loaded.nprobe == index.nprobe
     assert np.array_equal(loaded.search(queries, 10)[1], index.search(queries, 10)[1])
     assert np.allclose(loaded.vectors(ids[:3]), index.vectors(ids[:3]))
+
+
+def test_a_tie_of_the_kth_stands_for_it_but_a_clear_neighbour_must_be_found() -> None:
+    scores = np.array([[0.9, 0.5, 0.5, 0.5 - TIE / 2, 0.2]], np.float32)
+    ids = np.array([[1, 2, 3, 4, 5]])
+    top = TiedTop(scores, ids, 3)
+    assert top.recall(np.array([[1, 2, 3]])) == 1.0
+    assert top.recall(np.array([[1, 3, 4]])) == 1.0  # 4 ties the 3rd: any two of 2, 3, 4 complete the top 3
+    assert top.recall(np.array([[2, 3, 4]])) == pytest.approx(2 / 3)  # 1 scores clearly more: nothing stands for it
+    assert top.recall(np.array([[1, 5, -1]])) == pytest.approx(1 / 3)
+
+
+def test_a_space_of_near_copies_is_tuned_to_few_lists_not_every_one() -> None:
+    """Thousands of copies of a few vectors (perturbed far below the float16 store's rounding): which copy is the
+    10th nearest is decided by rounding, and the tuner must not probe every list to find that one copy."""
+    rng = np.random.default_rng(5)
+    centres = rng.standard_normal((20, 32)).astype(np.float32)
+    vecs = centres[rng.integers(0, 20, 40_000)] + 1e-5 * rng.standard_normal((40_000, 32)).astype(np.float32)
+    ids = np.arange(1, 40_001)
+    index = AdapterIndex.build(ids, vecs, ivf=True)
+    lists = index._base.nlist
+    assert index.nprobe is not None and index.nprobe <= NPROBES[-1] < lists
+    queries = vecs[:50]
+    scores, found = index.search(queries, 10)
+    best, _ = brute_force(ids, vecs, queries, 10)
+    assert np.all(scores[:, 9] >= best[:, 9] - 2 * TIE)  # the 10th found is as near as the exact 10th, to rounding
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from embed.evaluate import refactorized
 from tests.test_embed import synthetic_zoo
 from zoo.domain.canonical import canonicalize
-from zoo.domain.similarity import ModuleStack, dense_modules, module_cosine_matrix
+from zoo.domain.similarity import ModuleStack, dense_modules, module_cosine_matrix, module_presence
 
 # small modules are compared as dense dW, large ones (o, always) through their factors
 SHAPES = {"q": (12, 10), "v": (12, 10), "fc": (16, 12), "o": (40, 30)}
@@ -64,3 +64,16 @@ def test_module_cosine_is_factorization_invariant() -> None:
     first = module_cosine_matrix([a.factors for a in zoo], [a.factors for a in zoo])
     second = module_cosine_matrix([a.factors for a in again], [a.factors for a in zoo])
     assert np.abs(first - second).max() < 1e-4
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 6), modules=st.integers(1, 12), width=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
+def test_module_presence_marks_exactly_the_blocks_not_all_zero(n: int, modules: int, width: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, modules, width)).astype(np.float32)
+    absent = rng.random((n, modules)) < 0.4
+    x[absent] = 0.0
+    one = rng.integers(0, width)
+    x[~absent, one] = np.where(rng.random(int((~absent).sum())) < 0.5, -1e-30, 1e-30)  # a block with one tiny value is present
+    x[~absent] = np.where(np.arange(width) == one, x[~absent], 0.0)
+    assert np.array_equal(module_presence(x.reshape(n, -1), modules), (~absent).astype(np.float32))

@@ -55,6 +55,8 @@ def write_derived(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[s
 def read_derived(path: Path, what: str) -> tuple[dict[str, np.ndarray], dict]:
     """(tensors, metadata) of a derived file written by `write_derived`; ValueError naming `what` (e.g. "index") when
     the file is missing, unreadable or disagrees with its checksum (the caller rebuilds it from the database)."""
+    if not Path(path).exists():
+        raise ValueError(f"no {what} file {path}")
     try:
         with safe_open(str(path), "np") as fh:
             meta = json.loads((fh.metadata() or {})[DERIVED_META_KEY])
