@@ -21,6 +21,7 @@ with the command to run. Searches run concurrently; a refresh takes the space's 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import threading
@@ -271,10 +272,19 @@ def stale_module_rows(session: Session, space_id: int, ids: np.ndarray, version:
 def read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], int] | None:
     """(ids, stack, dense modules, version), or None when the file is missing, unreadable or damaged."""
     try:
-        tensors, meta = read_derived(path, "module store")
+        tensors, meta = read_derived(path, "module store", legacy=_legacy_module_store_meta)
         ids = tensors.pop("ids")
         return ids, ModuleStack.from_arrays(tensors, len(ids)), set(meta["dense"]), int(meta["version"])
     except Exception:  # noqa: BLE001 - any unreadable file is treated as absent (and rebuilt by `zoo embed`)
+        return None
+
+
+def _legacy_module_store_meta(tensors: dict[str, np.ndarray], raw: dict[str, str]) -> dict | None:
+    """The metadata of a module store written before the derived-file format (no checksum; version and dense modules
+    as strings). Read so that an upgrade keeps exact re-ranking until the store is next written."""
+    try:
+        return {"version": int(raw["version"]), "dense": list(json.loads(raw["dense"]))}
+    except (KeyError, TypeError, ValueError):
         return None
 
 

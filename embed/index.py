@@ -36,6 +36,8 @@ the IVF bytes and the count; `load` refuses a file that disagrees with itself.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import threading
 import time
@@ -537,7 +539,7 @@ class AdapterIndex:
     @classmethod
     def load(cls, path: Path) -> tuple[AdapterIndex, dict]:
         """The index and its metadata; ValueError when the file is missing, unreadable or disagrees with itself."""
-        tensors, meta = read_derived(path, "index")
+        tensors, meta = read_derived(path, "index", legacy=_legacy_index_meta)
         try:
             dim, count = int(meta["dim"]), int(meta["count"])
             ids = tensors["ids"]
@@ -567,6 +569,20 @@ class AdapterIndex:
         index._size = count
         index._index_rows()
         return index, meta
+
+
+def _legacy_index_meta(tensors: dict[str, np.ndarray], raw: dict[str, str]) -> dict | None:
+    """The metadata of an index file written before the derived-file format (its checksum: ids, IVF and subset codes'
+    bytes), if it verifies. Read so that an upgrade serves the old files until they are next written."""
+    try:
+        meta = json.loads(raw["zoo"])
+    except (KeyError, ValueError):
+        return None
+    h = hashlib.sha256(np.ascontiguousarray(tensors.get("ids"), np.int64).tobytes())
+    for part in (tensors.get("ivf"), tensors.get("subset")):
+        if part is not None:
+            h.update(np.ascontiguousarray(part).tobytes())
+    return meta if isinstance(meta, dict) and meta.pop("checksum", None) == h.hexdigest() else None
 
 
 def brute_force(ids: np.ndarray, vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.numpy import save_file
 from sqlalchemy import select
 
 from embed.index import NPROBES, RECALL_GOAL, TIE, AdapterIndex, TiedTop, brute_force, pq_subquantizers, recall_at_k
@@ -138,6 +142,27 @@ def test_a_query_with_thousands_of_tied_neighbours_is_tuned_to_few_lists_not_eve
     assert index.nprobe is not None and index.nprobe <= NPROBES[1] < index._base.nlist
     scores, _ = index.search(centres, 10)
     assert np.all(scores >= 0.9 - 2 * TIE)  # ten of the tied shell, as near as the exact ten to rounding
+
+
+def test_an_index_file_from_before_the_derived_file_format_still_loads_and_is_checked(tmp_path: Path) -> None:
+    """An upgrade serves the index files the previous version wrote (checksum over ids, IVF and subset bytes only)
+    until they are next written, and still refuses a damaged one."""
+    ids, vecs = clustered(4000, 16)
+    index = AdapterIndex.build(ids, vecs, ivf=True)
+    path = tmp_path / "old.index"
+    index.save(path, {"embedder_id": 1, "version": 2})
+    with safe_open(str(path), "np") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+        meta = json.loads((fh.metadata() or {})["zoo"])
+    meta.pop("checksum")
+    old = hashlib.sha256(tensors["ids"].tobytes() + tensors["ivf"].tobytes() + tensors["subset"].tobytes()).hexdigest()
+    save_file(tensors, str(path), metadata={"zoo": json.dumps({**meta, "checksum": old})})
+    loaded, got = AdapterIndex.load(path)
+    assert got["version"] == 2 and loaded.nprobe == index.nprobe
+    assert np.array_equal(loaded.search(vecs[:5], 10)[1], index.search(vecs[:5], 10)[1])
+    save_file(tensors, str(path), metadata={"zoo": json.dumps({**meta, "checksum": "0" * 64})})
+    with pytest.raises(ValueError, match="disagrees with itself"):
+        AdapterIndex.load(path)
 
 
 @pytest.mark.slow

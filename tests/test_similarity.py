@@ -77,3 +77,31 @@ def test_module_presence_marks_exactly_the_blocks_not_all_zero(n: int, modules: 
     x[~absent, one] = np.where(rng.random(int((~absent).sum())) < 0.5, -1e-30, 1e-30)  # a block with one tiny value is present
     x[~absent] = np.where(np.arange(width) == one, x[~absent], 0.0)
     assert np.array_equal(module_presence(x.reshape(n, -1), modules), (~absent).astype(np.float32))
+
+
+def test_a_module_store_written_before_the_derived_file_format_is_read_and_a_damaged_one_is_not(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A module store from the previous version (version and dense modules as plain metadata, no checksum) keeps
+    exact re-ranking after an upgrade; one written now is checked, and a flipped byte makes it absent (rebuilt)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from embed.engine import _write_module_store, read_module_store
+
+    gen = torch.Generator().manual_seed(3)
+    adapters = [random_adapter(gen, ("q", "o")) for _ in range(3)]
+    stack = ModuleStack.of(adapters, dense_modules(adapters))
+    ids = np.array([5, 7, 9], np.int64)
+    old = tmp_path / "old.safetensors"
+    tensors = {**{k: np.ascontiguousarray(v) for k, v in stack.arrays().items()}, "ids": ids}
+    save_file(tensors, str(old), metadata={"version": "4", "dense": json.dumps(sorted(stack.dense))})
+    got = read_module_store(old)
+    assert got is not None and got[0].tolist() == [5, 7, 9] and got[2] == set(stack.dense) and got[3] == 4
+    assert np.allclose(got[1].cosines(stack.take([0])), stack.cosines(stack.take([0])))
+    new = tmp_path / "new.safetensors"
+    _write_module_store(new, ids, stack, 6)
+    assert read_module_store(new) is not None and read_module_store(new)[3] == 6  # type: ignore[index]
+    raw = bytearray(new.read_bytes())
+    raw[-5] ^= 0xFF
+    new.write_bytes(bytes(raw))
+    assert read_module_store(new) is None

@@ -52,21 +52,30 @@ def write_derived(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[s
     replace_durably(path, lambda tmp: save_file(arrays, str(tmp), metadata={DERIVED_META_KEY: json.dumps(full)}))
 
 
-def read_derived(path: Path, what: str) -> tuple[dict[str, np.ndarray], dict]:
-    """(tensors, metadata) of a derived file written by `write_derived`; ValueError naming `what` (e.g. "index") when
-    the file is missing, unreadable or disagrees with its checksum (the caller rebuilds it from the database)."""
+#: reads a file written before the derived-file format: (tensors, the file's safetensors metadata) -> its metadata when
+#: it verifies in its old layout, else None
+LegacyReader = Callable[[dict[str, np.ndarray], dict[str, str]], "dict | None"]
+
+
+def read_derived(path: Path, what: str, legacy: LegacyReader | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, metadata) of a derived file written by `write_derived` (or, by `legacy`, in its kind's older layout);
+    ValueError naming `what` (e.g. "index") when the file is missing, unreadable or disagrees with its checksum (the
+    caller rebuilds it from the database)."""
     if not Path(path).exists():
         raise ValueError(f"no {what} file {path}")
     try:
         with safe_open(str(path), "np") as fh:
-            meta = json.loads((fh.metadata() or {})[DERIVED_META_KEY])
+            raw = fh.metadata() or {}
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        meta = json.loads(raw[DERIVED_META_KEY]) if DERIVED_META_KEY in raw else None
     except Exception as exc:  # noqa: BLE001 - whatever safetensors or json make of a damaged file, it is unreadable
         raise ValueError(f"{what} file {path} is missing or unreadable ({type(exc).__name__})") from None
-    checksum = meta.pop("checksum", None)
-    if checksum != derived_checksum(tensors, meta):
+    if isinstance(meta, dict) and meta.pop("checksum", None) == derived_checksum(tensors, meta):
+        return tensors, meta
+    old = legacy(tensors, raw) if legacy is not None else None
+    if old is None:
         raise ValueError(f"{what} file {path} disagrees with itself (checksum)")
-    return tensors, meta
+    return tensors, old
 
 
 def derived_checksum(tensors: Mapping[str, np.ndarray], meta: Mapping[str, object]) -> str:
