@@ -97,10 +97,10 @@ class EngineBaseline:
 
     def __init__(self, work: Path, space: str, threads: int) -> None:
         from embed.engine import QueryEngine
-        from zoo.blobs import BlobStore
-        from zoo.db.session import session_factory
+        from zoo.store.blobs import BlobStore
+        from zoo.store.session import session_factory
 
-        self.sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
+        self.sessions = session_factory(f"sqlite:///{work / 'zoo.store'}")
         self.engine = QueryEngine(self.sessions, BlobStore(work / "blobs"), work)
         self.space, self.threads = space, threads
 
@@ -122,8 +122,8 @@ def attacks(database_url: str, data_dir: Path, workers: int, seconds: float, log
     from sqlalchemy import select
 
     from bench.attack import Flood, SlowClients, post_json, probe
-    from zoo.db.models import Adapter
-    from zoo.db.session import session_factory
+    from zoo.store.models import Adapter
+    from zoo.store.session import session_factory
 
     with session_factory(database_url)() as session:
         ids = list(session.scalars(select(Adapter.id).order_by(Adapter.id).limit(100)))
@@ -213,7 +213,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed + 2)
     ids = rng.integers(1, args.adapters + 1, args.requests)
     port = free_port()
-    cmd = [sys.executable, "-m", "zoo.cli", "--db", f"sqlite:///{work / 'zoo.db'}", "--data-dir", str(work), "serve"]
+    cmd = [sys.executable, "-m", "zoo.cli", "--db", f"sqlite:///{work / 'zoo.store'}", "--data-dir", str(work), "serve"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(args.workers), "--threads", str(args.threads)]
     baseline = EngineBaseline(work, space, args.clients)
     baseline.run(ids[:50])  # loads the engine

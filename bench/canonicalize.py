@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from bench.timing import median_time
 from zoo.domain.canonical import canonicalize
 from zoo.formats import read_adapter
-from zoo.ingest import canonicalize_modules
+from zoo.services.ingest import canonicalize_modules
 
 
 def write_adapter(directory: Path, layers: int, dim: int, rank: int, seed: int) -> None:

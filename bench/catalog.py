@@ -5,7 +5,7 @@ ranks, 500 authors and source directories, each with given labels `task` (50 val
 two in three, `style` (12), and its search document. Then times `search_catalog` in process, as the search page
 and the API call it, in three cases: a text query with facets, unfiltered facets (the search page's first view),
 and 5 filters (a base model, a format, two labels and a source prefix), p50 and p99 over --repeats runs each, and
-says whether facet counts were approximate (zoo/db/catalog.py: facet_exact_rows, FACET_TIMEOUT_MS).
+says whether facet counts were approximate (zoo/store/catalog.py: facet_exact_rows, FACET_TIMEOUT_MS).
 
     python -m bench.catalog --db postgresql://postgres@127.0.0.1:5432/zoo_bench_catalog --adapters 1000000
 
@@ -29,7 +29,7 @@ STYLES = ("anime", "pixel art", "ink", "watercolor", "photo", "3d", "sketch", "o
 
 def build(url: str, n: int) -> float:
     """The synthetic catalog in a migrated database (kept: rebuilt only when it holds another count). Seconds."""
-    from zoo.db.session import make_engine, upgrade
+    from zoo.store.session import make_engine, upgrade
 
     upgrade(url)
     engine = make_engine(url)
@@ -106,8 +106,8 @@ def _filters_of(i: int) -> dict[str, str]:
 
 def measure(url: str, repeats: int, seed: int = 0) -> dict[str, object]:
     """p50/p99 milliseconds of search_catalog per case, and whether its facets were approximate."""
-    from zoo.db.catalog import search_catalog
-    from zoo.db.session import session_factory
+    from zoo.store.catalog import search_catalog
+    from zoo.store.session import session_factory
 
     sessions = session_factory(url)
     rng = random.Random(seed)
@@ -139,7 +139,7 @@ def main() -> None:
     args = p.parse_args()
     from sqlalchemy.engine import make_url
 
-    from zoo.db.session import make_engine
+    from zoo.store.session import make_engine
 
     url = make_url(args.db)
     admin = make_engine(url.set(database="postgres").render_as_string(hide_password=False))

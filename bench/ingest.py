@@ -3,7 +3,7 @@
 For each backend and worker count, in a fresh database and data dir (PostgreSQL's created and
 dropped here): every adapter of the set is ingested by worker processes (a worker is a process
 running an Ingestor over its share of the files, torch using its share of the cores, as
-`zoo.ingest.share_cores` sets it), then the same directory is ingested again (every file a
+`zoo.services.ingest.share_cores` sets it), then the same directory is ingested again (every file a
 duplicate, recognized by its SHA-256 before any math), then `zoo embed` embeds the new adapters
 (module sketches) and is timed apart. Each configuration runs --repeats times; the median counts.
 
@@ -74,10 +74,10 @@ def _worker(
     ingest its share (with its labels, if any) and send back (counts, seconds per stage, failures)."""
     import torch
 
-    from zoo.blobs import BlobStore
-    from zoo.db.session import session_factory
     from zoo.formats import read_adapter
-    from zoo.ingest import Ingestor, canonicalize_modules, share_cores
+    from zoo.services.ingest import Ingestor, canonicalize_modules, share_cores
+    from zoo.store.blobs import BlobStore
+    from zoo.store.session import session_factory
 
     if threads:
         torch.set_num_threads(threads)
@@ -103,10 +103,10 @@ def _worker(
 @contextlib.contextmanager
 def fresh_database(backend: str, admin_url: str, root: Path) -> Iterator[str]:
     """A migrated, empty database: a SQLite file under root, or a PostgreSQL database created (and dropped after)."""
-    from zoo.db.session import make_engine, upgrade
+    from zoo.store.session import make_engine, upgrade
 
     if backend == "sqlite":
-        url = f"sqlite:///{root / 'zoo.db'}"
+        url = f"sqlite:///{root / 'zoo.store'}"
         upgrade(url)
         yield url
         make_engine(url).dispose()
@@ -235,14 +235,14 @@ def real_set(kind: str, count: int, layers: int | None, work: Path) -> list[Path
 
 
 def _real_worker(url: str, blob_dir: str, paths: list[Path], out: Queue) -> None:
-    """One worker process (torch on every core, as zoo.ingest.share_cores(1) sets it): per adapter, load_file of its
+    """One worker process (torch on every core, as zoo.services.ingest.share_cores(1) sets it): per adapter, load_file of its
     weight file, then its ingest; sends back [(bytes, ingest s, load_file s, stage seconds, status, ingest CPU s)] (CPU
     seconds of the process, every thread's: what the ingest costs on a machine that other work does not share)."""
     from safetensors.torch import load_file
 
-    from zoo.blobs import BlobStore
-    from zoo.db.session import session_factory
-    from zoo.ingest import Ingestor, share_cores
+    from zoo.services.ingest import Ingestor, share_cores
+    from zoo.store.blobs import BlobStore
+    from zoo.store.session import session_factory
 
     share_cores(1)
     ingestor = Ingestor(session_factory(url), BlobStore(Path(blob_dir)))
@@ -351,10 +351,10 @@ def _unit_norm(tensors: dict, scale: float) -> dict:
 
 def run_dense(args: argparse.Namespace) -> dict:
     """--dense: store seconds per adapter in a zoo dense in norms, with stored probe values and without (before 0010)."""
-    from zoo.blobs import BlobStore
-    from zoo.db.session import make_engine, session_factory
     from zoo.domain.canonical import CanonicalFactors
-    from zoo.ingest import Ingestor, share_cores
+    from zoo.services.ingest import Ingestor, share_cores
+    from zoo.store.blobs import BlobStore
+    from zoo.store.session import make_engine, session_factory
 
     class CountingBlobStore(BlobStore):
         reads = 0
@@ -430,7 +430,9 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes (default: 1 2)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, the median counts (default: %(default)s)")
-    p.add_argument("--threads", type=int, help="torch threads per worker (default: its share of the cores, zoo.ingest.share_cores)")
+    p.add_argument(
+        "--threads", type=int, help="torch threads per worker (default: its share of the cores, zoo.services.ingest.share_cores)"
+    )
     p.add_argument("--labels", action="store_true", help="attach the set's labels.csv on both ingests, as quickstart does")
     p.add_argument("--no-embed", dest="embed", action="store_false", help="skip timing zoo embed")
     p.add_argument("--zoo-worker", action="store_true", help="also time `zoo worker --concurrency W --drain` on a job of the set")

@@ -83,9 +83,9 @@ def load_file_seconds(files: list[Path]) -> float:
 def family_hit_at_1(data_dir: Path, base_model: str, families: dict[int, int], method: str | None) -> float:
     """Share of adapters whose nearest other adapter (by `method`, the space's default if None) is of their family."""
     from embed.engine import Query, QueryEngine
-    from zoo.blobs import BlobStore
     from zoo.config import Settings
-    from zoo.db.session import session_factory
+    from zoo.store.blobs import BlobStore
+    from zoo.store.session import session_factory
 
     settings = Settings.load()
     sessions = session_factory(settings.database_url)
@@ -107,8 +107,8 @@ def stored_families(data_dir: Path, base_model: str) -> dict[int, int]:
     from sqlalchemy import select
 
     from zoo.config import Settings
-    from zoo.db.models import Adapter, Label
-    from zoo.db.session import session_factory
+    from zoo.store.models import Adapter, Label
+    from zoo.store.session import session_factory
 
     with session_factory(Settings.load().database_url)() as session:
         rows = session.execute(
@@ -125,8 +125,8 @@ def search_dims(data_dir: Path) -> dict[str, dict[str, int]]:
 
     from embed.registry import serving_embedders
     from zoo.config import Settings
-    from zoo.db.models import EmbeddingSpace
-    from zoo.db.session import session_factory
+    from zoo.store.models import EmbeddingSpace
+    from zoo.store.session import session_factory
 
     with session_factory(Settings.load().database_url)() as session:
         return {

@@ -90,8 +90,8 @@ def _zoo_vectors(database_url: str, data_dir: Path, method: str) -> tuple[dict[s
 
     from embed.registry import active_embedder, load_embeddings
     from embed.service import resolve_space
-    from zoo.db.models import Adapter, Label
-    from zoo.db.session import session_factory
+    from zoo.store.models import Adapter, Label
+    from zoo.store.session import session_factory
 
     with session_factory(database_url)() as session:
         space = resolve_space(session, None)
@@ -285,11 +285,11 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
 
     from embed.engine import index_path
     from embed.index import IVF_FROM, AdapterIndex, ivf_lists
-    from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace, Label
-    from zoo.db.session import make_engine, upgrade
+    from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Label
+    from zoo.store.session import make_engine, upgrade
 
     t0 = time.perf_counter()
-    url = f"sqlite:///{work / 'zoo.db'}"
+    url = f"sqlite:///{work / 'zoo.store'}"
     upgrade(url)
     engine = make_engine(url)
     base = "synthetic/" + src.sketch_config["schema"]["base_model"]
@@ -508,7 +508,7 @@ def main() -> None:
     source: dict | None = None
     if args.kind:
         sketch_dir, w2t_dir, source = build_sources(args)
-        src = load_source(f"sqlite:///{sketch_dir / 'zoo.db'}", sketch_dir, args.noise, f"sqlite:///{w2t_dir / 'zoo.db'}", w2t_dir)
+        src = load_source(f"sqlite:///{sketch_dir / 'zoo.store'}", sketch_dir, args.noise, f"sqlite:///{w2t_dir / 'zoo.store'}", w2t_dir)
     else:
         settings = Settings.load(args.zoo_db, args.zoo_data_dir)
         src = load_source(settings.database_url, settings.data_dir, args.noise)
@@ -540,10 +540,10 @@ def main() -> None:
 
 def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dict[str, object]:
     from embed.engine import Query, QueryEngine
-    from zoo.blobs import BlobStore
-    from zoo.db.session import session_factory
+    from zoo.store.blobs import BlobStore
+    from zoo.store.session import session_factory
 
-    sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
+    sessions = session_factory(f"sqlite:///{work / 'zoo.store'}")
     engine = QueryEngine(sessions, BlobStore(work / "blobs"), work)
     if args.blas_threads is not None:
         from threadpoolctl import threadpool_limits

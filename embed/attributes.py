@@ -21,7 +21,7 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from embed.lookup import RowLookup
-from zoo.db.models import Adapter, Label
+from zoo.store.models import Adapter, Label
 
 
 @dataclass

@@ -10,9 +10,9 @@ from sqlalchemy import select as sql_select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from embed.types import SpaceSchema, ZooAdapter
-from zoo.blobs import BlobStore
-from zoo.db.models import Adapter
 from zoo.domain.similarity import EXACT_SCORES, ModuleStack, exact_cosines, module_sketches, sketch_module_cosines, sketch_width
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Adapter
 
 if TYPE_CHECKING:  # torch: only when a training set is read
     from embed.tokens import Batch, TokenSpec

@@ -56,12 +56,12 @@ from zoo.domain.similarity import (
 )
 
 if TYPE_CHECKING:
-    from zoo.blobs import BlobStore
     from zoo.domain.canonical import CanonicalFactors
-from zoo.db import repository
-from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
+    from zoo.store.blobs import BlobStore
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import read_derived, write_derived
+from zoo.store import repository
+from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
 
 SKETCH = "module_sketch"
 W2T = "w2t"

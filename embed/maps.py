@@ -48,10 +48,10 @@ from embed.registry import (
     serving_embedders,
     space_version,
 )
-from zoo.db.models import Adapter, Embedder, Embedding, Label, Measurement
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import read_derived, write_derived
 from zoo.labels import TASK_KEY
+from zoo.store.models import Adapter, Embedder, Embedding, Label, Measurement
 
 DEFAULT_POINTS = 5_000
 MAX_POINTS = 100_000

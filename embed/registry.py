@@ -16,7 +16,7 @@ from sqlalchemy import Integer, bindparam, delete, select, update
 from sqlalchemy.orm import Session
 
 from embed.types import SpaceSchema
-from zoo.db.models import DeletedAdapter, Embedder, Embedding, EmbeddingSpace
+from zoo.store.models import DeletedAdapter, Embedder, Embedding, EmbeddingSpace
 
 
 def slug(name: str) -> str:

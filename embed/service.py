@@ -46,13 +46,13 @@ from embed.registry import (
 )
 from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
-from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.locks import space_lock
-from zoo.db.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
-from zoo.db.session import session_factory, write_transaction
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
+from zoo.store.blobs import BlobStore
+from zoo.store.locks import space_lock
+from zoo.store.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
+from zoo.store.session import session_factory, write_transaction
 
 #: how module-sketch blocks are scaled (zoo.domain.similarity.module_sketches); embedders of another scale are replaced
 SKETCH_SCALE = "module-norm"
@@ -513,8 +513,8 @@ def list_spaces(session: Session, engine: QueryEngine | None = None, counted: bo
 def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k: int = 10) -> dict[str, object]:
     """The adapter page's resource: everything stored, its lineage, its nearest neighbours and its predictions
     (each None with the reason when the zoo is not ready for it)."""
-    from zoo.db import repository
-    from zoo.lineage import lineage
+    from zoo.store import repository
+    from zoo.store.lineage import lineage
 
     detail = repository.adapter_detail(adapter)
     detail["duplicate_sources"] = repository.duplicate_sources(session, adapter.id)

@@ -1,11 +1,11 @@
-"""Alembic environment: runs migrations online against the URL set by zoo.db.session."""
+"""Alembic environment: runs migrations online against the URL set by zoo.store.session."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from zoo.db.models import Base, on_dialect
-from zoo.db.session import make_engine
+from zoo.store.models import Base, on_dialect
+from zoo.store.session import make_engine
 
 config = context.config
 target_metadata = Base.metadata

@@ -12,7 +12,7 @@ from sqlalchemy import text
 
 from zoo.cli import main
 from zoo.config import Settings, normalize_database_url
-from zoo.db.session import downgrade, make_engine, upgrade
+from zoo.store.session import downgrade, make_engine, upgrade
 
 PG_URL = os.environ.get("ZOO_TEST_DATABASE_URL")
 
@@ -35,7 +35,7 @@ def pg_url() -> str:
 @pytest.fixture(params=_backends())
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'zoo.db'}"
+        url = f"sqlite:///{tmp_path / 'zoo.store'}"
         upgrade(url)
         yield url
         make_engine(url).dispose()

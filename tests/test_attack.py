@@ -47,11 +47,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     under a time limit of 1 s, probes cached up to 16 MiB."""
     from tests.factories import write_random_peft_adapters
     from zoo.cli import main
-    from zoo.db.session import session_factory, upgrade
-    from zoo.tokens import create_token
+    from zoo.store.session import session_factory, upgrade
+    from zoo.store.tokens import create_token
 
     root = tmp_path_factory.mktemp("attack")
-    url = f"sqlite:///{root / 'zoo.db'}"
+    url = f"sqlite:///{root / 'zoo.store'}"
     upgrade(url)
     paths = write_random_peft_adapters(root / "zoo", 12)
     (root / "labels.csv").write_text(
@@ -258,9 +258,9 @@ def test_a_filter_flood_is_refused_and_the_largest_allowed_costs_filters_not_the
     from sqlalchemy.dialects import postgresql
 
     from tests.test_catalog import catalog, synthetic_zoo
-    from zoo.db.catalog import _facets_statement
-    from zoo.db.repository import MAX_FILTERS, parse_filters
     from zoo.errors import UsageError
+    from zoo.store.catalog import _facets_statement
+    from zoo.store.repository import MAX_FILTERS, parse_filters
 
     with pytest.raises(UsageError, match="at most"):
         parse_filters([f"k{i}=v" for i in range(MAX_FILTERS + 1)])
@@ -307,7 +307,7 @@ def test_facets_past_the_exact_limit_are_counted_in_a_sample_and_say_so(db_url: 
     """Unfiltered facets of a million adapters took 9 s on PostgreSQL: past ZOO_FACET_EXACT_ROWS matching adapters
     (PostgreSQL's estimate) they are counted in runs of ids and scaled, and the answer says `approximate`."""
     from tests.test_catalog import catalog, synthetic_zoo
-    from zoo.db import catalog as cat
+    from zoo.store import catalog as cat
 
     specs = synthetic_zoo(db_url, n=200)
     exact = catalog(db_url, None, {})
@@ -426,7 +426,7 @@ def test_a_query_matching_most_of_the_catalog_shows_the_newest_unless_relevance_
     """Ranking 200,000 matches by relevance took 330 ms at 1M adapters: past RANK_ROWS estimated matches (PostgreSQL)
     a query that chose no sort gets the newest first, and says so; one that asked for relevance gets it."""
     from tests.test_catalog import catalog, synthetic_zoo
-    from zoo.db import catalog as cat
+    from zoo.store import catalog as cat
 
     synthetic_zoo(db_url)
     monkeypatch.setattr(cat, "RANK_ROWS", 0)

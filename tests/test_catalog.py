@@ -1,4 +1,4 @@
-"""Catalog search (zoo/db/catalog.py) on both databases: full-text words, phrases and prefixes over
+"""Catalog search (zoo/store/catalog.py) on both databases: full-text words, phrases and prefixes over
 names, labels, cards and sources; hostile text; facets against counts made in Python; pages; sorts;
 the search document kept in step with labels and deletes; migration 0005's backfill and downgrade."""
 
@@ -20,12 +20,12 @@ from sqlalchemy import inspect, select, text
 
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter, write_kohya_file
-from zoo.db import catalog as catalog_module
-from zoo.db import repository
-from zoo.db.catalog import FACET_VALUES, MAX_PER_PAGE, refresh_search_text, search_catalog
-from zoo.db.models import Adapter, AdapterText, Label
-from zoo.db.session import downgrade, make_engine, session_factory, upgrade
 from zoo.errors import UsageError
+from zoo.store import catalog as catalog_module
+from zoo.store import repository
+from zoo.store.catalog import FACET_VALUES, MAX_PER_PAGE, refresh_search_text, search_catalog
+from zoo.store.models import Adapter, AdapterText, Label
+from zoo.store.session import downgrade, make_engine, session_factory, upgrade
 
 HOSTILE = [
     '"',
@@ -293,7 +293,7 @@ def test_facets_of_many_filters_are_exact_whichever_filters_the_candidates_come_
     db_url: str, filters: dict[str, str], read_cost: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The facets' candidates (the adapters missing at most one filter) are read through two or three of the filters
-    (zoo/db/catalog.py, _candidate_filters, by the cost of reading candidates by id): either way every count is the one
+    (zoo/store/catalog.py, _candidate_filters, by the cost of reading candidates by id): either way every count is the one
     made in Python."""
     monkeypatch.setattr(catalog_module, "CANDIDATE_READ_COST", read_cost)
     specs = synthetic_zoo(db_url, n=120, seed=3)

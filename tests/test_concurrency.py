@@ -16,10 +16,10 @@ from sqlalchemy import func, select
 
 from tests.factories import train_peft_adapter
 from tests.test_ingest import refactorize
-from zoo.check import check
 from zoo.config import Settings
-from zoo.db.models import Adapter, Embedder, Embedding, Label
-from zoo.db.session import session_factory
+from zoo.services.check import check
+from zoo.store.models import Adapter, Embedder, Embedding, Label
+from zoo.store.session import session_factory
 
 
 def zoo_process(settings: Settings, *args: str) -> subprocess.Popen:

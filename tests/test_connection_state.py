@@ -4,7 +4,7 @@ ingest under 12 clients (`ResourceClosedError` in load_embeddings via the engine
 
 The cause: `zoo serve` checks the schema in gunicorn's master, whose pooled connection every forked worker
 inherited (make_engine is cached per URL), so two processes spoke over one socket. A forked child now starts with
-empty pools (zoo/db/session.py). Separately, a catch-up read under READ COMMITTED could see an embedding whose
+empty pools (zoo/store/session.py). Separately, a catch-up read under READ COMMITTED could see an embedding whose
 adapter a concurrent delete had just removed (a KeyError, a 500): the engine now loads and catches up from one
 snapshot (embed/engine.py)."""
 
@@ -25,10 +25,10 @@ from embed.engine import Query, QueryEngine
 from embed.service import delete_adapter, embed_adapters, search
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
-from zoo.blobs import BlobStore
-from zoo.db.models import Adapter
-from zoo.db.session import make_engine, require_schema, session_factory
-from zoo.ingest import IngestOptions, Ingestor
+from zoo.services.ingest import IngestOptions, Ingestor
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Adapter
+from zoo.store.session import make_engine, require_schema, session_factory
 
 POSTGRES_ONLY = pytest.mark.parametrize("db_url", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True)
 

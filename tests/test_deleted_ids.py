@@ -9,18 +9,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from embed.engine import MAX_K, Query, QueryEngine, index_path, module_store_path
 from embed.index import AdapterIndex
 from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
-from zoo.blobs import BlobStore
-from zoo.db.models import Adapter
-from zoo.db.session import downgrade, make_engine, session_factory, upgrade
 from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
+from zoo.files import read_derived, write_derived
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Adapter
+from zoo.store.session import downgrade, make_engine, session_factory, upgrade
 
 N = 12
 
@@ -98,11 +98,10 @@ def test_a_deleted_id_is_never_reused_and_nothing_keyed_by_it_is_served(cli: CLI
     # planted: the module store and the sketch index each hold the deleted id (the index at the right count)
     data = cli.settings.data_dir
     path = module_store_path(data, 1)
-    with safe_open(str(path), "np") as fh:
-        store_meta = fh.metadata()
-    store = {k: np.concatenate([v, v[:1]]) for k, v in load_file(str(path)).items()}  # row 0 again, as the deleted id
+    tensors, store_meta = read_derived(path, "module store")
+    store = {k: np.concatenate([v, v[:1]]) for k, v in tensors.items()}  # row 0 again, as the deleted id
     store["ids"][-1] = gone
-    save_file(store, str(path), metadata=store_meta)
+    write_derived(path, store, store_meta)
     sketch_file = index_path(data, fresh.space(session_factory(cli.settings.database_url)(), "tiny").embedders["module_sketch"].id)
     index, meta = AdapterIndex.load(sketch_file)
     vector = index.vectors(np.array([new]))

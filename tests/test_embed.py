@@ -247,7 +247,7 @@ def test_schema_keeps_the_majority_shape_and_leaves_conflicting_adapters_out() -
 def test_a_contrastive_w2t_does_not_retire_the_supervised_one(db_url: str) -> None:
     from embed.registry import active_embedder, ensure_space, register, serving_embedders
     from embed.types import SpaceSchema
-    from zoo.db.session import session_factory
+    from zoo.store.session import session_factory
 
     with session_factory(db_url)() as session, session.begin():
         space = ensure_space(session, SpaceSchema("tiny", (("m", 4, 4),)))

@@ -17,11 +17,11 @@ from embed import engine as engine_module
 from embed.engine import MAX_K, Query, QueryEngine
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
-from zoo.blobs import BlobStore
-from zoo.db.models import Label
-from zoo.db.session import session_factory
 from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
 from zoo.errors import NotReadyError, UsageError
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Label
+from zoo.store.session import session_factory
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def ids_of(found: dict) -> list[int]:
 
 
 def stored_factors(cli: CLI, ids: list[int]) -> list[dict]:
-    from zoo.db.models import Adapter
+    from zoo.store.models import Adapter
 
     blobs = BlobStore(cli.settings.blob_dir)
     with session_factory(cli.settings.database_url)() as session:

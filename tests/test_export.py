@@ -1,4 +1,4 @@
-"""Exporting stored adapters (zoo/export.py, `zoo export`): PEFT loads the export with the stored
+"""Exporting stored adapters (zoo/services/export.py, `zoo export`): PEFT loads the export with the stored
 update, every export ingests again as a duplicate, and what cannot be written back is refused."""
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import CLI
 from tests.factories import TinyLM, train_peft_adapter, write_kohya_file
-from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.models import Adapter
-from zoo.db.repository import get_adapter
-from zoo.db.session import session_factory
 from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.fingerprint import NamedFactors
 from zoo.errors import NotFoundError, StorageError, UsageError
-from zoo.export import ExportMeta, export_files, export_zip, file_stem, load_for_export, lora_factors
 from zoo.formats import read_adapter
-from zoo.ingest import UNKNOWN_BASE, IngestOptions, Ingestor, canonicalize_modules, describe
+from zoo.services.export import ExportMeta, export_files, export_zip, file_stem, load_for_export, lora_factors
+from zoo.services.ingest import UNKNOWN_BASE, IngestOptions, Ingestor, canonicalize_modules, describe
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Adapter
+from zoo.store.repository import get_adapter
+from zoo.store.session import session_factory
 
 BASE = "tiny-lm"
 

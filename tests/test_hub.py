@@ -19,8 +19,8 @@ import pytest
 from tests.conftest import CLI
 from tests.factories import write_kohya_file, write_random_peft_adapters
 from tests.hub_server import TOKEN, FakeRepo, HubServer
-from zoo.db.models import Adapter
-from zoo.db.session import session_factory
+from zoo.store.models import Adapter
+from zoo.store.session import session_factory
 
 BASE = "org/tiny-base"
 CARD = b"---\nlicense: mit\nbase_model: org/tiny-base\ndatasets:\n- imdb\ntags:\n- lora\n---\n# A tiny adapter\n"
@@ -203,7 +203,7 @@ def test_a_429_storm_is_waited_out_and_an_endless_one_fails_in_bounded_time(
 
 def test_offline_mode_ingests_from_the_cache(tmp_path: Path, hub: HubServer, adapters: list[Path]) -> None:
     from zoo.cli import main
-    from zoo.db.session import upgrade
+    from zoo.store.session import upgrade
 
     hub.repos["alice/lora-a"] = repo = peft_repo(adapters[0])
     online, offline = f"sqlite:///{tmp_path / 'online.db'}", f"sqlite:///{tmp_path / 'offline.db'}"

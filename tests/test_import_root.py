@@ -13,10 +13,10 @@ import pytest
 
 from tests.factories import write_kohya_file, write_random_peft_adapters
 from webapp import create_app
-from zoo.db.session import session_factory
-from zoo.jobs import create_job
+from zoo.runners.worker import WorkerOptions, work
 from zoo.sources.local import expand_paths, expand_under
-from zoo.worker import WorkerOptions, work
+from zoo.store.jobs import create_job
+from zoo.store.session import session_factory
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_a_worker_checks_the_item_again_when_it_reads_it(tree: tuple[Path, Path]
     assert outcome.state == "failed" and "outside the import root" in (outcome.reason or "") and outcome.adapter_id is None
     from sqlalchemy import func, select
 
-    from zoo.db.models import Adapter
+    from zoo.store.models import Adapter
 
     with sessions() as session:
         assert session.scalar(select(func.count()).select_from(Adapter)) == 0
@@ -83,7 +83,7 @@ def test_a_worker_checks_the_item_again_when_it_reads_it(tree: tuple[Path, Path]
 def test_post_ingest_of_a_tree_with_links_out_ingests_only_what_is_inside(tree: tuple[Path, Path], db_url: str, tmp_path: Path) -> None:
     root, _ = tree
     app = create_app({"ZOO_DATABASE_URL": db_url, "ZOO_DATA_DIR": str(tmp_path / "data"), "ZOO_IMPORT_ROOT": str(root), "TESTING": True})
-    from zoo import tokens
+    from zoo.store import tokens
 
     with session_factory(db_url).begin() as session:
         _, token = tokens.create_token(session, "roots")

@@ -283,8 +283,8 @@ def test_an_index_built_from_the_database_a_chunk_at_a_time(db_url: str, monkeyp
     from embed import engine, service
     from embed.registry import ensure_space, register, store_embeddings
     from embed.types import SpaceSchema
-    from zoo.db.models import Adapter
-    from zoo.db.session import session_factory
+    from zoo.store.models import Adapter
+    from zoo.store.session import session_factory
 
     n, dim = 3_000, 32
     _, vectors = clustered(n, dim, seed=3)

@@ -15,19 +15,19 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import func, select, text
 
 from tests.factories import train_peft_adapter, write_kohya_file
-from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.catalog import refresh_search_text
-from zoo.db.locks import norm_window, store_locks
-from zoo.db.models import Adapter, AdapterText, Label, Measurement, Module
-from zoo.db.repository import NEAR_DUPLICATE_LIMIT, duplicate_candidates
-from zoo.db.session import make_engine, session_factory
 from zoo.domain.canonical import canonicalize
 from zoo.domain.fingerprint import DUPLICATE_RTOL, relative_distance
 from zoo.formats import AdapterData, LoraModule, read_adapter
-from zoo.ingest import SMALL_ADAPTER_ELEMENTS, UNKNOWN_BASE, IngestOptions, Ingestor, small_work_on_one_thread
 from zoo.labels import LabelRow
+from zoo.services.ingest import SMALL_ADAPTER_ELEMENTS, UNKNOWN_BASE, IngestOptions, Ingestor, small_work_on_one_thread
 from zoo.sources import Origin
+from zoo.store.blobs import BlobStore
+from zoo.store.catalog import refresh_search_text
+from zoo.store.locks import norm_window, store_locks
+from zoo.store.models import Adapter, AdapterText, Label, Measurement, Module
+from zoo.store.repository import NEAR_DUPLICATE_LIMIT, duplicate_candidates
+from zoo.store.session import make_engine, session_factory
 
 
 def make_ingestor(settings: Settings, **options: object) -> Ingestor:

@@ -18,14 +18,14 @@ from safetensors.numpy import save
 from safetensors.torch import load_file, save_file
 from sqlalchemy import select, update
 
-from zoo.blobs import BlobStore, BlobWriter, factor_arrays
 from zoo.config import Settings
-from zoo.db.models import Adapter
-from zoo.db.session import session_factory
 from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.fingerprint import DUPLICATE_RTOL, FINGERPRINT_DIM, SCREEN_SIGMAS, may_be_duplicate, relative_distance, sketch
-from zoo.ingest import IngestOptions, Ingestor
 from zoo.reference.real_shapes import MODELS, write_adapter
+from zoo.services.ingest import IngestOptions, Ingestor
+from zoo.store.blobs import BlobStore, BlobWriter, factor_arrays
+from zoo.store.models import Adapter
+from zoo.store.session import session_factory
 
 PEFT_PREFIX = "base_model.model."
 #: stem suffixes of the factor tensors of each layout (down/A, up/B)

@@ -1,4 +1,4 @@
-"""Ingestion jobs and workers (zoo/jobs.py, zoo/worker.py): claims, leases and heartbeats on SQLite and
+"""Ingestion jobs and workers (zoo/store/jobs.py, zoo/runners/worker.py): claims, leases and heartbeats on SQLite and
 PostgreSQL; `zoo jobs` and `zoo worker` on real adapters; and with real processes on PostgreSQL, two
 workers and the web app (`zoo serve`) ingesting the same sources at once, and a worker killed mid-job."""
 
@@ -21,13 +21,13 @@ from sqlalchemy import func, select
 
 from tests.conftest import CLI, truncate_all
 from tests.factories import write_random_peft_adapters
-from zoo import tokens
 from zoo.cli import main
-from zoo.db.models import Adapter, JobItem
-from zoo.db.session import session_factory
 from zoo.errors import NotFoundError
-from zoo.jobs import MAX_ATTEMPTS, cancel_job, claim_items, create_job, finish_item, get_job, release_item, retry_job
-from zoo.worker import Heartbeat
+from zoo.runners.worker import Heartbeat
+from zoo.store import tokens
+from zoo.store.jobs import MAX_ATTEMPTS, cancel_job, claim_items, create_job, finish_item, get_job, release_item, retry_job
+from zoo.store.models import Adapter, JobItem
+from zoo.store.session import session_factory
 
 #: distinct real PEFT adapters the process tests ingest
 SOURCES = 200

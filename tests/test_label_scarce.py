@@ -115,8 +115,8 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
     on each unlabelled adapter: their scores are the eval's row `default` under the same labels and options."""
     from embed.dataset import load_adapters
     from tests.factories import train_peft_adapter
-    from zoo.blobs import BlobStore
-    from zoo.db.session import session_factory
+    from zoo.store.blobs import BlobStore
+    from zoo.store.session import session_factory
 
     targets = {"qv": ("q_proj", "v_proj"), "qk": ("q_proj", "k_proj"), "kv": ("k_proj", "v_proj"), "qkv": ("q_proj", "k_proj", "v_proj")}
     names, tasks, accuracy = [], {}, {}

@@ -1,6 +1,6 @@
 """The one label write (issue 31): the API's label write and ingest's of the same adapter take one lock on PostgreSQL.
 
-A transaction holds the adapter's label lock (zoo.db.locks.label_lock) and nothing else (no row lock another writer
+A transaction holds the adapter's label lock (zoo.store.locks.label_lock) and nothing else (no row lock another writer
 could wait for); meanwhile `PUT /api/v1/adapters/{id}/labels`, the ingest of a stored copy of the adapter's files and
 the ingest of the same update in another factorization, each in a thread of its own, bring labels. Each waits until
 the transaction ends, then writes its labels: so an API write and an ingest of one adapter are serialized, whichever
@@ -22,13 +22,13 @@ from tests.conftest import truncate_all
 from tests.factories import write_random_peft_adapters
 from tests.test_ingest import refactorize
 from webapp import create_app
-from zoo import tokens
-from zoo.blobs import BlobStore
-from zoo.db.locks import label_lock
-from zoo.db.models import AdapterText, Label
-from zoo.db.session import make_engine, session_factory, write_transaction
-from zoo.ingest import IngestOptions, Ingestor
 from zoo.labels import LabelRow
+from zoo.services.ingest import IngestOptions, Ingestor
+from zoo.store import tokens
+from zoo.store.blobs import BlobStore
+from zoo.store.locks import label_lock
+from zoo.store.models import AdapterText, Label
+from zoo.store.session import make_engine, session_factory, write_transaction
 
 pytestmark = pytest.mark.postgres
 #: how long a writer is seen to wait for the lock before it is let go

@@ -19,17 +19,17 @@ from sqlalchemy import update
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from webapp import create_app
-from zoo import lineage as lineage_module
-from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db import repository
-from zoo.db.catalog import search_catalog
-from zoo.db.models import Adapter
-from zoo.db.session import session_factory
-from zoo.ingest import IngestOptions, Ingestor, IngestResult
 from zoo.labels import LabelRow
-from zoo.lineage import MAX_DEPTH, MAX_NODES, lineage
+from zoo.services.ingest import IngestOptions, Ingestor, IngestResult
 from zoo.sources import Origin
+from zoo.store import lineage as lineage_module
+from zoo.store import repository
+from zoo.store.blobs import BlobStore
+from zoo.store.catalog import search_catalog
+from zoo.store.lineage import MAX_DEPTH, MAX_NODES, lineage
+from zoo.store.models import Adapter
+from zoo.store.session import session_factory
 
 CHAT = "org/chat-7b"
 

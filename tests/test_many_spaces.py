@@ -20,11 +20,11 @@ from embed import service
 from embed.engine import QueryEngine
 from tests.factories import write_random_peft_adapters
 from webapp import create_app
-from zoo.blobs import BlobStore
 from zoo.cli import main
-from zoo.db.session import make_engine, session_factory, upgrade
 from zoo.errors import UsageError
 from zoo.reference.real_shapes import write_adapter
+from zoo.store.blobs import BlobStore
+from zoo.store.session import make_engine, session_factory, upgrade
 
 #: real-width adapters per kind: families × members, one layer or block each
 FAMILIES, MEMBERS = 2, 2
@@ -65,7 +65,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zoo]:
     """Toy adapters (base `tiny`) and FAMILIES × MEMBERS real-width adapters of each kind, labelled by family,
     ingested by `zoo ingest` and embedded by `zoo embed` (SQLite)."""
     root = tmp_path_factory.mktemp("many-spaces")
-    url = f"sqlite:///{root / 'zoo.db'}"
+    url = f"sqlite:///{root / 'zoo.store'}"
     upgrade(url)
     data_dir = root / "data"
     base = ["--db", url, "--data-dir", str(data_dir)]
@@ -84,7 +84,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zoo]:
     assert main([*base, "embed", "--json"]) == 0
     from sqlalchemy import select
 
-    from zoo.db.models import Adapter
+    from zoo.store.models import Adapter
 
     ids: dict[str, dict[str, int]] = {kind: {} for kind in SPACES}
     with session_factory(url)() as session:

@@ -22,8 +22,8 @@ from embed.registry import get_space, load_embeddings, register, store_embedding
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from tests.test_engine import ingest_and_embed
-from zoo.db.session import make_engine, session_factory
 from zoo.errors import UsageError
+from zoo.store.session import make_engine, session_factory
 
 PARTS = {"first": 8, "later": 6, "more": 4}
 

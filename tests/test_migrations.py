@@ -9,9 +9,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from zoo.db.catalog import search_document
-from zoo.db.models import Adapter, Base, on_dialect
-from zoo.db.session import current_revision, downgrade, head_revision, make_engine, session_factory, upgrade
+from zoo.store.catalog import search_document
+from zoo.store.models import Adapter, Base, on_dialect
+from zoo.store.session import current_revision, downgrade, head_revision, make_engine, session_factory, upgrade
 
 
 def test_models_match_migrations(db_url: str) -> None:

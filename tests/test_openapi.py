@@ -22,8 +22,8 @@ from schemathesis.checks import (
 from tests.conftest import _backends, truncate_all
 from tests.factories import seed_zoo
 from webapp import create_app
-from zoo import tokens
-from zoo.db.session import make_engine, session_factory, upgrade
+from zoo.store import tokens
+from zoo.store.session import make_engine, session_factory, upgrade
 
 ADAPTERS = 12  # seed_zoo's count; its space is "tiny"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance, response_schema_conformance]
@@ -40,7 +40,7 @@ def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """The app on a seeded zoo (its import root is the seed's directory), its schema, and a token for the writes."""
     root = tmp_path_factory.mktemp(f"openapi-{request.param}")
     if request.param == "sqlite":
-        url = f"sqlite:///{root / 'zoo.db'}"
+        url = f"sqlite:///{root / 'zoo.store'}"
         upgrade(url)
     else:
         url = request.getfixturevalue("pg_url")

@@ -1,4 +1,4 @@
-"""Jobs on Ray (zoo/ray_runner.py), on 2 CPUs of this machine: `zoo ingest --ray` on a new local instance
+"""Jobs on Ray (zoo/runners/ray.py), on 2 CPUs of this machine: `zoo ingest --ray` on a new local instance
 (both databases), and `zoo crawl --ray ADDRESS` on a cluster started apart with `ray start`, whose workers
 see only the environment the driver passes on, with one of its ingest tasks killed mid-job (PostgreSQL)."""
 
@@ -23,8 +23,8 @@ from tests.conftest import CLI, truncate_all
 from tests.factories import write_random_peft_adapters
 from tests.hub_server import FakeRepo, HubServer
 from zoo.config import Settings
-from zoo.db.models import Adapter, JobItem, Label, Measurement
-from zoo.db.session import session_factory
+from zoo.store.models import Adapter, JobItem, Label, Measurement
+from zoo.store.session import session_factory
 
 pytest.importorskip("ray", reason="ray is not installed: pip install 'zoo[ray]' (CI installs it)")
 

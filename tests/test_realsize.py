@@ -18,9 +18,6 @@ from safetensors.torch import save_file
 from sqlalchemy import select
 
 from tests.conftest import CLI
-from zoo.blobs import BlobStore
-from zoo.db.models import Adapter, Embedder, EmbeddingSpace
-from zoo.db.session import session_factory
 from zoo.domain.similarity import (
     MAX_SEARCH_DIM,
     MODULE_SKETCH_DIM,
@@ -30,6 +27,9 @@ from zoo.domain.similarity import (
     sketch_width,
 )
 from zoo.reference.real_shapes import MODELS, write_adapter, write_zoo
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Adapter, Embedder, EmbeddingSpace
+from zoo.store.session import session_factory
 
 
 @given(st.integers(1, 4 * MAX_SEARCH_DIM))

@@ -70,7 +70,7 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     # FAISS agrees with a brute-force numpy search over the stored sketch embeddings
     from embed.registry import active_embedder, load_embeddings
     from embed.service import resolve_space
-    from zoo.db.session import session_factory
+    from zoo.store.session import session_factory
 
     with session_factory(cli.settings.database_url)() as session:
         embedder = active_embedder(session, resolve_space(session, None), method="module_sketch")
@@ -116,9 +116,9 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     assert all(info["predictors"][k].startswith("knn ") for k in ("task", "test_accuracy"))
     from embed.choice import parse_knn
     from embed.metrics import knn_regress
-    from zoo.db.models import Label, Measurement
-    from zoo.db.session import session_factory as sessions_of
     from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
+    from zoo.store.models import Label, Measurement
+    from zoo.store.session import session_factory as sessions_of
 
     with sessions_of(cli.settings.database_url)() as session:
         accuracy = dict(session.execute(select(Measurement.adapter_id, Measurement.value)).all())

@@ -45,12 +45,12 @@ from embed.train import (
 )
 from embed.types import SpaceSchema, ZooAdapter, schema_of
 from tests.conftest import CLI
-from zoo.blobs import BlobStore
-from zoo.db.models import Adapter, Embedder
-from zoo.db.session import session_factory
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.similarity import EXACT_SCORES
 from zoo.reference.real_shapes import write_zoo
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Adapter, Embedder
+from zoo.store.session import session_factory
 
 
 def _unit_rows(n: int, d: int, gen: torch.Generator) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tests.conftest import _backends, truncate_all
 from tests.factories import seed_zoo, write_kohya_file
 from webapp import create_app
 from zoo.cli import main
-from zoo.db.session import make_engine, upgrade
+from zoo.store.session import make_engine, upgrade
 
 N = 12
 
@@ -38,7 +38,7 @@ def web(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """The app on a seeded zoo (tests/factories.py seed_zoo: adapters w00..w11, tasks qk/qv, and outside/new)."""
     root = tmp_path_factory.mktemp(f"web-{request.param}")
     if request.param == "sqlite":
-        url = f"sqlite:///{root / 'zoo.db'}"
+        url = f"sqlite:///{root / 'zoo.store'}"
         upgrade(url)
     else:
         url = request.getfixturevalue("pg_url")
@@ -231,8 +231,8 @@ def test_ingest_needs_a_token_and_stays_in_the_import_root(web: Web, tmp_path: P
     assert error_of(web.client.post("/api/v1/ingest", json=body))["status"] == 401
     assert error_of(web.client.post("/api/v1/ingest", json=body, headers={"Authorization": "Bearer zoo_wrong"}))["status"] == 401
     assert web.zoo("token", "create", "tests", "--json") == 0
-    from zoo import tokens
-    from zoo.db.session import session_factory
+    from zoo.store import tokens
+    from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
         _, token = tokens.create_token(session, "web-test")
@@ -264,8 +264,8 @@ def test_ingest_needs_a_token_and_stays_in_the_import_root(web: Web, tmp_path: P
 def test_label_edits_need_a_token_and_reach_search_and_filters(web: Web) -> None:
     body = {"labels": {"style": "watercolour"}, "measurements": {"test_accuracy": 0.91}}
     assert error_of(web.client.put("/api/v1/adapters/3/labels", json=body))["status"] == 401
-    from zoo import tokens
-    from zoo.db.session import session_factory
+    from zoo.store import tokens
+    from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
         _, token = tokens.create_token(session, "labeller")
@@ -284,8 +284,8 @@ def test_label_edits_need_a_token_and_reach_search_and_filters(web: Web) -> None
 
 def test_delete_needs_a_token_and_the_adapter_leaves_every_index(web: Web) -> None:
     assert error_of(web.client.delete("/api/v1/adapters/9"))["status"] == 401
-    from zoo import tokens
-    from zoo.db.session import session_factory
+    from zoo.store import tokens
+    from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
         _, token = tokens.create_token(session, "remover")
@@ -309,8 +309,8 @@ def test_delete_needs_a_token_and_the_adapter_leaves_every_index(web: Web) -> No
 
 
 def test_an_ingest_job_goes_on_past_a_hostile_file_and_names_it(web: Web) -> None:
-    from zoo import tokens
-    from zoo.db.session import session_factory
+    from zoo.store import tokens
+    from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
         _, token = tokens.create_token(session, "hostile")
@@ -348,8 +348,8 @@ def test_reads_can_require_a_token(web: Web) -> None:
     """With ZOO_READ_TOKEN_REQUIRED every route of the app's own URL map, with every method it accepts (HEAD, OPTIONS
     and the POST reads included), is a 401 without a token, but for the small open list: a new route cannot escape."""
     from webapp.security import OPEN_ENDPOINTS, TOKEN_COOKIE
-    from zoo import tokens
-    from zoo.db.session import session_factory
+    from zoo.store import tokens
+    from zoo.store.session import session_factory
 
     assert OPEN_ENDPOINTS == OPEN
     app = create_app({"ZOO_DATABASE_URL": web.url, "ZOO_DATA_DIR": str(web.data_dir), "ZOO_READ_TOKEN_REQUIRED": "1"})
@@ -459,8 +459,8 @@ def test_no_server_path_in_a_response(web: Web) -> None:
     assert r.status_code == 200 and "Nearest to" in r.get_data(as_text=True)
     _no_server_path(web, r.get_data(as_text=True))
 
-    from zoo import tokens
-    from zoo.db.session import session_factory
+    from zoo.store import tokens
+    from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
         _, token = tokens.create_token(session, "paths")

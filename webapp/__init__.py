@@ -9,7 +9,7 @@ from apiflask import APIFlask
 
 from zoo import __version__
 from zoo.config import Settings
-from zoo.db.session import require_schema
+from zoo.store.session import require_schema
 
 
 def create_app(config: Mapping[str, object] | None = None) -> APIFlask:

@@ -22,10 +22,10 @@ from webapp.auth import token_auth
 from webapp.context import db, retry_after, zoo_context
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters, with_session
 from zoo import __version__, deadline
-from zoo.db import repository
-from zoo.db.models import Adapter
-from zoo.db.session import current_revision
 from zoo.errors import UsageError
+from zoo.store import repository
+from zoo.store.models import Adapter
+from zoo.store.session import current_revision
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
 api.url_value_preprocessor(ids_in_range)
@@ -59,7 +59,7 @@ def health() -> dict[str, object]:
 @api.input(schemas.CatalogQuery, location="query", arg_name="query")
 def adapters(query: dict) -> dict[str, object]:
     """Search the catalog: free text, facets with counts, sorting, pages."""
-    from zoo.db.catalog import search_catalog
+    from zoo.store.catalog import search_catalog
 
     filters = space_filters(db(), query["space"], repository.parse_filters(query["filter"]))
     return search_catalog(db(), query["q"], filters, query["sort"], query["page"], query["per_page"])
@@ -77,7 +77,7 @@ def adapter(adapter_id: int) -> dict[str, object]:
 @api.doc(responses=[*READ, 404])
 def lineage(adapter_id: int) -> dict[str, object]:
     """The adapter's base-model tree, its versions, and the adapters of the same base model, author and source."""
-    from zoo.lineage import lineage as adapter_lineage
+    from zoo.store.lineage import lineage as adapter_lineage
 
     return adapter_lineage(db(), adapter_id)
 
@@ -165,7 +165,7 @@ def predict_performance(body: dict) -> dict[str, object]:
 @api.doc(responses={200: {"description": "a zip (peft) or a .safetensors file"}, 400: "Bad Request", 401: "Unauthorized"})
 def download(adapter_id: int, query: dict) -> Response:
     """The adapter rebuilt from its canonical form as a PEFT directory (zip), a diffusers or a kohya file."""
-    from zoo.export import export_files, export_zip, file_stem, load_for_export
+    from zoo.services.export import export_files, export_zip, file_stem, load_for_export
 
     factors, meta = load_for_export(db(), zoo_context().blobs, adapter_id)
     fmt = query["format"]
@@ -183,8 +183,8 @@ def download(adapter_id: int, query: dict) -> Response:
 @api.doc(responses=[200, 400, 413, 415])
 def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
     """Set given labels and test measurements (replacing those with the same key); needs a token."""
-    from zoo.db.labels import write_labels
-    from zoo.db.session import write_transaction
+    from zoo.store.labels import write_labels
+    from zoo.store.session import write_transaction
 
     if not body["labels"] and not body["measurements"]:
         raise UsageError("send labels and/or measurements to set")
@@ -240,7 +240,7 @@ def ingest(body: dict) -> dict[str, object]:
 @api.doc(responses=READ)
 def jobs() -> dict[str, object]:
     """The newest ingestion jobs with counts per item state, throughput and ETA."""
-    from zoo.jobs import list_jobs
+    from zoo.store.jobs import list_jobs
 
     return {"jobs": list_jobs(db())}
 
@@ -250,7 +250,7 @@ def jobs() -> dict[str, object]:
 @api.doc(responses=READ)
 def job(job_id: int) -> dict[str, object]:
     """An ingestion job: counts per item state, throughput, ETA, mean seconds per stage and the slowest, and its items."""
-    from zoo.jobs import get_job
+    from zoo.store.jobs import get_job
 
     return get_job(db(), job_id)
 

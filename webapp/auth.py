@@ -5,9 +5,9 @@ from __future__ import annotations
 from apiflask import HTTPTokenAuth
 
 from webapp.context import zoo_context
-from zoo.db.models import ApiToken
-from zoo.db.session import write_transaction
-from zoo.tokens import verify_token
+from zoo.store.models import ApiToken
+from zoo.store.session import write_transaction
+from zoo.store.tokens import verify_token
 
 token_auth = HTTPTokenAuth(scheme="Bearer", description="A token from `zoo token create NAME`")
 

@@ -25,11 +25,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from embed.engine import QueryEngine
 from zoo import deadline, memory
-from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.session import session_factory
 from zoo.deadline import TimeLimitError
 from zoo.errors import ZooError
+from zoo.store.blobs import BlobStore
+from zoo.store.session import session_factory
 
 T = TypeVar("T")
 

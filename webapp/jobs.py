@@ -11,10 +11,10 @@ from pathlib import Path
 from webapp.context import db, zoo_context
 from zoo import memory
 from zoo.errors import UsageError
-from zoo.jobs import PROCESSED, create_job, job_detail
+from zoo.runners.worker import EMBED_EVERY, EmbedBatches, WorkerOptions, work
 from zoo.sources.local import expand_under
 from zoo.sources.upload import Upload, materialize
-from zoo.worker import EMBED_EVERY, EmbedBatches, WorkerOptions, work
+from zoo.store.jobs import PROCESSED, create_job, job_detail
 
 
 def import_path(raw: str) -> Path:

@@ -8,7 +8,7 @@ from apiflask.validators import Length, OneOf, Range
 
 from embed.engine import MAX_K, SEARCH_METHODS
 from webapp.errors import ERROR_TYPES
-from zoo.export import FORMATS
+from zoo.services.export import FORMATS
 
 MAX_IDS = 100
 MAX_PAGE = 1_000_000

@@ -15,10 +15,10 @@ from sqlalchemy.orm import Session
 from embed import service
 from webapp import schemas
 from webapp.context import db, zoo_context
-from zoo.db import repository
-from zoo.db.models import Adapter
 from zoo.errors import NotFoundError, UsageError
 from zoo.sources.upload import Upload, materialize
+from zoo.store import repository
+from zoo.store.models import Adapter
 
 T = TypeVar("T")
 

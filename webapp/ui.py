@@ -9,10 +9,10 @@ from embed import service
 from webapp.context import db, zoo_context
 from webapp.schemas import MAX_PAGE
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
-from zoo.db import repository
-from zoo.db.catalog import FACET_VALUES
 from zoo.errors import ZooError
 from zoo.labels import TASK_KEY
+from zoo.store import repository
+from zoo.store.catalog import FACET_VALUES
 
 ui = APIBlueprint("ui", __name__, enable_openapi=False)
 ui.url_value_preprocessor(ids_in_range)
@@ -25,7 +25,7 @@ def _filters_from_args() -> list[str]:
 
 @ui.get("/")
 def search_page() -> str:
-    from zoo.db.catalog import search_catalog
+    from zoo.store.catalog import search_catalog
 
     filters = _filters_from_args()
     space = request.args.get("space") or None
@@ -108,14 +108,14 @@ def similar_page() -> tuple[str, int] | str:
 
 @ui.get("/jobs")
 def jobs_page() -> str:
-    from zoo.jobs import list_jobs
+    from zoo.store.jobs import list_jobs
 
     return render_template("jobs.html", jobs=list_jobs(db()), twin=url_for("api.jobs"))
 
 
 @ui.get("/jobs/<int:job_id>")
 def job_page(job_id: int) -> str:
-    from zoo.jobs import get_job
+    from zoo.store.jobs import get_job
 
     return render_template("job.html", j=get_job(db(), job_id), twin=url_for("api.job", job_id=job_id))
 

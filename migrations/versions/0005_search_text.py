@@ -22,7 +22,7 @@ depends_on: str | Sequence[str] | None = None
 
 #: SQLite: the FTS5 index reads its text from adapter_text (external content) and these triggers keep it
 #: in step with every insert, update and delete there, cascades from adapter included. The documents
-#: are already lower-case words separated by spaces (zoo/db/catalog.py); the `ascii` tokenizer splits
+#: are already lower-case words separated by spaces (zoo/store/catalog.py); the `ascii` tokenizer splits
 #: them at the spaces only (it keeps every non-ASCII character in its word), so FTS5 sees the same
 #: words as PostgreSQL and as the query builder.
 SQLITE_FTS = (
@@ -37,7 +37,7 @@ SQLITE_FTS = (
 )
 
 
-#: The backfill below is a frozen copy of zoo/db/catalog.py's search document as it was at this revision (issue 31:
+#: The backfill below is a frozen copy of zoo/store/catalog.py's search document as it was at this revision (issue 31:
 #: a migration imports nothing live, so it never changes when live code does), over the tables as they were then.
 _ADAPTER = sa.table(
     "adapter",

@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from zoo.blobs import BlobStore
 from zoo.cli.jobs import add_ray_arguments, queue_job, run_job_on_ray
 from zoo.cli.render import human, lineage_lines, plural, print_json
 from zoo.cli.spaces import blob_store
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
-from zoo.db import repository
-from zoo.db.catalog import MAX_PER_PAGE, SORTS, search_catalog
-from zoo.db.session import require_schema, session_factory
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow, assign_rows, read_labels_csv
+from zoo.store import repository
+from zoo.store.blobs import BlobStore
+from zoo.store.catalog import MAX_PER_PAGE, SORTS, search_catalog
+from zoo.store.session import require_schema, session_factory
 
 if TYPE_CHECKING:
-    from zoo.ingest import IngestOptions
+    from zoo.services.ingest import IngestOptions
 
 
 def run_ingest(
@@ -36,7 +36,7 @@ def run_ingest(
     Returns counts by status and failures."""
     from itertools import chain
 
-    from zoo.ingest import Ingestor, ingest_source
+    from zoo.services.ingest import Ingestor, ingest_source
     from zoo.sources import hub
     from zoo.sources.local import expand_paths
     from zoo.sources.resolve import is_remote
@@ -67,7 +67,7 @@ def run_ingest(
 
 
 def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo.ingest import IngestOptions
+    from zoo.services.ingest import IngestOptions
 
     if args.ray is not None:
         require_schema(settings.database_url)
@@ -173,7 +173,7 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo.lineage import lineage
+    from zoo.store.lineage import lineage
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
@@ -186,7 +186,7 @@ def cmd_lineage(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_export(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo.export import export_files, export_notes, export_zip, load_for_export
+    from zoo.services.export import export_files, export_notes, export_zip, load_for_export
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
@@ -237,7 +237,7 @@ def _write_new(targets: dict[Path, bytes]) -> None:
 
 
 def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo.check import check
+    from zoo.services.check import check
 
     require_schema(settings.database_url)
     report = check(settings, repair=args.repair, grace_s=args.grace)

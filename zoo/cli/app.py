@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from zoo.cli.adapters import run_ingest
 from zoo.cli.render import print_json, print_zoo_report
 from zoo.config import Settings
-from zoo.db.session import make_engine, require_schema, session_factory, upgrade
 from zoo.labels import read_labels_csv
 from zoo.reference.recipes import RECIPES
+from zoo.store.session import make_engine, require_schema, session_factory, upgrade
 
 if TYPE_CHECKING:
     pass
@@ -42,8 +42,8 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     """The main job on embedded defaults: build a demo zoo, store it, embed it, train W2T, say what to run next."""
     from embed import service
     from embed.train import TrainOptions
-    from zoo.ingest import IngestOptions
     from zoo.reference.build import make_zoo
+    from zoo.services.ingest import IngestOptions
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
@@ -130,7 +130,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_token(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo import tokens
+    from zoo.store import tokens
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url).begin() as session:

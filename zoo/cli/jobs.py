@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 from zoo.cli.render import job_lines, job_list_lines, print_json, worker_line
 from zoo.config import Settings
-from zoo.db.session import require_schema, session_factory
 from zoo.errors import UsageError
 from zoo.labels import read_labels_csv
+from zoo.store.session import require_schema, session_factory
 
 if TYPE_CHECKING:
     pass
@@ -36,8 +36,8 @@ def queue_job(
     settings: Settings, paths: list[str], options: dict[str, object], labels_csv: str | None, metrics: Sequence[str], created_by: str
 ) -> int:
     """Queue the sources under `paths` (local or `hf://`) as one job, with their labels CSV rows; its id."""
-    from zoo import jobs
     from zoo.sources.resolve import job_sources
+    from zoo.store import jobs
 
     label_rows = read_labels_csv(Path(labels_csv), metrics) if labels_csv else {}
     sources, labels = job_sources(paths, label_rows)
@@ -46,9 +46,9 @@ def queue_job(
 
 
 def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) -> int:
-    """Work a queued job on Ray (zoo/ray_runner.py); print the worker's summary and the failed items."""
-    from zoo.jobs import get_job
-    from zoo.ray_runner import run_on_ray
+    """Work a queued job on Ray (zoo/runners/ray.py); print the worker's summary and the failed items."""
+    from zoo.runners.ray import run_on_ray
+    from zoo.store.jobs import get_job
 
     device, progress = getattr(args, "device", None), False if args.json else None
     summary = run_on_ray(settings, job_id, args.ray or None, args.concurrency, device=device, progress=progress)
@@ -66,7 +66,7 @@ def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) ->
 
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo import jobs
+    from zoo.store import jobs
 
     require_schema(settings.database_url)
     sessions = session_factory(settings.database_url)
@@ -91,8 +91,8 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_crawl(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo import jobs
     from zoo.sources.hub import crawl
+    from zoo.store import jobs
 
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be at least 1")
@@ -114,8 +114,8 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from zoo.jobs import get_job
-    from zoo.worker import WorkerOptions, run_worker
+    from zoo.runners.worker import WorkerOptions, run_worker
+    from zoo.store.jobs import get_job
 
     require_schema(settings.database_url)
     if args.concurrency < 1 or args.embed_every < 1:

@@ -124,7 +124,7 @@ def job_list_lines(found: list[dict]) -> list[str]:
 
 def job_lines(j: dict) -> list[str]:
     """A job resource as text: counts, throughput and ETA, stage means, failed items."""
-    from zoo.jobs import ITEM_STATES
+    from zoo.store.jobs import ITEM_STATES
 
     c = j["counts"]
     when = f"created {str(j['created_at'])[:19]}" + (f", finished {str(j['finished_at'])[:19]}" if j["finished_at"] else "")

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zoo.blobs import BlobStore
 from zoo.cli.render import human, percent, print_json
 from zoo.config import Settings
-from zoo.db import repository
-from zoo.db.session import require_schema, session_factory
 from zoo.errors import UsageError
+from zoo.store import repository
+from zoo.store.blobs import BlobStore
+from zoo.store.session import require_schema, session_factory
 
 if TYPE_CHECKING:
     pass

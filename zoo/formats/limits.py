@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from zoo.errors import InputError
 from zoo.formats.model import AdapterData
 
-#: database column widths (zoo/db/models.py)
+#: database column widths (zoo/store/models.py)
 MAX_MODULE_NAME = 512
 MAX_MODULE_TYPE = 128
 MAX_BASE_MODEL = 255

@@ -1,6 +1,6 @@
 """The one place a source string becomes files to read: local paths pass through, `hf://` sources are fetched
 from the Hub (zoo/sources/hub.py). `zoo ingest`, `zoo worker` and the web app's jobs all go through here. Sources yield
-files and never call ingest: zoo.ingest.ingest_source ingests what they yield."""
+files and never call ingest: zoo.services.ingest.ingest_source ingests what they yield."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 from sqlalchemy import ColumnElement, Connection, Select, bindparam, delete, exists, select, union_all
 from sqlalchemy.orm import Session, aliased, selectinload
 
-from zoo.db.models import Adapter, JobItem, Label, Measurement
 from zoo.errors import UsageError
+from zoo.store.models import Adapter, JobItem, Label, Measurement
 from zoo.timestamps import iso_seconds
 
 

@@ -1,6 +1,6 @@
 """A job worked on a Ray cluster: `zoo ingest --ray [ADDRESS]` and `zoo crawl --ray [ADDRESS]`.
 
-The pipeline is `zoo worker`'s (zoo/worker.py), run as Ray tasks: one task per CPU of the cluster runs
+The pipeline is `zoo worker`'s (zoo/runners/worker.py), run as Ray tasks: one task per CPU of the cluster runs
 the claim loop (claim an item under a lease, ingest it, write its outcome) until the job is drained,
 streaming each outcome back to this process, which shows the progress and hands the stored adapters
 to an embedding actor (embedded in batches through the query engine's incremental path). The job's
@@ -26,10 +26,10 @@ from dataclasses import asdict
 from typing import Any
 
 from zoo.config import Settings
-from zoo.db.session import session_factory
 from zoo.errors import UsageError
-from zoo.jobs import pending_items
-from zoo.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, drive, work
+from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, drive, work
+from zoo.store.jobs import pending_items
+from zoo.store.session import session_factory
 
 log = logging.getLogger(__name__)
 

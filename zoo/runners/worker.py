@@ -1,4 +1,4 @@
-"""`zoo worker`: works through the queued items of ingestion jobs (zoo/jobs.py) with N processes.
+"""`zoo worker`: works through the queued items of ingestion jobs (zoo/store/jobs.py) with N processes.
 
 Each process claims one item at a time under a lease that its heartbeat thread renews, ingests it and
 writes the outcome. A process killed mid-item loses nothing: its lease runs out and another worker
@@ -30,12 +30,12 @@ from typing import Protocol
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm import tqdm
 
-from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.session import session_factory
-from zoo.ingest import IngestOptions, Ingestor, ingest_source
-from zoo.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
+from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.sources.local import escapes
+from zoo.store.blobs import BlobStore
+from zoo.store.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
+from zoo.store.session import session_factory
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def outcomes(settings: Settings, options: WorkerOptions, concurrency: int, stop:
 
 
 class Batches(Protocol):
-    """Where outcomes' adapters go to be embedded: EmbedBatches here, or an embedding actor (zoo/ray_runner.py)."""
+    """Where outcomes' adapters go to be embedded: EmbedBatches here, or an embedding actor (zoo/runners/ray.py)."""
 
     embedded: Counter[str]
 

@@ -2,7 +2,7 @@
 process and a job survives the process that made it.
 
 An item is queued, then running under a lease (its owner, until when), then done | duplicate | failed
-(with its reason) | cancelled. Workers (zoo/worker.py, the web app's job thread, later Ray tasks) share
+(with its reason) | cancelled. Workers (zoo/runners/worker.py, the web app's job thread, later Ray tasks) share
 the queue through four calls, each one short transaction given only a session factory:
 
 - `claim_items`: queued items, or running ones whose lease expired, become running under the caller's
@@ -29,10 +29,10 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from zoo.db.models import Job, JobItem
-from zoo.db.session import write_transaction
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow
+from zoo.store.models import Job, JobItem
+from zoo.store.session import write_transaction
 from zoo.timestamps import as_utc, iso_seconds
 
 ITEM_STATES = ("queued", "running", "done", "duplicate", "failed", "cancelled")

@@ -165,7 +165,7 @@ class Label(Base):
 
 
 class AdapterText(Base):
-    """An adapter's search document (see zoo/db/catalog.py), rewritten with the adapter and its given labels.
+    """An adapter's search document (see zoo/store/catalog.py), rewritten with the adapter and its given labels.
     PostgreSQL keeps its tsvector in a generated column under a GIN index; SQLite indexes it with an FTS5
     table (migration 0005)."""
 
@@ -261,7 +261,7 @@ class ApiToken(Base):
 
 
 class Job(Base):
-    """A batch of sources to ingest, with a state per item (see zoo/jobs.py)."""
+    """A batch of sources to ingest, with a state per item (see zoo/store/jobs.py)."""
 
     __tablename__ = "job"
 

@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from zoo.db.models import ApiToken
 from zoo.errors import NotFoundError, UsageError
+from zoo.store.models import ApiToken
 from zoo.timestamps import iso_seconds
 
 PREFIX = "zoo_"

@@ -11,14 +11,14 @@ from collections.abc import Mapping
 
 from sqlalchemy.orm import Session
 
-from zoo.db.catalog import refresh_search_text
-from zoo.db.locks import label_lock, take_locks
-from zoo.db.repository import replace_labels
+from zoo.store.catalog import refresh_search_text
+from zoo.store.locks import label_lock, take_locks
+from zoo.store.repository import replace_labels
 
 
 def write_labels(session: Session, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:
     """Given labels and test measurements replace those with the same key, and the search document is rewritten, in the
-    session's write transaction (zoo.db.session.write_transaction), under `label_lock(adapter_id)`: taken here when the
+    session's write transaction (zoo.store.session.write_transaction), under `label_lock(adapter_id)`: taken here when the
     transaction does not hold it yet, and held to its end."""
     take_locks(session, label_lock(adapter_id))
     replace_labels(session, adapter_id, attributes, measurements)

@@ -47,9 +47,9 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from zoo.db import repository
-from zoo.db.models import SQLITE_FTS_TABLE, Adapter, AdapterText, Label
 from zoo.errors import UsageError
+from zoo.store import repository
+from zoo.store.models import SQLITE_FTS_TABLE, Adapter, AdapterText, Label
 
 SORTS = ("relevance", "name", "newest", "rank")
 MAX_PER_PAGE = 100

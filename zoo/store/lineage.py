@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, func, literal_column, select
 from sqlalchemy.orm import Session, aliased
 
-from zoo.db.models import UNKNOWN_BASE, Adapter
 from zoo.errors import NotFoundError
+from zoo.store.models import UNKNOWN_BASE, Adapter
 from zoo.timestamps import iso_seconds
 
 #: a Hub source's URI prefix: the stored adapter of Hub model `owner/name` has the source `hf://owner/name`

@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import select
 
-from zoo.blobs import BlobStore
 from zoo.config import Settings
-from zoo.db.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
-from zoo.db.session import session_factory
 from zoo.files import TMP_PREFIX
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
+from zoo.store.session import session_factory
 
 #: seconds a blob or temporary file must be old before `--repair` may remove it
 DEFAULT_GRACE_S = 3600.0

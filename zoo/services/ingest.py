@@ -16,14 +16,7 @@ from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from zoo.blobs import BlobStore, BlobWriter
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
-from zoo.db import repository
-from zoo.db.catalog import write_search_text
-from zoo.db.labels import write_labels
-from zoo.db.locks import store_locks
-from zoo.db.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module
-from zoo.db.session import write_transaction
 from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
 from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
 from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
@@ -32,6 +25,13 @@ from zoo.formats import AdapterData, RawAdapter, adapter_name, layer_index, modu
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
 from zoo.sources import Origin, hub
+from zoo.store import repository
+from zoo.store.blobs import BlobStore, BlobWriter
+from zoo.store.catalog import write_search_text
+from zoo.store.labels import write_labels
+from zoo.store.locks import store_locks
+from zoo.store.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module
+from zoo.store.session import write_transaction
 
 #: formats read, canonicalized and described on one torch thread (see one_torch_thread; the blob is written on
 #: another): their kernels are per module, or batched over modules of a few MB to a few hundred MB, and on a busy
@@ -253,7 +253,7 @@ class Ingestor:
         self, raw: RawAdapter, source: str, base_model: str, labels: LabelRow | None, origin: Origin | None, lap: _Laps
     ) -> IngestResult:
         """Read the tensors of files not stored yet, canonicalize, describe and store them; the blob is written and
-        fsynced meanwhile, on a thread of its own (see zoo.blobs)."""
+        fsynced meanwhile, on a thread of its own (see zoo.store.blobs)."""
         opts = self.options
         data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
         lap("read")
@@ -309,7 +309,7 @@ class Ingestor:
 
     def _attach_labels(self, adapter_id: int, locks: list[str], labels: LabelRow) -> bool:
         """Given labels onto a stored adapter (False if it is gone), in one transaction under the store's locks and the
-        adapter's label lock (zoo.db.labels.write_labels)."""
+        adapter's label lock (zoo.store.labels.write_labels)."""
         with write_transaction(self.sessions, *locks) as session:
             if session.connection().execute(_ADAPTER_EXISTS, {"id": adapter_id}).first() is None:
                 return False
@@ -346,8 +346,8 @@ class Ingestor:
 
     def _store(self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
-        duplicate (see zoo.db.locks.store_locks) so that the duplicate check sees every earlier one's update; a duplicate's labels
-        are written under its label lock too (zoo.db.labels.write_labels). The blob, written
+        duplicate (see zoo.store.locks.store_locks) so that the duplicate check sees every earlier one's update; a duplicate's labels
+        are written under its label lock too (zoo.store.labels.write_labels). The blob, written
         and fsynced meanwhile (`blob`), is put under its digest (idempotently, by content) after the rows are
         inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob
         left by a transaction that failed is an orphan for `zoo check --repair`."""

@@ -27,8 +27,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
-from zoo.db.locks import take_locks
 from zoo.errors import ZooError
+from zoo.store.locks import take_locks
 
 #: how long a SQLite writer waits for another process's write lock
 SQLITE_BUSY_MS = 60_000

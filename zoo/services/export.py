@@ -26,9 +26,6 @@ from safetensors import SafetensorError
 from safetensors.torch import save
 from sqlalchemy.orm import Session
 
-from zoo.blobs import BlobStore
-from zoo.db import repository
-from zoo.db.models import UNKNOWN_BASE
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.fingerprint import NamedFactors
 from zoo.errors import NotFoundError, StorageError, UsageError
@@ -36,6 +33,9 @@ from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
 from zoo.formats.peft import PAIRS as PEFT_PAIRS
+from zoo.store import repository
+from zoo.store.blobs import BlobStore
+from zoo.store.models import UNKNOWN_BASE
 
 FORMATS = ("peft", "diffusers", "kohya")
 #: stored formats whose updates are LoRA adapters (the others are checkpoints)

@@ -1,5 +1,5 @@
 """Every lock a writer takes, in one place: the keys (an update's duplicate window, a space's embeddings, an adapter's
-labels) and taking them in a write transaction (zoo.db.session.write_transaction). On PostgreSQL a key is a
+labels) and taking them in a write transaction (zoo.store.session.write_transaction). On PostgreSQL a key is a
 transaction-level advisory lock; SQLite has one writer at a time and needs none. Imports no torch: every command
 opens a session."""
 

@@ -1,1 +1,0 @@
-"""Storage: typed models, engine/session setup, repository functions."""
