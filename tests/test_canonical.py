@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_batched
@@ -117,10 +117,12 @@ def test_batched_modules_of_several_shapes_match_reference(seed: int, r: int, si
         pairs[-1] = (A, B)
     scale = [0.5 + i for i in range(len(pairs))]
     got = canonicalize_batched([a for a, _ in pairs], [b for _, b in pairs], scale)
-    for (A, B), s, g in zip(pairs, scale, got, strict=True):
+    for i, ((A, B), s, g) in enumerate(zip(pairs, scale, got, strict=True)):
         ref = canonicalize(A, B, s)
-        if g.rank == ref.rank == min(A.shape[0], *B.shape) and ref.S[-1] > 1e-3 * ref.S[0]:
-            assert_same(g, ref)
+        if not (r > 1 and i == len(pairs) - 1):  # Gaussian factors: full rank (the planted one may lose a component)
+            assert g.rank == ref.rank == r
+            if ref.S[-1] > 1e-3 * ref.S[0]:  # (U, S, V) are compared where σ_min is not within rounding of a tie
+                assert_same(g, ref)
         assert torch.allclose(g.delta(), s * B @ A, atol=1e-4 * max(1.0, float((s * B @ A).abs().max())))
 
 
@@ -189,9 +191,10 @@ def test_canonical_hash_is_factorization_invariant(seed: int, n_modules: int) ->
         mods.append((f"layers.{m}.q_proj", canonicalize(A, B)))
         mods2.append((f"layers.{m}.q_proj", canonicalize((torch.linalg.inv(G) @ A.double()).float(), (B.double() @ G).float())))
     assert relative_distance(mods, mods2) < 1e-5
-    # Rounding has boundaries: equality is promised when no hashed value lies within float noise of one.
-    if hash_margin(mods) > 1e-5:
-        assert canonical_hash(mods) == canonical_hash(mods2)
+    # Rounding has boundaries: equality is promised when no hashed value lies within float noise of one; examples
+    # that put one there are discarded (hypothesis fails the test if that leaves too few).
+    assume(hash_margin(mods) > 1e-5)
+    assert canonical_hash(mods) == canonical_hash(mods2)
 
 
 def test_canonical_hash_separates_different_updates() -> None:
