@@ -1,17 +1,18 @@
 """Ingestion jobs started from the web app: checked paths or saved uploads, worked on in the app's job thread
-(with the same claims and leases as `zoo worker`, which may take a share of the items too)."""
+(the same claims, leases and drive loop as `zoo worker`, which may take a share of the items too)."""
 
 from __future__ import annotations
 
 import shutil
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from webapp.context import db, zoo_context
 from zoo import memory
 from zoo.errors import UsageError
-from zoo.runners.worker import EMBED_EVERY, EmbedBatches, WorkerOptions, work
+from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, drive, work
 from zoo.sources.local import expand_under
 from zoo.sources.upload import Upload, materialize
 from zoo.store.jobs import PROCESSED, create_job, job_detail
@@ -63,22 +64,26 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
     session.commit()
     detail = job_detail(session, job)
 
+    worker_options = WorkerOptions(job_id=job.id, drain=True)
+
     def remove_upload() -> None:
         if upload_dir is not None:
             shutil.rmtree(upload_dir, ignore_errors=True)
 
-    def run() -> None:
-        batches = EmbedBatches(ctx.settings, EMBED_EVERY)
+    def outcomes() -> Iterator[Outcome | None]:
         try:
-            for outcome in work(ctx.settings, WorkerOptions(job_id=job.id, drain=True), threading.Event()):
-                if outcome is not None:
-                    batches.add(outcome)
-                    if outcome.state in PROCESSED:  # an upload is one item: its files are done with once it is
-                        remove_upload()
+            for outcome in work(ctx.settings, worker_options, threading.Event()):
+                if outcome is not None and outcome.state in PROCESSED:  # an upload is one item: its files are done with
+                    remove_upload()
+                yield outcome
         finally:
             remove_upload()
-        batches.flush()
-        memory.trim()  # what reading and sketching the adapters freed goes back to the system (zoo/memory.py)
+
+    def run() -> None:
+        try:
+            drive(ctx.settings, worker_options, outcomes(), EmbedBatches(ctx.settings, EMBED_EVERY), 1, progress=False)
+        finally:
+            memory.trim()  # what reading and sketching the adapters freed goes back to the system (zoo/memory.py)
 
     ctx.jobs.submit(run)
     return detail
