@@ -100,7 +100,7 @@ class EngineBaseline:
         from zoo.store.blobs import BlobStore
         from zoo.store.session import session_factory
 
-        self.sessions = session_factory(f"sqlite:///{work / 'zoo.store'}")
+        self.sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
         self.engine = QueryEngine(self.sessions, BlobStore(work / "blobs"), work)
         self.space, self.threads = space, threads
 
@@ -213,7 +213,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed + 2)
     ids = rng.integers(1, args.adapters + 1, args.requests)
     port = free_port()
-    cmd = [sys.executable, "-m", "zoo.cli", "--db", f"sqlite:///{work / 'zoo.store'}", "--data-dir", str(work), "serve"]
+    cmd = [sys.executable, "-m", "zoo.cli", "--db", f"sqlite:///{work / 'zoo.db'}", "--data-dir", str(work), "serve"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(args.workers), "--threads", str(args.threads)]
     baseline = EngineBaseline(work, space, args.clients)
     baseline.run(ids[:50])  # loads the engine

@@ -106,7 +106,7 @@ def fresh_database(backend: str, admin_url: str, root: Path) -> Iterator[str]:
     from zoo.store.session import make_engine, upgrade
 
     if backend == "sqlite":
-        url = f"sqlite:///{root / 'zoo.store'}"
+        url = f"sqlite:///{root / 'zoo.db'}"
         upgrade(url)
         yield url
         make_engine(url).dispose()

@@ -289,7 +289,7 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     from zoo.store.session import make_engine, upgrade
 
     t0 = time.perf_counter()
-    url = f"sqlite:///{work / 'zoo.store'}"
+    url = f"sqlite:///{work / 'zoo.db'}"
     upgrade(url)
     engine = make_engine(url)
     base = "synthetic/" + src.sketch_config["schema"]["base_model"]
@@ -508,7 +508,7 @@ def main() -> None:
     source: dict | None = None
     if args.kind:
         sketch_dir, w2t_dir, source = build_sources(args)
-        src = load_source(f"sqlite:///{sketch_dir / 'zoo.store'}", sketch_dir, args.noise, f"sqlite:///{w2t_dir / 'zoo.store'}", w2t_dir)
+        src = load_source(f"sqlite:///{sketch_dir / 'zoo.db'}", sketch_dir, args.noise, f"sqlite:///{w2t_dir / 'zoo.db'}", w2t_dir)
     else:
         settings = Settings.load(args.zoo_db, args.zoo_data_dir)
         src = load_source(settings.database_url, settings.data_dir, args.noise)
@@ -543,7 +543,7 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
-    sessions = session_factory(f"sqlite:///{work / 'zoo.store'}")
+    sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
     engine = QueryEngine(sessions, BlobStore(work / "blobs"), work)
     if args.blas_threads is not None:
         from threadpoolctl import threadpool_limits

@@ -35,7 +35,7 @@ def pg_url() -> str:
 @pytest.fixture(params=_backends())
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'zoo.store'}"
+        url = f"sqlite:///{tmp_path / 'zoo.db'}"
         upgrade(url)
         yield url
         make_engine(url).dispose()

@@ -51,7 +51,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     from zoo.store.tokens import create_token
 
     root = tmp_path_factory.mktemp("attack")
-    url = f"sqlite:///{root / 'zoo.store'}"
+    url = f"sqlite:///{root / 'zoo.db'}"
     upgrade(url)
     paths = write_random_peft_adapters(root / "zoo", 12)
     (root / "labels.csv").write_text(

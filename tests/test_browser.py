@@ -48,7 +48,7 @@ def _free_port() -> int:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`zoo serve` (one gunicorn worker) on a free port over a seeded SQLite zoo."""
     root = tmp_path_factory.mktemp("browser-zoo")
-    db_url = f"sqlite:///{root / 'zoo.store'}"
+    db_url = f"sqlite:///{root / 'zoo.db'}"
     upgrade(db_url)
     data_dir = seed_zoo(root, db_url)
     # more labels, as a real zoo has: a seed per adapter (a facet to fold away) and a group of 9 values (more than shown)

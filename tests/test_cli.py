@@ -59,7 +59,7 @@ def test_init_then_show_missing_adapter(tmp_path: Path, capsys, monkeypatch) -> 
     monkeypatch.setenv("ZOO_DATA_DIR", str(tmp_path / "home"))
     monkeypatch.delenv("ZOO_DATABASE_URL", raising=False)
     assert main(["init"]) == 0
-    assert (tmp_path / "home" / "zoo.store").exists()
+    assert (tmp_path / "home" / "zoo.db").exists()
     assert main(["init"]) == 0  # idempotent
     assert main(["show", "99"]) == 2
     assert "no adapter with id 99" in capsys.readouterr().err

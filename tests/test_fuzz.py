@@ -44,7 +44,7 @@ def seeds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Ingestor, Path, str]:
     data = tmp_path_factory.mktemp("fuzz-data")
-    url = f"sqlite:///{data / 'zoo.store'}"
+    url = f"sqlite:///{data / 'zoo.db'}"
     upgrade(url)
     return Ingestor(session_factory(url), BlobStore(data / "blobs"), IngestOptions(base_model="fuzz")), data, url
 
@@ -97,7 +97,7 @@ def mutate(source: Path, data: st.DataObject) -> None:
 def state(data_dir: Path, url: str) -> tuple[int, list[str]]:
     with session_factory(url)() as session:
         count = int(session.scalar(select(func.count(Adapter.id))) or 0)
-    files = sorted(str(p.relative_to(data_dir)) for p in data_dir.rglob("*") if p.is_file() and "zoo.store" not in p.name)
+    files = sorted(str(p.relative_to(data_dir)) for p in data_dir.rglob("*") if p.is_file() and "zoo.db" not in p.name)
     return count, files
 
 

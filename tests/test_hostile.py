@@ -41,7 +41,7 @@ def rewrite_header(path: Path, change: Callable[[dict], None]) -> None:
 
 def leftovers(cli: CLI) -> list[Path]:
     data = cli.settings.data_dir
-    return sorted(p for p in data.rglob("*") if p.is_file() and p.suffix != ".db" and "zoo.store" not in p.name) if data.exists() else []
+    return sorted(p for p in data.rglob("*") if p.is_file() and p.suffix != ".db" and "zoo.db" not in p.name) if data.exists() else []
 
 
 def refuse(cli: CLI, source: Path, reason: str) -> dict:

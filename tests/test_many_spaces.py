@@ -65,7 +65,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zoo]:
     """Toy adapters (base `tiny`) and FAMILIES × MEMBERS real-width adapters of each kind, labelled by family,
     ingested by `zoo ingest` and embedded by `zoo embed` (SQLite)."""
     root = tmp_path_factory.mktemp("many-spaces")
-    url = f"sqlite:///{root / 'zoo.store'}"
+    url = f"sqlite:///{root / 'zoo.db'}"
     upgrade(url)
     data_dir = root / "data"
     base = ["--db", url, "--data-dir", str(data_dir)]

@@ -40,7 +40,7 @@ def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """The app on a seeded zoo (its import root is the seed's directory), its schema, and a token for the writes."""
     root = tmp_path_factory.mktemp(f"openapi-{request.param}")
     if request.param == "sqlite":
-        url = f"sqlite:///{root / 'zoo.store'}"
+        url = f"sqlite:///{root / 'zoo.db'}"
         upgrade(url)
     else:
         url = request.getfixturevalue("pg_url")

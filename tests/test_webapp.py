@@ -38,7 +38,7 @@ def web(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """The app on a seeded zoo (tests/factories.py seed_zoo: adapters w00..w11, tasks qk/qv, and outside/new)."""
     root = tmp_path_factory.mktemp(f"web-{request.param}")
     if request.param == "sqlite":
-        url = f"sqlite:///{root / 'zoo.store'}"
+        url = f"sqlite:///{root / 'zoo.db'}"
         upgrade(url)
     else:
         url = request.getfixturevalue("pg_url")

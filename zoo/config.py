@@ -40,5 +40,5 @@ class Settings:
     def load(cls, database_url: str | None = None, data_dir: str | Path | None = None) -> Settings:
         """Explicit arguments win over ZOO_DATABASE_URL / ZOO_DATA_DIR, which win over defaults."""
         ddir = Path(data_dir).expanduser() if data_dir else default_data_dir()
-        url = database_url or os.environ.get("ZOO_DATABASE_URL") or f"sqlite:///{ddir / 'zoo.store'}"
+        url = database_url or os.environ.get("ZOO_DATABASE_URL") or f"sqlite:///{ddir / 'zoo.db'}"
         return cls(data_dir=ddir, database_url=normalize_database_url(url))
