@@ -106,6 +106,22 @@ def test_adapter_detail_and_not_found(web: Web) -> None:
     assert error_of(web.client.delete("/api/v1/health"))["status"] == 405
 
 
+def test_zoo_show_json_is_the_stored_part_of_the_rest_resource(web: Web, capsys: pytest.CaptureFixture[str]) -> None:
+    """`zoo show --json` (a cold process: no query engine) prints the stored part of GET /adapters/{id} with the same
+    keys and values; the resource adds only what needs the engine or other rows."""
+    capsys.readouterr()
+    assert web.zoo("show", "3", "--json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    served = web.client.get("/api/v1/adapters/3").json
+    assert set(served) - set(shown) == {"duplicate_sources", "lineage", "space", "neighbours", "predictions", "not_ready"}
+    assert set(shown) <= set(served)
+    for key in shown:
+        if key == "source_uri":  # a server path: the API names it without the server's directories
+            assert Path(shown[key]).name in served[key]
+        else:
+            assert served[key] == shown[key], key
+
+
 def test_similar_by_id(web: Web) -> None:
     r = web.client.get("/api/v1/adapters/1/similar?k=5&method=module")
     assert r.status_code == 200 and len(r.json["results"]) == 5 and r.json["method"] == "module"
