@@ -14,10 +14,11 @@ when it moved, reads only the rows above the one it has seen (label ids are neve
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import Row, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from embed.lookup import RowLookup
@@ -122,7 +123,7 @@ class AdapterAttributes:
             self._apply(session.connection().execute(_LABELS_AFTER, {"mark": self.mark}).all())
             self.mark = last
 
-    def _apply(self, rows: list) -> None:  # type: ignore[type-arg]
+    def _apply(self, rows: Sequence[Row[int, int, str, str]]) -> None:
         """Set label values from (label id, adapter id, key, value) rows in id order: the newest wins."""
         rows = sorted(rows, key=lambda r: r[0])  # by label id: ints compare fast, SQLAlchemy rows do not (2 s per 100k)
         where = self.rows(np.array([r[1] for r in rows], np.int64)).tolist() if rows else []

@@ -217,8 +217,8 @@ def choose_attribute(
             sim = search_similarity(exact, similarity, f.z, val, train)
             for k in KNN_KS:
                 shares[knn_name(similarity, k)].append(knn_vote_shares(sim, index[train], len(classes), k))
-        for k, p in learned.items():
-            shares[k].append(np.stack([p[r] for r in val]))
+        for name, p in learned.items():
+            shares[name].append(np.stack([p[r] for r in val]))
         truth += index[val].tolist()
     t = np.array(truth, np.int64)
     oof = {k: np.concatenate(v) if v else np.zeros((0, len(classes))) for k, v in shares.items()}
@@ -314,8 +314,8 @@ def choose_metric(
             sim = search_similarity(exact, similarity, f.z, val, train)
             for k in KNN_KS:
                 preds[knn_name(similarity, k)] += knn_regress(sim, values[train], k).tolist()
-        for k, p in learned.items():
-            preds[k] += [p[r] for r in val]
+        for name, p in learned.items():
+            preds[name] += [p[r] for r in val]
         truth += values[val].tolist()
     t = np.array(truth)
     per = {k: np.array(v) for k, v in preds.items()}

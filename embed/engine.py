@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import faiss
 import numpy as np
@@ -56,6 +56,7 @@ from zoo.domain.similarity import (
 )
 
 if TYPE_CHECKING:
+    from embed.ensemble import W2TEnsemble
     from zoo.domain.canonical import CanonicalFactors
     from zoo.store.blobs import BlobStore
 from zoo.errors import NotFoundError, NotReadyError, UsageError
@@ -420,8 +421,69 @@ class Query:
         return self.factors_loader()
 
 
+class Hit(TypedDict):
+    """One adapter found by a search."""
+
+    adapter_id: int
+    name: str
+    score: float
+    labels: dict[str, str]
+
+
+class Found(TypedDict):
+    """What `QueryEngine.similar` finds."""
+
+    space: str
+    method: str
+    embedder_ids: list[int]
+    module_stage: str | None
+    index_states: dict[str, str]
+    results: list[Hit]
+
+
+class ClassGuess(TypedDict):
+    """One of an attribute's likeliest classes."""
+
+    value: str
+    probability: float
+    neighbours: int  # labelled neighbours of the query with this class
+
+
+class Confidence(TypedDict):
+    """How far an attribute's prediction can be trusted."""
+
+    sure: bool
+    neighbours: int
+    agreeing: int
+    calibrated: bool
+
+
+class MetricGuess(TypedDict):
+    """A metric's predicted value with its 90 % interval (None without held-out residuals)."""
+
+    value: float
+    low: float | None
+    high: float | None
+    interval: float | None
+    predictor: str
+    method: str
+
+
+class Predicted(TypedDict):
+    """What `QueryEngine.predict` predicts."""
+
+    space: str
+    embedder_id: int
+    attributes: dict[str, list[ClassGuess]]
+    confidence: dict[str, Confidence]
+    metrics: dict[str, MetricGuess]
+    predictors: dict[str, str]
+    search: str
+    choices: dict[str, dict[str, object]]
+
+
 @functools.lru_cache(maxsize=4)
-def load_w2t(checkpoint: Path, device: str | None):  # type: ignore[no-untyped-def]
+def load_w2t(checkpoint: Path, device: str | None) -> W2TEnsemble:
     """A W2T checkpoint, loaded once per process (checkpoint directories are never rewritten)."""
     from embed.ensemble import W2TEnsemble
 
@@ -495,8 +557,8 @@ class QueryEngine:
         version = space_version(session, row.id)
         embedders: dict[str, LoadedEmbedder] = {}
         for method, e in serving_embedders(session, row.id).items():
-            index, state = self._open_index(session, e, version)
-            embedders[method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, state)
+            index, index_state = self._open_index(session, e, version)
+            embedders[method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, index_state)
         modules = None
         have = read_module_store(module_store_path(self.data_dir, row.id))
         if have is not None and have[3] <= version and SKETCH in embedders:
@@ -506,8 +568,8 @@ class QueryEngine:
         ids = np.unique(np.concatenate([np.zeros(0, np.int64), *(e.index.ids for e in embedders.values())]))
         attributes = AdapterAttributes.load(session, row.base_model, ids)
         state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules, attributes)
-        if modules is not None and SKETCH in embedders:
-            self._extend_modules(session, state, have[3])  # type: ignore[index]
+        if modules is not None and have is not None and SKETCH in embedders:
+            self._extend_modules(session, state, have[3])
         return state
 
     def _open_index(self, session: Session, embedder: Embedder, version: int) -> tuple[AdapterIndex, str]:
@@ -547,8 +609,8 @@ class QueryEngine:
     def _catch_up(self, session: Session, state: SpaceState, version: int) -> None:
         active = {m: e.id for m, e in serving_embedders(session, state.id).items()}
         if active != {m: e.id for m, e in state.embedders.items()}:  # an embedder was trained or replaced
-            row = session.get(EmbeddingSpace, state.id)
-            fresh = self._load(session, row)  # type: ignore[arg-type]
+            row = session.get_one(EmbeddingSpace, state.id)
+            fresh = self._load(session, row)
             state.embedders, state.modules, state.attributes = fresh.embedders, fresh.modules, fresh.attributes
             state.version = fresh.version
             return
@@ -557,9 +619,9 @@ class QueryEngine:
             state.modules = state.modules.without(deleted) if state.modules is not None else None
             state.attributes.drop(deleted)
         for loaded in state.embedders.values():
-            e = session.get(Embedder, loaded.id)
+            e = session.get_one(Embedder, loaded.id)
             loaded.index.remove(deleted)  # before adding: an id may come back
-            ids, vectors = load_embeddings(session, e, after_version=state.version)  # type: ignore[arg-type]
+            ids, vectors = load_embeddings(session, e, after_version=state.version)
             loaded.index.upsert(ids, vectors)
             state.attributes.add(session, ids.tolist())
         self._extend_modules(session, state, state.version)
@@ -569,8 +631,8 @@ class QueryEngine:
         """Add the factors of adapters sketched after `after_version` to the module store."""
         if state.modules is None:
             return
-        sketch = session.get(Embedder, state.embedders[SKETCH].id)
-        ids, _ = load_embeddings(session, sketch, after_version=after_version)  # type: ignore[arg-type]
+        sketch = session.get_one(Embedder, state.embedders[SKETCH].id)
+        ids, _ = load_embeddings(session, sketch, after_version=after_version)
         new = [int(i) for i in ids.tolist() if int(i) not in state.modules.rows]
         if new:
             state.modules = state.modules.extended(new, _stack_of(session, self.blobs, new, state.modules.dense))
@@ -579,7 +641,7 @@ class QueryEngine:
 
     def similar(
         self, session: Session, space: str, query: Query, k: int, filters: Mapping[str, str] | None = None, method: str | None = None
-    ) -> dict[str, object]:
+    ) -> Found:
         """The k adapters most similar to the query: {space, method, embedder_ids, results, index_states}."""
         if not 1 <= k <= MAX_K:
             raise UsageError(f"k must be between 1 and {MAX_K}, got {k}")
@@ -605,7 +667,7 @@ class QueryEngine:
             top = top_k(scores, k)
             hit_ids = candidates[top].tolist()
             info = [state.attributes.name_and_labels(i) for i in hit_ids]
-        results = [
+        results: list[Hit] = [
             {"adapter_id": i, "name": name, "score": float(scores[j]), "labels": labels}
             for i, j, (name, labels) in zip(hit_ids, top.tolist(), info, strict=True)
         ]
@@ -649,7 +711,7 @@ class QueryEngine:
             return module_sketches([query.factors], schema.module_names, int(e.config["dim"]))[0]
         return self.w2t(e).embed([_as_zoo_adapter(query)])[0]
 
-    def w2t(self, e: LoadedEmbedder):  # type: ignore[no-untyped-def]
+    def w2t(self, e: LoadedEmbedder) -> W2TEnsemble:
         return load_w2t(self.data_dir / str(e.checkpoint), self.device)
 
     @staticmethod
@@ -696,7 +758,7 @@ class QueryEngine:
         n_modules = len(state.schema.modules)  # type: ignore[union-attr]
         return sketch_module_cosines(sketch[None, :], state.embedders[SKETCH].index.vectors(ids), n_modules)[0]
 
-    def predict(self, session: Session, space: str, query: Query) -> dict[str, object]:
+    def predict(self, session: Session, space: str, query: Query) -> Predicted:
         """Attributes (top-3 classes with probabilities) and metrics (value, 90 % interval, predictor), each by
         the predictor `zoo train` chose out of fold: the W2T heads or a readout of its embedding, a kNN in its
         embedding, or a similarity-weighted kNN among the labelled adapters it trained with ("knn", by an exact
@@ -713,7 +775,8 @@ class QueryEngine:
         if probs:
             similarities.add(model.search)  # the labelled neighbours that support (or not) each attribute's prediction
         near = {name: self._labelled_neighbours(session, state, model, query, name) for name in sorted(similarities)}
-        attributes, confidence = {}, {}
+        attributes: dict[str, list[ClassGuess]] = {}
+        confidence: dict[str, Confidence] = {}
         for key, p in probs.items():
             classes = model.config.categorical[key]
             labels = model.memory_classes(key)
@@ -732,7 +795,7 @@ class QueryEngine:
                 "agreeing": int(support[top]),
                 "calibrated": key in model.calibration,
             }
-        metrics = {}
+        metrics: dict[str, MetricGuess] = {}
         for key, v in values.items():
             value = float(v[0])
             if model.predictor.get(key) == "knn":
@@ -761,12 +824,12 @@ class QueryEngine:
         }
 
     def _labelled_neighbours(
-        self, session: Session, state: SpaceState, model: object, query: Query, similarity: str
+        self, session: Session, state: SpaceState, model: W2TEnsemble, query: Query, similarity: str
     ) -> tuple[np.ndarray, np.ndarray]:
         """The labelled training adapters nearest the query by a search score (`similarity`, a name as
         embed.choice.search_name gives): (their positions in the model's memory, scores), from both indexes'
         CANDIDATES nearest among them, re-scored exactly."""
-        memory_ids = model.memory_ids  # type: ignore[attr-defined]
+        memory_ids = model.memory_ids
         allowed = np.sort(memory_ids)
         with state.lock.read():
             embedders = [self._embedder(state, kind, "hybrid") for kind in METHOD_EMBEDDERS["hybrid"]]

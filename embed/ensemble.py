@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -37,6 +38,13 @@ def batch_rows(per_adapter: int, cap: int) -> int:
 
 
 PREDICTORS = ("head", "neighbours")
+
+
+class KnnPredictor(TypedDict):
+    """A target's kNN predictor among the labelled training adapters."""
+
+    similarity: str  # a search score's name (embed.choice.search_name)
+    k: int  # neighbours
 
 
 @dataclass
@@ -73,7 +81,7 @@ class W2TEnsemble:
     #: per attribute predicted by "logreg": the logistic regression on the embedding (classes, coef, intercept)
     readouts: dict[str, dict[str, list]] = field(default_factory=dict)
     #: per target predicted by "knn": {"similarity": a search score's name (embed.choice.search_name), "k": neighbours}
-    knn: dict[str, dict[str, object]] = field(default_factory=dict)
+    knn: dict[str, KnnPredictor] = field(default_factory=dict)
     #: per attribute: the chosen predictor's calibration, fit on its out-of-fold shares (embed/calibration.py);
     #: checkpoints from before calibration have none and serve raw shares
     calibration: dict[str, Calibration] = field(default_factory=dict)
@@ -103,7 +111,7 @@ class W2TEnsemble:
     def predictor_name(self, target: str) -> str:
         """A target's predictor as a candidate's name: `head`, `logreg`, `knn dw k=3`."""
         if self.predictor.get(target) == "knn":
-            return knn_name(str(self.knn[target]["similarity"]), int(self.knn[target]["k"]))  # type: ignore[call-overload]
+            return knn_name(str(self.knn[target]["similarity"]), int(self.knn[target]["k"]))
         return self.predictor.get(target, "head")
 
     @property
@@ -146,7 +154,9 @@ class W2TEnsemble:
         device = next(self.models[0].parameters()).device
         for model in self.models:
             model.eval()
-        zs, probs, heads = [], {k: [] for k in self.config.categorical}, {k: [] for k in self.config.regression}  # type: ignore[var-annotated]
+        zs: list[torch.Tensor] = []
+        probs: dict[str, list[torch.Tensor]] = {k: [] for k in self.config.categorical}
+        heads: dict[str, list[torch.Tensor]] = {k: [] for k in self.config.regression}
         for b in batches:
             b = to_device(b, device)
             parts, member_probs, member_values = [], [], []
@@ -281,9 +291,9 @@ class W2TEnsemble:
         )
 
 
-def _knn_of(meta: dict) -> dict[str, dict[str, object]]:
+def _knn_of(meta: dict) -> dict[str, KnnPredictor]:
     """The kNN predictors of a checkpoint; before they were chosen, "search" meant a 10-NN over the search score."""
-    knn = dict(meta.get("knn", {}))
+    knn: dict[str, KnnPredictor] = dict(meta.get("knn", {}))
     for target, predictor in meta["predictor"].items():
         if predictor == "search":
             meta["predictor"][target] = "knn"

@@ -228,7 +228,7 @@ def _default_scores(
     if emb.predictor.get(PERF_METRIC) == "knn":
         score, weight = parse_search(str(emb.knn[PERF_METRIC]["similarity"]))
         sim = hybrid_score(exact[score], w2t, weight)
-        source = _score(sim, adapters, test_pos, train_pos, predict=True, k=int(emb.knn[PERF_METRIC]["k"]))  # type: ignore[call-overload]
+        source = _score(sim, adapters, test_pos, train_pos, predict=True, k=int(emb.knn[PERF_METRIC]["k"]))
     out.update({k: source.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 
@@ -247,7 +247,7 @@ def _calibrated_task_scores(
         sim = hybrid_score(exact[score], w2t, weight)[np.ix_(test_pos, train_pos)]
         known = [adapters[p].labels.get(TASK_KEY, "") for p in train_pos]
         index = np.array([classes.index(label) if label in classes else -1 for label in known])
-        shares = knn_vote_shares(sim, index, len(classes), int(emb.knn[TASK_KEY]["k"]))  # type: ignore[call-overload]
+        shares = knn_vote_shares(sim, index, len(classes), int(emb.knn[TASK_KEY]["k"]))
     else:
         shares = emb.predict(test)[0][TASK_KEY]
     probs = emb.calibrated(TASK_KEY, shares)

@@ -42,6 +42,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 # FAISS's OpenMP threads sleep when idle instead of spinning (unless the user chose): with other work on the cores,
 # spinning threads wait on each other. On a busy 2-core machine, training one index's fast-scan codes (6,000 × 525)
@@ -105,7 +106,7 @@ _GPU_LOCK = threading.Lock()
 
 
 @functools.cache
-def _gpu_resources():  # type: ignore[no-untyped-def]
+def _gpu_resources() -> faiss.StandardGpuResources:
     return faiss.StandardGpuResources()
 
 
@@ -165,6 +166,7 @@ class AdapterIndex:
         dim = int(sample.shape[1])
         quantizer = faiss.IndexFlatIP(dim)
         lists = ivf_lists(expected)
+        base: faiss.IndexIVF
         if dim >= PQ_FROM_DIM:
             base = faiss.IndexIVFPQFastScan(quantizer, dim, lists, pq_subquantizers(dim), 4, faiss.METRIC_INNER_PRODUCT)
         else:
@@ -176,7 +178,7 @@ class AdapterIndex:
         # the C++ objects own their parts (as a deserialized index does), not these Python wrappers
         base.own_fields, refine.own_fields = True, True
         for part in (quantizer, base, store):
-            part.this.disown()
+            part.this.disown()  # type: ignore[union-attr]  # SWIG's handle on the C++ object: not in faiss's stubs
         index = cls(dim, refine)
         per_byte = next(b for b in range(SUBSET_DIMS_PER_BYTE, 0, -1) if dim % b == 0)
         index._subset = faiss.IndexPQ(dim, dim // per_byte, 8, faiss.METRIC_INNER_PRODUCT)
@@ -194,12 +196,25 @@ class AdapterIndex:
         return self._ivf is not None
 
     @property
+    def _refine(self) -> faiss.IndexRefine:
+        """The IVF kind's FAISS index (the flat kind has none)."""
+        assert self._ivf is not None
+        return self._ivf
+
+    @property
+    def _subset_index(self) -> faiss.IndexPQ:
+        """The IVF kind's subset codes (the flat kind has none)."""
+        assert self._subset is not None
+        return self._subset
+
+    # downcast_index returns the index as its own class, typed in faiss's stubs as any Index
+    @property
     def _base(self) -> faiss.IndexIVF:
-        return faiss.downcast_index(self._ivf.base_index)  # type: ignore[union-attr]
+        return cast(faiss.IndexIVF, faiss.downcast_index(self._refine.base_index))
 
     @property
     def _store(self) -> faiss.IndexScalarQuantizer:
-        return faiss.downcast_index(self._ivf.refine_index)  # type: ignore[union-attr]
+        return cast(faiss.IndexScalarQuantizer, faiss.downcast_index(self._refine.refine_index))
 
     @property
     def codes(self) -> str | None:
@@ -254,9 +269,9 @@ class AdapterIndex:
 
     def _subset_codes(self) -> np.ndarray:
         """The subset codes as a writable (size, bytes per code) array, in place."""
-        sub = self._subset
-        codes = faiss.rev_swig_ptr(sub.codes.data(), sub.codes.size())  # type: ignore[union-attr]
-        return np.frombuffer(codes, dtype=np.uint8).reshape(-1, sub.code_size)  # type: ignore[union-attr]
+        sub = self._subset_index
+        codes = faiss.rev_swig_ptr(sub.codes.data(), sub.codes.size())
+        return np.frombuffer(codes, dtype=np.uint8).reshape(-1, sub.code_size)
 
     def _ids_of(self, rows: np.ndarray) -> np.ndarray:
         """Adapter ids of store rows, -1 where FAISS padded with -1."""
@@ -284,7 +299,7 @@ class AdapterIndex:
             else:
                 self._base.add_with_ids(vectors, np.arange(start, start + len(ids), dtype=np.int64))
                 self._store.add(vectors)
-                self._subset.add(vectors)  # type: ignore[union-attr]
+                self._subset_index.add(vectors)
                 self._ivf.ntotal = self._store.ntotal
             self._size = start + len(ids)
             self._index_rows()
@@ -315,10 +330,10 @@ class AdapterIndex:
                 if self._ivf is None:
                     self._flat[rows[old]] = vectors[old]
                 else:
-                    self._base.remove_ids(rows[old])
+                    self._base.remove_ids(rows[old])  # type: ignore[arg-type]  # ids as an array: faiss's wrapper takes them, its stubs not
                     self._base.add_with_ids(vectors[old], rows[old])
                     self._store_codes()[rows[old]] = vectors[old].astype(np.float16)
-                    self._subset_codes()[rows[old]] = self._subset.sa_encode(vectors[old])  # type: ignore[union-attr]
+                    self._subset_codes()[rows[old]] = self._subset_index.sa_encode(vectors[old])
         self.add(ids[~old], vectors[~old])
 
     def remove(self, ids: np.ndarray) -> None:
@@ -364,12 +379,14 @@ class AdapterIndex:
     def _probe(self, q: np.ndarray, k: int, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The IVF's nearest (among `rows` by an id selector), re-ranked by the store in FAISS."""
         nprobe = self._base.nprobe if rows is None else self.filtered_nprobe(len(rows) / max(self._size, 1))
-        base_params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows) if rows is not None else None)
+        # faiss's wrapper sets search parameters from keywords (and keeps their objects alive); its stubs know no keywords
+        sel = faiss.IDSelectorBatch(rows) if rows is not None else None
+        base_params = faiss.SearchParametersIVF(nprobe=nprobe, sel=sel)  # type: ignore[call-arg]
         kk = min(k, self._size)
-        params = faiss.IndexRefineSearchParameters(k_factor=max(kk, self.rerank) / kk, base_index_params=base_params)
+        params = faiss.IndexRefineSearchParameters(k_factor=max(kk, self.rerank) / kk, base_index_params=base_params)  # type: ignore[call-arg]
         scores = np.full((len(q), k), -np.inf, np.float32)
         ids = np.full((len(q), k), -1, np.int64)
-        s, r = self._ivf.search(q, kk, params=params)  # type: ignore[union-attr]
+        s, r = self._refine.search(q, kk, params=params)
         scores[:, :kk] = s
         ids[:, :kk] = self._ids_of(r)
         return scores, ids
@@ -382,7 +399,7 @@ class AdapterIndex:
         found = np.empty((len(q), depth), np.int64)
         heap = faiss.float_minheap_array_t()
         heap.nh, heap.k, heap.val, heap.ids = len(q), depth, faiss.swig_ptr(values), faiss.swig_ptr(found)
-        self._subset.pq.search_ip(faiss.swig_ptr(q), len(q), faiss.swig_ptr(codes), len(codes), heap, True)  # type: ignore[union-attr]
+        self._subset_index.pq.search_ip(faiss.swig_ptr(q), len(q), faiss.swig_ptr(codes), len(codes), heap, True)
         return np.where(found >= 0, rows[np.maximum(found, 0)], -1)
 
     def _search_subset(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -482,7 +499,7 @@ class AdapterIndex:
         exact = TiedTop(np.take_along_axis(scores, order, 1), self._ids[rows[order]], k)
         nprobe = base.nprobe
         while nprobe < base.nlist:
-            params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows))
+            params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows))  # type: ignore[call-arg]  # see _probe
             found = base.search(q, min(self.rerank, len(rows)), params=params)[1]
             if exact.recall(self._ids_of(found)) >= RECALL_GOAL:
                 break
@@ -516,12 +533,12 @@ class AdapterIndex:
         """Write the index with `meta` (plus dim, count, kind, nprobe, rerank, checksum) atomically and durably."""
         with self._lock:
             ids = np.ascontiguousarray(self._ids[: self._size])  # dead rows (-1) included: they are rows of the store
-            tensors = {"ids": ids}
+            tensors: dict[str, np.ndarray] = {"ids": ids}
             if self._ivf is None:
                 tensors["vectors"] = np.ascontiguousarray(self._flat[: self._size])
             else:
                 tensors["ivf"] = faiss.serialize_index(self._ivf)
-                tensors["subset"] = faiss.serialize_index(self._subset)
+                tensors["subset"] = faiss.serialize_index(self._subset_index)
             full = {
                 **meta,
                 "dim": self.dim,
@@ -552,10 +569,12 @@ class AdapterIndex:
         )
         if not consistent:
             raise ValueError(f"index file {path} disagrees with itself (count or shape)")
-        ivf = faiss.deserialize_index(ivf_bytes) if ivf_bytes is not None else None
+        # deserialize_index returns the index as its own class, typed in faiss's stubs as any Index
+        ivf = cast(faiss.IndexRefine, faiss.deserialize_index(ivf_bytes)) if ivf_bytes is not None else None
         index = cls(dim, ivf)
         if ivf is not None:
-            index._subset = faiss.deserialize_index(subset_bytes)
+            assert subset_bytes is not None  # consistent
+            index._subset = cast(faiss.IndexPQ, faiss.deserialize_index(subset_bytes))
             if int(ivf.ntotal) != count or int(ivf.d) != dim or int(index._subset.ntotal) != count:
                 raise ValueError(f"index file {path} disagrees with itself (the IVF holds {ivf.ntotal} of {count})")
             index._base.nprobe = int(meta["nprobe"])
@@ -563,7 +582,8 @@ class AdapterIndex:
             index.filter_nprobe, index.filter_rerank = int(meta["filter_nprobe"]), int(meta["filter_rerank"])
             index.subset_row_s, index.probe_list_s = float(meta["subset_row_s"]), float(meta["probe_list_s"])
         else:
-            index._flat = flat  # type: ignore[assignment]
+            assert flat is not None  # consistent
+            index._flat = flat
         del ivf_bytes, subset_bytes
         index._ids = np.ascontiguousarray(ids, np.int64)
         index._size = count

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 import numpy as np
 from sqlalchemy import Connection, Integer, bindparam, func, select
@@ -108,7 +109,7 @@ class ZooMap:
 
 
 def write_map(path: Path, m: ZooMap) -> None:
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "ids": np.asarray(m.ids, np.int64),
         "xy": np.asarray(m.xy, np.float32),
         "mean": np.asarray(m.projection.mean, np.float32),
@@ -269,6 +270,32 @@ _METRIC_VALUES = select(Measurement.adapter_id, Measurement.value).where(
 )
 
 
+class MapPoint(TypedDict):
+    id: int
+    name: str
+    x: float
+    y: float
+    value: object  # the point's label value or metric (None: it has none)
+
+
+class MapResource(TypedDict):
+    """The map resource (space_map)."""
+
+    space: str
+    embedder_id: int
+    method: str
+    projection: str
+    explained: list[float]
+    state: str
+    count: int
+    shown: int
+    points: list[MapPoint]
+    color_by: str | None
+    legend: dict[str, object] | None
+    color_keys: list[str]
+    file: NotRequired[str]  # `zoo map`: the map file it brought up to date
+
+
 def space_map(
     session: Session,
     data_dir: Path,
@@ -276,7 +303,7 @@ def space_map(
     color_by: str | None = None,
     limit: int = DEFAULT_POINTS,
     highlight: Sequence[int] = (),
-) -> dict[str, object]:
+) -> MapResource:
     """The map resource: {space, embedder_id, method, projection, explained, state, count (points in the
     map), shown, points [{id, name, x, y, value}], color_by, legend, color_keys}. At most `limit` points:
     the `highlight` ids, then a deterministic spread of the rest (embed/projection.py `spread_sample`).
@@ -299,13 +326,13 @@ def space_map(
     values: dict[int, object] = {}
     if ids:
         conn = session.connection()
-        names = dict(conn.execute(_NAMES, {"ids": ids}).all())  # type: ignore[arg-type]
+        names = dict(conn.execute(_NAMES, {"ids": ids}).all())
         keys = sorted(conn.execute(_LABEL_KEYS, {"ids": ids}).scalars())
         keys += sorted(METRIC + k for k in conn.execute(_METRICS, {"ids": ids}).scalars())
         if color_by is None:  # not asked: the task where the points have one ("" asks for no colouring)
             color_by = TASK_KEY if TASK_KEY in keys else ""
         values = _values(conn, color_by, ids)
-    points = [  # a deleted adapter's point stays in the file until a refit: it has no name and is left out
+    points: list[MapPoint] = [  # a deleted adapter's point stays in the file until a refit: it has no name and is left out
         {"id": i, "name": names[i], "x": round(x, 6), "y": round(y, 6), "value": values.get(i)}
         for i, (x, y) in zip(ids, m.xy[rows].tolist(), strict=True)
         if i in names
@@ -333,7 +360,7 @@ def _values(conn: Connection, color_by: str | None, ids: list[int]) -> dict[int,
     if color_by.startswith(METRIC):
         rows = conn.execute(_METRIC_VALUES, {"ids": ids, "key": color_by[len(METRIC) :]}).all()
         return {i: float(v) for i, v in rows if v is not None and math.isfinite(v)}
-    return dict(conn.execute(_LABEL_VALUES, {"ids": ids, "key": color_by}).all())  # type: ignore[arg-type]
+    return dict(conn.execute(_LABEL_VALUES, {"ids": ids, "key": color_by}).all())
 
 
 def _legend(color_by: str | None, values: dict[int, object], shown: int) -> dict[str, object] | None:

@@ -21,6 +21,7 @@ before) keeps full widths and a token per module.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -138,8 +139,9 @@ class W2T(nn.Module):
         a = self.proj_u[mtype](tok.u)  # (B, M, R, k)
         b = self.proj_v[mtype](tok.v)
         if noise:  # P(u + n), n ~ N(0, noise²/width): drawn where it is k wide, not width wide
-            a = a + projected_noise(self.proj_u[mtype].weight, a.shape, noise, generator)
-            b = b + projected_noise(self.proj_v[mtype].weight, b.shape, noise, generator)
+            # the projections are nn.Linear (ModuleDict's items are typed as any Module)
+            a = a + projected_noise(cast(nn.Linear, self.proj_u[mtype]).weight, a.shape, noise, generator)
+            b = b + projected_noise(cast(nn.Linear, self.proj_v[mtype]).weight, b.shape, noise, generator)
         a = a * scale
         # (P_u u)(P_v v)ᵀ: a learned two-sided sketch of the rank-one term u vᵀ, invariant to (u, v) -> (-u, -v)
         outer = (a.unsqueeze(-1) * b.unsqueeze(-2)).flatten(-2)

@@ -47,7 +47,7 @@ def ensure_space(session: Session, schema: SpaceSchema) -> EmbeddingSpace:
 def bump_version(session: Session, space_id: int) -> int:
     """Increment the space's version (taking its row lock until commit) and return the new value."""
     session.execute(update(EmbeddingSpace).where(EmbeddingSpace.id == space_id).values(version=EmbeddingSpace.version + 1))
-    return int(session.scalar(select(EmbeddingSpace.version).where(EmbeddingSpace.id == space_id)))
+    return int(session.execute(select(EmbeddingSpace.version).where(EmbeddingSpace.id == space_id)).scalar_one())
 
 
 _VERSION = select(EmbeddingSpace.version).where(EmbeddingSpace.id == bindparam("space_id"))

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import numpy as np
 from sqlalchemy import func, select
@@ -21,6 +22,8 @@ from embed.engine import (
     BUILD_CHUNK_BYTES,
     SKETCH,
     W2T,
+    Found,
+    Predicted,
     Query,
     QueryEngine,
     embed_chunk_bytes,
@@ -54,12 +57,103 @@ from zoo.store.locks import space_lock
 from zoo.store.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.store.session import session_factory, write_transaction
 
+if TYPE_CHECKING:
+    from embed.train import TrainOptions
+
 #: how module-sketch blocks are scaled (zoo.domain.similarity.module_sketches); embedders of another scale are replaced
 SKETCH_SCALE = "module-norm"
 #: adapters embedded and committed per transaction
 EMBED_CHUNK = 256
 
 EmbedFn = Callable[[list[ZooAdapter]], np.ndarray]
+
+
+class IndexFile(TypedDict):
+    """An embedder's index file, brought up to the database."""
+
+    method: str
+    total: int
+    index: str  # what it took (update_index_file)
+    index_kind: str
+
+
+class SpaceFiles(TypedDict):
+    """A space's files, brought up to the database (refresh_space_files)."""
+
+    indexes: dict[int, IndexFile]  # by embedder id
+    module_store: str
+    map: str
+
+
+class EmbedReport(TypedDict):
+    """`zoo embed`'s report of one serving embedder of a space."""
+
+    space: str
+    embedder_id: int
+    method: str
+    total: int
+    index: str
+    index_kind: str
+    embedded: int
+    skipped_not_fitting: int
+    module_store: str
+    map: str
+
+
+class TrainMetrics(TypedDict):
+    """How a W2T training went (its embedder's stored metrics)."""
+
+    best_val_loss: float | None
+    epochs: list[int]  # per member
+    train_seconds: float
+    n_adapters: int
+    search: str
+    choices: dict[str, dict[str, object]]
+
+
+class TrainReport(TrainMetrics):
+    """`zoo train`'s report."""
+
+    space: str
+    embedder_id: int
+    objective: str | None
+    checkpoint: str
+    members: int
+    heads: list[str]
+    regression: list[str]
+    predictors: dict[str, str]
+    exact_score: str
+    hybrid_weight: float
+    embedded: NotRequired[dict[str, int]]  # adapters embedded by method, once `zoo train` has embedded them
+
+
+class PreparedSpace(TypedDict):
+    """`zoo quickstart`'s space: adapters embedded, and W2T's training report (or the kept W2T's, with "reused")."""
+
+    embedded: int
+    w2t: Mapping[str, Any] | None
+
+
+class SearchResource(Found):
+    """The search resource: the query, then what the engine found."""
+
+    query: str
+    query_name: str
+
+
+class PredictionResource(Predicted):
+    """The prediction resource: the query, then what the engine predicted."""
+
+    query: str
+    query_name: str
+
+
+class IndexReport(TypedDict):
+    """`zoo index`'s report: each serving embedder's index, and the module store."""
+
+    space: str
+    embedders: list[dict[str, object]]
+    module_store: str
 
 
 def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None) -> tuple[EmbedFn, SpaceSchema]:
@@ -76,15 +170,16 @@ def ensure_sketch(session: Session, space: EmbeddingSpace, schema: SpaceSchema) 
     """The space's training-free module-sketch embedder (a new one if the module vocabulary grew, or if the current
     one was made with other probes per module or before blocks were scaled by the module's norm)."""
     current = active_embedder(session, space, method=SKETCH)
-    config = {"schema": schema.as_dict(), "dim": sketch_width(len(schema.modules)), "scale": SKETCH_SCALE}
+    dim = sketch_width(len(schema.modules))
+    config = {"schema": schema.as_dict(), "dim": dim, "scale": SKETCH_SCALE}
     if current is not None and current.config == config:
         return current
-    return register(session, space, SKETCH, len(schema.modules) * int(config["dim"]), retire=("dw_sketch",), config=config)
+    return register(session, space, SKETCH, len(schema.modules) * dim, retire=("dw_sketch",), config=config)
 
 
 def embed_space(
     sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, device: str | None = None
-) -> list[dict[str, object]]:
+) -> list[EmbedReport]:
     """Embed every adapter of the space not yet embedded, under every serving embedder; update the index
     files, the module store and the map. One report per embedder.
 
@@ -105,9 +200,17 @@ def embed_space(
         space_id, embedder_ids = space.id, [e.id for e in serving_embedders(session, space.id).values()]
     counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, ids, device, subset=False)
     files = refresh_space_files(sessions, blobs, data_dir, space_id)
-    indexes, rest = files.pop("indexes"), files  # type: ignore[var-annotated]
+    indexes, store, zoo_map = files["indexes"], files["module_store"], files["map"]
     return [
-        {"space": base_model, "embedder_id": e, **indexes[e], "embedded": embedded, "skipped_not_fitting": misfits, **rest}
+        {
+            "space": base_model,
+            "embedder_id": e,
+            **indexes[e],
+            "embedded": embedded,
+            "skipped_not_fitting": misfits,
+            "module_store": store,
+            "map": zoo_map,
+        }
         for e, (embedded, misfits) in counts.items()
         if e in indexes
     ]
@@ -214,9 +317,9 @@ def _embed_ids(
     plans: list[_Plan] = []
     with sessions() as session:
         for embedder_id in embedder_ids:
-            embedder = session.get(Embedder, embedder_id)
-            fn, schema = embed_function(embedder, data_dir, device)  # type: ignore[arg-type]
-            plans.append(_Plan(embedder_id, fn, schema, embedded_ids(session, embedder, ids if subset else None)))  # type: ignore[arg-type]
+            embedder = session.get_one(Embedder, embedder_id)
+            fn, schema = embed_function(embedder, data_dir, device)
+            plans.append(_Plan(embedder_id, fn, schema, embedded_ids(session, embedder, ids if subset else None)))
         per_chunk = chunk_size(session, base_model)
     todo = [i for i in ids if any(i not in p.done for p in plans)]
     for start in range(0, len(todo), per_chunk):
@@ -246,22 +349,22 @@ def _embed_chunk(sessions: sessionmaker[Session], base_model: str, plan: _Plan, 
         plan.embedded += len(fresh)
 
 
-def refresh_space_files(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int) -> dict[str, object]:
+def refresh_space_files(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int) -> SpaceFiles:
     """Bring the space's files up to the database: each serving embedder's index file (method, total,
     how, kind by embedder id), the module store and the map."""
-    indexes: dict[int, dict[str, object]] = {}
+    indexes: dict[int, IndexFile] = {}
     with sessions() as session:
         for embedder in serving_embedders(session, space_id).values():
             index, how = update_index_file(session, data_dir, embedder)
             indexes[embedder.id] = {"method": embedder.method, "total": index.size, "index": how, "index_kind": index.kind}
-        store = update_module_store(session, blobs, data_dir, session.get(EmbeddingSpace, space_id))  # type: ignore[arg-type]
+        store = update_module_store(session, blobs, data_dir, session.get_one(EmbeddingSpace, space_id))
         zoo_map = refresh_map(session, data_dir, space_id)
     return {"indexes": indexes, "module_store": store, "map": zoo_map}
 
 
 def train_space(
-    sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, options: object, progress: bool = True
-) -> dict[str, object]:
+    sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, options: TrainOptions, progress: bool = True
+) -> TrainReport:
     """Train W2T on the adapters of the space that fit it (labels and measurements as given), save it
     under a name no other training uses, and register it. No transaction is open while it trains.
 
@@ -284,16 +387,16 @@ def train_space(
     rank = max((r for _, _, r in layout.values()), default=1) or 1
     dense = {n for n, (o, i, r) in layout.items() if r and o * i <= 2 * r * (o + i)}
     exact_from = (layout, dense) if len(ids) * layout_bytes(layout) <= module_store_budget() else None
-    with torch_threads(options.threads):  # type: ignore[attr-defined]
-        data = read_training_set(sessions, blobs, base_model, schema, ids, token_spec(options, schema, rank), rank, per_chunk, exact_from)  # type: ignore[arg-type]
+    with torch_threads(options.threads):
+        data = read_training_set(sessions, blobs, base_model, schema, ids, token_spec(options, schema, rank), rank, per_chunk, exact_from)
     if len(data.adapters) < 10:
         raise NotReadyError(f"space {base_model} has {len(data.adapters)} adapters: training needs at least 10")
-    model = train_w2t(data.adapters, schema, options, progress=progress, tokens=data.tokens, exact=data.exact)  # type: ignore[arg-type]
+    model = train_w2t(data.adapters, schema, options, progress=progress, tokens=data.tokens, exact=data.exact)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    checkpoint = Path("embedders") / f"{slug(base_model)}-w2t-{options.objective}-{stamp}-{uuid.uuid4().hex[:8]}"  # type: ignore[attr-defined]
+    checkpoint = Path("embedders") / f"{slug(base_model)}-w2t-{options.objective}-{stamp}-{uuid.uuid4().hex[:8]}"
     model.save(data_dir / checkpoint)
     best = min(h["val_loss"] for h in model.history) if model.history else None
-    metrics = {
+    metrics: TrainMetrics = {
         "best_val_loss": best,
         "epochs": [sum(1 for h in model.history if h["member"] == i) for i in range(len(model.models))],
         "train_seconds": round(time.perf_counter() - t0, 1),
@@ -308,7 +411,7 @@ def train_space(
             space,
             W2T,
             model.dim,
-            objective=options.objective,  # type: ignore[attr-defined]
+            objective=options.objective,
             checkpoint=str(checkpoint),
             config={"options": {k: v for k, v in options.__dict__.items() if k != "device"}, "model": model.config.as_dict()},
             metrics=metrics,
@@ -386,14 +489,14 @@ def search(
     space: str | None = None,
     filters: Mapping[str, str] | None = None,
     method: str | None = None,
-) -> dict[str, object]:
+) -> SearchResource:
     """The search resource: the query, then the engine's answer."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
     found = engine.similar(session, _space_name(session, space, query, base), query, k, filters or {}, method)
     return {"query": id_or_path, "query_name": query.name, **found}
 
 
-def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None) -> dict[str, object]:
+def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None) -> PredictionResource:
     """The prediction resource: predicted attributes and metrics of the query."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
     return {"query": id_or_path, "query_name": query.name, **engine.predict(session, _space_name(session, space, query, base), query)}
@@ -413,7 +516,7 @@ def _space_name(session: Session, requested: str | None, query: Query, base: str
     return requested or base or resolve_space(session, None).name
 
 
-def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name: str | None, rebuild: bool) -> dict[str, object]:
+def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name: str | None, rebuild: bool) -> IndexReport:
     """`zoo index rebuild|stats`: every active embedder's index (rebuilt if asked) and the module store."""
     space = resolve_space(session, space_name)
     embedders = list(serving_embedders(session, space.id).values())
@@ -453,7 +556,9 @@ def exact_top_k(session: Session, embedder: Embedder, queries: np.ndarray, k: in
     return best_i
 
 
-def prepare_space(settings: Settings, base_model: str, options: object, retrain: bool = False, progress: bool = True) -> dict[str, object]:
+def prepare_space(
+    settings: Settings, base_model: str, options: TrainOptions, retrain: bool = False, progress: bool = True
+) -> PreparedSpace:
     """Embed a space and, when it has at least 10 adapters, train W2T on it (with `options`, embed.train.TrainOptions)
     and embed it with that too (the end of `zoo quickstart`). A supervised W2T already trained on exactly the
     space's adapters is kept unless `retrain`. {"embedded": adapters in the index, "w2t": the training report,
@@ -461,8 +566,8 @@ def prepare_space(settings: Settings, base_model: str, options: object, retrain:
     blobs = BlobStore(settings.blob_dir)
     sessions = session_factory(settings.database_url)
     reports = embed_space(sessions, blobs, settings.data_dir, base_model)
-    n = int(reports[0]["total"]) if reports else 0  # type: ignore[call-overload]
-    trained = None
+    n = int(reports[0]["total"]) if reports else 0
+    trained: Mapping[str, Any] | None = None
     if n >= 10:
         trained = None if retrain else _trained_on(sessions, base_model, n)
         if trained is None:
@@ -502,7 +607,7 @@ def list_spaces(session: Session, engine: QueryEngine | None = None, counted: bo
             }
             for e in serving_embedders(session, space.id).values()
         ]
-        adapters = max((int(e["embedded"]) for e in embedders), default=0)  # type: ignore[call-overload]
+        adapters = max((int(e["embedded"]) for e in embedders), default=0)
         entry = {"name": space.name, "base_model": space.base_model, "version": space.version, "adapters": adapters, "embedders": embedders}
         if engine is not None:
             entry |= {"loaded": space.name in held, "bytes": held.get(space.name)}
@@ -522,9 +627,10 @@ def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k:
     space = get_space(session, adapter.base_model)
     detail["space"] = space.name if space else None
     detail["neighbours"] = detail["predictions"] = None
-    detail["not_ready"] = []
+    not_ready: list[str] = []
+    detail["not_ready"] = not_ready
     if space is None or adapter.factors_blob is None:
-        detail["not_ready"].append("not embedded: run `zoo embed`" if adapter.factors_blob else "a checkpoint without a low-rank update")
+        not_ready.append("not embedded: run `zoo embed`" if adapter.factors_blob else "a checkpoint without a low-rank update")
         return detail
     for key, call in (
         ("neighbours", lambda: search(engine, session, str(adapter.id), k, space.name)),
@@ -533,7 +639,7 @@ def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k:
         try:
             detail[key] = call()
         except (NotReadyError, NotFoundError) as exc:
-            detail["not_ready"].append(str(exc))
+            not_ready.append(str(exc))
     return detail
 
 

@@ -91,7 +91,10 @@ class TypeTokens:
 
     def to(self, device: torch.device) -> TypeTokens:
         norms = None if self.norms is None else self.norms.to(device)
-        return TypeTokens(*(t.to(device) for t in (self.u, self.v, self.log_sigma, self.mask, self.layers, self.groups)), norms)
+        u, v, log_sigma, mask, layers, groups = (
+            t.to(device) for t in (self.u, self.v, self.log_sigma, self.mask, self.layers, self.groups)
+        )
+        return TypeTokens(u, v, log_sigma, mask, layers, groups, norms)
 
     def select(self, rows: torch.Tensor | slice) -> TypeTokens:
         norms = None if self.norms is None else self.norms[rows]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -333,7 +334,7 @@ def _train_member(
     return model, history
 
 
-def _val_loss(loss_on, rows: torch.Tensor, size: int) -> float:  # type: ignore[no-untyped-def]
+def _val_loss(loss_on: Callable[..., torch.Tensor], rows: torch.Tensor, size: int) -> float:
     """The validation loss of the rows, in batches of at most `size` (one batch, as before, where they fit in one)."""
     if len(rows) <= size:
         return float(loss_on(rows, train=False))

@@ -7,8 +7,8 @@ Views parse, call zoo/embed, and return the resource dict; no math or SQL here. 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from apiflask import APIBlueprint
 from flask import Response, jsonify, request
@@ -26,6 +26,9 @@ from zoo.errors import UsageError
 from zoo.store import repository
 from zoo.store.models import Adapter
 from zoo.store.session import current_revision
+
+if TYPE_CHECKING:
+    from embed.maps import MapResource
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
 api.url_value_preprocessor(ids_in_range)
@@ -108,7 +111,7 @@ def similar(adapter_id: int, query: dict) -> Response:
 @api.input(schemas.SimilarUpload, location="form_and_files", arg_name="form")
 @api.output(schemas.SimilarOut)
 @api.doc(responses=UPLOAD)
-def similar_upload(form: dict) -> dict[str, object]:
+def similar_upload(form: dict) -> service.SearchResource:
     """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored)."""
     filters = repository.parse_filters(form["filter"])
     engine = zoo_context().engine
@@ -118,6 +121,7 @@ def similar_upload(form: dict) -> dict[str, object]:
 def _predict(part: str, body: dict) -> dict[str, object]:
     engine = zoo_context().engine
     files = request.files.getlist("file")
+    found: Sequence[Mapping[str, object]]
     if files:
         found = [limited_upload(files, lambda s, path: service.predict(engine, s, path, body.get("space")))]
     else:
@@ -162,7 +166,8 @@ def predict_performance(body: dict) -> dict[str, object]:
 
 @api.get("/adapters/<int:adapter_id>/download")
 @api.input(schemas.DownloadQuery, location="query", arg_name="query")
-@api.doc(responses={200: {"description": "a zip (peft) or a .safetensors file"}, 400: "Bad Request", 401: "Unauthorized"})
+# apiflask types the dict's values all alike; each may be a description (an error: with the error schema) or a whole response
+@api.doc(responses={200: {"description": "a zip (peft) or a .safetensors file"}, 400: "Bad Request", 401: "Unauthorized"})  # type: ignore[arg-type]
 def download(adapter_id: int, query: dict) -> Response:
     """The adapter rebuilt from its canonical form as a PEFT directory (zip), a diffusers or a kohya file."""
     from zoo.services.export import export_files, export_zip, file_stem, load_for_export
@@ -216,7 +221,7 @@ def spaces() -> dict[str, object]:
 @api.get("/spaces/<path:name>/map")
 @api.input(schemas.MapQuery, location="query", arg_name="query")
 @api.doc(responses=[200, *ENGINE])
-def space_map(name: str, query: dict) -> dict[str, object]:
+def space_map(name: str, query: dict) -> MapResource:
     """The space's 2-D map: points, and the keys they can be coloured by."""
     from embed.maps import space_map as build_map
 
@@ -232,7 +237,9 @@ def ingest(body: dict) -> dict[str, object]:
     """Queue an ingestion job of paths under the import root, or of uploaded files (`file`); needs a token."""
     from webapp.jobs import start_ingest
 
-    return start_ingest(body.get("paths") or [], request.files.getlist("file"), body.get("base_model"), token_auth.current_user.name)
+    user = token_auth.current_user
+    assert user is not None  # auth_required
+    return start_ingest(body.get("paths") or [], request.files.getlist("file"), body.get("base_model"), user.name)
 
 
 @api.get("/jobs")

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from flask import Response, current_app, g
 from sqlalchemy.orm import Session, sessionmaker
@@ -109,17 +109,17 @@ class WebConfig:
 
     @classmethod
     def from_env(cls, overrides: dict[str, object]) -> WebConfig:
-        def pick(key: str, default: object) -> object:
+        def pick(key: str, default: object) -> Any:  # a config value of any type, or an environment variable's string
             return overrides.get(key, os.environ.get(key, default))
 
         root = pick("ZOO_IMPORT_ROOT", None)
         return cls(
             import_root=Path(str(root)).expanduser().resolve() if root else None,
-            max_upload_bytes=int(pick("ZOO_MAX_UPLOAD_BYTES", cls.max_upload_bytes)),  # type: ignore[arg-type]
+            max_upload_bytes=int(pick("ZOO_MAX_UPLOAD_BYTES", cls.max_upload_bytes)),
             read_token_required=str(pick("ZOO_READ_TOKEN_REQUIRED", "0")).lower() in ("1", "true", "yes"),
-            time_limit_s=float(pick("ZOO_TIME_LIMIT_S", cls.time_limit_s)),  # type: ignore[arg-type]
-            call_workers=max(1, int(pick("ZOO_CALL_WORKERS", cls.call_workers))),  # type: ignore[call-overload]
-            call_queue=max(0, int(pick("ZOO_CALL_QUEUE", cls.call_queue))),  # type: ignore[call-overload]
+            time_limit_s=float(pick("ZOO_TIME_LIMIT_S", cls.time_limit_s)),
+            call_workers=max(1, int(pick("ZOO_CALL_WORKERS", cls.call_workers))),
+            call_queue=max(0, int(pick("ZOO_CALL_QUEUE", cls.call_queue))),
         )
 
 
@@ -158,14 +158,14 @@ def retry_after(response: Response) -> Response:
 
 
 def zoo_context() -> ZooContext:
-    return current_app.extensions["zoo"]  # type: ignore[no-any-return]
+    return current_app.extensions["zoo"]
 
 
 def db() -> Session:
     """This request's session (closed when the request ends)."""
     if "zoo_session" not in g:
         g.zoo_session = zoo_context().sessions()
-    return g.zoo_session  # type: ignore[no-any-return]
+    return g.zoo_session
 
 
 def close_session(_exc: BaseException | None = None) -> None:

@@ -91,12 +91,12 @@ def register(app: APIFlask) -> None:
         return error_body(error.status_code, kind, str(error.message), error.detail or None), error.status_code, error.headers
 
     @app.errorhandler(ZooError)
-    def _zoo_error(exc: ZooError):  # type: ignore[no-untyped-def]
+    def _zoo_error(exc: ZooError) -> Response | tuple:
         status = status_of(exc)
         return _respond(status, zoo_kind(exc), str(exc))
 
     @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException):  # type: ignore[no-untyped-def]
+    def _http_error(exc: HTTPException) -> Response | tuple:
         status = exc.code or 500
         allow = getattr(exc, "valid_methods", None)
         return _respond(status, kind_of(status), exc.description or exc.name, headers={"Allow": ", ".join(allow)} if allow else None)

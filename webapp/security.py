@@ -16,6 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from apiflask import APIFlask
 from flask import Response, jsonify, render_template, request
@@ -23,6 +24,9 @@ from flask import Response, jsonify, render_template, request
 from webapp.auth import stamped_token
 from webapp.context import zoo_context
 from webapp.errors import API_PREFIX, error_body
+
+if TYPE_CHECKING:
+    import socket
 
 #: endpoints anyone may call when reads need a token: liveness, the API's description and its docs page (the
 #: document only, no data), static files, and signing in
@@ -149,7 +153,7 @@ def register(app: APIFlask) -> None:
     app.after_request(security_headers)
 
 
-def write_json_error(sock: object, status_int: int, reason: str, mesg: str) -> None:
+def write_json_error(sock: socket.socket, status_int: int, reason: str, mesg: str) -> None:
     """gunicorn's util.write_error in the error shape: what gunicorn refuses before the app sees a request (a request
     line past limit_request_line is 414, headers past their limits 431, a malformed request 400) as JSON, with the
     security headers, whatever the path (gunicorn has not parsed it)."""

@@ -17,13 +17,16 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gunicorn.app.base import BaseApplication
 from gunicorn.http.errors import NoMoreData
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from zoo.config import Settings
+
+if TYPE_CHECKING:
+    from apiflask import APIFlask
 
 #: threads per worker process (`zoo serve --threads`)
 DEFAULT_THREADS = 32
@@ -59,7 +62,7 @@ class _DeadlineSocket:
         return getattr(self._sock, name)
 
 
-class ZooConn(TConn):  # type: ignore[misc]
+class ZooConn(TConn):
     header_timeout = 5.0
     body_timeout = 120.0
     io_timeout = 30.0
@@ -76,7 +79,7 @@ class ZooConn(TConn):  # type: ignore[misc]
             self.parser.unreader.sock = _DeadlineSocket(self.sock, self)
 
 
-class ZooThreadWorker(ThreadWorker):  # type: ignore[misc]
+class ZooThreadWorker(ThreadWorker):
     """gthread with a deadline for each request's headers and body and a timeout on each socket operation."""
 
     def init_process(self) -> None:
@@ -98,11 +101,13 @@ class ZooThreadWorker(ThreadWorker):  # type: ignore[misc]
         client.setblocking(True)
         self.enqueue_req(ZooConn(self.cfg, client, addr, listener.getsockname()))
 
-    def handle(self, conn: ZooConn) -> Any:
+    def handle(self, conn: TConn) -> Any:
+        assert isinstance(conn, ZooConn)  # made by accept
         conn.deadline = time.monotonic() + conn.header_timeout  # the headers of the request this connection sends now
         return super().handle(conn)
 
-    def handle_request(self, req: Any, conn: ZooConn) -> Any:
+    def handle_request(self, req: Any, conn: TConn) -> Any:
+        assert isinstance(conn, ZooConn)  # made by accept
         conn.deadline = time.monotonic() + conn.body_timeout
         conn.sock.settimeout(conn.io_timeout)  # writes to a client that does not read
         try:
@@ -111,7 +116,7 @@ class ZooThreadWorker(ThreadWorker):  # type: ignore[misc]
             conn.deadline = float("inf")
 
 
-class ZooServer(BaseApplication):  # type: ignore[misc]
+class ZooServer(BaseApplication):
     def __init__(self, settings: Settings, options: dict[str, Any]) -> None:
         self.settings = settings
         self.options = options
@@ -121,7 +126,8 @@ class ZooServer(BaseApplication):  # type: ignore[misc]
         for key, value in self.options.items():
             self.cfg.set(key, value)
 
-    def load(self):  # type: ignore[no-untyped-def]
+    # the app is a WSGI application: Flask types its environ as a dict, gunicorn's stubs as any MutableMapping
+    def load(self) -> APIFlask:  # type: ignore[override]
         from webapp import create_app
 
         return create_app({"ZOO_DATABASE_URL": self.settings.database_url, "ZOO_DATA_DIR": str(self.settings.data_dir)})

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from apiflask import APIBlueprint
-from flask import Response, redirect, render_template, request, url_for
+from flask import redirect, render_template, request, url_for
+from werkzeug.wrappers import Response
 
 from embed import service
 from webapp.context import db, zoo_context
@@ -13,6 +16,9 @@ from zoo.errors import ZooError
 from zoo.labels import TASK_KEY
 from zoo.store import repository
 from zoo.store.catalog import FACET_VALUES
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 ui = APIBlueprint("ui", __name__, enable_openapi=False)
 ui.url_value_preprocessor(ids_in_range)
@@ -33,7 +39,8 @@ def search_page() -> str:
     sort = request.args.get("sort") or None  # the page keeps this, not found["sort"]: a resolved default would stick to later searches
     chosen = space_filters(db(), space, repository.parse_filters(filters))
     found = search_catalog(db(), request.args.get("q") or None, chosen, sort, page, 20)
-    twin = url_for("api.adapters", **request.args.to_dict(flat=False))
+    args: dict[str, Any] = request.args.to_dict(flat=False)
+    twin = url_for("api.adapters", **args)
     major, minor = facet_groups({k: v for k, v in found["facets"].items() if not (space and k == "base_model")})  # the space names it
     spaces = space_choices(service.list_spaces(db(), counted=False), found["facets"].get("base_model", []))
     return render_template(
@@ -90,8 +97,9 @@ def similar_page() -> tuple[str, int] | str:
     space = request.form.get("space") or None  # None: the space of the adapter's own base model
     try:
 
-        def run(session, path):  # type: ignore[no-untyped-def]
+        def run(session: Session, path: str) -> tuple[service.SearchResource, service.PredictionResource | dict[str, str]]:
             found = service.search(engine, session, path, k, space)
+            predicted: service.PredictionResource | dict[str, str]
             try:
                 predicted = service.predict(engine, session, path, str(found["space"]))
             except ZooError as exc:

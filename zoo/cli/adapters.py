@@ -72,8 +72,8 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     if args.ray is not None:
         require_schema(settings.database_url)
         base = str(Path(args.base).absolute()) if args.base else None
-        options = {"base_model": args.base_model, "base_checkpoint": base, "energy": args.energy, "max_rank": args.max_rank}
-        return run_job_on_ray(settings, queue_job(settings, args.paths, options, args.labels, args.metrics, "ingest --ray"), args)
+        job_options = {"base_model": args.base_model, "base_checkpoint": base, "energy": args.energy, "max_rank": args.max_rank}
+        return run_job_on_ray(settings, queue_job(settings, args.paths, job_options, args.labels, args.metrics, "ingest --ray"), args)
     options = IngestOptions(
         base_model=args.base_model,
         base_checkpoint=Path(args.base) if args.base else None,
@@ -208,8 +208,8 @@ def cmd_export(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
         return 0
-    print(f"adapter {meta.adapter_id} ({meta.name}) exported as {args.format}: {', '.join(info['files'])}")  # type: ignore[arg-type]
-    for note in info["notes"]:  # type: ignore[attr-defined]
+    print(f"adapter {meta.adapter_id} ({meta.name}) exported as {args.format}: {', '.join(info['files'])}")
+    for note in info["notes"]:
         print(f"note: {note}")
     return 0
 

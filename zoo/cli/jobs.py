@@ -54,7 +54,9 @@ def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) ->
     summary = run_on_ray(settings, job_id, args.ray or None, args.concurrency, device=device, progress=progress)
     with session_factory(settings.database_url)() as session:
         job = get_job(session, job_id)
-    failed = [i for i in job["items"] if i["state"] == "failed"]  # type: ignore[union-attr]
+    items = job["items"]
+    assert isinstance(items, list)  # the job's detail lists its items
+    failed = [i for i in items if i["state"] == "failed"]
     if args.json:
         print_json({**summary, "job": {k: v for k, v in job.items() if k != "items"}, "failures": failed})
     else:

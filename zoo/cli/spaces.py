@@ -15,7 +15,7 @@ from zoo.store.blobs import BlobStore
 from zoo.store.session import require_schema, session_factory
 
 if TYPE_CHECKING:
-    pass
+    from embed.engine import QueryEngine
 
 
 def space_of(settings: Settings, requested: str | None) -> str:
@@ -29,7 +29,7 @@ def blob_store(settings: Settings) -> BlobStore:
     return BlobStore(settings.blob_dir)
 
 
-def query_engine(settings: Settings, device: str | None):  # type: ignore[no-untyped-def]
+def query_engine(settings: Settings, device: str | None) -> QueryEngine:
     from embed.engine import QueryEngine
 
     return QueryEngine(session_factory(settings.database_url), blob_store(settings), settings.data_dir, device)
@@ -95,12 +95,12 @@ def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         print_json(found)
         return 0
-    used = ", ".join(str(i) for i in found["embedder_ids"])  # type: ignore[attr-defined]
+    used = ", ".join(str(i) for i in found["embedder_ids"])
     stage = f"; module cosine: {found['module_stage']}" if found["module_stage"] else ""
     print(f"nearest to {found['query_name']} in {found['space']} by {found['method']} (embedders {used}{stage}):")
-    for h in found["results"]:  # type: ignore[attr-defined]
+    for h in found["results"]:
         print(f"  {h['score']:7.4f}  {h['adapter_id']:>6}  {h['name']:<32} {h['labels'].get('task', '')}")
-    for method, state in found["index_states"].items():  # type: ignore[attr-defined]
+    for method, state in found["index_states"].items():
         if state != "loaded":
             print(f"note: the {method} index was {state}", file=sys.stderr)
     return 0
@@ -123,12 +123,12 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
         print_json(pred)
         return 0
     print(f"{pred['query_name']} in {pred['space']} (embedder {pred['embedder_id']}):")
-    for key, top in pred["attributes"].items():  # type: ignore[attr-defined]
-        c = pred["confidence"][key]  # type: ignore[index]
+    for key, top in pred["attributes"].items():
+        c = pred["confidence"][key]
         verdict = "" if c["sure"] else "not sure: "
         support = f"{c['agreeing']} of {c['neighbours']} nearest labelled adapters agree" if c["neighbours"] else "no labelled neighbours"
         print(f"  {key:<16} {verdict}" + ", ".join(f"{t['value']} {percent(t['probability'])}" for t in top) + f"  ({support})")
-    for key, m in pred["metrics"].items():  # type: ignore[attr-defined]
+    for key, m in pred["metrics"].items():
         interval = f"90% interval {m['low']:.3f}..{m['high']:.3f}" if m["interval"] else "no interval: no held-out residuals"
         print(f"  {key:<16} {m['value']:.3f}  ({interval}; {m['method']}: from the {PREDICTOR_WORDS.get(m['predictor'], m['predictor'])})")
     return 0
@@ -143,7 +143,7 @@ def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
         return 0
-    for e in info["embedders"]:  # type: ignore[attr-defined]
+    for e in info["embedders"]:
         print(f"{info['space']}: " + ", ".join(f"{k}: {human(v)}" for k, v in e.items() if v is not None))
     print(f"{info['space']}: module store: {info['module_store']}")
     return 0
@@ -166,13 +166,13 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         print_json(found)
         return 0
-    first, second = found["explained"]  # type: ignore[misc]
+    first, second = found["explained"]
     print(
         f"{found['space']}: {found['shown']} of {found['count']} adapters by {found['method']} (embedder {found['embedder_id']}), "
         f"PCA axes holding {first:.0%} and {second:.0%} of the variance; map file: {saved}"
     )
-    print("colour keys: " + (", ".join(found["color_keys"]) or "none (no given labels or test measurements)"))  # type: ignore[arg-type]
-    legend: dict | None = found["legend"]  # type: ignore[assignment]
+    print("colour keys: " + (", ".join(found["color_keys"]) or "none (no given labels or test measurements)"))
+    legend: dict | None = found["legend"]
     if legend is not None:
         if legend["kind"] == "metric":
             spread = f"{legend['min']:.4g}..{legend['max']:.4g}" if legend["min"] is not None else "-"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -65,7 +66,7 @@ def kohya_base_model(metadata: dict[str, str]) -> str | None:
     return metadata.get("ss_sd_model_name") or metadata.get("ss_base_model_version")
 
 
-def read_single_file_lora(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> AdapterData:
+def read_single_file_lora(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> AdapterData:
     """Modules of a kohya/diffusers LoRA file; a missing or zero alpha means alpha = rank."""
     used: set[str] = set()
     modules: list[LoraModule] = []

@@ -179,7 +179,7 @@ class SafetensorsHeader:
     data_start: int
 
 
-def safetensors_header(path: Path, data: bytes | bytearray) -> SafetensorsHeader:
+def safetensors_header(path: Path, data: bytes | bytearray | StreamedFile) -> SafetensorsHeader:
     """Check the framing of a safetensors file's bytes and every tensor entry of its header (dtype, shape,
     offsets that match the shape, inside the file, not overlapping and, as the format requires, packed
     from the start of the data to its end)."""
@@ -325,6 +325,7 @@ class StreamedTensors(Mapping[str, torch.Tensor]):
 
 def parse_weights_only_pickle(wf: WeightFile) -> dict[str, torch.Tensor]:
     """A torch pickle's bytes loaded with weights_only=True: code in the pickle is never run."""
+    assert isinstance(wf.data, bytearray)  # only a safetensors file is streamed
     try:
         obj = torch.load(io.BytesIO(wf.data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever a hostile pickle makes torch raise, the file is refused

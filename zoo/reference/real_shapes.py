@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +64,7 @@ class ModelShape:
         return sum(self.rank * (m.fan_in + m.out) * size for m in self.modules(layers))
 
 
-def _llm(hidden: int, intermediate: int, kv: int, targets: tuple[str, ...]):  # type: ignore[no-untyped-def]
+def _llm(hidden: int, intermediate: int, kv: int, targets: tuple[str, ...]) -> Callable[[int], Iterator[ModuleShape]]:
     shapes = {
         "q_proj": ("self_attn", hidden, hidden),
         "k_proj": ("self_attn", kv, hidden),

@@ -69,7 +69,7 @@ def lora_config(rank: int, alpha: float, targets: str | Sequence[str], **config:
     """PEFT's LoraConfig of a reference adapter: no dropout; `targets` a regex (str) or module names."""
     return LoraConfig(
         r=rank,
-        lora_alpha=alpha,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # peft types it int; a float alpha scales as well
         target_modules=targets if isinstance(targets, str) else list(targets),
         lora_dropout=0.0,
         **config,  # type: ignore[arg-type]  # LoraConfig's fields, passed through

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.config import Settings
 from zoo.files import TMP_PREFIX
@@ -54,7 +55,9 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
             corrupt.append({"adapter_id": adapter_id, "blob": str(digest)})
 
     now = time.time()
-    orphans, temporary, in_flight = [], [], 0
+    orphans: list[Path] = []
+    temporary: list[Path] = []
+    in_flight = 0
     for path in _files(settings.data_dir):
         stray = path.name.startswith(TMP_PREFIX)
         if not stray and not (path.is_relative_to(settings.blob_dir) and path.suffix == ".safetensors" and path.stem not in referenced):
@@ -102,7 +105,9 @@ def _files(data_dir: Path) -> Iterator[Path]:
             yield from (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _check_spaces(settings: Settings, sessions, blobs: BlobStore, repair: bool) -> tuple[list[dict], list[dict], list[str]]:  # type: ignore[no-untyped-def]
+def _check_spaces(
+    settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore, repair: bool
+) -> tuple[list[dict], list[dict], list[str]]:
     """Index files, module stores, maps and missing embeddings per space (embed/ is imported only here).
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
@@ -186,7 +191,7 @@ def _same_ids(what: str, held: np.ndarray, embedded: np.ndarray, missing_ok: boo
     return f"the {what} holds " + "; ".join(parts)
 
 
-def _rebuild_stale(sessions, blobs: BlobStore, data_dir: Path, space_id: int, stale: list[dict]) -> None:  # type: ignore[no-untyped-def]
+def _rebuild_stale(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int, stale: list[dict]) -> None:
     """Rebuild from the database each file whose ids disagreed with it (a count that agrees does not make
     `embed_space` rebuild it)."""
     from embed.engine import update_index_file, update_module_store
@@ -195,14 +200,14 @@ def _rebuild_stale(sessions, blobs: BlobStore, data_dir: Path, space_id: int, st
     with sessions() as session:
         for entry in stale:
             if "embedder_id" in entry:
-                update_index_file(session, data_dir, session.get(Embedder, entry["embedder_id"]), rebuild=True)
+                update_index_file(session, data_dir, session.get_one(Embedder, entry["embedder_id"]), rebuild=True)
             elif "module_store" in entry:
-                update_module_store(session, blobs, data_dir, session.get(EmbeddingSpace, space_id), rebuild=True)
+                update_module_store(session, blobs, data_dir, session.get_one(EmbeddingSpace, space_id), rebuild=True)
             elif "map" in entry:
                 update_map(session, data_dir, map_embedder(session, space_id), rebuild=True)  # type: ignore[arg-type]
 
 
-def _unembedded(session, space: EmbeddingSpace, sketch_id: int) -> list[int]:  # type: ignore[no-untyped-def]
+def _unembedded(session: Session, space: EmbeddingSpace, sketch_id: int) -> list[int]:
     """Adapters of the space's base model whose modules all fit its schema but have no sketch vector."""
     shapes = {str(n): (int(o), int(i)) for n, o, i in space.schema["modules"]}
     fits: dict[int, bool] = {}

@@ -14,7 +14,7 @@ import hashlib
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -170,7 +170,7 @@ def _first_line(exc: BaseException) -> str:
     return (lines[0] if lines else type(exc).__name__)[:300]
 
 
-def choose(ref: HubRef, sizes: dict[str, int | None], source: str) -> tuple[list[str], str]:
+def choose(ref: HubRef, sizes: Mapping[str, int | None], source: str) -> tuple[list[str], str]:
     """The files to download (PEFT's config and weights, else one LoRA .safetensors; the card when present) and
     the path to read, both relative to the snapshot; refuses missing adapters and files over ZOO_MAX_FILE_BYTES."""
     sub = ref.subfolder

@@ -11,6 +11,7 @@ the digest before inserting the adapter's row and for the fsync before renaming 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import struct
@@ -103,7 +104,7 @@ class BlobStore:
                 for a in ordered:
                     if stop is not None and stop.is_set():
                         raise StagingStopped
-                    view = memoryview(a.reshape(-1).view(np.uint8))  # bytes of the array's memory, no copy
+                    view = a.reshape(-1).view(np.uint8).data  # bytes of the array's memory, no copy
                     h.update(view)
                     _write_all(fh, view)
                     size += a.nbytes
@@ -198,10 +199,10 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
-def _write_all(fh: object, view: memoryview) -> None:
+def _write_all(fh: io.FileIO, view: memoryview) -> None:
     """Write every byte of `view` to an unbuffered file (a raw write may write fewer)."""
     while view:
-        n = fh.write(view)  # type: ignore[attr-defined]
+        n = fh.write(view)
         view = view[n:]
 
 

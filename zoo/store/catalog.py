@@ -24,10 +24,13 @@ from typing import Any
 
 from sqlalchemy import (
     CTE,
+    ColumnClause,
     ColumnElement,
     Connection,
     Integer,
+    Row,
     Select,
+    SQLColumnExpression,
     String,
     and_,
     case,
@@ -88,13 +91,13 @@ def facet_exact_rows() -> int:
 
 _WORD = re.compile(r"[^\W_]+")
 _TOTAL = "total"
-_SIMPLE = literal_column("'simple'::regconfig")
+_SIMPLE: ColumnClause[Any] = literal_column("'simple'::regconfig")
 _FTS = table(SQLITE_FTS_TABLE, column("rowid", Integer))
-_FTS_NAME = literal_column(SQLITE_FTS_TABLE)
+_FTS_NAME: ColumnClause[Any] = literal_column(SQLITE_FTS_TABLE)
 _TEXT = AdapterText.__table__
 #: a condition keeping the adapters of a sample (None: all)
 Within = ColumnElement[bool] | None
-_FACET_EXPRESSIONS: dict[str, ColumnElement[Any]] = {
+_FACET_EXPRESSIONS: dict[str, SQLColumnExpression[Any]] = {
     "base_model": Adapter.base_model,
     "format": Adapter.format,
     "rank": cast(Adapter.rank, String),
@@ -220,7 +223,7 @@ def _restrict(
     return stmt, func.bm25(_FTS_NAME)
 
 
-def _order(sort: str, dialect: str, relevance: ColumnElement[Any] | None) -> list[ColumnElement[Any]]:
+def _order(sort: str, dialect: str, relevance: ColumnElement[Any] | None) -> list[SQLColumnExpression[Any]]:
     if sort == "relevance" and relevance is not None:
         return [relevance, Adapter.id]
     if sort == "name":  # code point order on both databases (SQLite's default collation)
@@ -232,7 +235,7 @@ def _order(sort: str, dialect: str, relevance: ColumnElement[Any] | None) -> lis
 
 def _matching(dialect: str, phrases: list[list[str]], filters: Mapping[str, str], name: str, within: Within = None) -> CTE:
     """The ids of the adapters matching the phrases and filters (within the sample), with their column facets' values."""
-    columns = [Adapter.id, *(expr.label(key) for key, expr in _FACET_EXPRESSIONS.items())]
+    columns: list[SQLColumnExpression[Any]] = [Adapter.id, *(expr.label(key) for key, expr in _FACET_EXPRESSIONS.items())]
     stmt = _restrict(select(*columns), dialect, phrases, filters, per_row=within is not None)[0]
     return (stmt if within is None else stmt.where(within)).cte(name)
 
@@ -305,7 +308,7 @@ def _near_matches(
     With two filters or more the candidates are not the whole catalog but the adapters kept by all but one of
     `through` (two or three filters, see _candidate_filters; each read through its own index); with two label
     filters or more, only those that also have all the filtered labels but one."""
-    columns = [Adapter.id, *(expr.label(key) for key, expr in _FACET_EXPRESSIONS.items())]
+    columns: list[SQLColumnExpression[Any]] = [Adapter.id, *(expr.label(key) for key, expr in _FACET_EXPRESSIONS.items())]
     column_keys = [k for k in filters if k in repository.COLUMN_FILTERS]
     pairs = [(k, v) for k, v in filters.items() if k not in repository.COLUMN_FILTERS]
     candidates = None
@@ -409,7 +412,7 @@ def _sample(session: Session) -> tuple[ColumnElement[bool], float]:
     return or_(*(Adapter.id.between(lo, hi) for lo, hi in windows)), span / max(covered, 1)
 
 
-def _exact_facets(session: Session, dialect: str, stmt: Select, timeout_ms: int) -> list[Any] | None:
+def _exact_facets(session: Session, dialect: str, stmt: Select, timeout_ms: int) -> Sequence[Row] | None:
     """The facet statement's rows; on PostgreSQL None past timeout_ms (an estimate can be far off: a phrase
     matching 83,000 adapters was estimated at a few thousand), its transaction left as it was."""
     if dialect != "postgresql":

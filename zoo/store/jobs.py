@@ -25,8 +25,9 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TypedDict, cast
 
-from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.errors import NotFoundError, UsageError
@@ -181,12 +182,12 @@ def _held(owner: str, item_id: int) -> tuple[ColumnElement[bool], ...]:
     return JobItem.id == item_id, JobItem.lease_owner == owner, JobItem.state == "running"
 
 
-def _settle_item(sessions: sessionmaker[Session], owner: str, item_id: int, values: dict[str, object]) -> bool:
+def _settle_item(sessions: sessionmaker[Session], owner: str, item_id: int, values: Mapping[str, object]) -> bool:
     with write_transaction(sessions) as session:
         return _settle_held(session, owner, item_id, values)
 
 
-def _settle_held(session: Session, owner: str, item_id: int, values: dict[str, object]) -> bool:
+def _settle_held(session: Session, owner: str, item_id: int, values: Mapping[str, object]) -> bool:
     """Write `values` and clear the lease if `owner` holds the item, then settle its job."""
     clear = {"lease_owner": None, "lease_expires_at": None, "updated_at": _now()}
     job_id = session.execute(update(JobItem).where(*_held(owner, item_id)).values(**values, **clear).returning(JobItem.job_id)).scalar()
@@ -250,7 +251,8 @@ def retry_job(sessions: sessionmaker[Session], job_id: int) -> dict[str, object]
     with write_transaction(sessions) as session:
         job = _job_or_404(session, job_id)
         again = (JobItem.job_id == job_id, JobItem.state.in_(("failed", "cancelled")))
-        n = session.execute(update(JobItem).where(*again).values(state="queued", attempts=0, reason=None, updated_at=_now())).rowcount
+        updated = session.execute(update(JobItem).where(*again).values(state="queued", attempts=0, reason=None, updated_at=_now()))
+        n = cast(CursorResult, updated).rowcount  # an UPDATE's result is a CursorResult (Session.execute returns a Result)
         if n:
             job.state, job.finished_at = "queued", None
         elif job.state == "cancelled":
@@ -263,11 +265,12 @@ def cancel_job(sessions: sessionmaker[Session], job_id: int) -> dict[str, object
     """Cancel the job: its queued items are cancelled, its running ones finish."""
     with write_transaction(sessions) as session:
         job = _job_or_404(session, job_id)
-        n = session.execute(
+        updated = session.execute(
             update(JobItem)
             .where(JobItem.job_id == job_id, JobItem.state == "queued")
             .values(state="cancelled", reason="cancelled", updated_at=_now())
-        ).rowcount
+        )
+        n = cast(CursorResult, updated).rowcount  # an UPDATE's result is a CursorResult (Session.execute returns a Result)
         if job.state in ("queued", "running"):
             job.state = "cancelled"
         _settle_jobs(session, [job_id])
@@ -288,7 +291,14 @@ def _counts(session: Session, job_ids: list[int]) -> dict[int, dict[str, int]]:
     return {i: {s: c[s] for s in ITEM_STATES} | {"total": sum(c.values())} for i, c in counts.items()}
 
 
-def _progress(session: Session, jobs: list[Job], counts: dict[int, dict[str, int]]) -> dict[int, dict[str, object]]:
+class _Progress(TypedDict):
+    processed: int
+    elapsed_s: float | None
+    throughput: float | None
+    eta_s: float | None
+
+
+def _progress(session: Session, jobs: list[Job], counts: dict[int, dict[str, int]]) -> dict[int, _Progress]:
     """Per job: items processed, seconds since its first claim (to its last finish once nothing is
     pending), items/s over that time, and the ETA of the pending items at that rate."""
     ids = [j.id for j in jobs]
@@ -300,7 +310,8 @@ def _progress(session: Session, jobs: list[Job], counts: dict[int, dict[str, int
             .group_by(JobItem.job_id)
         )
     }
-    now, out = _now(), {}
+    now = _now()
+    out: dict[int, _Progress] = {}
     for job in jobs:
         c = counts[job.id]
         processed, pending = sum(c[s] for s in PROCESSED), c["queued"] + c["running"]
@@ -335,7 +346,7 @@ def stage_means(session: Session, job_id: int) -> dict[str, float]:
     return {stage: round(total / n, 6) for stage, total in sums.items()} if n else {}
 
 
-def _summary(job: Job, counts: dict[str, int], progress: dict[str, object]) -> dict[str, object]:
+def _summary(job: Job, counts: dict[str, int], progress: _Progress) -> dict[str, object]:
     return {
         "id": job.id,
         "kind": job.kind,
@@ -348,7 +359,19 @@ def _summary(job: Job, counts: dict[str, int], progress: dict[str, object]) -> d
     }
 
 
-def _item(i: JobItem) -> dict[str, object]:
+class _Item(TypedDict):
+    id: int
+    source: str
+    state: str
+    reason: str | None
+    attempts: int
+    adapter_id: int | None
+    lease_owner: str | None
+    started_at: str | None
+    timings: dict | None
+
+
+def _item(i: JobItem) -> _Item:
     return {
         "id": i.id,
         "source": i.source,
@@ -373,7 +396,7 @@ def job_detail(session: Session, job: Job, items: bool = True) -> dict[str, obje
     if items:
         order = (JobItem.state != "failed", JobItem.id)
         rows = session.scalars(select(JobItem).where(JobItem.job_id == job.id).order_by(*order).limit(ITEMS_SHOWN))
-        detail["items"] = sorted((_item(i) for i in rows), key=lambda i: i["id"])  # type: ignore[arg-type, return-value]
+        detail["items"] = sorted((_item(i) for i in rows), key=lambda i: i["id"])
     return detail
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, literal_column, select
+from sqlalchemy import Select, SQLColumnExpression, func, literal_column, select
 from sqlalchemy.orm import Session, aliased
 
 from zoo.errors import NotFoundError
@@ -180,7 +180,7 @@ def _summaries(session: Session, ids: list[int]) -> list[dict[str, Any]]:
     return [rows[i] for i in ids if i in rows]
 
 
-def _group(session: Session, column: ColumnElement[Any], value: str | None, adapter_id: int, limit: int) -> dict[str, Any]:
+def _group(session: Session, column: SQLColumnExpression[Any], value: str | None, adapter_id: int, limit: int) -> dict[str, Any]:
     """The other adapters with this value in an indexed column: their count (capped) and the newest `limit`."""
     if value is None:
         return {"value": None, "total": 0, "capped": False, "adapters": []}

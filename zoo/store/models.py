@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
+from typing import TYPE_CHECKING, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -16,6 +18,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     UniqueConstraint,
     func,
@@ -25,7 +28,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
 class Base(DeclarativeBase):
-    pass
+    if TYPE_CHECKING:
+        # every model is mapped to a table of its own (DeclarativeBase types it as any FROM clause)
+        __table__: ClassVar[Table]
 
 
 #: SQLite's full-text index of `adapter_text` (an FTS5 virtual table and its shadow tables), made by
@@ -35,7 +40,7 @@ SQLITE_FTS_TABLE = "adapter_text_fts"
 UNKNOWN_BASE = "unknown"
 
 
-def on_dialect(dialect: str):  # type: ignore[no-untyped-def]
+def on_dialect(dialect: str) -> Callable[[object, str | None, str, bool, object], bool]:
     """An Alembic `include_object` hook: leave out indexes (`Index.ddl_if`) and columns (`info["dialect"]`)
     declared for another dialect, and SQLite's FTS5 tables."""
 

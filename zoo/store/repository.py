@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Connection, Select, bindparam, delete, exists, select, union_all
+from sqlalchemy import ColumnElement, Connection, Select, SQLColumnExpression, bindparam, delete, exists, select, union_all
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.errors import UsageError
@@ -155,7 +155,7 @@ def adapter_detail(a: Adapter) -> dict[str, object]:
 
 
 #: what a source (the Hub) said about an adapter, by filter and facet key: each matches exactly
-SOURCE_FIELDS: dict[str, ColumnElement[Any]] = {
+SOURCE_FIELDS: dict[str, SQLColumnExpression[Any]] = {
     "author": Adapter.author,
     "license": Adapter.license,
     "pipeline_tag": Adapter.source_metadata["pipeline_tag"].as_string(),

@@ -17,18 +17,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
 from zoo.errors import ZooError
 from zoo.store.locks import take_locks
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    from sqlalchemy.pool import ConnectionPoolEntry
 
 #: how long a SQLite writer waits for another process's write lock
 SQLITE_BUSY_MS = 60_000
@@ -67,7 +73,7 @@ def _make_engine(url: str) -> Engine:
         engine = create_engine(url)
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
             dbapi_conn.isolation_level = None  # transactions are begun below, not by the driver
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
@@ -77,7 +83,7 @@ def _make_engine(url: str) -> Engine:
             cur.close()
 
         @event.listens_for(engine, "begin")
-        def _sqlite_begin(conn) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_begin(conn: Connection) -> None:
             # a writer takes the write lock when it begins (waiting up to the busy timeout), so that
             # what it read before writing cannot be changed under it by another process
             conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
