@@ -18,7 +18,7 @@ import torch
 
 from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.calibration import expected_calibration_error
-from embed.choice import parse_search
+from embed.choice import MIX_WEIGHTS, parse_search, search_name
 from embed.ensemble import W2TEnsemble
 from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval
 from embed.tokens import max_rank
@@ -55,6 +55,10 @@ KEYS = (
     "mrr",
     "ndcg@10",
 )
+
+
+#: the retrieval measures the search choice is judged on against the oracle (the best fixed candidate on the split)
+REGRET_KEYS = ("hit@1", "mrr", "ndcg@10")
 
 
 def refactorized(a: ZooAdapter, seed: int) -> ZooAdapter:
@@ -158,6 +162,7 @@ def evaluate(
         if kind == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
             methods["default"] = _default_scores(emb, exact, sim, adapters, test_pos, train_pos)
+            regret = search_regret(exact, sim, adapters, test_pos, train_pos, methods["default"])
 
     if not contrastive:
         methods["w2t_contrastive"] = dict.fromkeys(KEYS)
@@ -180,8 +185,43 @@ def evaluate(
         "search": sup.search,
         "w2t_predictor": {k: sup.predictor_name(k) for k in sup.predictor},
         "choices": sup.choices,
+        "search_regret": regret,
         "seconds": {k: round(v, 2) for k, v in timings.items()},
     }
+
+
+def search_regret(
+    exact: dict[str, np.ndarray],
+    w2t: np.ndarray,
+    adapters: list[ZooAdapter],
+    test_pos: list[int],
+    train_pos: list[int],
+    chosen: dict[str, float | None],
+) -> dict[str, dict[str, Any]]:
+    """The chosen search score against every candidate the choice had (each exact score alone, mixed with the W2T
+    cosine at every weight of embed.choice.MIX_WEIGHTS, and W2T alone), on this split's held-out queries: per measure
+    the oracle (the candidate that retrieves best here, by hindsight) with its score, the regret (the oracle's score
+    minus the chosen one's: 0 when the choice was the best fixed candidate) and the gain over whole-update dW cosine."""
+    candidates: dict[str, dict[str, float | None]] = {}
+    for score in EXACT_SCORES:
+        for weight in (0.0, *MIX_WEIGHTS):
+            name = search_name(score, weight)
+            if name not in candidates:
+                candidates[name] = _score(hybrid_score(exact[score], w2t, weight), adapters, test_pos, train_pos, predict=False)
+    out: dict[str, dict[str, Any]] = {}
+    for key in REGRET_KEYS:
+        value = chosen.get(key)
+        if value is None:
+            continue
+        measured = {name: got for name, row in candidates.items() if (got := row[key]) is not None}
+        oracle = max(measured, key=lambda name: measured[name])  # ties: the first, the simplest
+        out[key] = {
+            "oracle": oracle,
+            "oracle_score": measured[oracle],
+            "regret": measured[oracle] - value,
+            "gain_over_dw": value - measured["dw"],
+        }
+    return out
 
 
 def _protocol(labelled_per_task: int | None, label_fraction: float | None) -> str:
@@ -281,6 +321,16 @@ def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
         values = {k: [r["methods"][name][k] for r in results if r["methods"][name][k] is not None] for k in KEYS}
         methods[name] = {k: float(np.mean(v)) if v else None for k, v in values.items()}
         spread[name] = {k: float(np.std(v)) if v else None for k, v in values.items()}
+    regret: dict[str, dict[str, float]] = {}
+    for key in REGRET_KEYS:
+        rows = [r["search_regret"][key] for r in results if key in r.get("search_regret", {})]
+        if rows:
+            lost = np.array([row["regret"] for row in rows])
+            regret[key] = {
+                "regret_mean": float(lost.mean()),
+                "regret_p90": float(np.quantile(lost, 0.9)),
+                "gain_over_dw_mean": float(np.mean([row["gain_over_dw"] for row in rows])),
+            }
     first = results[0]
     return {
         "space": first["space"],
@@ -291,6 +341,7 @@ def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
         "seeds": [r["seed"] for r in results],
         "methods": methods,
         "methods_std": spread,
+        "search_regret": regret,
         "splits": results,
     }
 
@@ -322,4 +373,13 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{prefix}invariance (re-factorized with random G), min cosine: {_rounded(r['invariance_min_cosine'], 6)}")
         for target, c in r["choices"].items():
             lines.append(f"{prefix}{target} by {c['chosen']} (out of fold: {c['reason']})")
+        if r.get("search_regret"):
+            parts = [f"{k} {v['regret']:+.3f} (oracle {v['oracle']})" for k, v in r["search_regret"].items()]
+            lines.append(f"{prefix}search regret against the best fixed candidate: {', '.join(parts)}")
+    if spread and result.get("search_regret"):
+        parts = [
+            f"{k} mean {v['regret_mean']:.3f}, p90 {v['regret_p90']:.3f}, gain over dW {v['gain_over_dw_mean']:+.3f}"
+            for k, v in result["search_regret"].items()
+        ]
+        lines.append(f"search regret over the splits: {'; '.join(parts)}")
     return "\n".join(lines)

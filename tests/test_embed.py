@@ -205,6 +205,10 @@ def test_zoo_eval_command(cli, tmp_path: Path) -> None:  # type: ignore[no-untyp
             values = [r["methods"][name][key] for r in combined["splits"] if r["methods"][name][key] is not None]
             assert mean == (pytest.approx(np.mean(values)) if values else None)
             assert combined["methods_std"][name][key] == (pytest.approx(np.std(values)) if values else None)
+    for key, agg in combined["search_regret"].items():
+        lost = [r["search_regret"][key]["regret"] for r in combined["splits"]]
+        assert agg["regret_mean"] == pytest.approx(np.mean(lost)) and agg["regret_p90"] == pytest.approx(np.quantile(lost, 0.9))
+    assert set(combined["search_regret"]) == {"hit@1", "mrr", "ndcg@10"}
     rc, _, err = cli("eval", "--splits", "0")
     assert rc == 2 and "--splits must be at least 1" in err
     rc, _, err = cli("eval", "--space", "nope")

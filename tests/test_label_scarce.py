@@ -106,6 +106,14 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
     default = result["methods"]["default"]
     assert all(default[k] is not None for k in ("attr_acc", "perf_spearman", "hit@1", "mrr", "ndcg@10"))
     assert set(result["choices"]) == {"search", "task", "test_accuracy"}
+    # the search choice judged against every fixed candidate it had (issue 32): the chosen score is one of them, so the
+    # best of them in hindsight retrieves at least as well, and its gain over dW is the default row's minus dw_cosine's
+    regret = result["search_regret"]
+    assert set(regret) == {"hit@1", "mrr", "ndcg@10"}
+    for key, r in regret.items():
+        assert r["regret"] >= -1e-12 and r["oracle_score"] == pytest.approx(default[key] + r["regret"])
+        assert r["gain_over_dw"] == pytest.approx(default[key] - result["methods"]["dw_cosine"][key])
+        assert r["oracle"] == "dw" or r["oracle_score"] >= result["methods"]["dw_cosine"][key]
 
 
 @pytest.mark.slow
