@@ -208,6 +208,12 @@ def test_zoo_eval_command(cli, tmp_path: Path) -> None:  # type: ignore[no-untyp
     for key, agg in combined["search_regret"].items():
         lost = [r["search_regret"][key]["regret"] for r in combined["splits"]]
         assert agg["regret_mean"] == pytest.approx(np.mean(lost)) and agg["regret_p90"] == pytest.approx(np.quantile(lost, 0.9))
+        per = [r["search_regret"][key] for r in combined["splits"]]
+        fixed = agg["fixed_oracle"]
+        means = {n: np.mean([p["candidates"][n] for p in per]) for n in per[0]["candidates"]}
+        assert means[fixed] == max(means.values())
+        behind = [p["candidates"][fixed] - p["chosen_score"] for p in per]
+        assert agg["fixed_regret_mean"] == pytest.approx(np.mean(behind)) and agg["fixed_regret_mean"] <= agg["regret_mean"] + 1e-12
     assert set(combined["search_regret"]) == {"hit@1", "mrr", "ndcg@10"}
     rc, _, err = cli("eval", "--splits", "0")
     assert rc == 2 and "--splits must be at least 1" in err

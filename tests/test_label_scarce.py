@@ -114,6 +114,8 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
         assert r["regret"] >= -1e-12 and r["oracle_score"] == pytest.approx(default[key] + r["regret"])
         assert r["gain_over_dw"] == pytest.approx(default[key] - result["methods"]["dw_cosine"][key])
         assert r["oracle"] == "dw" or r["oracle_score"] >= result["methods"]["dw_cosine"][key]
+        assert r["oracle_score"] == max(r["candidates"].values()) and r["chosen_score"] == default[key]
+        assert len(r["candidates"]) == 21  # 2 exact scores, each alone and mixed at 0.1 … 0.9, and W2T alone
 
 
 @pytest.mark.slow
