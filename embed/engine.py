@@ -652,7 +652,8 @@ class QueryEngine:
         with state.lock.read():
             allowed = self._allowed(session, state, filters) if filters else None
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
-            searched = [e for e in embedders if method != "hybrid" or e.method in stage_kinds(self._hybrid_search(state))]
+            kinds = stage_kinds(self._hybrid_search(state)) if method == "hybrid" else METHOD_EMBEDDERS[method]
+            searched = [e for e in embedders if e.method in kinds]
             vectors = {e.method: self._query_vector(state, e, query) for e in searched}
             exact_stage = method in ("hybrid", "module", "dw")
             fetch = max(k, CANDIDATES) + 1  # re-ranked below by stored vectors (and the module store)
