@@ -75,7 +75,7 @@ def _worker(
     import torch
 
     from zoo.formats import read_adapter
-    from zoo.services.ingest import Ingestor, canonicalize_modules, share_cores
+    from zoo.services.ingest import Ingestor, canonicalize_modules, ingest_source, share_cores
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
@@ -92,7 +92,7 @@ def _worker(
         counts: Counter[str] = Counter()
         stages: Counter[str] = Counter()
         failures: list[str] = []
-        for result in ingestor.ingest_many(sources, labels):
+        for result in (ingest_source(ingestor, str(p), labels.get(p)) for p in sources):
             counts[result.status] += 1
             stages.update(result.timings)
             if result.status == "failed":

@@ -20,7 +20,7 @@ from zoo.domain.canonical import canonicalize
 from zoo.domain.fingerprint import DUPLICATE_RTOL, relative_distance
 from zoo.formats import AdapterData, LoraModule, read_adapter
 from zoo.labels import LabelRow
-from zoo.services.ingest import SMALL_ADAPTER_ELEMENTS, UNKNOWN_BASE, IngestOptions, Ingestor, small_work_on_one_thread
+from zoo.services.ingest import SMALL_ADAPTER_ELEMENTS, UNKNOWN_BASE, IngestOptions, Ingestor, ingest_source, small_work_on_one_thread
 from zoo.sources import Origin
 from zoo.store.blobs import BlobStore
 from zoo.store.catalog import refresh_search_text
@@ -125,7 +125,7 @@ def test_bad_inputs_fail_and_write_nothing(settings: Settings, tmp_path: Path) -
     save_file(tensors, str(nan_dir / "adapter_model.safetensors"))
 
     ingestor = make_ingestor(settings)
-    results = list(ingestor.ingest_many([truncated, nan_dir, tmp_path / "missing", good]))
+    results = [ingest_source(ingestor, str(p)) for p in (truncated, nan_dir, tmp_path / "missing", good)]
     assert [r.status for r in results] == ["failed", "failed", "failed", "ingested"]
     assert "trunc.safetensors: truncated" in results[0].error
     assert "contains NaN or Inf" in results[1].error and str(nan_dir) in results[1].error

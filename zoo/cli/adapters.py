@@ -34,8 +34,6 @@ def run_ingest(
 ) -> tuple[dict[str, int], list[str]]:
     """Ingest every source under paths (and `hf://` sources), printing JSON lines or showing a progress bar.
     Returns counts by status and failures."""
-    from itertools import chain
-
     from zoo.services.ingest import Ingestor, ingest_source
     from zoo.sources import hub
     from zoo.sources.local import expand_paths
@@ -50,7 +48,8 @@ def run_ingest(
     failures: list[str] = []
     sources = expand_paths([p for p in paths if not is_remote(p)])
     labels = assign_rows(label_rows, sources) if label_rows else {}
-    results = chain(ingestor.ingest_many([p for p, _ in sources], labels), (ingest_source(ingestor, s) for s in remote))
+    queue = [(str(p), labels.get(p)) for p, _ in sources] + [(s, None) for s in remote]
+    results = (ingest_source(ingestor, source, given) for source, given in queue)  # the one per-source step `zoo worker` runs too
     total = len(sources) + len(remote)
     with tqdm(total=total, desc="ingest", unit="adapter", disable=True if as_json or not progress else None, file=sys.stderr) as bar:
         for result in results:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -272,11 +272,6 @@ class Ingestor:
                     blob.discard()
         result.notes = list(data.notes)
         return result
-
-    def ingest_many(self, paths: Iterable[Path], labels: dict[Path, LabelRow] | None = None) -> Iterator[IngestResult]:
-        """Every path in turn, each in its own transaction, with its labels (see zoo.labels.assign_rows) if any."""
-        for p in paths:
-            yield self.ingest(p, labels=(labels or {}).get(p))
 
     def _stored_copy(self, raw: RawAdapter, base_model: str, labels: LabelRow | None) -> IngestResult | None:
         """The duplicate result for files already stored, without reading tensors: a stored adapter of this base model
