@@ -572,7 +572,7 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
     wall = time.perf_counter() - t0
     shards = rng.integers(0, SHARDS, len(queries))
     filtered = [one(int(i), {"shard": f"s{int(j)}"}) for i, j in zip(queries, shards, strict=True)]
-    weight = float(engine.w2t(engine.space(sessions(), space).embedders["w2t"]).hybrid_weight)
+    weight = engine.w2t(engine.space(sessions(), space).embedders["w2t"]).search.w2t_weight
     rq = queries[: args.recall_queries]
     exact, exact_scores, exhaustive_s = exhaustive_top(src, args.adapters, args.seed, rq, weight, GAP_RANK)
     recall = float(np.mean([len(set(single[j][1]) & set(exact[j, :10].tolist())) / 10 for j in range(len(rq))]))

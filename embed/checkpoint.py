@@ -1,10 +1,14 @@
-"""A W2T checkpoint directory: its files, and its metadata read without loading the models (no torch)."""
+"""A W2T checkpoint directory: its files, and its metadata read without loading the models (no torch), the methods
+chosen in it stored by name (zoo.domain.methods)."""
 
 from __future__ import annotations
 
 import functools
 import json
 from pathlib import Path
+
+from embed.metrics import KNN_K
+from zoo.domain.methods import KnnPredictor, LearnedPredictor, Predictor, SearchScore
 
 META = "embedder.json"
 WEIGHTS = "model.safetensors"
@@ -15,3 +19,33 @@ MEMORY = "memory.safetensors"
 def checkpoint_meta(directory: Path) -> dict:
     """The checkpoint's metadata (config, schema, hybrid weight, predictors...); directories are never rewritten."""
     return json.loads((Path(directory) / META).read_text())
+
+
+def search_of(meta: dict) -> SearchScore:
+    """The search score a checkpoint serves; before the choice among exact scores, module cosine was the exact one."""
+    return SearchScore(meta.get("exact_score", "module"), float(meta["hybrid_weight"]))
+
+
+def predictors_of(meta: dict) -> dict[str, Predictor]:
+    """Each target's predictor in a checkpoint: a kNN ("knn") by its similarity and k under "knn", a learned one by
+    its kind; before kNN predictors were chosen, "search" meant a KNN_K-NN over the search score."""
+    knn = meta.get("knn", {})
+    predictors: dict[str, Predictor] = {}
+    for target, kind in meta["predictor"].items():
+        if kind == "search":
+            predictors[target] = KnnPredictor(search_of(meta), KNN_K)
+        elif kind == KnnPredictor.kind:
+            predictors[target] = KnnPredictor(SearchScore.parse(knn[target]["similarity"]), int(knn[target]["k"]))
+        else:
+            predictors[target] = LearnedPredictor.parse(kind)
+    return predictors
+
+
+def methods_meta(search: SearchScore, predictors: dict[str, Predictor]) -> dict[str, object]:
+    """The metadata search_of and predictors_of read back."""
+    return {
+        "exact_score": search.exact,
+        "hybrid_weight": search.w2t_weight,
+        "predictor": {target: p.kind for target, p in predictors.items()},
+        "knn": {t: {"similarity": p.similarity.name, "k": p.k} for t, p in predictors.items() if isinstance(p, KnnPredictor)},
+    }

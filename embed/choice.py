@@ -21,12 +21,14 @@ the members, against the labelled adapters:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from embed.calibration import Calibration, class_prior, knn_calibration
 from embed.calibration import fit as fit_calibration
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
+from zoo.domain.methods import LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore
 from zoo.domain.similarity import EXACT_SCORES, hybrid_score
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
@@ -56,49 +58,26 @@ class Fold:
     z: np.ndarray
 
 
+#: a chosen method: a search score or a predictor (zoo.domain.methods)
+M = TypeVar("M", SearchScore, Predictor)
+
+
 @dataclass
-class Choice:
+class Choice(Generic[M]):
     """What was chosen, with the out-of-fold scores of every candidate and the reason."""
 
-    chosen: str
-    scores: dict[str, float] = field(default_factory=dict)
+    chosen: M
+    scores: dict[M, float] = field(default_factory=dict)
     reason: str = ""
 
     def as_dict(self) -> dict[str, object]:
-        return {"chosen": self.chosen, "scores": {k: round(v, 4) for k, v in self.scores.items()}, "reason": self.reason}
+        """As checkpoints and JSON output record it: methods by name."""
+        return {"chosen": self.chosen.name, "scores": {k.name: round(v, 4) for k, v in self.scores.items()}, "reason": self.reason}
 
 
-def search_name(exact: str, weight: float) -> str:
-    """A search candidate's name: `dw`, `module`, `w2t`, or `dw+w2t@0.3`."""
-    if weight <= 0:
-        return exact
-    return "w2t" if weight >= 1 else f"{exact}+w2t@{weight:g}"
-
-
-def parse_search(name: str) -> tuple[str, float]:
-    """(exact score, W2T weight) of a search candidate's name."""
-    if name in EXACT_SCORES:
-        return name, 0.0
-    if name == "w2t":
-        return EXACT_SCORES[0], 1.0
-    exact, weight = name.split("+w2t@")
-    return exact, float(weight)
-
-
-def knn_name(similarity: str, k: int) -> str:
-    """A kNN predictor's name: `knn dw k=3`, `knn module+w2t@0.1 k=10`."""
-    return f"knn {similarity} k={k}"
-
-
-def parse_knn(name: str) -> tuple[str, int]:
-    """(similarity, k) of a kNN predictor's name."""
-    similarity, k = name.removeprefix("knn ").rsplit(" k=", 1)
-    return similarity, int(k)
-
-
-def knn_similarities(search: str) -> list[str]:
+def knn_similarities(search: SearchScore) -> list[SearchScore]:
     """The similarities a kNN predictor may use: the search score first, then the exact scores."""
-    return [search, *(s for s in EXACT_SCORES if s != search)]
+    return [search, *(s for s in map(SearchScore, EXACT_SCORES) if s != search)]
 
 
 def standard_error(diff: np.ndarray) -> float:
@@ -124,7 +103,7 @@ def clearly_better(candidate: np.ndarray, default: np.ndarray) -> bool:
     return gain > 0 and gain_lower_bound(candidate, default) > 0  # the bound is -inf below 5 items
 
 
-def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold], space_size: int | None = None) -> Choice:
+def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold], space_size: int | None = None) -> Choice[SearchScore]:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
     between the labelled adapters (n × n), `tasks` their tasks ("" unknown), `space_size` the number of adapters
     search ranks (default: n). The exact score is chosen first; W2T is mixed only into that one (a mix over the
@@ -133,26 +112,27 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     queries = [[r for r in f.val if tasks[r]] for f in folds]
     flat = [r for rows in queries for r in rows]
     if len(flat) < 2:
-        return Choice(EXACT_SCORES[0], reason="fewer than 2 held-out adapters with a task: the whole update's dW cosine")
-    per: dict[str, dict[str, np.ndarray]] = {}
+        return Choice(SearchScore(), reason="fewer than 2 held-out adapters with a task: the whole update's dW cosine")
+    per: dict[SearchScore, dict[str, np.ndarray]] = {}
 
-    def score(name: str, sim: np.ndarray) -> None:
+    def score(name: SearchScore, sim: np.ndarray) -> None:
         per[name] = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
         per[name]["quality"] = per[name]["mrr"] + per[name]["ndcg@10"]
 
-    def behind_on(name: str, default: str) -> list[str]:
+    def behind_on(name: SearchScore, default: SearchScore) -> list[str]:
         return [k for k in SEARCH_KEYS if per[name][k].mean() < per[default][k].mean()]
 
-    for exact_score in EXACT_SCORES:
-        score(exact_score, exact[exact_score][flat])
-    base = EXACT_SCORES[0]  # the whole update's cosine, the training-free bar
-    best = max(EXACT_SCORES, key=lambda k: per[k]["quality"].mean())  # ties: the first
+    exact_scores = [SearchScore(s) for s in EXACT_SCORES]
+    for exact_score in exact_scores:
+        score(exact_score, exact[exact_score.exact][flat])
+    base = exact_scores[0]  # the whole update's cosine, the training-free bar
+    best = max(exact_scores, key=lambda k: per[k]["quality"].mean())  # ties: the first
     gain = per[best]["quality"] - per[base]["quality"]
     free = best if best != base and gain.mean() > standard_error(gain) and not behind_on(best, base) else base
     if free != base:
-        why = f"{best} beats {base} by more than its standard error"
+        why = f"{best.name} beats {base.name} by more than its standard error"
     else:
-        why = f"{base}: no exact score beats it by more than its standard error and on every measure"
+        why = f"{base.name}: no exact score beats it by more than its standard error and on every measure"
     with_task, size = sum(1 for t in tasks if t), space_size or len(tasks)
     if with_task < MIN_LABELLED_SHARE * size:
         reason = (
@@ -161,9 +141,9 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
         )
         return Choice(free, {k: float(v["quality"].mean()) for k, v in per.items()}, reason)
     w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(folds, queries, strict=True) if q])
-    mixes = [search_name(free, w) for w in MIX_WEIGHTS]
-    for name, weight in zip(mixes, MIX_WEIGHTS, strict=True):
-        score(name, hybrid_score(exact[free][flat], w2t, weight))
+    mixes = [SearchScore(free.exact, w) for w in MIX_WEIGHTS]
+    for mix, weight in zip(mixes, MIX_WEIGHTS, strict=True):
+        score(mix, hybrid_score(exact[free.exact][flat], w2t, weight))
     means = {k: float(v["quality"].mean()) for k, v in per.items()}
     learned = max(mixes, key=lambda k: means[k])
     n = len(flat)
@@ -173,40 +153,39 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
         candidate = max(eligible, key=lambda k: bound[k])  # the surest gain, not the largest mean: fewer labels, smaller steps
         if clearly_better(per[candidate]["quality"], per[free]["quality"]):
             reason = (
-                f"{candidate} retrieves clearly better than {free} on {n} held-out adapters (the surest gain: 95 % lower bound "
+                f"{candidate.name} retrieves clearly better than {free.name} on {n} held-out adapters (the surest gain: 95 % lower bound "
                 f"{bound[candidate]:+.3f} of MRR + nDCG@10), and is behind on no measure ({why})"
             )
             return Choice(candidate, means, reason)
     behind = behind_on(learned, free)
     lag = f", and is behind on {', '.join(behind)}" if behind else ""
-    reason = f"no W2T mix retrieves clearly better than {free} on {n} held-out adapters (best: {learned}{lag}; {why})"
+    reason = f"no W2T mix retrieves clearly better than {free.name} on {n} held-out adapters (best: {learned.name}{lag}; {why})"
     return Choice(free, means, reason)
 
 
-def search_similarity(exact: dict[str, np.ndarray], choice: str, z: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
-    """The chosen search score between labelled adapters `rows` and `cols` (W2T cosine from embeddings z)."""
-    score, weight = parse_search(choice)
-    return hybrid_score(exact[score][np.ix_(rows, cols)], z[rows] @ z[cols].T, weight)
+def search_similarity(exact: dict[str, np.ndarray], score: SearchScore, z: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
+    """A search score between labelled adapters `rows` and `cols` (W2T cosine from embeddings z)."""
+    return hybrid_score(exact[score.exact][np.ix_(rows, cols)], z[rows] @ z[cols].T, score.w2t_weight)
 
 
 def choose_attribute(
     exact: dict[str, np.ndarray],
-    search: str,
+    search: SearchScore,
     labels: list[str],
     classes: list[str],
-    learned: dict[str, dict[int, np.ndarray]],
+    learned: dict[LearnedPredictor, dict[int, np.ndarray]],
     folds: list[Fold],
     z: np.ndarray,
-) -> tuple[Choice, dict[str, np.ndarray], Calibration]:
-    """A kNN among the labelled adapters (`knn SIMILARITY k=K`, the best of knn_similarities(search) × KNN_KS) or a
+) -> tuple[Choice[Predictor], dict[Predictor, np.ndarray], Calibration]:
+    """A kNN among the labelled adapters (the best of knn_similarities(search) × KNN_KS) or a
     learned predictor (`learned`: its out-of-fold class shares over `classes` by row: the W2T heads, few-shot
     readouts of the embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice,
     every candidate's per-item hits, and the chosen predictor's calibration: a learned one's fit on its
     out-of-fold shares, a kNN's on the leave-one-out votes among all the labelled adapters (embed.calibration
     knn_calibration; `z`: the served embedding of the labelled adapters, for similarities mixed with W2T)."""
     index = np.array([classes.index(label) if label else -1 for label in labels], np.int64)
-    knns = [knn_name(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
-    shares: dict[str, list[np.ndarray]] = {k: [] for k in (*knns, *learned)}
+    knns = [KnnPredictor(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
+    shares: dict[Predictor, list[np.ndarray]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
     truth: list[int] = []
     for f in folds:
         val = [r for r in f.val if labels[r] and all(r in p for p in learned.values())]
@@ -216,7 +195,7 @@ def choose_attribute(
         for similarity in knn_similarities(search):
             sim = search_similarity(exact, similarity, f.z, val, train)
             for k in KNN_KS:
-                shares[knn_name(similarity, k)].append(knn_vote_shares(sim, index[train], len(classes), k))
+                shares[KnnPredictor(similarity, k)].append(knn_vote_shares(sim, index[train], len(classes), k))
         for name, p in learned.items():
             shares[name].append(np.stack([p[r] for r in val]))
         truth += index[val].tolist()
@@ -225,17 +204,17 @@ def choose_attribute(
     per = {k: (v.argmax(axis=1) == t).astype(np.float64) for k, v in oof.items()}
     means = {k: float(v.mean()) if len(v) else 0.0 for k, v in per.items()}
     free = max(knns, key=lambda k: means[k])  # ties: the first (the search score, the most neighbours)
-    chosen = free
+    chosen: Predictor = free
     reason = f"the best kNN on {len(per[free])} held-out adapters; no learned predictor classifies clearly better"
     if learned:
         best = max(learned, key=lambda k: means[k])
         if clearly_better(per[best], per[free]):
-            chosen, reason = best, f"{best} classifies {len(per[best])} held-out adapters clearly better than {free}"
+            chosen, reason = best, f"{best.name} classifies {len(per[best])} held-out adapters clearly better than {free.name}"
     prior = class_prior(index[index >= 0], len(classes))
-    if chosen in knns:
-        similarity, k = parse_knn(chosen)
+    if isinstance(chosen, KnnPredictor):
         rows = np.flatnonzero(index >= 0).tolist()
-        calibration = knn_calibration(search_similarity(exact, similarity, z, rows, rows), index[rows], len(classes), k, prior)
+        sim = search_similarity(exact, chosen.similarity, z, rows, rows)
+        calibration = knn_calibration(sim, index[rows], len(classes), chosen.k, prior)
     else:
         calibration = fit_calibration(oof[chosen], t, prior)
     return Choice(chosen, means, reason), per, calibration
@@ -279,31 +258,35 @@ def logistic_readout(z: np.ndarray, labels: list[str]) -> object | None:
     return LogisticRegression(max_iter=2000, C=1.0).fit(z[known], [labels[r] for r in known])
 
 
-def readout_predictions(labels: list[str], classes: list[str], folds: list[Fold]) -> dict[str, dict[int, np.ndarray]]:
+def readout_predictions(labels: list[str], classes: list[str], folds: list[Fold]) -> dict[LearnedPredictor, dict[int, np.ndarray]]:
     """Out-of-fold class shares (over `classes`) of the few-shot readouts (prototype, logistic regression) of each
     member's embedding."""
-    out: dict[str, dict[int, np.ndarray]] = {"prototype": {}, "logreg": {}}
+    out: dict[LearnedPredictor, dict[int, np.ndarray]] = {PROTOTYPE: {}, LOGREG: {}}
     for f in folds:
         train = [r for r in f.train if labels[r]]
         val = [r for r in f.val if labels[r]]
         if not val or len({labels[r] for r in train}) < 2:
             continue
-        out["prototype"].update(zip(val, prototype_shares(f.z, labels, classes, train, val), strict=True))
+        out[PROTOTYPE].update(zip(val, prototype_shares(f.z, labels, classes, train, val), strict=True))
         model = logistic_readout(f.z[train], [labels[r] for r in train])
         p = np.zeros((len(val), len(classes)))
         p[:, [classes.index(c) for c in model.classes_]] = model.predict_proba(f.z[val])  # type: ignore[attr-defined]
-        out["logreg"].update(zip(val, p, strict=True))
+        out[LOGREG].update(zip(val, p, strict=True))
     return out
 
 
 def choose_metric(
-    exact: dict[str, np.ndarray], search: str, values: np.ndarray, learned: dict[str, dict[int, float]], folds: list[Fold]
-) -> tuple[Choice, np.ndarray, np.ndarray]:
+    exact: dict[str, np.ndarray],
+    search: SearchScore,
+    values: np.ndarray,
+    learned: dict[LearnedPredictor, dict[int, float]],
+    folds: list[Fold],
+) -> tuple[Choice[Predictor], np.ndarray, np.ndarray]:
     """A kNN among the labelled adapters (as for attributes, by Spearman) or a learned predictor (`learned`: its
     out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric (values per
     labelled adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
-    knns = [knn_name(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
-    preds: dict[str, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
+    knns = [KnnPredictor(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
+    preds: dict[Predictor, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
     truth: list[float] = []
     for f in folds:
         val = [r for r in f.val if not np.isnan(values[r]) and all(r in p for p in learned.values())]
@@ -313,7 +296,7 @@ def choose_metric(
         for similarity in knn_similarities(search):
             sim = search_similarity(exact, similarity, f.z, val, train)
             for k in KNN_KS:
-                preds[knn_name(similarity, k)] += knn_regress(sim, values[train], k).tolist()
+                preds[KnnPredictor(similarity, k)] += knn_regress(sim, values[train], k).tolist()
         for name, p in learned.items():
             preds[name] += [p[r] for r in val]
         truth += values[val].tolist()
@@ -324,7 +307,8 @@ def choose_metric(
     if len(t) >= 5 and learned:
         best = max(learned, key=lambda k: np.nan_to_num(means[k], nan=-2.0))
         if clearly_better_rank(per[best], per[free], t):
-            return Choice(best, means, f"{best} ranks {len(t)} held-out adapters clearly better than {free} (Spearman)"), per[best], t
+            reason = f"{best.name} ranks {len(t)} held-out adapters clearly better than {free.name} (Spearman)"
+            return Choice(best, means, reason), per[best], t
     return (
         Choice(free, means, f"the best kNN on {len(t)} held-out adapters; no learned predictor ranks clearly better (Spearman)"),
         per[free],

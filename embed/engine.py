@@ -39,12 +39,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from embed.attributes import AdapterAttributes, last_label_id
 from embed.calibration import is_sure
-from embed.checkpoint import checkpoint_meta
-from embed.choice import parse_search, search_name
+from embed.checkpoint import checkpoint_meta, search_of
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
 from embed.types import SpaceSchema, ZooAdapter
+from zoo.domain.methods import KnnPredictor, SearchScore
 from zoo.domain.similarity import (
     EXACT_SCORES,
     ModuleStack,
@@ -734,16 +734,18 @@ class QueryEngine:
             return self._exact(state, query, vectors[SKETCH], ids, method)
         return self._search_scores(state, self._hybrid_search(state), query, vectors, ids)
 
-    def _hybrid_search(self, state: SpaceState) -> str:
-        """The search score `zoo train` chose for the space (a name as embed.choice.search_name gives): hybrid's."""
+    def _hybrid_search(self, state: SpaceState) -> SearchScore:
+        """The search score `zoo train` chose for the space: hybrid's."""
         return served_search(self.data_dir / str(state.embedders[W2T].checkpoint))
 
-    def _search_scores(self, state: SpaceState, name: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
-        """A search score by its name (embed.choice.search_name: `dw`, `module`, `module+w2t@0.1`, `w2t`)."""
-        score, weight = parse_search(name)
+    def _search_scores(
+        self, state: SpaceState, score: SearchScore, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
+    ) -> np.ndarray:
+        """A search score between the query and the adapters `ids`."""
+        weight = score.w2t_weight
         if weight <= 0:
-            return self._exact(state, query, vectors[SKETCH], ids, score)
-        exact = self._exact(state, query, vectors[SKETCH], ids, score) if weight < 1 else 0.0
+            return self._exact(state, query, vectors[SKETCH], ids, score.exact)
+        exact = self._exact(state, query, vectors[SKETCH], ids, score.exact) if weight < 1 else 0.0
         return hybrid_score(exact, state.embedders[W2T].index.vectors(ids) @ vectors[W2T], weight)  # type: ignore[arg-type]
 
     def _exact(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray, score: str) -> np.ndarray:
@@ -772,18 +774,19 @@ class QueryEngine:
         if not model.schema.fits(query.factors):
             raise UsageError(f"{query.name} does not fit space {state.name}")
         probs, values = model.predict([_as_zoo_adapter(query)])
-        similarities = {str(model.knn[k]["similarity"]) for k in (*probs, *values) if model.predictor.get(k) == "knn"}
+        knns = {k: chosen for k in (*probs, *values) if isinstance(chosen := model.predictor(k), KnnPredictor)}
+        similarities = {knn.similarity for knn in knns.values()}
         if probs:
             similarities.add(model.search)  # the labelled neighbours that support (or not) each attribute's prediction
-        near = {name: self._labelled_neighbours(session, state, model, query, name) for name in sorted(similarities)}
+        near = {s: self._labelled_neighbours(session, state, model, query, s) for s in sorted(similarities, key=lambda s: s.name)}
         attributes: dict[str, list[ClassGuess]] = {}
         confidence: dict[str, Confidence] = {}
         for key, p in probs.items():
             classes = model.config.categorical[key]
             labels = model.memory_classes(key)
-            knn = model.knn.get(key) if model.predictor.get(key) == "knn" else None
-            k = int(knn["k"]) if knn else SUPPORT_K
-            around = near[str(knn["similarity"]) if knn else model.search]
+            knn = knns.get(key)
+            k = knn.k if knn else SUPPORT_K
+            around = near[knn.similarity if knn else model.search]
             shares = knn_shares(around, labels, len(classes), p[0], k) if knn else p[0]
             shares = model.calibrated(key, shares)
             support = neighbour_classes(around, labels, len(classes), k)
@@ -799,8 +802,8 @@ class QueryEngine:
         metrics: dict[str, MetricGuess] = {}
         for key, v in values.items():
             value = float(v[0])
-            if model.predictor.get(key) == "knn":
-                found = knn_value(near[model.knn[key]["similarity"]], model.memory_values[key], value, int(model.knn[key]["k"]))
+            if (knn := knns.get(key)) is not None:
+                found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k)
                 value = float(model.clip(key, np.array([found]))[0])
             std = model.residual_std.get(key)
             low, high = model.metric_range.get(key, (-math.inf, math.inf))
@@ -810,8 +813,8 @@ class QueryEngine:
                 "low": max(value - 1.645 * std, low) if known else None,  # type: ignore[operator]
                 "high": min(value + 1.645 * std, high) if known else None,  # type: ignore[operator]
                 "interval": 0.9 if known else None,
-                "predictor": model.predictor.get(key, "head"),
-                "method": model.predictor_name(key),
+                "predictor": model.predictor(key).kind,
+                "method": model.predictor(key).name,
             }
         return {
             "space": state.name,
@@ -819,17 +822,16 @@ class QueryEngine:
             "attributes": attributes,
             "confidence": confidence,
             "metrics": metrics,
-            "predictors": {k: model.predictor_name(k) for k in (*probs, *values)},
-            "search": model.search,
+            "predictors": {k: model.predictor(k).name for k in (*probs, *values)},
+            "search": model.search.name,
             "choices": model.choices,
         }
 
     def _labelled_neighbours(
-        self, session: Session, state: SpaceState, model: W2TEnsemble, query: Query, similarity: str
+        self, session: Session, state: SpaceState, model: W2TEnsemble, query: Query, similarity: SearchScore
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The labelled training adapters nearest the query by a search score (`similarity`, a name as
-        embed.choice.search_name gives): (their positions in the model's memory, scores), from both indexes'
-        CANDIDATES nearest among them, re-scored exactly."""
+        """The labelled training adapters nearest the query by a search score (`similarity`): (their positions in the
+        model's memory, scores), from both indexes' CANDIDATES nearest among them, re-scored exactly."""
         memory_ids = model.memory_ids
         allowed = np.sort(memory_ids)
         with state.lock.read():
@@ -849,16 +851,15 @@ class QueryEngine:
 
 
 @functools.lru_cache(maxsize=64)
-def served_search(checkpoint: Path) -> str:
+def served_search(checkpoint: Path) -> SearchScore:
     """The search score a W2T checkpoint serves as hybrid (its directory is never rewritten, so this is cached)."""
-    meta = checkpoint_meta(checkpoint)
-    return search_name(meta.get("exact_score", "module"), float(meta["hybrid_weight"]))
+    return search_of(checkpoint_meta(checkpoint))
 
 
-def stage_kinds(search: str) -> tuple[str, ...]:
+def stage_kinds(search: SearchScore) -> tuple[str, ...]:
     """The embedders whose indexes give a search score its candidates: those it weighs (the module sketch for an
     exact score, W2T for its cosine, both for a mix)."""
-    _, weight = parse_search(search)
+    weight = search.w2t_weight
     return (SKETCH,) if weight <= 0 else (W2T,) if weight >= 1 else (SKETCH, W2T)
 
 

@@ -10,7 +10,6 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
 
 import numpy as np
 import torch
@@ -18,12 +17,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from embed.calibration import Calibration
-from embed.checkpoint import MEMORY, META, WEIGHTS, checkpoint_meta
-from embed.choice import knn_name, parse_knn, prototype_shares, search_name, softmax_rows
-from embed.metrics import KNN_K, knn_regress
+from embed.checkpoint import MEMORY, META, WEIGHTS, checkpoint_meta, methods_meta, predictors_of, search_of
+from embed.choice import prototype_shares, softmax_rows
+from embed.metrics import knn_regress
 from embed.model import W2T, W2TConfig
 from embed.tokens import Batch, n_rows, select, to_device, token_shapes, tokenize
 from embed.types import SpaceSchema, ZooAdapter
+from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, Predictor, SearchScore
 
 #: adapters per forward pass when embedding (at most: see TOKENS_PER_BATCH)
 EMBED_BATCH = 256
@@ -35,16 +35,6 @@ TOKENS_PER_BATCH = 1 << 18
 def batch_rows(per_adapter: int, cap: int) -> int:
     """Adapters per forward pass: at most `cap`, and at most TOKENS_PER_BATCH rank tokens (at least one adapter)."""
     return max(1, min(cap, TOKENS_PER_BATCH // max(per_adapter, 1)))
-
-
-PREDICTORS = ("head", "neighbours")
-
-
-class KnnPredictor(TypedDict):
-    """A target's kNN predictor among the labelled training adapters."""
-
-    similarity: str  # a search score's name (embed.choice.search_name)
-    k: int  # neighbours
 
 
 @dataclass
@@ -63,13 +53,12 @@ class W2TEnsemble:
     #: per metric: (min, max) over the training adapters; predictions and intervals stay inside it
     metric_range: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: the search score, chosen out of fold (embed/choice.py): an exact score ("dw": the whole update's cosine,
-    #: "module": the mean module cosine) mixed with this embedding's cosine at `hybrid_weight` (0: exact alone)
-    exact_score: str = "dw"
-    hybrid_weight: float = 0.0
-    #: per attribute: "head", "prototype", "logreg" (readouts of this embedding) or "knn" (a similarity-weighted
-    #: kNN among the labelled training adapters, by the similarity and k in `knn`); per metric: "head",
-    #: "neighbours" (kNN over this embedding) or "knn"; chosen out of fold
-    predictor: dict[str, str] = field(default_factory=dict)
+    #: "module": the mean module cosine) mixed with this embedding's cosine
+    search: SearchScore = SearchScore()
+    #: per attribute: the heads, a readout of this embedding (prototype, logreg) or a similarity-weighted kNN among
+    #: the labelled training adapters; per metric: the heads, the kNN over this embedding (neighbours) or a kNN
+    #: among the labelled training adapters; chosen out of fold
+    predictors: dict[str, Predictor] = field(default_factory=dict)
     #: the labelled training adapters: ids, embeddings, measured values per metric (NaN where unknown) and
     #: labels per attribute ("" where unknown)
     memory: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
@@ -78,10 +67,8 @@ class W2TEnsemble:
     memory_labels: dict[str, list[str]] = field(default_factory=dict)
     #: each choice with its out-of-fold scores and reason (embed.choice.Choice.as_dict), by "search" and target
     choices: dict[str, dict[str, object]] = field(default_factory=dict)
-    #: per attribute predicted by "logreg": the logistic regression on the embedding (classes, coef, intercept)
+    #: per attribute predicted by logreg: the logistic regression on the embedding (classes, coef, intercept)
     readouts: dict[str, dict[str, list]] = field(default_factory=dict)
-    #: per target predicted by "knn": {"similarity": a search score's name (embed.choice.search_name), "k": neighbours}
-    knn: dict[str, KnnPredictor] = field(default_factory=dict)
     #: per attribute: the chosen predictor's calibration, fit on its out-of-fold shares (embed/calibration.py);
     #: checkpoints from before calibration have none and serve raw shares
     calibration: dict[str, Calibration] = field(default_factory=dict)
@@ -99,25 +86,9 @@ class W2TEnsemble:
         c = self.calibration.get(attribute)
         return c.apply(shares) if c is not None else shares
 
-    def choose(self, target: str, chosen: str) -> None:
-        """Record a target's predictor from its chosen candidate's name (embed.choice: `head`, `knn dw k=3`, ...)."""
-        if chosen.startswith("knn "):
-            similarity, k = parse_knn(chosen)
-            self.predictor[target], self.knn[target] = "knn", {"similarity": similarity, "k": k}
-        else:
-            self.predictor[target] = chosen
-            self.knn.pop(target, None)
-
-    def predictor_name(self, target: str) -> str:
-        """A target's predictor as a candidate's name: `head`, `logreg`, `knn dw k=3`."""
-        if self.predictor.get(target) == "knn":
-            return knn_name(str(self.knn[target]["similarity"]), int(self.knn[target]["k"]))
-        return self.predictor.get(target, "head")
-
-    @property
-    def search(self) -> str:
-        """The chosen search score's name (embed.choice.search_name)."""
-        return search_name(self.exact_score, self.hybrid_weight)
+    def predictor(self, target: str) -> Predictor:
+        """A target's predictor: the heads where none was chosen."""
+        return self.predictors.get(target, HEAD)
 
     @property
     def config(self) -> W2TConfig:
@@ -192,10 +163,10 @@ class W2TEnsemble:
         "knn" need the exact scores to the memory: the caller predicts those (embed.engine, embed.evaluate)."""
         z, probs, values = self._forward(adapters)
         for k in probs:
-            if self.predictor.get(k) in ("prototype", "logreg") and len(adapters):
+            if self.predictor(k) in (PROTOTYPE, LOGREG) and len(adapters):
                 probs[k] = self._readout(k, z)
         for k in values:
-            if self.predictor.get(k) == "neighbours" and len(adapters):
+            if self.predictor(k) == NEIGHBOURS and len(adapters):
                 values[k] = self.neighbour_values(z, k)
             values[k] = self.clip(k, values[k])
         return probs, values
@@ -204,7 +175,7 @@ class W2TEnsemble:
         """Class probabilities (in the heads' class order) of a few-shot readout of the embedding: the nearest
         class mean of the memory (softmax of cosines at temperature 0.1), or the logistic regression."""
         classes = self.config.categorical[attribute]
-        if self.predictor[attribute] == "prototype":
+        if self.predictor(attribute) == PROTOTYPE:
             labels = self.memory_labels[attribute]
             memory = np.vstack([self.memory, z])
             train = [r for r, label in enumerate(labels) if label]
@@ -245,13 +216,10 @@ class W2TEnsemble:
             "history": self.history,
             "residual_std": self.residual_std,
             "metric_range": self.metric_range,
-            "exact_score": self.exact_score,
-            "hybrid_weight": self.hybrid_weight,
-            "predictor": self.predictor,
+            **methods_meta(self.search, self.predictors),
             "memory_labels": self.memory_labels,
             "choices": self.choices,
             "readouts": self.readouts,
-            "knn": self.knn,
             "calibration": {k: c.as_dict() for k, c in self.calibration.items()},
         }
         (directory / META).write_text(json.dumps(meta, indent=1))
@@ -267,7 +235,6 @@ class W2TEnsemble:
             model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"{i}.")})
             models.append(model.to(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))))
         memory = load_file(str(directory / MEMORY))
-        knn = _knn_of(meta)  # before the predictors are read: it renames an old checkpoint's "search"
         return cls(
             models,
             SpaceSchema.from_dict(meta["schema"]),
@@ -277,25 +244,13 @@ class W2TEnsemble:
             meta["history"],
             meta["residual_std"],
             {k: (float(v[0]), float(v[1])) for k, v in meta["metric_range"].items()},
-            meta.get("exact_score", "module"),  # checkpoints from before the choice mixed with module cosine
-            meta["hybrid_weight"],
-            meta["predictor"],
+            search_of(meta),
+            predictors_of(meta),
             memory["embedding"].numpy(),
             {k.removeprefix("values."): v.numpy() for k, v in memory.items() if k.startswith("values.")},
             memory["ids"].numpy() if "ids" in memory else np.zeros(0, dtype=np.int64),
             meta.get("memory_labels", {}),
             meta.get("choices", {}),
             meta.get("readouts", {}),
-            knn=knn,
             calibration={k: Calibration.from_dict(c) for k, c in meta.get("calibration", {}).items()},
         )
-
-
-def _knn_of(meta: dict) -> dict[str, KnnPredictor]:
-    """The kNN predictors of a checkpoint; before they were chosen, "search" meant a 10-NN over the search score."""
-    knn: dict[str, KnnPredictor] = dict(meta.get("knn", {}))
-    for target, predictor in meta["predictor"].items():
-        if predictor == "search":
-            meta["predictor"][target] = "knn"
-            knn[target] = {"similarity": search_name(meta.get("exact_score", "module"), meta["hybrid_weight"]), "k": KNN_K}
-    return knn

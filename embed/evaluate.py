@@ -18,13 +18,14 @@ import torch
 
 from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.calibration import expected_calibration_error
-from embed.choice import MIX_WEIGHTS, parse_search, search_name
+from embed.choice import MIX_WEIGHTS
 from embed.ensemble import W2TEnsemble
 from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval
 from embed.tokens import max_rank
 from embed.train import TrainOptions, train_w2t
 from embed.types import SpaceSchema, ZooAdapter, split_positions
 from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.methods import KnnPredictor, SearchScore
 from zoo.domain.similarity import (
     EXACT_SCORES,
     ModuleStack,
@@ -182,8 +183,8 @@ def evaluate(
         "methods": {m: methods[m] for m in METHODS if m in methods},
         "sketch_vs_exact_cosine_corr": sketch_vs_exact,
         "invariance_min_cosine": invariance,
-        "search": sup.search,
-        "w2t_predictor": {k: sup.predictor_name(k) for k in sup.predictor},
+        "search": sup.search.name,
+        "w2t_predictor": {k: p.name for k, p in sup.predictors.items()},
         "choices": sup.choices,
         "search_regret": regret,
         "seconds": {k: round(v, 2) for k, v in timings.items()},
@@ -203,26 +204,26 @@ def search_regret(
     the oracle (the candidate that retrieves best here, by hindsight) with its score, the regret (the oracle's score
     minus the chosen one's: 0 when the choice was the best candidate here) and the gain over whole-update dW cosine;
     every candidate's score, so that several splits can name the best fixed candidate (combine_splits)."""
-    candidates: dict[str, dict[str, float | None]] = {}
+    candidates: dict[SearchScore, dict[str, float | None]] = {}
     for score in EXACT_SCORES:
         for weight in (0.0, *MIX_WEIGHTS):
-            name = search_name(score, weight)
-            if name not in candidates:
-                candidates[name] = _score(hybrid_score(exact[score], w2t, weight), adapters, test_pos, train_pos, predict=False)
+            candidate = SearchScore(score, weight)
+            if candidate not in candidates:
+                candidates[candidate] = _score(_similarity(exact, w2t, candidate), adapters, test_pos, train_pos, predict=False)
     out: dict[str, dict[str, Any]] = {}
     for key in REGRET_KEYS:
         value = chosen.get(key)
         if value is None:
             continue
-        measured = {name: got for name, row in candidates.items() if (got := row[key]) is not None}
-        oracle = max(measured, key=lambda name: measured[name])  # ties: the first, the simplest
+        measured = {c: got for c, row in candidates.items() if (got := row[key]) is not None}
+        oracle = max(measured, key=lambda c: measured[c])  # ties: the first, the simplest
         out[key] = {
-            "oracle": oracle,
+            "oracle": oracle.name,
             "oracle_score": measured[oracle],
             "regret": measured[oracle] - value,
-            "gain_over_dw": value - measured["dw"],
+            "gain_over_dw": value - measured[SearchScore("dw")],
             "chosen_score": value,
-            "candidates": measured,
+            "candidates": {c.name: v for c, v in measured.items()},
         }
     return out
 
@@ -259,19 +260,22 @@ def labelled_split(adapters: list[ZooAdapter], per_task: int | None, fraction: f
     return sorted(labelled), sorted(queries)
 
 
+def _similarity(exact: dict[str, np.ndarray], w2t: np.ndarray, score: SearchScore) -> np.ndarray:
+    """A search score from the exact scores and the W2T cosine."""
+    return hybrid_score(exact[score.exact], w2t, score.w2t_weight)
+
+
 def _default_scores(
     emb: W2TEnsemble, exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int], train_pos: list[int]
 ) -> dict[str, float | None]:
     """What `zoo search` and `zoo predict` do after `zoo train`: the chosen search score, and each target by its
     chosen predictor (a kNN among the labelled training adapters by the similarity and k chosen, the heads or a
     readout of the embedding, or the kNN in the embedding), the task's probabilities calibrated as served."""
-    out = _score(hybrid_score(exact[emb.exact_score], w2t, emb.hybrid_weight), adapters, test_pos, train_pos, predict=False)
+    out = _score(_similarity(exact, w2t, emb.search), adapters, test_pos, train_pos, predict=False)
     out.update(_calibrated_task_scores(emb, exact, w2t, adapters, test_pos, train_pos))
     source = _head_scores(emb, adapters, test_pos)
-    if emb.predictor.get(PERF_METRIC) == "knn":
-        score, weight = parse_search(str(emb.knn[PERF_METRIC]["similarity"]))
-        sim = hybrid_score(exact[score], w2t, weight)
-        source = _score(sim, adapters, test_pos, train_pos, predict=True, k=int(emb.knn[PERF_METRIC]["k"]))
+    if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
+        source = _score(_similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, predict=True, k=knn.k)
     out.update({k: source.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 
@@ -285,12 +289,11 @@ def _calibrated_task_scores(
     test = [adapters[p] for p in test_pos]
     if classes is None or not test or not all(a.labels.get(TASK_KEY) in classes for a in test):
         return {}
-    if emb.predictor.get(TASK_KEY) == "knn":
-        score, weight = parse_search(str(emb.knn[TASK_KEY]["similarity"]))
-        sim = hybrid_score(exact[score], w2t, weight)[np.ix_(test_pos, train_pos)]
+    if isinstance(knn := emb.predictor(TASK_KEY), KnnPredictor):
+        sim = _similarity(exact, w2t, knn.similarity)[np.ix_(test_pos, train_pos)]
         known = [adapters[p].labels.get(TASK_KEY, "") for p in train_pos]
         index = np.array([classes.index(label) if label in classes else -1 for label in known])
-        shares = knn_vote_shares(sim, index, len(classes), int(emb.knn[TASK_KEY]["k"]))
+        shares = knn_vote_shares(sim, index, len(classes), knn.k)
     else:
         shares = emb.predict(test)[0][TASK_KEY]
     probs = emb.calibrated(TASK_KEY, shares)

@@ -401,7 +401,7 @@ def train_space(
         "epochs": [sum(1 for h in model.history if h["member"] == i) for i in range(len(model.models))],
         "train_seconds": round(time.perf_counter() - t0, 1),
         "n_adapters": len(data.adapters),
-        "search": model.search,
+        "search": model.search.name,
         "choices": model.choices,
     }
     with write_transaction(sessions, space_lock(base_model)) as session:
@@ -426,9 +426,9 @@ def train_space(
         "members": len(model.models),
         "heads": sorted(model.config.categorical),
         "regression": model.config.regression,
-        "predictors": {k: model.predictor_name(k) for k in model.predictor},
-        "exact_score": model.exact_score,
-        "hybrid_weight": model.hybrid_weight,
+        "predictors": {k: p.name for k, p in model.predictors.items()},
+        "exact_score": model.search.exact,
+        "hybrid_weight": model.search.w2t_weight,
     }
 
 

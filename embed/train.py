@@ -35,7 +35,6 @@ from embed.choice import (
     choose_metric,
     choose_search,
     logistic_readout,
-    parse_search,
     readout_predictions,
 )
 from embed.ensemble import W2TEnsemble, batch_rows
@@ -57,6 +56,7 @@ from embed.tokens import (
     torch_threads,
 )
 from embed.types import SpaceSchema, ZooAdapter
+from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS
 from zoo.domain.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
 from zoo.labels import TASK_KEY
 
@@ -466,7 +466,7 @@ def remember_and_choose(
     embedder.memory, embedder.memory_ids = z[known], np.array([adapters[r].id for r in known], dtype=np.int64)
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
-    embedder.predictor, embedder.knn, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}, {}
+    embedder.predictors, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}
     embedder.calibration, embedder._memory_classes = {}, {}
     folds = _folds(len(adapters), len(models), options)
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
@@ -493,7 +493,7 @@ def _choose(
         for f, mz in zip(folds, member_z, strict=True)
     ]
     search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views, len(member_z[0]))
-    embedder.exact_score, embedder.hybrid_weight = parse_search(search.chosen)
+    embedder.search = search.chosen
     embedder.choices = {"search": search.as_dict()}
     heads: dict[str, dict[int, object]] = {}
     for single, view in zip(singles, views, strict=True):  # each member predicts the rows it never trained on
@@ -508,17 +508,17 @@ def _choose(
             heads.setdefault(f"neighbours.{m}", {}).update(dict(zip(view.val, nbrs.tolist(), strict=True)))
     for k in embedder.config.categorical:
         labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
-        learned = {"head": heads.get(k, {}), **readout_predictions(labels, classes, views)}
+        learned = {HEAD: heads.get(k, {}), **readout_predictions(labels, classes, views)}
         choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views, embedder.memory)  # type: ignore[arg-type]
-        embedder.choose(k, choice.chosen)
+        embedder.predictors[k] = choice.chosen
         embedder.choices[k] = choice.as_dict()
-        if choice.chosen == "logreg":
+        if choice.chosen == LOGREG:
             model = logistic_readout(embedder.memory, labels)
             embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
     for m in embedder.config.regression:
-        learned = {"head": heads.get(m, {}), "neighbours": heads.get(f"neighbours.{m}", {})}
+        learned = {HEAD: heads.get(m, {}), NEIGHBOURS: heads.get(f"neighbours.{m}", {})}
         choice, pred, truth = choose_metric(exact, search.chosen, embedder.memory_values[m], learned, views)  # type: ignore[arg-type]
-        embedder.choose(m, choice.chosen)
+        embedder.predictors[m] = choice.chosen
         embedder.choices[m] = choice.as_dict()
         if len(truth) >= 2:
             embedder.residual_std[m] = float(np.std(embedder.clip(m, pred) - truth))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -11,13 +12,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from embed.checkpoint import META, checkpoint_meta
 from embed.choice import MIX_WEIGHTS
 from embed.ensemble import W2TEnsemble
 from embed.evaluate import METHODS, evaluate, refactorized
-from embed.metrics import retrieval
+from embed.metrics import KNN_K, retrieval
 from embed.train import TrainOptions, _folds, train_w2t
 from embed.types import ZooAdapter, schema_of, split_positions
 from zoo.domain.canonical import canonicalize
+from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, LearnedPredictor, SearchScore
 from zoo.domain.similarity import (
     ModuleStack,
     dense_modules,
@@ -140,10 +143,10 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     assert emb.config.regression == ["test_accuracy"]
     assert len(emb.models) == TrainOptions().members
     assert all(1 <= sum(1 for h in emb.history if h["member"] == i) <= 3 for i in range(len(emb.models)))
-    assert emb.predictor["test_accuracy"] in ("head", "neighbours", "knn")
-    assert emb.predictor["task"] in ("head", "prototype", "logreg", "knn")
-    assert all(emb.predictor_name(k) == emb.choices[k]["chosen"] for k in emb.predictor)
-    assert set(emb.choices) == {"search", "task", "rank", "test_accuracy"} and emb.choices["search"]["chosen"] == emb.search
+    assert emb.predictors["test_accuracy"] in (HEAD, NEIGHBOURS) or isinstance(emb.predictors["test_accuracy"], KnnPredictor)
+    assert emb.predictors["task"] in (HEAD, PROTOTYPE, LOGREG) or isinstance(emb.predictors["task"], KnnPredictor)
+    assert all(p.name == emb.choices[k]["chosen"] for k, p in emb.predictors.items())
+    assert set(emb.choices) == {"search", "task", "rank", "test_accuracy"} and emb.choices["search"]["chosen"] == emb.search.name
     assert len(emb.memory) == len(emb.memory_values["test_accuracy"]) == len(zoo)  # every adapter is measured
     emb.save(tmp_path / "ckpt")
     loaded = W2TEnsemble.load(tmp_path / "ckpt")
@@ -151,8 +154,8 @@ def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) ->
     p0, v0 = emb.predict(zoo[:6])
     p1, v1 = loaded.predict(zoo[:6])
     assert np.allclose(p0["task"], p1["task"], atol=1e-6) and np.allclose(v0["test_accuracy"], v1["test_accuracy"], atol=1e-6)
-    assert emb.hybrid_weight in (0.0, *MIX_WEIGHTS) and (loaded.hybrid_weight, loaded.exact_score) == (emb.hybrid_weight, emb.exact_score)
-    assert loaded.predictor == emb.predictor and loaded.knn == emb.knn and np.array_equal(loaded.memory, emb.memory)
+    assert emb.search.w2t_weight in (0.0, *MIX_WEIGHTS) and loaded.search == emb.search
+    assert loaded.predictors == emb.predictors and np.array_equal(loaded.memory, emb.memory)
     assert sorted(loaded.memory_ids.tolist()) == sorted(a.id for a in zoo) and loaded.memory_labels == emb.memory_labels
     measured = [a.measurements["test_accuracy"] for a in zoo]
     assert loaded.metric_range["test_accuracy"] == (min(measured), max(measured))
@@ -275,7 +278,7 @@ def test_few_shot_readouts_predict_after_a_round_trip(zoo: list[ZooAdapter], tmp
 
     emb = train_w2t(zoo, schema_of("synthetic", zoo), TrainOptions(epochs=2, seed=0, members=2), progress=False)
     labels = emb.memory_labels["task"]
-    emb.predictor["task"] = readout  # what training would store had this readout won out of fold
+    emb.predictors["task"] = LearnedPredictor(readout)  # what training would store had this readout won out of fold
     if readout == "logreg":
         model = logistic_readout(emb.memory, labels)
         emb.readouts["task"] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}
@@ -290,3 +293,67 @@ def test_few_shot_readouts_predict_after_a_round_trip(zoo: list[ZooAdapter], tmp
                                                   list(range(len(labels), len(labels) + len(zoo))))  # fmt: skip
     else:
         assert predicted == model.predict(z).tolist()
+
+
+#: the methods' entries of checkpoints as written today and before: (stored, what they load as, what saving writes)
+CHECKPOINT_METHODS = [
+    (  # today's
+        {
+            "exact_score": "module",
+            "hybrid_weight": 0.3,
+            "predictor": {"task": "knn", "rank": "prototype", "test_accuracy": "knn"},
+            "knn": {"task": {"similarity": "module+w2t@0.3", "k": 3}, "test_accuracy": {"similarity": "w2t", "k": 1}},
+        },
+        (
+            SearchScore("module", 0.3),
+            {
+                "task": KnnPredictor(SearchScore("module", 0.3), 3),
+                "rank": PROTOTYPE,
+                "test_accuracy": KnnPredictor(SearchScore("dw", 1.0), 1),
+            },
+        ),
+        None,
+    ),
+    (  # before the kNN predictors were chosen: "search", a 10-NN over the search score; module cosine the exact score
+        {"hybrid_weight": 0.5, "predictor": {"task": "search", "rank": "head", "test_accuracy": "neighbours"}},
+        (SearchScore("module", 0.5), {"task": KnnPredictor(SearchScore("module", 0.5), KNN_K), "rank": HEAD, "test_accuracy": NEIGHBOURS}),
+        {
+            "exact_score": "module",
+            "hybrid_weight": 0.5,
+            "predictor": {"task": "knn", "rank": "head", "test_accuracy": "neighbours"},
+            "knn": {"task": {"similarity": "module+w2t@0.5", "k": KNN_K}},
+        },
+    ),
+    (  # the same with the W2T cosine alone, which mixes in no exact score
+        {"hybrid_weight": 1.0, "predictor": {"task": "search", "rank": "head", "test_accuracy": "head"}},
+        (SearchScore("dw", 1.0), {"task": KnnPredictor(SearchScore("dw", 1.0), KNN_K), "rank": HEAD, "test_accuracy": HEAD}),
+        {
+            "exact_score": "dw",
+            "hybrid_weight": 1.0,
+            "predictor": {"task": "knn", "rank": "head", "test_accuracy": "head"},
+            "knn": {"task": {"similarity": "w2t", "k": KNN_K}},
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("stored", "methods", "written"), CHECKPOINT_METHODS)
+def test_checkpoints_keep_their_methods_by_name(
+    zoo: list[ZooAdapter], tmp_path: Path, stored: dict, methods: tuple[SearchScore, dict], written: dict | None
+) -> None:
+    """A checkpoint's search score and predictors, stored by name, load as typed values and are saved by the same
+    names: today's checkpoints load and save unchanged, older ones load (no exact score: module cosine; "search":
+    a 10-NN over the search score)."""
+    emb = train_w2t(zoo[:16], schema_of("synthetic", zoo), TrainOptions(epochs=1, seed=0, members=2), progress=False)
+    emb.save(tmp_path / "old")
+    meta = json.loads((tmp_path / "old" / META).read_text())
+    for key in ("exact_score", "hybrid_weight", "predictor", "knn"):
+        meta.pop(key)
+    (tmp_path / "old" / META).write_text(json.dumps({**meta, **stored}))
+    checkpoint_meta.cache_clear()
+    loaded = W2TEnsemble.load(tmp_path / "old", device="cpu")
+    assert (loaded.search, loaded.predictors) == methods
+    loaded.save(tmp_path / "again")
+    again = json.loads((tmp_path / "again" / META).read_text())
+    assert {k: again[k] for k in ("exact_score", "hybrid_weight", "predictor", "knn")} == (written or stored)
+    assert W2TEnsemble.load(tmp_path / "again", device="cpu").predictors == loaded.predictors

@@ -75,7 +75,7 @@ def test_a_task_head_with_most_adapters_unlabelled() -> None:
     scarce = [a if p in labelled else ZooAdapter(a.id, a.name, a.factors) for p, a in enumerate(zoo)]
     assert categorical_attributes(scarce)["task"] == ["task0", "task1", "task2", "task3"]  # 12 of 40 labelled
     emb = train_w2t(scarce, schema_of("synthetic", scarce), TrainOptions(epochs=2, members=2), progress=False)
-    assert emb.config.categorical == {"task": ["task0", "task1", "task2", "task3"]} and "task" in emb.predictor
+    assert emb.config.categorical == {"task": ["task0", "task1", "task2", "task3"]} and "task" in emb.predictors
     assert sorted(emb.memory_ids.tolist()) == sorted(zoo[p].id for p in labelled)  # only the labelled are remembered
     # sparse attributes (a value per adapter, or known for few of the labelled) get no head
     extra = {p: {"uid": a.name, **({"x": str(p % 2)} if p < 8 else {})} for p, a in enumerate(scarce) if p in labelled}

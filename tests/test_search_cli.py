@@ -114,8 +114,8 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     # twelve labelled adapters are too few for W2T to win clearly: search stays exact, predictions are kNNs
     assert info["choices"]["search"]["chosen"] in ("dw", "module")
     assert all(info["predictors"][k].startswith("knn ") for k in ("task", "test_accuracy"))
-    from embed.choice import parse_knn
     from embed.metrics import knn_regress
+    from zoo.domain.methods import KnnPredictor
     from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
     from zoo.store.models import Label, Measurement
     from zoo.store.session import session_factory as sessions_of
@@ -126,13 +126,13 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     others = sorted(i for i in accuracy if i != 3)
     scores = {"dw": dw_cosine_matrix, "module": module_cosine_matrix}
     rc, (by_id,) = cli.json_lines("predict", "3")
-    similarity, k = parse_knn(info["predictors"]["test_accuracy"])
-    sim = scores[similarity](stored_factors(cli, [3]), stored_factors(cli, others))
-    want = knn_regress(sim, np.array([accuracy[i] for i in others]), k)[0]
+    knn = KnnPredictor.parse(info["predictors"]["test_accuracy"])
+    sim = scores[knn.similarity.name](stored_factors(cli, [3]), stored_factors(cli, others))
+    want = knn_regress(sim, np.array([accuracy[i] for i in others]), knn.k)[0]
     assert by_id["metrics"]["test_accuracy"]["value"] == pytest.approx(want, abs=1e-5)  # itself left out
-    similarity, k = parse_knn(info["predictors"]["task"])
-    sim = scores[similarity](stored_factors(cli, [3]), stored_factors(cli, others))
-    top = np.argsort(-sim[0])[:k]
+    knn = KnnPredictor.parse(info["predictors"]["task"])
+    sim = scores[knn.similarity.name](stored_factors(cli, [3]), stored_factors(cli, others))
+    top = np.argsort(-sim[0])[: knn.k]
     votes = {t: sum(max(sim[0][j], 0) + 1e-6 for j in top if tasks[others[j]] == t) for t in ("qk", "qv")}
     assert by_id["attributes"]["task"][0]["value"] == max(votes, key=votes.get)
     # the served probabilities are the vote's shares calibrated as fit out of fold, with the neighbours counted

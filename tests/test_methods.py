@@ -1,0 +1,128 @@
+"""The methods as values (zoo.domain.methods): each has one name, its name parses back to it, and the names are
+exactly those checkpoints, JSON output and the REST API have carried."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embed.choice import KNN_KS, MIX_WEIGHTS
+from zoo.domain.methods import (
+    LEARNED,
+    KnnPredictor,
+    LearnedPredictor,
+    Predictor,
+    SearchScore,
+    parse_predictor,
+)
+from zoo.domain.similarity import EXACT_SCORES
+
+#: W2T weights: those the choice tries, and any of six decimals
+weights = st.one_of(st.sampled_from((0.0, *MIX_WEIGHTS)), st.integers(0, 10**6).map(lambda i: i / 10**6))
+search_scores = st.builds(SearchScore, st.sampled_from(EXACT_SCORES), weights)
+predictors: st.SearchStrategy[Predictor] = st.one_of(
+    st.builds(KnnPredictor, search_scores, st.integers(1, 10_000)), st.sampled_from(LEARNED).map(LearnedPredictor)
+)
+
+
+def old_search_name(exact: str, weight: float) -> str:
+    """How search scores were named before they were values (embed.choice.search_name)."""
+    if weight <= 0:
+        return exact
+    return "w2t" if weight >= 1 else f"{exact}+w2t@{weight:g}"
+
+
+#: every name written so far: search scores, kNN predictors over them with the k tried, learned predictors
+SEARCH_NAMES = sorted({old_search_name(e, w) for e in EXACT_SCORES for w in (0.0, *MIX_WEIGHTS)})
+PREDICTOR_NAMES = [f"knn {s} k={k}" for s in SEARCH_NAMES for k in KNN_KS] + list(LEARNED)
+
+
+@given(search_scores)
+def test_a_search_score_parses_back_from_its_name(score: SearchScore) -> None:
+    assert SearchScore.parse(score.name) == score
+
+
+@given(predictors)
+def test_a_predictor_parses_back_from_its_name(predictor: Predictor) -> None:
+    assert parse_predictor(predictor.name) == predictor == type(predictor).parse(predictor.name)
+
+
+@given(st.sampled_from(EXACT_SCORES), st.floats(0, 1))
+def test_any_weight_either_round_trips_or_is_refused(exact: str, weight: float) -> None:
+    try:
+        score = SearchScore(exact, weight)
+    except ValueError:
+        return
+    assert SearchScore.parse(score.name) == score and score.w2t_weight == weight
+
+
+@pytest.mark.parametrize("name", SEARCH_NAMES)
+def test_every_search_name_in_use_round_trips(name: str) -> None:
+    assert SearchScore.parse(name).name == name
+
+
+@pytest.mark.parametrize("name", PREDICTOR_NAMES)
+def test_every_predictor_name_in_use_round_trips(name: str) -> None:
+    assert parse_predictor(name).name == name
+
+
+def test_names_as_they_were_written() -> None:
+    assert SearchScore.parse("module+w2t@0.1") == SearchScore("module", 0.1)
+    assert SearchScore.parse("w2t") == SearchScore("dw", 1.0) == SearchScore("module", 1.0)  # W2T alone mixes in nothing
+    assert SearchScore.parse("dw") == SearchScore() and SearchScore("module").name == "module"
+    assert parse_predictor("knn module+w2t@0.1 k=10") == KnnPredictor(SearchScore("module", 0.1), 10)
+    assert parse_predictor("knn w2t k=3").kind == "knn" and parse_predictor("logreg") == LearnedPredictor("logreg")
+    assert parse_predictor("neighbours").kind == "neighbours"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "DW", "dw ", "cosine", "w2t+w2t@0.3", "dw+w2t@", "dw+w2t@0", "dw+w2t@1", "dw+w2t@0.30", "dw+w2t@.3", "dw+w2t@1.5"]
+    + ["dw+w2t@-0.1", "dw+w2t@nan", "dw+w2t@inf", "foo+w2t@0.3", "module+w2t@0.3+w2t@0.3", "knn dw k=3"],
+)
+def test_a_name_no_search_score_has_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="not a search score: " + re.escape(repr(name))):
+        SearchScore.parse(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "knn", "knn dw", "knn dw k=", "knn dw k=0", "knn dw k=-1", "knn dw k=03", "knn dw k= 3", "knn dw k=3 ", "knn foo k=3"]
+    + ["knn  dw k=3", "knn dw+w2t@1 k=3", "dw k=3", "search", "Head", "head ", "knn head k=3"],
+)
+def test_a_name_no_predictor_has_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="not a (kNN )?predictor: " + re.escape(repr(name))):
+        parse_predictor(name)
+
+
+#: strings near the names: a start, a separator, a number or not
+near_names = st.builds(
+    "{}{}{}".format,
+    st.sampled_from(["dw", "module", "w2t", "knn dw", "knn w2t"]),
+    st.sampled_from(["+w2t@", " k=", ""]),
+    st.text("0123456789.e-+ _", max_size=8),
+)
+
+
+@given(st.one_of(st.text(max_size=30), near_names))
+def test_any_string_parses_only_as_what_it_names(name: str) -> None:
+    for parse in (SearchScore.parse, parse_predictor):
+        try:
+            method = parse(name)
+        except ValueError as refused:
+            assert repr(name) in str(refused)
+        else:
+            assert method.name == name
+
+
+def test_values_out_of_range_are_refused() -> None:
+    for exact, weight in (("cosine", 0.0), ("dw", -0.1), ("dw", 1.5), ("dw", float("nan")), ("dw", 0.1234567)):
+        with pytest.raises(ValueError):
+            SearchScore(exact, weight)
+    with pytest.raises(ValueError):
+        KnnPredictor(SearchScore(), 0)
+    with pytest.raises(ValueError):
+        LearnedPredictor("knn")
