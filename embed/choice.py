@@ -1,21 +1,21 @@
 """Methods chosen from the data, out of fold: the search score, and each attribute's and metric's predictor.
 
-The rule (DESIGN.md): a learned method replaces a training-free one only where it wins out of fold.
-Every choice is scored on the adapters a W2T ensemble member never trained on (its fold), pooled over
-the members, against the labelled adapters:
+The rule (DESIGN.md): the candidate with the best expected quality, its out-of-fold estimate shrunk toward the
+training-free reference by its uncertainty. Every candidate is scored on the adapters a W2T ensemble member never
+trained on (its fold), pooled over the members, against the labelled adapters; its value is its mean gain over the
+reference minus SHRINK standard errors of that gain (paired, per held-out adapter), the reference's value is 0, and
+the highest value is chosen (ties: the simpler). With few labels the errors are wide and the reference stays;
+with many, the best estimate wins without needing to be "clearly" better.
 
-- search: the exact scores (the whole update's dW cosine, the mean module cosine), then mixes of the chosen
-  one with the W2T cosine, by each held-out adapter's MRR + nDCG@10 (relevance = same task). The exact score
-  is the whole update's cosine unless module cosine retrieves better by more than the standard error of the
-  per-query difference; a mix (or W2T alone) replaces it only if its per-query gain is clearly positive
-  (paired bootstrap, one-sided 95 %), the mix with the highest lower bound of that gain. A replacement must
-  also be behind on none of hit@1, MRR and nDCG@10 (means), so with few labels the training-free score stays;
-- an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score,
-  or either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify
-  the held-out adapters best, unless the W2T heads or a few-shot readout of the W2T embedding (nearest class
-  mean, logistic regression on the frozen embedding) classify them clearly better;
-- a metric: the same kNN family (best Spearman), unless the heads or the kNN in the W2T embedding rank the
-  held-out adapters clearly better (Spearman).
+- search: every exact score (the whole update's dW cosine, the mean module cosine) alone and mixed with the W2T
+  cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task) against
+  whole-update dW cosine;
+- an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score, or
+  either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
+  held-out adapters best, against the W2T heads and few-shot readouts of the W2T embedding (nearest class mean,
+  logistic regression on the frozen embedding), by accuracy against that kNN;
+- a metric: the same kNN family (best Spearman), against the heads and the kNN in the W2T embedding, by Spearman
+  against that kNN (its standard error from a paired bootstrap).
 """
 
 from __future__ import annotations
@@ -35,17 +35,15 @@ from zoo.domain.similarity import EXACT_SCORES, hybrid_score
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
 #: neighbours tried by the kNN predictors, in order of preference on a tie
 KNN_KS = (KNN_K, 5, 3, 1)
-#: retrieval measures a search score replacing another must not be behind on (out of fold, means)
-SEARCH_KEYS = ("hit@1", "mrr", "ndcg@10")
-#: W2T mixes compete only where at least this share of the space's adapters has a task: held-out retrieval is
-#: measured among those, and a gallery mostly of unlabelled adapters ranks otherwise (more near-duplicates, none
-#: of them trained on)
-MIN_LABELLED_SHARE = 0.5
 #: temperature of the nearest-class-mean readout's softmax over cosines
 PROTOTYPE_TEMPERATURE = 0.1
-#: bootstrap resamples and one-sided confidence of "clearly better"
-RESAMPLES = 1000
-CONFIDENCE = 0.95
+#: standard errors of its gain over the reference that a candidate's out-of-fold estimate is shrunk by (0: the best
+#: mean; issue 18's "clearly better" was 1.645, a one-sided 95 % bound)
+SHRINK = 0.5
+#: fewer held-out adapters than this tell nothing: the reference stays
+MIN_ITEMS = 5
+#: bootstrap resamples of a statistic that is not a mean (Spearman)
+RESAMPLES = 500
 
 
 @dataclass(frozen=True)
@@ -80,87 +78,66 @@ def knn_similarities(search: SearchScore) -> list[SearchScore]:
     return [search, *(s for s in map(SearchScore, EXACT_SCORES) if s != search)]
 
 
-def standard_error(diff: np.ndarray) -> float:
-    """Standard error of the mean of per-item differences."""
-    return float(np.std(diff, ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("inf")
+def paired_gain(candidate: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """The candidate's mean per-item gain over the reference and that mean's standard error."""
+    diff = np.asarray(candidate, np.float64) - np.asarray(reference, np.float64)
+    return float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(len(diff)))
 
 
-def gain_lower_bound(candidate: np.ndarray, default: np.ndarray) -> float:
-    """The one-sided 95 % lower bound of the candidate's mean per-item gain over the default (paired bootstrap,
-    the same resamples for every candidate of one size); -inf with fewer than 5 items."""
-    if len(candidate) < 5:
-        return float("-inf")
-    diff = np.asarray(candidate, np.float64) - np.asarray(default, np.float64)
+def rank_gain(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray) -> tuple[float, float]:
+    """The candidate's Spearman with the truth minus the reference's, and its standard error (paired bootstrap)."""
     rng = np.random.default_rng(0)
-    means = diff[rng.integers(0, len(diff), size=(RESAMPLES, len(diff)))].mean(axis=1)
-    return float(np.quantile(means, 1 - CONFIDENCE))
+    gains = []
+    for _ in range(RESAMPLES):
+        i = rng.integers(0, len(truth), len(truth))
+        gains.append(_spearman(candidate[i], truth[i]) - _spearman(reference[i], truth[i]))
+    return _spearman(candidate, truth) - _spearman(reference, truth), float(np.std(gains, ddof=1))
 
 
-def clearly_better(candidate: np.ndarray, default: np.ndarray) -> bool:
-    """Whether the candidate's per-item scores beat the default's with one-sided 95 % confidence (paired
-    bootstrap of the mean difference); too few items (< 5) never do."""
-    gain = float(np.mean(np.asarray(candidate, np.float64) - np.asarray(default, np.float64)))
-    return gain > 0 and gain_lower_bound(candidate, default) > 0  # the bound is -inf below 5 items
+K = TypeVar("K")
 
 
-def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold], space_size: int | None = None) -> Choice[SearchScore]:
+def best_expected(gains: dict[K, tuple[float, float]], reference: K) -> tuple[K, float]:
+    """Of candidates by (gain over the reference, its standard error), the one with the highest shrunk gain
+    (gain - SHRINK x error; the reference's is 0, and ties go to the first: the simpler), with that value."""
+    values = {reference: 0.0, **{k: g - SHRINK * e for k, (g, e) in gains.items() if k != reference}}
+    best = max(values, key=lambda k: values[k])
+    return best, values[best]
+
+
+def _why(chosen: SearchScore | Predictor, reference: SearchScore | Predictor, value: float, n: int, measure: str) -> str:
+    if chosen == reference:
+        return f"{reference.name}: no candidate's gain on {n} held-out adapters ({measure}) is above {SHRINK:g} of its standard errors"
+    return (
+        f"{chosen.name} has the best expected {measure} on {n} held-out adapters: its gain over {reference.name}, less "
+        f"{SHRINK:g} of its standard errors, is {value:+.3f}"
+    )
+
+
+def search_candidates() -> list[SearchScore]:
+    """Every search score the choice weighs, simplest first: each exact score, then the mixes by W2T weight."""
+    return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES))
+
+
+def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice[SearchScore]:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
-    between the labelled adapters (n × n), `tasks` their tasks ("" unknown), `space_size` the number of adapters
-    search ranks (default: n). The exact score is chosen first; W2T is mixed only into that one (a mix over the
-    score not chosen would re-open a choice the data did not settle), and only where the adapters with a task
-    are at least MIN_LABELLED_SHARE of the space."""
+    between the labelled adapters (n × n), `tasks` their tasks ("" unknown). Each held-out adapter with a task
+    queries the labelled ones; every candidate of search_candidates() is scored by MRR + nDCG@10 and the best
+    expected one is chosen against whole-update dW cosine (best_expected)."""
     queries = [[r for r in f.val if tasks[r]] for f in folds]
     flat = [r for rows in queries for r in rows]
-    if len(flat) < 2:
-        return Choice(SearchScore(), reason="fewer than 2 held-out adapters with a task: the whole update's dW cosine")
-    per: dict[SearchScore, dict[str, np.ndarray]] = {}
-
-    def score(name: SearchScore, sim: np.ndarray) -> None:
-        per[name] = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
-        per[name]["quality"] = per[name]["mrr"] + per[name]["ndcg@10"]
-
-    def behind_on(name: SearchScore, default: SearchScore) -> list[str]:
-        return [k for k in SEARCH_KEYS if per[name][k].mean() < per[default][k].mean()]
-
-    exact_scores = [SearchScore(s) for s in EXACT_SCORES]
-    for exact_score in exact_scores:
-        score(exact_score, exact[exact_score.exact][flat])
-    base = exact_scores[0]  # the whole update's cosine, the training-free bar
-    best = max(exact_scores, key=lambda k: per[k]["quality"].mean())  # ties: the first
-    gain = per[best]["quality"] - per[base]["quality"]
-    free = best if best != base and gain.mean() > standard_error(gain) and not behind_on(best, base) else base
-    if free != base:
-        why = f"{best.name} beats {base.name} by more than its standard error"
-    else:
-        why = f"{base.name}: no exact score beats it by more than its standard error and on every measure"
-    with_task, size = sum(1 for t in tasks if t), space_size or len(tasks)
-    if with_task < MIN_LABELLED_SHARE * size:
-        reason = (
-            f"{with_task} of {size} adapters have a task: retrieval among them does not stand for the space's, "
-            f"so no W2T mix competes ({why})"
-        )
-        return Choice(free, {k: float(v["quality"].mean()) for k, v in per.items()}, reason)
+    reference = SearchScore()  # the whole update's cosine, the training-free bar
+    if len(flat) < MIN_ITEMS:
+        return Choice(reference, reason=f"{len(flat)} held-out adapters with a task: too few to tell, the whole update's dW cosine")
     w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(folds, queries, strict=True) if q])
-    mixes = [SearchScore(free.exact, w) for w in MIX_WEIGHTS]
-    for mix, weight in zip(mixes, MIX_WEIGHTS, strict=True):
-        score(mix, hybrid_score(exact[free.exact][flat], w2t, weight))
-    means = {k: float(v["quality"].mean()) for k, v in per.items()}
-    learned = max(mixes, key=lambda k: means[k])
-    n = len(flat)
-    eligible = [k for k in mixes if not behind_on(k, free)]
-    bound = {k: gain_lower_bound(per[k]["quality"], per[free]["quality"]) for k in eligible}
-    if eligible:
-        candidate = max(eligible, key=lambda k: bound[k])  # the surest gain, not the largest mean: fewer labels, smaller steps
-        if clearly_better(per[candidate]["quality"], per[free]["quality"]):
-            reason = (
-                f"{candidate.name} retrieves clearly better than {free.name} on {n} held-out adapters (the surest gain: 95 % lower bound "
-                f"{bound[candidate]:+.3f} of MRR + nDCG@10), and is behind on no measure ({why})"
-            )
-            return Choice(candidate, means, reason)
-    behind = behind_on(learned, free)
-    lag = f", and is behind on {', '.join(behind)}" if behind else ""
-    reason = f"no W2T mix retrieves clearly better than {free.name} on {n} held-out adapters (best: {learned.name}{lag}; {why})"
-    return Choice(free, means, reason)
+    quality: dict[SearchScore, np.ndarray] = {}
+    for score in search_candidates():
+        sim = hybrid_score(exact[score.exact][flat], w2t, score.w2t_weight)
+        per = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
+        quality[score] = per["mrr"] + per["ndcg@10"]
+    chosen, value = best_expected({k: paired_gain(v, quality[reference]) for k, v in quality.items()}, reference)
+    means = {k: float(v.mean()) for k, v in quality.items()}
+    return Choice(chosen, means, _why(chosen, reference, value, len(flat), "MRR + nDCG@10"))
 
 
 def search_similarity(exact: dict[str, np.ndarray], score: SearchScore, z: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
@@ -205,11 +182,11 @@ def choose_attribute(
     means = {k: float(v.mean()) if len(v) else 0.0 for k, v in per.items()}
     free = max(knns, key=lambda k: means[k])  # ties: the first (the search score, the most neighbours)
     chosen: Predictor = free
-    reason = f"the best kNN on {len(per[free])} held-out adapters; no learned predictor classifies clearly better"
-    if learned:
-        best = max(learned, key=lambda k: means[k])
-        if clearly_better(per[best], per[free]):
-            chosen, reason = best, f"{best.name} classifies {len(per[best])} held-out adapters clearly better than {free.name}"
+    reason = f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"
+    if learned and len(t) >= MIN_ITEMS:
+        gains: dict[Predictor, tuple[float, float]] = {k: paired_gain(per[k], per[free]) for k in learned}
+        chosen, value = best_expected(gains, free)
+        reason = _why(chosen, free, value, len(t), "accuracy") + (" (the best kNN)" if chosen == free else "")
     prior = class_prior(index[index >= 0], len(classes))
     if isinstance(chosen, KnnPredictor):
         rows = np.flatnonzero(index >= 0).tolist()
@@ -304,16 +281,12 @@ def choose_metric(
     per = {k: np.array(v) for k, v in preds.items()}
     means = {k: _spearman(v, t) for k, v in per.items()}
     free = max(knns, key=lambda k: np.nan_to_num(means[k], nan=-2.0))  # ties: the first
-    if len(t) >= 5 and learned:
-        best = max(learned, key=lambda k: np.nan_to_num(means[k], nan=-2.0))
-        if clearly_better_rank(per[best], per[free], t):
-            reason = f"{best.name} ranks {len(t)} held-out adapters clearly better than {free.name} (Spearman)"
-            return Choice(best, means, reason), per[best], t
-    return (
-        Choice(free, means, f"the best kNN on {len(t)} held-out adapters; no learned predictor ranks clearly better (Spearman)"),
-        per[free],
-        t,
-    )
+    if len(t) < MIN_ITEMS or not learned:
+        return Choice(free, means, f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"), per[free], t
+    gains: dict[Predictor, tuple[float, float]] = {k: rank_gain(per[k], per[free], t) for k in learned}
+    chosen, value = best_expected(gains, free)
+    reason = _why(chosen, free, value, len(t), "Spearman") + (" (the best kNN)" if chosen == free else "")
+    return Choice(chosen, means, reason), per[chosen], t
 
 
 def _spearman(pred: np.ndarray, truth: np.ndarray) -> float:
@@ -324,16 +297,3 @@ def _spearman(pred: np.ndarray, truth: np.ndarray) -> float:
     if np.ptp(pred) == 0 or np.ptp(truth) == 0:  # a constant ranks nothing
         return -1.0
     return float(np.nan_to_num(spearmanr(pred, truth).statistic, nan=-1.0))
-
-
-def clearly_better_rank(candidate: np.ndarray, default: np.ndarray, truth: np.ndarray) -> bool:
-    """Whether `candidate` ranks like `truth` better than `default` with one-sided 95 % confidence (paired
-    bootstrap of the Spearman difference)."""
-    if len(truth) < 5 or _spearman(candidate, truth) <= _spearman(default, truth):
-        return False
-    rng = np.random.default_rng(0)
-    gains = []
-    for _ in range(RESAMPLES // 2):
-        i = rng.integers(0, len(truth), len(truth))
-        gains.append(_spearman(candidate[i], truth[i]) - _spearman(default[i], truth[i]))
-    return bool(np.quantile(gains, 1 - CONFIDENCE) > 0)

@@ -18,7 +18,7 @@ import torch
 
 from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.calibration import expected_calibration_error
-from embed.choice import MIX_WEIGHTS
+from embed.choice import search_candidates
 from embed.ensemble import W2TEnsemble
 from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval
 from embed.tokens import max_rank
@@ -199,17 +199,12 @@ def search_regret(
     train_pos: list[int],
     chosen: dict[str, float | None],
 ) -> dict[str, dict[str, Any]]:
-    """The chosen search score against every candidate the choice had (each exact score alone, mixed with the W2T
-    cosine at every weight of embed.choice.MIX_WEIGHTS, and W2T alone), on this split's held-out queries: per measure
-    the oracle (the candidate that retrieves best here, by hindsight) with its score, the regret (the oracle's score
-    minus the chosen one's: 0 when the choice was the best candidate here) and the gain over whole-update dW cosine;
-    every candidate's score, so that several splits can name the best fixed candidate (combine_splits)."""
-    candidates: dict[SearchScore, dict[str, float | None]] = {}
-    for score in EXACT_SCORES:
-        for weight in (0.0, *MIX_WEIGHTS):
-            candidate = SearchScore(score, weight)
-            if candidate not in candidates:
-                candidates[candidate] = _score(_similarity(exact, w2t, candidate), adapters, test_pos, train_pos, predict=False)
+    """The chosen search score against every candidate the choice had (embed.choice.search_candidates), on this
+    split's held-out queries: per measure the oracle (the candidate that retrieves best here, by hindsight) with its
+    score, the regret (the oracle's score minus the chosen one's: 0 when the choice was the best candidate here) and
+    the gain over whole-update dW cosine; every candidate's score, so that several splits can name the best fixed
+    candidate (combine_splits)."""
+    candidates = {c: _score(_similarity(exact, w2t, c), adapters, test_pos, train_pos, predict=False) for c in search_candidates()}
     out: dict[str, dict[str, Any]] = {}
     for key in REGRET_KEYS:
         value = chosen.get(key)

@@ -492,7 +492,7 @@ def _choose(
         Fold([at[r] for r in f.val.tolist() if r in at], [at[r] for r in f.train.tolist() if r in at], mz[rows])
         for f, mz in zip(folds, member_z, strict=True)
     ]
-    search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views, len(member_z[0]))
+    search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views)
     embedder.search = search.chosen
     embedder.choices = {"search": search.as_dict()}
     heads: dict[str, dict[int, object]] = {}
