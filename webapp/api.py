@@ -29,6 +29,8 @@ from zoo.store.session import current_revision
 
 if TYPE_CHECKING:
     from embed.maps import MapResource
+    from zoo.store.catalog import CatalogPage
+    from zoo.store.labels import AdapterLabels
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
 api.url_value_preprocessor(ids_in_range)
@@ -60,7 +62,7 @@ def health() -> dict[str, object]:
 @api.get("/adapters")
 @api.doc(responses=[200, *READ, 404])
 @api.input(schemas.CatalogQuery, location="query", arg_name="query")
-def adapters(query: dict) -> dict[str, object]:
+def adapters(query: dict) -> CatalogPage:
     """Search the catalog: free text, facets with counts, sorting, pages."""
     from zoo.store.catalog import search_catalog
 
@@ -70,7 +72,7 @@ def adapters(query: dict) -> dict[str, object]:
 
 @api.get("/adapters/<int:adapter_id>")
 @api.doc(responses=[200, *ENGINE])
-def adapter(adapter_id: int) -> dict[str, object]:
+def adapter(adapter_id: int) -> service.AdapterResource:
     """Everything stored about an adapter, its neighbours and its predictions (the adapter page's twin)."""
     return service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True))
 
@@ -186,7 +188,7 @@ def download(adapter_id: int, query: dict) -> Response:
 @api.auth_required(token_auth)
 @api.input(schemas.LabelsBody, location="json", arg_name="body")
 @api.doc(responses=[200, 400, 413, 415])
-def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
+def set_labels(adapter_id: int, body: dict) -> AdapterLabels:
     """Set given labels and test measurements (replacing those with the same key); needs a token."""
     from zoo.store.labels import write_labels
     from zoo.store.session import write_transaction
@@ -204,18 +206,18 @@ def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
 @api.delete("/adapters/<int:adapter_id>")
 @api.auth_required(token_auth)
 @api.doc(responses=[200, 404])
-def delete_adapter(adapter_id: int) -> dict[str, object]:
+def delete_adapter(adapter_id: int) -> service.Deletion:
     """Delete an adapter (its rows, labels and embeddings; it leaves every index); needs a token."""
     return service.delete_adapter(zoo_context().sessions, adapter_id)
 
 
 @api.get("/spaces")
 @api.doc(responses=[200, *READ])
-def spaces() -> dict[str, object]:
+def spaces() -> service.SpacesResource:
     """Embedding spaces (one per base model) and their serving embedders; whether this process's query engine holds
     each loaded and the bytes it takes, within `budget_bytes` (ZOO_SPACES_BYTES: least recently used spaces are dropped)."""
     listed = service.list_spaces(db(), zoo_context().engine)
-    return {"spaces": listed, "loaded_bytes": sum(int(s["bytes"] or 0) for s in listed), "budget_bytes": spaces_budget()}  # type: ignore[call-overload]
+    return {"spaces": listed, "loaded_bytes": sum(s["bytes"] or 0 for s in listed), "budget_bytes": spaces_budget()}
 
 
 @api.get("/spaces/<path:name>/map")
