@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar
 
 import numpy as np
 from sqlalchemy import func, select
@@ -52,6 +52,7 @@ from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
+from zoo.store import repository
 from zoo.store.blobs import BlobStore
 from zoo.store.locks import space_lock
 from zoo.store.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
@@ -66,6 +67,7 @@ SKETCH_SCALE = "module-norm"
 EMBED_CHUNK = 256
 
 EmbedFn = Callable[[list[ZooAdapter]], np.ndarray]
+T = TypeVar("T")
 
 
 class IndexFile(TypedDict):
@@ -146,6 +148,61 @@ class PredictionResource(Predicted):
 
     query: str
     query_name: str
+
+
+class AdapterResource(repository.AdapterDetail):
+    """The adapter page's resource: everything stored, its lineage, its nearest neighbours and its predictions (each
+    None when the zoo is not ready for it, with the reason in `not_ready`)."""
+
+    duplicate_sources: list[str]
+    lineage: dict[str, Any]  # zoo.store.lineage.lineage
+    space: str | None
+    neighbours: SearchResource | None
+    predictions: PredictionResource | None
+    not_ready: list[str]
+
+
+class Deletion(TypedDict):
+    """What delete_adapter deleted."""
+
+    id: int
+    name: str
+    deleted: bool
+
+
+class EmbedderEntry(TypedDict):
+    """A serving embedder of a space: how many adapters it embeds, and how its space searches (once trained)."""
+
+    id: int
+    method: str
+    objective: str | None
+    dim: int
+    embedded: int
+    search: NotRequired[str]
+    choices: NotRequired[dict[str, dict[str, object]]]
+
+
+class SpaceName(TypedDict):
+    name: str
+    base_model: str
+
+
+class SpaceEntry(SpaceName):
+    """A space of the spaces resource (list_spaces)."""
+
+    version: int
+    adapters: int  # the most any of its embedders embeds
+    embedders: list[EmbedderEntry]
+    loaded: bool  # whether the query engine holds it loaded
+    bytes: int | None  # the bytes it takes there (None: not loaded)
+
+
+class SpacesResource(TypedDict):
+    """The spaces, the bytes the query engine holds of them, and its budget."""
+
+    spaces: list[SpaceEntry]
+    loaded_bytes: int
+    budget_bytes: int
 
 
 class IndexReport(TypedDict):
@@ -586,64 +643,78 @@ def _trained_on(sessions: sessionmaker[Session], base_model: str, n: int) -> dic
         return {"space": base_model, "embedder_id": e.id, "objective": e.objective, "reused": True, **(e.metrics or {})}
 
 
-def list_spaces(session: Session, engine: QueryEngine | None = None, counted: bool = True) -> list[dict[str, object]]:
+def space_names(session: Session) -> list[SpaceName]:
+    """Each space's name and base model, by name (without list_spaces' counts, which read every embedding row)."""
+    rows = session.execute(select(EmbeddingSpace.name, EmbeddingSpace.base_model).order_by(EmbeddingSpace.name))
+    return [{"name": name, "base_model": base_model} for name, base_model in rows]
+
+
+def list_spaces(session: Session, engine: QueryEngine | None = None) -> list[SpaceEntry]:
     """The spaces resource: each space with its serving embedders, how many adapters they embed (`adapters`: the
-    most any of them does) and, given a query engine, whether it holds the space loaded and the bytes it takes.
-    `counted=False`: names and base models only (counting reads every embedding row of the space's index)."""
+    most any of them does), whether the query engine holds the space loaded and the bytes it takes (none loaded
+    without an engine)."""
     held = engine.loaded_spaces() if engine is not None else {}
-    out: list[dict[str, object]] = []
+    out: list[SpaceEntry] = []
     for space in session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.name)):
-        if not counted:
-            out.append({"name": space.name, "base_model": space.base_model})
-            continue
-        embedders = [
+        embedders = [_embedder_entry(session, e) for e in serving_embedders(session, space.id).values()]
+        adapters = max((e["embedded"] for e in embedders), default=0)
+        out.append(
             {
-                "id": e.id,
-                "method": e.method,
-                "objective": e.objective,
-                "dim": e.dim,
-                "embedded": stored_count(session, e.id),
-                **{k: (e.metrics or {})[k] for k in ("search", "choices") if k in (e.metrics or {})},
+                "name": space.name,
+                "base_model": space.base_model,
+                "version": space.version,
+                "adapters": adapters,
+                "embedders": embedders,
+                "loaded": space.name in held,
+                "bytes": held.get(space.name),
             }
-            for e in serving_embedders(session, space.id).values()
-        ]
-        adapters = max((int(e["embedded"]) for e in embedders), default=0)
-        entry = {"name": space.name, "base_model": space.base_model, "version": space.version, "adapters": adapters, "embedders": embedders}
-        if engine is not None:
-            entry |= {"loaded": space.name in held, "bytes": held.get(space.name)}
-        out.append(entry)
+        )
     return out
 
 
-def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k: int = 10) -> dict[str, object]:
+def _embedder_entry(session: Session, e: Embedder) -> EmbedderEntry:
+    entry: EmbedderEntry = {"id": e.id, "method": e.method, "objective": e.objective, "dim": e.dim, "embedded": stored_count(session, e.id)}
+    metrics = e.metrics or {}
+    if "search" in metrics:
+        entry["search"] = metrics["search"]
+    if "choices" in metrics:
+        entry["choices"] = metrics["choices"]
+    return entry
+
+
+def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k: int = 10) -> AdapterResource:
     """The adapter page's resource: everything stored, its lineage, its nearest neighbours and its predictions
     (each None with the reason when the zoo is not ready for it)."""
-    from zoo.store import repository
     from zoo.store.lineage import lineage
 
-    detail = repository.adapter_detail(adapter)
-    detail["duplicate_sources"] = repository.duplicate_sources(session, adapter.id)
-    detail["lineage"] = lineage(session, adapter.id)
     space = get_space(session, adapter.base_model)
-    detail["space"] = space.name if space else None
-    detail["neighbours"] = detail["predictions"] = None
-    not_ready: list[str] = []
-    detail["not_ready"] = not_ready
+    resource: AdapterResource = {
+        **repository.adapter_detail(adapter),
+        "duplicate_sources": repository.duplicate_sources(session, adapter.id),
+        "lineage": lineage(session, adapter.id),
+        "space": space.name if space else None,
+        "neighbours": None,
+        "predictions": None,
+        "not_ready": [],
+    }
     if space is None or adapter.factors_blob is None:
-        not_ready.append("not embedded: run `zoo embed`" if adapter.factors_blob else "a checkpoint without a low-rank update")
-        return detail
-    for key, call in (
-        ("neighbours", lambda: search(engine, session, str(adapter.id), k, space.name)),
-        ("predictions", lambda: predict(engine, session, str(adapter.id), space.name)),
-    ):
-        try:
-            detail[key] = call()
-        except (NotReadyError, NotFoundError) as exc:
-            not_ready.append(str(exc))
-    return detail
+        resource["not_ready"].append("not embedded: run `zoo embed`" if adapter.factors_blob else "a checkpoint without a low-rank update")
+        return resource
+    resource["neighbours"] = _when_ready(lambda: search(engine, session, str(adapter.id), k, space.name), resource["not_ready"])
+    resource["predictions"] = _when_ready(lambda: predict(engine, session, str(adapter.id), space.name), resource["not_ready"])
+    return resource
 
 
-def delete_adapter(sessions: sessionmaker[Session], adapter_id: int) -> dict[str, object]:
+def _when_ready(call: Callable[[], T], not_ready: list[str]) -> T | None:
+    """call(), or None when the zoo is not ready for it (the reason appended to not_ready)."""
+    try:
+        return call()
+    except (NotReadyError, NotFoundError) as exc:
+        not_ready.append(str(exc))
+        return None
+
+
+def delete_adapter(sessions: sessionmaker[Session], adapter_id: int) -> Deletion:
     """Delete an adapter and everything stored with it (rows; its blob stays for `zoo check --repair`),
     leaving a tombstone under a new version of its space, so that engines and index files drop it."""
     with sessions() as session:

@@ -4,9 +4,10 @@ content type and headers, and a body that matches the documented schema."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, get_args, get_origin, get_type_hints
 
 import pytest
 import schemathesis
@@ -19,9 +20,12 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from embed.maps import MapResource
+from embed.service import AdapterResource, EmbedderEntry, PredictionResource, SearchResource, SpacesResource
 from tests.conftest import _backends, truncate_all
 from tests.factories import seed_zoo
 from webapp import create_app
+from webapp import schemas as webapp_schemas
 from zoo.store import tokens
 from zoo.store.session import make_engine, session_factory, upgrade
 
@@ -76,6 +80,114 @@ def api_schema(api: Api) -> schemathesis.BaseSchema:
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+def test_schemas_follow_the_resource_types() -> None:
+    """A derived schema declares its TypedDict's keys, each required unless NotRequired and nullable where None is
+    allowed; the predict endpoints' and the map's declare the keys those endpoints keep."""
+    cases = [
+        (webapp_schemas.SearchOut, SearchResource),
+        (webapp_schemas.AdapterOut, AdapterResource),
+        (webapp_schemas.SpacesOut, SpacesResource),
+        (webapp_schemas.typed_schema(EmbedderEntry), EmbedderEntry),
+        (webapp_schemas.MapOut, MapResource),
+    ]
+    for derived, resource in cases:
+        fields = derived().fields
+        assert set(fields) == set(resource.__annotations__) - {"file"}, derived
+        for key, hint in get_type_hints(resource, include_extras=True).items():
+            if key in fields:
+                required = get_origin(hint) is not NotRequired
+                assert fields[key].required == required, (resource, key)
+                assert fields[key].allow_none == (type(None) in get_args(hint if required else get_args(hint)[0])), (resource, key)
+    for part, derived in (("attributes", webapp_schemas.AttributesOut), ("metrics", webapp_schemas.PerformanceOut)):
+        one = derived().fields["predictions"].inner.schema
+        assert tuple(one.fields) == webapp_schemas.PREDICTION_KEYS[part]
+        assert set(one.fields) <= set(PredictionResource.__annotations__)
+
+
+#: operations whose 2xx body is not JSON
+NOT_JSON = {("GET", "/api/v1/adapters/{adapter_id}/download")}
+
+
+def _spec(api: Api) -> dict[str, Any]:
+    return api.schema.app.test_client().get("/api/v1/openapi.json").get_json()
+
+
+def test_every_json_operation_documents_its_response_schema(api: Api) -> None:
+    """Every route of the API is in the document, and each that answers JSON documents the schema of its 2xx body."""
+    app, spec = api.schema.app, _spec(api)
+    routes = {
+        (method, re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule.rule))
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint.startswith("api.")
+        for method in (rule.methods or set()) & {"GET", "POST", "PUT", "DELETE"}
+    }
+    assert routes == {(m.upper(), path) for path, ops in spec["paths"].items() for m in ops}
+    for method, path in routes - NOT_JSON:
+        ok = {code: r for code, r in spec["paths"][path][method.lower()]["responses"].items() if code.startswith("2")}
+        assert ok, (method, path)
+        for code, response in ok.items():
+            assert "$ref" in response.get("content", {}).get("application/json", {}).get("schema", {}), (method, path, code)
+
+
+def test_each_resource_has_the_keys_its_schema_declares(api: Api) -> None:
+    """Every JSON resource of a seeded adapter (and of the zoo) conforms to its documented schema, with every key
+    the schema declares (those it marks optional aside) and no other, at every level."""
+    spec, client = _spec(api), api.schema.app.test_client()
+    ids = [r["id"] for r in client.get("/api/v1/adapters?sort=name", headers=api.auth).json["results"]]  # those still stored
+    first, last = ids[0], ids[-1]
+    calls = [
+        ("GET", "/api/v1/health", None),
+        ("GET", "/api/v1/adapters?q=w0&filter=task%3Dqk", None),
+        ("GET", f"/api/v1/adapters/{first}", None),
+        ("GET", f"/api/v1/adapters/{first}/lineage", None),
+        ("GET", f"/api/v1/adapters/{first}/similar?k=5", None),
+        ("POST", "/api/v1/predict/attributes", {"adapter_ids": [first, last]}),
+        ("POST", "/api/v1/predict/performance", {"adapter_id": first}),
+        ("PUT", f"/api/v1/adapters/{first}/labels", {"labels": {"style": "x"}, "measurements": {"f1": 0.5}}),
+        ("GET", "/api/v1/spaces", None),
+        ("GET", "/api/v1/spaces/tiny/map?color_by=task", None),
+        ("GET", "/api/v1/jobs", None),
+        ("DELETE", f"/api/v1/adapters/{last}", None),
+    ]
+    for method, url, body in calls:
+        r = client.open(url, method=method, json=body, headers=api.auth)
+        assert r.status_code == 200, (url, r.json)
+        path = _template(spec, url.split("?")[0])
+        api.schema[path][method].validate_response(r)
+        ok = spec["paths"][path][method.lower()]["responses"]["200"]
+        _assert_declared_keys(spec, ok["content"]["application/json"]["schema"], r.json, f"{method} {url}")
+
+
+def _template(spec: dict[str, Any], path: str) -> str:
+    """The document's path that a concrete path is of."""
+    for template in spec["paths"]:
+        if re.fullmatch(re.sub(r"\\{[^}]+\\}", "[^/]+", re.escape(template)), path):
+            return template
+    raise AssertionError(f"{path} is not in the document")
+
+
+def _assert_declared_keys(spec: dict[str, Any], schema: dict[str, Any], body: Any, where: str) -> None:
+    if "$ref" in schema:
+        schema = spec["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    if body is None:
+        return
+    if "anyOf" in schema:  # a nullable nested object
+        (schema,) = [s for s in schema["anyOf"] if s.get("type") != "null"]
+        _assert_declared_keys(spec, schema, body, where)
+    elif isinstance(body, list):
+        for i, item in enumerate(body):
+            _assert_declared_keys(spec, schema.get("items", {}), item, f"{where}[{i}]")
+    elif isinstance(body, dict) and "properties" in schema:
+        declared = set(schema["properties"])
+        optional = declared - set(schema.get("required", declared))
+        assert declared - optional <= set(body) <= declared, (where, sorted(set(body) ^ declared))
+        for key, value in body.items():
+            _assert_declared_keys(spec, schema["properties"][key], value, f"{where}.{key}")
+    elif isinstance(body, dict) and isinstance(schema.get("additionalProperties"), dict):  # keys by name: labels, attributes
+        for key, value in body.items():
+            _assert_declared_keys(spec, schema["additionalProperties"], value, f"{where}.{key}")
 
 
 @pytest.mark.slow

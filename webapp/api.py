@@ -28,7 +28,8 @@ from zoo.store.models import Adapter
 from zoo.store.session import current_revision
 
 if TYPE_CHECKING:
-    from embed.maps import MapResource
+    from zoo.store.catalog import CatalogPage
+    from zoo.store.labels import AdapterLabels
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
 api.url_value_preprocessor(ids_in_range)
@@ -58,9 +59,10 @@ def health() -> dict[str, object]:
 
 
 @api.get("/adapters")
-@api.doc(responses=[200, *READ, 404])
 @api.input(schemas.CatalogQuery, location="query", arg_name="query")
-def adapters(query: dict) -> dict[str, object]:
+@api.output(schemas.CatalogOut)
+@api.doc(responses=[*READ, 404])
+def adapters(query: dict) -> CatalogPage:
     """Search the catalog: free text, facets with counts, sorting, pages."""
     from zoo.store.catalog import search_catalog
 
@@ -69,10 +71,12 @@ def adapters(query: dict) -> dict[str, object]:
 
 
 @api.get("/adapters/<int:adapter_id>")
-@api.doc(responses=[200, *ENGINE])
-def adapter(adapter_id: int) -> dict[str, object]:
+@api.output(schemas.AdapterOut)
+@api.doc(responses=ENGINE)
+def adapter(adapter_id: int) -> Response:
     """Everything stored about an adapter, its neighbours and its predictions (the adapter page's twin)."""
-    return service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True))
+    # plain JSON already: the schema's dump would only add time, per module and singular value
+    return jsonify(service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True)))
 
 
 @api.get("/adapters/<int:adapter_id>/lineage")
@@ -91,7 +95,7 @@ POOLED_K = 100
 
 @api.get("/adapters/<int:adapter_id>/similar")
 @api.input(schemas.SimilarQuery, location="query", arg_name="query")
-@api.output(schemas.SimilarOut)
+@api.output(schemas.SearchOut)
 @api.doc(responses=[*ENGINE, 503])  # 503: k > POOLED_K and the pool for expensive calls full, or past the time limit
 def similar(adapter_id: int, query: dict) -> Response:
     """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share)."""
@@ -109,7 +113,7 @@ def similar(adapter_id: int, query: dict) -> Response:
 
 @api.post("/similar")
 @api.input(schemas.SimilarUpload, location="form_and_files", arg_name="form")
-@api.output(schemas.SimilarOut)
+@api.output(schemas.SearchOut)
 @api.doc(responses=UPLOAD)
 def similar_upload(form: dict) -> service.SearchResource:
     """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored)."""
@@ -131,8 +135,7 @@ def _predict(part: str, body: dict) -> dict[str, object]:
         found = zoo_context().limited(
             with_session(lambda s: [_checked(service.predict, engine, s, str(i), body.get("space")) for i in ids])
         )
-    keep = ("query", "query_name", "space", "embedder_id", *PREDICTION_PARTS[part])
-    return {"predictions": [{k: p[k] for k in keep} for p in found]}
+    return {"predictions": [{k: p[k] for k in schemas.PREDICTION_KEYS[part]} for p in found]}
 
 
 def _checked(fn: Callable[..., T], *args: object) -> T:
@@ -141,14 +144,10 @@ def _checked(fn: Callable[..., T], *args: object) -> T:
     return fn(*args)
 
 
-#: what each predict endpoint returns of a prediction: attributes come with their confidence (labelled neighbours
-#: that agree, "sure" or not)
-PREDICTION_PARTS = {"attributes": ("attributes", "confidence"), "metrics": ("metrics",)}
-
-
 @api.post("/predict/attributes")
 @api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
-@api.doc(responses=[200, *UPLOAD])
+@api.output(schemas.AttributesOut)
+@api.doc(responses=UPLOAD)
 def predict_attributes(body: dict) -> dict[str, object]:
     """Predicted attributes of stored adapters, or of an upload (`file`): the top classes with calibrated probabilities
     and the labelled neighbours that have each, and per attribute its confidence (`sure`: the top class is at least
@@ -158,7 +157,8 @@ def predict_attributes(body: dict) -> dict[str, object]:
 
 @api.post("/predict/performance")
 @api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
-@api.doc(responses=[200, *UPLOAD])
+@api.output(schemas.PerformanceOut)
+@api.doc(responses=UPLOAD)
 def predict_performance(body: dict) -> dict[str, object]:
     """Predicted performance (value with a 90 % interval) of stored adapters, or of an upload (`file`)."""
     return _predict("metrics", body)
@@ -185,8 +185,9 @@ def download(adapter_id: int, query: dict) -> Response:
 @api.put("/adapters/<int:adapter_id>/labels")
 @api.auth_required(token_auth)
 @api.input(schemas.LabelsBody, location="json", arg_name="body")
-@api.doc(responses=[200, 400, 413, 415])
-def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
+@api.output(schemas.LabelsOut)
+@api.doc(responses=[400, 413, 415])
+def set_labels(adapter_id: int, body: dict) -> AdapterLabels:
     """Set given labels and test measurements (replacing those with the same key); needs a token."""
     from zoo.store.labels import write_labels
     from zoo.store.session import write_transaction
@@ -203,29 +204,33 @@ def set_labels(adapter_id: int, body: dict) -> dict[str, object]:
 
 @api.delete("/adapters/<int:adapter_id>")
 @api.auth_required(token_auth)
-@api.doc(responses=[200, 404])
-def delete_adapter(adapter_id: int) -> dict[str, object]:
+@api.output(schemas.DeletionOut)
+@api.doc(responses=[404])
+def delete_adapter(adapter_id: int) -> service.Deletion:
     """Delete an adapter (its rows, labels and embeddings; it leaves every index); needs a token."""
     return service.delete_adapter(zoo_context().sessions, adapter_id)
 
 
 @api.get("/spaces")
-@api.doc(responses=[200, *READ])
-def spaces() -> dict[str, object]:
+@api.output(schemas.SpacesOut)
+@api.doc(responses=READ)
+def spaces() -> service.SpacesResource:
     """Embedding spaces (one per base model) and their serving embedders; whether this process's query engine holds
     each loaded and the bytes it takes, within `budget_bytes` (ZOO_SPACES_BYTES: least recently used spaces are dropped)."""
     listed = service.list_spaces(db(), zoo_context().engine)
-    return {"spaces": listed, "loaded_bytes": sum(int(s["bytes"] or 0) for s in listed), "budget_bytes": spaces_budget()}  # type: ignore[call-overload]
+    return {"spaces": listed, "loaded_bytes": sum(s["bytes"] or 0 for s in listed), "budget_bytes": spaces_budget()}
 
 
 @api.get("/spaces/<path:name>/map")
 @api.input(schemas.MapQuery, location="query", arg_name="query")
-@api.doc(responses=[200, *ENGINE])
-def space_map(name: str, query: dict) -> MapResource:
+@api.output(schemas.MapOut)
+@api.doc(responses=ENGINE)
+def space_map(name: str, query: dict) -> Response:
     """The space's 2-D map: points, and the keys they can be coloured by."""
     from embed.maps import space_map as build_map
 
-    return build_map(db(), zoo_context().settings.data_dir, name, query["color_by"], query["limit"], query["highlight"])
+    # plain JSON already: the schema's dump would only add time, per point (up to 100,000)
+    return jsonify(build_map(db(), zoo_context().settings.data_dir, name, query["color_by"], query["limit"], query["highlight"]))
 
 
 @api.post("/ingest")

@@ -1,14 +1,27 @@
-"""Request and response schemas of the REST API (they also make its OpenAPI document)."""
+"""Request and response schemas of the REST API (they also make its OpenAPI document).
+
+The schemas of the resources that zoo and embed type as TypedDicts are derived from them (typed_schema), so that a
+resource has one description; the others are written here.
+"""
 
 from __future__ import annotations
 
+import functools
+import types
+from collections.abc import Mapping
+from typing import Any, NotRequired, Union, cast, get_args, get_origin, get_type_hints, is_typeddict
+
 from apiflask import Schema
-from apiflask.fields import Boolean, Dict, File, Float, Integer, List, Nested, Raw, String
+from apiflask.fields import Boolean, Dict, Field, File, Float, Integer, List, Nested, Raw, String
 from apiflask.validators import Length, OneOf, Range
 
 from embed.engine import MAX_K, SEARCH_METHODS
+from embed.maps import MapResource
+from embed.service import AdapterResource, Deletion, PredictionResource, SearchResource, SpacesResource
 from webapp.errors import ERROR_TYPES
 from zoo.services.export import FORMATS
+from zoo.store.catalog import CatalogPage
+from zoo.store.labels import AdapterLabels
 
 MAX_IDS = 100
 MAX_PAGE = 1_000_000
@@ -79,24 +92,6 @@ class Error(Schema):
     """Every error the API answers (webapp/errors.py), validation errors included."""
 
     error = Nested(ErrorDetail, required=True)
-
-
-class Hit(Schema):
-    adapter_id = Integer()
-    name = String()
-    score = Float()
-    labels = Dict(keys=String(), values=String())
-
-
-class SimilarOut(Schema):
-    query = Raw()
-    query_name = String()
-    space = String()
-    method = String()
-    embedder_ids = List(Integer())
-    module_stage = String(allow_none=True)
-    index_states = Dict(keys=String(), values=String())
-    results = List(Nested(Hit))
 
 
 class Health(Schema):
@@ -196,3 +191,69 @@ class Lineage(Schema):
     same_author = Nested(RelatedAdapters)
     same_source = Nested(RelatedAdapters)
     limit = Integer()
+
+
+_SCALARS: dict[object, type[Field]] = {str: String, int: Integer, float: Float, bool: Boolean, object: Raw, Any: Raw}
+
+
+def typed_fields(resource: type) -> dict[str, Field]:
+    """A field per key of a TypedDict: required unless NotRequired, nullable where its type admits None; lists, dicts
+    (string keys) and nested TypedDicts (typed_schema) as such, a union of other types as Raw."""
+    return {key: _field(hint, required=True) for key, hint in get_type_hints(resource, include_extras=True).items()}
+
+
+@functools.cache
+def typed_schema(resource: type) -> type[Schema]:
+    """The schema of a TypedDict resource, one per TypedDict (its OpenAPI component, named after it)."""
+    return named_schema(resource.__name__, typed_fields(resource))
+
+
+def named_schema(name: str, fields: Mapping[str, Field]) -> type[Schema]:
+    """A schema of these fields, the OpenAPI component `name`."""
+    # marshmallow types from_dict's class as its own Schema; it is a subclass of apiflask's
+    return cast(type[Schema], Schema.from_dict(dict(fields), name=name))
+
+
+def _field(hint: Any, **kwargs: Any) -> Field:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is NotRequired:
+        return _field(args[0], **kwargs | {"required": False})
+    if origin in (Union, types.UnionType):
+        present = [a for a in args if a is not types.NoneType]
+        return _field(present[0] if len(present) == 1 else object, **kwargs | {"allow_none": len(present) < len(args)})
+    if origin is list or hint is list:
+        return List(_field(args[0] if args else object), **kwargs)
+    if origin is dict or hint is dict:
+        return Dict(keys=String(), values=_field(args[1]), **kwargs) if args else Dict(**kwargs)
+    if is_typeddict(hint):
+        return Nested(typed_schema(hint), **kwargs)
+    if hint in _SCALARS:
+        return _SCALARS[hint](**kwargs)
+    raise TypeError(f"no schema field for {hint!r}")
+
+
+SearchOut = typed_schema(SearchResource)
+#: the adapter page's resource; its lineage is the lineage resource
+AdapterOut = named_schema("AdapterResource", {**typed_fields(AdapterResource), "lineage": Nested(Lineage, required=True)})
+CatalogOut = typed_schema(CatalogPage)
+LabelsOut = typed_schema(AdapterLabels)
+DeletionOut = typed_schema(Deletion)
+SpacesOut = typed_schema(SpacesResource)
+#: the map as the API serves it (`zoo map` adds the map file's path)
+MapOut = named_schema("MapResource", {k: f for k, f in typed_fields(MapResource).items() if k != "file"})
+#: what each predict endpoint keeps of a prediction: the query, and attributes with their confidence (labelled
+#: neighbours that agree, "sure" or not), or metrics
+PREDICTION_KEYS = {
+    "attributes": ("query", "query_name", "space", "embedder_id", "attributes", "confidence"),
+    "metrics": ("query", "query_name", "space", "embedder_id", "metrics"),
+}
+
+
+def _predictions(name: str, part: str) -> type[Schema]:
+    fields = typed_fields(PredictionResource)
+    one = named_schema(f"{name}Prediction", {k: fields[k] for k in PREDICTION_KEYS[part]})
+    return named_schema(f"{name}Predictions", {"predictions": List(Nested(one), required=True)})
+
+
+AttributesOut = _predictions("Attribute", "attributes")
+PerformanceOut = _predictions("Performance", "metrics")

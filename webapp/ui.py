@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from apiflask import APIBlueprint
@@ -15,7 +16,7 @@ from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul,
 from zoo.errors import ZooError
 from zoo.labels import TASK_KEY
 from zoo.store import repository
-from zoo.store.catalog import FACET_VALUES
+from zoo.store.catalog import FACET_VALUES, FacetValue
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -42,24 +43,24 @@ def search_page() -> str:
     args: dict[str, Any] = request.args.to_dict(flat=False)
     twin = url_for("api.adapters", **args)
     major, minor = facet_groups({k: v for k, v in found["facets"].items() if not (space and k == "base_model")})  # the space names it
-    spaces = space_choices(service.list_spaces(db(), counted=False), found["facets"].get("base_model", []))
+    spaces = space_choices(service.space_names(db()), found["facets"].get("base_model", []))
     return render_template(
         "search.html", found=found, filters=filters, sort=sort, twin=twin, major=major, minor=minor, space=space, spaces=spaces
     )
 
 
-def space_choices(spaces: list[dict], base_models: list[dict]) -> list[dict]:
+def space_choices(spaces: Sequence[service.SpaceName], base_models: Sequence[FacetValue]) -> list[dict]:
     """The spaces to pick from, each with how many adapters of the search are in it (from the base_model facet, which
     counts them whichever space is picked; None past the facet's values)."""
     counts = {v["value"]: v["count"] for v in base_models}
     return [{"name": s["name"], "count": counts.get(s["base_model"], None if len(counts) >= FACET_VALUES else 0)} for s in spaces]
 
 
-def facet_groups(facets: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
+def facet_groups(facets: Mapping[str, Sequence[FacetValue]]) -> tuple[list[str], list[str]]:
     """The facets worth filtering by, the task first, and the others (a single value, or one that most adapters
     share with no other: seeds, learning rates), shown folded. Empty facets are in neither."""
 
-    def minor(values: list[dict]) -> bool:
+    def minor(values: Sequence[FacetValue]) -> bool:
         return len(values) < 2 or 2 * sum(v["count"] == 1 for v in values) > sum(v["count"] for v in values)
 
     keys = sorted((k for k, v in facets.items() if v), key=lambda k: k != f"label:{TASK_KEY}")  # stable otherwise

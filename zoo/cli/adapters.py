@@ -128,7 +128,7 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
     if args.plot:
         from zoo.plots import plot_spectra
 
-        plot_spectra(str(detail["name"]), detail["modules"], Path(args.plot))  # type: ignore[arg-type]
+        plot_spectra(detail["name"], detail["modules"], Path(args.plot))
     if args.json:
         print_json(detail)
         return 0
@@ -152,15 +152,15 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
         "author",
     ):
         print(f"{key:>15}: {human(detail[key])}")
-    for note in detail["notes"]:  # type: ignore[attr-defined]
+    for note in detail["notes"]:
         print(f"{'note':>15}: {note}")
-    for key, value in detail["labels"].items():  # type: ignore[attr-defined]
+    for key, value in detail["labels"].items():
         print(f"{key:>15}: {value}  (label)")
-    for key, value in detail["measurements"].items():  # type: ignore[attr-defined]
-        print(f"{key:>15}: {value:.4g}  (measured)")
+    for metric, measured in detail["measurements"].items():
+        print(f"{metric:>15}: {measured:.4g}  (measured)")
     print()
     print(f"{'module':<48} {'shape':>12} {'r':>3} {'k':>3} {'σ_max':>9} {'‖·‖_F':>9} {'stable':>7} {'eff':>6} {'α_PL':>6}")
-    for m in detail["modules"]:  # type: ignore[attr-defined]
+    for m in detail["modules"]:
         shape = "x".join(map(str, m["shape"]))
         alpha = f"{m['power_law_alpha']:.2f}" if m["power_law_alpha"] is not None else "-"
         print(

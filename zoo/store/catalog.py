@@ -20,7 +20,7 @@ import os
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from sqlalchemy import (
     CTE,
@@ -442,12 +442,36 @@ def _roll_up(directories: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def _facet_values(counts: dict[Any, int]) -> list[dict[str, Any]]:
+class FacetValue(TypedDict):
+    value: str | int  # an int for rank
+    count: int
+
+
+class CatalogHit(repository.AdapterSummary):
+    labels: dict[str, str]  # given labels
+    tags: list[str]
+
+
+class CatalogPage(TypedDict):
+    """One page of the catalog (search_catalog)."""
+
+    q: str | None
+    filters: dict[str, str]
+    sort: str
+    page: int
+    per_page: int
+    total: int
+    approximate: bool
+    results: list[CatalogHit]
+    facets: dict[str, list[FacetValue]]
+
+
+def _facet_values(counts: dict[Any, int]) -> list[FacetValue]:
     ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:FACET_VALUES]
     return [{"value": value, "count": n} for value, n in ordered]
 
 
-def _read_facets(rows: Iterable[tuple[str, str, int]], scale: float = 1.0) -> tuple[int, dict[str, list[dict[str, Any]]]]:
+def _read_facets(rows: Iterable[tuple[str, str, int]], scale: float = 1.0) -> tuple[int, dict[str, list[FacetValue]]]:
     total = 0
     counts: dict[str, dict[Any, int]] = {key: {} for key in COLUMN_FACETS}
     for facet, value, n in rows:
@@ -477,7 +501,7 @@ def _checked_sort(sort: str | None, phrases: list[list[str]], page: int, per_pag
 
 def search_catalog(
     session: Session, q: str | None, filters: Mapping[str, str], sort: str | None = None, page: int = 1, per_page: int = 20
-) -> dict[str, Any]:
+) -> CatalogPage:
     """One page of the adapters matching free text `q` and `filters` (the engine's: base_model, format,
     rank, source prefix, the source's fields (author, license, pipeline_tag, library, base_model_relation), any
     other key a given label), with the total and facets, as a plain dict.
@@ -511,7 +535,7 @@ def search_catalog(
         within, scale = _sample(session)
         rows = session.execute(_facets_statement(dialect, phrases, filters, within, through)).all()
     total, facets = _read_facets(rows, scale)
-    results = [{**repository.adapter_summary(a), "labels": labels[a.id][1], "tags": a.tags or []} for a in adapters]
+    results: list[CatalogHit] = [{**repository.adapter_summary(a), "labels": labels[a.id][1], "tags": a.tags or []} for a in adapters]
     return {
         "q": q,
         "filters": dict(filters),

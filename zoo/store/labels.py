@@ -8,12 +8,21 @@ same advisory lock, `label_lock(adapter_id)`, whoever they are; SQLite has one w
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypedDict
 
 from sqlalchemy.orm import Session
 
 from zoo.store.catalog import refresh_search_text
 from zoo.store.locks import label_lock, take_locks
 from zoo.store.repository import replace_labels
+
+
+class AdapterLabels(TypedDict):
+    """An adapter's given labels and test measurements (what `PUT /adapters/{id}/labels` answers)."""
+
+    id: int
+    labels: dict[str, str]
+    measurements: dict[str, float]
 
 
 def write_labels(session: Session, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 from sqlalchemy import ColumnElement, Connection, Select, SQLColumnExpression, bindparam, delete, exists, select, union_all
 from sqlalchemy.orm import Session, aliased, selectinload
@@ -91,7 +91,69 @@ def stored_copies(conn: Connection, file_sha256: str, base_model: str, fmt: str)
     return [StoredCopy(*row) for row in rows]
 
 
-def adapter_summary(a: Adapter) -> dict[str, object]:
+class AdapterSummary(TypedDict):
+    """An adapter in a list: who it is and what it is."""
+
+    id: int
+    name: str
+    base_model: str
+    format: str
+    rank: int | None
+    alpha: float | None
+    canonical_hash: str
+    source_uri: str
+    author: str | None
+    created_at: str | None
+
+
+class ModuleDetail(TypedDict):
+    """One adapted module of a stored adapter, with its spectrum."""
+
+    name: str
+    layer_index: int | None
+    module_type: str
+    kind: str
+    shape: list[int]  # [out_features, in_features]
+    rank: int | None
+    canonical_rank: int | None
+    alpha: float | None
+    scale: float | None
+    transposed: bool
+    singular_values: list[float]
+    spectral_norm: float
+    frobenius_norm: float
+    stable_rank: float
+    effective_rank: float
+    power_law_alpha: float | None
+    power_law_xmin: float | None
+    power_law_ks: float | None
+
+
+class AdapterDetail(AdapterSummary):
+    """Everything stored about an adapter (`zoo show --json`)."""
+
+    source_revision: str | None
+    previous_version_id: int | None
+    source_metadata: dict[str, Any]
+    target_modules: list[str] | str | None  # as the PEFT config gave it: a list of names, or a regex or "all-linear"
+    task_type: str | None
+    structure_hash: str
+    dw_norm: float | None
+    file_sha256: str
+    size_bytes: int
+    factors_blob: str | None
+    config: dict[str, Any]
+    file_metadata: dict[str, Any]
+    extra_tensors: dict[str, Any]
+    notes: list[str]
+    license: str | None
+    tags: list[str] | None
+    labels: dict[str, str]  # given labels
+    measurements: dict[str, float]  # test measurements
+    modules: list[ModuleDetail]
+
+
+def adapter_summary(a: Adapter) -> AdapterSummary:
     return {
         "id": a.id,
         "name": a.name,
@@ -106,7 +168,7 @@ def adapter_summary(a: Adapter) -> dict[str, object]:
     }
 
 
-def adapter_detail(a: Adapter) -> dict[str, object]:
+def adapter_detail(a: Adapter) -> AdapterDetail:
     """Everything stored about an adapter, modules and spectra included."""
     return {
         **adapter_summary(a),
