@@ -1,14 +1,20 @@
-"""Fixtures: a database per test on SQLite always and on PostgreSQL when ZOO_TEST_DATABASE_URL is set."""
+"""Fixtures: a database per test on SQLite always and on PostgreSQL when ZOO_TEST_DATABASE_URL is set; the seeded zoo
+(tests/factories.py seed_zoo), built once a session per backend, of which a module takes a copy of its own."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sqlite3
 from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Table, select, text, update
 
 from zoo.cli import main
 from zoo.config import Settings, normalize_database_url
@@ -17,7 +23,8 @@ from zoo.store.session import downgrade, make_engine, upgrade
 PG_URL = os.environ.get("ZOO_TEST_DATABASE_URL")
 
 
-def _backends() -> list[object]:
+def backends() -> list[object]:
+    """The databases a test runs on (as the parameters of a fixture): SQLite, and PostgreSQL where it is set."""
     return ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 
 
@@ -32,7 +39,7 @@ def pg_url() -> str:
     return url
 
 
-@pytest.fixture(params=_backends())
+@pytest.fixture(params=backends())
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'zoo.db'}"
@@ -78,3 +85,115 @@ class CLI:
 @pytest.fixture
 def cli(settings: Settings, capsys: pytest.CaptureFixture[str]) -> CLI:
     return CLI(settings, capsys)
+
+
+# --- the seeded zoo --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeededZoo:
+    """A seeded zoo (tests/factories.py seed_zoo: w00..w11, tasks qk and qv, ingested as `tiny`, embedded, W2T
+    trained): its database, its data dir, and its sources under root (root/zoo, root/labels.csv, root/outside/new,
+    which stays out of the zoo), the import root of an app that serves it."""
+
+    url: str
+    data_dir: Path
+    root: Path
+
+
+@dataclass(frozen=True)
+class _Seeded:
+    """The seeded zoo as built once a session: read only. PostgreSQL's tests empty the database, so its rows are kept
+    here (every table's, per column but generated ones) to be written back into a copy."""
+
+    zoo: SeededZoo
+    rows: list[tuple[Table, list[dict[str, Any]]]] | None = None
+
+
+@pytest.fixture(scope="session")
+def seed_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seeded zoo's adapters (tests/factories.py write_seed_sources), trained once a session: read only."""
+    from tests.factories import write_seed_sources
+
+    return write_seed_sources(tmp_path_factory.mktemp("seed-sources"))
+
+
+@pytest.fixture(scope="session")
+def seeded_sqlite(tmp_path_factory: pytest.TempPathFactory, seed_sources: Path) -> _Seeded:
+    from tests.factories import seed_zoo
+
+    root = tmp_path_factory.mktemp("seeded-sqlite")
+    url = f"sqlite:///{root / 'zoo.db'}"
+    upgrade(url)
+    seed_zoo(seed_sources, url, root / "data")
+    make_engine(url).dispose()
+    return _Seeded(SeededZoo(url, root / "data", seed_sources))
+
+
+@pytest.fixture(scope="session")
+def seeded_postgresql(pg_url: str, tmp_path_factory: pytest.TempPathFactory, seed_sources: Path) -> _Seeded:
+    from tests.factories import seed_zoo
+    from zoo.store.models import Base
+
+    root = tmp_path_factory.mktemp("seeded-postgresql")
+    truncate_all(pg_url)
+    seed_zoo(seed_sources, pg_url, root / "data")
+    rows = []
+    with make_engine(pg_url).connect() as conn:
+        for table in Base.metadata.sorted_tables:  # parents first
+            columns = [c for c in table.c if c.computed is None]
+            rows.append((table, [dict(r._mapping) for r in conn.execute(select(*columns))]))
+    truncate_all(pg_url)
+    return _Seeded(SeededZoo(pg_url, root / "data", seed_sources), rows)
+
+
+def copy_seeded(request: pytest.FixtureRequest, backend: str, dest: Path) -> SeededZoo:
+    """A copy of the seeded zoo on `backend` of one's own, to change as a test likes: its sources, data dir and (SQLite)
+    database file under dest, or (PostgreSQL) the test database emptied and filled with the seeded rows. The adapters'
+    sources name dest's copies, as if seed_zoo had been run there."""
+    seeded: _Seeded = request.getfixturevalue(f"seeded_{backend}")
+    src = seeded.zoo
+    for part in ("zoo", "outside"):
+        shutil.copytree(src.root / part, dest / part, symlinks=True)
+    shutil.copy(src.root / "labels.csv", dest / "labels.csv")
+    shutil.copytree(src.data_dir, dest / "data")
+    if seeded.rows is None:
+        url = f"sqlite:///{dest / 'zoo.db'}"
+        with closing(sqlite3.connect(src.url.removeprefix("sqlite:///"))) as have, closing(sqlite3.connect(dest / "zoo.db")) as copy:
+            have.backup(copy)  # the database as committed, whatever its write-ahead log holds
+    else:
+        url = src.url
+        truncate_all(url)
+        with make_engine(url).begin() as conn:
+            for table, rows in seeded.rows:
+                if rows:
+                    conn.execute(table.insert(), rows)
+                if "id" in table.c:  # TRUNCATE ... RESTART IDENTITY started its sequence again
+                    next_id = f"(SELECT coalesce(max(id), 0) + 1 FROM {table.name})"
+                    conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), {next_id}, false)"))
+    _move_sources(url, src.root, dest)
+    return SeededZoo(url, dest / "data", dest)
+
+
+def _move_sources(url: str, old: Path, new: Path) -> None:
+    """Point the adapters' sources (and so their search documents) from under `old` to the same paths under `new`."""
+    from zoo.store.catalog import refresh_search_text
+    from zoo.store.models import Adapter
+
+    old_prefix, new_prefix = f"{old.resolve()}/", f"{new.resolve()}/"
+    with make_engine(url).begin() as conn:
+        sources = conn.execute(select(Adapter.id, Adapter.source_uri)).all()
+        moved = [(i, new_prefix + s.removeprefix(old_prefix)) for i, s in sources if s and s.startswith(old_prefix)]
+        assert len(moved) == len(sources), sources  # every adapter came from the seed's sources
+        for adapter_id, source in moved:
+            conn.execute(update(Adapter).where(Adapter.id == adapter_id).values(source_uri=source))
+        refresh_search_text(conn, [i for i, _ in moved])
+
+
+@pytest.fixture(scope="module", params=backends())
+def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeededZoo]:
+    """A copy of the seeded zoo of the module's own on each backend (on PostgreSQL: in the test database, which a
+    test of the module asking for `db_url` would empty)."""
+    zoo = copy_seeded(request, request.param, tmp_path_factory.mktemp(f"seeded-{request.param}"))
+    yield zoo
+    make_engine(zoo.url).dispose()

@@ -95,12 +95,13 @@ def write_kohya_file(
     return tensors
 
 
-def seed_zoo(root: Path, database_url: str, count: int = 12) -> Path:
-    """A small real zoo for the web app's tests: `count` PEFT adapters under root/zoo (tasks qk and qv in turn, with a
-    test_accuracy) ingested as base model `tiny` into the (migrated) database, embedded, W2T trained; one more
-    adapter, root/outside/new, stays out of it. Returns the data dir (root/data)."""
-    from zoo.cli import main
+#: adapters in the seeded zoo (w00..w11)
+SEEDED = 12
 
+
+def write_seed_sources(root: Path, count: int = SEEDED) -> Path:
+    """The seeded zoo's sources: `count` PEFT adapters under root/zoo (w00.., tasks qk and qv in turn, each with a
+    test_accuracy, in root/labels.csv) and one more, root/outside/new, that stays out of the zoo. Returns root."""
     rows = ["name,task,test_accuracy"]
     for i in range(count):
         qv = i % 2 == 1
@@ -108,9 +109,17 @@ def seed_zoo(root: Path, database_url: str, count: int = 12) -> Path:
         rows.append(f"w{i:02d},{'qv' if qv else 'qk'},{0.5 + i / 40}")
     (root / "labels.csv").write_text("\n".join(rows) + "\n")
     train_peft_adapter(root / "outside" / "new", seed=99, steps=4, targets=("q_proj", "v_proj"))
-    data_dir = root / "data"
+    return root
+
+
+def seed_zoo(sources: Path, database_url: str, data_dir: Path) -> Path:
+    """The seeded zoo, a small real zoo for the web app's tests: the adapters of sources/zoo (write_seed_sources)
+    ingested with their labels as base model `tiny` into the (migrated) database, embedded, W2T trained. Returns
+    data_dir. Tests take a copy of their own from tests/conftest.py (`seeded`, `copy_seeded`) rather than build it."""
+    from zoo.cli import main
+
     base = ["--db", database_url, "--data-dir", str(data_dir)]
-    ingest = ["ingest", str(root / "zoo"), "--labels", str(root / "labels.csv"), "--base-model", "tiny", "--json"]
+    ingest = ["ingest", str(sources / "zoo"), "--labels", str(sources / "labels.csv"), "--base-model", "tiny", "--json"]
     if main([*base, *ingest]) != 0 or main([*base, "train", "--epochs", "2", "--members", "2", "--json"]) != 0:
         raise RuntimeError("seeding the test zoo failed")
     return data_dir

@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from tests.factories import seed_zoo
-from zoo.store.session import make_engine, upgrade
+from tests.conftest import copy_seeded
+from zoo.store.session import make_engine
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (apt-get install -y chromium)")
@@ -45,12 +45,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """`zoo serve` (one gunicorn worker) on a free port over a seeded SQLite zoo."""
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`zoo serve` (one gunicorn worker) on a free port over a copy of the seeded SQLite zoo (tests/conftest.py)."""
     root = tmp_path_factory.mktemp("browser-zoo")
-    db_url = f"sqlite:///{root / 'zoo.db'}"
-    upgrade(db_url)
-    data_dir = seed_zoo(root, db_url)
+    seeded = copy_seeded(request, "sqlite", root)
+    db_url, data_dir = seeded.url, seeded.data_dir
     # more labels, as a real zoo has: a seed per adapter (a facet to fold away) and a group of 9 values (more than shown)
     (root / "more.csv").write_text("name,seed,group\n" + "".join(f"w{i:02d},{1000 + i},g{i % 9}\n" for i in range(12)))
     more = ["--db", db_url, "--data-dir", str(data_dir), "ingest", str(root / "zoo"), "--labels", str(root / "more.csv")]

@@ -136,6 +136,7 @@ def test_embedding_is_factorization_and_sign_invariant(zoo: list[ZooAdapter]) ->
     assert np.min((z0 * z1).sum(axis=1)) >= 0.9999
 
 
+@pytest.mark.slow  # trains W2T twice
 def test_training_save_load_round_trip(zoo: list[ZooAdapter], tmp_path: Path) -> None:
     schema = schema_of("synthetic", zoo)
     emb = train_w2t(zoo, schema, TrainOptions(epochs=3, seed=1, attributes=None), progress=False)

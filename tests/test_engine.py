@@ -60,6 +60,7 @@ def stored_factors(cli: CLI, ids: list[int]) -> list[dict]:
         return [dict(blobs.get_factors(str(session.get(Adapter, i).factors_blob))) for i in ids]
 
 
+@pytest.mark.slow  # two `zoo` processes, each importing torch
 def test_engine_sees_embeddings_written_by_another_process(cli: CLI, twenty: Path) -> None:
     ingest_and_embed(cli, twenty, "first")
     engine = make_engine(cli)

@@ -201,6 +201,7 @@ def test_a_429_storm_is_waited_out_and_an_endless_one_fails_in_bounded_time(
     assert rc == 1 and "429" in out["error"] and "ZOO_HUB_MAX_WAIT_S" in out["error"] and out["error"].startswith("hf://bob/lora-b")
 
 
+@pytest.mark.slow  # a `zoo` process, importing torch
 def test_offline_mode_ingests_from_the_cache(tmp_path: Path, hub: HubServer, adapters: list[Path]) -> None:
     from zoo.cli import main
     from zoo.store.session import upgrade

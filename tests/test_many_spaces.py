@@ -159,6 +159,7 @@ def _round_robin(zoo: Zoo) -> list[int]:
     return [ids[i % len(ids)] for i in range(2 * max(map(len, per_space))) for ids in per_space]
 
 
+@pytest.mark.slow
 def test_a_tiny_budget_answers_every_space_in_turn_as_a_large_one(zoo: Zoo, monkeypatch: pytest.MonkeyPatch) -> None:
     order = _round_robin(zoo)
     monkeypatch.setenv("ZOO_SPACES_BYTES", str(1 << 40))
@@ -175,6 +176,7 @@ def test_a_tiny_budget_answers_every_space_in_turn_as_a_large_one(zoo: Zoo, monk
     assert all(scores == sorted(scores, reverse=True) for _, _, scores in got)
 
 
+@pytest.mark.slow
 def test_least_recently_used_spaces_are_dropped_first(zoo: Zoo, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b, c = (next(iter(zoo.ids[k].values())) for k in ("llama3-8b", "sdxl", "mistral-7b"))
     measured = zoo.engine()
@@ -202,6 +204,7 @@ def _kinds_held(zoo: Zoo, engine: QueryEngine) -> list[str]:
     return [by_space[name] for name in engine.loaded_spaces()]
 
 
+@pytest.mark.slow
 def test_queries_in_flight_finish_while_other_threads_drop_their_spaces(zoo: Zoo, monkeypatch: pytest.MonkeyPatch) -> None:
     order = _round_robin(zoo)
     expected = dict(zip(order, _answers(zoo.engine(), zoo, order), strict=True))

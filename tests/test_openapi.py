@@ -22,14 +22,14 @@ from schemathesis.checks import (
 
 from embed.maps import MapResource
 from embed.service import AdapterResource, EmbedderEntry, PredictionResource, SearchResource, SpacesResource
-from tests.conftest import _backends, truncate_all
-from tests.factories import seed_zoo
+from tests.conftest import SeededZoo
+from tests.factories import SEEDED
 from webapp import create_app
 from webapp import schemas as webapp_schemas
 from zoo.store import tokens
-from zoo.store.session import make_engine, session_factory, upgrade
+from zoo.store.session import session_factory
 
-ADAPTERS = 12  # seed_zoo's count; its space is "tiny"
+ADAPTERS = SEEDED  # the seeded zoo's; its space is "tiny"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance, response_schema_conformance]
 
 
@@ -39,25 +39,18 @@ class Api:
     auth: dict[str, str]
 
 
-@pytest.fixture(scope="module", params=_backends())
-def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
-    """The app on a seeded zoo (its import root is the seed's directory), its schema, and a token for the writes."""
-    root = tmp_path_factory.mktemp(f"openapi-{request.param}")
-    if request.param == "sqlite":
-        url = f"sqlite:///{root / 'zoo.db'}"
-        upgrade(url)
-    else:
-        url = request.getfixturevalue("pg_url")
-        truncate_all(url)
-    data_dir = seed_zoo(root, url)
-    with session_factory(url).begin() as session:
+@pytest.fixture(scope="module")
+def api(seeded: SeededZoo) -> Iterator[Api]:
+    """The app on the module's copy of the seeded zoo (its import root is the seed's directory), its schema, and a
+    token for the writes, on each backend."""
+    with session_factory(seeded.url).begin() as session:
         _, token = tokens.create_token(session, "schemathesis")
-    app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(data_dir), "ZOO_IMPORT_ROOT": str(root), "TESTING": True})
+    config = {"ZOO_DATABASE_URL": seeded.url, "ZOO_DATA_DIR": str(seeded.data_dir), "ZOO_IMPORT_ROOT": str(seeded.root), "TESTING": True}
+    app = create_app(config)
     schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", app)
     schema.hook("map_path_parameters")(_mostly_existing)
     yield Api(schema, {"Authorization": f"Bearer {token}"})
     app.extensions["zoo"].jobs.shutdown(wait=True)  # the ingest jobs it started write nothing after this module
-    make_engine(url).dispose()
 
 
 def _mostly_existing(_ctx: schemathesis.HookContext, path: dict[str, Any] | None) -> dict[str, Any] | None:

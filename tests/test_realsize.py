@@ -66,6 +66,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[P
     return {kind: write_zoo(kind, root / kind, families=3, members=2, layers=2 if kind == "mistral-7b" else 1) for kind in MODELS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # heavy; the database's part is the same as any zoo's
 def test_each_kind_is_searched_by_family(families: dict[str, list[tuple[Path, int]]], cli: CLI) -> None:
     """Per kind, the sketch estimate of module cosine tracks the exact one; `zoo embed` makes one space per base with

@@ -1,4 +1,5 @@
-"""zoo embed / search / train / predict / index against real databases and real PEFT adapters."""
+"""zoo embed / search / train / predict / index against real databases and real PEFT adapters (the seeded zoo's sources,
+tests/conftest.py seed_sources: w00..w11, tasks qk and qv, a test_accuracy each)."""
 
 from __future__ import annotations
 
@@ -13,30 +14,17 @@ from sqlalchemy import select
 
 from embed.index import brute_force
 from tests.conftest import CLI
-from tests.factories import train_peft_adapter
 from tests.test_engine import stored_factors
 
 
-@pytest.fixture(scope="module")
-def small_zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("small-zoo")
-    rows = ["name,task,test_accuracy"]
-    for i in range(12):
-        task = "qv" if i % 2 else "qk"
-        train_peft_adapter(root / "zoo" / f"a{i:02d}", seed=i, steps=4, targets=("q_proj", "v_proj") if i % 2 else ("q_proj", "k_proj"))
-        rows.append(f"a{i:02d},{task},{0.5 + i / 40}")
-    (root / "labels.csv").write_text("\n".join(rows) + "\n")
-    return root
-
-
-def ingest(cli: CLI, small_zoo: Path) -> list[dict]:
-    rc, results = cli.json_lines("ingest", str(small_zoo / "zoo"), "--labels", str(small_zoo / "labels.csv"), "--base-model", "tiny")
+def ingest(cli: CLI, seed_sources: Path) -> list[dict]:
+    rc, results = cli.json_lines("ingest", str(seed_sources / "zoo"), "--labels", str(seed_sources / "labels.csv"), "--base-model", "tiny")
     assert rc == 0
     return results
 
 
-def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
-    results = ingest(cli, small_zoo)
+def test_embed_search_and_index(cli: CLI, seed_sources: Path) -> None:
+    results = ingest(cli, seed_sources)
     rc, (reports,) = cli.json_lines("embed")
     assert rc == 0 and reports[0]["method"] == "module_sketch" and reports[0]["embedded"] == 12 and reports[0]["total"] == 12
     assert reports[0]["index_kind"] == "flat" and reports[0]["module_store"] == "built"
@@ -60,7 +48,7 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "0 []"
     # the same adapter given as a path (read, canonicalized, not stored) finds itself first, with module cosine 1
-    rc, (by_path,) = cli.json_lines("search", str(small_zoo / "zoo" / "a00"), "-k", "3")
+    rc, (by_path,) = cli.json_lines("search", str(seed_sources / "zoo" / "w00"), "-k", "3")
     assert by_path["results"][0]["adapter_id"] == first and by_path["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)
     rc, (filtered,) = cli.json_lines("search", str(first), "-k", "1000", "--filter", "task=qv")
     rc, (everything,) = cli.json_lines("search", str(first), "-k", "1000")
@@ -97,14 +85,14 @@ def test_embed_search_and_index(cli: CLI, small_zoo: Path) -> None:
     assert stats["embedders"][0]["state"] == "rebuilt (asked)" and stats["embedders"][0]["count"] == 12 and stats["module_store"] == "built"
 
 
-def test_train_predict(cli: CLI, small_zoo: Path) -> None:
-    ingest(cli, small_zoo)
+def test_train_predict(cli: CLI, seed_sources: Path) -> None:
+    ingest(cli, seed_sources)
     rc, (info,) = cli.json_lines("train", "--epochs", "2", "--members", "2")
     assert rc == 0 and info["heads"] == ["task"] and info["regression"] == ["test_accuracy"]
     assert len(info["epochs"]) == 2 and set(info["predictors"]) == {"task", "test_accuracy"}
     assert info["embedded"] == {"w2t": 12, "module_sketch": 12}
     assert Path(info["checkpoint"], "model.safetensors").exists()
-    rc, (pred,) = cli.json_lines("predict", str(small_zoo / "zoo" / "a03"))
+    rc, (pred,) = cli.json_lines("predict", str(seed_sources / "zoo" / "w03"))
     assert rc == 0
     probs = [c["probability"] for c in pred["attributes"]["task"]]
     assert {c["value"] for c in pred["attributes"]["task"]} == {"qk", "qv"} and sum(probs) == pytest.approx(1.0, abs=1e-4)
@@ -154,15 +142,15 @@ def test_train_predict(cli: CLI, small_zoo: Path) -> None:
     rc, (found,) = cli.json_lines("search", "1", "-k", "3", "--method", "w2t")
     assert rc == 0 and len(found["results"]) == 3
     # with a supervised W2T trained, search defaults to the hybrid; a stored adapter given by path scores 1 with itself
-    rc, (hybrid,) = cli.json_lines("search", str(small_zoo / "zoo" / "a03"), "-k", "3")
+    rc, (hybrid,) = cli.json_lines("search", str(seed_sources / "zoo" / "w03"), "-k", "3")
     assert rc == 0 and hybrid["method"] == "hybrid" and len(hybrid["embedder_ids"]) == 2
-    assert hybrid["results"][0]["name"] == "a03" and hybrid["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
+    assert hybrid["results"][0]["name"] == "w03" and hybrid["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
 
 
-def test_search_errors(cli: CLI, small_zoo: Path) -> None:
+def test_search_errors(cli: CLI, seed_sources: Path) -> None:
     rc, _, err = cli("search", "1")
     assert rc == 2 and "no adapter with id 1" in err
-    ingest(cli, small_zoo)
+    ingest(cli, seed_sources)
     rc, _, err = cli("search", "1")
     assert rc == 2 and "run `zoo embed`" in err
     rc, _, _ = cli("embed")

@@ -131,6 +131,7 @@ def _thousand_modules(family: int, member: int) -> ZooAdapter:
     return ZooAdapter(1 + 10 * family + member, f"f{family}-m{member}", factors, labels={"task": f"f{family}"})
 
 
+@pytest.mark.slow
 def test_a_thousand_module_adapter_makes_bounded_tokens_and_embeds() -> None:
     """1,000 modules at real widths: tokens at most TOKEN_WIDTH wide, at most MAX_MODULE_TOKENS module tokens and a
     readout of as many blocks; a W2T trained on four such adapters embeds them in bounded batches, the same from
@@ -233,6 +234,7 @@ def test_zoo_train_on_real_widths_projects_and_round_trips(kind: str, layers: in
     assert np.allclose(again.embed(full[:4]), old.embed(full[:4]), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_training_set_is_read_projected_with_its_exact_scores(cli: CLI, tmp_path: Path) -> None:
     """read_training_set, a few adapters a chunk: tokens as tokenize makes them from the full factors, no factors kept;
     exact scores from a module stack as from the factors, and from module sketches close to them."""

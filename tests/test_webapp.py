@@ -6,20 +6,18 @@ from __future__ import annotations
 import io
 import json
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from flask.testing import FlaskClient
 
-from tests.conftest import _backends, truncate_all
-from tests.factories import seed_zoo, write_kohya_file
+from tests.conftest import SeededZoo
+from tests.factories import SEEDED, write_kohya_file
 from webapp import create_app
 from zoo.cli import main
-from zoo.store.session import make_engine, upgrade
 
-N = 12
+N = SEEDED
 
 
 @dataclass
@@ -33,20 +31,14 @@ class Web:
         return main(["--db", self.url, "--data-dir", str(self.data_dir), *args])
 
 
-@pytest.fixture(scope="module", params=_backends())
-def web(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Web]:
-    """The app on a seeded zoo (tests/factories.py seed_zoo: adapters w00..w11, tasks qk/qv, and outside/new)."""
-    root = tmp_path_factory.mktemp(f"web-{request.param}")
-    if request.param == "sqlite":
-        url = f"sqlite:///{root / 'zoo.db'}"
-        upgrade(url)
-    else:
-        url = request.getfixturevalue("pg_url")
-        truncate_all(url)
-    data_dir = seed_zoo(root, url, N)
-    app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(data_dir), "ZOO_IMPORT_ROOT": str(root), "TESTING": True})
-    yield Web(app.test_client(), url, data_dir, root)
-    make_engine(url).dispose()
+@pytest.fixture(scope="module")
+def web(seeded: SeededZoo) -> Web:
+    """The app on the module's copy of the seeded zoo (tests/conftest.py: adapters w00..w11, tasks qk/qv, and
+    outside/new), on each backend."""
+    app = create_app(
+        {"ZOO_DATABASE_URL": seeded.url, "ZOO_DATA_DIR": str(seeded.data_dir), "ZOO_IMPORT_ROOT": str(seeded.root), "TESTING": True}
+    )
+    return Web(app.test_client(), seeded.url, seeded.data_dir, seeded.root)
 
 
 def error_of(response) -> dict:  # type: ignore[no-untyped-def]
