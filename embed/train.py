@@ -10,10 +10,9 @@ An embedder is a small ensemble: `members` models trained from consecutive seeds
 early-stopped on its own slice of the adapters, so the ensemble learns from all of them and every
 held-out slice has a member that never trained on it. Its embedding concatenates theirs (its
 cosine is their mean cosine) and its class probabilities average theirs: one W2T model varies a
-lot from seed to seed on a few hundred adapters. Each metric is predicted either by the
-regression heads or, where they rank the held-out adapters clearly better (Spearman, out of fold,
-paired bootstrap), by the measured values of the most similar training adapters in the embedding;
-the hybrid search weight is chosen out of fold too.
+lot from seed to seed on a few hundred adapters. The search score and each target's predictor are
+then chosen on the held-out slices (embed/choice.py: the best expected quality, shrunk toward the
+training-free candidates by its standard error).
 """
 
 from __future__ import annotations
