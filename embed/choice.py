@@ -1,11 +1,12 @@
 """Methods chosen from the data, out of fold: the search score, and each attribute's and metric's predictor.
 
-The rule (DESIGN.md): the candidate with the best expected quality, its out-of-fold estimate shrunk toward the
-training-free reference by its uncertainty. Every candidate is scored on the adapters a W2T ensemble member never
-trained on (its fold), pooled over the members, against the labelled adapters; its value is its mean gain over the
-reference minus SHRINK standard errors of that gain (paired, per held-out adapter), the reference's value is 0, and
-the highest value is chosen (ties: the simpler). With few labels the errors are wide and the reference stays;
-with many, the best estimate wins without needing to be "clearly" better.
+The rule (DESIGN.md): the candidate with the best expected quality, guarded against the winner's curse. Every
+candidate is scored on the adapters a W2T ensemble member never trained on (its fold), pooled over the members,
+against the labelled adapters. The candidate with the best estimate is chosen unless choosing that way does not
+pay out of sample: the pick is replayed on random halves of the held-out adapters and scored on the other halves,
+and unless its mean gain there over the training-free reference is positive, the reference stays. With few
+labels (or many candidates of equal worth) the best estimate is mostly noise and loses on the other halves;
+with many, the best estimate wins without having to be "clearly" better.
 
 - search: every exact score (the whole update's dW cosine, the mean module cosine) alone and mixed with the W2T
   cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task) against
@@ -15,11 +16,12 @@ with many, the best estimate wins without needing to be "clearly" better.
   held-out adapters best, against the W2T heads and few-shot readouts of the W2T embedding (nearest class mean,
   logistic regression on the frozen embedding), by accuracy against that kNN;
 - a metric: the same kNN family (best Spearman), against the heads and the kNN in the W2T embedding, by Spearman
-  against that kNN (its standard error from a paired bootstrap).
+  against that kNN.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -37,13 +39,10 @@ MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
 KNN_KS = (KNN_K, 5, 3, 1)
 #: temperature of the nearest-class-mean readout's softmax over cosines
 PROTOTYPE_TEMPERATURE = 0.1
-#: standard errors of its gain over the reference that a candidate's out-of-fold estimate is shrunk by (0: the best
-#: mean; issue 18's "clearly better" was 1.645, a one-sided 95 % bound)
-SHRINK = 0.5
+#: random halves of the held-out adapters the choice is replayed on, to estimate what choosing by the best estimate gains
+HALVES = 200
 #: fewer held-out adapters than this tell nothing: the reference stays
 MIN_ITEMS = 5
-#: bootstrap resamples of a statistic that is not a mean (Spearman)
-RESAMPLES = 500
 
 
 @dataclass(frozen=True)
@@ -78,39 +77,39 @@ def knn_similarities(search: SearchScore) -> list[SearchScore]:
     return [search, *(s for s in map(SearchScore, EXACT_SCORES) if s != search)]
 
 
-def paired_gain(candidate: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
-    """The candidate's mean per-item gain over the reference and that mean's standard error."""
-    diff = np.asarray(candidate, np.float64) - np.asarray(reference, np.float64)
-    return float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(len(diff)))
-
-
-def rank_gain(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray) -> tuple[float, float]:
-    """The candidate's Spearman with the truth minus the reference's, and its standard error (paired bootstrap)."""
-    rng = np.random.default_rng(0)
-    gains = []
-    for _ in range(RESAMPLES):
-        i = rng.integers(0, len(truth), len(truth))
-        gains.append(_spearman(candidate[i], truth[i]) - _spearman(reference[i], truth[i]))
-    return _spearman(candidate, truth) - _spearman(reference, truth), float(np.std(gains, ddof=1))
-
-
 K = TypeVar("K")
 
 
-def best_expected(gains: dict[K, tuple[float, float]], reference: K) -> tuple[K, float]:
-    """Of candidates by (gain over the reference, its standard error), the one with the highest shrunk gain
-    (gain - SHRINK x error; the reference's is 0, and ties go to the first: the simpler), with that value."""
-    values = {reference: 0.0, **{k: g - SHRINK * e for k, (g, e) in gains.items() if k != reference}}
-    best = max(values, key=lambda k: values[k])
-    return best, values[best]
+def best_expected(candidates: list[K], reference: K, score: Callable[[K, np.ndarray], float], n: int) -> tuple[K, float]:
+    """The candidate with the best `score(candidate, items)` over all n held-out items (ties: the reference, then
+    the first), or the reference unless picking that way pays: replayed on HALVES random halves of the items,
+    each pick's score on the other half minus the reference's is averaged, and must be positive. Returns the
+    choice and that mean out-of-sample gain."""
+    order = [reference, *(c for c in candidates if c != reference)]
+
+    def pick(items: np.ndarray) -> K:
+        scores = [score(c, items) for c in order]
+        return order[int(np.argmax(scores))]
+
+    rng = np.random.default_rng(0)
+    gains = []
+    for _ in range(HALVES):
+        perm = rng.permutation(n)
+        held_in, held_out = perm[: n // 2], perm[n // 2 :]
+        gains.append(score(pick(held_in), held_out) - score(reference, held_out))
+    gain = float(np.mean(gains))
+    return (pick(np.arange(n)) if gain > 0 else reference), gain
 
 
-def _why(chosen: SearchScore | Predictor, reference: SearchScore | Predictor, value: float, n: int, measure: str) -> str:
+def _why(chosen: SearchScore | Predictor, reference: SearchScore | Predictor, gain: float, n: int, measure: str) -> str:
     if chosen == reference:
-        return f"{reference.name}: no candidate's gain on {n} held-out adapters ({measure}) is above {SHRINK:g} of its standard errors"
+        return (
+            f"{reference.name}: choosing by the best estimate on half of {n} held-out adapters gained {gain:+.3f} "
+            f"({measure}) on the other half, so the training-free {reference.name} stays"
+        )
     return (
-        f"{chosen.name} has the best expected {measure} on {n} held-out adapters: its gain over {reference.name}, less "
-        f"{SHRINK:g} of its standard errors, is {value:+.3f}"
+        f"{chosen.name} has the best expected {measure} on {n} held-out adapters (choosing so on half of them gained "
+        f"{gain:+.3f} over {reference.name} on the other half)"
     )
 
 
@@ -135,7 +134,10 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
         sim = hybrid_score(exact[score.exact][flat], w2t, score.w2t_weight)
         per = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
         quality[score] = per["mrr"] + per["ndcg@10"]
-    chosen, value = best_expected({k: paired_gain(v, quality[reference]) for k, v in quality.items()}, reference)
+    names = list(quality)
+    table = np.stack([quality[k] for k in names], axis=1)
+    column = {k: i for i, k in enumerate(names)}
+    chosen, value = best_expected(names, reference, lambda c, items: float(table[items, column[c]].mean()), len(flat))
     means = {k: float(v.mean()) for k, v in quality.items()}
     return Choice(chosen, means, _why(chosen, reference, value, len(flat), "MRR + nDCG@10"))
 
@@ -184,8 +186,8 @@ def choose_attribute(
     chosen: Predictor = free
     reason = f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"
     if learned and len(t) >= MIN_ITEMS:
-        gains: dict[Predictor, tuple[float, float]] = {k: paired_gain(per[k], per[free]) for k in learned}
-        chosen, value = best_expected(gains, free)
+        candidates: list[Predictor] = list(learned)
+        chosen, value = best_expected(candidates, free, lambda c, items: float(per[c][items].mean()), len(t))
         reason = _why(chosen, free, value, len(t), "accuracy") + (" (the best kNN)" if chosen == free else "")
     prior = class_prior(index[index >= 0], len(classes))
     if isinstance(chosen, KnnPredictor):
@@ -283,8 +285,8 @@ def choose_metric(
     free = max(knns, key=lambda k: np.nan_to_num(means[k], nan=-2.0))  # ties: the first
     if len(t) < MIN_ITEMS or not learned:
         return Choice(free, means, f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"), per[free], t
-    gains: dict[Predictor, tuple[float, float]] = {k: rank_gain(per[k], per[free], t) for k in learned}
-    chosen, value = best_expected(gains, free)
+    candidates: list[Predictor] = list(learned)
+    chosen, value = best_expected(candidates, free, lambda c, items: _spearman(per[c][items], t[items]), len(t))
     reason = _why(chosen, free, value, len(t), "Spearman") + (" (the best kNN)" if chosen == free else "")
     return Choice(chosen, means, reason), per[chosen], t
 
