@@ -154,14 +154,15 @@ def choose_attribute(
     classes: list[str],
     learned: dict[LearnedPredictor, dict[int, np.ndarray]],
     folds: list[Fold],
-    z: np.ndarray,
 ) -> tuple[Choice[Predictor], dict[Predictor, np.ndarray], Calibration]:
     """A kNN among the labelled adapters (the best of knn_similarities(search) × KNN_KS) or a
     learned predictor (`learned`: its out-of-fold class shares over `classes` by row: the W2T heads, few-shot
     readouts of the embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice,
-    every candidate's per-item hits, and the chosen predictor's calibration: a learned one's fit on its
-    out-of-fold shares, a kNN's on the leave-one-out votes among all the labelled adapters (embed.calibration
-    knn_calibration; `z`: the served embedding of the labelled adapters, for similarities mixed with W2T)."""
+    every candidate's per-item hits, and the chosen predictor's calibration: fit on its out-of-fold shares, or for a
+    kNN by a training-free similarity on the leave-one-out votes among all the labelled adapters (embed.calibration
+    knn_calibration: more votes, none of them shaped by its own label). A kNN by a similarity mixed with W2T is
+    calibrated out of fold like a learned predictor: in the served embedding the labelled adapters were trained on,
+    so their leave-one-out votes are surer than a query's."""
     index = np.array([classes.index(label) if label else -1 for label in labels], np.int64)
     knns = [KnnPredictor(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
     shares: dict[Predictor, list[np.ndarray]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
@@ -190,9 +191,9 @@ def choose_attribute(
         chosen, value = best_expected(candidates, free, lambda c, items: float(per[c][items].mean()), len(t))
         reason = _why(chosen, free, value, len(t), "accuracy") + (" (the best kNN)" if chosen == free else "")
     prior = class_prior(index[index >= 0], len(classes))
-    if isinstance(chosen, KnnPredictor):
+    if isinstance(chosen, KnnPredictor) and chosen.similarity.w2t_weight == 0:  # no adapter's label shaped its similarity
         rows = np.flatnonzero(index >= 0).tolist()
-        sim = search_similarity(exact, chosen.similarity, z, rows, rows)
+        sim = exact[chosen.similarity.exact][np.ix_(rows, rows)]
         calibration = knn_calibration(sim, index[rows], len(classes), chosen.k, prior)
     else:
         calibration = fit_calibration(oof[chosen], t, prior)

@@ -508,7 +508,7 @@ def _choose(
     for k in embedder.config.categorical:
         labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
         learned = {HEAD: heads.get(k, {}), **readout_predictions(labels, classes, views)}
-        choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views, embedder.memory)  # type: ignore[arg-type]
+        choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views)  # type: ignore[arg-type]
         embedder.predictors[k] = choice.chosen
         embedder.choices[k] = choice.as_dict()
         if choice.chosen == LOGREG:

@@ -108,11 +108,11 @@ def test_attribute_and_metric_predictors_default_to_the_knn() -> None:
     knns = [KnnPredictor(s, k) for s in knn_similarities(DW) for k in KNN_KS]
     classes = sorted(set(tasks))
     good_heads = {r: _onehot(classes.index(t), len(classes)) for r, t in enumerate(tasks)}
-    choice, hits, _ = choose_attribute(exact, DW, tasks, classes, {HEAD: good_heads}, folds, folds[0].z)
+    choice, hits, _ = choose_attribute(exact, DW, tasks, classes, {HEAD: good_heads}, folds)
     best_knn = max(hits[k].mean() for k in knns)
     assert hits[HEAD].mean() == 1.0 and (choice.chosen == HEAD) == (best_knn < 1.0)  # a perfect head pays on any half
     wrong_heads = {r: _onehot(0, len(classes)) for r in range(len(tasks))}
-    choice, hits, _ = choose_attribute(exact, DW, tasks, classes, {HEAD: wrong_heads}, folds, folds[0].z)
+    choice, hits, _ = choose_attribute(exact, DW, tasks, classes, {HEAD: wrong_heads}, folds)
     assert choice.chosen in knns and hits[choice.chosen].mean() == max(hits[k].mean() for k in knns)
     rng = np.random.default_rng(1)
     values = np.array([float(t[1:]) for t in tasks]) + 0.1 * rng.normal(size=len(tasks))
@@ -137,7 +137,7 @@ def test_the_knn_takes_few_neighbours_when_each_class_has_few_labels() -> None:
     exact = {"dw": x @ x.T, "module": x @ x.T}
     z = np.eye(len(labels))
     folds = [Fold(list(range(i, len(labels), 4)), [r for r in range(len(labels)) if (r - i) % 4], z) for i in range(4)]
-    choice, hits, _ = choose_attribute(exact, DW, labels, sorted(set(labels)), {}, folds, z)
+    choice, hits, _ = choose_attribute(exact, DW, labels, sorted(set(labels)), {}, folds)
     assert isinstance(choice.chosen, KnnPredictor) and choice.chosen.k < KNN_K
     assert hits[choice.chosen].mean() > hits[KnnPredictor(DW, KNN_K)].mean()
     values = np.array([float(label[1:]) for label in labels])
@@ -187,5 +187,18 @@ def test_few_shot_readouts_of_a_separable_embedding() -> None:
         assert all(np.isclose(p.sum(), 1.0) for p in out[readout].values())
     assert prototype_predictions(z, labels, list(range(10)), list(range(10, 30))) == labels[10:]
     exact = {"dw": np.eye(30), "module": np.eye(30)}  # an exact score that knows nothing
-    choice, hits, _ = choose_attribute(exact, DW, labels, classes, out, folds, z)
+    choice, hits, _ = choose_attribute(exact, DW, labels, classes, out, folds)
     assert choice.chosen in (PROTOTYPE, LOGREG) and hits[choice.chosen].mean() == 1.0
+
+
+def test_a_knn_mixed_with_w2t_is_calibrated_out_of_fold() -> None:
+    """Its similarity was shaped by the labelled adapters' own labels (W2T trained on them), so its leave-one-out
+    votes among them are surer than a query's: it is calibrated on the held-out items only, as a learned one is."""
+    exact, tasks, folds = _zoo(6, 12, w2t_noise=0.3)
+    classes = sorted(set(tasks))
+    held_out = folds[:2]  # half of the adapters are held out somewhere
+    choice, _, calibration = choose_attribute(exact, SearchScore("dw", 0.5), tasks, classes, {}, held_out)
+    assert isinstance(choice.chosen, KnnPredictor) and choice.chosen.similarity.w2t_weight > 0  # W2T separates the tasks
+    assert calibration.n == sum(len(f.val) for f in held_out) < len(tasks)
+    choice, _, calibration = choose_attribute(exact, DW, tasks, classes, {}, held_out)  # training-free similarities only
+    assert calibration.n == len(tasks)  # leave-one-out among every labelled adapter
