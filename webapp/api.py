@@ -29,6 +29,7 @@ from zoo.store.session import current_revision
 
 if TYPE_CHECKING:
     from zoo.store.catalog import CatalogPage
+    from zoo.store.jobs import JobDetail, JobSummary
     from zoo.store.labels import AdapterLabels
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
@@ -238,7 +239,7 @@ def space_map(name: str, query: dict) -> Response:
 @api.input(schemas.IngestBody, location="json_or_form", arg_name="body")
 @api.output(schemas.Job, status_code=202)
 @api.doc(responses=[400, 413, 415])
-def ingest(body: dict) -> dict[str, object]:
+def ingest(body: dict) -> JobDetail:
     """Queue an ingestion job of paths under the import root, or of uploaded files (`file`); needs a token."""
     from webapp.jobs import start_ingest
 
@@ -250,7 +251,7 @@ def ingest(body: dict) -> dict[str, object]:
 @api.get("/jobs")
 @api.output(schemas.JobList)
 @api.doc(responses=READ)
-def jobs() -> dict[str, object]:
+def jobs() -> dict[str, list[JobSummary]]:
     """The newest ingestion jobs with counts per item state, throughput and ETA."""
     from zoo.store.jobs import list_jobs
 
@@ -260,7 +261,7 @@ def jobs() -> dict[str, object]:
 @api.get("/jobs/<int:job_id>")
 @api.output(schemas.Job)
 @api.doc(responses=READ)
-def job(job_id: int) -> dict[str, object]:
+def job(job_id: int) -> JobDetail:
     """An ingestion job: counts per item state, throughput, ETA, mean seconds per stage and the slowest, and its items."""
     from zoo.store.jobs import get_job
 

@@ -67,11 +67,12 @@ def run_ingest(
 
 def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     from zoo.services.ingest import IngestOptions
+    from zoo.store import jobs
 
     if args.ray is not None:
         require_schema(settings.database_url)
         base = str(Path(args.base).absolute()) if args.base else None
-        job_options = {"base_model": args.base_model, "base_checkpoint": base, "energy": args.energy, "max_rank": args.max_rank}
+        job_options = jobs.job_options(base_model=args.base_model, base_checkpoint=base, energy=args.energy, max_rank=args.max_rank)
         return run_job_on_ray(settings, queue_job(settings, args.paths, job_options, args.labels, args.metrics, "ingest --ray"), args)
     options = IngestOptions(
         base_model=args.base_model,
