@@ -7,6 +7,7 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from zoo.reference.build import ZooReport
     from zoo.runners.worker import WorkerSummary
     from zoo.store.jobs import JobDetail, JobSummary
 
@@ -36,7 +37,7 @@ def plural(n: object, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def print_zoo_report(report: dict) -> None:
+def print_zoo_report(report: ZooReport) -> None:
     acc = report["accuracy"]["overall"]
     per = report["train_seconds_per_adapter"]
     print(

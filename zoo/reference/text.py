@@ -23,7 +23,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from zoo.reference.training import AdapterPlan, BatchLoss, single_thread, train_lora
+from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, single_thread, train_lora
 
 BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 TOPIC_MODULES: dict[str, tuple[str, ...]] = {
@@ -147,7 +147,7 @@ def task_topics(task: str) -> tuple[str, ...]:
     raise ValueError(f"unknown docs task {task!r}; known: {', '.join(TASKS)}")
 
 
-def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
+def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     rank = int(rng.choice([2, 4, 8, 16]))
     return {
         "task": str(rng.choice(TASKS)),
@@ -161,7 +161,7 @@ def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
     }
 
 
-def train_adapter(ctx: TextContext, attrs: dict[str, object]) -> tuple[PeftModel, float]:
+def train_adapter(ctx: TextContext, attrs: AdapterAttributes) -> tuple[PeftModel, float]:
     """LoRA (plus the task head, saved as modules_to_save) on one topic task; held-out accuracy."""
     plan = AdapterPlan.of(attrs)
     classes = torch.tensor([TOPICS.index(t) for t in task_topics(plan.task)])

@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
+
+
+class AdapterAttributes(TypedDict):
+    """The generating attributes of one reference adapter as a recipe samples them (AdapterPlan's fields)."""
+
+    task: str
+    rank: int
+    alpha: float
+    learning_rate: float
+    steps: int
+    n_train: int
+    target_modules: str
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -50,8 +64,17 @@ class AdapterPlan:
             seed=int(number("seed")),
         )
 
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+    def as_dict(self) -> AdapterAttributes:
+        return {
+            "task": self.task,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "learning_rate": self.learning_rate,
+            "steps": self.steps,
+            "n_train": self.n_train,
+            "target_modules": self.target_modules,
+            "seed": self.seed,
+        }
 
 
 class single_thread:
