@@ -17,6 +17,7 @@ import inspect
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from peft import PeftModel
 from torch import nn
 
 from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, single_thread, train_lora
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 TOPIC_MODULES: dict[str, tuple[str, ...]] = {
@@ -88,14 +92,14 @@ def load_corpus() -> TextData:
 
 @dataclass
 class TextContext:
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     base: nn.Module
     data: TextData
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
 
 
-def load_base() -> tuple[object, nn.Module]:
+def load_base() -> tuple[PreTrainedTokenizerBase, nn.Module]:
     """Tokenizer and base classifier (the pretrained encoder plus a head seeded with 0)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -115,7 +119,7 @@ def prepare(_cache_dir: Path) -> TextContext:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     tokenizer, base = load_base()
     data = load_corpus()
-    enc = tokenizer(data.texts, padding="max_length", truncation=True, max_length=MAX_TOKENS, return_tensors="pt")  # type: ignore[operator]
+    enc = tokenizer(data.texts, padding="max_length", truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
     return TextContext(tokenizer, base, data, enc["input_ids"], enc["attention_mask"])
 
 

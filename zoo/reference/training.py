@@ -88,14 +88,15 @@ class single_thread:
         torch.set_num_threads(self.before)
 
 
-def lora_config(rank: int, alpha: float, targets: str | Sequence[str], **config: object) -> LoraConfig:
-    """PEFT's LoraConfig of a reference adapter: no dropout; `targets` a regex (str) or module names."""
+def lora_config(rank: int, alpha: float, targets: str | Sequence[str], task_type: str | None = None) -> LoraConfig:
+    """PEFT's LoraConfig of a reference adapter: no dropout; `targets` a regex (str) or module names; `task_type`
+    PEFT's (None: none, as by default)."""
     return LoraConfig(
         r=rank,
         lora_alpha=alpha,  # type: ignore[arg-type]  # peft types it int; a float alpha scales as well
         target_modules=targets if isinstance(targets, str) else list(targets),
         lora_dropout=0.0,
-        **config,  # type: ignore[arg-type]  # LoraConfig's fields, passed through
+        task_type=task_type,
     )
 
 
@@ -108,15 +109,15 @@ def train_lora(
     plan: AdapterPlan,
     targets: str | Sequence[str],
     pick: Callable[[torch.Generator], BatchLoss],
-    **config: object,
+    task_type: str | None = None,
 ) -> PeftModel:
     """A LoRA adapter of (a copy of) `base` trained by the plan, in eval mode. Call inside `single_thread()`.
 
     The global torch seed is the plan's (LoRA's initialization draws from it); one generator seeded the same way
     is handed to `pick`, which draws the training sample and returns the loss of a batch drawn by it, once per step.
-    `config`: further LoraConfig fields (e.g. task_type)."""
+    `task_type`: PEFT's task type (e.g. SEQ_CLS for a sequence classifier), None by default."""
     torch.manual_seed(plan.seed)
-    model = get_peft_model(copy.deepcopy(base), lora_config(plan.rank, plan.alpha, targets, **config))
+    model = get_peft_model(copy.deepcopy(base), lora_config(plan.rank, plan.alpha, targets, task_type))
     model.peft_config["default"].base_model_name_or_path = base_model
     generator = torch.Generator().manual_seed(plan.seed)
     batch_loss = pick(generator)
