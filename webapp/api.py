@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from apiflask import APIBlueprint
 from flask import Response, jsonify, request
@@ -33,6 +33,16 @@ if TYPE_CHECKING:
     from zoo.store.labels import AdapterLabels
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
+
+
+class HealthResource(TypedDict):
+    status: str
+    database: str
+    adapters: int
+    schema: str | None  # the database's migration revision
+    version: str
+
+
 api.url_value_preprocessor(ids_in_range)
 T = TypeVar("T")
 
@@ -47,9 +57,9 @@ UPLOAD = [400, 401, 404, 409, 413, 415, 422, 503]
 
 @api.get("/health")
 @api.output(schemas.Health)
-def health() -> dict[str, object]:
+def health() -> HealthResource:
     """Liveness and the database's state."""
-    count = db().scalar(select(func.count()).select_from(Adapter))
+    count = int(db().scalar(select(func.count()).select_from(Adapter)) or 0)
     return {
         "status": "ok",
         "database": "ok",
