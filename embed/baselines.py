@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -32,7 +34,7 @@ def raw_factor_vectors(adapters: list[ZooAdapter], schema: SpaceSchema, rank: in
     rows = []
     for a in adapters:
         try:
-            data = read_adapter(a.source_uri)  # type: ignore[arg-type]
+            data = read_adapter(Path(a.source_uri))
         except Exception:
             return None
         mods = {m.name: m for m in data.modules}

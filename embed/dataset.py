@@ -31,11 +31,12 @@ def load_adapters(session: Session, blobs: BlobStore, base_model: str, ids: list
         stmt = stmt.where(Adapter.id.in_(ids))
     out = []
     for a in session.scalars(stmt):
+        assert a.factors_blob is not None  # selected for having one
         out.append(
             ZooAdapter(
                 id=a.id,
                 name=a.name,
-                factors=dict(blobs.get_factors(a.factors_blob)),  # type: ignore[arg-type]
+                factors=dict(blobs.get_factors(a.factors_blob)),
                 labels={lb.key: lb.value for lb in a.labels if lb.source == "given"},
                 measurements={m.metric: m.value for m in a.measurements if m.split == "test"},
                 source_uri=a.source_uri,

@@ -482,6 +482,14 @@ class Predicted(TypedDict):
     choices: dict[str, dict[str, object]]
 
 
+def _interval(value: float, std: float | None, lowest: float, highest: float) -> tuple[float, float] | tuple[None, None]:
+    """A predicted metric's 90 % interval from its held-out residuals' std, within the metric's range; none without
+    residuals (never NaN in JSON)."""
+    if std is None or not math.isfinite(std):
+        return None, None
+    return max(value - 1.645 * std, lowest), min(value + 1.645 * std, highest)
+
+
 @functools.lru_cache(maxsize=4)
 def load_w2t(checkpoint: Path, device: str | None) -> W2TEnsemble:
     """A W2T checkpoint, loaded once per process (checkpoint directories are never rewritten)."""
@@ -690,7 +698,8 @@ class QueryEngine:
             if key not in repository.COLUMN_FILTERS:
                 ids = state.attributes.with_label(key, value)
                 allowed = ids if allowed is None else np.intersect1d(allowed, ids, assume_unique=True)
-        return np.sort(allowed)  # type: ignore[arg-type]
+        assert allowed is not None  # called with filters only, each of which narrowed it
+        return np.sort(allowed)
 
     def _embedder(self, state: SpaceState, kind: str, method: str) -> LoadedEmbedder:
         e = state.embedders.get(kind)
@@ -746,7 +755,7 @@ class QueryEngine:
         if weight <= 0:
             return self._exact(state, query, vectors[SKETCH], ids, score.exact)
         exact = self._exact(state, query, vectors[SKETCH], ids, score.exact) if weight < 1 else 0.0
-        return hybrid_score(exact, state.embedders[W2T].index.vectors(ids) @ vectors[W2T], weight)  # type: ignore[arg-type]
+        return hybrid_score(exact, state.embedders[W2T].index.vectors(ids) @ vectors[W2T], weight)
 
     def _exact(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray, score: str) -> np.ndarray:
         """An exact score (zoo.domain.similarity.exact_cosines) from the module store; without one, the module sketches'
@@ -758,8 +767,9 @@ class QueryEngine:
             else:
                 q = ModuleStack.of([query.factors], store.dense)
             return exact_cosines(store.stack.take([store.rows[int(i)] for i in ids.tolist()]), q, score)[0]
-        n_modules = len(state.schema.modules)  # type: ignore[union-attr]
-        return sketch_module_cosines(sketch[None, :], state.embedders[SKETCH].index.vectors(ids), n_modules)[0]
+        schema = state.schema
+        assert schema is not None  # a space with module sketches has the sketch embedder's schema
+        return sketch_module_cosines(sketch[None, :], state.embedders[SKETCH].index.vectors(ids), len(schema.modules))[0]
 
     def predict(self, session: Session, space: str, query: Query) -> Predicted:
         """Attributes (top-3 classes with probabilities) and metrics (value, 90 % interval, predictor), each by
@@ -805,14 +815,12 @@ class QueryEngine:
             if (knn := knns.get(key)) is not None:
                 found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k)
                 value = float(model.clip(key, np.array([found]))[0])
-            std = model.residual_std.get(key)
-            low, high = model.metric_range.get(key, (-math.inf, math.inf))
-            known = std is not None and math.isfinite(std)  # no held-out residuals: no interval (never NaN in JSON)
+            low, high = _interval(value, model.residual_std.get(key), *model.metric_range.get(key, (-math.inf, math.inf)))
             metrics[key] = {
                 "value": value,
-                "low": max(value - 1.645 * std, low) if known else None,  # type: ignore[operator]
-                "high": min(value + 1.645 * std, high) if known else None,  # type: ignore[operator]
-                "interval": 0.9 if known else None,
+                "low": low,
+                "high": high,
+                "interval": 0.9 if low is not None else None,
                 "predictor": model.predictor(key).kind,
                 "method": model.predictor(key).name,
             }

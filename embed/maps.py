@@ -29,10 +29,10 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NotRequired, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 import numpy as np
 from sqlalchemy import Connection, Integer, bindparam, func, select
@@ -275,7 +275,29 @@ class MapPoint(TypedDict):
     name: str
     x: float
     y: float
-    value: object  # the point's label value or metric (None: it has none)
+    value: str | float | None  # the point's label value or metric (None: it has none)
+
+
+class MetricLegend(TypedDict):
+    """The range of a metric over the shown points that have it."""
+
+    kind: Literal["metric"]
+    min: float | None
+    max: float | None
+    missing: int  # shown points without it
+
+
+class LabelCount(TypedDict):
+    value: str
+    count: int  # shown points with this value
+
+
+class LabelLegend(TypedDict):
+    """A label's values among the shown points, most common first."""
+
+    kind: Literal["label"]
+    values: list[LabelCount]
+    missing: int  # shown points without it
 
 
 class MapResource(TypedDict):
@@ -291,7 +313,7 @@ class MapResource(TypedDict):
     shown: int
     points: list[MapPoint]
     color_by: str | None
-    legend: dict[str, object] | None
+    legend: MetricLegend | LabelLegend | None
     color_keys: list[str]
     file: NotRequired[str]  # `zoo map`: the map file it brought up to date
 
@@ -323,7 +345,8 @@ def space_map(
     ids = m.ids[rows].tolist()
     names: dict[int, str] = {}
     keys: list[str] = []
-    values: dict[int, object] = {}
+    metric: dict[int, float] = {}
+    labels: dict[int, str] = {}
     if ids:
         conn = session.connection()
         names = dict(conn.execute(_NAMES, {"ids": ids}).all())
@@ -331,7 +354,11 @@ def space_map(
         keys += sorted(METRIC + k for k in conn.execute(_METRICS, {"ids": ids}).scalars())
         if color_by is None:  # not asked: the task where the points have one ("" asks for no colouring)
             color_by = TASK_KEY if TASK_KEY in keys else ""
-        values = _values(conn, color_by, ids)
+        if color_by.startswith(METRIC):
+            metric = _metric_values(conn, color_by[len(METRIC) :], ids)
+        elif color_by:
+            labels = _label_values(conn, color_by, ids)
+    values: Mapping[int, str | float] = metric or labels
     points: list[MapPoint] = [  # a deleted adapter's point stays in the file until a refit: it has no name and is left out
         {"id": i, "name": names[i], "x": round(x, 6), "y": round(y, 6), "value": values.get(i)}
         for i, (x, y) in zip(ids, m.xy[rows].tolist(), strict=True)
@@ -348,28 +375,28 @@ def space_map(
         "shown": len(points),
         "points": points,
         "color_by": color_by or None,
-        "legend": _legend(color_by, values, len(points)),
+        "legend": _legend(color_by, metric, labels, len(points)),
         "color_keys": keys,
     }
 
 
-def _values(conn: Connection, color_by: str | None, ids: list[int]) -> dict[int, object]:
-    """{id: value} of the points that have one, in one query."""
-    if not color_by:
-        return {}
-    if color_by.startswith(METRIC):
-        rows = conn.execute(_METRIC_VALUES, {"ids": ids, "key": color_by[len(METRIC) :]}).all()
-        return {i: float(v) for i, v in rows if v is not None and math.isfinite(v)}
-    return dict(conn.execute(_LABEL_VALUES, {"ids": ids, "key": color_by}).all())
+def _metric_values(conn: Connection, metric: str, ids: list[int]) -> dict[int, float]:
+    """{id: measured test value} of the points that have a finite one, in one query."""
+    rows = conn.execute(_METRIC_VALUES, {"ids": ids, "key": metric}).all()
+    return {i: float(v) for i, v in rows if v is not None and math.isfinite(v)}
 
 
-def _legend(color_by: str | None, values: dict[int, object], shown: int) -> dict[str, object] | None:
+def _label_values(conn: Connection, key: str, ids: list[int]) -> dict[int, str]:
+    """{id: given label value} of the points that have one, in one query."""
+    return {i: v for i, v in conn.execute(_LABEL_VALUES, {"ids": ids, "key": key})}
+
+
+def _legend(color_by: str | None, metric: dict[int, float], labels: dict[int, str], shown: int) -> MetricLegend | LabelLegend | None:
     """Labels: each value with its count among the shown points, most common first; metrics: the range."""
     if not color_by:
         return None
-    missing = shown - len(values)
     if color_by.startswith(METRIC):
-        numbers = [float(v) for v in values.values()]  # type: ignore[arg-type]
-        return {"kind": "metric", "min": min(numbers, default=None), "max": max(numbers, default=None), "missing": missing}
-    counts = sorted(Counter(values.values()).items(), key=lambda kv: (-kv[1], str(kv[0])))
-    return {"kind": "label", "values": [{"value": v, "count": c} for v, c in counts], "missing": missing}
+        numbers = list(metric.values())
+        return {"kind": "metric", "min": min(numbers, default=None), "max": max(numbers, default=None), "missing": shown - len(metric)}
+    counts = sorted(Counter(labels.values()).items(), key=lambda kv: (-kv[1], kv[0]))
+    return {"kind": "label", "values": [{"value": v, "count": c} for v, c in counts], "missing": shown - len(labels)}

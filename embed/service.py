@@ -205,11 +205,37 @@ class SpacesResource(TypedDict):
     budget_bytes: int
 
 
+class FilteredSearch(TypedDict):
+    """How an IVF index searches under a filter."""
+
+    nprobe: int
+    subset_rerank: int
+
+
+#: a serving embedder's index as `zoo index` reports it; recall@10 against exact search unless rebuilt
+IndexEntry = TypedDict(
+    "IndexEntry",
+    {
+        "embedder_id": int,
+        "method": str,
+        "count": int,
+        "dim": int,
+        "kind": str,
+        "codes": str | None,
+        "nprobe": int | None,
+        "rerank": int | None,  # IVF's
+        "filtered": FilteredSearch | None,  # IVF's
+        "state": str,
+        "recall@10_vs_exact": NotRequired[float],
+    },
+)
+
+
 class IndexReport(TypedDict):
     """`zoo index`'s report: each serving embedder's index, and the module store."""
 
     space: str
-    embedders: list[dict[str, object]]
+    embedders: list[IndexEntry]
     module_store: str
 
 
@@ -579,10 +605,10 @@ def index_report(session: Session, blobs: BlobStore, data_dir: Path, space_name:
     embedders = list(serving_embedders(session, space.id).values())
     if not embedders:
         raise NotReadyError(f"space {space.name} has no embeddings yet: run `zoo embed`")
-    out: list[dict[str, object]] = []
+    out: list[IndexEntry] = []
     for e in embedders:
         index, how = update_index_file(session, data_dir, e, rebuild=rebuild)
-        entry: dict[str, object] = {
+        entry: IndexEntry = {
             "embedder_id": e.id,
             "method": e.method,
             "count": index.size,

@@ -4,6 +4,7 @@ JSON, OpenAPI at `/api/v1/openapi.json`, docs at `/api/v1/docs`). Run it with `z
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from apiflask import APIFlask
 
@@ -21,7 +22,10 @@ def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     from webapp.ui import ui
 
     config = dict(config or {})
-    settings = Settings.load(config.get("ZOO_DATABASE_URL"), config.get("ZOO_DATA_DIR"))  # type: ignore[arg-type]
+    url, data_dir = config.get("ZOO_DATABASE_URL"), config.get("ZOO_DATA_DIR")
+    if not isinstance(url, str | None) or not isinstance(data_dir, str | Path | None):
+        raise TypeError("ZOO_DATABASE_URL is a str and ZOO_DATA_DIR a str or a Path")
+    settings = Settings.load(url, data_dir)
     require_schema(settings.database_url)
     web = WebConfig.from_env(config)
     # the docs page is the ui blueprint's (webapp/templates/api_docs.html: the site's header, a phone layout)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from apiflask import APIBlueprint
 from flask import Response, jsonify, request
@@ -29,9 +29,20 @@ from zoo.store.session import current_revision
 
 if TYPE_CHECKING:
     from zoo.store.catalog import CatalogPage
+    from zoo.store.jobs import JobDetail, JobSummary
     from zoo.store.labels import AdapterLabels
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
+
+
+class HealthResource(TypedDict):
+    status: str
+    database: str
+    adapters: int
+    schema: str | None  # the database's migration revision
+    version: str
+
+
 api.url_value_preprocessor(ids_in_range)
 T = TypeVar("T")
 
@@ -46,9 +57,9 @@ UPLOAD = [400, 401, 404, 409, 413, 415, 422, 503]
 
 @api.get("/health")
 @api.output(schemas.Health)
-def health() -> dict[str, object]:
+def health() -> HealthResource:
     """Liveness and the database's state."""
-    count = db().scalar(select(func.count()).select_from(Adapter))
+    count = int(db().scalar(select(func.count()).select_from(Adapter)) or 0)
     return {
         "status": "ok",
         "database": "ok",
@@ -238,7 +249,7 @@ def space_map(name: str, query: dict) -> Response:
 @api.input(schemas.IngestBody, location="json_or_form", arg_name="body")
 @api.output(schemas.Job, status_code=202)
 @api.doc(responses=[400, 413, 415])
-def ingest(body: dict) -> dict[str, object]:
+def ingest(body: dict) -> JobDetail:
     """Queue an ingestion job of paths under the import root, or of uploaded files (`file`); needs a token."""
     from webapp.jobs import start_ingest
 
@@ -250,7 +261,7 @@ def ingest(body: dict) -> dict[str, object]:
 @api.get("/jobs")
 @api.output(schemas.JobList)
 @api.doc(responses=READ)
-def jobs() -> dict[str, object]:
+def jobs() -> dict[str, list[JobSummary]]:
     """The newest ingestion jobs with counts per item state, throughput and ETA."""
     from zoo.store.jobs import list_jobs
 
@@ -260,7 +271,7 @@ def jobs() -> dict[str, object]:
 @api.get("/jobs/<int:job_id>")
 @api.output(schemas.Job)
 @api.doc(responses=READ)
-def job(job_id: int) -> dict[str, object]:
+def job(job_id: int) -> JobDetail:
     """An ingestion job: counts per item state, throughput, ETA, mean seconds per stage and the slowest, and its items."""
     from zoo.store.jobs import get_job
 

@@ -8,7 +8,7 @@ word of ERROR_TYPES (snake_case; the OpenAPI document's Error schema lists them)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from apiflask import APIFlask, HTTPError
 from flask import Response, jsonify, render_template, request
@@ -44,7 +44,20 @@ ERROR_TYPES: dict[str, tuple[int, str]] = {
 _BY_STATUS = {status: kind for kind, (status, _) in reversed(ERROR_TYPES.items())}  # the first type listed for a status
 
 
-def error_body(status: int, kind: str, message: str, detail: Any = None) -> dict[str, object]:
+class ErrorFields(TypedDict):
+    status: int
+    type: str  # one of ERROR_TYPES
+    message: str
+    detail: object  # validation errors by field, or None
+
+
+class ErrorBody(TypedDict):
+    """Every error the API answers."""
+
+    error: ErrorFields
+
+
+def error_body(status: int, kind: str, message: str, detail: Any = None) -> ErrorBody:
     return {"error": {"status": status, "type": kind, "message": message, "detail": detail}}
 
 
@@ -86,7 +99,7 @@ def _respond(status: int, kind: str, message: str, detail: Any = None, headers: 
 
 def register(app: APIFlask) -> None:
     @app.error_processor
-    def _apiflask_error(error: HTTPError) -> tuple[dict[str, object], int, Any]:  # validation and abort() in API views
+    def _apiflask_error(error: HTTPError) -> tuple[ErrorBody, int, Any]:  # validation and abort() in API views
         kind = "validation" if error.status_code == 422 else kind_of(error.status_code)
         return error_body(error.status_code, kind, str(error.message), error.detail or None), error.status_code, error.headers
 

@@ -15,7 +15,8 @@ from zoo.errors import UsageError
 from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, drive, work
 from zoo.sources.local import expand_under
 from zoo.sources.upload import Upload, materialize
-from zoo.store.jobs import PROCESSED, create_job, job_detail
+from zoo.store.jobs import PROCESSED, JobDetail, create_job, job_detail
+from zoo.store.models import JobOptions
 
 
 def import_path(raw: str) -> Path:
@@ -33,7 +34,7 @@ def import_path(raw: str) -> Path:
     return path
 
 
-def start_ingest(paths: list[str], files: list, base_model: str | None, created_by: str) -> dict[str, object]:
+def start_ingest(paths: list[str], files: list, base_model: str | None, created_by: str) -> JobDetail:
     """Create a job for the paths (or the upload, saved under the data dir until its item is finished) and start it: the
     job thread works on its items until none is queued or held by a worker, embedding what it stored. A job
     the app leaves unfinished (the app stopped) is finished by `zoo worker`."""
@@ -42,7 +43,7 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
         raise UsageError("send either `paths` (under the import root) or files in the `file` field")
     upload_dir = None
     refused: list[tuple[str, str]] = []
-    options: dict[str, object] = {"base_model": base_model}
+    options: JobOptions = {"base_model": base_model}
     if files:
         upload_dir = ctx.settings.data_dir / "uploads" / uuid.uuid4().hex
         upload_dir.mkdir(parents=True)

@@ -198,7 +198,8 @@ _SCALARS: dict[object, type[Field]] = {str: String, int: Integer, float: Float, 
 
 def typed_fields(resource: type) -> dict[str, Field]:
     """A field per key of a TypedDict: required unless NotRequired, nullable where its type admits None; lists, dicts
-    (string keys) and nested TypedDicts (typed_schema) as such, a union of other types as Raw."""
+    (string keys) and nested TypedDicts (typed_schema) as such, a union of TypedDicts (one of several shapes) as an
+    object, a union of other types as Raw."""
     return {key: _field(hint, required=True) for key, hint in get_type_hints(resource, include_extras=True).items()}
 
 
@@ -220,7 +221,8 @@ def _field(hint: Any, **kwargs: Any) -> Field:
         return _field(args[0], **kwargs | {"required": False})
     if origin in (Union, types.UnionType):
         present = [a for a in args if a is not types.NoneType]
-        return _field(present[0] if len(present) == 1 else object, **kwargs | {"allow_none": len(present) < len(args)})
+        one = present[0] if len(present) == 1 else dict[str, object] if all(map(is_typeddict, present)) else object
+        return _field(one, **kwargs | {"allow_none": len(present) < len(args)})
     if origin is list or hint is list:
         return List(_field(args[0] if args else object), **kwargs)
     if origin is dict or hint is dict:

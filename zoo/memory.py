@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import threading
 
 _lock = threading.Lock()
-_libc: ctypes.CDLL | None | bool = False  # False: not looked up yet
 
 
+@functools.cache  # looked up once
 def _malloc_trim() -> ctypes.CDLL | None:
-    global _libc
-    if _libc is False:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            _libc = libc
-        except (OSError, AttributeError):
-            _libc = None
-    return _libc  # type: ignore[return-value]
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def trim() -> bool:

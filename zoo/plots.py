@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -12,23 +12,27 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+if TYPE_CHECKING:
+    from embed.maps import MapResource
+    from zoo.store.repository import ModuleDetail
 
-def plot_spectra(name: str, modules: Sequence[Mapping[str, object]], path: Path) -> Path:
+
+def plot_spectra(name: str, modules: Sequence[ModuleDetail], path: Path) -> Path:
     """Singular values of every module (log scale), coloured by layer, one panel per module type."""
-    types = sorted({str(m["module_type"]) for m in modules})
+    types = sorted({m["module_type"] for m in modules})
     cols = min(3, len(types))
     rows = (len(types) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols + 1, 3.2 * rows), squeeze=False, layout="constrained")
-    layers = [int(m["layer_index"]) for m in modules if m["layer_index"] is not None]  # type: ignore[call-overload]
+    layers = [m["layer_index"] for m in modules if m["layer_index"] is not None]
     top = max(layers, default=0) or 1
     cmap = plt.get_cmap("viridis")
     for ax, mtype in zip(axes.flat, types, strict=False):
         for m in modules:
             if m["module_type"] != mtype or not m["singular_values"]:
                 continue
-            sv = list(m["singular_values"])  # type: ignore[call-overload]
+            sv = list(m["singular_values"])
             layer = m["layer_index"]
-            color = cmap(int(layer) / top) if layer is not None else "black"  # type: ignore[call-overload]
+            color = cmap(layer / top) if layer is not None else "black"
             ax.semilogy(range(1, len(sv) + 1), sv, marker=".", color=color, alpha=0.8, label=f"layer {layer}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(mtype)
@@ -50,7 +54,7 @@ def plot_spectra(name: str, modules: Sequence[Mapping[str, object]], path: Path)
 MAP_CATEGORIES = 20
 
 
-def plot_map(zoo_map: Mapping[str, Any], path: Path) -> Path:
+def plot_map(zoo_map: MapResource, path: Path) -> Path:
     """The zoo map's points (embed/maps.py `space_map`): one colour per label value (the most common
     ones), a colour scale for a metric, grey where a point has no value."""
     points = zoo_map["points"]
@@ -60,8 +64,8 @@ def plot_map(zoo_map: Mapping[str, Any], path: Path) -> Path:
     if bare:
         ax.scatter([p["x"] for p in bare], [p["y"] for p in bare], s=8, color="lightgrey" if legend else "tab:blue", label="no value")
     if legend and legend["kind"] == "metric":
-        have = [p for p in points if p["value"] is not None]
-        dots = ax.scatter([p["x"] for p in have], [p["y"] for p in have], c=[p["value"] for p in have], s=10, cmap="viridis")
+        have = [(p, float(v)) for p in points if (v := p["value"]) is not None]  # a metric's values are numbers
+        dots = ax.scatter([p["x"] for p, _ in have], [p["y"] for p, _ in have], c=[v for _, v in have], s=10, cmap="viridis")
         fig.colorbar(dots, ax=ax, label=zoo_map["color_by"])
     elif legend:
         top = [v["value"] for v in legend["values"][:MAP_CATEGORIES]]

@@ -67,11 +67,12 @@ def run_ingest(
 
 def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     from zoo.services.ingest import IngestOptions
+    from zoo.store import jobs
 
     if args.ray is not None:
         require_schema(settings.database_url)
         base = str(Path(args.base).absolute()) if args.base else None
-        job_options = {"base_model": args.base_model, "base_checkpoint": base, "energy": args.energy, "max_rank": args.max_rank}
+        job_options = jobs.job_options(base_model=args.base_model, base_checkpoint=base, energy=args.energy, max_rank=args.max_rank)
         return run_job_on_ray(settings, queue_job(settings, args.paths, job_options, args.labels, args.metrics, "ingest --ray"), args)
     options = IngestOptions(
         base_model=args.base_model,
@@ -245,20 +246,20 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
     else:
         b = report["blobs"]
         print(
-            f"{b['rows']} adapters with blobs: {len(b['missing'])} missing, {len(b['corrupt'])} corrupt; "  # type: ignore[index]
-            f"{len(report['orphans'])} orphan blobs, {len(report['temporary_files'])} temporary files "  # type: ignore[arg-type]
+            f"{b['rows']} adapters with blobs: {len(b['missing'])} missing, {len(b['corrupt'])} corrupt; "
+            f"{len(report['orphans'])} orphan blobs, {len(report['temporary_files'])} temporary files "
             f"({report['in_flight']} younger than {args.grace:g} s left alone), {report['removed']} removed"
         )
-        for entry in report["indexes"]:  # type: ignore[attr-defined]
+        for entry in report["indexes"]:
             if entry["state"] != "ok":
                 what = "map" if "map" in entry else f"{entry['method']} index" if "method" in entry else "module store"
                 done = " (rebuilt)" if entry.get("repaired") else ""
                 print(f"  {entry['space']}: {what}: {entry['state']}{done}")
-        for entry in report["unembedded"]:  # type: ignore[attr-defined]
-            print(f"  {entry['space']}: {entry['count']} adapters not embedded" + (" (embedded now)" if entry.get("repaired") else ""))
-        for line in report["repaired"]:  # type: ignore[attr-defined]
+        for gap in report["unembedded"]:
+            print(f"  {gap['space']}: {gap['count']} adapters not embedded" + (" (embedded now)" if gap.get("repaired") else ""))
+        for line in report["repaired"]:
             print(f"  repaired: {line}")
-        lost = [*b["missing"], *b["corrupt"]]  # type: ignore[index]
+        lost = [*b["missing"], *b["corrupt"]]
         for x in lost:
             print(f"  adapter {x['adapter_id']}: blob {x['blob']} is missing or corrupt: ingest it again")
         print("ok" if report["ok"] else plural(report["problems"], "problem") + ("" if args.repair else ": run `zoo check --repair`"))

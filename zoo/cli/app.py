@@ -136,21 +136,25 @@ def cmd_token(settings: Settings, args: argparse.Namespace) -> int:
     with session_factory(settings.database_url).begin() as session:
         if args.action == "create":
             row, token = tokens.create_token(session, args.name)
-            out: object = {**tokens.token_summary(row), "token": token}
+            created: tokens.NewToken = {**tokens.token_summary(row), "token": token}
+            out: object = created
+            lines = [f"token {created['id']} ({created['name']}): {token}\nkeep it now: it is stored hashed and cannot be shown again"]
         elif args.action == "revoke":
-            out = tokens.token_summary(tokens.revoke_token(session, args.id))
+            revoked = tokens.token_summary(tokens.revoke_token(session, args.id))
+            out, lines = revoked, [f"token {revoked['id']} ({revoked['name']}) revoked"]
         else:
-            out = tokens.list_tokens(session)
+            listed = tokens.list_tokens(session)
+            out = listed
+            lines = [
+                f"{t['id']:>4}  {t['name']:<24} created {t['created_at']}  last used {t['last_used_at'] or '-'}  "
+                + ("REVOKED" if t["revoked_at"] else "")
+                for t in listed
+            ]
     if args.json:
         print_json(out)
-    elif args.action == "create":
-        print(f"token {out['id']} ({out['name']}): {out['token']}\nkeep it now: it is stored hashed and cannot be shown again")  # type: ignore[index]
-    elif args.action == "revoke":
-        print(f"token {out['id']} ({out['name']}) revoked")  # type: ignore[index]
     else:
-        for t in out:  # type: ignore[attr-defined]
-            revoked = "REVOKED" if t["revoked_at"] else ""
-            print(f"{t['id']:>4}  {t['name']:<24} created {t['created_at']}  last used {t['last_used_at'] or '-'}  {revoked}")
+        for line in lines:
+            print(line)
     return 0
 
 

@@ -7,16 +7,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from zoo.cli.render import job_lines, job_list_lines, print_json, worker_line
 from zoo.config import Settings
 from zoo.errors import UsageError
 from zoo.labels import read_labels_csv
+from zoo.store.models import JobOptions
 from zoo.store.session import require_schema, session_factory
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_ray_arguments(s: argparse.ArgumentParser) -> None:
@@ -33,7 +30,7 @@ def add_ray_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def queue_job(
-    settings: Settings, paths: list[str], options: dict[str, object], labels_csv: str | None, metrics: Sequence[str], created_by: str
+    settings: Settings, paths: list[str], options: JobOptions, labels_csv: str | None, metrics: Sequence[str], created_by: str
 ) -> int:
     """Queue the sources under `paths` (local or `hf://`) as one job, with their labels CSV rows; its id."""
     from zoo.sources.resolve import job_sources
@@ -42,7 +39,7 @@ def queue_job(
     label_rows = read_labels_csv(Path(labels_csv), metrics) if labels_csv else {}
     sources, labels = job_sources(paths, label_rows)
     with session_factory(settings.database_url).begin() as session:
-        return jobs.create_job(session, sources, {k: v for k, v in options.items() if v is not None}, created_by, labels).id
+        return jobs.create_job(session, sources, options, created_by, labels).id
 
 
 def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) -> int:
@@ -54,14 +51,12 @@ def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) ->
     summary = run_on_ray(settings, job_id, args.ray or None, args.concurrency, device=device, progress=progress)
     with session_factory(settings.database_url)() as session:
         job = get_job(session, job_id)
-    items = job["items"]
-    assert isinstance(items, list)  # the job's detail lists its items
-    failed = [i for i in items if i["state"] == "failed"]
+    failed = [i for i in job.get("items", []) if i["state"] == "failed"]
     if args.json:
         print_json({**summary, "job": {k: v for k, v in job.items() if k != "items"}, "failures": failed})
     else:
         ray = summary["ray"]
-        print(f"job {job_id} on Ray ({ray['nodes']} nodes, {ray['cpus']} CPUs, {ray['gpus']:g} GPUs): " + worker_line(summary))  # type: ignore[index]
+        print(f"job {job_id} on Ray ({ray['nodes']} nodes, {ray['cpus']} CPUs, {ray['gpus']:g} GPUs): " + worker_line(summary))
         for item in failed:
             print(f"  failed: {item['reason'] or item['source']}")
     return 1 if failed else 0
@@ -72,23 +67,29 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
 
     require_schema(settings.database_url)
     sessions = session_factory(settings.database_url)
+    if args.action == "list":
+        with sessions() as session:
+            found = jobs.list_jobs(session, args.limit)
+        if args.json:
+            print_json(found)
+        else:
+            print("\n".join(job_list_lines(found)) if found else "no jobs yet: `zoo jobs add PATH...` queues one for `zoo worker`")
+        return 0
     if args.action == "add":
-        job_id = queue_job(settings, args.paths, {"base_model": args.base_model}, args.labels, args.metrics, "cli")
+        job_id = queue_job(settings, args.paths, jobs.job_options(base_model=args.base_model), args.labels, args.metrics, "cli")
         with sessions() as session:
-            out: object = jobs.get_job(session, job_id, items=False)
+            detail = jobs.get_job(session, job_id, items=False)
     elif args.action == "retry":
-        out = jobs.retry_job(sessions, args.id)
+        detail = jobs.retry_job(sessions, args.id)
     elif args.action == "cancel":
-        out = jobs.cancel_job(sessions, args.id)
+        detail = jobs.cancel_job(sessions, args.id)
     else:
         with sessions() as session:
-            out = jobs.list_jobs(session, args.limit) if args.action == "list" else jobs.get_job(session, args.id)
+            detail = jobs.get_job(session, args.id)
     if args.json:
-        print_json(out)
-    elif args.action == "list":
-        print("\n".join(job_list_lines(out)) if out else "no jobs yet: `zoo jobs add PATH...` queues one for `zoo worker`")  # type: ignore[arg-type]
+        print_json(detail)
     else:
-        print("\n".join(job_lines(out)))  # type: ignore[arg-type]
+        print("\n".join(job_lines(detail)))
     return 0
 
 
@@ -102,13 +103,13 @@ def cmd_crawl(settings: Settings, args: argparse.Namespace) -> int:
     sources = crawl(args.base_model, search=args.search, author=args.author, library=args.library, limit=args.limit)
     with session_factory(settings.database_url).begin() as session:
         job = jobs.create_job(session, sources, {}, "crawl")
-        out = {**jobs.job_detail(session, job, items=False), "sources": sources}
+        detail = jobs.job_detail(session, job, items=False)
     if args.ray is not None:
-        return run_job_on_ray(settings, int(out["id"]), args)  # type: ignore[call-overload]
+        return run_job_on_ray(settings, detail["id"], args)
     if args.json:
-        print_json(out)
+        print_json({**detail, "sources": sources})
     else:
-        print(f"job {out['id']}: {len(sources)} adapters of {args.base_model} queued; run `zoo worker --drain`")
+        print(f"job {detail['id']}: {len(sources)} adapters of {args.base_model} queued; run `zoo worker --drain`")
     return 0
 
 

@@ -7,7 +7,9 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    pass
+    from zoo.reference.build import ZooReport
+    from zoo.runners.worker import WorkerSummary
+    from zoo.store.jobs import JobDetail, JobSummary
 
 
 def print_json(obj: object) -> None:
@@ -35,7 +37,7 @@ def plural(n: object, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def print_zoo_report(report: dict) -> None:
+def print_zoo_report(report: ZooReport) -> None:
     acc = report["accuracy"]["overall"]
     per = report["train_seconds_per_adapter"]
     print(
@@ -95,9 +97,9 @@ def lineage_lines(found: dict) -> list[str]:
     return lines
 
 
-def worker_line(summary: dict[str, object]) -> str:
+def worker_line(summary: WorkerSummary) -> str:
     """A worker run's summary in one line."""
-    embedded = ", ".join(f"{n} in {space}" for space, n in summary["embedded"].items()) or "none"  # type: ignore[attr-defined]
+    embedded = ", ".join(f"{n} in {space}" for space, n in summary["embedded"].items()) or "none"
     return (
         f"{plural(summary['processed'], 'item')} in {summary['ingest_seconds']:.1f} s ({summary['items_per_s'] or 0:.2f} items/s), "
         f"{summary['seconds']:.1f} s with embedding: "
@@ -108,7 +110,7 @@ def worker_line(summary: dict[str, object]) -> str:
     )
 
 
-def job_list_lines(found: list[dict]) -> list[str]:
+def job_list_lines(found: list[JobSummary]) -> list[str]:
     lines = [
         f"{'id':>5}  {'state':<9} {'total':>6} {'done':>6} {'dup':>5} {'failed':>6} {'queued':>6} {'running':>7} {'items/s':>8}  created"
     ]
@@ -122,7 +124,7 @@ def job_list_lines(found: list[dict]) -> list[str]:
     return lines
 
 
-def job_lines(j: dict) -> list[str]:
+def job_lines(j: JobDetail) -> list[str]:
     """A job resource as text: counts, throughput and ETA, stage means, failed items."""
     from zoo.store.jobs import ITEM_STATES
 
@@ -133,11 +135,11 @@ def job_lines(j: dict) -> list[str]:
     if j["throughput"]:
         eta = f"; ETA {j['eta_s']:.0f} s" if j["eta_s"] is not None else ""
         lines.append(f"  {j['processed']} processed in {j['elapsed_s']:.1f} s: {j['throughput']:.2f} items/s{eta}")
-    if j.get("stages"):
-        total = sum(j["stages"].values())
-        means = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in j["stages"].items())
-        slowest = j["slowest_stage"]
-        lines.append(f"  per item: {means}; slowest stage: {slowest} ({j['stages'][slowest] / total:.0%})")
+    stages, slowest = j["stages"], j["slowest_stage"]
+    if stages and slowest is not None:  # the slowest is one of the stages (None when there are none)
+        total = sum(stages.values())
+        means = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stages.items())
+        lines.append(f"  per item: {means}; slowest stage: {slowest} ({stages[slowest] / total:.0%})")
     for key in ("requeued", "cancelled_items"):
         if key in j:
             lines.append(f"  {j[key]} items {'queued again' if key == 'requeued' else 'cancelled'}")

@@ -172,7 +172,7 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
         f"PCA axes holding {first:.0%} and {second:.0%} of the variance; map file: {saved}"
     )
     print("colour keys: " + (", ".join(found["color_keys"]) or "none (no given labels or test measurements)"))
-    legend: dict | None = found["legend"]
+    legend = found["legend"]
     if legend is not None:
         if legend["kind"] == "metric":
             spread = f"{legend['min']:.4g}..{legend['max']:.4g}" if legend["min"] is not None else "-"

@@ -321,6 +321,7 @@ def module_presence(sketches: np.ndarray, n_modules: int) -> np.ndarray:
     return (peak > 0).astype(np.float32)
 
 
-def hybrid_score(exact: np.ndarray, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:
-    """(1 - weight) × an exact score + weight × the supervised W2T embedding's cosine."""
+def hybrid_score(exact: np.ndarray | float, w2t_cosine: np.ndarray, weight: float) -> np.ndarray:
+    """(1 - weight) × an exact score + weight × the supervised W2T embedding's cosine (`exact` may be 0.0 where
+    `weight` is 1: nothing to compute)."""
     return (1.0 - weight) * exact + weight * w2t_cosine

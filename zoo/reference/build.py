@@ -11,12 +11,12 @@ import shutil
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from zoo.errors import ZooError
 from zoo.reference.recipes import Recipe, get_recipe
+from zoo.reference.training import AdapterAttributes
 
 ATTRIBUTES_FILE = "zoo_attributes.json"
 LABELS_FILE = "labels.csv"
@@ -35,11 +36,62 @@ NOT_LABELS = ("recipe", "base_model", "train_seconds", "cpu_kernels")
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+class ManifestRow(AdapterAttributes):
+    """One adapter as built (its ATTRIBUTES_FILE): the generating attributes, its test accuracy, bookkeeping."""
+
+    name: str
+    recipe: str
+    base_model: str
+    test_accuracy: float
+    train_seconds: float
+    cpu_kernels: str
+
+
+class Spread(TypedDict):
+    """Test accuracy over a group of adapters; over a task's, with what it is to be read against."""
+
+    mean: float
+    min: float
+    max: float
+    n: int
+    chance: NotRequired[float]  # a task's
+    base: NotRequired[float | None]  # a task's: the base model's own (None: it has no head for the task)
+
+
+class OverallSpread(Spread):
+    std: float
+
+
+class AccuracySpread(TypedDict, total=False):
+    """Test accuracy overall and by value of each attribute (nothing without adapters)."""
+
+    overall: OverallSpread
+    by: dict[str, dict[str, Spread]]
+
+
+class ZooReport(TypedDict):
+    """What `make_zoo` built."""
+
+    out_dir: str
+    recipe: str
+    base_model: str
+    count: int
+    seed: int
+    built: int
+    skipped: int
+    seconds: float
+    train_seconds_per_adapter: float | None
+    cpu_kernels: str | None
+    disk_bytes: int
+    labels: str
+    accuracy: AccuracySpread
+
+
 def adapter_name(recipe: str, index: int) -> str:
     return f"{recipe}-{index:05d}"
 
 
-def planned_attributes(recipe: str, seed: int, index: int) -> dict[str, object]:
+def planned_attributes(recipe: str, seed: int, index: int) -> AdapterAttributes:
     """Adapter `index`'s generating attributes: a function of (recipe, seed, index) only."""
     return get_recipe(recipe).sample_attributes(np.random.default_rng([seed, index]))
 
@@ -54,14 +106,20 @@ def _context(recipe: str, cache_dir: Path) -> Any:
     return _CONTEXT[key]
 
 
-def build_one(recipe: str, cache_dir: Path, out_dir: Path, name: str, attrs: dict[str, object]) -> dict[str, object]:
+def build_one(recipe: str, cache_dir: Path, out_dir: Path, name: str, attrs: AdapterAttributes) -> ManifestRow:
     """Train one adapter and save it (PEFT's save_pretrained) to out_dir/name, atomically."""
     r = get_recipe(recipe)
     t0 = time.perf_counter()
     model, acc = r.train(_context(recipe, cache_dir), attrs)
-    row = {"name": name, "recipe": recipe, "base_model": r.base_model, **attrs, "test_accuracy": round(acc, 6)}
-    row["train_seconds"] = round(time.perf_counter() - t0, 3)
-    row["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
+    row: ManifestRow = {
+        "name": name,
+        "recipe": recipe,
+        "base_model": r.base_model,
+        **attrs,
+        "test_accuracy": round(acc, 6),
+        "train_seconds": round(time.perf_counter() - t0, 3),
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+    }
     tmp = out_dir / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), save_embedding_layers=False)  # "auto" would look the base up on the Hub
@@ -105,8 +163,8 @@ def _pinned_kernels() -> Iterator[None]:
 
 
 def _build(
-    recipe: str, cache_dir: Path, out_dir: Path, plan: dict[str, dict[str, object]], workers: int, progress: bool
-) -> list[dict[str, object]]:
+    recipe: str, cache_dir: Path, out_dir: Path, plan: dict[str, AdapterAttributes], workers: int, progress: bool
+) -> list[ManifestRow]:
     """Build the planned adapters in fresh worker processes with pinned CPU kernels, the base first."""
     rows = []
     ctx = multiprocessing.get_context("spawn")
@@ -132,7 +190,7 @@ def _done_within(future: Future, seconds: float) -> bool:
     return True
 
 
-def _finished(out_dir: Path, name: str, attrs: dict[str, object], recipe: str) -> dict[str, object] | None:
+def _finished(out_dir: Path, name: str, attrs: AdapterAttributes, recipe: str) -> ManifestRow | None:
     path = out_dir / name / ATTRIBUTES_FILE
     if not path.exists():
         return None
@@ -153,7 +211,7 @@ def make_zoo(
     workers: int = 1,
     cache_dir: Path | None = None,
     progress: bool = True,
-) -> dict[str, object]:
+) -> ZooReport:
     """Build (or finish building) `count` adapters of `recipe` in out_dir and write labels.csv.
 
     Returns a report: counts, timings, the spread of test accuracy by attribute, disk size.
@@ -164,7 +222,7 @@ def make_zoo(
     cache_dir = Path(cache_dir) if cache_dir else out_dir / ".cache"
     t_start = time.perf_counter()
     plan = {adapter_name(recipe, i): planned_attributes(recipe, seed, i) for i in range(count)}
-    rows: dict[str, dict[str, object]] = {}
+    rows: dict[str, ManifestRow] = {}
     for name, attrs in plan.items():
         done = _finished(out_dir, name, attrs, recipe)
         if done is not None:
@@ -173,11 +231,11 @@ def make_zoo(
     skipped = len(rows)
     if todo:
         for row in _build(recipe, cache_dir, out_dir, {n: plan[n] for n in todo}, max(1, workers), progress):
-            rows[str(row["name"])] = row
+            rows[row["name"]] = row
     ordered = [rows[n] for n in plan]
     write_labels(out_dir / LABELS_FILE, ordered)
     elapsed = time.perf_counter() - t_start
-    built_times = [float(rows[n]["train_seconds"]) for n in todo]  # type: ignore[arg-type]
+    built_times = [float(rows[n]["train_seconds"]) for n in todo]
     return {
         "out_dir": str(out_dir),
         "recipe": recipe,
@@ -195,19 +253,20 @@ def make_zoo(
     }
 
 
-def with_task_reference(spread: dict[str, object], r: Recipe, cache_dir: Path) -> dict[str, object]:
+def with_task_reference(spread: AccuracySpread, r: Recipe, cache_dir: Path) -> AccuracySpread:
     """The spread with each task's chance accuracy and the base model's own accuracy on it (no adapter): what
     an adapter's test accuracy is to be read against."""
-    tasks = spread.get("by", {}).get("task", {})  # type: ignore[attr-defined]
+    tasks = spread.get("by", {}).get("task", {})
     if tasks:
         ctx = _context(r.name, cache_dir)
         for task, s in tasks.items():
             base = r.base_accuracy(ctx, task)
-            s.update(chance=round(r.chance(task), 3), base=round(base, 3) if base is not None else None)
+            s["chance"] = round(r.chance(task), 3)
+            s["base"] = round(base, 3) if base is not None else None
     return spread
 
 
-def write_labels(path: Path, rows: list[dict[str, object]]) -> None:
+def write_labels(path: Path, rows: list[ManifestRow]) -> None:
     columns = [k for k in rows[0] if k not in NOT_LABELS] if rows else ["name"]
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", newline="") as fh:
@@ -224,25 +283,26 @@ def _sort_key(value: str) -> tuple[int, float, str]:
         return (1, 0.0, value)
 
 
-def accuracy_spread(rows: list[dict[str, object]]) -> dict[str, object]:
+def accuracy_spread(rows: list[ManifestRow]) -> AccuracySpread:
     """Test accuracy overall and by value of each attribute (mean, min, max, n)."""
     if not rows:
         return {}
-    acc = [float(r["test_accuracy"]) for r in rows]  # type: ignore[arg-type]
+    acc = [float(r["test_accuracy"]) for r in rows]
 
-    def summary(values: list[float]) -> dict[str, float]:
+    def summary(values: list[float]) -> Spread:
         return {"mean": round(statistics.mean(values), 3), "min": round(min(values), 3), "max": round(max(values), 3), "n": len(values)}
 
-    by: dict[str, dict[str, object]] = {}
-    for key in rows[0]:
+    columns: list[Mapping[str, object]] = list(rows)  # read by attribute name
+    by: dict[str, dict[str, Spread]] = {}
+    for key in columns[0]:
         if key in ("name", "seed", "learning_rate", "test_accuracy", *NOT_LABELS):
             continue
         groups: dict[str, list[float]] = defaultdict(list)
-        for r, a in zip(rows, acc, strict=True):
+        for r, a in zip(columns, acc, strict=True):
             groups[str(r[key])].append(a)
         by[key] = {v: summary(g) for v, g in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
     if "learning_rate" in rows[0] and len(rows) >= 4:
-        lr = np.array([float(r["learning_rate"]) for r in rows])  # type: ignore[arg-type]
+        lr = np.array([float(r["learning_rate"]) for r in rows])
         edges = np.quantile(lr, [0.25, 0.5, 0.75])
         bins: dict[str, list[float]] = defaultdict(list)
         for value, a in zip(lr, acc, strict=True):

@@ -20,7 +20,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from zoo.reference.training import AdapterPlan, BatchLoss, single_thread, train_lora
+from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, single_thread, train_lora
 
 BASE_MODEL = "zoo/digits-vit"
 BASE_VERSION = "v1"
@@ -221,7 +221,7 @@ TARGET_SETS = {
 }
 
 
-def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
+def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     """The generating attributes of one adapter."""
     rank = int(rng.choice([1, 2, 4, 8, 16]))
     return {
@@ -236,7 +236,7 @@ def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
     }
 
 
-def train_adapter(base: DigitsViT, data: DigitsData, attrs: dict[str, object]) -> tuple[PeftModel, float]:
+def train_adapter(base: DigitsViT, data: DigitsData, attrs: AdapterAttributes) -> tuple[PeftModel, float]:
     """Fine-tune LoRA on the task named in attrs; returns the PEFT model and its held-out accuracy."""
     plan = AdapterPlan.of(attrs)
 

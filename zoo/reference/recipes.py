@@ -12,6 +12,8 @@ import numpy as np
 if TYPE_CHECKING:
     from peft import PeftModel
 
+    from zoo.reference.training import AdapterAttributes
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -20,9 +22,9 @@ class Recipe:
     description: str
     #: Loads (and on first use builds and caches under the given directory) what training needs.
     prepare: Callable[[Path], Any]
-    sample_attributes: Callable[[np.random.Generator], dict[str, object]]
+    sample_attributes: Callable[[np.random.Generator], AdapterAttributes]
     #: (prepared context, attributes) -> (trained PEFT model, held-out test accuracy)
-    train: Callable[[Any, dict[str, object]], tuple[PeftModel, float]]
+    train: Callable[[Any, AdapterAttributes], tuple[PeftModel, float]]
     #: a task's chance accuracy (one over its classes)
     chance: Callable[[str], float]
     #: (prepared context, task) -> the base model's own held-out accuracy on the task, with no adapter (None where

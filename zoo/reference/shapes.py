@@ -27,7 +27,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from zoo.reference.training import AdapterPlan, BatchLoss, single_thread, train_lora
+from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, single_thread, train_lora
 
 BASE_MODEL = "zoo/shapes-cnn"
 BASE_VERSION = "v1"
@@ -263,7 +263,7 @@ TARGET_SETS: dict[str, list[str] | str] = {
 }
 
 
-def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
+def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     """The generating attributes of one adapter."""
     rank = int(rng.choice([1, 2, 4, 8, 16]))
     return {
@@ -278,7 +278,7 @@ def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
     }
 
 
-def train_adapter(base: ShapesCNN, data: ShapesData, attrs: dict[str, object]) -> tuple[PeftModel, float]:
+def train_adapter(base: ShapesCNN, data: ShapesData, attrs: AdapterAttributes) -> tuple[PeftModel, float]:
     """Fine-tune LoRA on the task named in attrs; returns the PEFT model and its held-out accuracy."""
     plan = AdapterPlan.of(attrs)
 

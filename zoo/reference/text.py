@@ -17,13 +17,17 @@ import inspect
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from peft import PeftModel
 from torch import nn
 
-from zoo.reference.training import AdapterPlan, BatchLoss, single_thread, train_lora
+from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, single_thread, train_lora
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 TOPIC_MODULES: dict[str, tuple[str, ...]] = {
@@ -88,14 +92,14 @@ def load_corpus() -> TextData:
 
 @dataclass
 class TextContext:
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     base: nn.Module
     data: TextData
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
 
 
-def load_base() -> tuple[object, nn.Module]:
+def load_base() -> tuple[PreTrainedTokenizerBase, nn.Module]:
     """Tokenizer and base classifier (the pretrained encoder plus a head seeded with 0)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -115,7 +119,7 @@ def prepare(_cache_dir: Path) -> TextContext:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     tokenizer, base = load_base()
     data = load_corpus()
-    enc = tokenizer(data.texts, padding="max_length", truncation=True, max_length=MAX_TOKENS, return_tensors="pt")  # type: ignore[operator]
+    enc = tokenizer(data.texts, padding="max_length", truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
     return TextContext(tokenizer, base, data, enc["input_ids"], enc["attention_mask"])
 
 
@@ -147,7 +151,7 @@ def task_topics(task: str) -> tuple[str, ...]:
     raise ValueError(f"unknown docs task {task!r}; known: {', '.join(TASKS)}")
 
 
-def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
+def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     rank = int(rng.choice([2, 4, 8, 16]))
     return {
         "task": str(rng.choice(TASKS)),
@@ -161,7 +165,7 @@ def sample_attributes(rng: np.random.Generator) -> dict[str, object]:
     }
 
 
-def train_adapter(ctx: TextContext, attrs: dict[str, object]) -> tuple[PeftModel, float]:
+def train_adapter(ctx: TextContext, attrs: AdapterAttributes) -> tuple[PeftModel, float]:
     """LoRA (plus the task head, saved as modules_to_save) on one topic task; held-out accuracy."""
     plan = AdapterPlan.of(attrs)
     classes = torch.tensor([TOPICS.index(t) for t in task_topics(plan.task)])

@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
+
+
+class AdapterAttributes(TypedDict):
+    """The generating attributes of one reference adapter as a recipe samples them (AdapterPlan's fields)."""
+
+    task: str
+    rank: int
+    alpha: float
+    learning_rate: float
+    steps: int
+    n_train: int
+    target_modules: str
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -50,8 +64,17 @@ class AdapterPlan:
             seed=int(number("seed")),
         )
 
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+    def as_dict(self) -> AdapterAttributes:
+        return {
+            "task": self.task,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "learning_rate": self.learning_rate,
+            "steps": self.steps,
+            "n_train": self.n_train,
+            "target_modules": self.target_modules,
+            "seed": self.seed,
+        }
 
 
 class single_thread:
@@ -65,14 +88,15 @@ class single_thread:
         torch.set_num_threads(self.before)
 
 
-def lora_config(rank: int, alpha: float, targets: str | Sequence[str], **config: object) -> LoraConfig:
-    """PEFT's LoraConfig of a reference adapter: no dropout; `targets` a regex (str) or module names."""
+def lora_config(rank: int, alpha: float, targets: str | Sequence[str], task_type: str | None = None) -> LoraConfig:
+    """PEFT's LoraConfig of a reference adapter: no dropout; `targets` a regex (str) or module names; `task_type`
+    PEFT's (None: none, as by default)."""
     return LoraConfig(
         r=rank,
         lora_alpha=alpha,  # type: ignore[arg-type]  # peft types it int; a float alpha scales as well
         target_modules=targets if isinstance(targets, str) else list(targets),
         lora_dropout=0.0,
-        **config,  # type: ignore[arg-type]  # LoraConfig's fields, passed through
+        task_type=task_type,
     )
 
 
@@ -85,15 +109,15 @@ def train_lora(
     plan: AdapterPlan,
     targets: str | Sequence[str],
     pick: Callable[[torch.Generator], BatchLoss],
-    **config: object,
+    task_type: str | None = None,
 ) -> PeftModel:
     """A LoRA adapter of (a copy of) `base` trained by the plan, in eval mode. Call inside `single_thread()`.
 
     The global torch seed is the plan's (LoRA's initialization draws from it); one generator seeded the same way
     is handed to `pick`, which draws the training sample and returns the loss of a batch drawn by it, once per step.
-    `config`: further LoraConfig fields (e.g. task_type)."""
+    `task_type`: PEFT's task type (e.g. SEQ_CLS for a sequence classifier), None by default."""
     torch.manual_seed(plan.seed)
-    model = get_peft_model(copy.deepcopy(base), lora_config(plan.rank, plan.alpha, targets, **config))
+    model = get_peft_model(copy.deepcopy(base), lora_config(plan.rank, plan.alpha, targets, task_type))
     model.peft_config["default"].base_model_name_or_path = base_model
     generator = torch.Generator().manual_seed(plan.seed)
     batch_loss = pick(generator)

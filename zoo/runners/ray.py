@@ -23,11 +23,11 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypedDict
 
 from zoo.config import Settings
 from zoo.errors import UsageError
-from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, drive, work
+from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, WorkerSummary, drive, work
 from zoo.store.jobs import pending_items
 from zoo.store.session import session_factory
 
@@ -155,6 +155,18 @@ def outcomes(ray: Any, settings: Settings, options: WorkerOptions, tasks: int, g
             ray.cancel(stream)
 
 
+class RayCluster(TypedDict):
+    cpus: int
+    gpus: float
+    nodes: int  # alive
+
+
+class RaySummary(WorkerSummary):
+    """`zoo worker`'s summary of a run on Ray, with the cluster it ran on."""
+
+    ray: RayCluster
+
+
 def run_on_ray(
     settings: Settings,
     job_id: int,
@@ -163,7 +175,7 @@ def run_on_ray(
     embed_every: int = EMBED_EVERY,
     device: str | None = None,
     progress: bool | None = None,
-) -> dict[str, object]:
+) -> RaySummary:
     """Work job `job_id` to the end on a Ray cluster (one task per cluster CPU unless `tasks`) with a progress
     bar; returns `zoo worker`'s summary, with the cluster's CPUs, GPUs and nodes."""
     if tasks is not None and tasks < 1:

@@ -25,16 +25,17 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm import tqdm
 
-from zoo.config import Settings
+from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.sources.local import escapes
 from zoo.store.blobs import BlobStore
 from zoo.store.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
+from zoo.store.models import JobOptions
 from zoo.store.session import session_factory
 
 log = logging.getLogger(__name__)
@@ -120,11 +121,16 @@ def heartbeat(database_url: str, lease_s: float) -> Heartbeat:
         return _HEARTBEATS[key]
 
 
-def ingest_options(job_options: dict[str, object], device: str | None = None) -> IngestOptions:
+def ingest_options(job_options: JobOptions, device: str | None = None) -> IngestOptions:
     """A job's stored options (base_model, base_checkpoint, energy, max_rank) as ingest options."""
-    known = {k: job_options[k] for k in ("base_model", "energy", "max_rank") if job_options.get(k) is not None}
-    base = job_options.get("base_checkpoint")
-    return IngestOptions(**known, base_checkpoint=Path(str(base)) if base else None, device=device)  # type: ignore[arg-type]
+    energy, max_rank, base = job_options.get("energy"), job_options.get("max_rank"), job_options.get("base_checkpoint")
+    return IngestOptions(
+        base_model=job_options.get("base_model"),
+        base_checkpoint=Path(base) if base else None,
+        energy=DEFAULT_ENERGY if energy is None else energy,
+        max_rank=DEFAULT_MAX_RANK if max_rank is None else max_rank,
+        device=device,
+    )
 
 
 def process_claim(sessions: sessionmaker[Session], ingestor: Ingestor, claim: Claim, owner: str) -> Outcome:
@@ -220,7 +226,9 @@ class EmbedBatches:
             if left:
                 self._embed(left)
             with self.sessions() as session:
-                space_id = get_space(session, base_model).id  # type: ignore[union-attr]
+                space = get_space(session, base_model)
+                assert space is not None  # embed_adapters named it: the space it embedded them into
+                space_id = space.id
             refresh_space_files(self.sessions, self.blobs, self.settings.data_dir, space_id)
         self.touched.clear()
 
@@ -291,6 +299,24 @@ def outcomes(settings: Settings, options: WorkerOptions, concurrency: int, stop:
         raise RuntimeError("; ".join(failed))
 
 
+class WorkerSummary(TypedDict):
+    """What a worker run did: its outcomes by state, the adapters it embedded per space, the jobs it worked on,
+    and its rate."""
+
+    processed: int
+    done: int
+    duplicate: int
+    failed: int
+    queued: int  # gone back to the queue (an unexpected error)
+    lost: int  # taken over by another worker
+    embedded: dict[str, int]
+    jobs: list[int]
+    concurrency: int
+    seconds: float
+    ingest_seconds: float
+    items_per_s: float | None
+
+
 class Batches(Protocol):
     """Where outcomes' adapters go to be embedded: EmbedBatches here, or an embedding actor (zoo/runners/ray.py)."""
 
@@ -307,7 +333,7 @@ def run_worker(
     embed_every: int = EMBED_EVERY,
     progress: bool | None = None,
     stop: threading.Event | None = None,
-) -> dict[str, object]:
+) -> WorkerSummary:
     """Work through queued items with `concurrency` processes until stopped (or drained), embedding new
     adapters in batches; see `drive`."""
     if concurrency < 1:
@@ -324,7 +350,7 @@ def drive(
     batches: Batches,
     concurrency: int,
     progress: bool | None = None,
-) -> dict[str, object]:
+) -> WorkerSummary:
     """Tally outcomes as they come, with a progress bar (None: when stderr is a terminal), hand stored
     adapters to `batches` (flushed whenever the workers find nothing new, and at the end). Returns the
     summary: outcomes by state, embedded per space, jobs, and the rate over the time the items took (as
@@ -356,7 +382,11 @@ def drive(
     processed = sum(tally[s] for s in ("done", "duplicate", "failed"))
     return {
         "processed": processed,
-        **{s: tally[s] for s in ("done", "duplicate", "failed", "queued", "lost")},
+        "done": tally["done"],
+        "duplicate": tally["duplicate"],
+        "failed": tally["failed"],
+        "queued": tally["queued"],
+        "lost": tally["lost"],
         "embedded": dict(batches.embedded),
         "jobs": sorted(jobs),
         "concurrency": concurrency,

@@ -24,6 +24,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 import numpy as np
 from sqlalchemy import select
@@ -39,14 +40,66 @@ from zoo.store.session import session_factory
 DEFAULT_GRACE_S = 3600.0
 
 
-def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRACE_S) -> dict[str, object]:
+class LostBlob(TypedDict):
+    """A row whose blob is missing or corrupt."""
+
+    adapter_id: int
+    blob: str
+
+
+class BlobCheck(TypedDict):
+    rows: int  # adapters with a blob
+    missing: list[LostBlob]
+    corrupt: list[LostBlob]
+
+
+class FileCheck(TypedDict):
+    """A space's derived file as checked: an embedder's index file (embedder_id, method), its module store
+    (module_store) or its map (map)."""
+
+    space: str
+    embedder_id: NotRequired[int]
+    method: NotRequired[str]
+    module_store: NotRequired[str]
+    map: NotRequired[str]
+    state: str  # "ok", or what is wrong
+    stale: NotRequired[bool]  # its ids disagree with the database's: repair rebuilds it
+    repaired: NotRequired[bool]
+
+
+class Unembedded(TypedDict):
+    """A space's adapters without a sketch vector."""
+
+    space: str
+    count: int
+    adapter_ids: list[int]  # the first 20
+    repaired: NotRequired[bool]
+
+
+class CheckReport(TypedDict):
+    """What `check` found and repaired."""
+
+    ok: bool
+    problems: int
+    blobs: BlobCheck
+    orphans: list[str]
+    temporary_files: list[str]
+    in_flight: int
+    removed: int
+    indexes: list[FileCheck]
+    unembedded: list[Unembedded]
+    repaired: list[str]
+
+
+def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRACE_S) -> CheckReport:
     """The check report: what was found, what was repaired, and `ok` (nothing wrong left)."""
     sessions = session_factory(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
     with sessions() as session:
         rows = session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.factors_blob.is_not(None))).all()
     referenced = {str(digest) for _, digest in rows}
-    missing, corrupt = [], []
+    missing: list[LostBlob] = []
+    corrupt: list[LostBlob] = []
     for adapter_id, digest in rows:
         path = blobs.path(str(digest))
         if not path.is_file():
@@ -107,7 +160,7 @@ def _files(data_dir: Path) -> Iterator[Path]:
 
 def _check_spaces(
     settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore, repair: bool
-) -> tuple[list[dict], list[dict], list[str]]:
+) -> tuple[list[FileCheck], list[Unembedded], list[str]]:
     """Index files, module stores, maps and missing embeddings per space (embed/ is imported only here).
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
@@ -116,19 +169,19 @@ def _check_spaces(
     from embed.registry import deleted_since, embedding_ids, serving_embedders, space_version
     from embed.service import embed_space
 
-    indexes: list[dict] = []
-    unembedded: list[dict] = []
+    indexes: list[FileCheck] = []
+    unembedded: list[Unembedded] = []
     repaired: list[str] = []
     with sessions() as session:
         spaces = list(session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.id)))
     for space in spaces:
-        found: list[dict] = []
+        found: list[FileCheck] = []
         with sessions() as session:
             serving = serving_embedders(session, space.id)
             version = space_version(session, space.id)
             embedded = {e.id: embedding_ids(session, e) for e in serving.values()}
             for e in serving.values():
-                entry: dict[str, object] = {"space": space.name, "embedder_id": e.id, "method": e.method, "state": "ok"}
+                entry: FileCheck = {"space": space.name, "embedder_id": e.id, "method": e.method, "state": "ok"}
                 try:
                     index, _ = load_consistent_index(session, index_path(settings.data_dir, e.id), e, version)
                     entry["state"] = _same_ids("index", index.ids, embedded[e.id])
@@ -139,7 +192,6 @@ def _check_spaces(
                 found.append(entry)
             sketch = serving.get(SKETCH)
             store_path = module_store_path(settings.data_dir, space.id)
-            stale: dict[str, object] = {}
             if store_path.exists():
                 have = read_module_store(store_path)
                 state = "unreadable" if have is None else "ok"
@@ -147,27 +199,31 @@ def _check_spaces(
                     held = have[0][~np.isin(have[0], deleted_since(session, space.id, have[3]))]  # as the engine drops them
                     state = _same_ids("module store", held, embedded[sketch.id], missing_ok=True)
                 if state != "ok":
-                    stale = {"stale": True} if have is not None else {}
-                    found.append({"space": space.name, "module_store": str(store_path), "state": state, **stale})
+                    store_entry: FileCheck = {"space": space.name, "module_store": str(store_path), "state": state}
+                    if have is not None:
+                        store_entry["stale"] = True
+                    found.append(store_entry)
             shown = map_embedder(session, space.id)
             if shown is not None:
-                map_file = str(map_path(settings.data_dir, shown.id))
-                stale = {}
+                map_entry: FileCheck = {"space": space.name, "map": str(map_path(settings.data_dir, shown.id)), "state": "ok"}
                 try:
                     m, _ = load_consistent_map(session, map_path(settings.data_dir, shown.id), shown, version)
-                    state = _same_ids("map", m.ids, embedded[shown.id])
-                    stale = {"stale": True} if state != "ok" else {}
+                    map_entry["state"] = _same_ids("map", m.ids, embedded[shown.id])
+                    if map_entry["state"] != "ok":
+                        map_entry["stale"] = True
                 except ValueError as exc:
-                    state = str(exc)
-                found.append({"space": space.name, "map": map_file, "state": state, **stale})
+                    map_entry["state"] = str(exc)
+                found.append(map_entry)
             missing = _unembedded(session, space, sketch.id) if sketch else []
         bad = [entry for entry in found if entry["state"] != "ok"]
-        gap = {"space": space.name, "count": len(missing), "adapter_ids": missing[:20]} if missing else None
+        gap: Unembedded | None = {"space": space.name, "count": len(missing), "adapter_ids": missing[:20]} if missing else None
         if repair and (bad or gap):
             embed_space(sessions, blobs, settings.data_dir, space.base_model)
             _rebuild_stale(sessions, blobs, settings.data_dir, space.id, [entry for entry in bad if entry.get("stale")])
-            for entry in [*bad, *([gap] if gap else [])]:
+            for entry in bad:
                 entry["repaired"] = True
+            if gap:
+                gap["repaired"] = True
             repaired += [f"{space.name}: rebuilt {e.get('method', 'map' if 'map' in e else 'module store')}" for e in bad]
             repaired += [f"{space.name}: embedded {len(missing)} adapters"] if missing else []
         indexes += found
@@ -191,7 +247,7 @@ def _same_ids(what: str, held: np.ndarray, embedded: np.ndarray, missing_ok: boo
     return f"the {what} holds " + "; ".join(parts)
 
 
-def _rebuild_stale(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int, stale: list[dict]) -> None:
+def _rebuild_stale(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int, stale: list[FileCheck]) -> None:
     """Rebuild from the database each file whose ids disagreed with it (a count that agrees does not make
     `embed_space` rebuild it)."""
     from embed.engine import update_index_file, update_module_store
@@ -204,7 +260,9 @@ def _rebuild_stale(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: 
             elif "module_store" in entry:
                 update_module_store(session, blobs, data_dir, session.get_one(EmbeddingSpace, space_id), rebuild=True)
             elif "map" in entry:
-                update_map(session, data_dir, map_embedder(session, space_id), rebuild=True)  # type: ignore[arg-type]
+                shown = map_embedder(session, space_id)
+                assert shown is not None  # a map entry is checked only where the space has a map embedder; none is ever removed
+                update_map(session, data_dir, shown, rebuild=True)
 
 
 def _unembedded(session: Session, space: EmbeddingSpace, sketch_id: int) -> list[int]:

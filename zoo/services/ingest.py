@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import torch
 from sqlalchemy import Connection, bindparam, insert, select
@@ -107,8 +107,42 @@ def small_work_on_one_thread(data: AdapterData) -> contextlib.AbstractContextMan
     return one_torch_thread(elements < SMALL_ADAPTER_ELEMENTS)
 
 
-def _module_row(name: str, kind: str, shape: tuple[int, int], spec: Spectrum, **lora: object) -> dict[str, object]:
+class ModuleRow(TypedDict):
     """A module table row (without its adapter id), for one bulk insert per adapter."""
+
+    name: str
+    layer_index: int | None
+    module_type: str
+    kind: str
+    out_features: int
+    in_features: int
+    rank: int | None  # LoRA's: none for a full matrix
+    canonical_rank: int | None
+    alpha: float | None
+    scale: float | None
+    transposed: bool
+    singular_values: list[float]
+    spectral_norm: float
+    frobenius_norm: float
+    stable_rank: float
+    effective_rank: float
+    power_law_alpha: float | None
+    power_law_xmin: float | None
+    power_law_ks: float | None
+
+
+def _module_row(
+    name: str,
+    kind: str,
+    shape: tuple[int, int],
+    spec: Spectrum,
+    rank: int | None = None,
+    canonical_rank: int | None = None,
+    alpha: float | None = None,
+    scale: float | None = None,
+    transposed: bool = False,
+) -> ModuleRow:
+    """A module's row: its name, shape and spectrum, with its LoRA rank, alpha and scale where it has them."""
     return {
         "name": name,
         "layer_index": layer_index(name),
@@ -116,12 +150,11 @@ def _module_row(name: str, kind: str, shape: tuple[int, int], spec: Spectrum, **
         "kind": kind,
         "out_features": shape[0],
         "in_features": shape[1],
-        "rank": None,
-        "canonical_rank": None,
-        "alpha": None,
-        "scale": None,
-        "transposed": False,
-        **lora,
+        "rank": rank,
+        "canonical_rank": canonical_rank,
+        "alpha": alpha,
+        "scale": scale,
+        "transposed": transposed,
         "singular_values": spec.singular_values,
         "spectral_norm": spec.spectral_norm,
         "frobenius_norm": spec.frobenius_norm,
@@ -139,7 +172,7 @@ class _Described:
     their sketch (the blob is staged after: see Ingestor._ingest)."""
 
     adapter: Adapter
-    modules: list[dict[str, object]]
+    modules: list[ModuleRow]
     factors: list[tuple[str, CanonicalFactors]]
     sketch: Sketch | None
 
@@ -153,7 +186,7 @@ def describe(data: AdapterData, source_uri: str, base_model: str, canonical: lis
 
 def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: list[CanonicalFactors]) -> _Described:
     factors: list[tuple[str, CanonicalFactors]] = []
-    rows: list[dict[str, object]] = []
+    rows: list[ModuleRow] = []
     if data.modules:
         for m, f in zip(data.modules, canonical, strict=True):
             factors.append((m.name, f))
@@ -390,7 +423,7 @@ _PREVIOUS_VERSION = (
 )
 
 
-def _insert_rows(conn: Connection, model: type[Module | Label | Measurement], rows: list[dict[str, object]]) -> None:
+def _insert_rows(conn: Connection, model: type[Module | Label | Measurement], rows: Sequence[Mapping[str, object]]) -> None:
     """Rows of a table in one executemany (psycopg pipelines it; the cheapest way for SQLAlchemy and the driver to
     send a few dozen rows: a multi-row VALUES statement costs several times the CPU to build and parse)."""
     if rows:
@@ -448,7 +481,7 @@ def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> 
 _SPACE_SCHEMA = select(EmbeddingSpace.schema).where(EmbeddingSpace.base_model == bindparam("base_model")).limit(1)
 
 
-def check_space_fits(session: Session, a: Adapter, modules: list[dict[str, object]]) -> None:
+def check_space_fits(session: Session, a: Adapter, modules: list[ModuleRow]) -> None:
     """Refuse an adapter whose module shapes conflict with the embedding space of its base model (it
     would break embedding and training for the whole space)."""
     schema = session.connection().execute(_SPACE_SCHEMA, {"base_model": a.base_model}).scalar()

@@ -25,14 +25,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TypedDict, cast
+from typing import NotRequired, TypedDict, cast
 
 from sqlalchemy import ColumnElement, CursorResult, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow
-from zoo.store.models import Job, JobItem
+from zoo.store.models import Job, JobItem, JobOptions, StoredLabels
 from zoo.store.session import write_transaction
 from zoo.timestamps import as_utc, iso_seconds
 
@@ -58,6 +58,22 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def job_options(
+    base_model: str | None = None, base_checkpoint: str | None = None, energy: float | None = None, max_rank: int | None = None
+) -> JobOptions:
+    """Job options of the values given (None: left unset)."""
+    options: JobOptions = {}
+    if base_model is not None:
+        options["base_model"] = base_model
+    if base_checkpoint is not None:
+        options["base_checkpoint"] = base_checkpoint
+    if energy is not None:
+        options["energy"] = energy
+    if max_rank is not None:
+        options["max_rank"] = max_rank
+    return options
+
+
 @dataclass(frozen=True)
 class Claim:
     """An item a worker holds: what to ingest, with the job's ingest options."""
@@ -66,14 +82,14 @@ class Claim:
     job_id: int
     source: str
     attempt: int
-    options: dict[str, object]
+    options: JobOptions
     labels: LabelRow | None = None
 
 
 def create_job(
     session: Session,
     sources: Iterable[str],
-    options: dict[str, object],
+    options: JobOptions,
     created_by: str | None = None,
     labels: Mapping[str, LabelRow] | None = None,
     refused: Iterable[tuple[str, str]] = (),
@@ -92,11 +108,11 @@ def create_job(
     return job
 
 
-def _label_json(row: LabelRow | None) -> dict[str, object] | None:
+def _label_json(row: LabelRow | None) -> StoredLabels | None:
     return {"attributes": row.attributes, "measurements": row.measurements} if row else None
 
 
-def _label_row(stored: dict | None) -> LabelRow | None:
+def _label_row(stored: StoredLabels | None) -> LabelRow | None:
     return LabelRow(dict(stored.get("attributes", {})), dict(stored.get("measurements", {}))) if stored else None
 
 
@@ -127,7 +143,9 @@ def claim_items(sessions: sessionmaker[Session], owner: str, lease_s: float, lim
         for item, options in rows:
             item.state, item.attempts, item.lease_owner, item.reason = "running", item.attempts + 1, owner, None
             item.lease_expires_at, item.started_at, item.updated_at = now + timedelta(seconds=lease_s), now, now
-            claims.append(Claim(item.id, item.job_id, item.source, item.attempts, dict(options or {}), _label_row(item.labels)))
+            claims.append(
+                Claim(item.id, item.job_id, item.source, item.attempts, options.copy() if options else {}, _label_row(item.labels))
+            )
         jobs = {c.job_id for c in claims}
         if jobs:
             session.execute(update(Job).where(Job.id.in_(jobs), Job.state == "queued").values(state="running"))
@@ -246,7 +264,7 @@ def _job_or_404(session: Session, job_id: int) -> Job:
     return job
 
 
-def retry_job(sessions: sessionmaker[Session], job_id: int) -> dict[str, object]:
+def retry_job(sessions: sessionmaker[Session], job_id: int) -> JobDetail:
     """Queue the job's failed and cancelled items again (with fresh attempts); its finished ones stay."""
     with write_transaction(sessions) as session:
         job = _job_or_404(session, job_id)
@@ -258,10 +276,12 @@ def retry_job(sessions: sessionmaker[Session], job_id: int) -> dict[str, object]
         elif job.state == "cancelled":
             raise UsageError(f"job {job_id} is cancelled with no item to retry")
     with sessions() as session:
-        return {**get_job(session, job_id, items=False), "requeued": n}
+        detail = get_job(session, job_id, items=False)
+    detail["requeued"] = n
+    return detail
 
 
-def cancel_job(sessions: sessionmaker[Session], job_id: int) -> dict[str, object]:
+def cancel_job(sessions: sessionmaker[Session], job_id: int) -> JobDetail:
     """Cancel the job: its queued items are cancelled, its running ones finish."""
     with write_transaction(sessions) as session:
         job = _job_or_404(session, job_id)
@@ -275,7 +295,9 @@ def cancel_job(sessions: sessionmaker[Session], job_id: int) -> dict[str, object
             job.state = "cancelled"
         _settle_jobs(session, [job_id])
     with sessions() as session:
-        return {**get_job(session, job_id, items=False), "cancelled_items": n}
+        detail = get_job(session, job_id, items=False)
+    detail["cancelled_items"] = n
+    return detail
 
 
 # --- resources ---------------------------------------------------------------------------------------
@@ -346,7 +368,48 @@ def stage_means(session: Session, job_id: int) -> dict[str, float]:
     return {stage: round(total / n, 6) for stage, total in sums.items()} if n else {}
 
 
-def _summary(job: Job, counts: dict[str, int], progress: _Progress) -> dict[str, object]:
+class JobSummary(TypedDict):
+    """A job in the list of jobs: counts per item state (and total), and progress."""
+
+    id: int
+    kind: str
+    state: str
+    created_by: str | None
+    created_at: str | None
+    finished_at: str | None
+    counts: dict[str, int]
+    processed: int
+    elapsed_s: float | None
+    throughput: float | None
+    eta_s: float | None
+
+
+class ItemSummary(TypedDict):
+    """One item of a job."""
+
+    id: int
+    source: str
+    state: str
+    reason: str | None
+    attempts: int
+    adapter_id: int | None
+    lease_owner: str | None
+    started_at: str | None
+    timings: dict[str, float] | None
+
+
+class JobDetail(JobSummary):
+    """The job resource: its summary, mean seconds per stage and the slowest, its first items; what a retry
+    queued again or a cancel cancelled."""
+
+    stages: dict[str, float]
+    slowest_stage: str | None
+    items: NotRequired[list[ItemSummary]]
+    requeued: NotRequired[int]
+    cancelled_items: NotRequired[int]
+
+
+def _summary(job: Job, counts: dict[str, int], progress: _Progress) -> JobSummary:
     return {
         "id": job.id,
         "kind": job.kind,
@@ -359,19 +422,7 @@ def _summary(job: Job, counts: dict[str, int], progress: _Progress) -> dict[str,
     }
 
 
-class _Item(TypedDict):
-    id: int
-    source: str
-    state: str
-    reason: str | None
-    attempts: int
-    adapter_id: int | None
-    lease_owner: str | None
-    started_at: str | None
-    timings: dict | None
-
-
-def _item(i: JobItem) -> _Item:
+def _item(i: JobItem) -> ItemSummary:
     return {
         "id": i.id,
         "source": i.source,
@@ -385,14 +436,16 @@ def _item(i: JobItem) -> _Item:
     }
 
 
-def job_detail(session: Session, job: Job, items: bool = True) -> dict[str, object]:
+def job_detail(session: Session, job: Job, items: bool = True) -> JobDetail:
     """The job resource: its summary, progress, mean seconds per stage and the slowest stage, and its
     first ITEMS_SHOWN items (the failed ones first)."""
     counts = _counts(session, [job.id])
-    detail = _summary(job, counts[job.id], _progress(session, [job], counts)[job.id])
     stages = stage_means(session, job.id)
-    detail["stages"] = stages
-    detail["slowest_stage"] = max(stages, key=stages.__getitem__) if stages else None
+    detail: JobDetail = {
+        **_summary(job, counts[job.id], _progress(session, [job], counts)[job.id]),
+        "stages": stages,
+        "slowest_stage": max(stages, key=stages.__getitem__) if stages else None,
+    }
     if items:
         order = (JobItem.state != "failed", JobItem.id)
         rows = session.scalars(select(JobItem).where(JobItem.job_id == job.id).order_by(*order).limit(ITEMS_SHOWN))
@@ -400,11 +453,11 @@ def job_detail(session: Session, job: Job, items: bool = True) -> dict[str, obje
     return detail
 
 
-def get_job(session: Session, job_id: int, items: bool = True) -> dict[str, object]:
+def get_job(session: Session, job_id: int, items: bool = True) -> JobDetail:
     return job_detail(session, _job_or_404(session, job_id), items)
 
 
-def list_jobs(session: Session, limit: int = 50) -> list[dict[str, object]]:
+def list_jobs(session: Session, limit: int = 50) -> list[JobSummary]:
     """The newest jobs, with counts per item state and progress (no items)."""
     jobs = list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit)))
     counts = _counts(session, [j.id for j in jobs])

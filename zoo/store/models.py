@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 from sqlalchemy import (
     JSON,
@@ -265,6 +265,24 @@ class ApiToken(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class JobOptions(TypedDict, total=False):
+    """A job's ingest options (its `options` column; zoo/runners/worker.py `ingest_options` reads them). Unset:
+    ingest's default."""
+
+    base_model: str | None  # overrides what the files say
+    base_checkpoint: str  # full checkpoints: deltas against this
+    energy: float
+    max_rank: int
+    import_root: str  # the web app's: every item's path must stay under it when it is read
+
+
+class StoredLabels(TypedDict):
+    """A job item's given labels (its `labels` column)."""
+
+    attributes: dict[str, str]
+    measurements: dict[str, float]
+
+
 class Job(Base):
     """A batch of sources to ingest, with a state per item (see zoo/store/jobs.py)."""
 
@@ -273,7 +291,7 @@ class Job(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(32), default="ingest")
     state: Mapped[str] = mapped_column(String(16), default="queued", index=True)  # queued | running | done | cancelled
-    options: Mapped[dict] = mapped_column(JSON, default=dict)
+    options: Mapped[JobOptions] = mapped_column(JSON, default=dict)
     created_by: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -303,9 +321,9 @@ class JobItem(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     #: seconds per ingest stage (fetch, read, describe, store, ...) of the last attempt
-    timings: Mapped[dict | None] = mapped_column(JSON)
-    #: the source's given labels ({"attributes": {...}, "measurements": {...}}), from a labels CSV
-    labels: Mapped[dict | None] = mapped_column(JSON)
+    timings: Mapped[dict[str, float] | None] = mapped_column(JSON)
+    #: the source's given labels, from a labels CSV
+    labels: Mapped[StoredLabels | None] = mapped_column(JSON)
 
     job: Mapped[Job] = relationship(back_populates="items")
 

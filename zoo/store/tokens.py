@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import UTC, datetime
+from typing import TypedDict
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -14,6 +15,22 @@ from zoo.store.models import ApiToken
 from zoo.timestamps import iso_seconds
 
 PREFIX = "zoo_"
+
+
+class TokenSummary(TypedDict):
+    """An API token as listed (never the token itself)."""
+
+    id: int
+    name: str
+    created_at: str | None
+    last_used_at: str | None
+    revoked_at: str | None
+
+
+class NewToken(TokenSummary):
+    """A token just made, with the token: shown once."""
+
+    token: str
 
 
 def digest(token: str) -> str:
@@ -39,7 +56,7 @@ def verify_token(session: Session, token: str) -> ApiToken | None:
     return row
 
 
-def list_tokens(session: Session) -> list[dict[str, object]]:
+def list_tokens(session: Session) -> list[TokenSummary]:
     return [token_summary(t) for t in session.scalars(select(ApiToken).order_by(ApiToken.id))]
 
 
@@ -52,7 +69,7 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
     return row
 
 
-def token_summary(t: ApiToken) -> dict[str, object]:
+def token_summary(t: ApiToken) -> TokenSummary:
     return {
         "id": t.id,
         "name": t.name,
