@@ -223,6 +223,13 @@ def search_regret(
     return out
 
 
+def _share(fraction: float | None, size: int) -> int:
+    """`fraction` of `size`, at least one."""
+    if fraction is None:
+        raise ValueError("give one of labelled_per_task and label_fraction")
+    return max(1, int(round(fraction * size)))
+
+
 def _protocol(labelled_per_task: int | None, label_fraction: float | None) -> str:
     if labelled_per_task is not None:
         return f"{labelled_per_task} labelled per task"
@@ -248,7 +255,7 @@ def labelled_split(adapters: list[ZooAdapter], per_task: int | None, fraction: f
     queries: list[int] = []
     for task in sorted(by_task):
         members = by_task[task]
-        n = per_task if per_task is not None else max(1, int(round(fraction * len(members))))  # type: ignore[operator]
+        n = per_task if per_task is not None else _share(fraction, len(members))
         chosen = set(rng.permutation(len(members))[: min(n, len(members) - 1)].tolist())  # a task keeps a query
         labelled += [members[i] for i in sorted(chosen)]
         queries += [members[i] for i in range(len(members)) if i not in chosen]

@@ -494,29 +494,30 @@ def _choose(
     search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views)
     embedder.search = search.chosen
     embedder.choices = {"search": search.as_dict()}
-    heads: dict[str, dict[int, object]] = {}
+    shares: dict[str, dict[int, np.ndarray]] = {}  # the heads' class shares by attribute and row
+    values: dict[str, dict[int, float]] = {}  # the heads' values by metric and row, and the W2T kNN's ("neighbours.m")
     for single, view in zip(singles, views, strict=True):  # each member predicts the rows it never trained on
-        _, probs, values = single._forward_batches(single._token_batches(tokens, [rows[i] for i in view.val]))
+        _, probs, heads = single._forward_batches(single._token_batches(tokens, [rows[i] for i in view.val]))
         for k, p in probs.items():
-            heads.setdefault(k, {}).update(zip(view.val, p, strict=True))
-        for m, v in values.items():
-            heads.setdefault(m, {}).update(dict(zip(view.val, v.tolist(), strict=True)))
+            shares.setdefault(k, {}).update(zip(view.val, p, strict=True))
+        for m, v in heads.items():
+            values.setdefault(m, {}).update(zip(view.val, v.tolist(), strict=True))
             single.memory = view.z[view.train]
             single.memory_values = {m: embedder.memory_values[m][view.train]}
             nbrs = single.neighbour_values(view.z[view.val], m) if not np.isnan(single.memory_values[m]).all() else v
-            heads.setdefault(f"neighbours.{m}", {}).update(dict(zip(view.val, nbrs.tolist(), strict=True)))
+            values.setdefault(f"neighbours.{m}", {}).update(zip(view.val, nbrs.tolist(), strict=True))
     for k in embedder.config.categorical:
         labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
-        learned = {HEAD: heads.get(k, {}), **readout_predictions(labels, classes, views)}
-        choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views)  # type: ignore[arg-type]
+        learned = {HEAD: shares.get(k, {}), **readout_predictions(labels, classes, views)}
+        choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views)
         embedder.predictors[k] = choice.chosen
         embedder.choices[k] = choice.as_dict()
         if choice.chosen == LOGREG:
             model = logistic_readout(embedder.memory, labels)
             embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
     for m in embedder.config.regression:
-        learned = {HEAD: heads.get(m, {}), NEIGHBOURS: heads.get(f"neighbours.{m}", {})}
-        choice, pred, truth = choose_metric(exact, search.chosen, embedder.memory_values[m], learned, views)  # type: ignore[arg-type]
+        predicted = {HEAD: values.get(m, {}), NEIGHBOURS: values.get(f"neighbours.{m}", {})}
+        choice, pred, truth = choose_metric(exact, search.chosen, embedder.memory_values[m], predicted, views)
         embedder.predictors[m] = choice.chosen
         embedder.choices[m] = choice.as_dict()
         if len(truth) >= 2:
