@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -44,6 +43,7 @@ from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
 from embed.types import SpaceSchema, ZooAdapter
+from zoo import config
 from zoo.domain.methods import KnnPredictor, SearchScore
 from zoo.domain.similarity import (
     EXACT_SCORES,
@@ -80,13 +80,13 @@ SUPPORT_K = 5
 
 def module_store_budget() -> int:
     """Bytes the module store of one space may take (ZOO_MODULE_STORE_BYTES, default 2 GiB)."""
-    return int(os.environ.get("ZOO_MODULE_STORE_BYTES", 2 << 30))
+    return config.MODULE_STORE_BYTES.get()
 
 
 def spaces_budget() -> int:
     """Bytes the spaces one engine holds loaded may take together (ZOO_SPACES_BYTES, default 4 GiB: two spaces whose
     module stores are at the 2 GiB limit); the space being queried is kept even when it alone passes it."""
-    return int(os.environ.get("ZOO_SPACES_BYTES", 4 << 30))
+    return config.SPACES_BYTES.get()
 
 
 def index_path(data_dir: Path, embedder_id: int) -> Path:
@@ -217,7 +217,7 @@ def embed_chunk_bytes() -> int:
     """Bytes of float32 factors read from the blob store at a time (ZOO_EMBED_CHUNK_BYTES, default 512 MiB) when a
     space's adapters are embedded or put in its module store: with the embedders' own working memory, what
     `zoo embed` holds at once besides the module store, whatever the zoo's size."""
-    return int(os.environ.get("ZOO_EMBED_CHUNK_BYTES", 512 << 20))
+    return config.EMBED_CHUNK_BYTES.get()
 
 
 def module_layout(session: Session, base_model: str, schema: SpaceSchema) -> dict[str, tuple[int, int, int]]:

@@ -10,7 +10,6 @@ at their next step once past it, and its slot is free only when its thread is.""
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,13 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from flask import Response, current_app, g
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.engine import QueryEngine
-from zoo import deadline, memory
+from zoo import config, deadline, memory
 from zoo.config import Settings
 from zoo.deadline import TimeLimitError
 from zoo.errors import ZooError
@@ -98,28 +97,26 @@ class WebConfig:
     #: `POST /api/v1/ingest` may name paths under this directory only (None: paths are refused)
     import_root: Path | None = None
     #: uploads larger than this are refused with 413
-    max_upload_bytes: int = 256 << 20
+    max_upload_bytes: int = config.MAX_UPLOAD_BYTES.default
     #: read endpoints need a token too
-    read_token_required: bool = False
+    read_token_required: bool = config.READ_TOKEN_REQUIRED.default
     #: seconds an expensive call (an upload read and canonicalized, a prediction) may take
-    time_limit_s: float = 60.0
+    time_limit_s: float = config.TIME_LIMIT_S.default
     #: threads for expensive calls, and calls that may wait for one (per process)
-    call_workers: int = 2
-    call_queue: int = 2
+    call_workers: int = config.CALL_WORKERS.default
+    call_queue: int = config.CALL_QUEUE.default
 
     @classmethod
     def from_env(cls, overrides: dict[str, object]) -> WebConfig:
-        def pick(key: str, default: object) -> Any:  # a config value of any type, or an environment variable's string
-            return overrides.get(key, os.environ.get(key, default))
-
-        root = pick("ZOO_IMPORT_ROOT", None)
+        """The settings of zoo.config, each from the app's config keys (`overrides`) or the environment."""
+        root = config.IMPORT_ROOT.get(overrides)
         return cls(
-            import_root=Path(str(root)).expanduser().resolve() if root else None,
-            max_upload_bytes=int(pick("ZOO_MAX_UPLOAD_BYTES", cls.max_upload_bytes)),
-            read_token_required=str(pick("ZOO_READ_TOKEN_REQUIRED", "0")).lower() in ("1", "true", "yes"),
-            time_limit_s=float(pick("ZOO_TIME_LIMIT_S", cls.time_limit_s)),
-            call_workers=max(1, int(pick("ZOO_CALL_WORKERS", cls.call_workers))),
-            call_queue=max(0, int(pick("ZOO_CALL_QUEUE", cls.call_queue))),
+            import_root=Path(root).expanduser().resolve() if root else None,
+            max_upload_bytes=config.MAX_UPLOAD_BYTES.get(overrides),
+            read_token_required=config.READ_TOKEN_REQUIRED.get(overrides),
+            time_limit_s=config.TIME_LIMIT_S.get(overrides),
+            call_workers=max(1, config.CALL_WORKERS.get(overrides)),
+            call_queue=max(0, config.CALL_QUEUE.get(overrides)),
         )
 
 

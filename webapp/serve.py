@@ -14,7 +14,6 @@ gunicorn at all.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from gunicorn.app.base import BaseApplication
 from gunicorn.http.errors import NoMoreData
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
+from zoo import config
 from zoo.config import Settings
 
 if TYPE_CHECKING:
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
 DEFAULT_THREADS = 32
 #: seconds a kept-alive connection may idle between requests
 KEEPALIVE_S = 2
-
-
-def _seconds(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
 
 
 class _DeadlineSocket:
@@ -63,9 +59,9 @@ class _DeadlineSocket:
 
 
 class ZooConn(TConn):
-    header_timeout = 5.0
-    body_timeout = 120.0
-    io_timeout = 30.0
+    header_timeout = config.HEADER_TIMEOUT_S.default
+    body_timeout = config.BODY_TIMEOUT_S.default
+    io_timeout = config.IO_TIMEOUT_S.default
     deadline = float("inf")
     timed_out = False
 
@@ -83,9 +79,9 @@ class ZooThreadWorker(ThreadWorker):
     """gthread with a deadline for each request's headers and body and a timeout on each socket operation."""
 
     def init_process(self) -> None:
-        ZooConn.header_timeout = _seconds("ZOO_HEADER_TIMEOUT_S", ZooConn.header_timeout)
-        ZooConn.body_timeout = _seconds("ZOO_BODY_TIMEOUT_S", ZooConn.body_timeout)
-        ZooConn.io_timeout = _seconds("ZOO_IO_TIMEOUT_S", ZooConn.io_timeout)
+        ZooConn.header_timeout = config.HEADER_TIMEOUT_S.get()
+        ZooConn.body_timeout = config.BODY_TIMEOUT_S.get()
+        ZooConn.io_timeout = config.IO_TIMEOUT_S.get()
         super().init_process()
 
     def accept(self, listener: socket.socket) -> None:
@@ -139,8 +135,8 @@ def serve(settings: Settings, host: str, port: int, workers: int, threads: int =
         "bind": f"{host}:{port}",
         "workers": workers,
         "threads": threads,
-        "worker_class": os.environ.get("ZOO_WORKER_CLASS", "webapp.serve.ZooThreadWorker"),
-        "worker_connections": int(os.environ.get("ZOO_WORKER_CONNECTIONS", 1000)),
+        "worker_class": config.WORKER_CLASS.get(),
+        "worker_connections": config.WORKER_CONNECTIONS.get(),
         "keepalive": KEEPALIVE_S,
         "timeout": timeout,
         "accesslog": "-",

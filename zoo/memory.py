@@ -11,8 +11,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 import threading
+
+from zoo import config
 
 _lock = threading.Lock()
 
@@ -30,7 +31,7 @@ def _malloc_trim() -> ctypes.CDLL | None:
 def trim() -> bool:
     """Return the heaps' free memory to the system; whether glibc's malloc_trim was there to do it."""
     libc = _malloc_trim()
-    if libc is None or os.environ.get("ZOO_MALLOC_TRIM", "1") == "0":  # 0: off (to measure what it gives back)
+    if libc is None or not config.MALLOC_TRIM.get():  # 0: off (to measure what it gives back)
         return False
     with _lock:  # one trim at a time: each walks every arena
         libc.malloc_trim(0)

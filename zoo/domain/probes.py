@@ -13,12 +13,12 @@ Drawing a module's probes costs more than using them at LLM widths (Ω and Ψ of
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 
 import torch
 from cachetools import LRUCache, cached
 
+from zoo import config
 from zoo.domain.canonical import CanonicalFactors
 
 
@@ -36,7 +36,7 @@ def _probe_bytes(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
     return pair[0].nbytes + pair[1].nbytes
 
 
-_CACHE: LRUCache = LRUCache(maxsize=int(os.environ.get("ZOO_PROBE_CACHE_BYTES", 512 << 20)), getsizeof=_probe_bytes)
+_CACHE: LRUCache = LRUCache(maxsize=config.PROBE_CACHE_BYTES.get(), getsizeof=_probe_bytes)
 
 #: `draw_probes` through the cache, shared by the threads of a process (the tensors are shared: do not modify them)
 probes = cached(_CACHE, lock=threading.Lock())(draw_probes)

@@ -7,9 +7,9 @@ inside the database's columns (PostgreSQL refuses longer strings and integers pa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 
+from zoo import config
 from zoo.errors import InputError
 from zoo.formats.model import AdapterData
 
@@ -25,19 +25,19 @@ MAX_LAYER = 100_000
 
 def max_rank() -> int:
     """Largest LoRA rank accepted (ZOO_MAX_RANK, default 4096); a rank must also not exceed both sides of its module."""
-    return int(os.environ.get("ZOO_MAX_RANK", 4096))
+    return config.MAX_RANK.get()
 
 
 def max_modules() -> int:
     """Most modules in one source (ZOO_MAX_MODULES, default 4096)."""
-    return int(os.environ.get("ZOO_MAX_MODULES", 4096))
+    return config.MAX_MODULES.get()
 
 
 def max_module_width() -> int:
     """Widest side of a module (or any tensor of two or more dimensions) accepted (ZOO_MAX_MODULE_WIDTH, default
     524,288 = 2^19: the head or embedding of a 262,144-token vocabulary passes). Sketching a module draws 64 float64
     probes per row and column: 0.5 KiB of working memory per unit of width, 4 GiB for a module 8M wide (issue 30)."""
-    return int(os.environ.get("ZOO_MAX_MODULE_WIDTH", 1 << 19))
+    return config.MAX_MODULE_WIDTH.get()
 
 
 def check_widths(path: object, shapes: Iterable[tuple[str, Sequence[int]]]) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from zoo import config
 from zoo.errors import InputError
 
 #: bytes per element of each safetensors dtype
@@ -41,17 +42,17 @@ _CHUNK = 1 << 22
 
 def max_header_bytes() -> int:
     """Largest safetensors JSON header accepted (ZOO_MAX_HEADER_BYTES, default 16 MiB)."""
-    return int(os.environ.get("ZOO_MAX_HEADER_BYTES", 16 << 20))
+    return config.MAX_HEADER_BYTES.get()
 
 
 def max_file_bytes() -> int:
     """Largest weight file accepted (ZOO_MAX_FILE_BYTES, default 4 GiB), as for uploads."""
-    return int(os.environ.get("ZOO_MAX_FILE_BYTES", 4 << 30))
+    return config.MAX_FILE_BYTES.get()
 
 
 def stream_min_bytes() -> int:
     """Safetensors files at least this large are streamed, not held (ZOO_STREAM_MIN_BYTES, default 256 MiB)."""
-    return int(os.environ.get("ZOO_STREAM_MIN_BYTES", 256 << 20))
+    return config.STREAM_MIN_BYTES.get()
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:

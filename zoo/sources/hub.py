@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from zoo import config
 from zoo.errors import InputError, UsageError
 from zoo.formats.safe_load import max_file_bytes
 from zoo.sources import Origin
@@ -88,7 +89,7 @@ def parse(source: str) -> HubRef:
 
 def max_wait_s() -> float:
     """Longest time one source spends retrying a rate-limited or failing Hub (ZOO_HUB_MAX_WAIT_S, default 120)."""
-    return float(os.environ.get("ZOO_HUB_MAX_WAIT_S", 120))
+    return config.HUB_MAX_WAIT_S.get()
 
 
 def _endpoint() -> str | None:

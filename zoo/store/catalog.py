@@ -16,7 +16,6 @@ matches as a prefix. Queries are built from search words only, so no user text i
 from __future__ import annotations
 
 import json
-import os
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,6 +49,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from zoo import config
 from zoo.errors import UsageError
 from zoo.store import repository
 from zoo.store.models import SQLITE_FTS_TABLE, Adapter, AdapterText, Label
@@ -86,7 +86,7 @@ RANK_ROWS = 20_000
 def facet_exact_rows() -> int:
     """Matching adapters (PostgreSQL's estimate) up to which facets and the total are exact (ZOO_FACET_EXACT_ROWS,
     default 10,000); past it they are counted in a sample and flagged `approximate`."""
-    return int(os.environ.get("ZOO_FACET_EXACT_ROWS", 10_000))
+    return config.FACET_EXACT_ROWS.get()
 
 
 _WORD = re.compile(r"[^\W_]+")

@@ -20,7 +20,6 @@ the job row, in every transaction.
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import NotRequired, TypedDict, cast
 from sqlalchemy import ColumnElement, CursorResult, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from zoo import config
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow
 from zoo.store.models import Job, JobItem, JobOptions, StoredLabels
@@ -51,7 +51,7 @@ STAGE_SAMPLE = 1000
 
 def lease_seconds() -> float:
     """How long a claim holds an item without a heartbeat (ZOO_JOB_LEASE_S, default 60)."""
-    return float(os.environ.get("ZOO_JOB_LEASE_S", "60"))
+    return config.JOB_LEASE_S.get()
 
 
 def _now() -> datetime:
