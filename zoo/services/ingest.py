@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypedDict, TypeVar
+from typing import TypeVar
 
 import torch
 from sqlalchemy import Connection, bindparam, insert, select
@@ -31,6 +31,7 @@ from zoo.store.catalog import write_search_text
 from zoo.store.labels import write_labels
 from zoo.store.locks import store_locks
 from zoo.store.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module
+from zoo.store.repository import ModuleFields
 from zoo.store.session import write_transaction
 
 #: formats read, canonicalized and described on one torch thread (see one_torch_thread; the blob is written on
@@ -107,28 +108,11 @@ def small_work_on_one_thread(data: AdapterData) -> contextlib.AbstractContextMan
     return one_torch_thread(elements < SMALL_ADAPTER_ELEMENTS)
 
 
-class ModuleRow(TypedDict):
+class ModuleRow(ModuleFields):
     """A module table row (without its adapter id), for one bulk insert per adapter."""
 
-    name: str
-    layer_index: int | None
-    module_type: str
-    kind: str
     out_features: int
     in_features: int
-    rank: int | None  # LoRA's: none for a full matrix
-    canonical_rank: int | None
-    alpha: float | None
-    scale: float | None
-    transposed: bool
-    singular_values: list[float]
-    spectral_norm: float
-    frobenius_norm: float
-    stable_rank: float
-    effective_rank: float
-    power_law_alpha: float | None
-    power_law_xmin: float | None
-    power_law_ks: float | None
 
 
 def _module_row(

@@ -106,15 +106,14 @@ class AdapterSummary(TypedDict):
     created_at: str | None
 
 
-class ModuleDetail(TypedDict):
-    """One adapted module of a stored adapter, with its spectrum."""
+class ModuleFields(TypedDict):
+    """What a module row and its resource share: its name, LoRA settings and spectrum."""
 
     name: str
     layer_index: int | None
     module_type: str
     kind: str
-    shape: list[int]  # [out_features, in_features]
-    rank: int | None
+    rank: int | None  # LoRA's: none for a full matrix
     canonical_rank: int | None
     alpha: float | None
     scale: float | None
@@ -127,6 +126,12 @@ class ModuleDetail(TypedDict):
     power_law_alpha: float | None
     power_law_xmin: float | None
     power_law_ks: float | None
+
+
+class ModuleDetail(ModuleFields):
+    """One adapted module of a stored adapter, with its spectrum."""
+
+    shape: list[int]  # [out_features, in_features]
 
 
 class AdapterDetail(AdapterSummary):
