@@ -134,10 +134,7 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
         sim = hybrid_score(exact[score.exact][flat], w2t, score.w2t_weight)
         per = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
         quality[score] = per["mrr"] + per["ndcg@10"]
-    names = list(quality)
-    table = np.stack([quality[k] for k in names], axis=1)
-    column = {k: i for i, k in enumerate(names)}
-    chosen, value = best_expected(names, reference, lambda c, items: float(table[items, column[c]].mean()), len(flat))
+    chosen, value = best_expected(list(quality), reference, lambda c, items: float(quality[c][items].mean()), len(flat))
     means = {k: float(v.mean()) for k, v in quality.items()}
     return Choice(chosen, means, _why(chosen, reference, value, len(flat), "MRR + nDCG@10"))
 
