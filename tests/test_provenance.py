@@ -1,0 +1,360 @@
+"""Provenance from the weights (issue 33): transforms, merges and continuations found from adapters' factors.
+
+Random low-rank adapters of a few small modules; each relation is made the way it is made in the wild (alpha
+changed, A and B cast, the SVD truncated, A and B magnitude-pruned, PEFT's add_weighted_adapter) and must be
+found with its parameter, while unrelated adapters give no edge.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.continuation import detect_continuation
+from zoo.domain.merges import detect_merge
+from zoo.domain.provenance import Relations, find_relations
+from zoo.domain.transforms import Update, detect_transform, expected_cast_residual, residual_class
+from zoo.formats import LoraModule
+
+SHAPES = {"layers.0.q_proj": (24, 20), "layers.0.v_proj": (24, 20), "layers.1.q_proj": (20, 24), "layers.1.fc": (32, 20)}
+Raw = dict[str, LoraModule]
+seeds = st.integers(0, 2**31 - 1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: torch's threads cost more than they give (25 times here, on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_adapter(seed: int, rank: int = 3, alpha: float = 6.0) -> Raw:
+    """A and B as a trained LoRA has them: A near its Kaiming-like init, B of a smaller scale."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        name: LoraModule(
+            name, torch.randn(rank, fan_in, generator=g) / fan_in**0.5, 0.05 * torch.randn(fan_out, rank, generator=g), alpha, alpha / rank
+        )
+        for name, (fan_out, fan_in) in SHAPES.items()
+    }
+
+
+def update(raw: Raw, id: int | None = None, keep_raw: bool = True) -> Update:
+    return Update({n: canonicalize(m.A, m.B, m.scale) for n, m in raw.items()}, raw if keep_raw else None, id)
+
+
+def remake(raw: Raw, A=lambda m: m.A, B=lambda m: m.B, scale=lambda m: m.scale) -> Raw:  # noqa: ANN001
+    return {n: LoraModule(n, A(m), B(m), m.alpha, scale(m)) for n, m in raw.items()}
+
+
+def cast(raw: Raw, dtype: torch.dtype) -> Raw:
+    return remake(raw, A=lambda m: m.A.to(dtype).float(), B=lambda m: m.B.to(dtype).float())
+
+
+def prune(t: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """The smallest-magnitude share `sparsity` of a tensor's entries set to zero."""
+    k = int(round(sparsity * t.numel()))
+    if k == 0:
+        return t
+    threshold = t.abs().flatten().kthvalue(k).values
+    return torch.where(t.abs() <= threshold, torch.zeros_like(t), t)
+
+
+def assert_confidences(relations: Relations) -> None:
+    edges = [*relations.transforms, *relations.continuations, *([relations.merge] if relations.merge else [])]
+    for e in edges:
+        assert 0.0 <= e.confidence <= 1.0
+
+
+def assert_no_edge(query: Update, candidates: list[Update]) -> None:
+    relations = find_relations(query, candidates)
+    assert relations == Relations(), relations
+
+
+# --- transforms -------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds, st.floats(0.05, 20.0), st.booleans())
+def test_a_rescaled_copy_is_found_with_its_factor(seed: int, factor: float, keep_raw: bool) -> None:
+    assume(abs(factor - 1.0) > 1e-3)
+    parent = random_adapter(seed)
+    child = remake(parent, scale=lambda m: m.scale * factor)  # alpha changed: the same A and B
+    edge = detect_transform(update(child, keep_raw=keep_raw), update(parent, 7))
+    assert edge is not None and edge.relation == "rescaled" and edge.steps == ("rescaled",)
+    assert edge.parent == 7 and edge.child is None
+    assert edge.scale == pytest.approx(factor, rel=1e-5)
+    assert edge.confidence == 1.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds, st.sampled_from(["bf16", "fp16"]), st.booleans(), st.sampled_from([1.0, 0.25, 3.0]))
+def test_a_cast_is_found_with_its_precision(seed: int, precision: str, keep_raw: bool, factor: float) -> None:
+    parent = random_adapter(seed)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    child = cast(remake(parent, scale=lambda m: m.scale * factor), dtype)
+    edge = detect_transform(update(child, keep_raw=keep_raw), update(parent, 1))
+    assert edge is not None and edge.precision == precision
+    assert edge.steps == (("rescaled", "cast") if factor != 1.0 else ("cast",))
+    assert edge.relation == ("rescaled" if factor != 1.0 else "cast")
+    assert edge.scale == pytest.approx(factor, rel=1e-2)
+    # the residual is the rounding's, within a factor 2 of what the precision predicts
+    assert 0.5 < edge.evidence["relative_residual"] / expected_cast_residual(precision) < 2.0
+
+
+def test_cast_bands_tile_and_unrelated_residuals_fall_outside() -> None:
+    assert residual_class(0.0) == "identical"
+    assert residual_class(expected_cast_residual("fp16")) == "fp16"
+    assert residual_class(expected_cast_residual("bf16")) == "bf16"
+    assert residual_class(0.05) is None
+
+
+def test_raw_factors_that_no_precision_holds_rule_out_a_cast() -> None:
+    """Noise of a bf16 cast's size, but float32 entries: not a cast (the raw factors are checked)."""
+    parent = random_adapter(3)
+    g = torch.Generator().manual_seed(4)
+    noisy = remake(parent, B=lambda m: m.B * (1 + 2.3e-3 * torch.randn(m.B.shape, generator=g)))
+    edge = detect_transform(update(noisy), update(parent, 1))
+    assert edge is None
+    assert detect_transform(update(noisy, keep_raw=False), update(parent, 1)) is not None  # canonical only: looks like one
+
+
+def truncate(raw: Raw, k: int) -> Raw:
+    """Top-k of each module's SVD, written back as rank-k factors (B = U_k S_k, A = V_kᵀ)."""
+    out = {}
+    for n, m in raw.items():
+        U, S, Vh = torch.linalg.svd(m.scale * (m.B.double() @ m.A.double()), full_matrices=False)
+        out[n] = LoraModule(n, Vh[:k].float(), (U[:, :k] * S[:k]).float(), float(k), 1.0)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds, st.integers(3, 6), st.data())
+def test_a_truncation_is_found_with_its_kept_rank(seed: int, rank: int, data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, rank - 1))
+    parent = random_adapter(seed, rank=rank)
+    for m in parent.values():  # the top-k subspace must be defined: no (near) tie at the cut
+        S = torch.linalg.svdvals(m.B.double() @ m.A.double())
+        assume(float(S[k - 1] - S[k]) > 1e-3 * float(S[0]))
+    edge = detect_transform(update(truncate(parent, k)), update(parent, 2))
+    assert edge is not None and edge.relation == "truncated"
+    assert edge.kept_rank == {n: k for n in SHAPES}
+    assert edge.scale == pytest.approx(1.0, rel=1e-4)
+    assert edge.evidence["discarded_energy"] > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds, st.floats(0.03, 0.6))
+def test_a_magnitude_pruned_copy_is_found_with_its_sparsity(seed: int, sparsity: float) -> None:
+    parent = random_adapter(seed)
+    child = remake(parent, A=lambda m: prune(m.A, sparsity), B=lambda m: prune(m.B, sparsity))
+    edge = detect_transform(update(child), update(parent, 3))
+    assert edge is not None and edge.relation == "pruned"
+    assert edge.sparsity == pytest.approx(sparsity, abs=0.02)
+
+
+def test_a_pruned_copy_needs_its_raw_factors() -> None:
+    """Stored canonical factors keep no zeros: pruning is recognized at ingest only, and else gives no edge."""
+    parent = random_adapter(5)
+    child = remake(parent, A=lambda m: prune(m.A, 0.3), B=lambda m: prune(m.B, 0.3))
+    assert detect_transform(update(child, keep_raw=False), update(parent, 3)) is None
+
+
+@settings(max_examples=20, deadline=None)
+@given(seeds, st.booleans())
+def test_an_identical_update_is_found_whatever_its_factorization(seed: int, keep_raw: bool) -> None:
+    """The gauge freedom: B·M and M⁻¹·A (M invertible) are the same update, and rescaling them is still found."""
+    parent = random_adapter(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    M = {n: torch.eye(3) + 0.5 * torch.randn(3, 3, generator=g) for n in SHAPES}
+    assume(all(float(torch.linalg.cond(m)) < 50 for m in M.values()))
+    regauged = {n: LoraModule(n, torch.linalg.solve(M[n], m.A), m.B @ M[n], m.alpha, m.scale) for n, m in parent.items()}
+    edge = detect_transform(update(regauged, keep_raw=keep_raw), update(parent, 1))
+    assert edge is not None and edge.relation == "identical"
+    rescaled = remake(regauged, scale=lambda m: 2.0 * m.scale)
+    edge = detect_transform(update(rescaled, keep_raw=keep_raw), update(parent, 1))
+    assert edge is not None and edge.relation == "rescaled" and edge.scale == pytest.approx(2.0, rel=1e-5)
+
+
+def test_the_parent_of_a_stored_copy_is_found_the_other_way() -> None:
+    parent = random_adapter(11, rank=4)
+    relations = find_relations(update(parent), [update(random_adapter(12), 1), update(truncate(parent, 2), 2)])
+    assert [(e.parent, e.child, e.relation) for e in relations.transforms] == [(None, 2, "truncated")]
+
+
+# --- unrelated adapters -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(seeds, st.booleans())
+def test_an_unrelated_adapter_gives_no_edge(seed: int, keep_raw: bool) -> None:
+    candidates = [update(random_adapter(seed + i + 1), i) for i in range(6)]
+    assert_no_edge(update(random_adapter(seed), keep_raw=keep_raw), candidates)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seeds, st.floats(2.0, 4.0))
+def test_a_same_task_adapter_far_from_the_parent_gives_no_edge(seed: int, spread: float) -> None:
+    """Parent + an independent perturbation of A and B `spread` times their size: similar, not related."""
+    parent = random_adapter(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    sibling = remake(
+        parent,
+        A=lambda m: m.A + spread * m.A.norm() / m.A.numel() ** 0.5 * torch.randn(m.A.shape, generator=g),
+        B=lambda m: m.B + spread * m.B.norm() / m.B.numel() ** 0.5 * torch.randn(m.B.shape, generator=g),
+    )
+    candidates = [update(parent, 0), *(update(random_adapter(seed + i + 2), i) for i in range(1, 8))]
+    assert_no_edge(update(sibling), candidates)
+
+
+# --- merges -----------------------------------------------------------------------------------------------
+
+
+def weighted_sum(parents: list[Update], weights: list[float]) -> Update:
+    """Σ w_i dW_i as one adapter whose factors are the parents' concatenated (what PEFT's `cat` writes)."""
+    out = {}
+    for n in SHAPES:
+        fs: list[CanonicalFactors] = [p.factors[n] for p in parents]
+        U = torch.cat([f.U for f in fs], dim=1)
+        V = torch.cat([w * f.S[:, None] * f.V.T for f, w in zip(fs, weights, strict=True)])
+        out[n] = canonicalize(V, U)
+    return Update(out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds, st.lists(st.floats(0.2, 1.0), min_size=2, max_size=3), st.data())
+def test_a_weighted_sum_of_candidates_is_found_with_parents_and_weights(seed: int, weights: list[float], data: st.DataObject) -> None:
+    candidates = [update(random_adapter(seed + i), 100 + i, keep_raw=False) for i in range(10)]
+    chosen = data.draw(st.lists(st.integers(0, 9), min_size=len(weights), max_size=len(weights), unique=True))
+    merge = detect_merge(weighted_sum([candidates[i] for i in chosen], weights), candidates)
+    assert merge is not None and merge.combination == "cat"
+    found = dict(zip(merge.parents, merge.weights, strict=True))
+    assert set(found) == {100 + i for i in chosen}
+    for i, w in zip(chosen, weights, strict=True):
+        assert found[100 + i] == pytest.approx(w, abs=0.05)
+
+
+def test_a_merge_is_found_whatever_the_query_factorization() -> None:
+    candidates = [update(random_adapter(40 + i), i, keep_raw=False) for i in range(8)]
+    merged = weighted_sum([candidates[1], candidates[6]], [0.4, 0.9])
+    g = torch.Generator().manual_seed(0)
+    regauged = {}
+    for n, f in merged.factors.items():
+        M = torch.eye(f.rank) + 0.3 * torch.randn(f.rank, f.rank, generator=g)
+        regauged[n] = canonicalize(torch.linalg.solve(M, f.S[:, None] * f.V.T), f.U @ M)
+    a, b = detect_merge(merged, candidates), detect_merge(Update(regauged), candidates)
+    assert a is not None and b is not None
+    assert a.parents == b.parents and a.weights == pytest.approx(b.weights, abs=1e-4)
+
+
+# --- merges made by PEFT ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def peft_model():  # noqa: ANN201
+    from peft import LoraConfig, get_peft_model
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(20, 32)
+            self.down = torch.nn.Linear(32, 24)
+
+    torch.manual_seed(0)
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["up", "down"]}
+    model = get_peft_model(Tiny(), LoraConfig(**config), adapter_name="a0")
+    for i in range(1, 8):
+        model.add_adapter(f"a{i}", LoraConfig(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * (0.3 if "lora_A" in name else 0.05))
+    return model
+
+
+def peft_update(model, adapter: str, id: int | None = None) -> Update:  # noqa: ANN001
+    state = model.state_dict()
+    config = model.peft_config[adapter]
+    factors = {}
+    for module in ("up", "down"):
+        A = state[f"base_model.model.{module}.lora_A.{adapter}.weight"]
+        B = state[f"base_model.model.{module}.lora_B.{adapter}.weight"]
+        factors[module] = canonicalize(A, B, config.lora_alpha / config.r)
+    return Update(factors, id=id)
+
+
+@pytest.mark.parametrize("combination", ["cat", "svd", "linear"])
+def test_peft_merges_are_found_with_parents_weights_and_combination(peft_model, combination: str) -> None:  # noqa: ANN001
+    candidates = [peft_update(peft_model, f"a{i}", i) for i in range(8)]
+    parents, weights = [2, 5, 6], [0.5, 0.3, 0.8]
+    peft_model.add_weighted_adapter([f"a{i}" for i in parents], weights, f"merged_{combination}", combination_type=combination)
+    merge = detect_merge(peft_update(peft_model, f"merged_{combination}"), candidates)
+    assert merge is not None and merge.combination == combination
+    found = dict(zip(merge.parents, merge.weights, strict=True))
+    assert set(found) == set(parents)
+    for i, w in zip(parents, weights, strict=True):
+        assert found[i] == pytest.approx(w, abs=0.05)
+    assert merge.confidence > 0.5 and merge.evidence["relative_residual"] < 1e-3
+
+
+def test_a_merge_of_two_is_found_with_two_parents(peft_model) -> None:  # noqa: ANN001
+    candidates = [peft_update(peft_model, f"a{i}", i) for i in range(8)]
+    peft_model.add_weighted_adapter(["a1", "a3"], [1.0, 0.6], "two_linear", combination_type="linear")
+    merge = detect_merge(peft_update(peft_model, "two_linear"), candidates)
+    assert merge is not None and merge.combination == "linear"
+    assert dict(zip(merge.parents, merge.weights, strict=True)) == {1: pytest.approx(1.0, abs=0.05), 3: pytest.approx(0.6, abs=0.05)}
+
+
+# --- continuations ------------------------------------------------------------------------------------------
+
+
+def trained_further(raw: Raw, seed: int, growth: float) -> Raw:
+    """More steps of the same run: B grows along and beside its direction, A drifts a little from its init."""
+    g = torch.Generator().manual_seed(seed)
+    return remake(
+        raw,
+        A=lambda m: m.A + 0.05 * m.A.norm() / m.A.numel() ** 0.5 * torch.randn(m.A.shape, generator=g),
+        B=lambda m: growth * m.B + 0.3 * m.B.norm() / m.B.numel() ** 0.5 * torch.randn(m.B.shape, generator=g),
+    )
+
+
+@settings(max_examples=20, deadline=None)
+@given(seeds, st.floats(1.3, 3.0))
+def test_a_continuation_is_found_with_its_direction(seed: int, growth: float) -> None:
+    parent = random_adapter(seed)
+    child = trained_further(parent, seed + 1, growth)
+    forward = detect_continuation(update(child), update(parent, 1))
+    backward = detect_continuation(update(parent), update(child, 2))
+    assert forward is not None and backward is not None
+    assert forward.query_is_later and not backward.query_is_later
+    assert forward.direction_confidence > 0.5 and 0.0 <= forward.confidence <= 1.0
+    votes = {v.name: v for v in forward.votes}
+    assert votes["norm"].query_is_later and votes["norm"].query > votes["norm"].candidate
+    assert {"norm", "kurtosis", "stable_rank", "spectral_norm"} <= votes.keys()
+    relations = find_relations(update(child), [update(parent, 1), *(update(random_adapter(seed + i + 2), i + 2) for i in range(4))])
+    assert [e.other for e in relations.continuations] == [1] and relations.merge is None and not relations.transforms
+    assert_confidences(relations)
+
+
+def test_a_copy_is_no_continuation() -> None:
+    parent = random_adapter(9)
+    assert detect_continuation(update(cast(parent, torch.bfloat16)), update(parent, 1)) is None
+    assert detect_continuation(update(random_adapter(10)), update(parent, 1)) is None
+
+
+def test_adapters_of_another_structure_are_not_compared() -> None:
+    parent = random_adapter(1)
+    other_rank = random_adapter(1, rank=5)
+    assert detect_transform(update(other_rank), update(parent, 1)) is None
+    assert detect_continuation(update(other_rank), update(parent, 1)) is None
+    fewer = {n: m for n, m in parent.items() if n != "layers.1.fc"}
+    assert find_relations(update(fewer), [update(parent, 1)]) == Relations()
+    assert math.isfinite(expected_cast_residual("bf16"))

@@ -1,0 +1,50 @@
+"""Provenance from the weights (issue 33): how a query adapter relates to k stored candidates of its structure.
+
+`find_relations` runs the three detectors on one query and its candidates (the engine's nearest neighbours
+at ingest, k ≤ 32), costing O(k) inner products of low-rank updates plus a few r×r fits per module:
+
+- a transform of one update (zoo/domain/transforms.py): identical, rescaled, cast to bf16/fp16 and back,
+  truncated to the top-k of its SVD, magnitude-pruned, or a chain of these; tried both ways (the query from a
+  candidate, then a candidate from the query);
+- a merge of 2-3 candidates (zoo/domain/merges.py): parents, weights and PEFT's combination (cat, svd,
+  linear) where the weights and residual say it, else `approximate`;
+- a continuation (zoo/domain/continuation.py): one training run at two points, and which came first.
+
+Inputs are `Update`s: canonical factors per module (what the blob store keeps) and, for the query at ingest,
+its raw factors. Every edge carries its evidence (named numbers) and a confidence in [0, 1], an ordering
+score until a lineage recipe calibrates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from zoo.domain.continuation import ContinuationEdge, detect_continuation
+from zoo.domain.merges import MergeEdge, detect_merge
+from zoo.domain.transforms import TransformEdge, Update, detect_transform
+
+__all__ = ["ContinuationEdge", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
+
+
+@dataclass(frozen=True)
+class Relations:
+    """What the weights say of a query against its candidates."""
+
+    transforms: tuple[TransformEdge, ...] = ()
+    merge: MergeEdge | None = None
+    continuations: tuple[ContinuationEdge, ...] = ()
+
+
+def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
+    """Transforms first (either way); a merge and continuations only where no transform explains the query."""
+    transforms = []
+    for c in candidates:
+        edge = detect_transform(query, c) or detect_transform(c, query)
+        if edge is not None:
+            transforms.append(edge)
+    if transforms:
+        return Relations(transforms=tuple(transforms))
+    merge = detect_merge(query, candidates)
+    continuations = tuple(e for c in candidates if (e := detect_continuation(query, c)) is not None)
+    return Relations(merge=merge, continuations=continuations)
