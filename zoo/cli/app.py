@@ -99,6 +99,7 @@ def serve_after(settings: Settings, args: argparse.Namespace, failures: list[str
 
 def cmd_make_zoo(settings: Settings, args: argparse.Namespace) -> int:
     from zoo.reference.build import make_zoo
+    from zoo.reference.lineage import Mix
 
     report = make_zoo(
         Path(args.out_dir),
@@ -108,6 +109,7 @@ def cmd_make_zoo(settings: Settings, args: argparse.Namespace) -> int:
         workers=args.workers,
         cache_dir=settings.data_dir / "cache",
         progress=not args.json,
+        mix=Mix.parse(args.mix) if args.mix is not None else None,
     )
     if args.json:
         print_json(report)
@@ -188,13 +190,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "pretrains once (cached under the data dir). Deterministic from --seed (workers pin the CPU "
         "kernels to AVX2 on x86-64, so AVX2 and AVX-512 machines build the same bytes), resumable "
         "(finished adapters are kept), parallel. Writes OUT_DIR/labels.csv with every "
-        "generating attribute and the held-out test_accuracy.",
+        "generating attribute and the held-out test_accuracy. A lineage recipe (shapes-lineage) trains roots and "
+        "makes children of them (rescaled, cast, truncated, pruned, merged, trained further), recording each one's "
+        "relation, parents and parameters.",
     )
     s.add_argument("out_dir", metavar="OUT_DIR")
     s.add_argument("--recipe", choices=sorted(RECIPES), default="digits-vit")
     s.add_argument("--count", type=int, default=100)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: %(default)s)")
+    s.add_argument(
+        "--mix",
+        metavar="KIND=SHARE,...",
+        help="a lineage recipe's share of roots, transforms, merges and continuations "
+        "(default: root=0.3,transform=0.3,merge=0.2,continuation=0.2; those named replace the defaults)",
+    )
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     s.set_defaults(func=cmd_make_zoo)
 

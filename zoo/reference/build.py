@@ -16,13 +16,15 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from zoo.errors import ZooError
+from zoo.errors import UsageError, ZooError
+from zoo.reference import lineage
+from zoo.reference.lineage import LineageAttributes, Mix
 from zoo.reference.recipes import Recipe, get_recipe
 from zoo.reference.training import AdapterAttributes
 
@@ -30,14 +32,21 @@ ATTRIBUTES_FILE = "zoo_attributes.json"
 LABELS_FILE = "labels.csv"
 #: Per-adapter bookkeeping kept in ATTRIBUTES_FILE but not written to labels.csv.
 NOT_LABELS = ("recipe", "base_model", "train_seconds", "cpu_kernels")
+#: Columns test accuracy is not broken down by (besides NOT_LABELS): one value or nearly one per adapter.
+NOT_GROUPED = ("name", "seed", "learning_rate", "test_accuracy", "parents", "weights", "scale", "sparsity")
 #: Training amplifies float rounding, so a seed gives the same bytes on two machines only if torch's
 #: own kernels (ATen), MKL's and oneDNN's take the same code paths on both. On x86-64 every build
 #: worker is held to AVX2, which AVX-512 CPUs have too; elsewhere nothing is pinned.
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+#: One adapter's generating attributes: its recipe's, or a lineage zoo member's.
+Attributes = AdapterAttributes | LineageAttributes
+
+
 class ManifestRow(AdapterAttributes):
-    """One adapter as built (its ATTRIBUTES_FILE): the generating attributes, its test accuracy, bookkeeping."""
+    """One adapter as built (its ATTRIBUTES_FILE): the generating attributes, its test accuracy, bookkeeping (a
+    lineage zoo member's also has LineageAttributes' keys, and None where its recipe's have none)."""
 
     name: str
     recipe: str
@@ -96,6 +105,18 @@ def planned_attributes(recipe: str, seed: int, index: int) -> AdapterAttributes:
     return get_recipe(recipe).sample_attributes(np.random.default_rng([seed, index]))
 
 
+def plan_zoo(recipe: str, seed: int, count: int, mix: Mix | None = None) -> dict[str, Attributes]:
+    """Every adapter's name and generating attributes; the first n do not depend on count (a lineage recipe's
+    member depends on the members before it)."""
+    r = get_recipe(recipe)
+    if r.lineage_of is None:
+        if mix is not None:
+            raise UsageError(f"--mix is for lineage recipes; {recipe} is not one")
+        return {adapter_name(recipe, i): planned_attributes(recipe, seed, i) for i in range(count)}
+    members = lineage.plan_lineage(r, seed, count, mix or Mix(), lambda i: adapter_name(recipe, i))
+    return {adapter_name(recipe, i): m for i, m in enumerate(members)}
+
+
 _CONTEXT: dict[tuple[str, str], Any] = {}
 
 
@@ -106,20 +127,28 @@ def _context(recipe: str, cache_dir: Path) -> Any:
     return _CONTEXT[key]
 
 
-def build_one(recipe: str, cache_dir: Path, out_dir: Path, name: str, attrs: AdapterAttributes) -> ManifestRow:
-    """Train one adapter and save it (PEFT's save_pretrained) to out_dir/name, atomically."""
+def build_one(recipe: str, cache_dir: Path, out_dir: Path, name: str, attrs: Attributes) -> ManifestRow:
+    """Train one adapter (or make a lineage member from its parents in out_dir) and save it (PEFT's
+    save_pretrained) to out_dir/name, atomically."""
     r = get_recipe(recipe)
     t0 = time.perf_counter()
-    model, acc = r.train(_context(recipe, cache_dir), attrs)
-    row: ManifestRow = {
-        "name": name,
-        "recipe": recipe,
-        "base_model": r.base_model,
-        **attrs,
-        "test_accuracy": round(acc, 6),
-        "train_seconds": round(time.perf_counter() - t0, 3),
-        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
-    }
+    ctx = _context(recipe, cache_dir)
+    if attrs.get("relation", "root") == "root":
+        model, acc = r.train(ctx, cast(AdapterAttributes, attrs))
+    else:
+        model, acc = lineage.make_child(r, ctx, out_dir, cast(LineageAttributes, attrs))
+    row = cast(
+        ManifestRow,  # a lineage member's attributes: see ManifestRow
+        {
+            "name": name,
+            "recipe": recipe,
+            "base_model": r.base_model,
+            **attrs,
+            "test_accuracy": round(acc, 6),
+            "train_seconds": round(time.perf_counter() - t0, 3),
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+        },
+    )
     tmp = out_dir / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), save_embedding_layers=False)  # "auto" would look the base up on the Hub
@@ -162,10 +191,9 @@ def _pinned_kernels() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _build(
-    recipe: str, cache_dir: Path, out_dir: Path, plan: dict[str, AdapterAttributes], workers: int, progress: bool
-) -> list[ManifestRow]:
-    """Build the planned adapters in fresh worker processes with pinned CPU kernels, the base first."""
+def _build(recipe: str, cache_dir: Path, out_dir: Path, plan: dict[str, Attributes], workers: int, progress: bool) -> list[ManifestRow]:
+    """Build the planned adapters in fresh worker processes with pinned CPU kernels, the base first, then the
+    roots, then the members made from them (a lineage zoo's)."""
     rows = []
     ctx = multiprocessing.get_context("spawn")
     bar = tqdm(total=len(plan), desc=f"make-zoo {recipe}", unit="adapter", disable=not progress)
@@ -174,9 +202,11 @@ def _build(
         while not _done_within(prepared, 5.0):
             bar.set_postfix_str(f"preparing the {recipe} base model (once, then cached)")
         bar.set_postfix_str("")
-        for fut in as_completed([pool.submit(build_one, recipe, cache_dir, out_dir, n, a) for n, a in plan.items()]):
-            rows.append(fut.result())
-            bar.update()
+        roots = {n: a for n, a in plan.items() if a.get("relation", "root") == "root"}
+        for stage in (roots, {n: a for n, a in plan.items() if n not in roots}):
+            for fut in as_completed([pool.submit(build_one, recipe, cache_dir, out_dir, n, a) for n, a in stage.items()]):
+                rows.append(fut.result())
+                bar.update()
     bar.close()
     return rows
 
@@ -190,7 +220,7 @@ def _done_within(future: Future, seconds: float) -> bool:
     return True
 
 
-def _finished(out_dir: Path, name: str, attrs: AdapterAttributes, recipe: str) -> ManifestRow | None:
+def _finished(out_dir: Path, name: str, attrs: Attributes, recipe: str) -> ManifestRow | None:
     path = out_dir / name / ATTRIBUTES_FILE
     if not path.exists():
         return None
@@ -211,8 +241,10 @@ def make_zoo(
     workers: int = 1,
     cache_dir: Path | None = None,
     progress: bool = True,
+    mix: Mix | None = None,
 ) -> ZooReport:
-    """Build (or finish building) `count` adapters of `recipe` in out_dir and write labels.csv.
+    """Build (or finish building) `count` adapters of `recipe` in out_dir and write labels.csv. `mix`: a lineage
+    recipe's share of each kind of member (None: the defaults).
 
     Returns a report: counts, timings, the spread of test accuracy by attribute, disk size.
     """
@@ -221,7 +253,7 @@ def make_zoo(
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache_dir) if cache_dir else out_dir / ".cache"
     t_start = time.perf_counter()
-    plan = {adapter_name(recipe, i): planned_attributes(recipe, seed, i) for i in range(count)}
+    plan = plan_zoo(recipe, seed, count, mix)
     rows: dict[str, ManifestRow] = {}
     for name, attrs in plan.items():
         done = _finished(out_dir, name, attrs, recipe)
@@ -260,9 +292,10 @@ def with_task_reference(spread: AccuracySpread, r: Recipe, cache_dir: Path) -> A
     if tasks:
         ctx = _context(r.name, cache_dir)
         for task, s in tasks.items():
-            base = r.base_accuracy(ctx, task)
-            s["chance"] = round(r.chance(task), 3)
-            s["base"] = round(base, 3) if base is not None else None
+            parts = task.split(lineage.TASKS_SEP)  # a merge's task is its parents' (mean over them)
+            bases = [r.base_accuracy(ctx, t) for t in parts]
+            s["chance"] = round(statistics.mean(r.chance(t) for t in parts), 3)
+            s["base"] = round(statistics.mean(b for b in bases if b is not None), 3) if None not in bases else None
     return spread
 
 
@@ -295,17 +328,18 @@ def accuracy_spread(rows: list[ManifestRow]) -> AccuracySpread:
     columns: list[Mapping[str, object]] = list(rows)  # read by attribute name
     by: dict[str, dict[str, Spread]] = {}
     for key in columns[0]:
-        if key in ("name", "seed", "learning_rate", "test_accuracy", *NOT_LABELS):
+        if key in (*NOT_GROUPED, *NOT_LABELS):
             continue
         groups: dict[str, list[float]] = defaultdict(list)
         for r, a in zip(columns, acc, strict=True):
-            groups[str(r[key])].append(a)
+            if r[key] is not None:  # a lineage member has no value for another kind's parameters
+                groups[str(r[key])].append(a)
         by[key] = {v: summary(g) for v, g in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
-    if "learning_rate" in rows[0] and len(rows) >= 4:
-        lr = np.array([float(r["learning_rate"]) for r in rows])
-        edges = np.quantile(lr, [0.25, 0.5, 0.75])
+    rated = [(float(lr), a) for r, a in zip(columns, acc, strict=True) if isinstance(lr := r.get("learning_rate"), int | float)]
+    if len(rated) >= 4:
+        edges = np.quantile([lr for lr, _ in rated], [0.25, 0.5, 0.75])
         bins: dict[str, list[float]] = defaultdict(list)
-        for value, a in zip(lr, acc, strict=True):
+        for value, a in rated:
             bins[f"q{int(np.searchsorted(edges, value)) + 1}"].append(a)
         by["learning_rate_quartile"] = {k: summary(v) for k, v in sorted(bins.items())}
     return {"overall": {**summary(acc), "std": round(statistics.pstdev(acc), 3)}, "by": by}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,8 +11,26 @@ import numpy as np
 
 if TYPE_CHECKING:
     from peft import PeftModel
+    from torch import nn
 
     from zoo.reference.training import AdapterAttributes
+
+
+@dataclass(frozen=True)
+class LineageHooks:
+    """What a recipe offers a lineage zoo grown from it (zoo/reference/lineage.py)."""
+
+    #: prepared context -> the base model (not a copy)
+    base: Callable[[Any], nn.Module]
+    #: (prepared context, model, task, seed) -> held-out accuracy, measured as for an adapter trained with that seed
+    score: Callable[[Any, nn.Module, str, int], float]
+    #: (prepared context, attributes, a saved adapter) -> that adapter trained further by the attributes, and its accuracy
+    resume: Callable[[Any, AdapterAttributes, Path], tuple[PeftModel, float]]
+    #: the least width (inputs or outputs) of any module an adapter may target: the most components an SVD keeps
+    max_svd_rank: int
+    #: the least larger side of any module an adapter may target: the most rank a `cat` merge may reach (the
+    #: readers refuse a rank above both sides of a module)
+    max_cat_rank: int
 
 
 @dataclass(frozen=True)
@@ -30,6 +48,10 @@ class Recipe:
     #: (prepared context, task) -> the base model's own held-out accuracy on the task, with no adapter (None where
     #: the base has no head for the task)
     base_accuracy: Callable[[Any, str], float | None]
+    #: how a lineage zoo grows from this recipe's adapters (None: it cannot)
+    lineage: LineageHooks | None = None
+    #: a lineage recipe's: the recipe its roots are trained by (None: a plain recipe)
+    lineage_of: str | None = None
 
 
 def _digits() -> Recipe:
@@ -85,10 +107,38 @@ def _shapes() -> Recipe:
         train=lambda ctx, attrs: shapes.train_adapter(ctx[0], ctx[1], attrs),
         chance=lambda task: 1 / len(shapes.task_classes(task)),
         base_accuracy=lambda ctx, task: shapes.held_out_accuracy(ctx[0], ctx[1], task, seed=0),
+        lineage=LineageHooks(
+            base=lambda ctx: ctx[0],
+            score=lambda ctx, model, task, seed: shapes.held_out_accuracy(model, ctx[1], task, seed),
+            resume=lambda ctx, attrs, parent: shapes.train_adapter(ctx[0], ctx[1], attrs, resume=parent),
+            max_svd_rank=9,  # the stem: 16 outputs of 3×3 kernels on one channel
+            max_cat_rank=16,
+        ),
     )
 
 
-RECIPES: dict[str, Callable[[], Recipe]] = {"digits-vit": _digits, "docs-minilm": _docs, "shapes-cnn": _shapes}
+def _lineage(of: Callable[[], Recipe], name: str) -> Callable[[], Recipe]:
+    """The lineage recipe grown from a recipe's adapters (zoo/reference/lineage.py)."""
+
+    def make() -> Recipe:
+        base = of()
+        return replace(
+            base,
+            name=name,
+            description=f"roots trained as {base.name} trains its adapters; children of them rescaled, cast, truncated, "
+            "pruned, merged by PEFT and trained further, with their parents recorded",
+            lineage_of=base.name,
+        )
+
+    return make
+
+
+RECIPES: dict[str, Callable[[], Recipe]] = {
+    "digits-vit": _digits,
+    "docs-minilm": _docs,
+    "shapes-cnn": _shapes,
+    "shapes-lineage": _lineage(_shapes, "shapes-lineage"),
+}
 
 
 def get_recipe(name: str) -> Recipe:

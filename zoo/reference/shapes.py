@@ -278,8 +278,9 @@ def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     }
 
 
-def train_adapter(base: ShapesCNN, data: ShapesData, attrs: AdapterAttributes) -> tuple[PeftModel, float]:
-    """Fine-tune LoRA on the task named in attrs; returns the PEFT model and its held-out accuracy."""
+def train_adapter(base: ShapesCNN, data: ShapesData, attrs: AdapterAttributes, resume: Path | None = None) -> tuple[PeftModel, float]:
+    """Fine-tune LoRA on the task named in attrs (`resume`: the saved adapter to train further); returns the PEFT
+    model and its held-out accuracy."""
     plan = AdapterPlan.of(attrs)
 
     def pick(gen: torch.Generator) -> BatchLoss:
@@ -294,7 +295,7 @@ def train_adapter(base: ShapesCNN, data: ShapesData, attrs: AdapterAttributes) -
         return batch_loss
 
     with single_thread():
-        model = train_lora(base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick)
+        model = train_lora(base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick, resume=resume)
         return model, held_out_accuracy(model, data, plan.task, plan.seed)
 
 

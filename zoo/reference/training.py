@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypedDict
 
 import torch
@@ -110,14 +111,21 @@ def train_lora(
     targets: str | Sequence[str],
     pick: Callable[[torch.Generator], BatchLoss],
     task_type: str | None = None,
+    resume: Path | None = None,
 ) -> PeftModel:
     """A LoRA adapter of (a copy of) `base` trained by the plan, in eval mode. Call inside `single_thread()`.
 
     The global torch seed is the plan's (LoRA's initialization draws from it); one generator seeded the same way
     is handed to `pick`, which draws the training sample and returns the loss of a batch drawn by it, once per step.
-    `task_type`: PEFT's task type (e.g. SEQ_CLS for a sequence classifier), None by default."""
+    `task_type`: PEFT's task type (e.g. SEQ_CLS for a sequence classifier), None by default. `resume`: a saved
+    adapter to train further, as PEFT resumes one (loaded with `is_trainable=True`, a fresh optimizer; the plan's
+    rank, alpha and targets are then the saved adapter's)."""
     torch.manual_seed(plan.seed)
-    model = get_peft_model(copy.deepcopy(base), lora_config(plan.rank, plan.alpha, targets, task_type))
+    model: PeftModel
+    if resume is None:
+        model = get_peft_model(copy.deepcopy(base), lora_config(plan.rank, plan.alpha, targets, task_type))
+    else:
+        model = PeftModel.from_pretrained(copy.deepcopy(base), str(resume), is_trainable=True)
     model.peft_config["default"].base_model_name_or_path = base_model
     generator = torch.Generator().manual_seed(plan.seed)
     batch_loss = pick(generator)
