@@ -22,6 +22,7 @@ from webapp.errors import ERROR_TYPES
 from zoo.services.export import FORMATS
 from zoo.store.catalog import CatalogPage
 from zoo.store.labels import AdapterLabels
+from zoo.store.relations import FromWeights
 
 MAX_IDS = 100
 MAX_PAGE = 1_000_000
@@ -35,7 +36,7 @@ class Filters(Schema):
         load_default=list,
         metadata={
             "description": "key=value, repeatable: base_model, format, rank, source (prefix), author, license, pipeline_tag, library, "
-            "base_model_relation, or a label"
+            "base_model_relation, relation (found from the weights: merge, rescaled, ...), derived_from (an adapter id), or a label"
         },
     )
 
@@ -190,6 +191,14 @@ class Lineage(Schema):
     same_base_model = Nested(RelatedAdapters)
     same_author = Nested(RelatedAdapters)
     same_source = Nested(RelatedAdapters)
+    from_weights = Nested(
+        lambda: typed_schema(FromWeights)(),
+        metadata={
+            "description": "relations found from the weights: `parents` (what it derives from), `children` (what derives from it), "
+            "each with its relation (identical, rescaled, cast, truncated, pruned, merge, continuation), parameters, evidence "
+            "and confidence; its scan; where its card's base_model_relation disagrees"
+        },
+    )
     limit = Integer()
 
 
