@@ -40,6 +40,7 @@ def upgrade() -> None:
         "relation_scan",
         sa.Column("adapter_id", sa.Integer(), sa.ForeignKey("adapter.id", ondelete="CASCADE"), primary_key=True),
         sa.Column("detector", sa.String(length=32), nullable=False),
+        sa.Column("space_version", sa.BigInteger(), nullable=False),
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("scanned_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
     )

@@ -22,30 +22,40 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TypedDict
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
+from threadpoolctl import threadpool_limits
 
 from embed.engine import SKETCH, Query, QueryEngine
-from embed.registry import get_space, serving_embedders
+from embed.registry import get_space, serving_embedders, space_version
 from zoo.domain.provenance import DETECTOR, ContinuationEdge, MergeEdge, Relations, TransformEdge, Update, find_relations
 from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
 from zoo.store.locks import space_lock
 from zoo.store.models import Adapter, RelationParameters
-from zoo.store.relations import EdgeRow, pending_scans, write_scan
+from zoo.store.relations import EdgeRow, pending_scans, scanned_before, write_scan
 from zoo.store.session import write_transaction
 
 #: nearest neighbours (by module-sketch cosine) a new adapter is compared with
 NEIGHBOURS = 8
+#: the least module-sketch cosine of a neighbour compared at all: every relation needs its dW to point the query's way
+#: (a copy ~1, a truncation sqrt of the energy kept, a continuation >= 0.5 by module, a merge's parent about its share),
+#: while unrelated adapters lie near 0; the detectors' cost at real widths is in these comparisons
+MIN_SCORE = 0.05
 #: close neighbours tested again as merges that may have the new adapter among their parents
 RECHECK = 4
 #: the least sketch cosine of a neighbour tested again (a merge's parents are near it: two equal parents, ~0.7)
 RECHECK_SCORE = 0.3
 #: relations with no direction in the weights: the older adapter (the lower id) is named the parent
 UNDIRECTED = ("identical", "rescaled", "cast")
+#: ONE_BLAS_THREAD: the detectors' products are of a few MB each (k·r columns of factors thousands of rows long), and on
+#: a busy machine (load 5 on 2 cores) two BLAS threads took 69 s for one adapter's find_relations at Llama-3-8B's widths
+#: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as
+#: zoo.services.ingest.one_torch_thread does for torch)
 #: errors kept in a report (the rest are counted)
 REPORTED_ERRORS = 10
 
@@ -70,17 +80,22 @@ def scan_space(
     with sessions() as session:
         space = get_space(session, base_model)
         sketch = serving_embedders(session, space.id).get(SKETCH) if space else None
-        todo = pending_scans(session, sketch.id, DETECTOR, ids) if sketch else []
+        if space is None or sketch is None:
+            return report
+        todo, space_id, sketch_id = pending_scans(session, sketch.id, DETECTOR, ids), space.id, sketch.id
     start = time.perf_counter()
     for adapter_id in todo:
+        with sessions() as session:
+            version = space_version(session, space_id)  # the engine searches this version or a later one
         try:
-            edges, error = _scan(engine, sessions, blobs, base_model, adapter_id), None
+            with threadpool_limits(limits=1, user_api="blas"):  # see ONE_BLAS_THREAD
+                edges, error = _scan(_Scan(engine, sessions, blobs, base_model, sketch_id), adapter_id), None
         except NotReadyError as exc:
             report["not_ready"] = str(exc)
             break
         except Exception as exc:  # noqa: BLE001 - one adapter's failure stops neither the step nor its ingest
             edges, error = [], f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-        if not _store(sessions, base_model, adapter_id, edges, error):
+        if not _store(sessions, base_model, adapter_id, edges, version, error):
             continue  # deleted meanwhile
         report["scanned"] += 1
         report["edges"] += len(edges)
@@ -93,12 +108,14 @@ def scan_space(
     return report
 
 
-def _store(sessions: sessionmaker[Session], base_model: str, adapter_id: int, edges: list[EdgeRow], error: str | None) -> bool:
+def _store(
+    sessions: sessionmaker[Session], base_model: str, adapter_id: int, edges: list[EdgeRow], version: int, error: str | None
+) -> bool:
     """One transaction per scan, under the space's lock (one writer of its edges at a time). False when an adapter
     of the scan was deleted meanwhile (its foreign key fails): nothing is stored."""
     try:
         with write_transaction(sessions, space_lock(base_model)) as session:
-            write_scan(session, adapter_id, edges, DETECTOR, error)
+            write_scan(session, adapter_id, edges, DETECTOR, version, error)
     except IntegrityError:
         return False
     return True
@@ -123,28 +140,41 @@ class _Factors:
         return [self.loaded[i] for i in ids if i in self.loaded]
 
 
-def _neighbours(engine: QueryEngine, sessions: sessionmaker[Session], base_model: str, adapter_id: int) -> list[tuple[int, float]]:
-    """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest, from the engine's index (its stored vector)."""
-    with sessions() as session:
-        found = engine.similar(session, base_model, Query(str(adapter_id), adapter_id=adapter_id), NEIGHBOURS, method="sketch")
-    return [(h["adapter_id"], h["score"]) for h in found["results"]]
+@dataclass(frozen=True)
+class _Scan:
+    """What scanning one space needs."""
+
+    engine: QueryEngine
+    sessions: sessionmaker[Session]
+    blobs: BlobStore
+    base_model: str
+    sketch_id: int  # the space's module-sketch embedder
+
+    def neighbours(self, adapter_id: int) -> list[tuple[int, float]]:
+        """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
+        the engine's index (its stored vector)."""
+        with self.sessions() as session:
+            query = Query(str(adapter_id), adapter_id=adapter_id)
+            found = self.engine.similar(session, self.base_model, query, NEIGHBOURS, method="sketch")
+        return [(h["adapter_id"], h["score"]) for h in found["results"] if h["score"] >= MIN_SCORE]
 
 
-def _scan(engine: QueryEngine, sessions: sessionmaker[Session], blobs: BlobStore, base_model: str, adapter_id: int) -> list[EdgeRow]:
+def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
     """The edges of one adapter: its relations to its nearest neighbours, and the merges among its close neighbours
-    that have it as a parent."""
-    factors = _Factors(sessions, blobs)
-    near = _neighbours(engine, sessions, base_model, adapter_id)
+    that have it as a parent (only those scanned before it was embedded: the others had it among their neighbours)."""
+    factors = _Factors(scan.sessions, scan.blobs)
+    near = scan.neighbours(adapter_id)
     query = factors.get([adapter_id])
     if not query:
         return []
     found = find_relations(query[0], factors.get([i for i, _ in near]))
     edges = edge_rows(found, adapter_id)
     partners = {e["parent_id"] for e in edges} | {e["child_id"] for e in edges}
-    for other, score in near[:RECHECK]:
-        if score < RECHECK_SCORE or other in partners:
-            continue
-        around = [i for i, _ in _neighbours(engine, sessions, base_model, other)]
+    close = [i for i, score in near[:RECHECK] if score >= RECHECK_SCORE and i not in partners]
+    with scan.sessions() as session:
+        blind = scanned_before(session, close, scan.sketch_id, adapter_id) if close else []
+    for other in blind:
+        around = [i for i, _ in scan.neighbours(other)]
         me = factors.get([other])
         again = find_relations(me[0], factors.get(around)) if me and adapter_id in around else Relations()
         if not again.transforms and again.merge is not None and adapter_id in again.merge.parents:

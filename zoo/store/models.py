@@ -379,6 +379,8 @@ class RelationScan(Base):
 
     adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), primary_key=True)
     detector: Mapped[str] = mapped_column(String(32))
+    #: the space's version when its neighbours were searched: adapters embedded after it were not among them
+    space_version: Mapped[int] = mapped_column(BigInteger)
     error: Mapped[str | None] = mapped_column(Text)
     scanned_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 

@@ -36,9 +36,12 @@ class EdgeRow(TypedDict):
     confidence: float
 
 
-def write_scan(session: Session, adapter_id: int, edges: Sequence[EdgeRow], detector: str, error: str | None = None) -> None:
-    """Store one scan's edges and mark the adapter scanned by `detector` (with the error that stopped it, if any), in
-    the caller's transaction. Merges replace their child's earlier merge rows; other edges are updated in place."""
+def write_scan(
+    session: Session, adapter_id: int, edges: Sequence[EdgeRow], detector: str, space_version: int, error: str | None = None
+) -> None:
+    """Store one scan's edges and mark the adapter scanned by `detector` at `space_version` (with the error that
+    stopped it, if any), in the caller's transaction. Merges replace their child's earlier merge rows; other edges
+    are updated in place."""
     merged = {e["child_id"] for e in edges if e["relation"] == "merge"}
     if merged:
         session.execute(delete(AdapterRelation).where(AdapterRelation.child_id.in_(merged), AdapterRelation.relation == "merge"))
@@ -47,7 +50,8 @@ def write_scan(session: Session, adapter_id: int, edges: Sequence[EdgeRow], dete
         if e["relation"] == "merge" or _update(session, values) == 0:
             session.execute(insert(AdapterRelation), values)
     session.execute(delete(RelationScan).where(RelationScan.adapter_id == adapter_id))
-    session.execute(insert(RelationScan), {"adapter_id": adapter_id, "detector": detector, "error": error})
+    row = {"adapter_id": adapter_id, "detector": detector, "space_version": space_version, "error": error}
+    session.execute(insert(RelationScan), row)
 
 
 def _update(session: Session, values: Mapping[str, Any]) -> int:
@@ -65,6 +69,14 @@ def pending_scans(session: Session, embedder_id: int, detector: str, ids: Iterab
     if ids is not None:
         stmt = stmt.where(Embedding.adapter_id.in_(list(ids)))
     return list(session.scalars(stmt.order_by(Embedding.adapter_id)))
+
+
+def scanned_before(session: Session, ids: Sequence[int], embedder_id: int, adapter_id: int) -> list[int]:
+    """Those of `ids` whose last scan searched a version of the space older than `adapter_id`'s vector under the
+    embedder: the adapter was not among their neighbours then (two look-ups by primary key and unique key)."""
+    mine = select(Embedding.version).where(Embedding.adapter_id == adapter_id, Embedding.embedder_id == embedder_id).scalar_subquery()
+    stmt = select(RelationScan.adapter_id).where(RelationScan.adapter_id.in_(list(ids)), RelationScan.space_version < mine)
+    return list(session.scalars(stmt))
 
 
 # --- reading -----------------------------------------------------------------------------------------------------
