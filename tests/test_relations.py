@@ -20,6 +20,7 @@ from tests.conftest import CLI
 from tests.factories import TinyLM
 from webapp import create_app
 from zoo.config import Settings
+from zoo.services import relations
 from zoo.store.models import Adapter, AdapterRelation, RelationScan
 from zoo.store.session import session_factory
 
@@ -165,3 +166,30 @@ def test_a_parent_stored_after_its_child_is_found(cli: CLI, settings: Settings, 
     copy = found[(then["p"], first["rescaled"], "rescaled")]  # the weights do not say which came first: the older is the parent
     assert copy.parameters["scale"] == pytest.approx(0.5, rel=1e-4)
     assert {k[1] for k in found if k[0] == first["merge"] and k[2] == "merge"} == {then["q1"], then["q2"]}
+
+
+def test_a_worker_finds_relations_right_after_ingest(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    """The workers' path: a job's adapters are embedded in batches, each batch scanned at once (the space exists)."""
+    ingest(cli, sources, "u1")
+    embed(cli)
+    assert cli("jobs", "add", str(sources["p"]), str(sources["rescaled"]), "--base-model", "tiny")[0] == 0
+    assert cli("worker", "--drain")[0] == 0
+    assert [k[2] for k in edges(settings)] == ["rescaled"]
+
+
+def test_a_failed_scan_is_recorded_and_reported_and_loses_nothing(
+    cli: CLI, settings: Settings, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = ingest(cli, sources, "p", "rescaled")
+
+    def broken(query, candidates):  # noqa: ANN001, ANN202
+        raise ValueError("broken detector")
+
+    monkeypatch.setattr(relations, "find_relations", broken)
+    report = embed(cli)
+    assert report["failed"] == 2 and report["errors"][0] == f"adapter {ids['p']}: ValueError: broken detector"
+    rc, out, _ = cli("lineage", str(ids["p"]))
+    assert rc == 0 and "last scan failed: ValueError: broken detector" in out
+    monkeypatch.undo()
+    assert embed(cli)["scanned"] == 2  # tried again, and found
+    assert (ids["rescaled"], ids["p"], "rescaled") in edges(settings)
