@@ -55,7 +55,10 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def truncate_all(url: str) -> None:
     """Empty every table of a PostgreSQL test database."""
     with make_engine(url).begin() as conn:
-        tables = "adapter, module, label, measurement, embedding_space, embedder, embedding, api_token, job, job_item, deleted_adapter"
+        tables = (
+            "adapter, module, label, measurement, embedding_space, embedder, embedding, api_token, job, job_item, deleted_adapter,"
+            " adapter_relation, relation_scan"
+        )
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
 
 

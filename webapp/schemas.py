@@ -22,11 +22,53 @@ from webapp.errors import ERROR_TYPES
 from zoo.services.export import FORMATS
 from zoo.store.catalog import CatalogPage
 from zoo.store.labels import AdapterLabels
+from zoo.store.relations import FromWeights
 
 MAX_IDS = 100
 MAX_PAGE = 1_000_000
 #: the largest id an SQL INTEGER key holds (PostgreSQL's int4); larger ones overflow in the database driver
 MAX_ID = 2**31 - 1
+
+
+_SCALARS: dict[object, type[Field]] = {str: String, int: Integer, float: Float, bool: Boolean, object: Raw, Any: Raw}
+
+
+def typed_fields(resource: type) -> dict[str, Field]:
+    """A field per key of a TypedDict: required unless NotRequired, nullable where its type admits None; lists, dicts
+    (string keys) and nested TypedDicts (typed_schema) as such, a union of TypedDicts (one of several shapes) as an
+    object, a union of other types as Raw."""
+    return {key: _field(hint, required=True) for key, hint in get_type_hints(resource, include_extras=True).items()}
+
+
+@functools.cache
+def typed_schema(resource: type) -> type[Schema]:
+    """The schema of a TypedDict resource, one per TypedDict (its OpenAPI component, named after it)."""
+    return named_schema(resource.__name__, typed_fields(resource))
+
+
+def named_schema(name: str, fields: Mapping[str, Field]) -> type[Schema]:
+    """A schema of these fields, the OpenAPI component `name`."""
+    # marshmallow types from_dict's class as its own Schema; it is a subclass of apiflask's
+    return cast(type[Schema], Schema.from_dict(dict(fields), name=name))
+
+
+def _field(hint: Any, **kwargs: Any) -> Field:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is NotRequired:
+        return _field(args[0], **kwargs | {"required": False})
+    if origin in (Union, types.UnionType):
+        present = [a for a in args if a is not types.NoneType]
+        one = present[0] if len(present) == 1 else dict[str, object] if all(map(is_typeddict, present)) else object
+        return _field(one, **kwargs | {"allow_none": len(present) < len(args)})
+    if origin is list or hint is list:
+        return List(_field(args[0] if args else object), **kwargs)
+    if origin is dict or hint is dict:
+        return Dict(keys=String(), values=_field(args[1]), **kwargs) if args else Dict(**kwargs)
+    if is_typeddict(hint):
+        return Nested(typed_schema(hint), **kwargs)
+    if hint in _SCALARS:
+        return _SCALARS[hint](**kwargs)
+    raise TypeError(f"no schema field for {hint!r}")
 
 
 class Filters(Schema):
@@ -35,7 +77,7 @@ class Filters(Schema):
         load_default=list,
         metadata={
             "description": "key=value, repeatable: base_model, format, rank, source (prefix), author, license, pipeline_tag, library, "
-            "base_model_relation, or a label"
+            "base_model_relation, relation (found from the weights: merge, rescaled, ...), derived_from (an adapter id), or a label"
         },
     )
 
@@ -190,48 +232,15 @@ class Lineage(Schema):
     same_base_model = Nested(RelatedAdapters)
     same_author = Nested(RelatedAdapters)
     same_source = Nested(RelatedAdapters)
+    from_weights = Nested(
+        typed_schema(FromWeights),
+        metadata={
+            "description": "relations found from the weights: `parents` (what it derives from), `children` (what derives from it), "
+            "each with its relation (identical, rescaled, cast, truncated, pruned, merge, continuation), parameters, evidence "
+            "and confidence; its scan; where its card's base_model_relation disagrees"
+        },
+    )
     limit = Integer()
-
-
-_SCALARS: dict[object, type[Field]] = {str: String, int: Integer, float: Float, bool: Boolean, object: Raw, Any: Raw}
-
-
-def typed_fields(resource: type) -> dict[str, Field]:
-    """A field per key of a TypedDict: required unless NotRequired, nullable where its type admits None; lists, dicts
-    (string keys) and nested TypedDicts (typed_schema) as such, a union of TypedDicts (one of several shapes) as an
-    object, a union of other types as Raw."""
-    return {key: _field(hint, required=True) for key, hint in get_type_hints(resource, include_extras=True).items()}
-
-
-@functools.cache
-def typed_schema(resource: type) -> type[Schema]:
-    """The schema of a TypedDict resource, one per TypedDict (its OpenAPI component, named after it)."""
-    return named_schema(resource.__name__, typed_fields(resource))
-
-
-def named_schema(name: str, fields: Mapping[str, Field]) -> type[Schema]:
-    """A schema of these fields, the OpenAPI component `name`."""
-    # marshmallow types from_dict's class as its own Schema; it is a subclass of apiflask's
-    return cast(type[Schema], Schema.from_dict(dict(fields), name=name))
-
-
-def _field(hint: Any, **kwargs: Any) -> Field:
-    origin, args = get_origin(hint), get_args(hint)
-    if origin is NotRequired:
-        return _field(args[0], **kwargs | {"required": False})
-    if origin in (Union, types.UnionType):
-        present = [a for a in args if a is not types.NoneType]
-        one = present[0] if len(present) == 1 else dict[str, object] if all(map(is_typeddict, present)) else object
-        return _field(one, **kwargs | {"allow_none": len(present) < len(args)})
-    if origin is list or hint is list:
-        return List(_field(args[0] if args else object), **kwargs)
-    if origin is dict or hint is dict:
-        return Dict(keys=String(), values=_field(args[1]), **kwargs) if args else Dict(**kwargs)
-    if is_typeddict(hint):
-        return Nested(typed_schema(hint), **kwargs)
-    if hint in _SCALARS:
-        return _SCALARS[hint](**kwargs)
-    raise TypeError(f"no schema field for {hint!r}")
 
 
 SearchOut = typed_schema(SearchResource)

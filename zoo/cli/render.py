@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from zoo.reference.build import ZooReport
     from zoo.runners.worker import WorkerSummary
+    from zoo.services.relations import RelationReport
     from zoo.store.jobs import JobDetail, JobSummary
 
 
@@ -94,7 +95,50 @@ def lineage_lines(found: dict) -> list[str]:
         shown = f", the newest {len(group['adapters'])}" if len(group["adapters"]) < group["total"] else ""
         lines.append(f"{title} {group['value']}: {total} other{'' if group['total'] == 1 else 's'}{shown}")
         lines += [f"  {ref(a)}" for a in group["adapters"]]
+    return lines + from_weights_lines(found["from_weights"])
+
+
+def edge_text(e: dict) -> str:
+    """One edge's relation and parameters, as a person reads them."""
+    p = e["parameters"]
+    what = {
+        "rescaled": f"× {p.get('scale', 0):.4g}",
+        "cast": f"{p.get('precision') or '?'}" + (f", × {p['scale']:.4g}" if "rescaled" in p.get("steps", []) else ""),
+        "truncated": "to rank " + ",".join(str(k) for k in sorted(set((p.get("kept_rank") or {}).values()))),
+        "pruned": f"{100 * p.get('sparsity', 0):.1f} % zeros",
+        "merge": f"weight {p.get('weight', 0):.3g}, {p.get('combination')}, one of {p.get('parents')} parents",
+        "continuation": f"direction {percent(p.get('direction_confidence', 0))} sure",
+    }.get(e["relation"], "")
+    return f"{e['relation']}{f' ({what})' if what else ''}"
+
+
+def from_weights_lines(w: dict) -> list[str]:
+    """The lineage's "from the weights" section: each edge with its confidence and main evidence."""
+
+    def line(e: dict, arrow: str) -> str:
+        a, ev = e["adapter"], e["evidence"]
+        shown = ", ".join(f"{k} {ev[k]:.3g}" for k in ("relative_residual", "module_cosine") if ev.get(k) is not None)
+        return f"  {arrow} #{a['id']} {a['name']}: {edge_text(e)}, confidence {e['confidence']:.2f}{f'  [{shown}]' if shown else ''}"
+
+    scan = w["scan"]
+    if scan is None:
+        return ["from the weights: not scanned yet (`zoo embed` scans new adapters)"]
+    lines = ["from the weights:" + (f"  (last scan failed: {scan['error']})" if scan["error"] else "")]
+    lines += [line(e, "derives from") for e in w["parents"]]
+    lines += [line(e, "is the source of") for e in w["children"]]
+    if not w["parents"] and not w["children"]:
+        lines.append("  no relation to a stored adapter found")
+    if w["disagreement"]:
+        lines.append(f"  disagrees with the card: {w['disagreement']}")
     return lines
+
+
+def relations_line(r: RelationReport) -> str:
+    """What the relation step did in a space, in one line."""
+    cost = f" ({r['ms_per_adapter']:.0f} ms each)" if r["ms_per_adapter"] is not None else ""
+    line = f"{r['space']}: relations from the weights: {plural(r['scanned'], 'adapter')} scanned{cost}, {plural(r['edges'], 'edge')} found"
+    line += f", {r['failed']} failed ({'; '.join(r['errors'])})" if r["failed"] else ""
+    return line + (f"; stopped: {r['not_ready']}" if r["not_ready"] else "")
 
 
 def worker_line(summary: WorkerSummary) -> str:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zoo.cli.render import human, percent, print_json
+from zoo.cli.render import human, percent, print_json, relations_line
 from zoo.config import Settings
 from zoo.errors import UsageError
 from zoo.store import repository
@@ -65,14 +65,17 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
     from embed import service
     from embed.dataset import base_models
+    from zoo.services.relations import scan_space
 
     require_schema(settings.database_url)
     sessions = session_factory(settings.database_url)
     with sessions() as session:
         spaces = [args.space] if args.space else base_models(session)
     reports = [r for sp in spaces for r in service.embed_space(sessions, blob_store(settings), settings.data_dir, sp, args.device)]
+    engine = query_engine(settings, args.device)
+    found = {sp: scan_space(engine, sessions, blob_store(settings), sp) for sp in dict.fromkeys(r["space"] for r in reports)}
     if args.json:
-        print_json(reports)
+        print_json([{**r, "relations": found[r["space"]]} for r in reports])
         return 0
     if not reports:
         print("nothing to embed: ingest LoRA adapters first")
@@ -82,6 +85,8 @@ def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
             f"{r['index_kind']} index ({r['index']}); module store: {r['module_store']}; map: {r['map']}"
             + (f"; {r['skipped_not_fitting']} do not fit this embedder's modules" if r["skipped_not_fitting"] else "")
         )
+    for report in found.values():
+        print(relations_line(report))
     return 0
 
 

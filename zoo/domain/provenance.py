@@ -24,7 +24,10 @@ from zoo.domain.continuation import ContinuationEdge, detect_continuation
 from zoo.domain.merges import MergeEdge, detect_merge
 from zoo.domain.transforms import TransformEdge, Update, detect_transform
 
-__all__ = ["ContinuationEdge", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
+__all__ = ["DETECTOR", "ContinuationEdge", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
+
+#: the detectors' version, stored with every edge they find: a new one makes the relation step scan every adapter again
+DETECTOR = "provenance-1"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
-from typing import Protocol, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm import tqdm
@@ -37,6 +37,9 @@ from zoo.store.blobs import BlobStore
 from zoo.store.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
 from zoo.store.models import JobOptions
 from zoo.store.session import session_factory
+
+if TYPE_CHECKING:
+    from embed.engine import QueryEngine
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +200,7 @@ class EmbedBatches:
         self.pending: list[int] = []
         self.touched: set[str] = set()
         self.embedded: Counter[str] = Counter()
+        self.engine: QueryEngine | None = None  # for the relation step's neighbours, made at its first use
 
     def add(self, outcome: Outcome) -> None:
         if outcome.state in ("done", "duplicate") and outcome.adapter_id is not None:
@@ -210,6 +214,20 @@ class EmbedBatches:
         done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, ids, self.device)
         self.embedded.update(done)
         self.touched.update(done)
+        for base_model in done:
+            self._relations(base_model, ids)
+
+    def _relations(self, base_model: str, ids: list[int] | None) -> None:
+        """The relation step (zoo.services.relations) for these newly embedded adapters (None: all the space's still to
+        scan); a scan that fails is recorded on the adapter (`zoo lineage` shows it) and logged, never raised."""
+        from embed.engine import QueryEngine
+        from zoo.services.relations import scan_space
+
+        if self.engine is None:
+            self.engine = QueryEngine(self.sessions, self.blobs, self.settings.data_dir, self.device)
+        report = scan_space(self.engine, self.sessions, self.blobs, base_model, ids)
+        for error in report["errors"]:
+            log.warning("relations from the weights in %s: %s", base_model, error)
 
     def flush(self, files: bool = True) -> None:
         from embed.registry import get_space
@@ -230,6 +248,7 @@ class EmbedBatches:
                 assert space is not None  # embed_adapters named it: the space it embedded them into
                 space_id = space.id
             refresh_space_files(self.sessions, self.blobs, self.settings.data_dir, space_id)
+            self._relations(base_model, None)  # whatever an earlier batch left (an index not ready, a killed worker)
         self.touched.clear()
 
 

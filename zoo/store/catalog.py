@@ -362,8 +362,9 @@ def _facets_statement(
     parts += [_column_facet(matching, key) for key in (*COLUMN_FACETS, *repository.SOURCE_FIELDS) if key not in filters]
     parts.append(_label_facets(matching, exclude=filters))
     column_keys = [k for k in filters if k in repository.COLUMN_FILTERS]
-    for i, key in enumerate(column_keys):  # its own filter missed, or none
-        parts.append(_column_facet(near, key).where(or_(near.c.misses == 0, near.c[f"miss_{i}"] == 1)))
+    for i, key in enumerate(column_keys):  # its own filter missed, or none (relation filters have no facet)
+        if key in _FACET_EXPRESSIONS:
+            parts.append(_column_facet(near, key).where(or_(near.c.misses == 0, near.c[f"miss_{i}"] == 1)))
     pairs = [(k, v) for k, v in filters.items() if k not in repository.COLUMN_FILTERS]
     if pairs:
         # an adapter that misses one label filter and no column filter has one given label of the filtered keys that

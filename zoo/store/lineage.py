@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, aliased
 
 from zoo.errors import NotFoundError
 from zoo.store.models import UNKNOWN_BASE, Adapter
+from zoo.store.relations import from_weights
 from zoo.timestamps import iso_seconds
 
 #: a Hub source's URI prefix: the stored adapter of Hub model `owner/name` has the source `hf://owner/name`
@@ -44,8 +45,9 @@ _SUMMARY = select(
 
 def lineage(session: Session, adapter_id: int, limit: int = RELATED) -> dict[str, Any]:
     """The lineage resource of one adapter: itself, `base_models` (a tree), `versions` (older and newer, nearest
-    first) and the groups `same_base_model`, `same_author`, `same_source` (each: value, total other adapters,
-    whether the total was capped at COUNT_CAP, and the newest `limit` of them)."""
+    first), the groups `same_base_model`, `same_author`, `same_source` (each: value, total other adapters,
+    whether the total was capped at COUNT_CAP, and the newest `limit` of them), and `from_weights`: the relations
+    found from the weights (zoo.store.relations.from_weights), beside the card's."""
     me = session.execute(_SUMMARY.add_columns(Adapter.source_metadata.label("meta")).where(Adapter.id == adapter_id)).one_or_none()
     if me is None:
         raise NotFoundError(f"no adapter with id {adapter_id}")
@@ -65,6 +67,7 @@ def lineage(session: Session, adapter_id: int, limit: int = RELATED) -> dict[str
         "same_base_model": _group(session, Adapter.base_model, me.base_model if me.base_model != UNKNOWN_BASE else None, adapter_id, limit),
         "same_author": _group(session, Adapter.author, me.author, adapter_id, limit),
         "same_source": _group(session, Adapter.source_uri, me.source_uri, adapter_id, limit),
+        "from_weights": from_weights(session, adapter_id, relation),
         "limit": limit,
     }
 

@@ -328,6 +328,63 @@ class JobItem(Base):
     job: Mapped[Job] = relationship(back_populates="items")
 
 
+#: the relations found from the weights (zoo.domain.provenance): transforms of one update, merges, continuations
+RELATIONS = ("identical", "rescaled", "cast", "truncated", "pruned", "merge", "continuation")
+
+
+class RelationParameters(TypedDict, total=False):
+    """A found relation's parameters (the `parameters` column): those of its type only."""
+
+    scale: float  # transforms: dW_child = scale·T(dW_parent)
+    steps: list[str]  # transforms: every step applied, in order (e.g. rescaled, cast)
+    precision: str  # cast: bf16 | fp16
+    kept_rank: dict[str, int]  # truncated: per module
+    sparsity: float  # pruned: share of zero entries in A and B
+    weight: float  # merge: this parent's weight
+    combination: str  # merge: cat | svd | linear | weighted_sum | approximate
+    parents: int  # merge: how many parents it has (one row each)
+    direction_confidence: float  # continuation: that the parent came first
+
+
+class AdapterRelation(Base):
+    """A relation found from the weights (issue 33): `child` is `relation` of `parent` (a merge has one row per
+    parent). Written by the relation step after embedding (zoo/services/relations.py); deleting either adapter
+    deletes the row."""
+
+    __tablename__ = "adapter_relation"
+    __table_args__ = (
+        UniqueConstraint("child_id", "parent_id", "relation", name="uq_adapter_relation_child_id_parent_id_relation"),
+        Index("ix_adapter_relation_parent_id_relation", "parent_id", "relation"),  # derived_from=ID; an adapter as parent
+        Index("ix_adapter_relation_relation_child_id", "relation", "child_id"),  # relation=merge
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    child_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"))
+    parent_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"))
+    relation: Mapped[str] = mapped_column(String(16))  # one of RELATIONS
+    parameters: Mapped[RelationParameters] = mapped_column(JSON, default=dict)
+    #: the named numbers the detector decided on (residuals, cosines, statistics)
+    evidence: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    confidence: Mapped[float] = mapped_column(Float)
+    #: the detector's version (zoo.domain.provenance.DETECTOR)
+    detector: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class RelationScan(Base):
+    """An adapter's relations looked for among its nearest neighbours by a detector version: an adapter without a row
+    of the current version is scanned by the next relation step; `error` says why a scan failed (it is tried again)."""
+
+    __tablename__ = "relation_scan"
+
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"), primary_key=True)
+    detector: Mapped[str] = mapped_column(String(32))
+    #: the space's version when its neighbours were searched: adapters embedded after it were not among them
+    space_version: Mapped[int] = mapped_column(BigInteger)
+    error: Mapped[str | None] = mapped_column(Text)
+    scanned_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
 class DeletedAdapter(Base):
     """A deleted adapter's id, stamped with the version of its space that the deletion wrote: query
     engines and index files drop it from their indexes when they catch up past that version."""

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.errors import UsageError
 from zoo.store.models import Adapter, JobItem, Label, Measurement
+from zoo.store.relations import RELATION_FILTERS, relation_filter
 from zoo.timestamps import iso_seconds
 
 
@@ -229,14 +230,15 @@ SOURCE_FIELDS: dict[str, SQLColumnExpression[Any]] = {
     "library": Adapter.source_metadata["library_name"].as_string(),
     "base_model_relation": Adapter.source_metadata["base_model_relation"].as_string(),
 }
-#: filter keys that are adapter columns (any other key is a given label)
-COLUMN_FILTERS = ("rank", "format", "base_model", "source", *SOURCE_FIELDS)
+#: filter keys that are conditions on adapters (columns, and relations found from the weights); any other key is a given label
+COLUMN_FILTERS = ("rank", "format", "base_model", "source", *SOURCE_FIELDS, *RELATION_FILTERS)
 
 
 def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]], list[tuple[str, str]]]:
-    """Filters as conditions on adapter columns and (key, value) pairs of given labels: `base_model`,
-    `format`, `rank` and the SOURCE_FIELDS (author, license, pipeline_tag, library, base_model_relation)
-    match exactly, `source` is a prefix of the source URI, any other key is a label."""
+    """Filters as conditions on adapters and (key, value) pairs of given labels: `base_model`, `format`, `rank` and
+    the SOURCE_FIELDS (author, license, pipeline_tag, library, base_model_relation) match exactly, `source` is a
+    prefix of the source URI, `relation` and `derived_from` read the relations found from the weights
+    (zoo.store.relations.relation_filter), any other key is a label."""
     conditions: list[ColumnElement[bool]] = []
     labels: list[tuple[str, str]] = []
     for key, value in filters.items():
@@ -252,6 +254,8 @@ def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]]
             conditions.append(Adapter.base_model == value)
         elif key == "source":
             conditions.append(Adapter.source_uri.startswith(value, autoescape=True))
+        elif key in RELATION_FILTERS:
+            conditions.append(relation_filter(key, value))
         else:
             labels.append((key, value))
     return conditions, labels

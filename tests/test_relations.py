@@ -1,0 +1,195 @@
+"""Relations found from the weights, stored and served (issue 33): real PEFT adapters (a parent, its copy with alpha
+changed, its bf16 cast, a merge made by PEFT's add_weighted_adapter, unrelated ones) ingested through `zoo ingest`,
+scanned by `zoo embed`'s relation step, shown by `zoo lineage`, the API and the adapter page, filtered in the catalog."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from sqlalchemy import delete, func, select, update
+
+from embed.service import delete_adapter
+from tests.conftest import CLI
+from tests.factories import TinyLM
+from webapp import create_app
+from zoo.config import Settings
+from zoo.services import relations
+from zoo.store.models import Adapter, AdapterRelation, RelationScan
+from zoo.store.session import session_factory
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: torch's threads cost more than they give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """PEFT adapters of TinyLM written by save_pretrained: p (a parent), its copy with lora_alpha doubled (`rescaled`),
+    its bf16 cast (`cast`), q1 and q2 and their `merge` by add_weighted_adapter (cat, weights 0.7 and 0.5), and u1, u2
+    (unrelated). Factors are random (A of Kaiming scale, B smaller): real PEFT files without training."""
+    root = tmp_path_factory.mktemp("relations")
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    model = get_peft_model(TinyLM(seed=0), LoraConfig(**config), adapter_name="p")
+    names = ["q1", "q2", "u1", "u2"]
+    for name in names:
+        model.add_adapter(name, LoraConfig(**config))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.25 if "lora_A" in name else 0.1))
+    model.add_weighted_adapter(["q1", "q2"], [0.7, 0.5], "merge", combination_type="cat")
+    out = {}
+    for name in ["p", *names, "merge"]:
+        model.save_pretrained(str(root / "saved"), selected_adapters=[name])  # under saved/<name> (not the default adapter)
+        out[name] = shutil.copytree(root / "saved" / name, root / name)
+    out["rescaled"] = _copy(out["p"], root / "rescaled", alpha=16)
+    out["cast"] = _copy(out["p"], root / "cast", dtype=torch.bfloat16)
+    return out
+
+
+def _copy(src: Path, dest: Path, alpha: int | None = None, dtype: torch.dtype | None = None) -> Path:
+    """A copy of a PEFT directory with lora_alpha changed, or its tensors cast to `dtype` and back."""
+    shutil.copytree(src, dest)
+    if alpha is not None:
+        config = json.loads((dest / "adapter_config.json").read_text())
+        (dest / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": alpha}))
+    if dtype is not None:
+        tensors = load_file(str(dest / WEIGHTS))
+        save_file({k: v.to(dtype).float().contiguous() for k, v in tensors.items()}, str(dest / WEIGHTS))
+    return dest
+
+
+def ingest(cli: CLI, sources: dict[str, Path], *names: str) -> dict[str, int]:
+    rc, lines = cli.json_lines("ingest", *(str(sources[n]) for n in names), "--base-model", "tiny")
+    assert rc == 0, lines
+    return {n: line["adapter_id"] for n, line in zip(names, lines, strict=True)}
+
+
+def embed(cli: CLI) -> dict:
+    rc, out, err = cli("embed", "--json")
+    assert rc == 0, err
+    return json.loads(out)[0]["relations"]
+
+
+def edges(settings: Settings) -> dict[tuple[int, int, str], AdapterRelation]:
+    with session_factory(settings.database_url)() as session:
+        return {(r.child_id, r.parent_id, r.relation): r for r in session.scalars(select(AdapterRelation))}
+
+
+def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2", "rescaled", "cast", "merge")
+    report = embed(cli)
+    assert report["scanned"] == 8 and report["failed"] == 0, report
+    found = edges(settings)
+    p, rescaled, cast, merge = ids["p"], ids["rescaled"], ids["cast"], ids["merge"]
+    edge = found[(rescaled, p, "rescaled")]
+    assert edge.parameters["scale"] == pytest.approx(2.0, rel=1e-4) and edge.confidence > 0.9
+    assert edge.evidence["relative_residual"] < 1e-4 and edge.detector
+    edge = found[(cast, p, "cast")]
+    assert edge.parameters["precision"] == "bf16"
+    parents = {k[1]: e for k, e in found.items() if k[0] == merge and k[2] == "merge"}
+    assert set(parents) == {ids["q1"], ids["q2"]}
+    assert parents[ids["q1"]].parameters["weight"] == pytest.approx(0.7, abs=0.05)
+    assert parents[ids["q2"]].parameters["weight"] == pytest.approx(0.5, abs=0.05)
+    assert {e.parameters["combination"] for e in parents.values()} == {"cat"}
+    unrelated = {ids["u1"], ids["u2"]}
+    assert not [k for k in found if {k[0], k[1]} & unrelated]
+    assert not [k for k in found if {k[0], k[1]} & {p, rescaled, cast} and {k[0], k[1]} & {ids["q1"], ids["q2"], merge}]
+
+    # served: zoo lineage (text and --json), the API, the adapter page, the catalog's filters
+    rc, out, _ = cli("lineage", str(merge))
+    assert rc == 0 and "from the weights:" in out and f"derives from #{ids['q1']}" in out and "merge (weight 0.7" in out
+    rc, out, _ = cli("lineage", str(p), "--json")
+    weights = json.loads(out)["from_weights"]
+    assert {(e["adapter"]["id"], e["relation"]) for e in weights["children"]} >= {(rescaled, "rescaled"), (cast, "cast")}
+    rc, lines = cli.json_lines("list", "--filter", "relation=merge")
+    assert [r["id"] for r in lines[0]["results"]] == [merge]
+    rc, lines = cli.json_lines("list", "--filter", f"derived_from={p}")
+    assert {r["id"] for r in lines[0]["results"]} == {rescaled, cast}
+    client = create_app({"ZOO_DATABASE_URL": settings.database_url, "ZOO_DATA_DIR": str(settings.data_dir), "TESTING": True}).test_client()
+    weights = client.get(f"/api/v1/adapters/{merge}/lineage").get_json()["from_weights"]
+    assert {(e["adapter"]["id"], e["relation"]) for e in weights["parents"]} == {(ids["q1"], "merge"), (ids["q2"], "merge")}
+    assert weights["scan"]["error"] is None and weights["disagreement"] is None
+    assert client.get(f"/api/v1/adapters/{ids['q1']}/lineage").get_json()["from_weights"]["children"][0]["adapter"]["id"] == merge
+    with session_factory(settings.database_url)() as session, session.begin():  # as a Hub card states it
+        session.execute(update(Adapter).where(Adapter.id == merge).values(source_metadata={"base_model_relation": "adapter"}))
+    weights = client.get(f"/api/v1/adapters/{merge}/lineage").get_json()["from_weights"]
+    assert weights["card_relation"] == "adapter" and "the weights say 'merge'" in weights["disagreement"]
+    page = client.get(f"/adapters/{merge}").get_data(as_text=True)
+    assert "disagrees with the card" in page
+    assert "From the weights" in page and f'href="/adapters/{ids["q1"]}"' in page
+    found_merges = client.get("/api/v1/adapters", query_string={"filter": ["relation=merge", "base_model=tiny"]}).get_json()
+    assert [r["id"] for r in found_merges["results"]] == [merge] and found_merges["total"] == 1
+    derived = client.get("/api/v1/adapters", query_string={"filter": f"derived_from={p}"}).get_json()
+    assert {r["id"] for r in derived["results"]} == {rescaled, cast}
+    assert client.get("/api/v1/adapters", query_string={"filter": "relation=cousin"}).status_code == 400
+
+    # idempotent: embedding again scans nothing; a scan again (a new detector) rewrites the same edges
+    assert embed(cli)["scanned"] == 0
+    with session_factory(settings.database_url)() as session, session.begin():
+        session.execute(delete(RelationScan))
+    assert embed(cli)["scanned"] == 8
+    assert edges(settings).keys() == found.keys()
+    assert ingest(cli, sources, "p", "merge") == {"p": p, "merge": merge}  # duplicates: nothing new
+    assert edges(settings).keys() == found.keys()
+
+    # deleting a parent deletes its edges (and nothing points at nothing)
+    delete_adapter(session_factory(settings.database_url), ids["q1"])
+    with session_factory(settings.database_url)() as session:
+        left = session.scalar(select(func.count()).select_from(AdapterRelation).where(AdapterRelation.parent_id == ids["q1"]))
+        assert left == 0 and session.get(Adapter, ids["q1"]) is None
+
+
+def test_a_parent_stored_after_its_child_is_found(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    """Both directions: the merge and the copy come first, their parents after, each batch embedded on its own."""
+    first = ingest(cli, sources, "merge", "rescaled", "u1")
+    embed(cli)
+    assert edges(settings) == {}
+    then = ingest(cli, sources, "q1", "q2", "p")
+    embed(cli)
+    found = edges(settings)
+    copy = found[(then["p"], first["rescaled"], "rescaled")]  # the weights do not say which came first: the older is the parent
+    assert copy.parameters["scale"] == pytest.approx(0.5, rel=1e-4)
+    assert {k[1] for k in found if k[0] == first["merge"] and k[2] == "merge"} == {then["q1"], then["q2"]}
+
+
+def test_a_worker_finds_relations_right_after_ingest(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    """The workers' path: a job's adapters are embedded in batches, each batch scanned at once (the space exists)."""
+    ingest(cli, sources, "u1")
+    embed(cli)
+    assert cli("jobs", "add", str(sources["p"]), str(sources["rescaled"]), "--base-model", "tiny")[0] == 0
+    assert cli("worker", "--drain")[0] == 0
+    assert [k[2] for k in edges(settings)] == ["rescaled"]
+
+
+def test_a_failed_scan_is_recorded_and_reported_and_loses_nothing(
+    cli: CLI, settings: Settings, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = ingest(cli, sources, "p", "rescaled")
+
+    def broken(query, candidates):  # noqa: ANN001, ANN202
+        raise ValueError("broken detector")
+
+    monkeypatch.setattr(relations, "find_relations", broken)
+    report = embed(cli)
+    assert report["failed"] == 2 and report["errors"][0] == f"adapter {ids['p']}: ValueError: broken detector"
+    rc, out, _ = cli("lineage", str(ids["p"]))
+    assert rc == 0 and "last scan failed: ValueError: broken detector" in out
+    monkeypatch.undo()
+    assert embed(cli)["scanned"] == 2  # tried again, and found
+    assert (ids["rescaled"], ids["p"], "rescaled") in edges(settings)

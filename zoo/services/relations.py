@@ -1,0 +1,236 @@
+"""The relation step (issue 33): relations found from the weights of newly embedded adapters, among each one's
+nearest neighbours in the query engine, stored as edges (zoo/store/relations.py).
+
+Why after embedding and not inside ingest's transaction: the neighbours must come from an index (never a scan of the
+space), and the engine's FAISS index of module sketches (scale-invariant: a rescaled copy, a cast, a merge's
+parents and a continuation are all near) holds an adapter only once it is embedded. At ingest the only indexed
+candidates are the near-duplicate window of the adapter's norm, which misses a copy with alpha changed and a
+merge's parents. So the step runs where adapters get their vectors: `zoo embed`, and the workers' batches right
+after ingest (zoo/runners/worker.py). The raw A and B are gone by then, so a magnitude-pruned copy (found from its
+exact zeros) is not recognized, and a cast is told by its residual alone.
+
+Per adapter it costs O(k): one engine query (k = NEIGHBOURS), the factors of those k from the blob store, and
+`find_relations` on them; then, so that a merge is found whichever of it and its parents came first, the merge
+test again for up to RECHECK close neighbours, each against its own k nearest (which now hold the new adapter).
+Which adapters are still to scan is in the database (`relation_scan`), so a killed run resumes and a run again
+finds nothing to do; a new detector version (zoo.domain.provenance.DETECTOR) scans everything again. A scan that
+fails is recorded with its error and reported, never raised: the adapter stays stored and is tried again next time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TypedDict
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+from threadpoolctl import threadpool_limits
+
+from embed.engine import SKETCH, Query, QueryEngine
+from embed.registry import get_space, serving_embedders, space_version
+from zoo.domain.provenance import DETECTOR, ContinuationEdge, MergeEdge, Relations, TransformEdge, Update, find_relations
+from zoo.errors import NotReadyError
+from zoo.store.blobs import BlobStore
+from zoo.store.locks import space_lock
+from zoo.store.models import Adapter, RelationParameters
+from zoo.store.relations import EdgeRow, pending_scans, scanned_before, write_scan
+from zoo.store.session import write_transaction
+
+#: nearest neighbours (by module-sketch cosine) a new adapter is compared with
+NEIGHBOURS = 8
+#: the least module-sketch cosine of a neighbour compared at all: every relation needs its dW to point the query's way
+#: (a copy ~1, a truncation sqrt of the energy kept, a continuation >= 0.5 by module, a merge's parent about its share),
+#: while unrelated adapters lie near 0; the detectors' cost at real widths is in these comparisons
+MIN_SCORE = 0.05
+#: close neighbours tested again as merges that may have the new adapter among their parents
+RECHECK = 4
+#: the least sketch cosine of a neighbour tested again (a merge's parents are near it: two equal parents, ~0.7)
+RECHECK_SCORE = 0.3
+#: relations with no direction in the weights: the older adapter (the lower id) is named the parent
+UNDIRECTED = ("identical", "rescaled", "cast")
+#: ONE_BLAS_THREAD: the detectors' products are of a few MB each (k·r columns of factors thousands of rows long), and on
+#: a busy machine (load 5 on 2 cores) two BLAS threads took 69 s for one adapter's find_relations at Llama-3-8B's widths
+#: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as
+#: zoo.services.ingest.one_torch_thread does for torch)
+#: errors kept in a report (the rest are counted)
+REPORTED_ERRORS = 10
+
+
+class RelationReport(TypedDict):
+    """What one relation step did in one space."""
+
+    space: str
+    scanned: int
+    edges: int
+    failed: int
+    errors: list[str]  # the first REPORTED_ERRORS: "adapter ID: reason"
+    not_ready: str | None  # why the step stopped early (the engine had no index yet); the rest waits for the next run
+    ms_per_adapter: float | None
+
+
+def scan_space(
+    engine: QueryEngine, sessions: sessionmaker[Session], blobs: BlobStore, base_model: str, ids: Iterable[int] | None = None
+) -> RelationReport:
+    """Scan the space's adapters not scanned by this detector yet (only among `ids` when given) and store their edges."""
+    report = RelationReport(space=base_model, scanned=0, edges=0, failed=0, errors=[], not_ready=None, ms_per_adapter=None)
+    with sessions() as session:
+        space = get_space(session, base_model)
+        sketch = serving_embedders(session, space.id).get(SKETCH) if space else None
+        if space is None or sketch is None:
+            return report
+        todo, space_id, sketch_id = pending_scans(session, sketch.id, DETECTOR, ids), space.id, sketch.id
+    start = time.perf_counter()
+    for adapter_id in todo:
+        with sessions() as session:
+            version = space_version(session, space_id)  # the engine searches this version or a later one
+        try:
+            with threadpool_limits(limits=1, user_api="blas"):  # see ONE_BLAS_THREAD
+                edges, error = _scan(_Scan(engine, sessions, blobs, base_model, sketch_id), adapter_id), None
+        except NotReadyError as exc:
+            report["not_ready"] = str(exc)
+            break
+        except Exception as exc:  # noqa: BLE001 - one adapter's failure stops neither the step nor its ingest
+            edges, error = [], f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        if not _store(sessions, base_model, adapter_id, edges, version, error):
+            continue  # deleted meanwhile
+        report["scanned"] += 1
+        report["edges"] += len(edges)
+        if error is not None:
+            report["failed"] += 1
+            if len(report["errors"]) < REPORTED_ERRORS:
+                report["errors"].append(f"adapter {adapter_id}: {error}")
+    if report["scanned"]:
+        report["ms_per_adapter"] = 1000 * (time.perf_counter() - start) / report["scanned"]
+    return report
+
+
+def _store(
+    sessions: sessionmaker[Session], base_model: str, adapter_id: int, edges: list[EdgeRow], version: int, error: str | None
+) -> bool:
+    """One transaction per scan, under the space's lock (one writer of its edges at a time). False when an adapter
+    of the scan was deleted meanwhile (its foreign key fails): nothing is stored."""
+    try:
+        with write_transaction(sessions, space_lock(base_model)) as session:
+            write_scan(session, adapter_id, edges, DETECTOR, version, error)
+    except IntegrityError:
+        return False
+    return True
+
+
+class _Factors:
+    """Stored adapters as the detectors read them, each loaded from the blob store once per scan."""
+
+    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore) -> None:
+        self.sessions, self.blobs = sessions, blobs
+        self.loaded: dict[int, Update] = {}
+
+    def get(self, ids: list[int]) -> list[Update]:
+        """The updates of these adapters that are still stored, in the order given."""
+        missing = [i for i in ids if i not in self.loaded]
+        if missing:
+            with self.sessions() as session:
+                rows = session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.id.in_(missing))).all()
+            for i, digest in rows:
+                if digest:
+                    self.loaded[i] = Update(dict(self.blobs.get_factors(digest)), id=i)
+        return [self.loaded[i] for i in ids if i in self.loaded]
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """What scanning one space needs."""
+
+    engine: QueryEngine
+    sessions: sessionmaker[Session]
+    blobs: BlobStore
+    base_model: str
+    sketch_id: int  # the space's module-sketch embedder
+
+    def neighbours(self, adapter_id: int) -> list[tuple[int, float]]:
+        """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
+        the engine's index (its stored vector)."""
+        with self.sessions() as session:
+            query = Query(str(adapter_id), adapter_id=adapter_id)
+            found = self.engine.similar(session, self.base_model, query, NEIGHBOURS, method="sketch")
+        return [(h["adapter_id"], h["score"]) for h in found["results"] if h["score"] >= MIN_SCORE]
+
+
+def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
+    """The edges of one adapter: its relations to its nearest neighbours, and the merges among its close neighbours
+    that have it as a parent (only those scanned before it was embedded: the others had it among their neighbours)."""
+    factors = _Factors(scan.sessions, scan.blobs)
+    near = scan.neighbours(adapter_id)
+    query = factors.get([adapter_id])
+    if not query:
+        return []
+    found = find_relations(query[0], factors.get([i for i, _ in near]))
+    edges = edge_rows(found, adapter_id)
+    partners = {e["parent_id"] for e in edges} | {e["child_id"] for e in edges}
+    close = [i for i, score in near[:RECHECK] if score >= RECHECK_SCORE and i not in partners]
+    with scan.sessions() as session:
+        blind = scanned_before(session, close, scan.sketch_id, adapter_id) if close else []
+    for other in blind:
+        around = [i for i, _ in scan.neighbours(other)]
+        me = factors.get([other])
+        again = find_relations(me[0], factors.get(around)) if me and adapter_id in around else Relations()
+        if not again.transforms and again.merge is not None and adapter_id in again.merge.parents:
+            edges += _merge_rows(again.merge, other)
+    return edges
+
+
+def edge_rows(found: Relations, query_id: int) -> list[EdgeRow]:
+    """The rows of what `find_relations` found for the adapter `query_id` (edges naming None mean it)."""
+    rows = [_transform_row(e, query_id) for e in found.transforms]
+    rows += _merge_rows(found.merge, query_id) if found.merge is not None else []
+    return rows + [_continuation_row(e, query_id) for e in found.continuations]
+
+
+def _transform_row(e: TransformEdge, query_id: int) -> EdgeRow:
+    child, parent, scale = _id(e.child, query_id), _id(e.parent, query_id), e.scale
+    if e.relation in UNDIRECTED and parent > child:  # the weights do not say which came first: the older is the parent
+        child, parent, scale = parent, child, 1.0 / scale if scale else scale
+    params: RelationParameters = {"scale": float(scale), "steps": list(e.steps)}
+    if e.precision is not None:
+        params["precision"] = e.precision
+    if e.kept_rank is not None:
+        params["kept_rank"] = {n: int(k) for n, k in e.kept_rank.items()}
+    if e.sparsity is not None:
+        params["sparsity"] = float(e.sparsity)
+    return _row(child, parent, e.relation, params, e.evidence, e.confidence)
+
+
+def _merge_rows(e: MergeEdge, child_id: int) -> list[EdgeRow]:
+    rows = []
+    for p, w in zip(e.parents, e.weights, strict=True):
+        params: RelationParameters = {"weight": float(w), "combination": e.combination, "parents": len(e.parents)}
+        rows.append(_row(child_id, _id(p, child_id), "merge", params, e.evidence, e.confidence))
+    return rows
+
+
+def _continuation_row(e: ContinuationEdge, query_id: int) -> EdgeRow:
+    other = _id(e.other, query_id)
+    child, parent = (query_id, other) if e.query_is_later else (other, query_id)
+    votes = {f"{v.name}_{'child' if e.query_is_later else 'parent'}": v.query for v in e.votes}
+    votes |= {f"{v.name}_{'parent' if e.query_is_later else 'child'}": v.candidate for v in e.votes}
+    params: RelationParameters = {"direction_confidence": float(e.direction_confidence)}
+    return _row(child, parent, "continuation", params, {**e.evidence, **votes}, e.confidence)
+
+
+def _id(i: int | None, query_id: int) -> int:
+    return query_id if i is None else i
+
+
+def _row(child: int, parent: int, relation: str, params: RelationParameters, evidence: Mapping[str, float], confidence: float) -> EdgeRow:
+    """An edge row; numbers that JSON cannot hold (inf, nan) are stored as null."""
+    return {
+        "child_id": child,
+        "parent_id": parent,
+        "relation": relation,
+        "parameters": params,
+        "evidence": {k: float(v) if math.isfinite(v) else None for k, v in evidence.items()},
+        "confidence": float(confidence),
+    }
