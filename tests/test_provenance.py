@@ -313,6 +313,17 @@ def test_a_merge_of_two_is_found_with_two_parents(peft_model) -> None:  # noqa: 
     assert dict(zip(merge.parents, merge.weights, strict=True)) == {1: pytest.approx(1.0, abs=0.05), 3: pytest.approx(0.6, abs=0.05)}
 
 
+def test_a_merge_is_no_continuation_of_its_parents(peft_model) -> None:  # noqa: ANN001
+    """A merge that is mostly one parent looks like that parent trained further; the merge found explains it."""
+    candidates = [peft_update(peft_model, f"a{i}", i) for i in range(8)]
+    peft_model.add_weighted_adapter(["a1", "a3"], [1.0, 0.3], "mostly_a1", combination_type="svd", svd_rank=4)
+    merged = peft_update(peft_model, "mostly_a1")
+    assert detect_continuation(merged, candidates[1]) is not None  # alone, the pair passes the continuation test
+    relations = find_relations(merged, candidates)
+    assert relations.merge is not None and set(relations.merge.parents) == {1, 3}
+    assert not {e.other for e in relations.continuations} & {1, 3}
+
+
 # --- continuations ------------------------------------------------------------------------------------------
 
 

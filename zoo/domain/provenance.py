@@ -27,7 +27,7 @@ from zoo.domain.transforms import TransformEdge, Update, detect_transform
 __all__ = ["DETECTOR", "ContinuationEdge", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
 
 #: the detectors' version, stored with every edge they find: a new one makes the relation step scan every adapter again
-DETECTOR = "provenance-1"
+DETECTOR = "provenance-2"
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class Relations:
 
 
 def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
-    """Transforms first (either way); a merge and continuations only where no transform explains the query."""
+    """Transforms first (either way); a merge and continuations only where no transform explains the query, and no
+    continuation with a parent of the merge found: the merge explains why the query is like each of its parents (a
+    merge mostly of one parent passes the continuation test with it)."""
     transforms = []
     for c in candidates:
         edge = detect_transform(query, c) or detect_transform(c, query)
@@ -49,5 +51,7 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
     if transforms:
         return Relations(transforms=tuple(transforms))
     merge = detect_merge(query, candidates)
-    continuations = tuple(e for c in candidates if (e := detect_continuation(query, c)) is not None)
+    parents = {i for i in merge.parents if i is not None} if merge is not None else set()
+    others = [c for c in candidates if c.id is None or c.id not in parents]
+    continuations = tuple(e for c in others if (e := detect_continuation(query, c)) is not None)
     return Relations(merge=merge, continuations=continuations)
