@@ -106,7 +106,7 @@ def evaluate(
     contrastive: bool = True,
     labelled_per_task: int | None = None,
     label_fraction: float | None = None,
-    objective: str = "both",
+    objective: str = "supervised",
 ) -> dict[str, object]:
     """Score every method on one seeded split; `contrastive=False` leaves W2T (contrastive) out (a row of nulls).
     `objective` is that of the W2T `zoo train` makes (its rows: w2t_supervised and default): "supervised", or

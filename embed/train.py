@@ -69,9 +69,7 @@ STEP_RANK_TOKENS = 1024
 
 @dataclass
 class TrainOptions:
-    #: supervised | contrastive | both (the heads' targets on the labelled adapters and a contrastive loss on every adapter,
-    #: the unlabelled included: it retrieves better with few labels and with all, docs/results.md, issue 32)
-    objective: str = "both"
+    objective: str = "supervised"  # supervised | contrastive | both
     epochs: int = 80
     batch_size: int = 64
     lr: float = 2e-3

@@ -241,12 +241,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("train", help="train the W2T embedder of a space and embed its adapters")
     s.add_argument("--space", help="base model (default: the only one)")
-    s.add_argument(
-        "--objective",
-        choices=["supervised", "contrastive", "both"],
-        default="both",
-        help="supervised heads on the labelled adapters; contrastive on every adapter; both (default: %(default)s)",
-    )
+    s.add_argument("--objective", choices=["supervised", "contrastive", "both"], default="supervised")
     s.add_argument("--attributes", default="task", metavar="A,B|all", help="attributes that get a prediction head (default: task)")
     s.add_argument("--epochs", type=int, default=80)
     s.add_argument("--members", type=int, default=5, help="W2T models in the ensemble, from consecutive seeds (default: 5)")
@@ -332,7 +327,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--objective",
         choices=["supervised", "both"],
-        default="both",
+        default="supervised",
         help="of the W2T that `zoo train` makes and the default row uses: supervised, or both (also contrastive on every "
         "adapter, the unlabelled included) (default: %(default)s)",
     )

@@ -32,6 +32,7 @@ from threadpoolctl import threadpool_limits
 
 from embed.engine import SKETCH, Query, QueryEngine
 from embed.registry import get_space, serving_embedders, space_version
+from zoo.config import EMBED_CHUNK_BYTES
 from zoo.domain.provenance import DETECTOR, ContinuationEdge, MergeEdge, Relations, TransformEdge, Update, find_relations
 from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
@@ -159,27 +160,54 @@ class _Scan:
         return [(h["adapter_id"], h["score"]) for h in found["results"] if h["score"] >= MIN_SCORE]
 
 
+def neighbour_count(query: Update) -> int:
+    """Neighbours compared with one adapter: NEIGHBOURS, fewer where the query and they (each about the query's size:
+    one space, one structure), in the detectors' float64, would pass the embedding's read budget (ZOO_EMBED_CHUNK_BYTES),
+    none where the query alone does. So the step's memory is bounded by that budget, not by the zoo: at Llama-3-8B's
+    full size (about 170 MB of float32 factors an adapter) the default budget (512 MiB) compares none, and a larger
+    budget buys neighbours."""
+    size = 2 * sum(f.U.element_size() * (f.U.numel() + f.S.numel() + f.V.numel()) for f in query.factors.values())
+    return max(0, min(NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, size) - 1))
+
+
 def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
     """The edges of one adapter: its relations to its nearest neighbours, and the merges among its close neighbours
-    that have it as a parent (only those scanned before it was embedded: the others had it among their neighbours)."""
-    factors = _Factors(scan.sessions, scan.blobs)
-    near = scan.neighbours(adapter_id)
-    query = factors.get([adapter_id])
-    if not query:
+    that have it as a parent (only those scanned before it was embedded: the others had it among their neighbours).
+    One neighbourhood's factors are held at a time."""
+    found = _around(scan, adapter_id)
+    if found is None:
         return []
-    found = find_relations(query[0], factors.get([i for i, _ in near]))
-    edges = edge_rows(found, adapter_id)
+    edges, near, k = found
     partners = {e["parent_id"] for e in edges} | {e["child_id"] for e in edges}
     close = [i for i, score in near[:RECHECK] if score >= RECHECK_SCORE and i not in partners]
     with scan.sessions() as session:
         blind = scanned_before(session, close, scan.sketch_id, adapter_id) if close else []
     for other in blind:
-        around = [i for i, _ in scan.neighbours(other)]
-        me = factors.get([other])
-        again = find_relations(me[0], factors.get(around)) if me and adapter_id in around else Relations()
-        if not again.transforms and again.merge is not None and adapter_id in again.merge.parents:
-            edges += _merge_rows(again.merge, other)
+        edges += _merge_naming(scan, other, adapter_id, k)
     return edges
+
+
+def _around(scan: _Scan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float]], int] | None:
+    """(the adapter's edges to its neighbours, the neighbours, how many it may be compared with); None if it is gone."""
+    query = _Factors(scan.sessions, scan.blobs).get([adapter_id])
+    if not query:
+        return None
+    k = neighbour_count(query[0])
+    near = scan.neighbours(adapter_id)[:k] if k else []
+    return edge_rows(find_relations(query[0], _Factors(scan.sessions, scan.blobs).get([i for i, _ in near])), adapter_id), near, k
+
+
+def _merge_naming(scan: _Scan, other: int, adapter_id: int, k: int) -> list[EdgeRow]:
+    """The merge rows of `other` if, among its k nearest, it is found to be a merge with `adapter_id` as a parent."""
+    around = [i for i, _ in scan.neighbours(other)][:k]
+    if adapter_id not in around:
+        return []
+    factors = _Factors(scan.sessions, scan.blobs)
+    me = factors.get([other])
+    again = find_relations(me[0], factors.get(around)) if me else Relations()
+    if not again.transforms and again.merge is not None and adapter_id in again.merge.parents:
+        return _merge_rows(again.merge, other)
+    return []
 
 
 def edge_rows(found: Relations, query_id: int) -> list[EdgeRow]:
