@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import CLI
 from zoo.domain.canonical import canonicalize
-from zoo.domain.provenance import Update, find_relations
+from zoo.domain.provenance import FactorSummary, Update, find_relations
 from zoo.errors import UsageError, ZooError
 from zoo.formats import LoraModule, read_adapter
 from zoo.reference import shapes
@@ -213,7 +213,8 @@ def test_find_relations_finds_a_rescaled_child_of_its_parent(zoo: tuple[Path, di
 
     def update(name: str, raw: bool = False) -> Update:
         mods = modules(out / name)
-        return Update({n: canonicalize(m.A, m.B, m.scale) for n, m in mods.items()}, mods if raw else None, names.index(name))
+        factors = {n: canonicalize(m.A, m.B, m.scale) for n, m in mods.items()}
+        return Update(factors, FactorSummary.of(mods, factors) if raw else None, names.index(name))
 
     for row in of(rows, "rescaled"):
         (parent,) = parents(row)

@@ -8,7 +8,6 @@ found with its parameter, while unrelated adapters give no edge.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.continuation import detect_continuation
 from zoo.domain.merges import detect_merge
 from zoo.domain.provenance import Relations, find_relations
-from zoo.domain.transforms import Update, detect_transform, expected_cast_residual, residual_class
+from zoo.domain.transforms import FactorSummary, Update, detect_transform, expected_cast_residual, residual_class
 from zoo.formats import LoraModule
 
 SHAPES = {"layers.0.q_proj": (24, 20), "layers.0.v_proj": (24, 20), "layers.1.q_proj": (20, 24), "layers.1.fc": (32, 20)}
@@ -27,13 +26,7 @@ Raw = dict[str, LoraModule]
 seeds = st.integers(0, 2**31 - 1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: torch's threads cost more than they give (25 times here, on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_adapter(seed: int, rank: int = 3, alpha: float = 6.0) -> Raw:
@@ -48,7 +41,9 @@ def random_adapter(seed: int, rank: int = 3, alpha: float = 6.0) -> Raw:
 
 
 def update(raw: Raw, id: int | None = None, keep_raw: bool = True) -> Update:
-    return Update({n: canonicalize(m.A, m.B, m.scale) for n, m in raw.items()}, raw if keep_raw else None, id)
+    """The adapter as the relation step reads it: canonical factors and (keep_raw) the summary ingest keeps of A and B."""
+    factors = {n: canonicalize(m.A, m.B, m.scale) for n, m in raw.items()}
+    return Update(factors, FactorSummary.of(raw, factors) if keep_raw else None, id)
 
 
 def remake(raw: Raw, A=lambda m: m.A, B=lambda m: m.B, scale=lambda m: m.scale) -> Raw:  # noqa: ANN001

@@ -1,12 +1,12 @@
 """Relations found from the weights, stored and served (issue 33): real PEFT adapters (a parent, its copy with alpha
-changed, its bf16 cast, a merge made by PEFT's add_weighted_adapter, unrelated ones) ingested through `zoo ingest`,
-scanned by `zoo embed`'s relation step, shown by `zoo lineage`, the API and the adapter page, filtered in the catalog."""
+changed, its bf16 cast, its magnitude-pruned copy, a merge made by PEFT's add_weighted_adapter, unrelated ones)
+ingested through `zoo ingest`, scanned by `zoo embed`'s relation step, shown by `zoo lineage`, the API and the adapter
+page, filtered in the catalog."""
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,20 +27,15 @@ from zoo.store.session import session_factory
 WEIGHTS = "adapter_model.safetensors"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: torch's threads cost more than they give."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """PEFT adapters of TinyLM written by save_pretrained: p (a parent), its copy with lora_alpha doubled (`rescaled`),
-    its bf16 cast (`cast`), q1 and q2 and their `merge` by add_weighted_adapter (cat, weights 0.7 and 0.5), and u1, u2
-    (unrelated). Factors are random (A of Kaiming scale, B smaller): real PEFT files without training."""
+    its bf16 cast (`cast`), its copy with the PRUNED share of each tensor zeroed (`pruned`), q1 and q2 and their
+    `merge` by add_weighted_adapter (cat, weights 0.7 and 0.5), and u1, u2 (unrelated).
+    Factors are random (A of Kaiming scale, B smaller): real PEFT files without training."""
     root = tmp_path_factory.mktemp("relations")
     config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     model = get_peft_model(TinyLM(seed=0), LoraConfig(**config), adapter_name="p")
@@ -59,18 +54,27 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[name] = shutil.copytree(root / "saved" / name, root / name)
     out["rescaled"] = _copy(out["p"], root / "rescaled", alpha=16)
     out["cast"] = _copy(out["p"], root / "cast", dtype=torch.bfloat16)
+    out["pruned"] = _copy(out["p"], root / "pruned", prune=PRUNED)
     return out
 
 
-def _copy(src: Path, dest: Path, alpha: int | None = None, dtype: torch.dtype | None = None) -> Path:
-    """A copy of a PEFT directory with lora_alpha changed, or its tensors cast to `dtype` and back."""
+#: the share of each tensor's entries the pruned copy sets to zero (the smallest in magnitude)
+PRUNED = 0.2
+
+
+def _copy(src: Path, dest: Path, alpha: int | None = None, dtype: torch.dtype | None = None, prune: float = 0.0) -> Path:
+    """A copy of a PEFT directory with lora_alpha changed, its tensors cast to `dtype` and back, or the `prune` share
+    of each tensor's entries of least magnitude set to zero."""
     shutil.copytree(src, dest)
     if alpha is not None:
         config = json.loads((dest / "adapter_config.json").read_text())
         (dest / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": alpha}))
+    tensors = load_file(str(dest / WEIGHTS))
     if dtype is not None:
-        tensors = load_file(str(dest / WEIGHTS))
-        save_file({k: v.to(dtype).float().contiguous() for k, v in tensors.items()}, str(dest / WEIGHTS))
+        tensors = {k: v.to(dtype).float() for k, v in tensors.items()}
+    if prune:
+        tensors = {k: torch.where(v.abs() < v.abs().flatten().quantile(prune), 0.0, v) for k, v in tensors.items()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / WEIGHTS))
     return dest
 
 
@@ -92,9 +96,9 @@ def edges(settings: Settings) -> dict[tuple[int, int, str], AdapterRelation]:
 
 
 def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
-    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2", "rescaled", "cast", "merge")
+    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2", "rescaled", "cast", "pruned", "merge")
     report = embed(cli)
-    assert report["scanned"] == 8 and report["failed"] == 0, report
+    assert report["scanned"] == 9 and report["failed"] == 0, report
     found = edges(settings)
     p, rescaled, cast, merge = ids["p"], ids["rescaled"], ids["cast"], ids["merge"]
     edge = found[(rescaled, p, "rescaled")]
@@ -102,6 +106,8 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     assert edge.evidence["relative_residual"] < 1e-4 and edge.detector
     edge = found[(cast, p, "cast")]
     assert edge.parameters["precision"] == "bf16"
+    edge = found[(ids["pruned"], p, "pruned")]  # from the zeros ingest summarized (the raw A and B are gone)
+    assert edge.parameters["sparsity"] == pytest.approx(PRUNED, abs=0.01) and edge.parameters["scale"] == pytest.approx(1.0, abs=0.05)
     parents = {k[1]: e for k, e in found.items() if k[0] == merge and k[2] == "merge"}
     assert set(parents) == {ids["q1"], ids["q2"]}
     assert parents[ids["q1"]].parameters["weight"] == pytest.approx(0.7, abs=0.05)
@@ -109,18 +115,20 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     assert {e.parameters["combination"] for e in parents.values()} == {"cat"}
     unrelated = {ids["u1"], ids["u2"]}
     assert not [k for k in found if {k[0], k[1]} & unrelated]
-    assert not [k for k in found if {k[0], k[1]} & {p, rescaled, cast} and {k[0], k[1]} & {ids["q1"], ids["q2"], merge}]
+    copies = {p, rescaled, cast, ids["pruned"]}
+    assert not [k for k in found if {k[0], k[1]} & copies and {k[0], k[1]} & {ids["q1"], ids["q2"], merge}]
 
     # served: zoo lineage (text and --json), the API, the adapter page, the catalog's filters
     rc, out, _ = cli("lineage", str(merge))
     assert rc == 0 and "from the weights:" in out and f"derives from #{ids['q1']}" in out and "merge (weight 0.7" in out
     rc, out, _ = cli("lineage", str(p), "--json")
     weights = json.loads(out)["from_weights"]
-    assert {(e["adapter"]["id"], e["relation"]) for e in weights["children"]} >= {(rescaled, "rescaled"), (cast, "cast")}
+    children = {(rescaled, "rescaled"), (cast, "cast"), (ids["pruned"], "pruned")}
+    assert {(e["adapter"]["id"], e["relation"]) for e in weights["children"]} >= children
     rc, lines = cli.json_lines("list", "--filter", "relation=merge")
     assert [r["id"] for r in lines[0]["results"]] == [merge]
     rc, lines = cli.json_lines("list", "--filter", f"derived_from={p}")
-    assert {r["id"] for r in lines[0]["results"]} == {rescaled, cast}
+    assert {r["id"] for r in lines[0]["results"]} == {rescaled, cast, ids["pruned"]}
     client = create_app({"ZOO_DATABASE_URL": settings.database_url, "ZOO_DATA_DIR": str(settings.data_dir), "TESTING": True}).test_client()
     weights = client.get(f"/api/v1/adapters/{merge}/lineage").get_json()["from_weights"]
     assert {(e["adapter"]["id"], e["relation"]) for e in weights["parents"]} == {(ids["q1"], "merge"), (ids["q2"], "merge")}
@@ -136,14 +144,14 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     found_merges = client.get("/api/v1/adapters", query_string={"filter": ["relation=merge", "base_model=tiny"]}).get_json()
     assert [r["id"] for r in found_merges["results"]] == [merge] and found_merges["total"] == 1
     derived = client.get("/api/v1/adapters", query_string={"filter": f"derived_from={p}"}).get_json()
-    assert {r["id"] for r in derived["results"]} == {rescaled, cast}
+    assert {r["id"] for r in derived["results"]} == {rescaled, cast, ids["pruned"]}
     assert client.get("/api/v1/adapters", query_string={"filter": "relation=cousin"}).status_code == 400
 
     # idempotent: embedding again scans nothing; a scan again (a new detector) rewrites the same edges
     assert embed(cli)["scanned"] == 0
     with session_factory(settings.database_url)() as session, session.begin():
         session.execute(delete(RelationScan))
-    assert embed(cli)["scanned"] == 8
+    assert embed(cli)["scanned"] == 9
     assert edges(settings).keys() == found.keys()
     assert ingest(cli, sources, "p", "merge") == {"p": p, "merge": merge}  # duplicates: nothing new
     assert edges(settings).keys() == found.keys()

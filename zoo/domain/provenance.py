@@ -10,9 +10,9 @@ at ingest, k ≤ 32), costing O(k) inner products of low-rank updates plus a few
   linear) where the weights and residual say it, else `approximate`;
 - a continuation (zoo/domain/continuation.py): one training run at two points, and which came first.
 
-Inputs are `Update`s: canonical factors per module (what the blob store keeps) and, for the query at ingest,
-its raw factors. Every edge carries its evidence (named numbers) and a confidence in [0, 1], an ordering
-score until a lineage recipe calibrates it.
+Inputs are `Update`s: canonical factors per module (what the blob store keeps) and the summary of the factors as
+read from the file (`FactorSummary`, kept at ingest: precisions, exact zeros). Every edge carries its evidence
+(named numbers) and a confidence in [0, 1], an ordering score until a lineage recipe calibrates it.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 from zoo.domain.continuation import ContinuationEdge, detect_continuation
 from zoo.domain.merges import MergeEdge, detect_merge
-from zoo.domain.transforms import TransformEdge, Update, detect_transform
+from zoo.domain.transforms import FactorSummary, TransformEdge, Update, detect_transform
 
-__all__ = ["DETECTOR", "ContinuationEdge", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
+__all__ = ["DETECTOR", "ContinuationEdge", "FactorSummary", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
 
 #: the detectors' version, stored with every edge they find: a new one makes the relation step scan every adapter again
-DETECTOR = "provenance-2"
+DETECTOR = "provenance-3"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Transforms of one update: how a query adapter's update derives from one stored candidate's (issue 33).
 
-Pure math on canonical factors (what the blob store keeps, zoo/domain/canonical.py) and, where they are at
-hand (at ingest), the factors as read from the file. Plain dataclasses in and out; every result carries its
-evidence (named numbers) and a confidence in [0, 1] that orders edges but is not yet calibrated.
+Pure math on canonical factors (what the blob store keeps, zoo/domain/canonical.py) and a summary of the factors
+as read from the file (`FactorSummary`: their precisions and exact zeros, kept at ingest). Plain dataclasses in and
+out; every result carries its evidence (named numbers) and a confidence in [0, 1] that orders edges but is not yet
+calibrated.
 
 Transforms of one update (`detect_transform`): with c the least-squares scale over all modules, the
 relative residual ρ = ‖dW_q - c·T(dW_p)‖ / ‖dW_q‖ (T the identity or the top-k truncation) says what
@@ -14,13 +15,14 @@ the rest is:
   nearest, mantissas log-uniform), and dW = BA the sum of two such errors: ρ ≈ √2·0.425·2⁻ᵖ, 2.3e-3 for
   bf16 (p = 8) and 2.9e-4 for fp16 (p = 11). The band is that value times or divided by √8 (up to the
   geometric mean of the two precisions' values), so the bands tile: fp16 [1.0e-4, 8.3e-4], bf16
-  [8.3e-4, 6.6e-3]. With raw factors the precision must also hold every entry exactly;
+  [8.3e-4, 6.6e-3]. Where the factors as read from the file are summarized (`FactorSummary`, kept at
+  ingest), the precision must also hold every entry of them exactly;
 - the query's rank lower than the candidate's in some module and ρ of the truncation within those bands:
   `truncated` to the kept rank;
-- exact zeros in the query's raw factors and ρ consistent with the entries removed: `pruned`, with the
+- exact zeros in the query's factors as read and ρ consistent with the entries removed: `pruned`, with the
   sparsity. Pruned entries lie within ±t (t the smallest kept magnitude), so the residual is predicted
-  from the zeros' positions and t in the query's own gauge (see `_pruning_residual`). Without raw factors a
-  pruned copy is not recognized.
+  from the zeros' positions and t in the query's own gauge (see `_pruning_residual`), at ingest, into the
+  summary. Without a summary (adapters stored before it was kept) a pruned copy is not recognized.
 
 `relation` is the most structural step found (truncated or pruned, else rescaled, else cast, else
 identical); `steps` lists all of them in the order they were applied.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,13 +77,52 @@ def residual_class(rho: float) -> str | None:
 
 
 @dataclass(frozen=True)
+class FactorSummary:
+    """What the detectors need of an adapter's factors as read from its file (A and B in their own gauge), kept at
+    ingest since A and B are not: the precisions that hold every entry exactly (a cast must fit one) and the exact zeros
+    with the residual their pruning would leave (a pruned copy). Over the modules with a non-zero update."""
+
+    precisions: frozenset[str]
+    zeros: int
+    entries: int
+    pruning_residual_sq: float  # _pruning_residual summed over modules; 0 below MIN_PRUNED_SHARE zeros
+
+    @classmethod
+    def of(cls, raw: Mapping[str, LowRankModule], factors: Mapping[str, CanonicalFactors]) -> FactorSummary:
+        """The summary of an adapter's raw modules; `factors` (its canonical ones) say which updates are non-zero."""
+        live = [raw[n] for n, f in factors.items() if f.rank]
+        zeros = sum(int((t == 0).sum()) for m in live for t in (m.A, m.B))
+        entries = sum(m.A.numel() + m.B.numel() for m in live)
+        pruning = 0.0
+        if entries and zeros / entries >= MIN_PRUNED_SHARE:
+            pruning = sum(_pruning_residual(m.A.double(), m.B.double(), float(m.scale)) for m in live)
+        return cls(frozenset(raw_precisions(raw)), zeros, entries, pruning)
+
+    @property
+    def zero_share(self) -> float:
+        return self.zeros / self.entries if self.entries else 0.0
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "precisions": sorted(self.precisions),
+            "zeros": self.zeros,
+            "entries": self.entries,
+            "pruning_residual_sq": self.pruning_residual_sq,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FactorSummary:
+        return cls(frozenset(data["precisions"]), int(data["zeros"]), int(data["entries"]), float(data["pruning_residual_sq"]))
+
+
+@dataclass(frozen=True)
 class Update:
-    """What the detectors read of an adapter: its canonical factors per module (what is stored) and, where at
-    hand, the factors as read from its file (at ingest), which pruning needs (exact zeros) and a cast uses
-    (the precision every entry fits). `id` names a stored candidate (None for a query being ingested)."""
+    """What the detectors read of an adapter: its canonical factors per module (what is stored) and, where known, the
+    summary of its factors as read from its file (`FactorSummary`), which pruning needs and a cast uses. `id` names a
+    stored candidate (None for a query being ingested)."""
 
     factors: Mapping[str, CanonicalFactors]
-    raw: Mapping[str, LowRankModule] | None = None
+    summary: FactorSummary | None = None
     id: int | None = None
 
     def modules(self) -> dict[str, LowRank]:
@@ -145,7 +187,7 @@ def detect_transform(query: Update, candidate: Update) -> TransformEdge | None:
     q, p = query.modules(), candidate.modules()
     if not q or q.keys() != p.keys():
         return None
-    formats = raw_precisions(query.raw) if query.raw is not None else None
+    formats = query.summary.precisions if query.summary is not None else None
     fit = fit_scale(q, p)
     ids = (candidate.id, query.id)
     edge = _classify(fit, formats, ids, ())
@@ -158,14 +200,14 @@ def detect_transform(query: Update, candidate: Update) -> TransformEdge | None:
         if edge is not None:
             tail = sum(sq_norm(p[n]) - sq_norm(truncated[n]) for n in kept) / sum(sq_norm(x) for x in p.values())
             return _with_evidence(edge, discarded_energy=tail)
-    if query.raw is not None:
-        return _pruned(fit, query.raw, q, ids)
+    if query.summary is not None:
+        return _pruned(fit, query.summary, ids)
     return None
 
 
 def _classify(
     fit: ScaleFit,
-    formats: set[str] | None,
+    formats: frozenset[str] | None,
     ids: tuple[int | None, int | None],
     structural: tuple[str, ...],
     kept_rank: dict[str, int] | None = None,
@@ -217,18 +259,8 @@ def raw_precisions(raw: Mapping[str, LowRankModule]) -> set[str]:
     return found
 
 
-def _pruned(
-    fit: ScaleFit, raw: Mapping[str, LowRankModule], q: Mapping[str, LowRank], ids: tuple[int | None, int | None]
-) -> TransformEdge | None:
-    zeros = entries = 0
-    predicted_sq = 0.0
-    for name in q:
-        m = raw[name]
-        A, B = m.A.double(), m.B.double()
-        zeros += int((A == 0).sum() + (B == 0).sum())
-        entries += A.numel() + B.numel()
-        predicted_sq += _pruning_residual(A, B, float(m.scale))
-    share = zeros / entries if entries else 0.0
+def _pruned(fit: ScaleFit, summary: FactorSummary, ids: tuple[int | None, int | None]) -> TransformEdge | None:
+    share, predicted_sq = summary.zero_share, summary.pruning_residual_sq
     if share < MIN_PRUNED_SHARE or predicted_sq <= 0:
         return None
     rho_bound = math.sqrt(predicted_sq / sum(fit.query_sq.values()))

@@ -20,6 +20,7 @@ from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
 from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
 from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
+from zoo.domain.transforms import FactorSummary
 from zoo.errors import InputError, UsageError
 from zoo.formats import AdapterData, RawAdapter, adapter_name, layer_index, module_type, open_adapter, parse_adapter
 from zoo.formats.limits import MAX_ADAPTER_NAME
@@ -188,12 +189,13 @@ def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: li
                 )
             )
         shapes = [(n, int(f.U.shape[0]), int(f.V.shape[0])) for n, f in factors]
+        summary = FactorSummary.of({m.name: m for m in data.modules}, dict(factors)).as_json()
         sk = sketch(factors)
         chash, dw_norm = canonical_hash(factors, sk.fingerprint), sk.norm
     else:
         rows.extend(_module_row(fm.name, "full", fm.shape, fm.spectrum) for fm in data.full_matrices)
         shapes = [(fm.name, *fm.shape) for fm in data.full_matrices]
-        chash, dw_norm, sk = data.file_sha256, None, None  # nothing to canonicalize: identical files are the duplicates
+        chash, dw_norm, sk, summary = data.file_sha256, None, None, None  # nothing to canonicalize: identical files are the duplicates
     config = data.config
     adapter = Adapter(
         name=adapter_name(data.path),
@@ -211,6 +213,7 @@ def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: li
         file_sha256=data.file_sha256,
         size_bytes=data.size_bytes,
         factors_blob=None,
+        factor_summary=summary,
         config=config,
         file_metadata=data.metadata,
         extra_tensors=data.extra_tensors,

@@ -6,8 +6,8 @@ space), and the engine's FAISS index of module sketches (scale-invariant: a resc
 parents and a continuation are all near) holds an adapter only once it is embedded. At ingest the only indexed
 candidates are the near-duplicate window of the adapter's norm, which misses a copy with alpha changed and a
 merge's parents. So the step runs where adapters get their vectors: `zoo embed`, and the workers' batches right
-after ingest (zoo/runners/worker.py). The raw A and B are gone by then, so a magnitude-pruned copy (found from its
-exact zeros) is not recognized, and a cast is told by its residual alone.
+after ingest (zoo/runners/worker.py). The raw A and B are gone by then; what the detectors need of them (the
+precisions a cast must fit, the exact zeros of a pruned copy) was kept at ingest (adapter.factor_summary).
 
 Per adapter it costs O(k): one engine query (k = NEIGHBOURS), the factors of those k from the blob store, and
 `find_relations` on them; then, so that a merge is found whichever of it and its parents came first, the merge
@@ -33,7 +33,7 @@ from threadpoolctl import threadpool_limits
 from embed.engine import SKETCH, Query, QueryEngine
 from embed.registry import get_space, serving_embedders, space_version
 from zoo.config import EMBED_CHUNK_BYTES
-from zoo.domain.provenance import DETECTOR, ContinuationEdge, MergeEdge, Relations, TransformEdge, Update, find_relations
+from zoo.domain.provenance import DETECTOR, ContinuationEdge, FactorSummary, MergeEdge, Relations, TransformEdge, Update, find_relations
 from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
 from zoo.store.locks import space_lock
@@ -134,10 +134,12 @@ class _Factors:
         missing = [i for i in ids if i not in self.loaded]
         if missing:
             with self.sessions() as session:
-                rows = session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.id.in_(missing))).all()
-            for i, digest in rows:
+                columns = select(Adapter.id, Adapter.factors_blob, Adapter.factor_summary)
+                rows = session.execute(columns.where(Adapter.id.in_(missing))).all()
+            for i, digest, summary in rows:
                 if digest:
-                    self.loaded[i] = Update(dict(self.blobs.get_factors(digest)), id=i)
+                    kept = FactorSummary.from_json(summary) if summary else None
+                    self.loaded[i] = Update(dict(self.blobs.get_factors(digest)), kept, i)
         return [self.loaded[i] for i in ids if i in self.loaded]
 
 

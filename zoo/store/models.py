@@ -99,6 +99,9 @@ class Adapter(Base):
     file_sha256: Mapped[str] = mapped_column(String(64), index=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     factors_blob: Mapped[str | None] = mapped_column(String(64))
+    #: what the relation step needs of the factors as read from the file, which are not kept
+    #: (zoo.domain.transforms.FactorSummary.as_json: precisions, exact zeros); None for full checkpoints and before 0014
+    factor_summary: Mapped[dict | None] = mapped_column(JSON)
     config: Mapped[dict] = mapped_column(JSON, default=dict)
     file_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
     extra_tensors: Mapped[dict] = mapped_column(JSON, default=dict)
