@@ -125,7 +125,7 @@ def detect_continuation(
     cosine = module_cosine(q, p)
     if cosine < min_cosine:
         return None
-    votes = tuple(_vote(s, s.compute(q), s.compute(p)) for s in statistics)
+    votes = tuple(_vote(s, _statistic(query, s), _statistic(candidate, s)) for s in statistics)
     decisive = [v for v in votes if v.name in deciding and v.query_is_later is not None]
     score = sum((1.0 if v.query_is_later else -1.0) * min(1.0, v.margin / FULL_MARGIN) for v in decisive)
     overlap = float(np.mean([np.linalg.norm(q[n].V.T @ p[n].V) ** 2 / q[n].rank for n in q]))
@@ -137,6 +137,11 @@ def detect_continuation(
         votes=votes,
         evidence={"module_cosine": cosine, "relative_residual": fit.rho, "scale": fit.scale, "row_space_overlap": overlap},
     )
+
+
+def _statistic(u: Update, stat: Statistic) -> float:
+    """The statistic of an update, computed once whatever the pairs it is in."""
+    return u.computed(f"statistic:{stat.name}", lambda: stat.compute(u.modules()))
 
 
 def _vote(stat: Statistic, query: float, candidate: float) -> StatisticVote:

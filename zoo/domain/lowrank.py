@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -44,6 +45,11 @@ class LowRank:
         """The best rank-k approximation (the first k canonical components)."""
         return LowRank(self.U[:, :k], self.S[:k], self.V[:, :k])
 
+    @cached_property
+    def sq_norm(self) -> float:
+        """‖dW‖²_F of the matrix the factors represent (made once: an update is compared with many)."""
+        return inner(self, self)
+
 
 def inner(x: LowRank, y: LowRank) -> float:
     """⟨dW_x, dW_y⟩_F."""
@@ -52,7 +58,7 @@ def inner(x: LowRank, y: LowRank) -> float:
 
 def sq_norm(x: LowRank) -> float:
     """‖dW_x‖²_F of the matrix the factors represent."""
-    return inner(x, x)
+    return x.sq_norm
 
 
 def sample_entries(x: LowRank, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -76,17 +82,22 @@ class Stack:
         self.UU = U.T @ U
         self.VV = V.T @ V
         self.shape = members[0].shape
+        # ⟨dW_i, dW_j⟩ for all members at once: the (i, j) block sums of (S UᵀU S) ∘ VᵀV
+        S = np.concatenate(self.S)
+        owner = np.repeat(np.arange(len(members)), np.diff(self.offsets))
+        blocks = np.zeros((len(members), len(S)))
+        blocks[owner, np.arange(len(S))] = 1.0
+        self._gram = blocks @ ((S[:, None] * self.UU * S[None, :]) * self.VV) @ blocks.T
 
     def cols(self, idx: Sequence[int]) -> np.ndarray:
         return np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in idx]).astype(int)
 
     def inner(self, i: int, j: int) -> float:
-        a, b = self.cols([i]), self.cols([j])
-        return float(((self.S[i][:, None] * self.UU[np.ix_(a, b)] * self.S[j][None, :]) * self.VV[np.ix_(a, b)]).sum())
+        return float(self._gram[i, j])
 
     def gram(self, idx: Sequence[int]) -> np.ndarray:
         """⟨dW_i, dW_j⟩ for i, j in idx."""
-        return np.array([[self.inner(i, j) for j in idx] for i in idx])
+        return self._gram[np.ix_(idx, idx)]
 
     def block_fit(self, query: int, idx: Sequence[int]) -> tuple[np.ndarray, float]:
         """The least-squares C with dW_query ≈ 𝒰·C·𝒱ᵀ over the stacked factors of idx (left and right

@@ -38,15 +38,17 @@ zoo/domain/provenance.py runs all three.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
 
 from zoo.domain.canonical import CanonicalFactors, LowRankModule
 from zoo.domain.lowrank import LowRank, inner, sq_norm
+
+T = TypeVar("T")
 
 #: RMS relative rounding error of an entry rounded to p significant bits (log-uniform mantissas): 0.425·2⁻ᵖ
 ROUNDING_RMS = 0.425
@@ -124,9 +126,18 @@ class Update:
     factors: Mapping[str, CanonicalFactors]
     summary: FactorSummary | None = None
     id: int | None = None
+    #: what the detectors computed of this update, kept for its other pairs (see `computed`)
+    _computed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def modules(self) -> dict[str, LowRank]:
-        return {name: LowRank.of(f) for name, f in self.factors.items() if f.rank}
+        """The non-zero modules in float64, made once (an adapter is compared with k others, both ways)."""
+        return dict(self.computed("modules", lambda: {name: LowRank.of(f) for name, f in self.factors.items() if f.rank}))
+
+    def computed(self, key: str, compute: Callable[[], T]) -> T:
+        """compute() the first time `key` is asked for, then the same value."""
+        if key not in self._computed:
+            self._computed[key] = compute()
+        return cast(T, self._computed[key])
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         return {name: (int(f.U.shape[0]), int(f.V.shape[0])) for name, f in self.factors.items()}
