@@ -43,7 +43,7 @@ def test_a_merge_inherits_the_union_of_its_parents_scored_by_weight() -> None:
     assert [(v.value, v.score) for v in same.values] == [("a", pytest.approx(1.0))] and len(same.values[0].sources) == 2
     # a parent without the label leaves its share unknown
     partial = impute([link(1, "merge", {"task": "a"}, weight=0.5), link(2, "merge", {}, weight=0.5)])["task"]
-    assert [(v.value, v.score) for v in partial.values] == [("a", 0.5)]
+    assert [(v.value, v.score) for v in partial.values] == [("a", 0.5)] and not partial.complete and merged.complete
 
 
 def test_a_parent_inherits_nothing_from_its_merge() -> None:

@@ -166,7 +166,7 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     assert task["kind"] == "copy" and [(v["value"], v["score"]) for v in task["values"]] == [("alpha", pytest.approx(1.0, abs=0.05))]
     assert [(s["adapter"]["id"], s["relation"], s["direction"]) for s in task["values"][0]["sources"]] == [(p, "cast", "parent")]
     task = client.get(f"/api/v1/adapters/{merge}").get_json()["from_lineage"]["attributes"]["task"]
-    assert task["kind"] == "merge" and [v["value"] for v in task["values"]] == ["beta", "gamma"]  # weights 0.7 and 0.5
+    assert task["kind"] == "merge" and task["complete"] and [v["value"] for v in task["values"]] == ["beta", "gamma"]  # weights 0.7, 0.5
     assert [v["score"] for v in task["values"]] == pytest.approx([0.7 / 1.2, 0.5 / 1.2], abs=0.05)
     assert client.get(f"/api/v1/adapters/{p}").get_json()["from_lineage"]["attributes"] == {}  # it has a given task
     alone = client.get(f"/api/v1/adapters/{ids['u2']}").get_json()["from_lineage"]

@@ -148,7 +148,8 @@ def from_lineage_lines(found: FromLineage | None) -> list[str]:
         values = ", ".join(f"{v['value']} {percent(v['score'])}" for v in inherited["values"])
         sources = {s["adapter"]["id"]: s for v in inherited["values"] for s in v["sources"]}
         via = "; ".join(_source_text(s) for s in sources.values())
-        lines.append(f"  {key:<16} {'all of: ' if inherited['kind'] == 'merge' else ''}{values}  ({via})")
+        union = "" if inherited["kind"] != "merge" else "all of: " if inherited["complete"] else "all of (a parent's unknown): "
+        lines.append(f"  {key:<16} {union}{values}  ({via})")
     return lines
 
 

@@ -6,7 +6,8 @@ An adapter without a label inherits the given labels of the adapters at the othe
   a value's score is the confidence of the copies that carry it over all copies that know the key (copies that
   disagree split it);
 - a **merge** inherits the union of its parents' values, each scored by its parents' share of the merge weights
-  (times the edge's confidence): the merge does all of them, so the values together are the prediction;
+  (times the edge's confidence): the merge does all of them, so the values together are the prediction, complete
+  only where every parent has the label;
 - a **continuation** (one training run at two points) carries labels both ways like a copy, only when asked: a run
   trained further may have been trained on another task, and the edge mostly joins adapters that share a root.
 
@@ -57,11 +58,13 @@ class Inherited:
 @dataclass(frozen=True)
 class Imputation:
     """A key's inherited values, best first. `kind` "merge": the adapter is predicted to have all of them (the union of
-    its parents'); otherwise the first is the prediction and the others are what disagreeing edges say."""
+    its parents'), `complete` when every parent has the key (else the union may lack an unlabelled parent's value);
+    otherwise the first is the prediction and the others are what disagreeing edges say."""
 
     key: str
     kind: Kind
     values: tuple[Inherited, ...]
+    complete: bool = True
 
 
 def carrying(kinds: Sequence[Kind]) -> frozenset[str]:
@@ -96,7 +99,10 @@ def impute(
     for kind in KINDS:
         mine = by_kind.get(kind, [])
         for key in sorted({k for link in mine for k in link.labels} - skip - set(out)):
-            out[key] = Imputation(key, kind, _merged(mine, key) if kind == "merge" else _shared(mine, key))
+            if kind == "merge":
+                out[key] = Imputation(key, kind, _merged(mine, key), complete=all(key in link.labels for link in mine))
+            else:
+                out[key] = Imputation(key, kind, _shared(mine, key))
     return out
 
 

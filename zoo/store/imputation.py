@@ -33,11 +33,12 @@ class InheritedValue(TypedDict):
 
 
 class InheritedLabel(TypedDict):
-    """A key's inherited values, best first: `kind` merge means all of them (a merge does its parents' tasks), else
-    the first is the prediction."""
+    """A key's inherited values, best first: `kind` merge means all of them (a merge does its parents' tasks;
+    `complete` when every parent found has the label), else the first is the prediction."""
 
     kind: str
     values: list[InheritedValue]
+    complete: bool
 
 
 class FromLineage(TypedDict):
@@ -133,4 +134,5 @@ def _inherited(imputation: Imputation, names: Mapping[int, str]) -> InheritedLab
             }
             for v in imputation.values
         ],
+        "complete": imputation.complete,
     }
