@@ -14,8 +14,8 @@ embedding's prediction (embed.service.predict: the predictor `zoo train` chose, 
 
 A task is right when it names the truth's set of tasks: a merge's task is its parents' joined by "+", so a merge's
 union from lineage, or an embedding's class "a+b", is right when it names exactly those. A held-out member stored as
-the duplicate of a kept one has that one's labels: it is left out. Also reported: per label key, how often the value a
-copy carries equals the held-out one (which labels travel along a copy).
+the duplicate of a kept one has that one's labels: it is left out. Also reported: per labels.csv column, how often the
+copy a held-out adapter's task came from has its value (which labels a copy could carry, served or not).
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def inherited_tasks(found: dict[str, Any]) -> tuple[frozenset[str], str] | None:
 def predict(
     env: dict[str, str], ids: dict[str, int], held: set[str], members: dict[str, Member], rows: dict[str, dict[str, str]]
 ) -> list[dict]:
-    """Per held-out stored adapter: its truth, each baseline's answer and each rule's (tasks, kind), and what the default
-    rule's copies carry of every key."""
+    """Per held-out stored adapter: its truth, each baseline's answer and each rule's (tasks, kind), and per copy its
+    task came from (default rule), which of its labels.csv values that copy has too."""
     from embed import service
     from embed.engine import QueryEngine
     from zoo.config import Settings
@@ -120,8 +120,9 @@ def predict(
             top = service.predict(engine, session, str(i))["attributes"].get("task")
             hits = service.search(engine, session, str(i), len(by_id))["results"]
             found = {rule: from_lineage(session, i, floor, kinds) for rule, (kinds, floor) in RULES.items()}
-            copies = found[DEFAULT_RULE]["attributes"]
-            carried = {k: c["values"][0]["value"] == rows[name][k] for k, c in copies.items() if c["kind"] == "copy" and k in rows[name]}
+            task = found[DEFAULT_RULE]["attributes"].get("task")
+            sources = [s["adapter"]["name"] for s in task["values"][0]["sources"]] if task and task["kind"] == "copy" else []
+            carried = [{k: rows[s][k] == v for k, v in rows[name].items() if k in rows[s]} for s in sources]
             out.append(
                 {
                     "name": name,
@@ -182,8 +183,9 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
         }
     carried: dict[str, Counter[str]] = defaultdict(Counter)
     for r in rows:
-        for key, same in r["carried"].items():
-            carried[key].update(n=1, same=same)
+        for source in r["carried"]:
+            for key, same in source.items():
+                carried[key].update(n=1, same=int(same))
     out["copies_carry"] = {k: {"n": c["n"], "same": share(c["same"], c["n"])} for k, c in sorted(carried.items())}
     return out
 
@@ -217,7 +219,7 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"by kind of edge (all rules' edges): {everything['by_kind']}")
         print(f"by member (default rule): {h['rules'][result['default_rule']]['by_member']}")
         print(f"wrong (with continuations): {everything['wrong']}")
-        print(f"a copy carries the held-out value: {h['copies_carry']}")
+        print(f"the copy a task came from has the held-out value of: {h['copies_carry']}")
 
 
 def _f(x: float | None) -> str:

@@ -84,9 +84,10 @@ TASKS = {"p": "alpha", "q1": "beta", "q2": "gamma", "u1": "beta"}
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A labels CSV of TASKS."""
+    """A labels CSV of TASKS; p also has a style, and a `rank` label (the name of a fact its copies' files state)."""
     path = tmp_path_factory.mktemp("tasks") / "labels.csv"
-    path.write_text("name,task\n" + "".join(f"{name},{task}\n" for name, task in TASKS.items()))
+    extra = {"p": ",dotted,4"}
+    path.write_text("name,task,style,rank\n" + "".join(f"{name},{task}{extra.get(name, ',,')}\n" for name, task in TASKS.items()))
     return path
 
 
@@ -162,6 +163,7 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
 
     # graph imputation: the unlabelled inherit their relatives' given tasks (no embedder trained), with links to them
     inherited = client.get(f"/api/v1/adapters/{cast}").get_json()["from_lineage"]
+    assert set(inherited["attributes"]) == {"task", "style"}  # never `rank`: its own file says it
     task = inherited["attributes"]["task"]
     assert task["kind"] == "copy" and [(v["value"], v["score"]) for v in task["values"]] == [("alpha", pytest.approx(1.0, abs=0.05))]
     assert [(s["adapter"]["id"], s["relation"], s["direction"]) for s in task["values"][0]["sources"]] == [(p, "cast", "parent")]

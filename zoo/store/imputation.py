@@ -13,6 +13,13 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 from zoo.domain.imputation import DEFAULT_KINDS, MIN_CONFIDENCE, Imputation, Kind, Link, carrying, impute
 from zoo.store.models import Adapter, AdapterRelation, Label
 from zoo.store.relations import LISTED, RelatedRef
+from zoo.store.repository import COLUMN_FILTERS
+
+#: keys the adapter's own row answers, never inherited: the catalog's column and relation filters (rank, format, its
+#: source's fields, relation, derived_from), and the alpha and target modules read from its file. On the lineage recipe
+#: the copy a held-out adapter's task came from had another alpha for 42-58 % of them, another rank for 16-23 % and
+#: another `relation` label for 77-100 % (docs/results.md, "Graph imputation")
+OWN_FACTS = frozenset({*COLUMN_FILTERS, "alpha", "target_modules"})
 
 
 class Source(TypedDict):
@@ -42,8 +49,8 @@ class InheritedLabel(TypedDict):
 
 
 class FromLineage(TypedDict):
-    """What the adapter inherits from the given labels of the adapters its confident edges join it to (keys it has a
-    given label for are not inherited), the edges read, and the rules' settings."""
+    """What the adapter inherits from the given labels of the adapters its confident edges join it to (not the keys it
+    has a given label for, nor OWN_FACTS), the edges read, and the rules' settings."""
 
     attributes: dict[str, InheritedLabel]
     edges: int
@@ -67,7 +74,7 @@ def from_lineage(
         labels[owner][key] = value
     links = [Link(e.other, e.relation, e.direction, e.confidence, labels[e.other], e.weight) for e in ends]
     names = {e.other: e.name for e in ends}
-    imputed = impute(links, known=labels[adapter_id], min_confidence=min_confidence, kinds=kinds)
+    imputed = impute(links, known={*labels[adapter_id], *OWN_FACTS}, min_confidence=min_confidence, kinds=kinds)
     return {
         "attributes": {key: _inherited(i, names) for key, i in imputed.items()},
         "edges": len(links),
