@@ -20,11 +20,12 @@ count them:
 Relations with no direction in the weights (identical, rescaled, cast) name the older adapter as the parent, so
 their edges are scored as undirected.
 
-    python -m bench.lineage --work /tmp/lineage-bench --count 120 --seed 0 [--zoo DIR] [--rescan] [--json]
+    python -m bench.lineage --work /tmp/lineage-bench --count 120 --seed 0 [--zoo DIR] [--rescan] [--impute] [--json]
 
 --work holds the data dir (SQLite unless --database-url) and what a run again reuses (the build's and the ingest's
-reports); --rescan drops the stored edges and scans every adapter again (after a detector change). Prints a table
-and, on the last line, one JSON object.
+reports); --rescan drops the stored edges and scans every adapter again (after a detector change); --impute also
+measures graph imputation against the embedding's predictions with labels held out (bench/imputation.py, in data dirs
+of its own under --work). Prints a table and, on the last line, one JSON object.
 """
 
 from __future__ import annotations
@@ -114,13 +115,15 @@ def build(env: dict[str, str], work: Path, zoo_dir: Path | None, count: int, see
     return out, built
 
 
-def ingest(env: dict[str, str], work: Path, zoo_dir: Path, members: dict[str, Member]) -> tuple[dict[str, int], set[str], float]:
+def ingest(
+    env: dict[str, str], work: Path, zoo_dir: Path, members: dict[str, Member], labels: Path | None = None
+) -> tuple[dict[str, int], set[str], float]:
     """name -> adapter id (a duplicate's: the stored adapter it duplicates), the names stored as duplicates, and the
-    ingest's seconds; from work/ingest.json when there."""
+    ingest's seconds; from work/ingest.json when there. The labels are labels.csv's unless `labels` names others."""
     report = work / "ingest.json"
     if not report.exists():
         zoo(env, "init")
-        seconds, stdout = zoo(env, "ingest", str(zoo_dir), "--labels", str(zoo_dir / "labels.csv"), "--json")
+        seconds, stdout = zoo(env, "ingest", str(zoo_dir), "--labels", str(labels or zoo_dir / "labels.csv"), "--json")
         lines = [json.loads(line) for line in stdout.splitlines() if line.strip().startswith("{")]
         report.write_text(json.dumps({"seconds": seconds, "lines": lines}))
     saved = json.loads(report.read_text())
@@ -358,6 +361,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--database-url", default=None, help="default: SQLite in --work/data")
     p.add_argument("--rescan", action="store_true", help="drop the stored edges and scan every adapter again")
+    p.add_argument("--impute", action="store_true", help="also measure graph imputation against the embedding (bench/imputation.py)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -373,6 +377,12 @@ def main() -> None:
                "scanned": relations.get("scanned"), "failed": relations.get("failed")}  # fmt: skip
     if not args.json:
         print_table(result)
+    if args.impute:
+        from bench import imputation
+
+        result["imputation"] = imputation.measure(env, args.work, zoo_dir, members, args.seed)
+        if not args.json:
+            imputation.print_table(result["imputation"])
     print(json.dumps(result))
 
 

@@ -54,6 +54,7 @@ from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
+from zoo.store.imputation import FromLineage, from_lineage
 from zoo.store.locks import space_lock
 from zoo.store.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.store.session import session_factory, write_transaction
@@ -144,10 +145,12 @@ class SearchResource(Found):
 
 
 class PredictionResource(Predicted):
-    """The prediction resource: the query, then what the engine predicted."""
+    """The prediction resource: the query, then what the engine predicted, and what a stored adapter inherits along
+    the relations found from its weights (`from_lineage`; None for a file, which has no edges)."""
 
     query: str
     query_name: str
+    from_lineage: FromLineage | None
 
 
 class AdapterResource(repository.AdapterDetail):
@@ -156,6 +159,7 @@ class AdapterResource(repository.AdapterDetail):
 
     duplicate_sources: list[str]
     lineage: dict[str, Any]  # zoo.store.lineage.lineage
+    from_lineage: FromLineage  # the labels it inherits along its edges (none needs an embedder trained)
     space: str | None
     neighbours: SearchResource | None
     predictions: PredictionResource | None
@@ -580,9 +584,12 @@ def search(
 
 
 def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None) -> PredictionResource:
-    """The prediction resource: predicted attributes and metrics of the query."""
+    """The prediction resource: predicted attributes and metrics of the query, and for a stored adapter what it inherits
+    along its edges."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
-    return {"query": id_or_path, "query_name": query.name, **engine.predict(session, _space_name(session, space, query, base), query)}
+    predicted = engine.predict(session, _space_name(session, space, query, base), query)
+    inherited = from_lineage(session, query.adapter_id) if query.adapter_id is not None else None
+    return {"query": id_or_path, "query_name": query.name, **predicted, "from_lineage": inherited}
 
 
 def _space_name(session: Session, requested: str | None, query: Query, base: str | None) -> str:
@@ -718,6 +725,7 @@ def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k:
         **repository.adapter_detail(adapter),
         "duplicate_sources": repository.duplicate_sources(session, adapter.id),
         "lineage": lineage(session, adapter.id),
+        "from_lineage": from_lineage(session, adapter.id),
         "space": space.name if space else None,
         "neighbours": None,
         "predictions": None,

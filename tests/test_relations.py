@@ -78,8 +78,22 @@ def _copy(src: Path, dest: Path, alpha: int | None = None, dtype: torch.dtype | 
     return dest
 
 
-def ingest(cli: CLI, sources: dict[str, Path], *names: str) -> dict[str, int]:
-    rc, lines = cli.json_lines("ingest", *(str(sources[n]) for n in names), "--base-model", "tiny")
+#: given tasks: the parent and the merge's parents (and u1) are labelled; their copies, the merge and u2 are not
+TASKS = {"p": "alpha", "q1": "beta", "q2": "gamma", "u1": "beta"}
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A labels CSV of TASKS; p also has a style, and a `rank` label (the name of a fact its copies' files state)."""
+    path = tmp_path_factory.mktemp("tasks") / "labels.csv"
+    extra = {"p": ",dotted,4"}
+    path.write_text("name,task,style,rank\n" + "".join(f"{name},{task}{extra.get(name, ',,')}\n" for name, task in TASKS.items()))
+    return path
+
+
+def ingest(cli: CLI, sources: dict[str, Path], *names: str, labels: Path | None = None) -> dict[str, int]:
+    given = ("--labels", str(labels)) if labels else ()
+    rc, lines = cli.json_lines("ingest", *(str(sources[n]) for n in names), "--base-model", "tiny", *given)
     assert rc == 0, lines
     return {n: line["adapter_id"] for n, line in zip(names, lines, strict=True)}
 
@@ -95,8 +109,8 @@ def edges(settings: Settings) -> dict[tuple[int, int, str], AdapterRelation]:
         return {(r.child_id, r.parent_id, r.relation): r for r in session.scalars(select(AdapterRelation))}
 
 
-def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
-    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2", "rescaled", "cast", "pruned", "merge")
+def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sources: dict[str, Path], tasks: Path) -> None:
+    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2", "rescaled", "cast", "pruned", "merge", labels=tasks)
     report = embed(cli)
     assert report["scanned"] == 9 and report["failed"] == 0, report
     found = edges(settings)
@@ -146,6 +160,23 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     derived = client.get("/api/v1/adapters", query_string={"filter": f"derived_from={p}"}).get_json()
     assert {r["id"] for r in derived["results"]} == {rescaled, cast, ids["pruned"]}
     assert client.get("/api/v1/adapters", query_string={"filter": "relation=cousin"}).status_code == 400
+
+    # graph imputation: the unlabelled inherit their relatives' given tasks (no embedder trained), with links to them
+    inherited = client.get(f"/api/v1/adapters/{cast}").get_json()["from_lineage"]
+    assert set(inherited["attributes"]) == {"task", "style"}  # never `rank`: its own file says it
+    task = inherited["attributes"]["task"]
+    assert task["kind"] == "copy" and [(v["value"], v["score"]) for v in task["values"]] == [("alpha", pytest.approx(1.0, abs=0.05))]
+    assert [(s["adapter"]["id"], s["relation"], s["direction"]) for s in task["values"][0]["sources"]] == [(p, "cast", "parent")]
+    task = client.get(f"/api/v1/adapters/{merge}").get_json()["from_lineage"]["attributes"]["task"]
+    assert task["kind"] == "merge" and task["complete"] and [v["value"] for v in task["values"]] == ["beta", "gamma"]  # weights 0.7, 0.5
+    assert [v["score"] for v in task["values"]] == pytest.approx([0.7 / 1.2, 0.5 / 1.2], abs=0.05)
+    assert client.get(f"/api/v1/adapters/{p}").get_json()["from_lineage"]["attributes"] == {}  # it has a given task
+    alone = client.get(f"/api/v1/adapters/{ids['u2']}").get_json()["from_lineage"]
+    assert alone["edges"] == 0 and alone["attributes"] == {}
+    page = client.get(f"/adapters/{merge}").get_data(as_text=True)
+    part = page.split("From lineage")[1].split('class="lineage"')[0]
+    assert "all of" in part and f'href="/adapters/{ids["q1"]}"' in part and f'href="/adapters/{ids["q2"]}"' in part
+    assert "From lineage" not in client.get(f"/adapters/{ids['u2']}").get_data(as_text=True)
 
     # idempotent: embedding again scans nothing; a scan again (a new detector) rewrites the same edges
     assert embed(cli)["scanned"] == 0

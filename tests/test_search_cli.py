@@ -3,7 +3,9 @@ tests/conftest.py seed_sources: w00..w11, tasks qk and qv, a test_accuracy each)
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ from sqlalchemy import select
 from embed.index import brute_force
 from tests.conftest import CLI
 from tests.test_engine import stored_factors
+from webapp import create_app
 
 
 def ingest(cli: CLI, seed_sources: Path) -> list[dict]:
@@ -85,7 +88,7 @@ def test_embed_search_and_index(cli: CLI, seed_sources: Path) -> None:
     assert stats["embedders"][0]["state"] == "rebuilt (asked)" and stats["embedders"][0]["count"] == 12 and stats["module_store"] == "built"
 
 
-def test_train_predict(cli: CLI, seed_sources: Path) -> None:
+def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     ingest(cli, seed_sources)
     rc, (info,) = cli.json_lines("train", "--epochs", "2", "--members", "2")
     assert rc == 0 and info["heads"] == ["task"] and info["regression"] == ["test_accuracy"]
@@ -145,6 +148,25 @@ def test_train_predict(cli: CLI, seed_sources: Path) -> None:
     rc, (hybrid,) = cli.json_lines("search", str(seed_sources / "zoo" / "w03"), "-k", "3")
     assert rc == 0 and hybrid["method"] == "hybrid" and len(hybrid["embedder_ids"]) == 2
     assert hybrid["results"][0]["name"] == "w03" and hybrid["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
+
+    # beside the embedding's predictions, what a stored adapter inherits along its edges; a file has no edges
+    assert (
+        pred["from_lineage"] is None and "from lineage: none (a file is not stored" in cli("predict", str(seed_sources / "zoo" / "w03"))[1]
+    )
+    copy = shutil.copytree(seed_sources / "zoo" / "w03", tmp_path / "w03-alpha")
+    config = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]}))
+    rc, (stored,) = cli.json_lines("ingest", str(copy), "--base-model", "tiny")  # unlabelled
+    assert cli("embed")[0] == 0  # embedded, and found to be a rescaled copy of w03
+    rc, (copied,) = cli.json_lines("predict", str(stored["adapter_id"]))
+    task = copied["from_lineage"]["attributes"]["task"]
+    (source,) = task["values"][0]["sources"]
+    assert source["adapter"]["name"] == "w03" and [v["value"] for v in task["values"]] == [tasks[source["adapter"]["id"]]] == ["qv"]
+    rc, out, _ = cli("predict", str(stored["adapter_id"]))
+    assert rc == 0 and f"task             qv >99%  (rescaled of #{source['adapter']['id']} w03)" in out
+    app = create_app({"ZOO_DATABASE_URL": cli.settings.database_url, "ZOO_DATA_DIR": str(cli.settings.data_dir), "TESTING": True})
+    (served,) = app.test_client().post("/api/v1/predict/attributes", json={"adapter_id": stored["adapter_id"]}).get_json()["predictions"]
+    assert served["from_lineage"] == copied["from_lineage"] and served["attributes"] == copied["attributes"]
 
 
 def test_search_errors(cli: CLI, seed_sources: Path) -> None:

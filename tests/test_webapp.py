@@ -105,7 +105,7 @@ def test_zoo_show_json_is_the_stored_part_of_the_rest_resource(web: Web, capsys:
     assert web.zoo("show", "3", "--json") == 0
     shown = json.loads(capsys.readouterr().out)
     served = web.client.get("/api/v1/adapters/3").json
-    assert set(served) - set(shown) == {"duplicate_sources", "lineage", "space", "neighbours", "predictions", "not_ready"}
+    assert set(served) - set(shown) == {"duplicate_sources", "lineage", "from_lineage", "space", "neighbours", "predictions", "not_ready"}
     assert set(shown) <= set(served)
     for key in shown:
         if key == "source_uri":  # a server path: the API names it without the server's directories
@@ -194,7 +194,8 @@ def test_predict_by_id_batch_and_upload(web: Web) -> None:
     r = web.client.post("/api/v1/predict/attributes", json={"adapter_id": 2})
     assert r.status_code == 200
     (p,) = r.json["predictions"]
-    assert set(p) == {"query", "query_name", "space", "embedder_id", "attributes", "confidence"}
+    assert set(p) == {"query", "query_name", "space", "embedder_id", "attributes", "confidence", "from_lineage"}
+    assert p["from_lineage"]["edges"] >= 0 and "task" not in p["from_lineage"]["attributes"]  # its own task is given
     assert sum(c["probability"] for c in p["attributes"]["task"]) == pytest.approx(1.0, abs=1e-4)
     r = web.client.post("/api/v1/predict/performance", json={"adapter_ids": [1, 2, 3]})
     assert r.status_code == 200 and [p["query"] for p in r.json["predictions"]] == ["1", "2", "3"]
@@ -202,6 +203,7 @@ def test_predict_by_id_batch_and_upload(web: Web) -> None:
     assert m["low"] <= m["value"] <= m["high"] and m["interval"] == 0.9
     r = web.client.post("/api/v1/predict/attributes", data=peft_files(web.adapters / "outside" / "new"), content_type="multipart/form-data")
     assert r.status_code == 200 and r.json["predictions"][0]["query_name"] == "upload"
+    assert r.json["predictions"][0]["from_lineage"] is None  # a file is not stored: it has no edges
     assert error_of(web.client.post("/api/v1/predict/attributes", json={}))["status"] == 400
     assert error_of(web.client.post("/api/v1/predict/attributes", json={"adapter_ids": list(range(1, 200))}))["status"] == 422
     assert error_of(web.client.post("/api/v1/predict/performance", json={"adapter_id": 999}))["status"] == 404

@@ -162,7 +162,8 @@ def _checked(fn: Callable[..., T], *args: object) -> T:
 def predict_attributes(body: dict) -> dict[str, object]:
     """Predicted attributes of stored adapters, or of an upload (`file`): the top classes with calibrated probabilities
     and the labelled neighbours that have each, and per attribute its confidence (`sure`: the top class is at least
-    50 % likely and most of its labelled neighbours agree)."""
+    50 % likely and most of its labelled neighbours agree); for a stored adapter, `from_lineage`: the given labels it
+    inherits along the relations found from its weights (null for an upload, which has no edges)."""
     return _predict("attributes", body)
 
 

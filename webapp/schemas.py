@@ -253,9 +253,9 @@ SpacesOut = typed_schema(SpacesResource)
 #: the map as the API serves it (`zoo map` adds the map file's path)
 MapOut = named_schema("MapResource", {k: f for k, f in typed_fields(MapResource).items() if k != "file"})
 #: what each predict endpoint keeps of a prediction: the query, and attributes with their confidence (labelled
-#: neighbours that agree, "sure" or not), or metrics
+#: neighbours that agree, "sure" or not) and what a stored adapter inherits along its edges, or metrics
 PREDICTION_KEYS = {
-    "attributes": ("query", "query_name", "space", "embedder_id", "attributes", "confidence"),
+    "attributes": ("query", "query_name", "space", "embedder_id", "attributes", "confidence", "from_lineage"),
     "metrics": ("query", "query_name", "space", "embedder_id", "metrics"),
 }
 

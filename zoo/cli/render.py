@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from zoo.reference.build import ZooReport
     from zoo.runners.worker import WorkerSummary
     from zoo.services.relations import RelationReport
+    from zoo.store.imputation import FromLineage, Source
     from zoo.store.jobs import JobDetail, JobSummary
 
 
@@ -131,6 +132,32 @@ def from_weights_lines(w: dict) -> list[str]:
     if w["disagreement"]:
         lines.append(f"  disagrees with the card: {w['disagreement']}")
     return lines
+
+
+def from_lineage_lines(found: FromLineage | None) -> list[str]:
+    """What an adapter inherits along its edges (graph imputation): per key its values with their scores (a merge's:
+    all of them) and the adapters they came from."""
+    if found is None:
+        return ["from lineage: none (a file is not stored: it has no edges)"]
+    head = f"from lineage (given labels of the adapters related by the weights, confidence ≥ {found['min_confidence']:.2f}):"
+    if not found["attributes"]:
+        why = "no confident edge" if not found["edges"] else f"{plural(found['edges'], 'confident edge')}, no label it lacks at their ends"
+        return [f"{head} nothing ({why})"]
+    lines = [head]
+    for key, inherited in found["attributes"].items():
+        values = ", ".join(f"{v['value']} {percent(v['score'])}" for v in inherited["values"])
+        sources = {s["adapter"]["id"]: s for v in inherited["values"] for s in v["sources"]}
+        via = "; ".join(_source_text(s) for s in sources.values())
+        union = "" if inherited["kind"] != "merge" else "all of: " if inherited["complete"] else "all of (a parent's unknown): "
+        lines.append(f"  {key:<16} {union}{values}  ({via})")
+    return lines
+
+
+def _source_text(s: Source) -> str:
+    """How the adapter relates to the one a value came from: `rescaled of #3 a`, `#7 b is cast of it`."""
+    other = f"#{s['adapter']['id']} {s['adapter']['name']}"
+    weight = f" (weight {s['weight']:.3g})" if s["weight"] is not None else ""
+    return f"{s['relation']} of {other}{weight}" if s["direction"] == "parent" else f"{other} is {s['relation']} of it"
 
 
 def relations_line(r: RelationReport) -> str:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zoo.cli.render import human, percent, print_json, relations_line
+from zoo.cli.render import from_lineage_lines, human, percent, print_json, relations_line
 from zoo.config import Settings
 from zoo.errors import UsageError
 from zoo.store import repository
@@ -136,6 +136,7 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
     for key, m in pred["metrics"].items():
         interval = f"90% interval {m['low']:.3f}..{m['high']:.3f}" if m["interval"] else "no interval: no held-out residuals"
         print(f"  {key:<16} {m['value']:.3f}  ({interval}; {m['method']}: from the {PREDICTOR_WORDS.get(m['predictor'], m['predictor'])})")
+    print("\n".join(from_lineage_lines(pred["from_lineage"])))
     return 0
 
 
