@@ -186,7 +186,11 @@ def _ingest(cli: CLI, kind: str, root: Path, layers: int) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "layers"), [("llama3-8b", 1), ("sdxl", 2)])
+@pytest.mark.parametrize(
+    ("db_url", "kind", "layers"),
+    [("sqlite", "llama3-8b", 1), ("sqlite", "sdxl", 2), pytest.param("postgresql", "llama3-8b", 1, marks=pytest.mark.postgres)],
+    indirect=["db_url"],
+)  # the database's part (the checkpoint and the embeddings stored) is the same for both widths: PostgreSQL runs the cheaper
 def test_zoo_train_on_real_widths_projects_and_round_trips(kind: str, layers: int, cli: CLI, tmp_path: Path) -> None:
     """`zoo train` on twelve real-width adapters: the checkpoint records its projection; the embeddings it made in
     training from the projected training set (its memory) are what the loaded checkpoint gives for the adapters'
