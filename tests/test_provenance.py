@@ -156,6 +156,42 @@ def test_a_magnitude_pruned_copy_is_found_with_its_sparsity(seed: int, sparsity:
     assert edge.sparsity == pytest.approx(sparsity, abs=0.02)
 
 
+def with_dead_lines(raw: Raw) -> Raw:
+    """As training leaves an adapter: a few rows of B exactly zero (output channels no gradient reached) and a column of
+    A (a dead input)."""
+
+    def dead_rows(m: LoraModule) -> torch.Tensor:
+        B = m.B.clone()
+        B[::5] = 0.0
+        return B
+
+    def dead_column(m: LoraModule) -> torch.Tensor:
+        A = m.A.clone()
+        A[:, 0] = 0.0
+        return A
+
+    return remake(raw, A=dead_column, B=dead_rows)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seeds, st.floats(0.3, 0.6))  # above the dead lines' share (a fifth of B, a twentieth of A), so pruning zeroes more
+def test_lines_training_left_at_zero_are_no_pruning(seed: int, sparsity: float) -> None:
+    """A trained adapter's whole zero rows and columns are not read as pruning (the adapter is no pruned copy of its
+    own cast), and a pruned copy of it is found with the share pruning zeroed."""
+    parent = with_dead_lines(random_adapter(seed))
+    summary = update(parent).summary
+    assert summary is not None and summary.scattered == 0 < summary.zeros
+    copy = cast(parent, torch.bfloat16)
+    assert detect_transform(update(parent), update(copy, 1)) is None
+    edge = detect_transform(update(copy), update(parent, 1))
+    assert edge is not None and edge.relation == "cast"
+    child = remake(parent, A=lambda m: prune(m.A, sparsity), B=lambda m: prune(m.B, sparsity))
+    edge = detect_transform(update(child), update(parent, 3))
+    assert edge is not None and edge.relation == "pruned"
+    dead = summary.zero_share  # the lines were zero before pruning
+    assert edge.sparsity is not None and sparsity - 0.02 <= edge.sparsity <= sparsity + dead + 0.02
+
+
 def test_a_pruned_copy_needs_its_raw_factors() -> None:
     """Stored canonical factors keep no zeros: pruning is recognized at ingest only, and else gives no edge."""
     parent = random_adapter(5)
