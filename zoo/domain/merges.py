@@ -39,8 +39,10 @@ from zoo.domain.transforms import BAND_FACTOR, Update, expected_cast_residual, s
 MERGE_POOL = 8
 #: the most parents a merge is given
 MAX_PARENTS = 3
-#: candidates tried as parents of a `linear` merge (all their subsets of 2..MAX_PARENTS)
-LINEAR_TRIED = 5
+#: candidates tried as parents of a `linear` merge (all their subsets of 2..MAX_PARENTS): the whole pool, since a subset
+#: that does not fit is given up at its first modules (`_linear_fit`); with the 5 likeliest by the weighted sum's fit,
+#: a linear merge's parents were left out behind other merges of them (the lineage recipe: 0 of 2 found)
+LINEAR_TRIED = MERGE_POOL
 #: a parent whose share w_i·‖dW_i‖ / Σ_j w_j·‖dW_j‖ is below this is dropped
 MIN_SHARE = 0.02
 #: an exact hypothesis holds up to the rounding of a bf16 copy of the merged adapter
@@ -89,6 +91,15 @@ def detect_merge(
     stacks = {n: Stack([q[n], *(mods[i][n] for i in pool)]) for n in q}
     members = list(range(1, len(pool) + 1))
     G = np.sum([s.gram(members) for s in stacks.values()], axis=0)
+    ids = [comparable[i].id for i in pool]
+    copies = later_copies(G, ids) | later_sums(G, ids)
+    if copies:  # the pool without them, stacked again
+        pool = [i for k, i in enumerate(pool) if k not in copies]
+        if len(pool) < 2:
+            return None
+        stacks = {n: Stack([q[n], *(mods[i][n] for i in pool)]) for n in q}
+        members = list(range(1, len(pool) + 1))
+        G = np.sum([s.gram(members) for s in stacks.values()], axis=0)
     b = np.array([sum(s.inner(0, i) for s in stacks.values()) for i in members])
     summed = _weighted_sum(stacks, q, G, b, qq)
     hypotheses = [summed, _svd(stacks, q, len(pool), qq), _linear(stacks, summed, max_parents, qq)]
@@ -118,6 +129,36 @@ def detect_merge(
             **best.extra,
         },
     )
+
+
+def later_copies(G: np.ndarray, ids: Sequence[int | None]) -> set[int]:
+    """Indices of the updates (G their Gram, ids their adapter ids) that are copies (parallel within the exact band:
+    rescaled, cast) of another stored before them (a lower id; None last): a merge of one is as exact a merge of the
+    other, so the parent named is the first stored, as for the undirected copies themselves."""
+    d = np.sqrt(np.maximum(np.diag(G), 1e-300))
+    cosine = G / np.outer(d, d)
+    order = sorted(range(len(ids)), key=lambda k: (ids[k] is None, ids[k] or 0))
+    later: set[int] = set()
+    for pos, k in enumerate(order):
+        if k not in later:
+            later |= {j for j in order[pos + 1 :] if 1.0 - cosine[k, j] <= EXACT_RTOL**2 / 2}
+    return later
+
+
+def later_sums(G: np.ndarray, ids: Sequence[int | None]) -> set[int]:
+    """Indices of the updates (G their Gram, ids their adapter ids) that are an exact non-negative sum of updates
+    stored before them (a merge by cat or a plain sum; None last): a merge of the same parents is as exact with it
+    among them, so it is left out and the parents named are the first stored."""
+    order = sorted(range(len(ids)), key=lambda k: (ids[k] is None, ids[k] or 0))
+    derived: set[int] = set()
+    for pos, j in enumerate(order):
+        before = [k for k in order[:pos] if k not in derived]
+        if len(before) < 2 or G[j, j] <= 0:
+            continue
+        w = _nnls_gram(G[np.ix_(before, before)], G[before, j])
+        if max(G[j, j] - 2 * w @ G[before, j] + w @ G[np.ix_(before, before)] @ w, 0.0) <= EXACT_RTOL**2 * G[j, j]:
+            derived.add(j)
+    return derived
 
 
 def _aligned(mods: Mapping[str, LowRank], like: Mapping[str, LowRank]) -> dict[str, LowRank]:

@@ -19,8 +19,8 @@ the rest is:
   ingest), the precision must also hold every entry of them exactly;
 - the query's rank lower than the candidate's in some module and ρ of the truncation within those bands:
   `truncated` to the kept rank;
-- scattered exact zeros in the query's factors as read (not whole rows or columns, which training leaves
-  too) and ρ consistent with the entries removed: `pruned`, with the sparsity (the share of all zeros).
+- more exact zeros in the query's factors as read than in the candidate's (training leaves some too, which copies
+  share) and ρ consistent with the entries removed: `pruned`, with the sparsity (the share of all zeros).
   Pruned entries lie within ±t (t the smallest kept magnitude), so the residual is predicted from the zeros'
   positions and t in the query's own gauge (see `_pruning_residual`), at ingest, into the summary. Without a
   summary (adapters stored before it was kept) a pruned copy is not recognized.
@@ -57,10 +57,14 @@ ROUNDING_RMS = 0.425
 PRECISION_BITS = {"bf16": 8, "fp16": 11}
 #: a precision's band is its expected residual times or divided by this (√8: the bands of bf16 and fp16 tile)
 BAND_FACTOR = math.sqrt(8.0)
-#: the least share of scattered exact zeros in the raw factors (of modules with a non-zero update) read as pruning
+#: the least share of exact zeros in the raw factors, beyond the candidate's, (of modules with a non-zero update) read as pruning
 MIN_PRUNED_SHARE = 0.005
 #: the observed pruning residual over the predicted bound must lie within this band (see _pruning_residual)
 PRUNE_RATIO_BAND = (0.15, 1.5)
+#: the largest relative residual of a pruned copy (its module cosine with the source at least 0.8): pruning half the
+#: entries of a lineage recipe's adapter left 0.42, and unrelated adapters of one task reach cosine 0.76 (ρ 0.65), which
+#: a heavily pruned adapter's bound (near 1) would otherwise admit
+PRUNED_MAX_RESIDUAL = 0.6
 
 
 def expected_cast_residual(precision: str) -> float:
@@ -87,43 +91,35 @@ class FactorSummary:
 
     precisions: frozenset[str]
     zeros: int
-    scattered: int  # zeros not in whole lines (`scattered_zeros`): pruning leaves them, training does not
     entries: int
-    pruning_residual_sq: float  # _pruning_residual summed over modules; 0 below MIN_PRUNED_SHARE scattered zeros
+    pruning_residual_sq: float  # _pruning_residual summed over modules; 0 below MIN_PRUNED_SHARE zeros
 
     @classmethod
     def of(cls, raw: Mapping[str, LowRankModule], factors: Mapping[str, CanonicalFactors]) -> FactorSummary:
         """The summary of an adapter's raw modules; `factors` (its canonical ones) say which updates are non-zero."""
         live = [raw[n] for n, f in factors.items() if f.rank]
         zeros = sum(int((t == 0).sum()) for m in live for t in (m.A, m.B))
-        scattered = sum(scattered_zeros(m.A, m.B) for m in live)
         entries = sum(m.A.numel() + m.B.numel() for m in live)
         pruning = 0.0
-        if entries and scattered / entries >= MIN_PRUNED_SHARE:
+        if entries and zeros / entries >= MIN_PRUNED_SHARE:
             pruning = sum(_pruning_residual(m.A.double(), m.B.double(), float(m.scale)) for m in live)
-        return cls(frozenset(raw_precisions(raw)), zeros, scattered, entries, pruning)
+        return cls(frozenset(raw_precisions(raw)), zeros, entries, pruning)
 
     @property
     def zero_share(self) -> float:
         return self.zeros / self.entries if self.entries else 0.0
 
-    @property
-    def scattered_share(self) -> float:
-        return self.scattered / self.entries if self.entries else 0.0
-
     def as_json(self) -> dict[str, object]:
         return {
             "precisions": sorted(self.precisions),
             "zeros": self.zeros,
-            "scattered": self.scattered,
             "entries": self.entries,
             "pruning_residual_sq": self.pruning_residual_sq,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FactorSummary:
-        zeros, scattered, entries = (int(data[k]) for k in ("zeros", "scattered", "entries"))
-        return cls(frozenset(data["precisions"]), zeros, scattered, entries, float(data["pruning_residual_sq"]))
+        return cls(frozenset(data["precisions"]), int(data["zeros"]), int(data["entries"]), float(data["pruning_residual_sq"]))
 
 
 @dataclass(frozen=True)
@@ -221,7 +217,7 @@ def detect_transform(query: Update, candidate: Update) -> TransformEdge | None:
             tail = sum(sq_norm(p[n]) - sq_norm(truncated[n]) for n in kept) / sum(sq_norm(x) for x in p.values())
             return _with_evidence(edge, discarded_energy=tail)
     if query.summary is not None:
-        return _pruned(fit, query.summary, ids)
+        return _pruned(fit, query.summary, candidate.summary, ids)
     return None
 
 
@@ -279,9 +275,17 @@ def raw_precisions(raw: Mapping[str, LowRankModule]) -> set[str]:
     return found
 
 
-def _pruned(fit: ScaleFit, summary: FactorSummary, ids: tuple[int | None, int | None]) -> TransformEdge | None:
+def _pruned(
+    fit: ScaleFit, summary: FactorSummary, candidate: FactorSummary | None, ids: tuple[int | None, int | None]
+) -> TransformEdge | None:
+    """A pruned copy of the candidate: more zeros than it has (training leaves exact zeros too, a few percent of the
+    entries of every trained adapter of the lineage recipe, and its copies share them), and ρ within the bound
+    the query's zeros predict."""
     share, predicted_sq = summary.zero_share, summary.pruning_residual_sq
-    if summary.scattered_share < MIN_PRUNED_SHARE or predicted_sq <= 0:
+    new = share - (candidate.zero_share if candidate is not None else 0.0)
+    if new < MIN_PRUNED_SHARE or predicted_sq <= 0:
+        return None
+    if fit.rho > PRUNED_MAX_RESIDUAL:
         return None
     rho_bound = math.sqrt(predicted_sq / sum(fit.query_sq.values()))
     ratio = fit.rho / rho_bound
@@ -302,27 +306,16 @@ def _pruned(fit: ScaleFit, summary: FactorSummary, ids: tuple[int | None, int | 
             "predicted_residual_bound": rho_bound,
             "residual_over_bound": ratio,
             "zero_share": share,
-            "scattered_zero_share": summary.scattered_share,
+            "new_zero_share": new,
         },
     )
-
-
-def scattered_zeros(A: torch.Tensor, B: torch.Tensor) -> int:
-    """The exact zeros of A and B that are not whole lines. Training leaves lines exactly zero on its own (a B row of an
-    output channel no gradient reached, an A column of a dead input, a rank component never updated: 2-8 % of the
-    entries of every trained adapter of the lineage recipe), while magnitude pruning scatters zeros among kept entries."""
-    count = 0
-    for X in (A, B):
-        zero = X == 0
-        count += int((zero & ~zero.all(dim=0, keepdim=True) & ~zero.all(dim=1, keepdim=True)).sum())
-    return count
 
 
 def _pruning_residual(A: torch.Tensor, B: torch.Tensor, scale: float) -> float:
     """Expected ‖dW_parent - dW_pruned‖² if every zero of A and B held an entry of magnitude t (its tensor's
     smallest kept one), of random sign: Σ_zeros(B_ik) t_B²‖A_k‖² + Σ_zeros(A_kj) t_A²‖B_:k‖² (times scale²). Entries
-    spread evenly within ±t give a third of it; a Gaussian's smallest half about 0.3. (Lines training left at zero
-    count too: a few percent of the entries, well inside PRUNE_RATIO_BAND.)"""
+    spread evenly within ±t give a third of it; a Gaussian's smallest half about 0.3. (The zeros training left,
+    a few percent of the entries, count too: well inside PRUNE_RATIO_BAND.)"""
     total = 0.0
     for X, other, axis in ((B, A, 1), (A, B, 0)):  # zeros of B pair with the rows of A, zeros of A with the columns of B
         zero = X == 0

@@ -25,24 +25,30 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypedDict
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from threadpoolctl import threadpool_limits
 
 from embed.engine import SKETCH, Query, QueryEngine
-from embed.registry import get_space, serving_embedders, space_version
+from embed.registry import get_space, load_embeddings, serving_embedders, space_version
 from zoo.config import EMBED_CHUNK_BYTES
+from zoo.domain.merges import later_copies
 from zoo.domain.provenance import DETECTOR, ContinuationEdge, FactorSummary, MergeEdge, Relations, TransformEdge, Update, find_relations
 from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
 from zoo.store.locks import space_lock
-from zoo.store.models import Adapter, RelationParameters
+from zoo.store.models import Adapter, Embedder, RelationParameters
 from zoo.store.relations import EdgeRow, pending_scans, scanned_before, write_scan
 from zoo.store.session import write_transaction
 
 #: nearest neighbours (by module-sketch cosine) a new adapter is compared with
 NEIGHBOURS = 8
+#: neighbours fetched, of which the later copies of another (rescaled, cast: the same module-sketch vector, the sketch
+#: being scale-invariant) are dropped before NEIGHBOURS are kept: else a root's copies crowd its merges' other parents
+#: out (on the lineage recipe, merges found with all their parents 1 of 12 -> 4 of 12 with the merge pool's own dedupe)
+FETCHED = 2 * NEIGHBOURS
 #: the least module-sketch cosine of a neighbour compared at all: every relation needs its dW to point the query's way
 #: (a copy ~1, a truncation sqrt of the energy kept, a continuation >= 0.5 by module, a merge's parent about its share),
 #: while unrelated adapters lie near 0; the detectors' cost at real widths is in these comparisons
@@ -155,11 +161,18 @@ class _Scan:
 
     def neighbours(self, adapter_id: int) -> list[tuple[int, float]]:
         """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
-        the engine's index (its stored vector)."""
+        the engine's index (its stored vector), but for the later copies of another among the FETCHED nearest."""
         with self.sessions() as session:
             query = Query(str(adapter_id), adapter_id=adapter_id)
-            found = self.engine.similar(session, self.base_model, query, NEIGHBOURS, method="sketch")
-        return [(h["adapter_id"], h["score"]) for h in found["results"] if h["score"] >= MIN_SCORE]
+            found = self.engine.similar(session, self.base_model, query, FETCHED, method="sketch")
+            hits = [(h["adapter_id"], h["score"]) for h in found["results"] if h["score"] >= MIN_SCORE]
+            embedder = session.get(Embedder, self.sketch_id)
+            if len(hits) > 1 and embedder is not None:
+                ids, vectors = load_embeddings(session, embedder, ids=np.array([i for i, _ in hits], dtype=np.int64))
+                vectors = vectors.astype(np.float64)
+                copies = {int(ids[k]) for k in later_copies(vectors @ vectors.T, [int(i) for i in ids])}
+                hits = [h for h in hits if h[0] not in copies]
+        return hits[:NEIGHBOURS]
 
 
 def neighbour_count(query: Update) -> int:
