@@ -120,7 +120,8 @@ def test_streamed_and_held_reads_give_the_same_factors(pair: tuple[Path, Path], 
     assert len(full.full_matrices) == 9
     assert [fm.shape for fm in full.full_matrices] == [tuple(ft_shape(tuned, fm.name)) for fm in full.full_matrices]
     with safe_open(str(tuned), "pt") as ft:
-        for fm in {fm.shape: fm for fm in full.full_matrices}.values():  # one matrix of each shape (exact SVDs are slow)
+        # one matrix of each shape but the MLP's 5632×2048 (their exact SVDs in float64 took 8 of this test's 41 s)
+        for fm in {fm.shape: fm for fm in full.full_matrices if max(fm.shape) <= 2048}.values():
             W = ft.get_tensor(fm.name).float()
             assert np.allclose(fm.spectrum.singular_values, torch.linalg.svdvals(W.double()).numpy(), rtol=1e-4, atol=1e-6)
 
