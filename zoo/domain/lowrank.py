@@ -114,6 +114,14 @@ class Stack:
         """⟨dW_i, dW_j⟩ for i, j in idx."""
         return self._gram[np.ix_(idx, idx)]
 
+    def projections(self, query: int, idx: Sequence[int]) -> np.ndarray:
+        """U_qᵀ·dW_i·V_q for each member i of idx, in one product: (r_q, r_q, len(idx))."""
+        q, cols = self.cols([query]), self.cols(idx)
+        owner = np.zeros((len(cols), len(idx)))
+        owner[np.arange(len(cols)), np.repeat(np.arange(len(idx)), [len(self.S[i]) for i in idx])] = 1.0
+        S = np.concatenate([self.S[i] for i in idx])
+        return np.einsum("ac,cb,ci->abi", self.UU[np.ix_(q, cols)] * S, self.VV[np.ix_(cols, q)], owner)
+
     def block_fit(self, query: int, idx: Sequence[int]) -> tuple[np.ndarray, float]:
         """The least-squares C with dW_query ≈ 𝒰·C·𝒱ᵀ over the stacked factors of idx (left and right
         subspaces spanned jointly), and the squared residual."""

@@ -218,9 +218,7 @@ def _svd(stacks: Mapping[str, Stack], q: Mapping[str, LowRank], size: int, qq: f
     """dW_q = top-r_q(Σ w_i dW_i): weights from the projections U_qᵀ dW_i V_q, checked on the whole truncation."""
     rows, target = [], []
     for n, s in stacks.items():
-        qc = s.cols([0])
-        projections = [(s.UU[np.ix_(qc, s.cols([i]))] * s.S[i]) @ s.VV[np.ix_(s.cols([i]), qc)] for i in range(1, size + 1)]
-        rows.append(np.stack(projections, axis=-1))  # U_qᵀ dW_i V_q per pool member
+        rows.append(s.projections(0, range(1, size + 1)))  # U_qᵀ dW_i V_q per pool member
         target.append(np.diag(q[n].S))
     F = np.concatenate([r.reshape(-1, size) for r in rows])
     t = np.concatenate([x.ravel() for x in target])
