@@ -99,10 +99,8 @@ class Stack:
         self.shape = members[0].shape
         # ⟨dW_i, dW_j⟩ for all members at once: the (i, j) block sums of (S UᵀU S) ∘ VᵀV
         S = np.concatenate(self.S)
-        owner = np.repeat(np.arange(len(members)), np.diff(self.offsets))
-        blocks = np.zeros((len(members), len(S)))
-        blocks[owner, np.arange(len(S))] = 1.0
-        self._gram = blocks @ ((S[:, None] * self.UU * S[None, :]) * self.VV) @ blocks.T
+        owner = _owner([len(s) for s in self.S])
+        self._gram = owner.T @ ((S[:, None] * self.UU * S[None, :]) * self.VV) @ owner
 
     def cols(self, idx: Sequence[int]) -> np.ndarray:
         return np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in idx]).astype(int)
@@ -117,9 +115,8 @@ class Stack:
     def projections(self, query: int, idx: Sequence[int]) -> np.ndarray:
         """U_qᵀ·dW_i·V_q for each member i of idx, in one product: (r_q, r_q, len(idx))."""
         q, cols = self.cols([query]), self.cols(idx)
-        owner = np.zeros((len(cols), len(idx)))
-        owner[np.arange(len(cols)), np.repeat(np.arange(len(idx)), [len(self.S[i]) for i in idx])] = 1.0
         S = np.concatenate([self.S[i] for i in idx])
+        owner = _owner([len(self.S[i]) for i in idx])
         return np.einsum("ac,cb,ci->abi", self.UU[np.ix_(q, cols)] * S, self.VV[np.ix_(cols, q)], owner)
 
     def block_fit(self, query: int, idx: Sequence[int]) -> tuple[np.ndarray, float]:
@@ -142,6 +139,13 @@ class Stack:
         left = X.T @ inv_u @ self.UU[np.ix_(a, q)]  # X_kᵀ Q_Uᵀ U_q
         right = Y.T @ inv_v @ self.VV[np.ix_(a, q)]
         return float((sigma**2).sum()), float((sigma[:, None] * left * self.S[query][None, :] * right).sum())
+
+
+def _owner(ranks: Sequence[int]) -> np.ndarray:
+    """(Σ ranks × members): 1 where a stacked column belongs to a member, so that block sums are one product."""
+    owner = np.zeros((sum(ranks), len(ranks)))
+    owner[np.arange(sum(ranks)), np.repeat(np.arange(len(ranks)), ranks)] = 1.0
+    return owner
 
 
 def _pinv(G: np.ndarray) -> np.ndarray:

@@ -137,7 +137,7 @@ def later_copies(G: np.ndarray, ids: Sequence[int | None]) -> set[int]:
     other, so the parent named is the first stored, as for the undirected copies themselves."""
     d = np.sqrt(np.maximum(np.diag(G), 1e-300))
     cosine = G / np.outer(d, d)
-    order = sorted(range(len(ids)), key=lambda k: (ids[k] is None, ids[k] or 0))
+    order = _stored_order(ids)
     later: set[int] = set()
     for pos, k in enumerate(order):
         if k not in later:
@@ -145,11 +145,16 @@ def later_copies(G: np.ndarray, ids: Sequence[int | None]) -> set[int]:
     return later
 
 
+def _stored_order(ids: Sequence[int | None]) -> list[int]:
+    """Indices of ids, the first stored (lowest id) first; None (the query's side) last."""
+    return sorted(range(len(ids)), key=lambda k: (ids[k] is None, ids[k] or 0))
+
+
 def later_sums(G: np.ndarray, ids: Sequence[int | None]) -> set[int]:
     """Indices of the updates (G their Gram, ids their adapter ids) that are an exact non-negative sum of updates
     stored before them (a merge by cat or a plain sum; None last): a merge of the same parents is as exact with it
     among them, so it is left out and the parents named are the first stored."""
-    order = sorted(range(len(ids)), key=lambda k: (ids[k] is None, ids[k] or 0))
+    order = _stored_order(ids)
     derived: set[int] = set()
     for pos, j in enumerate(order):
         before = [k for k in order[:pos] if k not in derived]
@@ -259,8 +264,8 @@ def _linear(stacks: Mapping[str, Stack], summed: _Hypothesis, max_parents: int, 
 
 def _linear_fit(stacks: Mapping[str, Stack], subset: tuple[int, ...], qq: float) -> _Hypothesis | None:
     """The joint-subspace fit over one subset, or None where it cannot hold: the subspaces could hold any update, or
-    the residual of the modules fitted so far already passes EXACT_RTOL (only an exact `linear` is ever reported, and
-    a subset that does not fit is given up at its first modules: at 1,000 modules this is most of the test's cost)."""
+    the residual of the modules fitted so far already passes EXACT_RTOL (only an exact `linear` is ever reported, so
+    a subset that does not fit is given up at its first modules, not fitted on all of an adapter's 1,000)."""
     members = [i + 1 for i in subset]
     residual = diag_num = diag_den = 0.0
     limit = EXACT_RTOL**2 * qq

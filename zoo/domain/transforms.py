@@ -57,7 +57,8 @@ ROUNDING_RMS = 0.425
 PRECISION_BITS = {"bf16": 8, "fp16": 11}
 #: a precision's band is its expected residual times or divided by this (√8: the bands of bf16 and fp16 tile)
 BAND_FACTOR = math.sqrt(8.0)
-#: the least share of exact zeros in the raw factors, beyond the candidate's, (of modules with a non-zero update) read as pruning
+#: the least share of exact zeros in the raw factors (of modules with a non-zero update), beyond the candidate's, read
+#: as pruning
 MIN_PRUNED_SHARE = 0.005
 #: the observed pruning residual over the predicted bound must lie within this band (see _pruning_residual)
 PRUNE_RATIO_BAND = (0.15, 1.5)
