@@ -583,12 +583,12 @@ def search(
     return {"query": id_or_path, "query_name": query.name, **found}
 
 
-def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None) -> PredictionResource:
+def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None, lineage: bool = True) -> PredictionResource:
     """The prediction resource: predicted attributes and metrics of the query, and for a stored adapter what it inherits
-    along its edges."""
+    along its edges (not read when `lineage` is False: the caller has it already, or serves no attributes)."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
     predicted = engine.predict(session, _space_name(session, space, query, base), query)
-    inherited = from_lineage(session, query.adapter_id) if query.adapter_id is not None else None
+    inherited = from_lineage(session, query.adapter_id) if lineage and query.adapter_id is not None else None
     return {"query": id_or_path, "query_name": query.name, **predicted, "from_lineage": inherited}
 
 
@@ -735,7 +735,10 @@ def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k:
         resource["not_ready"].append("not embedded: run `zoo embed`" if adapter.factors_blob else "a checkpoint without a low-rank update")
         return resource
     resource["neighbours"] = _when_ready(lambda: search(engine, session, str(adapter.id), k, space.name), resource["not_ready"])
-    resource["predictions"] = _when_ready(lambda: predict(engine, session, str(adapter.id), space.name), resource["not_ready"])
+    predictions = _when_ready(lambda: predict(engine, session, str(adapter.id), space.name, lineage=False), resource["not_ready"])
+    if predictions is not None:
+        predictions["from_lineage"] = resource["from_lineage"]  # read once above
+    resource["predictions"] = predictions
     return resource
 
 

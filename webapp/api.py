@@ -144,7 +144,8 @@ def _predict(part: str, body: dict) -> dict[str, object]:
         if not ids:
             raise UsageError("send adapter_id, adapter_ids, or an upload in the `file` field")
         found = zoo_context().limited(
-            with_session(lambda s: [_checked(service.predict, engine, s, str(i), body.get("space")) for i in ids])
+            # what a stored adapter inherits is served with its attributes only
+            with_session(lambda s: [_checked(service.predict, engine, s, str(i), body.get("space"), part == "attributes") for i in ids])
         )
     return {"predictions": [{k: p[k] for k in schemas.PREDICTION_KEYS[part]} for p in found]}
 
