@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from zoo.domain import transforms
 from zoo.domain.canonical import CanonicalFactors, canonicalize
-from zoo.domain.continuation import detect_continuation
+from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, shared_rows
 from zoo.domain.merges import detect_merge
 from zoo.domain.provenance import Relations, find_relations
 from zoo.domain.transforms import FactorSummary, Update, detect_transform, expected_cast_residual, residual_class
@@ -391,6 +391,48 @@ def test_a_continuation_is_found_with_its_direction(seed: int, growth: float) ->
     relations = find_relations(update(child), [update(parent, 1), *(update(random_adapter(seed + i + 2), i + 2) for i in range(4))])
     assert [e.other for e in relations.continuations] == [1] and relations.merge is None and not relations.transforms
     assert_confidences(relations)
+
+
+def trained_on_another_task(raw: Raw, seed: int) -> Raw:
+    """The run resumed on another task: B learns anew (its direction unrelated to the parent's), A drifts a little."""
+    g = torch.Generator().manual_seed(seed)
+    return remake(
+        raw,
+        A=lambda m: m.A + 0.05 * m.A.norm() / m.A.numel() ** 0.5 * torch.randn(m.A.shape, generator=g),
+        B=lambda m: 2.0 * m.B.norm() / m.B.numel() ** 0.5 * torch.randn(m.B.shape, generator=g),
+    )
+
+
+@settings(max_examples=20, deadline=None)
+@given(seeds)
+def test_a_continuation_on_another_task_is_found_from_the_rows_it_shares(seed: int) -> None:
+    """dW's direction is new (cosine near 0), but A's rows are the parent's: a continuation, later than the parent."""
+    parent = random_adapter(seed)
+    child = trained_on_another_task(parent, seed + 1)
+    candidates = [update(parent, 1), *(update(random_adapter(seed + i + 2), i + 2) for i in range(4))]
+    relations = find_relations(update(child), candidates)
+    assert [(e.other, e.query_is_later) for e in relations.continuations] == [(1, True)]
+    edge = relations.continuations[0]
+    assert abs(edge.evidence["module_cosine"]) < 0.5 and edge.evidence["shared_rows"] > 0.9
+    assert shared_rows(update(child).modules(), update(random_adapter(seed + 9)).modules()) < MIN_SHARED_ROWS
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_child_keeps_one_parent_the_one_it_shares_most_rows_with(seed: int) -> None:
+    """A sibling further along the same run (its A drifted more) is also earlier than the child and shares its rows;
+    the child is the continuation of the parent only."""
+    parent = random_adapter(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    sibling = remake(parent, A=lambda m: m.A + 0.3 * m.A.norm() / m.A.numel() ** 0.5 * torch.randn(m.A.shape, generator=g))
+    child = trained_further(parent, seed + 1, 3.0)
+    relations = find_relations(update(child), [update(sibling, 2), update(parent, 1)])
+    assert [(e.other, e.query_is_later) for e in relations.continuations] == [(1, True)]
+
+
+def test_rows_tell_nothing_where_a_rank_covers_half_the_inputs() -> None:
+    """With rank ≥ half a module's inputs any two row spaces overlap by chance: shared_rows gives None there."""
+    wide = random_adapter(3, rank=13)  # 13 of 20 and 24 inputs
+    assert shared_rows(update(wide).modules(), update(random_adapter(4, rank=13)).modules()) is None
 
 
 def test_a_copy_is_no_continuation() -> None:

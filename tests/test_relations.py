@@ -20,8 +20,10 @@ from tests.conftest import CLI
 from tests.factories import TinyLM
 from webapp import create_app
 from zoo.config import Settings
+from zoo.domain.provenance import DETECTOR
 from zoo.services import relations
 from zoo.store.models import Adapter, AdapterRelation, RelationScan
+from zoo.store.relations import EdgeRow, write_scan
 from zoo.store.session import session_factory
 
 WEIGHTS = "adapter_model.safetensors"
@@ -33,8 +35,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """PEFT adapters of TinyLM written by save_pretrained: p (a parent), its copy with lora_alpha doubled (`rescaled`),
-    its bf16 cast (`cast`), its copy with the PRUNED share of each tensor zeroed (`pruned`), q1 and q2 and their
-    `merge` by add_weighted_adapter (cat, weights 0.7 and 0.5), and u1, u2 (unrelated).
+    its bf16 cast (`cast`), its copy with the PRUNED share of each tensor zeroed (`pruned`), p resumed on another
+    task (`continued`: A drifted a little, B learnt anew), q1 and q2 and their `merge` by add_weighted_adapter (cat,
+    weights 0.7 and 0.5), and u1, u2 (unrelated).
     Factors are random (A of Kaiming scale, B smaller): real PEFT files without training."""
     root = tmp_path_factory.mktemp("relations")
     config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -55,7 +58,21 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["rescaled"] = _copy(out["p"], root / "rescaled", alpha=16)
     out["cast"] = _copy(out["p"], root / "cast", dtype=torch.bfloat16)
     out["pruned"] = _copy(out["p"], root / "pruned", prune=PRUNED)
+    out["continued"] = _resumed(out["p"], root / "continued", gen)
     return out
+
+
+def _resumed(src: Path, dest: Path, gen: torch.Generator) -> Path:
+    """A copy of a PEFT directory as if resumed on another task: A drifted 5 %, B grown mostly in new directions (twice
+    its size), so that dW's cosine with the parent's is well under the 0.5 a same-task continuation keeps."""
+    shutil.copytree(src, dest)
+    tensors = load_file(str(dest / WEIGHTS))
+    for k, v in tensors.items():
+        noise = torch.randn(v.shape, generator=gen) * v.std()
+        grown = v + (0.05 if "lora_A" in k else 2.0) * noise
+        tensors[k] = grown.contiguous()
+    save_file(tensors, str(dest / WEIGHTS))
+    return dest
 
 
 #: the share of each tensor's entries the pruned copy sets to zero (the smallest in magnitude)
@@ -110,9 +127,9 @@ def edges(settings: Settings) -> dict[tuple[int, int, str], AdapterRelation]:
 
 
 def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sources: dict[str, Path], tasks: Path) -> None:
-    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2", "rescaled", "cast", "pruned", "merge", labels=tasks)
+    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2", "rescaled", "cast", "pruned", "merge", "continued", labels=tasks)
     report = embed(cli)
-    assert report["scanned"] == 9 and report["failed"] == 0, report
+    assert report["scanned"] == 10 and report["failed"] == 0, report
     found = edges(settings)
     p, rescaled, cast, merge = ids["p"], ids["rescaled"], ids["cast"], ids["merge"]
     edge = found[(rescaled, p, "rescaled")]
@@ -127,6 +144,9 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     assert parents[ids["q1"]].parameters["weight"] == pytest.approx(0.7, abs=0.05)
     assert parents[ids["q2"]].parameters["weight"] == pytest.approx(0.5, abs=0.05)
     assert {e.parameters["combination"] for e in parents.values()} == {"cat"}
+    edge = found[(ids["continued"], p, "continuation")]  # its dW points elsewhere; its rows are p's
+    assert edge.evidence["shared_rows"] > 0.9 and edge.evidence["module_cosine"] < 0.5
+    assert [k for k in found if k[0] == ids["continued"]] == [(ids["continued"], p, "continuation")]  # one origin
     unrelated = {ids["u1"], ids["u2"]}
     assert not [k for k in found if {k[0], k[1]} & unrelated]
     copies = {p, rescaled, cast, ids["pruned"]}
@@ -142,7 +162,7 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     rc, lines = cli.json_lines("list", "--filter", "relation=merge")
     assert [r["id"] for r in lines[0]["results"]] == [merge]
     rc, lines = cli.json_lines("list", "--filter", f"derived_from={p}")
-    assert {r["id"] for r in lines[0]["results"]} == {rescaled, cast, ids["pruned"]}
+    assert {r["id"] for r in lines[0]["results"]} == {rescaled, cast, ids["pruned"], ids["continued"]}
     client = create_app({"ZOO_DATABASE_URL": settings.database_url, "ZOO_DATA_DIR": str(settings.data_dir), "TESTING": True}).test_client()
     weights = client.get(f"/api/v1/adapters/{merge}/lineage").get_json()["from_weights"]
     assert {(e["adapter"]["id"], e["relation"]) for e in weights["parents"]} == {(ids["q1"], "merge"), (ids["q2"], "merge")}
@@ -158,7 +178,7 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     found_merges = client.get("/api/v1/adapters", query_string={"filter": ["relation=merge", "base_model=tiny"]}).get_json()
     assert [r["id"] for r in found_merges["results"]] == [merge] and found_merges["total"] == 1
     derived = client.get("/api/v1/adapters", query_string={"filter": f"derived_from={p}"}).get_json()
-    assert {r["id"] for r in derived["results"]} == {rescaled, cast, ids["pruned"]}
+    assert {r["id"] for r in derived["results"]} == {rescaled, cast, ids["pruned"], ids["continued"]}
     assert client.get("/api/v1/adapters", query_string={"filter": "relation=cousin"}).status_code == 400
 
     # graph imputation: the unlabelled inherit their relatives' given tasks (no embedder trained), with links to them
@@ -182,7 +202,7 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     assert embed(cli)["scanned"] == 0
     with session_factory(settings.database_url)() as session, session.begin():
         session.execute(delete(RelationScan))
-    assert embed(cli)["scanned"] == 9
+    assert embed(cli)["scanned"] == 10
     assert edges(settings).keys() == found.keys()
     assert ingest(cli, sources, "p", "merge") == {"p": p, "merge": merge}  # duplicates: nothing new
     assert edges(settings).keys() == found.keys()
@@ -232,3 +252,37 @@ def test_a_failed_scan_is_recorded_and_reported_and_loses_nothing(
     monkeypatch.undo()
     assert embed(cli)["scanned"] == 2  # tried again, and found
     assert (ids["rescaled"], ids["p"], "rescaled") in edges(settings)
+
+
+def _continuation(child: int, parent: int, shared: float) -> EdgeRow:
+    return {
+        "child_id": child,
+        "parent_id": parent,
+        "relation": "continuation",
+        "parameters": {"direction_confidence": 1.0},
+        "evidence": {"module_cosine": 0.1, "shared_rows": shared},
+        "confidence": 1.0,
+    }
+
+
+def test_an_adapter_keeps_one_origin_whatever_the_order_edges_come_in(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    """As stored: of its continuation parents a child keeps the one it shares most rows with, a transform or merge
+    found for it drops them, and a scan by a new detector replaces the older one's edges around the adapter."""
+    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2")
+    c, p1, p2, p3, q = ids["u2"], ids["p"], ids["q1"], ids["q2"], ids["u1"]
+    sessions = session_factory(settings.database_url)
+
+    def scan(adapter: int, *rows: EdgeRow, detector: str = DETECTOR) -> set[tuple[int, int, str]]:
+        with sessions.begin() as session:
+            write_scan(session, adapter, rows, detector, 1)
+        return set(edges(settings))
+
+    assert scan(p1, _continuation(c, p1, 0.8)) == {(c, p1, "continuation")}
+    assert scan(p2, _continuation(c, p2, 0.9)) == {(c, p2, "continuation")}  # nearer: replaces
+    assert scan(p3, _continuation(c, p3, 0.7)) == {(c, p2, "continuation")}  # farther: refused
+    merge = {**_continuation(c, p1, 0.0), "relation": "merge", "parameters": {"weight": 1.0, "combination": "cat", "parents": 2}}
+    assert scan(c, merge, {**merge, "parent_id": q}) == {(c, p1, "merge"), (c, q, "merge")}  # a merge explains c
+    assert scan(p3, _continuation(c, p3, 0.99)) == {(c, p1, "merge"), (c, q, "merge")}
+    assert scan(p1, _continuation(p1, c, 0.99)) == {(c, p1, "merge"), (c, q, "merge")}  # nor the pair the other way
+    assert scan(p3, _continuation(p3, p2, 0.9)) == {(c, p1, "merge"), (c, q, "merge"), (p3, p2, "continuation")}
+    assert scan(p2, detector="provenance-next") == {(c, p1, "merge"), (c, q, "merge")}  # the older detector's edge around p2

@@ -118,7 +118,7 @@ def from_weights_lines(w: dict) -> list[str]:
 
     def line(e: dict, arrow: str) -> str:
         a, ev = e["adapter"], e["evidence"]
-        shown = ", ".join(f"{k} {ev[k]:.3g}" for k in ("relative_residual", "module_cosine") if ev.get(k) is not None)
+        shown = ", ".join(f"{k} {ev[k]:.3g}" for k in ("relative_residual", "module_cosine", "shared_rows") if ev.get(k) is not None)
         return f"  {arrow} #{a['id']} {a['name']}: {edge_text(e)}, confidence {e['confidence']:.2f}{f'  [{shown}]' if shown else ''}"
 
     scan = w["scan"]

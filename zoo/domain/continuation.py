@@ -1,11 +1,15 @@
 """Continuations: whether a query adapter and a candidate are one training run at two points, and which came first.
 
-A continuation shares the module structure and per-module ranks, is similar (module cosine at least
-CONTINUATION_MIN_COSINE) but is no transform of the other (zoo/domain/transforms.py finds those). Its
-direction comes from statistics that move monotonically with training (MoTHer: Horwitz et al.), listed in
-`STATISTICS` with the way each is expected to move. Only the update's norm decides by default (LoRA's B
-starts at zero, so ‖dW‖ grows with steps); the others are computed and reported beside it, with what each
-says, until a lineage recipe measures which of them work for LoRA updates.
+A continuation shares the module structure and per-module ranks, is no transform of the other
+(zoo/domain/transforms.py finds those) and shares its row spaces: LoRA's A starts at a random init and moves little
+in training while B, from zero, learns the update, so dW = B·A of one run keeps A's rows at every point, even trained
+further on another task (dW's cosine then falls to 0), where two runs from other inits share no more of them than
+random subspaces do (`shared_rows`, at least MIN_SHARED_ROWS). Two runs started from one init (the same seed, or an
+init read off the base model such as PiSSA's) share them too, and read as related. Where no module can tell (a rank
+above half the module's inputs) the module cosine decides, at least CONTINUATION_MIN_COSINE. Its direction comes from
+statistics that move monotonically with training (MoTHer: Horwitz et al.), listed in `STATISTICS` with the way each is
+expected to move. Only the update's norm decides by default (LoRA's B starts at zero, so ‖dW‖ grows with steps); the
+others are computed and reported beside it, with what each says.
 """
 
 from __future__ import annotations
@@ -19,8 +23,13 @@ import numpy as np
 from zoo.domain.lowrank import LowRank, inner, sample_entries, sq_norm
 from zoo.domain.transforms import Update, fit_scale, residual_class, same_structure
 
-#: least module cosine of a continuation; a default to be measured on a lineage recipe
+#: least module cosine of a continuation where no module's row space can tell
 CONTINUATION_MIN_COSINE = 0.5
+#: least `shared_rows` of a continuation: on the shapes-lineage recipe (seeds 0 and 1) a continuation shares 0.73-0.99
+#: of its rows with its parent (one run at a large learning rate 0.30), unrelated adapters at most 0.60
+MIN_SHARED_ROWS = 0.65
+#: a module tells whether rows are shared where random subspaces of its ranks would share at most this of them
+MAX_CHANCE = 0.5
 #: the relative change of a statistic that gives its vote full strength in a direction's confidence
 FULL_MARGIN = 0.1
 
@@ -105,10 +114,23 @@ def module_cosine(q: Mapping[str, LowRank], p: Mapping[str, LowRank]) -> float:
     return float(np.mean([inner(q[n], p[n]) / math.sqrt(sq_norm(q[n]) * sq_norm(p[n])) for n in q]))
 
 
+def shared_rows(q: Mapping[str, LowRank], p: Mapping[str, LowRank]) -> float | None:
+    """How much of dW's row space two updates share beyond chance, the mean over modules that can tell (None if
+    none can): per module ‖V_q'·V_p‖²_F / min rank, 1 when one's rows lie in the other's, rescaled so that
+    independent random subspaces (expected max rank / inputs) give 0."""
+    values = []
+    for n in q:
+        inputs, low, high = q[n].shape[1], min(q[n].rank, p[n].rank), max(q[n].rank, p[n].rank)
+        chance = high / inputs
+        if chance <= MAX_CHANCE and low > 0:
+            overlap = float(np.linalg.norm(q[n].V.T @ p[n].V) ** 2) / low
+            values.append((overlap - chance) / (1.0 - chance))
+    return float(np.mean(values)) if values else None
+
+
 def detect_continuation(
     query: Update,
     candidate: Update,
-    min_cosine: float = CONTINUATION_MIN_COSINE,
     statistics: Sequence[Statistic] = STATISTICS,
     deciding: Sequence[str] = DEFAULT_DIRECTION_STATISTICS,
 ) -> ContinuationEdge | None:
@@ -122,21 +144,35 @@ def detect_continuation(
     fit = fit_scale(q, p)
     if residual_class(fit.rho) is not None:  # a copy, not further training
         return None
-    cosine = module_cosine(q, p)
-    if cosine < min_cosine:
+    cosine, shared = module_cosine(q, p), shared_rows(q, p)
+    if shared is None:
+        if cosine < CONTINUATION_MIN_COSINE:
+            return None
+        confidence = (cosine - CONTINUATION_MIN_COSINE) / (1.0 - CONTINUATION_MIN_COSINE)
+    elif shared < MIN_SHARED_ROWS:
         return None
+    else:
+        confidence = min(1.0, (shared - MIN_SHARED_ROWS) / (1.0 - MIN_SHARED_ROWS))
     votes = tuple(_vote(s, _statistic(query, s), _statistic(candidate, s)) for s in statistics)
     decisive = [v for v in votes if v.name in deciding and v.query_is_later is not None]
     score = sum((1.0 if v.query_is_later else -1.0) * min(1.0, v.margin / FULL_MARGIN) for v in decisive)
-    overlap = float(np.mean([np.linalg.norm(q[n].V.T @ p[n].V) ** 2 / q[n].rank for n in q]))
+    evidence = {"module_cosine": cosine, "relative_residual": fit.rho, "scale": fit.scale}
     return ContinuationEdge(
         other=candidate.id,
         query_is_later=score >= 0,
-        confidence=(cosine - min_cosine) / (1.0 - min_cosine),
+        confidence=confidence,
         direction_confidence=0.5 + 0.5 * abs(score) / max(len(decisive), 1),
         votes=votes,
-        evidence={"module_cosine": cosine, "relative_residual": fit.rho, "scale": fit.scale, "row_space_overlap": overlap},
+        evidence=evidence if shared is None else {**evidence, "shared_rows": shared},
     )
+
+
+def origin_score(evidence: Mapping[str, float | None]) -> float:
+    """How strongly a continuation ties its child to that parent: the rows they share, else their module cosine. A
+    child later than several candidates is the continuation of the highest: a run's root is the centre of its
+    continuations (each drifted from it on its own), and a pruned or merged copy of it shares fewer of its rows."""
+    value = evidence.get("shared_rows", evidence.get("module_cosine"))
+    return float("-inf") if value is None else float(value)
 
 
 def _statistic(u: Update, stat: Statistic) -> float:

@@ -8,7 +8,8 @@ at ingest, k ≤ 32), costing O(k) inner products of low-rank updates plus a few
   candidate, then a candidate from the query);
 - a merge of 2-3 candidates (zoo/domain/merges.py): parents, weights and PEFT's combination (cat, svd,
   linear) where the weights and residual say it, else `approximate`;
-- a continuation (zoo/domain/continuation.py): one training run at two points, and which came first.
+- a continuation (zoo/domain/continuation.py): one training run at two points, and which came first; a query
+  later than several candidates keeps the one it shares most with as its parent (an adapter has one origin).
 
 Inputs are `Update`s: canonical factors per module (what the blob store keeps) and the summary of the factors as
 read from the file (`FactorSummary`, kept at ingest: precisions, exact zeros). Every edge carries its evidence
@@ -20,14 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zoo.domain.continuation import ContinuationEdge, detect_continuation
+from zoo.domain.continuation import ContinuationEdge, detect_continuation, origin_score
 from zoo.domain.merges import MergeEdge, detect_merge
 from zoo.domain.transforms import FactorSummary, TransformEdge, Update, detect_transform
 
 __all__ = ["DETECTOR", "ContinuationEdge", "FactorSummary", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
 
 #: the detectors' version, stored with every edge they find: a new one makes the relation step scan every adapter again
-DETECTOR = "provenance-3"
+DETECTOR = "provenance-4"
 
 
 @dataclass(frozen=True)
@@ -53,5 +54,7 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
     merge = detect_merge(query, candidates)
     parents = {i for i in merge.parents if i is not None} if merge is not None else set()
     others = [c for c in candidates if c.id is None or c.id not in parents]
-    continuations = tuple(e for c in others if (e := detect_continuation(query, c)) is not None)
-    return Relations(merge=merge, continuations=continuations)
+    found = [e for c in others if (e := detect_continuation(query, c)) is not None]
+    later = [e for e in found if e.query_is_later]
+    parent = max(later, key=lambda e: origin_score(e.evidence), default=None)
+    return Relations(merge=merge, continuations=tuple(e for e in found if not e.query_is_later or e is parent))

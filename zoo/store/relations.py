@@ -4,7 +4,10 @@ indexed look-up (by child, by parent and relation, by relation), so it costs the
 
 Edges are written idempotently: a transform or continuation is one row per (child, parent, relation), updated when
 found again; a merge is one row per parent, and a merge found again replaces the child's merge rows (its parents are
-one finding).
+one finding). An adapter has one origin: a transform or merge that explains it leaves it no continuation parent, and
+of its continuation parents it keeps the one it shares most with (`zoo.domain.continuation.origin_score`), whichever
+scan found which first. A scan by
+a new detector replaces the edges an older one stored around the adapter.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
-from sqlalchemy import ColumnElement, Select, delete, exists, insert, select, update
+from sqlalchemy import ColumnElement, Select, and_, delete, exists, insert, or_, select, update
 from sqlalchemy.orm import Session
 
+from zoo.domain.continuation import origin_score
 from zoo.errors import UsageError
 from zoo.store.models import RELATIONS, Adapter, AdapterRelation, Embedding, RelationParameters, RelationScan
 from zoo.timestamps import iso_seconds
@@ -41,17 +45,52 @@ def write_scan(
 ) -> None:
     """Store one scan's edges and mark the adapter scanned by `detector` at `space_version` (with the error that
     stopped it, if any), in the caller's transaction. Merges replace their child's earlier merge rows; other edges
-    are updated in place."""
+    are updated in place; a continuation is kept only as its child's one origin (the module docstring)."""
+    touching = or_(AdapterRelation.child_id == adapter_id, AdapterRelation.parent_id == adapter_id)
+    session.execute(delete(AdapterRelation).where(touching, AdapterRelation.detector != detector))
     merged = {e["child_id"] for e in edges if e["relation"] == "merge"}
     if merged:
         session.execute(delete(AdapterRelation).where(AdapterRelation.child_id.in_(merged), AdapterRelation.relation == "merge"))
-    for e in edges:
+    for e in sorted(edges, key=lambda e: e["relation"] == "continuation"):  # what explains a child before its continuations
+        if e["relation"] == "continuation" and not _keep_continuation(session, e):
+            continue
+        if e["relation"] != "continuation":
+            _drop_continuations(session, e["child_id"], e["parent_id"])
         values = {**e, "detector": detector}
         if e["relation"] == "merge" or _update(session, values) == 0:
             session.execute(insert(AdapterRelation), values)
     session.execute(delete(RelationScan).where(RelationScan.adapter_id == adapter_id))
     row = {"adapter_id": adapter_id, "detector": detector, "space_version": space_version, "error": error}
     session.execute(insert(RelationScan), row)
+
+
+def _keep_continuation(session: Session, e: EdgeRow) -> bool:
+    """Whether a continuation is its child's origin: the child has no transform or merge parent, the pair no other
+    edge either way, and no other continuation parent of the child has a higher origin score. The lower ones are
+    deleted."""
+    child, parent, score = e["child_id"], e["parent_id"], origin_score(e["evidence"])
+    pair = or_(
+        and_(AdapterRelation.child_id == child, AdapterRelation.parent_id == parent),
+        and_(AdapterRelation.child_id == parent, AdapterRelation.parent_id == child),
+    )
+    if session.scalar(select(exists().where(or_(AdapterRelation.child_id == child, pair), AdapterRelation.relation != "continuation"))):
+        return False
+    others = select(AdapterRelation.id, AdapterRelation.evidence).where(
+        AdapterRelation.child_id == child, AdapterRelation.relation == "continuation", AdapterRelation.parent_id != parent
+    )
+    rows = session.execute(others).all()
+    if any(origin_score(ev or {}) >= score for _, ev in rows):
+        return False
+    if rows:
+        session.execute(delete(AdapterRelation).where(AdapterRelation.id.in_([i for i, _ in rows])))
+    return True
+
+
+def _drop_continuations(session: Session, child: int, parent: int) -> None:
+    """Delete the continuations that a transform or merge of `child` from `parent` explains: the child's, and the
+    pair's either way."""
+    pair = or_(AdapterRelation.child_id == child, and_(AdapterRelation.child_id == parent, AdapterRelation.parent_id == child))
+    session.execute(delete(AdapterRelation).where(pair, AdapterRelation.relation == "continuation"))
 
 
 def _update(session: Session, values: Mapping[str, Any]) -> int:
