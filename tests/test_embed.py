@@ -358,3 +358,23 @@ def test_checkpoints_keep_their_methods_by_name(
     again = json.loads((tmp_path / "again" / META).read_text())
     assert {k: again[k] for k in ("exact_score", "hybrid_weight", "predictor", "knn")} == (written or stored)
     assert W2TEnsemble.load(tmp_path / "again", device="cpu").predictors == loaded.predictors
+
+
+def test_embeddings_by_id_are_read_by_their_key(tmp_path: Path) -> None:
+    """`load_embeddings(ids=...)` reads rows by the unique key (adapter, embedder) in SQLite, which keeps no statistics:
+    with the version in the WHERE clause it ranged over the (embedder, version) index, every row of the embedder."""
+    from sqlalchemy import event
+
+    from embed.registry import load_embeddings
+    from zoo.store.models import Embedder
+    from zoo.store.session import session_factory, upgrade
+
+    url = f"sqlite:///{tmp_path / 'zoo.db'}"
+    upgrade(url)
+    statements: list[tuple[str, object]] = []
+    with session_factory(url)() as session:
+        event.listen(session.get_bind(), "before_cursor_execute", lambda _c, _k, sql, params, *_: statements.append((sql, params)))
+        load_embeddings(session, Embedder(id=1, dim=4), after_version=0, ids=np.arange(1, 17))  # from 3 ids
+        sql, params = statements[-1]
+        plan = " ".join(str(row) for row in session.connection().exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}", params))  # type: ignore[arg-type]
+    assert "adapter_id=? AND embedder_id=?" in plan, plan
