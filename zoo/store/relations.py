@@ -18,7 +18,6 @@ from typing import Any, TypedDict
 from sqlalchemy import ColumnElement, Select, and_, delete, exists, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from zoo.domain.continuation import origin_score
 from zoo.errors import UsageError
 from zoo.store.models import RELATIONS, Adapter, AdapterRelation, Embedding, RelationParameters, RelationScan
 from zoo.timestamps import iso_seconds
@@ -68,6 +67,8 @@ def _keep_continuation(session: Session, e: EdgeRow) -> bool:
     """Whether a continuation is its child's origin: the child has no transform or merge parent, the pair no other
     edge either way, and no other continuation parent of the child has a higher origin score. The lower ones are
     deleted."""
+    from zoo.domain.continuation import origin_score  # here: the detectors import torch, which reading edges never needs
+
     child, parent, score = e["child_id"], e["parent_id"], origin_score(e["evidence"])
     pair = or_(
         and_(AdapterRelation.child_id == child, AdapterRelation.parent_id == parent),
