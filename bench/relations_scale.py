@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import multiprocessing
 import os
 import resource
 import sys
@@ -119,12 +118,6 @@ def factor_rows(src: serve.Source, structures: list[str], start: int, stop: int,
 # -- the spaces -------------------------------------------------------------------------------------------------------
 
 
-def _build_child(src: serve.Source, n: int, work: Path, seed: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    built = serve.build(src, n, work, seed)
-    built["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    out.put(built)
-
-
 def build_space(src: serve.Source, n: int, space: Path, seed: int, rebuild: bool) -> dict:
     """bench/serve.py's synthetic space of n adapters under `space` (a child process: its peak RSS is its own); its
     figures, read back from space/build.json when built before."""
@@ -134,14 +127,7 @@ def build_space(src: serve.Source, n: int, space: Path, seed: int, rebuild: bool
     for stale in ("zoo.db", "factors.json"):
         (space / stale).unlink(missing_ok=True)
     space.mkdir(parents=True, exist_ok=True)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    child = ctx.Process(target=_build_child, args=(src, n, space, seed, out))
-    child.start()
-    built = out.get()
-    child.join()
-    done.write_text(json.dumps(built))
-    return built  # type: ignore[no-any-return]
+    return serve.build_or_reuse(src, n, space, seed, reuse=False)  # type: ignore[no-any-return]
 
 
 def give_factors(

@@ -386,6 +386,7 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     return {
         "build_s": time.perf_counter() - t0,
         "build_cpu_s": usage.ru_utime + usage.ru_stime,  # the child's own: on a busy machine, wall time is not its cost
+        "peak_rss_gb": usage.ru_maxrss / 2**20,  # the child's own (KiB)
         "database_s": db_s,
         "steps_s": {k: round(v, 1) for k, v in steps.items()},
         "nprobe": [ix.nprobe for ix in indexes],
