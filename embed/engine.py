@@ -66,13 +66,18 @@ from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Modul
 
 SKETCH = "module_sketch"
 W2T = "w2t"
+#: the raw-factor sketches (zoo.domain.factorwise.raw_sketches): how much two adapters share their factors as their
+#: files had them, which the relation step reads for merges PEFT made factor by factor and for continuations
+RAW = "raw_factors"
 #: hybrid: the search score `zoo train` chose out of fold (embed/choice.py): an exact score (dw or module)
 #: mixed with the supervised W2T cosine by the chosen weight (0: the exact score alone), over the union of
 #: both indexes' CANDIDATES nearest; module and dw: the sketch index's CANDIDATES nearest ranked by the
 #: mean module cosine or the whole update's cosine; sketch and w2t: their embeddings alone (their
-#: CANDIDATES nearest re-ranked by the stored vectors).
-SEARCH_METHODS = ("hybrid", "module", "dw", "sketch", "w2t")
-METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "dw": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,)}
+#: CANDIDATES nearest re-ranked by the stored vectors); raw: the raw-factor sketches alone, for stored adapters.
+SEARCH_METHODS = ("hybrid", "module", "dw", "sketch", "w2t", "raw")
+METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "dw": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,), "raw": (RAW,)}
+#: the embedder whose vectors each method's own scores are (the others score through exact cosines or the hybrid)
+VECTOR_SCORES = {"sketch": SKETCH, "w2t": W2T, "raw": RAW}
 MAX_K = 1000
 #: labelled neighbours counted as support of an attribute predicted by something other than a kNN
 SUPPORT_K = 5
@@ -714,6 +719,8 @@ class QueryEngine:
         """The query's unit vector under an embedder: the stored one, else computed from its factors."""
         if query.adapter_id is not None and e.index.contains(query.adapter_id):
             return e.index.vectors(np.array([query.adapter_id]))[0]
+        if e.method == RAW:  # a file's gauge is read at ingest only
+            raise UsageError(f"{query.name}: --method raw compares stored adapters only; ingest it first")
         schema = SpaceSchema.from_dict(e.config["schema"]) if e.method == SKETCH else self.w2t(e).schema
         if not schema.fits(query.factors):
             raise UsageError(f"{query.name} does not fit space {state.name}: its modules or shapes differ from the space's")
@@ -736,8 +743,8 @@ class QueryEngine:
     def _scores(self, state: SpaceState, method: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
         if not len(ids):
             return np.zeros(0)
-        if method in ("sketch", "w2t"):
-            kind = SKETCH if method == "sketch" else W2T
+        if method in VECTOR_SCORES:
+            kind = VECTOR_SCORES[method]
             return state.embedders[kind].index.vectors(ids) @ vectors[kind]
         if method in EXACT_SCORES:
             return self._exact(state, query, vectors[SKETCH], ids, method)

@@ -78,7 +78,7 @@ def active_embedder(session: Session, space: EmbeddingSpace, method: str | None 
     serving = serving_embedders(session, space.id)
     if method:
         return serving.get(method)
-    return serving.get("w2t") or next(iter(serving.values()), None)
+    return serving.get("w2t") or serving.get("module_sketch")
 
 
 def register(session: Session, space: EmbeddingSpace, method: str, dim: int, retire: tuple[str, ...] = (), **fields: object) -> Embedder:

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from embed.dataset import base_models, load_adapters
 from embed.engine import (
     BUILD_CHUNK_BYTES,
+    RAW,
     SKETCH,
     W2T,
     Found,
@@ -50,6 +51,7 @@ from embed.registry import (
 from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
+from zoo.domain.factorwise import raw_sketches, raw_width
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.store import repository
@@ -250,6 +252,8 @@ def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None
         return model.embed, model.schema
     schema = SpaceSchema.from_dict(embedder.config["schema"])
     dim = int(embedder.config["dim"])
+    if embedder.method == RAW:
+        return (lambda adapters: raw_sketches([(a.factors, a.gauges) for a in adapters], schema.modules, dim)), schema
     return (lambda adapters: module_sketches([a.factors for a in adapters], schema.module_names, dim)), schema
 
 
@@ -262,6 +266,20 @@ def ensure_sketch(session: Session, space: EmbeddingSpace, schema: SpaceSchema) 
     if current is not None and current.config == config:
         return current
     return register(session, space, SKETCH, len(schema.modules) * dim, retire=("dw_sketch",), config=config)
+
+
+def ensure_raw(session: Session, space: EmbeddingSpace, schema: SpaceSchema) -> Embedder:
+    """The space's raw-factor sketch embedder (a new one if the module vocabulary grew)."""
+    current = active_embedder(session, space, method=RAW)
+    dim = raw_width(len(schema.modules))
+    config = {"schema": schema.as_dict(), "dim": dim}
+    if current is not None and current.config == config:
+        return current
+    return register(session, space, RAW, len(schema.modules) * dim, config=config)
+
+
+#: the order of embed_space's reports: the module sketches (which search and the relation step need) first
+_REPORT_ORDER = {SKETCH: 0, RAW: 1, W2T: 2}
 
 
 def embed_space(
@@ -284,6 +302,7 @@ def embed_space(
     with write_transaction(sessions, space_lock(base_model)) as session:
         space = ensure_space(session, schema)
         ensure_sketch(session, space, schema)
+        ensure_raw(session, space, schema)
         space_id, embedder_ids = space.id, [e.id for e in serving_embedders(session, space.id).values()]
     counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, ids, device, subset=False)
     files = refresh_space_files(sessions, blobs, data_dir, space_id)
@@ -298,9 +317,13 @@ def embed_space(
             "module_store": store,
             "map": zoo_map,
         }
-        for e, (embedded, misfits) in counts.items()
+        for e, (embedded, misfits) in sorted(counts.items(), key=lambda item: _REPORT_ORDER.get(_method_of(indexes, item[0]), 9))
         if e in indexes
     ]
+
+
+def _method_of(indexes: Mapping[int, IndexFile], embedder_id: int) -> str:
+    return str(indexes[embedder_id]["method"]) if embedder_id in indexes else ""
 
 
 def embed_adapters(

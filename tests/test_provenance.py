@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from zoo.domain import transforms
-from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.canonical import CanonicalFactors, canonicalize, gauge, gauges
+from zoo.domain.factorwise import Gauge, RawModule, raw_sketches, raw_width
 from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, shared_rows
 from zoo.domain.merges import detect_merge
 from zoo.domain.provenance import Relations, find_relations
@@ -318,15 +320,18 @@ def peft_model():  # noqa: ANN201
     return model
 
 
-def peft_update(model, adapter: str, id: int | None = None) -> Update:  # noqa: ANN001
+def peft_update(model, adapter: str, id: int | None = None, with_gauges: bool = False) -> Update:  # noqa: ANN001
+    """The adapter as the relation step reads it; with its gauges where they are kept (blobs written since)."""
     state = model.state_dict()
     config = model.peft_config[adapter]
-    factors = {}
+    factors, gauges = {}, {}
     for module in ("up", "down"):
         A = state[f"base_model.model.{module}.lora_A.{adapter}.weight"]
         B = state[f"base_model.model.{module}.lora_B.{adapter}.weight"]
         factors[module] = canonicalize(A, B, config.lora_alpha / config.r)
-    return Update(factors, id=id)
+        if (g := gauge(factors[module], A, B)) is not None:
+            gauges[module] = g
+    return Update(factors, id=id, gauges=gauges if with_gauges else None)
 
 
 @pytest.mark.parametrize("combination", ["cat", "svd", "linear"])
@@ -360,6 +365,78 @@ def test_a_merge_is_no_continuation_of_its_parents(peft_model) -> None:  # noqa:
     relations = find_relations(merged, candidates)
     assert relations.merge is not None and set(relations.merge.parents) == {1, 3}
     assert not {e.other for e in relations.continuations} & {1, 3}
+
+
+@pytest.mark.parametrize(
+    ("combination", "density"),
+    [("ties", 0.5), ("ties", 0.8), ("dare_linear", 0.5), ("dare_ties", 0.7), ("magnitude_prune", 0.3), ("magnitude_prune", 0.9)],
+)
+def test_peft_factorwise_merges_are_found_from_the_factors_as_saved(peft_model, combination: str, density: float) -> None:  # noqa: ANN001
+    """PEFT prunes A and B apart, so no sum of the parents' dW is the merge's; in the factors as saved it is exact."""
+    candidates = [peft_update(peft_model, f"a{i}", i, with_gauges=True) for i in range(8)]
+    parents, weights = [2, 5, 6], [0.5, 0.3, 0.8]
+    name = f"{combination}_{int(100 * density)}"
+    torch.manual_seed(1)  # dare's draws
+    peft_model.add_weighted_adapter([f"a{i}" for i in parents], weights, name, combination_type=combination, density=density)
+    merged = peft_update(peft_model, name, with_gauges=True)
+    merge = detect_merge(merged, candidates)
+    assert merge is not None and merge.combination == combination, merge
+    found = dict(zip(merge.parents, merge.weights, strict=True))
+    assert set(found) == set(parents)
+    for i, w in zip(parents, weights, strict=True):
+        assert found[i] == pytest.approx(w, abs=0.05)
+    assert merge.evidence["density"] == pytest.approx(density, abs=0.05) and merge.evidence["relative_residual"] < 1e-4
+    assert merge.confidence > 0.9
+
+
+def test_without_gauges_a_factorwise_merge_is_not_exact(peft_model) -> None:  # noqa: ANN001
+    candidates = [peft_update(peft_model, f"a{i}", i) for i in range(8)]
+    peft_model.add_weighted_adapter(["a1", "a4"], [0.6, 0.9], "ties_no_gauge", combination_type="ties", density=0.5)
+    merge = detect_merge(peft_update(peft_model, "ties_no_gauge"), candidates)
+    assert merge is None or merge.combination == "approximate"
+
+
+def test_a_factorwise_merge_of_unrelated_adapters_names_no_parent(peft_model) -> None:  # noqa: ANN001
+    """The merge's parents are left out of the candidates: the fit over the others is no merge."""
+    candidates = [peft_update(peft_model, f"a{i}", i, with_gauges=True) for i in (0, 1, 3, 4, 7)]
+    peft_model.add_weighted_adapter(["a2", "a5"], [0.7, 0.7], "ties_elsewhere", combination_type="ties", density=0.6)
+    assert detect_merge(peft_update(peft_model, "ties_elsewhere", with_gauges=True), candidates) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=seeds, rank=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_the_gauge_gives_back_the_factors_as_saved(seed: int, rank: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(seed)
+    A, B = torch.randn(rank, 20, generator=g).to(dtype), torch.randn(24, rank, generator=g).to(dtype)
+    f = canonicalize(A, B, 2.0)
+    kept = gauge(f, A, B)
+    assert kept is not None
+    M, N = kept
+    assert torch.allclose(f.U @ M, B.float(), atol=1e-5 * float(B.float().abs().max())) and torch.allclose(
+        N @ f.V.T, A.float(), atol=1e-5 * float(A.float().abs().max())
+    )
+    assert RawModule(f.U.double().numpy(), f.S.double().numpy(), f.V.double().numpy(), Gauge(M.double().numpy(), N.double().numpy())).scale == (
+        pytest.approx(2.0, rel=1e-4)
+    )
+    A[-1] = 0  # a rank below the factors': B's last column is not in dW
+    assert gauge(canonicalize(A, B, 2.0), A, B) is None
+
+
+def test_raw_sketches_are_near_for_shared_factors_and_far_otherwise() -> None:
+    """A continuation keeps A (near in the raw sketches though its dW turned), an unrelated adapter shares nothing, and
+    the same entries are read from every adapter of one rank."""
+    parent, other = random_adapter(1, rank=4), random_adapter(2, rank=4)
+    child = remake(parent, B=lambda m: m.B + 2 * torch.randn_like(m.B) * m.B.std())  # B learnt anew, A as it was
+    modules = [(n, o, i) for n, (o, i) in SHAPES.items()]
+
+    def sketch(raw: Raw) -> np.ndarray:
+        factors = {n: canonicalize(m.A, m.B, m.scale) for n, m in raw.items()}
+        v = raw_sketches([(factors, gauges(raw, list(factors.items())))], modules, raw_width(len(modules)))[0]
+        return v / np.linalg.norm(v)
+
+    p, c, u = sketch(parent), sketch(child), sketch(other)
+    assert p @ c > 0.4 and abs(p @ u) < 0.25
+    assert p @ sketch(remake(parent, scale=lambda m: 3 * m.scale)) == pytest.approx(1.0, abs=1e-5)  # alpha changed: the same factors
 
 
 # --- continuations ------------------------------------------------------------------------------------------

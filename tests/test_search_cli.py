@@ -72,7 +72,7 @@ def test_embed_search_and_index(cli: CLI, seed_sources: Path) -> None:
     assert [r["adapter_id"] for r in sk["results"]] == [i for i in ref[0].tolist() if i != first][:4]
 
     rc, (stats,) = cli.json_lines("index", "stats")
-    (sketch_stats,) = stats["embedders"]
+    sketch_stats = next(e for e in stats["embedders"] if e["method"] == "module_sketch")
     assert sketch_stats["count"] == 12 and sketch_stats["recall@10_vs_exact"] == 1.0 and sketch_stats["state"] == "loaded"
     # an index file that disagrees with the database is detected without reading vectors, the query is
     # answered from the database's vectors and says so; `zoo index` brings the file back

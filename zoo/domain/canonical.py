@@ -15,7 +15,7 @@ large GEMMs in float32 whatever the stored dtype.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -167,6 +167,28 @@ def _cond(G: torch.Tensor) -> torch.Tensor:
     ev = torch.linalg.eigvalsh(G)
     lo, hi = ev[..., 0], ev[..., -1]
     return torch.where(lo > 0, hi / lo.clamp_min(torch.finfo(G.dtype).tiny), torch.full_like(hi, float("inf")))
+
+
+def gauge(f: CanonicalFactors, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(M, N) = (Uᵀ·B, A·V): the factors as given, in the canonical ones (B = U·M, A = N·Vᵀ), which PEFT's factorwise
+    merges need (zoo/domain/factorwise.py). None where the update's rank is below the factors' rank: B and A then
+    have parts outside U and V that dW does not show."""
+    if f.rank != A.shape[0] or f.rank == 0:
+        return None
+    return f.U.T @ _as_float32(B), _as_float32(A) @ f.V
+
+
+def gauges(
+    modules: Mapping[str, LowRankModule], factors: Sequence[tuple[str, CanonicalFactors]]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The gauge of each module that has one (see `gauge`), by name, on the factors' device."""
+    out = {}
+    for name, f in factors:
+        m = modules[name]
+        g = gauge(f, m.A.to(f.U.device), m.B.to(f.U.device))
+        if g is not None:
+            out[name] = g
+    return out
 
 
 def frobenius_norm_sq(x: CanonicalFactors) -> float:

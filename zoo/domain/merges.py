@@ -32,17 +32,23 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
+from zoo.domain.factorwise import fit_factorwise
 from zoo.domain.lowrank import GRAM_RTOL, LowRank, Stack, inner, sq_norm
 from zoo.domain.transforms import BAND_FACTOR, Update, expected_cast_residual, same_structure
 
-#: candidates kept for the fits (the most correlated with the query)
-MERGE_POOL = 8
+#: candidates kept for the fits (the most correlated with the query): 12, as the relation step compares a query with
+#: its module-sketch and raw-factor neighbours (zoo/services/relations.py)
+MERGE_POOL = 12
+#: candidates more than the pool that are stacked first, so that the copies dropped from them leave it full (a root's
+#: rescaled and cast copies are as near as the root and took the slot of a merge's third parent on the lineage recipe)
+POOL_MARGIN = 4
 #: the most parents a merge is given
 MAX_PARENTS = 3
-#: candidates tried as parents of a `linear` merge (all their subsets of 2..MAX_PARENTS): the whole pool, since a subset
-#: that does not fit is given up at its first modules (`_linear_fit`); with the 5 likeliest by the weighted sum's fit,
-#: a linear merge's parents were left out behind other merges of them (the lineage recipe: 0 of 2 found)
-LINEAR_TRIED = MERGE_POOL
+#: candidates tried as parents of a `linear` merge (all their subsets of 2..MAX_PARENTS): the first 8 of the pool, since a
+#: subset that does not fit is given up at its first modules (`_linear_fit`); with the 5 likeliest by the weighted sum's
+#: fit, a linear merge's parents were left out behind other merges of them (the lineage recipe: 0 of 2 found). Where the
+#: gauges are known, a linear merge is also the factorwise fit's (zoo/domain/factorwise.py), over all candidates
+LINEAR_TRIED = 8
 #: a parent whose share w_i·‖dW_i‖ / Σ_j w_j·‖dW_j‖ is below this is dropped
 MIN_SHARE = 0.02
 #: an exact hypothesis holds up to the rounding of a bf16 copy of the merged adapter
@@ -85,7 +91,7 @@ def detect_merge(
     mods = [_aligned(c.modules(), q) for c in comparable]
     qq = sum(sq_norm(x) for x in q.values())
     cos = np.array([sum(inner(q[n], m[n]) for n in q) / math.sqrt(qq * max(sum(sq_norm(x) for x in m.values()), 1e-300)) for m in mods])
-    pool = [int(i) for i in np.argsort(-cos)[:pool_size] if cos[i] > 0]
+    pool = [int(i) for i in np.argsort(-cos)[: pool_size + POOL_MARGIN] if cos[i] > 0]
     if len(pool) < 2:
         return None
     stacks = {n: Stack([q[n], *(mods[i][n] for i in pool)]) for n in q}
@@ -93,8 +99,9 @@ def detect_merge(
     G = np.sum([s.gram(members) for s in stacks.values()], axis=0)
     ids = [comparable[i].id for i in pool]
     copies = later_copies(G, ids) | later_sums(G, ids)
-    if copies:  # the pool without them, stacked again
-        pool = [i for k, i in enumerate(pool) if k not in copies]
+    copy_ids = {ids[k] for k in copies}
+    if copies or len(pool) > pool_size:  # the pool without them, cut to its size, stacked again
+        pool = [i for k, i in enumerate(pool) if k not in copies][:pool_size]
         if len(pool) < 2:
             return None
         stacks = {n: Stack([q[n], *(mods[i][n] for i in pool)]) for n in q}
@@ -105,6 +112,10 @@ def detect_merge(
     hypotheses = [summed, _svd(stacks, q, len(pool), qq), _linear(stacks, summed, max_parents, qq)]
     found = [h for h in hypotheses if h is not None and 2 <= len(h.members) <= max_parents]
     exact = [h for h in found if h.rho <= EXACT_RTOL]
+    named = [comparable[i] for i in pool]  # what the hypotheses' members index
+    factorwise = None if exact else _factorwise(query, comparable, copy_ids)
+    if factorwise is not None:
+        exact, named = [factorwise[0]], factorwise[1]
     if exact:  # a plain sum first (the simplest; linear and svd hold for it too), else the closest fit
         best = exact[0] if exact[0] is summed else min(exact, key=lambda h: h.rho)
         confidence = 1.0 - 0.5 * best.rho / EXACT_RTOL
@@ -119,7 +130,7 @@ def detect_merge(
         best = _Hypothesis("approximate", best.members, best.weights, best.rho, {**best.extra, "least_unique_energy": unique})
         confidence = 0.5 * (1.0 - best.rho / APPROXIMATE_RTOL)
     return MergeEdge(
-        parents=tuple(comparable[pool[i]].id for i in best.members),
+        parents=tuple(named[i].id for i in best.members),
         weights=tuple(float(w) for w in best.weights),
         combination=best.combination,
         confidence=float(confidence),
@@ -129,6 +140,22 @@ def detect_merge(
             **best.extra,
         },
     )
+
+
+def _factorwise(query: Update, candidates: Sequence[Update], copies: set[int | None]) -> tuple[_Hypothesis, list[Update]] | None:
+    """The exact factorwise merge (zoo/domain/factorwise.py) of the query from the candidates whose gauges are known,
+    with the candidates its members index (in stored order, so that of parallel copies the first-stored is named). All
+    candidates but the pool's later copies: the pool keeps those whose dW points the query's way, and a sparsified
+    parent's may not."""
+    q = query.raw_modules()
+    if not q:
+        return None
+    named = sorted((c for c in candidates if c.id is None or c.id not in copies), key=lambda c: (c.id is None, c.id or 0))
+    fit = fit_factorwise(q, [c.raw_modules() or None for c in named])
+    if fit is None or fit.rho > EXACT_RTOL:
+        return None
+    extra = {"density": fit.density, "magnitude_auc": fit.magnitude_auc, "sampled_entries": float(fit.entries)}
+    return _Hypothesis(fit.combination, fit.members, np.array(fit.weights), fit.rho, extra), named
 
 
 def later_copies(G: np.ndarray, ids: Sequence[int | None]) -> set[int]:

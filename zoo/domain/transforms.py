@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from zoo.domain.canonical import CanonicalFactors, LowRankModule
+from zoo.domain.factorwise import Gauge, RawModule
 from zoo.domain.lowrank import LowRank, inner, sq_norm
 
 T = TypeVar("T")
@@ -132,12 +133,28 @@ class Update:
     factors: Mapping[str, CanonicalFactors]
     summary: FactorSummary | None = None
     id: int | None = None
+    #: the gauge of the file's factors per module, (M, N) with B = U·M and A = N·Vᵀ, where it was kept (see zoo.store.blobs)
+    gauges: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     #: what the detectors computed of this update, kept for its other pairs (see `computed`)
     _computed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def modules(self) -> dict[str, LowRank]:
         """The non-zero modules in float64, made once (an adapter is compared with k others, both ways)."""
         return dict(self.computed("modules", lambda: {name: LowRank.of(f) for name, f in self.factors.items() if f.rank}))
+
+    def raw_modules(self) -> dict[str, RawModule]:
+        """The non-zero modules whose gauge is known, as PEFT's factorwise merges are fitted on them (float64, made once)."""
+
+        def make() -> dict[str, RawModule]:
+            out = {}
+            for name, f in self.factors.items():
+                if f.rank and self.gauges is not None and name in self.gauges:
+                    M, N = self.gauges[name]
+                    low = self.modules()[name]
+                    out[name] = RawModule(low.U, low.S, low.V, Gauge(M.double().numpy(), N.double().numpy()))
+            return out
+
+        return dict(self.computed("raw_modules", make))
 
     def computed(self, key: str, compute: Callable[[], T]) -> T:
         """compute() the first time `key` is asked for, then the same value."""

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
-from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
+from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, gauges, pick_device
 from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
 from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
 from zoo.domain.transforms import FactorSummary
@@ -280,7 +280,8 @@ class Ingestor:
         with small_work_on_one_thread(data):
             canonical = canonicalize_modules(data.modules, self.device) if data.modules else []
             lap("canonicalize")
-            blob = BlobWriter(self.blobs, [(m.name, f) for m, f in zip(data.modules, canonical, strict=True)]) if canonical else None
+            named = [(m.name, f) for m, f in zip(data.modules, canonical, strict=True)]
+            blob = BlobWriter(self.blobs, named, gauges({m.name: m for m in data.modules}, named)) if canonical else None
             try:
                 described = describe(data, source, base_model, canonical)
                 if origin is not None:

@@ -31,7 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from threadpoolctl import threadpool_limits
 
-from embed.engine import SKETCH, Query, QueryEngine
+from embed.engine import RAW, SKETCH, Query, QueryEngine
 from embed.registry import get_space, load_embeddings, serving_embedders, space_version
 from zoo.config import EMBED_CHUNK_BYTES
 from zoo.domain.merges import later_copies
@@ -53,6 +53,13 @@ FETCHED = 2 * NEIGHBOURS
 #: (a copy ~1, a truncation sqrt of the energy kept, a continuation >= 0.5 by module, a merge's parent about its share),
 #: while unrelated adapters lie near 0; the detectors' cost at real widths is in these comparisons
 MIN_SCORE = 0.05
+#: neighbours by the raw-factor sketches compared too (those not among the module-sketch ones): a factorwise merge's
+#: minor parents and a continuation whose dW turned away are near in the factors as the files had them, far in dW
+#: (zoo.domain.factorwise.raw_sketches)
+RAW_NEIGHBOURS = 8
+#: the least raw-factor cosine of such a neighbour (a minor parent's: 0.1-0.2; an unrelated adapter's: about
+#: 1/sqrt(the sketch's dimensions), 0.03-0.06)
+MIN_RAW_SCORE = 0.05
 #: close neighbours tested again as merges that may have the new adapter among their parents
 RECHECK = 4
 #: the least sketch cosine of a neighbour tested again (a merge's parents are near it: two equal parents, ~0.7)
@@ -86,17 +93,18 @@ def scan_space(
     report = RelationReport(space=base_model, scanned=0, edges=0, failed=0, errors=[], not_ready=None, ms_per_adapter=None)
     with sessions() as session:
         space = get_space(session, base_model)
-        sketch = serving_embedders(session, space.id).get(SKETCH) if space else None
+        serving = serving_embedders(session, space.id) if space else {}
+        sketch = serving.get(SKETCH)
         if space is None or sketch is None:
             return report
-        todo, space_id, sketch_id = pending_scans(session, sketch.id, DETECTOR, ids), space.id, sketch.id
+        todo, space_id, sketch_id, raw = pending_scans(session, sketch.id, DETECTOR, ids), space.id, sketch.id, RAW in serving
     start = time.perf_counter()
     for adapter_id in todo:
         with sessions() as session:
             version = space_version(session, space_id)  # the engine searches this version or a later one
         try:
             with threadpool_limits(limits=1, user_api="blas"):  # see ONE_BLAS_THREAD
-                edges, error = _scan(_Scan(engine, sessions, blobs, base_model, sketch_id), adapter_id), None
+                edges, error = _scan(_Scan(engine, sessions, blobs, base_model, sketch_id, raw), adapter_id), None
         except NotReadyError as exc:
             report["not_ready"] = str(exc)
             break
@@ -145,7 +153,8 @@ class _Factors:
             for i, digest, summary in rows:
                 if digest:
                     kept = FactorSummary.from_json(summary) if summary else None
-                    self.loaded[i] = Update(dict(self.blobs.get_factors(digest)), kept, i)
+                    factors, gauges = self.blobs.get_factors_and_gauges(digest)
+                    self.loaded[i] = Update(dict(factors), kept, i, gauges)
         return [self.loaded[i] for i in ids if i in self.loaded]
 
 
@@ -158,31 +167,44 @@ class _Scan:
     blobs: BlobStore
     base_model: str
     sketch_id: int  # the space's module-sketch embedder
+    raw: bool  # whether the space has raw-factor sketches
 
-    def neighbours(self, adapter_id: int) -> list[tuple[int, float]]:
+    def neighbours(self, adapter_id: int) -> list[tuple[int, float | None]]:
         """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
-        the engine's index (its stored vector), but for the later copies of another among the FETCHED nearest."""
+        the engine's index (its stored vector), then (id, None) of up to RAW_NEIGHBOURS others of its FETCHED nearest
+        by the raw-factor sketches (when the space has them) with a raw cosine of at least MIN_RAW_SCORE; but for the
+        later copies of another among them."""
         with self.sessions() as session:
             query = Query(str(adapter_id), adapter_id=adapter_id)
-            found = self.engine.similar(session, self.base_model, query, FETCHED, method="sketch")
-            hits = [(h["adapter_id"], h["score"]) for h in found["results"] if h["score"] >= MIN_SCORE]
-            embedder = session.get(Embedder, self.sketch_id)
-            if len(hits) > 1 and embedder is not None:
-                ids, vectors = load_embeddings(session, embedder, ids=np.array([i for i, _ in hits], dtype=np.int64))
-                vectors = vectors.astype(np.float64)
-                copies = {int(ids[k]) for k in later_copies(vectors @ vectors.T, [int(i) for i in ids])}
-                hits = [h for h in hits if h[0] not in copies]
-        return hits[:NEIGHBOURS]
+            found = self.engine.similar(session, self.base_model, query, FETCHED, method="sketch")["results"]
+            near: list[tuple[int, float | None]] = [(h["adapter_id"], h["score"]) for h in found if h["score"] >= MIN_SCORE]
+            raw: list[int] = []
+            if self.raw:
+                found = self.engine.similar(session, self.base_model, query, FETCHED, method="raw")["results"]
+                raw = [h["adapter_id"] for h in found if h["score"] >= MIN_RAW_SCORE]
+            copies = self._later_copies(session, [i for i, _ in near] + raw)
+        near = [h for h in near if h[0] not in copies][:NEIGHBOURS]
+        seen = {i for i, _ in near}
+        return near + [(i, None) for i in raw if i not in copies and i not in seen][:RAW_NEIGHBOURS]
+
+    def _later_copies(self, session: Session, ids: list[int]) -> set[int]:
+        """Those of the adapters that are later copies of another of them (parallel module sketches)."""
+        embedder = session.get(Embedder, self.sketch_id)
+        if len(set(ids)) < 2 or embedder is None:
+            return set()
+        found, vectors = load_embeddings(session, embedder, ids=np.array(sorted(set(ids)), dtype=np.int64))
+        vectors = vectors.astype(np.float64)
+        return {int(found[k]) for k in later_copies(vectors @ vectors.T, [int(i) for i in found])}
 
 
 def neighbour_count(query: Update) -> int:
-    """Neighbours compared with one adapter: NEIGHBOURS, fewer where the query and they (each about the query's size:
+    """Neighbours compared with one adapter: NEIGHBOURS + RAW_NEIGHBOURS, fewer where the query and they (each about the query's size:
     one space, one structure), in the detectors' float64, would pass the embedding's read budget (ZOO_EMBED_CHUNK_BYTES),
     none where the query alone does. So the step's memory is bounded by that budget, not by the zoo: at Llama-3-8B's
     full size (about 170 MB of float32 factors an adapter) the default budget (512 MiB) compares none, and a larger
     budget buys neighbours."""
     size = 2 * sum(f.U.element_size() * (f.U.numel() + f.S.numel() + f.V.numel()) for f in query.factors.values())
-    return max(0, min(NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, size) - 1))
+    return max(0, min(NEIGHBOURS + RAW_NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, size) - 1))
 
 
 def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
@@ -194,7 +216,7 @@ def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
         return []
     edges, near, k = found
     partners = {e["parent_id"] for e in edges} | {e["child_id"] for e in edges}
-    close = [i for i, score in near[:RECHECK] if score >= RECHECK_SCORE and i not in partners]
+    close = [i for i, score in near[:RECHECK] if score is not None and score >= RECHECK_SCORE and i not in partners]
     with scan.sessions() as session:
         blind = scanned_before(session, close, scan.sketch_id, adapter_id) if close else []
     for other in blind:
@@ -202,7 +224,7 @@ def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
     return edges
 
 
-def _around(scan: _Scan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float]], int] | None:
+def _around(scan: _Scan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float | None]], int] | None:
     """(the adapter's edges to its neighbours, the neighbours, how many it may be compared with); None if it is gone."""
     query = _Factors(scan.sessions, scan.blobs).get([adapter_id])
     if not query:

@@ -1,5 +1,9 @@
 """Content-addressed blob store for canonical factors (safetensors files named by SHA-256).
 
+A blob holds each module's canonical factors (`<module>.U`, `.S`, `.V`) and, where the update has its factors' full
+rank, the gauge of the file's factors in them (`<module>.M` = Uᵀ·B and `.N` = A·V, r×r each: the factors as the file
+had them, B = U·M and A = N·Vᵀ), which the detection of PEFT's factorwise merges reads (zoo/domain/factorwise.py).
+
 Ingest writes an adapter's factors in one pass (`stage_factors`): straight from the tensors' memory to a
 temporary file in the store, hashed as they are written, with the bytes `safetensors.numpy.save` would give
 (so a digest does not depend on which writer made the blob), and made durable there. It does so on a thread
@@ -17,7 +21,7 @@ import os
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,12 +70,20 @@ def safetensors_layout(arrays: dict[str, np.ndarray]) -> tuple[bytes, list[np.nd
     return struct.pack("<Q", len(text)) + text, ordered
 
 
-def factor_arrays(modules: Sequence[tuple[str, CanonicalFactors]]) -> dict[str, np.ndarray]:
-    """The blob's tensors of canonical factors, `<module>.U`, `.S` and `.V`, as numpy views (no copy of contiguous factors)."""
+#: a module's gauge: (M, N) with B = U·M and A = N·Vᵀ
+Gauges = Mapping[str, "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def factor_arrays(modules: Sequence[tuple[str, CanonicalFactors]], gauges: Gauges | None = None) -> dict[str, np.ndarray]:
+    """The blob's tensors: canonical factors, `<module>.U`, `.S` and `.V`, and the gauges given, `.M` and `.N`, as numpy
+    views (no copy of contiguous factors)."""
     out: dict[str, np.ndarray] = {}
     for name, f in modules:
-        for part, t in (("U", f.U), ("S", f.S), ("V", f.V)):
-            out[f"{name}.{part}"] = t.detach().cpu().contiguous().numpy()
+        parts = [("U", f.U), ("S", f.S), ("V", f.V)]
+        if gauges is not None and name in gauges:
+            parts += [("M", gauges[name][0]), ("N", gauges[name][1])]
+        for part, t in parts:
+            out[f"{name}.{part}"] = t.detach().cpu().to(f.U.dtype).contiguous().numpy()
     return out
 
 
@@ -82,10 +94,10 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.root / digest[:2] / f"{digest}.safetensors"
 
-    def stage_factors(self, modules: Sequence[tuple[str, CanonicalFactors]]) -> StagedBlob:
+    def stage_factors(self, modules: Sequence[tuple[str, CanonicalFactors]], gauges: Gauges | None = None) -> StagedBlob:
         """Write the factors' blob to a temporary file in the store in one pass from their memory, hashing the bytes
         as they go out, and fsync it; `commit` puts it under its digest, `discard` removes it."""
-        return self.stage_arrays(factor_arrays(modules))
+        return self.stage_arrays(factor_arrays(modules, gauges))
 
     def stage_arrays(
         self, arrays: dict[str, np.ndarray], hashed: Callable[[str], None] | None = None, stop: threading.Event | None = None
@@ -145,11 +157,18 @@ class BlobStore:
         return load_file(self.path(digest))
 
     def get_factors(self, digest: str) -> list[tuple[str, CanonicalFactors]]:
+        return self.get_factors_and_gauges(digest)[0]
+
+    def get_factors_and_gauges(
+        self, digest: str
+    ) -> tuple[list[tuple[str, CanonicalFactors]], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """(the canonical factors by module, the gauges the blob has: none in blobs written before they were kept)."""
         from zoo.domain.canonical import CanonicalFactors
 
         tensors = self.get(digest)
         names = sorted({k[: -len(".U")] for k in tensors if k.endswith(".U")})
-        return [(n, CanonicalFactors(tensors[f"{n}.U"], tensors[f"{n}.S"], tensors[f"{n}.V"])) for n in names]
+        factors = [(n, CanonicalFactors(tensors[f"{n}.U"], tensors[f"{n}.S"], tensors[f"{n}.V"])) for n in names]
+        return factors, {n: (tensors[f"{n}.M"], tensors[f"{n}.N"]) for n in names if f"{n}.M" in tensors}
 
 
 class StagingStopped(Exception):
@@ -162,8 +181,8 @@ class BlobWriter:
     `discard()` stops the writing if it is not done (a duplicate's blob is not fsynced), waits for the thread and
     removes the staged file unless it was committed."""
 
-    def __init__(self, store: BlobStore, modules: Sequence[tuple[str, CanonicalFactors]]) -> None:
-        arrays = factor_arrays(modules)  # numpy views, taken here: the thread touches no torch tensor
+    def __init__(self, store: BlobStore, modules: Sequence[tuple[str, CanonicalFactors]], gauges: Gauges | None = None) -> None:
+        arrays = factor_arrays(modules, gauges)  # numpy views, taken here: the thread touches no torch tensor
         self._digest: Future[str] = Future()
         self._staged: Future[StagedBlob] = Future()
         self._stop = threading.Event()
