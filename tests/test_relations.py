@@ -37,7 +37,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """PEFT adapters of TinyLM written by save_pretrained: p (a parent), its copy with lora_alpha doubled (`rescaled`),
     its bf16 cast (`cast`), its copy with the PRUNED share of each tensor zeroed (`pruned`), p resumed on another
     task (`continued`: A drifted a little, B learnt anew), q1 and q2 and their `merge` by add_weighted_adapter (cat,
-    weights 0.7 and 0.5), and u1, u2 (unrelated).
+    weights 0.7 and 0.5), and u1, u2 (unrelated); `ties`: q1 and u1 merged by TIES at density 0.5 (weights 0.6, 0.9),
+    which prunes A and B apart.
     Factors are random (A of Kaiming scale, B smaller): real PEFT files without training."""
     root = tmp_path_factory.mktemp("relations")
     config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -51,8 +52,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.25 if "lora_A" in name else 0.1))
     model.add_weighted_adapter(["q1", "q2"], [0.7, 0.5], "merge", combination_type="cat")
+    model.add_weighted_adapter(["q1", "u1"], [0.6, 0.9], "ties", combination_type="ties", density=0.5)
     out = {}
-    for name in ["p", *names, "merge"]:
+    for name in ["p", *names, "merge", "ties"]:
         model.save_pretrained(str(root / "saved"), selected_adapters=[name])  # under saved/<name> (not the default adapter)
         out[name] = shutil.copytree(root / "saved" / name, root / name)
     out["rescaled"] = _copy(out["p"], root / "rescaled", alpha=16)
@@ -212,6 +214,23 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
     with session_factory(settings.database_url)() as session:
         left = session.scalar(select(func.count()).select_from(AdapterRelation).where(AdapterRelation.parent_id == ids["q1"]))
         assert left == 0 and session.get(Adapter, ids["q1"]) is None
+
+
+def test_a_ties_merge_is_found_from_the_factors_as_saved(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    """No sum of the parents' dW is a TIES merge's: it is found in the factors as its file had them, which ingest keeps
+    (the gauge in the blob); the merge's parents are among its raw-factor neighbours."""
+    ids = ingest(cli, sources, "q1", "q2", "u1", "u2", "p", "ties")
+    report = embed(cli)
+    assert report["scanned"] == 6 and report["failed"] == 0, report
+    parents = {k[1]: e for k, e in edges(settings).items() if k[0] == ids["ties"] and k[2] == "merge"}
+    assert set(parents) == {ids["q1"], ids["u1"]}
+    assert parents[ids["q1"]].parameters["weight"] == pytest.approx(0.6, abs=0.05)
+    assert parents[ids["u1"]].parameters["weight"] == pytest.approx(0.9, abs=0.05)
+    edge = parents[ids["q1"]]
+    assert edge.parameters["combination"] == "ties" and edge.evidence["density"] == pytest.approx(0.5, abs=0.05)
+    assert edge.evidence["relative_residual"] < 1e-4 and edge.confidence > 0.9
+    rc, out, _ = cli("lineage", str(ids["ties"]))
+    assert rc == 0 and "ties" in out and f"derives from #{ids['u1']}" in out
 
 
 def test_a_parent_stored_after_its_child_is_found(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
