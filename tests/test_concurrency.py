@@ -32,7 +32,7 @@ def counts(settings: Settings) -> dict[str, int]:
         return {
             "adapters": int(s.scalar(select(func.count(Adapter.id))) or 0),
             "labelled": int(s.scalar(select(func.count(func.distinct(Label.adapter_id)))) or 0),
-            "embeddings": int(s.scalar(select(func.count(Embedding.id))) or 0),
+            "embeddings": int(s.scalar(select(func.count(Embedding.id))) or 0),  # under the module and raw-factor sketches
             "active_sketch": int(
                 s.scalar(select(func.count(Embedder.id)).where(Embedder.active.is_(True), Embedder.method == "module_sketch"))
             ),
@@ -70,7 +70,7 @@ def test_four_processes_ingest_and_three_embed_the_same_zoo_at_once(pg_url: str,
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
     c = counts(settings)
-    assert c["embeddings"] == 25 and c["active_sketch"] == 1
+    assert c["embeddings"] == 2 * 25 and c["active_sketch"] == 1
     report = check(settings, grace_s=0)
     assert report["ok"], report
 
@@ -108,6 +108,6 @@ def test_processes_killed_at_random_points_leave_nothing_check_cannot_repair(db_
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-2000:]
     c = counts(settings)
-    assert c["adapters"] == 13 and c["labelled"] == 13 and c["embeddings"] == 13
+    assert c["adapters"] == 13 and c["labelled"] == 13 and c["embeddings"] == 2 * 13
     final = check(settings, grace_s=0)
     assert final["ok"], final

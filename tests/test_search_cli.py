@@ -83,9 +83,11 @@ def test_embed_search_and_index(cli: CLI, seed_sources: Path) -> None:
     state = again["index_states"]["module_sketch"]
     assert state.startswith("answered from the database") and "zoo index rebuild" in state
     rc, (stats,) = cli.json_lines("index", "stats")
-    assert stats["embedders"][0]["state"].startswith("rebuilt (the file disagreed")
+    sketch_stats = next(e for e in stats["embedders"] if e["method"] == "module_sketch")
+    assert sketch_stats["state"].startswith("rebuilt (the file disagreed")
     rc, (stats,) = cli.json_lines("index", "rebuild")
-    assert stats["embedders"][0]["state"] == "rebuilt (asked)" and stats["embedders"][0]["count"] == 12 and stats["module_store"] == "built"
+    assert {e["state"] for e in stats["embedders"]} == {"rebuilt (asked)"} and stats["module_store"] == "built"
+    assert {e["method"]: e["count"] for e in stats["embedders"]} == {"module_sketch": 12, "raw_factors": 12}
 
 
 def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
@@ -93,7 +95,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     rc, (info,) = cli.json_lines("train", "--epochs", "2", "--members", "2")
     assert rc == 0 and info["heads"] == ["task"] and info["regression"] == ["test_accuracy"]
     assert len(info["epochs"]) == 2 and set(info["predictors"]) == {"task", "test_accuracy"}
-    assert info["embedded"] == {"w2t": 12, "module_sketch": 12}
+    assert info["embedded"] == {"w2t": 12, "module_sketch": 12, "raw_factors": 12}
     assert Path(info["checkpoint"], "model.safetensors").exists()
     rc, (pred,) = cli.json_lines("predict", str(seed_sources / "zoo" / "w03"))
     assert rc == 0

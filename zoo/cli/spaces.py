@@ -267,7 +267,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="hybrid (the default once `zoo train` has made a supervised W2T): exact module cosine and W2T cosine, "
         "mixed by the weight that retrieved best on held-out adapters, over both indexes' nearest 200; "
         "module (the default before): the module-sketch index's nearest 200 ranked by module cosine (the mean over "
-        "shared modules of the per-module dW cosine, exact from the module store); sketch or w2t: those embeddings alone",
+        "shared modules of the per-module dW cosine, exact from the module store); dw: the same by whole-update cosine; "
+        "sketch or w2t: those embeddings alone; raw (stored adapters): the factors as their files had them, sampled, "
+        "which a continuation or a merge made factor by factor shares with its parents",
     )
     s.add_argument("--device")
     s.add_argument("--json", action="store_true")

@@ -49,8 +49,11 @@ TRIED = 8
 ALL_KEPT = 0.01
 #: ratios of the query's entries to a candidate's are one number when they agree within this (relative)
 ALONE_RTOL = 1e-4
-#: the least share of entries with one ratio for that ranking (unrelated: about 1/entries)
-MIN_ALONE = 0.01
+#: the least share of entries with one ratio for that ranking (unrelated: about 1/entries; a 3-parent merge at
+#: density 0.9 on the lineage recipe: 0.01-0.02)
+MIN_ALONE = 0.005
+#: a plain non-negative fit over all candidates within this is worth the subsets' fits too (a linear merge's is exact)
+LINEAR_RTOL = 0.01
 #: where no pair fits: every triple of the first TRIPLES_FROM likely parents, and the EXTENDED best-fitting pairs each
 #: with every third (a 3-parent merge's pairs of two true parents fit better than the others)
 TRIPLES_FROM = 6
@@ -212,23 +215,31 @@ def _first_of_parallel(X: np.ndarray) -> list[int]:
 
 
 def _likely_parents(y: np.ndarray, X: np.ndarray) -> list[int]:
-    """Up to TRIED candidates (of at least MIN_RAW_COSINE), taken by turns from rankings: by their share of a
-    non-negative fit of the query over all of them, by that share once the first or second of that ranking is left
-    out, and by raw cosine with the query. A sibling merge of the same parents, or a continuation of one, shares most
-    of the query's factors and takes the whole fit: without it, the parents do."""
+    """Up to TRIED candidates (of at least MIN_RAW_COSINE), taken by turns from rankings: by the share of the query's
+    entries that are one multiple of theirs (`_alone_share`), by their share of a non-negative fit of the query over all
+    of them, by that share once the first or second of that ranking is left out, and by raw cosine with the query. A
+    sibling merge of the same parents, or a continuation of one, shares most of the query's factors and takes the whole
+    fit: without it, the parents do. None when the query looks like no factorwise merge of them: no candidate's
+    multiple makes MIN_ALONE of its entries (a pruning merge's entries kept by one parent only) and the fit over all
+    leaves more than LINEAR_RTOL (a linear merge, which keeps every entry)."""
     norms = np.sqrt(np.maximum((X * X).sum(axis=0), 1e-300))
     cos = (X.T @ y) / (norms * math.sqrt(float(y @ y)))
     allowed = cos >= MIN_RAW_COSINE
-
-    def by_share(left_out: int | None) -> list[int]:
-        cols = [k for k in range(X.shape[1]) if allowed[k] and k != left_out]
-        share = nnls(X[:, cols], y)[0] * norms[cols] if cols else np.zeros(0)
-        return [cols[j] for j in np.argsort(-share) if share[j] > 0]
-
-    first = by_share(None)
     alone = _alone_share(y, X)
     by_alone = [int(k) for k in np.argsort(-alone) if allowed[k] and alone[k] >= MIN_ALONE]
-    rankings = [by_alone, first, *(by_share(k) for k in first[:2]), [int(k) for k in np.argsort(-cos) if allowed[k]]]
+
+    def by_share(left_out: int | None) -> tuple[list[int], float]:
+        cols = [k for k in range(X.shape[1]) if allowed[k] and k != left_out]
+        if not cols:
+            return [], 1.0
+        w, residual = nnls(X[:, cols], y)
+        share = w * norms[cols]
+        return [cols[j] for j in np.argsort(-share) if share[j] > 0], residual / math.sqrt(float(y @ y))
+
+    first, residual = by_share(None)
+    if not by_alone and residual > LINEAR_RTOL:
+        return []
+    rankings = [by_alone, first, *(by_share(k)[0] for k in first[:2]), [int(k) for k in np.argsort(-cos) if allowed[k]]]
     out: list[int] = []
     for k in itertools.chain.from_iterable(itertools.zip_longest(*rankings)):
         if k is not None and k not in out:

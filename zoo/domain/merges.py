@@ -109,7 +109,9 @@ def detect_merge(
         G = np.sum([s.gram(members) for s in stacks.values()], axis=0)
     b = np.array([sum(s.inner(0, i) for s in stacks.values()) for i in members])
     summed = _weighted_sum(stacks, q, G, b, qq)
-    hypotheses = [summed, _svd(stacks, q, len(pool), qq), _linear(stacks, summed, max_parents, qq)]
+    # where every gauge is known, a linear merge is the factorwise fit's (over more candidates, and past the width)
+    factorwise_linear = bool(query.raw_modules()) and all(len(c.raw_modules()) == len(query.raw_modules()) for c in comparable)
+    hypotheses = [summed, _svd(stacks, q, len(pool), qq), None if factorwise_linear else _linear(stacks, summed, max_parents, qq)]
     found = [h for h in hypotheses if h is not None and 2 <= len(h.members) <= max_parents]
     exact = [h for h in found if h.rho <= EXACT_RTOL]
     named = [comparable[i] for i in pool]  # what the hypotheses' members index
