@@ -32,16 +32,14 @@ def load_adapters(session: Session, blobs: BlobStore, base_model: str, ids: list
     out = []
     for a in session.scalars(stmt):
         assert a.factors_blob is not None  # selected for having one
-        factors, gauges = blobs.get_factors_and_gauges(a.factors_blob)
         out.append(
             ZooAdapter(
                 id=a.id,
                 name=a.name,
-                factors=dict(factors),
+                factors=dict(blobs.get_factors(a.factors_blob)),
                 labels={lb.key: lb.value for lb in a.labels if lb.source == "given"},
                 measurements={m.metric: m.value for m in a.measurements if m.split == "test"},
                 source_uri=a.source_uri,
-                gauges=gauges,
             )
         )
     return out

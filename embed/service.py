@@ -253,7 +253,7 @@ def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None
     schema = SpaceSchema.from_dict(embedder.config["schema"])
     dim = int(embedder.config["dim"])
     if embedder.method == RAW:
-        return (lambda adapters: raw_sketches([(a.factors, a.gauges) for a in adapters], schema.modules, dim)), schema
+        return (lambda adapters: raw_sketches([a.factors for a in adapters], schema.modules, dim)), schema
     return (lambda adapters: module_sketches([a.factors for a in adapters], schema.module_names, dim)), schema
 
 

@@ -15,8 +15,6 @@ import numpy as np
 from zoo.domain.naming import layer_index, module_type
 
 if TYPE_CHECKING:
-    import torch
-
     from zoo.domain.canonical import CanonicalFactors
 
 
@@ -63,8 +61,6 @@ class ZooAdapter:
     labels: dict[str, str] = field(default_factory=dict)
     measurements: dict[str, float] = field(default_factory=dict)
     source_uri: str = ""
-    #: the gauge of the file's factors per module, where the blob keeps it (zoo.store.blobs)
-    gauges: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def schema_of(base_model: str, adapters: list[ZooAdapter]) -> SpaceSchema:

@@ -16,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from zoo.domain import transforms
-from zoo.domain.canonical import CanonicalFactors, canonicalize, gauge, gauges
+from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_batched
 from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, shared_rows
 from zoo.domain.factorwise import Gauge, RawModule, raw_sketches, raw_width
 from zoo.domain.merges import detect_merge
@@ -321,17 +321,16 @@ def peft_model():  # noqa: ANN201
 
 
 def peft_update(model, adapter: str, id: int | None = None, with_gauges: bool = False) -> Update:  # noqa: ANN001
-    """The adapter as the relation step reads it; with its gauges where they are kept (blobs written since)."""
+    """The adapter as the relation step reads it; with the gauges of its factors (blobs written since they are kept)."""
     state = model.state_dict()
     config = model.peft_config[adapter]
-    factors, gauges = {}, {}
+    factors = {}
     for module in ("up", "down"):
         A = state[f"base_model.model.{module}.lora_A.{adapter}.weight"]
         B = state[f"base_model.model.{module}.lora_B.{adapter}.weight"]
-        factors[module] = canonicalize(A, B, config.lora_alpha / config.r)
-        if (g := gauge(factors[module], A, B)) is not None:
-            gauges[module] = g
-    return Update(factors, id=id, gauges=gauges if with_gauges else None)
+        f = canonicalize(A, B, config.lora_alpha / config.r)
+        factors[module] = f if with_gauges else CanonicalFactors(f.U, f.S, f.V)
+    return Update(factors, id=id)
 
 
 @pytest.mark.parametrize("combination", ["cat", "svd", "linear"])
@@ -404,22 +403,20 @@ def test_a_factorwise_merge_of_unrelated_adapters_names_no_parent(peft_model) ->
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=seeds, rank=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_the_gauge_gives_back_the_factors_as_saved(seed: int, rank: int, dtype: torch.dtype) -> None:
+@given(seed=seeds, rank=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16]), batched=st.booleans())
+def test_the_gauge_gives_back_the_factors_as_given(seed: int, rank: int, dtype: torch.dtype, batched: bool) -> None:
+    """B = U·M and A = N·Vᵀ on both canonicalization paths, S = s·M·N; no gauge where the rank is below the factors'."""
     g = torch.Generator().manual_seed(seed)
     A, B = torch.randn(rank, 20, generator=g).to(dtype), torch.randn(24, rank, generator=g).to(dtype)
-    f = canonicalize(A, B, 2.0)
-    kept = gauge(f, A, B)
-    assert kept is not None
-    M, N = kept
-    assert torch.allclose(f.U @ M, B.float(), atol=1e-5 * float(B.float().abs().max())) and torch.allclose(
-        N @ f.V.T, A.float(), atol=1e-5 * float(A.float().abs().max())
-    )
-    assert RawModule(
-        f.U.double().numpy(), f.S.double().numpy(), f.V.double().numpy(), Gauge(M.double().numpy(), N.double().numpy())
-    ).scale == (pytest.approx(2.0, rel=1e-4))
+    f = canonicalize_batched([A], [B], 2.0)[0] if batched else canonicalize(A, B, 2.0)
+    assert f.gauge is not None
+    M, N = f.gauge
+    assert torch.allclose(f.U @ M, B.float(), atol=1e-4 * float(B.float().abs().max()))
+    assert torch.allclose(N @ f.V.T, A.float(), atol=1e-4 * float(A.float().abs().max()))
+    raw = RawModule(f.U.double().numpy(), f.S.double().numpy(), f.V.double().numpy(), Gauge(M.double().numpy(), N.double().numpy()))
+    assert raw.scale == pytest.approx(2.0, rel=1e-4)
     A[-1] = 0  # a rank below the factors': B's last column is not in dW
-    assert gauge(canonicalize(A, B, 2.0), A, B) is None
+    assert (canonicalize_batched([A], [B], 2.0)[0] if batched else canonicalize(A, B, 2.0)).gauge is None
 
 
 def test_raw_sketches_are_near_for_shared_factors_and_far_otherwise() -> None:
@@ -430,8 +427,7 @@ def test_raw_sketches_are_near_for_shared_factors_and_far_otherwise() -> None:
     modules = [(n, o, i) for n, (o, i) in SHAPES.items()]
 
     def sketch(raw: Raw) -> np.ndarray:
-        factors = {n: canonicalize(m.A, m.B, m.scale) for n, m in raw.items()}
-        v = raw_sketches([(factors, gauges(raw, list(factors.items())))], modules, raw_width(len(modules)))[0]
+        v = raw_sketches([{n: canonicalize(m.A, m.B, m.scale) for n, m in raw.items()}], modules, raw_width(len(modules)))[0]
         return v / np.linalg.norm(v)
 
     p, c, u = sketch(parent), sketch(child), sketch(other)

@@ -15,8 +15,8 @@ large GEMMs in float32 whatever the stored dtype.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -33,11 +33,15 @@ GRAM_COND_LIMIT = 1e3
 
 @dataclass(frozen=True)
 class CanonicalFactors:
-    """Canonical components of one update: dW = U·diag(S)·Vᵀ."""
+    """Canonical components of one update: dW = U·diag(S)·Vᵀ; and, made from the factors given, their gauge."""
 
     U: torch.Tensor  # (out, k), orthonormal columns
     S: torch.Tensor  # (k,), descending, > 0
     V: torch.Tensor  # (in, k), orthonormal columns
+    #: (M, N) with B = U·M and A = N·Vᵀ (M = Uᵀ·B = U'ᵀ·R_B, N = A·V = R_Aᵀ·V', r×r: the factors as given, which
+    #: PEFT's factorwise merges need, zoo/domain/factorwise.py); None where the update's rank is below the factors'
+    #: (B and A then have parts outside U and V that dW does not show) or where the factors were not given
+    gauge: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -71,14 +75,20 @@ def canonicalize(A: torch.Tensor, B: torch.Tensor, scale: float = 1.0) -> Canoni
     Up, S, Vph = torch.linalg.svd(core)
     U = Q_B @ Up.to(torch.float32)
     V = Q_A @ Vph.T.to(torch.float32)
-    return _finish(U, S, V)
+    return _finish(U, S, V, Up.T @ R_B.double(), R_A.double().T @ Vph.T)
 
 
-def _finish(U: torch.Tensor, S: torch.Tensor, V: torch.Tensor) -> CanonicalFactors:
+def _finish(U: torch.Tensor, S: torch.Tensor, V: torch.Tensor, M: torch.Tensor, N: torch.Tensor) -> CanonicalFactors:
+    """Keep the non-zero components (a prefix), fix their signs; the gauge (M, N) where every component is kept."""
     k = int(_keep_mask(S).sum())  # S is sorted descending: the kept components are a prefix
     U, V = U[:, :k], V[:, :k]
     signs = _column_signs(U)
-    return CanonicalFactors(U=U * signs, S=S[:k].to(torch.float32), V=V * signs)
+    gauge = (M * signs.double()[:, None], N * signs.double()[None, :]) if 0 < k == M.shape[1] else None
+    return CanonicalFactors(U=U * signs, S=S[:k].to(torch.float32), V=V * signs, gauge=_as_float32_pair(gauge))
+
+
+def _as_float32_pair(gauge: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if gauge is None else (gauge[0].to(torch.float32).contiguous(), gauge[1].to(torch.float32).contiguous())
 
 
 def canonicalize_batched(
@@ -126,6 +136,8 @@ def canonicalize_batched(
     keep = _keep_mask(S).sum(dim=-1).tolist()  # components are sorted, so the kept ones are a prefix
     S32 = S.to(torch.float32)
     is_good = good.tolist()
+    M_all = Up.transpose(1, 2) @ L_B.transpose(1, 2)  # U'ᵀ·R_B with R = Lᵀ (the gauge, see CanonicalFactors)
+    N_all = L_A @ Vph.transpose(1, 2)  # R_Aᵀ·V'
 
     out: list[CanonicalFactors | None] = [None] * n
     start = 0
@@ -135,12 +147,15 @@ def canonicalize_batched(
         signs = _column_signs(U)
         U.mul_(signs[:, None, :])
         V = A3.transpose(1, 2) @ (C[n:][rows] * signs[:, None, :])
+        signs64 = signs.double()
+        M = (M_all[rows] * signs64[:, :, None]).to(torch.float32)
+        N = (N_all[rows] * signs64[:, None, :]).to(torch.float32)
         for j, i in enumerate(idx):
             pos, k = start + j, keep[start + j]
             if not is_good[pos]:
                 out[i] = canonicalize(A3[j], B3[j], float(scale_t[pos]))
             elif k == U.shape[-1]:
-                out[i] = CanonicalFactors(U=U[j], S=S32[pos], V=V[j])
+                out[i] = CanonicalFactors(U=U[j], S=S32[pos], V=V[j], gauge=(M[j], N[j]))
             else:
                 out[i] = CanonicalFactors(U=U[j, :, :k].contiguous(), S=S32[pos, :k].contiguous(), V=V[j, :, :k].contiguous())
         start += len(idx)
@@ -167,28 +182,6 @@ def _cond(G: torch.Tensor) -> torch.Tensor:
     ev = torch.linalg.eigvalsh(G)
     lo, hi = ev[..., 0], ev[..., -1]
     return torch.where(lo > 0, hi / lo.clamp_min(torch.finfo(G.dtype).tiny), torch.full_like(hi, float("inf")))
-
-
-def gauge(f: CanonicalFactors, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(M, N) = (Uᵀ·B, A·V): the factors as given, in the canonical ones (B = U·M, A = N·Vᵀ), which PEFT's factorwise
-    merges need (zoo/domain/factorwise.py). None where the update's rank is below the factors' rank: B and A then
-    have parts outside U and V that dW does not show."""
-    if f.rank != A.shape[0] or f.rank == 0:
-        return None
-    return f.U.T @ _as_float32(B), _as_float32(A) @ f.V
-
-
-def gauges(
-    modules: Mapping[str, LowRankModule], factors: Sequence[tuple[str, CanonicalFactors]]
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The gauge of each module that has one (see `gauge`), by name, on the factors' device."""
-    out = {}
-    for name, f in factors:
-        m = modules[name]
-        g = gauge(f, m.A.to(f.U.device), m.B.to(f.U.device))
-        if g is not None:
-            out[name] = g
-    return out
 
 
 def frobenius_norm_sq(x: CanonicalFactors) -> float:
@@ -230,5 +223,6 @@ def canonicalize_modules(modules: Sequence[LowRankModule], device: torch.device)
         Bs = [modules[i].B.to(device) for i in idx]
         scale = [modules[i].scale for i in idx]
         for i, f in zip(idx, canonicalize_batched(As, Bs, scale), strict=True):
-            out[i] = CanonicalFactors(f.U.cpu(), f.S.cpu(), f.V.cpu())
+            gauge = (f.gauge[0].cpu(), f.gauge[1].cpu()) if f.gauge is not None else None
+            out[i] = CanonicalFactors(f.U.cpu(), f.S.cpu(), f.V.cpu(), gauge)
     return [f for f in out if f is not None]

@@ -34,8 +34,6 @@ import numpy as np
 from scipy.optimize import nnls
 
 if TYPE_CHECKING:
-    import torch
-
     from zoo.domain.canonical import CanonicalFactors
 
 #: entries of the raw factors read per adapter (the same positions in each), spread over the modules
@@ -439,14 +437,10 @@ def raw_width(n_modules: int) -> int:
     return max(2, min(RAW_MODULE_DIM, RAW_SKETCH_DIM // max(n_modules, 1)) // 2 * 2)
 
 
-def raw_sketches(
-    adapters: Sequence[tuple[Mapping[str, CanonicalFactors], Mapping[str, tuple[torch.Tensor, torch.Tensor]]]],
-    modules: Sequence[tuple[str, int, int]],
-    width: int,
-) -> np.ndarray:
-    """(N, len(modules)·width) float32: each adapter's raw factors (canonical factors and gauges) at `width` seeded
-    entries of each module, half of B and half of A, each half scaled to unit norm (zeros where the adapter lacks the
-    module or its gauge). The same entries in every adapter of one rank, so that the vectors' cosine estimates how
+def raw_sketches(adapters: Sequence[Mapping[str, CanonicalFactors]], modules: Sequence[tuple[str, int, int]], width: int) -> np.ndarray:
+    """(N, len(modules)·width) float32: each adapter's factors as given (canonical factors and their gauge) at `width`
+    seeded entries of each module, half of B and half of A, each half scaled to unit norm (zeros where the adapter lacks
+    the module or its gauge). The same entries in every adapter of one rank, so that the vectors' cosine estimates how
     much two adapters share their factors as their files had them: a factorwise merge with its parents (about √density
     of each parent's share), a continuation with its parent (A barely moves in training), where the module sketches,
     which compare dW, may rank them far (zoo/services/relations.py)."""
@@ -458,11 +452,11 @@ def raw_sketches(
         rng = np.random.default_rng(zlib.crc32(f"{name}:{rows}x{cols}".encode()))
         b_rows, b_comp = rng.integers(rows, size=half), rng.integers(RANK_SALT, size=half)
         a_cols, a_comp = rng.integers(cols, size=half), rng.integers(RANK_SALT, size=half)
-        for i, (factors, gauges) in enumerate(adapters):
-            f, g = factors.get(name), gauges.get(name)
-            if f is None or g is None or not f.rank or tuple(f.U.shape[:1]) + tuple(f.V.shape[:1]) != (rows, cols):
+        for i, factors in enumerate(adapters):
+            f = factors.get(name)
+            if f is None or f.gauge is None or not f.rank or (f.U.shape[0], f.V.shape[0]) != (rows, cols):
                 continue
-            M, N = g[0].double(), g[1].double()
+            M, N = f.gauge[0].double(), f.gauge[1].double()
             r = int(M.shape[1])
             b = (f.U[b_rows].double() * M[:, b_comp % r].T).sum(dim=1)  # B[o, k] = U[o]·M[:, k]
             a = (N[a_comp % r].double() * f.V[a_cols].double()).sum(dim=1)  # A[k, c] = N[k]·V[c]

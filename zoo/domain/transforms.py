@@ -133,8 +133,6 @@ class Update:
     factors: Mapping[str, CanonicalFactors]
     summary: FactorSummary | None = None
     id: int | None = None
-    #: the gauge of the file's factors per module, (M, N) with B = U·M and A = N·Vᵀ, where it was kept (see zoo.store.blobs)
-    gauges: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     #: what the detectors computed of this update, kept for its other pairs (see `computed`)
     _computed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -148,8 +146,8 @@ class Update:
         def make() -> dict[str, RawModule]:
             out = {}
             for name, f in self.factors.items():
-                if f.rank and self.gauges is not None and name in self.gauges:
-                    M, N = self.gauges[name]
+                if f.rank and f.gauge is not None:
+                    M, N = f.gauge
                     low = self.modules()[name]
                     out[name] = RawModule(low.U, low.S, low.V, Gauge(M.double().numpy(), N.double().numpy()))
             return out

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
-from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, gauges, pick_device
+from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
 from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
 from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
 from zoo.domain.transforms import FactorSummary
@@ -281,7 +281,7 @@ class Ingestor:
             canonical = canonicalize_modules(data.modules, self.device) if data.modules else []
             lap("canonicalize")
             named = [(m.name, f) for m, f in zip(data.modules, canonical, strict=True)]
-            blob = BlobWriter(self.blobs, named, gauges({m.name: m for m in data.modules}, named)) if canonical else None
+            blob = BlobWriter(self.blobs, named) if canonical else None
             try:
                 described = describe(data, source, base_model, canonical)
                 if origin is not None:

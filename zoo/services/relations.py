@@ -153,8 +153,7 @@ class _Factors:
             for i, digest, summary in rows:
                 if digest:
                     kept = FactorSummary.from_json(summary) if summary else None
-                    factors, gauges = self.blobs.get_factors_and_gauges(digest)
-                    self.loaded[i] = Update(dict(factors), kept, i, gauges)
+                    self.loaded[i] = Update(dict(self.blobs.get_factors(digest)), kept, i)
         return [self.loaded[i] for i in ids if i in self.loaded]
 
 

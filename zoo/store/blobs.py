@@ -21,7 +21,7 @@ import os
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,18 +70,12 @@ def safetensors_layout(arrays: dict[str, np.ndarray]) -> tuple[bytes, list[np.nd
     return struct.pack("<Q", len(text)) + text, ordered
 
 
-#: a module's gauge: (M, N) with B = U·M and A = N·Vᵀ
-Gauges = Mapping[str, "tuple[torch.Tensor, torch.Tensor]"]
-
-
-def factor_arrays(modules: Sequence[tuple[str, CanonicalFactors]], gauges: Gauges | None = None) -> dict[str, np.ndarray]:
-    """The blob's tensors: canonical factors, `<module>.U`, `.S` and `.V`, and the gauges given, `.M` and `.N`, as numpy
-    views (no copy of contiguous factors)."""
+def factor_arrays(modules: Sequence[tuple[str, CanonicalFactors]]) -> dict[str, np.ndarray]:
+    """The blob's tensors: canonical factors, `<module>.U`, `.S` and `.V`, and their gauge where it is known, `.M` and
+    `.N`, as numpy views (no copy of contiguous factors)."""
     out: dict[str, np.ndarray] = {}
     for name, f in modules:
-        parts = [("U", f.U), ("S", f.S), ("V", f.V)]
-        if gauges is not None and name in gauges:
-            parts += [("M", gauges[name][0]), ("N", gauges[name][1])]
+        parts = [("U", f.U), ("S", f.S), ("V", f.V), *((("M", f.gauge[0]), ("N", f.gauge[1])) if f.gauge is not None else ())]
         for part, t in parts:
             out[f"{name}.{part}"] = t.detach().cpu().to(f.U.dtype).contiguous().numpy()
     return out
@@ -94,10 +88,10 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.root / digest[:2] / f"{digest}.safetensors"
 
-    def stage_factors(self, modules: Sequence[tuple[str, CanonicalFactors]], gauges: Gauges | None = None) -> StagedBlob:
+    def stage_factors(self, modules: Sequence[tuple[str, CanonicalFactors]]) -> StagedBlob:
         """Write the factors' blob to a temporary file in the store in one pass from their memory, hashing the bytes
         as they go out, and fsync it; `commit` puts it under its digest, `discard` removes it."""
-        return self.stage_arrays(factor_arrays(modules, gauges))
+        return self.stage_arrays(factor_arrays(modules))
 
     def stage_arrays(
         self, arrays: dict[str, np.ndarray], hashed: Callable[[str], None] | None = None, stop: threading.Event | None = None
@@ -157,18 +151,16 @@ class BlobStore:
         return load_file(self.path(digest))
 
     def get_factors(self, digest: str) -> list[tuple[str, CanonicalFactors]]:
-        return self.get_factors_and_gauges(digest)[0]
-
-    def get_factors_and_gauges(
-        self, digest: str
-    ) -> tuple[list[tuple[str, CanonicalFactors]], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """(the canonical factors by module, the gauges the blob has: none in blobs written before they were kept)."""
+        """The canonical factors by module, with their gauge where the blob has it (none in blobs written before)."""
         from zoo.domain.canonical import CanonicalFactors
 
         tensors = self.get(digest)
         names = sorted({k[: -len(".U")] for k in tensors if k.endswith(".U")})
-        factors = [(n, CanonicalFactors(tensors[f"{n}.U"], tensors[f"{n}.S"], tensors[f"{n}.V"])) for n in names]
-        return factors, {n: (tensors[f"{n}.M"], tensors[f"{n}.N"]) for n in names if f"{n}.M" in tensors}
+        return [(n, CanonicalFactors(tensors[f"{n}.U"], tensors[f"{n}.S"], tensors[f"{n}.V"], _gauge(tensors, n))) for n in names]
+
+
+def _gauge(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return (tensors[f"{name}.M"], tensors[f"{name}.N"]) if f"{name}.M" in tensors else None
 
 
 class StagingStopped(Exception):
@@ -181,8 +173,8 @@ class BlobWriter:
     `discard()` stops the writing if it is not done (a duplicate's blob is not fsynced), waits for the thread and
     removes the staged file unless it was committed."""
 
-    def __init__(self, store: BlobStore, modules: Sequence[tuple[str, CanonicalFactors]], gauges: Gauges | None = None) -> None:
-        arrays = factor_arrays(modules, gauges)  # numpy views, taken here: the thread touches no torch tensor
+    def __init__(self, store: BlobStore, modules: Sequence[tuple[str, CanonicalFactors]]) -> None:
+        arrays = factor_arrays(modules)  # numpy views, taken here: the thread touches no torch tensor
         self._digest: Future[str] = Future()
         self._staged: Future[StagedBlob] = Future()
         self._stop = threading.Event()
