@@ -1,0 +1,654 @@
+"""Benchmark: similar-by-id queries through the query engine on one synthetic space of N adapters.
+
+The space is SYNTHETIC, derived from a real reference zoo: every synthetic adapter mixes two of
+the zoo's real adapters (weights u and 1 - u, u uniform in [0.5, 1]) plus Gaussian noise, in
+both of its stored representations. The module sketch is mixed as stored (each present module's
+block has expected squared norm 1, see `zoo.domain.similarity.module_sketches`), its present blocks get
+noise of the same relative size whatever the probes per module, and the whole vector is scaled to
+norm √(modules present), as a real sketch is; the W2T embedding is mixed, noised and made unit.
+It inherits the task of its main parent, so neighbourhoods have the zoo's structure (reported:
+same-task hit@1 of the exact nearest, in the real zoo and in the synthetic space); a `shard` label
+with 100 values gives a filter that keeps 1 % of the zoo. There are no blobs, so no module store:
+module cosine comes from the sketches, as in any space too big for the store.
+
+The real zoo is either given (`--zoo-data-dir`: a data dir where `zoo embed` and `zoo train` ran)
+or built (`--kind KIND`: `--source-families` × `--source-members` adapters of a kind of
+`zoo.reference.real_shapes.MODELS` at their real shapes, or their first `--source-layers` blocks,
+ingested with their family as `task`, `zoo embed`, `zoo train`), once per recipe under a cache dir
+(`--source-dir`), reused by later runs.
+
+Build (timed, in a child process so the serving process's memory is its own): a SQLite database
+with the adapters, their labels and their embeddings, written in bulk, and both FAISS indexes
+(IVF above 100k adapters). Serve: the engine loads the space, then answers `--queries` queries by
+stored id with the default method (hybrid) single-threaded, with 8 concurrent threads, and with a
+1 % label filter. Recall@10 compares the served top 10 with an exhaustive ranking by the same score
+over all N adapters (computed chunk by chunk from the generator: the baseline, timed per query).
+
+    python -m bench.serve --adapters 1000000 --zoo-data-dir DIR
+    python -m bench.serve --adapters 1000000 --kind llama3-8b --work /big/disk/serve-llama
+
+Prints a table and, on the last line, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import multiprocessing
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# before FAISS's OpenMP starts (here and in the spawned build): see embed/index.py; the engine imports FAISS first
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+CHUNK = 50_000
+#: the exact ranking is kept this deep, to report how far the 10th neighbour's score is from this one's
+GAP_RANK = 50
+SHARDS = 100
+
+
+@dataclass
+class Source:
+    """The real zoo's vectors the synthetic adapters are mixed from."""
+
+    sketches: np.ndarray  # (n, modules·width), as stored: a present module's block has expected squared norm 1
+    w2t: np.ndarray  # (n, dim), unit
+    tasks: list[str]
+    n_modules: int
+    sketch_config: dict
+    w2t_checkpoint: str
+    w2t_config: dict
+    noise: float
+    #: (n, dim) raw-factor sketches and their embedder's config, where the zoo has them (the relation step's second
+    #: neighbourhood, zoo/services/relations.py)
+    raw: np.ndarray | None = None
+    raw_config: dict | None = None
+
+    @property
+    def width(self) -> int:
+        """Probe values per module."""
+        return self.sketches.shape[1] // self.n_modules
+
+    @functools.cached_property
+    def present(self) -> np.ndarray:
+        """(n, modules) bool: the modules each real adapter has (a nonzero block)."""
+        return np.abs(self.sketches.reshape(len(self.sketches), self.n_modules, -1)).max(axis=2) > 0
+
+
+def _zoo_vectors(
+    database_url: str, data_dir: Path, method: str, optional: bool = False
+) -> tuple[dict[str, np.ndarray], dict[str, str], object]:
+    """(name → stored vector, name → given task, the active embedder) of one embedder of a zoo's only space; with
+    `optional`, no vectors and None where the space has no such embedder."""
+    from sqlalchemy import select
+
+    from embed.registry import active_embedder, load_embeddings
+    from embed.service import resolve_space
+    from zoo.store.models import Adapter, Label
+    from zoo.store.session import session_factory
+
+    with session_factory(database_url)() as session:
+        space = resolve_space(session, None)
+        embedder = active_embedder(session, space, method)
+        if embedder is None and optional:
+            return {}, {}, None
+        if embedder is None or (method == "w2t" and embedder.objective == "contrastive"):
+            raise SystemExit(
+                f"{data_dir}: the bench needs a zoo with module sketches and a supervised W2T: run `zoo embed` and `zoo train`"
+            )
+        ids, vectors = load_embeddings(session, embedder)
+        names = dict(session.execute(select(Adapter.id, Adapter.name)).all())
+        given = select(Adapter.name, Label.value).join(Label).where(Label.key == "task", Label.source == "given")
+        tasks = dict(session.execute(given).all())
+        session.expunge(embedder)
+        return {names[int(i)]: v for i, v in zip(ids, vectors, strict=True)}, tasks, embedder
+
+
+def load_source(
+    database_url: str, data_dir: Path, noise: float, w2t_database_url: str | None = None, w2t_data_dir: Path | None = None
+) -> Source:
+    """The real zoo's sketches and supervised W2T vectors, matched by adapter name; the W2T ones from another zoo of the
+    same adapters where given (`w2t_database_url`, `w2t_data_dir`)."""
+    sketches, tasks, sketch = _zoo_vectors(database_url, data_dir, "module_sketch")
+    w2t_dir = w2t_data_dir or data_dir
+    w2t_vectors, _, w2t = _zoo_vectors(w2t_database_url or database_url, w2t_dir, "w2t")
+    raw, _, raw_embedder = _zoo_vectors(database_url, data_dir, "raw_factors", optional=True)
+    names = sorted(sketches.keys() & w2t_vectors.keys())
+    return Source(
+        np.stack([sketches[n] for n in names]).astype(np.float32),
+        np.stack([w2t_vectors[n] for n in names]).astype(np.float32),
+        [tasks.get(n, "") for n in names],
+        len(sketch.config["schema"]["modules"]),  # type: ignore[attr-defined]
+        dict(sketch.config),  # type: ignore[attr-defined]
+        str((w2t_dir / str(w2t.checkpoint)).resolve()),  # type: ignore[attr-defined]
+        dict(w2t.config),  # type: ignore[attr-defined]
+        noise,
+        np.stack([raw[n] for n in names]).astype(np.float32) if raw_embedder is not None else None,
+        dict(raw_embedder.config) if raw_embedder is not None else None,  # type: ignore[attr-defined]
+    )
+
+
+def source_root(args: argparse.Namespace) -> Path:
+    """Where the real zoos of `--kind` are built and kept: --source-dir, else a cache dir."""
+    if args.source_dir is not None:
+        return args.source_dir  # type: ignore[no-any-return]
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zoo-bench-serve"
+
+
+def run_bounded(command: list[str], env: dict[str, str], max_rss_gb: float) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    """Run a command; kill it (and exit) when its resident memory, children included, passes `max_rss_gb` (a
+    shared machine: better a failed bench than the kernel's OOM killer choosing someone else's process)."""
+    import psutil
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
+        peak = 0.0
+        while proc.poll() is None:
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                peak = max(peak, sum(q.memory_info().rss for q in tree) / 2**30)
+            except psutil.NoSuchProcess:
+                pass
+            if peak > max_rss_gb:
+                proc.kill()
+                proc.wait()
+                sys.exit(f"{' '.join(command)} passed {max_rss_gb} GB of resident memory: killed (--source-max-rss-gb)")
+            time.sleep(0.5)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
+
+
+def build_zoo(args: argparse.Namespace, layers: int | None, train: bool) -> tuple[Path, dict]:
+    """The data dir of a real zoo of `args.kind` and how it was built: families × members adapters at their real
+    shapes (or their first `layers` blocks), ingested with `task` = family, `zoo embed`, and `zoo train` if `train`.
+    Built once per recipe: a later run finds `source.json` (written last) and reuses the zoo; a partial one is
+    built again. Its blobs and module store are removed when it is done (GBs at real sizes, read by no bench step)."""
+    from zoo.reference.real_shapes import MODELS, write_zoo
+
+    recipe = f"{args.kind}-{args.source_families}x{args.source_members}-layers-{layers if layers is not None else 'all'}"
+    if train:
+        recipe += f"-e{args.source_epochs}-m{args.source_train_members}"
+    root = source_root(args) / recipe
+    done = root / "source.json"
+    if done.exists():
+        return root / "data", json.loads(done.read_text())
+    shutil.rmtree(root, ignore_errors=True)
+    data = root / "data"
+    files = root / "files"
+    env = {**os.environ, "ZOO_DATA_DIR": str(data)}
+    env.pop("ZOO_DATABASE_URL", None)
+    zoo = [sys.executable, "-m", "zoo.cli"]
+    model = MODELS[args.kind]
+    figures: dict[str, object] = {
+        "families": args.source_families,
+        "members": args.source_members,
+        "layers": layers,
+        "modules": len(model.modules(layers)),
+    }
+
+    def step(name: str, command: list[str]) -> None:
+        t0 = time.perf_counter()
+        proc = run_bounded(command, env, args.source_max_rss_gb)
+        if proc.returncode:
+            sys.exit(f"{' '.join(command)} failed (exit status {proc.returncode}):\n{proc.stderr[-3000:]}")
+        figures[f"{name}_s"] = round(time.perf_counter() - t0, 1)
+        print(f"source zoo {recipe}: {name} {figures[f'{name}_s']} s", file=sys.stderr, flush=True)
+
+    step("init", [*zoo, "init"])
+    t0 = time.perf_counter()
+    written = write_zoo(args.kind, files, args.source_families, args.source_members, layers)
+    figures["write_s"] = round(time.perf_counter() - t0, 1)
+    labels = root / "labels.csv"
+    with labels.open("w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(["name", "task"])
+        out.writerows([path.name, f"f{family}"] for path, family in written)
+    step("ingest", [*zoo, "ingest", str(files), "--base-model", model.base_model, "--labels", str(labels), "--json"])
+    shutil.rmtree(files)  # the blobs hold what embed and train read
+    step("embed", [*zoo, "embed", "--space", model.base_model])
+    if train:
+        figures["epochs"], figures["train_members"] = args.source_epochs, args.source_train_members
+        schedule = ["--epochs", str(args.source_epochs), "--members", str(args.source_train_members)]
+        step("train", [*zoo, "train", "--space", model.base_model, *schedule])
+    for derived in ("blobs", "rerank"):  # the bench reads the embeddings and the checkpoint only
+        shutil.rmtree(data / derived, ignore_errors=True)
+    done.write_text(json.dumps(figures))
+    return data, figures
+
+
+def build_sources(args: argparse.Namespace) -> tuple[Path, Path, dict]:
+    """(data dir of the sketches, data dir of the W2T embeddings, figures) of the real zoo of `--kind`: one zoo at
+    --source-layers, trained; or, with --train-layers, the sketches of that zoo and the W2T embeddings of the same
+    adapters cut to their first --train-layers blocks (a zoo of its own, trained: for sizes whose `zoo train` does not
+    fit in memory)."""
+    from zoo.reference.real_shapes import MODELS
+
+    figures: dict[str, object] = {"kind": args.kind, "base_model": MODELS[args.kind].base_model}
+    if args.train_layers is None:
+        data, figures["zoo"] = build_zoo(args, args.source_layers, train=True)
+        return data, data, figures
+    sketch_data, figures["sketch_zoo"] = build_zoo(args, args.source_layers, train=False)
+    w2t_data, figures["w2t_zoo"] = build_zoo(args, args.train_layers, train=True)
+    return sketch_data, w2t_data, figures
+
+
+def as_sketch(x: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """Mixed sketch vectors (float32, changed in place) scaled as `module_sketches` writes them: norm √(modules
+    present), absent blocks zero. (Not per block: with one probe a module, unit blocks would make every coordinate ±1.)"""
+    x = np.asarray(x, np.float32)
+    blocks = x.reshape(len(x), present.shape[1], -1)
+    blocks *= present[:, :, None]  # in place (x is the caller's scratch)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    x *= np.sqrt(present.sum(axis=1, keepdims=True)) / np.maximum(norms, 1e-12)
+    return x
+
+
+def sketch_noise(src: Source) -> float:
+    """Per-coordinate noise of the sketches: `noise` at MODULE_SKETCH_DIM probes a module, and √(MODULE_SKETCH_DIM /
+    width) times that at fewer, so that every module's block gets noise of the same norm relative to its own (1)."""
+    from zoo.domain.similarity import MODULE_SKETCH_DIM
+
+    return src.noise * float(np.sqrt(MODULE_SKETCH_DIM / src.width))
+
+
+def parents(src: Source, start: int, stop: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(main parent, other parent) of synthetic adapters start..stop-1 (the first draws of `synthetic_chunk`)."""
+    rng = np.random.default_rng([seed, start])
+    n = stop - start
+    return rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
+
+
+def synthetic_chunk(src: Source, start: int, stop: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sketches, w2t vectors, main parents) of synthetic adapters start..stop-1, the same on every call."""
+    rng = np.random.default_rng([seed, start])
+    n = stop - start
+    a, b = rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
+    u = rng.uniform(0.5, 1.0, (n, 1)).astype(np.float32)
+    sk = src.sketches[a] * u  # in place from here: a chunk at 2,048 dimensions is 400 MB an array
+    sk += (1 - u) * src.sketches[b]
+    sk += sketch_noise(src) * rng.standard_normal((n, src.sketches.shape[1]), dtype=np.float32)
+    w = u * src.w2t[a] + (1 - u) * src.w2t[b] + src.noise * rng.standard_normal((n, src.w2t.shape[1]), dtype=np.float32)
+    present = src.present
+    return as_sketch(sk, present[a] | present[b]), (w / np.linalg.norm(w, axis=1, keepdims=True)).astype(np.float32), a
+
+
+def synthetic_raw(src: Source, start: int, stop: int, seed: int) -> np.ndarray:
+    """The raw-factor sketches of synthetic adapters start..stop-1, mixed from the same parents with the same weights as
+    `synthetic_chunk`'s (its first draws again), noised as the W2T vectors are and made unit."""
+    assert src.raw is not None
+    rng = np.random.default_rng([seed, start])
+    n = stop - start
+    a, b = rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
+    u = rng.uniform(0.5, 1.0, (n, 1)).astype(np.float32)
+    noise = np.random.default_rng([seed, 2, start]).standard_normal((n, src.raw.shape[1]), dtype=np.float32)
+    r = u * src.raw[a] + (1 - u) * src.raw[b] + src.noise * noise
+    return (r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
+
+def chunks(n: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, CHUNK):
+        yield start, min(n, start + CHUNK)
+
+
+def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
+    """Write the synthetic space's database and index files under `work` (runs in a child process)."""
+    from sqlalchemy import insert
+
+    from embed.engine import index_path
+    from embed.index import IVF_FROM, AdapterIndex, ivf_lists
+    from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Label
+    from zoo.store.session import make_engine, upgrade
+
+    t0 = time.perf_counter()
+    url = f"sqlite:///{work / 'zoo.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    base = "synthetic/" + src.sketch_config["schema"]["base_model"]
+    with engine.begin() as conn:
+        conn.execute(insert(EmbeddingSpace).values(id=1, name=base, base_model=base, schema=src.sketch_config["schema"], version=1))
+        conn.execute(
+            insert(Embedder).values(
+                id=1, space_id=1, method="module_sketch", dim=src.sketches.shape[1], config=src.sketch_config, active=True
+            )
+        )
+        conn.execute(
+            insert(Embedder).values(
+                id=2,
+                space_id=1,
+                method="w2t",
+                objective="supervised",
+                checkpoint=src.w2t_checkpoint,
+                dim=src.w2t.shape[1],
+                config=src.w2t_config,
+                active=True,
+            )
+        )
+        if src.raw is not None:
+            conn.execute(
+                insert(Embedder).values(id=3, space_id=1, method="raw_factors", dim=src.raw.shape[1], config=src.raw_config, active=True)
+            )
+    embedder_ids = (1, 2, 3) if src.raw is not None else (1, 2)
+
+    def vectors_of(start: int, stop: int) -> tuple[list[np.ndarray], np.ndarray]:
+        sk, w, parent = synthetic_chunk(src, start, stop, seed)
+        return [sk, w, *((synthetic_raw(src, start, stop, seed),) if src.raw is not None else ())], parent
+
+    indexes: list[AdapterIndex] = []
+    steps = dict.fromkeys(("generate_s", "sql_s", "train_s", "add_s", "tune_s", "save_s"), 0.0)
+    t = time.perf_counter()
+
+    def lap(step: str) -> None:
+        nonlocal t
+        steps[step] += time.perf_counter() - t
+        t = time.perf_counter()
+
+    for start, stop in chunks(n):
+        vectors_now, parent = vectors_of(start, stop)
+        ids = np.arange(start + 1, stop + 1)
+        lap("generate_s")
+        with engine.begin() as conn:
+            conn.execute(
+                insert(Adapter),
+                [
+                    {
+                        "id": int(i),
+                        "name": f"syn-{i:07d}",
+                        "source_uri": f"synthetic://{i}",
+                        "base_model": base,
+                        "format": "peft",
+                        "rank": 8,
+                        "canonical_hash": f"{i:064x}",
+                        "structure_hash": "0" * 64,
+                        "file_sha256": "0" * 64,
+                        "size_bytes": 0,
+                        "config": {},
+                        "file_metadata": {},
+                        "extra_tensors": {},
+                        "notes": [],
+                    }
+                    for i in ids.tolist()
+                ],
+            )
+            conn.execute(
+                insert(Label),
+                [{"adapter_id": int(i), "key": "task", "value": src.tasks[p], "source": "given"} for i, p in zip(ids, parent, strict=True)]
+                + [{"adapter_id": int(i), "key": "shard", "value": f"s{i % SHARDS}", "source": "given"} for i in ids.tolist()],
+            )
+            for embedder_id, vectors in zip(embedder_ids, vectors_now, strict=True):
+                conn.execute(
+                    insert(Embedding),
+                    [
+                        {"adapter_id": int(i), "embedder_id": embedder_id, "vector": v.tobytes(), "version": 1}
+                        for i, v in zip(ids, vectors, strict=True)
+                    ],
+                )
+        lap("sql_s")
+        if not indexes:  # the coarse quantizers are trained on the first 64 adapters a list
+            if n >= IVF_FROM:
+                samples, _ = vectors_of(0, min(n, 64 * ivf_lists(n)))
+                lap("generate_s")
+                indexes = [AdapterIndex.trained_ivf(sample, n) for sample in samples]
+                del samples
+            else:
+                indexes = [AdapterIndex.exact(v.shape[1]) for v in vectors_now]
+            lap("train_s")
+        for index, vectors in zip(indexes, vectors_now, strict=True):
+            index.add(ids, vectors)
+        lap("add_s")
+    db_s = time.perf_counter() - t0
+    samples, _ = vectors_of(0, min(n, 200))
+    for embedder_id, index, sample in zip(embedder_ids, indexes, samples, strict=True):
+        if index.ivf:
+            index.tune_nprobe(sample)
+        lap("tune_s")
+        index.save(index_path(work, embedder_id), {"embedder_id": embedder_id, "version": 1})
+        lap("save_s")
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "build_s": time.perf_counter() - t0,
+        "build_cpu_s": usage.ru_utime + usage.ru_stime,  # the child's own: on a busy machine, wall time is not its cost
+        "peak_rss_gb": usage.ru_maxrss / 2**20,  # the child's own (KiB)
+        "database_s": db_s,
+        "steps_s": {k: round(v, 1) for k, v in steps.items()},
+        "nprobe": [ix.nprobe for ix in indexes],
+        "rerank": [ix.rerank for ix in indexes],
+    }  # type: ignore[dict-item]
+
+
+def _build_in_child(src: Source, n: int, work: Path, seed: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    out.put(build(src, n, work, seed))
+
+
+def build_or_reuse(src: Source, n: int, work: Path, seed: int, reuse: bool) -> dict:
+    """The build's figures: read from `work/build.json` (reuse), or from a build in a child process (so that the
+    serving process's memory is its own), then saved there."""
+    if reuse:
+        return json.loads((work / "build.json").read_text())  # type: ignore[no-any-return]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_build_in_child, args=(src, n, work, seed, out))
+    child.start()
+    built = out.get()
+    child.join()
+    (work / "build.json").write_text(json.dumps(built))
+    return built  # type: ignore[no-any-return]
+
+
+def rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def percentiles(times: list[float]) -> tuple[float, float]:
+    return float(np.percentile(times, 50) * 1e3), float(np.percentile(times, 99) * 1e3)
+
+
+def exhaustive_top(
+    src: Source, n: int, seed: int, queries: np.ndarray, weight: float, k: int, shards: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Top-k ids of each query by the served score over all N (the baseline), their scores, and its time per query;
+    with `shards`, each query's over the adapters of its shard only (the filtered baseline)."""
+    from zoo.domain.similarity import hybrid_score, sketch_module_cosines
+
+    q_sk = np.zeros((len(queries), src.sketches.shape[1]), np.float32)
+    q_w = np.zeros((len(queries), src.w2t.shape[1]), np.float32)
+    for start, stop in chunks(n):  # the queries' own vectors, as stored
+        inside = np.nonzero((queries > start) & (queries <= stop))[0]
+        if len(inside):
+            sk, w, _ = synthetic_chunk(src, start, stop, seed)
+            q_sk[inside], q_w[inside] = sk[queries[inside] - 1 - start], w[queries[inside] - 1 - start]
+    t0 = time.perf_counter()
+    best_s = np.full((len(queries), 0), -np.inf)
+    best_i = np.zeros((len(queries), 0), dtype=np.int64)
+    for start, stop in chunks(n):
+        sk, w, _ = synthetic_chunk(src, start, stop, seed)
+        s = hybrid_score(sketch_module_cosines(q_sk, sk, src.n_modules), q_w @ w.T, weight)
+        ids = np.arange(start + 1, stop + 1)
+        s[ids[None, :] == queries[:, None]] = -np.inf
+        if shards is not None:
+            s[ids[None, :] % SHARDS != shards[:, None]] = -np.inf
+        all_s = np.concatenate([best_s, s], axis=1)
+        all_i = np.concatenate([best_i, np.broadcast_to(ids, s.shape)], axis=1)
+        top = np.argpartition(-all_s, k, axis=1)[:, :k]
+        best_s, best_i = np.take_along_axis(all_s, top, 1), np.take_along_axis(all_i, top, 1)
+    order = np.argsort(-best_s, axis=1, kind="stable")
+    return np.take_along_axis(best_i, order, 1), np.take_along_axis(best_s, order, 1), (time.perf_counter() - t0) / len(queries)
+
+
+def main_parents(src: Source, ids: np.ndarray, seed: int) -> np.ndarray:
+    """The main parent (a real adapter's row) of each synthetic adapter id."""
+    out = np.zeros(len(ids), np.int64)
+    for start, stop in chunks(int(ids.max())):
+        inside = np.nonzero((ids > start) & (ids <= stop))[0]
+        if len(inside):
+            out[inside] = parents(src, start, stop, seed)[0][ids[inside] - 1 - start]
+    return out
+
+
+def real_task_hit_at_1(src: Source, weight: float) -> float:
+    """Share of the real adapters whose nearest other real adapter by the served score has their task."""
+    from zoo.domain.similarity import hybrid_score, sketch_module_cosines
+
+    s = hybrid_score(sketch_module_cosines(src.sketches, src.sketches, src.n_modules), src.w2t @ src.w2t.T, weight)
+    np.fill_diagonal(s, -np.inf)
+    tasks = np.array(src.tasks)
+    return float(np.mean(tasks[s.argmax(axis=1)] == tasks))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--adapters", type=int, default=100_000)
+    p.add_argument("--zoo-data-dir", type=Path, help="data dir of the real zoo (default: $ZOO_DATA_DIR)")
+    p.add_argument("--zoo-db", help="its database URL (default: SQLite in the data dir)")
+    p.add_argument("--work", type=Path, help="where to build the synthetic space (default: a temporary dir, removed)")
+    p.add_argument("--reuse", action="store_true", help="serve the space already built in --work (same --adapters, --seed, --noise)")
+    p.add_argument("--queries", type=int, default=300)
+    p.add_argument("--recall-queries", type=int, default=50)
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument(
+        "--blas-threads", type=int, help="limit the serving process's BLAS threads (threadpoolctl; default: as zoo serve, the library's)"
+    )
+    p.add_argument("--noise", type=float, default=0.02, help="per-coordinate noise added to every mixture (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kind", help="build the real zoo instead: adapters of this kind of zoo.reference.real_shapes.MODELS")
+    p.add_argument("--source-families", type=int, default=10)
+    p.add_argument("--source-members", type=int, default=4, help="adapters per family (default: %(default)s)")
+    p.add_argument("--source-layers", type=int, help="keep the first N blocks of the model (default: all, the real size)")
+    p.add_argument("--source-epochs", type=int, default=10, help="zoo train --epochs (default: %(default)s)")
+    p.add_argument("--source-train-members", type=int, default=1, help="zoo train --members (default: %(default)s)")
+    p.add_argument(
+        "--train-layers", type=int, help="W2T embeddings from the same adapters cut to their first N blocks (where full ones do not train)"
+    )
+    p.add_argument("--source-max-rss-gb", type=float, default=12.0, help="kill a source zoo step above this resident memory")
+    p.add_argument("--source-dir", type=Path, help="where the real zoos of --kind are built and kept (default: ~/.cache/zoo-bench-serve)")
+    args = p.parse_args()
+
+    from zoo.config import Settings
+
+    source: dict | None = None
+    if args.kind:
+        sketch_dir, w2t_dir, source = build_sources(args)
+        src = load_source(f"sqlite:///{sketch_dir / 'zoo.db'}", sketch_dir, args.noise, f"sqlite:///{w2t_dir / 'zoo.db'}", w2t_dir)
+    else:
+        settings = Settings.load(args.zoo_db, args.zoo_data_dir)
+        src = load_source(settings.database_url, settings.data_dir, args.noise)
+    work = args.work or Path(tempfile.mkdtemp(prefix="zoo-bench-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        result = serve(src, args, work, build_or_reuse(src, args.adapters, work, args.seed, args.reuse))
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    result["sketch_dim"], result["w2t_dim"], result["modules"] = src.sketches.shape[1], src.w2t.shape[1], src.n_modules
+    if source is not None:
+        result["kind"], result["source"] = args.kind, source
+    print(
+        f"{result['adapters']} synthetic adapters (from {len(src.tasks)} real ones): built in {result['build_s']:.0f} s, "
+        f"loaded in {result['load_s']:.1f} s, nprobe {result['nprobe']}, rerank {result['rerank']}\n"
+        f"similar-by-id (hybrid, k = 10): p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms; "
+        f"{args.threads} threads p99 {result['p99_ms_8_threads']:.2f} ms ({result['queries_per_s_8_threads']:.0f} queries/s); "
+        f"1 % filter p50 {result['p50_ms_filtered_1pct']:.2f} ms, p99 {result['p99_ms_filtered_1pct']:.2f} ms\n"
+        f"recall@10 vs exhaustive {result['recall_at_10']:.3f} (1 % filter: {result['recall_at_10_filtered_1pct']:.3f}; "
+        f"exact score of the 10th minus the {GAP_RANK}th neighbour, median {result['score_gap_10th_to_50th']:.2g}); "
+        f"exhaustive {result['exhaustive_ms_per_query']:.0f} ms/query "
+        f"({result['speedup_vs_exhaustive']:.0f}x the served p50); resident memory {result['rss_gb']:.2f} GB\n"
+        f"same-task hit@1 of the exact nearest: real zoo {result['task_hit_at_1_real']:.3f}, "
+        f"synthetic {result['task_hit_at_1_synthetic']:.3f}"
+    )
+    print(json.dumps(result))
+
+
+def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dict[str, object]:
+    from embed.engine import Query, QueryEngine
+    from zoo.store.blobs import BlobStore
+    from zoo.store.session import session_factory
+
+    sessions = session_factory(f"sqlite:///{work / 'zoo.db'}")
+    engine = QueryEngine(sessions, BlobStore(work / "blobs"), work)
+    if args.blas_threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.blas_threads, user_api="blas")
+    rng = np.random.default_rng(args.seed + 1)
+    queries = rng.integers(1, args.adapters + 1, args.queries)
+    with sessions() as session:
+        space = next(iter(session.execute(__import__("sqlalchemy").text("select name from embedding_space")).scalars()))
+        t0 = time.perf_counter()
+        engine.space(session, space)
+        load_s = time.perf_counter() - t0
+
+    def one(i: int, filters: dict[str, str] | None = None) -> tuple[float, list[int]]:
+        with sessions() as session:
+            t = time.perf_counter()
+            found = engine.similar(session, space, Query(f"syn-{i:07d}", int(i)), 10, filters)
+            return time.perf_counter() - t, [r["adapter_id"] for r in found["results"]]
+
+    for i in queries[:20]:  # warm-up
+        one(int(i))
+    single = [one(int(i)) for i in queries]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.threads) as pool:
+        threaded = list(pool.map(lambda i: one(int(i))[0], queries))
+    wall = time.perf_counter() - t0
+    shards = rng.integers(0, SHARDS, len(queries))
+    filtered = [one(int(i), {"shard": f"s{int(j)}"}) for i, j in zip(queries, shards, strict=True)]
+    weight = engine.w2t(engine.space(sessions(), space).embedders["w2t"]).search.w2t_weight
+    rq = queries[: args.recall_queries]
+    exact, exact_scores, exhaustive_s = exhaustive_top(src, args.adapters, args.seed, rq, weight, GAP_RANK)
+    recall = float(np.mean([len(set(single[j][1]) & set(exact[j, :10].tolist())) / 10 for j in range(len(rq))]))
+    # how far apart the exact 10th and GAP_RANK-th neighbours score: near 0, the top 10 is decided by ties (noise)
+    gap = float(np.median(exact_scores[:, 9] - exact_scores[:, GAP_RANK - 1]))
+    tasks = np.array(src.tasks)
+    synthetic_hit = float(np.mean(tasks[main_parents(src, exact[:, 0], args.seed)] == tasks[main_parents(src, rq, args.seed)]))
+    exact_f, _, _ = exhaustive_top(src, args.adapters, args.seed, rq, weight, 10, shards[: len(rq)])
+    recall_f = float(np.mean([len(set(filtered[j][1]) & set(exact_f[j].tolist())) / 10 for j in range(len(rq))]))
+    p50, p99 = percentiles([t for t, _ in single])
+    f50, f99 = percentiles([t for t, _ in filtered])
+    return {
+        "adapters": args.adapters,
+        "real_adapters": len(src.tasks),
+        "p50_ms": round(p50, 3),
+        "p99_ms": round(p99, 3),
+        "p99_ms_8_threads": round(percentiles(threaded)[1], 3),
+        "queries_per_s_8_threads": round(len(queries) / wall, 1),
+        "p50_ms_filtered_1pct": round(f50, 3),
+        "p99_ms_filtered_1pct": round(f99, 3),
+        "recall_at_10": round(recall, 4),
+        "recall_at_10_filtered_1pct": round(recall_f, 4),
+        "score_gap_10th_to_50th": round(gap, 6),
+        "exhaustive_ms_per_query": round(exhaustive_s * 1e3, 1),
+        "speedup_vs_exhaustive": round(exhaustive_s * 1e3 / p50, 1),
+        "rss_gb": round(rss_gb(), 3),
+        "build_s": round(built["build_s"], 1),
+        "build_cpu_s": round(built["build_cpu_s"], 1) if "build_cpu_s" in built else None,
+        "database_s": round(built["database_s"], 1),
+        "build_steps_s": built.get("steps_s"),
+        "load_s": round(load_s, 2),
+        "nprobe": built["nprobe"],
+        "rerank": built.get("rerank"),
+        "hybrid_weight": weight,
+        "blas_threads": args.blas_threads,
+        "task_hit_at_1_real": round(real_task_hit_at_1(src, weight), 4),
+        "task_hit_at_1_synthetic": round(synthetic_hit, 4),
+        "synthetic": True,
+    }
+
+
+if __name__ == "__main__":
+    main()
