@@ -308,7 +308,7 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     """Write the synthetic space's database and index files under `work` (runs in a child process)."""
     from sqlalchemy import insert
 
-    from embed.engine import index_path
+    from embed.engine import MAX_NPROBE, index_path
     from embed.index import IVF_FROM, AdapterIndex, ivf_lists
     from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Label
     from zoo.store.session import make_engine, upgrade
@@ -413,7 +413,7 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     samples, _ = vectors_of(0, min(n, 200))
     for embedder_id, index, sample in zip(embedder_ids, indexes, samples, strict=True):
         if index.ivf:
-            index.tune_nprobe(sample)
+            index.tune_nprobe(sample, max_nprobe=MAX_NPROBE.get(("module_sketch", "w2t", "raw_factors")[embedder_id - 1]))
         lap("tune_s")
         index.save(index_path(work, embedder_id), {"embedder_id": embedder_id, "version": 1})
         lap("save_s")

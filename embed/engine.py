@@ -76,6 +76,10 @@ RAW = "raw_factors"
 #: CANDIDATES nearest re-ranked by the stored vectors); raw: the raw-factor sketches alone, for stored adapters.
 SEARCH_METHODS = ("hybrid", "module", "dw", "sketch", "w2t", "raw")
 METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "dw": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,), "raw": (RAW,)}
+#: the most lists an IVF index of these embedders probes: raw-factor sketches of unrelated adapters are near-random
+#: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
+#: ones tuned to every list: 99 ms a query); the relation step wants only relatives, which share the query's lists
+MAX_NPROBE = {RAW: 32}
 #: the embedder whose vectors each method's own scores are (the others score through exact cosines or the hybrid)
 VECTOR_SCORES = {"sketch": SKETCH, "w2t": W2T, "raw": RAW}
 MAX_K = 1000
@@ -151,7 +155,7 @@ def build_index(session: Session, embedder: Embedder, ivf: bool | None = None) -
         index.add(chunk_ids, vectors)
     if index.ivf:
         _, tune = load_embeddings(session, embedder, ids=np.random.default_rng(0).choice(ids, size=min(len(ids), 200), replace=False))
-        index.tune_nprobe(tune)
+        index.tune_nprobe(tune, max_nprobe=MAX_NPROBE.get(embedder.method))
     return index
 
 

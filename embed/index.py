@@ -444,17 +444,19 @@ class AdapterIndex:
             best_s, best_i = np.take_along_axis(all_s, top, 1), np.take_along_axis(all_i, top, 1)
         return best_s, best_i
 
-    def tune_nprobe(self, queries: np.ndarray, k: int = 10) -> float:
+    def tune_nprobe(self, queries: np.ndarray, k: int = 10, max_nprobe: int | None = None) -> float:
         """Set (nprobe, rerank): for each re-rank depth in RERANKS the smallest nprobe in NPROBES whose
         `rerank` nearest by the codes hold RECALL_GOAL of the exact top k (brute force over the store),
         then of those the pair whose whole search (codes and re-ranking) is fastest on these queries;
-        every list and the deepest re-rank when none reaches the goal. Returns the recall of the pair."""
+        every list (at most `max_nprobe`) and the deepest re-rank when none reaches the goal. Returns the recall of
+        the pair."""
         if self._ivf is None:
             return 1.0
         q = normalize(queries)
         exact = TiedTop(*self.exact_top(q, TIE_DEPTH), k)
         base = self._base
-        ladder = [p for p in NPROBES if p < base.nlist] + [base.nlist]
+        most = min(base.nlist, max_nprobe or base.nlist)
+        ladder = [p for p in NPROBES if p < most] + [most]
         viable: list[tuple[float, int, int, float]] = []
 
         def recall_of(nprobe: int, rerank: int) -> float:
@@ -475,7 +477,7 @@ class AdapterIndex:
         if viable:
             _, nprobe, rerank, recall = min(viable)
         else:
-            nprobe, rerank = base.nlist, RERANKS[-1]
+            nprobe, rerank = most, RERANKS[-1]
             recall = recall_of(nprobe, rerank)
         base.nprobe, self.rerank = nprobe, rerank
         self._tune_filtered(q, k)
