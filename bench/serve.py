@@ -266,18 +266,24 @@ def sketch_noise(src: Source) -> float:
 
 
 def parents(src: Source, start: int, stop: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(main parent, other parent) of synthetic adapters start..stop-1 (the first draws of `synthetic_chunk`)."""
+    """(main parent, other parent) of synthetic adapters start..stop-1 (those `synthetic_chunk` mixes)."""
+    _, a, b, _ = mixture(src, start, stop, seed)
+    return a, b
+
+
+def mixture(src: Source, start: int, stop: int, seed: int) -> tuple[np.random.Generator, np.ndarray, np.ndarray, np.ndarray]:
+    """(the generator, main parents, other parents, main weights) of synthetic adapters start..stop-1, the same on
+    every call; the generator goes on to their noise."""
     rng = np.random.default_rng([seed, start])
     n = stop - start
-    return rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
+    a, b = rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
+    return rng, a, b, rng.uniform(0.5, 1.0, (n, 1)).astype(np.float32)
 
 
 def synthetic_chunk(src: Source, start: int, stop: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sketches, w2t vectors, main parents) of synthetic adapters start..stop-1, the same on every call."""
-    rng = np.random.default_rng([seed, start])
+    rng, a, b, u = mixture(src, start, stop, seed)
     n = stop - start
-    a, b = rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
-    u = rng.uniform(0.5, 1.0, (n, 1)).astype(np.float32)
     sk = src.sketches[a] * u  # in place from here: a chunk at 2,048 dimensions is 400 MB an array
     sk += (1 - u) * src.sketches[b]
     sk += sketch_noise(src) * rng.standard_normal((n, src.sketches.shape[1]), dtype=np.float32)
@@ -288,13 +294,10 @@ def synthetic_chunk(src: Source, start: int, stop: int, seed: int) -> tuple[np.n
 
 def synthetic_raw(src: Source, start: int, stop: int, seed: int) -> np.ndarray:
     """The raw-factor sketches of synthetic adapters start..stop-1, mixed from the same parents with the same weights as
-    `synthetic_chunk`'s (its first draws again), noised as the W2T vectors are and made unit."""
+    `synthetic_chunk`'s, noised as the W2T vectors are and made unit."""
     assert src.raw is not None
-    rng = np.random.default_rng([seed, start])
-    n = stop - start
-    a, b = rng.integers(0, len(src.tasks), n), rng.integers(0, len(src.tasks), n)
-    u = rng.uniform(0.5, 1.0, (n, 1)).astype(np.float32)
-    noise = np.random.default_rng([seed, 2, start]).standard_normal((n, src.raw.shape[1]), dtype=np.float32)
+    _, a, b, u = mixture(src, start, stop, seed)
+    noise = np.random.default_rng([seed, 2, start]).standard_normal((stop - start, src.raw.shape[1]), dtype=np.float32)
     r = u * src.raw[a] + (1 - u) * src.raw[b] + src.noise * noise
     return (r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
@@ -341,7 +344,8 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
             conn.execute(
                 insert(Embedder).values(id=3, space_id=1, method="raw_factors", dim=src.raw.shape[1], config=src.raw_config, active=True)
             )
-    embedder_ids = (1, 2, 3) if src.raw is not None else (1, 2)
+    methods = ("module_sketch", "w2t", "raw_factors")[: 3 if src.raw is not None else 2]  # embedders 1, 2 (and 3)
+    embedder_ids = tuple(range(1, len(methods) + 1))
 
     def vectors_of(start: int, stop: int) -> tuple[list[np.ndarray], np.ndarray]:
         sk, w, parent = synthetic_chunk(src, start, stop, seed)
@@ -411,9 +415,9 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
         lap("add_s")
     db_s = time.perf_counter() - t0
     samples, _ = vectors_of(0, min(n, 200))
-    for embedder_id, index, sample in zip(embedder_ids, indexes, samples, strict=True):
+    for embedder_id, method, index, sample in zip(embedder_ids, methods, indexes, samples, strict=True):
         if index.ivf:
-            index.tune_nprobe(sample, max_nprobe=MAX_NPROBE.get(("module_sketch", "w2t", "raw_factors")[embedder_id - 1]))
+            index.tune_nprobe(sample, max_nprobe=MAX_NPROBE.get(method))
         lap("tune_s")
         index.save(index_path(work, embedder_id), {"embedder_id": embedder_id, "version": 1})
         lap("save_s")

@@ -278,7 +278,7 @@ def ensure_raw(session: Session, space: EmbeddingSpace, schema: SpaceSchema) -> 
     return register(session, space, RAW, len(schema.modules) * dim, config=config)
 
 
-#: the order of embed_space's reports: the module sketches (which search and the relation step need) first
+#: the order in which embed_space embeds and reports: the module sketches (which search and the relation step need) first
 _REPORT_ORDER = {SKETCH: 0, RAW: 1, W2T: 2}
 
 
@@ -303,7 +303,8 @@ def embed_space(
         space = ensure_space(session, schema)
         ensure_sketch(session, space, schema)
         ensure_raw(session, space, schema)
-        space_id, embedder_ids = space.id, [e.id for e in serving_embedders(session, space.id).values()]
+        serving = sorted(serving_embedders(session, space.id).values(), key=lambda e: _REPORT_ORDER.get(e.method, len(_REPORT_ORDER)))
+        space_id, embedder_ids = space.id, [e.id for e in serving]
     counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, ids, device, subset=False)
     files = refresh_space_files(sessions, blobs, data_dir, space_id)
     indexes, store, zoo_map = files["indexes"], files["module_store"], files["map"]
@@ -317,13 +318,9 @@ def embed_space(
             "module_store": store,
             "map": zoo_map,
         }
-        for e, (embedded, misfits) in sorted(counts.items(), key=lambda item: _REPORT_ORDER.get(_method_of(indexes, item[0]), 9))
+        for e, (embedded, misfits) in counts.items()  # in embedder_ids' order
         if e in indexes
     ]
-
-
-def _method_of(indexes: Mapping[int, IndexFile], embedder_id: int) -> str:
-    return str(indexes[embedder_id]["method"]) if embedder_id in indexes else ""
 
 
 def embed_adapters(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from zoo.domain import transforms
 from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_batched
 from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, shared_rows
-from zoo.domain.factorwise import Gauge, RawModule, raw_sketches, raw_width
+from zoo.domain.factorwise import RawModule, raw_sketches, raw_width
 from zoo.domain.merges import detect_merge
 from zoo.domain.provenance import Relations, find_relations
 from zoo.domain.transforms import FactorSummary, Update, detect_transform, expected_cast_residual, residual_class
@@ -413,7 +413,7 @@ def test_the_gauge_gives_back_the_factors_as_given(seed: int, rank: int, dtype: 
     M, N = f.gauge
     assert torch.allclose(f.U @ M, B.float(), atol=1e-4 * float(B.float().abs().max()))
     assert torch.allclose(N @ f.V.T, A.float(), atol=1e-4 * float(A.float().abs().max()))
-    raw = RawModule(f.U.double().numpy(), f.S.double().numpy(), f.V.double().numpy(), Gauge(M.double().numpy(), N.double().numpy()))
+    raw = RawModule(f.U.double().numpy(), f.S.double().numpy(), f.V.double().numpy(), M.double().numpy(), N.double().numpy())
     assert raw.scale == pytest.approx(2.0, rel=1e-4)
     A[-1] = 0  # a rank below the factors': B's last column is not in dW
     assert (canonicalize_batched([A], [B], 2.0)[0] if batched else canonicalize(A, B, 2.0)).gauge is None

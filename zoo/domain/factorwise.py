@@ -16,7 +16,7 @@ lineage recipe). In the raw factors the model is exact, and every factorwise mer
 per entry, which parents kept it (at most 2³ choices), alternated until they agree. Which kind of pruning made the
 kept sets is then read off them: by magnitude when the kept entries of each parent are its largest.
 
-The raw factors of a stored adapter are its canonical factors in the gauge of its file (`Gauge`: B = U·M,
+The raw factors of a stored adapter are its canonical factors in the gauge of its file (`RawModule`: B = U·M,
 A = N·Vᵀ, two r×r matrices a module, kept at ingest). Only a sample of the entries is read, the same positions in
 every adapter (SAMPLE_ENTRIES, spread over the modules), so the cost does not grow with the adapter's size.
 """
@@ -81,28 +81,26 @@ FLOAT_RTOL = 1e-4
 
 
 @dataclass(frozen=True)
-class Gauge:
-    """The gauge of one module's factors as its file had them: B = U·M and A = N·Vᵀ (canonical U, V), so M·N = S / s.
-    Kept only where the update has the factors' full rank (else B and A are not in the span of U and V)."""
+class RawModule:
+    """One module of an adapter as the fit reads it (float64): canonical U, S, V and their gauge, B = U·M and A = N·Vᵀ
+    as its file had them, so M·N = S / s (kept only where the update has the factors' full rank)."""
 
+    U: np.ndarray  # (out, k)
+    S: np.ndarray  # (k,)
+    V: np.ndarray  # (in, k)
     M: np.ndarray  # (k, r): Uᵀ·B
     N: np.ndarray  # (r, k): A·V
-
-
-@dataclass(frozen=True)
-class RawModule:
-    """One module of an adapter as the fit reads it: canonical U, S, V and the gauge (float64)."""
-
-    U: np.ndarray
-    S: np.ndarray
-    V: np.ndarray
-    gauge: Gauge
 
     @property
     def scale(self) -> float:
         """s, the module's LoRA scaling (S = s·M·N)."""
-        core = np.einsum("ij,ji->i", self.gauge.M, self.gauge.N)
+        core = np.einsum("ij,ji->i", self.M, self.N)
         return float(np.median(self.S / np.where(core == 0, np.inf, core)))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(out, in, the factors' rank): modules of one shape are read at the same entries."""
+        return int(self.U.shape[0]), int(self.V.shape[0]), int(self.N.shape[0])
 
 
 @dataclass(frozen=True)
@@ -146,10 +144,10 @@ def sampled(modules: Mapping[str, RawModule], where: Positions) -> tuple[np.ndar
     values, scaled, factor = [], [], []
     for k, name in enumerate(sorted(where.b_rows)):
         m = modules[name]
-        b = m.U[where.b_rows[name]] @ m.gauge.M  # rows of B
-        a = m.gauge.N @ m.V[where.a_cols[name]].T  # columns of A
-        b_rms = np.linalg.norm(m.gauge.M) / math.sqrt(m.U.shape[0] * m.gauge.M.shape[1])  # ‖B‖ = ‖M‖ (U orthonormal)
-        a_rms = np.linalg.norm(m.gauge.N) / math.sqrt(m.V.shape[0] * m.gauge.N.shape[0])
+        b = m.U[where.b_rows[name]] @ m.M  # rows of B
+        a = m.N @ m.V[where.a_cols[name]].T  # columns of A
+        b_rms = np.linalg.norm(m.M) / math.sqrt(m.U.shape[0] * m.M.shape[1])  # ‖B‖ = ‖M‖ (U orthonormal)
+        a_rms = np.linalg.norm(m.N) / math.sqrt(m.V.shape[0] * m.N.shape[0])
         values += [b.ravel(), a.ravel()]
         scaled += [np.abs(b.ravel()) / max(b_rms, 1e-300), np.abs(a.ravel()) / max(a_rms, 1e-300)]
         factor += [np.full(b.size, 2 * k), np.full(a.size, 2 * k + 1)]
@@ -159,7 +157,7 @@ def sampled(modules: Mapping[str, RawModule], where: Positions) -> tuple[np.ndar
 def fit_factorwise(query: Mapping[str, RawModule], candidates: Sequence[Mapping[str, RawModule] | None]) -> FactorwiseFit | None:
     """The best factorwise merge of the query from 2-3 of the candidates (None where a candidate has no gauge or
     another structure), or None when no set of them is worth fitting."""
-    shapes = {n: (m.U.shape[0], m.V.shape[0], m.gauge.N.shape[0]) for n, m in query.items()}
+    shapes = {n: m.shape for n, m in query.items()}
     usable = [i for i, c in enumerate(candidates) if c is not None and _same_raw_shapes(c, shapes)]
     if len(usable) < 2:
         return None
@@ -261,7 +259,7 @@ def _alone_share(y: np.ndarray, X: np.ndarray) -> np.ndarray:
 
 
 def _same_raw_shapes(c: Mapping[str, RawModule], shapes: Mapping[str, tuple[int, int, int]]) -> bool:
-    return all(n in c and (c[n].U.shape[0], c[n].V.shape[0], c[n].gauge.N.shape[0]) == s for n, s in shapes.items())
+    return all(n in c and c[n].shape == s for n, s in shapes.items())
 
 
 def _screen(y: np.ndarray, X: np.ndarray, subsets: list[tuple[int, ...]]) -> list[tuple[float, tuple[int, ...], np.ndarray, bool]]:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from zoo.domain.canonical import CanonicalFactors, LowRankModule
-from zoo.domain.factorwise import Gauge, RawModule
+from zoo.domain.factorwise import RawModule
 from zoo.domain.lowrank import LowRank, inner, sq_norm
 
 T = TypeVar("T")
@@ -149,7 +149,7 @@ class Update:
                 if f.rank and f.gauge is not None:
                     M, N = f.gauge
                     low = self.modules()[name]
-                    out[name] = RawModule(low.U, low.S, low.V, Gauge(M.double().numpy(), N.double().numpy()))
+                    out[name] = RawModule(low.U, low.S, low.V, M.double().numpy(), N.double().numpy())
             return out
 
         return dict(self.computed("raw_modules", make))
