@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Table, select, text, update
+from sqlalchemy import Table, create_engine, make_url, select, text, update
 
 from zoo.cli import main
 from zoo.config import Settings, normalize_database_url
@@ -29,14 +29,31 @@ def backends() -> list[object]:
 
 
 @pytest.fixture(scope="session")
-def pg_url() -> str:
-    """A migrated PostgreSQL database; a set but unreachable URL is an error, never a skip."""
+def pg_url() -> Iterator[str]:
+    """A migrated PostgreSQL database; a set but unreachable URL is an error, never a skip. Under pytest-xdist each
+    worker gets a database of its own beside the given one (`<name>_gw0`, ...), made here and dropped at its end."""
     if not PG_URL:
         pytest.skip("ZOO_TEST_DATABASE_URL is not set")
     url = normalize_database_url(PG_URL)
-    downgrade(url, "base")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        downgrade(url, "base")
+        upgrade(url)
+        yield url
+        return
+    given = make_url(url)
+    own = given.set(database=f"{given.database}_{worker}")
+    admin = create_engine(given.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{own.database}"'))
+    url = own.render_as_string(hide_password=False)
     upgrade(url)
-    return url
+    yield url
+    make_engine(url).dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
+    admin.dispose()
 
 
 @pytest.fixture(scope="module")
