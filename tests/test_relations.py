@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from sqlalchemy import delete, func, select, update
 
+from embed.engine import QueryEngine
 from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import TinyLM
@@ -22,6 +24,7 @@ from webapp import create_app
 from zoo.config import Settings
 from zoo.domain.provenance import DETECTOR
 from zoo.services import relations
+from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter, AdapterRelation, RelationScan
 from zoo.store.relations import EdgeRow, write_scan
 from zoo.store.session import session_factory
@@ -271,6 +274,46 @@ def test_a_failed_scan_is_recorded_and_reported_and_loses_nothing(
     monkeypatch.undo()
     assert embed(cli)["scanned"] == 2  # tried again, and found
     assert (ids["rescaled"], ids["p"], "rescaled") in edges(settings)
+
+
+def test_a_scan_reads_each_blob_once_and_holds_at_most_its_budget(
+    cli: CLI, settings: Settings, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parent embedded after its merge: its scan compares it with its neighbours, then tests the merge again
+    against the merge's own neighbours, which are mostly the same adapters; each adapter's factors are read from the
+    blob store once per adapter scanned. Past the budget a scan's factors cache drops the least recently asked for,
+    never those asked for now."""
+    ids = ingest(cli, sources, "merge", "q2", "p", "rescaled", "cast")
+    embed(cli)
+    ids |= ingest(cli, sources, "q1")
+    embed(cli)
+    found = {k[1] for k in edges(settings) if k[0] == ids["merge"] and k[2] == "merge"}
+    assert found == {ids["q1"], ids["q2"]}  # by the merge test again, when q1 came
+    sessions = session_factory(settings.database_url)
+    with sessions.begin() as session:  # q1 as just embedded: scanned by no detector yet
+        session.execute(delete(AdapterRelation))
+        session.execute(delete(RelationScan).where(RelationScan.adapter_id == ids["q1"]))
+        blob_of = dict(session.execute(select(Adapter.id, Adapter.factors_blob)).all())
+    reads: list[str] = []
+    get_factors = BlobStore.get_factors
+    monkeypatch.setattr(BlobStore, "get_factors", lambda store, digest: reads.append(digest) or get_factors(store, digest))
+    blobs = BlobStore(settings.blob_dir)
+    report = relations.scan_space(QueryEngine(sessions, blobs, settings.data_dir), sessions, blobs, "tiny", [ids["q1"]])
+    assert report["scanned"] == 1 and {k[1] for k in edges(settings) if k[0] == ids["merge"]} == found
+    assert len(reads) > len(found) and Counter(reads) <= Counter(blob_of.values()), (reads, blob_of)  # none read twice
+
+    monkeypatch.undo()
+    one = relations.detector_bytes(relations._Factors(sessions, BlobStore(settings.blob_dir), 1 << 40).get([ids["p"]])[0])
+    cache = relations._Factors(sessions, BlobStore(settings.blob_dir), 2 * one)  # every adapter here has p's shapes
+    first = cache.get([ids["p"], ids["q1"]])
+    assert [u.id for u in first] == [ids["p"], ids["q1"]] and cache.held == 2 * one
+    assert [u.id for u in cache.get([ids["q2"]])] == [ids["q2"]]
+    assert list(cache.loaded) == [ids["q1"], ids["q2"]] and cache.held == 2 * one  # p, the least recent, dropped
+    assert cache.get([ids["q1"]])[0] is first[1]  # kept: not read again
+    everything = [ids[n] for n in ("p", "q1", "q2", "rescaled")]
+    assert [u.id for u in cache.get(everything)] == everything and cache.held == 4 * one  # this call's are never dropped
+    assert [u.id for u in cache.get([ids["cast"], 10**6])] == [ids["cast"]]  # one not stored is left out
+    assert list(cache.loaded) == [ids["rescaled"], ids["cast"]] and cache.held == 2 * one
 
 
 def _continuation(child: int, parent: int, shared: float) -> EdgeRow:

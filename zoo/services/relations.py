@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 import numpy as np
@@ -104,7 +105,8 @@ def scan_space(
             version = space_version(session, space_id)  # the engine searches this version or a later one
         try:
             with threadpool_limits(limits=1, user_api="blas"):  # see ONE_BLAS_THREAD
-                edges, error = _scan(_Scan(engine, sessions, blobs, base_model, sketch_id, raw), adapter_id), None
+                factors = _Factors(sessions, blobs, EMBED_CHUNK_BYTES.get())
+                edges, error = _scan(_Scan(engine, sessions, base_model, sketch_id, raw, factors), adapter_id), None
         except NotReadyError as exc:
             report["not_ready"] = str(exc)
             break
@@ -137,15 +139,20 @@ def _store(
 
 
 class _Factors:
-    """Stored adapters as the detectors read them, each loaded from the blob store once per scan."""
+    """Stored adapters as the detectors read them, for one adapter's scan: its neighbourhood and its rechecks', which
+    overlap (a close neighbour's nearest are mostly the adapter's own). Each is loaded from the blob store once and
+    keeps what the detectors computed of it (its float64 modules); past `budget` bytes (in `detector_bytes`) the least
+    recently asked for are dropped, never those of the current call. A neighbourhood fits the budget
+    (`neighbour_count`), so the scan holds at most about the budget, as one neighbourhood did before."""
 
-    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore) -> None:
-        self.sessions, self.blobs = sessions, blobs
-        self.loaded: dict[int, Update] = {}
+    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, budget: int) -> None:
+        self.sessions, self.blobs, self.budget = sessions, blobs, budget
+        self.loaded: OrderedDict[int, tuple[Update, int]] = OrderedDict()
+        self.held = 0
 
     def get(self, ids: list[int]) -> list[Update]:
         """The updates of these adapters that are still stored, in the order given."""
-        missing = [i for i in ids if i not in self.loaded]
+        missing = [i for i in dict.fromkeys(ids) if i not in self.loaded]
         if missing:
             with self.sessions() as session:
                 columns = select(Adapter.id, Adapter.factors_blob, Adapter.factor_summary)
@@ -153,8 +160,16 @@ class _Factors:
             for i, digest, summary in rows:
                 if digest:
                     kept = FactorSummary.from_json(summary) if summary else None
-                    self.loaded[i] = Update(dict(self.blobs.get_factors(digest)), kept, i)
-        return [self.loaded[i] for i in ids if i in self.loaded]
+                    update = Update(dict(self.blobs.get_factors(digest)), kept, i)
+                    self.loaded[i] = (update, detector_bytes(update))
+                    self.held += self.loaded[i][1]
+        asked = dict.fromkeys(ids)
+        for i in asked:  # in the order asked: the first of them is the least recent
+            if i in self.loaded:
+                self.loaded.move_to_end(i)
+        while self.held > self.budget and next(iter(self.loaded)) not in asked:
+            self.held -= self.loaded.popitem(last=False)[1][1]
+        return [self.loaded[i][0] for i in ids if i in self.loaded]
 
 
 @dataclass(frozen=True)
@@ -163,10 +178,11 @@ class _Scan:
 
     engine: QueryEngine
     sessions: sessionmaker[Session]
-    blobs: BlobStore
     base_model: str
     sketch_id: int  # the space's module-sketch embedder
     raw: bool  # whether the space has raw-factor sketches
+    factors: _Factors  # this scan's, shared by its neighbourhood and its rechecks
+    sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this scan
 
     def neighbours(self, adapter_id: int, with_raw: bool = True) -> list[tuple[int, float | None]]:
         """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
@@ -188,12 +204,24 @@ class _Scan:
 
     def _later_copies(self, session: Session, ids: list[int]) -> set[int]:
         """Those of the adapters that are later copies of another of them (parallel module sketches)."""
+        wanted = sorted(set(ids))
         embedder = session.get(Embedder, self.sketch_id)
-        if len(set(ids)) < 2 or embedder is None:
+        if len(wanted) < 2 or embedder is None:
             return set()
-        found, vectors = load_embeddings(session, embedder, ids=np.array(sorted(set(ids)), dtype=np.int64))
-        vectors = vectors.astype(np.float64)
-        return {int(found[k]) for k in later_copies(vectors @ vectors.T, [int(i) for i in found])}
+        missing = np.array([i for i in wanted if i not in self.sketches], dtype=np.int64)
+        if len(missing):
+            found, vectors = load_embeddings(session, embedder, ids=missing)
+            self.sketches.update(zip(found.tolist(), vectors.astype(np.float64), strict=True))
+        have = [i for i in wanted if i in self.sketches]
+        if len(have) < 2:
+            return set()
+        vectors = np.stack([self.sketches[i] for i in have])
+        return {have[k] for k in later_copies(vectors @ vectors.T, have)}
+
+
+def detector_bytes(update: Update) -> int:
+    """Bytes of an update in the detectors' float64 (its modules, as `Update.modules` makes them)."""
+    return 2 * sum(f.U.element_size() * (f.U.numel() + f.S.numel() + f.V.numel()) for f in update.factors.values())
 
 
 def neighbour_count(query: Update) -> int:
@@ -202,8 +230,7 @@ def neighbour_count(query: Update) -> int:
     none where the query alone does. So the step's memory is bounded by that budget, not by the zoo: at Llama-3-8B's
     full size (about 170 MB of float32 factors an adapter) the default budget (512 MiB) compares none, and a larger
     budget buys neighbours."""
-    size = 2 * sum(f.U.element_size() * (f.U.numel() + f.S.numel() + f.V.numel()) for f in query.factors.values())
-    return max(0, min(NEIGHBOURS + RAW_NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, size) - 1))
+    return max(0, min(NEIGHBOURS + RAW_NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, detector_bytes(query)) - 1))
 
 
 def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
@@ -225,12 +252,12 @@ def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
 
 def _around(scan: _Scan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float | None]], int] | None:
     """(the adapter's edges to its neighbours, the neighbours, how many it may be compared with); None if it is gone."""
-    query = _Factors(scan.sessions, scan.blobs).get([adapter_id])
+    query = scan.factors.get([adapter_id])
     if not query:
         return None
     k = neighbour_count(query[0])
     near = scan.neighbours(adapter_id)[:k] if k else []
-    return edge_rows(find_relations(query[0], _Factors(scan.sessions, scan.blobs).get([i for i, _ in near])), adapter_id), near, k
+    return edge_rows(find_relations(query[0], scan.factors.get([i for i, _ in near])), adapter_id), near, k
 
 
 def _merge_naming(scan: _Scan, other: int, adapter_id: int, k: int) -> list[EdgeRow]:
@@ -240,9 +267,8 @@ def _merge_naming(scan: _Scan, other: int, adapter_id: int, k: int) -> list[Edge
     around = [i for i, _ in scan.neighbours(other, with_raw=False)][:k]
     if adapter_id not in around:
         return []
-    factors = _Factors(scan.sessions, scan.blobs)
-    me = factors.get([other])
-    again = find_relations(me[0], factors.get(around)) if me else Relations()
+    me = scan.factors.get([other])
+    again = find_relations(me[0], scan.factors.get(around)) if me else Relations()
     if not again.transforms and again.merge is not None and adapter_id in again.merge.parents:
         return _merge_rows(again.merge, other)
     return []
