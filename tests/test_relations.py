@@ -41,7 +41,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     its bf16 cast (`cast`), its copy with the PRUNED share of each tensor zeroed (`pruned`), p resumed on another
     task (`continued`: A drifted a little, B learnt anew), q1 and q2 and their `merge` by add_weighted_adapter (cat,
     weights 0.7 and 0.5), and u1, u2 (unrelated); `ties`: q1 and u1 merged by TIES at density 0.5 (weights 0.6, 0.9),
-    which prunes A and B apart.
+    which prunes A and B apart; `pmerge`: p and q2 merged by cat (0.8, 0.4).
     Factors are random (A of Kaiming scale, B smaller): real PEFT files without training."""
     root = tmp_path_factory.mktemp("relations")
     config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -56,8 +56,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.25 if "lora_A" in name else 0.1))
     model.add_weighted_adapter(["q1", "q2"], [0.7, 0.5], "merge", combination_type="cat")
     model.add_weighted_adapter(["q1", "u1"], [0.6, 0.9], "ties", combination_type="ties", density=0.5)
+    model.add_weighted_adapter(["p", "q2"], [0.8, 0.4], "pmerge", combination_type="cat")
     out = {}
-    for name in ["p", *names, "merge", "ties"]:
+    for name in ["p", *names, "merge", "ties", "pmerge"]:
         model.save_pretrained(str(root / "saved"), selected_adapters=[name])  # under saved/<name> (not the default adapter)
         out[name] = shutil.copytree(root / "saved" / name, root / name)
     out["rescaled"] = _copy(out["p"], root / "rescaled", alpha=16)
@@ -314,6 +315,44 @@ def test_a_scan_reads_each_blob_once_and_holds_at_most_its_budget(
     assert [u.id for u in cache.get(everything)] == everything and cache.held == 4 * one  # this call's are never dropped
     assert [u.id for u in cache.get([ids["cast"], 10**6])] == [ids["cast"]]  # one not stored is left out
     assert list(cache.loaded) == [ids["rescaled"], ids["cast"]] and cache.held == 2 * one
+
+
+def test_a_merge_names_the_source_of_a_cast_it_was_found_with(
+    cli: CLI, settings: Settings, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge whose neighbourhood held a bf16 cast of its parent and not the parent itself (a zoo of many relatives,
+    as the lineage recipe's 3-parent merges) names the cast, within its rounding. When the cast is then found to be a
+    copy of the parent, the merge is fitted again and names the parent; and from then on a neighbourhood holding the
+    cast holds its source too."""
+    ids = ingest(cli, sources, "p", "q2", "u1", "cast", "pmerge")
+    embed(cli)
+    assert {k[1] for k in edges(settings) if k[0] == ids["pmerge"] and k[2] == "merge"} == {ids["p"], ids["q2"]}
+    assert (ids["cast"], ids["p"], "cast") in edges(settings)
+    sessions = session_factory(settings.database_url)
+    with sessions.begin() as session:  # as a scan that had the cast and not p among the merge's neighbours stored it
+        session.execute(delete(AdapterRelation))
+        session.execute(delete(RelationScan).where(RelationScan.adapter_id == ids["cast"]))
+    factors = relations._Factors(sessions, BlobStore(settings.blob_dir), 1 << 40)
+    merge, *parents = factors.get([ids["pmerge"], ids["cast"], ids["q2"]])
+    found = relations.find_relations(merge, parents).merge
+    assert found is not None and set(found.parents) == {ids["cast"], ids["q2"]}
+    with sessions.begin() as session:
+        write_scan(session, ids["pmerge"], relations._merge_rows(found, ids["pmerge"]), DETECTOR, 0)
+    blobs = BlobStore(settings.blob_dir)
+    engine = QueryEngine(sessions, blobs, settings.data_dir)
+    assert relations.scan_space(engine, sessions, blobs, "tiny", [ids["cast"]])["scanned"] == 1
+    renamed = {k[1]: e for k, e in edges(settings).items() if k[0] == ids["pmerge"] and k[2] == "merge"}
+    assert renamed.keys() == {ids["p"], ids["q2"]}
+    assert renamed[ids["p"]].parameters["weight"] == pytest.approx(0.8, abs=0.01)
+    assert renamed[ids["q2"]].parameters["weight"] == pytest.approx(0.4, abs=0.01)
+
+    monkeypatch.setattr(relations, "NEIGHBOURS", 1)  # a neighbourhood of one: the cast's source comes with it
+    monkeypatch.setattr(relations, "RAW_NEIGHBOURS", 0)
+    scan = relations._Scan(engine, sessions, "tiny", 0, False, factors)
+    for adapter in ("pmerge", "u1", "q2"):
+        near = [i for i, _ in scan.neighbours(ids[adapter])]
+        assert ids["cast"] not in near or ids["p"] in near, (adapter, near)
+    assert ids["p"] not in [i for i, _ in scan.neighbours(ids["p"])]  # p is the source of its nearest: not its own neighbour
 
 
 def _continuation(child: int, parent: int, shared: float) -> EdgeRow:

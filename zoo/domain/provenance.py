@@ -28,7 +28,7 @@ from zoo.domain.transforms import FactorSummary, TransformEdge, Update, detect_t
 __all__ = ["DETECTOR", "ContinuationEdge", "FactorSummary", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
 
 #: the detectors' version, stored with every edge they find: a new one makes the relation step scan every adapter again
-DETECTOR = "provenance-5"
+DETECTOR = "provenance-6"
 
 
 @dataclass(frozen=True)

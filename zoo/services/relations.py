@@ -41,7 +41,7 @@ from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
 from zoo.store.locks import space_lock
 from zoo.store.models import Adapter, Embedder, RelationParameters
-from zoo.store.relations import EdgeRow, pending_scans, scanned_before, write_scan
+from zoo.store.relations import COPIES, EdgeRow, copy_sources, merges_naming, pending_scans, scanned_before, write_scan
 from zoo.store.session import write_transaction
 
 #: nearest neighbours (by module-sketch cosine) a new adapter is compared with
@@ -65,8 +65,10 @@ MIN_RAW_SCORE = 0.05
 RECHECK = 4
 #: the least sketch cosine of a neighbour tested again (a merge's parents are near it: two equal parents, ~0.7)
 RECHECK_SCORE = 0.3
-#: relations with no direction in the weights: the older adapter (the lower id) is named the parent
-UNDIRECTED = ("identical", "rescaled", "cast")
+#: the adapters that neighbours are stored copies of (zoo.store.relations.COPIES), compared too: a merge of an adapter
+#: is as near a later cast of it (the lineage recipe's 3-parent merges had a minor parent's cast among their
+#: neighbours and not the parent, and named the cast)
+COPY_SOURCES = 4
 #: ONE_BLAS_THREAD: the detectors' products are of a few MB each (k·r columns of factors thousands of rows long), and on
 #: a busy machine (load 5 on 2 cores) two BLAS threads took 69 s for one adapter's find_relations at Llama-3-8B's widths
 #: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as
@@ -186,9 +188,10 @@ class _Scan:
 
     def neighbours(self, adapter_id: int, with_raw: bool = True) -> list[tuple[int, float | None]]:
         """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
-        the engine's index (its stored vector), then (id, None) of up to RAW_NEIGHBOURS others of its FETCHED nearest
-        by the raw-factor sketches (when the space has them and `with_raw`) with a raw cosine of at least MIN_RAW_SCORE;
-        but for the later copies of another among them."""
+        the engine's index (its stored vector), then (id, None) of up to COPY_SOURCES adapters that those are stored
+        copies of, then of up to RAW_NEIGHBOURS others of its FETCHED nearest by the raw-factor sketches (when the space
+        has them and `with_raw`) with a raw cosine of at least MIN_RAW_SCORE; but for the later copies of another among
+        them."""
         with self.sessions() as session:
             query = Query(str(adapter_id), adapter_id=adapter_id)
             found = self.engine.similar(session, self.base_model, query, FETCHED, method="sketch")["results"]
@@ -198,9 +201,11 @@ class _Scan:
                 found = self.engine.similar(session, self.base_model, query, FETCHED, method="raw")["results"]
                 raw = [h["adapter_id"] for h in found if h["score"] >= MIN_RAW_SCORE]
             copies = self._later_copies(session, [i for i, _ in near] + raw)
-        near = [h for h in near if h[0] not in copies][:NEIGHBOURS]
-        seen = {i for i, _ in near}
-        return near + [(i, None) for i in raw if i not in copies and i not in seen][:RAW_NEIGHBOURS]
+            near = [h for h in near if h[0] not in copies][:NEIGHBOURS]
+            far = [i for i in raw if i not in copies and i not in {j for j, _ in near}][:RAW_NEIGHBOURS]
+            seen = {adapter_id, *(i for i, _ in near), *far}
+            sources = [i for i in dict.fromkeys(copy_sources(session, [*(i for i, _ in near), *far]).values()) if i not in seen]
+        return near + [(i, None) for i in sources[:COPY_SOURCES]] + [(i, None) for i in far]
 
     def _later_copies(self, session: Session, ids: list[int]) -> set[int]:
         """Those of the adapters that are later copies of another of them (parallel module sketches)."""
@@ -225,12 +230,12 @@ def detector_bytes(update: Update) -> int:
 
 
 def neighbour_count(query: Update) -> int:
-    """Neighbours compared with one adapter: NEIGHBOURS + RAW_NEIGHBOURS, fewer where the query and they (each about the query's size:
-    one space, one structure), in the detectors' float64, would pass the embedding's read budget (ZOO_EMBED_CHUNK_BYTES),
-    none where the query alone does. So the step's memory is bounded by that budget, not by the zoo: at Llama-3-8B's
-    full size (about 170 MB of float32 factors an adapter) the default budget (512 MiB) compares none, and a larger
-    budget buys neighbours."""
-    return max(0, min(NEIGHBOURS + RAW_NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, detector_bytes(query)) - 1))
+    """Neighbours compared with one adapter: NEIGHBOURS + COPY_SOURCES + RAW_NEIGHBOURS, fewer where the query and they
+    (each about the query's size: one space, one structure), in the detectors' float64, would pass the embedding's read
+    budget (ZOO_EMBED_CHUNK_BYTES), none where the query alone does. So the step's memory is bounded by that budget,
+    not by the zoo: at Llama-3-8B's full size (about 170 MB of float32 factors an adapter) the default budget
+    (512 MiB) compares none, and a larger budget buys neighbours."""
+    return max(0, min(NEIGHBOURS + COPY_SOURCES + RAW_NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, detector_bytes(query)) - 1))
 
 
 def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
@@ -247,6 +252,8 @@ def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
         blind = scanned_before(session, close, scan.sketch_id, adapter_id) if close else []
     for other in blind:
         edges += _merge_naming(scan, other, adapter_id, k)
+    for source in [e["parent_id"] for e in edges if e["relation"] in COPIES and e["child_id"] == adapter_id]:
+        edges += _merges_renamed(scan, adapter_id, source, k)
     return edges
 
 
@@ -274,6 +281,24 @@ def _merge_naming(scan: _Scan, other: int, adapter_id: int, k: int) -> list[Edge
     return []
 
 
+def _merges_renamed(scan: _Scan, copy: int, source: int, k: int) -> list[EdgeRow]:
+    """The merges stored with `copy` (just found a later copy of `source`) among their parents, fitted again with
+    `source` beside it: the rows of those that `source` explains as well (a merge names the first stored of parallel
+    copies, and of a cast and its source the source fits exactly), found whichever of the merge and the copy came
+    first."""
+    with scan.sessions() as session:
+        merges = merges_naming(session, copy)
+    rows = []
+    for child, parents in merges.items():
+        me = scan.factors.get([child])
+        if not me or source in parents:
+            continue
+        again = find_relations(me[0], scan.factors.get([source, *(p for p in parents if p != copy), copy][:k]))
+        if again.merge is not None and source in again.merge.parents and len(again.merge.parents) == len(parents):
+            rows += _merge_rows(again.merge, child)
+    return rows
+
+
 def edge_rows(found: Relations, query_id: int) -> list[EdgeRow]:
     """The rows of what `find_relations` found for the adapter `query_id` (edges naming None mean it)."""
     rows = [_transform_row(e, query_id) for e in found.transforms]
@@ -283,7 +308,7 @@ def edge_rows(found: Relations, query_id: int) -> list[EdgeRow]:
 
 def _transform_row(e: TransformEdge, query_id: int) -> EdgeRow:
     child, parent, scale = _id(e.child, query_id), _id(e.parent, query_id), e.scale
-    if e.relation in UNDIRECTED and parent > child:  # the weights do not say which came first: the older is the parent
+    if e.relation in COPIES and parent > child:  # the weights do not say which came first: the older is the parent
         child, parent, scale = parent, child, 1.0 / scale if scale else scale
     params: RelationParameters = {"scale": float(scale), "steps": list(e.steps)}
     if e.precision is not None:

@@ -101,6 +101,34 @@ def _update(session: Session, values: Mapping[str, Any]) -> int:
     return session.connection().execute(update(AdapterRelation).where(*key).values(changed)).rowcount
 
 
+#: relations whose child is a copy of its parent's update (the parent the first stored: the weights give no order)
+COPIES = ("identical", "rescaled", "cast")
+
+
+def copy_sources(session: Session, ids: Sequence[int]) -> dict[int, int]:
+    """{copy: the adapter it is a copy of} for those of `ids` stored as a later copy of another."""
+    if not ids:
+        return {}
+    rows = select(AdapterRelation.child_id, AdapterRelation.parent_id).where(
+        AdapterRelation.child_id.in_(list(ids)), AdapterRelation.relation.in_(COPIES)
+    )
+    return {child: parent for child, parent in session.execute(rows.order_by(AdapterRelation.parent_id.desc()))}
+
+
+def merges_naming(session: Session, parent_id: int) -> dict[int, list[int]]:
+    """{merge: its stored parents} of the merges that name this adapter as a parent."""
+    children = select(AdapterRelation.child_id).where(AdapterRelation.parent_id == parent_id, AdapterRelation.relation == "merge")
+    rows = session.execute(
+        select(AdapterRelation.child_id, AdapterRelation.parent_id)
+        .where(AdapterRelation.child_id.in_(children), AdapterRelation.relation == "merge")
+        .order_by(AdapterRelation.child_id, AdapterRelation.parent_id)
+    )
+    found: dict[int, list[int]] = {}
+    for child, parent in rows:
+        found.setdefault(child, []).append(parent)
+    return found
+
+
 def pending_scans(session: Session, embedder_id: int, detector: str, ids: Iterable[int] | None = None) -> list[int]:
     """The adapters with a vector under this (module sketch) embedder and no scan by `detector` that succeeded (only
     among `ids` when given), in id order: one anti-join on the scan table's primary key."""
