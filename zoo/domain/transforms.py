@@ -161,7 +161,8 @@ class Update:
         return cast(T, self._computed[key])
 
     def shapes(self) -> dict[str, tuple[int, int]]:
-        return {name: (int(f.U.shape[0]), int(f.V.shape[0])) for name, f in self.factors.items()}
+        """(out, in) by module (made once: every pair compares them)."""
+        return self.computed("shapes", lambda: {name: (int(f.U.shape[0]), int(f.V.shape[0])) for name, f in self.factors.items()})
 
 
 @dataclass(frozen=True)
