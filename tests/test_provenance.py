@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from zoo.domain import transforms
 from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_batched
-from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, shared_rows
+from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, origin_score, shared_rows
 from zoo.domain.factorwise import RawModule, raw_sketches, raw_width
 from zoo.domain.merges import detect_merge
 from zoo.domain.provenance import Relations, find_relations
@@ -499,6 +499,22 @@ def test_a_child_keeps_one_parent_the_one_it_shares_most_rows_with(seed: int) ->
     sibling = remake(parent, A=lambda m: m.A + 0.3 * m.A.norm() / m.A.numel() ** 0.5 * torch.randn(m.A.shape, generator=g))
     child = trained_further(parent, seed + 1, 3.0)
     relations = find_relations(update(child), [update(sibling, 2), update(parent, 1)])
+    assert [(e.other, e.query_is_later) for e in relations.continuations] == [(1, True)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_of_a_parent_and_its_stored_copy_the_first_stored_is_named(seed: int) -> None:
+    """A run resumed from a magnitude-pruned copy of its root shares its rows with both, a little more with the copy;
+    the weights cannot tell which it was resumed from, so it is named the continuation of the first stored (the root),
+    as a merge of either is named. Stored the other way round, the copy is the first stored and is named."""
+    root = random_adapter(seed)
+    copy = remake(root, A=lambda m: prune(m.A, 0.1), B=lambda m: prune(m.B, 0.1))
+    child = update(trained_on_another_task(copy, seed + 1))
+    scores = {i: origin_score(e.evidence) for i, c in ((1, root), (2, copy)) if (e := detect_continuation(child, update(c, i)))}
+    assert scores.keys() == {1, 2} and scores[2] > scores[1]  # both pass; the copy scores higher
+    relations = find_relations(child, [update(copy, 2), update(root, 1), *(update(random_adapter(seed + i + 9), i + 3) for i in range(3))])
+    assert [(e.other, e.query_is_later) for e in relations.continuations] == [(1, True)]
+    relations = find_relations(child, [update(copy, 1), update(root, 2)])
     assert [(e.other, e.query_is_later) for e in relations.continuations] == [(1, True)]
 
 
