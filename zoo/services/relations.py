@@ -9,9 +9,11 @@ merge's parents. So the step runs where adapters get their vectors: `zoo embed`,
 after ingest (zoo/runners/worker.py). The raw A and B are gone by then; what the detectors need of them (the
 precisions a cast must fit, the exact zeros of a pruned copy) was kept at ingest (adapter.factor_summary).
 
-Per adapter it costs O(k): one engine query (k = NEIGHBOURS), the factors of those k from the blob store, and
-`find_relations` on them; then, so that a merge is found whichever of it and its parents came first, the merge
-test again for up to RECHECK close neighbours, each against its own k nearest (which now hold the new adapter).
+Per adapter it costs O(k): two engine queries (module and raw-factor sketches; k = NEIGHBOURS + RAW_NEIGHBOURS,
+and the sources of those stored as copies), the factors of those k from the blob store, and `find_relations` on
+them; then, so that a merge is found whichever of it and its parents came first, the merge test again for up to
+RECHECK close neighbours, each against its own nearest (which now hold the new adapter), and for the merges that
+name the adapter if it is found a later copy of another. One scan reads each adapter's factors once.
 Which adapters are still to scan is in the database (`relation_scan`), so a killed run resumes and a run again
 finds nothing to do; a new detector version (zoo.domain.provenance.DETECTOR) scans everything again. A scan that
 fails is recorded with its error and reported, never raised: the adapter stays stored and is tried again next time.
