@@ -44,11 +44,7 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
     """Transforms first (either way); a merge and continuations only where no transform explains the query, and no
     continuation with a parent of the merge found: the merge explains why the query is like each of its parents (a
     merge mostly of one parent passes the continuation test with it)."""
-    transforms = []
-    for c in candidates:
-        edge = detect_transform(query, c) or detect_transform(c, query)
-        if edge is not None:
-            transforms.append(edge)
+    transforms = [edge for c in candidates if (edge := _transform_either_way(query, c)) is not None]
     if transforms:
         return Relations(transforms=tuple(transforms))
     merge = detect_merge(query, candidates)
@@ -67,10 +63,10 @@ def _origin(later: Sequence[ContinuationEdge], by_id: Mapping[int | None, Update
     best = max(later, key=lambda e: origin_score(e.evidence), default=None)
     if best is None or best.other is None:
         return best
-    chosen = by_id[best.other]
-    for e in sorted(later, key=lambda e: e.other if e.other is not None else -1):
-        if e.other is not None and e.other < best.other:
-            source = by_id[e.other]
-            if detect_transform(chosen, source) is not None or detect_transform(source, chosen) is not None:
-                return e
-    return best
+    earlier = sorted((e for e in later if e.other is not None and e.other < best.other), key=lambda e: e.other or 0)
+    return next((e for e in earlier if _transform_either_way(by_id[best.other], by_id[e.other]) is not None), best)
+
+
+def _transform_either_way(a: Update, b: Update) -> TransformEdge | None:
+    """The transform that makes a from b, else b from a, if any."""
+    return detect_transform(a, b) or detect_transform(b, a)

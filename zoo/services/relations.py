@@ -204,9 +204,10 @@ class _Scan:
                 raw = [h["adapter_id"] for h in found if h["score"] >= MIN_RAW_SCORE]
             copies = self._later_copies(session, [i for i, _ in near] + raw)
             near = [h for h in near if h[0] not in copies][:NEIGHBOURS]
-            far = [i for i in raw if i not in copies and i not in {j for j, _ in near}][:RAW_NEIGHBOURS]
-            seen = {adapter_id, *(i for i, _ in near), *far}
-            sources = [i for i in dict.fromkeys(copy_sources(session, [*(i for i, _ in near), *far]).values()) if i not in seen]
+            close = [i for i, _ in near]
+            far = [i for i in raw if i not in copies and i not in close][:RAW_NEIGHBOURS]
+            seen = {adapter_id, *close, *far}
+            sources = [i for i in dict.fromkeys(copy_sources(session, close + far).values()) if i not in seen]
         return near + [(i, None) for i in sources[:COPY_SOURCES]] + [(i, None) for i in far]
 
     def _later_copies(self, session: Session, ids: list[int]) -> set[int]:

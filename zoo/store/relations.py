@@ -106,7 +106,8 @@ COPIES = ("identical", "rescaled", "cast")
 
 
 def copy_sources(session: Session, ids: Sequence[int]) -> dict[int, int]:
-    """{copy: the adapter it is a copy of} for those of `ids` stored as a later copy of another."""
+    """{copy: the adapter it is a copy of} for those of `ids` stored as a later copy of another (of several, the
+    first stored: rows come highest parent first, so the lowest is written last)."""
     if not ids:
         return {}
     rows = select(AdapterRelation.child_id, AdapterRelation.parent_id).where(
