@@ -1,0 +1,461 @@
+"""The search choice studied offline (issue 32): W2T trained once per split, every rule replayed on the same scores.
+
+`python -m bench.choice dump --data-dir D --labelled-per-task N --splits 5 --out F.npz` trains the default W2T per split
+as `zoo eval` does (the same splits, the same seeds) and saves what a rule needs: each member's embedding of every
+adapter, each member's fold, the split, the tasks and the exact scores. `python -m bench.choice study F.npz...` then
+replays each rule of RULES on each split: it chooses from the labelled adapters' out-of-fold retrieval (as
+embed.choice.choose_search does), and what it chose is scored on the split's queries against every adapter, with the
+served embedding (the members' mean cosine). Per dump and rule: the mean regret against the best fixed candidate of
+the live candidates, its 90th percentile, and the gain over dW cosine (hit@1, MRR, nDCG@10), beside the live rule
+measured in the same run. A dump takes a W2T training per split; a study takes seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from embed.choice import MIX_WEIGHTS, Fold, best_expected, choose_search, search_candidates
+from embed.metrics import retrieval_per_query
+from zoo.domain.methods import SearchScore
+from zoo.domain.similarity import EXACT_SCORES, hybrid_score
+
+MEASURES = ("hit@1", "mrr", "ndcg@10")
+
+
+def dump(args: argparse.Namespace) -> None:
+    """Train per split as `zoo eval` does and save the scores a rule needs."""
+    from embed.dataset import load_adapters
+    from embed.ensemble import W2TEnsemble
+    from embed.evaluate import labelled_split
+    from embed.service import resolve_base_model
+    from embed.train import TrainOptions, _folds, train_w2t
+    from embed.types import ZooAdapter, schema_of, split_positions
+    from zoo.config import Settings
+    from zoo.domain.similarity import ModuleStack, dense_modules, exact_cosines
+    from zoo.labels import TASK_KEY
+    from zoo.store.blobs import BlobStore
+    from zoo.store.session import session_factory
+
+    settings = Settings.load(None, args.data_dir)
+    with session_factory(settings.database_url)() as session:
+        space = resolve_base_model(session, args.space)
+        adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
+    schema = schema_of(space, adapters)
+    factors = [a.factors for a in adapters]
+    stack = ModuleStack.of(factors, dense_modules(factors))
+    saved: dict[str, np.ndarray] = {f"exact_{s}": exact_cosines(stack, stack, s).astype(np.float32) for s in EXACT_SCORES}
+    saved["tasks"] = np.array([a.labels.get(TASK_KEY, "") for a in adapters])
+    for seed in range(args.seed, args.seed + args.splits):
+        if args.labelled_per_task is not None:
+            train_pos, test_pos = labelled_split(adapters, args.labelled_per_task, None, seed)
+            held = set(test_pos)
+            fit = [ZooAdapter(a.id, a.name, a.factors, {}, {}, a.source_uri) if p in held else a for p, a in enumerate(adapters)]
+            fit_pos = list(range(len(adapters)))
+        else:
+            train_pos, test_pos = split_positions(adapters, 0.2, seed)
+            fit, fit_pos = [adapters[p] for p in train_pos], list(train_pos)
+        options = TrainOptions(epochs=args.epochs, seed=seed, members=args.members, objective=args.objective)
+        emb = train_w2t(fit, schema, options, progress=False)
+        members = [W2TEnsemble([m], emb.schema, emb.rank, emb.metric_stats, emb.objective).embed(adapters) for m in emb.models]
+        saved[f"s{seed}_z"] = np.stack(members).astype(np.float32)
+        for i, f in enumerate(_folds(len(fit), len(emb.models), options)):
+            saved[f"s{seed}_val{i}"] = np.array([fit_pos[r] for r in f.val.tolist()], np.int64)
+        saved[f"s{seed}_train"] = np.array(train_pos, np.int64)
+        saved[f"s{seed}_test"] = np.array(test_pos, np.int64)
+        saved[f"s{seed}_chosen"] = np.array(emb.search.name)
+        print(f"split {seed}: {emb.search.name}", flush=True)
+    saved["seeds"] = np.arange(args.seed, args.seed + args.splits)
+    np.savez_compressed(args.out, **saved)  # type: ignore[arg-type]
+
+
+@dataclass
+class Split:
+    """One split of a dump: the labelled adapters' out-of-fold views and the served scores."""
+
+    seed: int
+    tasks: list[str]
+    labelled: list[int]
+    queries: list[int]
+    folds: list[Fold]
+    exact: dict[str, np.ndarray]
+    served_w2t: np.ndarray
+    chosen_live: str
+
+    @classmethod
+    def load(cls, data: np.lib.npyio.NpzFile, seed: int) -> Split:
+        tasks = data["tasks"].tolist()
+        z = data[f"s{seed}_z"].astype(np.float64)
+        labelled = data[f"s{seed}_train"].tolist()
+        at = {r: i for i, r in enumerate(labelled)}
+        folds = []
+        for m in range(len(z)):
+            val = [at[r] for r in data[f"s{seed}_val{m}"].tolist() if r in at]
+            rest = sorted(set(range(len(labelled))) - set(val))
+            folds.append(Fold(val, rest, z[m][labelled]))
+        exact = {s: data[f"exact_{s}"].astype(np.float64) for s in EXACT_SCORES}
+        served = np.mean([zm @ zm.T for zm in z], axis=0)
+        queries = [q for q in data[f"s{seed}_test"].tolist() if tasks[q]]
+        return cls(seed, tasks, labelled, queries, folds, exact, served, str(data[f"s{seed}_chosen"]))
+
+
+@dataclass(frozen=True)
+class Cascade:
+    """Rank by `deep`, then re-rank its `k` best by `top` (the rest keep the deep order)."""
+
+    deep: SearchScore
+    top: SearchScore
+    k: int = 10
+
+    @property
+    def name(self) -> str:
+        return f"{self.deep.name} > {self.top.name} top {self.k}"
+
+
+Candidate = SearchScore | Cascade
+
+
+def cascades() -> list[Cascade]:
+    """The two-stage candidates studied: a W2T-heavy first stage, its top re-ranked by a W2T-light mix of the same
+    exact score."""
+    return [
+        Cascade(SearchScore(e, wd), SearchScore(e, wt), k)
+        for e in EXACT_SCORES
+        for wd in (0.5, 0.6, 0.7, 0.8, 0.9)
+        for wt in (0.0, 0.1, 0.2, 0.3)
+        for k in (5, 10)
+    ]
+
+
+def similarity(c: Candidate, exact: dict[str, np.ndarray], w2t: np.ndarray, self_index: list[int]) -> np.ndarray:
+    """A candidate's scores (queries × gallery) from the exact scores and the W2T cosine of the same rows."""
+    if isinstance(c, SearchScore):
+        return hybrid_score(exact[c.exact], w2t, c.w2t_weight)
+    deep = hybrid_score(exact[c.deep.exact], w2t, c.deep.w2t_weight)
+    top = hybrid_score(exact[c.top.exact], w2t, c.top.w2t_weight)
+    rows = np.arange(len(deep))
+    deep[rows, self_index] = -np.inf
+    best = np.argpartition(-deep, c.k - 1, axis=1)[:, : c.k]
+    out = deep.copy()
+    out[rows[:, None], best] = 10.0 + top[rows[:, None], best]
+    return out
+
+
+def served(split: Split, c: Candidate) -> dict[str, float]:
+    """The candidate's retrieval on the split's queries against every adapter, as `zoo eval` measures it."""
+    q = split.queries
+    sim = similarity(c, {s: m[q] for s, m in split.exact.items()}, split.served_w2t[q], q)
+    per = retrieval_per_query(sim, [split.tasks[i] for i in q], split.tasks, list(q))
+    return {k: float(per[k].mean()) for k in MEASURES}
+
+
+def out_of_fold(split: Split, candidates: list[Candidate]) -> dict[Candidate, dict[str, np.ndarray]]:
+    """Each candidate's per-query retrieval among the labelled adapters, out of fold (as choose_search)."""
+    tasks = [split.tasks[r] for r in split.labelled]
+    queries = [[r for r in f.val if tasks[r]] for f in split.folds]
+    flat = [r for rows in queries for r in rows]
+    w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(split.folds, queries, strict=True) if q])
+    exact = {s: m[np.ix_(split.labelled, split.labelled)][flat] for s, m in split.exact.items()}
+    return {c: retrieval_per_query(similarity(c, exact, w2t, flat), [tasks[q] for q in flat], tasks, list(flat)) for c in candidates}
+
+
+Scores = dict[Candidate, dict[str, np.ndarray]]
+
+
+def total(per: dict[str, np.ndarray], measures: tuple[str, ...]) -> np.ndarray:
+    """Per query, the sum of `measures`."""
+    return np.sum([per[k] for k in measures], axis=0)
+
+
+Rule = Callable[[Split, Scores], Candidate]
+
+
+def live(split: Split, oof: Scores) -> Candidate:
+    """embed.choice.choose_search itself."""
+    tasks = [split.tasks[r] for r in split.labelled]
+    exact = {s: m[np.ix_(split.labelled, split.labelled)] for s, m in split.exact.items()}
+    return choose_search(exact, tasks, split.folds).chosen
+
+
+def by_sum(measures: tuple[str, ...], among: Callable[[], Sequence[Candidate]]) -> Rule:
+    """The best estimate of the sum of `measures` among `among()`, guarded by the replay on halves (best_expected)."""
+
+    def rule(split: Split, oof: Scores) -> Candidate:
+        quality = {c: total(oof[c], measures) for c in among()}
+        n = len(next(iter(quality.values())))
+        reference: Candidate = SearchScore()
+        return best_expected(list(quality), reference, lambda c, items: float(quality[c][items].mean()), n)[0]
+
+    return rule
+
+
+def with_cascades() -> list[Candidate]:
+    return [*search_candidates(), *cascades()]
+
+
+def leaning(t: float, measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
+    """The best estimate, then the mix of the same exact score with the most W2T weight whose paired estimate is
+    within `t` standard errors of it (out of fold W2T is one member's cosine against adapters it trained on; the
+    served one is the members' mean against mostly unseen ones), guarded by the replay on halves."""
+
+    def rule(split: Split, oof: Scores) -> Candidate:
+        quality = {c: total(oof[c], measures) for c in search_candidates()}
+        n = len(next(iter(quality.values())))
+        reference = SearchScore()
+
+        def pick(items: np.ndarray) -> SearchScore:
+            best = max(quality, key=lambda c: (float(quality[c][items].mean()), c == reference))
+            assert isinstance(best, SearchScore)
+            chosen = best
+            for c in quality:
+                assert isinstance(c, SearchScore)
+                if c.w2t_weight <= chosen.w2t_weight or (c.exact != best.exact and c.w2t_weight < 1):
+                    continue
+                diff = quality[c][items] - quality[best][items]
+                if diff.mean() >= -t * diff.std() / np.sqrt(len(items)):
+                    chosen = c
+            return chosen
+
+        rng = np.random.default_rng(0)
+        gains = []
+        for _ in range(200):
+            perm = rng.permutation(n)
+            a, b = perm[: n // 2], perm[n // 2 :]
+            gains.append(float(quality[pick(a)][b].mean() - quality[reference][b].mean()))
+        return pick(np.arange(n)) if np.mean(gains) > 0 else reference
+
+    return rule
+
+
+def ranked(scores: np.ndarray, relevant: np.ndarray) -> dict[str, float]:
+    """hit@1, MRR and nDCG@10 of one query's scores (excluded items at -inf) against a relevance mask."""
+    order = np.argsort(-scores, kind="stable")
+    order = order[np.isfinite(scores[order])]
+    rel = relevant[order].astype(np.float64)
+    n_rel = int(rel.sum())
+    if n_rel == 0:
+        return {}
+    discounts = 1.0 / np.log2(np.arange(2, 12))
+    top = rel[:10]
+    return {
+        "hit@1": float(rel[0]),
+        "mrr": 1.0 / (int(np.argmax(rel)) + 1),
+        "ndcg@10": float((top * discounts[: len(top)]).sum() / discounts[: min(10, n_rel)].sum()),
+    }
+
+
+def honest_out_of_fold(split: Split) -> Scores:
+    """Out of fold against unseen relevant adapters only: a held-out labelled adapter of member m queries every
+    labelled adapter but the ones of its own task that m trained on, so that what it must find is, as for a served
+    query, an adapter no member's training saw next to it."""
+    tasks = np.array([split.tasks[r] for r in split.labelled])
+    exact = {s: m[np.ix_(split.labelled, split.labelled)] for s, m in split.exact.items()}
+    per: dict[Candidate, dict[str, list[float]]] = {c: {k: [] for k in MEASURES} for c in search_candidates()}
+    for f in split.folds:
+        honest = np.zeros(len(tasks), bool)
+        honest[f.val] = True
+        for q in f.val:
+            if not tasks[q]:
+                continue
+            same = tasks == tasks[q]
+            keep = ~(same & ~honest)
+            keep[q] = False
+            if not (keep & same).any():
+                continue
+            w2t = f.z[q] @ f.z.T
+            for c in per:
+                assert isinstance(c, SearchScore)
+                row = hybrid_score(exact[c.exact][q], w2t, c.w2t_weight)
+                got = ranked(np.where(keep, row, -np.inf), same)
+                for k in MEASURES:
+                    per[c][k].append(got[k])
+    return {c: {k: np.array(v) for k, v in m.items()} for c, m in per.items()}
+
+
+def honest(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
+    """The best estimate out of fold against unseen relevant adapters (honest_out_of_fold), replayed on halves."""
+
+    def rule(split: Split, oof: Scores) -> Candidate:
+        scores = honest_out_of_fold(split)
+        quality: dict[Candidate, np.ndarray] = {c: total(scores[c], measures) for c in search_candidates()}
+        n = len(next(iter(quality.values())))
+        if n < 5:
+            return SearchScore()
+        reference: Candidate = SearchScore()
+        return best_expected(list(quality), reference, lambda c, items: float(quality[c][items].mean()), n)[0]
+
+    return rule
+
+
+def served_honest_share(split: Split) -> float:
+    """The share of a served query's gallery that no member trained on: the adapters without a label."""
+    labelled = len(split.labelled)
+    return (len(split.tasks) - labelled) / max(len(split.tasks) - 1, 1)
+
+
+def mixed(measures: tuple[str, ...] = ("mrr", "ndcg@10"), share: float | None = None) -> Rule:
+    """The two out-of-fold estimates (against the labelled adapters as they are; against unseen relevant ones only)
+    mixed in the served query's proportions (the unlabelled share), best expected, replayed on halves of each."""
+
+    def rule(split: Split, oof: Scores) -> Candidate:
+        h = served_honest_share(split) if share is None else share
+        unseen = honest_out_of_fold(split)
+        parts = [
+            ({c: total(oof[c], measures) for c in search_candidates()}, 1 - h),
+            ({c: total(unseen[c], measures) for c in search_candidates()}, h),
+        ]
+        parts = [(q, w) for q, w in parts if len(next(iter(q.values()))) >= 5 and w > 0]
+        reference = SearchScore()
+
+        def value(c: SearchScore, items: list[np.ndarray]) -> float:
+            weights = sum(w for _, w in parts)
+            return float(sum(w * float(q[c][i].mean()) for (q, w), i in zip(parts, items, strict=True))) / weights
+
+        def pick(items: list[np.ndarray]) -> SearchScore:
+            return max(search_candidates(), key=lambda c: (value(c, items), c == reference))
+
+        rng = np.random.default_rng(0)
+        gains = []
+        for _ in range(200):
+            perms = [rng.permutation(len(next(iter(q.values())))) for q, _ in parts]
+            a = [p[: len(p) // 2] for p in perms]
+            b = [p[len(p) // 2 :] for p in perms]
+            gains.append(value(pick(a), b) - value(reference, b))
+        whole = [np.arange(len(next(iter(q.values())))) for q, _ in parts]
+        return pick(whole) if np.mean(gains) > 0 else reference
+
+    return rule
+
+
+def smoothed(degree: int = 2, measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
+    """Per exact score, a polynomial in the W2T weight fitted to the out-of-fold estimates over the weights; the
+    candidate at the best fitted value, replayed on halves against dW cosine."""
+
+    def rule(split: Split, oof: Scores) -> Candidate:
+        quality = {c: total(oof[c], measures) for c in search_candidates()}
+        n = len(next(iter(quality.values())))
+        reference = SearchScore()
+        grid = [0.0, *MIX_WEIGHTS]
+
+        def fitted(items: np.ndarray) -> dict[SearchScore, float]:
+            out: dict[SearchScore, float] = {}
+            for e in EXACT_SCORES:
+                cands = [SearchScore(e, w) for w in grid]
+                y = np.array([quality[c][items].mean() for c in cands])
+                coef = np.polyfit(grid, y, degree)
+                for c, v in zip(cands, np.polyval(coef, grid), strict=True):
+                    out[c] = max(out.get(c, -np.inf), float(v))
+            return out
+
+        def pick(items: np.ndarray) -> SearchScore:
+            f = fitted(items)
+            return max(f, key=lambda c: (f[c], c == reference))
+
+        rng = np.random.default_rng(0)
+        gains = []
+        for _ in range(200):
+            perm = rng.permutation(n)
+            a, b = perm[: n // 2], perm[n // 2 :]
+            gains.append(float(quality[pick(a)][b].mean() - quality[reference][b].mean()))
+        return pick(np.arange(n)) if np.mean(gains) > 0 else reference
+
+    return rule
+
+
+RULES: dict[str, Rule] = {
+    "live (MRR + nDCG@10, replayed on halves)": live,
+    "hit@1 + MRR + nDCG@10": by_sum(MEASURES, search_candidates),
+    "with cascades": by_sum(("mrr", "ndcg@10"), with_cascades),
+    "lean to W2T within 1 se": leaning(1.0),
+    "unseen relevant only": honest(),
+    "both estimates by the unlabelled share": mixed(),
+    "smoothed over the weights, cubic": smoothed(3),
+}
+
+
+def study(paths: list[Path]) -> dict[str, object]:
+    """Each rule of RULES on each dump's splits: regret against the best fixed candidate (of the live ones, and of
+    all with the cascades), and gain over dW."""
+    report: dict[str, object] = {}
+    everything = with_cascades()
+    for path in paths:
+        data = np.load(path)
+        splits = [Split.load(data, int(s)) for s in data["seeds"]]
+        table = {c: [served(s, c) for s in splits] for c in everything}
+        oofs = [out_of_fold(s, everything) for s in splits]
+        fixed = {
+            among: {k: max(cands, key=lambda c: np.mean([row[k] for row in table[c]])) for k in MEASURES}
+            for among, cands in (("live", search_candidates()), ("all", everything))
+        }
+        rows = {}
+        for name, rule in RULES.items():
+            picks = [rule(s, oof) for s, oof in zip(splits, oofs, strict=True)]
+            got = {k: np.array([table[c][i][k] for i, c in enumerate(picks)]) for k in MEASURES}
+            row: dict[str, object] = {"chosen": [c.name for c in picks]}
+            for k in MEASURES:
+                dw = np.array([r[k] for r in table[SearchScore()]])
+                cell = {"score": float(got[k].mean()), "gain_over_dw": float(np.mean(got[k] - dw))}
+                for among, best in fixed.items():
+                    behind = np.array([r[k] for r in table[best[k]]]) - got[k]
+                    cell[f"regret_{among}"] = float(behind.mean())
+                    cell[f"regret_{among}_p90"] = float(np.quantile(behind, 0.9))
+                row[k] = cell
+            rows[name] = row
+        matches = sum(s.chosen_live == c for s, c in zip(splits, rows[next(iter(RULES))]["chosen"], strict=True))  # type: ignore[call-overload]
+        report[str(path)] = {
+            "fixed_oracle": {among: {k: c.name for k, c in best.items()} for among, best in fixed.items()},
+            "fixed_scores": {
+                among: {k: float(np.mean([r[k] for r in table[c]])) for k, c in best.items()} for among, best in fixed.items()
+            },
+            "dw": {k: float(np.mean([r[k] for r in table[SearchScore()]])) for k in MEASURES},
+            "live_reproduced": f"{matches} of {len(splits)}",
+            "rules": rows,
+        }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("dump", help="train W2T per split and save the scores a rule needs")
+    d.add_argument("--data-dir", required=True)
+    d.add_argument("--space")
+    d.add_argument("--labelled-per-task", type=int, help="label-scarce split (default: full labels, 20 %% held out)")
+    d.add_argument("--splits", type=int, default=5)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--epochs", type=int, default=80)
+    d.add_argument("--members", type=int, default=5)
+    d.add_argument("--objective", default="supervised", choices=["supervised", "both"])
+    d.add_argument("--out", required=True, type=Path)
+    s = sub.add_parser("study", help="replay every rule on dumps")
+    s.add_argument("dumps", nargs="+", type=Path)
+    s.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.command == "dump":
+        dump(args)
+        return
+    report = study(args.dumps)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    for path, r in report.items():
+        assert isinstance(r, dict)
+        print(f"{path}: live rule reproduced on {r['live_reproduced']} splits; dW {r['dw']}")
+        for among in ("live", "all"):
+            print(f"  best fixed ({among}): {r['fixed_oracle'][among]} {r['fixed_scores'][among]}")
+        for name, row in r["rules"].items():
+            cells = "  ".join(
+                f"{k} {row[k]['score']:.3f} regret {row[k]['regret_live']:.3f}/{row[k]['regret_all']:.3f} "
+                f"gain {row[k]['gain_over_dw']:+.3f}"
+                for k in MEASURES
+            )
+            print(f"  {name:<40} {cells}  [{', '.join(row['chosen'])}]")
+
+
+if __name__ == "__main__":
+    main()
