@@ -25,7 +25,7 @@ import json
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -697,6 +697,18 @@ class QueryEngine:
             "index_states": {e.method: e.state for e in embedders},
             "results": results,
         }
+
+    def stored_vectors(self, session: Session, space: str, kind: str, ids: Sequence[int]) -> dict[int, np.ndarray]:
+        """The unit vectors the space's `kind` index (sketch, raw, w2t) holds for those of `ids` it has, by id: read from
+        memory, as a search reads them (an IVF index keeps float16 codes), never from the database."""
+        state = self.space(session, space)
+        e = state.embedders.get(kind)
+        if e is None or not len(ids):
+            return {}
+        with state.lock.read():
+            held = np.array([i for i in ids if e.index.contains(int(i))], np.int64)
+            vectors = e.index.vectors(held) if len(held) else np.zeros((0, e.index.dim), np.float32)
+        return dict(zip(held.tolist(), vectors, strict=True))
 
     @staticmethod
     def _allowed(session: Session, state: SpaceState, filters: Mapping[str, str]) -> np.ndarray:

@@ -10,13 +10,15 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from sqlalchemy import delete, func, select, update
 
-from embed.engine import QueryEngine
+from embed.engine import SKETCH, W2T, QueryEngine
+from embed.registry import get_space, load_embeddings, serving_embedders
 from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import TinyLM
@@ -387,3 +389,24 @@ def test_an_adapter_keeps_one_origin_whatever_the_order_edges_come_in(cli: CLI, 
     assert scan(p1, _continuation(p1, c, 0.99)) == {(c, p1, "merge"), (c, q, "merge")}  # nor the pair the other way
     assert scan(p3, _continuation(p3, p2, 0.9)) == {(c, p1, "merge"), (c, q, "merge"), (p3, p2, "continuation")}
     assert scan(p2, detector="provenance-next") == {(c, p1, "merge"), (c, q, "merge")}  # the older detector's edge around p2
+
+
+def test_neighbours_sketches_come_from_the_engine_as_stored(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    """The step tells copies among a neighbourhood by their module sketches, read from the engine's index in memory
+    (`stored_vectors`, not the database): they are the stored vectors, a rescaled copy's parallel to its source's, and
+    an id the index does not hold is left out."""
+    ids = ingest(cli, sources, "p", "rescaled", "q1")
+    embed(cli)
+    sessions = session_factory(settings.database_url)
+    engine = QueryEngine(sessions, BlobStore(settings.blob_dir), settings.data_dir)
+    wanted = [ids["p"], ids["rescaled"], ids["q1"]]
+    with sessions() as session:
+        held = engine.stored_vectors(session, "tiny", SKETCH, [*wanted, 10**6])
+        space = get_space(session, "tiny")
+        assert space is not None
+        found, stored = load_embeddings(session, serving_embedders(session, space.id)[SKETCH], ids=np.array(wanted))
+    assert sorted(held) == sorted(wanted)
+    for i, vector in zip(found.tolist(), stored, strict=True):
+        np.testing.assert_allclose(held[i], vector / np.linalg.norm(vector), atol=1e-3)  # the index keeps unit vectors
+    assert held[ids["p"]] @ held[ids["rescaled"]] > 1 - 1e-4 > held[ids["p"]] @ held[ids["q1"]]
+    assert engine.stored_vectors(session, "tiny", W2T, wanted) == {}  # no W2T trained: nothing held

@@ -186,7 +186,7 @@ class _Scan:
     sketch_id: int  # the space's module-sketch embedder
     raw: bool  # whether the space has raw-factor sketches
     factors: _Factors  # this scan's, shared by its neighbourhood and its rechecks
-    sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this scan
+    sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this scan (unit)
 
     def neighbours(self, adapter_id: int, with_raw: bool = True) -> list[tuple[int, float | None]]:
         """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
@@ -211,15 +211,22 @@ class _Scan:
         return near + [(i, None) for i in sources[:COPY_SOURCES]] + [(i, None) for i in far]
 
     def _later_copies(self, session: Session, ids: list[int]) -> set[int]:
-        """Those of the adapters that are later copies of another of them (parallel module sketches)."""
+        """Those of the adapters that are later copies of another of them (parallel module sketches). Their sketches
+        come from the engine's index, which holds every neighbour it found; the database only for one it no longer
+        holds (deleted since) or not yet (embedded by another process)."""
         wanted = sorted(set(ids))
-        embedder = session.get(Embedder, self.sketch_id)
-        if len(wanted) < 2 or embedder is None:
+        missing = [i for i in wanted if i not in self.sketches]
+        if len(wanted) < 2:
             return set()
-        missing = np.array([i for i in wanted if i not in self.sketches], dtype=np.int64)
-        if len(missing):
-            found, vectors = load_embeddings(session, embedder, ids=missing)
-            self.sketches.update(zip(found.tolist(), vectors.astype(np.float64), strict=True))
+        if missing:
+            self.sketches.update(
+                (i, v.astype(np.float64)) for i, v in self.engine.stored_vectors(session, self.base_model, SKETCH, missing).items()
+            )
+            unheld = np.array([i for i in missing if i not in self.sketches], dtype=np.int64)
+            embedder = session.get(Embedder, self.sketch_id) if len(unheld) else None
+            if embedder is not None:
+                found, vectors = load_embeddings(session, embedder, ids=unheld)
+                self.sketches.update(zip(found.tolist(), vectors.astype(np.float64), strict=True))
         have = [i for i in wanted if i in self.sketches]
         if len(have) < 2:
             return set()
