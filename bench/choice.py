@@ -132,17 +132,24 @@ def cascades() -> list[Cascade]:
     ]
 
 
-def similarity(c: Candidate, exact: dict[str, np.ndarray], w2t: np.ndarray, self_index: list[int]) -> np.ndarray:
-    """A candidate's scores (queries × gallery) from the exact scores and the W2T cosine of the same rows."""
+def similarity(
+    c: Candidate, exact: dict[str, np.ndarray], w2t: np.ndarray, self_index: list[int], keep: np.ndarray | None = None
+) -> np.ndarray:
+    """A candidate's scores (queries × gallery) from the exact scores and the W2T cosine of the same rows; gallery
+    items not in `keep` (queries × gallery, where given) score -inf."""
+    rows = np.arange(len(w2t))
     if isinstance(c, SearchScore):
-        return hybrid_score(exact[c.exact], w2t, c.w2t_weight)
+        out = hybrid_score(exact[c.exact], w2t, c.w2t_weight)
+        return out if keep is None else np.where(keep, out, -np.inf)
     deep = hybrid_score(exact[c.deep.exact], w2t, c.deep.w2t_weight)
     top = hybrid_score(exact[c.top.exact], w2t, c.top.w2t_weight)
-    rows = np.arange(len(deep))
     deep[rows, self_index] = -np.inf
+    if keep is not None:
+        deep = np.where(keep, deep, -np.inf)
     best = np.argpartition(-deep, c.k - 1, axis=1)[:, : c.k]
     out = deep.copy()
-    out[rows[:, None], best] = 10.0 + top[rows[:, None], best]
+    chosen = np.take_along_axis(deep, best, axis=1)
+    out[rows[:, None], best] = np.where(np.isfinite(chosen), 10.0 + top[rows[:, None], best], -np.inf)
     return out
 
 
@@ -249,13 +256,14 @@ def ranked(scores: np.ndarray, relevant: np.ndarray) -> dict[str, float]:
     }
 
 
-def honest_out_of_fold(split: Split) -> Scores:
+def honest_out_of_fold(split: Split, candidates: Sequence[Candidate] | None = None) -> Scores:
     """Out of fold against unseen relevant adapters only: a held-out labelled adapter of member m queries every
     labelled adapter but the ones of its own task that m trained on, so that what it must find is, as for a served
     query, an adapter no member's training saw next to it."""
     tasks = np.array([split.tasks[r] for r in split.labelled])
     exact = {s: m[np.ix_(split.labelled, split.labelled)] for s, m in split.exact.items()}
-    per: dict[Candidate, dict[str, list[float]]] = {c: {k: [] for k in MEASURES} for c in search_candidates()}
+    cands = list(candidates) if candidates is not None else list(search_candidates())
+    per: dict[Candidate, dict[str, list[float]]] = {c: {k: [] for k in MEASURES} for c in cands}
     for f in split.folds:
         honest = np.zeros(len(tasks), bool)
         honest[f.val] = True
@@ -267,22 +275,21 @@ def honest_out_of_fold(split: Split) -> Scores:
             keep[q] = False
             if not (keep & same).any():
                 continue
-            w2t = f.z[q] @ f.z.T
-            for c in per:
-                assert isinstance(c, SearchScore)
-                row = hybrid_score(exact[c.exact][q], w2t, c.w2t_weight)
-                got = ranked(np.where(keep, row, -np.inf), same)
+            w2t = (f.z[q] @ f.z.T)[None]
+            row_exact = {s: m[q][None] for s, m in exact.items()}
+            for c in cands:
+                got = ranked(similarity(c, row_exact, w2t, [q], keep[None])[0], same)
                 for k in MEASURES:
                     per[c][k].append(got[k])
     return {c: {k: np.array(v) for k, v in m.items()} for c, m in per.items()}
 
 
-def honest(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
+def honest(measures: tuple[str, ...] = ("mrr", "ndcg@10"), among: Callable[[], Sequence[Candidate]] = search_candidates) -> Rule:
     """The best estimate out of fold against unseen relevant adapters (honest_out_of_fold), replayed on halves."""
 
     def rule(split: Split, oof: Scores) -> Candidate:
-        scores = honest_out_of_fold(split)
-        quality: dict[Candidate, np.ndarray] = {c: total(scores[c], measures) for c in search_candidates()}
+        scores = honest_out_of_fold(split, among())
+        quality: dict[Candidate, np.ndarray] = {c: total(scores[c], measures) for c in among()}
         n = len(next(iter(quality.values())))
         if n < 5:
             return SearchScore()
@@ -373,6 +380,7 @@ RULES: dict[str, Rule] = {
     "with cascades": by_sum(("mrr", "ndcg@10"), with_cascades),
     "lean to W2T within 1 se": leaning(1.0),
     "unseen relevant only": honest(),
+    "unseen relevant only, with cascades": honest(among=with_cascades),
     "both estimates by the unlabelled share": mixed(),
     "smoothed over the weights, cubic": smoothed(3),
 }
