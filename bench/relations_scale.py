@@ -226,6 +226,7 @@ def timing(engine: Any) -> Iterator[Parts]:
             (relations._Scan, "neighbours", "neighbours"),
             (relations._Factors, "get", "factors"),
             (relations, "find_relations", "detect"),
+            (relations, "find_merge", "detect"),
             (relations, "_store", "store"),
         ):
             stack.enter_context(mock.patch.object(owner, name, parts.timed(part, getattr(owner, name))))

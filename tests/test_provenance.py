@@ -20,7 +20,7 @@ from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_ba
 from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, origin_score, shared_rows
 from zoo.domain.factorwise import RawModule, raw_sketches, raw_width
 from zoo.domain.merges import detect_merge
-from zoo.domain.provenance import Relations, find_relations
+from zoo.domain.provenance import Relations, find_merge, find_relations
 from zoo.domain.transforms import FactorSummary, Update, detect_transform, expected_cast_residual, residual_class
 from zoo.formats import LoraModule
 
@@ -364,6 +364,18 @@ def test_a_merge_is_no_continuation_of_its_parents(peft_model) -> None:  # noqa:
     relations = find_relations(merged, candidates)
     assert relations.merge is not None and set(relations.merge.parents) == {1, 3}
     assert not {e.other for e in relations.continuations} & {1, 3}
+
+
+def test_the_merge_alone_is_the_one_find_relations_finds(peft_model) -> None:  # noqa: ANN001
+    """find_merge (the relation step's test again of a stored neighbour) finds find_relations' merge, and none where a
+    candidate is a copy of the query."""
+    candidates = [peft_update(peft_model, f"a{i}", i) for i in range(8)]
+    peft_model.add_weighted_adapter(["a2", "a4"], [0.7, 0.4], "again_cat", combination_type="cat")
+    merged = peft_update(peft_model, "again_cat")
+    merge = find_merge(merged, candidates)
+    assert merge is not None and set(merge.parents) == {2, 4} and merge == find_relations(merged, candidates).merge
+    stored_copy = Update(merged.factors, id=99)
+    assert find_relations(merged, [*candidates, stored_copy]).transforms and find_merge(merged, [*candidates, stored_copy]) is None
 
 
 @pytest.mark.parametrize(

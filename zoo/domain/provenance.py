@@ -56,6 +56,13 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
     return Relations(merge=merge, continuations=tuple(e for e in found if not e.query_is_later or e is parent))
 
 
+def find_merge(query: Update, candidates: Sequence[Update]) -> MergeEdge | None:
+    """The merge `find_relations` finds (None where a transform explains the query), without its continuations."""
+    if any(_transform_either_way(query, c) is not None for c in candidates):
+        return None
+    return detect_merge(query, candidates)
+
+
 def _origin(later: Sequence[ContinuationEdge], by_id: Mapping[int | None, Update]) -> ContinuationEdge | None:
     """Of the candidates the query continues, its one parent: the highest origin score; but where that candidate is a
     transform of an earlier stored one that the query continues too (its pruned copy, say, which shares the rows it

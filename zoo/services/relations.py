@@ -38,7 +38,17 @@ from embed.engine import RAW, SKETCH, Query, QueryEngine
 from embed.registry import get_space, load_embeddings, serving_embedders, space_version
 from zoo.config import EMBED_CHUNK_BYTES
 from zoo.domain.merges import later_copies
-from zoo.domain.provenance import DETECTOR, ContinuationEdge, FactorSummary, MergeEdge, Relations, TransformEdge, Update, find_relations
+from zoo.domain.provenance import (
+    DETECTOR,
+    ContinuationEdge,
+    FactorSummary,
+    MergeEdge,
+    Relations,
+    TransformEdge,
+    Update,
+    find_merge,
+    find_relations,
+)
 from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
 from zoo.store.locks import space_lock
@@ -285,10 +295,8 @@ def _merge_naming(scan: _Scan, other: int, adapter_id: int, k: int) -> list[Edge
     if adapter_id not in around:
         return []
     me = scan.factors.get([other])
-    again = find_relations(me[0], scan.factors.get(around)) if me else Relations()
-    if not again.transforms and again.merge is not None and adapter_id in again.merge.parents:
-        return _merge_rows(again.merge, other)
-    return []
+    merge = find_merge(me[0], scan.factors.get(around)) if me else None
+    return _merge_rows(merge, other) if merge is not None and adapter_id in merge.parents else []
 
 
 def _merges_renamed(scan: _Scan, copy: int, source: int, k: int) -> list[EdgeRow]:
@@ -303,9 +311,9 @@ def _merges_renamed(scan: _Scan, copy: int, source: int, k: int) -> list[EdgeRow
         me = scan.factors.get([child])
         if not me or source in parents:
             continue
-        again = find_relations(me[0], scan.factors.get([source, *(p for p in parents if p != copy), copy][:k]))
-        if again.merge is not None and source in again.merge.parents and len(again.merge.parents) == len(parents):
-            rows += _merge_rows(again.merge, child)
+        merge = find_merge(me[0], scan.factors.get([source, *(p for p in parents if p != copy), copy][:k]))
+        if merge is not None and source in merge.parents and len(merge.parents) == len(parents):
+            rows += _merge_rows(merge, child)
     return rows
 
 
