@@ -7,7 +7,8 @@ replays each rule of RULES on each split: it chooses from the labelled adapters'
 embed.choice.choose_search does), and what it chose is scored on the split's queries against every adapter, with the
 served embedding (the members' mean cosine). Per dump and rule: the mean regret against the best fixed candidate of
 the live candidates, its 90th percentile, and the gain over dW cosine (hit@1, MRR, nDCG@10), beside the live rule
-measured in the same run. A dump takes a W2T training per split; a study takes seconds.
+measured in the same run; a table, then the figures as one JSON object on the last line. A dump takes a W2T training
+per split; a study takes seconds.
 """
 
 from __future__ import annotations
@@ -442,15 +443,11 @@ def main() -> None:
     d.add_argument("--out", required=True, type=Path)
     s = sub.add_parser("study", help="replay every rule on dumps")
     s.add_argument("dumps", nargs="+", type=Path)
-    s.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.command == "dump":
         dump(args)
         return
     report = study(args.dumps)
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return
     for path, r in report.items():
         assert isinstance(r, dict)
         print(f"{path}: live rule reproduced on {r['live_reproduced']} splits; dW {r['dw']}")
@@ -463,6 +460,7 @@ def main() -> None:
                 for k in MEASURES
             )
             print(f"  {name:<40} {cells}  [{', '.join(row['chosen'])}]")
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Issue 33's goal: the relation step (zoo/services/relations.py) costs at most 50 ms per adapter added to ingest at a
 million adapters. Its work per adapter is O(k): one query of the engine's module-sketch index for FETCHED neighbours,
-their sketch vectors from the database (`later_copies`), the factors of up to NEIGHBOURS of them from the blob store,
+their sketch vectors from the engine's index (`later_copies`), the factors of up to NEIGHBOURS of them from the blob store,
 `find_relations`, the merge test again for up to RECHECK close neighbours scanned before it, and one write
 transaction. This bench measures it, part by part, in two synthetic spaces built the same way in one run:
 
