@@ -700,8 +700,12 @@ class QueryEngine:
 
     def stored_vectors(self, session: Session, space: str, kind: str, ids: Sequence[int]) -> dict[int, np.ndarray]:
         """The unit vectors the space's `kind` index (sketch, raw, w2t) holds for those of `ids` it has, by id: read from
-        memory, as a search reads them (an IVF index keeps float16 codes), never from the database."""
-        state = self.space(session, space)
+        memory, as a search reads them (an IVF index keeps float16 codes), never from the database. A space already
+        loaded is read as it is, without catching up with the database first: the caller asks for ids a search just
+        found, and reads any it does not get elsewhere."""
+        with self._lock:
+            loaded = self._spaces.get(space)
+        state = loaded if loaded is not None else self.space(session, space)
         e = state.embedders.get(kind)
         if e is None or not len(ids):
             return {}
