@@ -229,13 +229,7 @@ def leaning(t: float, measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
                     chosen = c
             return chosen
 
-        rng = np.random.default_rng(0)
-        gains = []
-        for _ in range(200):
-            perm = rng.permutation(n)
-            a, b = perm[: n // 2], perm[n // 2 :]
-            gains.append(float(quality[pick(a)][b].mean() - quality[reference][b].mean()))
-        return pick(np.arange(n)) if np.mean(gains) > 0 else reference
+        return best_expected(list(quality), reference, lambda c, items: float(quality[c][items].mean()), n, pick)[0]
 
     return rule
 
@@ -364,13 +358,7 @@ def smoothed(degree: int = 2, measures: tuple[str, ...] = ("mrr", "ndcg@10")) ->
             f = fitted(items)
             return max(f, key=lambda c: (f[c], c == reference))
 
-        rng = np.random.default_rng(0)
-        gains = []
-        for _ in range(200):
-            perm = rng.permutation(n)
-            a, b = perm[: n // 2], perm[n // 2 :]
-            gains.append(float(quality[pick(a)][b].mean() - quality[reference][b].mean()))
-        return pick(np.arange(n)) if np.mean(gains) > 0 else reference
+        return best_expected(list(quality), reference, lambda c, items: float(quality[c][items].mean()), n, pick)[0]
 
     return rule
 

@@ -80,16 +80,21 @@ def knn_similarities(search: SearchScore) -> list[SearchScore]:
 K = TypeVar("K")
 
 
-def best_expected(candidates: list[K], reference: K, score: Callable[[K, np.ndarray], float], n: int) -> tuple[K, float]:
+def best_expected(
+    candidates: list[K], reference: K, score: Callable[[K, np.ndarray], float], n: int, pick: Callable[[np.ndarray], K] | None = None
+) -> tuple[K, float]:
     """The candidate with the best `score(candidate, items)` over all n held-out items (ties: the reference, then
     the first), or the reference unless picking that way pays: replayed on HALVES random halves of the items,
     each pick's score on the other half minus the reference's is averaged, and must be positive. Returns the
-    choice and that mean out-of-sample gain."""
+    choice and that mean out-of-sample gain. `pick(items)`, where given, is the choice made from those items
+    instead of the best score among them."""
     order = [reference, *(c for c in candidates if c != reference)]
 
-    def pick(items: np.ndarray) -> K:
+    def best(items: np.ndarray) -> K:
         scores = [score(c, items) for c in order]
         return order[int(np.argmax(scores))]
+
+    pick = pick or best
 
     rng = np.random.default_rng(0)
     gains = []

@@ -196,7 +196,7 @@ class _Scan:
     sketch_id: int  # the space's module-sketch embedder
     raw: bool  # whether the space has raw-factor sketches
     factors: _Factors  # this scan's, shared by its neighbourhood and its rechecks
-    sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this scan (unit)
+    sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this scan
 
     def neighbours(self, adapter_id: int, with_raw: bool = True) -> list[tuple[int, float | None]]:
         """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
@@ -225,10 +225,9 @@ class _Scan:
         come from the engine's index, which holds every neighbour it found; the database only for one it no longer
         holds (deleted since) or not yet (embedded by another process)."""
         wanted = sorted(set(ids))
-        missing = [i for i in wanted if i not in self.sketches]
         if len(wanted) < 2:
             return set()
-        if missing:
+        if missing := [i for i in wanted if i not in self.sketches]:
             self.sketches.update(
                 (i, v.astype(np.float64)) for i, v in self.engine.stored_vectors(session, self.base_model, SKETCH, missing).items()
             )
