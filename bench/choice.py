@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embed.choice import MIX_WEIGHTS, Fold, best_expected, choose_search, search_candidates
+from embed.choice import MIX_WEIGHTS, Fold, best_expected, choose_search, held_out_w2t, search_candidates
 from embed.metrics import retrieval_per_query
 from zoo.domain.methods import SearchScore
 from zoo.domain.similarity import EXACT_SCORES, hybrid_score
@@ -61,7 +61,7 @@ def dump(args: argparse.Namespace) -> None:
         else:
             train_pos, test_pos = split_positions(adapters, 0.2, seed)
             fit, fit_pos = [adapters[p] for p in train_pos], list(train_pos)
-        options = TrainOptions(epochs=args.epochs, seed=seed, members=args.members, objective=args.objective)
+        options = TrainOptions(epochs=args.epochs, seed=seed, members=args.members, objective=args.objective, held_out_by=args.held_out_by)
         emb = train_w2t(fit, schema, options, progress=False)
         members = [W2TEnsemble([m], emb.schema, emb.rank, emb.metric_stats, emb.objective).embed(adapters) for m in emb.models]
         saved[f"s{seed}_z"] = np.stack(members).astype(np.float32)
@@ -165,9 +165,7 @@ def served(split: Split, c: Candidate) -> dict[str, float]:
 def out_of_fold(split: Split, candidates: list[Candidate]) -> dict[Candidate, dict[str, np.ndarray]]:
     """Each candidate's per-query retrieval among the labelled adapters, out of fold (as choose_search)."""
     tasks = [split.tasks[r] for r in split.labelled]
-    queries = [[r for r in f.val if tasks[r]] for f in split.folds]
-    flat = [r for rows in queries for r in rows]
-    w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(split.folds, queries, strict=True) if q])
+    flat, w2t = held_out_w2t(split.folds, {r for r, task in enumerate(tasks) if task})
     exact = {s: m[np.ix_(split.labelled, split.labelled)][flat] for s, m in split.exact.items()}
     return {c: retrieval_per_query(similarity(c, exact, w2t, flat), [tasks[q] for q in flat], tasks, list(flat)) for c in candidates}
 
@@ -427,6 +425,7 @@ def main() -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--epochs", type=int, default=80)
     d.add_argument("--members", type=int, default=5)
+    d.add_argument("--held-out-by", type=int, default=1, help="members that hold each adapter out (TrainOptions.held_out_by)")
     d.add_argument("--objective", default="supervised", choices=["supervised", "both"])
     d.add_argument("--out", required=True, type=Path)
     s = sub.add_parser("study", help="replay every rule on dumps")

@@ -123,17 +123,31 @@ def search_candidates() -> list[SearchScore]:
     return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES))
 
 
+def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarray]:
+    """The `rows` some member held out, in the order the folds first hold them out, and their W2T cosine to every
+    labelled adapter (len × n): the mean of the cosines of the members that held each out (one member's, or several
+    where folds overlap, as TrainOptions.held_out_by makes them; the served cosine is the mean of all the members')."""
+    total: dict[int, np.ndarray] = {}
+    count: dict[int, int] = {}
+    for f in folds:
+        val = [r for r in f.val if r in rows]
+        for r, sim in zip(val, f.z[val] @ f.z.T, strict=True):
+            total[r] = total[r] + sim if r in total else sim
+            count[r] = count.get(r, 0) + 1
+    held = list(total)  # dicts keep the order of first insertion
+    n = len(folds[0].z) if folds else 0
+    return held, np.stack([total[r] / count[r] for r in held]) if held else np.zeros((0, n))
+
+
 def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice[SearchScore]:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
     between the labelled adapters (n × n), `tasks` their tasks ("" unknown). Each held-out adapter with a task
     queries the labelled ones; every candidate of search_candidates() is scored by MRR + nDCG@10 and the best
     expected one is chosen against whole-update dW cosine (best_expected)."""
-    queries = [[r for r in f.val if tasks[r]] for f in folds]
-    flat = [r for rows in queries for r in rows]
+    flat, w2t = held_out_w2t(folds, {r for r, task in enumerate(tasks) if task})
     reference = SearchScore()  # the whole update's cosine, the training-free bar
     if len(flat) < MIN_ITEMS:
         return Choice(reference, reason=f"{len(flat)} held-out adapters with a task: too few to tell, the whole update's dW cosine")
-    w2t = np.concatenate([f.z[q] @ f.z.T for f, q in zip(folds, queries, strict=True) if q])
     quality: dict[SearchScore, np.ndarray] = {}
     for score in search_candidates():
         sim = hybrid_score(exact[score.exact][flat], w2t, score.w2t_weight)
@@ -242,19 +256,20 @@ def logistic_readout(z: np.ndarray, labels: list[str]) -> object | None:
 
 def readout_predictions(labels: list[str], classes: list[str], folds: list[Fold]) -> dict[LearnedPredictor, dict[int, np.ndarray]]:
     """Out-of-fold class shares (over `classes`) of the few-shot readouts (prototype, logistic regression) of each
-    member's embedding."""
-    out: dict[LearnedPredictor, dict[int, np.ndarray]] = {PROTOTYPE: {}, LOGREG: {}}
+    member's embedding; a row held out by several members gets their mean."""
+    held: dict[LearnedPredictor, dict[int, list[np.ndarray]]] = {PROTOTYPE: {}, LOGREG: {}}
     for f in folds:
         train = [r for r in f.train if labels[r]]
         val = [r for r in f.val if labels[r]]
         if not val or len({labels[r] for r in train}) < 2:
             continue
-        out[PROTOTYPE].update(zip(val, prototype_shares(f.z, labels, classes, train, val), strict=True))
         model = logistic_readout(f.z[train], [labels[r] for r in train])
         p = np.zeros((len(val), len(classes)))
         p[:, [classes.index(c) for c in model.classes_]] = model.predict_proba(f.z[val])  # type: ignore[attr-defined]
-        out[LOGREG].update(zip(val, p, strict=True))
-    return out
+        for readout, shares in ((PROTOTYPE, prototype_shares(f.z, labels, classes, train, val)), (LOGREG, p)):
+            for r, share in zip(val, shares, strict=True):
+                held[readout].setdefault(r, []).append(share)
+    return {readout: {r: np.mean(s, axis=0) for r, s in by_row.items()} for readout, by_row in held.items()}
 
 
 def choose_metric(

@@ -90,6 +90,10 @@ class TrainOptions:
     dropout: float = 0.2
     #: models in the ensemble, trained from seeds seed, seed + 1, ...
     members: int = 5
+    #: members that hold each adapter out (_folds). 1: each member validates on a slice of val_fraction, disjoint
+    #: while they fit. 2 or more: every adapter is held out by exactly that many members (each validates on
+    #: held_out_by / members of the adapters), so that an out-of-fold estimate averages as many members' cosines
+    held_out_by: int = 1
     #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width; None:
     #: full width while an adapter's tokens at full width take at most FULL_WIDTH_TOKEN_BYTES, else TOKEN_WIDTH
     token_width: int | None = None
@@ -242,13 +246,21 @@ class _Fold:
 
 
 def _folds(n: int, members: int, options: TrainOptions) -> list[_Fold]:
-    """Each member validates on its own slice of one seeded permutation (disjoint while they fit), so the
-    ensemble as a whole learns from every adapter and each adapter has a member that never trained on it."""
+    """Each member validates on its own slice of one seeded permutation, so the ensemble as a whole learns from
+    every adapter and each adapter has a member that never trained on it: slices of val_fraction (disjoint while
+    they fit) or, with options.held_out_by = h ≥ 2, h consecutive blocks of `members` equal blocks, so that every
+    adapter is held out by exactly h members (members - 1 at most)."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(options.seed))
-    n_val = max(1, int(round(options.val_fraction * n))) if n >= 10 else 0
+    h = min(options.held_out_by, members - 1)  # never by all: each member trains on some
     out = []
     for i in range(members):
-        val = (torch.arange(n_val) + i * n_val) % n
+        if n < 10:
+            val = torch.zeros(0, dtype=torch.long)
+        elif options.held_out_by <= 1 or members == 1:
+            n_val = max(1, int(round(options.val_fraction * n)))
+            val = (torch.arange(n_val) + i * n_val) % n
+        else:
+            val = torch.cat([torch.arange(j * n // members, (j + 1) * n // members) for j in ((i + k) % members for k in range(h))])
         rest = torch.ones(n, dtype=torch.bool)
         rest[val] = False
         out.append(_Fold(train=perm[rest], val=perm[val]))
@@ -494,18 +506,23 @@ def _choose(
     search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views)
     embedder.search = search.chosen
     embedder.choices = {"search": search.as_dict()}
-    shares: dict[str, dict[int, np.ndarray]] = {}  # the heads' class shares by attribute and row
-    values: dict[str, dict[int, float]] = {}  # the heads' values by metric and row, and the W2T kNN's ("neighbours.m")
-    for single, view in zip(singles, views, strict=True):  # each member predicts the rows it never trained on
+    # each member predicts the rows it never trained on; a row held out by several is given their mean
+    held_shares: dict[str, dict[int, list[np.ndarray]]] = {}  # the heads' class shares by attribute and row
+    held_values: dict[str, dict[int, list[float]]] = {}  # the heads' values by metric and row, and the W2T kNN's ("neighbours.m")
+    for single, view in zip(singles, views, strict=True):
         _, probs, heads = single._forward_batches(single._token_batches(tokens, [rows[i] for i in view.val]))
         for k, p in probs.items():
-            shares.setdefault(k, {}).update(zip(view.val, p, strict=True))
+            for r, share in zip(view.val, p, strict=True):
+                held_shares.setdefault(k, {}).setdefault(r, []).append(share)
         for m, v in heads.items():
-            values.setdefault(m, {}).update(zip(view.val, v.tolist(), strict=True))
             single.memory = view.z[view.train]
             single.memory_values = {m: embedder.memory_values[m][view.train]}
             nbrs = single.neighbour_values(view.z[view.val], m) if not np.isnan(single.memory_values[m]).all() else v
-            values.setdefault(f"neighbours.{m}", {}).update(zip(view.val, nbrs.tolist(), strict=True))
+            for r, head, nbr in zip(view.val, v.tolist(), nbrs.tolist(), strict=True):
+                held_values.setdefault(m, {}).setdefault(r, []).append(head)
+                held_values.setdefault(f"neighbours.{m}", {}).setdefault(r, []).append(nbr)
+    shares = {k: {r: np.mean(p, axis=0) for r, p in by_row.items()} for k, by_row in held_shares.items()}
+    values = {m: {r: float(np.mean(v)) for r, v in by_row.items()} for m, by_row in held_values.items()}
     for k in embedder.config.categorical:
         labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
         learned = {HEAD: shares.get(k, {}), **readout_predictions(labels, classes, views)}

@@ -17,6 +17,7 @@ from embed.choice import (
     choose_attribute,
     choose_metric,
     choose_search,
+    held_out_w2t,
     knn_similarities,
     prototype_predictions,
     readout_predictions,
@@ -202,3 +203,20 @@ def test_a_knn_mixed_with_w2t_is_calibrated_out_of_fold() -> None:
     assert calibration.n == sum(len(f.val) for f in held_out) < len(tasks)
     choice, _, calibration = choose_attribute(exact, DW, tasks, classes, {}, held_out)  # training-free similarities only
     assert calibration.n == len(tasks)  # leave-one-out among every labelled adapter
+
+
+def test_a_query_held_out_by_several_members_is_scored_by_their_mean_cosine() -> None:
+    rng = np.random.default_rng(3)
+    zs = [rng.normal(size=(6, 4)) for _ in range(3)]
+    zs = [z / np.linalg.norm(z, axis=1, keepdims=True) for z in zs]
+    folds = [Fold([0, 1, 2], [3, 4, 5], zs[0]), Fold([2, 3], [0, 1, 4, 5], zs[1]), Fold([4, 5, 0], [1, 2, 3], zs[2])]
+    rows, w2t = held_out_w2t(folds, {0, 2, 3, 4})  # rows 1 and 5 have no task
+    assert rows == [0, 2, 3, 4]  # in the order the folds first hold them out
+    assert np.allclose(w2t[0], (zs[0][0] @ zs[0].T + zs[2][0] @ zs[2].T) / 2)
+    assert np.allclose(w2t[1], (zs[0][2] @ zs[0].T + zs[1][2] @ zs[1].T) / 2)
+    assert np.allclose(w2t[2], zs[1][3] @ zs[1].T) and np.allclose(w2t[3], zs[2][4] @ zs[2].T)
+    shares = readout_predictions(["a", "b", "a", "b", "a", "b"], ["a", "b"], folds)
+    for readout in (PROTOTYPE, LOGREG):  # a readout's shares for a row held out twice: the two members' mean
+        alone = readout_predictions(["a", "b", "a", "b", "a", "b"], ["a", "b"], folds[:1])[readout][0]
+        last = readout_predictions(["a", "b", "a", "b", "a", "b"], ["a", "b"], folds[2:])[readout][0]
+        assert np.allclose(shares[readout][0], (alone + last) / 2)

@@ -115,6 +115,17 @@ def test_member_folds_are_disjoint_held_out_slices(n: int, members: int, seed: i
         assert len(held_out) == len(set(held_out))
 
 
+@given(n=st.integers(10, 400), members=st.integers(2, 8), held_out_by=st.integers(2, 9), seed=st.integers(0, 3))
+def test_overlapping_folds_hold_each_adapter_out_of_exactly_that_many_members(n: int, members: int, held_out_by: int, seed: int) -> None:
+    folds = _folds(n, members, TrainOptions(seed=seed, held_out_by=held_out_by))
+    times = np.zeros(n, np.int64)
+    for f in folds:
+        val, train = f.val.tolist(), set(f.train.tolist())
+        assert len(val) == len(set(val)) and not set(val) & train and set(val) | train == set(range(n))
+        times[val] += 1
+    assert (times == min(held_out_by, members - 1)).all()
+
+
 @given(n=st.integers(2, 120), seed=st.integers(0, 3), shuffle=st.randoms(use_true_random=False))
 def test_eval_split_depends_on_names_not_on_storage_order(n: int, seed: int, shuffle: random.Random) -> None:
     adapters = [ZooAdapter(i + 1, f"a{i:03d}", {}) for i in range(n)]
