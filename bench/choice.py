@@ -61,7 +61,8 @@ def dump(args: argparse.Namespace) -> None:
         else:
             train_pos, test_pos = split_positions(adapters, 0.2, seed)
             fit, fit_pos = [adapters[p] for p in train_pos], list(train_pos)
-        options = TrainOptions(epochs=args.epochs, seed=seed, members=args.members, objective=args.objective, held_out_by=args.held_out_by)
+        given = {k: v for k, v in (("members", args.members), ("val_fraction", args.val_fraction)) if v is not None}
+        options = TrainOptions(epochs=args.epochs, seed=seed, objective=args.objective, **given)
         emb = train_w2t(fit, schema, options, progress=False)
         members = [W2TEnsemble([m], emb.schema, emb.rank, emb.metric_stats, emb.objective).embed(adapters) for m in emb.models]
         saved[f"s{seed}_z"] = np.stack(members).astype(np.float32)
@@ -424,8 +425,8 @@ def main() -> None:
     d.add_argument("--splits", type=int, default=5)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--epochs", type=int, default=80)
-    d.add_argument("--members", type=int, default=5)
-    d.add_argument("--held-out-by", type=int, default=1, help="members that hold each adapter out (TrainOptions.held_out_by)")
+    d.add_argument("--members", type=int, help="W2T models in the ensemble (default: TrainOptions')")
+    d.add_argument("--val-fraction", type=float, help="each member's held-out share (default: TrainOptions')")
     d.add_argument("--objective", default="supervised", choices=["supervised", "both"])
     d.add_argument("--out", required=True, type=Path)
     s = sub.add_parser("study", help="replay every rule on dumps")

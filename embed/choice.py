@@ -125,8 +125,8 @@ def search_candidates() -> list[SearchScore]:
 
 def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarray]:
     """The `rows` some member held out, in the order the folds first hold them out, and their W2T cosine to every
-    labelled adapter (len × n): the mean of the cosines of the members that held each out (one member's, or several
-    where folds overlap, as TrainOptions.held_out_by makes them; the served cosine is the mean of all the members')."""
+    labelled adapter (len × n): the mean of the cosines of the members that held each out. By default two do
+    (embed.train: ten members, each holding out a fifth), as the served cosine is the mean of all the members'."""
     total: dict[int, np.ndarray] = {}
     count: dict[int, int] = {}
     for f in folds:

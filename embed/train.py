@@ -74,7 +74,8 @@ class TrainOptions:
     batch_size: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.05
-    val_fraction: float = 0.15
+    #: each member's held-out share (_folds), on which it early-stops and the choices are scored
+    val_fraction: float = 0.2
     patience: int = 15
     seed: int = 0
     dim: int = 32
@@ -88,12 +89,9 @@ class TrainOptions:
     #: generating hyperparameters made the task embedding much worse on the reference zoo (docs/results.md).
     attributes: tuple[str, ...] | None = ("task",)
     dropout: float = 0.2
-    #: models in the ensemble, trained from seeds seed, seed + 1, ...
-    members: int = 5
-    #: members that hold each adapter out (_folds). 1: each member validates on a slice of val_fraction, disjoint
-    #: while they fit. 2 or more: every adapter is held out by exactly that many members (each validates on
-    #: held_out_by / members of the adapters), so that an out-of-fold estimate averages as many members' cosines
-    held_out_by: int = 1
+    #: models in the ensemble, trained from seeds seed, seed + 1, ...; with val_fraction 0.2, ten hold each adapter
+    #: out of two (_folds), whose mean cosine is what the out-of-fold choices score (docs/results.md, issue 32)
+    members: int = 10
     #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width; None:
     #: full width while an adapter's tokens at full width take at most FULL_WIDTH_TOKEN_BYTES, else TOKEN_WIDTH
     token_width: int | None = None
@@ -246,21 +244,16 @@ class _Fold:
 
 
 def _folds(n: int, members: int, options: TrainOptions) -> list[_Fold]:
-    """Each member validates on its own slice of one seeded permutation, so the ensemble as a whole learns from
-    every adapter and each adapter has a member that never trained on it: slices of val_fraction (disjoint while
-    they fit) or, with options.held_out_by = h ≥ 2, h consecutive blocks of `members` equal blocks, so that every
-    adapter is held out by exactly h members (members - 1 at most)."""
+    """Each member validates on val_fraction of the adapters: a run of one seeded permutation, the members' runs
+    starting evenly spread over it. So the ensemble as a whole learns from every adapter, and each adapter is held
+    out by members × val_fraction of them (the nearest whole numbers around it): one member's cosine, or several
+    whose mean the out-of-fold choices score, as the served embedding averages all of theirs. Fewer than 10
+    adapters: no validation."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(options.seed))
-    h = min(options.held_out_by, members - 1)  # never by all: each member trains on some
+    n_val = min(max(1, int(round(options.val_fraction * n))), n - 1) if n >= 10 else 0
     out = []
     for i in range(members):
-        if n < 10:
-            val = torch.zeros(0, dtype=torch.long)
-        elif options.held_out_by <= 1 or members == 1:
-            n_val = max(1, int(round(options.val_fraction * n)))
-            val = (torch.arange(n_val) + i * n_val) % n
-        else:
-            val = torch.cat([torch.arange(j * n // members, (j + 1) * n // members) for j in ((i + k) % members for k in range(h))])
+        val = (torch.arange(n_val) + i * n // members) % n
         rest = torch.ones(n, dtype=torch.bool)
         rest[val] = False
         out.append(_Fold(train=perm[rest], val=perm[val]))
