@@ -1,10 +1,11 @@
 """Methods chosen from the data, out of fold: the search score, and each attribute's and metric's predictor.
 
 The rule (DESIGN.md): the candidate with the best expected quality, guarded against the winner's curse. Every
-candidate is scored on the adapters a W2T ensemble member never trained on (its fold), pooled over the members,
-against the labelled adapters. The candidate with the best estimate is chosen unless choosing that way does not
-pay out of sample: the pick is replayed on random halves of the held-out adapters and scored on the other halves,
-and unless its mean gain there over the training-free reference is positive, the reference stays. With few
+candidate is scored on the labelled adapters, each by the W2T members that never trained on it (two by default:
+their mean cosine, or their mean prediction), against the labelled adapters. The candidate with the best estimate
+is chosen unless choosing that way does not pay out of sample: the pick is replayed on random halves of the
+held-out adapters and scored on the other halves, and unless its mean gain there over the training-free
+reference is positive, the reference stays. With few
 labels (or many candidates of equal worth) the best estimate is mostly noise and loses on the other halves;
 with many, the best estimate wins without having to be "clearly" better.
 

@@ -8,11 +8,11 @@ validation split; deterministic from the seed on the CPU.
 
 An embedder is a small ensemble: `members` models trained from consecutive seeds, each
 early-stopped on its own slice of the adapters, so the ensemble learns from all of them and every
-held-out slice has a member that never trained on it. Its embedding concatenates theirs (its
+adapter is held out by some members (two by default). Its embedding concatenates theirs (its
 cosine is their mean cosine) and its class probabilities average theirs: one W2T model varies a
 lot from seed to seed on a few hundred adapters. The search score and each target's predictor are
-then chosen on the held-out slices (embed/choice.py: the best expected quality, shrunk toward the
-training-free candidates by its standard error).
+then chosen on the held-out slices, each adapter scored by the mean of the members that held it
+out (embed/choice.py: the best expected quality, where choosing so pays on held-out halves).
 """
 
 from __future__ import annotations
