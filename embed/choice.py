@@ -1,8 +1,8 @@
 """Methods chosen from the data, out of fold: the search score, and each attribute's and metric's predictor.
 
 The rule (DESIGN.md): the candidate with the best expected quality, guarded against the winner's curse. Every
-candidate is scored on the labelled adapters, each by the W2T members that never trained on it (two by default:
-their mean cosine, or their mean prediction), against the labelled adapters. The candidate with the best estimate
+candidate is scored on the labelled adapters, each by the W2T members that never trained on it (one by default;
+where several did, their mean cosine or mean prediction), against the labelled adapters. The candidate with the best estimate
 is chosen unless choosing that way does not pay out of sample: the pick is replayed on random halves of the
 held-out adapters and scored on the other halves, and unless its mean gain there over the training-free
 reference is positive, the reference stays. With few
@@ -126,8 +126,8 @@ def search_candidates() -> list[SearchScore]:
 
 def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarray]:
     """The `rows` some member held out, in the order the folds first hold them out, and their W2T cosine to every
-    labelled adapter (len × n): the mean of the cosines of the members that held each out. By default two do
-    (embed.train: ten members, each holding out a fifth), as the served cosine is the mean of all the members'."""
+    labelled adapter (len × n): the mean of the cosines of the members that held each out (one by default; two for
+    ten members each holding out a fifth, embed.train), as the served cosine is the mean of all the members'."""
     total: dict[int, np.ndarray] = {}
     count: dict[int, int] = {}
     for f in folds:

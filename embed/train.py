@@ -8,7 +8,7 @@ validation split; deterministic from the seed on the CPU.
 
 An embedder is a small ensemble: `members` models trained from consecutive seeds, each
 early-stopped on its own slice of the adapters, so the ensemble learns from all of them and every
-adapter is held out by some members (two by default). Its embedding concatenates theirs (its
+adapter but a few is held out by some members. Its embedding concatenates theirs (its
 cosine is their mean cosine) and its class probabilities average theirs: one W2T model varies a
 lot from seed to seed on a few hundred adapters. The search score and each target's predictor are
 then chosen on the held-out slices, each adapter scored by the mean of the members that held it
@@ -74,8 +74,9 @@ class TrainOptions:
     batch_size: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.05
-    #: each member's held-out share (_folds), on which it early-stops and the choices are scored
-    val_fraction: float = 0.2
+    #: each member's held-out share (_folds), on which it early-stops and the choices are scored; each adapter is held
+    #: out by about members × val_fraction members (0.75 by default: a quarter by none, the rest by one)
+    val_fraction: float = 0.15
     patience: int = 15
     seed: int = 0
     dim: int = 32
@@ -89,9 +90,10 @@ class TrainOptions:
     #: generating hyperparameters made the task embedding much worse on the reference zoo (docs/results.md).
     attributes: tuple[str, ...] | None = ("task",)
     dropout: float = 0.2
-    #: models in the ensemble, trained from seeds seed, seed + 1, ...; with val_fraction 0.2, ten hold each adapter
-    #: out of two (_folds), whose mean cosine is what the out-of-fold choices score (docs/results.md, issue 32)
-    members: int = 10
+    #: models in the ensemble, trained from seeds seed, seed + 1, ... Ten with val_fraction 0.2 hold each adapter out
+    #: of two, whose mean the choices score: better with scarce labels, worse with full ones, at twice the training
+    #: (docs/results.md, issue 32, sixth round)
+    members: int = 5
     #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width; None:
     #: full width while an adapter's tokens at full width take at most FULL_WIDTH_TOKEN_BYTES, else TOKEN_WIDTH
     token_width: int | None = None
@@ -503,6 +505,8 @@ def _choose(
     held_shares: dict[str, dict[int, list[np.ndarray]]] = {}  # the heads' class shares by attribute and row
     held_values: dict[str, dict[int, list[float]]] = {}  # the heads' values by metric and row, and the W2T kNN's ("neighbours.m")
     for single, view in zip(singles, views, strict=True):
+        if not view.val:  # this member held out none of the labelled adapters
+            continue
         _, probs, heads = single._forward_batches(single._token_batches(tokens, [rows[i] for i in view.val]))
         for k, p in probs.items():
             for r, share in zip(view.val, p, strict=True):

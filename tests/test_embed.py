@@ -117,13 +117,15 @@ def test_member_folds_spread_the_held_out_adapters_evenly(n: int, members: int, 
     assert times.min() >= np.floor(share) and times.max() <= np.ceil(share)
 
 
-def test_by_default_each_adapter_is_held_out_by_two_members() -> None:
-    options = TrainOptions()
+def test_ten_members_holding_out_a_fifth_hold_each_adapter_out_twice_and_the_default_once_at_most() -> None:
     for n in (10, 57, 300):
-        times = np.zeros(n, np.int64)
-        for f in _folds(n, options.members, options):
-            times[f.val.tolist()] += 1
-        assert set(times.tolist()) <= {1, 2, 3} and abs(times.mean() - 2) < 0.1
+        twice, default = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        for f in _folds(n, 10, TrainOptions(val_fraction=0.2)):
+            twice[f.val.tolist()] += 1
+        for f in _folds(n, TrainOptions().members, TrainOptions()):
+            default[f.val.tolist()] += 1
+        assert set(twice.tolist()) <= {1, 2, 3} and abs(twice.mean() - 2) < 0.1
+        assert default.max() == 1 and default.sum() == 5 * round(0.15 * n)  # disjoint slices
 
 
 @given(n=st.integers(2, 120), seed=st.integers(0, 3), shuffle=st.randoms(use_true_random=False))

@@ -142,13 +142,15 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
     rc, _ = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
     assert rc == 0
-    rc, (info,) = cli.json_lines("train", "--epochs", "3", "--members", "2", "--seed", "2", "--objective", objective)
+    # three members each holding out half: every adapter held out by one or two, scored by their mean
+    train = ("train", "--epochs", "3", "--members", "3", "--val-fraction", "0.5", "--seed", "2", "--objective", objective)
+    rc, (info,) = cli.json_lines(*train)
     assert rc == 0 and info["heads"] == ["task"] and set(info["predictors"]) == {"task", "test_accuracy"}
 
     with session_factory(cli.settings.database_url)() as session:
         stored = load_adapters(session, BlobStore(cli.settings.blob_dir), "tiny")
     full = [ZooAdapter(a.id, a.name, a.factors, {"task": tasks[a.name]}, {"test_accuracy": accuracy[a.name]}) for a in stored]
-    options = TrainOptions(epochs=3, seed=2, members=2)
+    options = TrainOptions(epochs=3, seed=2, members=3, val_fraction=0.5)
     result = evaluate(
         full, schema_of("tiny", full), options, seed=2, progress=False, contrastive=False, labelled_per_task=3, objective=objective
     )

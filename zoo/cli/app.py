@@ -176,7 +176,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--count", type=int, default=80, help="adapters in the demo zoo (default: %(default)s)")
     s.add_argument("--epochs", type=int, default=20, help="most W2T training epochs per model (default: %(default)s)")
-    s.add_argument("--members", type=int, default=3, help="W2T models in the ensemble (default: %(default)s; `zoo train`: 10)")
+    s.add_argument("--members", type=int, default=3, help="W2T models in the ensemble (default: %(default)s; `zoo train`: 5)")
     s.add_argument("--retrain", action="store_true", help="train W2T again even if one was trained on these adapters")
     s.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     s.add_argument("--serve", action="store_true", help="then serve the web app on http://127.0.0.1:5000/")

@@ -14,10 +14,12 @@ from zoo.store import repository
 from zoo.store.blobs import BlobStore
 from zoo.store.session import require_schema, session_factory
 
-#: `--members` of train and eval (embed.train.TrainOptions.members, which this module does not import: it loads torch)
-MEMBERS_HELP = (
-    "W2T models in the ensemble, from consecutive seeds (default: 10). Each validates on a fifth of the adapters, so "
-    "with 10 each adapter is held out by two, whose mean cosine the out-of-fold choices score"
+#: `--members` and `--val-fraction` of train and eval (embed.train.TrainOptions' defaults; this module does not import
+#: it, as it loads torch)
+MEMBERS_HELP = "W2T models in the ensemble, from consecutive seeds (default: 5)"
+VAL_FRACTION_HELP = (
+    "each member's held-out share (default: 0.15); each adapter is held out by about members × this many members, "
+    "whose mean the out-of-fold choices score (--members 10 --val-fraction 0.2: by two)"
 )
 
 if TYPE_CHECKING:
@@ -49,7 +51,13 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     space = space_of(settings, args.space)
     attributes = None if args.attributes == "all" else tuple(a for a in args.attributes.split(",") if a)
     options = TrainOptions(
-        objective=args.objective, epochs=args.epochs, seed=args.seed, device=args.device, attributes=attributes, members=args.members
+        objective=args.objective,
+        epochs=args.epochs,
+        seed=args.seed,
+        device=args.device,
+        attributes=attributes,
+        members=args.members,
+        val_fraction=args.val_fraction,
     )
     sessions = session_factory(settings.database_url)
     info = service.train_space(sessions, blob_store(settings), settings.data_dir, space, options, progress=not args.json)
@@ -215,7 +223,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError(f"space {space} has {len(adapters)} adapters: evaluation needs at least 10")
     results = []
     for seed in range(args.seed, args.seed + args.splits):
-        options = TrainOptions(epochs=args.epochs, seed=seed, device=args.device, members=args.members)
+        options = TrainOptions(epochs=args.epochs, seed=seed, device=args.device, members=args.members, val_fraction=args.val_fraction)
         results.append(
             evaluate(
                 adapters,
@@ -251,7 +259,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--objective", choices=["supervised", "contrastive", "both"], default="supervised")
     s.add_argument("--attributes", default="task", metavar="A,B|all", help="attributes that get a prediction head (default: task)")
     s.add_argument("--epochs", type=int, default=80)
-    s.add_argument("--members", type=int, default=10, help=MEMBERS_HELP)
+    s.add_argument("--members", type=int, default=5, help=MEMBERS_HELP)
+    s.add_argument("--val-fraction", type=float, default=0.15, help=VAL_FRACTION_HELP)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--json", action="store_true")
@@ -323,7 +332,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--space", help="base model (default: the only one)")
     s.add_argument("--epochs", type=int, default=80)
-    s.add_argument("--members", type=int, default=10, help=MEMBERS_HELP)
+    s.add_argument("--members", type=int, default=5, help=MEMBERS_HELP)
+    s.add_argument("--val-fraction", type=float, default=0.15, help=VAL_FRACTION_HELP)
     s.add_argument("--test-fraction", type=float, default=0.2, help="full labels: the adapters held out (default: %(default)s)")
     scarce = s.add_mutually_exclusive_group()
     scarce.add_argument(
