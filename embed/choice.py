@@ -22,7 +22,7 @@ with many, the best estimate wins without having to be "clearly" better.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -124,20 +124,23 @@ def search_candidates() -> list[SearchScore]:
     return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES))
 
 
+def mean_per_row(values: Iterable[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
+    """Each row's mean of its (row, value) pairs, rows in the order they first come: what the members that held a
+    row out say of it, as one."""
+    by_row: dict[int, list[np.ndarray]] = {}
+    for r, v in values:
+        by_row.setdefault(r, []).append(v)
+    return {r: np.mean(v, axis=0) for r, v in by_row.items()}
+
+
 def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarray]:
     """The `rows` some member held out, in the order the folds first hold them out, and their W2T cosine to every
     labelled adapter (len × n): the mean of the cosines of the members that held each out (one by default; two for
     ten members each holding out a fifth, embed.train), as the served cosine is the mean of all the members'."""
-    total: dict[int, np.ndarray] = {}
-    count: dict[int, int] = {}
-    for f in folds:
-        val = [r for r in f.val if r in rows]
-        for r, sim in zip(val, f.z[val] @ f.z.T, strict=True):
-            total[r] = total[r] + sim if r in total else sim
-            count[r] = count.get(r, 0) + 1
-    held = list(total)  # dicts keep the order of first insertion
+    vals = [[r for r in f.val if r in rows] for f in folds]
+    sims = mean_per_row((r, sim) for f, val in zip(folds, vals, strict=True) for r, sim in zip(val, f.z[val] @ f.z.T, strict=True))
     n = len(folds[0].z) if folds else 0
-    return held, np.stack([total[r] / count[r] for r in held]) if held else np.zeros((0, n))
+    return list(sims), np.stack(list(sims.values())) if sims else np.zeros((0, n))
 
 
 def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice[SearchScore]:
@@ -258,7 +261,7 @@ def logistic_readout(z: np.ndarray, labels: list[str]) -> object | None:
 def readout_predictions(labels: list[str], classes: list[str], folds: list[Fold]) -> dict[LearnedPredictor, dict[int, np.ndarray]]:
     """Out-of-fold class shares (over `classes`) of the few-shot readouts (prototype, logistic regression) of each
     member's embedding; a row held out by several members gets their mean."""
-    held: dict[LearnedPredictor, dict[int, list[np.ndarray]]] = {PROTOTYPE: {}, LOGREG: {}}
+    held: dict[LearnedPredictor, list[tuple[int, np.ndarray]]] = {PROTOTYPE: [], LOGREG: []}
     for f in folds:
         train = [r for r in f.train if labels[r]]
         val = [r for r in f.val if labels[r]]
@@ -267,10 +270,9 @@ def readout_predictions(labels: list[str], classes: list[str], folds: list[Fold]
         model = logistic_readout(f.z[train], [labels[r] for r in train])
         p = np.zeros((len(val), len(classes)))
         p[:, [classes.index(c) for c in model.classes_]] = model.predict_proba(f.z[val])  # type: ignore[attr-defined]
-        for readout, shares in ((PROTOTYPE, prototype_shares(f.z, labels, classes, train, val)), (LOGREG, p)):
-            for r, share in zip(val, shares, strict=True):
-                held[readout].setdefault(r, []).append(share)
-    return {readout: {r: np.mean(s, axis=0) for r, s in by_row.items()} for readout, by_row in held.items()}
+        held[PROTOTYPE] += zip(val, prototype_shares(f.z, labels, classes, train, val), strict=True)
+        held[LOGREG] += zip(val, p, strict=True)
+    return {readout: mean_per_row(pairs) for readout, pairs in held.items()}
 
 
 def choose_metric(

@@ -7,8 +7,8 @@ has them, adapters of the same task (supervised-contrastive loss). Early stoppin
 validation split; deterministic from the seed on the CPU.
 
 An embedder is a small ensemble: `members` models trained from consecutive seeds, each
-early-stopped on its own slice of the adapters, so the ensemble learns from all of them and every
-adapter but a few is held out by some members. Its embedding concatenates theirs (its
+early-stopped on its own slice of the adapters, so the ensemble learns from all of them and most
+adapters are held out by one or more members. Its embedding concatenates theirs (its
 cosine is their mean cosine) and its class probabilities average theirs: one W2T model varies a
 lot from seed to seed on a few hundred adapters. The search score and each target's predictor are
 then chosen on the held-out slices, each adapter scored by the mean of the members that held it
@@ -34,6 +34,7 @@ from embed.choice import (
     choose_metric,
     choose_search,
     logistic_readout,
+    mean_per_row,
     readout_predictions,
 )
 from embed.ensemble import W2TEnsemble, batch_rows
@@ -502,24 +503,22 @@ def _choose(
     embedder.search = search.chosen
     embedder.choices = {"search": search.as_dict()}
     # each member predicts the rows it never trained on; a row held out by several is given their mean
-    held_shares: dict[str, dict[int, list[np.ndarray]]] = {}  # the heads' class shares by attribute and row
-    held_values: dict[str, dict[int, list[float]]] = {}  # the heads' values by metric and row, and the W2T kNN's ("neighbours.m")
+    held_shares: dict[str, list[tuple[int, np.ndarray]]] = {}  # the heads' class shares by attribute, with their rows
+    held_values: dict[str, list[tuple[int, np.ndarray]]] = {}  # the heads' values by metric, and the W2T kNN's ("neighbours.m")
     for single, view in zip(singles, views, strict=True):
         if not view.val:  # this member held out none of the labelled adapters
             continue
         _, probs, heads = single._forward_batches(single._token_batches(tokens, [rows[i] for i in view.val]))
         for k, p in probs.items():
-            for r, share in zip(view.val, p, strict=True):
-                held_shares.setdefault(k, {}).setdefault(r, []).append(share)
+            held_shares.setdefault(k, []).extend(zip(view.val, p, strict=True))
         for m, v in heads.items():
             single.memory = view.z[view.train]
             single.memory_values = {m: embedder.memory_values[m][view.train]}
             nbrs = single.neighbour_values(view.z[view.val], m) if not np.isnan(single.memory_values[m]).all() else v
-            for r, head, nbr in zip(view.val, v.tolist(), nbrs.tolist(), strict=True):
-                held_values.setdefault(m, {}).setdefault(r, []).append(head)
-                held_values.setdefault(f"neighbours.{m}", {}).setdefault(r, []).append(nbr)
-    shares = {k: {r: np.mean(p, axis=0) for r, p in by_row.items()} for k, by_row in held_shares.items()}
-    values = {m: {r: float(np.mean(v)) for r, v in by_row.items()} for m, by_row in held_values.items()}
+            held_values.setdefault(m, []).extend(zip(view.val, v, strict=True))
+            held_values.setdefault(f"neighbours.{m}", []).extend(zip(view.val, nbrs, strict=True))
+    shares = {k: mean_per_row(pairs) for k, pairs in held_shares.items()}
+    values = {m: {r: float(v) for r, v in mean_per_row(pairs).items()} for m, pairs in held_values.items()}
     for k in embedder.config.categorical:
         labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
         learned = {HEAD: shares.get(k, {}), **readout_predictions(labels, classes, views)}
