@@ -430,6 +430,10 @@ class Query:
         return self.factors_loader()
 
 
+#: a neighbour of a stored adapter: (its id, its score)
+Neighbour = tuple[int, float]
+
+
 class Hit(TypedDict):
     """One adapter found by a search."""
 
@@ -713,6 +717,26 @@ class QueryEngine:
             held = np.array([i for i in ids if e.index.contains(int(i))], np.int64)
             vectors = e.index.vectors(held) if len(held) else np.zeros((0, e.index.dim), np.float32)
         return dict(zip(held.tolist(), vectors, strict=True))
+
+    def stored_neighbours(self, session: Session, space: str, method: str, ids: Sequence[int], k: int) -> dict[int, list[Neighbour]]:
+        """(id, score) of the k nearest of each of the stored adapters `ids` by a vector method (sketch, raw, w2t), best
+        first: what `similar(..., method=method)` ranks for each alone, from one search of the index for all of them
+        (the relation step asks for a batch of adapters at a time). An id the index does not hold is left out."""
+        state = self.space(session, space)
+        e = self._embedder(state, VECTOR_SCORES[method], method)
+        with state.lock.read():
+            held = np.array([i for i in dict.fromkeys(ids) if e.index.contains(int(i))], np.int64)
+            if not len(held):
+                return {}
+            queries = e.index.vectors(held)
+            found = e.index.search(queries, max(k, CANDIDATES) + 1)[1]
+            out: dict[int, list[Neighbour]] = {}
+            for i, q, row in zip(held.tolist(), queries, found, strict=True):
+                candidates = np.array(sorted(set(row.tolist()) - {-1, i}), dtype=np.int64)
+                scores = e.index.vectors(candidates) @ q if len(candidates) else np.zeros(0)
+                top = top_k(scores, k)
+                out[i] = list(zip(candidates[top].tolist(), scores[top].tolist(), strict=True))
+        return out
 
     @staticmethod
     def _allowed(session: Session, state: SpaceState, filters: Mapping[str, str]) -> np.ndarray:

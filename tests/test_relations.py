@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from sqlalchemy import delete, func, select, update
 
-from embed.engine import SKETCH, W2T, QueryEngine
+from embed.engine import SKETCH, W2T, Query, QueryEngine
 from embed.registry import get_space, load_embeddings, serving_embedders
 from embed.service import delete_adapter
 from tests.conftest import CLI
@@ -410,3 +410,58 @@ def test_neighbours_sketches_come_from_the_engine_as_stored(cli: CLI, settings: 
         np.testing.assert_allclose(held[i], vector / np.linalg.norm(vector), atol=1e-3)  # the index keeps unit vectors
     assert held[ids["p"]] @ held[ids["rescaled"]] > 1 - 1e-4 > held[ids["p"]] @ held[ids["q1"]]
     assert engine.stored_vectors(session, "tiny", W2T, wanted) == {}  # no W2T trained: nothing held
+
+
+def test_stored_neighbours_rank_as_the_search_does(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    """The step's batched search (`stored_neighbours`, one index search for many adapters) gives each adapter what
+    `similar` ranks for it alone, by module sketches and by raw factors; an id the index does not hold is left out."""
+    ids = ingest(cli, sources, "p", "rescaled", "q1", "q2", "merge", "u1", "u2")
+    embed(cli)
+    sessions = session_factory(settings.database_url)
+    engine = QueryEngine(sessions, BlobStore(settings.blob_dir), settings.data_dir)
+    wanted = sorted(ids.values())
+    with sessions() as session:
+        for method in ("sketch", "raw"):
+            batched = engine.stored_neighbours(session, "tiny", method, [*wanted, 10**6], 4)
+            assert sorted(batched) == wanted
+            for i in wanted:
+                alone = engine.similar(session, "tiny", Query(str(i), adapter_id=i), 4, method=method)["results"]
+                assert [n for n, _ in batched[i]] == [h["adapter_id"] for h in alone], (method, i)
+                np.testing.assert_allclose([s for _, s in batched[i]], [h["score"] for h in alone], rtol=1e-6)
+                assert i not in dict(batched[i])
+
+
+def _edge_table(settings: Settings) -> dict[tuple[int, int, str], tuple[dict, float]]:
+    return {k: (e.parameters, e.confidence) for k, e in edges(settings).items()}
+
+
+def test_a_step_in_batches_stores_what_one_adapter_at_a_time_does(
+    cli: CLI, settings: Settings, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Merges and a copy stored before their parents, then the parents and more relatives (a cast, a pruned copy, a
+    continuation, unrelated ones): scanned in batches of several, across a batch's edge, the step stores the edges,
+    parameters and confidences that scanning one adapter at a time does, the merges found by testing them again."""
+    first = ingest(cli, sources, "merge", "pmerge", "rescaled", "ties")
+    embed(cli)
+    then = ingest(cli, sources, "q1", "q2", "p", "u1", "cast", "pruned", "continued")
+    embed(cli)
+    sessions = session_factory(settings.database_url)
+    blobs = BlobStore(settings.blob_dir)
+    tables = {}
+    for batch in (1, 3, len(then)):
+        with sessions.begin() as session:  # the later adapters as just embedded: the earlier ones scanned before them
+            session.execute(delete(AdapterRelation))
+            session.execute(delete(RelationScan).where(RelationScan.adapter_id.in_(then.values())))
+        monkeypatch.setattr(relations, "BATCH", batch)
+        report = relations.scan_space(QueryEngine(sessions, blobs, settings.data_dir), sessions, blobs, "tiny", then.values())
+        assert report["scanned"] == len(then) and report["failed"] == 0, report
+        tables[batch] = _edge_table(settings)
+    assert tables[3] == tables[1] and tables[len(then)] == tables[1]
+    found = tables[1]
+    assert {k[1] for k in found if k[0] == first["merge"] and k[2] == "merge"} == {then["q1"], then["q2"]}  # tested again
+    assert {k[1] for k in found if k[0] == first["pmerge"] and k[2] == "merge"} == {first["rescaled"], then["q2"]}  # the older copy
+    family = {then["p"], first["rescaled"]}  # p and its copy with alpha changed, the older of them the parent
+    assert (then["p"], first["rescaled"], "rescaled") in found and (then["pruned"], then["p"], "pruned") in found
+    assert {k[2] for k in found if k[0] == then["cast"] and k[1] in family} & {"cast", "rescaled"}
+    continued = {k[1] for k in found if k[0] == then["continued"] and k[2] == "continuation"}
+    assert continued and continued <= family

@@ -9,11 +9,14 @@ merge's parents. So the step runs where adapters get their vectors: `zoo embed`,
 after ingest (zoo/runners/worker.py). The raw A and B are gone by then; what the detectors need of them (the
 precisions a cast must fit, the exact zeros of a pruned copy) was kept at ingest (adapter.factor_summary).
 
-Per adapter it costs O(k): two engine queries (module and raw-factor sketches; k = NEIGHBOURS + RAW_NEIGHBOURS,
+Per adapter it costs O(k): its nearest by the module and the raw-factor sketches (k = NEIGHBOURS + RAW_NEIGHBOURS,
 and the sources of those stored as copies), the factors of those k from the blob store, and `find_relations` on
 them; then, so that a merge is found whichever of it and its parents came first, the merge test again for up to
 RECHECK close neighbours, each against its own nearest (which now hold the new adapter), and for the merges that
-name the adapter if it is found a later copy of another. One scan reads each adapter's factors once.
+name the adapter if it is found a later copy of another. Adapters are scanned BATCH at a time: one engine search a
+method for the batch (`QueryEngine.stored_neighbours`) and one for its rechecks, one read of which neighbours were
+scanned before; each scan is still stored on its own, in order. The step reads each adapter's factors once while its
+budget holds them.
 Which adapters are still to scan is in the database (`relation_scan`), so a killed run resumes and a run again
 finds nothing to do; a new detector version (zoo.domain.provenance.DETECTOR) scans everything again. A scan that
 fails is recorded with its error and reported, never raised: the adapter stays stored and is tried again next time.
@@ -34,7 +37,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from threadpoolctl import threadpool_limits
 
-from embed.engine import RAW, SKETCH, Query, QueryEngine
+from embed.engine import RAW, SKETCH, Neighbour, QueryEngine
 from embed.registry import get_space, load_embeddings, serving_embedders, space_version
 from zoo.config import EMBED_CHUNK_BYTES
 from zoo.domain.merges import later_copies
@@ -85,6 +88,8 @@ COPY_SOURCES = 4
 #: a busy machine (load 5 on 2 cores) two BLAS threads took 69 s for one adapter's find_relations at Llama-3-8B's widths
 #: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as
 #: zoo.services.ingest.one_torch_thread does for torch)
+#: adapters scanned at a time: one engine search (per method) for all of them, one read of which were scanned before
+BATCH = 32
 #: errors kept in a report (the rest are counted)
 REPORTED_ERRORS = 10
 
@@ -104,7 +109,8 @@ class RelationReport(TypedDict):
 def scan_space(
     engine: QueryEngine, sessions: sessionmaker[Session], blobs: BlobStore, base_model: str, ids: Iterable[int] | None = None
 ) -> RelationReport:
-    """Scan the space's adapters not scanned by this detector yet (only among `ids` when given) and store their edges."""
+    """Scan the space's adapters not scanned by this detector yet (only among `ids` when given) and store their edges,
+    BATCH adapters at a time."""
     report = RelationReport(space=base_model, scanned=0, edges=0, failed=0, errors=[], not_ready=None, ms_per_adapter=None)
     with sessions() as session:
         space = get_space(session, base_model)
@@ -114,19 +120,39 @@ def scan_space(
             return report
         todo, space_id, sketch_id, raw = pending_scans(session, sketch.id, DETECTOR, ids), space.id, sketch.id, RAW in serving
     start = time.perf_counter()
-    for adapter_id in todo:
-        with sessions() as session:
-            version = space_version(session, space_id)  # the engine searches this version or a later one
+    factors = _Factors(sessions, blobs, EMBED_CHUNK_BYTES.get())  # the step's: consecutive batches share neighbours
+    with threadpool_limits(limits=1, user_api="blas"):  # see ONE_BLAS_THREAD
+        for first in range(0, len(todo), BATCH):
+            scan = _Scan(engine, sessions, base_model, sketch_id, raw, factors)
+            if not _scan_batch(scan, space_id, todo[first : first + BATCH], report):
+                break
+    if report["scanned"]:
+        report["ms_per_adapter"] = 1000 * (time.perf_counter() - start) / report["scanned"]
+    return report
+
+
+def _scan_batch(scan: _Scan, space_id: int, batch: list[int], report: RelationReport) -> bool:
+    """Scan a batch and store each adapter's edges in a transaction of its own, in order (a later scan reads the
+    copies and merges an earlier one stored); False if the engine was not ready (the rest waits for the next run)."""
+    with scan.sessions() as session:
+        version = space_version(session, space_id)  # the engine searches this version or a later one
+    try:
+        blind: dict[int, list[int]] | None = scan.prefetch(batch)
+        failed = None
+    except NotReadyError as exc:
+        report["not_ready"] = str(exc)
+        return False
+    except Exception as exc:  # noqa: BLE001 - recorded for each adapter of the batch, tried again next time
+        blind, failed = None, _error(exc)
+    for adapter_id in batch:
         try:
-            with threadpool_limits(limits=1, user_api="blas"):  # see ONE_BLAS_THREAD
-                factors = _Factors(sessions, blobs, EMBED_CHUNK_BYTES.get())
-                edges, error = _scan(_Scan(engine, sessions, base_model, sketch_id, raw, factors), adapter_id), None
+            edges, error = (_scan(scan, adapter_id, blind.get(adapter_id, [])), None) if blind is not None else ([], failed)
         except NotReadyError as exc:
             report["not_ready"] = str(exc)
-            break
+            return False
         except Exception as exc:  # noqa: BLE001 - one adapter's failure stops neither the step nor its ingest
-            edges, error = [], f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-        if not _store(sessions, base_model, adapter_id, edges, version, error):
+            edges, error = [], _error(exc)
+        if not _store(scan.sessions, scan.base_model, adapter_id, edges, version, error):
             continue  # deleted meanwhile
         report["scanned"] += 1
         report["edges"] += len(edges)
@@ -134,9 +160,11 @@ def scan_space(
             report["failed"] += 1
             if len(report["errors"]) < REPORTED_ERRORS:
                 report["errors"].append(f"adapter {adapter_id}: {error}")
-    if report["scanned"]:
-        report["ms_per_adapter"] = 1000 * (time.perf_counter() - start) / report["scanned"]
-    return report
+    return True
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
 def _store(
@@ -153,11 +181,11 @@ def _store(
 
 
 class _Factors:
-    """Stored adapters as the detectors read them, for one adapter's scan: its neighbourhood and its rechecks', which
-    overlap (a close neighbour's nearest are mostly the adapter's own). Each is loaded from the blob store once and
-    keeps what the detectors computed of it (its float64 modules); past `budget` bytes (in `detector_bytes`) the least
-    recently asked for are dropped, never those of the current call. A neighbourhood fits the budget
-    (`neighbour_count`), so the scan holds at most about the budget, as one neighbourhood did before."""
+    """Stored adapters as the detectors read them, for one relation step: each adapter's neighbourhood and its
+    rechecks', which overlap (a close neighbour's nearest are mostly the adapter's own, and the next adapters' often
+    too). Each is loaded from the blob store once and keeps what the detectors computed of it (its float64 modules);
+    past `budget` bytes (in `detector_bytes`) the least recently asked for are dropped, never those of the current
+    call. A neighbourhood fits the budget (`neighbour_count`), so the step holds at most about the budget."""
 
     def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, budget: int) -> None:
         self.sessions, self.blobs, self.budget = sessions, blobs, budget
@@ -188,37 +216,68 @@ class _Factors:
 
 @dataclass(frozen=True)
 class _Scan:
-    """What scanning one space needs."""
+    """What scanning one batch of a space needs: the engine's searches for the batch (made at once, kept by method)
+    and the neighbourhoods read from them."""
 
     engine: QueryEngine
     sessions: sessionmaker[Session]
     base_model: str
     sketch_id: int  # the space's module-sketch embedder
     raw: bool  # whether the space has raw-factor sketches
-    factors: _Factors  # this scan's, shared by its neighbourhood and its rechecks
-    sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this scan
+    factors: _Factors  # the step's, shared by the neighbourhoods and the rechecks
+    sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this batch
+    found: dict[str, dict[int, list[Neighbour]]] = field(default_factory=lambda: {"sketch": {}, "raw": {}})
+    near_far: dict[tuple[int, bool], tuple[list[Neighbour], list[int]]] = field(default_factory=dict)
+
+    def prefetch(self, batch: list[int]) -> dict[int, list[int]]:
+        """Search the engine for the whole batch at once (by the module sketches, by the raw factors), then for the
+        close neighbours to test again as merges; those, by adapter: its close neighbours (at most RECHECK, outside
+        the batch: an adapter of the batch has the others among its own neighbours) scanned before it was embedded."""
+        self._search(batch, with_raw=True)
+        members = set(batch)
+        close = {a: [i for i, score in self._near_and_far(a, True)[0][:RECHECK] if score >= RECHECK_SCORE] for a in batch}
+        close = {a: [i for i in ids if i not in members] for a, ids in close.items()}
+        with self.sessions() as session:
+            blind = scanned_before(session, close, self.sketch_id)
+        self._search([i for ids in blind.values() for i in ids], with_raw=False)
+        return blind
+
+    def _search(self, ids: list[int], with_raw: bool) -> None:
+        """The FETCHED nearest of those of `ids` not searched yet (one engine search a method)."""
+        methods = ["sketch", "raw"] if self.raw and with_raw else ["sketch"]
+        with self.sessions() as session:
+            for method in methods:
+                if todo := [i for i in dict.fromkeys(ids) if i not in self.found[method]]:
+                    found = self.engine.stored_neighbours(session, self.base_model, method, todo, FETCHED)
+                    self.found[method].update({i: found.get(i, []) for i in todo})
+
+    def _near_and_far(self, adapter_id: int, with_raw: bool) -> tuple[list[Neighbour], list[int]]:
+        """The adapter's NEIGHBOURS nearest by module-sketch cosine (at least MIN_SCORE), and up to RAW_NEIGHBOURS others
+        by the raw-factor sketches (at least MIN_RAW_SCORE; when the space has them and `with_raw`), but for the later
+        copies of another among them."""
+        key = (adapter_id, with_raw)
+        if key not in self.near_far:
+            self._search([adapter_id], with_raw)
+            near = [h for h in self.found["sketch"][adapter_id] if h[1] >= MIN_SCORE]
+            raw = [i for i, score in self.found["raw"][adapter_id] if score >= MIN_RAW_SCORE] if self.raw and with_raw else []
+            with self.sessions() as session:
+                copies = self._later_copies(session, [i for i, _ in near] + raw)
+            near = [h for h in near if h[0] not in copies][:NEIGHBOURS]
+            close = {i for i, _ in near}
+            far = [i for i in raw if i not in copies and i not in close][:RAW_NEIGHBOURS]
+            self.near_far[key] = near, far
+        return self.near_far[key]
 
     def neighbours(self, adapter_id: int, with_raw: bool = True) -> list[tuple[int, float | None]]:
-        """(id, module-sketch cosine) of the adapter's NEIGHBOURS nearest with a cosine of at least MIN_SCORE, from
-        the engine's index (its stored vector), then (id, None) of up to COPY_SOURCES adapters that those are stored
-        copies of, then of up to RAW_NEIGHBOURS others of its FETCHED nearest by the raw-factor sketches (when the space
-        has them and `with_raw`) with a raw cosine of at least MIN_RAW_SCORE; but for the later copies of another among
-        them."""
+        """(id, module-sketch cosine) of the adapter's near neighbours (`_near_and_far`), then (id, None) of up to
+        COPY_SOURCES adapters that those are stored copies of (read now: an earlier scan of the batch may have stored
+        them), then of its far ones by the raw-factor sketches."""
+        near, far = self._near_and_far(adapter_id, with_raw)
+        seen = {adapter_id, *(i for i, _ in near), *far}
         with self.sessions() as session:
-            query = Query(str(adapter_id), adapter_id=adapter_id)
-            found = self.engine.similar(session, self.base_model, query, FETCHED, method="sketch")["results"]
-            near: list[tuple[int, float | None]] = [(h["adapter_id"], h["score"]) for h in found if h["score"] >= MIN_SCORE]
-            raw: list[int] = []
-            if self.raw and with_raw:
-                found = self.engine.similar(session, self.base_model, query, FETCHED, method="raw")["results"]
-                raw = [h["adapter_id"] for h in found if h["score"] >= MIN_RAW_SCORE]
-            copies = self._later_copies(session, [i for i, _ in near] + raw)
-            near = [h for h in near if h[0] not in copies][:NEIGHBOURS]
-            close = [i for i, _ in near]
-            far = [i for i in raw if i not in copies and i not in close][:RAW_NEIGHBOURS]
-            seen = {adapter_id, *close, *far}
-            sources = [i for i in dict.fromkeys(copy_sources(session, close + far).values()) if i not in seen]
-        return near + [(i, None) for i in sources[:COPY_SOURCES]] + [(i, None) for i in far]
+            stored = copy_sources(session, [i for i, _ in near] + far)
+        sources = [i for i in dict.fromkeys(stored.values()) if i not in seen]
+        return [*near, *((i, None) for i in sources[:COPY_SOURCES]), *((i, None) for i in far)]
 
     def _later_copies(self, session: Session, ids: list[int]) -> set[int]:
         """Those of the adapters that are later copies of another of them (parallel module sketches). Their sketches
@@ -257,19 +316,17 @@ def neighbour_count(query: Update) -> int:
     return max(0, min(NEIGHBOURS + COPY_SOURCES + RAW_NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, detector_bytes(query)) - 1))
 
 
-def _scan(scan: _Scan, adapter_id: int) -> list[EdgeRow]:
+def _scan(scan: _Scan, adapter_id: int, blind: list[int]) -> list[EdgeRow]:
     """The edges of one adapter: its relations to its nearest neighbours, and the merges among its close neighbours
-    that have it as a parent (only those scanned before it was embedded: the others had it among their neighbours).
-    One neighbourhood's factors are held at a time."""
+    that have it as a parent (of those `blind`: scanned before it was embedded; the others had it among their
+    neighbours)."""
     found = _around(scan, adapter_id)
     if found is None:
         return []
     edges, near, k = found
     partners = {e["parent_id"] for e in edges} | {e["child_id"] for e in edges}
     close = [i for i, score in near[:RECHECK] if score is not None and score >= RECHECK_SCORE and i not in partners]
-    with scan.sessions() as session:
-        blind = scanned_before(session, close, scan.sketch_id, adapter_id) if close else []
-    for other in blind:
+    for other in [i for i in close if i in blind]:
         edges += _merge_naming(scan, other, adapter_id, k)
     for source in [e["parent_id"] for e in edges if e["relation"] in COPIES and e["child_id"] == adapter_id]:
         edges += _merges_renamed(scan, adapter_id, source, k)

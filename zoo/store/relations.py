@@ -140,12 +140,19 @@ def pending_scans(session: Session, embedder_id: int, detector: str, ids: Iterab
     return list(session.scalars(stmt.order_by(Embedding.adapter_id)))
 
 
-def scanned_before(session: Session, ids: Sequence[int], embedder_id: int, adapter_id: int) -> list[int]:
-    """Those of `ids` whose last scan searched a version of the space older than `adapter_id`'s vector under the
-    embedder: the adapter was not among their neighbours then (two look-ups by primary key and unique key)."""
-    mine = select(Embedding.version).where(Embedding.adapter_id == adapter_id, Embedding.embedder_id == embedder_id).scalar_subquery()
-    stmt = select(RelationScan.adapter_id).where(RelationScan.adapter_id.in_(list(ids)), RelationScan.space_version < mine)
-    return list(session.scalars(stmt))
+def scanned_before(session: Session, close: Mapping[int, Sequence[int]], embedder_id: int) -> dict[int, list[int]]:
+    """For each adapter of `close` (an adapter: its close neighbours), those of its neighbours whose last scan searched
+    a version of the space older than the adapter's vector under the embedder: the adapter was not among their
+    neighbours then. Two queries for all of them (embeddings by unique key, scans by primary key)."""
+    keys = list(close)
+    others = sorted({i for ids in close.values() for i in ids})
+    if not keys or not others:
+        return {a: [] for a in keys}
+    mine = select(Embedding.adapter_id, Embedding.version).where(Embedding.embedder_id == embedder_id, Embedding.adapter_id.in_(keys))
+    embedded = dict(session.execute(mine).tuples().all())
+    scans = select(RelationScan.adapter_id, RelationScan.space_version).where(RelationScan.adapter_id.in_(others))
+    scanned = dict(session.execute(scans).tuples().all())
+    return {a: [i for i in ids if a in embedded and i in scanned and scanned[i] < embedded[a]] for a, ids in close.items()}
 
 
 # --- reading -----------------------------------------------------------------------------------------------------
