@@ -278,6 +278,16 @@ def test_a_failed_scan_is_recorded_and_reported_and_loses_nothing(
     assert embed(cli)["scanned"] == 2  # tried again, and found
     assert (ids["rescaled"], ids["p"], "rescaled") in edges(settings)
 
+    def down(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise OSError("index unreadable")
+
+    later = ingest(cli, sources, "cast", "q1")
+    monkeypatch.setattr(QueryEngine, "stored_neighbours", down)  # the batch's search: each of its adapters fails
+    report = embed(cli)
+    assert report["failed"] == 2 and sorted(report["errors"]) == sorted(f"adapter {i}: OSError: index unreadable" for i in later.values())
+    monkeypatch.undo()
+    assert embed(cli)["scanned"] == 2 and (later["cast"], ids["p"], "cast") in edges(settings)
+
 
 def test_a_scan_reads_each_blob_once_and_holds_at_most_its_budget(
     cli: CLI, settings: Settings, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch

@@ -84,12 +84,12 @@ RECHECK_SCORE = 0.3
 #: is as near a later cast of it (the lineage recipe's 3-parent merges had a minor parent's cast among their
 #: neighbours and not the parent, and named the cast)
 COPY_SOURCES = 4
+#: adapters scanned at a time: one engine search (per method) for all of them, one read of which were scanned before
+BATCH = 32
 #: ONE_BLAS_THREAD: the detectors' products are of a few MB each (k·r columns of factors thousands of rows long), and on
 #: a busy machine (load 5 on 2 cores) two BLAS threads took 69 s for one adapter's find_relations at Llama-3-8B's widths
 #: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as
 #: zoo.services.ingest.one_torch_thread does for torch)
-#: adapters scanned at a time: one engine search (per method) for all of them, one read of which were scanned before
-BATCH = 32
 #: errors kept in a report (the rest are counted)
 REPORTED_ERRORS = 10
 
