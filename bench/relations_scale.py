@@ -226,7 +226,7 @@ def timing(engine: Any) -> Iterator[Parts]:
             (relations, "space_version", "version"),
             (engine, "stored_neighbours", "engine"),
             (relations._Scan, "_later_copies", "sketches"),
-            (relations, "copy_sources", "sketches"),
+            (relations._Scan, "_read_copies", "sketches"),
             (relations, "_merge_naming", "recheck"),
             (relations._Factors, "get", "factors"),
             (relations, "find_relations", "detect"),

@@ -475,3 +475,38 @@ def test_a_step_in_batches_stores_what_one_adapter_at_a_time_does(
     assert {k[2] for k in found if k[0] == then["cast"] and k[1] in family} & {"cast", "rescaled"}
     continued = {k[1] for k in found if k[0] == then["continued"] and k[2] == "continuation"}
     assert continued and continued <= family
+
+
+def test_a_batch_keeps_the_copy_edges_as_its_scans_store_them(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
+    """A batch reads the stored copy edges of its neighbourhoods once, then keeps them as each of its scans stores its
+    edges (another detector's edges around the adapter deleted, the new copies written): after every store, what the
+    batch holds is what a fresh read of the database gives."""
+    ids = ingest(cli, sources, "p", "rescaled", "cast", "u1", "u2")
+    embed(cli)
+    p, rescaled, cast, u1, u2 = (ids[n] for n in ("p", "rescaled", "cast", "u1", "u2"))
+    sessions = session_factory(settings.database_url)
+    blobs = BlobStore(settings.blob_dir)
+    engine = QueryEngine(sessions, blobs, settings.data_dir)
+    copy = {"parameters": {"scale": 1.0, "steps": []}, "evidence": {}, "confidence": 1.0}
+    with sessions.begin() as session:  # edges of an older detector around u1 and u2
+        write_scan(session, u2, [{"child_id": u2, "parent_id": u1, "relation": "identical", **copy}], "provenance-old", 0)
+        write_scan(session, u1, [{"child_id": u1, "parent_id": rescaled, "relation": "cast", **copy}], "provenance-old", 0)
+
+    def fresh() -> dict[int, dict[int, str]]:
+        view = relations._Scan(engine, sessions, "tiny", 0, False, relations._Factors(sessions, blobs, 1 << 30))
+        view._read_copies(list(ids.values()))
+        return view.copies
+
+    scan = relations._Scan(engine, sessions, "tiny", 0, False, relations._Factors(sessions, blobs, 1 << 30))
+    scan._read_copies(list(ids.values()))
+    assert scan.copies[u2] == {u1: "provenance-old"} and scan.copies[u1] == {rescaled: "provenance-old"}
+    for adapter, rows in (
+        (u1, [{"child_id": u2, "parent_id": cast, "relation": "rescaled", **copy}]),  # drops both old edges, adds one
+        (p, []),
+        (cast, [{"child_id": u1, "parent_id": cast, "relation": "identical", **copy}]),
+    ):
+        with sessions.begin() as session:
+            write_scan(session, adapter, rows, DETECTOR, 1)
+        scan.stored(adapter, rows)
+        assert scan.copies == fresh(), adapter
+    assert scan.copies[u2] == {cast: DETECTOR} and scan.copies[u1] == {cast: DETECTOR}

@@ -56,7 +56,7 @@ from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
 from zoo.store.locks import space_lock
 from zoo.store.models import Adapter, Embedder, RelationParameters
-from zoo.store.relations import COPIES, EdgeRow, copy_sources, merges_naming, pending_scans, scanned_before, write_scan
+from zoo.store.relations import COPIES, EdgeRow, copy_edges, merges_naming, pending_scans, scanned_before, write_scan
 from zoo.store.session import write_transaction
 
 #: nearest neighbours (by module-sketch cosine) a new adapter is compared with
@@ -154,6 +154,7 @@ def _scan_batch(scan: _Scan, space_id: int, batch: list[int], report: RelationRe
             edges, error = [], _error(exc)
         if not _store(scan.sessions, scan.base_model, adapter_id, edges, version, error):
             continue  # deleted meanwhile
+        scan.stored(adapter_id, edges)
         report["scanned"] += 1
         report["edges"] += len(edges)
         if error is not None:
@@ -228,19 +229,46 @@ class _Scan:
     sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this batch
     found: dict[str, dict[int, list[Neighbour]]] = field(default_factory=lambda: {"sketch": {}, "raw": {}})
     near_far: dict[tuple[int, bool], tuple[list[Neighbour], list[int]]] = field(default_factory=dict)
+    #: the stored copy edges whose child is one of the ids asked for in this batch: child -> {parent: detector}, read
+    #: once and kept as the batch's own scans store theirs (`stored`), as write_scan changes them
+    copies: dict[int, dict[int, str]] = field(default_factory=dict)
 
     def prefetch(self, batch: list[int]) -> dict[int, list[int]]:
         """Search the engine for the whole batch at once (by the module sketches, by the raw factors), then for the
-        close neighbours to test again as merges; those, by adapter: its close neighbours (at most RECHECK, outside
-        the batch: an adapter of the batch has the others among its own neighbours) scanned before it was embedded."""
+        close neighbours to test again as merges, and read the copy edges of all their neighbours; the close
+        neighbours to test, by adapter: those (at most RECHECK, outside the batch: an adapter of the batch has the
+        others among its own neighbours) scanned before it was embedded."""
         self._search(batch, with_raw=True)
         members = set(batch)
         close = {a: [i for i, score in self._near_and_far(a, True)[0][:RECHECK] if score >= RECHECK_SCORE] for a in batch}
         close = {a: [i for i in ids if i not in members] for a, ids in close.items()}
         with self.sessions() as session:
             blind = scanned_before(session, close, self.sketch_id)
-        self._search([i for ids in blind.values() for i in ids], with_raw=False)
+        rechecked = [i for ids in blind.values() for i in ids]
+        self._search(rechecked, with_raw=False)
+        around = [self._near_and_far(a, True) for a in batch] + [self._near_and_far(i, False) for i in rechecked]
+        self._read_copies([i for near, far in around for i in [*(n for n, _ in near), *far]])
         return blind
+
+    def _read_copies(self, ids: list[int]) -> None:
+        """Read the stored copy edges of those of `ids` not read yet (one query)."""
+        if todo := [i for i in dict.fromkeys(ids) if i not in self.copies]:
+            with self.sessions() as session:
+                edges = copy_edges(session, todo)
+            for i in todo:
+                self.copies[i] = {}
+            for child, parent, detector in edges:
+                self.copies[child][parent] = detector
+
+    def stored(self, adapter_id: int, edges: list[EdgeRow]) -> None:
+        """Keep the copy edges read as `write_scan` just changed them: the other detectors' edges around the adapter
+        deleted, the scan's copy edges written."""
+        for child, parents in self.copies.items():
+            for parent in [p for p, d in parents.items() if d != DETECTOR and adapter_id in (child, p)]:
+                del parents[parent]
+        for e in edges:
+            if e["relation"] in COPIES and e["child_id"] in self.copies:
+                self.copies[e["child_id"]][e["parent_id"]] = DETECTOR
 
     def _search(self, ids: list[int], with_raw: bool) -> None:
         """The FETCHED nearest of those of `ids` not searched yet (one engine search a method)."""
@@ -270,13 +298,14 @@ class _Scan:
 
     def neighbours(self, adapter_id: int, with_raw: bool = True) -> list[tuple[int, float | None]]:
         """(id, module-sketch cosine) of the adapter's near neighbours (`_near_and_far`), then (id, None) of up to
-        COPY_SOURCES adapters that those are stored copies of (read now: an earlier scan of the batch may have stored
-        them), then of its far ones by the raw-factor sketches."""
+        COPY_SOURCES adapters that those are stored copies of (as the batch's earlier scans left the copy edges; of a
+        neighbour copied from several, the first stored; the nearest neighbours' first), then of its far ones by the
+        raw-factor sketches."""
         near, far = self._near_and_far(adapter_id, with_raw)
-        seen = {adapter_id, *(i for i, _ in near), *far}
-        with self.sessions() as session:
-            stored = copy_sources(session, [i for i, _ in near] + far)
-        sources = [i for i in dict.fromkeys(stored.values()) if i not in seen]
+        ids = [*(i for i, _ in near), *far]
+        self._read_copies(ids)
+        seen = {adapter_id, *ids}
+        sources = [i for i in dict.fromkeys(min(self.copies[c]) for c in ids if self.copies[c]) if i not in seen]
         return [*near, *((i, None) for i in sources[:COPY_SOURCES]), *((i, None) for i in far)]
 
     def _later_copies(self, session: Session, ids: list[int]) -> set[int]:

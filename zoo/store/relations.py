@@ -105,15 +105,15 @@ def _update(session: Session, values: Mapping[str, Any]) -> int:
 COPIES = ("identical", "rescaled", "cast")
 
 
-def copy_sources(session: Session, ids: Sequence[int]) -> dict[int, int]:
-    """{copy: the adapter it is a copy of} for those of `ids` stored as a later copy of another (of several, the
-    first stored: rows come highest parent first, so the lowest is written last)."""
+def copy_edges(session: Session, ids: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(child, parent, detector) of the stored copy edges whose child is one of `ids` (a copy names the first stored
+    of its sources as its parent, the lowest id: the weights give no order)."""
     if not ids:
-        return {}
-    rows = select(AdapterRelation.child_id, AdapterRelation.parent_id).where(
+        return []
+    rows = select(AdapterRelation.child_id, AdapterRelation.parent_id, AdapterRelation.detector).where(
         AdapterRelation.child_id.in_(list(ids)), AdapterRelation.relation.in_(COPIES)
     )
-    return {child: parent for child, parent in session.execute(rows.order_by(AdapterRelation.parent_id.desc()))}
+    return [(child, parent, detector) for child, parent, detector in session.execute(rows)]
 
 
 def merges_naming(session: Session, parent_id: int) -> dict[int, list[int]]:
