@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import SafetensorError
 from safetensors.numpy import save
 from safetensors.torch import load_file, save_file
 from sqlalchemy import select, update
@@ -23,7 +24,7 @@ from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.fingerprint import DUPLICATE_RTOL, FINGERPRINT_DIM, SCREEN_SIGMAS, may_be_duplicate, relative_distance, sketch
 from zoo.reference.real_shapes import MODELS, write_adapter
 from zoo.services.ingest import IngestOptions, Ingestor
-from zoo.store.blobs import BlobStore, BlobWriter, factor_arrays
+from zoo.store.blobs import MAPPED_FROM, BlobStore, BlobWriter, factor_arrays
 from zoo.store.models import Adapter
 from zoo.store.session import session_factory
 
@@ -239,6 +240,26 @@ def test_a_staged_blob_has_the_bytes_safetensors_writes(names: list[str], seed: 
     back = dict(store.get_factors(staged.digest))
     assert all(torch.equal(back[n].U, f.U) and torch.equal(back[n].S, f.S) and torch.equal(back[n].V, f.V) for n, f in modules)
     shutil.rmtree(store.root)
+
+
+@pytest.mark.parametrize("rows", [8, 40_000])
+def test_a_blob_read_whole_or_mapped_loads_back_and_a_truncated_one_is_refused(rows: int, tmp_path: Path) -> None:
+    """Blobs under MAPPED_FROM bytes are read whole, larger ones through a memory map: both load back the factors
+    stored, and a truncated blob of either size raises what `zoo export` reports (SafetensorError)."""
+    g = torch.Generator().manual_seed(rows)
+    parts = [(torch.randn(rows, 4, generator=g), torch.rand(4, generator=g), torch.randn(6, 4, generator=g)) for _ in range(2)]
+    modules = [(f"m{i}", CanonicalFactors(*p)) for i, p in enumerate(parts)]
+    store = BlobStore(tmp_path)
+    staged = store.stage_factors(modules)
+    store.commit(staged)
+    assert (staged.size >= MAPPED_FROM) == (rows > 8)
+    back = dict(store.get_factors(staged.digest))
+    assert all(torch.equal(back[n].U, f.U) and torch.equal(back[n].S, f.S) and torch.equal(back[n].V, f.V) for n, f in modules)
+    path = store.path(staged.digest)
+    path.chmod(0o644)
+    path.write_bytes(path.read_bytes()[: staged.size // 2])
+    with pytest.raises(SafetensorError):
+        store.get(staged.digest)
 
 
 def test_a_blob_writer_commits_or_leaves_nothing_and_reports_its_errors(tmp_path: Path) -> None:

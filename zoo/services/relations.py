@@ -192,20 +192,33 @@ class _Factors:
         self.sessions, self.blobs, self.budget = sessions, blobs, budget
         self.loaded: OrderedDict[int, tuple[Update, int]] = OrderedDict()
         self.held = 0
+        #: (factors blob, factor summary) of adapters about to be asked for, None for one not stored (`expect`)
+        self.rows: dict[int, tuple[str | None, dict | None] | None] = {}
+
+    def expect(self, ids: list[int]) -> None:
+        """Read where the factors of those of `ids` not loaded are, in one query, for the `get`s of a batch (the
+        batch before's rows are dropped)."""
+        self.rows = {}
+        self._read_rows([i for i in dict.fromkeys(ids) if i not in self.loaded])
+
+    def _read_rows(self, ids: list[int]) -> None:
+        if ids:
+            with self.sessions() as session:
+                columns = select(Adapter.id, Adapter.factors_blob, Adapter.factor_summary)
+                found = {i: (digest, summary) for i, digest, summary in session.execute(columns.where(Adapter.id.in_(ids)))}
+            self.rows.update({i: found.get(i) for i in ids})
 
     def get(self, ids: list[int]) -> list[Update]:
         """The updates of these adapters that are still stored, in the order given."""
         missing = [i for i in dict.fromkeys(ids) if i not in self.loaded]
-        if missing:
-            with self.sessions() as session:
-                columns = select(Adapter.id, Adapter.factors_blob, Adapter.factor_summary)
-                rows = session.execute(columns.where(Adapter.id.in_(missing))).all()
-            for i, digest, summary in rows:
-                if digest:
-                    kept = FactorSummary.from_json(summary) if summary else None
-                    update = Update(dict(self.blobs.get_factors(digest)), kept, i)
-                    self.loaded[i] = (update, detector_bytes(update))
-                    self.held += self.loaded[i][1]
+        self._read_rows([i for i in missing if i not in self.rows])
+        for i in missing:
+            digest, summary = self.rows.get(i) or (None, None)
+            if digest:
+                kept = FactorSummary.from_json(summary) if summary else None
+                update = Update(dict(self.blobs.get_factors(digest)), kept, i)
+                self.loaded[i] = (update, detector_bytes(update))
+                self.held += self.loaded[i][1]
         asked = dict.fromkeys(ids)
         for i in asked:  # in the order asked: the first of them is the least recent
             if i in self.loaded:
@@ -235,9 +248,9 @@ class _Scan:
 
     def prefetch(self, batch: list[int]) -> dict[int, list[int]]:
         """Search the engine for the whole batch at once (by the module sketches, by the raw factors), then for the
-        close neighbours to test again as merges, and read the copy edges of all their neighbours; the close
-        neighbours to test, by adapter: those (at most RECHECK, outside the batch: an adapter of the batch has the
-        others among its own neighbours) scanned before it was embedded."""
+        close neighbours to test again as merges, and read the copy edges and the factors' whereabouts of all their
+        neighbours. Returns the close neighbours to test, by adapter: those (at most RECHECK, outside the batch: an
+        adapter of the batch has the others among its own neighbours) scanned before it was embedded."""
         self._search(batch, with_raw=True)
         members = set(batch)
         close = {a: [i for i, score in self._near_and_far(a, True)[0][:RECHECK] if score >= RECHECK_SCORE] for a in batch}
@@ -247,7 +260,9 @@ class _Scan:
         rechecked = [i for ids in blind.values() for i in ids]
         self._search(rechecked, with_raw=False)
         around = [self._near_and_far(a, True) for a in batch] + [self._near_and_far(i, False) for i in rechecked]
-        self._read_copies([i for near, far in around for i in [*(n for n, _ in near), *far]])
+        neighbours = [i for near, far in around for i in [*(n for n, _ in near), *far]]
+        self._read_copies(neighbours)
+        self.factors.expect([*batch, *rechecked, *neighbours])
         return blind
 
     def _read_copies(self, ids: list[int]) -> None:
