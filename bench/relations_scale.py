@@ -4,7 +4,8 @@ Issue 33's goal: the relation step (zoo/services/relations.py) costs at most 50 
 million adapters. Its work per adapter is O(k): its FETCHED nearest by the engine's module-sketch and raw-factor
 indexes (searched for BATCH adapters at once), their sketch vectors from the engine's index (`later_copies`), the
 factors of up to NEIGHBOURS of them from the blob store, `find_relations`, the merge test again for up to RECHECK close
-neighbours scanned before it, and one write transaction. This bench measures it, part by part, in two synthetic spaces built the same way in one run:
+neighbours scanned before it, and one write transaction. This bench measures it, part by part, in two synthetic
+spaces built the same way in one run:
 
 - the source: a shapes-lineage zoo (`zoo make-zoo --recipe shapes-lineage`, or --zoo), stored with its labels,
   `zoo embed` (its own relation step: the reference row, real neighbourhoods) and a short `zoo train` (the synthetic
