@@ -149,9 +149,9 @@ def scanned_before(session: Session, close: Mapping[int, Sequence[int]], embedde
     if not keys or not others:
         return {a: [] for a in keys}
     mine = select(Embedding.adapter_id, Embedding.version).where(Embedding.embedder_id == embedder_id, Embedding.adapter_id.in_(keys))
-    embedded = dict(session.execute(mine).tuples().all())
+    embedded = {adapter: version for adapter, version in session.execute(mine)}
     scans = select(RelationScan.adapter_id, RelationScan.space_version).where(RelationScan.adapter_id.in_(others))
-    scanned = dict(session.execute(scans).tuples().all())
+    scanned = {adapter: version for adapter, version in session.execute(scans)}
     return {a: [i for i in ids if a in embedded and i in scanned and scanned[i] < embedded[a]] for a, ids in close.items()}
 
 
