@@ -288,11 +288,13 @@ class _Scan:
     def _search(self, ids: list[int], with_raw: bool) -> None:
         """The FETCHED nearest of those of `ids` not searched yet (one engine search a method)."""
         methods = ["sketch", "raw"] if self.raw and with_raw else ["sketch"]
+        todo = {m: [i for i in dict.fromkeys(ids) if i not in self.found[m]] for m in methods}
+        if not any(todo.values()):
+            return  # the batch's searches hold them: every neighbourhood after prefetch
         with self.sessions() as session:
-            for method in methods:
-                if todo := [i for i in dict.fromkeys(ids) if i not in self.found[method]]:
-                    found = self.engine.stored_neighbours(session, self.base_model, method, todo, FETCHED)
-                    self.found[method].update({i: found.get(i, []) for i in todo})
+            for method, wanted in todo.items():
+                found = self.engine.stored_neighbours(session, self.base_model, method, wanted, FETCHED) if wanted else {}
+                self.found[method].update({i: found.get(i, []) for i in wanted})
 
     def _near_and_far(self, adapter_id: int, with_raw: bool) -> tuple[list[Neighbour], list[int]]:
         """The adapter's NEIGHBOURS nearest by module-sketch cosine (at least MIN_SCORE), and up to RAW_NEIGHBOURS others
