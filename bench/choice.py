@@ -61,7 +61,17 @@ def dump(args: argparse.Namespace) -> None:
         else:
             train_pos, test_pos = split_positions(adapters, 0.2, seed)
             fit, fit_pos = [adapters[p] for p in train_pos], list(train_pos)
-        given = {k: v for k, v in (("members", args.members), ("val_fraction", args.val_fraction)) if v is not None}
+        given = {
+            k: v
+            for k, v in (
+                ("members", args.members),
+                ("val_fraction", args.val_fraction),
+                ("augment_rescale", args.augment_rescale),
+                ("augment_module_dropout", args.augment_module_dropout),
+                ("augment_mixup", args.augment_mixup),
+            )
+            if v is not None
+        }
         options = TrainOptions(epochs=args.epochs, seed=seed, objective=args.objective, **given)
         emb = train_w2t(fit, schema, options, progress=False)
         members = [W2TEnsemble([m], emb.schema, emb.rank, emb.metric_stats, emb.objective).embed(adapters) for m in emb.models]
@@ -428,6 +438,11 @@ def main() -> None:
     d.add_argument("--members", type=int, help="W2T models in the ensemble (default: TrainOptions')")
     d.add_argument("--val-fraction", type=float, help="each member's held-out share (default: TrainOptions')")
     d.add_argument("--objective", default="supervised", choices=["supervised", "both"])
+    d.add_argument("--augment-rescale", type=float, help="views rescale each update by e^U(-x, x) (default: TrainOptions')")
+    d.add_argument("--augment-module-dropout", type=float, help="views drop up to this share of the modules (default: TrainOptions')")
+    d.add_argument(
+        "--augment-mixup", type=float, help="share of labelled adapters a step mixes with one of their task (default: TrainOptions')"
+    )
     d.add_argument("--out", required=True, type=Path)
     s = sub.add_parser("study", help="replay every rule on dumps")
     s.add_argument("dumps", nargs="+", type=Path)

@@ -168,10 +168,10 @@ class W2T(nn.Module):
         return pooled, has_any.reshape(B, M), module_sketch
 
     def forward(
-        self, batch: Batch, noise: float = 0.0, generator: torch.Generator | None = None, readout_scale: float = 1.0
+        self, batch: Batch, noise: float = 0.0, generator: torch.Generator | None = None, readout_scale: float | torch.Tensor = 1.0
     ) -> torch.Tensor:
         """Adapter embeddings (B, embed_dim), not normalized. Training views: `noise`, N(0, noise²/width) on every u and v;
-        `readout_scale`, the readout's input scaled by it (1/the share of the modules a view keeps)."""
+        `readout_scale`, the readout's input scaled by it (1/the share of the modules a view keeps), for all rows or per row (B,)."""
         x, mask, sketches = self._pooled_modules(batch, noise, generator)
         kept = mask.any(dim=0)  # module tokens no adapter of the batch has change nothing below: left out
         if bool(kept.any()) and not bool(kept.all()):
@@ -181,7 +181,11 @@ class W2T(nn.Module):
         z = self.out(self.module_pool(x, mask))
         if self.readout is not None:
             flat = sketches.flatten(1)
-            z = z + self.readout(flat if readout_scale == 1.0 else flat * readout_scale)
+            if isinstance(readout_scale, torch.Tensor):
+                flat = flat * readout_scale[:, None]
+            elif readout_scale != 1.0:
+                flat = flat * readout_scale
+            z = z + self.readout(flat)
         return z
 
     def _pooled_modules(

@@ -85,6 +85,17 @@ class TrainOptions:
     augment_sign_flips: bool = False  # harmless by construction: for measuring that
     augment_rank_permutations: bool = False
     augment_truncation: bool = True  # supervised views drop weak components and add small noise, as contrastive views do
+    #: views rescale each adapter's update by e^c, c ~ U(-x, x) (its σ; the sketches are normalized and keep theirs): the
+    #: update's scale (learning rate × alpha) says nothing of what the adapter does. 0: off
+    augment_rescale: float = 0.0
+    #: views drop up to this share of each adapter's modules (the share drawn per view, at least one module kept; the
+    #: readout of the rest scaled up to match, as _module_view does): with 8 labels per task, retrieval by W2T mixes
+    #: gained 0.016 hit@1 and 0.019 nDCG@10 (docs/results.md, issue 32, seventh round). 0: off
+    augment_module_dropout: float = 0.5
+    #: supervised steps replace this share of their labelled adapters by a mix λ dW + (1 − λ) dW′ with another training
+    #: adapter of the same task (λ ~ U(0.25, 0.75)), canonicalized again and cut to the padded rank: a new adapter of
+    #: that task, where labels are few. Its measured metrics are unknown. 0: off
+    augment_mixup: float = 0.0
     device: str | None = None
     metrics: tuple[str, ...] = ("test_accuracy",)
     #: attributes that get a classification head; None: every categorical attribute. Heads for the
@@ -182,12 +193,24 @@ def _module_view(tokens: Batch, rows: torch.Tensor, rank_tokens: int, gen: torch
 VIEW_NOISE = 0.02
 
 
-def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrastive_view: bool) -> Batch:
-    """A training view's tokens: its weakest components dropped (the model adds the view's noise, VIEW_NOISE). Sign flips
-    of (u_i, v_i) are left out of views: the model is invariant to them, and they cost two passes over u and v."""
+def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrastive_view: bool) -> tuple[Batch, torch.Tensor | None]:
+    """A training view's tokens: its weakest components dropped (the model adds the view's noise, VIEW_NOISE), and where the
+    options ask, its scale changed and some of its modules dropped; with the per-row factor its readout is scaled by
+    (None: 1). Sign flips of (u_i, v_i) are left out of views: the model is invariant to them, and they cost two passes
+    over u and v."""
+    rows = n_rows(batch)
+    log_scale = None
+    if contrastive_view and options.augment_rescale:
+        log_scale = (2 * torch.rand(rows, generator=gen) - 1) * options.augment_rescale
+    dropped, readout = _module_dropout(batch, gen, options.augment_module_dropout) if contrastive_view else ({}, None)
     out: Batch = {}
     for t, tok in batch.items():
         u, v, ls, mask = tok.u, tok.v, tok.log_sigma, tok.mask
+        norms = tok.norms
+        if t in dropped:  # the sketches stay normalized by the whole adapter's σ, as in _module_view
+            norms = tok.sigma_norms() if norms is None else norms
+            mask = mask & ~dropped[t][..., None]
+            ls = ls.masked_fill(~mask, 0.0)
         if options.augment_sign_flips:
             signs = torch.where(torch.rand(mask.shape, generator=gen) < 0.5, -1.0, 1.0)[..., None]
             u, v = u * signs, v * signs
@@ -202,8 +225,112 @@ def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrast
             order = torch.argsort(torch.argsort(-ls.masked_fill(~mask, float("-inf")), dim=-1), dim=-1)
             mask = mask & (order < keep)
             ls = ls.masked_fill(~mask, 0.0)
-        out[t] = TypeTokens(u, v, ls, mask, tok.layers, tok.groups, tok.norms)
+        if log_scale is not None:
+            ls = (ls + log_scale[:, None, None]).masked_fill(~mask, 0.0)
+            norms = None if norms is None else norms * log_scale.exp()
+        out[t] = TypeTokens(u, v, ls, mask, tok.layers, tok.groups, norms)
+    return out, readout
+
+
+def _module_dropout(batch: Batch, gen: torch.Generator, share: float) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """(per type: the modules (B, M) a view drops, the readout factor per row: modules / modules kept). Each adapter
+    drops each of its modules with a probability drawn from U(0, share), and keeps at least one."""
+    if not share:
+        return {}, None
+    present = {t: tok.mask.any(dim=-1) for t, tok in batch.items()}
+    p = torch.rand(n_rows(batch), generator=gen) * share
+    drop = {t: (torch.rand(m.shape, generator=gen) < p[:, None]) & m for t, m in present.items()}
+    have = torch.stack([m.sum(dim=1) for m in present.values()]).sum(dim=0)
+    kept = torch.stack([(m & ~drop[t]).sum(dim=1) for t, m in present.items()]).sum(dim=0)
+    none_left = kept == 0  # such an adapter keeps them all
+    drop = {t: d & ~none_left[:, None] for t, d in drop.items()}
+    kept = torch.where(none_left, have, kept)
+    return drop, have.float() / kept.clamp_min(1).float()
+
+
+def _mix_partners(rows: torch.Tensor, train: torch.Tensor, groups: torch.Tensor, share: float, gen: torch.Generator) -> torch.Tensor:
+    """For each row: another of the `train` rows in its group (its task) to be mixed with, drawn at random, for a `share`
+    of the rows that have one; -1 for the others."""
+    out = torch.full_like(rows, -1)
+    pick = torch.rand(len(rows), generator=gen) < share
+    for i in torch.nonzero(pick).flatten().tolist():
+        mates = train[(groups[train] == groups[rows[i]]) & (train != rows[i])]
+        if len(mates):
+            out[i] = mates[int(torch.randint(len(mates), (1,), generator=gen))]
     return out
+
+
+def _mix(batch: Batch, mates: Batch, lam: torch.Tensor) -> Batch:
+    """Each row's update mixed with its mate's, λ dW + (1 − λ) dW′ per module (λ per row), as canonical tokens again:
+    QR of both sides' stacked components, SVD of the small core, the strongest components kept up to the padded rank.
+    Where the tokens carry the whole adapters' σ norms (a module view), the mix's is estimated as the λ-weighted one
+    scaled by what the drawn modules show of the mix."""
+    out: Batch = {}
+    for t, a in batch.items():
+        b = mates[t]
+        rank = a.mask.shape[-1]
+        weights = torch.cat([lam[:, None, None] * a.log_sigma.exp() * a.mask, (1 - lam)[:, None, None] * b.log_sigma.exp() * b.mask], dim=2)
+        qu, ru = torch.linalg.qr(torch.cat([a.u, b.u], dim=2).transpose(-1, -2))  # (B, M, out, K), (B, M, K, 2R)
+        qv, rv = torch.linalg.qr(torch.cat([a.v, b.v], dim=2).transpose(-1, -2))
+        left, sigma, right_t = torch.linalg.svd((ru * weights[..., None, :]) @ rv.transpose(-1, -2), full_matrices=False)
+        k = min(rank, sigma.shape[-1])
+        u = (qu @ left[..., :k]).transpose(-1, -2)
+        v = (qv @ right_t[..., :k, :].transpose(-1, -2)).transpose(-1, -2)
+        sigma = sigma[..., :k]
+        mask = sigma > 1e-6 * sigma.amax(dim=-1, keepdim=True).clamp_min(1e-30)
+        if k < rank:  # a side narrower than the rank
+            pad = rank - k
+            u, v = nn.functional.pad(u, (0, 0, 0, pad)), nn.functional.pad(v, (0, 0, 0, pad))
+            sigma, mask = nn.functional.pad(sigma, (0, pad)), nn.functional.pad(mask, (0, pad))
+        log_sigma = torch.log(sigma.clamp_min(1e-12)).masked_fill(~mask, 0.0)
+        norms = None
+        if a.norms is not None and b.norms is not None:
+            drawn = (sigma * mask).pow(2).flatten(1).sum(dim=1).sqrt()
+            drawn_each = lam * a.sigma_norms() + (1 - lam) * b.sigma_norms()
+            norms = drawn * (lam * a.norms + (1 - lam) * b.norms) / drawn_each.clamp_min(1e-12)
+        out[t] = TypeTokens(u * mask[..., None], v * mask[..., None], log_sigma, mask, a.layers, a.groups, norms)
+    return out
+
+
+def _step_tokens(
+    data: _Data, rows: torch.Tensor, train_rows: torch.Tensor, options: TrainOptions, gen: torch.Generator, train: bool
+) -> tuple[Batch, Batch, float, torch.Tensor | None]:
+    """A step's tokens of its rows (a module view of them in training), the tokens its supervised loss sees (some rows
+    replaced by mixes with a mate of their task, where options.augment_mixup asks), the readout scale, and each row's
+    mate (-1: none), or None where no row was mixed."""
+    if not train:
+        batch = select(data.tokens, rows)
+        return batch, batch, 1.0, None
+    mates = (
+        _mix_partners(rows, train_rows, data.groups, options.augment_mixup, gen)
+        if options.augment_mixup and options.objective != "contrastive"
+        else None
+    )
+    mixed = None if mates is None else mates >= 0
+    if mates is None or mixed is None or not bool(mixed.any()):
+        batch, scale = _module_view(data.tokens, rows, options.step_rank_tokens, gen)
+        return batch, batch, scale, None
+    both, scale = _module_view(data.tokens, torch.cat([rows, mates[mixed]]), options.step_rank_tokens, gen)  # the same modules
+    batch, mate_tokens = select(both, slice(0, len(rows))), select(both, slice(len(rows), None))
+    lam = 0.25 + 0.5 * torch.rand(int(mixed.sum()), generator=gen)
+    sup = {t: _copy(tok) for t, tok in batch.items()}
+    for t, tok in _mix(select(batch, mixed), mate_tokens, lam).items():
+        for name in ("u", "v", "log_sigma", "mask"):
+            getattr(sup[t], name)[mixed] = getattr(tok, name)
+        norms = sup[t].norms
+        if tok.norms is not None and norms is not None:
+            norms[mixed] = tok.norms
+    return batch, sup, scale, mates
+
+
+def _copy(tok: TypeTokens) -> TypeTokens:
+    norms = None if tok.norms is None else tok.norms.clone()
+    return TypeTokens(tok.u.clone(), tok.v.clone(), tok.log_sigma.clone(), tok.mask.clone(), tok.layers, tok.groups, norms)
+
+
+def _readout_scale(scale: float, per_row: torch.Tensor | None, device: torch.device) -> float | torch.Tensor:
+    """A view's readout factor: the module view's, times each row's where modules were dropped from it."""
+    return scale if per_row is None else (per_row * scale).to(device)
 
 
 def _supcon(z1: torch.Tensor, z2: torch.Tensor, groups: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -280,24 +407,34 @@ def _train_member(
             rows = rows[has_target[rows]]
             if not len(rows):
                 return total
-        batch, scale = _module_view(data.tokens, rows, options.step_rank_tokens, gen) if train else (select(data.tokens, rows), 1.0)
+        batch, sup_batch, scale, mates = _step_tokens(data, rows, fold.train, options, gen, train)
+        mixed = None if mates is None else mates >= 0
         if options.objective in ("supervised", "both"):
-            view = _augment(batch, gen, options, contrastive_view=options.augment_truncation) if train else batch
+            view, factor = _augment(sup_batch, gen, options, contrastive_view=options.augment_truncation) if train else (sup_batch, None)
             noise = VIEW_NOISE if train and options.augment_truncation else 0.0
-            z = model(to_device(view, device), noise=noise, generator=gen, readout_scale=scale)
+            z = model(to_device(view, device), noise=noise, generator=gen, readout_scale=_readout_scale(scale, factor, device))
             logits, reg = model.predict(z)
             for k, lg in logits.items():
-                y = data.targets[k][rows].to(device)
+                y = data.targets[k][rows]
+                if mates is not None and mixed is not None:  # a mix keeps the attributes its two adapters share
+                    y = torch.where(mixed & (y != data.targets[k][mates.clamp_min(0)]), -100, y)
+                y = y.to(device)
                 if (y != -100).any():
                     total = total + nn.functional.cross_entropy(lg, y, ignore_index=-100)
             for k, out in reg.items():
-                y = data.reg_targets[k][rows].to(device)
+                y = data.reg_targets[k][rows]
+                if mixed is not None:  # a mix's metrics were never measured
+                    y = y.masked_fill(mixed, float("nan"))
+                y = y.to(device)
                 ok = ~torch.isnan(y)
                 if ok.any():
                     total = total + nn.functional.mse_loss(out[ok], y[ok])
         if options.objective in ("contrastive", "both"):
-            views = [to_device(_augment(batch, gen, options, contrastive_view=True), device) for _ in range(2)]
-            z1, z2 = (model(v, noise=VIEW_NOISE, generator=gen, readout_scale=scale) for v in views)
+            views = [_augment(batch, gen, options, contrastive_view=True) for _ in range(2)]
+            z1, z2 = (
+                model(to_device(v, device), noise=VIEW_NOISE, generator=gen, readout_scale=_readout_scale(scale, f, device))
+                for v, f in views
+            )
             total = total + _supcon(z1, z2, data.groups[rows].to(device), options.temperature)
         return total
 
