@@ -89,8 +89,9 @@ class TrainOptions:
     #: update's scale (learning rate × alpha) says nothing of what the adapter does. 0: off
     augment_rescale: float = 0.0
     #: views drop up to this share of each adapter's modules (the share drawn per view, at least one module kept; the
-    #: readout of the rest scaled up to match, as _module_view does): with 8 labels per task, retrieval by W2T mixes
-    #: gained 0.016 hit@1 and 0.019 nDCG@10 (docs/results.md, issue 32, seventh round). 0: off
+    #: readout of the rest scaled up to match, as _module_view does). On shapes-cnn with 8 labels per task the chosen
+    #: search gained 0.017 hit@1 and 0.029 nDCG@10 by it; with 4 it lost 0.003-0.007 (docs/results.md, issue 32,
+    #: seventh round). Contrastive views drop modules too. 0: off
     augment_module_dropout: float = 0.5
     #: supervised steps replace this share of their labelled adapters by a mix λ dW + (1 − λ) dW′ with another training
     #: adapter of the same task (λ ~ U(0.25, 0.75)), canonicalized again and cut to the padded rank: a new adapter of
