@@ -307,10 +307,10 @@ def _step_tokens(
         if options.augment_mixup and options.objective != "contrastive"
         else None
     )
-    mixed = None if mates is None else mates >= 0
-    if mates is None or mixed is None or not bool(mixed.any()):
+    if mates is None or not bool((mates >= 0).any()):
         batch, scale = _module_view(data.tokens, rows, options.step_rank_tokens, gen)
         return batch, batch, scale, None
+    mixed = mates >= 0
     both, scale = _module_view(data.tokens, torch.cat([rows, mates[mixed]]), options.step_rank_tokens, gen)  # the same modules
     batch, mate_tokens = select(both, slice(0, len(rows))), select(both, slice(len(rows), None))
     lam = 0.25 + 0.5 * torch.rand(int(mixed.sum()), generator=gen)
@@ -409,7 +409,6 @@ def _train_member(
             if not len(rows):
                 return total
         batch, sup_batch, scale, mates = _step_tokens(data, rows, fold.train, options, gen, train)
-        mixed = None if mates is None else mates >= 0
         if options.objective in ("supervised", "both"):
             view, factor = _augment(sup_batch, gen, options, contrastive_view=options.augment_truncation) if train else (sup_batch, None)
             noise = VIEW_NOISE if train and options.augment_truncation else 0.0
@@ -417,15 +416,15 @@ def _train_member(
             logits, reg = model.predict(z)
             for k, lg in logits.items():
                 y = data.targets[k][rows]
-                if mates is not None and mixed is not None:  # a mix keeps the attributes its two adapters share
-                    y = torch.where(mixed & (y != data.targets[k][mates.clamp_min(0)]), -100, y)
+                if mates is not None:  # a mix keeps the attributes its two adapters share
+                    y = torch.where((mates >= 0) & (y != data.targets[k][mates.clamp_min(0)]), -100, y)
                 y = y.to(device)
                 if (y != -100).any():
                     total = total + nn.functional.cross_entropy(lg, y, ignore_index=-100)
             for k, out in reg.items():
                 y = data.reg_targets[k][rows]
-                if mixed is not None:  # a mix's metrics were never measured
-                    y = y.masked_fill(mixed, float("nan"))
+                if mates is not None:  # a mix's metrics were never measured
+                    y = y.masked_fill(mates >= 0, float("nan"))
                 y = y.to(device)
                 ok = ~torch.isnan(y)
                 if ok.any():
