@@ -11,7 +11,8 @@ with many, the best estimate wins without having to be "clearly" better.
 
 - search: every exact score (the whole update's dW cosine, the mean module cosine) alone and mixed with the W2T
   cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task) against
-  whole-update dW cosine;
+  whole-update dW cosine; the pick is bagged over bootstrap resamples (bagged_pick), as the weight is one number
+  on a scale where the best of 21 noisy estimates jumps about;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score, or
   either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
   held-out adapters best, against the W2T heads and few-shot readouts of the W2T embedding (nearest class mean,
