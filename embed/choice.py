@@ -11,8 +11,7 @@ with many, the best estimate wins without having to be "clearly" better.
 
 - search: every exact score (the whole update's dW cosine, the mean module cosine) alone and mixed with the W2T
   cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task) against
-  whole-update dW cosine; the pick is bagged over bootstrap resamples (bagged_pick), as the weight is one number
-  on a scale where the best of 21 noisy estimates jumps about;
+  whole-update dW cosine;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score, or
   either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
   held-out adapters best, against the W2T heads and few-shot readouts of the W2T embedding (nearest class mean,
@@ -23,7 +22,6 @@ with many, the best estimate wins without having to be "clearly" better.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -46,8 +44,6 @@ PROTOTYPE_TEMPERATURE = 0.1
 HALVES = 200
 #: fewer held-out adapters than this tell nothing: the reference stays
 MIN_ITEMS = 5
-#: bootstrap resamples the search pick is bagged over
-BAGS = 200
 
 
 @dataclass(frozen=True)
@@ -111,16 +107,14 @@ def best_expected(
     return (pick(np.arange(n)) if gain > 0 else reference), gain
 
 
-def _why(
-    chosen: SearchScore | Predictor, reference: SearchScore | Predictor, gain: float, n: int, measure: str, by: str = "the best estimate"
-) -> str:
+def _why(chosen: SearchScore | Predictor, reference: SearchScore | Predictor, gain: float, n: int, measure: str) -> str:
     if chosen == reference:
         return (
-            f"{reference.name}: choosing by {by} on half of {n} held-out adapters gained {gain:+.3f} "
+            f"{reference.name}: choosing by the best estimate on half of {n} held-out adapters gained {gain:+.3f} "
             f"({measure}) on the other half, so the training-free {reference.name} stays"
         )
     return (
-        f"{chosen.name} is {by} of {measure} on {n} held-out adapters (choosing so on half of them gained "
+        f"{chosen.name} has the best expected {measure} on {n} held-out adapters (choosing so on half of them gained "
         f"{gain:+.3f} over {reference.name} on the other half)"
     )
 
@@ -149,56 +143,23 @@ def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarr
     return list(sims), np.stack(list(sims.values())) if sims else np.zeros((0, n))
 
 
-def search_quality(
-    exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]
-) -> tuple[list[int], dict[SearchScore, dict[str, np.ndarray]]]:
-    """The positions of the held-out adapters with a task, and each candidate's retrieval (hit@1, MRR, nDCG@10) per
-    such adapter, querying the labelled adapters out of fold (held_out_w2t)."""
-    flat, w2t = held_out_w2t(folds, {r for r, task in enumerate(tasks) if task})
-    queries = [tasks[q] for q in flat]
-    quality = {}
-    for score in search_candidates():
-        per = retrieval_per_query(hybrid_score(exact[score.exact][flat], w2t, score.w2t_weight), queries, tasks, list(flat))
-        quality[score] = {k: per[k] for k in ("hit@1", "mrr", "ndcg@10")}
-    return flat, quality
-
-
-def bagged_pick(candidates: list[SearchScore], table: np.ndarray) -> Callable[[np.ndarray], SearchScore]:
-    """The search pick from `items` of `table` (held-out adapters × candidates' quality), bagged (Efron 2014,
-    "Estimation and accuracy after model selection"): the best estimate is found on BAGS bootstrap resamples of the
-    items; the exact score most found (W2T alone counts for each) is taken at the mean of the W2T weights found with
-    it, to the nearest tenth. A mean of the weights moves less from zoo to zoo than one best of 21 noisy estimates."""
-
-    def pick(items: np.ndarray) -> SearchScore:
-        rng = np.random.default_rng(0)
-        counts = rng.multinomial(len(items), np.full(len(items), 1 / len(items)), size=BAGS)
-        found = [candidates[i] for i in np.argmax(counts @ table[items], axis=1)]
-        votes = Counter(e for c in found for e in ((c.exact,) if c.w2t_weight < 1 else EXACT_SCORES))
-        exact = max(EXACT_SCORES, key=lambda e: votes[e])  # ties: the first, the whole update
-        weight = float(np.mean([c.w2t_weight for c in found if c.exact == exact or c.w2t_weight == 1]))
-        return SearchScore(exact, float(np.floor(weight * 10 + 0.5)) / 10)
-
-    return pick
-
-
 def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice[SearchScore]:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
     between the labelled adapters (n × n), `tasks` their tasks ("" unknown). Each held-out adapter with a task
-    queries the labelled ones; every candidate of search_candidates() is scored by MRR + nDCG@10, and the bagged
-    pick (bagged_pick) is chosen unless picking so does not pay against whole-update dW cosine (best_expected)."""
+    queries the labelled ones; every candidate of search_candidates() is scored by MRR + nDCG@10 and the best
+    expected one is chosen against whole-update dW cosine (best_expected)."""
+    flat, w2t = held_out_w2t(folds, {r for r, task in enumerate(tasks) if task})
     reference = SearchScore()  # the whole update's cosine, the training-free bar
-    flat, per = search_quality(exact, tasks, folds)
     if len(flat) < MIN_ITEMS:
         return Choice(reference, reason=f"{len(flat)} held-out adapters with a task: too few to tell, the whole update's dW cosine")
-    candidates = list(per)
-    table = np.stack([per[c]["mrr"] + per[c]["ndcg@10"] for c in candidates], axis=1)
-    chosen, value = best_expected(
-        candidates, reference, lambda c, items: float(table[items, candidates.index(c)].mean()), len(flat), bagged_pick(candidates, table)
-    )
-    means = dict(zip(candidates, table.mean(axis=0).tolist(), strict=True))
-    return Choice(
-        chosen, means, _why(chosen, reference, value, len(flat), "MRR + nDCG@10", f"the best estimate bagged over {BAGS} resamples")
-    )
+    quality: dict[SearchScore, np.ndarray] = {}
+    for score in search_candidates():
+        sim = hybrid_score(exact[score.exact][flat], w2t, score.w2t_weight)
+        per = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
+        quality[score] = per["mrr"] + per["ndcg@10"]
+    chosen, value = best_expected(list(quality), reference, lambda c, items: float(quality[c][items].mean()), len(flat))
+    means = {k: float(v.mean()) for k, v in quality.items()}
+    return Choice(chosen, means, _why(chosen, reference, value, len(flat), "MRR + nDCG@10"))
 
 
 def search_similarity(exact: dict[str, np.ndarray], score: SearchScore, z: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
