@@ -410,6 +410,11 @@ RULES: dict[str, Rule] = {
 }
 
 
+def standard_error(values: np.ndarray) -> float:
+    """The standard error of the mean of per-split values (0 for one split)."""
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
 def cross_split_floor(table: dict[Candidate, list[dict[str, float]]], fixed: dict[str, dict[str, Candidate]]) -> dict[str, object]:
     """Not a rule a user has: on each split, per measure, the fixed candidate best served on the other splits. Its
     regret is what the noise between splits leaves to any fixed choice, so it shows how far below the goal a
@@ -430,6 +435,7 @@ def cross_split_floor(table: dict[Candidate, list[dict[str, float]]], fixed: dic
             behind = np.array([r[k] for r in table[best_fixed[k]]]) - g
             cell[f"regret_{among}"] = float(behind.mean())
             cell[f"regret_{among}_p90"] = float(np.quantile(behind, 0.9))
+            cell[f"regret_{among}_se"] = standard_error(behind)
         row[k] = cell
     return row
 
@@ -460,6 +466,7 @@ def study(paths: list[Path]) -> dict[str, object]:
                     behind = np.array([r[k] for r in table[best[k]]]) - got[k]
                     cell[f"regret_{among}"] = float(behind.mean())
                     cell[f"regret_{among}_p90"] = float(np.quantile(behind, 0.9))
+                    cell[f"regret_{among}_se"] = standard_error(behind)
                 row[k] = cell
             rows[name] = row
         rows["floor: per measure, the best fixed candidate on the other splits (hindsight)"] = cross_split_floor(table, fixed)
@@ -509,7 +516,8 @@ def main() -> None:
             print(f"  best fixed ({among}): {r['fixed_oracle'][among]} {r['fixed_scores'][among]}")
         for name, row in r["rules"].items():
             cells = "  ".join(
-                f"{k} {row[k]['score']:.3f} regret {row[k]['regret_live']:.3f}/{row[k]['regret_all']:.3f} "
+                f"{k} {row[k]['score']:.3f} regret {row[k]['regret_live']:.3f} ± {row[k]['regret_live_se']:.3f}"
+                f"/{row[k]['regret_all']:.3f} "
                 f"gain {row[k]['gain_over_dw']:+.3f}"
                 for k in MEASURES
             )
