@@ -8,8 +8,8 @@ embed.choice.choose_search does), and what it chose is scored on the split's que
 served embedding (the members' mean cosine). Per dump and rule: the mean regret against the best fixed candidate of
 the live candidates, its 90th percentile, and the gain over dW cosine (hit@1, MRR, nDCG@10), beside the live rule
 measured in the same run, and the floor the splits' own noise leaves (cross_split_floor); a table, then the figures as
-one JSON object on the last line. A dump takes a W2T training
-per split; a study takes seconds.
+one JSON object on the last line. A dump takes a W2T training per split; a study takes a few minutes. `study --join`
+studies several dumps of one zoo (made with other --seed) as one, for more splits than one dump holds.
 """
 
 from __future__ import annotations
@@ -440,14 +440,28 @@ def cross_split_floor(table: dict[Candidate, list[dict[str, float]]], fixed: dic
     return row
 
 
-def study(paths: list[Path]) -> dict[str, object]:
-    """Each rule of RULES on each dump's splits: regret against the best fixed candidate (of the live ones, and of
-    all with the cascades), and gain over dW."""
-    report: dict[str, object] = {}
-    everything = with_cascades()
+def load_splits(paths: list[Path]) -> list[Split]:
+    """The splits of one or more dumps of the same zoo (the same adapters in the same order: e.g. seeds 0-4 and, made
+    later with --seed 5, seeds 5-9), as one."""
+    splits: list[Split] = []
+    tasks: list[str] | None = None
     for path in paths:
         data = np.load(path)
-        splits = [Split.load(data, int(s)) for s in data["seeds"]]
+        if tasks is not None and data["tasks"].tolist() != tasks:
+            raise SystemExit(f"{path} is not a dump of the same zoo as {paths[0]}: studied as one, they must be")
+        tasks = data["tasks"].tolist()
+        splits += [Split.load(data, int(s)) for s in data["seeds"]]
+    return splits
+
+
+def study(groups: list[list[Path]]) -> dict[str, object]:
+    """Each rule of RULES on each group of dumps' splits (load_splits): regret against the best fixed candidate (of
+    the live ones, and of all with the cascades), and gain over dW."""
+    report: dict[str, object] = {}
+    everything = with_cascades()
+    for paths in groups:
+        path = " + ".join(map(str, paths))
+        splits = load_splits(paths)
         table = {c: [served(s, c) for s in splits] for c in everything}
         oofs = [out_of_fold(s, everything) for s in splits]
         fixed = {
@@ -471,7 +485,7 @@ def study(paths: list[Path]) -> dict[str, object]:
             rows[name] = row
         rows["floor: per measure, the best fixed candidate on the other splits (hindsight)"] = cross_split_floor(table, fixed)
         matches = sum(s.chosen_live == c for s, c in zip(splits, rows[next(iter(RULES))]["chosen"], strict=True))  # type: ignore[call-overload]
-        report[str(path)] = {
+        report[path] = {
             "fixed_oracle": {among: {k: c.name for k, c in best.items()} for among, best in fixed.items()},
             "fixed_scores": {
                 among: {k: float(np.mean([r[k] for r in table[c]])) for k, c in best.items()} for among, best in fixed.items()
@@ -504,11 +518,12 @@ def main() -> None:
     d.add_argument("--out", required=True, type=Path)
     s = sub.add_parser("study", help="replay every rule on dumps")
     s.add_argument("dumps", nargs="+", type=Path)
+    s.add_argument("--join", action="store_true", help="study the dumps' splits as one (dumps of one zoo made with other --seed)")
     args = parser.parse_args()
     if args.command == "dump":
         dump(args)
         return
-    report = study(args.dumps)
+    report = study([args.dumps] if args.join else [[d] for d in args.dumps])
     for path, r in report.items():
         assert isinstance(r, dict)
         print(f"{path}: live rule reproduced on {r['live_reproduced']} splits; dW {r['dw']}")
