@@ -415,6 +415,21 @@ def standard_error(values: np.ndarray) -> float:
     return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
 
 
+def measured(
+    got: np.ndarray, k: str, table: dict[Candidate, list[dict[str, float]]], fixed: dict[str, dict[str, Candidate]]
+) -> dict[str, float]:
+    """One study cell: measure `k` served per split (`got`), its mean, its gain over dW cosine, and its regret against
+    each best fixed candidate (mean, 90th percentile, standard error)."""
+    dw = np.array([r[k] for r in table[SearchScore()]])
+    cell = {"score": float(got.mean()), "gain_over_dw": float(np.mean(got - dw))}
+    for among, best in fixed.items():
+        behind = np.array([r[k] for r in table[best[k]]]) - got
+        cell[f"regret_{among}"] = float(behind.mean())
+        cell[f"regret_{among}_p90"] = float(np.quantile(behind, 0.9))
+        cell[f"regret_{among}_se"] = standard_error(behind)
+    return cell
+
+
 def cross_split_floor(table: dict[Candidate, list[dict[str, float]]], fixed: dict[str, dict[str, Candidate]]) -> dict[str, object]:
     """Not a rule a user has: on each split, per measure, the fixed candidate best served on the other splits. Its
     regret is what the noise between splits leaves to any fixed choice, so it shows how far below the goal a
@@ -428,15 +443,7 @@ def cross_split_floor(table: dict[Candidate, list[dict[str, float]]], fixed: dic
             others = [j for j in range(n) if j != i]
             best = max(live, key=lambda c: np.mean([table[c][j][k] for j in others]))
             got.append(table[best][i][k])
-        g = np.array(got)
-        dw = np.array([r[k] for r in table[SearchScore()]])
-        cell: dict[str, float] = {"score": float(g.mean()), "gain_over_dw": float(np.mean(g - dw))}
-        for among, best_fixed in fixed.items():
-            behind = np.array([r[k] for r in table[best_fixed[k]]]) - g
-            cell[f"regret_{among}"] = float(behind.mean())
-            cell[f"regret_{among}_p90"] = float(np.quantile(behind, 0.9))
-            cell[f"regret_{among}_se"] = standard_error(behind)
-        row[k] = cell
+        row[k] = measured(np.array(got), k, table, fixed)
     return row
 
 
@@ -474,14 +481,7 @@ def study(groups: list[list[Path]]) -> dict[str, object]:
             got = {k: np.array([table[c][i][k] for i, c in enumerate(picks)]) for k in MEASURES}
             row: dict[str, object] = {"chosen": [c.name for c in picks]}
             for k in MEASURES:
-                dw = np.array([r[k] for r in table[SearchScore()]])
-                cell = {"score": float(got[k].mean()), "gain_over_dw": float(np.mean(got[k] - dw))}
-                for among, best in fixed.items():
-                    behind = np.array([r[k] for r in table[best[k]]]) - got[k]
-                    cell[f"regret_{among}"] = float(behind.mean())
-                    cell[f"regret_{among}_p90"] = float(np.quantile(behind, 0.9))
-                    cell[f"regret_{among}_se"] = standard_error(behind)
-                row[k] = cell
+                row[k] = measured(got[k], k, table, fixed)
             rows[name] = row
         rows["floor: per measure, the best fixed candidate on the other splits (hindsight)"] = cross_split_floor(table, fixed)
         matches = sum(s.chosen_live == c for s, c in zip(splits, rows[next(iter(RULES))]["chosen"], strict=True))  # type: ignore[call-overload]
