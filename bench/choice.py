@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from embed.choice import MIX_WEIGHTS, Fold, best_expected, choose_search, held_out_w2t, search_candidates
+from embed.choice import MIX_WEIGHTS, Fold, best_expected, choose_search, held_out_w2t, search_candidates, self_excluded
 from embed.metrics import retrieval_per_query
 from zoo.domain.methods import SearchScore
-from zoo.domain.similarity import EXACT_SCORES, hybrid_score
+from zoo.domain.similarity import EXACT_SCORES
 
 MEASURES = ("hit@1", "mrr", "ndcg@10")
 
@@ -118,53 +118,23 @@ class Split:
         return cls(seed, tasks, labelled, queries, folds, exact, served, str(data[f"s{seed}_chosen"]))
 
 
-@dataclass(frozen=True)
-class Cascade:
-    """Rank by `deep`, then re-rank its `k` best by `top` (the rest keep the deep order)."""
-
-    deep: SearchScore
-    top: SearchScore
-    k: int = 10
-
-    @property
-    def name(self) -> str:
-        return f"{self.deep.name} > {self.top.name} top {self.k}"
+Candidate = SearchScore
 
 
-Candidate = SearchScore | Cascade
-
-
-def cascades() -> list[Cascade]:
-    """The two-stage candidates studied: a W2T-heavy first stage, its top re-ranked by a W2T-light mix of the same
-    exact score."""
-    return [
-        Cascade(SearchScore(e, wd), SearchScore(e, wt), k)
-        for e in EXACT_SCORES
-        for wd in (0.5, 0.6, 0.7, 0.8, 0.9)
-        for wt in (0.0, 0.1, 0.2, 0.3)
-        for k in (5, 10)
-    ]
+def one_stage() -> list[Candidate]:
+    """The live candidates without a second stage: what the choice weighed before issue 32's ninth round."""
+    return [c for c in search_candidates() if c.second_stage is None]
 
 
 def similarity(
     c: Candidate, exact: dict[str, np.ndarray], w2t: np.ndarray, self_index: list[int], keep: np.ndarray | None = None
 ) -> np.ndarray:
-    """A candidate's scores (queries × gallery) from the exact scores and the W2T cosine of the same rows; gallery
-    items not in `keep` (queries × gallery, where given) score -inf."""
-    rows = np.arange(len(w2t))
-    if isinstance(c, SearchScore):
-        out = hybrid_score(exact[c.exact], w2t, c.w2t_weight)
-        return out if keep is None else np.where(keep, out, -np.inf)
-    deep = hybrid_score(exact[c.deep.exact], w2t, c.deep.w2t_weight)
-    top = hybrid_score(exact[c.top.exact], w2t, c.top.w2t_weight)
-    deep[rows, self_index] = -np.inf
+    """A candidate's ranking keys (queries × gallery, SearchScore.ranking) from the exact scores and the W2T cosine of
+    the same rows; each query's own column, and gallery items not in `keep` (where given), are excluded."""
+    excluded = self_excluded(self_index, w2t.shape[1])
     if keep is not None:
-        deep = np.where(keep, deep, -np.inf)
-    best = np.argpartition(-deep, c.k - 1, axis=1)[:, : c.k]
-    out = deep.copy()
-    chosen = np.take_along_axis(deep, best, axis=1)
-    out[rows[:, None], best] = np.where(np.isfinite(chosen), 10.0 + top[rows[:, None], best], -np.inf)
-    return out
+        excluded |= ~keep
+    return c.ranking(exact[c.exact], w2t, excluded)
 
 
 def served(split: Split, c: Candidate) -> dict[str, float]:
@@ -213,17 +183,13 @@ def by_sum(measures: tuple[str, ...], among: Callable[[], Sequence[Candidate]]) 
     return rule
 
 
-def with_cascades() -> list[Candidate]:
-    return [*search_candidates(), *cascades()]
-
-
 def leaning(t: float, measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
     """The best estimate, then the mix of the same exact score with the most W2T weight whose paired estimate is
     within `t` standard errors of it (out of fold W2T is one member's cosine against adapters it trained on; the
     served one is the members' mean against mostly unseen ones), guarded by the replay on halves."""
 
     def rule(split: Split, oof: Scores) -> Candidate:
-        quality = {c: total(oof[c], measures) for c in search_candidates()}
+        quality = {c: total(oof[c], measures) for c in one_stage()}
         n = len(next(iter(quality.values())))
         reference = SearchScore()
 
@@ -399,11 +365,10 @@ def bagged(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
 
 RULES: dict[str, Rule] = {
     "live (MRR + nDCG@10, replayed on halves)": live,
+    "one stage only (the live rule before round 9)": by_sum(("mrr", "ndcg@10"), one_stage),
     "hit@1 + MRR + nDCG@10": by_sum(MEASURES, search_candidates),
-    "with cascades": by_sum(("mrr", "ndcg@10"), with_cascades),
     "lean to W2T within 1 se": leaning(1.0),
     "unseen relevant only": honest(),
-    "unseen relevant only, with cascades": honest(among=with_cascades),
     "both estimates by the unlabelled share": mixed(),
     "smoothed over the weights, cubic": smoothed(3),
     "bagged over 200 resamples, mean weight": bagged(),
@@ -463,9 +428,9 @@ def load_splits(paths: list[Path]) -> list[Split]:
 
 def study(groups: list[list[Path]]) -> dict[str, object]:
     """Each rule of RULES on each group of dumps' splits (load_splits): regret against the best fixed candidate (of
-    the live ones, and of all with the cascades), and gain over dW."""
+    the live ones, and of the one-stage ones alone), and gain over dW."""
     report: dict[str, object] = {}
-    everything = with_cascades()
+    everything = search_candidates()
     for paths in groups:
         path = " + ".join(map(str, paths))
         splits = load_splits(paths)
@@ -473,7 +438,7 @@ def study(groups: list[list[Path]]) -> dict[str, object]:
         oofs = [out_of_fold(s, everything) for s in splits]
         fixed = {
             among: {k: max(cands, key=lambda c: np.mean([row[k] for row in table[c]])) for k in MEASURES}
-            for among, cands in (("live", search_candidates()), ("all", everything))
+            for among, cands in (("live", everything), ("one_stage", one_stage()))
         }
         rows = {}
         for name, rule in RULES.items():
@@ -527,12 +492,12 @@ def main() -> None:
     for path, r in report.items():
         assert isinstance(r, dict)
         print(f"{path}: live rule reproduced on {r['live_reproduced']} splits; dW {r['dw']}")
-        for among in ("live", "all"):
+        for among in ("live", "one_stage"):
             print(f"  best fixed ({among}): {r['fixed_oracle'][among]} {r['fixed_scores'][among]}")
         for name, row in r["rules"].items():
             cells = "  ".join(
                 f"{k} {row[k]['score']:.3f} regret {row[k]['regret_live']:.3f} ± {row[k]['regret_live_se']:.3f}"
-                f"/{row[k]['regret_all']:.3f} "
+                f"/{row[k]['regret_one_stage']:.3f} "
                 f"gain {row[k]['gain_over_dw']:+.3f}"
                 for k in MEASURES
             )

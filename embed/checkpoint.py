@@ -22,7 +22,10 @@ def checkpoint_meta(directory: Path) -> dict:
 
 
 def search_of(meta: dict) -> SearchScore:
-    """The search score a checkpoint serves; before the choice among exact scores, module cosine was the exact one."""
+    """The search score a checkpoint serves, by name; before second stages it was kept as its exact score and W2T
+    weight, and before the choice among exact scores, module cosine was the exact one."""
+    if "search" in meta:
+        return SearchScore.parse(meta["search"])
     return SearchScore(meta.get("exact_score", "module"), float(meta["hybrid_weight"]))
 
 
@@ -33,7 +36,7 @@ def predictors_of(meta: dict) -> dict[str, Predictor]:
     predictors: dict[str, Predictor] = {}
     for target, kind in meta["predictor"].items():
         if kind == "search":
-            predictors[target] = KnnPredictor(search_of(meta), KNN_K)
+            predictors[target] = KnnPredictor(search_of(meta).first_stage, KNN_K)
         elif kind == KnnPredictor.kind:
             predictors[target] = KnnPredictor(SearchScore.parse(knn[target]["similarity"]), int(knn[target]["k"]))
         else:
@@ -44,6 +47,7 @@ def predictors_of(meta: dict) -> dict[str, Predictor]:
 def methods_meta(search: SearchScore, predictors: dict[str, Predictor]) -> dict[str, object]:
     """The metadata search_of and predictors_of read back."""
     return {
+        "search": search.name,
         "exact_score": search.exact,
         "hybrid_weight": search.w2t_weight,
         "predictor": {target: p.kind for target, p in predictors.items()},

@@ -10,7 +10,8 @@ labels (or many candidates of equal worth) the best estimate is mostly noise and
 with many, the best estimate wins without having to be "clearly" better.
 
 - search: every exact score (the whole update's dW cosine, the mean module cosine) alone and mixed with the W2T
-  cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task) against
+  cosine at each weight of MIX_WEIGHTS, and two-stage searches (a W2T-heavy mix whose top is re-ordered by a lighter
+  mix of the same exact score, RERANKS), by each held-out adapter's MRR + nDCG@10 (relevance = same task) against
   whole-update dW cosine;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score, or
   either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
@@ -32,10 +33,13 @@ from embed.calibration import Calibration, class_prior, knn_calibration
 from embed.calibration import fit as fit_calibration
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
 from zoo.domain.methods import LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore
-from zoo.domain.similarity import EXACT_SCORES, hybrid_score
+from zoo.domain.similarity import EXACT_SCORES
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
+#: the two-stage searches tried, as (first stage's W2T weights, second stage's, how many the second re-orders): a
+#: W2T-heavy mix ranks deep (nDCG@10), a light one orders its top (hit@1) (docs/results.md, issue 32)
+RERANKS = ((0.5, 0.6, 0.7, 0.8, 0.9), (0.0, 0.1, 0.2, 0.3), (5, 10))
 #: neighbours tried by the kNN predictors, in order of preference on a tie
 KNN_KS = (KNN_K, 5, 3, 1)
 #: temperature of the nearest-class-mean readout's softmax over cosines
@@ -74,8 +78,9 @@ class Choice(Generic[M]):
 
 
 def knn_similarities(search: SearchScore) -> list[SearchScore]:
-    """The similarities a kNN predictor may use: the search score first, then the exact scores."""
-    return [search, *(s for s in map(SearchScore, EXACT_SCORES) if s != search)]
+    """The similarities a kNN predictor may use: the search score's (its first stage) first, then the exact scores."""
+    first = search.first_stage
+    return [first, *(s for s in map(SearchScore, EXACT_SCORES) if s != first)]
 
 
 K = TypeVar("K")
@@ -120,8 +125,19 @@ def _why(chosen: SearchScore | Predictor, reference: SearchScore | Predictor, ga
 
 
 def search_candidates() -> list[SearchScore]:
-    """Every search score the choice weighs, simplest first: each exact score, then the mixes by W2T weight."""
-    return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES))
+    """Every search score the choice weighs, simplest first: each exact score, then the mixes by W2T weight, then the
+    two-stage searches of RERANKS."""
+    mixes = [SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES]
+    first, second, tops = RERANKS
+    staged = [SearchScore(score, w, r, top) for score in EXACT_SCORES for w in first for r in second for top in tops]
+    return list(dict.fromkeys([*mixes, *staged]))
+
+
+def self_excluded(queries: list[int], n: int) -> np.ndarray:
+    """The mask (len(queries) × n) of each query's own column: what it may not return."""
+    mask = np.zeros((len(queries), n), bool)
+    mask[np.arange(len(queries)), queries] = True
+    return mask
 
 
 def mean_per_row(values: Iterable[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
@@ -153,9 +169,10 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     if len(flat) < MIN_ITEMS:
         return Choice(reference, reason=f"{len(flat)} held-out adapters with a task: too few to tell, the whole update's dW cosine")
     quality: dict[SearchScore, np.ndarray] = {}
+    own = self_excluded(flat, len(tasks))
     for score in search_candidates():
-        sim = hybrid_score(exact[score.exact][flat], w2t, score.w2t_weight)
-        per = retrieval_per_query(sim, [tasks[q] for q in flat], tasks, list(flat))
+        ranking = score.ranking(exact[score.exact][flat], w2t, own)
+        per = retrieval_per_query(ranking, [tasks[q] for q in flat], tasks, list(flat))
         quality[score] = per["mrr"] + per["ndcg@10"]
     chosen, value = best_expected(list(quality), reference, lambda c, items: float(quality[c][items].mean()), len(flat))
     means = {k: float(v.mean()) for k, v in quality.items()}
@@ -163,8 +180,9 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
 
 
 def search_similarity(exact: dict[str, np.ndarray], score: SearchScore, z: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
-    """A search score between labelled adapters `rows` and `cols` (W2T cosine from embeddings z)."""
-    return hybrid_score(exact[score.exact][np.ix_(rows, cols)], z[rows] @ z[cols].T, score.w2t_weight)
+    """A search score's similarity (its first stage) between labelled adapters `rows` and `cols` (W2T cosine from
+    embeddings z)."""
+    return score.similarity(exact[score.exact][np.ix_(rows, cols)], z[rows] @ z[cols].T)
 
 
 def choose_attribute(

@@ -50,7 +50,6 @@ from zoo.domain.similarity import (
     ModuleStack,
     dense_modules,
     exact_cosines,
-    hybrid_score,
     module_sketches,
     sketch_module_cosines,
 )
@@ -685,8 +684,8 @@ class QueryEngine:
             if query.adapter_id is not None:
                 pool.discard(query.adapter_id)
             candidates = np.array(sorted(pool), dtype=np.int64)
-            scores = self._scores(state, method, query, vectors, candidates)
-            top = top_k(scores, k)
+            scores, keys = self._scores(state, method, query, vectors, candidates)
+            top = top_k(keys, k)
             hit_ids = candidates[top].tolist()
             info = [state.attributes.name_and_labels(i) for i in hit_ids]
         results: list[Hit] = [
@@ -784,14 +783,20 @@ class QueryEngine:
     def _module_stage(self, state: SpaceState) -> str:
         return "exact (module store)" if state.modules is not None else "module sketches (no module store)"
 
-    def _scores(self, state: SpaceState, method: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
+    def _scores(
+        self, state: SpaceState, method: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The method's scores between the query and the adapters `ids`, and the keys that order them (the scores
+        themselves, but for a search score with a second stage: SearchScore.ranking)."""
         if not len(ids):
-            return np.zeros(0)
+            return np.zeros(0), np.zeros(0)
         if method in VECTOR_SCORES:
             kind = VECTOR_SCORES[method]
-            return state.embedders[kind].index.vectors(ids) @ vectors[kind]
+            scores = state.embedders[kind].index.vectors(ids) @ vectors[kind]
+            return scores, scores
         if method in EXACT_SCORES:
-            return self._exact(state, query, vectors[SKETCH], ids, method)
+            scores = self._exact(state, query, vectors[SKETCH], ids, method)
+            return scores, scores
         return self._search_scores(state, self._hybrid_search(state), query, vectors, ids)
 
     def _hybrid_search(self, state: SpaceState) -> SearchScore:
@@ -800,13 +805,15 @@ class QueryEngine:
 
     def _search_scores(
         self, state: SpaceState, score: SearchScore, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
-    ) -> np.ndarray:
-        """A search score between the query and the adapters `ids`."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A search score between the query and the adapters `ids`: its similarity, and the keys that order them."""
         weight = score.w2t_weight
-        if weight <= 0:
-            return self._exact(state, query, vectors[SKETCH], ids, score.exact)
+        if weight <= 0:  # the exact score alone (a second stage needs a W2T-heavier first)
+            exact_only = self._exact(state, query, vectors[SKETCH], ids, score.exact)
+            return exact_only, exact_only
         exact = self._exact(state, query, vectors[SKETCH], ids, score.exact) if weight < 1 else 0.0
-        return hybrid_score(exact, state.embedders[W2T].index.vectors(ids) @ vectors[W2T], weight)
+        w2t = state.embedders[W2T].index.vectors(ids) @ vectors[W2T]
+        return score.similarity(exact, w2t), score.ranking(exact, w2t)
 
     def _exact(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray, score: str) -> np.ndarray:
         """An exact score (zoo.domain.similarity.exact_cosines) from the module store; without one, the module sketches'
@@ -890,7 +897,9 @@ class QueryEngine:
         self, session: Session, state: SpaceState, model: W2TEnsemble, query: Query, similarity: SearchScore
     ) -> tuple[np.ndarray, np.ndarray]:
         """The labelled training adapters nearest the query by a search score (`similarity`): (their positions in the
-        model's memory, scores), from both indexes' CANDIDATES nearest among them, re-scored exactly."""
+        model's memory, scores), from both indexes' CANDIDATES nearest among them, re-scored exactly. The scores
+        are the keys that order them: the similarity itself, the vote's weights, but for a search with a second stage
+        (whose keys only order: the support of an attribute's prediction)."""
         memory_ids = model.memory_ids
         allowed = np.sort(memory_ids)
         with state.lock.read():
@@ -904,9 +913,9 @@ class QueryEngine:
             if query.adapter_id is not None:
                 pool.discard(query.adapter_id)
             candidates = np.array(sorted(pool), dtype=np.int64)
-            scores = self._search_scores(state, similarity, query, vectors, candidates) if len(candidates) else np.zeros(0)
+            keys = self._search_scores(state, similarity, query, vectors, candidates)[1] if len(candidates) else np.zeros(0)
         at = {int(i): j for j, i in enumerate(memory_ids.tolist())}
-        return np.array([at[int(i)] for i in candidates.tolist()], np.int64), scores
+        return np.array([at[int(i)] for i in candidates.tolist()], np.int64), keys
 
 
 @functools.lru_cache(maxsize=64)

@@ -31,7 +31,6 @@ from zoo.domain.similarity import (
     ModuleStack,
     dense_modules,
     exact_cosines,
-    hybrid_score,
     module_sketches,
     sketch_module_cosines,
     sketch_width,
@@ -204,7 +203,7 @@ def search_regret(
     score, the regret (the oracle's score minus the chosen one's: 0 when the choice was the best candidate here) and
     the gain over whole-update dW cosine; every candidate's score, so that several splits can name the best fixed
     candidate (combine_splits)."""
-    candidates = {c: _score(_similarity(exact, w2t, c), adapters, test_pos, train_pos, predict=False) for c in search_candidates()}
+    candidates = {c: _score(_ranking(exact, w2t, c), adapters, test_pos, train_pos, predict=False) for c in search_candidates()}
     out: dict[str, dict[str, Any]] = {}
     for key in REGRET_KEYS:
         value = chosen.get(key)
@@ -263,8 +262,13 @@ def labelled_split(adapters: list[ZooAdapter], per_task: int | None, fraction: f
 
 
 def _similarity(exact: dict[str, np.ndarray], w2t: np.ndarray, score: SearchScore) -> np.ndarray:
-    """A search score from the exact scores and the W2T cosine."""
-    return hybrid_score(exact[score.exact], w2t, score.w2t_weight)
+    """A search score's similarity (its first stage) from the exact scores and the W2T cosine."""
+    return score.similarity(exact[score.exact], w2t)
+
+
+def _ranking(exact: dict[str, np.ndarray], w2t: np.ndarray, score: SearchScore) -> np.ndarray:
+    """How a search score ranks every adapter for every other (SearchScore.ranking; none returns itself)."""
+    return score.ranking(exact[score.exact], w2t, np.eye(len(w2t), dtype=bool))
 
 
 def _default_scores(
@@ -273,7 +277,7 @@ def _default_scores(
     """What `zoo search` and `zoo predict` do after `zoo train`: the chosen search score, and each target by its
     chosen predictor (a kNN among the labelled training adapters by the similarity and k chosen, the heads or a
     readout of the embedding, or the kNN in the embedding), the task's probabilities calibrated as served."""
-    out = _score(_similarity(exact, w2t, emb.search), adapters, test_pos, train_pos, predict=False)
+    out = _score(_ranking(exact, w2t, emb.search), adapters, test_pos, train_pos, predict=False)
     out.update(_calibrated_task_scores(emb, exact, w2t, adapters, test_pos, train_pos))
     source = _head_scores(emb, adapters, test_pos)
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):

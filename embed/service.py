@@ -127,8 +127,7 @@ class TrainReport(TrainMetrics):
     heads: list[str]
     regression: list[str]
     predictors: dict[str, str]
-    exact_score: str
-    hybrid_weight: float
+    search: str
     embedded: NotRequired[dict[str, int]]  # adapters embedded by method, once `zoo train` has embedded them
 
 
@@ -534,8 +533,7 @@ def train_space(
         "heads": sorted(model.config.categorical),
         "regression": model.config.regression,
         "predictors": {k: p.name for k, p in model.predictors.items()},
-        "exact_score": model.search.exact,
-        "hybrid_weight": model.search.w2t_weight,
+        "search": model.search.name,
     }
 
 

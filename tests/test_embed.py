@@ -310,8 +310,28 @@ def test_few_shot_readouts_predict_after_a_round_trip(zoo: list[ZooAdapter], tmp
 
 
 #: the methods' entries of checkpoints as written today and before: (stored, what they load as, what saving writes)
+#: a checkpoint's entries for its methods
+METHOD_KEYS = ("search", "exact_score", "hybrid_weight", "predictor", "knn")
 CHECKPOINT_METHODS = [
-    (  # today's
+    (  # today's: the search score by name (here with a second stage), the first stage's exact score and weight beside it
+        {
+            "search": "module+w2t@0.8 then top 5 by module+w2t@0.1",
+            "exact_score": "module",
+            "hybrid_weight": 0.8,
+            "predictor": {"task": "knn", "rank": "prototype", "test_accuracy": "knn"},
+            "knn": {"task": {"similarity": "module+w2t@0.3", "k": 3}, "test_accuracy": {"similarity": "w2t", "k": 1}},
+        },
+        (
+            SearchScore("module", 0.8, 0.1, 5),
+            {
+                "task": KnnPredictor(SearchScore("module", 0.3), 3),
+                "rank": PROTOTYPE,
+                "test_accuracy": KnnPredictor(SearchScore("dw", 1.0), 1),
+            },
+        ),
+        None,
+    ),
+    (  # before second stages: the exact score and the W2T weight
         {
             "exact_score": "module",
             "hybrid_weight": 0.3,
@@ -326,12 +346,19 @@ CHECKPOINT_METHODS = [
                 "test_accuracy": KnnPredictor(SearchScore("dw", 1.0), 1),
             },
         ),
-        None,
+        {
+            "search": "module+w2t@0.3",
+            "exact_score": "module",
+            "hybrid_weight": 0.3,
+            "predictor": {"task": "knn", "rank": "prototype", "test_accuracy": "knn"},
+            "knn": {"task": {"similarity": "module+w2t@0.3", "k": 3}, "test_accuracy": {"similarity": "w2t", "k": 1}},
+        },
     ),
     (  # before the kNN predictors were chosen: "search", a 10-NN over the search score; module cosine the exact score
         {"hybrid_weight": 0.5, "predictor": {"task": "search", "rank": "head", "test_accuracy": "neighbours"}},
         (SearchScore("module", 0.5), {"task": KnnPredictor(SearchScore("module", 0.5), KNN_K), "rank": HEAD, "test_accuracy": NEIGHBOURS}),
         {
+            "search": "module+w2t@0.5",
             "exact_score": "module",
             "hybrid_weight": 0.5,
             "predictor": {"task": "knn", "rank": "head", "test_accuracy": "neighbours"},
@@ -342,6 +369,7 @@ CHECKPOINT_METHODS = [
         {"hybrid_weight": 1.0, "predictor": {"task": "search", "rank": "head", "test_accuracy": "head"}},
         (SearchScore("dw", 1.0), {"task": KnnPredictor(SearchScore("dw", 1.0), KNN_K), "rank": HEAD, "test_accuracy": HEAD}),
         {
+            "search": "w2t",
             "exact_score": "dw",
             "hybrid_weight": 1.0,
             "predictor": {"task": "knn", "rank": "head", "test_accuracy": "head"},
@@ -356,20 +384,20 @@ def test_checkpoints_keep_their_methods_by_name(
     zoo: list[ZooAdapter], tmp_path: Path, stored: dict, methods: tuple[SearchScore, dict], written: dict | None
 ) -> None:
     """A checkpoint's search score and predictors, stored by name, load as typed values and are saved by the same
-    names: today's checkpoints load and save unchanged, older ones load (no exact score: module cosine; "search":
-    a 10-NN over the search score)."""
+    names: today's checkpoints load and save unchanged, older ones load (no search name: the exact score and weight;
+    no exact score: module cosine; the predictor "search": a 10-NN over the search score)."""
     emb = train_w2t(zoo[:16], schema_of("synthetic", zoo), TrainOptions(epochs=1, seed=0, members=2), progress=False)
     emb.save(tmp_path / "old")
     meta = json.loads((tmp_path / "old" / META).read_text())
-    for key in ("exact_score", "hybrid_weight", "predictor", "knn"):
-        meta.pop(key)
+    for key in METHOD_KEYS:
+        meta.pop(key, None)
     (tmp_path / "old" / META).write_text(json.dumps({**meta, **stored}))
     checkpoint_meta.cache_clear()
     loaded = W2TEnsemble.load(tmp_path / "old", device="cpu")
     assert (loaded.search, loaded.predictors) == methods
     loaded.save(tmp_path / "again")
     again = json.loads((tmp_path / "again" / META).read_text())
-    assert {k: again[k] for k in ("exact_score", "hybrid_weight", "predictor", "knn")} == (written or stored)
+    assert {k: again[k] for k in METHOD_KEYS} == (written or stored)
     assert W2TEnsemble.load(tmp_path / "again", device="cpu").predictors == loaded.predictors
 
 

@@ -195,3 +195,33 @@ def test_a_space_over_the_module_store_budget_ranks_by_module_sketches(cli: CLI,
     assert [r["adapter_id"] for r in found["results"]] == (np.argsort(-want, kind="stable") + 2).tolist()
     exact = module_cosine_matrix(stored_factors(cli, [1]), stored_factors(cli, list(range(2, 15))))[0]
     assert np.corrcoef(want, exact)[0, 1] > 0.9  # the sketches track the exact module cosine
+
+
+def test_a_search_with_a_second_stage_serves_the_top_of_its_first_in_the_order_of_its_second(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A W2T checkpoint whose chosen search has a second stage (zoo.domain.methods.SearchScore): hybrid search returns
+    the top of the first mix of the module cosine and the W2T cosine re-ordered by the second mix, then the rest in
+    the first mix's order, each with its first-stage score; both cosines as the engine serves them alone."""
+    from tests.conftest import copy_seeded
+    from zoo.config import Settings
+    from zoo.domain.methods import SearchScore
+
+    zoo = copy_seeded(request, "sqlite", tmp_path)
+    settings = Settings.load(zoo.url, zoo.data_dir)
+    engine = QueryEngine(session_factory(settings.database_url), BlobStore(settings.blob_dir), settings.data_dir)
+    staged = SearchScore("module", 0.8, 0.1, 8)
+    with session_factory(settings.database_url)() as session:
+        checkpoint = settings.data_dir / str(engine.space(session, "tiny").embedders["w2t"].checkpoint)
+        meta = json.loads((checkpoint / "embedder.json").read_text())
+        (checkpoint / "embedder.json").write_text(json.dumps({**meta, "search": staged.name}))
+        found = {m: engine.similar(session, "tiny", Query("w01", 1), 11, method=m) for m in ("hybrid", "module", "w2t")}
+    module, w2t = ({r["adapter_id"]: r["score"] for r in found[m]["results"]} for m in ("module", "w2t"))
+    assert set(module) == set(w2t) == set(ids_of(found["hybrid"])) and len(module) == 11
+    first = {i: 0.2 * module[i] + 0.8 * w2t[i] for i in module}
+    second = {i: 0.9 * module[i] + 0.1 * w2t[i] for i in module}
+    by_first = sorted(first, key=lambda i: -first[i])
+    want = sorted(by_first[:8], key=lambda i: -second[i]) + by_first[8:]
+    assert want != by_first  # the second stage moves something here: the test tells the stages apart
+    assert ids_of(found["hybrid"]) == want
+    assert all(r["score"] == pytest.approx(first[r["adapter_id"]], abs=1e-5) for r in found["hybrid"]["results"])

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from embed.choice import KNN_KS, MIX_WEIGHTS
 from zoo.domain.methods import (
     LEARNED,
+    MAX_RERANK_TOP,
     KnnPredictor,
     LearnedPredictor,
     Predictor,
@@ -22,9 +23,20 @@ from zoo.domain.similarity import EXACT_SCORES
 
 #: W2T weights: those the choice tries, and any of six decimals
 weights = st.one_of(st.sampled_from((0.0, *MIX_WEIGHTS)), st.integers(0, 10**6).map(lambda i: i / 10**6))
-search_scores = st.builds(SearchScore, st.sampled_from(EXACT_SCORES), weights)
+one_stage_scores = st.builds(SearchScore, st.sampled_from(EXACT_SCORES), weights)
+
+
+@st.composite
+def two_stage_scores(draw: st.DrawFn) -> SearchScore:
+    """A first stage below W2T alone, a lighter second, a top of 2 to MAX_RERANK_TOP."""
+    first = draw(weights.filter(lambda w: 0 < w < 1))
+    second = draw(weights.filter(lambda w: w < first))
+    return SearchScore(draw(st.sampled_from(EXACT_SCORES)), first, second, draw(st.integers(2, MAX_RERANK_TOP)))
+
+
+search_scores = st.one_of(one_stage_scores, two_stage_scores())
 predictors: st.SearchStrategy[Predictor] = st.one_of(
-    st.builds(KnnPredictor, search_scores, st.integers(1, 10_000)), st.sampled_from(LEARNED).map(LearnedPredictor)
+    st.builds(KnnPredictor, one_stage_scores, st.integers(1, 10_000)), st.sampled_from(LEARNED).map(LearnedPredictor)
 )
 
 
@@ -69,6 +81,15 @@ def test_every_predictor_name_in_use_round_trips(name: str) -> None:
     assert parse_predictor(name).name == name
 
 
+def test_a_second_stage_is_named_and_kept_apart_from_what_a_knn_votes_by() -> None:
+    staged = SearchScore.parse("module+w2t@0.8 then top 10 by module+w2t@0.1")
+    assert staged == SearchScore("module", 0.8, 0.1, 10) and staged.second_stage == SearchScore("module", 0.1)
+    assert staged.first_stage == SearchScore("module", 0.8) and SearchScore("module", 0.8).second_stage is None
+    assert SearchScore("dw", 0.5, 0.0, 5).name == "dw+w2t@0.5 then top 5 by dw"
+    with pytest.raises(ValueError, match="votes by one similarity"):
+        KnnPredictor(staged, 3)
+
+
 def test_names_as_they_were_written() -> None:
     assert SearchScore.parse("module+w2t@0.1") == SearchScore("module", 0.1)
     assert SearchScore.parse("w2t") == SearchScore("dw", 1.0) == SearchScore("module", 1.0)  # W2T alone mixes in nothing
@@ -81,7 +102,12 @@ def test_names_as_they_were_written() -> None:
 @pytest.mark.parametrize(
     "name",
     ["", "DW", "dw ", "cosine", "w2t+w2t@0.3", "dw+w2t@", "dw+w2t@0", "dw+w2t@1", "dw+w2t@0.30", "dw+w2t@.3", "dw+w2t@1.5"]
-    + ["dw+w2t@-0.1", "dw+w2t@nan", "dw+w2t@inf", "foo+w2t@0.3", "module+w2t@0.3+w2t@0.3", "knn dw k=3"],
+    + ["dw+w2t@-0.1", "dw+w2t@nan", "dw+w2t@inf", "foo+w2t@0.3", "module+w2t@0.3+w2t@0.3", "knn dw k=3"]
+    # second stages: heavier or as heavy as the first, after W2T alone, another exact score, a top out of range
+    + ["dw+w2t@0.3 then top 10 by dw+w2t@0.5", "dw+w2t@0.3 then top 10 by dw+w2t@0.3", "w2t then top 10 by dw"]
+    + ["dw+w2t@0.8 then top 10 by module", "dw+w2t@0.8 then top 1 by dw", "dw+w2t@0.8 then top 101 by dw"]
+    + ["dw+w2t@0.8 then top 010 by dw", "dw+w2t@0.8 then top 10", "dw then top 10 by dw", "dw+w2t@0.8 then top 10 by "]
+    + ["dw+w2t@0.8 then top ten by dw", "dw+w2t@0.8 then top 10 by dw then top 5 by dw"],
 )
 def test_a_name_no_search_score_has_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="not a search score: " + re.escape(repr(name))):

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from embed.evaluate import refactorized
 from tests.test_embed import synthetic_zoo
 from zoo.domain.canonical import canonicalize
+from zoo.domain.methods import SearchScore
 from zoo.domain.similarity import ModuleStack, dense_modules, module_cosine_matrix, module_presence
 
 # small modules are compared as dense dW, large ones (o, always) through their factors
@@ -105,3 +106,34 @@ def test_a_module_store_written_before_the_derived_file_format_is_read_and_a_dam
     raw[-5] ^= 0xFF
     new.write_bytes(bytes(raw))
     assert read_module_store(new) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    cols=st.integers(1, 30),
+    top=st.integers(2, 12),
+    exclude=st.floats(0, 0.5),
+    weights=st.tuples(st.sampled_from((0.5, 0.7, 0.9)), st.sampled_from((0.0, 0.1, 0.3))),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_second_stage_reorders_exactly_the_first_stages_top(
+    rows: int, cols: int, top: int, exclude: float, weights: tuple[float, float], seed: int
+) -> None:
+    """SearchScore.ranking with a second stage: per row, the `top` best by the first mix (never an excluded item) come
+    first in the order of the second mix, then every other allowed item in the first mix's order; excluded items
+    are never ranked among the allowed."""
+    rng = np.random.default_rng(seed)
+    exact, w2t = rng.uniform(-1, 1, (rows, cols)), rng.uniform(-1, 1, (rows, cols))
+    excluded = rng.random((rows, cols)) < exclude
+    score = SearchScore("module", weights[0], weights[1], top)
+    keys = score.ranking(exact, w2t, excluded)
+    first, second = (1 - weights[0]) * exact + weights[0] * w2t, (1 - weights[1]) * exact + weights[1] * w2t
+    for r in range(rows):
+        allowed = [c for c in range(cols) if not excluded[r, c]]
+        by_first = sorted(allowed, key=lambda c: -first[r, c])
+        expected = sorted(by_first[:top], key=lambda c: -second[r, c]) + by_first[top:]
+        assert np.argsort(-keys[r], kind="stable")[: len(allowed)].tolist() == expected
+        assert np.isneginf(keys[r][excluded[r]]).all()
+    # without a second stage the keys are the first mix itself
+    assert np.allclose(SearchScore("module", weights[0]).ranking(exact, w2t), first)

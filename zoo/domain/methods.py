@@ -1,43 +1,87 @@
 """The methods `zoo train` chooses among (embed/choice.py), as values: a search score and a target's predictor.
 
-Their names (`dw`, `module+w2t@0.3`, `w2t`; `knn dw k=3`, `head`) are what checkpoints, the JSON of `zoo train`,
-`zoo eval` and `zoo predict`, and the REST API carry: `name` writes one, `parse` reads one back (a ValueError for
-anything `name` does not write), and each value has one name.
+Their names (`dw`, `module+w2t@0.3`, `w2t`, `module+w2t@0.8 then top 10 by module+w2t@0.1`; `knn dw k=3`, `head`)
+are what checkpoints, the JSON of `zoo train`, `zoo eval` and `zoo predict`, and the REST API carry: `name` writes
+one, `parse` reads one back (a ValueError for anything `name` does not write), and each value has one name.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, TypeAlias
 
-from zoo.domain.similarity import EXACT_SCORES
+import numpy as np
+
+from zoo.domain.similarity import EXACT_SCORES, hybrid_score, rerank_keys
 
 _W2T = "w2t"
 _MIX = "+w2t@"
+_THEN = " then top "
+_BY = " by "
 _KNN = "knn "
 _K = " k="
+#: the most adapters a second stage re-ranks
+MAX_RERANK_TOP = 100
+
+
+def _writable(weight: float) -> bool:
+    """A W2T weight in [0, 1] that a name writes exactly (`:g`, six significant digits)."""
+    return 0 <= weight <= 1 and float(f"{weight:g}") == weight
 
 
 @dataclass(frozen=True)
 class SearchScore:
     """An exact score (zoo.domain.similarity.EXACT_SCORES) mixed with the supervised W2T cosine at `w2t_weight`:
     0 the exact score alone, 1 the W2T cosine alone (which mixes in no exact score: its `exact` is always the first).
-    A weight is one its name writes exactly (`:g`, six significant digits)."""
+    A weight is one its name writes exactly (`:g`, six significant digits).
+
+    With a second stage (`rerank_weight`), the `rerank_top` best by that mix are re-ordered by the same exact score
+    mixed at `rerank_weight` (below `w2t_weight`: the W2T-heavy mix finds, the lighter one orders what it found), and
+    the rest follow in the first stage's order."""
 
     exact: str = EXACT_SCORES[0]
     w2t_weight: float = 0.0
+    rerank_weight: float | None = None
+    rerank_top: int = 10
 
     def __post_init__(self) -> None:
         weight = float(self.w2t_weight)
-        if self.exact not in EXACT_SCORES or not 0 <= weight <= 1 or float(f"{weight:g}") != weight:
+        if self.exact not in EXACT_SCORES or not _writable(weight):
             raise ValueError(f"no search score mixes exact score {self.exact!r} with the W2T cosine at {self.w2t_weight!r}")
         object.__setattr__(self, "w2t_weight", weight)
+        if self.rerank_weight is not None:
+            second = float(self.rerank_weight)
+            top = self.rerank_top
+            if (
+                not (_writable(second) and second < weight < 1)
+                or isinstance(top, bool)
+                or not isinstance(top, int)
+                or not 2 <= top <= MAX_RERANK_TOP
+            ):
+                raise ValueError(
+                    f"no second stage re-ranks the top {top!r} of {self.exact}{_MIX}{weight:g} by the W2T weight {self.rerank_weight!r}: "
+                    f"it needs a lighter W2T weight than the first stage's (which must be below 1) and a top of 2 to {MAX_RERANK_TOP}"
+                )
+            object.__setattr__(self, "rerank_weight", second)
         if weight == 1:
             object.__setattr__(self, "exact", EXACT_SCORES[0])
 
     @property
+    def first_stage(self) -> SearchScore:
+        """The mix alone, without a second stage: the similarity a kNN votes by."""
+        return replace(self, rerank_weight=None, rerank_top=10)
+
+    @property
+    def second_stage(self) -> SearchScore | None:
+        """The mix the top of the first stage is re-ordered by, if any."""
+        return None if self.rerank_weight is None else SearchScore(self.exact, self.rerank_weight)
+
+    @property
     def name(self) -> str:
-        """`dw`, `module`, `w2t`, or `dw+w2t@0.3`."""
+        """`dw`, `module`, `w2t`, `dw+w2t@0.3`, or `module+w2t@0.8 then top 10 by module+w2t@0.1`."""
+        second = self.second_stage
+        if second is not None:
+            return f"{self.first_stage.name}{_THEN}{self.rerank_top}{_BY}{second.name}"
         if self.w2t_weight == 0:
             return self.exact
         return _W2T if self.w2t_weight == 1 else f"{self.exact}{_MIX}{self.w2t_weight:g}"
@@ -45,16 +89,45 @@ class SearchScore:
     @classmethod
     def parse(cls, name: str) -> SearchScore:
         """The search score named `name` (ValueError for a name `name` does not write)."""
-        if name == _W2T:
-            return cls(EXACT_SCORES[0], 1.0)
-        exact, mix, weight = name.partition(_MIX)
+        first, then, rest = name.partition(_THEN)
+        top, by, second = rest.partition(_BY)
+        score: SearchScore | None
         try:
-            score = cls(exact, float(weight) if mix else 0.0)
+            score = cls._parse_mix(first)
+            if then:
+                stage = cls._parse_mix(second)
+                score = cls(score.exact, score.w2t_weight, stage.w2t_weight, int(top)) if by and stage.exact == score.exact else None
         except ValueError:
             score = None
         if score is None or score.name != name:
-            raise ValueError(f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {_W2T}, or e.g. dw{_MIX}0.3)")
+            raise ValueError(
+                f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {_W2T}, e.g. dw{_MIX}0.3, "
+                f"or e.g. module{_MIX}0.8{_THEN}10{_BY}module{_MIX}0.1)"
+            )
         return score
+
+    @classmethod
+    def _parse_mix(cls, name: str) -> SearchScore:
+        if name == _W2T:
+            return cls(EXACT_SCORES[0], 1.0)
+        exact, mix, weight = name.partition(_MIX)
+        return cls(exact, float(weight) if mix else 0.0)
+
+    def similarity(self, exact: np.ndarray | float, w2t_cosine: np.ndarray) -> np.ndarray:
+        """The first stage's mix from its exact score and the W2T cosine (`exact` may be 0.0 where the weight is 1)."""
+        return hybrid_score(exact, w2t_cosine, self.w2t_weight)
+
+    def ranking(self, exact: np.ndarray | float, w2t_cosine: np.ndarray, excluded: np.ndarray | None = None) -> np.ndarray:
+        """Keys that order a gallery as this search does (rows: queries; higher first): the similarity, or with a
+        second stage rerank_keys of both mixes. `excluded` (a mask like the scores) marks what a row may not return,
+        e.g. the query itself: -inf, never in the top a second stage re-orders."""
+        first = self.similarity(exact, w2t_cosine)
+        if excluded is not None:
+            first = np.where(excluded, -np.inf, first)
+        second = self.second_stage
+        if second is None:
+            return first
+        return rerank_keys(first, second.similarity(exact, w2t_cosine), self.rerank_top)
 
 
 @dataclass(frozen=True)
@@ -69,6 +142,8 @@ class KnnPredictor:
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"a kNN needs at least one neighbour, not {self.k!r}")
+        if self.similarity.second_stage is not None:
+            raise ValueError(f"a kNN votes by one similarity, not by the two stages of {self.similarity.name}")
 
     @property
     def name(self) -> str:

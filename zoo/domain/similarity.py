@@ -325,3 +325,21 @@ def hybrid_score(exact: np.ndarray | float, w2t_cosine: np.ndarray, weight: floa
     """(1 - weight) × an exact score + weight × the supervised W2T embedding's cosine (`exact` may be 0.0 where
     `weight` is 1: nothing to compute)."""
     return (1.0 - weight) * exact + weight * w2t_cosine
+
+
+def rerank_keys(first: np.ndarray, second: np.ndarray, top: int) -> np.ndarray:
+    """Ranking keys of a two-stage search, row by row (1-D: one row): the `top` best by `first` come first, in the
+    order of `second`, then the rest in the order of `first`. Entries of `first` that are -inf (what a row may not
+    return) stay -inf and are never among the top."""
+    first = np.asarray(first, np.float64)
+    rows = np.atleast_2d(first)
+    second_rows = np.broadcast_to(np.atleast_2d(np.asarray(second, np.float64)), rows.shape)
+    keys = rows.copy()
+    top = min(top, rows.shape[1])
+    if top:
+        best = np.argpartition(-rows, top - 1, axis=1)[:, :top]
+        finite = np.isfinite(np.take_along_axis(rows, best, axis=1))
+        # above every first-stage key: mixes of cosines lie in [-1, 1]
+        lifted = np.where(finite, 4.0 + np.take_along_axis(second_rows, best, axis=1), -np.inf)
+        np.put_along_axis(keys, best, lifted, axis=1)
+    return keys if first.ndim == 2 else keys[0]
