@@ -20,26 +20,45 @@ def retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str
 def retrieval_per_query(
     sim: np.ndarray, query_labels: list[str], gallery_labels: list[str], self_index: list[int | None]
 ) -> dict[str, np.ndarray]:
-    """`retrieval`'s metrics per query (0 for a query with no relevant item)."""
-    out = {k: np.zeros(len(sim)) for k in ("hit@1", "hit@10", "mrr", "ndcg@10")}
-    g_labels = np.array(gallery_labels)
+    """`retrieval`'s metrics per query (0 for a query with no relevant item). The gallery is ranked by score, ties
+    in gallery order (a stable sort), without sorting it: the first relevant item's rank is counted, and only the
+    items at or above each row's 10th best score are sorted."""
+    scores = np.array(sim, dtype=np.float64, copy=True)
+    n_queries, n = scores.shape
+    out = {k: np.zeros(n_queries) for k in ("hit@1", "hit@10", "mrr", "ndcg@10")}
+    if not n_queries or not n:
+        return out
+    codes = np.unique(np.asarray([*gallery_labels, *query_labels], dtype=object).astype(str), return_inverse=True)[1]
+    relevant = codes[None, : len(gallery_labels)] == codes[len(gallery_labels) :, None]
+    own = np.zeros_like(relevant)
+    for q, col in enumerate(self_index):
+        if col is not None:
+            own[q, col] = True
+    scores[own] = -np.inf
+    relevant &= ~own
+    n_rel = relevant.sum(axis=1)
+    found = np.flatnonzero(n_rel)
+    if not len(found):
+        return out
+    scores, relevant, own = scores[found], relevant[found], own[found]
+    # the first relevant item in order: the best-scored relevant one, the first of equals; its rank counts what is above
+    best_at = np.where(relevant, scores, -np.inf).argmax(axis=1)
+    best = scores[np.arange(len(found)), best_at][:, None]
+    before = (scores > best) | ((scores == best) & (np.arange(n)[None, :] < best_at[:, None]))
+    rank = (before & ~own).sum(axis=1)
+    out["hit@1"][found] = rank == 0
+    out["hit@10"][found] = rank < 10
+    out["mrr"][found] = 1.0 / (rank + 1)
     discounts = 1.0 / np.log2(np.arange(2, 12))
-    for q, row in enumerate(sim):
-        scores = row.astype(np.float64).copy()
-        if self_index[q] is not None:
-            scores[self_index[q]] = -np.inf
-        order = np.argsort(-scores, kind="stable")
-        if self_index[q] is not None:
-            order = order[:-1]
-        rel = (g_labels[order] == query_labels[q]).astype(np.float64)
-        n_rel = int(rel.sum())
-        if n_rel == 0:
-            continue
-        out["hit@1"][q] = rel[0]
-        out["hit@10"][q] = float(rel[:10].any())
-        out["mrr"][q] = 1.0 / (int(np.argmax(rel)) + 1)
-        dcg = float((rel[:10] * discounts[: len(rel[:10])]).sum())
-        out["ndcg@10"][q] = dcg / float(discounts[: min(10, n_rel)].sum())
+    ideal = np.cumsum(discounts)[np.minimum(n_rel[found], 10) - 1]
+    ranked = n - own.sum(axis=1)  # what each row ranks: all but itself
+    for i, q in enumerate(found.tolist()):
+        k = min(10, int(ranked[i]))
+        row = scores[i]
+        tenth = np.partition(row, n - k)[n - k]
+        top = np.flatnonzero((row >= tenth) & ~own[i])  # in gallery order: the stable sort below keeps ties so
+        top = top[np.argsort(-row[top], kind="stable")][:k]
+        out["ndcg@10"][q] = float((relevant[i, top] * discounts[: len(top)]).sum()) / ideal[i]
     return out
 
 

@@ -16,7 +16,7 @@ from embed.checkpoint import META, checkpoint_meta
 from embed.choice import MIX_WEIGHTS
 from embed.ensemble import W2TEnsemble
 from embed.evaluate import METHODS, evaluate, refactorized
-from embed.metrics import KNN_K, retrieval
+from embed.metrics import KNN_K, retrieval, retrieval_per_query
 from embed.train import TrainOptions, _folds, train_w2t
 from embed.types import ZooAdapter, schema_of, split_positions
 from zoo.domain.canonical import canonicalize
@@ -101,6 +101,45 @@ def test_retrieval_metrics_by_hand() -> None:
     # query 0: ranking [1(b), 2(a), 3(b)] -> first hit at 2; query 1: ranking [0(a), 3(b), 2(a)] -> first hit at 2
     assert r["hit@1"] == 0.0 and r["hit@10"] == 1.0 and r["mrr"] == pytest.approx(0.5)
     assert r["ndcg@10"] == pytest.approx(1 / np.log2(3))
+
+
+def sorted_retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str], self_index: list[int | None]) -> dict:
+    """The reference: each row's gallery sorted whole (stable: ties in gallery order), itself left out."""
+    out: dict[str, list[float]] = {k: [] for k in ("hit@1", "hit@10", "mrr", "ndcg@10")}
+    discounts = 1.0 / np.log2(np.arange(2, 12))
+    for q, row in enumerate(sim):
+        order = [j for j in np.argsort(-row, kind="stable").tolist() if j != self_index[q]]
+        rel = np.array([gallery_labels[j] == query_labels[q] for j in order], np.float64)
+        if not rel.sum():
+            for k in out:
+                out[k].append(0.0)
+            continue
+        first = int(np.argmax(rel))
+        out["hit@1"].append(float(first == 0))
+        out["hit@10"].append(float(first < 10))
+        out["mrr"].append(1 / (first + 1))
+        out["ndcg@10"].append(float((rel[:10] * discounts[: len(rel[:10])]).sum() / discounts[: min(10, int(rel.sum()))].sum()))
+    return out
+
+
+@given(
+    queries=st.integers(1, 12),
+    gallery=st.integers(1, 40),
+    levels=st.sampled_from([3, 1000]),
+    share_self=st.floats(0, 1),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_retrieval_per_query_is_the_whole_sort_of_each_row(queries: int, gallery: int, levels: int, share_self: float, seed: int) -> None:
+    """With ties (few score levels) or without, with or without a query's own column: the ranks counted and the top
+    sorted alone give what sorting each row whole gives."""
+    rng = np.random.default_rng(seed)
+    sim = rng.integers(-levels, levels + 1, (queries, gallery)) / levels
+    labels = [f"t{x}" for x in rng.integers(0, 4, gallery)]
+    asked = [f"t{x}" for x in rng.integers(0, 5, queries)]
+    own = [int(rng.integers(0, gallery)) if rng.random() < share_self else None for _ in range(queries)]
+    got = retrieval_per_query(sim, asked, labels, own)
+    for k, want in sorted_retrieval(sim, asked, labels, own).items():
+        assert np.allclose(got[k], want), k
 
 
 @given(n=st.integers(10, 400), members=st.integers(1, 12), val_fraction=st.floats(0.05, 0.5), seed=st.integers(0, 3))

@@ -115,7 +115,8 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
         assert r["gain_over_dw"] == pytest.approx(default[key] - result["methods"]["dw_cosine"][key])
         assert r["oracle"] == "dw" or r["oracle_score"] >= result["methods"]["dw_cosine"][key]
         assert r["oracle_score"] == max(r["candidates"].values()) and r["chosen_score"] == default[key]
-        assert len(r["candidates"]) == 21  # 2 exact scores, each alone and mixed at 0.1 … 0.9, and W2T alone
+        # 2 exact scores, each alone and mixed at 0.1 … 0.9, W2T alone, and 2 × 5 × 4 × 2 two-stage searches
+        assert len(r["candidates"]) == 21 + 80
 
 
 @pytest.mark.slow
