@@ -183,6 +183,24 @@ def by_sum(measures: tuple[str, ...], among: Callable[[], Sequence[Candidate]]) 
     return rule
 
 
+def tiered(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
+    """Two guarded steps: first the training-free exact scores (the best estimate against dW cosine, replayed on
+    halves), then every candidate against that one, replayed on halves the same way."""
+
+    def rule(split: Split, oof: Scores) -> Candidate:
+        quality = {c: total(oof[c], measures) for c in search_candidates()}
+        n = len(next(iter(quality.values())))
+
+        def value(c: Candidate, items: np.ndarray) -> float:
+            return float(quality[c][items].mean())
+
+        free = [SearchScore(e) for e in EXACT_SCORES]
+        reference = best_expected(free, SearchScore(), value, n)[0]
+        return best_expected(list(quality), reference, value, n)[0]
+
+    return rule
+
+
 def leaning(t: float, measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
     """The best estimate, then the mix of the same exact score with the most W2T weight whose paired estimate is
     within `t` standard errors of it (out of fold W2T is one member's cosine against adapters it trained on; the
@@ -367,6 +385,7 @@ RULES: dict[str, Rule] = {
     "live (MRR + nDCG@10, replayed on halves)": live,
     "one stage only (the live rule before round 9)": by_sum(("mrr", "ndcg@10"), one_stage),
     "hit@1 + MRR + nDCG@10": by_sum(MEASURES, search_candidates),
+    "tiered: exact scores against dW, then all against that": tiered(),
     "lean to W2T within 1 se": leaning(1.0),
     "unseen relevant only": honest(),
     "both estimates by the unlabelled share": mixed(),
