@@ -92,6 +92,13 @@ def test_adapter_detail_and_not_found(web: Web) -> None:
     assert a["id"] == 1 and a["labels"]["task"] in ("qk", "qv") and a["modules"] and a["canonical_hash"]
     assert [x["adapter_id"] for x in a["neighbours"]["results"]] and 1 not in [x["adapter_id"] for x in a["neighbours"]["results"]]
     assert a["predictions"]["attributes"]["task"] and a["predictions"]["embedder_id"]
+    # the page names the five best candidates of each choice by their out-of-fold score and how many there were
+    page = web.client.get("/adapters/1").get_data(as_text=True)
+    choices = [c["scores"] for c in a["predictions"]["choices"].values() if len(c["scores"]) > 5]
+    assert choices
+    for scores in choices:
+        best = max(scores, key=lambda name: scores[name])
+        assert f"best out of fold: {best} {scores[best]:.3f}" in page and f"; {len(scores)} candidates, every score in the JSON" in page
     e = error_of(web.client.get("/api/v1/adapters/9999"))
     assert e["status"] == 404 and "9999" in e["message"]
     assert error_of(web.client.get("/api/v1/nope"))["status"] == 404
