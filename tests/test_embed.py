@@ -12,6 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.retrieval import sorted_retrieval
 from embed.checkpoint import META, checkpoint_meta
 from embed.choice import MIX_WEIGHTS
 from embed.ensemble import W2TEnsemble
@@ -101,25 +102,6 @@ def test_retrieval_metrics_by_hand() -> None:
     # query 0: ranking [1(b), 2(a), 3(b)] -> first hit at 2; query 1: ranking [0(a), 3(b), 2(a)] -> first hit at 2
     assert r["hit@1"] == 0.0 and r["hit@10"] == 1.0 and r["mrr"] == pytest.approx(0.5)
     assert r["ndcg@10"] == pytest.approx(1 / np.log2(3))
-
-
-def sorted_retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str], self_index: list[int | None]) -> dict:
-    """The reference: each row's gallery sorted whole (stable: ties in gallery order), itself left out."""
-    out: dict[str, list[float]] = {k: [] for k in ("hit@1", "hit@10", "mrr", "ndcg@10")}
-    discounts = 1.0 / np.log2(np.arange(2, 12))
-    for q, row in enumerate(sim):
-        order = [j for j in np.argsort(-row, kind="stable").tolist() if j != self_index[q]]
-        rel = np.array([gallery_labels[j] == query_labels[q] for j in order], np.float64)
-        if not rel.sum():
-            for k in out:
-                out[k].append(0.0)
-            continue
-        first = int(np.argmax(rel))
-        out["hit@1"].append(float(first == 0))
-        out["hit@10"].append(float(first < 10))
-        out["mrr"].append(1 / (first + 1))
-        out["ndcg@10"].append(float((rel[:10] * discounts[: len(rel[:10])]).sum() / discounts[: min(10, int(rel.sum()))].sum()))
-    return out
 
 
 @given(
