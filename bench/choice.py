@@ -23,7 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from embed.choice import MIX_WEIGHTS, Fold, best_expected, choose_search, held_out_w2t, search_candidates, self_excluded
+from embed.choice import (
+    MIX_WEIGHTS,
+    Fold,
+    best_expected,
+    choose_search,
+    held_out_w2t,
+    mix_candidates,
+    search_candidates,
+    self_excluded,
+)
 from embed.metrics import retrieval_per_query
 from zoo.domain.methods import SearchScore
 from zoo.domain.similarity import EXACT_SCORES
@@ -121,11 +130,6 @@ class Split:
 Candidate = SearchScore
 
 
-def one_stage() -> list[Candidate]:
-    """The live candidates without a second stage: what the choice weighed before issue 32's ninth round."""
-    return [c for c in search_candidates() if c.second_stage is None]
-
-
 def similarity(
     c: Candidate, exact: dict[str, np.ndarray], w2t: np.ndarray, self_index: list[int], keep: np.ndarray | None = None
 ) -> np.ndarray:
@@ -207,7 +211,7 @@ def leaning(t: float, measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
     served one is the members' mean against mostly unseen ones), guarded by the replay on halves."""
 
     def rule(split: Split, oof: Scores) -> Candidate:
-        quality = {c: total(oof[c], measures) for c in one_stage()}
+        quality = {c: total(oof[c], measures) for c in mix_candidates()}
         n = len(next(iter(quality.values())))
         reference = SearchScore()
 
@@ -383,7 +387,7 @@ def bagged(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
 
 RULES: dict[str, Rule] = {
     "live (MRR + nDCG@10, replayed on halves)": live,
-    "one stage only (the live rule before round 9)": by_sum(("mrr", "ndcg@10"), one_stage),
+    "one stage only (the live rule before round 9)": by_sum(("mrr", "ndcg@10"), mix_candidates),
     "hit@1 + MRR + nDCG@10": by_sum(MEASURES, search_candidates),
     "tiered: exact scores against dW, then all against that": tiered(),
     "lean to W2T within 1 se": leaning(1.0),
@@ -457,7 +461,7 @@ def study(groups: list[list[Path]]) -> dict[str, object]:
         oofs = [out_of_fold(s, everything) for s in splits]
         fixed = {
             among: {k: max(cands, key=lambda c: np.mean([row[k] for row in table[c]])) for k in MEASURES}
-            for among, cands in (("live", everything), ("one_stage", one_stage()))
+            for among, cands in (("live", everything), ("one_stage", mix_candidates()))
         }
         rows = {}
         for name, rule in RULES.items():

@@ -77,10 +77,18 @@ class Choice(Generic[M]):
         return {"chosen": self.chosen.name, "scores": {k.name: round(v, 4) for k, v in self.scores.items()}, "reason": self.reason}
 
 
-def knn_similarities(search: SearchScore) -> list[SearchScore]:
-    """The similarities a kNN predictor may use: the search score's (its first stage) first, then the exact scores."""
-    first = search.first_stage
-    return [first, *(s for s in map(SearchScore, EXACT_SCORES) if s != first)]
+def knn_similarities(similarity: SearchScore) -> list[SearchScore]:
+    """The similarities a kNN predictor may use: `similarity` (a one-stage score: knn_similarity) first, then the
+    exact scores."""
+    return [similarity, *(s for s in map(SearchScore, EXACT_SCORES) if s != similarity)]
+
+
+def knn_similarity(search: Choice[SearchScore], exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> SearchScore:
+    """The similarity the kNN candidates start from: the chosen search score, or where it has two stages (which
+    order and do not weigh) the choice among the one-stage scores alone, made the same way."""
+    if search.chosen.second_stage is None:
+        return search.chosen
+    return choose_search(exact, tasks, folds, mix_candidates()).chosen
 
 
 K = TypeVar("K")
@@ -124,13 +132,17 @@ def _why(chosen: SearchScore | Predictor, reference: SearchScore | Predictor, ga
     )
 
 
+def mix_candidates() -> list[SearchScore]:
+    """The one-stage search scores, simplest first: each exact score, then the mixes by W2T weight."""
+    return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES))
+
+
 def search_candidates() -> list[SearchScore]:
-    """Every search score the choice weighs, simplest first: each exact score, then the mixes by W2T weight, then the
-    two-stage searches of RERANKS."""
-    mixes = [SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES]
+    """Every search score the choice weighs, simplest first: the one-stage ones, then the two-stage searches of
+    RERANKS."""
     first, second, tops = RERANKS
     staged = [SearchScore(score, w, r, top) for score in EXACT_SCORES for w in first for r in second for top in tops]
-    return list(dict.fromkeys([*mixes, *staged]))
+    return [*mix_candidates(), *staged]
 
 
 def self_excluded(queries: list[int], n: int) -> np.ndarray:
@@ -159,18 +171,20 @@ def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarr
     return list(sims), np.stack(list(sims.values())) if sims else np.zeros((0, n))
 
 
-def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice[SearchScore]:
+def choose_search(
+    exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold], candidates: list[SearchScore] | None = None
+) -> Choice[SearchScore]:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
     between the labelled adapters (n × n), `tasks` their tasks ("" unknown). Each held-out adapter with a task
-    queries the labelled ones; every candidate of search_candidates() is scored by MRR + nDCG@10 and the best
-    expected one is chosen against whole-update dW cosine (best_expected)."""
+    queries the labelled ones; every candidate (of search_candidates() unless given) is scored by MRR + nDCG@10 and
+    the best expected one is chosen against whole-update dW cosine (best_expected)."""
     flat, w2t = held_out_w2t(folds, {r for r, task in enumerate(tasks) if task})
     reference = SearchScore()  # the whole update's cosine, the training-free bar
     if len(flat) < MIN_ITEMS:
         return Choice(reference, reason=f"{len(flat)} held-out adapters with a task: too few to tell, the whole update's dW cosine")
     quality: dict[SearchScore, np.ndarray] = {}
     own = self_excluded(flat, len(tasks))
-    for score in search_candidates():
+    for score in candidates if candidates is not None else search_candidates():
         ranking = score.ranking(exact[score.exact][flat], w2t, own)
         per = retrieval_per_query(ranking, [tasks[q] for q in flat], tasks, list(flat))
         quality[score] = per["mrr"] + per["ndcg@10"]

@@ -33,6 +33,7 @@ from embed.choice import (
     choose_attribute,
     choose_metric,
     choose_search,
+    knn_similarity,
     logistic_readout,
     mean_per_row,
     readout_predictions,
@@ -636,8 +637,10 @@ def _choose(
         Fold([at[r] for r in f.val.tolist() if r in at], [at[r] for r in f.train.tolist() if r in at], mz[rows])
         for f, mz in zip(folds, member_z, strict=True)
     ]
-    search = choose_search(exact, [a.labels.get(TASK_KEY, "") for a in labelled], views)
+    tasks = [a.labels.get(TASK_KEY, "") for a in labelled]
+    search = choose_search(exact, tasks, views)
     embedder.search = search.chosen
+    similarity = knn_similarity(search, exact, tasks, views)
     embedder.choices = {"search": search.as_dict()}
     # each member predicts the rows it never trained on; a row held out by several is given their mean
     held_shares: dict[str, list[tuple[int, np.ndarray]]] = {}  # the heads' class shares by attribute, with their rows
@@ -659,7 +662,7 @@ def _choose(
     for k in embedder.config.categorical:
         labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
         learned = {HEAD: shares.get(k, {}), **readout_predictions(labels, classes, views)}
-        choice, _, embedder.calibration[k] = choose_attribute(exact, search.chosen, labels, classes, learned, views)
+        choice, _, embedder.calibration[k] = choose_attribute(exact, similarity, labels, classes, learned, views)
         embedder.predictors[k] = choice.chosen
         embedder.choices[k] = choice.as_dict()
         if choice.chosen == LOGREG:
@@ -667,7 +670,7 @@ def _choose(
             embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
     for m in embedder.config.regression:
         predicted = {HEAD: values.get(m, {}), NEIGHBOURS: values.get(f"neighbours.{m}", {})}
-        choice, pred, truth = choose_metric(exact, search.chosen, embedder.memory_values[m], predicted, views)
+        choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views)
         embedder.predictors[m] = choice.chosen
         embedder.choices[m] = choice.as_dict()
         if len(truth) >= 2:

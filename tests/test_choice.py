@@ -12,6 +12,7 @@ from embed.choice import (
     KNN_KS,
     MIN_ITEMS,
     MIX_WEIGHTS,
+    Choice,
     Fold,
     best_expected,
     choose_attribute,
@@ -19,6 +20,8 @@ from embed.choice import (
     choose_search,
     held_out_w2t,
     knn_similarities,
+    knn_similarity,
+    mix_candidates,
     prototype_predictions,
     readout_predictions,
     search_candidates,
@@ -151,6 +154,17 @@ def test_knn_similarities_start_with_the_search_score(name: str) -> None:
     search = SearchScore.parse(name)
     similarities = knn_similarities(search)
     assert similarities[0] == search and set(EXACT) <= set(similarities) and len(set(similarities)) == len(similarities)
+
+
+def test_knn_candidates_start_from_a_one_stage_similarity() -> None:
+    """A chosen one-stage search is the kNN's first similarity; where a two-stage search is chosen (its stages order
+    and do not weigh), the kNN starts from the same rule's choice among the one-stage scores alone."""
+    exact, tasks, folds = _zoo(6, 12, w2t_noise=0.6)
+    one_stage = choose_search(exact, tasks, folds, mix_candidates())
+    assert knn_similarity(one_stage, exact, tasks, folds) == one_stage.chosen
+    staged = Choice(SearchScore("module", 0.8, 0.2, 10))
+    assert knn_similarity(staged, exact, tasks, folds) == one_stage.chosen and one_stage.chosen.second_stage is None
+    assert set(mix_candidates()) == {c for c in search_candidates() if c.second_stage is None}
 
 
 def test_search_prefers_the_whole_update_unless_module_cosine_is_expected_to_be_better() -> None:
