@@ -98,7 +98,9 @@ def test_adapter_detail_and_not_found(web: Web) -> None:
     assert choices
     for scores in choices:
         best = max(scores, key=lambda name: scores[name])
-        assert f"best out of fold: {best} {scores[best]:.3f}" in page and f"; {len(scores)} candidates, every score in the JSON" in page
+        assert f"best out of fold: {best}: {scores[best]:.3f}" in page and f"; {len(scores)} candidates, every score in the JSON" in page
+    for key, c in a["predictions"]["choices"].items():  # each choice named once: its reason starts with the name
+        assert f"<strong>{key}</strong>: {c['chosen']}: {c['chosen']}" not in page
     e = error_of(web.client.get("/api/v1/adapters/9999"))
     assert e["status"] == 404 and "9999" in e["message"]
     assert error_of(web.client.get("/api/v1/nope"))["status"] == 404
