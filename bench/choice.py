@@ -80,6 +80,7 @@ def dump(args: argparse.Namespace) -> None:
                 ("augment_rescale", args.augment_rescale),
                 ("augment_module_dropout", args.augment_module_dropout),
                 ("augment_mixup", args.augment_mixup),
+                ("unlabelled_per_labelled", args.unlabelled_per_labelled),
             )
             if v is not None
         }
@@ -502,6 +503,9 @@ def main() -> None:
     d.add_argument("--augment-module-dropout", type=float, help="views drop up to this share of the modules (default: TrainOptions')")
     d.add_argument(
         "--augment-mixup", type=float, help="share of labelled adapters a step mixes with one of their task (default: TrainOptions')"
+    )
+    d.add_argument(
+        "--unlabelled-per-labelled", type=float, help="both: unlabelled adapters an epoch draws per labelled one (default: TrainOptions')"
     )
     d.add_argument("--out", required=True, type=Path)
     s = sub.add_parser("study", help="replay every rule on dumps")

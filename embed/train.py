@@ -98,6 +98,10 @@ class TrainOptions:
     #: adapter of the same task (λ ~ U(0.25, 0.75)), canonicalized again and cut to the padded rank: a new adapter of
     #: that task, where labels are few. Its measured metrics are unknown. 0: off
     augment_mixup: float = 0.0
+    #: `both` only: an epoch's contrastive rows are its labelled training adapters and a fresh draw of at most this many
+    #: unlabelled ones per labelled one (validation: one fixed draw of the same share), so that the training's cost
+    #: follows the labels, not the zoo. None: every adapter, every epoch
+    unlabelled_per_labelled: float | None = None
     device: str | None = None
     metrics: tuple[str, ...] = ("test_accuracy",)
     #: attributes that get a classification head; None: every categorical attribute. Heads for the
@@ -410,10 +414,23 @@ def _train_member(
             if not len(rows):
                 return total
         batch, sup_batch, scale, mates = _step_tokens(data, rows, fold.train, options, gen, train)
+        contrastive: list[torch.Tensor] = []
+        if options.objective in ("contrastive", "both"):
+            views = [_augment(batch, gen, options, contrastive_view=True) for _ in range(2)]
+            contrastive = [
+                model(to_device(v, device), noise=VIEW_NOISE, generator=gen, readout_scale=_readout_scale(scale, f, device))
+                for v, f in views
+            ]
+            total = total + _supcon(contrastive[0], contrastive[1], data.groups[rows].to(device), options.temperature)
         if options.objective in ("supervised", "both"):
-            view, factor = _augment(sup_batch, gen, options, contrastive_view=options.augment_truncation) if train else (sup_batch, None)
-            noise = VIEW_NOISE if train and options.augment_truncation else 0.0
-            z = model(to_device(view, device), noise=noise, generator=gen, readout_scale=_readout_scale(scale, factor, device))
+            if contrastive and train and sup_batch is batch and options.augment_truncation:
+                z = contrastive[0]  # a view drawn as the supervised one would be: its heads read it, one forward saved
+            else:
+                view, factor = (
+                    _augment(sup_batch, gen, options, contrastive_view=options.augment_truncation) if train else (sup_batch, None)
+                )
+                noise = VIEW_NOISE if train and options.augment_truncation else 0.0
+                z = model(to_device(view, device), noise=noise, generator=gen, readout_scale=_readout_scale(scale, factor, device))
             logits, reg = model.predict(z)
             for k, lg in logits.items():
                 y = data.targets[k][rows]
@@ -430,23 +447,19 @@ def _train_member(
                 ok = ~torch.isnan(y)
                 if ok.any():
                     total = total + nn.functional.mse_loss(out[ok], y[ok])
-        if options.objective in ("contrastive", "both"):
-            views = [_augment(batch, gen, options, contrastive_view=True) for _ in range(2)]
-            z1, z2 = (
-                model(to_device(v, device), noise=VIEW_NOISE, generator=gen, readout_scale=_readout_scale(scale, f, device))
-                for v, f in views
-            )
-            total = total + _supcon(z1, z2, data.groups[rows].to(device), options.temperature)
         return total
 
-    n_val = len(fold.val)
+    ratio = options.unlabelled_per_labelled if options.objective == "both" else None
+    val_rows = _rows_for_epoch(fold.val, has_target, ratio, torch.Generator().manual_seed(seed))
+    n_val = len(val_rows)
     size = batch_rows(tokens_per_adapter(data.tokens), options.batch_size)
     best, best_state, stale = math.inf, copy.deepcopy(model.state_dict()), 0
     history: list[dict[str, float]] = []
     bar = tqdm(range(options.epochs), desc=desc, unit="epoch", disable=not progress)
     for epoch in bar:
         model.train()
-        order = fold.train[torch.randperm(len(fold.train), generator=gen)]
+        rows_now = _rows_for_epoch(fold.train, has_target, ratio, gen)
+        order = rows_now[torch.randperm(len(rows_now), generator=gen)]
         train_loss = 0.0
         for start in range(0, len(order), size):
             rows = order[start : start + size]
@@ -462,7 +475,7 @@ def _train_member(
         model.eval()
         with torch.no_grad():
             val_loss = (
-                _val_loss(loss_on, fold.val, batch_rows(tokens_per_adapter(data.tokens), n_val))
+                _val_loss(loss_on, val_rows, batch_rows(tokens_per_adapter(data.tokens), n_val))
                 if n_val >= 2
                 else train_loss / max(1, len(order))
             )
@@ -477,6 +490,18 @@ def _train_member(
     model.load_state_dict(best_state)
     model.eval()
     return model, history
+
+
+def _rows_for_epoch(rows: torch.Tensor, has_target: torch.Tensor, ratio: float | None, gen: torch.Generator) -> torch.Tensor:
+    """The rows an epoch trains (or validates) on: every labelled one and at most `ratio` unlabelled ones per labelled
+    one, drawn with `gen` (None, or no labelled row: all of them)."""
+    labelled = has_target[rows]
+    if ratio is None or not bool(labelled.any()):
+        return rows
+    unlabelled = rows[~labelled]
+    keep = min(len(unlabelled), math.ceil(ratio * int(labelled.sum())))
+    drawn = unlabelled[torch.randperm(len(unlabelled), generator=gen)[:keep]].sort().values
+    return torch.cat([rows[labelled], drawn])
 
 
 def _val_loss(loss_on: Callable[..., torch.Tensor], rows: torch.Tensor, size: int) -> float:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embed.tokens import Batch, TypeTokens
-from embed.train import TrainOptions, _augment, _mix, _mix_partners, _module_dropout, train_w2t
+from embed.train import TrainOptions, _augment, _mix, _mix_partners, _module_dropout, _rows_for_epoch, train_w2t
 from embed.types import schema_of
 from tests.test_embed import synthetic_zoo
 
@@ -127,6 +127,26 @@ def test_mates_are_other_training_adapters_of_the_same_task() -> None:
                 assert m != r and m in train.tolist() and groups[m] == groups[r]
         assert bool((mates[:2] >= 0).all())
     assert bool((_mix_partners(rows, train, groups, 0.0, torch.Generator()) < 0).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), labelled_share=st.floats(0.0, 1.0), ratio=st.floats(0.0, 3.0), seed=st.integers(0, 2**16))
+def test_an_epoch_keeps_every_labelled_row_and_draws_a_bounded_share_of_the_rest(
+    n: int, labelled_share: float, ratio: float, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    has_target = torch.rand(2 * n, generator=gen) < labelled_share
+    rows = torch.randperm(2 * n, generator=gen)[:n]
+    drawn = _rows_for_epoch(rows, has_target, ratio, torch.Generator().manual_seed(seed))
+    got, labelled = set(drawn.tolist()), {r for r in rows.tolist() if has_target[r]}
+    assert len(got) == len(drawn) and got <= set(rows.tolist())  # no row twice, none from outside
+    if labelled:
+        assert labelled <= got
+        unlabelled = len(got - labelled)
+        assert unlabelled == min(n - len(labelled), int(np.ceil(ratio * len(labelled))))
+    else:  # nothing to bound by: every row
+        assert got == set(rows.tolist())
+    assert torch.equal(_rows_for_epoch(rows, has_target, None, gen), rows)
 
 
 def test_training_with_every_view_learns_the_tasks() -> None:
