@@ -386,8 +386,17 @@ def bagged(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
     return rule
 
 
+def round9_candidates() -> list[Candidate]:
+    """The candidates round 9's rule weighed all at once: the one-stage ones and a fixed grid of two-stage searches
+    (first stage 0.5-0.9, second 0-0.3, top 5 or 10; all among today's search_candidates())."""
+    firsts, seconds = (0.5, 0.6, 0.7, 0.8, 0.9), (0.0, 0.1, 0.2, 0.3)
+    staged = [SearchScore(e, w, r, top) for e in EXACT_SCORES for w in firsts for r in seconds for top in (5, 10)]
+    return [*mix_candidates(), *staged]
+
+
 RULES: dict[str, Rule] = {
     "live (MRR + nDCG@10, replayed on halves)": live,
+    "round 9's rule: 101 candidates at once": by_sum(("mrr", "ndcg@10"), round9_candidates),
     "one stage only (the live rule before round 9)": by_sum(("mrr", "ndcg@10"), mix_candidates),
     "hit@1 + MRR + nDCG@10": by_sum(MEASURES, search_candidates),
     "tiered: exact scores against dW, then all against that": tiered(),

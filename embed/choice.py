@@ -10,9 +10,9 @@ labels (or many candidates of equal worth) the best estimate is mostly noise and
 with many, the best estimate wins without having to be "clearly" better.
 
 - search: every exact score (the whole update's dW cosine, the mean module cosine) alone and mixed with the W2T
-  cosine at each weight of MIX_WEIGHTS, and two-stage searches (a W2T-heavy mix whose top is re-ordered by a lighter
-  mix of the same exact score, RERANKS), by each held-out adapter's MRR + nDCG@10 (relevance = same task) against
-  whole-update dW cosine;
+  cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task); then, over
+  the best of those, a heavier mix of the same exact score whose top it re-orders (staged_over), where that is
+  better; the whole pick against whole-update dW cosine;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score, or
   either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
   held-out adapters best, against the W2T heads and few-shot readouts of the W2T embedding (nearest class mean,
@@ -37,9 +37,9 @@ from zoo.domain.similarity import EXACT_SCORES
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
-#: the two-stage searches tried, as (first stage's W2T weights, second stage's, how many the second re-orders): a
-#: W2T-heavy mix ranks deep (nDCG@10), a light one orders its top (hit@1) (docs/results.md, issue 32)
-RERANKS = ((0.5, 0.6, 0.7, 0.8, 0.9), (0.0, 0.1, 0.2, 0.3), (5, 10))
+#: how many first hits of a heavier mix the chosen one-stage score re-orders, in the two-stage searches tried: the
+#: heavier mix ranks deep (nDCG@10), the chosen one keeps ordering the first hits (docs/results.md, issue 32)
+RERANK_TOPS = (5, 10)
 #: neighbours tried by the kNN predictors, in order of preference on a tie
 KNN_KS = (KNN_K, 5, 3, 1)
 #: temperature of the nearest-class-mean readout's softmax over cosines
@@ -83,12 +83,10 @@ def knn_similarities(similarity: SearchScore) -> list[SearchScore]:
     return [similarity, *(s for s in map(SearchScore, EXACT_SCORES) if s != similarity)]
 
 
-def knn_similarity(search: Choice[SearchScore], exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> SearchScore:
+def knn_similarity(search: SearchScore) -> SearchScore:
     """The similarity the kNN candidates start from: the chosen search score, or where it has two stages (which
-    order and do not weigh) the choice among the one-stage scores alone, made the same way."""
-    if search.chosen.second_stage is None:
-        return search.chosen
-    return choose_search(exact, tasks, folds, mix_candidates()).chosen
+    order and do not weigh) its second, the one-stage score the choice found best (choose_search)."""
+    return search.second_stage or search
 
 
 K = TypeVar("K")
@@ -137,12 +135,19 @@ def mix_candidates() -> list[SearchScore]:
     return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES))
 
 
+def staged_over(score: SearchScore) -> list[SearchScore]:
+    """The two-stage searches that `score` (one stage, not W2T alone) orders the top of: a heavier mix of its exact
+    score (each weight of MIX_WEIGHTS above its own, below 1) finds, `score` re-orders its first RERANK_TOPS."""
+    if score.second_stage is not None or score.w2t_weight >= 1:
+        return []
+    return [SearchScore(score.exact, w, score.w2t_weight, top) for w in MIX_WEIGHTS if score.w2t_weight < w < 1 for top in RERANK_TOPS]
+
+
 def search_candidates() -> list[SearchScore]:
-    """Every search score the choice weighs, simplest first: the one-stage ones, then the two-stage searches of
-    RERANKS."""
-    first, second, tops = RERANKS
-    staged = [SearchScore(score, w, r, top) for score in EXACT_SCORES for w in first for r in second for top in tops]
-    return [*mix_candidates(), *staged]
+    """Every search score the choice can make, simplest first: the one-stage ones, then each one's two-stage
+    searches (staged_over)."""
+    one = mix_candidates()
+    return [*one, *(s for c in one for s in staged_over(c))]
 
 
 def self_excluded(queries: list[int], n: int) -> np.ndarray:
@@ -171,26 +176,41 @@ def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarr
     return list(sims), np.stack(list(sims.values())) if sims else np.zeros((0, n))
 
 
-def choose_search(
-    exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold], candidates: list[SearchScore] | None = None
-) -> Choice[SearchScore]:
+def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice[SearchScore]:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
     between the labelled adapters (n × n), `tasks` their tasks ("" unknown). Each held-out adapter with a task
-    queries the labelled ones; every candidate (of search_candidates() unless given) is scored by MRR + nDCG@10 and
-    the best expected one is chosen against whole-update dW cosine (best_expected)."""
+    queries the labelled ones, and each candidate is scored by MRR + nDCG@10. The pick: the one-stage score with the
+    best estimate, or the one of its two-stage searches (staged_over) with a better one. So a second stage is always
+    the best one-stage score, and a two-stage search is chosen only for what its heavier first stage adds. The pick
+    is made against whole-update dW cosine (best_expected: it must pay on held-out halves). The choice's scores are
+    those of the candidates weighed: every one-stage score, and the two-stage searches over the ones picked on some
+    half."""
     flat, w2t = held_out_w2t(folds, {r for r, task in enumerate(tasks) if task})
     reference = SearchScore()  # the whole update's cosine, the training-free bar
     if len(flat) < MIN_ITEMS:
         return Choice(reference, reason=f"{len(flat)} held-out adapters with a task: too few to tell, the whole update's dW cosine")
     quality: dict[SearchScore, np.ndarray] = {}
     own = self_excluded(flat, len(tasks))
-    for score in candidates if candidates is not None else search_candidates():
-        ranking = score.ranking(exact[score.exact][flat], w2t, own)
-        per = retrieval_per_query(ranking, [tasks[q] for q in flat], tasks, list(flat))
-        quality[score] = per["mrr"] + per["ndcg@10"]
-    chosen, value = best_expected(list(quality), reference, lambda c, items: float(quality[c][items].mean()), len(flat))
+
+    def per_item(score: SearchScore) -> np.ndarray:
+        if score not in quality:
+            ranking = score.ranking(exact[score.exact][flat], w2t, own)
+            per = retrieval_per_query(ranking, [tasks[q] for q in flat], tasks, list(flat))
+            quality[score] = per["mrr"] + per["ndcg@10"]
+        return quality[score]
+
+    def value(score: SearchScore, items: np.ndarray) -> float:
+        return float(per_item(score)[items].mean())
+
+    one_stage = mix_candidates()  # the reference first: it wins a tie
+
+    def pick(items: np.ndarray) -> SearchScore:
+        base = max(one_stage, key=lambda c: value(c, items))
+        return max([base, *staged_over(base)], key=lambda c: value(c, items))  # ties: base
+
+    chosen, gain = best_expected(one_stage, reference, value, len(flat), pick)
     means = {k: float(v.mean()) for k, v in quality.items()}
-    return Choice(chosen, means, _why(chosen, reference, value, len(flat), "MRR + nDCG@10"))
+    return Choice(chosen, means, _why(chosen, reference, gain, len(flat), "MRR + nDCG@10"))
 
 
 def search_similarity(exact: dict[str, np.ndarray], score: SearchScore, z: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:

@@ -665,7 +665,7 @@ def _choose(
     tasks = [a.labels.get(TASK_KEY, "") for a in labelled]
     search = choose_search(exact, tasks, views)
     embedder.search = search.chosen
-    similarity = knn_similarity(search, exact, tasks, views)
+    similarity = knn_similarity(search.chosen)
     embedder.choices = {"search": search.as_dict()}
     # each member predicts the rows it never trained on; a row held out by several is given their mean
     held_shares: dict[str, list[tuple[int, np.ndarray]]] = {}  # the heads' class shares by attribute, with their rows

@@ -12,7 +12,7 @@ from embed.choice import (
     KNN_KS,
     MIN_ITEMS,
     MIX_WEIGHTS,
-    Choice,
+    RERANK_TOPS,
     Fold,
     best_expected,
     choose_attribute,
@@ -25,6 +25,7 @@ from embed.choice import (
     prototype_predictions,
     readout_predictions,
     search_candidates,
+    staged_over,
 )
 from embed.metrics import KNN_K
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, SearchScore
@@ -99,7 +100,7 @@ def test_search_takes_w2t_where_it_retrieves_better_and_keeps_dw_where_it_is_noi
     exact, tasks, folds = _zoo(6, 12, w2t_noise=0.05)  # W2T separates the tasks, the exact score barely
     chosen = choose_search(exact, tasks, folds)
     assert chosen.chosen not in EXACT and chosen.scores[chosen.chosen] > chosen.scores[DW] and "best expected" in chosen.reason
-    assert list(chosen.scores) == search_candidates()  # every exact score, alone and mixed, is weighed
+    assert set(mix_candidates()) <= set(chosen.scores) <= set(search_candidates())  # every exact score, alone and mixed, is weighed
     picks = [choose_search(*_zoo(6, 12, w2t_noise=20.0, seed=seed)) for seed in range(10)]  # W2T is noise
     assert sum(p.chosen == DW for p in picks) >= 8  # dW stays but where a noisy mix happens to pay on held-out halves
     assert all("stays" in p.reason for p in picks if p.chosen == DW)
@@ -158,13 +159,44 @@ def test_knn_similarities_start_with_the_search_score(name: str) -> None:
 
 def test_knn_candidates_start_from_a_one_stage_similarity() -> None:
     """A chosen one-stage search is the kNN's first similarity; where a two-stage search is chosen (its stages order
-    and do not weigh), the kNN starts from the same rule's choice among the one-stage scores alone."""
-    exact, tasks, folds = _zoo(6, 12, w2t_noise=0.6)
-    one_stage = choose_search(exact, tasks, folds, mix_candidates())
-    assert knn_similarity(one_stage, exact, tasks, folds) == one_stage.chosen
-    staged = Choice(SearchScore("module", 0.8, 0.2, 10))
-    assert knn_similarity(staged, exact, tasks, folds) == one_stage.chosen and one_stage.chosen.second_stage is None
+    and do not weigh), the kNN starts from its second stage, the one-stage score the choice found best."""
+    assert knn_similarity(SearchScore("module", 0.3)) == SearchScore("module", 0.3)
+    assert knn_similarity(SearchScore("module", 0.8, 0.2, 10)) == SearchScore("module", 0.2)
     assert set(mix_candidates()) == {c for c in search_candidates() if c.second_stage is None}
+
+
+@given(st.sampled_from(mix_candidates()))
+def test_each_two_stage_search_is_a_one_stage_score_under_a_heavier_mix(base: SearchScore) -> None:
+    staged = staged_over(base)
+    assert all(s.second_stage == base and base.w2t_weight < s.w2t_weight < 1 and s.exact == base.exact for s in staged)
+    assert len(staged) == len(set(staged)) == (0 if base.w2t_weight == 1 else len(RERANK_TOPS) * round(9 - 10 * base.w2t_weight))
+    assert set(staged) <= set(search_candidates())
+
+
+def test_a_second_stage_is_the_best_one_stage_score_and_the_first_adds_to_it() -> None:
+    """The exact score knows each adapter's near twin (the first hit), W2T the task beyond it (the depth): a heavier
+    mix finds more of the task, the exact score's best mix orders the first hits; so a two-stage search is chosen,
+    over the one-stage score with the best estimate, and only because it is better still."""
+    rng = np.random.default_rng(3)
+    n_tasks, per = 8, 12
+    tasks = [f"t{i}" for i in range(n_tasks) for _ in range(per)]
+    same = np.array([[float(a == b) for b in tasks] for a in tasks])
+    twin = np.zeros_like(same)
+    for i in range(0, len(tasks), 2):  # pairs of near twins within each task
+        twin[i, i + 1] = twin[i + 1, i] = 1.0
+    noise = rng.normal(size=same.shape)
+    exact = {"dw": 0.6 * twin + 0.15 * (noise + noise.T), "module": 0.6 * twin + 0.15 * (noise + noise.T)}
+    centers = rng.normal(size=(n_tasks, 8))
+    folds = []
+    for part in np.array_split(rng.permutation(len(tasks)), 4):
+        z = np.repeat(centers, per, axis=0) + 0.9 * rng.normal(size=(len(tasks), 8))
+        z /= np.linalg.norm(z, axis=1, keepdims=True)
+        folds.append(Fold(sorted(part.tolist()), sorted(set(range(len(tasks))) - set(part.tolist())), z))
+    chosen = choose_search(exact, tasks, folds)
+    second = chosen.chosen.second_stage
+    assert second is not None and "best expected" in chosen.reason
+    one_stage = {c: v for c, v in chosen.scores.items() if c.second_stage is None}
+    assert second == max(one_stage, key=lambda c: one_stage[c]) and chosen.scores[chosen.chosen] > one_stage[second]
 
 
 def test_search_prefers_the_whole_update_unless_module_cosine_is_expected_to_be_better() -> None:
