@@ -121,10 +121,11 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["supervised", "both"])
-def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_path: Path, objective: str) -> None:
-    """Adapters ingested with labels on N per task only, `zoo train --objective`, then `zoo search` and `zoo predict`
-    on each unlabelled adapter: their scores are the eval's row `default` under the same labels and options."""
+@pytest.mark.parametrize(("objective", "unlabelled"), [("supervised", None), ("both", 0.5)])
+def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_path: Path, objective: str, unlabelled: float | None) -> None:
+    """Adapters ingested with labels on N per task only, `zoo train --objective [--unlabelled-per-labelled]`, then
+    `zoo search` and `zoo predict` on each unlabelled adapter: their scores are the eval's row `default` under the same
+    labels and options (with `both`, each epoch draws half as many unlabelled adapters as it has labelled ones)."""
     from embed.dataset import load_adapters
     from tests.factories import train_peft_adapter
     from zoo.store.blobs import BlobStore
@@ -146,13 +147,15 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
     assert rc == 0
     # three members each holding out half: every adapter held out by one or two, scored by their mean
     train = ("train", "--epochs", "3", "--members", "3", "--val-fraction", "0.5", "--seed", "2", "--objective", objective)
+    if unlabelled is not None:
+        train += ("--unlabelled-per-labelled", str(unlabelled))
     rc, (info,) = cli.json_lines(*train)
     assert rc == 0 and info["heads"] == ["task"] and set(info["predictors"]) == {"task", "test_accuracy"}
 
     with session_factory(cli.settings.database_url)() as session:
         stored = load_adapters(session, BlobStore(cli.settings.blob_dir), "tiny")
     full = [ZooAdapter(a.id, a.name, a.factors, {"task": tasks[a.name]}, {"test_accuracy": accuracy[a.name]}) for a in stored]
-    options = TrainOptions(epochs=3, seed=2, members=3, val_fraction=0.5)
+    options = TrainOptions(epochs=3, seed=2, members=3, val_fraction=0.5, unlabelled_per_labelled=unlabelled)
     result = evaluate(
         full, schema_of("tiny", full), options, seed=2, progress=False, contrastive=False, labelled_per_task=3, objective=objective
     )

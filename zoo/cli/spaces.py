@@ -17,6 +17,10 @@ from zoo.store.session import require_schema, session_factory
 #: `--members` and `--val-fraction` of train and eval (embed.train.TrainOptions' defaults; this module does not import
 #: it, as it loads torch)
 MEMBERS_HELP = "W2T models in the ensemble, from consecutive seeds (default: 5)"
+UNLABELLED_HELP = (
+    "with --objective both: each epoch trains on the labelled adapters and a fresh draw of at most this many unlabelled "
+    "ones per labelled one, so that a zoo that is mostly unlabelled costs as its labels do (default: every adapter)"
+)
 VAL_FRACTION_HELP = (
     "each member's held-out share (default: 0.15); each adapter is held out by about members × this many members, "
     "whose mean the out-of-fold choices score (--members 10 --val-fraction 0.2: by two)"
@@ -58,6 +62,7 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
         attributes=attributes,
         members=args.members,
         val_fraction=args.val_fraction,
+        unlabelled_per_labelled=args.unlabelled_per_labelled,
     )
     sessions = session_factory(settings.database_url)
     info = service.train_space(sessions, blob_store(settings), settings.data_dir, space, options, progress=not args.json)
@@ -223,7 +228,14 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError(f"space {space} has {len(adapters)} adapters: evaluation needs at least 10")
     results = []
     for seed in range(args.seed, args.seed + args.splits):
-        options = TrainOptions(epochs=args.epochs, seed=seed, device=args.device, members=args.members, val_fraction=args.val_fraction)
+        options = TrainOptions(
+            epochs=args.epochs,
+            seed=seed,
+            device=args.device,
+            members=args.members,
+            val_fraction=args.val_fraction,
+            unlabelled_per_labelled=args.unlabelled_per_labelled,
+        )
         results.append(
             evaluate(
                 adapters,
@@ -257,6 +269,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("train", help="train the W2T embedder of a space and embed its adapters")
     s.add_argument("--space", help="base model (default: the only one)")
     s.add_argument("--objective", choices=["supervised", "contrastive", "both"], default="supervised")
+    s.add_argument("--unlabelled-per-labelled", type=float, metavar="R", help=UNLABELLED_HELP)
     s.add_argument("--attributes", default="task", metavar="A,B|all", help="attributes that get a prediction head (default: task)")
     s.add_argument("--epochs", type=int, default=80)
     s.add_argument("--members", type=int, default=5, help=MEMBERS_HELP)
@@ -350,6 +363,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="of the W2T that `zoo train` makes and the default row uses: supervised, or both (also contrastive on every "
         "adapter, the unlabelled included) (default: %(default)s)",
     )
+    s.add_argument("--unlabelled-per-labelled", type=float, metavar="R", help=UNLABELLED_HELP)
     s.add_argument("--seed", type=int, default=0, help="seed of the split and of the W2T members (default: 0)")
     s.add_argument(
         "--splits",
