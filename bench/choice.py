@@ -32,6 +32,7 @@ from embed.choice import (
     mix_candidates,
     search_candidates,
     self_excluded,
+    staged_over,
 )
 from embed.metrics import retrieval_per_query
 from zoo.domain.methods import SearchScore
@@ -394,6 +395,29 @@ def round9_candidates() -> list[Candidate]:
     return [*mix_candidates(), *staged]
 
 
+def around(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
+    """The best one-stage score, then the best of the two-stage searches it is either stage of (a heavier mix under
+    it, as the live rule, or a lighter mix re-ordering its own top), where one estimates better; replayed on halves."""
+
+    def rule(split: Split, oof: Scores) -> Candidate:
+        one = mix_candidates()
+        quality = {c: total(oof[c], measures) for c in search_candidates()}
+        n = len(next(iter(quality.values())))
+
+        def value(c: Candidate, items: np.ndarray) -> float:
+            return float(quality[c][items].mean())
+
+        def pick(items: np.ndarray) -> SearchScore:
+            base = max(one, key=lambda c: value(c, items))
+            lighter = [r for r in (0.0, *MIX_WEIGHTS) if r < base.w2t_weight < 1]
+            under = [SearchScore(base.exact, base.w2t_weight, r, top) for r in lighter for top in (5, 10)]
+            return max([base, *staged_over(base), *under], key=lambda c: value(c, items))
+
+        return best_expected(one, SearchScore(), value, n, pick)[0]
+
+    return rule
+
+
 RULES: dict[str, Rule] = {
     "live (MRR + nDCG@10, replayed on halves)": live,
     "round 9's rule: 101 candidates at once": by_sum(("mrr", "ndcg@10"), round9_candidates),
@@ -405,6 +429,7 @@ RULES: dict[str, Rule] = {
     "both estimates by the unlabelled share": mixed(),
     "smoothed over the weights, cubic": smoothed(3),
     "bagged over 200 resamples, mean weight": bagged(),
+    "around the one-stage pick: either stage": around(),
 }
 
 
