@@ -168,6 +168,16 @@ def total(per: dict[str, np.ndarray], measures: tuple[str, ...]) -> np.ndarray:
     return np.sum([per[k] for k in measures], axis=0)
 
 
+def estimated(oof: Scores, measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> tuple[Callable[[Candidate, np.ndarray], float], int]:
+    """A rule's estimate: each candidate's mean sum of `measures` over the held-out items given, and how many there are."""
+    quality = {c: total(per, measures) for c, per in oof.items()}
+
+    def value(c: Candidate, items: np.ndarray) -> float:
+        return float(quality[c][items].mean())
+
+    return value, len(next(iter(quality.values())))
+
+
 Rule = Callable[[Split, Scores], Candidate]
 
 
@@ -195,15 +205,10 @@ def tiered(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
     halves), then every candidate against that one, replayed on halves the same way."""
 
     def rule(split: Split, oof: Scores) -> Candidate:
-        quality = {c: total(oof[c], measures) for c in search_candidates()}
-        n = len(next(iter(quality.values())))
-
-        def value(c: Candidate, items: np.ndarray) -> float:
-            return float(quality[c][items].mean())
-
+        value, n = estimated(oof, measures)
         free = [SearchScore(e) for e in EXACT_SCORES]
         reference = best_expected(free, SearchScore(), value, n)[0]
-        return best_expected(list(quality), reference, value, n)[0]
+        return best_expected(search_candidates(), reference, value, n)[0]
 
     return rule
 
@@ -402,11 +407,7 @@ def around(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
 
     def rule(split: Split, oof: Scores) -> Candidate:
         one = mix_candidates()
-        quality = {c: total(oof[c], measures) for c in search_candidates()}
-        n = len(next(iter(quality.values())))
-
-        def value(c: Candidate, items: np.ndarray) -> float:
-            return float(quality[c][items].mean())
+        value, n = estimated(oof, measures)
 
         def pick(items: np.ndarray) -> SearchScore:
             base = max(one, key=lambda c: value(c, items))
@@ -424,11 +425,7 @@ def not_behind_first_hits(split: Split, oof: Scores) -> Candidate:
     items they are picked from; replayed on halves like the live rule."""
     one = mix_candidates()
     reference = SearchScore()
-    quality = {c: total(oof[c], ("mrr", "ndcg@10")) for c in search_candidates()}
-    n = len(next(iter(quality.values())))
-
-    def value(c: Candidate, items: np.ndarray) -> float:
-        return float(quality[c][items].mean())
+    value, n = estimated(oof)
 
     def keeps_up(c: Candidate, items: np.ndarray) -> bool:
         return all(oof[c][k][items].mean() >= oof[reference][k][items].mean() for k in ("hit@1", "mrr"))
@@ -443,12 +440,7 @@ def not_behind_first_hits(split: Split, oof: Scores) -> Candidate:
 def nested(split: Split, oof: Scores) -> Candidate:
     """The live rule's two steps, each guarded on its own: the best one-stage score against dW cosine (replayed on
     halves), then, over that score, its two-stage searches against it (replayed on halves the same way)."""
-    quality = {c: total(oof[c], ("mrr", "ndcg@10")) for c in search_candidates()}
-    n = len(next(iter(quality.values())))
-
-    def value(c: Candidate, items: np.ndarray) -> float:
-        return float(quality[c][items].mean())
-
+    value, n = estimated(oof)
     base = best_expected(mix_candidates(), SearchScore(), value, n)[0]
     return best_expected(staged_over(base), base, value, n)[0]
 
@@ -457,11 +449,7 @@ def round10(split: Split, oof: Scores) -> Candidate:
     """Round 10's rule: the live rule's two steps (the best one-stage score, then its best two-stage search) replayed
     on halves as one pick against dW cosine."""
     one = mix_candidates()
-    quality = {c: total(oof[c], ("mrr", "ndcg@10")) for c in search_candidates()}
-    n = len(next(iter(quality.values())))
-
-    def value(c: Candidate, items: np.ndarray) -> float:
-        return float(quality[c][items].mean())
+    value, n = estimated(oof)
 
     def pick(items: np.ndarray) -> SearchScore:
         base = max(one, key=lambda c: value(c, items))

@@ -25,6 +25,7 @@ from embed.choice import (
     prototype_predictions,
     readout_predictions,
     search_candidates,
+    self_excluded,
     staged_over,
 )
 from embed.metrics import KNN_K, retrieval_per_query
@@ -207,8 +208,7 @@ def test_the_guard_weighs_the_one_stage_choice_alone() -> None:
     for seed in range(12, 18):  # zoos where round 10's rule, which replayed both steps as one pick, chose otherwise
         exact, tasks, folds = _zoo(8, 5, w2t_noise=4.0, seed=seed)
         flat, w2t = held_out_w2t(folds, set(range(len(tasks))))
-        own = np.zeros((len(flat), len(tasks)), bool)
-        own[np.arange(len(flat)), flat] = True
+        own = self_excluded(flat, len(tasks))
         per = {}
         for c in mix_candidates():
             got = retrieval_per_query(c.ranking(exact[c.exact][flat], w2t, own), [tasks[q] for q in flat], tasks, list(flat))
