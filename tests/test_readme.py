@@ -1,0 +1,61 @@
+"""README.md as a newcomer's front door: CI runs its install line and test command as written, it stays short,
+and every `zoo` command it or `zoo quickstart` suggests exists."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from zoo.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+CI = (ROOT / ".ci" / "run").read_text()
+
+
+def _lines_starting(text: str, prefix: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_readme_has_one_install_line_and_one_test_command() -> None:
+    """.ci/run greps these two lines out of README.md: a second one, or none, would make it run something else."""
+    assert len(_lines_starting(README, "pip install ")) == 1
+    assert len(_lines_starting(README, "pytest ")) == 1
+
+
+def test_ci_runs_readmes_lines_and_installs_nothing_of_its_own() -> None:
+    """CI installs the project only through README's line, so a test that needs an extra fails in CI exactly
+    when it fails after a newcomer's install."""
+    assert "grep -E '^pip install ' README.md" in CI and 'eval "$install_line"' in CI
+    assert "grep -E '^pytest ' README.md" in CI and 'eval "$test_line"' in CI
+    commands = [line.strip() for line in CI.splitlines() if not line.strip().startswith("#")]
+    assert not [c for c in commands if re.match(r"(python3? -m )?pip3? install", c)], "CI installs packages README does not"
+    assert not [c for c in commands if c.startswith("pytest")], "CI runs a test command README does not"
+
+
+def test_readme_is_a_front_door() -> None:
+    assert len(README.splitlines()) <= 200
+    for doc in re.findall(r"`(docs/[\w.-]+\.md)`", README):
+        assert (ROOT / doc).is_file(), doc
+
+
+def _zoo_commands(text: str) -> list[list[str]]:
+    """The `zoo ...` command lines of a text's code blocks and of its lines, comments dropped."""
+    found = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("zoo "):
+            found.append(shlex.split(line)[1:])
+    return found
+
+
+@pytest.mark.parametrize("args", _zoo_commands(README), ids=" ".join)
+def test_every_command_readme_suggests_parses(args: list[str]) -> None:
+    """A suggested command that the parser refuses is the first thing a newcomer meets."""
+    parser = build_parser()
+    parser.exit_on_error = False
+    parsed = parser.parse_args(args)
+    assert parsed.func is not None
