@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from zoo.cli import build_parser
+from zoo.cli.app import next_steps
+from zoo.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -52,8 +54,11 @@ def _zoo_commands(text: str) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("args", _zoo_commands(README), ids=" ".join)
-def test_every_command_readme_suggests_parses(args: list[str]) -> None:
+SUGGESTED = _zoo_commands(README) + _zoo_commands("\n".join(next_steps(Settings.load(None, "/tmp/zoo-data"))))
+
+
+@pytest.mark.parametrize("args", SUGGESTED, ids=" ".join)
+def test_every_command_readme_and_quickstart_suggest_parses(args: list[str]) -> None:
     """A suggested command that the parser refuses is the first thing a newcomer meets."""
     parser = build_parser()
     parser.exit_on_error = False

@@ -187,12 +187,15 @@ def test_quickstart(tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixtu
     assert main(["quickstart", "--count", "3", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "3 digits-vit adapters" in out and "3 ingested" in out and "zoo list" in out
-    assert "embedded 3 adapters" in out and "W2T not trained" in out
+    assert "embedded 3 new adapters" in out and "relations from the weights: 3 adapters scanned" in out and "W2T not trained" in out
     assert main(["list", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert listing["total"] == 3 and all(a["base_model"] == digits.BASE_MODEL for a in listing["results"])
+    assert main(["lineage", "1"]) == 0
+    assert "not scanned yet" not in capsys.readouterr().out  # quickstart ends as `zoo embed` does
     assert main(["quickstart", "--count", "3", "--workers", "1"]) == 0  # a second run is idempotent
-    assert "0 ingested, 3 already there" in capsys.readouterr().out
+    again = capsys.readouterr().out
+    assert "0 ingested, 3 already there" in again and "embedded nothing new: all 3 adapters were embedded already" in again
     quick = ["quickstart", "--count", "12", "--workers", "1", "--epochs", "1", "--members", "2", "--json"]
     assert main(quick) == 0
     first = json.loads(capsys.readouterr().out.splitlines()[-1])

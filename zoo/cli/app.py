@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zoo.cli.adapters import run_ingest
-from zoo.cli.render import print_json, print_zoo_report
+from zoo.cli.render import plural, print_json, print_zoo_report, relations_line
 from zoo.config import Settings
 from zoo.labels import read_labels_csv
 from zoo.reference.recipes import RECIPES
@@ -41,9 +41,12 @@ QUICKSTART_PATIENCE = 5
 def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     """The main job on embedded defaults: build a demo zoo, store it, embed it, train W2T, say what to run next."""
     from embed import service
+    from embed.engine import QueryEngine
     from embed.train import TrainOptions
     from zoo.reference.build import make_zoo
     from zoo.services.ingest import IngestOptions
+    from zoo.services.relations import scan_space
+    from zoo.store.blobs import BlobStore
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
@@ -53,9 +56,12 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     report = make_zoo(zoo_dir, "digits-vit", args.count, seed=0, workers=args.workers, cache_dir=cache, progress=progress)
     counts, failures = run_ingest(settings, [str(zoo_dir)], IngestOptions(), read_labels_csv(Path(str(report["labels"]))), False, progress)
     options = TrainOptions(epochs=args.epochs, members=args.members, patience=QUICKSTART_PATIENCE)
-    ready = service.prepare_space(settings, str(report["base_model"]), options, args.retrain, progress)
+    base_model = str(report["base_model"])
+    ready = service.prepare_space(settings, base_model, options, args.retrain, progress)
+    sessions, blobs = session_factory(settings.database_url), BlobStore(settings.blob_dir)
+    relations = scan_space(QueryEngine(sessions, blobs, settings.data_dir), sessions, blobs, base_model)  # as `zoo embed` ends
     if args.json:
-        print_json({"zoo": report, "ingest": counts, "database": settings.database_url, **ready})
+        print_json({"zoo": report, "ingest": counts, "database": settings.database_url, **ready, "relations": relations})
         return serve_after(settings, args, failures)
     print_zoo_report(report)
     print(
@@ -64,7 +70,11 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     )
     for f in failures:
         print(f"  failed: {f}")
-    print(f"embedded {ready['embedded']} adapters (module sketch index)")
+    if ready["embedded_new"]:
+        print(f"embedded {plural(ready['embedded_new'], 'new adapter')}: {ready['embedded']} in the module sketch index")
+    else:
+        print(f"embedded nothing new: all {ready['embedded']} adapters were embedded already")
+    print(relations_line(relations))
     trained = ready["w2t"]
     if trained and trained.get("reused"):
         print(
@@ -79,12 +89,22 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
         )
     else:
         print("W2T not trained: it needs at least 10 adapters (use a larger --count)")
-    print(
-        "next:\n  zoo list\n  zoo show 1 --plot spectra.png\n  zoo search 1 -k 5\n  zoo predict 1\n  zoo eval\n"
-        "  zoo ingest PATH_TO_YOUR_ADAPTERS --base-model NAME\n"
-        f"  zoo --data-dir {settings.data_dir} serve   # then open http://127.0.0.1:5000/"
-    )
+    print("next:\n" + "\n".join(f"  {line}" for line in next_steps(settings)))
     return serve_after(settings, args, failures)
+
+
+def next_steps(settings: Settings) -> list[str]:
+    """The commands quickstart suggests next, in the order README's "What to run next" gives them."""
+    return [
+        "zoo list",
+        "zoo show 1 --plot spectra.png",
+        "zoo search 1 -k 5",
+        "zoo predict 1",
+        "zoo lineage 1",
+        "zoo eval   # W2T against the training-free searches, with 95 % intervals (about 20 min)",
+        "zoo ingest PATH_TO_YOUR_ADAPTERS --base-model NAME",
+        f"zoo --data-dir {settings.data_dir} serve   # then open http://127.0.0.1:5000/",
+    ]
 
 
 def serve_after(settings: Settings, args: argparse.Namespace, failures: list[str]) -> int:

@@ -196,12 +196,11 @@ def _build(recipe: str, cache_dir: Path, out_dir: Path, plan: dict[str, Attribut
     roots, then the members made from them (a lineage zoo's)."""
     rows = []
     ctx = multiprocessing.get_context("spawn")
-    bar = tqdm(total=len(plan), desc=f"make-zoo {recipe}", unit="adapter", disable=not progress)
     with _pinned_kernels(), ProcessPoolExecutor(min(workers, len(plan)), mp_context=ctx, initializer=_init_worker) as pool:
         prepared = pool.submit(_prepare, recipe, cache_dir)  # pretrain and cache the base once, before any worker needs it
-        while not _done_within(prepared, 5.0):
-            bar.set_postfix_str(f"preparing the {recipe} base model (once, then cached)")
-        bar.set_postfix_str("")
+        _wait_showing(prepared, f"{recipe} base model (once, then cached)", progress)
+        # the adapters' bar starts after the base, so its rate and ETA are the adapters' own
+        bar = tqdm(total=len(plan), desc=f"make-zoo {recipe}", unit="adapter", disable=not progress)
         roots = {n: a for n, a in plan.items() if a.get("relation", "root") == "root"}
         for stage in (roots, {n: a for n, a in plan.items() if n not in roots}):
             for fut in as_completed([pool.submit(build_one, recipe, cache_dir, out_dir, n, a) for n, a in stage.items()]):
@@ -209,6 +208,15 @@ def _build(recipe: str, cache_dir: Path, out_dir: Path, plan: dict[str, Attribut
                 bar.update()
     bar.close()
     return rows
+
+
+def _wait_showing(future: Future, what: str, progress: bool) -> None:
+    """Wait for a preparation step with a bar of its own that shows the time spent (a step with no count has no
+    honest ETA): counting it as one adapter made the adapters' first rate, and so their ETA, an hour long."""
+    with tqdm(total=1, desc=f"preparing the {what}", bar_format="{desc}: {elapsed}", disable=not progress) as bar:
+        while not _done_within(future, 1.0):
+            bar.refresh()
+        bar.update()
 
 
 def _done_within(future: Future, seconds: float) -> bool:
