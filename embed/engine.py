@@ -462,12 +462,14 @@ class ClassGuess(TypedDict):
 
 
 class Confidence(TypedDict):
-    """How far an attribute's prediction can be trusted."""
+    """How far an attribute's prediction can be trusted, and how it stands to the value given for the adapter."""
 
     sure: bool
     neighbours: int
     agreeing: int
     calibrated: bool
+    given: str | None  # the adapter's given value (a stored adapter, or a file that is one)
+    agrees: bool | None  # whether the top class is the given value (None: none given)
 
 
 class MetricGuess(TypedDict):
@@ -479,6 +481,8 @@ class MetricGuess(TypedDict):
     interval: float | None
     predictor: str
     method: str
+    measured: float | None  # the adapter's measured value (a stored adapter, or a file that is one)
+    within: bool | None  # whether the measured value lies in the interval (None: none measured, or no interval)
 
 
 class Predicted(TypedDict):
@@ -866,6 +870,8 @@ class QueryEngine:
                 "neighbours": n,
                 "agreeing": int(support[top]),
                 "calibrated": key in model.calibration,
+                "given": None,
+                "agrees": None,
             }
         metrics: dict[str, MetricGuess] = {}
         for key, v in values.items():
@@ -881,6 +887,8 @@ class QueryEngine:
                 "interval": 0.9 if low is not None else None,
                 "predictor": model.predictor(key).kind,
                 "method": model.predictor(key).name,
+                "measured": None,
+                "within": None,
             }
         return {
             "space": state.name,

@@ -52,11 +52,14 @@ from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
 from zoo.domain.factorwise import raw_sketches, raw_width
+from zoo.domain.fingerprint import canonical_hash, sketch, structure_hash
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
+from zoo.store.duplicates import stored_duplicate
 from zoo.store.imputation import FromLineage, from_lineage
+from zoo.store.labels import given_labels
 from zoo.store.locks import space_lock
 from zoo.store.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.store.session import session_factory, write_transaction
@@ -134,23 +137,35 @@ class TrainReport(TrainMetrics):
 class PreparedSpace(TypedDict):
     """`zoo quickstart`'s space: adapters embedded, and W2T's training report (or the kept W2T's, with "reused")."""
 
-    embedded: int
+    embedded: int  # adapters in the space's index
+    embedded_new: int  # of them, embedded by this call
     w2t: Mapping[str, Any] | None
 
 
+class StoredAs(TypedDict):
+    """The stored adapter a query file is (the same update, as ingest's duplicate check finds it)."""
+
+    adapter_id: int
+    name: str
+
+
 class SearchResource(Found):
-    """The search resource: the query, then what the engine found."""
+    """The search resource: the query, the stored adapter a query file is (`stored_as`; None for a stored adapter's
+    id or a new file), then what the engine found."""
 
     query: str
     query_name: str
+    stored_as: StoredAs | None
 
 
 class PredictionResource(Predicted):
-    """The prediction resource: the query, then what the engine predicted, and what a stored adapter inherits along
-    the relations found from its weights (`from_lineage`; None for a file, which has no edges)."""
+    """The prediction resource: the query, the stored adapter a query file is (`stored_as`), then what the engine
+    predicted, and what a stored adapter inherits along the relations found from its weights (`from_lineage`; None
+    for a new file, which has no edges)."""
 
     query: str
     query_name: str
+    stored_as: StoredAs | None
     from_lineage: FromLineage | None
 
 
@@ -597,17 +612,59 @@ def search(
 ) -> SearchResource:
     """The search resource: the query, then the engine's answer."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
-    found = engine.similar(session, _space_name(session, space, query, base), query, k, filters or {}, method)
-    return {"query": id_or_path, "query_name": query.name, **found}
+    name = _space_name(session, space, query, base)
+    query, stored_as = as_stored(session, engine.blobs, query, name)
+    found = engine.similar(session, name, query, k, filters or {}, method)
+    return {"query": id_or_path, "query_name": query.name, "stored_as": stored_as, **found}
 
 
 def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None, lineage: bool = True) -> PredictionResource:
     """The prediction resource: predicted attributes and metrics of the query, and for a stored adapter what it inherits
     along its edges (not read when `lineage` is False: the caller has it already, or serves no attributes)."""
     query, base = make_query(session, engine.blobs, id_or_path, engine.device)
-    predicted = engine.predict(session, _space_name(session, space, query, base), query)
+    name = _space_name(session, space, query, base)
+    query, stored_as = as_stored(session, engine.blobs, query, name)
+    predicted = engine.predict(session, name, query)
+    if query.adapter_id is not None:
+        beside_given(predicted, *given_labels(session, query.adapter_id))
     inherited = from_lineage(session, query.adapter_id) if lineage and query.adapter_id is not None else None
-    return {"query": id_or_path, "query_name": query.name, **predicted, "from_lineage": inherited}
+    return {"query": id_or_path, "query_name": query.name, "stored_as": stored_as, **predicted, "from_lineage": inherited}
+
+
+def beside_given(predicted: Predicted, given: Mapping[str, str], measured: Mapping[str, float]) -> None:
+    """Set each prediction beside what was given for the adapter: an attribute's given value and whether the top
+    class is it, a metric's measured value and whether it lies in the predicted interval. A prediction for an
+    adapter is made without its own labels (it is not its own neighbour), so it can disagree with them: the answer
+    says so rather than showing the prediction alone."""
+    for key, classes in predicted["attributes"].items():
+        if key in given and key in predicted["confidence"]:
+            confidence = predicted["confidence"][key]
+            confidence["given"] = given[key]
+            confidence["agrees"] = bool(classes) and classes[0]["value"] == given[key]
+    for key, m in predicted["metrics"].items():
+        if key in measured:
+            value = measured[key]
+            m["measured"] = value
+            m["within"] = None if m["low"] is None or m["high"] is None else bool(m["low"] <= value <= m["high"])
+
+
+def as_stored(session: Session, blobs: BlobStore, query: Query, space: str) -> tuple[Query, StoredAs | None]:
+    """A query file that is a stored adapter of the space's base model (the same update, by ingest's duplicate check:
+    zoo.store.duplicates) is answered as that adapter: from its stored factors, without itself among its neighbours,
+    and with its given labels beside the predictions. So a file and the adapter stored from it get one answer, and
+    the answer says which adapter that is. Anything else is answered as it is."""
+    base = session.connection().execute(select(EmbeddingSpace.base_model).where(EmbeddingSpace.name == space)).scalar()
+    if query.adapter_id is not None or base is None:
+        return query, None
+    named = sorted(query.factors.items())
+    sk = sketch(named)
+    shapes = [(n, int(f.U.shape[0]), int(f.V.shape[0])) for n, f in named]
+    match = stored_duplicate(session, blobs, base, canonical_hash(named, sk.fingerprint), structure_hash(shapes), sk, named)
+    if match is None or match.factors_blob is None:
+        return query, None
+    digest = match.factors_blob
+    name = session.connection().execute(select(Adapter.name).where(Adapter.id == match.id)).scalar_one()
+    return Query(query.name, match.id, lambda: dict(blobs.get_factors(digest))), {"adapter_id": match.id, "name": name}
 
 
 def _space_name(session: Session, requested: str | None, query: Query, base: str | None) -> str:
@@ -675,13 +732,14 @@ def prepare_space(
     sessions = session_factory(settings.database_url)
     reports = embed_space(sessions, blobs, settings.data_dir, base_model)
     n = int(reports[0]["total"]) if reports else 0
+    new = int(reports[0]["embedded"]) if reports else 0
     trained: Mapping[str, Any] | None = None
     if n >= 10:
         trained = None if retrain else _trained_on(sessions, base_model, n)
         if trained is None:
             trained = train_space(sessions, blobs, settings.data_dir, base_model, options, progress)
             embed_space(sessions, blobs, settings.data_dir, base_model)
-    return {"embedded": n, "w2t": trained}
+    return {"embedded": n, "embedded_new": new, "w2t": trained}
 
 
 def _trained_on(sessions: sessionmaker[Session], base_model: str, n: int) -> dict[str, object] | None:

@@ -144,14 +144,16 @@ def test_similar_by_id(web: Web) -> None:
 
 def test_similar_by_upload_in_every_shape(web: Web, tmp_path: Path) -> None:
     stored = web.adapters / "zoo" / "w03"
-    by_id = web.client.get("/api/v1/adapters/4/similar?k=3").json["results"]
-    r = web.client.post("/api/v1/similar", data={**peft_files(stored), "k": "4"}, content_type="multipart/form-data")
+    by_id = web.client.get("/api/v1/adapters/4/similar?k=3").json
+    r = web.client.post("/api/v1/similar", data={**peft_files(stored), "k": "3"}, content_type="multipart/form-data")
     assert r.status_code == 200, r.json
-    top = r.json["results"]
-    assert top[0]["name"] == "w03" and top[0]["score"] == pytest.approx(1.0, abs=1e-3)  # itself, read from the upload
-    assert [x["adapter_id"] for x in top[1:]] == [x["adapter_id"] for x in by_id]
+    # the file is stored adapter 4: answered as it, and said so
+    assert r.json["stored_as"] == {"adapter_id": 4, "name": "w03"} and r.json["results"] == by_id["results"]
+    assert by_id["stored_as"] is None
     r = web.client.post("/api/v1/similar", data={"file": [(io.BytesIO(zipped(stored)), "w03.zip")]}, content_type="multipart/form-data")
-    assert r.status_code == 200 and r.json["results"][0]["name"] == "w03"
+    assert r.status_code == 200 and r.json["stored_as"]["adapter_id"] == 4
+    new = web.client.post("/api/v1/similar", data=peft_files(web.adapters / "outside" / "new"), content_type="multipart/form-data").json
+    assert new["stored_as"] is None and new["results"]
     kohya = tmp_path / "k.safetensors"
     write_kohya_file(kohya)
     upload = {"file": [(io.BytesIO(kohya.read_bytes()), "k.safetensors")]}
@@ -203,7 +205,7 @@ def test_predict_by_id_batch_and_upload(web: Web) -> None:
     r = web.client.post("/api/v1/predict/attributes", json={"adapter_id": 2})
     assert r.status_code == 200
     (p,) = r.json["predictions"]
-    assert set(p) == {"query", "query_name", "space", "embedder_id", "attributes", "confidence", "from_lineage"}
+    assert set(p) == {"query", "query_name", "stored_as", "space", "embedder_id", "predictors", "attributes", "confidence", "from_lineage"}
     assert p["from_lineage"]["edges"] >= 0 and "task" not in p["from_lineage"]["attributes"]  # its own task is given
     assert sum(c["probability"] for c in p["attributes"]["task"]) == pytest.approx(1.0, abs=1e-4)
     r = web.client.post("/api/v1/predict/performance", json={"adapter_ids": [1, 2, 3]})
@@ -216,6 +218,43 @@ def test_predict_by_id_batch_and_upload(web: Web) -> None:
     assert error_of(web.client.post("/api/v1/predict/attributes", json={}))["status"] == 400
     assert error_of(web.client.post("/api/v1/predict/attributes", json={"adapter_ids": list(range(1, 200))}))["status"] == 422
     assert error_of(web.client.post("/api/v1/predict/performance", json={"adapter_id": 999}))["status"] == 404
+
+
+def test_a_prediction_stands_beside_what_was_given(web: Web) -> None:
+    """A stored adapter's prediction is made without its own labels, so it may disagree with them: each attribute
+    carries the given value and whether the top class is it, each metric the measured value and whether it lies in
+    the interval, for every stored adapter."""
+    ids = [a["id"] for a in web.client.get("/api/v1/adapters?per_page=100").json["results"]]
+    attributes = web.client.post("/api/v1/predict/attributes", json={"adapter_ids": ids}).json["predictions"]
+    metrics = web.client.post("/api/v1/predict/performance", json={"adapter_ids": ids}).json["predictions"]
+    for p, m in zip(attributes, metrics, strict=True):
+        given = web.client.get(f"/api/v1/adapters/{p['query']}").json
+        c = p["confidence"]["task"]
+        assert c["given"] == given["labels"].get("task")
+        assert c["agrees"] == (None if c["given"] is None else p["attributes"]["task"][0]["value"] == c["given"])
+        t = m["metrics"]["test_accuracy"]
+        assert t["measured"] == given["measurements"].get("test_accuracy")
+        if t["measured"] is not None:
+            assert t["within"] == (t["low"] <= t["measured"] <= t["high"])
+        assert p["predictors"]["task"] and p["stored_as"] is None
+    assert any(p["confidence"]["task"]["given"] for p in attributes)
+
+
+def test_a_stored_adapter_and_an_upload_of_its_export_get_one_answer(web: Web) -> None:
+    """The export of a stored adapter, uploaded, is that adapter: the same predictions to the last digit, and the
+    answer names it."""
+    for adapter_id in (2, 5):
+        export = web.client.get(f"/api/v1/adapters/{adapter_id}/download?format=peft").data
+        upload = {"file": [(io.BytesIO(export), "export.zip")]}
+        for part in ("attributes", "performance"):
+            stored = web.client.post(f"/api/v1/predict/{part}", json={"adapter_id": adapter_id}).json["predictions"][0]
+            uploaded = web.client.post(f"/api/v1/predict/{part}", data=dict(upload), content_type="multipart/form-data")
+            assert uploaded.status_code == 200, uploaded.json
+            got = uploaded.json["predictions"][0]
+            assert got["stored_as"]["adapter_id"] == adapter_id
+            for key in ("attributes", "confidence", "metrics", "from_lineage"):
+                assert got.get(key) == stored.get(key), key
+            upload = {"file": [(io.BytesIO(export), "export.zip")]}
 
 
 def test_download_in_each_format(web: Web) -> None:

@@ -255,8 +255,8 @@ MapOut = named_schema("MapResource", {k: f for k, f in typed_fields(MapResource)
 #: what each predict endpoint keeps of a prediction: the query, and attributes with their confidence (labelled
 #: neighbours that agree, "sure" or not) and what a stored adapter inherits along its edges, or metrics
 PREDICTION_KEYS = {
-    "attributes": ("query", "query_name", "space", "embedder_id", "attributes", "confidence", "from_lineage"),
-    "metrics": ("query", "query_name", "space", "embedder_id", "metrics"),
+    "attributes": ("query", "query_name", "stored_as", "space", "embedder_id", "predictors", "attributes", "confidence", "from_lineage"),
+    "metrics": ("query", "query_name", "stored_as", "space", "embedder_id", "predictors", "metrics"),
 }
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TypedDict
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from zoo.store.catalog import refresh_search_text
 from zoo.store.locks import label_lock, take_locks
+from zoo.store.models import Label, Measurement
 from zoo.store.repository import replace_labels
 
 
@@ -33,3 +35,13 @@ def write_labels(session: Session, adapter_id: int, attributes: Mapping[str, str
     replace_labels(session, adapter_id, attributes, measurements)
     session.flush()
     refresh_search_text(session, [adapter_id])
+
+
+def given_labels(session: Session, adapter_id: int) -> tuple[dict[str, str], dict[str, float]]:
+    """An adapter's given labels and test measurements, in two indexed look-ups (what a prediction is set beside)."""
+    conn = session.connection()
+    labels = conn.execute(select(Label.key, Label.value).where(Label.adapter_id == adapter_id, Label.source == "given"))
+    measured = conn.execute(
+        select(Measurement.metric, Measurement.value).where(Measurement.adapter_id == adapter_id, Measurement.split == "test")
+    )
+    return {str(k): str(v) for k, v in labels}, {str(k): float(v) for k, v in measured}
