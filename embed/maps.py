@@ -49,6 +49,7 @@ from embed.registry import (
     serving_embedders,
     space_version,
 )
+from zoo.domain.palette import MISSING, SEQUENTIAL, category_colours
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import read_derived, write_derived
 from zoo.labels import TASK_KEY
@@ -279,25 +280,29 @@ class MapPoint(TypedDict):
 
 
 class MetricLegend(TypedDict):
-    """The range of a metric over the shown points that have it."""
+    """The range of a metric over the shown points that have it, and the colour scale it is drawn in."""
 
     kind: Literal["metric"]
     min: float | None
     max: float | None
     missing: int  # shown points without it
+    colours: list[str]  # the scale's stops, "#rrggbb", from min to max (zoo/domain/palette.py SEQUENTIAL)
+    missing_colour: str  # of a point without it
 
 
 class LabelCount(TypedDict):
     value: str
     count: int  # shown points with this value
+    colour: str  # "#rrggbb" the points are drawn in (zoo/domain/palette.py: the same on the page and in a plot)
 
 
 class LabelLegend(TypedDict):
-    """A label's values among the shown points, most common first."""
+    """A label's values among the shown points, most common first, each with its colour."""
 
     kind: Literal["label"]
     values: list[LabelCount]
     missing: int  # shown points without it
+    missing_colour: str  # of a point without it
 
 
 class MapResource(TypedDict):
@@ -392,11 +397,16 @@ def _label_values(conn: Connection, key: str, ids: list[int]) -> dict[int, str]:
 
 
 def _legend(color_by: str | None, metric: dict[int, float], labels: dict[int, str], shown: int) -> MetricLegend | LabelLegend | None:
-    """Labels: each value with its count among the shown points, most common first; metrics: the range."""
+    """Labels: each value with its count among the shown points and its colour, most common first (the palette's
+    first colours, the farthest apart, go to the most points); metrics: the range and the colour scale."""
     if not color_by:
         return None
     if color_by.startswith(METRIC):
         numbers = list(metric.values())
-        return {"kind": "metric", "min": min(numbers, default=None), "max": max(numbers, default=None), "missing": shown - len(metric)}
+        low, high, missing = min(numbers, default=None), max(numbers, default=None), shown - len(metric)
+        return {"kind": "metric", "min": low, "max": high, "missing": missing, "colours": list(SEQUENTIAL), "missing_colour": MISSING}
     counts = sorted(Counter(labels.values()).items(), key=lambda kv: (-kv[1], kv[0]))
-    return {"kind": "label", "values": [{"value": v, "count": c} for v, c in counts], "missing": shown - len(labels)}
+    values: list[LabelCount] = [
+        {"value": v, "count": c, "colour": colour} for (v, c), colour in zip(counts, category_colours(len(counts)), strict=True)
+    ]
+    return {"kind": "label", "values": values, "missing": shown - len(labels), "missing_colour": MISSING}

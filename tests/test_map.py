@@ -7,11 +7,15 @@ import json
 import tracemalloc
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
+from matplotlib.transforms import Bbox
 from sqlalchemy import event
 
 import embed.maps
@@ -22,7 +26,9 @@ from embed.registry import get_space, load_embeddings, register, store_embedding
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from tests.test_engine import ingest_and_embed
+from zoo.domain.palette import CATEGORIES, MISSING, OTHER, SEQUENTIAL, category_colours, cielab, closest_pair, distance
 from zoo.errors import UsageError
+from zoo.plots import map_figure
 from zoo.store.session import make_engine, session_factory
 
 PARTS = {"first": 8, "later": 6, "more": 4}
@@ -288,10 +294,12 @@ def test_points_are_coloured_by_a_label_or_a_metric_in_a_fixed_number_of_queries
     by_task = served(cli, color_by="task")
     assert by_task["color_keys"] == ["colour", "task", "metric:test_accuracy"]
     assert all(p["value"] == given_rows[p["name"]]["task"] for p in by_task["points"])
-    assert by_task["legend"] == {"kind": "label", "values": [{"value": "qk", "count": 7}, {"value": "qv", "count": 7}], "missing": 0}
+    qk, qv = {"value": "qk", "count": 7, "colour": CATEGORIES[0]}, {"value": "qv", "count": 7, "colour": CATEGORIES[1]}
+    assert by_task["legend"] == {"kind": "label", "values": [qk, qv], "missing": 0, "missing_colour": MISSING}
     by_accuracy = served(cli, color_by="metric:test_accuracy")
     assert all(p["value"] == pytest.approx(float(given_rows[p["name"]]["test_accuracy"])) for p in by_accuracy["points"])
     assert by_accuracy["legend"]["min"] == pytest.approx(0.4) and by_accuracy["legend"]["max"] == pytest.approx(0.4 + 13 / 40)
+    assert by_accuracy["legend"]["colours"] == list(SEQUENTIAL)
     nothing = served(cli, color_by="flavour")
     assert all(p["value"] is None for p in nothing["points"]) and nothing["legend"]["missing"] == 14
 
@@ -378,3 +386,74 @@ def test_the_map_is_the_same_whatever_the_read_chunk(cli: CLI, parts: Path, monk
     rows = spread_sample(ids, 5)
     assert rc == 0 and np.array_equal(sampled.projection.basis, fit(ids[rows], vectors[rows]).basis)
     assert np.array_equal(sampled.xy, sampled.projection.project(vectors)) and sampled.fitted == 14
+
+
+# --- the colours and the plot --------------------------------------------------------------------
+
+
+def test_the_category_colours_stay_apart_at_16_classes_and_more() -> None:
+    """Any first n of the palette (a label's n most common values) are far apart in CIELAB (ΔE*76: 2.3 is just
+    noticeable; a pair of one hue's light and dark shades, as in tab20, is about 25), and apart from the greys of
+    "other" and "no value", the white background and the black of the highlighted adapter."""
+    assert closest_pair(category_colours(10)) > 45
+    for n in range(16, len(CATEGORIES) + 1):
+        assert closest_pair(category_colours(n)) > 29, n
+    for fixed in (OTHER, MISSING, "#ffffff", "#000000"):
+        assert min(distance(c, fixed) for c in CATEGORIES) > 25, fixed
+    assert category_colours(30)[len(CATEGORIES) :] == [OTHER] * (30 - len(CATEGORIES))
+
+
+def test_the_metric_scale_reads_high_as_light() -> None:
+    """The sequential scale's lightness rises with the value (viridis): no hue wheel where red may mean high."""
+    lightness = [cielab(c)[0] for c in SEQUENTIAL]
+    assert lightness == sorted(lightness) and lightness[-1] - lightness[0] > 70
+
+
+def _resource(values: list[str | float | None], legend: dict) -> dict:
+    """A map resource (embed/maps.py `space_map`'s shape) with a point per value, on a grid that fills the axes."""
+    side = int(len(values) ** 0.5) + 1
+    points = [{"id": i, "name": f"a{i}", "x": float(i % side), "y": float(i // side), "value": v} for i, v in enumerate(values)]
+    common = {"space": "s", "embedder_id": 1, "method": "sketch", "projection": "pca", "explained": [0.5, 0.2], "state": "loaded"}
+    return common | {"count": len(points), "shown": len(points), "points": points, "color_by": "task", "legend": legend, "color_keys": []}
+
+
+def _boxes(fig: Figure) -> tuple[Bbox, list[Bbox]]:
+    """(the points' axes, its legends and colour bars) in display pixels, once drawn."""
+    fig.canvas.draw()
+    axes, *bars = fig.axes
+    keys = [legend.get_window_extent() for legend in [*fig.legends, *filter(None, [axes.get_legend()])]]
+    return axes.get_window_extent(), keys + [bar.get_window_extent() for bar in bars]
+
+
+def test_the_plot_keeps_its_legend_outside_the_points_in_the_palette_colours() -> None:
+    """`zoo map --plot` with 18 task values, less common ones past the palette and points without one: the legend
+    hides no point (it is outside the axes) and the points are drawn in the legend's colours, as on the web map."""
+    names = [f"task-{i:02d}" for i in range(len(CATEGORIES) + 3)]
+    values: list[str | float | None] = [n for i, n in enumerate(names) for _ in range(len(names) - i)] + [None] * 5
+    colours = category_colours(len(names))
+    counts = [{"value": n, "count": len(names) - i, "colour": c} for i, (n, c) in enumerate(zip(names, colours, strict=True))]
+    legend = {"kind": "label", "values": counts}
+    fig = map_figure(_resource(values, legend | {"missing": 5, "missing_colour": MISSING}))  # type: ignore[arg-type]
+    try:
+        plot, keys = _boxes(fig)
+        assert len(keys) == 1 and not keys[0].overlaps(plot), (keys, plot)
+        drawn = {to_hex(c) for dots in fig.axes[0].collections for c in dots.get_facecolors()}
+        assert drawn == set(CATEGORIES) | {OTHER, MISSING}
+    finally:
+        plt.close(fig)
+
+
+def test_the_plot_of_a_metric_has_a_colour_bar_with_its_min_and_max() -> None:
+    values: list[str | float | None] = [0.25 + i / 100 for i in range(40)] + [None] * 3
+    legend = {"kind": "metric", "min": 0.25, "max": 0.64, "missing": 3, "colours": list(SEQUENTIAL), "missing_colour": MISSING}
+    fig = map_figure(_resource(values, legend))  # type: ignore[arg-type]
+    try:
+        plot, keys = _boxes(fig)
+        assert len(keys) == 2 and not any(k.overlaps(plot) for k in keys), (keys, plot)  # "no value" and the colour bar
+        ticks = [t.get_text() for t in fig.axes[1].get_yticklabels()]
+        assert ticks[0] == "min 0.25" and ticks[-1] == "max 0.64", ticks
+        dots = fig.axes[0].collections[-1]
+        low, high = (to_hex(dots.cmap(dots.norm(v))) for v in (0.25, 0.64))
+        assert (low, high) == (SEQUENTIAL[0], SEQUENTIAL[-1])
+    finally:
+        plt.close(fig)
