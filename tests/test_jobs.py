@@ -187,7 +187,7 @@ def test_zoo_jobs_and_zoo_worker(cli: CLI, tmp_path: Path) -> None:
     write_random_peft_adapters(tmp_path / "copy", 1)
     (tmp_path / "copy" / "0000").rename(missing)  # the failed source now exists: a copy of src/0000
     rc, out, _ = cli("jobs", "retry", str(job["id"]))
-    assert rc == 0 and "1 items queued again" in out
+    assert rc == 0 and "1 item queued again" in out
     assert json.loads(cli("worker", "--drain", "--json")[1])["duplicate"] == 1
     counts = json.loads(cli("jobs", "show", str(job["id"]), "--json")[1])["counts"]
     assert (counts["done"], counts["duplicate"], counts["failed"]) == (6, 1, 0)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from zoo.cli.jobs import add_ray_arguments, queue_job, run_job_on_ray
-from zoo.cli.render import human, lineage_lines, plural, print_json
+from zoo.cli.render import human, label_columns, lineage_lines, plural, print_json, table
 from zoo.cli.spaces import blob_store
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.errors import NotFoundError, UsageError
@@ -21,7 +21,7 @@ from zoo.store.catalog import MAX_PER_PAGE, SORTS, search_catalog
 from zoo.store.session import require_schema, session_factory
 
 if TYPE_CHECKING:
-    from zoo.services.ingest import IngestOptions
+    from zoo.services.ingest import IngestOptions, IngestResult
 
 
 def run_ingest(
@@ -43,7 +43,7 @@ def run_ingest(
     for source in remote:
         hub.parse(source)  # a malformed source is a usage error before anything runs
     require_schema(settings.database_url)
-    ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options)
+    ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options, record_duplicates_as="zoo ingest")
     counts = {"ingested": 0, "duplicate": 0, "failed": 0}
     failures: list[str] = []
     sources = expand_paths([p for p in paths if not is_remote(p)])
@@ -59,10 +59,18 @@ def run_ingest(
                 print_json(result.as_dict())
             elif result.status == "failed":
                 failures.append(result.error or result.source)
-            elif result.revision:
-                bar.write(f"{result.source} at revision {result.revision}: {result.status}, adapter {result.adapter_id}", file=sys.stdout)
+            elif result.revision or result.status == "duplicate":
+                bar.write(result_line(result), file=sys.stdout)
             bar.set_postfix(counts)
     return counts, failures
+
+
+def result_line(result: IngestResult) -> str:
+    """One source's outcome worth a line of its own: a duplicate names the stored adapter it is; a Hub source its revision."""
+    at = f" at revision {result.revision}" if result.revision else ""
+    if result.status == "duplicate":
+        return f"{result.source}{at}: duplicate of #{result.adapter_id} {result.duplicate_of or ''}".rstrip()
+    return f"{result.source}{at}: {result.status}, adapter {result.adapter_id}"
 
 
 def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
@@ -84,7 +92,7 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     label_rows = read_labels_csv(Path(args.labels), args.metrics) if args.labels else {}
     counts, failures = run_ingest(settings, args.paths, options, label_rows, args.json)
     if not args.json:
-        print(f"{counts['ingested']} ingested, {counts['duplicate']} duplicate, {counts['failed']} failed")
+        print(f"{counts['ingested']} ingested, {plural(counts['duplicate'], 'duplicate')}, {counts['failed']} failed")
         for f in failures:
             print(f"  failed: {f}")
     return 1 if counts["failed"] else 0
@@ -103,20 +111,26 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
     total, rows = found["total"], found["results"]
     if not rows:
         if total:
-            print(f"page {args.page} is past the last page of {total} adapters")
+            print(f"page {args.page} is past the last page of {plural(total, 'adapter')}")
         else:
             print("no adapters match" if args.query or filters else "no adapters yet: add some with `zoo ingest PATH`")
         return 0
-    print(f"{'id':>5}  {'name':<32} {'format':<16} {'rank':>4}  {'base model':<28} hash")
-    for r in rows:
-        print(
-            f"{r['id']:>5}  {str(r['name'])[:32]:<32} {r['format']:<16} {r['rank'] or '-':>4}  "
-            f"{str(r['base_model'])[:28]:<28} {str(r['canonical_hash'])[:12]}"
-        )
+    print("\n".join(list_lines(rows)))
     pages = -(-total // args.per_page)
     if pages > 1:
-        print(f"page {args.page} of {pages} ({total} adapters, sorted by {found['sort']}): --page N for another")
+        print(f"page {args.page} of {pages} ({plural(total, 'adapter')}, sorted by {found['sort']}): --page N for another")
     return 0
+
+
+def list_lines(rows: list) -> list[str]:
+    """A page of the catalog as a table: id, name, format, rank, base model, given labels (the task first), hash."""
+    header, labels = label_columns([r["labels"] for r in rows])
+    cells = [
+        [r["id"], str(r["name"])[:32], r["format"], r["rank"] or "-", str(r["base_model"])[:28], *more, str(r["canonical_hash"])[:12]]
+        for r, more in zip(rows, labels, strict=True)
+    ]
+    right = [True, False, False, True, False, *[False] * len(header), False]
+    return table(["id", "name", "format", "rank", "base model", *header, "hash"], cells, right)
 
 
 def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
@@ -126,12 +140,13 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
         if adapter is None:
             raise NotFoundError(f"no adapter with id {args.id}: see `zoo list`")
         detail = repository.adapter_detail(adapter)
+        duplicates = repository.duplicate_sources(session, args.id)
     if args.plot:
         from zoo.plots import plot_spectra
 
         plot_spectra(detail["name"], detail["modules"], Path(args.plot))
     if args.json:
-        print_json(detail)
+        print_json({**detail, "duplicate_sources": duplicates})
         return 0
     if args.plot:
         print(f"spectra drawn to {args.plot}")
@@ -155,6 +170,8 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
         print(f"{key:>15}: {human(detail[key])}")
     for note in detail["notes"]:
         print(f"{'note':>15}: {note}")
+    for source in duplicates:
+        print(f"{'also ingested':>15}: {source}  (a duplicate of this adapter)")
     for key, value in detail["labels"].items():
         print(f"{key:>15}: {value}  (label)")
     for metric, measured in detail["measurements"].items():
@@ -246,8 +263,8 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
     else:
         b = report["blobs"]
         print(
-            f"{b['rows']} adapters with blobs: {len(b['missing'])} missing, {len(b['corrupt'])} corrupt; "
-            f"{len(report['orphans'])} orphan blobs, {len(report['temporary_files'])} temporary files "
+            f"{plural(b['rows'], 'adapter')} with blobs: {len(b['missing'])} missing, {len(b['corrupt'])} corrupt; "
+            f"{plural(len(report['orphans']), 'orphan blob')}, {plural(len(report['temporary_files']), 'temporary file')} "
             f"({report['in_flight']} younger than {args.grace:g} s left alone), {report['removed']} removed"
         )
         for entry in report["indexes"]:
@@ -256,7 +273,7 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
                 done = " (rebuilt)" if entry.get("repaired") else ""
                 print(f"  {entry['space']}: {what}: {entry['state']}{done}")
         for gap in report["unembedded"]:
-            print(f"  {gap['space']}: {gap['count']} adapters not embedded" + (" (embedded now)" if gap.get("repaired") else ""))
+            print(f"  {gap['space']}: {plural(gap['count'], 'adapter')} not embedded" + (" (embedded now)" if gap.get("repaired") else ""))
         for line in report["repaired"]:
             print(f"  repaired: {line}")
         lost = [*b["missing"], *b["corrupt"]]

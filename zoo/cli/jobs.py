@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from zoo.cli.render import job_lines, job_list_lines, print_json, worker_line
+from zoo.cli.render import job_lines, job_list_lines, plural, print_json, worker_line
 from zoo.config import Settings
 from zoo.errors import UsageError
 from zoo.labels import read_labels_csv
@@ -56,7 +56,8 @@ def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) ->
         print_json({**summary, "job": {k: v for k, v in job.items() if k != "items"}, "failures": failed})
     else:
         ray = summary["ray"]
-        print(f"job {job_id} on Ray ({ray['nodes']} nodes, {ray['cpus']} CPUs, {ray['gpus']:g} GPUs): " + worker_line(summary))
+        machines = f"{plural(ray['nodes'], 'node')}, {plural(ray['cpus'], 'CPU')}, {ray['gpus']:g} GPU{'' if ray['gpus'] == 1 else 's'}"
+        print(f"job {job_id} on Ray ({machines}): " + worker_line(summary))
         for item in failed:
             print(f"  failed: {item['reason'] or item['source']}")
     return 1 if failed else 0
@@ -109,7 +110,7 @@ def cmd_crawl(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         print_json({**detail, "sources": sources})
     else:
-        print(f"job {detail['id']}: {len(sources)} adapters of {args.base_model} queued; run `zoo worker --drain`")
+        print(f"job {detail['id']}: {plural(len(sources), 'adapter')} of {args.base_model} queued; run `zoo worker --drain`")
     return 0
 
 

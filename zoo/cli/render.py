@@ -4,6 +4,7 @@ lines of the reports several commands print."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,13 +40,51 @@ def plural(n: object, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def table(header: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[bool] | None = None, indent: str = "") -> list[str]:
+    """Rows under a header, each column as wide as its widest cell and two spaces apart; `right`: which columns are
+    right-aligned (numbers; default: every column but the first). Cells are shown as `human` shows them."""
+    cells = [[c if isinstance(c, str) else human(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(header)]
+    right = right if right is not None else [i > 0 for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return indent + "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True)).rstrip()
+
+    return [line(list(header)), *(line(row) for row in cells)]
+
+
+def label_columns(rows: Sequence[dict[str, str]]) -> tuple[list[str], list[list[str]]]:
+    """Given labels as table columns: `task` when any row has one, then the others compactly (`lang=en, size=s`)
+    when any row has them; ([], [[]...]) when none has labels."""
+    has_task = any("task" in labels for labels in rows)
+    has_other = any(k != "task" for labels in rows for k in labels)
+    header = ["task"] * has_task + ["labels"] * has_other
+    cells = [
+        [labels.get("task", "-")] * has_task + [", ".join(f"{k}={v}" for k, v in sorted(labels.items()) if k != "task") or "-"] * has_other
+        for labels in rows
+    ]
+    return header, cells
+
+
+def map_text(how: str) -> str:
+    """What `zoo embed` did to a space's map (embed.maps.update_map's `how`), as a person reads it: a first map is
+    news, not an error."""
+    if how.startswith("fitted (no map file "):
+        return f"fitted a new one, saved to {how.removeprefix('fitted (no map file ').removesuffix(')')}"
+    if how == "fitted (asked)":
+        return "fitted again, as asked"
+    if how.startswith("fitted (") and how.endswith(")"):
+        return f"fitted again and saved (the old file: {how.removeprefix('fitted (')[:-1]})"
+    return how
+
+
 def print_zoo_report(report: ZooReport) -> None:
     acc = report["accuracy"]["overall"]
     per = report["train_seconds_per_adapter"]
     print(
-        f"{report['count']} {report['recipe']} adapters in {report['out_dir']} ({report['built']} built, "
+        f"{plural(report['count'], report['recipe'] + ' adapter')} in {report['out_dir']} ({report['built']} built, "
         f"{report['skipped']} already there) in {report['seconds']:.0f} s"
-        + (f", {per:.2f} s of training each on {report['cpu_kernels']} CPU kernels" if per else "")
+        + (f", {per:.2f} s of training each on {plural(report['cpu_kernels'], 'CPU kernel')}" if per else "")
         + f"; {report['disk_bytes'] / 2**20:.1f} MiB"
     )
     print(f"test accuracy: mean {acc['mean']:.3f}, std {acc['std']:.3f}, range {acc['min']:.3f}..{acc['max']:.3f}")
@@ -174,7 +213,7 @@ def worker_line(summary: WorkerSummary) -> str:
     return (
         f"{plural(summary['processed'], 'item')} in {summary['ingest_seconds']:.1f} s ({summary['items_per_s'] or 0:.2f} items/s), "
         f"{summary['seconds']:.1f} s with embedding: "
-        f"{summary['done']} done, {summary['duplicate']} duplicate, {summary['failed']} failed"
+        f"{summary['done']} done, {plural(summary['duplicate'], 'duplicate')}, {summary['failed']} failed"
         + (f", {summary['queued']} queued again" if summary["queued"] else "")
         + (f", {summary['lost']} taken over by another worker" if summary["lost"] else "")
         + f"; embedded: {embedded}"
@@ -202,7 +241,7 @@ def job_lines(j: JobDetail) -> list[str]:
     c = j["counts"]
     when = f"created {str(j['created_at'])[:19]}" + (f", finished {str(j['finished_at'])[:19]}" if j["finished_at"] else "")
     lines = [f"job {j['id']}: {j['state']} ({j['kind']}, by {j['created_by'] or '-'}, {when})"]
-    lines.append(f"  {c['total']} items: " + ", ".join(f"{c[s]} {s}" for s in ITEM_STATES if c[s] or s in ("done", "failed")))
+    lines.append(f"  {plural(c['total'], 'item')}: " + ", ".join(f"{c[s]} {s}" for s in ITEM_STATES if c[s] or s in ("done", "failed")))
     if j["throughput"]:
         eta = f"; ETA {j['eta_s']:.0f} s" if j["eta_s"] is not None else ""
         lines.append(f"  {j['processed']} processed in {j['elapsed_s']:.1f} s: {j['throughput']:.2f} items/s{eta}")
@@ -213,7 +252,7 @@ def job_lines(j: JobDetail) -> list[str]:
         lines.append(f"  per item: {means}; slowest stage: {slowest} ({stages[slowest] / total:.0%})")
     for key in ("requeued", "cancelled_items"):
         if key in j:
-            lines.append(f"  {j[key]} items {'queued again' if key == 'requeued' else 'cancelled'}")
+            lines.append(f"  {plural(j[key], 'item')} {'queued again' if key == 'requeued' else 'cancelled'}")
     failed = [i for i in j.get("items", []) if i["state"] == "failed"]
     if failed:
         lines.append("  failed (`zoo jobs retry` queues them again):")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from zoo.cli.render import from_lineage_lines, human, percent, print_json, relations_line
+from zoo.cli.render import from_lineage_lines, human, label_columns, map_text, percent, plural, print_json, relations_line, table
 from zoo.config import Settings
 from zoo.errors import UsageError
 from zoo.store import repository
@@ -72,8 +73,9 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
         print_json(info)
     else:
         print(
-            f"trained W2T ({info['objective']}) on {info['n_adapters']} adapters of {space} in {info['train_seconds']} s, "
-            f"{info['members']} models ({'+'.join(map(str, info['epochs']))} epochs), best validation loss {info['best_val_loss']:.4f}; "
+            f"trained W2T ({info['objective']}) on {plural(info['n_adapters'], 'adapter')} of {space} in {info['train_seconds']} s, "
+            f"{plural(info['members'], 'model')} ({'+'.join(map(str, info['epochs']))} epochs), "
+            f"best validation loss {info['best_val_loss']:.4f}; "
             f"embedder {info['embedder_id']}, checkpoint {info['checkpoint']}"
         )
         for target, c in info["choices"].items():  # chosen out of fold: what search and predict will use
@@ -100,9 +102,9 @@ def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
         print("nothing to embed: ingest LoRA adapters first")
     for r in reports:
         print(
-            f"{r['space']}: {r['method']} (embedder {r['embedder_id']}) embedded {r['embedded']} new adapters, {r['total']} in the "
-            f"{r['index_kind']} index ({r['index']}); module store: {r['module_store']}; map: {r['map']}"
-            + (f"; {r['skipped_not_fitting']} do not fit this embedder's modules" if r["skipped_not_fitting"] else "")
+            f"{r['space']}: {r['method']} (embedder {r['embedder_id']}) embedded {plural(r['embedded'], 'new adapter')}, {r['total']} in "
+            f"the {r['index_kind']} index ({r['index']}); module store: {r['module_store']}; map: {map_text(r['map'])}"
+            + (f"; {plural(r['skipped_not_fitting'], 'adapter')} not fitting this embedder's modules" if r["skipped_not_fitting"] else "")
         )
     for report in found.values():
         print(relations_line(report))
@@ -121,13 +123,26 @@ def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     used = ", ".join(str(i) for i in found["embedder_ids"])
     stage = f"; module cosine: {found['module_stage']}" if found["module_stage"] else ""
-    print(f"nearest to {found['query_name']} in {found['space']} by {found['method']} (embedders {used}{stage}):")
-    for h in found["results"]:
-        print(f"  {h['score']:7.4f}  {h['adapter_id']:>6}  {h['name']:<32} {h['labels'].get('task', '')}")
+    if not found["results"]:
+        print(f"no other adapter in space {found['space']} to compare {found['query_name']} with" + _filtered(filters))
+    else:
+        print(f"nearest to {found['query_name']} in {found['space']} by {found['method']} (embedders {used}{stage}):")
+        print("\n".join(search_lines(found["results"])))
     for method, state in found["index_states"].items():
         if state != "loaded":
             print(f"note: the {method} index was {state}", file=sys.stderr)
     return 0
+
+
+def _filtered(filters: dict[str, str]) -> str:
+    return f" that has {', '.join(f'{k}={v}' for k, v in filters.items())}" if filters else ""
+
+
+def search_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The hits as a table: score, id, name, and their given labels (the task first)."""
+    header, labels = label_columns([h["labels"] for h in results])
+    rows = [[f"{h['score']:.4f}", h["adapter_id"], str(h["name"])[:32], *cells] for h, cells in zip(results, labels, strict=True)]
+    return table(["score", "id", "name", *header], rows, right=[True, True] + [False] * (1 + len(header)), indent="  ")
 
 
 PREDICTOR_WORDS = {
@@ -193,7 +208,7 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     first, second = found["explained"]
     print(
-        f"{found['space']}: {found['shown']} of {found['count']} adapters by {found['method']} (embedder {found['embedder_id']}), "
+        f"{found['space']}: {found['shown']} of {plural(found['count'], 'adapter')} by {found['method']} (embedder {found['embedder_id']}), "
         f"PCA axes holding {first:.0%} and {second:.0%} of the variance; map file: {saved}"
     )
     print("colour keys: " + (", ".join(found["color_keys"]) or "none (no given labels or test measurements)"))
@@ -225,7 +240,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     with session_factory(settings.database_url)() as session:
         adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
     if len(adapters) < 10:
-        raise UsageError(f"space {space} has {len(adapters)} adapters: evaluation needs at least 10")
+        raise UsageError(f"space {space} has {plural(len(adapters), 'adapter')}: evaluation needs at least 10")
     results = []
     for seed in range(args.seed, args.seed + args.splits):
         options = TrainOptions(

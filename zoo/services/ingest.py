@@ -26,7 +26,7 @@ from zoo.formats import AdapterData, RawAdapter, adapter_name, layer_index, modu
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
 from zoo.sources import Origin, hub
-from zoo.store import repository
+from zoo.store import jobs, repository
 from zoo.store.blobs import BlobStore, BlobWriter
 from zoo.store.catalog import write_search_text
 from zoo.store.labels import write_labels
@@ -61,6 +61,8 @@ class IngestResult:
     canonical_hash: str | None = None
     error: str | None = None
     name: str | None = None
+    #: a duplicate's stored adapter: its name (its id is adapter_id)
+    duplicate_of: str | None = None
     notes: list[str] = field(default_factory=list)
     #: the commit a Hub source was pinned to
     revision: str | None = None
@@ -223,13 +225,25 @@ def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: li
 
 
 class Ingestor:
-    """Ingests sources one at a time into one database and blob store."""
+    """Ingests sources one at a time into one database and blob store.
 
-    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, options: IngestOptions | None = None) -> None:
+    `record_duplicates_as`: a run that is not a job (`zoo ingest`) records each duplicate's source where a job
+    records its own (zoo.store.jobs.record_duplicate, one job of the run's, named by this), in the transaction that
+    found the duplicate; a job's worker leaves it None, as finishing the item records it."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        blobs: BlobStore,
+        options: IngestOptions | None = None,
+        record_duplicates_as: str | None = None,
+    ) -> None:
         self.sessions = sessions
         self.blobs = blobs
         self.options = options or IngestOptions()
         self.device = pick_device(self.options.device)
+        self.record_duplicates_as = record_duplicates_as
+        self.duplicates_job: int | None = None  # the run's job of duplicates, once one is committed
 
     def ingest(
         self, path: Path, source_uri: str | None = None, labels: LabelRow | None = None, origin: Origin | None = None
@@ -260,7 +274,7 @@ class Ingestor:
         named = origin.base_model if origin is not None else None
         base_model = self.options.base_model or named or raw.base_model or UNKNOWN_BASE  # a Hub card over a config's (often local) path
         lap("read")
-        result = self._stored_copy(raw, base_model, labels)
+        result = self._stored_copy(raw, source, base_model, labels)
         lap("store")
         if result is None:
             with one_torch_thread(raw.format in LORA_FORMATS):  # see LORA_FORMATS
@@ -294,11 +308,12 @@ class Ingestor:
         result.notes = list(data.notes)
         return result
 
-    def _stored_copy(self, raw: RawAdapter, base_model: str, labels: LabelRow | None) -> IngestResult | None:
+    def _stored_copy(self, raw: RawAdapter, source: str, base_model: str, labels: LabelRow | None) -> IngestResult | None:
         """The duplicate result for files already stored, without reading tensors: a stored adapter of this base model
         from a weight file with the same SHA-256, in the same format, with the same config values the update depends
         on (a full checkpoint only while no --base makes it a delta). Given labels are attached to it as on any
-        duplicate (unless it has them already). None when there is no such adapter (or it was deleted meanwhile)."""
+        duplicate (unless it has them already), and the source recorded (with `record_duplicates_as`). None when there
+        is no such adapter (or it was deleted meanwhile)."""
         if raw.format is None or not isinstance(base_model, str) or (raw.format == "checkpoint" and self.options.base_checkpoint):
             return None
         with self.sessions() as session:  # reads only: no transaction around them
@@ -309,28 +324,44 @@ class Ingestor:
                 return None
             same = labels is None or repository.has_labels(conn, match.id, labels.attributes, labels.measurements)
         locks = store_locks(base_model, match.structure_hash, match.dw_norm, DUPLICATE_RTOL)
-        if labels is not None and not same and not self._with_retries(self._attach_labels, match.id, locks, labels):
+        attach = labels if labels is not None and not same else None
+        if (attach or self.record_duplicates_as) and not self._with_retries(self._confirm_copy, match.id, locks, attach, source):
             return None
-        return IngestResult(str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path))
+        return IngestResult(str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path), duplicate_of=match.name)
 
     def stored_revision(self, uri: str, revision: str) -> IngestResult | None:
         """The duplicate result when an adapter of this source at this revision is stored already (answered before
         anything is downloaded), else None."""
         with self.sessions() as session:
             row = session.execute(_STORED_REVISION, {"uri": uri, "revision": revision}).first()
-        if row is None:
+        if row is None or self.record_duplicates_as and not self._with_retries(self._confirm_copy, row.id, [], None, uri):
             return None
         note = f"{uri} at revision {revision} is stored already (adapter {row.id}): same revision, nothing downloaded"
-        return IngestResult(uri, "duplicate", row.id, row.canonical_hash, name=row.name, notes=[note], revision=revision)
+        return IngestResult(uri, "duplicate", row.id, row.canonical_hash, name=row.name, duplicate_of=row.name, notes=[note], revision=revision)
 
-    def _attach_labels(self, adapter_id: int, locks: list[str], labels: LabelRow) -> bool:
-        """Given labels onto a stored adapter (False if it is gone), in one transaction under the store's locks and the
-        adapter's label lock (zoo.store.labels.write_labels)."""
+    def _confirm_copy(self, adapter_id: int, locks: list[str], labels: LabelRow | None, source: str) -> bool:
+        """A source found to be a stored adapter: its given labels attached (under the store's locks and the adapter's
+        label lock, zoo.store.labels.write_labels) and its source recorded (with `record_duplicates_as`), in one
+        transaction; False if the adapter is gone."""
         with write_transaction(self.sessions, *locks) as session:
             if session.connection().execute(_ADAPTER_EXISTS, {"id": adapter_id}).first() is None:
                 return False
-            write_labels(session, adapter_id, labels.attributes, labels.measurements)
+            if labels is not None:
+                write_labels(session, adapter_id, labels.attributes, labels.measurements)
+            job = self._record_duplicate(session, adapter_id, source)
+        self._committed(job)
         return True
+
+    def _record_duplicate(self, session: Session, adapter_id: int, source: str) -> int | None:
+        """Record the duplicate in the caller's transaction (with `record_duplicates_as`); the run's job id, to keep once
+        that transaction has committed (`_committed`)."""
+        if self.record_duplicates_as is None:
+            return None
+        return jobs.record_duplicate(session, self.duplicates_job, source, adapter_id, self.record_duplicates_as)
+
+    def _committed(self, job: int | None) -> None:
+        if job is not None:
+            self.duplicates_job = job
 
     def _find_duplicate(self, session: Session, d: _Described) -> repository.Candidate | None:
         """The stored adapter with this canonical hash, else the first near one (same structure, close norm) within
@@ -363,7 +394,7 @@ class Ingestor:
     def _store(self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
         duplicate (see zoo.store.locks.store_locks) so that the duplicate check sees every earlier one's update; a duplicate's labels
-        are written under its label lock too (zoo.store.labels.write_labels). The blob, written
+        are written under its label lock too (zoo.store.labels.write_labels), and its source recorded (`record_duplicates_as`). The blob, written
         and fsynced meanwhile (`blob`), is put under its digest (idempotently, by content) after the rows are
         inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob
         left by a transaction that failed is an orphan for `zoo check --repair`."""
@@ -371,26 +402,33 @@ class Ingestor:
         with write_transaction(self.sessions, *store_locks(a.base_model, a.structure_hash, a.dw_norm, DUPLICATE_RTOL)) as session:
             check_space_fits(session, a, d.modules)
             dup = self._find_duplicate(session, d)
-            if dup is not None:
-                if labels is not None:
-                    write_labels(session, dup.id, labels.attributes, labels.measurements)
-                return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name)
-            if a.source_revision is not None:  # a new revision of a stored source is its next version
-                previous = {"uri": a.source_uri, "revision": a.source_revision}
-                a.previous_version_id = session.connection().execute(_PREVIOUS_VERSION, previous).scalar()
-            given = {lb.key: lb.value for lb in a.labels} | (labels.attributes if labels else {})
-            measured = labels.measurements if labels else {}
-            conn = session.connection()
-            if blob is not None:
-                a.factors_blob = blob.digest()
-            a.id = conn.execute(_INSERT_ADAPTER, {c: getattr(a, c) for c in _ADAPTER_COLUMNS if c in a.__dict__}).scalar_one()
-            _insert_rows(conn, Module, [{**row, "adapter_id": a.id} for row in d.modules])
-            _insert_rows(conn, Label, [{"adapter_id": a.id, "key": k, "value": v, "source": "given"} for k, v in given.items()])
-            _insert_rows(conn, Measurement, [{"adapter_id": a.id, "metric": k, "value": v, "split": "test"} for k, v in measured.items()])
-            write_search_text(conn, a, given)
-            if blob is not None:
-                self.blobs.commit(blob.staged())
-            return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
+            if dup is None:
+                return self._insert(session, d, labels, blob)
+            if labels is not None:
+                write_labels(session, dup.id, labels.attributes, labels.measurements)
+            job = self._record_duplicate(session, dup.id, a.source_uri)
+        self._committed(job)
+        return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name, duplicate_of=dup.name)
+
+    def _insert(self, session: Session, d: _Described, labels: LabelRow | None, blob: BlobWriter | None) -> IngestResult:
+        """A new adapter's rows, labels, search document and blob, in `_store`'s transaction."""
+        a = d.adapter
+        if a.source_revision is not None:  # a new revision of a stored source is its next version
+            previous = {"uri": a.source_uri, "revision": a.source_revision}
+            a.previous_version_id = session.connection().execute(_PREVIOUS_VERSION, previous).scalar()
+        given = {lb.key: lb.value for lb in a.labels} | (labels.attributes if labels else {})
+        measured = labels.measurements if labels else {}
+        conn = session.connection()
+        if blob is not None:
+            a.factors_blob = blob.digest()
+        a.id = conn.execute(_INSERT_ADAPTER, {c: getattr(a, c) for c in _ADAPTER_COLUMNS if c in a.__dict__}).scalar_one()
+        _insert_rows(conn, Module, [{**row, "adapter_id": a.id} for row in d.modules])
+        _insert_rows(conn, Label, [{"adapter_id": a.id, "key": k, "value": v, "source": "given"} for k, v in given.items()])
+        _insert_rows(conn, Measurement, [{"adapter_id": a.id, "metric": k, "value": v, "split": "test"} for k, v in measured.items()])
+        write_search_text(conn, a, given)
+        if blob is not None:
+            self.blobs.commit(blob.staged())
+        return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
 
 
 _ADAPTER_COLUMNS = tuple(c.key for c in Adapter.__table__.columns)

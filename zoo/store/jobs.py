@@ -108,6 +108,22 @@ def create_job(
     return job
 
 
+def record_duplicate(session: Session, job_id: int | None, source: str, adapter_id: int, created_by: str) -> int:
+    """Record, in the caller's transaction, that an ingest run that is not a job (`zoo ingest`) found `source` to be
+    the stored adapter `adapter_id`, as a job records its duplicates: an item in state duplicate, of the run's own
+    finished job, made with its first duplicate (`job_id` None). Returns the job's id, for the caller to keep once its
+    transaction has committed."""
+    now = _now()
+    if job_id is None:
+        job = Job(kind="ingest", state="done", options={}, created_by=created_by, finished_at=now)
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    session.add(JobItem(job_id=job_id, source=source, state="duplicate", attempts=1, adapter_id=adapter_id, updated_at=now))
+    session.flush()
+    return job_id
+
+
 def _label_json(row: LabelRow | None) -> StoredLabels | None:
     return {"attributes": row.attributes, "measurements": row.measurements} if row else None
 

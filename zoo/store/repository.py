@@ -36,9 +36,10 @@ class Candidate(NamedTuple):
     dw_norm: float | None
     #: its raw probe values (see zoo.domain.fingerprint.may_be_duplicate); None when stored before they were
     dw_probes: list | None = None
+    name: str = ""
 
 
-_CANDIDATE = select(Adapter.id, Adapter.canonical_hash, Adapter.factors_blob, Adapter.dw_norm, Adapter.dw_probes).where(
+_CANDIDATE = select(Adapter.id, Adapter.canonical_hash, Adapter.factors_blob, Adapter.dw_norm, Adapter.dw_probes, Adapter.name).where(
     Adapter.base_model == bindparam("base_model")
 )
 _SAME_HASH = _CANDIDATE.where(Adapter.canonical_hash == bindparam("canonical_hash"))
@@ -77,10 +78,11 @@ class StoredCopy(NamedTuple):
     config: dict | None
     structure_hash: str
     dw_norm: float | None
+    name: str
 
 
 _STORED_COPIES = (
-    select(Adapter.id, Adapter.canonical_hash, Adapter.config, Adapter.structure_hash, Adapter.dw_norm)
+    select(Adapter.id, Adapter.canonical_hash, Adapter.config, Adapter.structure_hash, Adapter.dw_norm, Adapter.name)
     .where(Adapter.file_sha256 == bindparam("sha"), Adapter.base_model == bindparam("base_model"), Adapter.format == bindparam("fmt"))
     .order_by(Adapter.id)
 )
@@ -334,7 +336,8 @@ def names_and_labels(session: Session, ids: Iterable[int]) -> dict[int, tuple[st
 
 
 def duplicate_sources(session: Session, adapter_id: int) -> list[str]:
-    """Sources that jobs found to be this adapter (same canonical form), oldest first."""
+    """Sources found to be this adapter (same canonical form), oldest first: by jobs, and by the ingest runs that are not
+    jobs, which record theirs as a job's items too (zoo.store.jobs.record_duplicate)."""
     stmt = select(JobItem.source).where(JobItem.adapter_id == adapter_id, JobItem.state == "duplicate").order_by(JobItem.id)
     return list(session.scalars(stmt))
 
