@@ -220,13 +220,16 @@ def test_truncated_safetensors(tmp_path: Path) -> None:
 def test_oversized_header(tmp_path: Path) -> None:
     path = tmp_path / "h.safetensors"
     path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
-    with pytest.raises(InputError, match="exceeds the limit"):
+    with pytest.raises(InputError, match="not a safetensors file: its first 8 bytes give a header length of 1099511627776, more than its 10 bytes"):
         read_adapter(path)
 
 
 def test_corrupt_header(tmp_path: Path) -> None:
     path = tmp_path / "c.safetensors"
     path.write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{[")
+    with pytest.raises(InputError, match="not a safetensors file: its 4-byte header is not JSON"):
+        read_adapter(path)
+    path.write_bytes(struct.pack("<Q", 4) + b"{[\xff\xfe")  # a JSON header's start, then none
     with pytest.raises(InputError, match="corrupt safetensors header"):
         read_adapter(path)
 

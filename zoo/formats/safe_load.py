@@ -180,18 +180,33 @@ class SafetensorsHeader:
     data_start: int
 
 
+def _header_length(path: Path, data: bytes | bytearray | StreamedFile) -> int:
+    """The header length the file's first 8 bytes give, once it is one a safetensors file can have: within the
+    file, starting with '{' (as the format requires). Other bytes (random ones, another format) are "not a
+    safetensors file", not a header over the limit; a plausible header over ZOO_MAX_HEADER_BYTES is that."""
+    size = len(data)
+    if size < 8:
+        raise InputError(path, f"truncated safetensors file ({size} bytes, no header length)")
+    (n,) = struct.unpack("<Q", bytes(data[0:8]))
+    if 8 + n > size:
+        if n > max_header_bytes():
+            raise InputError(path, f"not a safetensors file: its first 8 bytes give a header length of {n}, more than its {size} bytes")
+        raise InputError(path, f"truncated safetensors file: header claims {n} bytes but the file has {size}")
+    if n > max_header_bytes():
+        raise InputError(path, f"safetensors header of {n} bytes exceeds the limit of {max_header_bytes()} bytes")
+    if n == 0:
+        raise InputError(path, "not a safetensors file: its first 8 bytes give a header length of 0 (no JSON header)")
+    if (first := bytes(data[8:9])) != b"{":
+        raise InputError(path, f"not a safetensors file: its {n}-byte header is not JSON (it starts with byte 0x{first.hex()}, not '{{')")
+    return n
+
+
 def safetensors_header(path: Path, data: bytes | bytearray | StreamedFile) -> SafetensorsHeader:
     """Check the framing of a safetensors file's bytes and every tensor entry of its header (dtype, shape,
     offsets that match the shape, inside the file, not overlapping and, as the format requires, packed
     from the start of the data to its end)."""
     size = len(data)
-    if size < 8:
-        raise InputError(path, f"truncated safetensors file ({size} bytes, no header length)")
-    (n,) = struct.unpack("<Q", bytes(data[0:8]))
-    if n > max_header_bytes():
-        raise InputError(path, f"safetensors header of {n} bytes exceeds the limit of {max_header_bytes()} bytes")
-    if 8 + n > size:
-        raise InputError(path, f"truncated safetensors file: header claims {n} bytes but the file has {size}")
+    n = _header_length(path, data)
     try:
         header = json.loads(bytes(data[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
