@@ -174,7 +174,7 @@ def test_similar_by_upload_in_every_shape(web: Web, tmp_path: Path) -> None:
         ([(b"\x00" * 64, "adapter.safetensors")], 422, "adapter.safetensors"),
         ([(b"PK\x03\x04 not really", "a.zip")], 422, "not a readable zip"),
         ([(b"\x80\x04K\x01.", "adapter_model.bin")], 422, "not an adapter upload"),
-        ([(b"{}", "adapter_config.json")], 422, "not an adapter upload"),
+        ([(b"{}", "adapter_config.json")], 422, "adapter_model.safetensors is missing"),
     ],
 )
 def test_bad_uploads_are_refused_with_the_reason(web: Web, files: list, status: int, says: str) -> None:

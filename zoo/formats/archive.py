@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import stat
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from zoo.errors import InputError
@@ -33,12 +34,20 @@ def peft_members(zf: zipfile.ZipFile, label: str | Path) -> dict[str, zipfile.Zi
             if path.name in wanted:
                 raise InputError(label, f"more than one {path.name}: zip one PEFT directory")
             wanted[path.name] = m
-    if (
-        set(wanted) != {CONFIG_NAME, PEFT_WEIGHTS}
-        or PurePosixPath(wanted[CONFIG_NAME].filename).parent != PurePosixPath(wanted[PEFT_WEIGHTS].filename).parent
-    ):
+    if missing := missing_peft_files(wanted):
+        raise InputError(label, f"{missing}: the zip needs {CONFIG_NAME} and {PEFT_WEIGHTS} in one folder")
+    if PurePosixPath(wanted[CONFIG_NAME].filename).parent != PurePosixPath(wanted[PEFT_WEIGHTS].filename).parent:
         raise InputError(label, f"no PEFT directory: the zip needs {CONFIG_NAME} and {PEFT_WEIGHTS} in one folder")
     return wanted
+
+
+def missing_peft_files(names: Iterable[str]) -> str | None:
+    """What a PEFT directory's files lack among `names` ("adapter_model.safetensors is missing"), or None: said
+    before the rule they break, so that a zip or an upload of one file names the other."""
+    absent = [n for n in (CONFIG_NAME, PEFT_WEIGHTS) if n not in set(names)]
+    if not absent:
+        return None
+    return f"{absent[0]} is missing" if len(absent) == 1 else f"neither {CONFIG_NAME} nor {PEFT_WEIGHTS} is in it"
 
 
 def read_peft_zip(path: Path) -> tuple[bytes, WeightFile]:

@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from zoo.errors import InputError
-from zoo.formats.archive import PEFT_WEIGHTS, ZIP_SUFFIX, peft_members
+from zoo.formats.archive import PEFT_WEIGHTS, ZIP_SUFFIX, missing_peft_files, peft_members
 from zoo.formats.peft import CONFIG_NAME
 
 
@@ -50,10 +50,9 @@ def materialize(files: Sequence[Upload], workdir: Path, max_bytes: int) -> Path:
         target = workdir / _safe_name(names[0])
         _copy(files[0], target, max_bytes)
         return target
-    raise InputError(
-        ", ".join(names),
-        f"not an adapter upload: send {CONFIG_NAME} with {PEFT_WEIGHTS}, a .zip of a PEFT directory, or one .safetensors file",
-    )
+    send = f"send {CONFIG_NAME} with {PEFT_WEIGHTS}, a .zip of a PEFT directory, or one .safetensors file"
+    missing = missing_peft_files(names) if CONFIG_NAME in names else None  # half a PEFT directory: name the other half
+    raise InputError(", ".join(names), f"{missing}: {send}" if missing else f"not an adapter upload: {send}")
 
 
 #: characters kept of an uploaded file's name (its suffix always kept: a long `.safetensors` name is still read as one)
