@@ -23,6 +23,7 @@ import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from tests.conftest import copy_seeded
+from zoo.domain.palette import CATEGORIES, SEQUENTIAL, distance
 from zoo.store.session import make_engine
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -197,8 +198,16 @@ def test_search_facets_and_the_adapter_page(desktop: Tab, tmp_path: Path) -> Non
     assert page.locator("dl.predictions .chip").count() >= 1
     assert page.locator("dl.kv dd", has_text="measured").count() == 1  # the given test_accuracy, told apart from predictions
     lineage = page.locator("section.lineage")  # the other 11 adapters of base model tiny, each a link
-    assert lineage.locator("h3", has_text="Same base model").inner_text().split()[-1] == "11"
+    assert lineage.locator("h3", has_text="Same base model").locator(".badge").inner_text() == "11 other adapters"
+    same_source = lineage.locator("h3", has_text="Same source")  # the count is a badge apart from the path, never its tail
+    assert same_source.locator(".badge").inner_text() == "0 other adapters" and same_source.inner_text().startswith("Same source")
+    assert re.search(r"/zoo/w\d\d$", lineage.locator("h3:has-text('Same source') + p.group-value").inner_text())
     assert lineage.locator("ul.related li a[href^='/adapters/']").count() == 11
+    neighbours_box, lineage_box = page.locator("ol.neighbours").bounding_box(), lineage.bounding_box()
+    assert neighbours_box and lineage_box and neighbours_box["y"] < lineage_box["y"]  # the neighbours first, then the lineage lists
+    map_link = page.get_by_role("link", name="Show on the map")  # a link, not one more download button
+    assert map_link.get_attribute("download") is None and "button" not in (map_link.get_attribute("class") or "")
+    assert page.locator(".downloads").get_by_role("link", name="Show on the map").count() == 0
     desktop.shot("adapter")
 
     with page.expect_download() as info:
@@ -234,12 +243,80 @@ def test_map_point_opens_its_adapter(desktop: Tab) -> None:
     labels = page.evaluate("window.zooMapChart.data.datasets.map((d) => d.label)")
     assert labels == ["this adapter", "qk", "qv"] and page.input_value("#color-by") == "task"
     colours = page.evaluate("window.zooMapChart.data.datasets.map((d) => d.backgroundColor)")
-    assert len(set(colours)) == 3
-    for n in (2, 17, 18, 19, 60):  # any number of groups, each its own colour (17 tasks in the demo zoo)
-        assert page.evaluate(f"new Set([...Array({n}).keys()].map((i) => categoryColour(i, {n}))).size") == n
+    assert colours == ["#000", *CATEGORIES[:2]]  # the server's palette, as in `zoo map --plot`
     desktop.shot("map-coloured")
     assert _click_point(desktop, dataset=0) == 3
     page.wait_for_url(re.compile(r"/adapters/3$"))
+
+
+def _apart(first: dict[str, float], second: dict[str, float]) -> bool:
+    """Two boxes (bounding_box) share no pixel."""
+    return (
+        first["x"] + first["width"] <= second["x"]
+        or second["x"] + second["width"] <= first["x"]
+        or first["y"] + first["height"] <= second["y"]
+        or second["y"] + second["height"] <= first["y"]
+    )
+
+
+def _plot_area(tab: Tab) -> dict[str, float]:
+    """The map's plot area (Chart.js's chartArea, where the points are) in page pixels."""
+    box = tab.page.locator("#map").bounding_box()
+    area = tab.page.evaluate("(() => { const a = window.zooMapChart.chartArea; return [a.left, a.top, a.right, a.bottom]; })()")
+    assert box is not None
+    return {"x": box["x"] + area[0], "y": box["y"] + area[1], "width": area[2] - area[0], "height": area[3] - area[1]}
+
+
+@pytest.mark.parametrize("viewport", ["desktop", "phone"])
+def test_the_map_has_a_colour_scale_and_a_key_beside_the_points(viewport: str, request: pytest.FixtureRequest) -> None:
+    """Coloured by a metric: a colour bar from the scale's low end to its high end (viridis: light is high) with its
+    min and max written at its ends; by a label: a swatch per value in the palette's colours. Either key sits beside
+    (a phone: below) the plot area, on no point."""
+    tab: Tab = request.getfixturevalue(viewport)
+    page = tab.page
+    tab.goto("/map?color_by=metric:test_accuracy")
+    page.wait_for_selector("#map[data-points]")
+    legend = page.evaluate("fetch('/api/v1/spaces/tiny/map?color_by=metric:test_accuracy').then((r) => r.json())")["legend"]
+    bar, low, high = page.locator("#colour-bar"), page.locator("#scale-min"), page.locator("#scale-max")
+    assert bar.is_visible() and low.is_visible() and high.is_visible()
+    assert low.inner_text() == f"min {legend['min']:.4g}" and high.inner_text() == f"max {legend['max']:.4g}"
+    assert page.locator("#map-key h2").inner_text() == "metric:test_accuracy"
+    for name in ("#colour-bar", "#scale-min", "#scale-max"):
+        box = page.locator(name).bounding_box()
+        assert box and box["width"] > 0 and _apart(box, _plot_area(tab)), name
+    ends = page.evaluate(
+        "(() => { const b = document.getElementById('colour-bar'), c = b.getContext('2d'), y = Math.floor(b.height / 2);"
+        " return [c.getImageData(1, y, 1, 1).data, c.getImageData(b.width - 2, y, 1, 1).data].map((d) => [d[0], d[1], d[2]]); })()"
+    )
+    assert distance(_hex(ends[0]), SEQUENTIAL[0]) < 10 and distance(_hex(ends[1]), SEQUENTIAL[-1]) < 10, ends  # low at the left
+    coloured = "(() => { const d = window.zooMapChart.data.datasets[0]; return d.data.map((p, i) => [p.value, d.backgroundColor[i]]); })()"
+    points = page.evaluate(coloured)
+    (_, lowest), (_, highest) = min(points), max(points)
+    assert _rgb_hex(lowest) == SEQUENTIAL[0] and _rgb_hex(highest) == SEQUENTIAL[-1]
+    tab.no_horizontal_overflow()
+    tab.shot("map-metric")
+
+    tab.goto("/map?color_by=task")
+    page.wait_for_selector("#map[data-points]")
+    items = page.locator("#map-legend li")
+    assert items.count() == 2 and page.locator("#colour-bar").is_hidden()
+    for i in range(2):
+        box = items.nth(i).bounding_box()
+        assert box and items.nth(i).is_visible() and _apart(box, _plot_area(tab)), i
+    items.first.locator("button").click()  # a swatch hides its points, and shows them again
+    assert not page.evaluate("window.zooMapChart.isDatasetVisible(0)")
+    items.first.locator("button").click()
+    assert page.evaluate("window.zooMapChart.isDatasetVisible(0)")
+    tab.shot("map-task")
+
+
+def _hex(rgb: list[int]) -> str:
+    return "#" + "".join(f"{v:02x}" for v in rgb)
+
+
+def _rgb_hex(css: str) -> str:
+    """ "rgb(r, g, b)" as "#rrggbb"."""
+    return _hex([int(v) for v in re.findall(r"\d+", css)[:3]])
 
 
 def test_upload_finds_similar_adapters(desktop: Tab, server: Server) -> None:
@@ -254,12 +331,39 @@ def test_upload_finds_similar_adapters(desktop: Tab, server: Server) -> None:
     desktop.shot("similar")
 
 
+def test_files_dropped_on_the_drop_zone_are_uploaded(desktop: Tab, server: Server) -> None:
+    """The similar page's drop zone: a dashed area that takes the files dropped on it (dragover, drop) for the form."""
+    page = desktop.page
+    desktop.goto("/similar")
+    zone = page.locator("#drop-zone")
+    assert zone.is_visible() and page.evaluate("getComputedStyle(document.getElementById('drop-zone')).borderTopStyle") == "dashed"
+    new = server.root / "outside" / "new"
+    files = [{"name": f.name, "bytes": list(f.read_bytes())} for f in (new / "adapter_config.json", new / "adapter_model.safetensors")]
+    transfer = page.evaluate_handle(
+        "(files) => { const t = new DataTransfer();"
+        " files.forEach((f) => t.items.add(new File([new Uint8Array(f.bytes)], f.name))); return t; }",
+        files,
+    )
+    zone.dispatch_event("dragenter", {"dataTransfer": transfer})
+    zone.dispatch_event("dragover", {"dataTransfer": transfer})
+    assert "dragging" in (zone.get_attribute("class") or "")
+    zone.dispatch_event("drop", {"dataTransfer": transfer})
+    assert page.evaluate("document.querySelector('#drop-zone input[type=file]').files.length") == 2
+    assert zone.locator(".drop-files").inner_text() == "adapter_config.json, adapter_model.safetensors"
+    desktop.shot("similar-dropped")
+    page.click("form.upload button[type=submit]")
+    page.wait_for_selector("#similar-results li")
+    assert page.locator("#similar-results li").count() == 10
+
+
 def test_other_pages_stay_local(desktop: Tab) -> None:
     page = desktop.page
     desktop.goto("/jobs")
     assert page.locator("h1").inner_text() == "Ingestion jobs"
     desktop.shot("jobs")
-    desktop.goto("/jobs/1")
+    failed = page.locator("table tbody tr").filter(has=page.locator("td:nth-child(6)", has_text=re.compile(r"^[1-9]")))
+    failed.first.locator("a").first.click()  # the job with the failed item (others hold the fixture's duplicates)
+    page.wait_for_url(re.compile(r"/jobs/\d+$"))
     _reason_fits(desktop, DESKTOP["width"])
     desktop.shot("job")
     response = page.goto(desktop.base + "/api/v1/docs")  # under the CSP: anything it blocked would be a console error
@@ -288,7 +392,13 @@ def test_phone_layout(phone: Tab) -> None:
     phone.no_horizontal_overflow()
     first = page.locator("article.card").first.bounding_box()
     assert first and first["y"] + first["height"] <= PHONE["height"]  # results start on the first screen, below the facets
+    facets = page.locator("aside.facets")  # folded into "Filters", closed: the results are not pushed down by them
+    assert not facets.is_visible() and page.locator("details.filters > summary").inner_text() == "Filters"
     phone.shot("search")
+    page.locator("details.filters > summary").click()
+    assert facets.is_visible() and page.locator("section.facet h3").first.inner_text().lower() == "task"
+    phone.no_horizontal_overflow()
+    phone.shot("search-filters")
 
     page.locator("article.card h2 a").first.click()
     page.wait_for_url(re.compile(r"/adapters/\d+$"))
@@ -313,3 +423,24 @@ def test_phone_layout(phone: Tab) -> None:
     phone.no_horizontal_overflow()
     assert page.locator("header.top a.brand").is_visible()
     phone.shot("api-docs")
+
+
+def test_wide_tables_scroll_inside_their_wrapper_on_a_phone(phone: Tab) -> None:
+    """At 390 px the modules and jobs tables are wider than the screen: the page does not scroll sideways, the table's
+    wrapper does, and a visible line says so until the table is scrolled to its end."""
+    page = phone.page
+    for path, table in (("/adapters/1", "section:has(h2:text('Modules')) .scroll"), ("/jobs", ".scroll")):
+        phone.goto(path)
+        page.wait_for_load_state("load")
+        phone.no_horizontal_overflow()
+        wrapper = page.locator(table).first
+        width, visible, overflow = wrapper.evaluate("(w) => [w.scrollWidth, w.clientWidth, getComputedStyle(w).overflowX]")
+        assert width > visible and overflow == "auto", (path, width, visible, overflow)
+        hint = page.locator(f"{table} >> xpath=preceding-sibling::p[1]").first
+        assert hint.is_visible() and "scroll" in hint.inner_text(), path
+        box = hint.bounding_box()
+        assert box and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"]
+        phone.shot("table-" + path.strip("/").replace("/", "-"))
+        wrapper.evaluate("(w) => { w.scrollLeft = w.scrollWidth; }")
+        assert wrapper.evaluate("(w) => w.scrollLeft") > 0 and page.evaluate("window.scrollX") == 0
+        page.wait_for_function("(w) => w.classList.contains('at-end')", arg=wrapper.element_handle())
