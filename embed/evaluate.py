@@ -10,7 +10,10 @@ only: kNN over them for similarity-only methods; the row `default` is what `zoo 
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -57,6 +60,9 @@ KEYS = (
 )
 
 
+#: the measure the closing line of `zoo eval` ranks the methods by: retrieval of adapters of the same task (higher is better)
+MAIN_METRIC = "mrr"
+
 #: the retrieval measures the search choice is judged on against the oracle (the best fixed candidate on the split)
 REGRET_KEYS = ("hit@1", "mrr", "ndcg@10")
 
@@ -95,6 +101,68 @@ def _score(
     return out
 
 
+@dataclass(frozen=True)
+class Similarities:
+    """Every method's similarities but W2T's, among all the adapters: they do not depend on the split, so several
+    splits share them. `seconds`: what each took."""
+
+    exact: dict[str, np.ndarray]
+    sketch: np.ndarray
+    raw: np.ndarray | None
+    spectra: np.ndarray
+    seconds: dict[str, float]
+
+
+def similarities(adapters: list[ZooAdapter], schema: SpaceSchema) -> Similarities:
+    factors = [a.factors for a in adapters]
+    t0 = time.perf_counter()
+    stack = ModuleStack.of(factors, dense_modules(factors))
+    exact = {score: exact_cosines(stack, stack, score) for score in EXACT_SCORES}
+    t1 = time.perf_counter()
+    sketch = module_sketches(factors, schema.module_names, sketch_width(len(schema.modules)))
+    sketch_sim = sketch_module_cosines(sketch, sketch, len(schema.modules))
+    t2 = time.perf_counter()
+    raw = raw_factor_vectors(adapters, schema, max_rank(adapters))
+    spec = spectra_vectors(adapters, schema, max_rank(adapters))
+    raw_sim, spec_sim = (cosine(raw, raw) if raw is not None else None), cosine(spec, spec)
+    seconds = {"dw_cosine": t1 - t0, "module_sketch": t2 - t1, "raw_and_spectra": time.perf_counter() - t2}
+    return Similarities(exact, sketch_sim, raw_sim, spec_sim, seconds)
+
+
+def split_of(
+    adapters: list[ZooAdapter], test_fraction: float, seed: int, labelled_per_task: int | None, label_fraction: float | None
+) -> tuple[list[int], list[int], list[ZooAdapter]]:
+    """(train positions, test positions, the adapters W2T trains on) of one seeded split (see `evaluate`)."""
+    if labelled_per_task is not None or label_fraction is not None:
+        train_pos, test_pos = labelled_split(adapters, labelled_per_task, label_fraction, seed)
+        held = set(test_pos)
+        fit = [ZooAdapter(a.id, a.name, a.factors, {}, {}, a.source_uri) if p in held else a for p, a in enumerate(adapters)]
+        return train_pos, test_pos, fit
+    train_pos, test_pos = split_positions(adapters, test_fraction, seed)
+    return train_pos, test_pos, [adapters[p] for p in train_pos]
+
+
+def stages(contrastive: bool) -> list[str]:
+    """The stages of one split, in order (what `evaluate` reports to `on_stage` as each begins)."""
+    return ["baselines", "w2t supervised", *(["w2t contrastive"] if contrastive else []), "invariance"]
+
+
+def estimate_seconds(fit: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, splits: int, contrastive: bool) -> float:
+    """Seconds the W2T trainings of `splits` splits should take here at most (every model running all its epochs; early
+    stopping makes it less), from short timed trainings of one model on a split's training adapters: one of 1 epoch to
+    warm up (the first training in a process pays for torch's start), then 1 and 3 epochs, whose difference is the
+    cost of an epoch and whose rest the fixed cost of a training (tokens, the choices)."""
+    timed = []
+    for epochs in (1, 1, 3):
+        t0 = time.perf_counter()
+        train_w2t(fit, schema, replace(options, epochs=epochs, members=1), progress=False)
+        timed.append(time.perf_counter() - t0)
+    epoch = max((timed[2] - timed[1]) / 2, 0.0)
+    fixed = max(timed[1] - epoch, 0.0)
+    per_training = fixed + max(1, options.members) * options.epochs * epoch
+    return splits * (2 if contrastive else 1) * per_training
+
+
 def evaluate(
     adapters: list[ZooAdapter],
     schema: SpaceSchema,
@@ -106,6 +174,8 @@ def evaluate(
     labelled_per_task: int | None = None,
     label_fraction: float | None = None,
     objective: str = "supervised",
+    sims: Similarities | None = None,
+    on_stage: Callable[[str], None] | None = None,
 ) -> dict[str, object]:
     """Score every method on one seeded split; `contrastive=False` leaves W2T (contrastive) out (a row of nulls).
     `objective` is that of the W2T `zoo train` makes (its rows: w2t_supervised and default): "supervised", or
@@ -114,45 +184,29 @@ def evaluate(
     Full labels (default): a `test_fraction` of the adapters is held out, W2T trains on the rest. Label-scarce
     (`labelled_per_task` N or `label_fraction` F): per task, N adapters (or a fraction F, at least one) keep
     their labels and measurements; the others lose theirs and are the queries. W2T trains on every adapter
-    (the unlabelled ones without targets), and kNN rows predict from the labelled adapters only."""
-    scarce = labelled_per_task is not None or label_fraction is not None
-    if scarce:
-        train_pos, test_pos = labelled_split(adapters, labelled_per_task, label_fraction, seed)
-        held = set(test_pos)
-        fit = [ZooAdapter(a.id, a.name, a.factors, {}, {}, a.source_uri) if p in held else a for p, a in enumerate(adapters)]
-    else:
-        train_pos, test_pos = split_positions(adapters, test_fraction, seed)
-        fit = [adapters[p] for p in train_pos]
+    (the unlabelled ones without targets), and kNN rows predict from the labelled adapters only.
+
+    `sims`: the other methods' similarities, computed once for several splits (else here); `on_stage`: called
+    with each of `stages(contrastive)` as it begins; `progress`: W2T's own progress bars."""
+    stage = on_stage or (lambda _name: None)
+    stage("baselines")
+    train_pos, test_pos, fit = split_of(adapters, test_fraction, seed, labelled_per_task, label_fraction)
     methods: dict[str, dict[str, float | None]] = {}
-    timings: dict[str, float] = {}
-
-    factors = [a.factors for a in adapters]
-    t0 = time.perf_counter()
-    stack = ModuleStack.of(factors, dense_modules(factors))
-    exact = {score: exact_cosines(stack, stack, score) for score in EXACT_SCORES}
-    timings["dw_cosine"] = time.perf_counter() - t0
-    methods["dw_cosine"] = _score(exact["dw"], adapters, test_pos, train_pos, predict=True)
-    methods["module_cosine"] = _score(exact["module"], adapters, test_pos, train_pos, predict=True)
-
-    t0 = time.perf_counter()
-    sketch = module_sketches(factors, schema.module_names, sketch_width(len(schema.modules)))
-    sketch_sim = sketch_module_cosines(sketch, sketch, len(schema.modules))
-    timings["module_sketch"] = time.perf_counter() - t0
-    methods["module_sketch"] = _score(sketch_sim, adapters, test_pos, train_pos, predict=True)
+    sims = sims or similarities(adapters, schema)
+    timings: dict[str, float] = {k: v for k, v in sims.seconds.items() if k != "raw_and_spectra"}
+    exact = sims.exact
+    for name, sim in (("dw_cosine", exact["dw"]), ("module_cosine", exact["module"]), ("module_sketch", sims.sketch)):
+        methods[name] = _score(sim, adapters, test_pos, train_pos, predict=True)
     off = ~np.eye(len(adapters), dtype=bool)
-    sketch_vs_exact = float(np.corrcoef(sketch_sim[off], exact["module"][off])[0, 1]) if len(adapters) > 2 else None
-
-    raw = raw_factor_vectors(adapters, schema, max_rank(adapters))
-    methods["raw_cosine"] = (
-        _score(cosine(raw, raw), adapters, test_pos, train_pos, predict=True) if raw is not None else dict.fromkeys(KEYS)
-    )
-    spec = spectra_vectors(adapters, schema, max_rank(adapters))
-    methods["spectra_knn"] = _score(cosine(spec, spec), adapters, test_pos, train_pos, predict=True)
+    sketch_vs_exact = float(np.corrcoef(sims.sketch[off], exact["module"][off])[0, 1]) if len(adapters) > 2 else None
+    methods["raw_cosine"] = _score(sims.raw, adapters, test_pos, train_pos, predict=True) if sims.raw is not None else dict.fromkeys(KEYS)
+    methods["spectra_knn"] = _score(sims.spectra, adapters, test_pos, train_pos, predict=True)
 
     embedders: dict[str, W2TEnsemble] = {}
     for kind, trained_as in (("supervised", objective), ("contrastive", "contrastive")) if contrastive else (("supervised", objective),):
+        stage(f"w2t {kind}")
         t0 = time.perf_counter()
-        emb = train_w2t(fit, schema, TrainOptions(**{**options.__dict__, "objective": trained_as}), progress=progress)
+        emb = train_w2t(fit, schema, replace(options, objective=trained_as), progress=progress)
         timings[f"w2t_{kind}_train"] = time.perf_counter() - t0
         embedders[kind] = emb
         z = emb.embed(adapters)
@@ -166,6 +220,7 @@ def evaluate(
 
     if not contrastive:
         methods["w2t_contrastive"] = dict.fromkeys(KEYS)
+    stage("invariance")
     sup = embedders["supervised"]
     probe = [adapters[p] for p in test_pos[:20]]
     z0 = sup.embed(probe)
@@ -365,41 +420,38 @@ def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _rounded(x: float | None, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+def compare(results: list[dict[str, Any]], first: str, second: str, key: str = MAIN_METRIC) -> dict[str, Any] | None:
+    """`first` against `second` on `key`, paired by split: the mean of the per-split differences (first - second) and
+    its 95 % t interval over the splits (None with one split); `clear` when the interval leaves out 0. None when
+    either has no value on some split."""
+    pairs = [(r["methods"][first][key], r["methods"][second][key]) for r in results]
+    if any(a is None or b is None for a, b in pairs):
+        return None
+    diffs = np.array([a - b for a, b in pairs], dtype=float)
+    mean, n = float(diffs.mean()), len(diffs)
+    low = high = None
+    if n > 1:
+        from scipy.stats import t
+
+        half = float(t.ppf(0.975, n - 1)) * float(diffs.std(ddof=1)) / math.sqrt(n)
+        low, high = mean - half, mean + half
+    clear = low is not None and high is not None and (low > 0 or high < 0)
+    return {"metric": key, "first": first, "second": second, "difference": mean, "low": low, "high": high, "splits": n, "clear": clear}
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """The table of one split, or of several (mean ± std, then each split's choices)."""
-    splits = result.get("splits", [result])
-    spread = result.get("methods_std")
-    width = 16 if spread else 14
-    header = f"{'method':<16}" + "".join(f"{k:>{width}}" for k in KEYS)
-    seeds = ", ".join(str(r["seed"]) for r in splits)
-    protocol = result.get("protocol", "full labels")
-    sizes = f"{result['n_train']} train, {result['n_test']} test adapters"
-    objective = result.get("objective", "supervised")
-    lines = [f"space {result['space']} ({protocol}; W2T {objective}): {sizes}; split seed {seeds}", header]
-    for name, row in result["methods"].items():
-        if spread:
-            cells = "".join(f"{'-':>{width}}" if row[k] is None else f"{row[k]:>9.3f} ±{spread[name][k]:.3f}" for k in KEYS)
-        else:
-            cells = "".join(f"{'-':>{width}}" if row[k] is None else f"{row[k]:>{width}.3f}" for k in KEYS)
-        lines.append(f"{name:<16}{cells}")
-    for r in splits:
-        prefix = f"seed {r['seed']}: " if spread else ""
-        lines.append(f"{prefix}module sketch vs exact module cosine, correlation over pairs: {_rounded(r['sketch_vs_exact_cosine_corr'])}")
-        lines.append(f"{prefix}invariance (re-factorized with random G), min cosine: {_rounded(r['invariance_min_cosine'], 6)}")
-        for target, c in r["choices"].items():
-            lines.append(f"{prefix}{target} by {c['chosen']} (out of fold: {c['reason']})")
-        if r.get("search_regret"):
-            parts = [f"{k} {v['regret']:+.3f} (oracle {v['oracle']})" for k, v in r["search_regret"].items()]
-            lines.append(f"{prefix}search regret against the best fixed candidate: {', '.join(parts)}")
-    if spread and result.get("search_regret"):
-        parts = [
-            f"{k} mean {v['regret_mean']:.3f}, p90 {v['regret_p90']:.3f} (against {v['fixed_oracle']} on every split: "
-            f"{v['fixed_regret_mean']:.3f}, p90 {v['fixed_regret_p90']:.3f}), gain over dW {v['gain_over_dw_mean']:+.3f}"
-            for k, v in result["search_regret"].items()
-        ]
-        lines.append(f"search regret over the splits: {'; '.join(parts)}")
-    return "\n".join(lines)
+def leader(results: list[dict[str, Any]], key: str = MAIN_METRIC) -> dict[str, Any] | None:
+    """The method with the best mean `key` over the splits against the runner-up (`compare`); None without two methods
+    that have it on every split."""
+    means = {
+        name: float(np.mean([r["methods"][name][key] for r in results]))
+        for name in results[0]["methods"]
+        if all(r["methods"][name][key] is not None for r in results)
+    }
+    ranked = sorted(means, key=lambda m: -means[m])
+    first = ranked[0]
+    values = {m: [r["methods"][m][key] for r in results] for m in ranked}
+    same = [m for m in ranked[1:] if values[m] == values[first]]  # e.g. `default` when the search chosen is module cosine
+    others = [m for m in ranked[1:] if m not in same]
+    if not others:
+        return None
+    return {**(compare(results, first, others[0], key) or {}), "same_as_first": same}

@@ -78,6 +78,91 @@ def map_text(how: str) -> str:
     return how
 
 
+def duration(seconds: float) -> str:
+    """A rough duration: `40 s`, `about 3 min` (rounded up)."""
+    return f"{max(1, round(seconds))} s" if seconds < 90 else f"{-(-seconds // 60):.0f} min"
+
+
+#: `zoo eval`'s measures by what they measure, each group one table
+EVAL_GROUPS = (
+    (
+        "task prediction (each held-out adapter's task, from the labelled training adapters)",
+        ("attr_acc", "attr_macro_f1", "attr_ece", "attr_wrong_at_100"),
+    ),
+    ("test-accuracy prediction (mean absolute error, rank correlations)", ("perf_mae", "perf_spearman", "perf_kendall")),
+    ("retrieval (each held-out adapter a query; relevant: an adapter of the same task)", ("hit@1", "hit@10", "mrr", "ndcg@10")),
+)
+EVAL_ROWS = (
+    "rows: default is what `zoo search` and `zoo predict` do after `zoo train`; dw_cosine and module_cosine compare the updates "
+    "exactly, with nothing learned; w2t_* are the learned embedding alone (a W2T row below dw_cosine: on this zoo the embedding "
+    "alone finds same-task adapters less well than the plain cosine of the updates)"
+)
+
+
+def _cell(mean: float | None, std: float | None) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.3f}" if std is None else f"{mean:.3f} ± {std:.3f}"
+
+
+def eval_lines(result: dict) -> list[str]:
+    """`zoo eval`'s result (one split, or several: mean ± std) as tables per group of measures, each split's choices
+    and checks, and the closing lines: which method leads on the main measure, and `default` against dw_cosine."""
+    splits = result.get("splits", [result])
+    spread = result.get("methods_std")
+    seeds = ", ".join(str(r["seed"]) for r in splits)
+    sizes = f"{result['n_train']} train, {result['n_test']} test adapters"
+    head = f"space {result['space']} ({result.get('protocol', 'full labels')}; W2T {result.get('objective', 'supervised')}): {sizes}"
+    lines = [f"{head}; {'split seeds' if spread else 'split seed'} {seeds}" + ("; mean ± std over the splits" if spread else "")]
+    for title, keys in EVAL_GROUPS:
+        rows = [[name, *(_cell(row[k], spread[name][k] if spread else None) for k in keys)] for name, row in result["methods"].items()]
+        lines += ["", f"{title}:", *table(["method", *keys], rows, indent="  ")]
+    lines.append("")
+    for r in splits:
+        prefix = f"seed {r['seed']}: " if spread else ""
+        corr, inv = r["sketch_vs_exact_cosine_corr"], r["invariance_min_cosine"]
+        lines.append(f"{prefix}module sketch vs exact module cosine, correlation over pairs: {'-' if corr is None else f'{corr:.3f}'}")
+        lines.append(f"{prefix}invariance (re-factorized with random G), min cosine: {'-' if inv is None else f'{inv:.6f}'}")
+        for target, c in r["choices"].items():
+            lines.append(f"{prefix}{target} by {c['chosen']} (out of fold: {c['reason']})")
+        if r.get("search_regret"):
+            parts = [f"{k} {v['regret']:+.3f} (oracle {v['oracle']})" for k, v in r["search_regret"].items()]
+            lines.append(f"{prefix}search regret against the best fixed candidate: {', '.join(parts)}")
+    if spread and result.get("search_regret"):
+        parts = [
+            f"{k} mean {v['regret_mean']:.3f}, p90 {v['regret_p90']:.3f} (against {v['fixed_oracle']} on every split: "
+            f"{v['fixed_regret_mean']:.3f}, p90 {v['fixed_regret_p90']:.3f}), gain over dW {v['gain_over_dw_mean']:+.3f}"
+            for k, v in result["search_regret"].items()
+        ]
+        lines.append(f"search regret over the splits: {'; '.join(parts)}")
+    return [
+        *lines,
+        "",
+        EVAL_ROWS,
+        comparison_line(result.get("comparison"), lead=True),
+        comparison_line(result.get("default_vs_dw_cosine")),
+    ]
+
+
+def comparison_line(c: dict | None, lead: bool = False) -> str:
+    """A paired comparison of two methods (embed.evaluate.compare) in words: who is ahead, by how much, and whether the
+    95 % interval over the splits says so (`lead`: the first is the best method, the second the runner-up)."""
+    if not c:
+        return "no two methods to compare" if lead else "default or dw_cosine has no value to compare"
+    metric, first, second, diff = c["metric"], c["first"], c["second"], c["difference"]
+    same = f" ({', '.join(c['same_as_first'])}: the same as {first} here)" if c.get("same_as_first") else ""
+    ahead = f"{first} leads {second} by {diff:.3f}" if lead else f"{first} against {second}: {diff:+.3f}"
+    if c["low"] is None:
+        return f"on {metric}, {ahead} on this one split{same}; --splits 5 gives a 95 % interval"
+    if c["low"] == c["high"] == diff == 0:
+        return f"{first} and {second} score alike on {metric} on every split{same}"
+    interval = f"95 % paired interval over {c['splits']} splits {c['low']:+.3f}..{c['high']:+.3f}"
+    if not c["clear"]:
+        return f"no clear winner on {metric}: {ahead}, but the {interval} includes 0{same}"
+    winner, loser = (first, second) if diff > 0 else (second, first)
+    return f"{winner} wins on {metric} over {loser} by {abs(diff):.3f} ({interval}){same}"
+
+
 def print_zoo_report(report: ZooReport) -> None:
     acc = report["accuracy"]["overall"]
     per = report["train_seconds_per_adapter"]

@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zoo.cli.render import from_lineage_lines, human, label_columns, map_text, percent, plural, print_json, relations_line, table
+from tqdm import tqdm
+
+from zoo.cli.render import (
+    duration,
+    eval_lines,
+    from_lineage_lines,
+    human,
+    label_columns,
+    map_text,
+    percent,
+    plural,
+    print_json,
+    relations_line,
+    table,
+)
 from zoo.config import Settings
 from zoo.errors import UsageError
 from zoo.store import repository
@@ -29,6 +44,9 @@ VAL_FRACTION_HELP = (
 
 if TYPE_CHECKING:
     from embed.engine import QueryEngine
+    from embed.evaluate import Similarities
+    from embed.train import TrainOptions
+    from embed.types import SpaceSchema, ZooAdapter
 
 
 def space_of(settings: Settings, requested: str | None) -> str:
@@ -208,7 +226,8 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     first, second = found["explained"]
     print(
-        f"{found['space']}: {found['shown']} of {plural(found['count'], 'adapter')} by {found['method']} (embedder {found['embedder_id']}), "
+        f"{found['space']}: {found['shown']} of {plural(found['count'], 'adapter')} by {found['method']} "
+        f"(embedder {found['embedder_id']}), "
         f"PCA axes holding {first:.0%} and {second:.0%} of the variance; map file: {saved}"
     )
     print("colour keys: " + (", ".join(found["color_keys"]) or "none (no given labels or test measurements)"))
@@ -226,8 +245,7 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     from embed.dataset import load_adapters
-    from embed.evaluate import combine_splits, evaluate, format_table
-    from embed.train import TrainOptions
+    from embed.evaluate import combine_splits, compare, leader, similarities
     from embed.types import schema_of
 
     if args.splits < 1:
@@ -241,36 +259,85 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
         adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
     if len(adapters) < 10:
         raise UsageError(f"space {space} has {plural(len(adapters), 'adapter')}: evaluation needs at least 10")
-    results = []
-    for seed in range(args.seed, args.seed + args.splits):
-        options = TrainOptions(
-            epochs=args.epochs,
-            seed=seed,
-            device=args.device,
-            members=args.members,
-            val_fraction=args.val_fraction,
-            unlabelled_per_labelled=args.unlabelled_per_labelled,
-        )
-        results.append(
-            evaluate(
-                adapters,
-                schema_of(space, adapters),
-                options,
-                args.test_fraction,
-                seed,
-                progress=not args.json,
-                contrastive=not args.no_contrastive,
-                labelled_per_task=args.labelled_per_task,
-                label_fraction=args.label_fraction,
-                objective=args.objective,
-            )
-        )
+    started = time.perf_counter()
+    schema = schema_of(space, adapters)
+    sims = similarities(adapters, schema)  # the same for every split
+    estimate = None if args.json else _eval_estimate(args, adapters, schema, sims.seconds)
+    results = [_eval_split(args, adapters, schema, sims, seed, i) for i, seed in enumerate(range(args.seed, args.seed + args.splits))]
     result = results[0] if len(results) == 1 else combine_splits(results)
+    result["comparison"] = leader(results)
+    result["default_vs_dw_cosine"] = compare(results, "default", "dw_cosine")
     if args.json:
         print_json(result)
-    else:
-        print(format_table(result))
+        return 0
+    print("\n".join(eval_lines(result)))
+    took = time.perf_counter() - started
+    print(f"took {duration(took)}" + (f" (estimated: about {duration(estimate)})" if estimate is not None else ""), file=sys.stderr)
     return 0
+
+
+def _train_options(args: argparse.Namespace, seed: int) -> TrainOptions:
+    from embed.train import TrainOptions
+
+    return TrainOptions(
+        epochs=args.epochs,
+        seed=seed,
+        device=args.device,
+        members=args.members,
+        val_fraction=args.val_fraction,
+        unlabelled_per_labelled=args.unlabelled_per_labelled,
+    )
+
+
+def _eval_estimate(args: argparse.Namespace, adapters: list[ZooAdapter], schema: SpaceSchema, done: dict[str, float]) -> float:
+    """Print, before the splits run, how long they should take (embed.evaluate.estimate_seconds, from two short timed
+    trainings, plus the similarities already computed); return the whole estimate in seconds."""
+    from embed.evaluate import estimate_seconds, split_of
+
+    t0 = time.perf_counter()
+    fit = split_of(adapters, args.test_fraction, args.seed, args.labelled_per_task, args.label_fraction)[2]
+    training = estimate_seconds(fit, schema, _train_options(args, args.seed), args.splits, not args.no_contrastive)
+    spent = sum(done.values()) + time.perf_counter() - t0
+    w2t = f"{plural(args.members, 'W2T model')} × up to {args.epochs} epochs, {'twice' if not args.no_contrastive else 'once'} a split"
+    print(
+        f"zoo eval: {plural(args.splits, 'split')} of {plural(len(adapters), 'adapter')} in {schema.base_model} ({w2t}): "
+        f"about {duration(training)} at most (models that stop improving stop early)",
+        file=sys.stderr,
+    )
+    return spent + training
+
+
+def _eval_split(
+    args: argparse.Namespace, adapters: list[ZooAdapter], schema: SpaceSchema, sims: Similarities, seed: int, index: int
+) -> dict[str, Any]:
+    """One split, with its progress bar (`split 2/5`, a step per stage; on a terminal only, as the other bars)."""
+    from embed.evaluate import evaluate, stages
+
+    contrastive = not args.no_contrastive
+    steps = stages(contrastive)
+    desc = f"split {index + 1}/{args.splits}"
+    with tqdm(total=len(steps), desc=desc, unit="stage", disable=True if args.json else None, file=sys.stderr) as bar:
+
+        def on_stage(name: str) -> None:
+            bar.update(steps.index(name) - bar.n)
+            bar.set_postfix_str(name)
+
+        result = evaluate(
+            adapters,
+            schema,
+            _train_options(args, seed),
+            args.test_fraction,
+            seed,
+            progress=False,
+            contrastive=contrastive,
+            labelled_per_task=args.labelled_per_task,
+            label_fraction=args.label_fraction,
+            objective=args.objective,
+            sims=sims,
+            on_stage=on_stage,
+        )
+        bar.update(len(steps) - bar.n)
+    return result
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

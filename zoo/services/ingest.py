@@ -327,7 +327,9 @@ class Ingestor:
         attach = labels if labels is not None and not same else None
         if (attach or self.record_duplicates_as) and not self._with_retries(self._confirm_copy, match.id, locks, attach, source):
             return None
-        return IngestResult(str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path), duplicate_of=match.name)
+        return IngestResult(
+            str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path), duplicate_of=match.name
+        )
 
     def stored_revision(self, uri: str, revision: str) -> IngestResult | None:
         """The duplicate result when an adapter of this source at this revision is stored already (answered before
@@ -337,7 +339,9 @@ class Ingestor:
         if row is None or self.record_duplicates_as and not self._with_retries(self._confirm_copy, row.id, [], None, uri):
             return None
         note = f"{uri} at revision {revision} is stored already (adapter {row.id}): same revision, nothing downloaded"
-        return IngestResult(uri, "duplicate", row.id, row.canonical_hash, name=row.name, duplicate_of=row.name, notes=[note], revision=revision)
+        return IngestResult(
+            uri, "duplicate", row.id, row.canonical_hash, name=row.name, duplicate_of=row.name, notes=[note], revision=revision
+        )
 
     def _confirm_copy(self, adapter_id: int, locks: list[str], labels: LabelRow | None, source: str) -> bool:
         """A source found to be a stored adapter: its given labels attached (under the store's locks and the adapter's
@@ -393,9 +397,9 @@ class Ingestor:
 
     def _store(self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
-        duplicate (see zoo.store.locks.store_locks) so that the duplicate check sees every earlier one's update; a duplicate's labels
-        are written under its label lock too (zoo.store.labels.write_labels), and its source recorded (`record_duplicates_as`). The blob, written
-        and fsynced meanwhile (`blob`), is put under its digest (idempotently, by content) after the rows are
+        duplicate (see zoo.store.locks.store_locks) so that the duplicate check sees every earlier one's update; a duplicate's
+        labels are written under its label lock too (zoo.store.labels.write_labels), and its source recorded
+        (`record_duplicates_as`). The blob, written and fsynced meanwhile (`blob`), is put under its digest (idempotently, by content) after the rows are
         inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob
         left by a transaction that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
