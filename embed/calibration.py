@@ -26,8 +26,13 @@ TEMPERATURES = tuple(float(t) for t in np.geomspace(1 / 16, 4.0, 19))
 MIXES = tuple(float(m) for m in np.linspace(0.0, 0.9, 91))
 #: below this many held-out adapters nothing is fit: half the prior is mixed in
 MIN_FIT = 5
-#: a prediction is "sure" when its calibrated probability is at least this and most labelled neighbours agree
+#: a prediction is "sure" when its calibrated probability is at least this (and at least the level its held-out
+#: predictions earned: `earned_sure`) and most labelled neighbours agree
 SURE = 0.5
+#: how far below its mean probability a confidence bin's held-out accuracy may lie where predictions are called sure
+SURE_SLACK = 0.05
+#: "sure" from no probability: what a predictor whose held-out predictions earned no level gets
+NEVER_SURE = 1.01
 #: equal-width confidence bins of the expected calibration error
 ECE_BINS = 10
 
@@ -40,6 +45,13 @@ class Calibration:
     mix: float = 0.0
     prior: tuple[float, ...] = ()
     n: int = 0  # held-out adapters it was fit on
+    #: the least calibrated probability called sure: where every confidence bin from it up kept its promise on the
+    #: held-out predictions (earned_sure); checkpoints from before it have SURE
+    sure_from: float = SURE
+    #: a k-NN vote's prior share for a labelled adapter voted on by the others (its own label left out, as it is
+    #: served for a stored adapter): its leave-one-out accuracy, where `mix` looks one label further (knn_calibration);
+    #: None: `mix` for every query
+    own_mix: float | None = None
 
     def apply(self, shares: np.ndarray) -> np.ndarray:
         """Calibrated probabilities of rows of raw shares (n × classes, or one row)."""
@@ -49,13 +61,28 @@ class Calibration:
         out = (1.0 - self.mix) * sharpened + self.mix * prior
         return out if np.ndim(shares) == 2 else out[0]
 
+    def for_labelled(self) -> Calibration:
+        """The calibration of a vote on one of the labelled adapters, its own label left out (own_mix)."""
+        return self if self.own_mix is None else replace(self, mix=self.own_mix, own_mix=None)
+
     def as_dict(self) -> dict[str, object]:
         prior = [round(x, 6) for x in self.prior]
-        return {"temperature": round(self.temperature, 4), "mix": round(self.mix, 4), "prior": prior, "n": self.n}
+        own = None if self.own_mix is None else round(self.own_mix, 4)
+        return {
+            "temperature": round(self.temperature, 4),
+            "mix": round(self.mix, 4),
+            "prior": prior,
+            "n": self.n,
+            "sure_from": self.sure_from,
+            "own_mix": own,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Calibration:
-        return cls(float(d["temperature"]), float(d["mix"]), tuple(float(x) for x in d["prior"]), int(d["n"]))
+        prior = tuple(float(x) for x in d["prior"])
+        own = d.get("own_mix")
+        sure_from = float(d.get("sure_from", SURE))
+        return cls(float(d["temperature"]), float(d["mix"]), prior, int(d["n"]), sure_from, None if own is None else float(own))
 
 
 def _sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
@@ -120,7 +147,9 @@ def knn_calibration(sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int
                 dropped[i, rng.choice(same)] = -np.inf
         fewer.append(float((knn_vote_shares(dropped, classes, n_classes, k).argmax(axis=1) == classes).mean()))
     target = min(max(loo, 2 * loo - float(np.mean(fewer))), 1.0 - 1.0 / (n + 2))
-    return with_mean_confidence(fit(shares, classes, prior), shares, target)
+    fitted = fit(shares, classes, prior)
+    own = with_mean_confidence(fitted, shares, min(loo, 1.0 - 1.0 / (n + 2)))
+    return replace(with_mean_confidence(fitted, shares, target), own_mix=own.mix)
 
 
 def with_mean_confidence(c: Calibration, shares: np.ndarray, target: float) -> Calibration:
@@ -155,7 +184,31 @@ def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins
     return float(gap / len(conf))
 
 
-def is_sure(probability: float, agreeing: int, neighbours: int) -> bool:
-    """A prediction worth stating: calibrated probability ≥ SURE and more than half its labelled neighbours agree
-    (no neighbours: the probability alone)."""
-    return probability >= SURE and (neighbours == 0 or 2 * agreeing > neighbours)
+def is_sure(probability: float, agreeing: int, neighbours: int, sure_from: float = SURE) -> bool:
+    """A prediction worth stating: calibrated probability ≥ SURE and ≥ the level its predictor earned on held-out
+    adapters (`sure_from`: Calibration.sure_from), and more than half its labelled neighbours agree (no neighbours:
+    the probability alone)."""
+    return probability >= max(SURE, sure_from) and (neighbours == 0 or 2 * agreeing > neighbours)
+
+
+def earned_sure(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS, slack: float = SURE_SLACK) -> float:
+    """The least probability, SURE or an equal-width bin's lower edge above it, from which every confidence bin holding
+    held-out predictions was right at least as often as its mean probability less `slack`: what "sure" can promise.
+    NEVER_SURE where no level earns it, or where fewer than MIN_FIT predictions were held out."""
+    conf, right = np.asarray(confidence, np.float64), np.asarray(correct, np.float64)
+    if len(conf) < MIN_FIT:
+        return NEVER_SURE
+    which = np.minimum((conf * bins).astype(np.int64), bins - 1)
+    shown = [b for b in range(bins) if (b + 1) / bins > SURE and (which == b).any()]  # bins a sure prediction can fall in
+    broken = [b for b in shown if right[which == b].mean() < conf[which == b].mean() - slack]
+    lowest = max(SURE, (max(broken) + 1) / bins) if broken else SURE
+    return lowest if lowest < 1.0 else NEVER_SURE
+
+
+def with_earned_sure(c: Calibration, shares: np.ndarray, truth: np.ndarray) -> Calibration:
+    """`c` with the level its held-out predictions earn (earned_sure of `shares`, raw class shares of held-out
+    adapters whose true class indices are `truth`, once calibrated as held-out predictions are: c.for_labelled())."""
+    if not len(truth):
+        return replace(c, sure_from=NEVER_SURE)
+    p = np.atleast_2d(c.for_labelled().apply(np.asarray(shares, np.float64)))
+    return replace(c, sure_from=earned_sure(p.max(axis=1), p.argmax(axis=1) == np.asarray(truth)))

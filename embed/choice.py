@@ -29,7 +29,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from embed.calibration import Calibration, class_prior, knn_calibration
+from embed.calibration import Calibration, class_prior, knn_calibration, with_earned_sure
 from embed.calibration import fit as fit_calibration
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
 from zoo.domain.methods import LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore
@@ -273,8 +273,11 @@ def choose_attribute(
         rows = np.flatnonzero(index >= 0).tolist()
         sim = exact[chosen.similarity.exact][np.ix_(rows, rows)]
         calibration = knn_calibration(sim, index[rows], len(classes), chosen.k, prior)
+        others = np.array(sim, np.float64)
+        np.fill_diagonal(others, -np.inf)  # each labelled adapter voted on by the others, as it is served
+        calibration = with_earned_sure(calibration, knn_vote_shares(others, index[rows], len(classes), chosen.k), index[rows])
     else:
-        calibration = fit_calibration(oof[chosen], t, prior)
+        calibration = with_earned_sure(fit_calibration(oof[chosen], t, prior), oof[chosen], t)
     return Choice(chosen, means, reason), per, calibration
 
 

@@ -853,6 +853,7 @@ class QueryEngine:
         near = {s: self._labelled_neighbours(session, state, model, query, s) for s in sorted(similarities, key=lambda s: s.name)}
         attributes: dict[str, list[ClassGuess]] = {}
         confidence: dict[str, Confidence] = {}
+        at_memory = np.flatnonzero(model.memory_ids == query.adapter_id) if query.adapter_id is not None else np.zeros(0, np.int64)
         for key, p in probs.items():
             classes = model.config.categorical[key]
             labels = model.memory_classes(key)
@@ -860,13 +861,15 @@ class QueryEngine:
             k = knn.k if knn else SUPPORT_K
             around = near[knn.similarity if knn else model.search]
             shares = knn_shares(around, labels, len(classes), p[0], k) if knn else p[0]
-            shares = model.calibrated(key, shares)
+            # a labelled adapter's vote leaves its own label out (it is not its own neighbour): one label fewer
+            own = bool(len(at_memory)) and labels[at_memory[0]] >= 0
+            shares = model.calibrated(key, shares, own_label_left_out=knn is not None and own)
             support = neighbour_classes(around, labels, len(classes), k)
             order = top_k(shares, 3)
             attributes[key] = [{"value": classes[i], "probability": float(shares[i]), "neighbours": int(support[i])} for i in order]
             top, n = int(order[0]), int(support.sum())
             confidence[key] = {
-                "sure": is_sure(float(shares[top]), int(support[top]), n),
+                "sure": is_sure(float(shares[top]), int(support[top]), n, model.sure_from(key)),
                 "neighbours": n,
                 "agreeing": int(support[top]),
                 "calibrated": key in model.calibration,

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from embed.calibration import Calibration
+from embed.calibration import NEVER_SURE, Calibration
 from embed.checkpoint import MEMORY, META, WEIGHTS, checkpoint_meta, methods_meta, predictors_of, search_of
 from embed.choice import prototype_shares, softmax_rows
 from embed.metrics import knn_regress
@@ -81,10 +81,19 @@ class W2TEnsemble:
             self._memory_classes[attribute] = np.array([at.get(v, -1) for v in self.memory_labels[attribute]], np.int64)
         return self._memory_classes[attribute]
 
-    def calibrated(self, attribute: str, shares: np.ndarray) -> np.ndarray:
-        """The chosen predictor's raw class shares of an attribute as calibrated probabilities."""
+    def calibrated(self, attribute: str, shares: np.ndarray, own_label_left_out: bool = False) -> np.ndarray:
+        """The chosen predictor's raw class shares of an attribute as calibrated probabilities; `own_label_left_out`:
+        the shares are a vote on one of the labelled adapters by the others (Calibration.for_labelled)."""
         c = self.calibration.get(attribute)
-        return c.apply(shares) if c is not None else shares
+        if c is None:
+            return shares
+        return (c.for_labelled() if own_label_left_out else c).apply(shares)
+
+    def sure_from(self, attribute: str) -> float:
+        """The least calibrated probability of an attribute's prediction called sure (Calibration.sure_from); an
+        uncalibrated predictor earned none."""
+        c = self.calibration.get(attribute)
+        return c.sure_from if c is not None else NEVER_SURE
 
     def predictor(self, target: str) -> Predictor:
         """A target's predictor: the heads where none was chosen."""

@@ -52,12 +52,10 @@ from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
 from zoo.domain.factorwise import raw_sketches, raw_width
-from zoo.domain.fingerprint import canonical_hash, sketch, structure_hash
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
-from zoo.store.duplicates import stored_duplicate
 from zoo.store.imputation import FromLineage, from_lineage
 from zoo.store.labels import given_labels
 from zoo.store.locks import space_lock
@@ -653,8 +651,13 @@ def as_stored(session: Session, blobs: BlobStore, query: Query, space: str) -> t
     zoo.store.duplicates) is answered as that adapter: from its stored factors, without itself among its neighbours,
     and with its given labels beside the predictions. So a file and the adapter stored from it get one answer, and
     the answer says which adapter that is. Anything else is answered as it is."""
+    if query.adapter_id is not None:  # a search by id stays off torch (the fingerprint's probes)
+        return query, None
+    from zoo.domain.fingerprint import canonical_hash, sketch, structure_hash
+    from zoo.store.duplicates import stored_duplicate
+
     base = session.connection().execute(select(EmbeddingSpace.base_model).where(EmbeddingSpace.name == space)).scalar()
-    if query.adapter_id is not None or base is None:
+    if base is None:
         return query, None
     named = sorted(query.factors.items())
     sk = sketch(named)

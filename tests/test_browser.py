@@ -194,9 +194,12 @@ def test_search_facets_and_the_adapter_page(desktop: Tab, tmp_path: Path) -> Non
     page.wait_for_selector("#spectra[data-series]")
     series = page.evaluate("Chart.getChart(document.getElementById('spectra')).data.datasets.map((d) => d.data.length)")
     assert int(page.get_attribute("#spectra", "data-series")) == len(series) >= 2 and min(series) >= 1
-    assert "predicted by embedder" in page.locator("h2", has_text="Predictions").inner_text()
+    assert "from the weights" in page.locator("h2", has_text="Predictions").inner_text()
     assert page.locator("dl.predictions .chip").count() >= 1
-    assert page.locator("dl.kv dd", has_text="measured").count() == 1  # the given test_accuracy, told apart from predictions
+    assert page.locator("dl.kv:not(.predictions) dd", has_text="measured").count() == 1  # the given test_accuracy
+    # the predictions set the given task and the measured accuracy first, and name the predictor
+    assert page.locator("dl.predictions .chip.given").count() == 1 and page.locator("dl.predictions dd", has_text="measured").count() == 1
+    assert page.locator("dl.predictions .support", has_text=" by ").count() >= 2
     lineage = page.locator("section.lineage")  # the other 11 adapters of base model tiny, each a link
     assert lineage.locator("h3", has_text="Same base model").locator(".badge").inner_text() == "11 other adapters"
     same_source = lineage.locator("h3", has_text="Same source")  # the count is a badge apart from the path, never its tail
@@ -327,7 +330,8 @@ def test_upload_finds_similar_adapters(desktop: Tab, server: Server) -> None:
     page.click("form.upload button[type=submit]")
     page.wait_for_selector("#similar-results li")
     assert page.locator("#similar-results li").count() == 10
-    assert "predicted by embedder" in page.locator("h2", has_text="Predictions").inner_text()
+    assert "from the weights" in page.locator("h2", has_text="Predictions").inner_text()
+    assert page.locator("#stored-as").count() == 0  # a new file, not a stored adapter
     desktop.shot("similar")
 
 

@@ -7,7 +7,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from embed.calibration import Calibration, class_prior, expected_calibration_error, fit, is_sure, knn_calibration
+from embed.calibration import (
+    ECE_BINS,
+    NEVER_SURE,
+    SURE,
+    SURE_SLACK,
+    Calibration,
+    class_prior,
+    earned_sure,
+    expected_calibration_error,
+    fit,
+    is_sure,
+    knn_calibration,
+    with_earned_sure,
+)
 from embed.metrics import knn_vote_shares
 
 
@@ -77,6 +90,47 @@ def test_round_trip_and_sureness() -> None:
     c = Calibration(0.5, 0.1, (0.25, 0.75), 12)
     assert Calibration.from_dict(c.as_dict()) == c
     assert is_sure(0.7, 4, 5) and not is_sure(0.7, 2, 5) and not is_sure(0.4, 5, 5) and is_sure(0.6, 0, 0)
+
+
+def _bins_from(level: float, conf: np.ndarray, right: np.ndarray) -> list[tuple[float, float]]:
+    """(accuracy, mean probability) of each equal-width confidence bin holding predictions at or above `level`."""
+    which = np.minimum((conf * ECE_BINS).astype(np.int64), ECE_BINS - 1)
+    return [
+        (float(right[which == b].mean()), float(conf[which == b].mean()))
+        for b in range(ECE_BINS)
+        if b / ECE_BINS >= level - 1e-9 and (which == b).any()
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans()), min_size=0, max_size=60))
+def test_sure_is_earned_in_every_bin_it_covers(items: list[tuple[float, bool]]) -> None:
+    """Every confidence bin from the earned level up kept its promise on the held-out predictions, and the level is
+    the least that does: the bin just below it (above SURE) broke it."""
+    conf = np.array([c for c, _ in items], np.float64)
+    right = np.array([r for _, r in items], np.float64)
+    level = earned_sure(conf, right)
+    assert level >= SURE
+    if len(items) < 5:
+        assert level == NEVER_SURE
+        return
+    if level < 1.0:
+        assert all(acc >= mean - SURE_SLACK for acc, mean in _bins_from(level, conf, right))
+    if SURE < level:
+        below = _bins_from(level - 1.0 / ECE_BINS, conf, right) if level < 1.0 else _bins_from(1.0 - 1.0 / ECE_BINS, conf, right)
+        assert below and below[0][0] < below[0][1] - SURE_SLACK
+
+
+def test_an_overconfident_predictor_earns_no_sure() -> None:
+    """One-hot shares right 60 % of the time, left uncalibrated: every bin says 100 %, so nothing is sure; the same
+    shares calibrated to say what they mean earn it where they are right often enough."""
+    shares, truth = _overconfident(200, 4, 0.6, seed=1)
+    raw = with_earned_sure(Calibration(1.0, 0.0, class_prior(truth, 4), 200), shares, truth)
+    assert raw.sure_from == NEVER_SURE and not is_sure(0.99, 3, 3, raw.sure_from)
+    fitted = with_earned_sure(fit(shares, truth, class_prior(truth, 4)), shares, truth)
+    assert fitted.sure_from <= 0.7 and is_sure(0.7, 3, 3, fitted.sure_from)
+    assert Calibration.from_dict(fitted.as_dict()).sure_from == fitted.sure_from
+    assert Calibration.from_dict({k: v for k, v in fitted.as_dict().items() if k != "sure_from"}).sure_from == SURE  # older checkpoints
 
 
 def _clusters(n_classes: int, per_class: int, seed: int, spread: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

@@ -50,9 +50,11 @@ def test_embed_search_and_index(cli: CLI, seed_sources: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "0 []"
-    # the same adapter given as a path (read, canonicalized, not stored) finds itself first, with module cosine 1
+    # the same adapter given as a path (read, canonicalized, not stored) is found to be it, and answered as it
     rc, (by_path,) = cli.json_lines("search", str(seed_sources / "zoo" / "w00"), "-k", "3")
-    assert by_path["results"][0]["adapter_id"] == first and by_path["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+    assert by_path["stored_as"] == {"adapter_id": first, "name": "w00"}
+    rc, (by_id,) = cli.json_lines("search", str(first), "-k", "3")
+    assert by_path["results"] == by_id["results"] and first not in [r["adapter_id"] for r in by_path["results"]]
     rc, (filtered,) = cli.json_lines("search", str(first), "-k", "1000", "--filter", "task=qv")
     rc, (everything,) = cli.json_lines("search", str(first), "-k", "1000")
     want = {r["adapter_id"] for r in everything["results"] if r["labels"].get("task") == "qv"}
@@ -97,8 +99,8 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     assert len(info["epochs"]) == 2 and set(info["predictors"]) == {"task", "test_accuracy"}
     assert info["embedded"] == {"w2t": 12, "module_sketch": 12, "raw_factors": 12}
     assert Path(info["checkpoint"], "model.safetensors").exists()
-    rc, (pred,) = cli.json_lines("predict", str(seed_sources / "zoo" / "w03"))
-    assert rc == 0
+    rc, (pred,) = cli.json_lines("predict", str(seed_sources / "outside" / "new"))
+    assert rc == 0 and pred["stored_as"] is None
     probs = [c["probability"] for c in pred["attributes"]["task"]]
     assert {c["value"] for c in pred["attributes"]["task"]} == {"qk", "qv"} and sum(probs) == pytest.approx(1.0, abs=1e-4)
     m = pred["metrics"]["test_accuracy"]
@@ -142,18 +144,26 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     confidence = by_id["confidence"]["task"]
     winner = by_id["attributes"]["task"][0]
     assert confidence["neighbours"] == len(top) and confidence["agreeing"] == winner["neighbours"] and confidence["calibrated"]
-    assert confidence["sure"] == is_sure(winner["probability"], winner["neighbours"], len(top))
+    assert confidence["sure"] == is_sure(winner["probability"], winner["neighbours"], len(top), emb.calibration["task"].sure_from)
+    assert confidence["given"] == tasks[3] and confidence["agrees"] == (winner["value"] == tasks[3])
+    # the file of a stored adapter is that adapter: the same answer, which says so
+    rc, (as_file,) = cli.json_lines("predict", str(seed_sources / "zoo" / "w03"))
+    rc, (as_stored,) = cli.json_lines("predict", str(as_file["stored_as"]["adapter_id"]))
+    assert as_file["stored_as"]["name"] == "w03" and as_stored["stored_as"] is None
+    assert as_file["attributes"] == as_stored["attributes"] and as_file["metrics"] == as_stored["metrics"]
     assert max(c["probability"] for c in by_id["attributes"]["task"]) < 1.0  # never certain on 11 labelled adapters
     rc, (found,) = cli.json_lines("search", "1", "-k", "3", "--method", "w2t")
     assert rc == 0 and len(found["results"]) == 3
-    # with a supervised W2T trained, search defaults to the hybrid; a stored adapter given by path scores 1 with itself
+    # with a supervised W2T trained, search defaults to the hybrid; a stored adapter given by path is searched as it
     rc, (hybrid,) = cli.json_lines("search", str(seed_sources / "zoo" / "w03"), "-k", "3")
     assert rc == 0 and hybrid["method"] == "hybrid" and len(hybrid["embedder_ids"]) == 2
-    assert hybrid["results"][0]["name"] == "w03" and hybrid["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
+    assert hybrid["stored_as"]["name"] == "w03" and "w03" not in [r["name"] for r in hybrid["results"]]
+    rc, (by_stored_id,) = cli.json_lines("search", str(hybrid["stored_as"]["adapter_id"]), "-k", "3")
+    assert hybrid["results"] == by_stored_id["results"]
 
     # beside the embedding's predictions, what a stored adapter inherits along its edges; a file has no edges
     assert (
-        pred["from_lineage"] is None and "from lineage: none (a file is not stored" in cli("predict", str(seed_sources / "zoo" / "w03"))[1]
+        pred["from_lineage"] is None and "from lineage: none (a file is not stored" in cli("predict", str(seed_sources / "outside" / "new"))[1]
     )
     copy = shutil.copytree(seed_sources / "zoo" / "w03", tmp_path / "w03-alpha")
     config = json.loads((copy / "adapter_config.json").read_text())

@@ -457,10 +457,13 @@ def test_pages_render_with_their_json_twins(web: Web) -> None:
         assert r.status_code == 200 and r.mimetype == "text/html"
         assert f'rel="alternate" type="application/json" href="{twin}' in r.get_data(as_text=True)
     page = web.client.get("/adapters/1").get_data(as_text=True)
-    assert "Nearest neighbours" in page and "predicted by embedder" in page and "format=kohya" in page
+    assert "Nearest neighbours" in page and "without this adapter's own labels" in page and "format=kohya" in page
+    # the given task first, and the prediction beside it, with the predictor that made it
+    given = web.client.get("/api/v1/adapters/1").json["labels"]["task"]
+    assert f'<span class="chip given">{given}</span>' in page and "by knn " in page or "by the W2T heads" in page
     assert web.client.get("/map").status_code == 200 and web.client.get("/similar").status_code == 200
     r = web.client.post("/similar", data=peft_files(web.adapters / "zoo" / "w03"), content_type="multipart/form-data")
-    assert r.status_code == 200 and "Nearest to" in r.get_data(as_text=True)
+    assert r.status_code == 200 and "Nearest to" in r.get_data(as_text=True) and "This file is stored adapter" in r.get_data(as_text=True)
     r = web.client.get("/adapters/9999")
     assert r.status_code == 404 and r.mimetype == "text/html" and "no adapter with id 9999" in r.get_data(as_text=True)
     for html in (web.client.get(p).get_data(as_text=True) for p in ("/", "/adapters/1", "/map")):
@@ -484,7 +487,7 @@ def test_hostile_bodies_and_names_are_4xx_never_500(web: Web, tmp_path: Path) ->
             assert e["status"] == 400 and e["type"] == "bad_request" and "nested deeper" in e["message"]
     z = zipped(web.adapters / "zoo" / "w03")
     r = web.client.post("/api/v1/similar", data={**upload_of("upload.zip.zip", z), "k": "3"}, content_type="multipart/form-data")
-    assert r.status_code == 200 and r.json["results"][0]["name"] == "w03" and r.json["query"] == "upload.zip.zip"
+    assert r.status_code == 200 and r.json["stored_as"]["name"] == "w03" and r.json["query"] == "upload.zip.zip"
     r = web.client.post("/api/v1/predict/attributes", data=upload_of("upload.zip.zip", z), content_type="multipart/form-data")
     assert r.status_code == 200 and r.json["predictions"][0]["attributes"]["task"]
     kohya = tmp_path / "k.safetensors"

@@ -179,15 +179,28 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         print_json(pred)
         return 0
-    print(f"{pred['query_name']} in {pred['space']} (embedder {pred['embedder_id']}):")
+    stored = pred["stored_as"]
+    if stored:
+        print(f"{pred['query_name']} is stored adapter {stored['adapter_id']} ({stored['name']}): answered as it")
+    own = " without its own labels" if stored or pred["query"].isdigit() else ""
+    print(f"{pred['query_name']} in {pred['space']}, predicted from the weights{own} (embedder {pred['embedder_id']}):")
     for key, top in pred["attributes"].items():
         c = pred["confidence"][key]
-        verdict = "" if c["sure"] else "not sure: "
         support = f"{c['agreeing']} of {c['neighbours']} nearest labelled adapters agree" if c["neighbours"] else "no labelled neighbours"
-        print(f"  {key:<16} {verdict}" + ", ".join(f"{t['value']} {percent(t['probability'])}" for t in top) + f"  ({support})")
+        guesses = ", ".join(f"{t['value']} {percent(t['probability'])}" for t in top)
+        if c["given"] is not None:
+            verdict = "agrees" if c["agrees"] else "DISAGREES"
+            print(f"  {key:<16} given {c['given']}; the prediction {verdict}: {guesses}  ({support}; {pred['predictors'][key]})")
+        else:
+            print(f"  {key:<16} {'' if c['sure'] else 'not sure: '}{guesses}  ({support}; {pred['predictors'][key]})")
     for key, m in pred["metrics"].items():
         interval = f"90% interval {m['low']:.3f}..{m['high']:.3f}" if m["interval"] else "no interval: no held-out residuals"
-        print(f"  {key:<16} {m['value']:.3f}  ({interval}; {m['method']}: from the {PREDICTOR_WORDS.get(m['predictor'], m['predictor'])})")
+        measured = ""
+        if m["measured"] is not None:
+            outside = "" if m["within"] is not False else ", OUTSIDE the interval"
+            measured = f"measured {m['measured']:.3f}{outside}; predicted "
+        source = PREDICTOR_WORDS.get(m["predictor"], m["predictor"])
+        print(f"  {key:<16} {measured}{m['value']:.3f}  ({interval}; {m['method']}: from the {source})")
     print("\n".join(from_lineage_lines(pred["from_lineage"])))
     return 0
 
