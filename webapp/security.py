@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from apiflask import APIFlask
 from flask import Response, jsonify, render_template, request
 
-from webapp.auth import stamped_token
+from webapp.auth import TOKEN_COOKIE as TOKEN_COOKIE  # the cookie a signed-in browser sends its token in
+from webapp.auth import bearer_token, stamped_token, token_problem
 from webapp.context import zoo_context
 from webapp.errors import API_PREFIX, error_body
 
@@ -31,9 +32,7 @@ if TYPE_CHECKING:
 #: endpoints anyone may call when reads need a token: liveness, the API's description and its docs page (the
 #: document only, no data), static files, and signing in
 OPEN_ENDPOINTS = frozenset({"api.health", "openapi.spec", "ui.api_docs_page", "static", "ui.sign_in", "ui.sign_out"})
-#: the cookie a signed-in browser sends its token in
-TOKEN_COOKIE = "zoo_token"
-READ_TOKEN_MESSAGE = "this server needs a token for reads too: send Authorization: Bearer <token> (`zoo token create NAME`)"
+READS_NEED_A_TOKEN = "this server needs a token for reads too"
 
 #: on every response. Scripts and styles only from this site's files (no inline script or style, no eval), images
 #: also as data: URIs (Swagger UI's icons), no plugins, no framing, forms post only here
@@ -51,10 +50,7 @@ SECURITY_HEADERS = {
 
 def request_token() -> str | None:
     """The token the request carries: the Authorization header's, else the sign-in cookie's."""
-    scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return request.cookies.get(TOKEN_COOKIE) or None
+    return bearer_token() or request.cookies.get(TOKEN_COOKIE) or None
 
 
 def require_read_token() -> Response | tuple | None:
@@ -65,14 +61,14 @@ def require_read_token() -> Response | tuple | None:
     token = request_token()
     if token and stamped_token(token) is not None:
         return None
-    return unauthorized("that token is not valid (revoked, or mistyped?)" if token else None)
+    return unauthorized("that token is unknown or revoked" if token else None)
 
 
 def unauthorized(problem: str | None = None) -> Response | tuple:
     """The 401 for a read without a live token: the error shape under /api/, a sign-in page elsewhere."""
     headers = {"WWW-Authenticate": 'Bearer realm="zoo"'}
     if request.path.startswith(API_PREFIX):
-        response = jsonify(error_body(401, "unauthorized", f"{problem}: {READ_TOKEN_MESSAGE}" if problem else READ_TOKEN_MESSAGE))
+        response = jsonify(error_body(401, "unauthorized", token_problem(request_token(), READS_NEED_A_TOKEN)))
         response.status_code = 401
         response.headers.update(headers)
         return response
