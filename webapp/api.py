@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
-from apiflask import APIBlueprint
+from apiflask import APIBlueprint, abort
 from flask import Response, jsonify, request
 from sqlalchemy import func, select
 from werkzeug.exceptions import UnsupportedMediaType
@@ -20,7 +20,7 @@ from embed.engine import spaces_budget
 from webapp import schemas
 from webapp.auth import token_auth
 from webapp.context import db, retry_after, zoo_context
-from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters, with_session
+from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_invalid_json, refuse_nul, space_filters, with_session
 from zoo import __version__, deadline
 from zoo.errors import UsageError
 from zoo.store import repository
@@ -123,19 +123,47 @@ def similar(adapter_id: int, query: dict) -> Response:
 
 
 @api.post("/similar")
+@api.input(schemas.SimilarOptions, location="query", arg_name="query")
 @api.input(schemas.SimilarUpload, location="form_and_files", arg_name="form")
 @api.output(schemas.SearchOut)
 @api.doc(responses=UPLOAD)
-def similar_upload(form: dict) -> service.SearchResource:
-    """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored)."""
-    filters = repository.parse_filters(form["filter"])
-    engine = zoo_context().engine
-    return limited_upload(form["file"], lambda s, path: service.search(engine, s, path, form["k"], form["space"], filters, form["method"]))
+def similar_upload(query: dict, form: dict) -> service.SearchResource:
+    """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored). k, space,
+    method and filter may come in the query string, as for GET /adapters/{id}/similar, or in the form."""
+    options = agreed_options(query, form, schemas.SimilarQuery().load({}))
+    filters = repository.parse_filters(options["filter"])
+    engine, k, space, method = zoo_context().engine, options["k"], options["space"], options["method"]
+    return limited_upload(form["file"], lambda s, path: service.search(engine, s, path, k, space, filters, method))
+
+
+def agreed_options(query: Mapping[str, Any], form: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Each option from the query string or the form, wherever it came, else its default; one given in both with
+    two values is a 422 naming it (never one silently chosen)."""
+    clash = sorted(key for key in defaults if key in query and key in form and query[key] != form[key])
+    if clash:
+        said = "; ".join(f"{key} is {query[key]!r} in the query string but {form[key]!r} in the form" for key in clash)
+        detail = {key: ["given in the query string and the form, with two values"] for key in clash}
+        abort(422, f"{said}: send each once, in either", detail=detail)
+    return {key: query.get(key, form.get(key, default)) for key, default in defaults.items()}
+
+
+#: what names the query of a prediction: one of these (an upload is `file`)
+QUERY_FIELDS = ("adapter_id", "adapter_ids", "file")
+
+
+def one_query(body: Mapping[str, object], files: Sequence[object]) -> None:
+    """A prediction names its adapters one way: adapter_id, adapter_ids or an upload in `file`; two are a 422 naming
+    them, not one silently preferred."""
+    given = [name for name in QUERY_FIELDS if (files if name == "file" else body.get(name) is not None)]
+    if len(given) > 1:
+        message = f"send one of adapter_id, adapter_ids or an upload in `file`, not {' and '.join(given)} together"
+        abort(422, message, detail={name: [f"sent with {' and '.join(g for g in given if g != name)}"] for name in given})
 
 
 def _predict(part: str, body: dict) -> dict[str, object]:
     engine = zoo_context().engine
     files = request.files.getlist("file")
+    one_query(body, files)
     found: Sequence[Mapping[str, object]]
     if files:
         found = [limited_upload(files, lambda s, path: service.predict(engine, s, path, body.get("space")))]
@@ -292,11 +320,48 @@ BODY_TYPES = {
 }
 
 
+#: an example of each endpoint's JSON body, for messages that say what to send
+JSON_EXAMPLES = {
+    "api.predict_attributes": '{"adapter_id": 1} or {"adapter_ids": [1, 2]}',
+    "api.predict_performance": '{"adapter_id": 1} or {"adapter_ids": [1, 2]}',
+    "api.ingest": '{"paths": ["a/folder/under/the/import/root"]}',
+    "api.set_labels": '{"labels": {"task": "qa"}, "measurements": {"accuracy": 0.9}}',
+}
+
+
+def what_to_send(endpoint: str, allowed: Sequence[str]) -> str:
+    """The bodies an endpoint reads, in words: its JSON with an example, a multipart form with its `file` part."""
+    example = JSON_EXAMPLES.get(endpoint)
+    words = {
+        "application/json": f"application/json such as {example}" if example else "application/json",
+        "multipart/form-data": "multipart/form-data with a `file` part",
+    }
+    return ", or ".join(words.get(kind, kind) for kind in allowed)
+
+
 @api.before_request
 def _body_type() -> None:
-    allowed = BODY_TYPES.get(request.endpoint or "")
-    if allowed and request.mimetype not in allowed:
-        raise UnsupportedMediaType(f"send {' or '.join(allowed)}, not {request.mimetype or 'no body'}")
+    """A write endpoint's body: of a type it reads (415 otherwise, saying which), JSON that parses (400 saying where)."""
+    endpoint = request.endpoint or ""
+    allowed = BODY_TYPES.get(endpoint)
+    if not allowed:
+        return
+    send = what_to_send(endpoint, allowed)
+    if request.mimetype not in allowed:
+        sent = request.mimetype or ("a body of no type" if request.content_length else None)
+        raise UnsupportedMediaType(f"send {send}, not {sent}" if sent else f"the request has no body: send {send}")
+    if request.is_json:
+        refuse_invalid_json(f"a JSON object such as {JSON_EXAMPLES[endpoint]}" if endpoint in JSON_EXAMPLES else "a JSON object")
+
+
+@api.before_request
+def _no_id_beside_an_upload() -> None:
+    """POST /similar searches by an upload: an adapter_id beside it (in the query string or the form) is a 422 saying
+    where a stored adapter's search is, not an unknown field (or, in the query string, one silently dropped)."""
+    if request.endpoint == "api.similar_upload" and ("adapter_id" in request.args or "adapter_id" in request.form):
+        stored = "GET /api/v1/adapters/{id}/similar"
+        message = f"send adapter_id or file, not both: this searches by an upload in `file`; for a stored adapter, {stored}"
+        abort(422, message, detail={"adapter_id": ["sent with file"], "file": ["sent with adapter_id"]})
 
 
 api.after_app_request(retry_after)

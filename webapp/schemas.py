@@ -71,15 +71,15 @@ def _field(hint: Any, **kwargs: Any) -> Field:
     raise TypeError(f"no schema field for {hint!r}")
 
 
+FILTER_DOC = (
+    "key=value, repeatable: base_model, format, rank, source (prefix), author, license, pipeline_tag, library, "
+    "base_model_relation, relation (found from the weights: merge, rescaled, ...), derived_from (an adapter id), or a label"
+)
+SPACE_DOC = "the space to search (default: the space of the query's base model)"
+
+
 class Filters(Schema):
-    filter = List(
-        String(),
-        load_default=list,
-        metadata={
-            "description": "key=value, repeatable: base_model, format, rank, source (prefix), author, license, pipeline_tag, library, "
-            "base_model_relation, relation (found from the weights: merge, rescaled, ...), derived_from (an adapter id), or a label"
-        },
-    )
+    filter = List(String(), load_default=list, metadata={"description": FILTER_DOC})
 
 
 class CatalogQuery(Filters):
@@ -96,11 +96,21 @@ class CatalogQuery(Filters):
 
 class SimilarQuery(Filters):
     k = Integer(load_default=10, validate=Range(1, MAX_K))
-    space = String(load_default=None, metadata={"description": "the space to search (default: the space of the query's base model)"})
+    space = String(load_default=None, metadata={"description": SPACE_DOC})
     method = String(load_default=None, validate=OneOf(SEARCH_METHODS))
 
 
-class SimilarUpload(SimilarQuery):
+class SimilarOptions(Schema):
+    """The upload search's parameters (SimilarQuery's), each in the query string or in the form: without defaults
+    here, so that the view sees where each came (in both, the values must agree) and applies SimilarQuery's."""
+
+    k = Integer(validate=Range(1, MAX_K), metadata={"default": 10, "description": "in the query string or the form"})
+    space = String(metadata={"description": f"{SPACE_DOC}; in the query string or the form"})
+    method = String(validate=OneOf(SEARCH_METHODS), metadata={"description": "in the query string or the form"})
+    filter = List(String(), metadata={"description": f"{FILTER_DOC}; in the query string or the form"})
+
+
+class SimilarUpload(SimilarOptions):
     file = List(File(), required=True, metadata={"description": "a PEFT directory's two files, a zip of one, or one LoRA .safetensors"})
 
 

@@ -4,6 +4,7 @@ characters, JSON nested too deep) refused before any view runs."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -82,6 +83,28 @@ def refuse_nul() -> None:
 
 #: JSON bodies nest no deeper than this (the deepest the API reads is 3: an object of lists or objects)
 MAX_JSON_DEPTH = 32
+
+
+def refuse_invalid_json(send: str) -> None:
+    """A JSON body that does not parse is a 400 saying why and where (the decoder's line and column) and what to
+    send, in the API's error shape (not Werkzeug's page about the browser or proxy); an empty one says it is empty."""
+    if _json_body() is not None:
+        return
+    data = request.get_data(cache=True)
+    problem = _json_error(data) if data.strip() else "the JSON body is empty"
+    if problem:
+        raise UsageError(f"{problem}: send {send}")
+
+
+def _json_error(data: bytes) -> str | None:
+    """Why `data` is not JSON, and where; None where it is (the JSON `null`)."""
+    try:
+        json.loads(data)
+    except json.JSONDecodeError as exc:
+        return f"the body is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+    except UnicodeDecodeError as exc:
+        return f"the body is not valid JSON (not UTF-8 at byte {exc.start})"
+    return None
 
 
 def _json_body() -> object:
