@@ -116,7 +116,7 @@ def test_sure_is_earned_in_every_bin_it_covers(items: list[tuple[float, bool]]) 
         return
     if level < 1.0:
         assert all(acc >= mean - SURE_SLACK for acc, mean in _bins_from(level, conf, right))
-    if SURE < level:
+    if level > SURE:
         below = _bins_from(level - 1.0 / ECE_BINS, conf, right) if level < 1.0 else _bins_from(1.0 - 1.0 / ECE_BINS, conf, right)
         assert below and below[0][0] < below[0][1] - SURE_SLACK
 

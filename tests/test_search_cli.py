@@ -162,9 +162,8 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     assert hybrid["results"] == by_stored_id["results"]
 
     # beside the embedding's predictions, what a stored adapter inherits along its edges; a file has no edges
-    assert (
-        pred["from_lineage"] is None and "from lineage: none (a file is not stored" in cli("predict", str(seed_sources / "outside" / "new"))[1]
-    )
+    new_file = cli("predict", str(seed_sources / "outside" / "new"))[1]
+    assert pred["from_lineage"] is None and "from lineage: none (a file is not stored" in new_file
     copy = shutil.copytree(seed_sources / "zoo" / "w03", tmp_path / "w03-alpha")
     config = json.loads((copy / "adapter_config.json").read_text())
     (copy / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]}))

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
-from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, may_be_duplicate, relative_distance, sketch, structure_hash
+from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, sketch, structure_hash
 from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
 from zoo.domain.transforms import FactorSummary
 from zoo.errors import InputError, UsageError
@@ -29,6 +29,7 @@ from zoo.sources import Origin, hub
 from zoo.store import jobs, repository
 from zoo.store.blobs import BlobStore, BlobWriter
 from zoo.store.catalog import write_search_text
+from zoo.store.duplicates import stored_duplicate
 from zoo.store.labels import write_labels
 from zoo.store.locks import store_locks
 from zoo.store.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module
@@ -368,18 +369,9 @@ class Ingestor:
             self.duplicates_job = job
 
     def _find_duplicate(self, session: Session, d: _Described) -> repository.Candidate | None:
-        """The stored adapter with this canonical hash, else the first near one (same structure, close norm) within
-        DUPLICATE_RTOL of this update. A near candidate's factors are read only when its stored probe values do
-        not rule it out (zoo.domain.fingerprint.may_be_duplicate; adapters stored without them are always read)."""
+        """The stored adapter this one is (zoo.store.duplicates.stored_duplicate)."""
         a = d.adapter
-        for c in repository.duplicate_candidates(session, a.base_model, a.canonical_hash, a.structure_hash, a.dw_norm, DUPLICATE_RTOL):
-            if c.canonical_hash == a.canonical_hash:
-                return c
-            if not c.factors_blob or (d.sketch is not None and not may_be_duplicate(d.sketch, c.dw_probes, c.dw_norm)):
-                continue
-            if relative_distance(d.factors, self.blobs.get_factors(c.factors_blob)) <= DUPLICATE_RTOL:
-                return c
-        return None
+        return stored_duplicate(session, self.blobs, a.base_model, a.canonical_hash, a.structure_hash, d.sketch, d.factors)
 
     def _with_retries(self, write: Callable[..., T], *args: object, attempts: int = 3) -> T:
         """`write(*args)`, again when a concurrent writer stored the same update or labels first (a unique
@@ -397,11 +389,11 @@ class Ingestor:
 
     def _store(self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
-        duplicate (see zoo.store.locks.store_locks) so that the duplicate check sees every earlier one's update; a duplicate's
-        labels are written under its label lock too (zoo.store.labels.write_labels), and its source recorded
-        (`record_duplicates_as`). The blob, written and fsynced meanwhile (`blob`), is put under its digest (idempotently, by content) after the rows are
-        inserted and before they commit, and is never deleted here: a committed row always has its blob; a blob
-        left by a transaction that failed is an orphan for `zoo check --repair`."""
+        duplicate (see zoo.store.locks.store_locks) so that the duplicate check sees every earlier one's update; a
+        duplicate's labels are written under its label lock too (zoo.store.labels.write_labels), and its source
+        recorded (`record_duplicates_as`). The blob, written and fsynced meanwhile (`blob`), is put under its digest
+        (idempotently, by content) after the rows are inserted and before they commit, and is never deleted here: a
+        committed row always has its blob; a blob left by a transaction that failed is an orphan for `zoo check --repair`."""
         a = d.adapter
         with write_transaction(self.sessions, *store_locks(a.base_model, a.structure_hash, a.dw_norm, DUPLICATE_RTOL)) as session:
             check_space_fits(session, a, d.modules)
