@@ -17,6 +17,7 @@ from flask.testing import FlaskClient
 from tests.conftest import CLI, SeededZoo
 from tests.factories import write_kohya_file
 from webapp import create_app
+from webapp.auth import TOKEN_COOKIE
 from zoo.errors import InputError
 from zoo.formats.safe_load import load_tensors
 from zoo.store import tokens
@@ -165,7 +166,7 @@ def test_a_missing_body_says_what_to_send(client: FlaskClient, auth: dict[str, s
 # --- tokens ---------------------------------------------------------------------------------------------------------
 
 
-def test_a_401_says_how_to_send_a_token_and_whether_it_was_known(client: FlaskClient, zoo: SeededZoo) -> None:
+def test_a_401_says_how_to_send_a_token_and_whether_it_was_known(client: FlaskClient, zoo: SeededZoo, auth: dict[str, str]) -> None:
     for headers in ({}, {"Authorization": "Token abc"}):
         r = client.post("/api/v1/ingest", json={"paths": ["zoo/w01"]}, headers=headers)
         e = error_of(r)
@@ -178,6 +179,10 @@ def test_a_401_says_how_to_send_a_token_and_whether_it_was_known(client: FlaskCl
     ):
         e = error_of(r)
         assert e["status"] == 401 and "unknown or revoked" in e["message"] and "zoo token create NAME" in e["message"], e
+    signed_in = client.application.test_client()
+    signed_in.set_cookie(TOKEN_COOKIE, auth["Authorization"].removeprefix("Bearer "))
+    e = error_of(signed_in.delete("/api/v1/adapters/1"))  # a live token, in the cookie: reads only
+    assert "this request needs a token" in e["message"] and "the sign-in cookie only reads" in e["message"], e
     closed = create_app({"ZOO_DATABASE_URL": zoo.url, "ZOO_DATA_DIR": str(zoo.data_dir), "ZOO_READ_TOKEN_REQUIRED": "1"}).test_client()
     e = error_of(closed.get("/api/v1/adapters/1", headers={"Authorization": "Bearer zoo_wrong"}))
     assert "unknown or revoked" in e["message"] and "Authorization: Bearer <token>" in e["message"]
