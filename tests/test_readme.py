@@ -1,8 +1,10 @@
 """README.md as a newcomer's front door: CI runs its install line and test command as written, it stays short,
-and every `zoo` command it or `zoo quickstart` suggests exists."""
+every `zoo` command it or `zoo quickstart` suggests exists, and the manual's command list names every command and
+option the parser has."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from pathlib import Path
@@ -64,3 +66,27 @@ def test_every_command_readme_and_quickstart_suggest_parses(args: list[str]) -> 
     parser.exit_on_error = False
     parsed = parser.parse_args(args)
     assert parsed.func is not None
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    """A parser's long options, and its sub-commands' as `NAME:--option`."""
+    found = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            found += [f"{name}:{o}" for name, sub in a.choices.items() for o in _options(sub)]
+    return found
+
+
+def test_the_manual_lists_every_command_and_option() -> None:
+    """docs/commands.md's command list is where a user looks an option up: none may be missing from it."""
+    manual = (ROOT / "docs" / "commands.md").read_text()
+    block = manual.split("```")[1]
+    lines = [line.split("#", 1)[0] for line in block.splitlines() if line.startswith("zoo ")]
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name, sub in commands.choices.items():
+        text = " ".join(line for line in lines if line.split()[1] == name)
+        if not text:
+            missing.append(name)
+        missing += [f"{name} {o}" for o in _options(sub) if o.split(":")[-1] not in text]
+    assert not missing, f"docs/commands.md does not list: {', '.join(missing)}"
