@@ -358,9 +358,10 @@ class Ingestor:
         return True
 
     def _record_duplicate(self, session: Session, adapter_id: int, source: str) -> int | None:
-        """Record the duplicate in the caller's transaction (with `record_duplicates_as`); the run's job id, to keep once
+        """Record the duplicate in the caller's transaction (with `record_duplicates_as`), unless its source is known for
+        the adapter already (its own source, ingested again, or one recorded before); the run's job id, to keep once
         that transaction has committed (`_committed`)."""
-        if self.record_duplicates_as is None:
+        if self.record_duplicates_as is None or jobs.source_known(session, adapter_id, source):
             return None
         return jobs.record_duplicate(session, self.duplicates_job, source, adapter_id, self.record_duplicates_as)
 

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from zoo import config
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow
-from zoo.store.models import Job, JobItem, JobOptions, StoredLabels
+from zoo.store.models import Adapter, Job, JobItem, JobOptions, StoredLabels
 from zoo.store.session import write_transaction
 from zoo.timestamps import as_utc, iso_seconds
 
@@ -106,6 +106,16 @@ def create_job(
     session.add(job)
     session.flush()
     return job
+
+
+def source_known(session: Session, adapter_id: int, source: str) -> bool:
+    """Whether `source` is the adapter's own source or one recorded as its duplicate already: a file ingested again is
+    not news about where else the adapter comes from."""
+    own = session.execute(select(Adapter.id).where(Adapter.id == adapter_id, Adapter.source_uri == source)).first()
+    recorded = session.execute(
+        select(JobItem.id).where(JobItem.adapter_id == adapter_id, JobItem.state == "duplicate", JobItem.source == source).limit(1)
+    ).first()
+    return own is not None or recorded is not None
 
 
 def record_duplicate(session: Session, job_id: int | None, source: str, adapter_id: int, created_by: str) -> int:

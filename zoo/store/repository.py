@@ -336,10 +336,11 @@ def names_and_labels(session: Session, ids: Iterable[int]) -> dict[int, tuple[st
 
 
 def duplicate_sources(session: Session, adapter_id: int) -> list[str]:
-    """Sources found to be this adapter (same canonical form), oldest first: by jobs, and by the ingest runs that are not
-    jobs, which record theirs as a job's items too (zoo.store.jobs.record_duplicate)."""
+    """Sources other than its own found to be this adapter (same canonical form), each once, oldest first: by jobs, and by
+    the ingest runs that are not jobs, which record theirs as a job's items too (zoo.store.jobs.record_duplicate)."""
     stmt = select(JobItem.source).where(JobItem.adapter_id == adapter_id, JobItem.state == "duplicate").order_by(JobItem.id)
-    return list(session.scalars(stmt))
+    own = session.execute(select(Adapter.source_uri).where(Adapter.id == adapter_id)).scalar()
+    return [s for s in dict.fromkeys(session.scalars(stmt)) if s != own]  # each other source once
 
 
 _GIVEN = select(Label.key, Label.value).where(
