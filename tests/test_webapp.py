@@ -114,7 +114,7 @@ def test_zoo_show_json_is_the_stored_part_of_the_rest_resource(web: Web, capsys:
     assert web.zoo("show", "3", "--json") == 0
     shown = json.loads(capsys.readouterr().out)
     served = web.client.get("/api/v1/adapters/3").json
-    assert set(served) - set(shown) == {"duplicate_sources", "lineage", "from_lineage", "space", "neighbours", "predictions", "not_ready"}
+    assert set(served) - set(shown) == {"lineage", "from_lineage", "space", "neighbours", "predictions", "not_ready"}
     assert set(shown) <= set(served)
     for key in shown:
         if key == "source_uri":  # a server path: the API names it without the server's directories
