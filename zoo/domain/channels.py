@@ -1,0 +1,253 @@
+"""A bank of exact similarity channels between adapters, per module, from the canonical factors (pure math, no I/O).
+
+Every channel compares two updates dW_x = U_x S_x V_xᵀ and dW_y of one module in r×r blocks (C_U = U_xᵀU_y,
+C_V = V_xᵀV_y), never materializing a d_out × d_in or d × d matrix, and an adapter pair's value is the mean over the
+modules both have (0 where they share none), as for module cosine. With s = S/‖S‖ and t = S_y/‖S_y‖:
+
+- "module": ⟨dW_x, dW_y⟩ / (‖dW_x‖ ‖dW_y‖) = Σ_ab s_a (C_U)_ab (C_V)_ab t_b, today's module cosine, in [-1, 1];
+- "input_gram": the cosine of the input Grams dWᵀdW = V S² Vᵀ, ‖S_x C_V S_y‖²_F / (‖S_x²‖ ‖S_y²‖), in [0, 1] (both
+  are positive semi-definite); blind to anything done to the output side (dW → Q·dW for orthogonal Q: a re-seeded
+  or re-initialized head, say);
+- "output_gram": the same for the output Grams dW dWᵀ = U S² Uᵀ, blind to the input side;
+- "input_subspace": ‖C_V‖²_F / √(r_x r_y), in [0, 1], unweighted: which input directions are used, not how much.
+  It is the cosine of the two orthogonal projectors V Vᵀ (‖V Vᵀ‖_F = √r), so it is the Gram channel with a flat
+  spectrum, is 1 exactly when the subspaces are equal, and a rank-1 update inside a rank-8 one scores √(1/8), not 1
+  (dividing by min(r_x, r_y) instead would give every update inside a larger one a perfect score, rewarding rank).
+  A component counts fully however small its singular value (down to the canonical form's cut-off);
+- "output_subspace": ‖C_U‖²_F / √(r_x r_y), the same for the column spaces;
+- "spectrum": the cosine of the singular value profiles, s·t with both sorted descending and zero-padded to a common
+  length, in (0, 1]: zero padding is what a lower rank means (a rank-r update is a rank-R one with R - r zero
+  singular values), so it needs no rule for unequal ranks, where log spectra would be undefined at the padding and
+  dominated by the tiniest kept components. By von Neumann's trace inequality it bounds |module cosine| from above:
+  the first-order cosine the two updates would have if their singular vectors were aligned.
+
+`channel_matrices` computes them for many adapters at once over `ModuleStack`s (built with no dense modules: these
+channels need the factors), one GEMM per side and chunk shared by each side's Gram and subspace channels; module
+cosine is `ModuleStack.cosines` itself. `pair_channels` is the per-pair float64 reference.
+
+Every channel has a bounded-dimension sketch (`channel_sketches`) whose blocks' inner products give it per module,
+to be averaged with `sketch_module_cosines`: module cosine's is the module sketch; the Gram and subspace channels'
+are seeded bilinear probes ωᵀ·M·ψ of the symmetric matrix M = X diag(c) Xᵀ (X = V or U, c = S²/‖S²‖ or 1/√r),
+unbiased estimates of the cosine; the spectrum's is the padded unit spectrum itself, exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from zoo.domain.similarity import Factors, ModuleStack, module_sketches
+
+if TYPE_CHECKING:
+    from zoo.domain.canonical import CanonicalFactors
+
+#: the channels, in the order reported
+CHANNELS = ("module", "input_gram", "output_gram", "input_subspace", "output_subspace", "spectrum")
+#: per channel: (factor side, weighting) of the channels that compare one side's squared overlaps C²
+_OVERLAPS = {
+    "input_gram": ("input", "gram"),
+    "output_gram": ("output", "gram"),
+    "input_subspace": ("input", "subspace"),
+    "output_subspace": ("output", "subspace"),
+}
+_SIDE_INDEX = {"output": 0, "input": 1}  # U, V in ModuleStack.factors
+
+
+def factor_stack(adapters: Sequence[Factors]) -> ModuleStack:
+    """The adapters' ModuleStack with every module kept as factors (what every channel but module cosine needs)."""
+    return ModuleStack.of(adapters, set())
+
+
+def channel_similarity_matrix(queries: Sequence[Factors], gallery: Sequence[Factors], channel: str) -> np.ndarray:
+    """(len(queries), len(gallery)) one channel's mean per-module similarity over shared modules; 0 where none is
+    shared."""
+    return channel_matrices(factor_stack(gallery), factor_stack(queries), (channel,))[channel]
+
+
+def channel_matrices(
+    gallery: ModuleStack, queries: ModuleStack, channels: Sequence[str] = CHANNELS, chunk: int = 2048
+) -> dict[str, np.ndarray]:
+    """Per channel asked for: (queries.size, gallery.size) float64, the mean per-module value over the modules both
+    adapters have (0 where none). One V-block product per chunk serves both input channels, one U-block product both
+    output channels."""
+    unknown = sorted(set(channels) - set(CHANNELS))
+    if unknown:
+        raise ValueError(f"unknown channels {unknown}; each one of {CHANNELS}")
+    out: dict[str, np.ndarray] = {}
+    if "module" in channels:
+        out["module"] = gallery.cosines(queries)
+    for side in _SIDE_INDEX:
+        wanted = [c for c in channels if _OVERLAPS.get(c, ("", ""))[0] == side]
+        if wanted:
+            out.update(_overlap_channels(gallery, queries, side, wanted, chunk))
+    if "spectrum" in channels:
+        out["spectrum"] = _mean_over_shared(gallery, queries, _spectrum_cosines)
+    return {c: out[c] for c in channels}
+
+
+def _shared_factor_modules(gallery: ModuleStack, queries: ModuleStack) -> list[str]:
+    names = sorted(queries.norms.keys() & gallery.norms.keys())
+    dense = [n for n in names if n in gallery.dense or n in queries.dense]
+    if dense:
+        raise ValueError(f"modules {dense} are stored dense: build the stacks with factor_stack (no dense modules)")
+    return names
+
+
+def _mean_over_shared(
+    gallery: ModuleStack, queries: ModuleStack, per_module: Callable[[ModuleStack, ModuleStack, str], np.ndarray]
+) -> np.ndarray:
+    """Σ over shared module names of per_module(gallery, queries, name), divided by the modules each pair shares."""
+    total = np.zeros((queries.size, gallery.size))
+    count = np.zeros((queries.size, gallery.size))
+    for name in _shared_factor_modules(gallery, queries):
+        shared = (queries.norms[name] > 0)[:, None] & (gallery.norms[name] > 0)[None, :]
+        total += per_module(gallery, queries, name) * shared
+        count += shared
+    return total / np.maximum(count, 1)
+
+
+def _spectrum_cosines(gallery: ModuleStack, queries: ModuleStack, name: str) -> np.ndarray:
+    """(queries, gallery) cosine of the unit spectra, sorted descending and zero-padded to a common length."""
+    wq, wg = _sorted_spectra(queries.factors[name][2]), _sorted_spectra(gallery.factors[name][2])
+    width = max(wq.shape[1], wg.shape[1])
+    wq, wg = np.pad(wq, ((0, 0), (0, width - wq.shape[1]))), np.pad(wg, ((0, 0), (0, width - wg.shape[1])))
+    return (wq @ wg.T).astype(np.float64)
+
+
+def _sorted_spectra(w: np.ndarray) -> np.ndarray:
+    """Rows of unit spectra sorted descending (the canonical order; factors given in another order score the same)."""
+    return -np.sort(-w, axis=1)
+
+
+def _overlap_channels(gallery: ModuleStack, queries: ModuleStack, side: str, channels: list[str], chunk: int) -> dict[str, np.ndarray]:
+    """The channels of one side, each Σ_ab p_a (C²)_ab q_b with C = X_xᵀX_y per module and the channel's weights."""
+    total = {c: np.zeros((queries.size, gallery.size)) for c in channels}
+    count = np.zeros((queries.size, gallery.size))
+    k = _SIDE_INDEX[side]
+    for name in _shared_factor_modules(gallery, queries):
+        shared = (queries.norms[name] > 0)[:, None] & (gallery.norms[name] > 0)[None, :]
+        wq, wg = queries.factors[name][2], gallery.factors[name][2]
+        weights = [(_weights(wq, _OVERLAPS[c][1]), _weights(wg, _OVERLAPS[c][1])) for c in channels]
+        values = _squared_overlaps(queries.factors[name][k], gallery.factors[name][k], weights, chunk)
+        for c, v in zip(channels, values, strict=True):
+            total[c] += v * shared
+        count += shared
+    return {c: t / np.maximum(count, 1) for c, t in total.items()}
+
+
+def _weights(w: np.ndarray, weighting: str) -> np.ndarray:
+    """(n, R) float32 per-component weights of unit norm per row (zero rows stay zero) from unit spectra w (zero
+    padded): "gram", w² (the Gram's eigenvalues S²/‖S‖²), or "subspace", 1 on every component."""
+    p = w.astype(np.float64) ** 2 if weighting == "gram" else (w > 0).astype(np.float64)
+    return (p / np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-300)).astype(np.float32)
+
+
+def _squared_overlaps(Xq: np.ndarray, Xg: np.ndarray, weights: list[tuple[np.ndarray, np.ndarray]], chunk: int) -> list[np.ndarray]:
+    """For stacks of bases Xq (nq, Rq, d), Xg (ng, Rg, d) and each (pq (nq, Rq), pg (ng, Rg)): the (nq, ng) matrix
+    Σ_ab pq_a (X_qᵀX_g)²_ab pg_b, in chunks of about `chunk` query components: one GEMM per chunk for all weights."""
+    nq, rq, d = Xq.shape
+    ng, rg, _ = Xg.shape
+    Xg2 = Xg.reshape(-1, d)
+    out = [np.zeros((nq, ng)) for _ in weights]
+    step = max(1, chunk // max(rq, 1))
+    for start in range(0, nq, step):
+        sl = slice(start, start + step)
+        C = Xq[sl].reshape(-1, d) @ Xg2.T  # (q·Rq, ng·Rg)
+        np.square(C, out=C)
+        C3 = C.reshape(-1, rq, ng * rg)
+        for o, (pq, pg) in zip(out, weights, strict=True):
+            left = np.matmul(pq[sl][:, None, :], C3)[:, 0].reshape(-1, ng, rg)  # summed over the query's components
+            o[sl] = np.einsum("qnb,nb->qn", left, pg)
+    return out
+
+
+# -- the per-pair reference -------------------------------------------------------------------------------------------
+
+
+def pair_channels(x: Factors, y: Factors) -> dict[str, float]:
+    """Every channel for one pair of adapters in float64, module by module in r×r blocks: the reference that the
+    stacked implementation is tested against. Components with S = 0 are dropped."""
+    values: dict[str, list[float]] = {c: [] for c in CHANNELS}
+    for name in sorted(x.keys() & y.keys()):
+        fx, fy = _float64(x[name]), _float64(y[name])
+        if fx[1].size and fy[1].size:
+            for c, v in module_channels(fx, fy).items():
+                values[c].append(v)
+    return {c: float(np.mean(v)) if v else 0.0 for c, v in values.items()}
+
+
+def module_channels(x: tuple[np.ndarray, np.ndarray, np.ndarray], y: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict[str, float]:
+    """Every channel for one module's (U, S, V) pair (float64, S > 0, U and V with orthonormal columns)."""
+    (Ux, Sx, Vx), (Uy, Sy, Vy) = x, y
+    Cu, Cv = Ux.T @ Uy, Vx.T @ Vy
+    sx, sy = Sx / np.linalg.norm(Sx), Sy / np.linalg.norm(Sy)
+    gx, gy = sx**2 / np.linalg.norm(sx**2), sy**2 / np.linalg.norm(sy**2)
+    flat = 1.0 / np.sqrt(len(Sx) * len(Sy))
+    width = max(len(Sx), len(Sy))
+    px, py = (np.pad(np.sort(s)[::-1], (0, width - len(s))) for s in (sx, sy))
+    return {
+        "module": float(sx @ (Cu * Cv) @ sy),
+        "input_gram": float(gx @ Cv**2 @ gy),
+        "output_gram": float(gx @ Cu**2 @ gy),
+        "input_subspace": float((Cv**2).sum() * flat),
+        "output_subspace": float((Cu**2).sum() * flat),
+        "spectrum": float(px @ py),
+    }
+
+
+def _float64(f: CanonicalFactors) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    U, S, V = (t.detach().cpu().double().numpy() for t in (f.U, f.S, f.V))
+    keep = S > 0
+    return U[:, keep], S[keep], V[:, keep]
+
+
+# -- sketches ---------------------------------------------------------------------------------------------------------
+
+
+def channel_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int, channel: str) -> np.ndarray:
+    """(N, len(modules)·dim) float32: per module a block whose inner product with another adapter's block is that
+    module's channel value (an unbiased estimate; exact for "spectrum", whose blocks are the unit spectra sorted and
+    zero-padded to `dim`, at least the largest rank); zeros where the adapter lacks the module. Mean over shared
+    modules: `sketch_module_cosines`."""
+    if channel == "module":
+        return module_sketches(adapters, modules, dim)
+    if channel == "spectrum":
+        return _spectrum_sketches(adapters, modules, dim)
+    if channel not in _OVERLAPS:
+        raise ValueError(f"unknown channel {channel!r}; one of {CHANNELS}")
+    return _gram_sketches(adapters, modules, dim, *_OVERLAPS[channel])
+
+
+def _spectrum_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int) -> np.ndarray:
+    out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
+    for i, a in enumerate(adapters):
+        for m, name in enumerate(modules):
+            if name in a and a[name].rank:
+                S = np.sort(_float64(a[name])[1])[::-1]
+                if len(S) > dim:
+                    raise ValueError(f"a spectrum sketch of {dim} values cannot hold module {name} of rank {len(S)}")
+                out[i, m, : len(S)] = S / np.linalg.norm(S)
+    return out.reshape(len(adapters), -1)
+
+
+def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int, side: str, weighting: str) -> np.ndarray:
+    """Per module `dim` seeded probe values ω_jᵀ·X diag(c) Xᵀ·ψ_j / √dim with X = V (input) or U (output) and c the
+    channel's unit-norm weights (`_weights`), so that E[block·block'] = ⟨M, M'⟩_F, the channel's value. ω, ψ are
+    independent standard Gaussians in the side's dimension, drawn once per module name, shape and channel."""
+    from zoo import deadline
+    from zoo.domain.probes import probes  # torch: only when sketching
+
+    out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
+    for m, name in enumerate(modules):
+        deadline.check()  # a web call past its time limit stops here (zoo/deadline.py)
+        present = [(i, _float64(a[name])) for i, a in enumerate(adapters) if name in a and a[name].rank]
+        if not present:
+            continue
+        width = present[0][1][2 if side == "input" else 0].shape[0]
+        omega, psi = (p.numpy() for p in probes(name, width, width, dim, f"{side}-{weighting}-sketch"))
+        for i, (U, S, V) in present:
+            X, c = (V if side == "input" else U), _weights((S / np.linalg.norm(S))[None, :], weighting)[0]
+            out[i, m] = ((omega.T @ X) * (psi.T @ X)) @ c / np.sqrt(dim)
+    return out.reshape(len(adapters), -1)
