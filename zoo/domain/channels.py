@@ -34,6 +34,7 @@ unbiased estimates of the cosine; the spectrum's is the padded unit spectrum its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -81,60 +82,47 @@ def channel_matrices(
     for side in _SIDE_INDEX:
         wanted = [c for c in channels if _OVERLAPS.get(c, ("", ""))[0] == side]
         if wanted:
-            out.update(_overlap_channels(gallery, queries, side, wanted, chunk))
+            out.update(_mean_over_shared(gallery, queries, wanted, partial(_overlaps, gallery, queries, side, wanted, chunk)))
     if "spectrum" in channels:
-        out["spectrum"] = _mean_over_shared(gallery, queries, _spectrum_cosines)
+        out.update(_mean_over_shared(gallery, queries, ["spectrum"], partial(_spectrum_cosines, gallery, queries)))
     return {c: out[c] for c in channels}
 
 
-def _shared_factor_modules(gallery: ModuleStack, queries: ModuleStack) -> list[str]:
+def _mean_over_shared(
+    gallery: ModuleStack, queries: ModuleStack, channels: list[str], per_module: Callable[[str], dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """Per channel: Σ over shared module names of per_module(name)[channel], divided by the modules each pair shares."""
     names = sorted(queries.norms.keys() & gallery.norms.keys())
     dense = [n for n in names if n in gallery.dense or n in queries.dense]
     if dense:
         raise ValueError(f"modules {dense} are stored dense: build the stacks with factor_stack (no dense modules)")
-    return names
-
-
-def _mean_over_shared(
-    gallery: ModuleStack, queries: ModuleStack, per_module: Callable[[ModuleStack, ModuleStack, str], np.ndarray]
-) -> np.ndarray:
-    """Σ over shared module names of per_module(gallery, queries, name), divided by the modules each pair shares."""
-    total = np.zeros((queries.size, gallery.size))
-    count = np.zeros((queries.size, gallery.size))
-    for name in _shared_factor_modules(gallery, queries):
-        shared = (queries.norms[name] > 0)[:, None] & (gallery.norms[name] > 0)[None, :]
-        total += per_module(gallery, queries, name) * shared
-        count += shared
-    return total / np.maximum(count, 1)
-
-
-def _spectrum_cosines(gallery: ModuleStack, queries: ModuleStack, name: str) -> np.ndarray:
-    """(queries, gallery) cosine of the unit spectra, sorted descending and zero-padded to a common length."""
-    wq, wg = _sorted_spectra(queries.factors[name][2]), _sorted_spectra(gallery.factors[name][2])
-    width = max(wq.shape[1], wg.shape[1])
-    wq, wg = np.pad(wq, ((0, 0), (0, width - wq.shape[1]))), np.pad(wg, ((0, 0), (0, width - wg.shape[1])))
-    return (wq @ wg.T).astype(np.float64)
-
-
-def _sorted_spectra(w: np.ndarray) -> np.ndarray:
-    """Rows of unit spectra sorted descending (the canonical order; factors given in another order score the same)."""
-    return -np.sort(-w, axis=1)
-
-
-def _overlap_channels(gallery: ModuleStack, queries: ModuleStack, side: str, channels: list[str], chunk: int) -> dict[str, np.ndarray]:
-    """The channels of one side, each Σ_ab p_a (C²)_ab q_b with C = X_xᵀX_y per module and the channel's weights."""
     total = {c: np.zeros((queries.size, gallery.size)) for c in channels}
     count = np.zeros((queries.size, gallery.size))
-    k = _SIDE_INDEX[side]
-    for name in _shared_factor_modules(gallery, queries):
+    for name in names:
         shared = (queries.norms[name] > 0)[:, None] & (gallery.norms[name] > 0)[None, :]
-        wq, wg = queries.factors[name][2], gallery.factors[name][2]
-        weights = [(_weights(wq, _OVERLAPS[c][1]), _weights(wg, _OVERLAPS[c][1])) for c in channels]
-        values = _squared_overlaps(queries.factors[name][k], gallery.factors[name][k], weights, chunk)
-        for c, v in zip(channels, values, strict=True):
+        for c, v in per_module(name).items():
             total[c] += v * shared
         count += shared
     return {c: t / np.maximum(count, 1) for c, t in total.items()}
+
+
+def _spectrum_cosines(gallery: ModuleStack, queries: ModuleStack, name: str) -> dict[str, np.ndarray]:
+    """One module's (queries, gallery) cosine of the unit spectra, sorted descending and zero-padded to a common
+    length (sorted: factors given in another order than the canonical one score the same)."""
+    wq, wg = (-np.sort(-s.factors[name][2], axis=1) for s in (queries, gallery))
+    width = max(wq.shape[1], wg.shape[1])
+    wq, wg = np.pad(wq, ((0, 0), (0, width - wq.shape[1]))), np.pad(wg, ((0, 0), (0, width - wg.shape[1])))
+    return {"spectrum": (wq @ wg.T).astype(np.float64)}
+
+
+def _overlaps(gallery: ModuleStack, queries: ModuleStack, side: str, channels: list[str], chunk: int, name: str) -> dict[str, np.ndarray]:
+    """One module's value of each channel of one side: Σ_ab p_a (C²)_ab q_b with C = X_xᵀX_y and the channel's
+    weights p, q."""
+    k = _SIDE_INDEX[side]
+    wq, wg = queries.factors[name][2], gallery.factors[name][2]
+    weights = [(_weights(wq, _OVERLAPS[c][1]), _weights(wg, _OVERLAPS[c][1])) for c in channels]
+    values = _squared_overlaps(queries.factors[name][k], gallery.factors[name][k], weights, chunk)
+    return dict(zip(channels, values, strict=True))
 
 
 def _weights(w: np.ndarray, weighting: str) -> np.ndarray:
