@@ -20,7 +20,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, single_thread, train_lora
+from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, SeededRun, single_thread, train_lora
 
 BASE_MODEL = "zoo/digits-vit"
 BASE_VERSION = "v1"
@@ -236,8 +236,21 @@ def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     }
 
 
-def train_adapter(base: DigitsViT, data: DigitsData, attrs: AdapterAttributes) -> tuple[PeftModel, float]:
-    """Fine-tune LoRA on the task named in attrs; returns the PEFT model and its held-out accuracy."""
+def new_head(model: nn.Module) -> None:
+    """A new 10-way head in place of the pretrained one, drawn from the global torch RNG as DigitsViT() draws its own."""
+    head = model.get_submodule("head")
+    assert isinstance(head, nn.Linear)
+    head.reset_parameters()
+
+
+#: digits-vit-seeded's runs: a new head of the base's shape (scored on the task's classes, as the pretrained one is),
+#: trained with the LoRA and saved as modules_to_save; LoRA dropout 0.1, as PEFT's ViT classification example uses.
+SEEDED = SeededRun(new_head=new_head, modules_to_save=("head",), lora_dropout=0.1)
+
+
+def train_adapter(base: DigitsViT, data: DigitsData, attrs: AdapterAttributes, seeded: SeededRun | None = None) -> tuple[PeftModel, float]:
+    """Fine-tune LoRA on the task named in attrs (`seeded`: with a new head and dropout; see SeededRun); returns the
+    PEFT model and its held-out accuracy."""
     plan = AdapterPlan.of(attrs)
 
     def pick(gen: torch.Generator) -> BatchLoss:
@@ -252,7 +265,7 @@ def train_adapter(base: DigitsViT, data: DigitsData, attrs: AdapterAttributes) -
         return batch_loss
 
     with single_thread():
-        model = train_lora(base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick)
+        model = train_lora(base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick, seeded=seeded)
         return model, held_out_accuracy(model, data, plan.task, plan.seed)
 
 

@@ -117,6 +117,32 @@ def _shapes() -> Recipe:
     )
 
 
+def _digits_seeded() -> Recipe:
+    """digits-vit's plan (the same attributes for the same seed and index) trained as real runs are: each adapter's
+    seed draws a new head (trained, saved as modules_to_save) and LoRA dropout masks besides its LoRA init and data."""
+    from zoo.reference import digits
+
+    return replace(
+        _digits(),
+        name="digits-vit-seeded",
+        description="digits-vit's base, tasks and plan; each adapter trains a new 10-way head drawn from its own seed "
+        "(saved as modules_to_save) with LoRA dropout 0.1",
+        train=lambda ctx, attrs: digits.train_adapter(ctx[0], ctx[1], attrs, seeded=digits.SEEDED),
+    )
+
+
+def _docs_seeded() -> Recipe:
+    """docs-minilm's plan trained with each adapter's head drawn from its own seed (not seed 0's) and LoRA dropout."""
+    from zoo.reference import text
+
+    return replace(
+        _docs(),
+        name="docs-minilm-seeded",
+        description="docs-minilm's base, tasks and plan; each adapter's 6-way head drawn from its own seed, LoRA dropout 0.1",
+        train=lambda ctx, attrs: text.train_adapter(ctx, attrs, seeded=text.SEEDED),
+    )
+
+
 def _lineage(of: Callable[[], Recipe], name: str) -> Callable[[], Recipe]:
     """The lineage recipe grown from a recipe's adapters (zoo/reference/lineage.py)."""
 
@@ -135,7 +161,9 @@ def _lineage(of: Callable[[], Recipe], name: str) -> Callable[[], Recipe]:
 
 RECIPES: dict[str, Callable[[], Recipe]] = {
     "digits-vit": _digits,
+    "digits-vit-seeded": _digits_seeded,
     "docs-minilm": _docs,
+    "docs-minilm-seeded": _docs_seeded,
     "shapes-cnn": _shapes,
     "shapes-lineage": _lineage(_shapes, "shapes-lineage"),
 }

@@ -24,7 +24,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, single_thread, train_lora
+from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, SeededRun, single_thread, train_lora
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -165,8 +165,26 @@ def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     }
 
 
-def train_adapter(ctx: TextContext, attrs: AdapterAttributes) -> tuple[PeftModel, float]:
-    """LoRA (plus the task head, saved as modules_to_save) on one topic task; held-out accuracy."""
+def new_head(model: nn.Module) -> None:
+    """The 6-way classifier drawn anew from the global torch RNG as transformers draws a new head (normal with the
+    config's initializer_range, zero bias); its own `_init_weights` skips weights it has loaded once."""
+    from transformers import PreTrainedModel
+
+    head = model.get_submodule("classifier")
+    assert isinstance(model, PreTrainedModel) and isinstance(head, nn.Linear)
+    with torch.no_grad():
+        head.weight.normal_(0.0, float(model.config.initializer_range))
+        head.bias.zero_()
+
+
+#: docs-minilm-seeded's runs: each head drawn from the adapter's seed (docs-minilm's all start from seed 0's; PEFT's
+#: SEQ_CLS task type saves it as modules_to_save either way); LoRA dropout 0.1 beside the encoder's own dropout.
+SEEDED = SeededRun(new_head=new_head, lora_dropout=0.1)
+
+
+def train_adapter(ctx: TextContext, attrs: AdapterAttributes, seeded: SeededRun | None = None) -> tuple[PeftModel, float]:
+    """LoRA (plus the task head, saved as modules_to_save) on one topic task (`seeded`: the head drawn from the
+    adapter's seed and LoRA dropout; see SeededRun); held-out accuracy."""
     plan = AdapterPlan.of(attrs)
     classes = torch.tensor([TOPICS.index(t) for t in task_topics(plan.task)])
     in_task = torch.isin(ctx.data.labels, classes)
@@ -183,7 +201,7 @@ def train_adapter(ctx: TextContext, attrs: AdapterAttributes) -> tuple[PeftModel
         return batch_loss
 
     with single_thread():
-        model = train_lora(ctx.base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick, task_type="SEQ_CLS")
+        model = train_lora(ctx.base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick, task_type="SEQ_CLS", seeded=seeded)
         with torch.no_grad():
             logits = model(input_ids=ctx.input_ids[test_idx], attention_mask=ctx.attention_mask[test_idx]).logits[:, classes]
         acc = float((classes[logits.argmax(dim=1)] == ctx.data.labels[test_idx]).float().mean())

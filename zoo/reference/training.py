@@ -89,16 +89,36 @@ class single_thread:
         torch.set_num_threads(self.before)
 
 
-def lora_config(rank: int, alpha: float, targets: str | Sequence[str], task_type: str | None = None) -> LoraConfig:
-    """PEFT's LoraConfig of a reference adapter: no dropout; `targets` a regex (str) or module names; `task_type`
-    PEFT's (None: none, as by default)."""
+def lora_config(
+    rank: int,
+    alpha: float,
+    targets: str | Sequence[str],
+    task_type: str | None = None,
+    dropout: float = 0.0,
+    modules_to_save: Sequence[str] = (),
+) -> LoraConfig:
+    """PEFT's LoraConfig of a reference adapter: `targets` a regex (str) or module names; `task_type` PEFT's (None:
+    none, as by default); no LoRA dropout and no modules to save but those of the task type unless given."""
     return LoraConfig(
         r=rank,
         lora_alpha=alpha,  # type: ignore[arg-type]  # peft types it int; a float alpha scales as well
         target_modules=targets if isinstance(targets, str) else list(targets),
-        lora_dropout=0.0,
+        lora_dropout=dropout,
         task_type=task_type,
+        modules_to_save=list(modules_to_save) or None,
     )
+
+
+@dataclass(frozen=True)
+class SeededRun:
+    """What a run of a seeded recipe draws from its adapter's seed beyond the LoRA init and data order every recipe
+    draws from it, as a real fine-tuning run does: a new head, and LoRA dropout masks."""
+
+    #: re-initialises the head of (a copy of) the base in place, drawing from the global torch RNG
+    new_head: Callable[[nn.Module], None]
+    #: modules trained whole and saved beside the factors (the head), besides those PEFT's task type saves
+    modules_to_save: tuple[str, ...] = ()
+    lora_dropout: float = 0.0
 
 
 BatchLoss = Callable[[PeftModel, torch.Generator], torch.Tensor]
@@ -112,6 +132,7 @@ def train_lora(
     pick: Callable[[torch.Generator], BatchLoss],
     task_type: str | None = None,
     resume: Path | None = None,
+    seeded: SeededRun | None = None,
 ) -> PeftModel:
     """A LoRA adapter of (a copy of) `base` trained by the plan, in eval mode. Call inside `single_thread()`.
 
@@ -119,10 +140,18 @@ def train_lora(
     is handed to `pick`, which draws the training sample and returns the loss of a batch drawn by it, once per step.
     `task_type`: PEFT's task type (e.g. SEQ_CLS for a sequence classifier), None by default. `resume`: a saved
     adapter to train further, as PEFT resumes one (loaded with `is_trainable=True`, a fresh optimizer; the plan's
-    rank, alpha and targets are then the saved adapter's)."""
+    rank, alpha and targets are then the saved adapter's). `seeded`: a seeded recipe's new head (drawn right after
+    the seed is set, before LoRA's initialization) and LoRA dropout; None: the base's head as it is, no LoRA dropout."""
     torch.manual_seed(plan.seed)
     model: PeftModel
-    if resume is None:
+    if seeded is not None and resume is not None:
+        raise ValueError("a seeded run starts a new adapter: it cannot resume one")
+    if seeded is not None:
+        fresh = copy.deepcopy(base)
+        seeded.new_head(fresh)
+        config = lora_config(plan.rank, plan.alpha, targets, task_type, seeded.lora_dropout, seeded.modules_to_save)
+        model = get_peft_model(fresh, config)
+    elif resume is None:
         model = get_peft_model(copy.deepcopy(base), lora_config(plan.rank, plan.alpha, targets, task_type))
     else:
         model = PeftModel.from_pretrained(copy.deepcopy(base), str(resume), is_trainable=True)
