@@ -192,8 +192,7 @@ def test_zoo_export_command(cli: CLI, sources: Path, tmp_path: Path) -> None:
     assert rc == 0 and again["status"] == "duplicate" and again["adapter_id"] == head_id and again["name"] == "head"
     assert cli("embed")[0] == 0
     rc, (found,) = cli.json_lines("search", str(tmp_path / "head.zip"), "-k", "1", "--space", space_of(cli, head_id))
-    top = found["results"][0]
-    assert rc == 0 and found["query_name"] == "head" and top["adapter_id"] == head_id and top["score"] == pytest.approx(1.0, abs=1e-4)
+    assert rc == 0 and found["query_name"] == "head" and found["stored_as"] == {"adapter_id": head_id, "name": "head"}
     (tmp_path / "broken.zip").write_bytes((tmp_path / "head.zip").read_bytes()[:-100])
     rc, (bad,) = cli.json_lines("ingest", str(tmp_path / "broken.zip"))
     assert rc == 1 and bad["status"] == "failed" and "broken.zip" in bad["error"] and "not a readable zip" in bad["error"]

@@ -122,7 +122,11 @@ def test_a_file_query_is_searched_in_its_own_space(zoo: Zoo, capsys: pytest.Capt
     assert rc == 0, err
     found = json.loads(out)
     assert found["space"] == SPACES["sdxl"] and {zoo.kind_of(h["adapter_id"]) for h in found["results"]} == {"sdxl"}
-    assert found["results"][0]["adapter_id"] == zoo.ids["sdxl"]["sdxl-f1-m0"] and found["results"][0]["score"] > 0.99
+    # the file is a stored adapter of that space: found to be it, and answered as it (without itself)
+    stored = zoo.ids["sdxl"]["sdxl-f1-m0"]
+    assert found["stored_as"]["adapter_id"] == stored and stored not in [h["adapter_id"] for h in found["results"]]
+    rc, out, err = zoo.run(capsys, "search", str(stored), "-k", "3", "--json")
+    assert json.loads(out)["results"] == found["results"]
 
 
 @pytest.mark.parametrize(
