@@ -36,8 +36,8 @@ from embed.choice import (
     staged_over,
 )
 from embed.metrics import retrieval_per_query
+from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import SearchScore
-from zoo.domain.similarity import EXACT_SCORES
 
 MEASURES = ("hit@1", "mrr", "ndcg@10")
 
@@ -51,7 +51,8 @@ def dump(args: argparse.Namespace) -> None:
     from embed.train import TrainOptions, _folds, train_w2t
     from embed.types import ZooAdapter, schema_of, split_positions
     from zoo.config import Settings
-    from zoo.domain.similarity import ModuleStack, dense_modules, exact_cosines
+    from zoo.domain.channels import exact_cosines
+    from zoo.domain.similarity import ModuleStack, dense_modules
     from zoo.labels import TASK_KEY
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory

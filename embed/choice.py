@@ -32,8 +32,8 @@ import numpy as np
 from embed.calibration import Calibration, class_prior, knn_calibration, with_earned_sure
 from embed.calibration import fit as fit_calibration
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
+from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore
-from zoo.domain.similarity import EXACT_SCORES
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))

@@ -10,7 +10,8 @@ from sqlalchemy import select as sql_select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from embed.types import SpaceSchema, ZooAdapter
-from zoo.domain.similarity import EXACT_SCORES, ModuleStack, exact_cosines, module_sketches, sketch_module_cosines, sketch_width
+from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_cosines, sketch_width
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter
 

@@ -44,15 +44,9 @@ from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
 from embed.types import SpaceSchema, ZooAdapter
 from zoo import config
+from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import KnnPredictor, SearchScore
-from zoo.domain.similarity import (
-    EXACT_SCORES,
-    ModuleStack,
-    dense_modules,
-    exact_cosines,
-    module_sketches,
-    sketch_module_cosines,
-)
+from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines
 
 if TYPE_CHECKING:
     from embed.ensemble import W2TEnsemble
@@ -68,13 +62,14 @@ W2T = "w2t"
 #: the raw-factor sketches (zoo.domain.factorwise.raw_sketches): how much two adapters share their factors as their
 #: files had them, which the relation step reads for merges PEFT made factor by factor and for continuations
 RAW = "raw_factors"
-#: hybrid: the search score `zoo train` chose out of fold (embed/choice.py): an exact score (dw or module)
-#: mixed with the supervised W2T cosine by the chosen weight (0: the exact score alone), over the union of
-#: both indexes' CANDIDATES nearest; module and dw: the sketch index's CANDIDATES nearest ranked by the
-#: mean module cosine or the whole update's cosine; sketch and w2t: their embeddings alone (their
+#: hybrid: the search score `zoo train` chose out of fold (embed/choice.py): an exact score (dw, module or
+#: input_gram) mixed with the supervised W2T cosine by the chosen weight (0: the exact score alone), over the union
+#: of both indexes' CANDIDATES nearest; module, dw and input_gram: the sketch index's CANDIDATES nearest ranked by
+#: the mean module cosine, the whole update's cosine or the mean input Gram cosine; sketch and w2t: their embeddings alone (their
 #: CANDIDATES nearest re-ranked by the stored vectors); raw: the raw-factor sketches alone, for stored adapters.
-SEARCH_METHODS = ("hybrid", "module", "dw", "sketch", "w2t", "raw")
-METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), "module": (SKETCH,), "dw": (SKETCH,), "sketch": (SKETCH,), "w2t": (W2T,), "raw": (RAW,)}
+SEARCH_METHODS = ("hybrid", "module", "dw", "input_gram", "sketch", "w2t", "raw")
+#: per method, the embedders whose indexes give its candidates (an exact score's are re-ranked from the module store)
+METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), **dict.fromkeys(EXACT_SCORES, (SKETCH,)), "sketch": (SKETCH,), "w2t": (W2T,), "raw": (RAW,)}
 #: the most lists an IVF index of these embedders probes: raw-factor sketches of unrelated adapters are near-random
 #: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
 #: ones tuned to every list: 99 ms a query); the relation step wants only relatives, which share the query's lists
@@ -679,7 +674,7 @@ class QueryEngine:
             kinds = stage_kinds(self._hybrid_search(state)) if method == "hybrid" else METHOD_EMBEDDERS[method]
             searched = [e for e in embedders if e.method in kinds]
             vectors = {e.method: self._query_vector(state, e, query) for e in searched}
-            exact_stage = method in ("hybrid", "module", "dw")
+            exact_stage = method == "hybrid" or method in EXACT_SCORES
             fetch = max(k, CANDIDATES) + 1  # re-ranked below by stored vectors (and the module store)
             pool: set[int] = set()
             for e in searched:
@@ -820,8 +815,8 @@ class QueryEngine:
         return score.similarity(exact, w2t), score.ranking(exact, w2t)
 
     def _exact(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray, score: str) -> np.ndarray:
-        """An exact score (zoo.domain.similarity.exact_cosines) from the module store; without one, the module sketches'
-        cosine stands in for both."""
+        """An exact score (zoo.domain.channels.exact_cosines) from the module store; without one, the module sketches'
+        cosine stands in for each."""
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):
             if query.adapter_id is not None and query.adapter_id in store.rows:

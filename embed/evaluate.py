@@ -28,12 +28,11 @@ from embed.tokens import max_rank
 from embed.train import TrainOptions, train_w2t
 from embed.types import SpaceSchema, ZooAdapter, split_positions
 from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import KnnPredictor, SearchScore
 from zoo.domain.similarity import (
-    EXACT_SCORES,
     ModuleStack,
     dense_modules,
-    exact_cosines,
     module_sketches,
     sketch_module_cosines,
     sketch_width,
@@ -42,7 +41,17 @@ from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"
 #: `default` is what `zoo search` and `zoo predict` do once a supervised W2T is trained (embed/choice.py), `module_cosine` before
-METHODS = ("default", "dw_cosine", "module_cosine", "w2t_supervised", "w2t_contrastive", "module_sketch", "raw_cosine", "spectra_knn")
+METHODS = (
+    "default",
+    "dw_cosine",
+    "module_cosine",
+    "input_gram_cosine",
+    "w2t_supervised",
+    "w2t_contrastive",
+    "module_sketch",
+    "raw_cosine",
+    "spectra_knn",
+)
 #: attr_ece: expected calibration error of the task's probabilities as served; attr_wrong_at_100: wrong answers given
 #: at ≥ 99.5 % (both only for `default`, the one row whose probabilities are served)
 KEYS = (
@@ -195,7 +204,13 @@ def evaluate(
     sims = sims or similarities(adapters, schema)
     timings: dict[str, float] = {k: v for k, v in sims.seconds.items() if k != "raw_and_spectra"}
     exact = sims.exact
-    for name, sim in (("dw_cosine", exact["dw"]), ("module_cosine", exact["module"]), ("module_sketch", sims.sketch)):
+    rows = {
+        "dw_cosine": exact["dw"],
+        "module_cosine": exact["module"],
+        "input_gram_cosine": exact["input_gram"],
+        "module_sketch": sims.sketch,
+    }
+    for name, sim in rows.items():
         methods[name] = _score(sim, adapters, test_pos, train_pos, predict=True)
     off = ~np.eye(len(adapters), dtype=bool)
     sketch_vs_exact = float(np.corrcoef(sims.sketch[off], exact["module"][off])[0, 1]) if len(adapters) > 2 else None

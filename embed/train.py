@@ -57,8 +57,9 @@ from embed.tokens import (
     torch_threads,
 )
 from embed.types import SpaceSchema, ZooAdapter
+from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS
-from zoo.domain.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
+from zoo.domain.similarity import ModuleStack, dense_modules
 from zoo.labels import TASK_KEY
 
 #: an adapter's tokens at full width (float32 u and v) may take this much before its sides are projected (unless a
@@ -136,7 +137,7 @@ def token_spec(options: TrainOptions, schema: SpaceSchema, rank: int) -> TokenSp
 
 @dataclass
 class ExactScores:
-    """The exact scores (zoo.domain.similarity.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
+    """The exact scores (zoo.domain.channels.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
     choices compare W2T with. `source` says what they were computed from: "factors" (exact), or "module sketches"
     where the space is too big for the engine's module store, whose module-cosine estimate then stands in for both
     scores when a query is served (embed.engine) and so here."""

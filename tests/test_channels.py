@@ -197,11 +197,18 @@ def test_sketch_inner_products_approach_the_exact_channels() -> None:
             assert errors[2] < 0.05 and errors[2] < errors[0] / 4 and errors[1] < errors[0], (c, errors)
 
 
-def test_channels_other_than_module_cosine_refuse_a_dense_stack_and_unknown_names() -> None:
+def test_a_dense_stack_scores_as_factors_but_the_subspaces_refuse_it_as_unknown_names() -> None:
     adapters = random_adapters(3, 3)
     dense = ModuleStack.of(adapters, set(SHAPES))
-    assert np.allclose(channel_matrices(dense, dense, ("module",))["module"], stacked(adapters, adapters)["module"], atol=1e-5)
-    with pytest.raises(ValueError, match="dense"):
-        channel_matrices(dense, dense, ("input_gram",))
+    assert set(dense.dense) == set(SHAPES) and not dense.factors
+    kept = ("module", "input_gram", "output_gram", "spectrum")
+    got, want = channel_matrices(dense, dense, kept), stacked(adapters, adapters)
+    for c in kept:
+        assert np.allclose(got[c], want[c], atol=1e-5), c
+    for c in ("input_subspace", "output_subspace"):
+        with pytest.raises(ValueError, match="dense"):
+            channel_matrices(dense, dense, (c,))
+    with pytest.raises(ValueError, match="different layouts"):
+        channel_matrices(dense, factor_stack(adapters), ("input_gram",))
     with pytest.raises(ValueError, match="unknown"):
         channel_matrices(dense, dense, ("cosine",))

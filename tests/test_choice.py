@@ -29,8 +29,8 @@ from embed.choice import (
     staged_over,
 )
 from embed.metrics import KNN_K, retrieval_per_query
+from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, SearchScore
-from zoo.domain.similarity import EXACT_SCORES
 
 DW, W2T = SearchScore("dw"), SearchScore("dw", 1.0)
 EXACT = [SearchScore(s) for s in EXACT_SCORES]
@@ -87,7 +87,7 @@ def _zoo(n_tasks: int, per_task: int, w2t_noise: float, seed: int = 0) -> tuple[
     centers = rng.normal(size=(n_tasks, 8))
     x = np.repeat(centers, per_task, axis=0) + 2.5 * rng.normal(size=(len(tasks), 8))
     x /= np.linalg.norm(x, axis=1, keepdims=True)
-    exact = {"dw": x @ x.T, "module": x @ x.T * 0.9}
+    exact = {"dw": x @ x.T, "module": x @ x.T * 0.9, "input_gram": x @ x.T * 0.8}
     folds = []
     perm = rng.permutation(len(tasks))
     for part in np.array_split(perm, 4):
@@ -140,7 +140,7 @@ def test_the_knn_takes_few_neighbours_when_each_class_has_few_labels() -> None:
     labels = [f"c{c}" for c in range(n_classes) for _ in range(per)]
     x = 3 + np.repeat(rng.normal(size=(n_classes, 16)), per, axis=0) + 0.5 * rng.normal(size=(n_classes * per, 16))
     x /= np.linalg.norm(x, axis=1, keepdims=True)
-    exact = {"dw": x @ x.T, "module": x @ x.T}
+    exact = {"dw": x @ x.T, "module": x @ x.T, "input_gram": x @ x.T}
     z = np.eye(len(labels))
     folds = [Fold(list(range(i, len(labels), 4)), [r for r in range(len(labels)) if (r - i) % 4], z) for i in range(4)]
     choice, hits, _ = choose_attribute(exact, DW, labels, sorted(set(labels)), {}, folds)
@@ -151,7 +151,7 @@ def test_the_knn_takes_few_neighbours_when_each_class_has_few_labels() -> None:
     assert isinstance(choice.chosen, KnnPredictor) and choice.chosen.k < KNN_K
 
 
-@given(st.sampled_from(("dw", "module", "module+w2t@0.3", "w2t")))
+@given(st.sampled_from(("dw", "module", "input_gram", "module+w2t@0.3", "input_gram+w2t@0.3", "w2t")))
 def test_knn_similarities_start_with_the_search_score(name: str) -> None:
     search = SearchScore.parse(name)
     similarities = knn_similarities(search)
@@ -186,7 +186,7 @@ def test_a_second_stage_is_the_best_one_stage_score_and_the_first_adds_to_it() -
     for i in range(0, len(tasks), 2):  # pairs of near twins within each task
         twin[i, i + 1] = twin[i + 1, i] = 1.0
     noise = rng.normal(size=same.shape)
-    exact = {"dw": 0.6 * twin + 0.15 * (noise + noise.T), "module": 0.6 * twin + 0.15 * (noise + noise.T)}
+    exact = dict.fromkeys(EXACT_SCORES, 0.6 * twin + 0.15 * (noise + noise.T))
     centers = rng.normal(size=(n_tasks, 8))
     folds = []
     for part in np.array_split(rng.permutation(len(tasks)), 4):
@@ -221,16 +221,20 @@ def test_the_guard_weighs_the_one_stage_choice_alone() -> None:
     assert outcomes == {True, False}  # both sides of the guard were tried
 
 
-def test_search_prefers_the_whole_update_unless_module_cosine_is_expected_to_be_better() -> None:
+def test_search_prefers_the_whole_update_unless_another_exact_score_is_expected_to_be_better() -> None:
     exact, tasks, folds = _zoo(6, 12, w2t_noise=20.0, seed=2)
-    tied = {"dw": exact["dw"], "module": exact["dw"].copy()}  # the same ranking: no gain, the reference stays
+    tied = {"dw": exact["dw"], "module": exact["dw"].copy(), "input_gram": exact["dw"].copy()}  # the same ranking: no gain, dW stays
     chosen = choose_search(tied, tasks, folds)
     assert chosen.chosen == DW and "stays" in chosen.reason
     same = np.array([[float(a == b) for b in tasks] for a in tasks])
-    better = {"dw": exact["dw"], "module": 0.5 * same + 0.5 * exact["dw"]}  # module cosine sees the task
+    better = {"dw": exact["dw"], "module": 0.5 * same + 0.5 * exact["dw"], "input_gram": exact["dw"]}  # module cosine sees the task
     chosen = choose_search(better, tasks, folds)
     module = SearchScore("module")
     assert chosen.chosen == module and chosen.scores[module] > chosen.scores[DW] and "best expected" in chosen.reason
+    gram = {"dw": exact["dw"], "module": exact["dw"], "input_gram": 0.5 * same + 0.5 * exact["dw"]}  # the input Gram sees it
+    chosen = choose_search(gram, tasks, folds)
+    input_gram = SearchScore("input_gram")
+    assert chosen.chosen == input_gram and chosen.scores[input_gram] > chosen.scores[DW] and "best expected" in chosen.reason
 
 
 def test_w2t_is_mixed_into_either_exact_score() -> None:
@@ -238,7 +242,7 @@ def test_w2t_is_mixed_into_either_exact_score() -> None:
     same = np.array([[float(a == b) for b in tasks] for a in tasks])
     rng = np.random.default_rng(7)
     noise = rng.normal(size=exact["dw"].shape)
-    scores = {"dw": exact["dw"] + (noise + noise.T), "module": 0.3 * same + exact["dw"]}  # module cosine sees the task
+    scores = {"dw": exact["dw"] + (noise + noise.T), "module": 0.3 * same + exact["dw"], "input_gram": exact["dw"] + (noise + noise.T)}
     chosen = choose_search(scores, tasks, folds)
     assert chosen.chosen.exact == "module" and chosen.scores[chosen.chosen] > chosen.scores[DW]
 
@@ -255,7 +259,7 @@ def test_few_shot_readouts_of_a_separable_embedding() -> None:
         assert {r: labels[r] for r in range(30)} == {r: classes[int(p.argmax())] for r, p in out[readout].items()}
         assert all(np.isclose(p.sum(), 1.0) for p in out[readout].values())
     assert prototype_predictions(z, labels, list(range(10)), list(range(10, 30))) == labels[10:]
-    exact = {"dw": np.eye(30), "module": np.eye(30)}  # an exact score that knows nothing
+    exact = dict.fromkeys(EXACT_SCORES, np.eye(30))  # exact scores that know nothing
     choice, hits, _ = choose_attribute(exact, DW, labels, classes, out, folds)
     assert choice.chosen in (PROTOTYPE, LOGREG) and hits[choice.chosen].mean() == 1.0
 

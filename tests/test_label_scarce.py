@@ -18,7 +18,8 @@ from embed.train import TrainOptions, categorical_attributes, train_w2t
 from embed.types import ZooAdapter, schema_of
 from tests.conftest import CLI
 from tests.test_embed import synthetic_zoo
-from zoo.domain.similarity import EXACT_SCORES, ModuleStack, dense_modules, exact_cosines
+from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.similarity import ModuleStack, dense_modules
 
 
 def _named(tasks: list[str]) -> list[ZooAdapter]:
@@ -115,9 +116,9 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
         assert r["gain_over_dw"] == pytest.approx(default[key] - result["methods"]["dw_cosine"][key])
         assert r["oracle"] == "dw" or r["oracle_score"] >= result["methods"]["dw_cosine"][key]
         assert r["oracle_score"] == max(r["candidates"].values()) and r["chosen_score"] == default[key]
-        # 2 exact scores, each alone and mixed at 0.1 … 0.9, W2T alone; and each of the 2 × 10 one-stage mixes below
+        # 3 exact scores, each alone and mixed at 0.1 … 0.9, W2T alone; and each of the 3 × 10 one-stage mixes below
         # 0.9 under every heavier one below 1 (45 pairs per exact score), re-ordering its top 5 or 10
-        assert len(r["candidates"]) == 21 + 2 * 45 * 2
+        assert len(r["candidates"]) == 31 + 3 * 45 * 2
 
 
 @pytest.mark.slow

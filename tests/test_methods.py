@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from embed.choice import KNN_KS, MIX_WEIGHTS
+from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import (
     LEARNED,
     MAX_RERANK_TOP,
@@ -19,7 +20,6 @@ from zoo.domain.methods import (
     SearchScore,
     parse_predictor,
 )
-from zoo.domain.similarity import EXACT_SCORES
 
 #: W2T weights: those the choice tries, and any of six decimals
 weights = st.one_of(st.sampled_from((0.0, *MIX_WEIGHTS)), st.integers(0, 10**6).map(lambda i: i / 10**6))

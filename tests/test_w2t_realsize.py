@@ -46,7 +46,7 @@ from embed.train import (
 from embed.types import SpaceSchema, ZooAdapter, schema_of
 from tests.conftest import CLI
 from zoo.domain.canonical import CanonicalFactors
-from zoo.domain.similarity import EXACT_SCORES
+from zoo.domain.channels import EXACT_SCORES
 from zoo.reference.real_shapes import write_zoo
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter, Embedder

@@ -21,9 +21,14 @@ modules both have (0 where they share none), as for module cosine. With s = S/�
   dominated by the tiniest kept components. By von Neumann's trace inequality it bounds |module cosine| from above:
   the first-order cosine the two updates would have if their singular vectors were aligned.
 
-`channel_matrices` computes them for many adapters at once over `ModuleStack`s (built with no dense modules: these
-channels need the factors), one GEMM per side and chunk shared by each side's Gram and subspace channels; module
-cosine is `ModuleStack.cosines` itself. `pair_channels` is the per-pair float64 reference.
+`channel_matrices` computes them for many adapters at once over `ModuleStack`s, one GEMM per side and chunk shared by
+each side's Gram and subspace channels; module cosine is `ModuleStack.cosines` itself. A module the stack keeps dense
+(its unit-norm dW) is factored there by one batched SVD and compared as factors; the subspace channels, which count
+components however small, need the stored factors (`factor_stack`). `pair_channels` is the per-pair float64 reference.
+
+`exact_cosines` serves the exact scores that search and the out-of-fold choice weigh (EXACT_SCORES): the whole
+update's dW cosine, module cosine and the input Gram cosine, which ignores what a run's own head or seed does to dW's
+output side.
 
 Every channel has a bounded-dimension sketch (`channel_sketches`) whose blocks' inner products give it per module,
 to be averaged with `sketch_module_cosines`: module cosine's is the module sketch; the Gram and subspace channels'
@@ -54,10 +59,26 @@ _OVERLAPS = {
     "output_subspace": ("output", "subspace"),
 }
 _SIDE_INDEX = {"output": 0, "input": 1}  # U, V in ModuleStack.factors
+#: singular values (of unit-norm dW) below this are dropped when a dense module is factored: float32 round-off
+_DENSE_CUTOFF = 1e-5
+#: the training-free exact scores: the whole update's cosine, the mean per-module cosine and the mean per-module
+#: input Gram cosine
+EXACT_SCORES = ("dw", "module", "input_gram")
+
+
+def exact_cosines(gallery: ModuleStack, queries: ModuleStack, score: str) -> np.ndarray:
+    """(queries.size, gallery.size) float64 exact score, one of EXACT_SCORES, on stacks of any layout."""
+    if score == "dw":
+        return gallery.dw_cosines(queries)
+    if score == "module":
+        return gallery.cosines(queries)
+    if score != "input_gram":
+        raise ValueError(f"unknown exact score {score!r}; one of {EXACT_SCORES}")
+    return channel_matrices(gallery, queries, ("input_gram",))["input_gram"]
 
 
 def factor_stack(adapters: Sequence[Factors]) -> ModuleStack:
-    """The adapters' ModuleStack with every module kept as factors (what every channel but module cosine needs)."""
+    """The adapters' ModuleStack with every module kept as factors (what the subspace channels need)."""
     return ModuleStack.of(adapters, set())
 
 
@@ -93,9 +114,12 @@ def _mean_over_shared(
 ) -> dict[str, np.ndarray]:
     """Per channel: Σ over shared module names of per_module(name)[channel], divided by the modules each pair shares."""
     names = sorted(queries.norms.keys() & gallery.norms.keys())
-    dense = [n for n in names if n in gallery.dense or n in queries.dense]
-    if dense:
-        raise ValueError(f"modules {dense} are stored dense: build the stacks with factor_stack (no dense modules)")
+    mixed = [n for n in names if (n in gallery.dense) != (n in queries.dense)]
+    if mixed:
+        raise ValueError(f"stacks of different layouts for modules {mixed}: build both with the same `dense`")
+    dense = [n for n in names if n in gallery.dense]
+    if dense and any(_OVERLAPS.get(c, ("", ""))[1] == "subspace" for c in channels):
+        raise ValueError(f"modules {dense} are stored dense: build the stacks with factor_stack for subspace channels")
     total = {c: np.zeros((queries.size, gallery.size)) for c in channels}
     count = np.zeros((queries.size, gallery.size))
     for name in names:
@@ -109,7 +133,7 @@ def _mean_over_shared(
 def _spectrum_cosines(gallery: ModuleStack, queries: ModuleStack, name: str) -> dict[str, np.ndarray]:
     """One module's (queries, gallery) cosine of the unit spectra, sorted descending and zero-padded to a common
     length (sorted: factors given in another order than the canonical one score the same)."""
-    wq, wg = (-np.sort(-s.factors[name][2], axis=1) for s in (queries, gallery))
+    wq, wg = (-np.sort(-module_factors(s, name)[2], axis=1) for s in (queries, gallery))
     width = max(wq.shape[1], wg.shape[1])
     wq, wg = np.pad(wq, ((0, 0), (0, width - wq.shape[1]))), np.pad(wg, ((0, 0), (0, width - wg.shape[1])))
     return {"spectrum": (wq @ wg.T).astype(np.float64)}
@@ -119,10 +143,20 @@ def _overlaps(gallery: ModuleStack, queries: ModuleStack, side: str, channels: l
     """One module's value of each channel of one side: Σ_ab p_a (C²)_ab q_b with C = X_xᵀX_y and the channel's
     weights p, q."""
     k = _SIDE_INDEX[side]
-    wq, wg = queries.factors[name][2], gallery.factors[name][2]
-    weights = [(_weights(wq, _OVERLAPS[c][1]), _weights(wg, _OVERLAPS[c][1])) for c in channels]
-    values = _squared_overlaps(queries.factors[name][k], gallery.factors[name][k], weights, chunk)
+    fq, fg = module_factors(queries, name), module_factors(gallery, name)
+    weights = [(_weights(fq[2], _OVERLAPS[c][1]), _weights(fg[2], _OVERLAPS[c][1])) for c in channels]
+    values = _squared_overlaps(fq[k], fg[k], weights, chunk)
     return dict(zip(channels, values, strict=True))
+
+
+def module_factors(stack: ModuleStack, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One module's (U (N, R, out), V (N, R, in), w (N, R)) as ModuleStack.factors holds them; a dense module's from
+    one batched SVD of its unit-norm dW, components below _DENSE_CUTOFF in every row dropped (w = S, as ‖dW‖ = 1)."""
+    if name not in stack.dense:
+        return stack.factors[name]
+    U, S, Vt = np.linalg.svd(stack.dense[name], full_matrices=False)
+    keep = max(1, int((S > _DENSE_CUTOFF).any(axis=0).sum()))  # S is sorted descending per row: a prefix
+    return U[:, :, :keep].transpose(0, 2, 1), Vt[:, :keep], S[:, :keep]
 
 
 def _weights(w: np.ndarray, weighting: str) -> np.ndarray:

@@ -12,7 +12,8 @@ from typing import ClassVar, TypeAlias
 
 import numpy as np
 
-from zoo.domain.similarity import EXACT_SCORES, hybrid_score, rerank_keys
+from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.similarity import hybrid_score, rerank_keys
 
 _W2T = "w2t"
 _MIX = "+w2t@"
@@ -31,7 +32,7 @@ def _writable(weight: float) -> bool:
 
 @dataclass(frozen=True)
 class SearchScore:
-    """An exact score (zoo.domain.similarity.EXACT_SCORES) mixed with the supervised W2T cosine at `w2t_weight`:
+    """An exact score (zoo.domain.channels.EXACT_SCORES) mixed with the supervised W2T cosine at `w2t_weight`:
     0 the exact score alone, 1 the W2T cosine alone (which mixes in no exact score: its `exact` is always the first).
     A weight is one its name writes exactly (`:g`, six significant digits).
 
@@ -78,7 +79,7 @@ class SearchScore:
 
     @property
     def name(self) -> str:
-        """`dw`, `module`, `w2t`, `dw+w2t@0.3`, or `module+w2t@0.8 then top 10 by module+w2t@0.1`."""
+        """`dw`, `module`, `input_gram`, `w2t`, `dw+w2t@0.3`, or `module+w2t@0.8 then top 10 by module+w2t@0.1`."""
         second = self.second_stage
         if second is not None:
             return f"{self.first_stage.name}{_THEN}{self.rerank_top}{_BY}{second.name}"

@@ -10,6 +10,9 @@ where that is smaller). From its per-module cosines come:
   different module sets are compared on what they share;
 - whole-update (dW) cosine: Σ_m ⟨dW_x,m, dW_y,m⟩ / (‖dW_x‖ ‖dW_y‖), the training-free bar.
 
+The exact scores that search and the out-of-fold choice weigh, these two and the input Gram cosine, are
+`exact_cosines` in zoo/domain/channels.py, beside the other channels.
+
 `module_sketches` is the compact stand-in: per module `sketch_width` seeded bilinear probes
 (zoo/domain/probes.py) divided by the module's ‖dW‖_F, whose inner products estimate that module's cosine
 without bias; the probes per module shrink as modules grow in number, so that a whole vector never
@@ -50,7 +53,7 @@ class ModuleStack:
     """N adapters' modules, one block of float32 arrays per module name, row j = adapter j.
 
     Per module: `norms` (N,) = ‖dW‖_F (0 where the adapter lacks the module) and either
-    `dense` (N, out·in), the unit-norm dW flattened, or `factors` = (U (N, R, out), V (N, R, in),
+    `dense` (N, out, in), the unit-norm dW, or `factors` = (U (N, R, out), V (N, R, in),
     w (N, R)) with w = S/‖S‖, zero-padded to the module's largest rank R. Stacks compared with
     each other must agree on which modules are dense. Plain numpy, so a query needs no torch.
     """
@@ -84,7 +87,7 @@ class ModuleStack:
                 continue
             norms[name] = np.zeros(size, np.float32)
             if name in dense:
-                flat[name] = np.zeros((size, out * inp), np.float32)
+                flat[name] = np.zeros((size, out, inp), np.float32)
             else:
                 factors[name] = (
                     np.zeros((size, r, out), np.float32),
@@ -103,7 +106,7 @@ class ModuleStack:
                 norm = np.linalg.norm(S.astype(np.float64))
                 self.norms[name][j] = norm
                 if name in self.dense:
-                    self.dense[name][j] = ((U * (S / norm)) @ V.T).reshape(-1)
+                    self.dense[name][j] = (U * (S / norm)) @ V.T
                     continue
                 U_, V_, w_ = self.factors[name]
                 k = S.shape[0]
@@ -142,8 +145,8 @@ class ModuleStack:
         for k in names:
             owner = next(s for s in stacks if k in s.norms)
             if k in owner.dense:
-                width = owner.dense[k].shape[1]
-                dense[k] = np.concatenate([s.dense.get(k, np.zeros((s.size, width), np.float32)) for s in stacks])
+                shape = owner.dense[k].shape[1:]
+                dense[k] = np.concatenate([s.dense.get(k, np.zeros((s.size, *shape), np.float32)) for s in stacks])
                 continue
             r = max(s.factors[k][0].shape[1] for s in stacks if k in s.factors)
             out, inp = owner.factors[k][0].shape[2], owner.factors[k][1].shape[2]
@@ -164,7 +167,8 @@ class ModuleStack:
                 raise ValueError(f"stacks of different layouts for module {name}: build both with the same `dense`")
             shared = (queries.norms[name] > 0)[:, None] & (self.norms[name] > 0)[None, :]
             if name in self.dense:
-                yield name, (queries.dense[name] @ self.dense[name].T).astype(np.float64), shared
+                flat_q, flat_g = queries.dense[name].reshape(queries.size, -1), self.dense[name].reshape(self.size, -1)
+                yield name, (flat_q @ flat_g.T).astype(np.float64), shared
                 continue
             Ug, Vg, wg = self.factors[name]
             Uq, Vq, wq = queries.factors[name]
@@ -196,6 +200,10 @@ class ModuleStack:
             total += cos * queries.norms[name].astype(np.float64)[:, None] * self.norms[name].astype(np.float64)[None, :]
         return total
 
+    def dw_cosines(self, queries: ModuleStack) -> np.ndarray:
+        """(queries.size, self.size) cosine of the whole updates, ⟨dW_q, dW_g⟩ / (‖dW_q‖ ‖dW_g‖)."""
+        return self.inner_products(queries) / np.maximum(np.outer(queries.total_norms(), self.total_norms()), 1e-30)
+
     def total_norms(self) -> np.ndarray:
         """(size,) ‖dW‖_F of each whole update."""
         return np.sqrt(sum((v.astype(np.float64) ** 2 for v in self.norms.values()), np.zeros(self.size)))
@@ -210,11 +218,17 @@ class ModuleStack:
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray], size: int) -> ModuleStack:
+        """The stack `arrays` wrote; ValueError for dense modules stored flattened (N, out·in), as before they kept
+        their shape: the input Gram needs it."""
+
         def part(prefix: str) -> dict[str, np.ndarray]:
             return {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix + "/")}
 
-        U, V, w = part("U"), part("V"), part("w")
-        return cls(size, part("norms"), part("dense"), {k: (U[k], V[k], w[k]) for k in U})
+        U, V, w, dense = part("U"), part("V"), part("w"), part("dense")
+        flat = sorted(k for k, v in dense.items() if v.ndim != 3)
+        if flat:
+            raise ValueError(f"dense modules {flat} stored flattened: an older stack, to be rebuilt")
+        return cls(size, part("norms"), dense, {k: (U[k], V[k], w[k]) for k in U})
 
 
 def layout_of(adapters: Sequence[Factors]) -> dict[str, tuple[int, int, int]]:
@@ -240,21 +254,7 @@ def module_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors])
 def dw_cosine_matrix(queries: Sequence[Factors], gallery: Sequence[Factors]) -> np.ndarray:
     """(len(queries), len(gallery)) cosine of the whole updates, ⟨dW_q, dW_g⟩ / (‖dW_q‖ ‖dW_g‖)."""
     dense = dense_modules([*queries, *gallery])
-    return exact_cosines(ModuleStack.of(gallery, dense), ModuleStack.of(queries, dense), "dw")
-
-
-#: the training-free exact scores: the whole update's cosine, and the mean per-module cosine
-EXACT_SCORES = ("dw", "module")
-
-
-def exact_cosines(gallery: ModuleStack, queries: ModuleStack, score: str) -> np.ndarray:
-    """(queries, gallery) exact scores: "dw", the cosine of the whole updates, or "module", the mean cosine over
-    shared modules."""
-    if score == "module":
-        return gallery.cosines(queries)
-    if score != "dw":
-        raise ValueError(f"unknown exact score {score!r}; one of {EXACT_SCORES}")
-    return gallery.inner_products(queries) / np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)
+    return ModuleStack.of(gallery, dense).dw_cosines(ModuleStack.of(queries, dense))
 
 
 def sketch_width(n_modules: int) -> int:
