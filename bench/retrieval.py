@@ -17,6 +17,7 @@ import numpy as np
 
 from embed.choice import Fold, choose_search, search_candidates
 from embed.metrics import retrieval_per_query
+from zoo.domain.channels import EXACT_SCORES
 
 
 def sorted_retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str], self_index: list[int | None]) -> dict:
@@ -61,7 +62,7 @@ def measure(n: int, rng: np.random.Generator, repeats: int) -> dict[str, float]:
     counted = cpu_seconds(lambda: retrieval_per_query(sim, tasks, tasks, own), repeats)
     z = rng.standard_normal((n, 64))
     z /= np.linalg.norm(z, axis=1, keepdims=True)
-    exact = {"dw": rng.uniform(-1, 1, (n, n)), "module": rng.uniform(-1, 1, (n, n))}
+    exact = {score: rng.uniform(-1, 1, (n, n)) for score in EXACT_SCORES}
     perm = rng.permutation(n)
     folds = [Fold(sorted(perm[m::5].tolist()), sorted(set(range(n)) - set(perm[m::5].tolist())), z) for m in range(5)]
     made = []
