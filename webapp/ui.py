@@ -143,7 +143,8 @@ def sign_in() -> tuple[str, int] | Response:
     if not token:
         return render_template("sign_in.html", problem="paste a token first", next=back), 400
     if stamped_token(token) is None:
-        return render_template("sign_in.html", problem="that token is unknown or revoked (mistyped?): `zoo token create NAME` makes one", next=back), 401
+        problem = "that token is unknown or revoked (mistyped?): `zoo token create NAME` makes one"
+        return render_template("sign_in.html", problem=problem, next=back), 401
     response = redirect(back, code=303)
     response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Lax", secure=request.is_secure)
     return response
