@@ -185,6 +185,23 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     assert served["from_lineage"] == copied["from_lineage"] and served["attributes"] == copied["attributes"]
 
 
+def test_search_by_input_gram(cli: CLI, seed_sources: Path) -> None:
+    """`zoo search --method input_gram` ranks the others by the input Gram cosine computed from their stored factors,
+    and the API's similar takes the method too."""
+    ingest(cli, seed_sources)
+    assert cli("embed")[0] == 0
+    rc, (found,) = cli.json_lines("search", "1", "-k", "5", "--method", "input_gram")
+    assert rc == 0 and found["method"] == "input_gram"
+    others = list(range(2, 13))
+    want = channel_similarity_matrix(stored_factors(cli, [1]), stored_factors(cli, others), "input_gram")[0]
+    order = [others[j] for j in np.argsort(-want, kind="stable")[:5]]
+    assert [r["adapter_id"] for r in found["results"]] == order
+    assert [r["score"] for r in found["results"]] == pytest.approx(sorted(want, reverse=True)[:5], abs=1e-5)
+    app = create_app({"ZOO_DATABASE_URL": cli.settings.database_url, "ZOO_DATA_DIR": str(cli.settings.data_dir), "TESTING": True})
+    served = app.test_client().get("/api/v1/adapters/1/similar?k=5&method=input_gram").get_json()
+    assert [r["adapter_id"] for r in served["results"]] == order
+
+
 def test_search_errors(cli: CLI, seed_sources: Path) -> None:
     rc, _, err = cli("search", "1")
     assert rc == 2 and "no adapter with id 1" in err
