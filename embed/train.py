@@ -92,7 +92,7 @@ class TrainOptions:
     augment_rescale: float = 0.0
     #: views drop up to this share of each adapter's modules (the share drawn per view, at least one module kept; the
     #: readout of the rest scaled up to match, as _module_view does). On shapes-cnn with 8 labels per task the chosen
-    #: search gained 0.017 hit@1 and 0.029 nDCG@10 by it; with 4 it lost 0.003-0.007 (docs/results.md, issue 32,
+    #: search gained 0.017 hit@1 and 0.029 nDCG@10 by it; with 4 it lost 0.003-0.007 (docs/results-history.md, issue 32,
     #: seventh round). Contrastive views drop modules too. 0: off
     augment_module_dropout: float = 0.5
     #: supervised steps replace this share of their labelled adapters by a mix λ dW + (1 − λ) dW′ with another training
@@ -106,12 +106,12 @@ class TrainOptions:
     device: str | None = None
     metrics: tuple[str, ...] = ("test_accuracy",)
     #: attributes that get a classification head; None: every categorical attribute. Heads for the
-    #: generating hyperparameters made the task embedding much worse on the reference zoo (docs/results.md).
+    #: generating hyperparameters made the task embedding much worse on the reference zoo (docs/results-history.md).
     attributes: tuple[str, ...] | None = ("task",)
     dropout: float = 0.2
     #: models in the ensemble, trained from seeds seed, seed + 1, ... Ten with val_fraction 0.2 hold each adapter out
     #: of two, whose mean the choices score: better with scarce labels, worse with full ones, at twice the training
-    #: (docs/results.md, issue 32, sixth round)
+    #: (docs/results-history.md, issue 32, sixth round)
     members: int = 5
     #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width; None:
     #: full width while an adapter's tokens at full width take at most FULL_WIDTH_TOKEN_BYTES, else TOKEN_WIDTH
