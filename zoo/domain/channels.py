@@ -25,6 +25,8 @@ modules both have (0 where they share none), as for module cosine. With s = S/�
 each side's Gram and subspace channels; module cosine is `ModuleStack.cosines` itself. A module the stack keeps dense
 (its unit-norm dW) is factored there by one batched SVD and compared as factors; the subspace channels, which count
 components however small, need the stored factors (`factor_stack`). `pair_channels` is the per-pair float64 reference.
+`channel_group_sums` gives the same per-module values summed per module group (by type and depth, say) with each
+group's count of shared modules, from which the mean and any weighting of the groups follow (zoo/domain/channel_metric.py).
 
 `exact_cosines` serves the exact scores that search and the out-of-fold choice weigh (EXACT_SCORES): the whole
 update's dW cosine, module cosine and the input Gram cosine, which ignores what a run's own head or seed does to dW's
@@ -39,7 +41,6 @@ unbiased estimates of the cosine; the spectrum's is the padded unit spectrum its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -92,27 +93,21 @@ def channel_matrices(
     gallery: ModuleStack, queries: ModuleStack, channels: Sequence[str] = CHANNELS, chunk: int = 2048
 ) -> dict[str, np.ndarray]:
     """Per channel asked for: (queries.size, gallery.size) float64, the mean per-module value over the modules both
-    adapters have (0 where none). One V-block product per chunk serves both input channels, one U-block product both
-    output channels."""
+    adapters have (0 where none). One V-block product per module and chunk serves both input channels, one U-block
+    product both output channels."""
+    sums, counts = channel_group_sums(gallery, queries, lambda _: "", channels, chunk)
+    return {c: sums[c].get("", np.zeros((queries.size, gallery.size))) / np.maximum(counts.get("", 0), 1) for c in channels}
+
+
+def channel_group_sums(
+    gallery: ModuleStack, queries: ModuleStack, group_of: Callable[[str], str], channels: Sequence[str] = CHANNELS, chunk: int = 2048
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """Per channel asked for and module group (`group_of(module name)`, e.g. its type and depth): (queries.size,
+    gallery.size) float64, the sum of the channel's per-module values over the group's modules both adapters have; and
+    per group how many such modules each pair shares. Σ_g sums[c][g] / Σ_g counts[g] is `channel_matrices`' mean."""
     unknown = sorted(set(channels) - set(CHANNELS))
     if unknown:
         raise ValueError(f"unknown channels {unknown}; each one of {CHANNELS}")
-    out: dict[str, np.ndarray] = {}
-    if "module" in channels:
-        out["module"] = gallery.cosines(queries)
-    for side in _SIDE_INDEX:
-        wanted = [c for c in channels if _OVERLAPS.get(c, ("", ""))[0] == side]
-        if wanted:
-            out.update(_mean_over_shared(gallery, queries, wanted, partial(_overlaps, gallery, queries, side, wanted, chunk)))
-    if "spectrum" in channels:
-        out.update(_mean_over_shared(gallery, queries, ["spectrum"], partial(_spectrum_cosines, gallery, queries)))
-    return {c: out[c] for c in channels}
-
-
-def _mean_over_shared(
-    gallery: ModuleStack, queries: ModuleStack, channels: list[str], per_module: Callable[[str], dict[str, np.ndarray]]
-) -> dict[str, np.ndarray]:
-    """Per channel: Σ over shared module names of per_module(name)[channel], divided by the modules each pair shares."""
     names = sorted(queries.norms.keys() & gallery.norms.keys())
     mixed = [n for n in names if (n in gallery.dense) != (n in queries.dense)]
     if mixed:
@@ -120,14 +115,36 @@ def _mean_over_shared(
     dense = [n for n in names if n in gallery.dense]
     if dense and any(_OVERLAPS.get(c, ("", ""))[1] == "subspace" for c in channels):
         raise ValueError(f"modules {dense} are stored dense: build the stacks with factor_stack for subspace channels")
-    total = {c: np.zeros((queries.size, gallery.size)) for c in channels}
-    count = np.zeros((queries.size, gallery.size))
+    sums: dict[str, dict[str, np.ndarray]] = {c: {} for c in channels}
+    counts: dict[str, np.ndarray] = {}
     for name in names:
+        group = group_of(name)
         shared = (queries.norms[name] > 0)[:, None] & (gallery.norms[name] > 0)[None, :]
-        for c, v in per_module(name).items():
-            total[c] += v * shared
-        count += shared
-    return {c: t / np.maximum(count, 1) for c, t in total.items()}
+        for c, v in _module_values(gallery, queries, channels, chunk, name).items():
+            sums[c][group] = sums[c].get(group, 0) + v * shared
+        counts[group] = counts.get(group, 0) + shared
+    return sums, counts
+
+
+def _module_values(gallery: ModuleStack, queries: ModuleStack, channels: Sequence[str], chunk: int, name: str) -> dict[str, np.ndarray]:
+    """One module's (queries.size, gallery.size) value of each channel asked for."""
+    out: dict[str, np.ndarray] = {}
+    if "module" in channels:
+        out["module"] = next(_one_module(gallery, name).module_cosines(_one_module(queries, name), chunk))[1]
+    for side in _SIDE_INDEX:
+        wanted = [c for c in channels if _OVERLAPS.get(c, ("", ""))[0] == side]
+        if wanted:
+            out.update(_overlaps(gallery, queries, side, wanted, chunk, name))
+    if "spectrum" in channels:
+        out.update(_spectrum_cosines(gallery, queries, name))
+    return out
+
+
+def _one_module(stack: ModuleStack, name: str) -> ModuleStack:
+    """A view of the stack holding only the named module."""
+    dense = {name: stack.dense[name]} if name in stack.dense else {}
+    factors = {name: stack.factors[name]} if name in stack.factors else {}
+    return ModuleStack(stack.size, {name: stack.norms[name]}, dense, factors)
 
 
 def _spectrum_cosines(gallery: ModuleStack, queries: ModuleStack, name: str) -> dict[str, np.ndarray]:
