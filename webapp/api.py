@@ -100,23 +100,18 @@ def lineage(adapter_id: int) -> dict[str, object]:
     return adapter_lineage(db(), adapter_id)
 
 
-#: `similar` with a k past this runs in the bounded pool for expensive calls (webapp/context.py)
-POOLED_K = 100
-
-
 @api.get("/adapters/<int:adapter_id>/similar")
 @api.input(schemas.SimilarQuery, location="query", arg_name="query")
 @api.output(schemas.SearchOut)
-@api.doc(responses=[*ENGINE, 503])  # 503: k > POOLED_K and the pool for expensive calls full, or past the time limit
+@api.doc(responses=[*ENGINE, 503])  # 503: the pool for searches full, or past the time limit
 def similar(adapter_id: int, query: dict) -> Response:
-    """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share)."""
+    """The k stored adapters most similar to this one (the `Server-Timing` header gives the engine's share). Every k
+    runs in a bounded pool (`ZooContext.searches`): 32 clients asking k = 10 held every request thread."""
     start = time.perf_counter()
     filters = repository.parse_filters(query["filter"])
-    engine, k, space, method = zoo_context().engine, query["k"], query["space"], query["method"]
-    if k > POOLED_K:  # a large k reads and ranks more: an expensive call, in the bounded pool
-        found = zoo_context().limited(with_session(lambda s: service.search(engine, s, str(adapter_id), k, space, filters, method)))
-    else:
-        found = service.search(engine, db(), str(adapter_id), k, space, filters, method)
+    ctx = zoo_context()
+    engine, k, space, method = ctx.engine, query["k"], query["space"], query["method"]
+    found = ctx.limited(with_session(lambda s: service.search(engine, s, str(adapter_id), k, space, filters, method)), ctx.searches)
     response = jsonify(found)  # the hot path: the resource is already plain JSON, so skip the schema's dump
     response.headers["Server-Timing"] = f"engine;dur={(time.perf_counter() - start) * 1e3:.3f}"
     return response

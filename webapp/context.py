@@ -128,6 +128,9 @@ class ZooContext:
     blobs: BlobStore
     engine: QueryEngine
     pool: CallPool
+    #: searches by a stored adapter (`similar`, any k): a pool of the same size as `pool`, so that a flood of either
+    #: kind neither holds the request threads nor starves the other
+    searches: CallPool
     jobs: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="zoo-job"))
 
     @classmethod
@@ -135,13 +138,14 @@ class ZooContext:
         sessions = session_factory(settings.database_url)
         blobs = BlobStore(settings.blob_dir)
         pool = CallPool(web.call_workers, web.call_queue, web.time_limit_s)
-        return cls(settings, web, sessions, blobs, QueryEngine(sessions, blobs, settings.data_dir), pool)
+        searches = CallPool(web.call_workers, web.call_queue, web.time_limit_s)
+        return cls(settings, web, sessions, blobs, QueryEngine(sessions, blobs, settings.data_dir), pool, searches)
 
-    def limited(self, fn: Callable[[], T]) -> T:
-        """fn() in the bounded pool under the time limit (see CallPool.run); a refusal's Retry-After is kept for the
-        response (`retry_after()`)."""
+    def limited(self, fn: Callable[[], T], pool: CallPool | None = None) -> T:
+        """fn() in a bounded pool (`pool`, by default the one for expensive calls) under the time limit (see
+        CallPool.run); a refusal's Retry-After is kept for the response (`retry_after()`)."""
         try:
-            return self.pool.run(fn)
+            return (pool or self.pool).run(fn)
         except BusyError as exc:
             g.zoo_retry_after = exc.retry_after
             raise
