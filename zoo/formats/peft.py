@@ -119,7 +119,7 @@ def parse_peft_config(config_path: Path, text: bytes) -> PeftConfig:
     """The checked adapter_config.json from its bytes (`config_path` names it in errors)."""
     try:
         config = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or an integer past 4,300 digits
         raise InputError(config_path, f"unreadable adapter config ({exc})") from None
     if not isinstance(config, dict):
         raise InputError(config_path, "adapter config is not a JSON object")

@@ -201,6 +201,12 @@ def _header_length(path: Path, data: bytes | bytearray | StreamedFile) -> int:
     return n
 
 
+def json_problem(exc: Exception) -> str:
+    """Why bytes are not JSON Python reads: the exception's name, or an integer past Python's 4,300 digits (json raises a
+    bare ValueError for one: `sys.get_int_max_str_digits`)."""
+    return type(exc).__name__ if type(exc) is not ValueError else "an integer of more than 4,300 digits"
+
+
 def safetensors_header(path: Path, data: bytes | bytearray | StreamedFile) -> SafetensorsHeader:
     """Check the framing of a safetensors file's bytes and every tensor entry of its header (dtype, shape,
     offsets that match the shape, inside the file, not overlapping and, as the format requires, packed
@@ -209,8 +215,8 @@ def safetensors_header(path: Path, data: bytes | bytearray | StreamedFile) -> Sa
     n = _header_length(path, data)
     try:
         header = json.loads(bytes(data[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InputError(path, f"corrupt safetensors header (not JSON: {type(exc).__name__})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or an integer Python will not read
+        raise InputError(path, f"corrupt safetensors header (not JSON: {json_problem(exc)})") from None
     if not isinstance(header, dict):
         raise InputError(path, "corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", None)
