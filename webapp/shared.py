@@ -106,8 +106,6 @@ def _json_error(data: bytes) -> str | None:
         return f"the body is not valid JSON (not UTF-8 at byte {exc.start})"
     except ValueError:  # json's bare ValueError: an integer Python will not read (sys.get_int_max_str_digits)
         return "the body holds an integer of more than 4,300 digits"
-    except RecursionError:
-        return f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
     return None
 
 
