@@ -1,0 +1,363 @@
+"""A few-label metric over the similarity channels × module groups (pure math, no I/O).
+
+**The bank.** Per channel (zoo/domain/channels.py's, and the whole-update dW cosine) and per module group (a module's
+type and depth bucket, read from its name), an atom: the group's part of the pair's channel value,
+F_cg(x, y) = Σ_{m ∈ g, shared} c_m(x, y) / n(x, y) with n(x, y) the modules both adapters have, so that Σ_g F_cg is
+channels.py's mean of channel c exactly; for dW cosine F_dw,g = Σ_{m ∈ g} ⟨dW_x,m, dW_y,m⟩ / (‖dW_x‖ ‖dW_y‖), which
+sums over the groups to dW cosine. Everything comes from the canonical factors in r×r blocks (`channel_group_sums`,
+`ModuleStack.module_cosines`).
+
+**A metric** is s = Σ_a w_a F_a with weights w ≥ 0, normalised to sum to the number of module groups, so that weight
+1 on every group of one channel is that channel exactly (the scale of s changes no ranking and no kNN vote).
+
+**Fitting** uses the labelled adapters only, one objective at a time, on the softmax over the other labelled adapters
+of each labelled anchor (p_ij ∝ exp s_ij):
+
+- "search": listwise, the cross-entropy of p against the uniform distribution on the anchor's task: every relevant
+  adapter is pulled up, as MRR and nDCG ask;
+- "task": NCA, −log Σ_{j of the anchor's task} p_ij, the mass a similarity-weighted vote puts on the right task;
+- "performance": the leave-one-out squared error of the kernel regression Σ_j p_ij y_j of the target (test accuracy),
+  over its variance.
+
+Atoms are standardized (divided by their spread over the labelled pairs) and the fitted v ≥ 0 (any scale: the
+temperature) is shrunk toward the prior v₀ by λ‖v − v₀‖² / ‖v₀‖². The prior is training-free in form: all weight on
+one channel, the one whose loss on the labelled adapters is lowest at its best temperature. L-BFGS-B with bounds
+v ≥ 0, started from the prior, is deterministic. λ is chosen from SHRINKS by inner K-fold cross-validation on the
+labelled adapters (held-out anchors against the fold's training adapters, scored by the same loss; the prior is picked
+again inside each fold); λ = ∞ is the prior itself, and a tie goes to the stronger shrink.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import minimize, minimize_scalar
+from scipy.special import logsumexp
+
+from zoo.domain.channels import CHANNELS, channel_group_sums
+from zoo.domain.naming import layer_index, module_type
+from zoo.domain.similarity import ModuleStack
+
+#: the bank's channels: the whole-update dW cosine and channels.py's
+BANK = ("dw", *CHANNELS)
+OBJECTIVES = ("search", "task", "performance")
+#: the shrink strengths the inner cross-validation chooses from (∞: the prior)
+SHRINKS = (0.01, 0.1, 1.0, 10.0, math.inf)
+#: layer depth buckets of the module groups (a zoo with fewer layers has one per layer)
+DEPTH_BUCKETS = 2
+#: inner cross-validation folds
+FOLDS = 4
+#: the prior's inverse temperature is searched in [e^-5, e^10]
+_LOG_TEMPERATURE = (-5.0, 10.0)
+#: an atom whose spread over the fit's pairs is below this is constant there
+_CONSTANT = 1e-12
+
+
+def module_groups(names: Sequence[str], buckets: int = DEPTH_BUCKETS) -> dict[str, str]:
+    """Per module name its group, "type@depth": the module's type (`module_type`) and the bucket of its layer among
+    the names' distinct layers (`layer_index`; "-" for a name without one), `buckets` equal shares from the first."""
+    if buckets < 1:
+        raise ValueError("depth buckets must be at least 1")
+    layers = sorted({i for i in (layer_index(n) for n in names) if i is not None})
+    at = {layer: p * min(buckets, len(layers)) // len(layers) for p, layer in enumerate(layers)}
+    out: dict[str, str] = {}
+    for name in names:
+        layer = layer_index(name)
+        out[name] = f"{module_type(name)}@{'-' if layer is None else at[layer]}"
+    return out
+
+
+@dataclass(frozen=True)
+class Bank:
+    """The atoms' values between queries and a gallery: `values[a]` (queries, gallery) float64 is atom
+    `atoms[a]` = (channel, module group)."""
+
+    atoms: tuple[tuple[str, str], ...]
+    values: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.values.ndim != 3 or self.values.shape[0] != len(self.atoms):
+            raise ValueError(f"a bank of {len(self.atoms)} atoms needs values of shape (atoms, queries, gallery), not {self.values.shape}")
+
+    @property
+    def channels(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(c for c, _ in self.atoms))
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return tuple(sorted({g for _, g in self.atoms}))
+
+    def channel(self, channel: str) -> np.ndarray:
+        """(queries, gallery) the channel's value: the sum of its atoms."""
+        rows = [a for a, (c, _) in enumerate(self.atoms) if c == channel]
+        if not rows:
+            raise ValueError(f"channel {channel!r} is not in the bank; one of {self.channels}")
+        return self.values[rows].sum(axis=0)
+
+    def take(self, queries: Sequence[int] | np.ndarray, gallery: Sequence[int] | np.ndarray) -> Bank:
+        """The bank between the given query rows and gallery columns."""
+        return Bank(self.atoms, self.values[:, np.asarray(queries)[:, None], np.asarray(gallery)[None, :]])
+
+
+def bank_matrices(gallery: ModuleStack, queries: ModuleStack, buckets: int = DEPTH_BUCKETS, chunk: int = 2048) -> Bank:
+    """Every channel of BANK per module group (`module_groups` of the stacks' shared modules) between the stacks; an
+    atom's (queries, gallery) values are its group's part of the channel (0 where the pair shares no module)."""
+    names = sorted(queries.norms.keys() & gallery.norms.keys())
+    group_of = module_groups(names, buckets)
+    groups = sorted(set(group_of.values()))
+    sums, counts = channel_group_sums(gallery, queries, group_of.__getitem__, CHANNELS, chunk)
+    shared = np.maximum(sum((counts[g] for g in groups), np.zeros((queries.size, gallery.size))), 1)
+    dw = {g: np.zeros((queries.size, gallery.size)) for g in groups}
+    for name, cos, _ in gallery.module_cosines(queries, chunk):
+        dw[group_of[name]] += cos * np.outer(queries.norms[name].astype(np.float64), gallery.norms[name].astype(np.float64))
+    total = np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)
+    atoms = tuple((c, g) for c in BANK for g in groups)
+    values = [dw[g] / total if c == "dw" else sums[c][g] / shared for c, g in atoms]
+    return Bank(atoms, np.stack(values) if values else np.zeros((0, queries.size, gallery.size)))
+
+
+@dataclass(frozen=True)
+class ChannelMetric:
+    """Non-negative weights over a bank's atoms, fitted for one objective (see the module's docstring)."""
+
+    objective: str
+    atoms: tuple[tuple[str, str], ...]
+    #: (atoms,) ≥ 0, summing to the number of module groups: 1 on every group of one channel is that channel
+    weights: np.ndarray
+    #: the channel the shrink pulls toward
+    prior: str
+    #: the shrink strength chosen by inner cross-validation (∞: the prior itself)
+    shrink: float
+
+    def similarity(self, bank: Bank) -> np.ndarray:
+        """(queries, gallery) Σ_a w_a F_a on a bank of the same atoms."""
+        if bank.atoms != self.atoms:
+            raise ValueError("the bank's atoms differ from the metric's: build both over the same modules and buckets")
+        return np.tensordot(self.weights, bank.values, axes=1)
+
+    def channel_shares(self) -> dict[str, float]:
+        """Per channel its share of the weights (summing to 1)."""
+        total = float(self.weights.sum())
+        out: dict[str, float] = {}
+        for (c, _), w in zip(self.atoms, self.weights, strict=True):
+            out[c] = out.get(c, 0.0) + float(w) / total
+        return out
+
+
+def prior_metric(bank: Bank, channel: str, objective: str) -> ChannelMetric:
+    """The metric that is one channel exactly: weight 1 on each of its groups."""
+    groups = len(bank.groups)
+    weights = np.array([1.0 if c == channel else 0.0 for c, _ in bank.atoms])
+    if weights.sum() != groups:
+        raise ValueError(f"channel {channel!r} needs one atom per module group of the bank")
+    return ChannelMetric(objective, bank.atoms, weights, channel, math.inf)
+
+
+def fit_metric(
+    bank: Bank, targets: Sequence[str] | np.ndarray, objective: str, shrinks: Sequence[float] = SHRINKS, folds: int = FOLDS
+) -> ChannelMetric:
+    """The metric fitted on labelled adapters: `bank` is labelled × labelled (the same adapters in the same order on
+    both sides), `targets` their tasks ("search", "task") or target values ("performance"); the shrink chosen from
+    `shrinks` by `folds`-fold cross-validation (one value: no cross-validation)."""
+    problem = _Problem.of(bank, targets, objective)
+    if not shrinks:
+        raise ValueError("give at least one shrink strength")
+    chosen = shrinks[0] if len(shrinks) == 1 else _choose_shrink(problem, shrinks, folds)
+    return problem.fit(chosen)
+
+
+# -- the fit ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """A bank between labelled adapters with their targets, for one objective."""
+
+    bank: Bank
+    targets: np.ndarray
+    objective: str
+
+    @classmethod
+    def of(cls, bank: Bank, targets: Sequence[str] | np.ndarray, objective: str) -> _Problem:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {objective!r}; one of {OBJECTIVES}")
+        n = bank.values.shape[1]
+        if bank.values.shape[2] != n or len(targets) != n:
+            raise ValueError(
+                f"a fit needs a square bank over the labelled adapters and one target each: {bank.values.shape}, {len(targets)} targets"
+            )
+        values = np.asarray(targets, dtype=np.float64 if objective == "performance" else object)
+        if objective == "performance" and not np.isfinite(values).all():
+            raise ValueError("performance targets must be finite numbers")
+        return cls(bank, values, objective)
+
+    def fit(self, shrink: float) -> ChannelMetric:
+        """The metric fitted on every labelled adapter at one shrink strength."""
+        setup = self.setup(np.arange(len(self.targets)))
+        prior = prior_metric(self.bank, setup.prior, self.objective)
+        if math.isinf(shrink):
+            return prior
+        active = setup.scale > _CONSTANT
+        # an atom constant over the labelled pairs says nothing to the fit: it keeps the prior's weight
+        weights = np.where(active, setup.solve(shrink) / np.where(active, setup.scale, 1.0), prior.weights * setup.temperature)
+        if not weights.sum() > 0:
+            return prior
+        return ChannelMetric(self.objective, self.bank.atoms, weights * len(self.bank.groups) / weights.sum(), setup.prior, shrink)
+
+    def setup(self, rows: np.ndarray) -> _Setup:
+        """The fit on `rows`: the standardized atoms' loss and the prior there."""
+        X = self.bank.values[:, rows[:, None], rows[None, :]]
+        valid = ~np.eye(len(rows), dtype=bool)
+        scale = X[:, valid].std(axis=1)
+        spread = self._spread(rows)
+        loss = _Loss(_standardized(X, scale), self.targets[rows], self.targets[rows], valid, self.objective, spread)
+        best: tuple[float, str, float] | None = None
+        for channel in self.bank.channels:
+            direction = _direction(self.bank.atoms, channel, scale)
+            if not direction.any():
+                continue
+            found = minimize_scalar(lambda t, d=direction: loss(math.exp(t) * d)[0], bounds=_LOG_TEMPERATURE, method="bounded")
+            if best is None or found.fun < best[0]:
+                best = (float(found.fun), channel, math.exp(float(found.x)))
+        if best is None:
+            raise ValueError("no atom of the bank varies over the labelled adapters")
+        _, prior, temperature = best
+        return _Setup(rows, scale, spread, loss, prior, temperature, temperature * _direction(self.bank.atoms, prior, scale))
+
+    def _spread(self, rows: np.ndarray) -> float:
+        """The targets' variance over the rows (performance), which makes its loss unitless."""
+        if self.objective != "performance":
+            return 1.0
+        return max(float(np.var(self.targets[rows].astype(np.float64))), 1e-12)
+
+    def heldout_loss(self, setup: _Setup, shrink: float, test: np.ndarray) -> tuple[float, int]:
+        """(summed loss, anchors) of the test rows against the setup's rows, the metric fitted there."""
+        train = setup.rows
+        Xs = _standardized(self.bank.values[:, test[:, None], train[None, :]], setup.scale)
+        valid = np.ones((len(test), len(train)), dtype=bool)
+        loss = _Loss(Xs, self.targets[test], self.targets[train], valid, self.objective, setup.spread)
+        value, _ = loss(setup.solve(shrink))
+        return value * loss.anchors, loss.anchors
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """A fit's rows, its atoms' spreads and target spread, its loss over the standardized atoms, and the prior: its
+    channel, inverse temperature β and standardized weights v₀."""
+
+    rows: np.ndarray
+    scale: np.ndarray
+    spread: float
+    loss: _Loss
+    prior: str
+    temperature: float
+    v0: np.ndarray
+
+    def solve(self, shrink: float) -> np.ndarray:
+        """The standardized weights v ≥ 0 minimizing loss(v) + shrink·‖v − v₀‖² / ‖v₀‖² (v₀ at shrink ∞)."""
+        if math.isinf(shrink):
+            return self.v0
+        v0, norm = self.v0, float(self.v0 @ self.v0)
+
+        def objective(v: np.ndarray) -> tuple[float, np.ndarray]:
+            value, grad = self.loss(v)
+            d = v - v0
+            return value + shrink * float(d @ d) / norm, grad + 2 * shrink * d / norm
+
+        bounds = [(0.0, None) if a > _CONSTANT else (0.0, 0.0) for a in self.scale]
+        found = minimize(objective, v0, jac=True, method="L-BFGS-B", bounds=bounds, options={"maxiter": 500})
+        return np.maximum(found.x, 0.0)
+
+
+def _direction(atoms: tuple[tuple[str, str], ...], channel: str, scale: np.ndarray) -> np.ndarray:
+    """One channel's standardized weights at β = 1: its atoms' spreads (0 for an atom constant over the pairs)."""
+    return np.array([s if c == channel and s > _CONSTANT else 0.0 for (c, _), s in zip(atoms, scale, strict=True)])
+
+
+def _standardized(X: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The atoms divided by their spreads; 0 for an atom constant over the fit's pairs."""
+    active = scale > _CONSTANT
+    return np.where(active[:, None, None], X / np.where(active, scale, 1.0)[:, None, None], 0.0)
+
+
+def _choose_shrink(problem: _Problem, shrinks: Sequence[float], folds: int) -> float:
+    """The shrink of least held-out loss over `folds` folds (stratified by task, else by target rank); ties go to the
+    stronger shrink."""
+    fold = _folds(problem.targets, problem.objective, folds)
+    splits = [(np.flatnonzero(fold != k), np.flatnonzero(fold == k)) for k in range(folds)]
+    setups = [(problem.setup(train), test) for train, test in splits if len(test) and len(train) > 1]
+    best: tuple[float, float] | None = None
+    for shrink in sorted(shrinks, reverse=True):
+        total, anchors = 0.0, 0
+        for setup, test in setups:
+            value, n = problem.heldout_loss(setup, shrink, test)
+            total, anchors = total + value, anchors + n
+        mean = total / max(anchors, 1)
+        if best is None or mean < best[0] - 1e-12:
+            best = (mean, shrink)
+    assert best is not None
+    return best[1]
+
+
+def _folds(targets: np.ndarray, objective: str, folds: int) -> np.ndarray:
+    """Each row's fold: per task its members dealt in turn (search, task), else the rows dealt in turn by target
+    rank (performance), so that every fold spans the targets."""
+    if folds < 2:
+        raise ValueError("inner cross-validation needs at least 2 folds")
+    out = np.zeros(len(targets), dtype=np.int64)
+    if objective == "performance":
+        out[np.argsort(targets.astype(np.float64), kind="stable")] = np.arange(len(targets)) % folds
+        return out
+    seen: dict[object, int] = {}
+    for i, t in enumerate(targets.tolist()):
+        out[i] = seen.get(t, 0) % folds
+        seen[t] = seen.get(t, 0) + 1
+    return out
+
+
+class _Loss:
+    """An objective's mean loss over the anchors with a gradient in v, for s = Σ_a v_a X_a between anchors (rows)
+    and candidates (columns); `valid` marks the pairs that count (not an anchor with itself)."""
+
+    def __init__(self, X: np.ndarray, rows: np.ndarray, cols: np.ndarray, valid: np.ndarray, objective: str, spread: float) -> None:
+        self.X, self.valid, self.objective, self.spread = X, valid, objective, spread
+        if objective == "performance":
+            self.rows, self.cols = rows.astype(np.float64), cols.astype(np.float64)
+            self.keep = valid.any(axis=1)
+        else:
+            self.positive = (rows[:, None] == cols[None, :]) & valid
+            self.keep = self.positive.any(axis=1)  # an anchor with no other of its task says nothing
+        self.anchors = int(self.keep.sum())
+
+    def __call__(self, v: np.ndarray) -> tuple[float, np.ndarray]:
+        if not self.anchors:
+            return 0.0, np.zeros(len(v))
+        s = np.where(self.valid, np.tensordot(v, self.X, axes=1), -np.inf)[self.keep]
+        valid = self.valid[self.keep]
+        log_p = s - logsumexp(s, axis=1, keepdims=True)
+        p = np.exp(log_p)
+        if self.objective == "performance":
+            cols = self.cols
+            guess = p @ cols
+            error = guess - self.rows[self.keep]
+            value = float((error**2).mean()) / self.spread
+            d_s = 2 * error[:, None] * p * (cols[None, :] - guess[:, None]) / (self.anchors * self.spread)
+        else:
+            positive = self.positive[self.keep]
+            if self.objective == "task":
+                on_task = np.where(positive, s, -np.inf)
+                log_mass = logsumexp(on_task, axis=1, keepdims=True)
+                value = float(-(log_mass[:, 0] - logsumexp(s, axis=1)).mean())
+                d_s = (p - np.where(positive, np.exp(on_task - log_mass), 0.0)) / self.anchors
+            else:
+                share = positive / positive.sum(axis=1, keepdims=True)
+                value = float(-(np.where(positive, log_p, 0.0) * share).sum(axis=1).mean())
+                d_s = (p - share) / self.anchors
+        d_s = np.where(valid, d_s, 0.0)
+        full = np.zeros(self.valid.shape)
+        full[self.keep] = d_s
+        grad = self.X.reshape(len(v), -1) @ full.ravel()
+        return value, grad
