@@ -44,9 +44,9 @@ from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
 from embed.types import SpaceSchema, ZooAdapter
 from zoo import config
-from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.channels import EXACT_SCORES, channel_sketches, exact_cosines
 from zoo.domain.methods import KnnPredictor, SearchScore
-from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines
+from zoo.domain.similarity import MODULE_SKETCH_DIM, ModuleStack, dense_modules, module_sketches, sketch_module_cosines
 
 if TYPE_CHECKING:
     from embed.ensemble import W2TEnsemble
@@ -62,14 +62,25 @@ W2T = "w2t"
 #: the raw-factor sketches (zoo.domain.factorwise.raw_sketches): how much two adapters share their factors as their
 #: files had them, which the relation step reads for merges PEFT made factor by factor and for continuations
 RAW = "raw_factors"
+#: the input-Gram sketches (zoo.domain.channels.channel_sketches, "input_gram"): per module seeded bilinear probes of
+#: dWᵀdW = V S² Vᵀ, whose inner products estimate the input Gram cosine; the first stage of input_gram search
+GRAM = "input_gram_sketch"
 #: hybrid: the search score `zoo train` chose out of fold (embed/choice.py): an exact score (dw, module or
 #: input_gram) mixed with the supervised W2T cosine by the chosen weight (0: the exact score alone), over the union
-#: of both indexes' CANDIDATES nearest; module, dw and input_gram: the sketch index's CANDIDATES nearest ranked by
-#: the mean module cosine, the whole update's cosine or the mean input Gram cosine; sketch and w2t: their embeddings alone (their
-#: CANDIDATES nearest re-ranked by the stored vectors); raw: the raw-factor sketches alone, for stored adapters.
+#: of the CANDIDATES nearest of the indexes it weighs (EXACT_CANDIDATES, W2T); module, dw and input_gram: the
+#: CANDIDATES nearest of their sketch indexes ranked by the mean module cosine, the whole update's cosine or the mean
+#: input Gram cosine; sketch and w2t: their embeddings alone (their CANDIDATES nearest re-ranked by the stored
+#: vectors); raw: the raw-factor sketches alone, for stored adapters.
 SEARCH_METHODS = ("hybrid", "module", "dw", "input_gram", "sketch", "w2t", "raw")
-#: per method, the embedders whose indexes give its candidates (an exact score's are re-ranked from the module store)
+#: per method, the embedders it needs (an exact score's candidates are re-ranked from the module store, and the module
+#: sketch stands in for its other candidate indexes where the space lacks them: EXACT_CANDIDATES)
 METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), **dict.fromkeys(EXACT_SCORES, (SKETCH,)), "sketch": (SKETCH,), "w2t": (W2T,), "raw": (RAW,)}
+#: per exact score, the indexes whose CANDIDATES nearest are its first-stage candidates, where the space has them (one
+#: embedded before the input-Gram sketches has none until `zoo embed` runs):
+#: the input Gram's true neighbours (an adapter whose head was re-seeded: dW → Q·dW) need not be near in the module
+#: sketch; the union with the module sketch's kept 1.000 of the exact top 10 on digits-vit-seeded where either index
+#: alone kept less (docs/results.md)
+EXACT_CANDIDATES = {"dw": (SKETCH,), "module": (SKETCH,), "input_gram": (GRAM, SKETCH)}
 #: the most lists an IVF index of these embedders probes: raw-factor sketches of unrelated adapters are near-random
 #: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
 #: ones tuned to every list: 99 ms a query); the relation step wants only relatives, which share the query's lists
@@ -79,6 +90,17 @@ VECTOR_SCORES = {"sketch": SKETCH, "w2t": W2T, "raw": RAW}
 MAX_K = 1000
 #: labelled neighbours counted as support of an attribute predicted by something other than a kNN
 SUPPORT_K = 5
+
+
+#: the most dimensions an input-Gram sketch has (half the module sketch's MAX_SEARCH_DIM: a million Llama-3-8B
+#: adapters' second sketch index then takes 2 GB, not 4.5)
+MAX_GRAM_DIM = 1024
+
+
+def gram_sketch_width(n_modules: int) -> int:
+    """Probe pairs per module of an input-Gram sketch: the module sketch's rule (`sketch_width`) under MAX_GRAM_DIM,
+    MODULE_SKETCH_DIM where the modules are few, fewer where the whole vector would pass it (at least one)."""
+    return max(1, min(MODULE_SKETCH_DIM, MAX_GRAM_DIM // max(n_modules, 1)))
 
 
 def module_store_budget() -> int:
@@ -671,7 +693,14 @@ class QueryEngine:
         with state.lock.read():
             allowed = self._allowed(session, state, filters) if filters else None
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
-            kinds = stage_kinds(self._hybrid_search(state)) if method == "hybrid" else METHOD_EMBEDDERS[method]
+            if method == "hybrid":
+                search = self._hybrid_search(state)
+                exact, kinds = (search.exact if search.w2t_weight < 1 else None), stage_kinds(search, state.embedders)
+            elif method in EXACT_SCORES:
+                exact, kinds = method, candidate_kinds(method, state.embedders)
+            else:
+                exact, kinds = None, METHOD_EMBEDDERS[method]
+            embedders += [state.embedders[kind] for kind in kinds if kind not in METHOD_EMBEDDERS[method]]
             searched = [e for e in embedders if e.method in kinds]
             vectors = {e.method: self._query_vector(state, e, query) for e in searched}
             exact_stage = method == "hybrid" or method in EXACT_SCORES
@@ -695,8 +724,8 @@ class QueryEngine:
             "space": state.name,
             "method": method,
             "embedder_ids": [e.id for e in embedders],
-            "module_stage": self._module_stage(state) if exact_stage else None,
-            "index_states": {e.method: e.state for e in embedders},
+            "module_stage": self._module_stage(state, exact) if exact_stage else None,
+            "index_states": {**{e.method: e.state for e in embedders}, **self._missing(state, exact)},
             "results": results,
         }
 
@@ -748,6 +777,16 @@ class QueryEngine:
         assert allowed is not None  # called with filters only, each of which narrowed it
         return np.sort(allowed)
 
+    @staticmethod
+    def _missing(state: SpaceState, exact: str | None) -> dict[str, str]:
+        """The indexes that would give an exact score candidates that the space lacks, each with what stands in."""
+        wanted = EXACT_CANDIDATES[exact] if exact is not None else ()
+        return {
+            kind: f"not built: candidates from the {SKETCH} index instead; run `zoo embed --space {state.name}`"
+            for kind in wanted
+            if kind not in state.embedders
+        }
+
     def _embedder(self, state: SpaceState, kind: str, method: str) -> LoadedEmbedder:
         e = state.embedders.get(kind)
         if e is None:
@@ -763,11 +802,13 @@ class QueryEngine:
             return e.index.vectors(np.array([query.adapter_id]))[0]
         if e.method == RAW:  # a file's gauge is read at ingest only
             raise UsageError(f"{query.name}: --method raw compares stored adapters only; ingest it first")
-        schema = SpaceSchema.from_dict(e.config["schema"]) if e.method == SKETCH else self.w2t(e).schema
+        schema = self.w2t(e).schema if e.method == W2T else SpaceSchema.from_dict(e.config["schema"])
         if not schema.fits(query.factors):
             raise UsageError(f"{query.name} does not fit space {state.name}: its modules or shapes differ from the space's")
         if e.method == SKETCH:
             return module_sketches([query.factors], schema.module_names, int(e.config["dim"]))[0]
+        if e.method == GRAM:
+            return channel_sketches([query.factors], schema.module_names, int(e.config["dim"]), "input_gram")[0]
         return self.w2t(e).embed([_as_zoo_adapter(query)])[0]
 
     def w2t(self, e: LoadedEmbedder) -> W2TEnsemble:
@@ -779,8 +820,16 @@ class QueryEngine:
             return []
         return index.search(vector[None, :], fetch, allowed=allowed)[1][0].tolist()
 
-    def _module_stage(self, state: SpaceState) -> str:
-        return "exact (module store)" if state.modules is not None else "module sketches (no module store)"
+    @staticmethod
+    def _module_stage(state: SpaceState, exact: str | None) -> str:
+        """What an exact score is computed from: the module store, else the sketches that estimate it (`_exact`)."""
+        if state.modules is not None:
+            return "exact (module store)"
+        return (
+            "input-Gram sketches (no module store)"
+            if exact == "input_gram" and GRAM in state.embedders
+            else "module sketches (no module store)"
+        )
 
     def _scores(
         self, state: SpaceState, method: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
@@ -794,7 +843,7 @@ class QueryEngine:
             scores = state.embedders[kind].index.vectors(ids) @ vectors[kind]
             return scores, scores
         if method in EXACT_SCORES:
-            scores = self._exact(state, query, vectors[SKETCH], ids, method)
+            scores = self._exact(state, query, vectors, ids, method)
             return scores, scores
         return self._search_scores(state, self._hybrid_search(state), query, vectors, ids)
 
@@ -808,15 +857,16 @@ class QueryEngine:
         """A search score between the query and the adapters `ids`: its similarity, and the keys that order them."""
         weight = score.w2t_weight
         if weight <= 0:  # the exact score alone (a second stage needs a W2T-heavier first)
-            exact_only = self._exact(state, query, vectors[SKETCH], ids, score.exact)
+            exact_only = self._exact(state, query, vectors, ids, score.exact)
             return exact_only, exact_only
-        exact = self._exact(state, query, vectors[SKETCH], ids, score.exact) if weight < 1 else 0.0
+        exact = self._exact(state, query, vectors, ids, score.exact) if weight < 1 else 0.0
         w2t = state.embedders[W2T].index.vectors(ids) @ vectors[W2T]
         return score.similarity(exact, w2t), score.ranking(exact, w2t)
 
-    def _exact(self, state: SpaceState, query: Query, sketch: np.ndarray, ids: np.ndarray, score: str) -> np.ndarray:
-        """An exact score (zoo.domain.channels.exact_cosines) from the module store; without one, the module sketches'
-        cosine stands in for each."""
+    def _exact(self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, score: str) -> np.ndarray:
+        """An exact score (zoo.domain.channels.exact_cosines) from the module store; without one, estimated from the
+        sketches: the input Gram from the input-Gram sketches where the space has them for every candidate, else (and
+        for the other scores) the module sketches' cosine stands in."""
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):
             if query.adapter_id is not None and query.adapter_id in store.rows:
@@ -824,9 +874,14 @@ class QueryEngine:
             else:
                 q = ModuleStack.of([query.factors], store.dense)
             return exact_cosines(store.stack.take([store.rows[int(i)] for i in ids.tolist()]), q, score)[0]
-        schema = state.schema
-        assert schema is not None  # a space with module sketches has the sketch embedder's schema
-        return sketch_module_cosines(sketch[None, :], state.embedders[SKETCH].index.vectors(ids), len(schema.modules))[0]
+        kind = GRAM if score == "input_gram" and GRAM in vectors else SKETCH
+        e = state.embedders[kind]
+        if kind == GRAM and not all(e.index.contains(int(i)) for i in ids.tolist()):  # embedded before `zoo embed` caught up
+            e, kind = state.embedders[SKETCH], SKETCH
+        if kind not in vectors:
+            vectors[kind] = self._query_vector(state, e, query)
+        n_modules = len(SpaceSchema.from_dict(e.config["schema"]).modules)
+        return sketch_module_cosines(vectors[kind][None, :], e.index.vectors(ids), n_modules)[0]
 
     def predict(self, session: Session, space: str, query: Query) -> Predicted:
         """Attributes (top-3 classes with probabilities) and metrics (value, 90 % interval, predictor), each by
@@ -909,8 +964,12 @@ class QueryEngine:
         memory_ids = model.memory_ids
         allowed = np.sort(memory_ids)
         with state.lock.read():
+            kinds = stage_kinds(similarity, state.embedders)
             embedders = [self._embedder(state, kind, "hybrid") for kind in METHOD_EMBEDDERS["hybrid"]]
-            searched = [e for e in embedders if e.method in stage_kinds(similarity)]
+            searched = [
+                *(e for e in embedders if e.method in kinds),
+                *(state.embedders[k] for k in kinds if k not in METHOD_EMBEDDERS["hybrid"]),
+            ]
             vectors = {e.method: self._query_vector(state, e, query) for e in searched}
             pool: set[int] = set()
             for e in searched:
@@ -930,11 +989,18 @@ def served_search(checkpoint: Path) -> SearchScore:
     return search_of(checkpoint_meta(checkpoint))
 
 
-def stage_kinds(search: SearchScore) -> tuple[str, ...]:
-    """The embedders whose indexes give a search score its candidates: those it weighs (the module sketch for an
-    exact score, W2T for its cosine, both for a mix)."""
+def stage_kinds(search: SearchScore, have: Mapping[str, object]) -> tuple[str, ...]:
+    """The embedders whose indexes give a search score its candidates: those it weighs (its exact score's
+    `candidate_kinds`, W2T for its cosine, both for a mix), of those the space has."""
     weight = search.w2t_weight
-    return (SKETCH,) if weight <= 0 else (W2T,) if weight >= 1 else (SKETCH, W2T)
+    exact = candidate_kinds(search.exact, have) if weight < 1 else ()
+    return (*exact, W2T) if weight > 0 else exact
+
+
+def candidate_kinds(score: str, have: Mapping[str, object]) -> tuple[str, ...]:
+    """The embedders whose indexes give an exact score its first-stage candidates: EXACT_CANDIDATES[score] of those
+    the space has (`have`: by method), the module sketch where it has none of them."""
+    return tuple(k for k in EXACT_CANDIDATES[score] if k in have) or (SKETCH,)
 
 
 def knn_shares(

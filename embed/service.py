@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from embed.dataset import base_models, load_adapters
 from embed.engine import (
     BUILD_CHUNK_BYTES,
+    GRAM,
     RAW,
     SKETCH,
     W2T,
@@ -28,6 +29,7 @@ from embed.engine import (
     Query,
     QueryEngine,
     embed_chunk_bytes,
+    gram_sketch_width,
     load_w2t,
     stored_count,
     update_index_file,
@@ -51,6 +53,7 @@ from embed.registry import (
 from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
+from zoo.domain.channels import channel_sketches
 from zoo.domain.factorwise import raw_sketches, raw_width
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
@@ -266,6 +269,8 @@ def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None
     dim = int(embedder.config["dim"])
     if embedder.method == RAW:
         return (lambda adapters: raw_sketches([a.factors for a in adapters], schema.modules, dim)), schema
+    if embedder.method == GRAM:
+        return (lambda adapters: channel_sketches([a.factors for a in adapters], schema.module_names, dim, "input_gram")), schema
     return (lambda adapters: module_sketches([a.factors for a in adapters], schema.module_names, dim)), schema
 
 
@@ -290,8 +295,19 @@ def ensure_raw(session: Session, space: EmbeddingSpace, schema: SpaceSchema) -> 
     return register(session, space, RAW, len(schema.modules) * dim, config=config)
 
 
+def ensure_gram(session: Session, space: EmbeddingSpace, schema: SpaceSchema) -> Embedder:
+    """The space's input-Gram sketch embedder, input_gram search's first stage (a new one if the module vocabulary
+    grew; a space embedded before it gets one at its next `zoo embed`)."""
+    current = active_embedder(session, space, method=GRAM)
+    dim = gram_sketch_width(len(schema.modules))
+    config = {"schema": schema.as_dict(), "dim": dim, "channel": "input_gram"}
+    if current is not None and current.config == config:
+        return current
+    return register(session, space, GRAM, len(schema.modules) * dim, config=config)
+
+
 #: the order in which embed_space embeds and reports: the module sketches (which search and the relation step need) first
-_REPORT_ORDER = {SKETCH: 0, RAW: 1, W2T: 2}
+_REPORT_ORDER = {SKETCH: 0, RAW: 1, GRAM: 2, W2T: 3}
 
 
 def embed_space(
@@ -315,6 +331,7 @@ def embed_space(
         space = ensure_space(session, schema)
         ensure_sketch(session, space, schema)
         ensure_raw(session, space, schema)
+        ensure_gram(session, space, schema)
         serving = sorted(serving_embedders(session, space.id).values(), key=lambda e: _REPORT_ORDER.get(e.method, len(_REPORT_ORDER)))
         space_id, embedder_ids = space.id, [e.id for e in serving]
     counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, ids, device, subset=False)

@@ -90,7 +90,7 @@ def test_embed_search_and_index(cli: CLI, seed_sources: Path) -> None:
     assert sketch_stats["state"].startswith("rebuilt (the file disagreed")
     rc, (stats,) = cli.json_lines("index", "rebuild")
     assert {e["state"] for e in stats["embedders"]} == {"rebuilt (asked)"} and stats["module_store"] == "built"
-    assert {e["method"]: e["count"] for e in stats["embedders"]} == {"module_sketch": 12, "raw_factors": 12}
+    assert {e["method"]: e["count"] for e in stats["embedders"]} == {"module_sketch": 12, "raw_factors": 12, "input_gram_sketch": 12}
 
 
 def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
@@ -98,7 +98,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     rc, (info,) = cli.json_lines("train", "--epochs", "2", "--members", "2")
     assert rc == 0 and info["heads"] == ["task"] and info["regression"] == ["test_accuracy"]
     assert len(info["epochs"]) == 2 and set(info["predictors"]) == {"task", "test_accuracy"}
-    assert info["embedded"] == {"w2t": 12, "module_sketch": 12, "raw_factors": 12}
+    assert info["embedded"] == {"w2t": 12, "module_sketch": 12, "raw_factors": 12, "input_gram_sketch": 12}
     assert Path(info["checkpoint"], "model.safetensors").exists()
     rc, (pred,) = cli.json_lines("predict", str(seed_sources / "outside" / "new"))
     assert rc == 0 and pred["stored_as"] is None

@@ -273,7 +273,8 @@ def test_download_in_each_format(web: Web) -> None:
 
 def test_spaces_and_the_map(web: Web) -> None:
     (space,) = web.client.get("/api/v1/spaces").json["spaces"]
-    assert space["name"] == "tiny" and {e["method"] for e in space["embedders"]} == {"module_sketch", "raw_factors", "w2t"}
+    assert space["name"] == "tiny"
+    assert {e["method"] for e in space["embedders"]} == {"module_sketch", "raw_factors", "input_gram_sketch", "w2t"}
     assert all(e["embedded"] >= N for e in space["embedders"])
     m = web.client.get("/api/v1/spaces/tiny/map?color_by=task").json
     assert m["method"] == "w2t" and m["count"] >= N and len(m["points"]) == m["count"]
