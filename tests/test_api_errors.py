@@ -42,7 +42,7 @@ def client(zoo: SeededZoo) -> FlaskClient:
 @pytest.fixture(scope="module")
 def auth(zoo: SeededZoo) -> dict[str, str]:
     with session_factory(zoo.url).begin() as session:
-        _, token = tokens.create_token(session, "errors")
+        _, token = tokens.create_token(session, "errors", "admin")
     return {"Authorization": f"Bearer {token}"}
 
 
@@ -181,8 +181,8 @@ def test_a_401_says_how_to_send_a_token_and_whether_it_was_known(client: FlaskCl
         assert e["status"] == 401 and "unknown or revoked" in e["message"] and "zoo token create NAME" in e["message"], e
     signed_in = client.application.test_client()
     signed_in.set_cookie(TOKEN_COOKIE, auth["Authorization"].removeprefix("Bearer "))
-    e = error_of(signed_in.delete("/api/v1/adapters/1"))  # a live token, in the cookie: reads only
-    assert "this request needs a token" in e["message"] and "the sign-in cookie only reads" in e["message"], e
+    e = error_of(signed_in.delete("/api/v1/adapters/1"))  # an admin token, in a cookie that reads only
+    assert e["status"] == 403 and "the sign-in cookie only reads" in e["message"], e
     closed = create_app({"ZOO_DATABASE_URL": zoo.url, "ZOO_DATA_DIR": str(zoo.data_dir), "ZOO_READ_TOKEN_REQUIRED": "1"}).test_client()
     e = error_of(closed.get("/api/v1/adapters/1", headers={"Authorization": "Bearer zoo_wrong"}))
     assert "unknown or revoked" in e["message"] and "Authorization: Bearer <token>" in e["message"]

@@ -86,7 +86,7 @@ def test_post_ingest_of_a_tree_with_links_out_ingests_only_what_is_inside(tree: 
     from zoo.store import tokens
 
     with session_factory(db_url).begin() as session:
-        _, token = tokens.create_token(session, "roots")
+        _, token = tokens.create_token(session, "roots", "write")
     client = app.test_client()
     r = client.post("/api/v1/ingest", json={"paths": ["zoo"], "base_model": "tiny"}, headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 202, r.json

@@ -293,7 +293,7 @@ def test_two_workers_and_the_web_app_ingest_the_same_sources_once(pg_url: str, s
     seed_id = _get(f"{url}/api/v1/adapters?per_page=1")["results"][0]["id"]
     assert len(_get(f"{url}/api/v1/adapters/{seed_id}/similar?k=1000&method=sketch")["results"]) == 3  # the engine holds the space
     with session_factory(pg_url).begin() as session:
-        _, token = tokens.create_token(session, "jobs-test")
+        _, token = tokens.create_token(session, "jobs-test", "write")
     base = ["--db", pg_url, "--data-dir", str(data)]
     queued = _job(pg_url, [str(p) for p in sorted((sources / "adapters").iterdir())], base_model="tiny")
     workers = [_zoo(pg_url, data, "worker", "--drain", "--json") for _ in range(2)]

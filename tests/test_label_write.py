@@ -74,7 +74,7 @@ def test_api_and_ingest_label_writes_of_one_adapter_wait_for_each_other(stored: 
     url, data_dir, adapter_id = stored
     app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(data_dir), "TESTING": True})
     with session_factory(url).begin() as session:
-        _, token = tokens.create_token(session, "labeller")
+        _, token = tokens.create_token(session, "labeller", "write")
 
     def api_write() -> object:
         body = {"labels": {"style": "api"}, "measurements": {}}

@@ -44,7 +44,7 @@ def api(seeded: SeededZoo) -> Iterator[Api]:
     """The app on the module's copy of the seeded zoo (its import root is the seed's directory), its schema, and a
     token for the writes, on each backend."""
     with session_factory(seeded.url).begin() as session:
-        _, token = tokens.create_token(session, "schemathesis")
+        _, token = tokens.create_token(session, "schemathesis", "admin")
     config = {"ZOO_DATABASE_URL": seeded.url, "ZOO_DATA_DIR": str(seeded.data_dir), "ZOO_IMPORT_ROOT": str(seeded.root), "TESTING": True}
     app = create_app(config)
     schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", app)

@@ -296,7 +296,7 @@ def test_ingest_needs_a_token_and_stays_in_the_import_root(web: Web, tmp_path: P
     from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
-        _, token = tokens.create_token(session, "web-test")
+        _, token = tokens.create_token(session, "web-test", "write")
     auth = {"Authorization": f"Bearer {token}"}
     for path in ("/etc", "../../etc/passwd", str(web.adapters.parent)):
         e = error_of(web.client.post("/api/v1/ingest", json={"paths": [path]}, headers=auth))
@@ -329,7 +329,7 @@ def test_label_edits_need_a_token_and_reach_search_and_filters(web: Web) -> None
     from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
-        _, token = tokens.create_token(session, "labeller")
+        _, token = tokens.create_token(session, "labeller", "write")
     auth = {"Authorization": f"Bearer {token}"}
     r = web.client.put("/api/v1/adapters/3/labels", json=body, headers=auth)
     assert r.status_code == 200 and r.json["labels"]["style"] == "watercolour" and r.json["measurements"]["test_accuracy"] == 0.91
@@ -349,7 +349,7 @@ def test_delete_needs_a_token_and_the_adapter_leaves_every_index(web: Web) -> No
     from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
-        _, token = tokens.create_token(session, "remover")
+        _, token = tokens.create_token(session, "remover", "admin")
     auth = {"Authorization": f"Bearer {token}"}
     assert 9 in [x["adapter_id"] for x in web.client.get("/api/v1/adapters/10/similar?k=20").json["results"]]  # the engine holds it
     r = web.client.delete("/api/v1/adapters/9", headers=auth)
@@ -374,7 +374,7 @@ def test_an_ingest_job_goes_on_past_a_hostile_file_and_names_it(web: Web) -> Non
     from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
-        _, token = tokens.create_token(session, "hostile")
+        _, token = tokens.create_token(session, "hostile", "write")
     good = (web.adapters / "zoo" / "w01" / "adapter_model.safetensors").read_bytes()
     (web.adapters / "outside" / "truncated.safetensors").write_bytes(good[: len(good) // 2])
     (web.adapters / "outside" / "pickle.bin").write_bytes(b"\x80\x04cos\nsystem\n.")
@@ -449,7 +449,7 @@ def test_reads_can_require_a_token(web: Web) -> None:
     assert cookie and cookie.http_only and cookie.same_site == "Lax"
     assert closed.get("/adapters/1").status_code == 200 and closed.get("/api/v1/adapters/1").status_code == 200  # reads take it
     assert "sign out" in closed.get("/").get_data(as_text=True)
-    assert closed.delete("/api/v1/adapters/1").status_code == 401  # writes never do: they need the header
+    assert closed.delete("/api/v1/adapters/1").status_code == 403  # a reader's cookie never deletes
     closed.post("/sign-out")
     assert closed.get_cookie(TOKEN_COOKIE) is None and closed.get("/").status_code == 401
 
@@ -527,7 +527,7 @@ def test_no_server_path_in_a_response(web: Web) -> None:
     from zoo.store.session import session_factory
 
     with session_factory(web.url).begin() as session:
-        _, token = tokens.create_token(session, "paths")
+        _, token = tokens.create_token(session, "paths", "write")
     auth = {"Authorization": f"Bearer {token}"}
     r = web.client.post("/api/v1/ingest", data={**upload_of("broken.safetensors", b"\x00" * 64), "base_model": "tiny"}, headers=auth)
     assert r.status_code == 202

@@ -33,6 +33,9 @@ def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     app.config.update(
         MAX_CONTENT_LENGTH=web.max_upload_bytes + (1 << 20),  # the multipart envelope around the files
         JSON_SORT_KEYS=False,
+        # the document's server is this site, relative: never built from a request's Host header, since the document is
+        # made once and kept for every later request
+        SERVERS=[{"url": "/"}],
         HTTP_ERROR_SCHEMA=schemas.Error,  # the one error shape (webapp/errors.py) in the OpenAPI document
         VALIDATION_ERROR_SCHEMA=schemas.Error,
         **{k: v for k, v in config.items() if not k.startswith("ZOO_")},

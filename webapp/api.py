@@ -18,7 +18,7 @@ from werkzeug.exceptions import UnsupportedMediaType
 from embed import service
 from embed.engine import spaces_budget
 from webapp import schemas
-from webapp.auth import token_auth
+from webapp.auth import current_token, needs
 from webapp.context import db, retry_after, zoo_context
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_invalid_json, refuse_nul, space_filters, with_session
 from zoo import __version__, deadline
@@ -70,6 +70,7 @@ def health() -> HealthResource:
 
 
 @api.get("/adapters")
+@needs("read")
 @api.input(schemas.CatalogQuery, location="query", arg_name="query")
 @api.output(schemas.CatalogOut)
 @api.doc(responses=[*READ, 404])
@@ -82,6 +83,7 @@ def adapters(query: dict) -> CatalogPage:
 
 
 @api.get("/adapters/<int:adapter_id>")
+@needs("read")
 @api.output(schemas.AdapterOut)
 @api.doc(responses=ENGINE)
 def adapter(adapter_id: int) -> Response:
@@ -91,6 +93,7 @@ def adapter(adapter_id: int) -> Response:
 
 
 @api.get("/adapters/<int:adapter_id>/lineage")
+@needs("read")
 @api.output(schemas.Lineage)
 @api.doc(responses=[*READ, 404])
 def lineage(adapter_id: int) -> dict[str, object]:
@@ -101,6 +104,7 @@ def lineage(adapter_id: int) -> dict[str, object]:
 
 
 @api.get("/adapters/<int:adapter_id>/similar")
+@needs("read")
 @api.input(schemas.SimilarQuery, location="query", arg_name="query")
 @api.output(schemas.SearchOut)
 @api.doc(responses=[*ENGINE, 503])  # 503: the pool for searches full, or past the time limit
@@ -118,6 +122,7 @@ def similar(adapter_id: int, query: dict) -> Response:
 
 
 @api.post("/similar")
+@needs("read")
 @api.input(schemas.SimilarOptions, location="query", arg_name="query")
 @api.input(schemas.SimilarUpload, location="form_and_files", arg_name="form")
 @api.output(schemas.SearchOut)
@@ -180,6 +185,7 @@ def _checked(fn: Callable[..., T], *args: object) -> T:
 
 
 @api.post("/predict/attributes")
+@needs("read")
 @api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
 @api.output(schemas.AttributesOut)
 @api.doc(responses=UPLOAD)
@@ -192,6 +198,7 @@ def predict_attributes(body: dict) -> dict[str, object]:
 
 
 @api.post("/predict/performance")
+@needs("read")
 @api.input(schemas.PredictBody, location="json_or_form", arg_name="body")
 @api.output(schemas.PerformanceOut)
 @api.doc(responses=UPLOAD)
@@ -201,6 +208,7 @@ def predict_performance(body: dict) -> dict[str, object]:
 
 
 @api.get("/adapters/<int:adapter_id>/download")
+@needs("read")
 @api.input(schemas.DownloadQuery, location="query", arg_name="query")
 # apiflask types the dict's values all alike; each may be a description (an error: with the error schema) or a whole response
 @api.doc(responses={200: {"description": "a zip (peft) or a .safetensors file"}, 400: "Bad Request", 401: "Unauthorized"})  # type: ignore[arg-type]
@@ -219,12 +227,13 @@ def download(adapter_id: int, query: dict) -> Response:
 
 
 @api.put("/adapters/<int:adapter_id>/labels")
-@api.auth_required(token_auth)
+@needs("write")
 @api.input(schemas.LabelsBody, location="json", arg_name="body")
 @api.output(schemas.LabelsOut)
-@api.doc(responses=[400, 413, 415])
+@api.doc(responses=[400, 403, 413, 415])
 def set_labels(adapter_id: int, body: dict) -> AdapterLabels:
-    """Set given labels and test measurements (replacing those with the same key); needs a token."""
+    """Set given labels and test measurements (replacing those with the same key), within the label limits (413 past
+    them); needs a token of scope write."""
     from zoo.store.labels import write_labels
     from zoo.store.session import write_transaction
 
@@ -239,15 +248,16 @@ def set_labels(adapter_id: int, body: dict) -> AdapterLabels:
 
 
 @api.delete("/adapters/<int:adapter_id>")
-@api.auth_required(token_auth)
+@needs("admin")
 @api.output(schemas.DeletionOut)
-@api.doc(responses=[404])
+@api.doc(responses=[403, 404])
 def delete_adapter(adapter_id: int) -> service.Deletion:
-    """Delete an adapter (its rows, labels and embeddings; it leaves every index); needs a token."""
+    """Delete an adapter (its rows, labels and embeddings; it leaves every index); needs a token of scope admin."""
     return service.delete_adapter(zoo_context().sessions, adapter_id)
 
 
 @api.get("/spaces")
+@needs("read")
 @api.output(schemas.SpacesOut)
 @api.doc(responses=READ)
 def spaces() -> service.SpacesResource:
@@ -258,6 +268,7 @@ def spaces() -> service.SpacesResource:
 
 
 @api.get("/spaces/<path:name>/map")
+@needs("read")
 @api.input(schemas.MapQuery, location="query", arg_name="query")
 @api.output(schemas.MapOut)
 @api.doc(responses=ENGINE)
@@ -270,20 +281,19 @@ def space_map(name: str, query: dict) -> Response:
 
 
 @api.post("/ingest")
-@api.auth_required(token_auth)
+@needs("write")
 @api.input(schemas.IngestBody, location="json_or_form", arg_name="body")
 @api.output(schemas.Job, status_code=202)
-@api.doc(responses=[400, 413, 415])
+@api.doc(responses=[400, 403, 413, 415])
 def ingest(body: dict) -> JobDetail:
-    """Queue an ingestion job of paths under the import root, or of uploaded files (`file`); needs a token."""
+    """Queue an ingestion job of paths under the import root, or of uploaded files (`file`); needs a token of scope write."""
     from webapp.jobs import start_ingest
 
-    user = token_auth.current_user
-    assert user is not None  # auth_required
-    return start_ingest(body.get("paths") or [], request.files.getlist("file"), body.get("base_model"), user.name)
+    return start_ingest(body.get("paths") or [], request.files.getlist("file"), body.get("base_model"), current_token().name)
 
 
 @api.get("/jobs")
+@needs("read")
 @api.output(schemas.JobList)
 @api.doc(responses=READ)
 def jobs() -> dict[str, list[JobSummary]]:
@@ -294,6 +304,7 @@ def jobs() -> dict[str, list[JobSummary]]:
 
 
 @api.get("/jobs/<int:job_id>")
+@needs("read")
 @api.output(schemas.Job)
 @api.doc(responses=READ)
 def job(job_id: int) -> JobDetail:

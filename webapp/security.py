@@ -1,11 +1,10 @@
-"""What every request and response passes through, in one place: the read token (ZOO_READ_TOKEN_REQUIRED), the
-security headers, and no server path in a response body.
+"""What every request and response passes through, in one place: each route's declared scope held to the request's
+token (webapp/auth.py), the security headers, and no server path in a response body.
 
-Read tokens: with ZOO_READ_TOKEN_REQUIRED every endpoint but OPEN_ENDPOINTS needs a live token, whatever its
-method (GET, HEAD, OPTIONS and the POST reads: similar and predict), before any view or blueprint hook runs. A
-program sends `Authorization: Bearer <token>`; a browser signs in once at /sign-in, which keeps the token in an
-HttpOnly, SameSite=Lax cookie (TOKEN_COOKIE) that reads accept too. Writes still need the header (token_auth):
-the cookie is never enough to change the zoo.
+Scopes: every endpoint but OPEN_ENDPOINTS declares with `needs` the scope it needs, and `require_scope` checks it before
+any view or blueprint hook runs: `read` needs a live token only under ZOO_READ_TOKEN_REQUIRED (the header's or the
+sign-in cookie's), `write` and `admin` always, of that scope or more (401 without one, 403 naming the scope needed). An
+app whose routes do not all declare one does not start.
 """
 
 from __future__ import annotations
@@ -19,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from apiflask import APIFlask
-from flask import Response, jsonify, render_template, request
+from flask import Response, current_app, jsonify, render_template, request
 
 from webapp.auth import TOKEN_COOKIE as TOKEN_COOKIE  # the cookie a signed-in browser sends its token in
-from webapp.auth import bearer_token, stamped_token, token_problem
+from webapp.auth import ScopeRefusal, check_scope, declared_scope, request_token, undeclared_endpoints
 from webapp.context import zoo_context
-from webapp.errors import API_PREFIX, error_body
+from webapp.errors import API_PREFIX, error_body, kind_of
 
 if TYPE_CHECKING:
     import socket
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
 #: endpoints anyone may call when reads need a token: liveness, the API's description and its docs page (the
 #: document only, no data), static files, and signing in
 OPEN_ENDPOINTS = frozenset({"api.health", "openapi.spec", "ui.api_docs_page", "static", "ui.sign_in", "ui.sign_out"})
-READS_NEED_A_TOKEN = "this server needs a token for reads too"
 
 #: on every response. Scripts and styles only from this site's files (no inline script or style, no eval), images
 #: also as data: URIs (Swagger UI's icons), no plugins, no framing, forms post only here
@@ -48,36 +46,47 @@ SECURITY_HEADERS = {
 }
 
 
-def request_token() -> str | None:
-    """The token the request carries: the Authorization header's, else the sign-in cookie's."""
-    return bearer_token() or request.cookies.get(TOKEN_COOKIE) or None
-
-
-def require_read_token() -> Response | tuple | None:
-    """Before every request: under ZOO_READ_TOKEN_REQUIRED, 401 unless the endpoint is open or a live token came
-    (JSON under /api/, else a page to sign in on). A URL no route matches goes on to its 404 or 405."""
-    if not zoo_context().web.read_token_required or request.endpoint is None or request.endpoint in OPEN_ENDPOINTS:
+def require_scope() -> Response | tuple | None:
+    """Before every request: the endpoint's declared scope held to the request's token (module doc); a refusal is
+    JSON under /api/, else a page (a 401 page to sign in on). A URL no route matches goes on to its 404 or 405."""
+    endpoint = request.endpoint
+    if endpoint is None or endpoint in OPEN_ENDPOINTS:
         return None
-    token = request_token()
-    if token and stamped_token(token) is not None:
-        return None
-    return unauthorized("that token is unknown or revoked" if token else None)
+    scope = declared_scope(current_app, endpoint) or "admin"  # create_app refuses an undeclared route; never open by mistake
+    try:
+        check_scope(scope, zoo_context().web.read_token_required)
+    except ScopeRefusal as refusal:
+        return refused(refusal)
+    return None
 
 
-def unauthorized(problem: str | None = None) -> Response | tuple:
-    """The 401 for a read without a live token: the error shape under /api/, a sign-in page elsewhere."""
-    headers = {"WWW-Authenticate": 'Bearer realm="zoo"'}
+def refused(refusal: ScopeRefusal) -> Response | tuple:
+    """A request refused for its token: the error shape under /api/; elsewhere a page to sign in on (401) or the error
+    page (403)."""
+    headers = {"WWW-Authenticate": 'Bearer realm="zoo"'} if refusal.status == 401 else {}
     if request.path.startswith(API_PREFIX):
-        response = jsonify(error_body(401, "unauthorized", token_problem(request_token(), READS_NEED_A_TOKEN)))
-        response.status_code = 401
+        response = jsonify(error_body(refusal.status, kind_of(refusal.status), refusal.message))
+        response.status_code = refusal.status
         response.headers.update(headers)
         return response
+    if refusal.status == 403:
+        return render_template("error.html", status=403, heading="Forbidden", message=refusal.message), 403
+    problem = "that token is unknown or revoked" if request_token() else None
     return render_template("sign_in.html", problem=problem, next=local_path(request.full_path)), 401, headers
 
 
+def check_declared(app: APIFlask) -> None:
+    """Refuse to start an app with a route that neither declares its scope nor is open."""
+    missing = undeclared_endpoints(app, OPEN_ENDPOINTS)
+    if missing:
+        raise RuntimeError(f"routes without a declared scope (webapp.auth.needs): {', '.join(missing)}")
+
+
 def local_path(target: str | None) -> str:
-    """`target` if it is a path on this site (what /sign-in may send a browser back to), else "/"."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+    """`target` if it is a path on this site (what /sign-in may send a browser back to), else "/". Control characters and
+    spaces are refused too: a browser drops a tab or a newline inside a URL, so `/\t/evil.example` is `//evil.example`,
+    and CR or LF cannot go in a Location header."""
+    if not target or not re.fullmatch(r"/(?![/\\])[^\\]*", target) or " " in target or not target.isprintable():
         return "/"
     return target.removesuffix("?")
 
@@ -144,7 +153,8 @@ def hide_server_paths(response: Response) -> Response:
 
 
 def register(app: APIFlask) -> None:
-    app.before_request(require_read_token)  # app hooks run before the blueprints' (refuse_nul, body types)
+    check_declared(app)
+    app.before_request(require_scope)  # app hooks run before the blueprints' (refuse_nul, body types)
     app.after_request(hide_server_paths)
     app.after_request(security_headers)
 

@@ -10,6 +10,7 @@ from flask import redirect, render_template, request, url_for
 from werkzeug.wrappers import Response
 
 from embed import service
+from webapp.auth import needs
 from webapp.context import db, zoo_context
 from webapp.schemas import MAX_PAGE
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
@@ -31,6 +32,7 @@ def _filters_from_args() -> list[str]:
 
 
 @ui.get("/")
+@needs("read")
 def search_page() -> str:
     from zoo.store.catalog import search_catalog
 
@@ -74,12 +76,14 @@ def api_docs_page() -> str:
 
 
 @ui.get("/adapters/<int:adapter_id>")
+@needs("read")
 def adapter_page(adapter_id: int) -> str:
     resource = service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True))
     return render_template("adapter.html", a=resource, twin=url_for("api.adapter", adapter_id=adapter_id))
 
 
 @ui.get("/map")
+@needs("read")
 def map_page() -> str:
     spaces = service.list_spaces(db())
     name = request.args.get("space") or (spaces[0]["name"] if spaces else None)
@@ -89,6 +93,7 @@ def map_page() -> str:
 
 
 @ui.route("/similar", methods=["GET", "POST"])
+@needs("read")
 def similar_page() -> tuple[str, int] | str:
     spaces = service.list_spaces(db())
     if request.method == "GET":
@@ -116,6 +121,7 @@ def similar_page() -> tuple[str, int] | str:
 
 
 @ui.get("/jobs")
+@needs("read")
 def jobs_page() -> str:
     from zoo.store.jobs import list_jobs
 
@@ -123,6 +129,7 @@ def jobs_page() -> str:
 
 
 @ui.get("/jobs/<int:job_id>")
+@needs("read")
 def job_page(job_id: int) -> str:
     from zoo.store.jobs import get_job
 
@@ -132,9 +139,10 @@ def job_page(job_id: int) -> str:
 @ui.route("/sign-in", methods=["GET", "POST"])
 def sign_in() -> tuple[str, int] | Response:
     """Where a browser gives its token when reads need one (ZOO_READ_TOKEN_REQUIRED): kept in an HttpOnly cookie that
-    reads accept like the Authorization header (webapp/security.py); writes still need the header."""
-    from webapp.auth import stamped_token
-    from webapp.security import TOKEN_COOKIE, local_path
+    reads accept like the Authorization header (webapp/auth.py). The cookie reads only, unless the form's `writes` box
+    is ticked: then it may do what the token may (the docs page's "Try it out" writes with it)."""
+    from webapp.auth import TOKEN_COOKIE, cookie_value, live_token
+    from webapp.security import local_path
 
     back = local_path(request.values.get("next"))
     if request.method != "POST":
@@ -142,17 +150,19 @@ def sign_in() -> tuple[str, int] | Response:
     token = (request.form.get("token") or "").strip()
     if not token:
         return render_template("sign_in.html", problem="paste a token first", next=back), 400
-    if stamped_token(token) is None:
+    found = live_token(token)
+    if found is None:
         problem = "that token is unknown or revoked (mistyped?): `zoo token create NAME` makes one"
         return render_template("sign_in.html", problem=problem, next=back), 401
+    scope = found.scope if request.form.get("writes") else "read"
     response = redirect(back, code=303)
-    response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Lax", secure=request.is_secure)
+    response.set_cookie(TOKEN_COOKIE, cookie_value(token, scope), httponly=True, samesite="Lax", secure=request.is_secure)
     return response
 
 
 @ui.post("/sign-out")
 def sign_out() -> Response:
-    from webapp.security import TOKEN_COOKIE
+    from webapp.auth import TOKEN_COOKIE
 
     response = redirect(url_for("ui.sign_in"), code=303)
     response.delete_cookie(TOKEN_COOKIE, httponly=True, samesite="Lax", secure=request.is_secure)

@@ -13,6 +13,7 @@ from zoo.cli.render import plural, print_json, print_zoo_report, relations_line
 from zoo.config import Settings
 from zoo.labels import read_labels_csv
 from zoo.reference.recipes import RECIPES
+from zoo.store import tokens
 from zoo.store.session import make_engine, require_schema, session_factory, upgrade
 
 if TYPE_CHECKING:
@@ -152,15 +153,16 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_token(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo.store import tokens
-
     require_schema(settings.database_url)
     with session_factory(settings.database_url).begin() as session:
         if args.action == "create":
-            row, token = tokens.create_token(session, args.name)
+            row, token = tokens.create_token(session, args.name, args.scope)
             created: tokens.NewToken = {**tokens.token_summary(row), "token": token}
             out: object = created
-            lines = [f"token {created['id']} ({created['name']}): {token}\nkeep it now: it is stored hashed and cannot be shown again"]
+            lines = [
+                f"token {created['id']} ({created['name']}, scope {created['scope']}): {token}\n"
+                "keep it now: it is stored hashed and cannot be shown again"
+            ]
         elif args.action == "revoke":
             revoked = tokens.token_summary(tokens.revoke_token(session, args.id))
             out, lines = revoked, [f"token {revoked['id']} ({revoked['name']}) revoked"]
@@ -168,7 +170,7 @@ def cmd_token(settings: Settings, args: argparse.Namespace) -> int:
             listed = tokens.list_tokens(session)
             out = listed
             lines = [
-                f"{t['id']:>4}  {t['name']:<24} created {t['created_at']}  last used {t['last_used_at'] or '-'}  "
+                f"{t['id']:>4}  {t['name']:<24} {t['scope']:<5}  created {t['created_at']}  last used {t['last_used_at'] or '-'}  "
                 + ("REVOKED" if t["revoked_at"] else "")
                 for t in listed
             ]
@@ -237,10 +239,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     s.set_defaults(func=cmd_serve)
 
-    s = sub.add_parser("token", help="API tokens for the REST API's write endpoints: create NAME | list | revoke ID")
+    s = sub.add_parser("token", help="API tokens for the REST API, each of a scope: create NAME [--scope S] | list | revoke ID")
     tsub = s.add_subparsers(dest="action", required=True)
     t = tsub.add_parser("create", help="make a token (shown once)")
     t.add_argument("name")
+    t.add_argument(
+        "--scope",
+        choices=tokens.SCOPES,
+        default=tokens.DEFAULT_SCOPE,
+        help="read: every read; write: also ingest and labels; admin: also delete adapters (default: %(default)s, so that a "
+        "token handed out without thought cannot change the zoo)",
+    )
     t.add_argument("--json", action="store_true")
     t = tsub.add_parser("list", help="tokens, without their secrets")
     t.add_argument("--json", action="store_true")

@@ -256,13 +256,14 @@ class Embedding(Base):
 
 
 class ApiToken(Base):
-    """A token for the REST API's write endpoints; only its SHA-256 is stored."""
+    """A token for the REST API; only its SHA-256 is stored. Its scope (read, write, admin) is what it may do."""
 
     __tablename__ = "api_token"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    scope: Mapped[str] = mapped_column(String(8))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
