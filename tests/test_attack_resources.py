@@ -3,8 +3,18 @@ clients, the pool that bounds searches. Timing bounds are generous (a busy 2-cor
 
 from __future__ import annotations
 
+import gc
+import json
+import struct
+import tracemalloc
+import zipfile
+from pathlib import Path
+
+import pytest
+
 from bench.attack import Flood, get, p99
 from tests.test_attack import PROBE_P99_S, Served, _probe_during, served
+from zoo.errors import InputError
 
 __all__ = ["served"]  # the fixture, shared with tests/test_attack.py: a server of this module's own
 
@@ -17,3 +27,75 @@ def test_a_flood_of_small_similar_queries_is_bounded_by_the_search_pool(served: 
         times = _probe_during(served)
     assert p99(times) < PROBE_P99_S, times
     assert set(flood.statuses) <= {200, 503} and flood.statuses.get(503, 0) > 0 and flood.statuses.get(200, 0) > 0, flood.statuses
+
+
+def _zip_of_zeros(path: Path, modules: int, width: int, rank: int = 16, name_chars: int = 0) -> Path:
+    """A zipped PEFT directory whose weights are `modules` LoRA modules of zeros (A: rank × width, B: 64 × rank, fp16),
+    each module's name padded with `name_chars` characters: deflate shrinks it about 1,000 times."""
+    entries, offset = {}, 0
+    for i in range(modules):
+        stem = f"base_model.model.layers.{i}.{'x' * name_chars}.q_proj"
+        for part, shape in (("lora_A", [rank, width]), ("lora_B", [64, rank])):
+            size = shape[0] * shape[1] * 2
+            entries[f"{stem}.{part}.weight"] = {"dtype": "F16", "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+    header = json.dumps(entries).encode()
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj"], "base_model_name_or_path": "tiny"}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        zf.writestr("a/adapter_config.json", json.dumps(config))
+        with zf.open("a/adapter_model.safetensors", "w", force_zip64=True) as fh:
+            fh.write(struct.pack("<Q", len(header)) + header)
+            zeros = bytes(1 << 22)
+            for start in range(0, offset, len(zeros)):
+                fh.write(zeros[: min(len(zeros), offset - start)])
+    return path
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def test_a_zip_member_is_refused_from_its_header_before_it_is_inflated(tmp_path: Path) -> None:
+    """A small zip whose weights expand to 8 MiB of a module 2^22 wide (at 2^26, 130 KB expand to 128 MiB): before,
+    `zf.read` inflated all of it, and a copy, before the width check read the header; now the header is read first
+    and refused."""
+    from zoo.formats import read_adapter
+
+    bomb = _zip_of_zeros(tmp_path / "wide.zip", 1, 1 << 22, rank=1)
+    assert bomb.stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError, match=r"wide\.zip/adapter_model\.safetensors: tensor .*4,194,304 wide.*ZOO_MAX_MODULE_WIDTH"):
+            read_adapter(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 << 20, _mib(peak)  # before: 21.5 MiB (269.6 MiB at 2^26)
+
+
+def test_a_refused_upload_frees_its_bytes_without_a_garbage_collection(tmp_path: Path) -> None:
+    """A zip that is read whole (32 MiB of zeros) and then refused (module names past 512 characters), in the pool
+    that runs uploads, with the garbage collector off: before, the call's exception sat in its future, whose frame
+    its traceback held, and that cycle kept every frame's bytes (the upload's) until a full collection; now nothing
+    of it stays."""
+    from webapp.context import CallPool
+    from zoo.formats import read_adapter
+
+    bomb = _zip_of_zeros(tmp_path / "long-names.zip", 2, 1 << 19, name_chars=600)
+    pool = CallPool(workers=1, queue=0, time_limit_s=60)
+    refused = 0
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        for _ in range(2):
+            try:
+                pool.run(lambda: read_adapter(bomb))
+            except InputError as exc:
+                refused += "module name" in str(exc)
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert refused == 2 and peak > 32 << 20, _mib(peak)  # each call held the whole upload once
+    assert current < 4 << 20, _mib(current)  # before: 64 MiB, both uploads

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -77,6 +78,11 @@ class CallPool:
                 deadline.check_at(end)  # waited past the limit in the queue: nothing to do
                 with deadline.until(end):
                     return fn()
+            except BaseException as exc:
+                # the frames fn ran in hold what it read (an upload's bytes): their locals go now, not when a
+                # full garbage collection finds the traceback's cycles (their lines still show in a log)
+                traceback.clear_frames(exc.__traceback__)
+                raise
             finally:
                 memory.trim()  # what the call freed goes back to the system (zoo/memory.py)
                 self._release()
@@ -88,6 +94,8 @@ class CallPool:
             if future.cancel():  # it never started, so call() will not release its slot
                 self._release()
             raise TimeLimitError(f"the request took longer than {self.time_limit_s:g} s; try a smaller upload or fewer ids") from None
+        finally:
+            del future  # the future holds the call's exception, whose traceback holds this frame: no cycle left behind
 
 
 @dataclass

@@ -20,6 +20,7 @@ import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -146,6 +147,29 @@ def _hash_streamed(path: Path, fh: io.BufferedReader, st: os.stat_result, h: has
     if done != st.st_size or _identity(os.fstat(fh.fileno())) != _identity(st):
         raise InputError(path, f"the file changed while it was read (it had {st.st_size} bytes, then {done})")
     return WeightFile(path, StreamedFile(path, st.st_size, bytes(head), _identity(st)), h.hexdigest())
+
+
+def read_safetensors_stream(path: Path, fh: BinaryIO, size: int) -> WeightFile:
+    """A safetensors file of `size` bytes from a stream that may expand (a zip member): its header read and checked
+    first (framing, and every tensor within ZOO_MAX_MODULE_WIDTH), and only then the rest read into one buffer of
+    `size` bytes and hashed; a stream that ends early or runs past `size` is refused."""
+    from zoo.formats.limits import check_widths
+
+    head = fh.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    if n <= max_header_bytes() and 8 + n <= size:
+        head += fh.read(n)
+    header = safetensors_header(path, StreamedFile(path, size, head, ()))
+    check_widths(path, [(key, info["shape"]) for key, info in header.entries.items()])
+    data = bytearray(size)
+    data[: len(head)] = head
+    done = len(head)
+    with memoryview(data) as view:
+        while done < size and (got := fh.readinto(view[done : min(size, done + _CHUNK)])):
+            done += got
+    if done < size or fh.read(1):
+        raise InputError(path, f"the stream did not hold the {size} bytes it declared")
+    return WeightFile(path, data, hashlib.sha256(data).hexdigest())
 
 
 def open_streamed(path: Path) -> StreamedTensors:
