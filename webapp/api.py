@@ -6,6 +6,7 @@ Views parse, call zoo/embed, and return the resource dict; no math or SQL here. 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
@@ -22,7 +23,7 @@ from webapp.auth import current_token, needs
 from webapp.context import db, retry_after, zoo_context
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_invalid_json, refuse_nul, space_filters, with_session
 from zoo import __version__, deadline
-from zoo.errors import UsageError
+from zoo.errors import NotFoundError, UsageError
 from zoo.store import repository
 from zoo.store.models import Adapter
 from zoo.store.session import current_revision
@@ -242,7 +243,29 @@ def set_labels(adapter_id: int, body: dict) -> AdapterLabels:
     get_adapter(adapter_id)
     with write_transaction(zoo_context().sessions) as session:
         write_labels(session, adapter_id, body["labels"], body["measurements"])
-    db().rollback()  # end the request's read transaction: read what was just committed
+    return _labels_of(adapter_id)
+
+
+@api.delete("/adapters/<int:adapter_id>/labels/<path:key>")
+@needs("write")
+@api.output(schemas.LabelsOut)
+@api.doc(responses=[403, 404])
+def remove_label(adapter_id: int, key: str) -> AdapterLabels:
+    """Remove a given label and the test measurement of that key (404 when it has neither); needs a token of scope
+    write."""
+    from zoo.store.labels import remove_label as remove
+    from zoo.store.session import write_transaction
+
+    get_adapter(adapter_id)
+    with write_transaction(zoo_context().sessions) as session:
+        if not remove(session, adapter_id, key):
+            raise NotFoundError(f"adapter {adapter_id} has no label or measurement {key!r}")
+    return _labels_of(adapter_id)
+
+
+def _labels_of(adapter_id: int) -> AdapterLabels:
+    """The adapter's labels and measurements as just committed (the request's read transaction ended first)."""
+    db().rollback()
     detail = repository.adapter_detail(get_adapter(adapter_id))
     return {"id": adapter_id, "labels": detail["labels"], "measurements": detail["measurements"]}
 
@@ -374,3 +397,17 @@ api.after_app_request(retry_after)
 
 
 api.before_request(refuse_nul)
+
+
+@api.before_request
+def _refuse_lone_surrogates() -> None:
+    """JSON text with a lone surrogate (`"\\ud800"`: JSON allows the escape, UTF-8 cannot encode it, neither database can
+    store it) is a 400 naming it, not a 500 from the database driver. Runs after refuse_nul, which parsed the body and
+    refused one nested too deep."""
+    if not request.is_json:
+        return
+    try:
+        json.dumps(request.get_json(silent=True), ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+        raise UsageError(f"text in a request must be valid Unicode: the JSON body holds a lone surrogate ({bad})") from None

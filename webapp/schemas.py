@@ -194,7 +194,9 @@ class MapQuery(Schema):
 
 
 class LabelsBody(Schema):
-    labels = Dict(keys=String(validate=Length(1, 128)), values=String(validate=Length(1, 1000)), load_default=dict)
+    """Labels and measurements to set; past the label limits (zoo.labels.label_problem, settings ZOO_MAX_LABEL_*) a 413."""
+
+    labels = Dict(keys=String(validate=Length(1, 128)), values=String(validate=Length(min=1)), load_default=dict)
     measurements = Dict(keys=String(validate=Length(1, 128)), values=Float(allow_nan=False), load_default=dict)
 
 

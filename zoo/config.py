@@ -53,6 +53,10 @@ MALLOC_TRIM = Variable("ZOO_MALLOC_TRIM", True, "return freed heap memory to the
 IMPORT_ROOT = Variable("ZOO_IMPORT_ROOT", "", "the directory `POST /api/v1/ingest` may name paths under (none: paths are refused)")
 MAX_UPLOAD_BYTES = Variable("ZOO_MAX_UPLOAD_BYTES", 256 << 20, "uploads larger than this are refused with 413")
 READ_TOKEN_REQUIRED = Variable("ZOO_READ_TOKEN_REQUIRED", False, "read endpoints need an API token too")
+MAX_LABELS = Variable("ZOO_MAX_LABELS", 64, "given labels and test measurements one adapter may have, together")
+MAX_LABEL_KEY_CHARS = Variable("ZOO_MAX_LABEL_KEY_CHARS", 128, "the longest label or measurement key (at most 128, the column's width)")
+MAX_LABEL_VALUE_CHARS = Variable("ZOO_MAX_LABEL_VALUE_CHARS", 1000, "the longest label value")
+MAX_LABEL_BYTES = Variable("ZOO_MAX_LABEL_BYTES", 16 << 10, "UTF-8 bytes of one adapter's labels and measurements, keys and values")
 TIME_LIMIT_S = Variable("ZOO_TIME_LIMIT_S", 60.0, "seconds an expensive web call (an upload, a prediction) may take")
 CALL_WORKERS = Variable("ZOO_CALL_WORKERS", 2, "threads for expensive web calls, per process")
 CALL_QUEUE = Variable("ZOO_CALL_QUEUE", 2, "expensive web calls that may wait for a thread; more are refused with 503")
@@ -66,7 +70,8 @@ WORKER_CONNECTIONS = Variable("ZOO_WORKER_CONNECTIONS", 1000, "connections one `
 VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool], ...] = (
     DATA_DIR, DATABASE_URL, MAX_RANK, MAX_MODULES, MAX_MODULE_WIDTH, MAX_HEADER_BYTES, MAX_FILE_BYTES, STREAM_MIN_BYTES,
     HUB_MAX_WAIT_S, JOB_LEASE_S, FACET_EXACT_ROWS, PROBE_CACHE_BYTES, MODULE_STORE_BYTES, SPACES_BYTES, EMBED_CHUNK_BYTES,
-    MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE,
+    MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, MAX_LABELS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS,
+    MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE,
     HEADER_TIMEOUT_S, BODY_TIMEOUT_S, IO_TIMEOUT_S, WORKER_CLASS, WORKER_CONNECTIONS,
 )  # fmt: skip
 

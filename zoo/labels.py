@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zoo.errors import InputError
+from zoo import config
+from zoo.errors import InputError, UsageError
 
 #: Columns that are always measurements (numbers), never attributes.
 DEFAULT_METRICS = ("test_accuracy",)
@@ -16,6 +17,47 @@ DEFAULT_METRICS = ("test_accuracy",)
 TASK_KEY = "task"
 #: The given label a source's datasets become (see source_labels).
 DATASET_KEY = "dataset"
+
+
+#: the width of the label and measurement key columns: no setting reaches past it
+KEY_COLUMN_CHARS = 128
+#: what a measurement's value counts towards ZOO_MAX_LABEL_BYTES (a float)
+MEASUREMENT_VALUE_BYTES = 8
+
+
+class LabelLimitError(UsageError):
+    """Labels past one of the limits (ZOO_MAX_LABELS, ZOO_MAX_LABEL_KEY_CHARS, ZOO_MAX_LABEL_VALUE_CHARS, ZOO_MAX_LABEL_BYTES)."""
+
+    http_status = 413
+
+
+def label_problem(attributes: Mapping[str, str], measurements: Mapping[str, float]) -> str | None:
+    """What is past a limit in one adapter's labels and test measurements, all of them (those stored and those written),
+    naming the limit and its setting; None when nothing is. The limits keep a label write and every catalog page that
+    shows the adapter small: 20,000 labels on one adapter made each catalog page take 2.9 s."""
+    most_keys, key_chars = config.MAX_LABELS.get(), min(config.MAX_LABEL_KEY_CHARS.get(), KEY_COLUMN_CHARS)
+    value_chars, most_bytes = config.MAX_LABEL_VALUE_CHARS.get(), config.MAX_LABEL_BYTES.get()
+    keys = len(attributes) + len(measurements)
+    if keys > most_keys:
+        return f"{keys:,} labels and measurements, past the limit of {most_keys:,} per adapter (ZOO_MAX_LABELS)"
+    for key in [*attributes, *measurements]:
+        if len(key) > key_chars:
+            return f"the key {key[:40]!r}... is {len(key):,} characters long, past the limit of {key_chars:,} (ZOO_MAX_LABEL_KEY_CHARS)"
+    for key, value in attributes.items():
+        if len(value) > value_chars:
+            return f"the value of {key!r} is {len(value):,} characters long, past the limit of {value_chars:,} (ZOO_MAX_LABEL_VALUE_CHARS)"
+    size = sum(len(k.encode(errors="surrogatepass")) + len(v.encode(errors="surrogatepass")) for k, v in attributes.items())
+    size += sum(len(k.encode(errors="surrogatepass")) + MEASUREMENT_VALUE_BYTES for k in measurements)
+    if size > most_bytes:
+        return f"{size:,} bytes of labels and measurements, past the limit of {most_bytes:,} per adapter (ZOO_MAX_LABEL_BYTES)"
+    return None
+
+
+def check_label_limits(attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:
+    """LabelLimitError (413) when one adapter's labels and test measurements are past a limit (label_problem)."""
+    problem = label_problem(attributes, measurements)
+    if problem:
+        raise LabelLimitError(problem)
 
 
 @dataclass
@@ -57,6 +99,9 @@ def read_labels_csv(path: Path, metrics: Sequence[str] = ()) -> dict[str, LabelR
                         row.measurements[key] = number
                     else:
                         row.attributes[key] = value.strip()
+                problem = label_problem(row.attributes, row.measurements)
+                if problem:
+                    raise InputError(path, f"line {lineno}: {problem}")
                 rows[name] = row
     except OSError as exc:
         raise InputError(path, f"cannot read labels CSV ({exc.strerror or exc})") from None

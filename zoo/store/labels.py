@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TypedDict
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from zoo.labels import check_label_limits
 from zoo.store.catalog import refresh_search_text
 from zoo.store.locks import label_lock, take_locks
 from zoo.store.models import Label, Measurement
@@ -30,11 +31,29 @@ class AdapterLabels(TypedDict):
 def write_labels(session: Session, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:
     """Given labels and test measurements replace those with the same key, and the search document is rewritten, in the
     session's write transaction (zoo.store.session.write_transaction), under `label_lock(adapter_id)`: taken here when the
-    transaction does not hold it yet, and held to its end."""
+    transaction does not hold it yet, and held to its end. LabelLimitError, before anything is written, when the labels the
+    adapter would have are past a limit (zoo.labels.label_problem)."""
     take_locks(session, label_lock(adapter_id))
+    stored_labels, stored_measurements = given_labels(session, adapter_id)
+    check_label_limits({**stored_labels, **attributes}, {**stored_measurements, **measurements})
     replace_labels(session, adapter_id, attributes, measurements)
     session.flush()
     refresh_search_text(session, [adapter_id])
+
+
+def remove_label(session: Session, adapter_id: int, key: str) -> bool:
+    """Remove the adapter's given label `key` and its test measurement `key`, and rewrite its search document, as
+    write_labels does (in the session's write transaction, under the adapter's label lock); whether either was there."""
+    take_locks(session, label_lock(adapter_id))
+    labels = session.execute(delete(Label).where(Label.adapter_id == adapter_id, Label.source == "given", Label.key == key))
+    measured = session.execute(
+        delete(Measurement).where(Measurement.adapter_id == adapter_id, Measurement.split == "test", Measurement.metric == key)
+    )
+    removed = bool(labels.rowcount or measured.rowcount)  # type: ignore[attr-defined]
+    if removed:
+        session.flush()
+        refresh_search_text(session, [adapter_id])
+    return removed
 
 
 def given_labels(session: Session, adapter_id: int) -> tuple[dict[str, str], dict[str, float]]:
