@@ -6,11 +6,14 @@ gallery is every other adapter of the space, relevance = same task. Attributes (
 performance (test accuracy) are predicted for held-out adapters from the labelled training adapters
 only: kNN over them for similarity-only methods; the row `default` is what `zoo search` and
 `zoo predict` do after `zoo train` (the search score and predictors chosen out of fold, embed/choice.py).
+
+Over several splits (`summarize`), methods are compared paired, per query, with a bootstrap that resamples the
+splits and the queries' tasks (embed.intervals), and the search choice is judged against the best fixed candidate
+chosen cross-fitted (on the other splits).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,7 +26,8 @@ from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.calibration import expected_calibration_error
 from embed.choice import search_candidates
 from embed.ensemble import W2TEnsemble
-from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval
+from embed.intervals import LEVEL, RESAMPLES, Interval, clustered_bootstrap
+from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval_per_query
 from embed.tokens import max_rank
 from embed.train import TrainOptions, train_w2t
 from embed.types import SpaceSchema, ZooAdapter, split_positions
@@ -72,8 +76,20 @@ KEYS = (
 #: the measure the closing line of `zoo eval` ranks the methods by: retrieval of adapters of the same task (higher is better)
 MAIN_METRIC = "mrr"
 
-#: the retrieval measures the search choice is judged on against the oracle (the best fixed candidate on the split)
+#: the measures with a value per query (a retrieval, a task predicted): compared per query, paired
+QUERY_KEYS = ("hit@1", "hit@10", "mrr", "ndcg@10", "attr_acc")
+#: the measures the default is compared on with each exact score (`summarize`)
+VERSUS_KEYS = ("hit@1", "mrr", "ndcg@10", "attr_acc", "perf_spearman")
+#: the retrieval measures the search choice is judged on against the best fixed candidate (cross_fitted_regret)
 REGRET_KEYS = ("hit@1", "mrr", "ndcg@10")
+#: the rows that predict by a kNN over a similarity with nothing learned
+TRAINING_FREE_KNN = ("dw_cosine", "module_cosine", "input_gram_cosine", "module_sketch", "raw_cosine", "spectra_knn")
+#: how the intervals of `summarize` are made, as its JSON says it
+INTERVAL_SCHEME = (
+    f"percentile {LEVEL:.0%} interval of the mean paired difference from {RESAMPLES} bootstrap resamples; a measure with a value "
+    "per query resamples the splits and the queries' tasks, crossed (pigeonhole bootstrap, embed/intervals.py), one with a "
+    "value per split (performance Spearman, MAE, Kendall) resamples the splits"
+)
 
 
 def refactorized(a: ZooAdapter, seed: int) -> ZooAdapter:
@@ -92,22 +108,57 @@ def refactorized(a: ZooAdapter, seed: int) -> ZooAdapter:
     return ZooAdapter(a.id, a.name, factors, a.labels, a.measurements, a.source_uri)
 
 
-def _score(
-    sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train_pos: list[int], predict: bool, k: int = KNN_K
-) -> dict[str, float | None]:
+@dataclass
+class Scores:
+    """A method's measures on one split: `means` of every one of KEYS (None: not measured), and `per_query` those of
+    QUERY_KEYS it measured, per query: the split's held-out adapters with a task, in order."""
+
+    means: dict[str, float | None]
+    per_query: dict[str, np.ndarray]
+
+    def update(self, other: Scores) -> None:
+        """Take `other`'s measures (those it has) in place of these."""
+        self.means.update(other.means)
+        self.per_query.update(other.per_query)
+
+
+def _nothing() -> Scores:
+    return Scores(dict.fromkeys(KEYS), {})
+
+
+def _task_scores(predicted: list[str], truth: list[str]) -> Scores:
+    """Accuracy and macro F1 of predicted tasks, and whether each was right."""
+    right = np.array([p == t for p, t in zip(predicted, truth, strict=True)], float)
+    return Scores(dict(classification(predicted, truth)), {"attr_acc": right})
+
+
+def _score(sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train_pos: list[int], predict: bool, k: int = KNN_K) -> Scores:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
-    out: dict[str, float | None] = dict.fromkeys(KEYS)
+    out = _nothing()
     q = [p for p in test_pos if tasks[p]]
     if q:
-        out.update(retrieval(sim[q], [tasks[p] for p in q], tasks, list(q)))
+        per = retrieval_per_query(sim[q], [tasks[p] for p in q], tasks, list(q))
+        out.update(Scores({k: float(v.mean()) for k, v in per.items()}, per))
     if predict:
         sub = sim[np.ix_(test_pos, train_pos)]
         if all(tasks[p] for p in train_pos + test_pos):
-            out.update(classification(knn_classify(sub, [tasks[p] for p in train_pos], k), [tasks[p] for p in test_pos]))
+            out.update(_task_scores(knn_classify(sub, [tasks[p] for p in train_pos], k), [tasks[p] for p in test_pos]))
         perf = np.array([all_ad[p].measurements.get(PERF_METRIC, np.nan) for p in range(len(all_ad))])
         if not np.isnan(perf[train_pos + test_pos]).any():
-            out.update(regression(knn_regress(sub, perf[train_pos], k), perf[test_pos]))
+            out.means.update(regression(knn_regress(sub, perf[train_pos], k), perf[test_pos]))
     return out
+
+
+@dataclass(frozen=True)
+class SplitQueries:
+    """One split's measures per query, which `summarize` pairs across methods and splits: each query's task (its
+    cluster), every method's QUERY_KEYS per query, every search candidate's REGRET_KEYS per query (by name, in
+    search_candidates' order), and the name of the one served."""
+
+    tasks: list[str]
+    methods: dict[str, dict[str, np.ndarray]]
+    candidates: dict[str, dict[str, np.ndarray]]
+    served: str
 
 
 @dataclass(frozen=True)
@@ -200,7 +251,7 @@ def evaluate(
     stage = on_stage or (lambda _name: None)
     stage("baselines")
     train_pos, test_pos, fit = split_of(adapters, test_fraction, seed, labelled_per_task, label_fraction)
-    methods: dict[str, dict[str, float | None]] = {}
+    methods: dict[str, Scores] = {}
     sims = sims or similarities(adapters, schema)
     timings: dict[str, float] = {k: v for k, v in sims.seconds.items() if k != "raw_and_spectra"}
     exact = sims.exact
@@ -214,7 +265,7 @@ def evaluate(
         methods[name] = _score(sim, adapters, test_pos, train_pos, predict=True)
     off = ~np.eye(len(adapters), dtype=bool)
     sketch_vs_exact = float(np.corrcoef(sims.sketch[off], exact["module"][off])[0, 1]) if len(adapters) > 2 else None
-    methods["raw_cosine"] = _score(sims.raw, adapters, test_pos, train_pos, predict=True) if sims.raw is not None else dict.fromkeys(KEYS)
+    methods["raw_cosine"] = _score(sims.raw, adapters, test_pos, train_pos, predict=True) if sims.raw is not None else _nothing()
     methods["spectra_knn"] = _score(sims.spectra, adapters, test_pos, train_pos, predict=True)
 
     embedders: dict[str, W2TEnsemble] = {}
@@ -231,10 +282,10 @@ def evaluate(
         if kind == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
             methods["default"] = _default_scores(emb, exact, sim, adapters, test_pos, train_pos)
-            regret = search_regret(exact, sim, adapters, test_pos, train_pos, methods["default"])
+            candidates = candidate_scores(exact, sim, adapters, test_pos)
 
     if not contrastive:
-        methods["w2t_contrastive"] = dict.fromkeys(KEYS)
+        methods["w2t_contrastive"] = _nothing()
     stage("invariance")
     sup = embedders["supervised"]
     probe = [adapters[p] for p in test_pos[:20]]
@@ -249,47 +300,29 @@ def evaluate(
         "objective": objective,
         "n_train": len(train_pos),
         "n_test": len(test_pos),
-        "methods": {m: methods[m] for m in METHODS if m in methods},
+        "methods": {m: methods[m].means for m in METHODS if m in methods},
         "sketch_vs_exact_cosine_corr": sketch_vs_exact,
         "invariance_min_cosine": invariance,
         "search": sup.search.name,
         "w2t_predictor": {k: p.name for k, p in sup.predictors.items()},
         "choices": sup.choices,
-        "search_regret": regret,
+        "search_candidates": {k: {name: float(v[k].mean()) for name, v in candidates.items() if len(v[k])} for k in REGRET_KEYS},
         "seconds": {k: round(v, 2) for k, v in timings.items()},
+        "per_query": SplitQueries(
+            [adapters[p].labels[TASK_KEY] for p in test_pos if adapters[p].labels.get(TASK_KEY)],
+            {m: methods[m].per_query for m in METHODS if m in methods},
+            candidates,
+            sup.search.name,
+        ),
     }
 
 
-def search_regret(
-    exact: dict[str, np.ndarray],
-    w2t: np.ndarray,
-    adapters: list[ZooAdapter],
-    test_pos: list[int],
-    train_pos: list[int],
-    chosen: dict[str, float | None],
-) -> dict[str, dict[str, Any]]:
-    """The chosen search score against every candidate the choice had (embed.choice.search_candidates), on this
-    split's held-out queries: per measure the oracle (the candidate that retrieves best here, by hindsight) with its
-    score, the regret (the oracle's score minus the chosen one's: 0 when the choice was the best candidate here) and
-    the gain over whole-update dW cosine; every candidate's score, so that several splits can name the best fixed
-    candidate (combine_splits)."""
-    candidates = {c: _score(_ranking(exact, w2t, c), adapters, test_pos, train_pos, predict=False) for c in search_candidates()}
-    out: dict[str, dict[str, Any]] = {}
-    for key in REGRET_KEYS:
-        value = chosen.get(key)
-        if value is None:
-            continue
-        measured = {c: got for c, row in candidates.items() if (got := row[key]) is not None}
-        oracle = max(measured, key=lambda c: measured[c])  # ties: the first, the simplest
-        out[key] = {
-            "oracle": oracle.name,
-            "oracle_score": measured[oracle],
-            "regret": measured[oracle] - value,
-            "gain_over_dw": value - measured[SearchScore("dw")],
-            "chosen_score": value,
-            "candidates": {c.name: v for c, v in measured.items()},
-        }
-    return out
+def candidate_scores(
+    exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int]
+) -> dict[str, dict[str, np.ndarray]]:
+    """Every search score the choice had (embed.choice.search_candidates), by name: its REGRET_KEYS per query of the
+    split (its held-out adapters with a task), for cross_fitted_regret."""
+    return {c.name: _score(_ranking(exact, w2t, c), adapters, test_pos, [], predict=False).per_query for c in search_candidates()}
 
 
 def _share(fraction: float | None, size: int) -> int:
@@ -343,7 +376,7 @@ def _ranking(exact: dict[str, np.ndarray], w2t: np.ndarray, score: SearchScore) 
 
 def _default_scores(
     emb: W2TEnsemble, exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int], train_pos: list[int]
-) -> dict[str, float | None]:
+) -> Scores:
     """What `zoo search` and `zoo predict` do after `zoo train`: the chosen search score, and each target by its
     chosen predictor (a kNN among the labelled training adapters by the similarity and k chosen, the heads or a
     readout of the embedding, or the kNN in the embedding), the task's probabilities calibrated as served."""
@@ -352,19 +385,19 @@ def _default_scores(
     source = _head_scores(emb, adapters, test_pos)
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
         source = _score(_similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, predict=True, k=knn.k)
-    out.update({k: source.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
+    out.means.update({k: source.means.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 
 
 def _calibrated_task_scores(
     emb: W2TEnsemble, exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int], train_pos: list[int]
-) -> dict[str, float | None]:
-    """Accuracy, macro F1, expected calibration error and wrong answers given at ≥ 99.5 % of the task as served:
-    the chosen predictor's shares, calibrated."""
+) -> Scores:
+    """Accuracy (and whether each query's is right), macro F1, expected calibration error and wrong answers given at
+    ≥ 99.5 % of the task as served: the chosen predictor's shares, calibrated."""
     classes = emb.config.categorical.get(TASK_KEY)
     test = [adapters[p] for p in test_pos]
     if classes is None or not test or not all(a.labels.get(TASK_KEY) in classes for a in test):
-        return {}
+        return Scores({}, {})
     if isinstance(knn := emb.predictor(TASK_KEY), KnnPredictor):
         sim = _similarity(exact, w2t, knn.similarity)[np.ix_(test_pos, train_pos)]
         known = [adapters[p].labels.get(TASK_KEY, "") for p in train_pos]
@@ -375,51 +408,33 @@ def _calibrated_task_scores(
     probs = emb.calibrated(TASK_KEY, shares)
     truth = np.array([classes.index(a.labels[TASK_KEY]) for a in test])
     top = probs.argmax(axis=1)
-    out: dict[str, float | None] = dict(classification([classes[i] for i in top], [a.labels[TASK_KEY] for a in test]))
-    out["attr_ece"] = expected_calibration_error(probs.max(axis=1), top == truth)
-    out["attr_wrong_at_100"] = float(((probs.max(axis=1) >= 0.995) & (top != truth)).sum())
+    out = _task_scores([classes[i] for i in top], [a.labels[TASK_KEY] for a in test])
+    out.means["attr_ece"] = expected_calibration_error(probs.max(axis=1), top == truth)
+    out.means["attr_wrong_at_100"] = float(((probs.max(axis=1) >= 0.995) & (top != truth)).sum())
     return out
 
 
-def _head_scores(emb: W2TEnsemble, adapters: list[ZooAdapter], test_pos: list[int]) -> dict[str, float | None]:
+def _head_scores(emb: W2TEnsemble, adapters: list[ZooAdapter], test_pos: list[int]) -> Scores:
     test = [adapters[p] for p in test_pos]
     probs, values = emb.predict(test)
-    out: dict[str, float | None] = {}
+    out = Scores({}, {})
     classes = emb.config.categorical.get(TASK_KEY)
     if classes is not None and all(TASK_KEY in a.labels for a in test):
-        pred = [classes[i] for i in probs[TASK_KEY].argmax(axis=1)]
-        out.update(classification(pred, [a.labels[TASK_KEY] for a in test]))
+        out.update(_task_scores([classes[i] for i in probs[TASK_KEY].argmax(axis=1)], [a.labels[TASK_KEY] for a in test]))
     if PERF_METRIC in values and all(PERF_METRIC in a.measurements for a in test):
-        out.update(regression(values[PERF_METRIC], np.array([a.measurements[PERF_METRIC] for a in test])))
+        out.means.update(regression(values[PERF_METRIC], np.array([a.measurements[PERF_METRIC] for a in test])))
     return out
 
 
 def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several splits' results as one: per method and metric the mean (`methods`) and the population
-    std (`methods_std`) over the splits where it is defined, with every split's result in `splits`."""
+    """Several splits' results (without their per-query scores) as one: per method and metric the mean (`methods`)
+    and the population std (`methods_std`) over the splits where it is defined, with every split's result in `splits`."""
     methods: dict[str, dict[str, float | None]] = {}
     spread: dict[str, dict[str, float | None]] = {}
     for name in results[0]["methods"]:
         values = {k: [r["methods"][name][k] for r in results if r["methods"][name][k] is not None] for k in KEYS}
         methods[name] = {k: float(np.mean(v)) if v else None for k, v in values.items()}
         spread[name] = {k: float(np.std(v)) if v else None for k, v in values.items()}
-    regret: dict[str, dict[str, float]] = {}
-    for key in REGRET_KEYS:
-        rows = [r["search_regret"][key] for r in results if key in r.get("search_regret", {})]
-        if rows:
-            lost = np.array([row["regret"] for row in rows])
-            # the best fixed candidate: one method for every split, the best by its mean over them (in hindsight)
-            names = [n for n in rows[0]["candidates"] if all(n in row["candidates"] for row in rows)]
-            fixed = max(names, key=lambda n: float(np.mean([row["candidates"][n] for row in rows])))
-            behind = np.array([row["candidates"][fixed] - row["chosen_score"] for row in rows])
-            regret[key] = {
-                "regret_mean": float(lost.mean()),
-                "regret_p90": float(np.quantile(lost, 0.9)),
-                "fixed_oracle": fixed,
-                "fixed_regret_mean": float(behind.mean()),
-                "fixed_regret_p90": float(np.quantile(behind, 0.9)),
-                "gain_over_dw_mean": float(np.mean([row["gain_over_dw"] for row in rows])),
-            }
     first = results[0]
     return {
         "space": first["space"],
@@ -430,28 +445,65 @@ def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
         "seeds": [r["seed"] for r in results],
         "methods": methods,
         "methods_std": spread,
-        "search_regret": regret,
         "splits": results,
     }
 
 
-def compare(results: list[dict[str, Any]], first: str, second: str, key: str = MAIN_METRIC) -> dict[str, Any] | None:
-    """`first` against `second` on `key`, paired by split: the mean of the per-split differences (first - second) and
-    its 95 % t interval over the splits (None with one split); `clear` when the interval leaves out 0. None when
-    either has no value on some split."""
-    pairs = [(r["methods"][first][key], r["methods"][second][key]) for r in results]
-    if any(a is None or b is None for a, b in pairs):
-        return None
-    diffs = np.array([a - b for a, b in pairs], dtype=float)
-    mean, n = float(diffs.mean()), len(diffs)
-    low = high = None
-    if n > 1:
-        from scipy.stats import t
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """What `zoo eval` reports of its splits (`evaluate`'s results): the one split's result or the splits combined
+    (combine_splits), without the per-query scores, and from those the paired comparisons (INTERVAL_SCHEME): the
+    leading method on MAIN_METRIC against the runner-up (`comparison`), the default against each exact score on
+    VERSUS_KEYS (`default_versus`), the default's performance Spearman against the best training-free kNN
+    (`spearman_versus_best_knn`), and the search choice's cross-fitted regret (`search_regret`)."""
+    public = [{k: v for k, v in r.items() if k != "per_query"} for r in results]
+    result = public[0] if len(public) == 1 else combine_splits(public)
+    best = best_training_free_knn(results)
+    return {
+        **result,
+        "interval_scheme": INTERVAL_SCHEME,
+        "comparison": leader(results),
+        "default_versus": {f"{e}_cosine": {k: compare(results, "default", f"{e}_cosine", k) for k in VERSUS_KEYS} for e in EXACT_SCORES},
+        "spearman_versus_best_knn": compare(results, "default", best, "perf_spearman") if best else None,
+        "search_regret": cross_fitted_regret(results),
+    }
 
-        half = float(t.ppf(0.975, n - 1)) * float(diffs.std(ddof=1)) / math.sqrt(n)
-        low, high = mean - half, mean + half
-    clear = low is not None and high is not None and (low > 0 or high < 0)
-    return {"metric": key, "first": first, "second": second, "difference": mean, "low": low, "high": high, "splits": n, "clear": clear}
+
+def _comparison(key: str, first: str, second: str, interval: Interval | None, mean: float, per_query: bool) -> dict[str, Any]:
+    clusters = interval.clusters if interval else ()
+    return {
+        "metric": key,
+        "first": first,
+        "second": second,
+        "difference": mean,
+        "low": interval.low if interval else None,
+        "high": interval.high if interval else None,
+        "clear": bool(interval and interval.clear),
+        "resampled": "splits and query tasks" if per_query else "splits",
+        "splits": clusters[0] if clusters else 1,
+        "tasks": clusters[1] if per_query and clusters else None,
+    }
+
+
+def compare(results: list[dict[str, Any]], first: str, second: str, key: str = MAIN_METRIC) -> dict[str, Any] | None:
+    """`first` − `second` on `key` over `evaluate`'s results, paired: on one of QUERY_KEYS per query, the mean of the
+    per-query differences of every split with its interval from resampling the splits and the query tasks (crossed);
+    on another per split, the mean of the per-split differences with its interval from resampling the splits (none
+    with one split). `clear` when the interval leaves out 0. None when either has no value on some split."""
+    if key in QUERY_KEYS:
+        scores = [(r["per_query"], r["seed"]) for r in results]
+        pairs = [(q.methods[first].get(key), q.methods[second].get(key)) for q, _ in scores]
+        if any(a is None or b is None for a, b in pairs) or not sum(len(a) for a, _ in pairs):
+            return None
+        diffs = np.concatenate([a - b for a, b in pairs])
+        splits = [seed for q, seed in scores for _ in q.tasks]
+        both = clustered_bootstrap(diffs, [splits, [t for q, _ in scores for t in q.tasks]])
+        return _comparison(key, first, second, both, both.mean, per_query=True)
+    values = [(r["methods"][first][key], r["methods"][second][key]) for r in results]
+    if any(a is None or b is None for a, b in values):
+        return None
+    per_split = np.array([a - b for a, b in values], dtype=float)
+    interval = clustered_bootstrap(per_split, [range(len(per_split))]) if len(per_split) > 1 else None
+    return _comparison(key, first, second, interval, float(per_split.mean()), per_query=False)
 
 
 def leader(results: list[dict[str, Any]], key: str = MAIN_METRIC) -> dict[str, Any] | None:
@@ -470,3 +522,56 @@ def leader(results: list[dict[str, Any]], key: str = MAIN_METRIC) -> dict[str, A
     if not others:
         return None
     return {**(compare(results, first, others[0], key) or {}), "same_as_first": same}
+
+
+def best_training_free_knn(results: list[dict[str, Any]]) -> str | None:
+    """The row of TRAINING_FREE_KNN with the best mean performance Spearman over the splits (None without one that has
+    it on every split). Picked in hindsight on the same splits, so the default is compared with a bar set high."""
+    means = {
+        name: float(np.mean([r["methods"][name]["perf_spearman"] for r in results]))
+        for name in TRAINING_FREE_KNN
+        if all(r["methods"].get(name, {}).get("perf_spearman") is not None for r in results)
+    }
+    return max(means, key=lambda m: means[m]) if means else None
+
+
+def cross_fitted_picks(means: np.ndarray, sizes: np.ndarray) -> list[int]:
+    """For each split (a row of `means`: every candidate's mean measure on the split, over its `sizes` queries) the
+    candidate with the best mean over the other splits' queries (ties: the first): what a fixed choice made without
+    the split would serve on it. Needs two splits or more."""
+    if len(means) < 2 or len(sizes) != len(means):
+        raise ValueError(f"cross-fitting needs two splits or more, each with its size: got {len(means)} and {len(sizes)} sizes")
+    totals = means * sizes[:, None]
+    others = [np.delete(np.arange(len(means)), s) for s in range(len(means))]  # summed without the split, not subtracted from all
+    return [int(np.argmax(totals[o].sum(axis=0) / sizes[o].sum())) for o in others]
+
+
+def cross_fitted_regret(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The served search score against the best fixed candidate chosen cross-fitted, per REGRET_KEYS: for each split
+    the candidate with the best mean over the other splits' queries (cross_fitted_picks), and per query of the split
+    that candidate's measure minus the served one's (positive: the fixed choice would have done better). The mean over
+    every query with its interval resampling the splits and the query tasks, as `compare` (the picks held fixed).
+    Empty with one split: there is no other to choose on."""
+    scores = [r["per_query"] for r in results]
+    if len(scores) < 2 or not all(q.tasks for q in scores):
+        return {}
+    names = [n for n in scores[0].candidates if all(n in q.candidates for q in scores)]
+    sizes = np.array([len(q.tasks) for q in scores], dtype=float)
+    out: dict[str, dict[str, Any]] = {}
+    for key in REGRET_KEYS:
+        means = np.array([[q.candidates[n][key].mean() for n in names] for q in scores])
+        picks = [names[i] for i in cross_fitted_picks(means, sizes)]
+        lost = [q.candidates[fixed][key] - q.candidates[q.served][key] for q, fixed in zip(scores, picks, strict=True)]
+        splits = [r["seed"] for r, q in zip(results, scores, strict=True) for _ in q.tasks]
+        interval = clustered_bootstrap(np.concatenate(lost), [splits, [t for q in scores for t in q.tasks]])
+        out[key] = {
+            "mean": interval.mean,
+            "low": interval.low,
+            "high": interval.high,
+            "clear": interval.clear,
+            "splits": [
+                {"seed": r["seed"], "fixed": fixed, "served": q.served, "regret": float(d.mean())}
+                for r, q, fixed, d in zip(results, scores, picks, lost, strict=True)
+            ],
+        }
+    return out

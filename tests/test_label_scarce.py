@@ -107,18 +107,18 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
     default = result["methods"]["default"]
     assert all(default[k] is not None for k in ("attr_acc", "perf_spearman", "hit@1", "mrr", "ndcg@10"))
     assert set(result["choices"]) == {"search", "task", "test_accuracy"}
-    # the search choice judged against every fixed candidate it had (issue 32): the chosen score is one of them, so the
-    # best of them in hindsight retrieves at least as well, and its gain over dW is the default row's minus dw_cosine's
-    regret = result["search_regret"]
-    assert set(regret) == {"hit@1", "mrr", "ndcg@10"}
-    for key, r in regret.items():
-        assert r["regret"] >= -1e-12 and r["oracle_score"] == pytest.approx(default[key] + r["regret"])
-        assert r["gain_over_dw"] == pytest.approx(default[key] - result["methods"]["dw_cosine"][key])
-        assert r["oracle"] == "dw" or r["oracle_score"] >= result["methods"]["dw_cosine"][key]
-        assert r["oracle_score"] == max(r["candidates"].values()) and r["chosen_score"] == default[key]
-        # 3 exact scores, each alone and mixed at 0.1 … 0.9, W2T alone; and each of the 3 × 10 one-stage mixes below
-        # 0.9 under every heavier one below 1 (45 pairs per exact score), re-ordering its top 5 or 10
-        assert len(r["candidates"]) == 31 + 3 * 45 * 2
+    # per query, for the paired intervals and the cross-fitted regret over splits (embed.evaluate.summarize): every row's
+    # measures, and every search score the choice had, the one served among them giving the default row's retrieval
+    per_query = result["per_query"]
+    assert per_query.tasks == [tasks[q] for q in queries] and per_query.served == result["search"]
+    for key in ("hit@1", "mrr", "ndcg@10"):
+        assert per_query.methods["default"][key] == pytest.approx(per_query.candidates[per_query.served][key])
+        assert per_query.methods["default"][key].mean() == pytest.approx(default[key]) == result["search_candidates"][key][per_query.served]
+    assert per_query.methods["dw_cosine"]["attr_acc"].mean() == pytest.approx(result["methods"]["dw_cosine"]["attr_acc"])
+    assert per_query.methods["default"]["attr_acc"].mean() == pytest.approx(default["attr_acc"])
+    # 3 exact scores, each alone and mixed at 0.1 … 0.9, W2T alone; and each of the 3 × 10 one-stage mixes below
+    # 0.9 under every heavier one below 1 (45 pairs per exact score), re-ordering its top 5 or 10
+    assert len(per_query.candidates) == len(result["search_candidates"]["mrr"]) == 31 + 3 * 45 * 2
 
 
 @pytest.mark.slow

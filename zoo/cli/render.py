@@ -107,8 +107,9 @@ def _cell(mean: float | None, std: float | None) -> str:
 
 
 def eval_lines(result: dict) -> list[str]:
-    """`zoo eval`'s result (one split, or several: mean ± std) as tables per group of measures, each split's choices
-    and checks, and the closing lines: which method leads on the main measure, and `default` against dw_cosine."""
+    """`zoo eval`'s result (embed.evaluate.summarize: one split, or several: mean ± std) as tables per group of
+    measures, each split's choices and checks, the line that names the method leading on the main measure, and the
+    paired table (paired_lines)."""
     splits = result.get("splits", [result])
     spread = result.get("methods_std")
     seeds = ", ".join(str(r["seed"]) for r in splits)
@@ -126,38 +127,58 @@ def eval_lines(result: dict) -> list[str]:
         lines.append(f"{prefix}invariance (re-factorized with random G), min cosine: {'-' if inv is None else f'{inv:.6f}'}")
         for target, c in r["choices"].items():
             lines.append(f"{prefix}{target} by {c['chosen']} (out of fold: {c['reason']})")
-        if r.get("search_regret"):
-            parts = [f"{k} {v['regret']:+.3f} (oracle {v['oracle']})" for k, v in r["search_regret"].items()]
-            lines.append(f"{prefix}search regret against the best fixed candidate: {', '.join(parts)}")
-    if spread and result.get("search_regret"):
-        parts = [
-            f"{k} mean {v['regret_mean']:.3f}, p90 {v['regret_p90']:.3f} (against {v['fixed_oracle']} on every split: "
-            f"{v['fixed_regret_mean']:.3f}, p90 {v['fixed_regret_p90']:.3f}), gain over dW {v['gain_over_dw_mean']:+.3f}"
-            for k, v in result["search_regret"].items()
-        ]
-        lines.append(f"search regret over the splits: {'; '.join(parts)}")
-    return [
-        *lines,
-        "",
-        EVAL_ROWS,
-        comparison_line(result.get("comparison"), lead=True),
-        comparison_line(result.get("default_vs_dw_cosine")),
+    return [*lines, "", EVAL_ROWS, comparison_line(result.get("comparison"), lead=True), "", *paired_lines(result)]
+
+
+def interval_text(c: dict | None) -> str:
+    """A paired difference with its interval: `+0.076 [+0.060, +0.091]`; `-` for none."""
+    if not c:
+        return "-"
+    shown = f"{c.get('difference', c.get('mean')):+.3f}"
+    return shown if c["low"] is None else f"{shown} [{c['low']:+.3f}, {c['high']:+.3f}]"
+
+
+#: the rows of `zoo eval`'s paired table
+PAIRED_KEYS = ("hit@1", "mrr", "ndcg@10", "attr_acc", "perf_spearman")
+
+
+def paired_lines(result: dict) -> list[str]:
+    """`zoo eval`'s paired table: per measure the default − dw_cosine and the search choice's cross-fitted regret, each
+    with its 95 % interval (embed.evaluate.summarize), then the default's performance Spearman against the best
+    training-free kNN."""
+    versus = result.get("default_versus", {}).get("dw_cosine", {})
+    regret = result.get("search_regret", {})
+    rows = [[k, interval_text(versus.get(k)), interval_text(regret.get(k))] for k in PAIRED_KEYS]
+    any_row = next((c for c in versus.values() if c), None)
+    lines = [
+        "default (what `zoo search` and `zoo predict` serve) against dw_cosine, paired, and the search regret (the search "
+        "chosen on the other splits, fixed, minus the one served: positive where it retrieves better), with 95 % intervals"
+        + (f" over {plural(any_row['splits'], 'split')} × {plural(any_row['tasks'], 'query task')}" if any_row and any_row["tasks"] else "")
+        + " (perf_spearman: over the splits):",
+        *table(["measure", "default − dw_cosine", "search regret"], rows, indent="  "),
     ]
+    if not regret:
+        lines.append("  (the regret needs two splits or more; --splits 10 gives intervals worth reading)")
+    best = result.get("spearman_versus_best_knn")
+    if best:
+        lines.append(f"perf_spearman, default − {best['second']} (the best training-free kNN here): {interval_text(best)}")
+    return lines
 
 
 def comparison_line(c: dict | None, lead: bool = False) -> str:
     """A paired comparison of two methods (embed.evaluate.compare) in words: who is ahead, by how much, and whether the
-    95 % interval over the splits says so (`lead`: the first is the best method, the second the runner-up)."""
+    95 % interval says so (`lead`: the first is the best method, the second the runner-up)."""
     if not c:
         return "no two methods to compare" if lead else "default or dw_cosine has no value to compare"
     metric, first, second, diff = c["metric"], c["first"], c["second"], c["difference"]
     same = f" ({', '.join(c['same_as_first'])}: the same as {first} here)" if c.get("same_as_first") else ""
     ahead = f"{first} leads {second} by {diff:.3f}" if lead else f"{first} against {second}: {diff:+.3f}"
     if c["low"] is None:
-        return f"on {metric}, {ahead} on this one split{same}; --splits 5 gives a 95 % interval"
+        return f"on {metric}, {ahead} on this one split{same}; --splits 10 gives a 95 % interval"
     if c["low"] == c["high"] == diff == 0:
-        return f"{first} and {second} score alike on {metric} on every split{same}"
-    interval = f"95 % paired interval over {c['splits']} splits {c['low']:+.3f}..{c['high']:+.3f}"
+        return f"{first} and {second} score alike on {metric} on every query{same}"
+    over = plural(c["splits"], "split") + (f" × {plural(c['tasks'], 'query task')}" if c.get("tasks") else "")
+    interval = f"95 % paired interval, bootstrap over {over}, {c['low']:+.3f}..{c['high']:+.3f}"
     if not c["clear"]:
         return f"no clear winner on {metric}: {ahead}, but the {interval} includes 0{same}"
     winner, loser = (first, second) if diff > 0 else (second, first)

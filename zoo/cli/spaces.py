@@ -258,7 +258,7 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     from embed.dataset import load_adapters
-    from embed.evaluate import combine_splits, compare, leader, similarities
+    from embed.evaluate import similarities, summarize
     from embed.types import schema_of
 
     if args.splits < 1:
@@ -277,9 +277,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     sims = similarities(adapters, schema)  # the same for every split
     estimate = None if args.json else _eval_estimate(args, adapters, schema, sims.seconds)
     results = [_eval_split(args, adapters, schema, sims, seed, i) for i, seed in enumerate(range(args.seed, args.seed + args.splits))]
-    result = results[0] if len(results) == 1 else combine_splits(results)
-    result["comparison"] = leader(results)
-    result["default_vs_dw_cosine"] = compare(results, "default", "dw_cosine")
+    result = summarize(results)
     if args.json:
         print_json(result)
         return 0
@@ -464,7 +462,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--splits",
         type=int,
         default=1,
-        help="evaluate on this many splits (seeds SEED, SEED+1, ...) and report mean ± std over them (default: 1)",
+        help="evaluate on this many splits (seeds SEED, SEED+1, ...): mean ± std over them, paired differences with 95 %% "
+        "intervals and the search choice's regret (10 or more for intervals worth reading; default: 1)",
     )
     s.add_argument(
         "--no-contrastive",
