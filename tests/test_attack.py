@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     assert main([*base, "train", "--epochs", "1", "--members", "1", "--json"]) == 0
     cmd = [sys.executable, "-m", "zoo.cli", *base]
     with session_factory(url).begin() as session:
-        token = create_token(session, "attacker")[1]
+        token = create_token(session, "attacker", "write")[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -432,6 +433,15 @@ def test_nginx_answers_its_own_errors_as_json_under_api(proxied: int) -> None:
     assert {a[0] for a in answers} <= {200, 429, 503}
 
 
+def test_nginx_sends_the_app_its_own_host_not_the_clients(proxied: int) -> None:
+    """The app builds an absolute URL from the Host it is sent (a redirect that merges slashes): behind
+    deploy/nginx.conf that is the proxy's server_name, whatever Host the client sent."""
+    status, headers, _ = _ask(proxied, "GET", "/adapters//1", headers={"Host": "evil.example"})
+    assert status == 308 and headers["Location"].endswith("/adapters/1") and "evil.example" not in headers["Location"], headers
+    status, _, text = _ask(proxied, "GET", "/api/v1/openapi.json", headers={"Host": "evil.example"})
+    assert status == 200 and "evil.example" not in text
+
+
 def test_a_query_matching_most_of_the_catalog_shows_the_newest_unless_relevance_is_asked(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -445,3 +455,320 @@ def test_a_query_matching_most_of_the_catalog_shows_the_newest_unless_relevance_
     default, asked = catalog(db_url, "alpha", {}), catalog(db_url, "alpha", {}, "relevance")
     assert asked["sort"] == "relevance" and default["total"] == asked["total"] > 0
     assert default["sort"] == ("newest" if db_url.startswith("postgresql") else "relevance")
+
+
+# --- trust boundaries: token scopes, nothing kept from a client's headers, hostile input answered 4xx, label limits ---
+
+
+@dataclass
+class Guarded:
+    """A real `zoo serve` on one backend, its adapter 1 labelled with a task, a spare adapter to delete, and a token of
+    each scope."""
+
+    port: int
+    url: str
+    spare: int  # the id of an adapter no other test uses
+    tokens: dict[str, str]  # scope -> token
+
+
+def _serve(cmd: list[str], log_path: Path) -> tuple[subprocess.Popen, int]:
+    """`zoo serve` (one worker) on a free port, once its health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = log_path.open("wb")
+    proc = subprocess.Popen([*cmd, "serve", "--port", str(port), "--workers", "1"], stdout=log, stderr=log)
+    deadline_s = time.monotonic() + 60
+    while max(probe(port, 0.01, timeout=1)) >= 1:  # a refused connection counts as the timeout
+        assert proc.poll() is None and time.monotonic() < deadline_s, log_path.read_text()[-2000:]
+        time.sleep(0.2)
+    return proc, port
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)  # gunicorn's quick shutdown
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _stock(url: str, data_dir: Path, root: Path, labelled: bool) -> tuple[int, dict[str, str]]:
+    """Ingest (with the CLI) a spare adapter, and before it, where `labelled`, adapter 1 with a task label; make a token
+    of each scope. (The spare's id, the tokens.)"""
+    from sqlalchemy import func, select
+
+    from tests.factories import write_random_peft_adapters
+    from zoo.cli import main
+    from zoo.store.models import Adapter
+    from zoo.store.session import session_factory
+    from zoo.store.tokens import SCOPES, create_token
+
+    base = ["--db", url, "--data-dir", str(data_dir)]
+    if labelled:
+        (first,) = write_random_peft_adapters(root / "zoo", 1)
+        (root / "labels.csv").write_text(f"name,task\n{first.name},t0\n")
+        assert main([*base, "ingest", str(first), "--labels", str(root / "labels.csv"), "--base-model", "tiny", "--json"]) == 0
+    (spare,) = write_random_peft_adapters(root / "spare", 1, seed=7)
+    assert main([*base, "ingest", str(spare), "--base-model", "tiny", "--json"]) == 0
+    with session_factory(url).begin() as session:
+        tokens = {scope: create_token(session, f"guard-{scope}", scope)[1] for scope in SCOPES}
+        return int(session.scalar(select(func.max(Adapter.id))) or 0), tokens
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def guarded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guarded]:
+    """On SQLite the module's `zoo serve` (`served`); on PostgreSQL one of its own, on a database beside the test
+    database (which other tests here empty)."""
+    from sqlalchemy import create_engine, make_url, text
+
+    from zoo.store.session import make_engine, upgrade
+
+    root = tmp_path_factory.mktemp(f"guarded-{request.param}")
+    if request.param == "sqlite":
+        served: Served = request.getfixturevalue("served")
+        url = f"sqlite:///{served.root / 'zoo.db'}"
+        spare, tokens = _stock(url, served.root / "data", root, labelled=False)
+        yield Guarded(served.port, url, spare, tokens)
+        return
+    given = make_url(request.getfixturevalue("pg_url"))
+    own = given.set(database=f"{given.database}_guarded")
+    admin = create_engine(given.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{own.database}"'))
+    url = own.render_as_string(hide_password=False)
+    upgrade(url)
+    spare, tokens = _stock(url, root / "data", root, labelled=True)
+    proc, port = _serve([sys.executable, "-m", "zoo.cli", "--db", url, "--data-dir", str(root / "data")], root / "serve.log")
+    try:
+        yield Guarded(port, url, spare, tokens)
+    finally:
+        _stop(proc)
+        make_engine(url).dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _ask(
+    port: int, method: str, path: str, body: bytes | str | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], str]:
+    """(status, headers, body) of one request to 127.0.0.1:port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request(method, path, body=body.encode() if isinstance(body, str) else body, headers=headers or {})
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    return r.status, dict(r.getheaders()), text
+
+
+def _json(port: int, method: str, path: str, body: object = None, token: str | None = None, **headers: str) -> tuple[int, dict]:
+    sent = {"Content-Type": "application/json", **headers} if body is not None else dict(headers)
+    if token:
+        sent["Authorization"] = f"Bearer {token}"
+    status, _, text = _ask(port, method, path, json.dumps(body) if body is not None else None, sent)
+    return status, json.loads(text)
+
+
+def test_a_reader_token_reads_and_its_writes_are_403_naming_the_scope(guarded: Guarded) -> None:
+    """Before scopes, any token wrote labels and deleted adapters. Now a reader's PUT and DELETE are 403 in the error
+    shape, naming the scope needed; a writer labels but does not delete; an admin deletes."""
+    port, t = guarded.port, guarded.tokens
+    assert _json(port, "GET", "/api/v1/adapters/1", token=t["read"])[0] == 200
+    labels = {"labels": {"style": "ink"}}
+    for method, path, body, needed in (
+        ("PUT", "/api/v1/adapters/1/labels", labels, "write"),
+        ("DELETE", "/api/v1/adapters/1/labels/task", None, "write"),
+        ("POST", "/api/v1/ingest", {"paths": ["x"]}, "write"),
+        ("DELETE", f"/api/v1/adapters/{guarded.spare}", None, "admin"),
+    ):
+        status, body_out = _json(port, method, path, body, token=t["read"])
+        assert status == 403 and body_out["error"]["type"] == "forbidden", body_out
+        assert f"scope {needed}" in body_out["error"]["message"] and f"--scope {needed}" in body_out["error"]["message"]
+    status, found = _json(port, "PUT", "/api/v1/adapters/1/labels", labels, token=t["write"])
+    assert status == 200 and found["labels"]["style"] == "ink"
+    status, refused = _json(port, "DELETE", f"/api/v1/adapters/{guarded.spare}", token=t["write"])
+    assert status == 403 and "scope admin" in refused["error"]["message"]
+    deleted = {"id": guarded.spare, "name": "0000", "deleted": True}
+    assert _json(port, "DELETE", f"/api/v1/adapters/{guarded.spare}", token=t["admin"]) == (200, deleted)
+    assert _json(port, "DELETE", "/api/v1/adapters/1", token="zoo_unknown")[0] == 401
+
+
+def test_the_sign_in_cookie_reads_unless_writes_were_asked_for(guarded: Guarded) -> None:
+    """The cookie of a browser signed in with a write token only reads, unless the sign-in asked for writes; then it
+    writes from this site's pages only (Sec-Fetch-Site), never from another site's."""
+    port, token = guarded.port, guarded.tokens["write"]
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+
+    def cookie(writes: bool) -> str:
+        status, headers, _ = _ask(port, "POST", "/sign-in", f"token={token}&next=/" + ("&writes=1" if writes else ""), form)
+        assert status == 303, headers
+        return headers["Set-Cookie"].split(";")[0]
+
+    body = {"labels": {"mood": "calm"}}
+    status, refused = _json(port, "PUT", "/api/v1/adapters/1/labels", body, Cookie=cookie(False), **{"Sec-Fetch-Site": "same-origin"})
+    assert status == 403 and "the sign-in cookie only reads" in refused["error"]["message"], refused
+    asked = cookie(True)
+    assert _json(port, "PUT", "/api/v1/adapters/1/labels", body, Cookie=asked, **{"Sec-Fetch-Site": "same-origin"})[0] == 200
+    for site in ({"Sec-Fetch-Site": "cross-site"}, {}):
+        status, refused = _json(port, "PUT", "/api/v1/adapters/1/labels", body, Cookie=asked, **site)
+        assert status == 403 and "this site's pages" in refused["error"]["message"], refused
+
+
+def test_a_client_host_header_never_comes_back(guarded: Guarded) -> None:
+    """apiflask built the OpenAPI document's servers from the first request's Host and kept it: one request with
+    `Host: evil.example` and every later answer of that worker named it. Now nothing later does."""
+    port = guarded.port
+    evil = {"Host": "evil.example", "X-Forwarded-Host": "evil.example"}
+    for method, path in (("GET", "/api/v1/openapi.json"), ("GET", "/"), ("GET", "/api/v1/docs"), ("GET", "/sign-in?next=/map")):
+        _ask(port, method, path, headers=evil)
+    later = [
+        _ask(port, "GET", "/api/v1/openapi.json"),
+        _ask(port, "GET", "/"),
+        _ask(port, "GET", "/api/v1/docs"),
+        _ask(port, "GET", "/adapters/1"),
+        _ask(port, "POST", "/sign-in", f"token={guarded.tokens['read']}&next=/map", {"Content-Type": "application/x-www-form-urlencoded"}),
+    ]
+    spec = json.loads(later[0][2])
+    assert spec["servers"] == [{"url": "/"}]
+    assert later[-1][0] == 303 and later[-1][1]["Location"] == "/map"
+    for status, headers, text in later:
+        assert status in (200, 303) and "evil.example" not in text + json.dumps(headers), (status, text[:300])
+
+
+def _safetensors_with_a_long_integer() -> bytes:
+    import struct
+
+    header = b'{"lora_unet_x_attn1_to_q.lora_down.weight": {"dtype": "F16", "shape": [1, ' + b"9" * 5000 + b'], "data_offsets": [0, 2]}}'
+    return struct.pack("<Q", len(header)) + header + b"\x00\x00"
+
+
+def test_hostile_input_is_answered_4xx(guarded: Guarded) -> None:
+    """Each was a 500: a JSON integer past 4,300 digits, one in a safetensors header, a lone surrogate in a label, CR/LF
+    in sign-in's `next`; and `next=/%09/evil.example` sent the browser to //evil.example."""
+    port, token = guarded.port, guarded.tokens["write"]
+    json_type = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    status, _, text = _ask(port, "POST", "/api/v1/predict/attributes", '{"adapter_id": ' + "9" * 4301 + "}", json_type)
+    assert status == 400 and "more than 4,300 digits" in json.loads(text)["error"]["message"], text
+    status, _, text = _ask(port, "PUT", "/api/v1/adapters/1/labels", '{"labels": {"a": ' + "1" * 5000 + "}}", json_type)
+    assert status == 400, text
+    status, _, text = _ask(port, "PUT", "/api/v1/adapters/1/labels", '{"labels": {"style": "\\ud800"}}', json_type)
+    assert status == 400 and "lone surrogate" in json.loads(text)["error"]["message"], text
+    boundary = "zoo-hostile"
+    upload = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="long.safetensors"\r\n\r\n'.encode()
+        + _safetensors_with_a_long_integer()
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    status, _, text = _ask(port, "POST", "/api/v1/similar", upload, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert status == 422 and "long.safetensors: corrupt safetensors header" in json.loads(text)["error"]["message"], text
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    for target in ("/%0d%0aSet-Cookie:%20x=1", "/%09/evil.example", "/%0a/evil.example", "/%5c/evil.example", "//evil.example"):
+        status, headers, text = _ask(port, "POST", "/sign-in", f"token={guarded.tokens['read']}&next={target}", form)
+        assert status == 303 and headers["Location"] == "/", (target, status, headers)
+        status, _, text = _ask(port, "GET", f"/sign-in?next={target}")
+        assert status == 200 and 'name="next" value="/"' in text, (target, status)
+
+
+def test_label_limits_refuse_a_20000_label_put_and_a_key_can_be_removed(guarded: Guarded) -> None:
+    """One PUT of 20,000 labels took 6.2 s under the write lock, and every catalog page 2.9 s after it: now it is a 413
+    naming the limit, and nothing was written. A label key can be removed."""
+    port, token = guarded.port, guarded.tokens["write"]
+    t0 = time.perf_counter()
+    status, refused = _json(port, "PUT", "/api/v1/adapters/1/labels", {"labels": {f"k{i}": "v" * 50 for i in range(20_000)}}, token=token)
+    assert status == 413 and refused["error"]["type"] == "too_large" and "ZOO_MAX_LABELS" in refused["error"]["message"], refused
+    assert time.perf_counter() - t0 < 5
+    long_value = {"labels": {"note": "x" * 1001}}
+    status, refused = _json(port, "PUT", "/api/v1/adapters/1/labels", long_value, token=token)
+    assert status == 413 and "ZOO_MAX_LABEL_VALUE_CHARS" in refused["error"]["message"], refused
+    status, found = _json(
+        port, "PUT", "/api/v1/adapters/1/labels", {"labels": {"gone": "soon"}, "measurements": {"gone": 0.5}}, token=token
+    )
+    assert status == 200 and "k1" not in found["labels"] and found["labels"]["gone"] == "soon"
+    status, found = _json(port, "DELETE", "/api/v1/adapters/1/labels/gone", token=token)
+    assert status == 200 and "gone" not in found["labels"] and "gone" not in found["measurements"] and "task" in found["labels"]
+    assert _json(port, "DELETE", "/api/v1/adapters/1/labels/gone", token=token)[0] == 404
+    status, page = _json(port, "GET", "/api/v1/adapters?q=soon")
+    assert status == 200 and page["total"] == 0  # the search document forgot it
+
+
+def test_a_labels_csv_row_past_the_limits_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from zoo.errors import InputError
+    from zoo.labels import read_labels_csv
+
+    monkeypatch.setenv("ZOO_MAX_LABELS", "3")
+    path = tmp_path / "labels.csv"
+    path.write_text("name,a,b,c,test_accuracy\nfine,1,2,,0.5\nbloated,1,2,3,0.5\n")
+    with pytest.raises(
+        InputError, match=r"labels\.csv: line 3: 4 labels and measurements, past the limit of 3 per adapter \(ZOO_MAX_LABELS\)"
+    ):
+        read_labels_csv(path)
+
+
+def test_reads_stamp_a_token_at_most_once_a_minute(tmp_path: Path) -> None:
+    """Every read under ZOO_READ_TOKEN_REQUIRED stamped the token's last use in a write transaction of its own (SQLite
+    88 → 53 requests/s): now 20 reads write once."""
+    from sqlalchemy import event
+
+    from webapp import create_app
+    from zoo.store.session import make_engine, session_factory, upgrade
+    from zoo.store.tokens import create_token, list_tokens
+
+    url = f"sqlite:///{tmp_path / 'zoo.db'}"
+    upgrade(url)
+    with session_factory(url).begin() as session:
+        token = create_token(session, "reader")[1]
+    client = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(tmp_path / "data"), "ZOO_READ_TOKEN_REQUIRED": "1"}).test_client()
+    stamps: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith("UPDATE API_TOKEN"):
+            stamps.append(statement)
+
+    event.listen(make_engine(url), "before_cursor_execute", count)
+    try:
+        for _ in range(20):
+            assert client.get("/api/v1/jobs", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    finally:
+        event.remove(make_engine(url), "before_cursor_execute", count)
+    assert len(stamps) == 1
+    with session_factory(url)() as session:
+        assert list_tokens(session)[0]["last_used_at"] is not None
+
+
+def test_tokens_made_before_scopes_keep_every_right(db_url: str) -> None:
+    """Migration 0015: a token made before scopes could do everything, so it becomes admin; the downgrade drops the
+    column and keeps the token."""
+    from sqlalchemy import text
+
+    from zoo.store.session import downgrade, make_engine, session_factory, upgrade
+    from zoo.store.tokens import digest, find_token
+
+    downgrade(db_url, "0014")
+    with make_engine(db_url).begin() as conn:
+        conn.execute(text("INSERT INTO api_token (name, token_sha256) VALUES ('old', :d)"), {"d": digest("zoo_old")})
+    upgrade(db_url)
+    with session_factory(db_url)() as session:
+        found = find_token(session, "zoo_old")
+    assert found is not None and found.scope == "admin"
+    downgrade(db_url, "0014")
+    with make_engine(db_url).connect() as conn:
+        assert conn.execute(text("SELECT name FROM api_token")).scalars().all() == ["old"]
+    upgrade(db_url)
+
+
+def test_zoo_token_create_takes_a_scope_and_list_shows_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zoo.cli import main
+
+    base = ["--db", f"sqlite:///{tmp_path / 'zoo.db'}", "--data-dir", str(tmp_path / "data")]
+    assert main([*base, "init"]) == 0
+    assert main([*base, "token", "create", "plain", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["scope"] == "read"  # the default: it cannot change the zoo
+    assert main([*base, "token", "create", "ops", "--scope", "admin"]) == 0
+    assert "scope admin" in capsys.readouterr().out
+    assert main([*base, "token", "list", "--json"]) == 0
+    assert [(t["name"], t["scope"]) for t in json.loads(capsys.readouterr().out)] == [("plain", "read"), ("ops", "admin")]
+    assert main([*base, "token", "list"]) == 0
+    assert [line.split()[2] for line in capsys.readouterr().out.splitlines()] == ["read", "admin"]
