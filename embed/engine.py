@@ -78,8 +78,9 @@ METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), **dict.fromkeys(EXACT_SCORES, (SKET
 #: per exact score, the indexes whose CANDIDATES nearest are its first-stage candidates, where the space has them (one
 #: embedded before the input-Gram sketches has none until `zoo embed` runs):
 #: the input Gram's true neighbours (an adapter whose head was re-seeded: dW → Q·dW) need not be near in the module
-#: sketch; the union with the module sketch's kept 1.000 of the exact top 10 on digits-vit-seeded where either index
-#: alone kept less (docs/results.md)
+#: sketch. On digits-vit-seeded (300 adapters, `python -m bench.search --zoo-data-dir`) the CANDIDATES nearest held
+#: 0.609 of the exact input-Gram top 10 from the module sketch index, 0.965 from the input-Gram sketch index and 0.988
+#: from both (docs/results.md)
 EXACT_CANDIDATES = {"dw": (SKETCH,), "module": (SKETCH,), "input_gram": (GRAM, SKETCH)}
 #: the most lists an IVF index of these embedders probes: raw-factor sketches of unrelated adapters are near-random
 #: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
