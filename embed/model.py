@@ -16,6 +16,13 @@ of a group (one type, neighbouring layers) are averaged into one and their sketc
 sketch of the group's summed update: one type shares P_u, P_v), so that the module transformer and
 the readout see at most `module_groups` tokens. A config without these fields (a checkpoint from
 before) keeps full widths and a token per module.
+
+Gram sketches (`gram_sketches`): the first-order sketch is linear in u, so a rotation of dW's output side (dW → Q·dW,
+what a re-seeded classifier head does to a run's update) moves it. Beside it each module gets two second-order,
+sign-invariant sketches, of the input Gram dWᵀdW = V S² Vᵀ and of the output Gram dW dWᵀ = U S² Uᵀ:
+Σ_i s_i² (P_v v_i)(P_v v_i)ᵀ and Σ_i s_i² (P_u u_i)(P_u u_i)ᵀ with s_i² = σ_i² / Σ_module σ², so each has the module's
+unit weight whatever dW's scale. The input one ignores u altogether (any Q). Both feed the module token (a linear
+embedding added to it) and the readout (beside the first-order sketch). A config without the field (before) has neither.
 """
 
 from __future__ import annotations
@@ -47,11 +54,19 @@ class W2TConfig:
     projection_seed: int = 0
     max_module_tokens: int = 0  # 0: a module token per module
     module_groups: int = 0  # module tokens (embed.tokens.module_groups); 0: n_modules, one per module
+    gram_sketches: bool = False  # second-order input and output Gram sketches per module (module token and readout)
+    #: how the weights were pretrained (embed.train.pretrain: the distilled score, epochs, views, losses); {}: not
+    pretraining: dict[str, object] = field(default_factory=dict)
 
     @property
     def tokens(self) -> TokenSpec:
         """How adapters are tokenized for this model."""
         return TokenSpec(self.token_width, self.projection_seed, self.max_module_tokens)
+
+    @property
+    def sketch_width(self) -> int:
+        """Features per module token the readout reads: the first-order sketch (k²), and the two Gram sketches (2 k²)."""
+        return self.outer_dim**2 * (3 if self.gram_sketches else 1)
 
     @property
     def n_tokens(self) -> int:
@@ -115,6 +130,7 @@ class W2T(nn.Module):
         self.proj_v = nn.ModuleDict({t: nn.Linear(width(i), k, bias=False) for t, (_, i) in config.type_shapes.items()})
         self.token = nn.Linear(k * k, d)
         self.sketch = nn.Linear(k * k, d)
+        self.gram = nn.Linear(2 * k * k, d) if config.gram_sketches else None
         self.film = nn.Sequential(nn.Linear(2, d), nn.GELU(), nn.Linear(d, 2 * d))
         self.rank_encoder = _encoder(d, config.heads, config.rank_layers, config.dropout)
         self.rank_pool = AttentionPool(d)
@@ -126,7 +142,9 @@ class W2T(nn.Module):
         # the learned two-sided sketches of every module side by side (module identity kept), read out
         # linearly: the path that a linear classifier on a fixed dW sketch shows to be strong
         self.readout = (
-            nn.Sequential(nn.Dropout(config.dropout), nn.Linear(config.n_tokens * k * k, config.embed_dim)) if config.n_modules else None
+            nn.Sequential(nn.Dropout(config.dropout), nn.Linear(config.n_tokens * config.sketch_width, config.embed_dim))
+            if config.n_modules
+            else None
         )
         self.heads = nn.ModuleDict({k: nn.Linear(config.embed_dim, len(v)) for k, v in config.categorical.items()})
         self.regressors = nn.ModuleDict({k: nn.Linear(config.embed_dim, 1) for k in config.regression})
@@ -153,6 +171,10 @@ class W2T(nn.Module):
         weights = (sigma / total[:, None, None]).unsqueeze(-1)
         module_sketch = ((a * weights).transpose(-1, -2) @ b).flatten(-2)  # Σ_i σ_i a_i b_iᵀ / total: (B, M, k²)
         linear_sketch = self.sketch(module_sketch)  # (B, M, d)
+        if self.gram is not None:
+            grams = torch.cat(self.gram_sketches(a, b * tok.v.shape[-1] ** 0.5, tok), dim=-1)
+            linear_sketch = linear_sketch + self.gram(grams)
+            module_sketch = torch.cat([module_sketch, grams], dim=-1)
         ls = tok.log_sigma
         ls_max = ls.masked_fill(~tok.mask, float("-inf")).amax(dim=-1, keepdim=True).clamp_min(-30.0)
         rel = (ls - ls_max).masked_fill(~tok.mask, 0.0)
@@ -166,6 +188,14 @@ class W2T(nn.Module):
         t = self.types.index(mtype)
         pooled = pooled + self.layer_emb(tok.layers.clamp(0, self.config.n_layers))[None] + self.type_emb.weight[t]
         return pooled, has_any.reshape(B, M), module_sketch
+
+    @staticmethod
+    def gram_sketches(a: torch.Tensor, b: torch.Tensor, tok: TypeTokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) Gram sketches (B, M, k²) of each module from its projected components a = P_u u, b = P_v v
+        (B, M, R, k): Σ_i s_i² b_i b_iᵀ and Σ_i s_i² a_i a_iᵀ, s_i² = σ_i² / Σ_module σ² (0 for a module not there)."""
+        s2 = (tok.log_sigma.exp() * tok.mask).pow(2)
+        w = (s2 / s2.sum(dim=-1, keepdim=True).clamp_min(1e-24)).unsqueeze(-1)
+        return ((b * w).transpose(-1, -2) @ b).flatten(-2), ((a * w).transpose(-1, -2) @ a).flatten(-2)
 
     def forward(
         self, batch: Batch, noise: float = 0.0, generator: torch.Generator | None = None, readout_scale: float | torch.Tensor = 1.0
@@ -194,7 +224,7 @@ class W2T(nn.Module):
         """(module tokens (B, G, d), mask (B, G), summed sketches (B, G, k²)): each group's mean token over the modules
         the adapter has, and its sketches' sum; with a group per module, the module tokens themselves."""
         first = next(iter(batch.values()))
-        B, G, k2 = first.mask.shape[0], self.config.n_tokens, self.config.outer_dim**2
+        B, G, k2 = first.mask.shape[0], self.config.n_tokens, self.config.sketch_width
         device = first.mask.device
         x = torch.zeros(B, G, self.config.dim, device=device)
         count = torch.zeros(B, G, device=device)

@@ -38,7 +38,9 @@ from embed.choice import (
     mean_per_row,
     readout_predictions,
 )
+from embed.distill import distillation_loss, rotate_outputs, token_kernel
 from embed.ensemble import W2TEnsemble, batch_rows
+from embed.metrics import retrieval
 from embed.model import W2T, W2TConfig
 from embed.tokens import (
     MAX_MODULE_TOKENS,
@@ -121,6 +123,22 @@ class TrainOptions:
     #: rank tokens an adapter brings to a training step, at most: beyond it a step sees a random subset of the modules
     #: (_module_view; validation and embedding see them all); 0: every module
     step_rank_tokens: int = STEP_RANK_TOKENS
+    #: second-order input and output Gram sketches per module beside the first-order one, into the module tokens and
+    #: the readout (embed.model, W2TConfig.gram_sketches): a rotation of dW's output side leaves the input one unmoved
+    gram_sketches: bool = False
+    #: self-supervised epochs before the supervised ones, on every adapter, labelled or not (at most pretrain_adapters):
+    #: the W2T cosine is taught to rank the adapters of a batch as an exact score does (embed.distill); the members
+    #: then start from these weights. 0: none
+    pretrain_epochs: int = 0
+    #: the exact score pretraining distills: "dw", "module", "input_gram", or "auto": of those the one that retrieves
+    #: the labelled adapters' tasks best (leave-one-out MRR + nDCG@10 among them; training-free, so no fold is needed)
+    pretrain_score: str = "auto"
+    #: pretraining views carry what a run's own seeds and settings change but its task does not: weak components cut,
+    #: modules dropped (augment_module_dropout), dW rescaled by e^c, c ~ U(-1, 1), and, where the distilled score
+    #: ignores the output side (the input Gram), the output side turned by a random orthogonal Q (a re-seeded head)
+    pretrain_augment: bool = True
+    #: the most adapters pretraining uses, drawn with the seed (its target kernel is their n × n exact scores)
+    pretrain_adapters: int = 4096
     #: torch threads while training (None: torch's default). One: on a shared 2-core machine two threads wait on each
     #: other at every small op (a Llama-3-8B step was 2.6 times slower in wall time, docs/results.md)
     threads: int | None = 1
@@ -398,12 +416,23 @@ def _folds(n: int, members: int, options: TrainOptions) -> list[_Fold]:
 
 
 def _train_member(
-    config: W2TConfig, data: _Data, fold: _Fold, options: TrainOptions, seed: int, device: torch.device, desc: str, progress: bool
+    config: W2TConfig,
+    data: _Data,
+    fold: _Fold,
+    options: TrainOptions,
+    seed: int,
+    device: torch.device,
+    desc: str,
+    progress: bool,
+    initial: dict[str, torch.Tensor] | None = None,
 ) -> tuple[W2T, list[dict[str, float]]]:
-    """One model, early-stopped on its fold's validation loss: (model, history)."""
+    """One model, early-stopped on its fold's validation loss, from `initial` weights where given (pretrained): (model,
+    history)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = W2T(config).to(device)
+    if initial is not None:
+        model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
 
     has_target = data.has_target
@@ -493,6 +522,91 @@ def _train_member(
     return model, history
 
 
+#: pretraining views rescale dW by e^c, c ~ U(-PRETRAIN_RESCALE, PRETRAIN_RESCALE)
+PRETRAIN_RESCALE = 1.0
+
+
+def favoured_score(tokens: Batch, tasks: list[str]) -> str:
+    """The exact score (dw, module, input_gram) that retrieves the tasks best among the rows with one: each queries
+    the others, scored by MRR + nDCG@10; dW cosine where fewer than two rows have a task."""
+    rows = [r for r, t in enumerate(tasks) if t]
+    if len(rows) < 2:
+        return "dw"
+    labelled = select(tokens, torch.tensor(rows))
+    labels = [tasks[r] for r in rows]
+    quality = {}
+    for score in ("dw", "module", "input_gram"):
+        got = retrieval(token_kernel(labelled, score).numpy(), labels, labels, list(range(len(rows))))
+        quality[score] = got["mrr"] + got["ndcg@10"]
+    return max(quality, key=lambda s: quality[s])
+
+
+def pretrain(
+    config: W2TConfig, tokens: Batch, tasks: list[str], options: TrainOptions, device: torch.device, progress: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """Self-supervised pretraining on the rows of `tokens` (at most options.pretrain_adapters of them, drawn with the
+    seed), labelled or not: options.pretrain_epochs epochs of the distillation loss (embed.distill) between the W2T
+    cosines of a batch and the exact score options.pretrain_score among its adapters (`tasks`, "" where unknown, pick
+    it where "auto"). (weights, what was done: score, epochs, views, the mean loss on plain views before and after)."""
+    torch.manual_seed(options.seed)
+    gen = torch.Generator().manual_seed(options.seed)
+    rows = torch.randperm(n_rows(tokens), generator=gen)[: options.pretrain_adapters].sort().values
+    tokens = select(tokens, rows)
+    score = favoured_score(tokens, [tasks[r] for r in rows.tolist()]) if options.pretrain_score == "auto" else options.pretrain_score
+    kernel = token_kernel(tokens, score).float()
+    model = W2T(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
+    size = batch_rows(tokens_per_adapter(tokens), options.batch_size)
+    views = replace(options, augment_rescale=PRETRAIN_RESCALE)
+    rotate = options.pretrain_augment and score == "input_gram"
+    before = _distillation_on(model, tokens, kernel, size, options.temperature, device)
+    bar = tqdm(range(options.pretrain_epochs), desc=f"pretrain w2t (distil {score})", unit="epoch", disable=not progress)
+    for _ in bar:
+        model.train()
+        order = torch.randperm(len(rows), generator=gen)
+        for start in range(0, len(order), size):
+            idx = order[start : start + size]
+            if len(idx) < 2:
+                continue
+            batch, scale = _module_view(tokens, idx, options.step_rank_tokens, gen)
+            factor, noise = None, 0.0
+            if options.pretrain_augment:
+                batch, factor = _augment(batch, gen, views, contrastive_view=True)
+                batch = rotate_outputs(batch, gen) if rotate else batch
+                noise = VIEW_NOISE
+            z = model(to_device(batch, device), noise=noise, generator=gen, readout_scale=_readout_scale(scale, factor, device))
+            loss = distillation_loss(z, kernel[idx][:, idx], options.temperature)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    after = _distillation_on(model, tokens, kernel, size, options.temperature, device)
+    info: dict[str, object] = {
+        "score": score,
+        "epochs": options.pretrain_epochs,
+        "adapters": len(rows),
+        "augment": options.pretrain_augment,
+        "rotate_outputs": rotate,
+        "loss_before": before,
+        "loss_after": after,
+    }
+    return copy.deepcopy(model.state_dict()), info
+
+
+@torch.no_grad()
+def _distillation_on(model: W2T, tokens: Batch, kernel: torch.Tensor, size: int, temperature: float, device: torch.device) -> float:
+    """The mean distillation loss of plain views over consecutive batches of `size` rows (a fixed measure for
+    before and after)."""
+    model.eval()
+    n = n_rows(tokens)
+    parts = []
+    for start in range(0, n, size):
+        idx = torch.arange(start, min(n, start + size))
+        if len(idx) >= 2:
+            z = model(to_device(select(tokens, idx), device))
+            parts.append(float(distillation_loss(z, kernel[idx][:, idx], temperature)))
+    return sum(parts) / max(1, len(parts))
+
+
 def _rows_for_epoch(rows: torch.Tensor, has_target: torch.Tensor, ratio: float | None, gen: torch.Generator) -> torch.Tensor:
     """The rows an epoch trains (or validates) on: every labelled one and at most `ratio` unlabelled ones per labelled
     one, drawn with `gen` (None, or no labelled row: all of them)."""
@@ -574,6 +688,7 @@ def _train_w2t(
         projection_seed=spec.seed,
         max_module_tokens=spec.max_module_tokens,
         module_groups=module_groups(schema, spec.max_module_tokens)[1] if spec.max_module_tokens else 0,
+        gram_sketches=options.gram_sketches,
     )
     if tokens is None:
         tokens = tokenize(adapters, schema, rank, spec)
@@ -595,6 +710,10 @@ def _train_w2t(
     )
     members = max(1, options.members)
     folds = _folds(n, members, options)
+    pretrained = None
+    if options.pretrain_epochs:
+        pretrained, info = pretrain(config, tokens, [a.labels.get(TASK_KEY, "") for a in adapters], options, device, progress)
+        config = replace(config, pretraining=info)
     if progress:
         per_epoch = _seconds_per_epoch(config, data, folds[0], options, device)
         tqdm.write(
@@ -605,7 +724,7 @@ def _train_w2t(
     models, history = [], []
     for i, fold in enumerate(folds):
         desc = f"train w2t ({options.objective}, model {i + 1}/{members})"
-        model, member_history = _train_member(config, data, fold, options, options.seed + i, device, desc, progress)
+        model, member_history = _train_member(config, data, fold, options, options.seed + i, device, desc, progress, pretrained)
         models.append(model)
         history += [{"member": i, **h} for h in member_history]
     embedder = W2TEnsemble(models, schema, rank, stats, options.objective, history, metric_range=ranges)

@@ -1,0 +1,131 @@
+"""W2T alone, part by part: v1, + Gram sketches, + pretraining (distilling an exact score), + its nuisance views, all;
+against the exact input Gram and dW cosines, on the splits `zoo eval` uses.
+
+Per split (embed.evaluate.split_of with `--per-task` labelled adapters per task, seeds SEED, SEED+1, ...), each
+configuration's W2T is trained with `zoo train`'s options (embed.train.train_w2t: `--members` models, the choices out
+of fold) on every adapter, the queries without their labels, and scored as `zoo eval` scores a similarity: every query
+(an unlabelled adapter with a task) ranks every other adapter, relevant = same task (hit@1, MRR, nDCG@10), and the
+10-NN among the labelled adapters, by the similarity, estimates each query's test accuracy (Spearman with the
+measured one). `default` rows score the search each trained W2T chose out of fold. Gains are paired by split, 95 %
+t interval over the splits.
+
+    python -m bench.w2t_ablation --data-dir DIR [--per-task 8] [--splits 10] [--members 1] [--configs v1,gram,...]
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import numpy as np
+from scipy import stats
+
+from embed.dataset import base_models, load_adapters
+from embed.evaluate import PERF_METRIC, split_of
+from embed.metrics import knn_regress, regression, retrieval
+from embed.train import TrainOptions, train_w2t
+from embed.types import ZooAdapter, schema_of
+from zoo.config import Settings
+from zoo.domain.channels import exact_cosines
+from zoo.domain.similarity import ModuleStack, dense_modules
+from zoo.labels import TASK_KEY
+from zoo.store.blobs import BlobStore
+from zoo.store.session import session_factory
+
+MEASURES = ("hit@1", "mrr", "ndcg@10", "perf_spearman")
+
+
+def configurations(pretrain_epochs: int) -> dict[str, dict[str, object]]:
+    """Each ablated configuration's TrainOptions changes over v1's."""
+    pre = {"pretrain_epochs": pretrain_epochs}
+    return {
+        "v1": {},
+        "gram": {"gram_sketches": True},
+        "pretrain": {**pre, "pretrain_augment": False},
+        "pretrain_views": {**pre, "pretrain_augment": True},
+        "all": {"gram_sketches": True, **pre, "pretrain_augment": True},
+    }
+
+
+def score(sim: np.ndarray, adapters: list[ZooAdapter], labelled: list[int], queries: list[int]) -> dict[str, float]:
+    """`zoo eval`'s measures of a similarity on one split (embed.evaluate: its rows' retrieval and kNN performance)."""
+    tasks = [a.labels.get(TASK_KEY, "") for a in adapters]
+    q = [p for p in queries if tasks[p]]
+    out = {k: v for k, v in retrieval(sim[q], [tasks[p] for p in q], tasks, list(q)).items() if k in MEASURES}
+    perf = np.array([a.measurements.get(PERF_METRIC, np.nan) for a in adapters])
+    if not np.isnan(perf[labelled + queries]).any():
+        out["perf_spearman"] = regression(knn_regress(sim[np.ix_(queries, labelled)], perf[labelled]), perf[queries])["perf_spearman"]
+    return out
+
+
+def interval(diffs: list[float]) -> tuple[float, float, float]:
+    d = np.asarray(diffs)
+    half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return float(d.mean()), float(d.mean()) - half, float(d.mean()) + half
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--space")
+    p.add_argument("--per-task", type=int, default=8)
+    p.add_argument("--splits", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--members", type=int, default=TrainOptions().members)
+    p.add_argument("--epochs", type=int, default=TrainOptions().epochs)
+    p.add_argument("--pretrain-epochs", type=int, default=30)
+    p.add_argument("--configs", default="v1,gram,pretrain,pretrain_views,all")
+    args = p.parse_args()
+    settings = Settings.load(data_dir=args.data_dir)
+    with session_factory(settings.database_url)() as session:
+        space = args.space or base_models(session)[0]
+        adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
+    schema = schema_of(space, adapters)
+    factors = [a.factors for a in adapters]
+    stack = ModuleStack.of(factors, dense_modules(factors))
+    exact = {s: exact_cosines(stack, stack, s) for s in ("dw", "module", "input_gram")}
+    chosen = configurations(args.pretrain_epochs)
+    names = args.configs.split(",")
+    rows: dict[str, list[dict[str, float]]] = {"dw cosine": [], "input Gram cosine": []}
+    for s in range(args.seed, args.seed + args.splits):
+        labelled, queries, fit = split_of(adapters, 0.2, s, args.per_task, None)
+        rows["dw cosine"].append(score(exact["dw"], adapters, labelled, queries))
+        rows["input Gram cosine"].append(score(exact["input_gram"], adapters, labelled, queries))
+        for name in names:
+            options = replace(TrainOptions(seed=s, members=args.members, epochs=args.epochs), **chosen[name])  # type: ignore[arg-type]
+            t0 = time.perf_counter()
+            emb = train_w2t(fit, schema, options, progress=False)
+            took = time.perf_counter() - t0
+            z = emb.embed(adapters)
+            w2t = z @ z.T
+            rows.setdefault(name, []).append({**score(w2t, adapters, labelled, queries), "seconds": took})
+            rows.setdefault(f"default ({name})", []).append(
+                {
+                    **score(emb.search.ranking(exact[emb.search.exact], w2t, np.eye(len(w2t), dtype=bool)), adapters, labelled, queries),
+                    "search": emb.search.name,
+                }  # type: ignore[dict-item]
+            )
+            pre = emb.config.pretraining
+            print(f"split {s} {name}: {rows[name][-1]} search {emb.search.name} pretraining {pre}", flush=True)
+    summary: dict[str, object] = {}
+    for name, per in rows.items():
+        summary[name] = {k: float(np.mean([r[k] for r in per])) for k in (*MEASURES, "seconds") if k in per[0]}
+    gains: dict[str, object] = {}
+    for name in rows:
+        for base in ("v1", "input Gram cosine"):
+            if name == base or base not in rows or name in ("dw cosine",):
+                continue
+            gains[f"{name} - {base}"] = {k: interval([a[k] - b[k] for a, b in zip(rows[name], rows[base], strict=True)]) for k in MEASURES}
+    for name, m in summary.items():
+        print(f"{name:28s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))  # type: ignore[union-attr]
+    for name, g in gains.items():
+        print(f"{name:40s} " + "  ".join(f"{k} {v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]" for k, v in g.items()))  # type: ignore[union-attr]
+    print(json.dumps({"args": vars(args), "space": space, "summary": summary, "gains": gains, "per_split": rows}))
+
+
+if __name__ == "__main__":
+    main()
