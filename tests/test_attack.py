@@ -513,7 +513,7 @@ def _stock(url: str, data_dir: Path, root: Path, labelled: bool) -> tuple[int, d
     (spare,) = write_random_peft_adapters(root / "spare", 1, seed=7)
     assert main([*base, "ingest", str(spare), "--base-model", "tiny", "--json"]) == 0
     with session_factory(url).begin() as session:
-        tokens = {scope: create_token(session, f"guard-{scope}", scope)[1] for scope in SCOPES}
+        tokens: dict[str, str] = {scope: create_token(session, f"guard-{scope}", scope)[1] for scope in SCOPES}
         return int(session.scalar(select(func.max(Adapter.id))) or 0), tokens
 
 
@@ -772,3 +772,27 @@ def test_zoo_token_create_takes_a_scope_and_list_shows_it(tmp_path: Path, capsys
     assert [(t["name"], t["scope"]) for t in json.loads(capsys.readouterr().out)] == [("plain", "read"), ("ops", "admin")]
     assert main([*base, "token", "list"]) == 0
     assert [line.split()[2] for line in capsys.readouterr().out.splitlines()] == ["read", "admin"]
+
+
+def test_docs_security_lists_every_route_with_the_scope_it_declares(tmp_path: Path) -> None:
+    """docs/security.md's table of routes is the app's: each route and method (HEAD and OPTIONS aside) with the scope
+    its view declares, or `open` for webapp.security's OPEN_ENDPOINTS."""
+    import re
+
+    from webapp import create_app
+    from webapp.auth import declared_scope
+    from webapp.security import OPEN_ENDPOINTS
+    from zoo.store.session import upgrade
+
+    url = f"sqlite:///{tmp_path / 'zoo.db'}"
+    upgrade(url)
+    app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(tmp_path / "data")})
+    path_argument = re.compile(r"<(?:[^:>]+:)?([^>]+)>")
+    declared = {}
+    for rule in app.url_map.iter_rules():
+        scope = "open" if rule.endpoint in OPEN_ENDPOINTS else declared_scope(app, rule.endpoint)
+        for method in (rule.methods or set()) - {"HEAD", "OPTIONS"}:
+            declared[method + " " + path_argument.sub(r"{\1}", rule.rule)] = scope
+    text = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    documented = dict(re.findall(r"^\| `([A-Z]+ /[^`]*)` \| (open|read|write|admin) \|$", text, re.M))
+    assert documented == declared
