@@ -22,21 +22,29 @@ from dataclasses import dataclass, field
 
 class SlowClients:
     """`n` connections to host:port, each sending `GET path HTTP/1.1` headers one byte every `interval` seconds
-    and never finishing them; a connection the server closes is opened again. Use as a context manager."""
+    and never finishing them (with `body`: whole `POST path` headers declaring a 100,000-byte body, and then the body
+    a byte at a time); a connection the server closes is opened again. Use as a context manager."""
 
-    def __init__(self, port: int, n: int, host: str = "127.0.0.1", path: str = "/api/v1/health", interval: float = 0.5) -> None:
-        self.host, self.port, self.n, self.path, self.interval = host, port, n, path, interval
+    def __init__(
+        self, port: int, n: int, host: str = "127.0.0.1", path: str = "/api/v1/health", interval: float = 0.5, body: bool = False
+    ) -> None:
+        self.host, self.port, self.n, self.path, self.interval, self.body = host, port, n, path, interval, body
         self.stop = threading.Event()
         self.closed_by_server = 0  # connections the server ended (a deadline at work)
         self.opened = 0
         self._threads = [threading.Thread(target=self._drip, daemon=True) for _ in range(n)]
 
     def _drip(self) -> None:
-        head = f"GET {self.path} HTTP/1.1\r\nHost: {self.host}\r\n".encode() + b"X-Slow: " + b"a" * 100_000
+        if self.body:
+            whole = f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+            head = b'{"x": "' + b"a" * 100_000
+        else:
+            whole, head = "", f"GET {self.path} HTTP/1.1\r\nHost: {self.host}\r\n".encode() + b"X-Slow: " + b"a" * 100_000
         while not self.stop.is_set():
             try:
                 with socket.create_connection((self.host, self.port), timeout=5) as s:
                     self.opened += 1
+                    s.sendall(whole.encode())
                     for i in range(len(head)):
                         s.sendall(head[i : i + 1])
                         if self.stop.wait(self.interval):

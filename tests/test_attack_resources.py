@@ -7,13 +7,14 @@ import gc
 import json
 import struct
 import threading
+import time
 import tracemalloc
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from bench.attack import Flood, get, p99
+from bench.attack import Flood, SlowClients, get, p99, probe
 from tests.test_attack import PROBE_P99_S, Served, _probe_during, _upload, served
 from zoo.errors import InputError
 from zoo.memory import rss_bytes
@@ -131,3 +132,15 @@ def test_a_flood_of_100_refused_uploads_leaves_the_worker_near_its_idle_memory(s
     after = rss_bytes(served.worker)
     assert after - idle < 100 << 20, (_mib(idle), _mib(after))
     assert statuses.count(422) == len(statuses) == 102, statuses
+
+
+def test_128_slow_clients_against_zoo_serve_alone_leave_health_fast(served: Served) -> None:
+    """64 connections dripping their headers and 64 sending a declared body a byte every 0.5 s, against `zoo serve`
+    with no proxy in front (1 worker, 32 threads): before, each held a thread (a body for up to 120 s) and probes
+    timed out (p50 18.9 s at 70 slow bodies); now the event loop reads requests ahead and a thread sees only whole
+    ones."""
+    with SlowClients(served.port, 64) as headers, SlowClients(served.port, 64, path="/api/v1/predict/performance", body=True) as bodies:
+        time.sleep(1.0)  # every connection open and dripping
+        times = probe(served.port, 3.0, timeout=5)
+    assert headers.opened >= 64 and bodies.opened >= 64
+    assert len(times) > 20 and p99(times) <= PROBE_P99_S, times
