@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -82,6 +83,8 @@ def nearest(cli: CLI, query_id: int, method: str = "input_gram") -> dict:
 def test_input_gram_search_finds_a_reheaded_copy_that_module_sketch_candidates_miss(
     cli: CLI, zoo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The index `zoo embed` writes gives input_gram search the re-headed copy at rank 1; a space embedded before it
+    (no input-Gram embedder) answers from the module sketch's candidates, says so, and gets it at its next embed."""
     monkeypatch.setattr(engine_module, "CANDIDATES", POOL)
     reports = ingest_and_embed(cli, zoo)
     gram = next(r for r in reports if r["method"] == GRAM)
@@ -90,37 +93,28 @@ def test_input_gram_search_finds_a_reheaded_copy_that_module_sketch_candidates_m
     ids = ids_by_name(cli)
     engine = new_engine(cli)
     with session_factory(cli.settings.database_url)() as session:
-        state = engine.space(session, "tiny")
-        index = state.embedders[GRAM].index
-        found = index.search(index.vectors([ids["query"]]), 2)[1][0].tolist()
+        index = engine.space(session, "tiny").embedders[GRAM].index
+        found = index.search(index.vectors(np.array([ids["query"]])), 2)[1][0].tolist()
         module = engine.similar(session, "tiny", Query("query", ids["query"]), POOL + 1, method="module")
     assert set(found) == {ids["query"], ids["reheaded"]}  # its input-Gram sketch is the query's
     # the module sketch's nearest are the decoys: a first stage from it alone never sees the re-headed copy
-    assert ids["reheaded"] not in [r["adapter_id"] for r in module["results"]]
+    assert ids["reheaded"] not in [r["adapter_id"] for r in module["results"]] and GRAM not in module["index_states"]
     by_gram = nearest(cli, ids["query"])
     assert by_gram["module_stage"] == "exact (module store)" and by_gram["index_states"][GRAM] == "loaded"
     assert by_gram["results"][0]["adapter_id"] == ids["reheaded"]
     assert by_gram["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)  # the same input Gram, exactly
     assert {r["adapter_id"] for r in by_gram["results"][1:]} <= {ids[f"decoy{i}"] for i in range(DECOYS)}
-    assert GRAM not in nearest(cli, ids["query"], "module")["index_states"]  # module cosine's candidates are as they were
 
-
-def test_a_space_embedded_before_the_gram_sketches_answers_and_gets_them_at_its_next_embed(
-    cli: CLI, zoo: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(engine_module, "CANDIDATES", POOL)
-    ingest_and_embed(cli, zoo)
-    ids = ids_by_name(cli)
     with session_factory(cli.settings.database_url)() as session, session.begin():  # the space as it was before
         session.execute(select(Embedder).where(Embedder.method == GRAM)).scalar_one().active = False
     old = nearest(cli, ids["query"])
     assert old["index_states"][SKETCH] == "loaded"
     assert old["index_states"][GRAM].startswith("not built") and "zoo embed" in old["index_states"][GRAM]
     assert old["results"][0]["adapter_id"] != ids["reheaded"]  # the module sketch's candidates, as before
-    (gram,) = [r for r in cli.json_lines("embed")[1][0] if r["method"] == GRAM]
-    assert gram["embedded"] == DECOYS + 6
-    again = nearest(cli, ids["query"])
-    assert again["index_states"][GRAM] == "loaded" and again["results"][0]["adapter_id"] == ids["reheaded"]
+    (again,) = [r for r in cli.json_lines("embed")[1][0] if r["method"] == GRAM]
+    assert again["embedded"] == DECOYS + 6 and again["embedder_id"] != gram["embedder_id"]
+    renewed = nearest(cli, ids["query"])
+    assert renewed["index_states"][GRAM] == "loaded" and renewed["results"][0]["adapter_id"] == ids["reheaded"]
 
 
 def test_without_a_module_store_the_input_gram_comes_from_its_sketches(cli: CLI, zoo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
