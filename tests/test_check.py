@@ -4,6 +4,7 @@ adapters; `--repair` fixes what can be fixed and leaves young files alone."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,51 @@ def test_check_finds_and_repairs(cli: CLI, three: Path, tmp_path: Path) -> None:
     rc, (after,) = cli.json_lines("check", "--grace", "0")
     assert after["orphans"] == [] and all(i["state"] == "ok" for i in after["indexes"]) and after["unembedded"] == []
     assert after["problems"] == 1  # only the corrupt blob is left
+
+
+def test_check_finds_orphaned_uploads_and_stranded_items_and_repair_leaves_what_a_live_item_owns(cli: CLI) -> None:
+    """A worker killed while it copied an upload, or mid-job, leaves the upload under uploads/ and its item
+    `running`: before, `zoo check` said ok and `--repair` removed nothing. Now an upload folder no queued or running
+    item owns, untouched for the grace period, is an orphan (removed on repair); an item whose lease ran out, or
+    whose holder was a process of this host that has exited, is stranded (queued again on repair)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from zoo.store.jobs import claim_items, create_job, get_job
+    from zoo.store.session import session_factory
+
+    uploads = cli.settings.data_dir / "uploads"
+    folders = {name: uploads / name for name in ("a" * 32, "b" * 32, "c" * 32, "query-killed", "query-live")}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+        (folder / "w.safetensors").write_bytes(b"an upload's bytes")
+    sessions = session_factory(cli.settings.database_url)
+    with sessions.begin() as session:
+        owned = create_job(session, [str(folders["b" * 32] / "w.safetensors")], {"base_model": "tiny"}).id  # queued: owns b
+        held = create_job(session, [str(folders["c" * 32] / "w.safetensors")], {"base_model": "tiny"}).id  # its worker exits
+        lapsed = create_job(session, ["/elsewhere/x.safetensors"], {"base_model": "tiny"}).id  # its lease runs out
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    assert claim_items(sessions, f"{socket.gethostname()}:{exited}:zoo-job", 600, job_id=held)
+    assert claim_items(sessions, "another-host:1:MainThread", -1, job_id=lapsed)
+    assert claim_items(sessions, f"{socket.gethostname()}:{os.getpid()}:MainThread", 600, job_id=owned)  # alive: not stranded
+    hour_ago = time.time() - 3600
+    for name in ("a" * 32, "b" * 32, "c" * 32, "query-killed"):
+        for path in (folders[name] / "w.safetensors", folders[name]):
+            os.utime(path, (hour_ago, hour_ago))
+
+    rc, (found,) = cli.json_lines("check", "--grace", "60")
+    orphans = [str(folders["a" * 32]), str(folders["query-killed"])]  # b and c are owned by their items; query-live is young
+    assert rc == 1 and found["uploads"] == {"orphans": orphans, "in_flight": 3, "removed": 0}, found["uploads"]
+    stranded = {(i["job_id"], i["why"]) for i in found["jobs"]["stranded"]}
+    assert stranded == {(held, "holder exited"), (lapsed, "lease expired")} and found["problems"] == 4
+
+    rc, out, _ = cli("check", "--repair", "--grace", "60")
+    assert "orphaned upload" in out and "queued again" in out
+    assert not folders["a" * 32].exists() and not folders["query-killed"].exists()
+    assert all(folders[name].exists() for name in ("b" * 32, "c" * 32, "query-live"))  # a requeued item keeps its upload
+    with sessions() as session:
+        assert [get_job(session, j)["items"][0]["state"] for j in (owned, held, lapsed)] == ["running", "queued", "queued"]
+    rc, (after,) = cli.json_lines("check", "--grace", "60")
+    assert rc == 0 and after["ok"] and after["uploads"]["orphans"] == [] and after["jobs"]["stranded"] == [], after

@@ -276,6 +276,11 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
             print(f"  {gap['space']}: {plural(gap['count'], 'adapter')} not embedded" + (" (embedded now)" if gap.get("repaired") else ""))
         for line in report["repaired"]:
             print(f"  repaired: {line}")
+        for folder in report["uploads"]["orphans"]:
+            print(f"  orphaned upload {folder}" + (" (removed)" if args.repair else ""))
+        for item in report["jobs"]["stranded"]:
+            again = " (queued again)" if args.repair else ""
+            print(f"  job {item['job_id']} item {item['item_id']}: {item['why']}, held by {item['lease_owner']}{again}")
         lost = [*b["missing"], *b["corrupt"]]
         for x in lost:
             print(f"  adapter {x['adapter_id']}: blob {x['blob']} is missing or corrupt: ingest it again")

@@ -16,11 +16,20 @@ What it finds:
   vector, factors or point) or a missing one is a problem. Repair rebuilds that file from the database.
 - **unembedded adapters**: adapters that fit a space but have no vector under its module sketch.
   Repair embeds them (`zoo embed`).
+- **orphaned uploads**: folders under `uploads/` in the data dir (a web upload's files, kept until its job item
+  finishes; a search by upload's, kept for the request) that no queued or running job item owns and that nothing
+  has written to for the grace period: a worker killed while it copied an upload, or mid-job, leaves them. The
+  owner decides first (an item's source inside the folder), the age second (an upload is copied before its job
+  exists, and a search's folder has no job). Repair removes them.
+- **stranded job items**: items left `running` by a lease holder that is gone: its lease ran out, or it was a
+  process of this host that has exited (zoo/store/jobs.py `stranded_items`). Repair queues them again (failed
+  once out of attempts), as a worker's claim would; an upload they name stays theirs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +42,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from zoo.config import Settings
 from zoo.files import TMP_PREFIX
 from zoo.store.blobs import BlobStore
+from zoo.store.jobs import StrandedItem, pending_sources, requeue_stranded, stranded_items
 from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
 from zoo.store.session import session_factory
 
@@ -76,6 +86,17 @@ class Unembedded(TypedDict):
     repaired: NotRequired[bool]
 
 
+class UploadCheck(TypedDict):
+    orphans: list[str]  # folders under uploads/ no live job item owns, older than the grace period
+    in_flight: int  # folders owned by a queued or running item, or written to within the grace period
+    removed: int
+
+
+class JobCheck(TypedDict):
+    stranded: list[StrandedItem]
+    requeued: int
+
+
 class CheckReport(TypedDict):
     """What `check` found and repaired."""
 
@@ -88,6 +109,8 @@ class CheckReport(TypedDict):
     removed: int
     indexes: list[FileCheck]
     unembedded: list[Unembedded]
+    uploads: UploadCheck
+    jobs: JobCheck
     repaired: list[str]
 
 
@@ -126,7 +149,10 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
             removed += 1
 
     indexes, unembedded, repaired = _check_spaces(settings, sessions, blobs, repair)
+    jobs = _check_jobs(sessions, repair)
+    uploads = _check_uploads(settings.data_dir / "uploads", sessions, repair, grace_s, now)
     problems = len(missing) + len(corrupt) + (0 if repair else len(orphans) + len(temporary))
+    problems += 0 if repair else len(uploads["orphans"]) + len(jobs["stranded"])
     problems += sum(1 for i in indexes if i["state"] != "ok" and not i.get("repaired"))
     problems += sum(u["count"] for u in unembedded if not u.get("repaired"))
     return {
@@ -139,8 +165,49 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
         "removed": removed,
         "indexes": indexes,
         "unembedded": unembedded,
+        "uploads": uploads,
+        "jobs": jobs,
         "repaired": repaired,
     }
+
+
+def _check_jobs(sessions: sessionmaker[Session], repair: bool) -> JobCheck:
+    """Items whose lease holder is gone, queued again on repair."""
+    with sessions() as session:
+        stranded = stranded_items(session)
+    return {"stranded": stranded, "requeued": requeue_stranded(sessions, stranded) if repair and stranded else 0}
+
+
+def _check_uploads(root: Path, sessions: sessionmaker[Session], repair: bool, grace_s: float, now: float) -> UploadCheck:
+    """Folders under `root` (the data dir's uploads/) that no queued or running item owns and nothing has written to
+    for `grace_s` seconds (the module's doc); removed on repair. Run after `_check_jobs`, so that an item it queued
+    again keeps its upload."""
+    if not root.is_dir():
+        return {"orphans": [], "in_flight": 0, "removed": 0}
+    with sessions() as session:
+        owned = {Path(source) for source in pending_sources(session)}
+    orphans: list[Path] = []
+    in_flight = 0
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()):
+        if any(source.is_relative_to(folder) for source in owned) or now - _last_written(folder) < grace_s:
+            in_flight += 1
+        else:
+            orphans.append(folder)
+    if repair:
+        for folder in orphans:
+            shutil.rmtree(folder, ignore_errors=True)
+    return {"orphans": [str(p) for p in orphans], "in_flight": in_flight, "removed": len(orphans) if repair else 0}
+
+
+def _last_written(folder: Path) -> float:
+    """The newest modification time of a folder and everything in it (a copy under way keeps it fresh)."""
+    times = [folder.lstat().st_mtime]
+    for path in folder.rglob("*"):
+        try:
+            times.append(path.lstat().st_mtime)
+        except FileNotFoundError:  # removed meanwhile by its request
+            continue
+    return max(times)
 
 
 def _sha256(path: Path) -> str:

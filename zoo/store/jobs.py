@@ -20,6 +20,8 @@ the job row, in every transaction.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -278,6 +280,76 @@ def pending_items(session: Session, job_id: int | None = None) -> int:
     """Items queued or running (of one job, or of any)."""
     stmt = select(func.count()).select_from(JobItem).where(JobItem.state.in_(("queued", "running")), *_scope(job_id))
     return int(session.scalar(stmt) or 0)
+
+
+def holder_gone(owner: str | None) -> bool:
+    """Whether a lease's holder (`host:pid:thread`, zoo.runners.worker.owner_name) is a process of this host that
+    no longer runs; a holder on another host is known gone only once its lease runs out."""
+    host, _, rest = (owner or "").partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
+
+
+class StrandedItem(TypedDict):
+    """A running item whose lease holder is gone."""
+
+    item_id: int
+    job_id: int
+    source: str
+    lease_owner: str | None
+    why: str  # "lease expired" or "holder exited"
+
+
+def stranded_items(session: Session) -> list[StrandedItem]:
+    """Running items whose lease holder is gone: its lease ran out (no heartbeat renewed it), or it is a process of
+    this host that has exited (noticed before the lease runs out)."""
+    now = _now()
+    rows = session.execute(
+        select(JobItem.id, JobItem.job_id, JobItem.source, JobItem.lease_owner, JobItem.lease_expires_at).where(JobItem.state == "running")
+    ).all()
+    out: list[StrandedItem] = []
+    for item_id, job_id, source, owner, expires in rows:
+        until = as_utc(expires)
+        expired = until is None or until < now
+        if expired or holder_gone(owner):
+            why = "lease expired" if expired else "holder exited"
+            out.append({"item_id": item_id, "job_id": job_id, "source": source, "lease_owner": owner, "why": why})
+    return out
+
+
+def requeue_stranded(sessions: sessionmaker[Session], stranded: Iterable[StrandedItem]) -> int:
+    """Queue stranded items again (failed once out of attempts, as a claim would), each only if the same holder
+    still holds it; returns how many changed."""
+    changed = 0
+    with write_transaction(sessions) as session:
+        now = _now()
+        jobs = set()
+        for item in stranded:
+            held = (JobItem.id == item["item_id"], JobItem.state == "running", JobItem.lease_owner == item["lease_owner"])
+            spent = JobItem.attempts >= MAX_ATTEMPTS
+            reason = f"its worker stopped (killed, or out of memory?) in each of {MAX_ATTEMPTS} attempts: given up"
+            values = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
+            done = session.execute(update(JobItem).where(*held, spent).values(state="failed", reason=reason, **values))
+            again = session.execute(update(JobItem).where(*held, ~spent).values(state="queued", **values))
+            n = cast(CursorResult, done).rowcount + cast(CursorResult, again).rowcount
+            changed += n
+            if n:
+                jobs.add(item["job_id"])
+        _settle_jobs(session, jobs)
+    return changed
+
+
+def pending_sources(session: Session) -> set[str]:
+    """The sources of items queued or running (an upload's files belong to these until they finish)."""
+    return set(session.scalars(select(JobItem.source).where(JobItem.state.in_(("queued", "running")))))
 
 
 # --- commands ----------------------------------------------------------------------------------------
