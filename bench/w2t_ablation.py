@@ -10,8 +10,10 @@ measured one). `default` rows score the search each trained W2T chose out of fol
 t interval over the splits.
 
     python -m bench.w2t_ablation --data-dir DIR [--per-task 8] [--splits 10] [--members 1] [--configs v1,gram,...]
+    python -m bench.w2t_ablation --merge OUT1.json OUT2.json ...   # runs of other configurations on the same splits
 
-The last line is one JSON object.
+The exact scores (embed.distill.token_kernel on full-width tokens: exact_cosines' values) are computed once and given
+to each training, which would otherwise compute them again. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import numpy as np
 from scipy import stats
 
 from embed.dataset import base_models, load_adapters
+from embed.distill import token_kernel
 from embed.evaluate import PERF_METRIC, split_of
 from embed.metrics import knn_regress, regression, retrieval
-from embed.train import TrainOptions, train_w2t
+from embed.tokens import max_rank, tokenize
+from embed.train import ExactScores, TrainOptions, train_w2t
 from embed.types import ZooAdapter, schema_of
 from zoo.config import Settings
-from zoo.domain.channels import exact_cosines
-from zoo.domain.similarity import ModuleStack, dense_modules
+from zoo.domain.channels import EXACT_SCORES
 from zoo.labels import TASK_KEY
 from zoo.store.blobs import BlobStore
 from zoo.store.session import session_factory
@@ -70,47 +73,67 @@ def interval(diffs: list[float]) -> tuple[float, float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", required=True)
+    p.add_argument("--data-dir")
+    p.add_argument("--merge", nargs="+", help="the JSON last lines of runs to put in one table")
     p.add_argument("--space")
     p.add_argument("--per-task", type=int, default=8)
     p.add_argument("--splits", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--members", type=int, default=TrainOptions().members)
     p.add_argument("--epochs", type=int, default=TrainOptions().epochs)
+    p.add_argument("--patience", type=int, default=TrainOptions().patience)
     p.add_argument("--pretrain-epochs", type=int, default=30)
     p.add_argument("--configs", default="v1,gram,pretrain,pretrain_views,all")
     args = p.parse_args()
+    rows = merged(args.merge) if args.merge else measured(args)
+    report(rows, vars(args))
+
+
+def merged(paths: list[str]) -> dict[str, list[dict[str, float]]]:
+    """The per-split rows of several runs (the last line of each file), which must share their splits."""
+    rows: dict[str, list[dict[str, float]]] = {}
+    for path in paths:
+        with open(path) as f:
+            last = json.loads(f.read().strip().splitlines()[-1])
+        for name, per in last["per_split"].items():
+            if name in rows and [r.get("hit@1") for r in rows[name]] != [r.get("hit@1") for r in per]:
+                raise ValueError(f"{path}: {name} differs from an earlier run's")
+            rows[name] = per
+    return rows
+
+
+def measured(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    if not args.data_dir:
+        raise SystemExit("give --data-dir (or --merge)")
     settings = Settings.load(data_dir=args.data_dir)
     with session_factory(settings.database_url)() as session:
         space = args.space or base_models(session)[0]
         adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
     schema = schema_of(space, adapters)
-    factors = [a.factors for a in adapters]
-    stack = ModuleStack.of(factors, dense_modules(factors))
-    exact = {s: exact_cosines(stack, stack, s) for s in ("dw", "module", "input_gram")}
+    tokens = tokenize(adapters, schema, max_rank(adapters))
+    exact = {s: token_kernel(tokens, s).numpy() for s in EXACT_SCORES}
+    given = ExactScores(np.array([a.id for a in adapters], dtype=np.int64), exact)
     chosen = configurations(args.pretrain_epochs)
-    names = args.configs.split(",")
     rows: dict[str, list[dict[str, float]]] = {"dw cosine": [], "input Gram cosine": []}
     for s in range(args.seed, args.seed + args.splits):
         labelled, queries, fit = split_of(adapters, 0.2, s, args.per_task, None)
         rows["dw cosine"].append(score(exact["dw"], adapters, labelled, queries))
         rows["input Gram cosine"].append(score(exact["input_gram"], adapters, labelled, queries))
-        for name in names:
-            options = replace(TrainOptions(seed=s, members=args.members, epochs=args.epochs), **chosen[name])  # type: ignore[arg-type]
+        for name in args.configs.split(","):
+            options = replace(TrainOptions(seed=s, members=args.members, epochs=args.epochs, patience=args.patience), **chosen[name])  # type: ignore[arg-type]
             t0 = time.perf_counter()
-            emb = train_w2t(fit, schema, options, progress=False)
+            emb = train_w2t(fit, schema, options, progress=False, exact=given)
             took = time.perf_counter() - t0
             z = emb.embed(adapters)
             w2t = z @ z.T
             rows.setdefault(name, []).append({**score(w2t, adapters, labelled, queries), "seconds": took})
-            rows.setdefault(f"default ({name})", []).append(
-                {
-                    **score(emb.search.ranking(exact[emb.search.exact], w2t, np.eye(len(w2t), dtype=bool)), adapters, labelled, queries),
-                    "search": emb.search.name,
-                }  # type: ignore[dict-item]
-            )
-            pre = emb.config.pretraining
-            print(f"split {s} {name}: {rows[name][-1]} search {emb.search.name} pretraining {pre}", flush=True)
+            served = emb.search.ranking(exact[emb.search.exact], w2t, np.eye(len(w2t), dtype=bool))
+            rows.setdefault(f"default ({name})", []).append({**score(served, adapters, labelled, queries)})
+            print(f"split {s} {name}: {rows[name][-1]} search {emb.search.name} pretraining {emb.config.pretraining}", flush=True)
+    return rows
+
+
+def report(rows: dict[str, list[dict[str, float]]], args: dict[str, object]) -> None:
     summary: dict[str, object] = {}
     for name, per in rows.items():
         summary[name] = {k: float(np.mean([r[k] for r in per])) for k in (*MEASURES, "seconds") if k in per[0]}
@@ -124,7 +147,7 @@ def main() -> None:
         print(f"{name:28s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))  # type: ignore[union-attr]
     for name, g in gains.items():
         print(f"{name:40s} " + "  ".join(f"{k} {v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]" for k, v in g.items()))  # type: ignore[union-attr]
-    print(json.dumps({"args": vars(args), "space": space, "summary": summary, "gains": gains, "per_split": rows}))
+    print(json.dumps({"args": args, "summary": summary, "gains": gains, "per_split": rows}))
 
 
 if __name__ == "__main__":

@@ -524,6 +524,15 @@ def _train_member(
 
 #: pretraining views rescale dW by e^c, c ~ U(-PRETRAIN_RESCALE, PRETRAIN_RESCALE)
 PRETRAIN_RESCALE = 1.0
+#: multiply-adds the pretraining target may take (n² pairs × modules × rank² × width): fewer adapters are drawn where
+#: pretrain_adapters of them would take more (300 digits-vit adapters: 6·10¹⁰; at Llama-3-8B r16, projected: 101 adapters)
+PRETRAIN_KERNEL_MACS = 3 * 10**11
+
+
+def pretraining_rows(tokens: Batch, most: int) -> int:
+    """How many adapters pretraining draws: at most `most`, and as many as PRETRAIN_KERNEL_MACS allows (at least 2)."""
+    per_pair = sum(int(t.mask.shape[1] * t.mask.shape[2] ** 2 * (t.u.shape[-1] + t.v.shape[-1])) for t in tokens.values())
+    return max(2, min(most, n_rows(tokens), math.isqrt(PRETRAIN_KERNEL_MACS // max(1, per_pair))))
 
 
 def favoured_score(tokens: Batch, tasks: list[str]) -> str:
@@ -544,13 +553,14 @@ def favoured_score(tokens: Batch, tasks: list[str]) -> str:
 def pretrain(
     config: W2TConfig, tokens: Batch, tasks: list[str], options: TrainOptions, device: torch.device, progress: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """Self-supervised pretraining on the rows of `tokens` (at most options.pretrain_adapters of them, drawn with the
-    seed), labelled or not: options.pretrain_epochs epochs of the distillation loss (embed.distill) between the W2T
-    cosines of a batch and the exact score options.pretrain_score among its adapters (`tasks`, "" where unknown, pick
-    it where "auto"). (weights, what was done: score, epochs, views, the mean loss on plain views before and after)."""
+    """Self-supervised pretraining on the rows of `tokens` (at most options.pretrain_adapters of them and
+    PRETRAIN_KERNEL_MACS' worth, drawn with the seed), labelled or not: options.pretrain_epochs epochs of the
+    distillation loss (embed.distill) between the W2T cosines of a batch and the exact score options.pretrain_score
+    among its adapters (`tasks`, "" where unknown, pick it where "auto"). (weights, what was done: score, epochs,
+    views, the mean loss on plain views before and after)."""
     torch.manual_seed(options.seed)
     gen = torch.Generator().manual_seed(options.seed)
-    rows = torch.randperm(n_rows(tokens), generator=gen)[: options.pretrain_adapters].sort().values
+    rows = torch.randperm(n_rows(tokens), generator=gen)[: pretraining_rows(tokens, options.pretrain_adapters)].sort().values
     tokens = select(tokens, rows)
     score = favoured_score(tokens, [tasks[r] for r in rows.tolist()]) if options.pretrain_score == "auto" else options.pretrain_score
     kernel = token_kernel(tokens, score).float()
