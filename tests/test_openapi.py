@@ -124,6 +124,28 @@ def test_every_json_operation_documents_its_response_schema(api: Api) -> None:
             assert "$ref" in response.get("content", {}).get("application/json", {}).get("schema", {}), (method, path, code)
 
 
+def test_the_document_names_each_write_scope_and_no_client_host(api: Api) -> None:
+    """The routes that need a token list the bearer scheme with the scope they declare (as its role) and their 403; the
+    document's server is relative, whatever Host asked first (apiflask built it from the first request's Host, kept)."""
+    from webapp.auth import declared_scope
+
+    app = api.schema.app
+    first = app.test_client().get("/api/v1/openapi.json", headers={"Host": "evil.example"}).get_json()
+    spec = _spec(api)
+    assert first["servers"] == spec["servers"] == [{"url": "/"}]
+    for rule in app.url_map.iter_rules():
+        if not rule.endpoint.startswith("api."):
+            continue  # pages and files: not in the API's document
+        scope = declared_scope(app, rule.endpoint)
+        path = re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule.rule)
+        for method in (rule.methods or set()) & {"GET", "POST", "PUT", "DELETE"}:
+            operation = spec["paths"][path][method.lower()]
+            if scope in ("write", "admin"):
+                assert operation["security"] == [{"BearerAuth": [scope]}] and "403" in operation["responses"], (method, path)
+            else:
+                assert "security" not in operation, (method, path)
+
+
 def test_each_resource_has_the_keys_its_schema_declares(api: Api) -> None:
     """Every JSON resource of a seeded adapter (and of the zoo) conforms to its documented schema, with every key
     the schema declares (those it marks optional aside) and no other, at every level."""
