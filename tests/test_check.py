@@ -108,3 +108,31 @@ def test_check_finds_orphaned_uploads_and_stranded_items_and_repair_leaves_what_
         assert [get_job(session, j)["items"][0]["state"] for j in (owned, held, lapsed)] == ["running", "queued", "queued"]
     rc, (after,) = cli.json_lines("check", "--grace", "60")
     assert rc == 0 and after["ok"] and after["uploads"]["orphans"] == [] and after["jobs"]["stranded"] == [], after
+
+
+def test_a_worker_with_nothing_to_claim_takes_over_the_items_of_an_exited_holder(cli: CLI, three: Path) -> None:
+    """A web worker killed mid-job leaves its item `running` under a lease of 10 minutes: before, a draining worker
+    waited for the lease to run out; now it sees the holder has exited, queues the item again and ingests it."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from zoo.runners.worker import WorkerOptions, work
+    from zoo.store.jobs import claim_items, create_job, get_job
+    from zoo.store.session import session_factory
+
+    sessions = session_factory(cli.settings.database_url)
+    with sessions.begin() as session:
+        job = create_job(session, [str(three / "c0")], {"base_model": "tiny"}).id
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    assert claim_items(sessions, f"{socket.gethostname()}:{exited}:zoo-job", 600, job_id=job)
+    outcomes: list[object] = []
+    stop = threading.Event()
+    drained = threading.Thread(target=lambda: outcomes.extend(work(cli.settings, WorkerOptions(job_id=job, drain=True), stop)))
+    drained.start()
+    drained.join(timeout=30)
+    stop.set()
+    with sessions() as session:
+        item = get_job(session, job)["items"][0]
+    assert not drained.is_alive() and item["state"] == "done", item

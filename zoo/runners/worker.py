@@ -2,7 +2,9 @@
 
 Each process claims one item at a time under a lease that its heartbeat thread renews, ingests it and
 writes the outcome. A process killed mid-item loses nothing: its lease runs out and another worker
-claims the item again. The process that runs `zoo worker` (or the web app's job thread) shows the
+claims the item again; a worker with nothing to claim first queues again the items of a holder on this host that
+has exited, without waiting for their leases (zoo/store/jobs.py `stranded_items`; `zoo check` does the same).
+The process that runs `zoo worker` (or the web app's job thread) shows the
 progress and embeds what was stored in batches through the incremental path (embed.service.embed_adapters),
 so a running `zoo serve` finds new adapters at its next query.
 """
@@ -34,7 +36,17 @@ from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.sources.local import escapes
 from zoo.store.blobs import BlobStore
-from zoo.store.jobs import Claim, claim_items, finish_item, lease_seconds, pending_items, release_item, renew_leases
+from zoo.store.jobs import (
+    Claim,
+    claim_items,
+    finish_item,
+    lease_seconds,
+    pending_items,
+    release_item,
+    renew_leases,
+    requeue_stranded,
+    stranded_items,
+)
 from zoo.store.models import JobOptions
 from zoo.store.session import session_factory
 
@@ -169,6 +181,10 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
     while not stop.is_set():
         claims = claim_items(sessions, owner, options.lease_s, 1, options.job_id)
         if not claims:
+            with sessions() as session:
+                stranded = stranded_items(session)
+            if stranded and requeue_stranded(sessions, stranded):  # a holder gone before its lease ran out: claim now
+                continue
             if options.drain:
                 with sessions() as session:
                     if not pending_items(session, options.job_id):
