@@ -62,21 +62,16 @@ def measure(sims: dict[str, np.ndarray], tasks: list[str], per_task: int, splits
             found = retrieval_per_query(sim[np.ix_(queries, labelled)], query_tasks, gallery_tasks, [None] * len(queries))
             for k in MEASURES:
                 per_split[method][k].append(float(found[k].mean()))
-    out: dict[str, object] = {}
-    for method, values in per_split.items():
-        row: dict[str, object] = {}
-        for k in MEASURES:
-            v, base = np.array(values[k]), np.array(per_split["dw"][k])
-            diff = v - base
-            half = float(stats.t.ppf(0.975, len(diff) - 1) * diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
-            gain = float(diff.mean())
-            row[k] = {
-                "mean": round(float(v.mean()), 4),
-                "gain_over_dw": round(gain, 4),
-                "ci95": [round(gain - half, 4), round(gain + half, 4)],
-            }
-        out[method] = row
-    return out
+    return {method: {k: paired_gain(values[k], per_split["dw"][k]) for k in MEASURES} for method, values in per_split.items()}
+
+
+def paired_gain(values: list[float], base: list[float], key: str = "gain_over_dw") -> dict[str, object]:
+    """A method's mean over the splits, its mean gain over the base's (paired by split, under `key`) and the gain's
+    95 % t interval."""
+    v, diff = np.array(values), np.array(values) - np.array(base)
+    half = float(stats.t.ppf(0.975, len(diff) - 1) * diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+    gain = float(diff.mean())
+    return {"mean": round(float(v.mean()), 4), key: round(gain, 4), "ci95": [round(gain - half, 4), round(gain + half, 4)]}
 
 
 def main() -> None:

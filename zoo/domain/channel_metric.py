@@ -16,8 +16,8 @@ of each labelled anchor (p_ij ∝ exp s_ij):
 - "search": listwise, the cross-entropy of p against the uniform distribution on the anchor's task: every relevant
   adapter is pulled up, as MRR and nDCG ask;
 - "task": NCA, −log Σ_{j of the anchor's task} p_ij, the mass a similarity-weighted vote puts on the right task;
-- "performance": the leave-one-out squared error of the kernel regression Σ_j p_ij y_j of the target (test accuracy),
-  over its variance.
+- "performance": the leave-one-out squared error of the kernel regression Σ_j p_ij y_j of the target's rank (of test
+  accuracy, say: ranks are what a Spearman correlation scores, and no outlier dominates), over its variance.
 
 Atoms are standardized (divided by their spread over the labelled pairs) and the fitted v ≥ 0 (any scale: the
 temperature) is shrunk toward the prior v₀ by λ‖v − v₀‖² / ‖v₀‖². The prior is training-free in form: all weight on
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 from scipy.special import logsumexp
+from scipy.stats import rankdata
+from threadpoolctl import threadpool_limits
 
 from zoo.domain.channels import CHANNELS, channel_group_sums
 from zoo.domain.naming import layer_index, module_type
@@ -165,8 +167,11 @@ def fit_metric(
     problem = _Problem.of(bank, targets, objective)
     if not shrinks:
         raise ValueError("give at least one shrink strength")
-    chosen = shrinks[0] if len(shrinks) == 1 else _choose_shrink(problem, shrinks, folds)
-    return problem.fit(chosen)
+    # one BLAS thread: the products are matrix-vector ones of a few MB, and on a busy machine a second thread waiting
+    # for a descheduled one made a fit ten times slower (as in zoo/services/relations.py)
+    with threadpool_limits(limits=1, user_api="blas"):
+        chosen = shrinks[0] if len(shrinks) == 1 else _choose_shrink(problem, shrinks, folds)
+        return problem.fit(chosen)
 
 
 # -- the fit ------------------------------------------------------------------------------------------------------------
@@ -189,10 +194,12 @@ class _Problem:
             raise ValueError(
                 f"a fit needs a square bank over the labelled adapters and one target each: {bank.values.shape}, {len(targets)} targets"
             )
-        values = np.asarray(targets, dtype=np.float64 if objective == "performance" else object)
-        if objective == "performance" and not np.isfinite(values).all():
+        if objective != "performance":
+            return cls(bank, np.asarray(targets, dtype=object), objective)
+        values = np.asarray(targets, dtype=np.float64)
+        if not np.isfinite(values).all():
             raise ValueError("performance targets must be finite numbers")
-        return cls(bank, values, objective)
+        return cls(bank, rankdata(values) / len(values), objective)  # ranks: what a Spearman correlation scores
 
     def fit(self, shrink: float) -> ChannelMetric:
         """The metric fitted on every labelled adapter at one shrink strength."""
@@ -219,7 +226,13 @@ class _Problem:
             direction = _direction(self.bank.atoms, channel, scale)
             if not direction.any():
                 continue
-            found = minimize_scalar(lambda t, d=direction: loss(math.exp(t) * d)[0], bounds=_LOG_TEMPERATURE, method="bounded")
+            scores = np.tensordot(direction, loss.X, axes=1)
+            found = minimize_scalar(
+                lambda t, s=scores: loss.at_scores(math.exp(t) * s, gradient=False)[0],
+                bounds=_LOG_TEMPERATURE,
+                method="bounded",
+                options={"xatol": 1e-3},
+            )
             if best is None or found.fun < best[0]:
                 best = (float(found.fun), channel, math.exp(float(found.x)))
         if best is None:
@@ -333,31 +346,37 @@ class _Loss:
         self.anchors = int(self.keep.sum())
 
     def __call__(self, v: np.ndarray) -> tuple[float, np.ndarray]:
+        """The loss at s = Σ_a v_a X_a and its gradient in v."""
+        value, d_s = self.at_scores(np.tensordot(v, self.X, axes=1))
+        return value, self.X.reshape(len(v), -1) @ d_s.ravel()
+
+    def at_scores(self, scores: np.ndarray, gradient: bool = True) -> tuple[float, np.ndarray]:
+        """The loss at scores s (anchors, candidates) and, with `gradient`, its gradient in s (else zeros)."""
+        d_full = np.zeros(self.valid.shape)
         if not self.anchors:
-            return 0.0, np.zeros(len(v))
-        s = np.where(self.valid, np.tensordot(v, self.X, axes=1), -np.inf)[self.keep]
-        valid = self.valid[self.keep]
+            return 0.0, d_full
+        s = np.where(self.valid, scores, -np.inf)[self.keep]
         log_p = s - logsumexp(s, axis=1, keepdims=True)
         p = np.exp(log_p)
         if self.objective == "performance":
-            cols = self.cols
-            guess = p @ cols
+            guess = p @ self.cols
             error = guess - self.rows[self.keep]
             value = float((error**2).mean()) / self.spread
-            d_s = 2 * error[:, None] * p * (cols[None, :] - guess[:, None]) / (self.anchors * self.spread)
+            if gradient:
+                d_s = 2 * error[:, None] * p * (self.cols[None, :] - guess[:, None]) / (self.anchors * self.spread)
         else:
             positive = self.positive[self.keep]
             if self.objective == "task":
                 on_task = np.where(positive, s, -np.inf)
                 log_mass = logsumexp(on_task, axis=1, keepdims=True)
                 value = float(-(log_mass[:, 0] - logsumexp(s, axis=1)).mean())
-                d_s = (p - np.where(positive, np.exp(on_task - log_mass), 0.0)) / self.anchors
+                if gradient:
+                    d_s = (p - np.where(positive, np.exp(on_task - log_mass), 0.0)) / self.anchors
             else:
                 share = positive / positive.sum(axis=1, keepdims=True)
                 value = float(-(np.where(positive, log_p, 0.0) * share).sum(axis=1).mean())
-                d_s = (p - share) / self.anchors
-        d_s = np.where(valid, d_s, 0.0)
-        full = np.zeros(self.valid.shape)
-        full[self.keep] = d_s
-        grad = self.X.reshape(len(v), -1) @ full.ravel()
-        return value, grad
+                if gradient:
+                    d_s = (p - share) / self.anchors
+        if gradient:
+            d_full[self.keep] = np.where(self.valid[self.keep], d_s, 0.0)
+        return value, d_full
