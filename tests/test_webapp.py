@@ -402,7 +402,7 @@ def _wait(web: Web, job_id: int) -> dict:
 #: what anyone may call when reads need a token (webapp/security.py OPEN_ENDPOINTS): widening it is a decision
 OPEN = {"api.health", "openapi.spec", "ui.api_docs_page", "static", "ui.sign_in", "ui.sign_out"}
 #: a value for each path argument of the app's routes
-SAMPLES = {"adapter_id": 1, "job_id": 1, "name": "tiny", "filename": "app.css"}
+SAMPLES = {"adapter_id": 1, "job_id": 1, "name": "tiny", "filename": "app.css", "key": "task"}
 
 
 def test_reads_can_require_a_token(web: Web) -> None:
