@@ -21,10 +21,12 @@ of each labelled anchor (p_ij ∝ exp s_ij):
 
 Atoms are standardized (divided by their spread over the labelled pairs) and the fitted v ≥ 0 (any scale: the
 temperature) is shrunk toward the prior v₀ by λ‖v − v₀‖² / ‖v₀‖². The prior is training-free in form: all weight on
-one channel, the one whose loss on the labelled adapters is lowest at its best temperature. L-BFGS-B with bounds
-v ≥ 0, started from the prior, is deterministic. λ is chosen from SHRINKS by inner K-fold cross-validation on the
-labelled adapters (held-out anchors against the fold's training adapters, scored by the same loss; the prior is picked
-again inside each fold); λ = ∞ is the prior itself, and a tie goes to the stronger shrink.
+one channel, the one whose loss on the labelled adapters is lowest at its best temperature (for performance: whose
+leave-one-out 10-NN regression, as served, has the best Spearman correlation; the kernel regression's loss preferred
+channels that a 10-NN serves worse). L-BFGS-B with bounds v ≥ 0, started from the prior, is deterministic. λ is chosen
+from SHRINKS by inner K-fold cross-validation on the labelled adapters (held-out anchors against the fold's training
+adapters, scored by the same loss, or for performance by the 10-NN's Spearman correlation; the prior is picked again
+inside each fold); λ = ∞ is the prior itself, and a tie goes to the stronger shrink.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 from scipy.special import logsumexp
-from scipy.stats import rankdata
+from scipy.stats import rankdata, spearmanr
 from threadpoolctl import threadpool_limits
 
 from zoo.domain.channels import CHANNELS, channel_group_sums
@@ -52,6 +54,8 @@ SHRINKS = (0.01, 0.1, 1.0, 10.0, math.inf)
 DEPTH_BUCKETS = 2
 #: inner cross-validation folds
 FOLDS = 4
+#: neighbours of the kNN regression that the performance metric is chosen for (embed.metrics.KNN_K)
+KNN_K = 10
 #: the prior's inverse temperature is searched in [e^-5, e^10]
 _LOG_TEMPERATURE = (-5.0, 10.0)
 #: an atom whose spread over the fit's pairs is below this is constant there
@@ -233,8 +237,9 @@ class _Problem:
                 method="bounded",
                 options={"xatol": 1e-3},
             )
-            if best is None or found.fun < best[0]:
-                best = (float(found.fun), channel, math.exp(float(found.x)))
+            criterion = -_knn_spearman(scores, self.targets[rows], self.targets[rows]) if self.objective == "performance" else found.fun
+            if best is None or criterion < best[0]:
+                best = (float(criterion), channel, math.exp(float(found.x)))
         if best is None:
             raise ValueError("no atom of the bank varies over the labelled adapters")
         _, prior, temperature = best
@@ -246,14 +251,24 @@ class _Problem:
             return 1.0
         return max(float(np.var(self.targets[rows].astype(np.float64))), 1e-12)
 
-    def heldout_loss(self, setup: _Setup, shrink: float, test: np.ndarray) -> tuple[float, int]:
-        """(summed loss, anchors) of the test rows against the setup's rows, the metric fitted there."""
-        train = setup.rows
-        Xs = _standardized(self.bank.values[:, test[:, None], train[None, :]], setup.scale)
-        valid = np.ones((len(test), len(train)), dtype=bool)
-        loss = _Loss(Xs, self.targets[test], self.targets[train], valid, self.objective, setup.spread)
-        value, _ = loss(setup.solve(shrink))
-        return value * loss.anchors, loss.anchors
+    def heldout(self, setups: list[tuple[_Setup, np.ndarray]], shrink: float) -> float:
+        """The held-out criterion (lower is better) of a shrink: each setup's metric scores its test rows against its
+        rows; the mean loss over the test anchors, or for performance minus the Spearman correlation of the 10-NN
+        predictions pooled over the setups (the kernel regression's loss picks channels that a 10-NN serves worse)."""
+        total, anchors, guesses, truths = 0.0, 0, [], []
+        for setup, test in setups:
+            Xs = _standardized(self.bank.values[:, test[:, None], setup.rows[None, :]], setup.scale)
+            v = setup.solve(shrink)
+            if self.objective == "performance":
+                guesses.append(_knn_mean(np.tensordot(v, Xs, axes=1), self.targets[setup.rows]))
+                truths.append(self.targets[test])
+                continue
+            valid = np.ones((len(test), len(setup.rows)), dtype=bool)
+            loss = _Loss(Xs, self.targets[test], self.targets[setup.rows], valid, self.objective, setup.spread)
+            total, anchors = total + loss(v)[0] * loss.anchors, anchors + loss.anchors
+        if self.objective == "performance":
+            return -_spearman(np.concatenate(guesses), np.concatenate(truths))
+        return total / max(anchors, 1)
 
 
 @dataclass(frozen=True)
@@ -297,22 +312,42 @@ def _standardized(X: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def _choose_shrink(problem: _Problem, shrinks: Sequence[float], folds: int) -> float:
-    """The shrink of least held-out loss over `folds` folds (stratified by task, else by target rank); ties go to the
-    stronger shrink."""
+    """The shrink of least held-out criterion (`_Problem.heldout`) over `folds` folds (stratified by task, else by
+    target rank); ties go to the stronger shrink."""
     fold = _folds(problem.targets, problem.objective, folds)
     splits = [(np.flatnonzero(fold != k), np.flatnonzero(fold == k)) for k in range(folds)]
     setups = [(problem.setup(train), test) for train, test in splits if len(test) and len(train) > 1]
     best: tuple[float, float] | None = None
     for shrink in sorted(shrinks, reverse=True):
-        total, anchors = 0.0, 0
-        for setup, test in setups:
-            value, n = problem.heldout_loss(setup, shrink, test)
-            total, anchors = total + value, anchors + n
-        mean = total / max(anchors, 1)
-        if best is None or mean < best[0] - 1e-12:
-            best = (mean, shrink)
+        criterion = problem.heldout(setups, shrink)
+        if best is None or criterion < best[0] - 1e-12:
+            best = (criterion, shrink)
     assert best is not None
     return best[1]
+
+
+def _knn_mean(scores: np.ndarray, values: np.ndarray, k: int = KNN_K) -> np.ndarray:
+    """Per row of scores (anchors, candidates; -inf: not a candidate) the mean value of its k best-scored candidates,
+    weighted by max(score, 0) + 1e-6: the similarity-weighted kNN regression that embed.metrics.knn_regress serves."""
+    k = min(k, scores.shape[1])
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    weights = np.maximum(np.take_along_axis(scores, top, axis=1), 0.0) + 1e-6
+    return (weights * values[top]).sum(axis=1) / weights.sum(axis=1)
+
+
+def _knn_spearman(scores: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float:
+    """The Spearman correlation of the kNN regression of the columns' values with the rows' own, leaving each row out
+    of its own neighbours where rows and columns are the same adapters (a square score matrix)."""
+    s = scores.copy()
+    if s.shape[0] == s.shape[1]:
+        np.fill_diagonal(s, -np.inf)
+    return _spearman(_knn_mean(s, cols), rows)
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's correlation, 0 where either side is constant."""
+    value = float(spearmanr(a, b).statistic)
+    return value if math.isfinite(value) else 0.0
 
 
 def _folds(targets: np.ndarray, objective: str, folds: int) -> np.ndarray:
