@@ -5,7 +5,9 @@ Only loopback addresses are attacked, each load bounded in time and stopped by i
   when the server closes it, until stopped;
 - `Flood`: n threads sending one request over and over (a 100-id predict call, a filter flood), until stopped;
 - `probe`: a cheap request (GET /api/v1/health) sent again and again on fresh connections, its latencies (a
-  request that fails or times out counts as its timeout).
+  request that fails or times out counts as its timeout);
+- `DeleteRace`: adapters deleted while readers read them and `zoo ingest` and `zoo embed` run (`race_zoo` makes a zoo
+  and a server for it; `python -m bench.attack race --db URL --seconds 60` runs it and prints what it got).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class SlowClients:
@@ -147,3 +150,185 @@ def p99(times: list[float]) -> float:
     """The 99th percentile (nearest rank) of `times`."""
     ordered = sorted(times)
     return ordered[min(len(ordered) - 1, max(0, int(round(0.99 * len(ordered))) - 1))] if ordered else float("nan")
+
+
+@dataclass
+class DeleteRace:
+    """Adapters deleted through the API while readers read them (catalog pages, details, similar, lineage, the
+    pages) and `commands` (e.g. `zoo ingest`, `zoo embed`) run again and again as processes, for `seconds`: the
+    statuses readers got per route, and every command run that did not exit 0 (its tail of stderr). Call `run`."""
+
+    port: int
+    token: str
+    ids: list[int]
+    commands: list[list[str]]
+    readers: int = 2
+    host: str = "127.0.0.1"
+    statuses: dict[str, dict[int, int]] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)
+    failed_runs: list[tuple[str, int, str]] = field(default_factory=list)
+    deleted: list[int] = field(default_factory=list)
+
+    def run(self, seconds: float) -> DeleteRace:
+        stop = threading.Event()
+        threads = [threading.Thread(target=self._read, args=(stop, i), daemon=True) for i in range(self.readers)]
+        threads += [threading.Thread(target=self._delete, args=(stop,), daemon=True)]
+        threads += [threading.Thread(target=self._command, args=(stop, cmd), daemon=True) for cmd in self.commands]
+        for t in threads:
+            t.start()
+        stop.wait(seconds)
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        return self
+
+    def server_errors(self) -> dict[str, dict[int, int]]:
+        """The routes that answered 5xx, with their statuses."""
+        return {route: got for route, got in self.statuses.items() if any(s >= 500 or s == 0 for s in got)}
+
+    def _count(self, route: str, status: int) -> None:
+        got = self.statuses.setdefault(route, {})
+        got[status] = got.get(status, 0) + 1
+
+    def _read(self, stop: threading.Event, seed: int) -> None:
+        import random
+
+        rng = random.Random(seed)
+        routes = [  # the catalog thrice: a page and its labels were read in two statements
+            *[("catalog", lambda i: "/api/v1/adapters?per_page=100")] * 3,
+            ("catalog page", lambda i: "/?q=&page=1"),
+            ("adapter", lambda i: f"/api/v1/adapters/{i}"),
+            ("adapter page", lambda i: f"/adapters/{i}"),
+            ("similar", lambda i: f"/api/v1/adapters/{i}/similar?k=5"),
+            ("lineage", lambda i: f"/api/v1/adapters/{i}/lineage"),
+        ]
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        while not stop.is_set():
+            route, path = rng.choice(routes)
+            try:
+                conn.request("GET", path(rng.choice(self.ids)))
+                r = conn.getresponse()
+                r.read()
+                status = r.status
+            except (OSError, http.client.HTTPException):
+                status = 0
+                conn.close()
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+            self._count(route, status)
+        conn.close()
+
+    def _delete(self, stop: threading.Event) -> None:
+        """Half the given adapters, one every 0.2 s (the other half stays to be read), each followed by the newest
+        adapter where the commands stored it (one `zoo embed` may be embedding: `zoo ingest` stores it again)."""
+        import random
+
+        order = random.Random(1).sample(self.ids, len(self.ids))
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        for adapter_id in order[: len(order) // 2]:
+            if stop.wait(0.2):
+                break
+            conn.request("GET", "/api/v1/adapters?sort=newest&per_page=1")
+            newest = json.loads(conn.getresponse().read())["results"]
+            fresh = [newest[0]["id"]] if newest and newest[0]["id"] not in self.ids else []
+            for target in [adapter_id, *fresh]:
+                conn.request("DELETE", f"/api/v1/adapters/{target}", headers={"Authorization": f"Bearer {self.token}"})
+                r = conn.getresponse()
+                r.read()
+                self._count("delete", r.status)
+                if r.status == 200:
+                    self.deleted.append(target)
+        conn.close()
+
+    def _command(self, stop: threading.Event, cmd: list[str]) -> None:
+        import subprocess
+
+        name = " ".join(cmd[cmd.index("--data-dir") + 2 :] if "--data-dir" in cmd else cmd[-2:])
+        while not stop.is_set():
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            self.runs[name] = self.runs.get(name, 0) + 1
+            if done.returncode != 0:
+                self.failed_runs.append((name, done.returncode, done.stderr[-3000:]))
+
+
+@contextlib.contextmanager
+def race_zoo(url: str, root: Path, workers: int = 2, adapters: int = 40) -> Iterator[tuple[int, str, list[int], list[str], Path]]:
+    """A zoo for `DeleteRace` under `root` on the database at `url` (emptied first where it is PostgreSQL): `adapters`
+    random PEFT adapters of TinyLM ingested and embedded, 8 more beside them, an admin token, and `zoo serve` with
+    `workers` workers; yields (port, token, adapter ids, the `zoo` command line on that zoo, the folder of the 8)."""
+    import subprocess
+    import sys
+
+    from sqlalchemy import select
+
+    from tests.factories import write_random_peft_adapters
+    from zoo.cli import main
+    from zoo.store.models import Adapter
+    from zoo.store.session import session_factory, upgrade
+    from zoo.store.tokens import create_token
+
+    if url.startswith("postgresql"):
+        from tests.conftest import truncate_all
+
+        truncate_all(url)
+    else:
+        upgrade(url)
+    write_random_peft_adapters(root / "zoo", adapters)
+    write_random_peft_adapters(root / "more", 8, seed=1)
+    base = ["--db", url, "--data-dir", str(root / "data")]
+    assert main([*base, "ingest", str(root / "zoo"), "--base-model", "tiny", "--json"]) == 0
+    assert main([*base, "embed", "--json"]) == 0
+    with session_factory(url).begin() as session:
+        token = create_token(session, "deleter", scope="admin")[1]
+        ids = list(session.scalars(select(Adapter.id).order_by(Adapter.id)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "zoo.cli", *base]
+    with (root / "serve.log").open("wb") as log:
+        proc = subprocess.Popen([*cmd, "serve", "--port", str(port), "--workers", str(workers)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline_s = time.monotonic() + 60
+            while not probe(port, 0.01, timeout=1) or max(probe(port, 0.01, timeout=1)) >= 1:
+                assert proc.poll() is None and time.monotonic() < deadline_s, (root / "serve.log").read_text()[-2000:]
+                time.sleep(0.2)
+            yield port, token, ids, cmd, root / "more"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.attack race --db URL --seconds 60`: the race of deletes, ingest, embed and reads on a fresh zoo
+    (PostgreSQL: a database to throw away), its statuses per route and command runs as JSON; exit 1 on any 5xx or
+    failed command run."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m bench.attack")
+    parser.add_argument("attack", choices=["race"])
+    parser.add_argument("--db", required=True, help="database URL (emptied)")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--readers", type=int, default=2)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="zoo-race-") as tmp, race_zoo(args.db, Path(tmp)) as (port, token, ids, cmd, more):
+        ingest = [*cmd, "ingest", str(more), "--base-model", "tiny"]
+        t0 = time.monotonic()
+        race = DeleteRace(port, token, ids, [ingest, [*cmd, "embed"]], readers=args.readers).run(args.seconds)
+        report = {
+            "seconds": round(time.monotonic() - t0, 1),
+            "statuses": race.statuses,
+            "server_errors": race.server_errors(),
+            "deleted": len(race.deleted),
+            "runs": race.runs,
+            "failed_runs": [(name, rc, tail[-600:]) for name, rc, tail in race.failed_runs],
+        }
+    print(json.dumps(report, indent=1))
+    return 1 if report["server_errors"] or report["failed_runs"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

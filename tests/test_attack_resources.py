@@ -10,16 +10,21 @@ import threading
 import time
 import tracemalloc
 import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from bench.attack import Flood, SlowClients, get, p99, probe
+from bench.attack import DeleteRace, Flood, SlowClients, get, p99, probe, race_zoo
 from tests.test_attack import PROBE_P99_S, Served, _probe_during, _upload, served
 from zoo.errors import InputError
 from zoo.memory import rss_bytes
 
 __all__ = ["served"]  # the fixture, shared with tests/test_attack.py: a server of this module's own
+
+#: seconds the race of deletes, ingest, embed and reads lasts here (bench/attack.py runs it for 60)
+RACE_S = 12.0
 
 
 def test_a_flood_of_small_similar_queries_is_bounded_by_the_search_pool(served: Served) -> None:
@@ -144,3 +149,33 @@ def test_128_slow_clients_against_zoo_serve_alone_leave_health_fast(served: Serv
         times = probe(served.port, 3.0, timeout=5)
     assert headers.opened >= 64 and bodies.opened >= 64
     assert len(times) > 20 and p99(times) <= PROBE_P99_S, times
+
+
+@dataclass
+class RaceZoo:
+    port: int
+    token: str  # admin
+    ids: list[int]
+    cmd: list[str]  # `python -m zoo.cli --db ... --data-dir ...`
+    more: Path  # adapters not yet in the zoo
+
+
+@pytest.fixture(scope="module")
+def race_on_postgresql(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RaceZoo]:
+    """bench.attack's race zoo on PostgreSQL: `zoo serve` (2 workers) over 40 random PEFT adapters, embedded."""
+    with race_zoo(pg_url, tmp_path_factory.mktemp("race")) as zoo:
+        yield RaceZoo(*zoo)
+
+
+@pytest.mark.postgres
+def test_concurrent_delete_ingest_embed_and_reads_on_postgresql_answer_no_5xx(race_on_postgresql: RaceZoo) -> None:
+    """Half the adapters deleted through the API, one every 0.2 s, while two readers read catalog pages, details,
+    similar, lineage and the pages, and `zoo ingest` and `zoo embed` run again and again: before, PostgreSQL
+    answered 500 (a page's adapters and their labels read in two snapshots: KeyError) and `zoo embed` died on a
+    ForeignKeyViolation; now every answer is below 500 and every command exits 0. bench/attack.py runs it for 60 s."""
+    s = race_on_postgresql
+    ingest = [*s.cmd, "ingest", str(s.more), "--base-model", "tiny"]
+    race = DeleteRace(s.port, s.token, s.ids, [ingest, [*s.cmd, "embed"]]).run(RACE_S)
+    assert len(race.deleted) >= 10 and sum(sum(got.values()) for got in race.statuses.values()) > 50, race.statuses
+    assert not race.server_errors(), race.statuses
+    assert not race.failed_runs and race.runs.get("embed", 0) >= 1, (race.runs, race.failed_runs)

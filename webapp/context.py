@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from flask import Response, current_app, g
+from flask import Response, current_app, g, request
 from sqlalchemy.orm import Session, sessionmaker
 
 from embed.engine import QueryEngine
@@ -29,7 +29,7 @@ from zoo.config import Settings
 from zoo.deadline import TimeLimitError
 from zoo.errors import ZooError
 from zoo.store.blobs import BlobStore
-from zoo.store.session import session_factory
+from zoo.store.session import read_snapshot, session_factory
 
 T = TypeVar("T")
 
@@ -171,9 +171,11 @@ def zoo_context() -> ZooContext:
 
 
 def db() -> Session:
-    """This request's session (closed when the request ends)."""
+    """This request's session (closed when the request ends); a read's (GET, HEAD) reads one snapshot
+    (zoo.store.session.read_snapshot): a page or resource never mixes rows from before and after a concurrent delete."""
     if "zoo_session" not in g:
-        g.zoo_session = zoo_context().sessions()
+        session = zoo_context().sessions()
+        g.zoo_session = read_snapshot(session) if request.method in ("GET", "HEAD") else session
     return g.zoo_session
 
 

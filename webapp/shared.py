@@ -20,17 +20,18 @@ from zoo.errors import NotFoundError, UsageError
 from zoo.sources.upload import Upload, materialize
 from zoo.store import repository
 from zoo.store.models import Adapter
+from zoo.store.session import read_snapshot
 
 T = TypeVar("T")
 
 
 def with_session(fn: Callable[[Session], T]) -> Callable[[], T]:
-    """fn with a session of its own (for calls run in the app's pool, outside the request)."""
+    """fn with a session of its own reading one snapshot (for reads run in the app's pool, outside the request)."""
     sessions = zoo_context().sessions
 
     def run() -> T:
         with sessions() as session:
-            return fn(session)
+            return fn(read_snapshot(session))
 
     return run
 

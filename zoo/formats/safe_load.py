@@ -20,7 +20,7 @@ import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 import torch
 
@@ -149,7 +149,7 @@ def _hash_streamed(path: Path, fh: io.BufferedReader, st: os.stat_result, h: has
     return WeightFile(path, StreamedFile(path, st.st_size, bytes(head), _identity(st)), h.hexdigest())
 
 
-def read_safetensors_stream(path: Path, fh: BinaryIO, size: int) -> WeightFile:
+def read_safetensors_stream(path: Path, fh: IO[bytes], size: int) -> WeightFile:
     """A safetensors file of `size` bytes from a stream that may expand (a zip member): its header read and checked
     first (framing, and every tensor within ZOO_MAX_MODULE_WIDTH), and only then the rest read into one buffer of
     `size` bytes and hashed; a stream that ends early or runs past `size` is refused."""
@@ -164,9 +164,9 @@ def read_safetensors_stream(path: Path, fh: BinaryIO, size: int) -> WeightFile:
     data = bytearray(size)
     data[: len(head)] = head
     done = len(head)
-    with memoryview(data) as view:
-        while done < size and (got := fh.readinto(view[done : min(size, done + _CHUNK)])):
-            done += got
+    while done < size and (chunk := fh.read(min(_CHUNK, size - done))):
+        data[done : done + len(chunk)] = chunk
+        done += len(chunk)
     if done < size or fh.read(1):
         raise InputError(path, f"the stream did not hold the {size} bytes it declared")
     return WeightFile(path, data, hashlib.sha256(data).hexdigest())

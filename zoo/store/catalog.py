@@ -53,6 +53,7 @@ from zoo import config
 from zoo.errors import UsageError
 from zoo.store import repository
 from zoo.store.models import SQLITE_FTS_TABLE, Adapter, AdapterText, Label
+from zoo.store.session import read_snapshot
 
 SORTS = ("relevance", "name", "newest", "rank")
 MAX_PER_PAGE = 100
@@ -512,9 +513,11 @@ def search_catalog(
     otherwise), rank (LoRA rank, unknown last). Statements: the page, its labels, and the total with every facet;
     on PostgreSQL also the planner's estimate of the matches: past facet_exact_rows(), or when the exact facets run
     past FACET_TIMEOUT_MS (FILTERED_FACET_TIMEOUT_MS with filters), the total and facets are counted in a sample of
-    ids and scaled (`approximate`)."""
+    ids and scaled (`approximate`). One snapshot (zoo.store.session.read_snapshot) where the session's transaction
+    has not begun."""
     phrases = query_phrases(q)
     asked, sort = sort, _checked_sort(sort, phrases, page, per_page)
+    read_snapshot(session)  # the page, its labels and the facets from one snapshot, whatever is deleted meanwhile
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":  # compiling these statements to machine code cost 140 ms each at 1M adapters
         session.execute(select(func.set_config("jit", "off", True)))  # for this transaction only

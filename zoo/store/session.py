@@ -107,6 +107,16 @@ def write_transaction(sessions: sessionmaker[Session], *lock_keys: str) -> Itera
         yield session
 
 
+def read_snapshot(session: Session) -> Session:
+    """The session, its next transaction reading one snapshot: REPEATABLE READ on PostgreSQL, whose default (READ
+    COMMITTED) takes a snapshot per statement, so that rows one statement read (a catalog page's adapters) can be
+    gone by the next (their labels) when another process deletes them between. SQLite's read transactions read one
+    snapshot already. Only where the session's transaction has not begun (else it reads as it began)."""
+    if not session.in_transaction() and session.get_bind().dialect.name == "postgresql":
+        session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+    return session
+
+
 def alembic_config(url: str) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
