@@ -30,6 +30,7 @@ from embed.engine import (
     QueryEngine,
     embed_chunk_bytes,
     gram_sketch_width,
+    gram_sketches,
     load_w2t,
     stored_count,
     update_index_file,
@@ -53,7 +54,6 @@ from embed.registry import (
 from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
-from zoo.domain.channels import channel_sketches
 from zoo.domain.factorwise import raw_sketches, raw_width
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
@@ -270,7 +270,7 @@ def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None
     if embedder.method == RAW:
         return (lambda adapters: raw_sketches([a.factors for a in adapters], schema.modules, dim)), schema
     if embedder.method == GRAM:
-        return (lambda adapters: channel_sketches([a.factors for a in adapters], schema.module_names, dim, "input_gram")), schema
+        return (lambda adapters: gram_sketches([a.factors for a in adapters], schema.module_names, dim)), schema
     return (lambda adapters: module_sketches([a.factors for a in adapters], schema.module_names, dim)), schema
 
 
