@@ -796,3 +796,21 @@ def test_docs_security_lists_every_route_with_the_scope_it_declares(tmp_path: Pa
     text = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
     documented = dict(re.findall(r"^\| `([A-Z]+ /[^`]*)` \| (open|read|write|admin) \|$", text, re.M))
     assert documented == declared
+
+
+def test_an_app_with_a_route_that_declares_no_scope_does_not_start(tmp_path: Path) -> None:
+    """A new route that forgot `needs` would be open to anyone: create_app refuses it, naming it."""
+    from apiflask import APIBlueprint
+
+    from webapp import create_app
+    from webapp.security import check_declared
+    from zoo.store.session import upgrade
+
+    url = f"sqlite:///{tmp_path / 'zoo.db'}"
+    upgrade(url)
+    app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(tmp_path / "data")})
+    forgotten = APIBlueprint("forgotten", __name__)
+    forgotten.get("/forgotten")(lambda: "anyone")
+    app.register_blueprint(forgotten)
+    with pytest.raises(RuntimeError, match=r"routes without a declared scope \(webapp.auth.needs\): forgotten.<lambda>"):
+        check_declared(app)

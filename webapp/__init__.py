@@ -46,4 +46,5 @@ def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     security.register(app)  # read tokens, security headers, no server path in a response
     app.register_blueprint(api)
     app.register_blueprint(ui)
+    security.check_declared(app)  # every route declares the scope it needs, or is open: else the app does not start
     return app
