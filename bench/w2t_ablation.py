@@ -24,6 +24,7 @@ import time
 from dataclasses import replace
 
 import numpy as np
+import torch
 from scipy import stats
 
 from embed.dataset import base_models, load_adapters
@@ -31,7 +32,7 @@ from embed.distill import token_kernel
 from embed.evaluate import PERF_METRIC, split_of
 from embed.metrics import knn_regress, regression, retrieval
 from embed.tokens import max_rank, tokenize
-from embed.train import ExactScores, TrainOptions, train_w2t
+from embed.train import ExactScores, Pretrained, TrainOptions, pretrain, train_w2t, w2t_config
 from embed.types import ZooAdapter, schema_of
 from zoo.config import Settings
 from zoo.domain.channels import EXACT_SCORES
@@ -83,6 +84,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=TrainOptions().epochs)
     p.add_argument("--patience", type=int, default=TrainOptions().patience)
     p.add_argument("--pretrain-epochs", type=int, default=30)
+    p.add_argument("--pretrain-score", default="auto", help="the exact score pretraining distils (auto: the first split's labels pick)")
     p.add_argument("--configs", default="v1,gram,pretrain,pretrain_views,all")
     args = p.parse_args()
     rows = merged(args.merge) if args.merge else measured(args)
@@ -90,15 +92,21 @@ def main() -> None:
 
 
 def merged(paths: list[str]) -> dict[str, list[dict[str, float]]]:
-    """The per-split rows of several runs (the last line of each file), which must share their splits."""
-    rows: dict[str, list[dict[str, float]]] = {}
+    """The per-split rows of several runs on the same splits (their per-split lines; a run cut short gives the splits
+    it finished), over the splits every configuration finished."""
+    lines = []
     for path in paths:
         with open(path) as f:
-            last = json.loads(f.read().strip().splitlines()[-1])
-        for name, per in last["per_split"].items():
-            if name in rows and [r.get("hit@1") for r in rows[name]] != [r.get("hit@1") for r in per]:
-                raise ValueError(f"{path}: {name} differs from an earlier run's")
-            rows[name] = per
+            lines += [json.loads(x) for x in f if x.startswith('{"split"')]
+    configs = {x["config"] for x in lines}
+    splits = sorted(set.intersection(*({x["split"] for x in lines if x["config"] == c} for c in configs)))
+    rows: dict[str, list[dict[str, float]]] = {}
+    for split in splits:
+        for x in lines:
+            if x["split"] == split:
+                for name, row in x.items():
+                    if isinstance(row, dict) and (name not in rows or len(rows[name]) <= splits.index(split)):
+                        rows.setdefault(name, []).append(row)
     return rows
 
 
@@ -114,22 +122,40 @@ def measured(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     exact = {s: token_kernel(tokens, s).numpy() for s in EXACT_SCORES}
     given = ExactScores(np.array([a.id for a in adapters], dtype=np.int64), exact)
     chosen = configurations(args.pretrain_epochs)
+
+    def options_of(name: str, seed: int) -> TrainOptions:
+        base = TrainOptions(seed=seed, members=args.members, epochs=args.epochs, patience=args.patience, pretrain_score=args.pretrain_score)
+        return replace(base, **chosen[name])  # type: ignore[arg-type]
+
+    # pretraining reads every adapter's weights and no label (but where its score is "auto", which the first split's
+    # labels pick): done once per configuration, as a zoo is pretrained once, and shared by the splits
+    pretrained: dict[str, Pretrained] = {}
+    fit0 = split_of(adapters, 0.2, args.seed, args.per_task, None)[2]
+    for name in args.configs.split(","):
+        options = options_of(name, args.seed)
+        if options.pretrain_epochs:
+            config = w2t_config(fit0, schema, options, max_rank(adapters))
+            tasks = [a.labels.get(TASK_KEY, "") for a in fit0]
+            t0 = time.perf_counter()
+            pretrained[name] = pretrain(config, tokens, tasks, options, torch.device("cpu"))
+            print(f"pretrained {name} in {time.perf_counter() - t0:.0f} s: {pretrained[name][1]}", flush=True)
     rows: dict[str, list[dict[str, float]]] = {"dw cosine": [], "input Gram cosine": []}
     for s in range(args.seed, args.seed + args.splits):
         labelled, queries, fit = split_of(adapters, 0.2, s, args.per_task, None)
         rows["dw cosine"].append(score(exact["dw"], adapters, labelled, queries))
         rows["input Gram cosine"].append(score(exact["input_gram"], adapters, labelled, queries))
         for name in args.configs.split(","):
-            options = replace(TrainOptions(seed=s, members=args.members, epochs=args.epochs, patience=args.patience), **chosen[name])  # type: ignore[arg-type]
             t0 = time.perf_counter()
-            emb = train_w2t(fit, schema, options, progress=False, exact=given)
+            emb = train_w2t(fit, schema, options_of(name, s), progress=False, exact=given, pretrained=pretrained.get(name))
             took = time.perf_counter() - t0
             z = emb.embed(adapters)
             w2t = z @ z.T
             rows.setdefault(name, []).append({**score(w2t, adapters, labelled, queries), "seconds": took})
             served = emb.search.ranking(exact[emb.search.exact], w2t, np.eye(len(w2t), dtype=bool))
             rows.setdefault(f"default ({name})", []).append({**score(served, adapters, labelled, queries)})
-            print(f"split {s} {name}: {rows[name][-1]} search {emb.search.name} pretraining {emb.config.pretraining}", flush=True)
+            line = {"split": s, "config": name, name: rows[name][-1], f"default ({name})": rows[f"default ({name})"][-1]}
+            line.update({"dw cosine": rows["dw cosine"][-1], "input Gram cosine": rows["input Gram cosine"][-1], "search": emb.search.name})
+            print(json.dumps(line), flush=True)
     return rows
 
 

@@ -550,9 +550,13 @@ def favoured_score(tokens: Batch, tasks: list[str]) -> str:
     return max(quality, key=lambda s: quality[s])
 
 
+#: pretrained weights and the record of how they were made (embed.train.pretrain)
+Pretrained = tuple[dict[str, torch.Tensor], dict[str, object]]
+
+
 def pretrain(
     config: W2TConfig, tokens: Batch, tasks: list[str], options: TrainOptions, device: torch.device, progress: bool = False
-) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+) -> Pretrained:
     """Self-supervised pretraining on the rows of `tokens` (at most options.pretrain_adapters of them and
     PRETRAIN_KERNEL_MACS' worth, drawn with the seed), labelled or not: options.pretrain_epochs epochs of the
     distillation loss (embed.distill) between the W2T cosines of a batch and the exact score options.pretrain_score
@@ -658,34 +662,29 @@ def train_w2t(
     progress: bool = True,
     tokens: Batch | None = None,
     exact: ExactScores | None = None,
+    pretrained: Pretrained | None = None,
 ) -> W2TEnsemble:
     """Train on `adapters`: each member early-stops on its own held-out slice, which also scores the choices.
 
     The adapters' tokens are made from their factors (full width), or given: `tokens`, made with `token_spec(options, schema, rank)`
     (embed.dataset.read_training_set projects them as it reads the adapters, which then need no factors), with the
-    exact scores among the labelled adapters in `exact` (computed from the factors where not given)."""
+    exact scores among the labelled adapters in `exact` (computed from the factors where not given). `pretrained`: what
+    `pretrain` made of these adapters with a config of these options (w2t_config), for trainings that share one
+    (pretraining reads no label where options.pretrain_score is fixed); None: pretrain here where the options ask."""
     if tokens is not None and exact is None:
         raise ValueError("adapters given as tokens need their exact scores (ExactScores): their factors may be projected")
     with torch_threads(options.threads):
-        return _train_w2t(adapters, schema, options, progress, tokens, exact)
+        return _train_w2t(adapters, schema, options, progress, tokens, exact, pretrained)
 
 
-def _train_w2t(
-    adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, progress: bool, tokens: Batch | None, exact: ExactScores | None
-) -> W2TEnsemble:
-    device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def w2t_config(adapters: list[ZooAdapter], schema: SpaceSchema, options: TrainOptions, rank: int) -> W2TConfig:
+    """The model a training with these options makes for these adapters (its heads: their attributes and metrics)."""
     categorical = categorical_attributes(adapters) if options.objective != "contrastive" else {}
     if options.attributes is not None:
         categorical = {k: v for k, v in categorical.items() if k in options.attributes}
     metrics = [m for m in options.metrics if any(m in a.measurements for a in adapters)] if options.objective != "contrastive" else []
-    stats, ranges = {}, {}
-    for m in metrics:
-        vals = np.array([a.measurements[m] for a in adapters if m in a.measurements])
-        stats[m] = (float(vals.mean()), float(vals.std() or 1.0))
-        ranges[m] = (float(vals.min()), float(vals.max()))
-    rank = max_rank(adapters) if tokens is None else next(iter(tokens.values())).mask.shape[-1]
     spec = token_spec(options, schema, rank)
-    config = W2TConfig(
+    return W2TConfig(
         type_shapes=schema.type_shapes(),
         n_layers=max(schema.layer_of(n) for n in schema.module_names) + 1,
         n_modules=len(schema.modules),
@@ -700,6 +699,26 @@ def _train_w2t(
         module_groups=module_groups(schema, spec.max_module_tokens)[1] if spec.max_module_tokens else 0,
         gram_sketches=options.gram_sketches,
     )
+
+
+def _train_w2t(
+    adapters: list[ZooAdapter],
+    schema: SpaceSchema,
+    options: TrainOptions,
+    progress: bool,
+    tokens: Batch | None,
+    exact: ExactScores | None,
+    pretrained: Pretrained | None,
+) -> W2TEnsemble:
+    device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rank = max_rank(adapters) if tokens is None else next(iter(tokens.values())).mask.shape[-1]
+    config = w2t_config(adapters, schema, options, rank)
+    categorical, metrics, spec = config.categorical, config.regression, config.tokens
+    stats, ranges = {}, {}
+    for m in metrics:
+        vals = np.array([a.measurements[m] for a in adapters if m in a.measurements])
+        stats[m] = (float(vals.mean()), float(vals.std() or 1.0))
+        ranges[m] = (float(vals.min()), float(vals.max()))
     if tokens is None:
         tokens = tokenize(adapters, schema, rank, spec)
     _check_tokens(tokens, schema, spec, len(adapters))
@@ -720,9 +739,11 @@ def _train_w2t(
     )
     members = max(1, options.members)
     folds = _folds(n, members, options)
-    pretrained = None
-    if options.pretrain_epochs:
-        pretrained, info = pretrain(config, tokens, [a.labels.get(TASK_KEY, "") for a in adapters], options, device, progress)
+    if pretrained is None and options.pretrain_epochs:
+        pretrained = pretrain(config, tokens, [a.labels.get(TASK_KEY, "") for a in adapters], options, device, progress)
+    initial = None
+    if pretrained is not None:
+        initial, info = pretrained
         config = replace(config, pretraining=info)
     if progress:
         per_epoch = _seconds_per_epoch(config, data, folds[0], options, device)
@@ -734,7 +755,7 @@ def _train_w2t(
     models, history = [], []
     for i, fold in enumerate(folds):
         desc = f"train w2t ({options.objective}, model {i + 1}/{members})"
-        model, member_history = _train_member(config, data, fold, options, options.seed + i, device, desc, progress, pretrained)
+        model, member_history = _train_member(config, data, fold, options, options.seed + i, device, desc, progress, initial)
         models.append(model)
         history += [{"member": i, **h} for h in member_history]
     embedder = W2TEnsemble(models, schema, rank, stats, options.objective, history, metric_range=ranges)
