@@ -218,19 +218,18 @@ class DeleteRace:
         conn.close()
 
     def _delete(self, stop: threading.Event) -> None:
-        """Half the given adapters, one every 0.2 s (the other half stays to be read), each followed by the newest
-        adapter where the commands stored it (one `zoo embed` may be embedding: `zoo ingest` stores it again)."""
+        """Every 0.2 s until stopped: the next of half the given adapters (the other half stays to be read), and the
+        newest adapter where the commands stored it (a `zoo embed` may be embedding it; `zoo ingest` stores it again)."""
         import random
 
-        order = random.Random(1).sample(self.ids, len(self.ids))
+        order = random.Random(1).sample(self.ids, len(self.ids))[: len(self.ids) // 2]
         conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        for adapter_id in order[: len(order) // 2]:
-            if stop.wait(0.2):
-                break
+        while not stop.wait(0.2):
             conn.request("GET", "/api/v1/adapters?sort=newest&per_page=1")
             newest = json.loads(conn.getresponse().read())["results"]
             fresh = [newest[0]["id"]] if newest and newest[0]["id"] not in self.ids else []
-            for target in [adapter_id, *fresh]:
+            targets, order = [*order[:1], *fresh], order[1:]
+            for target in targets:
                 conn.request("DELETE", f"/api/v1/adapters/{target}", headers={"Authorization": f"Bearer {self.token}"})
                 r = conn.getresponse()
                 r.read()

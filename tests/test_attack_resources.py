@@ -10,11 +10,12 @@ import threading
 import time
 import tracemalloc
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from bench.attack import DeleteRace, Flood, SlowClients, get, p99, probe, race_zoo
 from tests.test_attack import PROBE_P99_S, Served, _probe_during, _upload, served
@@ -179,3 +180,75 @@ def test_concurrent_delete_ingest_embed_and_reads_on_postgresql_answer_no_5xx(ra
     assert len(race.deleted) >= 10 and sum(sum(got.values()) for got in race.statuses.values()) > 50, race.statuses
     assert not race.server_errors(), race.statuses
     assert not race.failed_runs and race.runs.get("embed", 0) >= 1, (race.runs, race.failed_runs)
+
+
+def _before_statement(url: str, matches: str, action: Callable[[], None], nth: int = 1) -> Callable[[], None]:
+    """Run `action` (in connections of its own) once, just before the `nth` statement sent on `url`'s engine that holds
+    `matches`: another process's write landing between two statements of the code under test. Returns the function
+    that stops listening."""
+    from sqlalchemy import event
+
+    from zoo.store.session import make_engine
+
+    engine, seen = make_engine(url), [0]
+
+    def hook(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if matches in statement and seen[0] < nth:
+            seen[0] += 1
+            if seen[0] == nth:
+                action()
+
+    event.listen(engine, "before_cursor_execute", hook)
+    return lambda: event.remove(engine, "before_cursor_execute", hook)
+
+
+@pytest.mark.postgres
+def test_a_catalog_page_and_its_labels_come_from_one_snapshot_while_an_adapter_is_deleted(pg_url: str) -> None:
+    """An adapter of the page deleted (and committed) between the page's statement and its labels' statement: before,
+    PostgreSQL's READ COMMITTED read the labels in a new snapshot without it and the page raised KeyError (a 500
+    under concurrent deletes); now the page reads one snapshot and shows it as it was."""
+    from embed.service import delete_adapter
+    from tests.conftest import truncate_all
+    from tests.test_catalog import catalog, synthetic_zoo
+    from zoo.store.session import session_factory
+
+    truncate_all(pg_url)
+    db_url = pg_url
+    synthetic_zoo(db_url, n=12)
+    newest = catalog(db_url, None, {})["results"][0]
+    stop = _before_statement(db_url, "label.key", lambda: delete_adapter(session_factory(db_url), newest["id"]))
+    try:
+        page = catalog(db_url, None, {})
+    finally:
+        stop()
+    assert page["results"][0]["id"] == newest["id"] and page["results"][0]["labels"] == newest["labels"]
+    assert newest["id"] not in [r["id"] for r in catalog(db_url, None, {})["results"]]  # deleted, for the next page
+
+
+@pytest.mark.postgres
+def test_zoo_embed_skips_an_adapter_deleted_after_it_read_it(pg_url: str, tmp_path: Path) -> None:
+    """An adapter deleted after `zoo embed` read it and before it wrote its vectors (just before it takes the space's
+    lock for its first chunk): before, the insert failed on embedding.adapter_id's foreign key (ForeignKeyViolation,
+    and a traceback); now it is skipped."""
+    from embed.service import delete_adapter, embed_space
+    from tests.conftest import truncate_all
+    from tests.factories import write_random_peft_adapters
+    from zoo.cli import main
+    from zoo.store.blobs import BlobStore
+    from zoo.store.models import Adapter
+    from zoo.store.session import session_factory
+
+    truncate_all(pg_url)
+    write_random_peft_adapters(tmp_path / "zoo", 6)
+    data = tmp_path / "data"
+    assert main(["--db", pg_url, "--data-dir", str(data), "ingest", str(tmp_path / "zoo"), "--base-model", "tiny", "--json"]) == 0
+    sessions = session_factory(pg_url)
+    with sessions() as session:
+        victim = max(session.scalars(select(Adapter.id)))
+    # the space's lock: 1st for its set-up, 2nd for the first chunk's vectors (read and computed by then)
+    stop = _before_statement(pg_url, "pg_advisory_xact_lock", lambda: delete_adapter(sessions, victim), nth=2)
+    try:
+        reports = embed_space(sessions, BlobStore(data / "blobs"), data, "tiny")
+    finally:
+        stop()
+    assert reports and all(r["embedded"] == 5 and r["total"] == 5 for r in reports), reports
