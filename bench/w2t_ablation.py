@@ -160,19 +160,19 @@ def measured(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
 
 
 def report(rows: dict[str, list[dict[str, float]]], args: dict[str, object]) -> None:
-    summary: dict[str, object] = {}
+    summary: dict[str, dict[str, float]] = {}
     for name, per in rows.items():
         summary[name] = {k: float(np.mean([r[k] for r in per])) for k in (*MEASURES, "seconds") if k in per[0]}
-    gains: dict[str, object] = {}
+    gains: dict[str, dict[str, tuple[float, float, float]]] = {}
     for name in rows:
         for base in ("v1", "input Gram cosine"):
             if name == base or base not in rows or name in ("dw cosine",):
                 continue
             gains[f"{name} - {base}"] = {k: interval([a[k] - b[k] for a, b in zip(rows[name], rows[base], strict=True)]) for k in MEASURES}
     for name, m in summary.items():
-        print(f"{name:28s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))  # type: ignore[union-attr]
+        print(f"{name:28s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
     for name, g in gains.items():
-        print(f"{name:40s} " + "  ".join(f"{k} {v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]" for k, v in g.items()))  # type: ignore[union-attr]
+        print(f"{name:40s} " + "  ".join(f"{k} {v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]" for k, v in g.items()))
     print(json.dumps({"args": args, "summary": summary, "gains": gains, "per_split": rows}))
 
 

@@ -36,7 +36,7 @@ def orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))[0].float()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(rank=st.integers(1, 5), out=st.integers(2, 9), inp=st.integers(2, 9), log_c=st.floats(-4.0, 4.0), seed=st.integers(0, 2**16))
 def test_gram_sketches_ignore_the_output_side_signs_and_scale(rank: int, out: int, inp: int, log_c: float, seed: int) -> None:
     """The input Gram sketch is unchanged by u → Q u (orthogonal Q), both Gram sketches by the joint sign flips
@@ -58,14 +58,14 @@ def test_gram_sketches_ignore_the_output_side_signs_and_scale(rank: int, out: in
 
     scaled = TypeTokens(tok.u, tok.v, (tok.log_sigma + log_c).masked_fill(~tok.mask, 0.0), tok.mask, tok.layers, tok.groups)
     for got, want in zip(gram_blocks(model, scaled), (first, gram_in, gram_out), strict=True):
-        assert torch.allclose(got, want, atol=1e-4 * (1 + want.abs().max()))
+        assert torch.allclose(got, want, atol=1e-4 * (1 + float(want.abs().max())))
 
     s2 = (tok.log_sigma.exp() * tok.mask).pow(2)
     s2 = s2 / s2.sum(dim=-1, keepdim=True)
     with torch.no_grad():
         b = model.proj_v["t"](tok.v) * inp**0.5
     want_in = torch.einsum("bmr,bmri,bmrj->bmij", s2, b, b).flatten(-2)
-    assert torch.allclose(gram_in, want_in, atol=1e-4 * (1 + want_in.abs().max()))
+    assert torch.allclose(gram_in, want_in, atol=1e-4 * (1 + float(want_in.abs().max())))
 
 
 def test_token_kernels_are_the_exact_scores_and_the_input_gram_ignores_a_rotated_output_side() -> None:
