@@ -80,7 +80,9 @@ class ScopeRefusal(Exception):
 
 def live_token(token: str) -> LiveToken | None:
     """The live token `token` is, read in a session of its own; its last use stamped in a write transaction only when
-    due (at most once a minute), so that reads stay reads."""
+    due (at most once a minute), so that reads stay reads. Not in the request's session: a read there would begin the
+    transaction a write route then writes in, and SQLite refuses that write once another writer (the stamp, a job)
+    has committed since the read."""
     sessions = zoo_context().sessions
     with sessions() as session:
         found = find_token(session, token)
