@@ -300,19 +300,85 @@ def race_zoo(url: str, root: Path, workers: int = 2, adapters: int = 40) -> Iter
                 proc.wait()
 
 
+def slow_clients(clients: int, seconds: float) -> dict[str, object]:
+    """`zoo serve --workers 1` (its defaults) on an empty SQLite zoo; health probed quiet for 3 s, then for `seconds`
+    while `clients` / 2 connections drip their headers and as many their bodies (`SlowClients`)."""
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    from zoo.store.session import upgrade
+
+    with tempfile.TemporaryDirectory(prefix="zoo-slow-") as tmp:
+        root = Path(tmp)
+        url = f"sqlite:///{root / 'zoo.db'}"
+        upgrade(url)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zoo.cli",
+            "--db",
+            url,
+            "--data-dir",
+            str(root / "data"),
+            "serve",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ]
+        with (root / "serve.log").open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                start = time.monotonic()
+                while not probe(port, 0.01, timeout=1) or max(probe(port, 0.01, timeout=1)) >= 1:
+                    assert proc.poll() is None and time.monotonic() - start < 90, (root / "serve.log").read_text()[-2000:]
+                    time.sleep(0.2)
+                quiet = probe(port, 3.0)
+                body = "/api/v1/predict/performance"
+                with SlowClients(port, clients // 2), SlowClients(port, clients - clients // 2, path=body, body=True):
+                    time.sleep(1.0)  # every connection open and dripping
+                    times = probe(port, seconds)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=20)
+    ms = lambda t: round(1000 * t, 1)  # noqa: E731
+    return {
+        "clients": clients,
+        "quiet": {"probes": len(quiet), "p50_ms": ms(statistics.median(quiet)), "p99_ms": ms(p99(quiet))},
+        "slow": {
+            "probes": len(times),
+            "p50_ms": ms(statistics.median(times)),
+            "p99_ms": ms(p99(times)),
+            "timed_out": sum(t >= 5 for t in times),
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.attack race --db URL --seconds 60`: the race of deletes, ingest, embed and reads on a fresh zoo
     (PostgreSQL: a database to throw away), its statuses per route and command runs as JSON; exit 1 on any 5xx or
-    failed command run."""
+    failed command run. `python -m bench.attack slow --clients 128 --seconds 10`: health under slow clients
+    (`slow_clients`)."""
     import argparse
     import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m bench.attack")
-    parser.add_argument("attack", choices=["race"])
-    parser.add_argument("--db", required=True, help="database URL (emptied)")
+    parser.add_argument("attack", choices=["race", "slow"])
+    parser.add_argument("--db", help="race: database URL (emptied)")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--readers", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=128, help="slow: slow clients, half dripping headers, half bodies")
     args = parser.parse_args(argv)
+    if args.attack == "slow":
+        print(json.dumps(slow_clients(args.clients, args.seconds)))
+        return 0
+    if not args.db:
+        parser.error("race needs --db")
     with tempfile.TemporaryDirectory(prefix="zoo-race-") as tmp, race_zoo(args.db, Path(tmp)) as (port, token, ids, cmd, more):
         ingest = [*cmd, "ingest", str(more), "--base-model", "tiny"]
         t0 = time.monotonic()
