@@ -20,7 +20,7 @@ from torch import nn
 
 from embed.tokens import Batch, TypeTokens, n_rows
 
-#: entries of the (chunk × n × modules × rank × rank) overlap blocks computed at once
+#: entries of the (chunk × rank × adapters × rank) overlap blocks of a module computed at once
 KERNEL_BLOCK = 1 << 24
 #: the target rows' temperature: a row of the exact kernel, standardized, is softmaxed at it (the W2T cosines at the
 #: training's own temperature), so that the nearest few adapters by the exact score carry most of the target's mass
@@ -50,7 +50,8 @@ def _sigma(tok: TypeTokens) -> torch.Tensor:
 def _add_type(tok: TypeTokens, score: str, norms: torch.Tensor, total: torch.Tensor, shared: torch.Tensor) -> None:
     """Add one module type's per-module values (and, for the module means, its shared-module counts) to `total`: each
     v_i is weighted by c_i (σ_i / ‖σ²‖^½ of its module for the input Gram, σ_i / ‖σ‖ of its module or adapter for the
-    others), so that the overlap C_V of weighted sides gives the score as Σ C_V² or Σ C_U ∘ C_V."""
+    others), so that the overlap C_V of weighted sides gives the score as Σ C_V² or Σ C_U ∘ C_V. Module by module,
+    among the adapters that have it, one matrix product per side and chunk of rows."""
     n, M, R = tok.mask.shape
     sigma = _sigma(tok)
     if score == "input_gram":
@@ -59,19 +60,24 @@ def _add_type(tok: TypeTokens, score: str, norms: torch.Tensor, total: torch.Ten
         scale = sigma.pow(2).sum(dim=-1, keepdim=True).sqrt()
     else:
         scale = norms[:, None, None]
-    v = tok.v.double() * (sigma / scale.clamp_min(1e-30))[..., None]
-    u = tok.u.double()
-    present = tok.mask.any(dim=-1).double()  # (n, M)
-    chunk = max(1, KERNEL_BLOCK // max(1, n * M * R * R))
-    for start in range(0, n, chunk):
-        rows = slice(start, start + chunk)
-        cv = torch.einsum("xmri,ymsi->xymrs", v[rows], v)
-        if score == "input_gram":
-            per_module = cv.pow(2).sum(dim=(-1, -2))
-        else:
-            per_module = (torch.einsum("xmri,ymsi->xymrs", u[rows], u) * cv).sum(dim=(-1, -2))
-        total[rows] += per_module.sum(dim=-1)
-        shared[rows] += present[rows] @ present.T
+    weights = (sigma / scale.clamp_min(1e-30)).float()
+    for m in range(M):
+        rows = torch.nonzero(tok.mask[:, m].any(dim=-1)).flatten()
+        P = len(rows)
+        if not P:
+            continue
+        v = (tok.v[rows, m].float() * weights[rows, m, :, None]).reshape(P * R, -1)
+        u = tok.u[rows, m].float().reshape(P * R, -1)
+        chunk = max(1, KERNEL_BLOCK // (P * R * R))
+        for start in range(0, P, chunk):
+            part = slice(start * R, min(P, start + chunk) * R)
+            c = (part.stop - part.start) // R
+            cv = (v[part] @ v.T).reshape(c, R, P, R)
+            overlap = cv if score == "input_gram" else (u[part] @ u.T).reshape(c, R, P, R)  # Σ C_V², or Σ C_U ∘ C_V
+            value = (overlap * cv).sum(dim=(1, 3))
+            at = rows[start : start + c]
+            total[at[:, None], rows[None, :]] += value.double()
+            shared[at[:, None], rows[None, :]] += 1.0
 
 
 def distillation_loss(z: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
