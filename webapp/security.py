@@ -85,7 +85,7 @@ def check_declared(app: APIFlask) -> None:
 
 def local_path(target: str | None) -> str:
     """`target` if it is a path on this site (what /sign-in may send a browser back to), else "/". Control characters and
-    spaces are refused too: a browser drops a tab or a newline inside a URL, so `/\t/evil.example` is `//evil.example`,
+    spaces are refused too: a browser drops a tab or a newline inside a URL, so `/<TAB>/evil.example` is `//evil.example`,
     and CR or LF cannot go in a Location header."""
     if not target or not re.fullmatch(r"/(?![/\\])[^\\]*", target) or " " in target or not target.isprintable():
         return "/"
