@@ -3,8 +3,10 @@ clients, the pool that bounds searches. Timing bounds are generous (a busy 2-cor
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import struct
 import threading
 import time
@@ -253,3 +255,26 @@ def test_zoo_embed_skips_an_adapter_deleted_after_it_read_it(pg_url: str, tmp_pa
     finally:
         stop()
     assert reports and all(r["embedded"] == 5 and r["total"] == 5 for r in reports), reports
+
+
+def _unix_socket_paths(pid: int) -> list[str]:
+    """The paths of the Unix sockets a process holds open (from /proc: its descriptors' inodes in /proc/net/unix)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    paths = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes:
+            paths.append(fields[7])
+    return paths
+
+
+def test_zoo_serve_binds_no_control_socket_another_zoo_serve_would_share(served: Served) -> None:
+    """gunicorn binds a control socket at one path per user (~/.gunicorn/gunicorn.ctl): two `zoo serve` of one user
+    shared it, and stopping one deleted the other's. `zoo serve` turns it off."""
+    master = int(Path(f"/proc/{served.worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert not [p for p in _unix_socket_paths(master) if p.endswith("gunicorn.ctl")], _unix_socket_paths(master)

@@ -308,6 +308,9 @@ def serve(settings: Settings, host: str, port: int, workers: int, threads: int =
         "accesslog": "-",
         "errorlog": "-",
         "proc_name": "zoo-serve",
+        # gunicornc's control socket: one path per user (~/.gunicorn/gunicorn.ctl), so two `zoo serve` of one user bound
+        # the same socket and stopping one deleted the other's; zoo does not use it
+        "control_socket_disable": True,
     }
     from webapp.security import gunicorn_errors_as_json
 
