@@ -17,12 +17,20 @@ or built (`--kind KIND`: `--source-families` × `--source-members` adapters of a
 ingested with their family as `task`, `zoo embed`, `zoo train`), once per recipe under a cache dir
 (`--source-dir`), reused by later runs.
 
+Where the zoo has input-Gram sketches (`zoo embed` writes them), they are mixed from the same parents with the same
+weights and noised like the module sketches (a mixture's Gram is not the mixture of the Grams: the neighbourhoods are
+the space's, not real adapters'), and `--method input_gram` is served and measured too: with no module store its score
+is the input Gram estimated from these sketches, and its first stage is the union of both sketch indexes' nearest
+(embed/engine.py EXACT_CANDIDATES); the same queries are answered again with the module sketch's candidates alone (the
+first stage before the input-Gram index: the baseline) and with the input-Gram sketch's alone.
+
 Build (timed, in a child process so the serving process's memory is its own): a SQLite database
-with the adapters, their labels and their embeddings, written in bulk, and both FAISS indexes
+with the adapters, their labels and their embeddings, written in bulk, and every FAISS index
 (IVF above 100k adapters). Serve: the engine loads the space, then answers `--queries` queries by
 stored id with the default method (hybrid) single-threaded, with 8 concurrent threads, and with a
-1 % label filter. Recall@10 compares the served top 10 with an exhaustive ranking by the same score
-over all N adapters (computed chunk by chunk from the generator: the baseline, timed per query).
+1 % label filter (and input_gram single-threaded and filtered). Recall@10 compares the served top 10 with an
+exhaustive ranking by the same score over all N adapters (computed chunk by chunk from the generator: the baseline,
+timed per query).
 
     python -m bench.serve --adapters 1000000 --zoo-data-dir DIR
     python -m bench.serve --adapters 1000000 --kind llama3-8b --work /big/disk/serve-llama
@@ -44,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +84,10 @@ class Source:
     #: neighbourhood, zoo/services/relations.py)
     raw: np.ndarray | None = None
     raw_config: dict | None = None
+    #: (n, modules·width) input-Gram sketches (scaled as the module sketches) and their embedder's config, where the zoo
+    #: has them (input_gram search's first stage)
+    gram: np.ndarray | None = None
+    gram_config: dict | None = None
 
     @property
     def width(self) -> int:
@@ -126,6 +138,7 @@ def load_source(
     w2t_dir = w2t_data_dir or data_dir
     w2t_vectors, _, w2t = _zoo_vectors(w2t_database_url or database_url, w2t_dir, "w2t")
     raw, _, raw_embedder = _zoo_vectors(database_url, data_dir, "raw_factors", optional=True)
+    gram, _, gram_embedder = _zoo_vectors(database_url, data_dir, "input_gram_sketch", optional=True)
     names = sorted(sketches.keys() & w2t_vectors.keys())
     return Source(
         np.stack([sketches[n] for n in names]).astype(np.float32),
@@ -138,6 +151,8 @@ def load_source(
         noise,
         np.stack([raw[n] for n in names]).astype(np.float32) if raw_embedder is not None else None,
         dict(raw_embedder.config) if raw_embedder is not None else None,  # type: ignore[attr-defined]
+        np.stack([gram[n] for n in names]).astype(np.float32) if gram_embedder is not None else None,
+        dict(gram_embedder.config) if gram_embedder is not None else None,  # type: ignore[attr-defined]
     )
 
 
@@ -257,12 +272,13 @@ def as_sketch(x: np.ndarray, present: np.ndarray) -> np.ndarray:
     return x
 
 
-def sketch_noise(src: Source) -> float:
-    """Per-coordinate noise of the sketches: `noise` at MODULE_SKETCH_DIM probes a module, and √(MODULE_SKETCH_DIM /
-    width) times that at fewer, so that every module's block gets noise of the same norm relative to its own (1)."""
+def sketch_noise(src: Source, width: int | None = None) -> float:
+    """Per-coordinate noise of sketches of `width` probes a module (the module sketch's by default): `noise` at
+    MODULE_SKETCH_DIM probes a module, and √(MODULE_SKETCH_DIM / width) times that at fewer, so that every module's
+    block gets noise of the same norm relative to its own (1)."""
     from zoo.domain.similarity import MODULE_SKETCH_DIM
 
-    return src.noise * float(np.sqrt(MODULE_SKETCH_DIM / src.width))
+    return src.noise * float(np.sqrt(MODULE_SKETCH_DIM / (width or src.width)))
 
 
 def parents(src: Source, start: int, stop: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -302,6 +318,18 @@ def synthetic_raw(src: Source, start: int, stop: int, seed: int) -> np.ndarray:
     return (r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
 
+def synthetic_gram(src: Source, start: int, stop: int, seed: int) -> np.ndarray:
+    """The input-Gram sketches of synthetic adapters start..stop-1, mixed from the same parents with the same weights as
+    `synthetic_chunk`'s, noised and scaled as its module sketches are."""
+    assert src.gram is not None
+    _, a, b, u = mixture(src, start, stop, seed)
+    g = src.gram[a] * u
+    g += (1 - u) * src.gram[b]
+    noise = np.random.default_rng([seed, 3, start]).standard_normal((stop - start, src.gram.shape[1]), dtype=np.float32)
+    g += sketch_noise(src, src.gram.shape[1] // src.n_modules) * noise
+    return as_sketch(g, src.present[a] | src.present[b])
+
+
 def chunks(n: int) -> Iterator[tuple[int, int]]:
     for start in range(0, n, CHUNK):
         yield start, min(n, start + CHUNK)
@@ -319,6 +347,13 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     t0 = time.perf_counter()
     url = f"sqlite:///{work / 'zoo.db'}"
     upgrade(url)
+    # the sketch embedders after the module sketch's and W2T's, where the zoo has them, and how each is mixed
+    sketches = [
+        (m, v, c)
+        for m, v, c in (("raw_factors", src.raw, src.raw_config), ("input_gram_sketch", src.gram, src.gram_config))
+        if v is not None
+    ]
+    makers = [{"raw_factors": synthetic_raw, "input_gram_sketch": synthetic_gram}[m] for m, _, _ in sketches]
     engine = make_engine(url)
     base = "synthetic/" + src.sketch_config["schema"]["base_model"]
     with engine.begin() as conn:
@@ -340,16 +375,16 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
                 active=True,
             )
         )
-        if src.raw is not None:
+        for embedder_id, (method, vectors, config) in enumerate(sketches, 3):
             conn.execute(
-                insert(Embedder).values(id=3, space_id=1, method="raw_factors", dim=src.raw.shape[1], config=src.raw_config, active=True)
+                insert(Embedder).values(id=embedder_id, space_id=1, method=method, dim=vectors.shape[1], config=config, active=True)
             )
-    methods = ("module_sketch", "w2t", "raw_factors")[: 3 if src.raw is not None else 2]  # embedders 1, 2 (and 3)
+    methods = ("module_sketch", "w2t", *(method for method, _, _ in sketches))  # embedders 1, 2, 3, ...
     embedder_ids = tuple(range(1, len(methods) + 1))
 
     def vectors_of(start: int, stop: int) -> tuple[list[np.ndarray], np.ndarray]:
         sk, w, parent = synthetic_chunk(src, start, stop, seed)
-        return [sk, w, *((synthetic_raw(src, start, stop, seed),) if src.raw is not None else ())], parent
+        return [sk, w, *(make(src, start, stop, seed) for make in makers)], parent
 
     indexes: list[AdapterIndex] = []
     steps = dict.fromkeys(("generate_s", "sql_s", "train_s", "add_s", "tune_s", "save_s"), 0.0)
@@ -466,23 +501,70 @@ def percentiles(times: list[float]) -> tuple[float, float]:
 def exhaustive_top(
     src: Source, n: int, seed: int, queries: np.ndarray, weight: float, k: int, shards: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Top-k ids of each query by the served score over all N (the baseline), their scores, and its time per query;
-    with `shards`, each query's over the adapters of its shard only (the filtered baseline)."""
+    """Top-k ids of each query by the served score (hybrid's) over all N (the baseline), their scores, and its time per
+    query; with `shards`, each query's over the adapters of its shard only (the filtered baseline)."""
     from zoo.domain.similarity import hybrid_score, sketch_module_cosines
 
-    q_sk = np.zeros((len(queries), src.sketches.shape[1]), np.float32)
-    q_w = np.zeros((len(queries), src.w2t.shape[1]), np.float32)
-    for start, stop in chunks(n):  # the queries' own vectors, as stored
+    def vectors(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        sk, w, _ = synthetic_chunk(src, start, stop, seed)
+        return sk, w
+
+    (q_sk, q_w), chunk_vectors = stored_vectors(n, queries, vectors)
+    return exhaustive(
+        n,
+        queries,
+        k,
+        lambda vs: hybrid_score(sketch_module_cosines(q_sk, vs[0], src.n_modules), q_w @ vs[1].T, weight),
+        chunk_vectors,
+        shards,
+    )
+
+
+def exhaustive_gram_top(
+    src: Source, n: int, seed: int, queries: np.ndarray, k: int, shards: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """exhaustive_top for input_gram: the input Gram as served without a module store, estimated from the input-Gram
+    sketches (`sketch_module_cosines`, as from the module sketches)."""
+    from zoo.domain.similarity import sketch_module_cosines
+
+    def vectors(start: int, stop: int) -> tuple[np.ndarray]:
+        return (synthetic_gram(src, start, stop, seed),)
+
+    (q_g,), chunk_vectors = stored_vectors(n, queries, vectors)
+    return exhaustive(n, queries, k, lambda vs: sketch_module_cosines(q_g, vs[0], src.n_modules), chunk_vectors, shards)
+
+
+def stored_vectors(
+    n: int, queries: np.ndarray, vectors: Callable[[int, int], tuple[np.ndarray, ...]]
+) -> tuple[tuple[np.ndarray, ...], Callable[[int, int], tuple[np.ndarray, ...]]]:
+    """The queries' own vectors, as stored (each of `vectors`' arrays at the queries' rows), and `vectors` itself."""
+    got: list[np.ndarray] = []
+    for start, stop in chunks(n):
         inside = np.nonzero((queries > start) & (queries <= stop))[0]
         if len(inside):
-            sk, w, _ = synthetic_chunk(src, start, stop, seed)
-            q_sk[inside], q_w[inside] = sk[queries[inside] - 1 - start], w[queries[inside] - 1 - start]
+            arrays = vectors(start, stop)
+            if not got:
+                got = [np.zeros((len(queries), a.shape[1]), np.float32) for a in arrays]
+            for out, a in zip(got, arrays, strict=True):
+                out[inside] = a[queries[inside] - 1 - start]
+    return tuple(got), vectors
+
+
+def exhaustive(
+    n: int,
+    queries: np.ndarray,
+    k: int,
+    score: Callable[[tuple[np.ndarray, ...]], np.ndarray],
+    vectors: Callable[[int, int], tuple[np.ndarray, ...]],
+    shards: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Top-k ids of each query by `score` of each chunk's `vectors` over all N, their scores and the time per query (the
+    query itself left out; with `shards`, only its shard's adapters)."""
     t0 = time.perf_counter()
     best_s = np.full((len(queries), 0), -np.inf)
     best_i = np.zeros((len(queries), 0), dtype=np.int64)
     for start, stop in chunks(n):
-        sk, w, _ = synthetic_chunk(src, start, stop, seed)
-        s = hybrid_score(sketch_module_cosines(q_sk, sk, src.n_modules), q_w @ w.T, weight)
+        s = score(vectors(start, stop))
         ids = np.arange(start + 1, stop + 1)
         s[ids[None, :] == queries[:, None]] = -np.inf
         if shards is not None:
@@ -573,13 +655,20 @@ def main() -> None:
         f"exhaustive {result['exhaustive_ms_per_query']:.0f} ms/query "
         f"({result['speedup_vs_exhaustive']:.0f}x the served p50); resident memory {result['rss_gb']:.2f} GB\n"
         f"same-task hit@1 of the exact nearest: real zoo {result['task_hit_at_1_real']:.3f}, "
-        f"synthetic {result['task_hit_at_1_synthetic']:.3f}"
+        f"synthetic {result['task_hit_at_1_synthetic']:.3f}; indexes (GB) {result['index_gb']}"
     )
+    for name, g in (result["input_gram"] or {}).items():
+        if isinstance(g, dict):
+            print(
+                f"input_gram, candidates {name}: p50 {g['p50_ms']:.2f} ms, p99 {g['p99_ms']:.2f} ms; 1 % filter p99 "
+                f"{g['p99_ms_filtered_1pct']:.2f} ms; recall@10 vs exhaustive {g['recall_at_10']:.3f} "
+                f"(1 % filter: {g['recall_at_10_filtered_1pct']:.3f})"
+            )
     print(json.dumps(result))
 
 
 def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dict[str, object]:
-    from embed.engine import Query, QueryEngine
+    from embed.engine import Query, QueryEngine, index_bytes
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
@@ -624,6 +713,8 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
     recall_f = float(np.mean([len(set(filtered[j][1]) & set(exact_f[j].tolist())) / 10 for j in range(len(rq))]))
     p50, p99 = percentiles([t for t, _ in single])
     f50, f99 = percentiles([t for t, _ in filtered])
+    gram = serve_input_gram(src, args, engine, sessions, space, queries, shards) if src.gram is not None else None
+    state = engine.space(sessions(), space)
     return {
         "adapters": args.adapters,
         "real_adapters": len(src.tasks),
@@ -650,8 +741,58 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
         "blas_threads": args.blas_threads,
         "task_hit_at_1_real": round(real_task_hit_at_1(src, weight), 4),
         "task_hit_at_1_synthetic": round(synthetic_hit, 4),
+        "index_gb": {m: round(index_bytes(e.index) / 1e9, 3) for m, e in state.embedders.items()},
+        "index_nprobe_rerank": {m: [e.index.nprobe, e.index.rerank] for m, e in state.embedders.items()},
+        "input_gram": gram,
         "synthetic": True,
     }
+
+
+def serve_input_gram(
+    src: Source, args: argparse.Namespace, engine: object, sessions: object, space: str, queries: np.ndarray, shards: np.ndarray
+) -> dict[str, object]:
+    """input_gram search's latency and recall@10 against the exhaustive input-Gram ranking, with the first stage served
+    (EXACT_CANDIDATES) and, on the same queries, with the module sketch's candidates alone (the baseline: before the
+    input-Gram index) and the input-Gram sketch's alone."""
+    import embed.engine as engine_module
+    from embed.engine import GRAM, SKETCH, Query
+
+    def one(i: int, filters: dict[str, str] | None = None) -> tuple[float, list[int]]:
+        with sessions() as session:  # type: ignore[operator]
+            t = time.perf_counter()
+            found = engine.similar(session, space, Query(f"syn-{i:07d}", int(i)), 10, filters, method="input_gram")  # type: ignore[attr-defined]
+            return time.perf_counter() - t, [r["adapter_id"] for r in found["results"]]
+
+    rq = queries[: args.recall_queries]
+    exact, _, exhaustive_s = exhaustive_gram_top(src, args.adapters, args.seed, rq, 10)
+    exact_f, _, _ = exhaustive_gram_top(src, args.adapters, args.seed, rq, 10, shards[: len(rq)])
+    served = dict(engine_module.EXACT_CANDIDATES)
+    out: dict[str, object] = {"exhaustive_ms_per_query": round(exhaustive_s * 1e3, 1), "candidates": list(served["input_gram"])}
+    for name, first in (("served", served["input_gram"]), ("module_sketch_only", (SKETCH,)), ("input_gram_sketch_only", (GRAM,))):
+        engine_module.EXACT_CANDIDATES = {**served, "input_gram": first}
+        try:
+            for i in queries[:20]:  # warm-up
+                one(int(i))
+            single = [one(int(i)) for i in queries]
+            filtered = [one(int(i), {"shard": f"s{int(j)}"}) for i, j in zip(queries, shards, strict=True)]
+        finally:
+            engine_module.EXACT_CANDIDATES = served
+        p50, p99 = percentiles([t for t, _ in single])
+        f50, f99 = percentiles([t for t, _ in filtered])
+        recall = float(np.mean([len(set(single[j][1]) & set(exact[j].tolist())) / 10 for j in range(len(rq))]))
+        recall_f = float(np.mean([len(set(filtered[j][1]) & set(exact_f[j].tolist())) / 10 for j in range(len(rq))]))
+        out[name] = {
+            "p50_ms": round(p50, 3),
+            "p99_ms": round(p99, 3),
+            "p50_ms_filtered_1pct": round(f50, 3),
+            "p99_ms_filtered_1pct": round(f99, 3),
+            "recall_at_10": round(recall, 4),
+            "recall_at_10_filtered_1pct": round(recall_f, 4),
+        }
+    base, now = out["module_sketch_only"], out["served"]
+    out["recall_ratio_to_module_sketch_only"] = round(now["recall_at_10"] / max(base["recall_at_10"], 1e-12), 3)  # type: ignore[index]
+    out["p99_ratio_to_module_sketch_only"] = round(now["p99_ms"] / max(base["p99_ms"], 1e-12), 3)  # type: ignore[index]
+    return out
 
 
 if __name__ == "__main__":
