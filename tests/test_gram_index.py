@@ -125,3 +125,15 @@ def test_without_a_module_store_the_input_gram_comes_from_its_sketches(cli: CLI,
     found = nearest(cli, ids["query"])
     assert found["module_stage"] == "input-Gram sketches (no module store)"
     assert found["results"][0]["adapter_id"] == ids["reheaded"] and found["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_hybrid_over_the_input_gram_takes_its_candidates_from_the_input_gram_index_where_the_space_has_one() -> None:
+    from embed.engine import W2T, stage_kinds
+    from zoo.domain.methods import SearchScore
+
+    new, old = {SKETCH: 1, GRAM: 2, W2T: 3}, {SKETCH: 1, W2T: 3}
+    assert stage_kinds(SearchScore("input_gram", 0.0), new) == (GRAM, SKETCH)
+    assert stage_kinds(SearchScore("input_gram", 0.3), new) == (GRAM, SKETCH, W2T)
+    assert stage_kinds(SearchScore("input_gram", 0.3), old) == (SKETCH, W2T)
+    assert stage_kinds(SearchScore("module", 0.3), new) == stage_kinds(SearchScore("dw", 0.0), new)[:1] + (W2T,) == (SKETCH, W2T)
+    assert stage_kinds(SearchScore("input_gram", 1.0), new) == (W2T,)
