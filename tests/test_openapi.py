@@ -220,6 +220,9 @@ def test_every_operation_conforms(case: schemathesis.Case, api: Api) -> None:
         ("GET", "/?q=a%00", None, 400),
         ("PUT", "/api/v1/adapters/1/labels", {"labels": {"style": "a\x00"}}, 400),
         ("POST", "/api/v1/predict/attributes", {"adapter_id": 1, "space": "\x00"}, 400),
+        ("PUT", "/api/v1/adapters/1/labels", {"labels": {"style": "\ud800"}}, 400),  # a lone surrogate: UTF-8 cannot hold it
+        ("PUT", "/api/v1/adapters/1/labels", {"measurements": {"\udfff": 0.5}}, 400),
+        ("POST", "/api/v1/ingest", {"paths": ["zoo/\ud83d"]}, 400),
         ("GET", "/api/v1/adapters/2147483648", None, 404),
         ("GET", "/adapters/9223372036854775808", None, 404),
         ("GET", "/api/v1/jobs/9223372036854775808", None, 404),
@@ -229,7 +232,7 @@ def test_every_operation_conforms(case: schemathesis.Case, api: Api) -> None:
     ],
 )
 def test_what_a_database_cannot_hold_never_reaches_it(api: Api, method: str, url: str, body: dict | None, status: int) -> None:
-    """NUL characters (PostgreSQL cannot store them), ids past an SQL INTEGER, offsets past a 64-bit one: the same
-    answer on both databases, never a 500 from the driver."""
+    """NUL characters (PostgreSQL cannot store them), lone surrogates (neither can, nor UTF-8), ids past an SQL INTEGER,
+    offsets past a 64-bit one: the same answer on both databases, never a 500 from the driver."""
     r = api.schema.app.test_client().open(url, method=method, json=body, headers=api.auth)
     assert r.status_code == status, (url, r.status_code)
