@@ -170,6 +170,7 @@ def race_on_postgresql(pg_url: str, tmp_path_factory: pytest.TempPathFactory) ->
         yield RaceZoo(*zoo)
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_concurrent_delete_ingest_embed_and_reads_on_postgresql_answer_no_5xx(race_on_postgresql: RaceZoo) -> None:
     """Half the adapters, and what ingest stores, deleted through the API every 0.2 s while two readers read catalog
