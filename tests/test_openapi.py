@@ -4,6 +4,7 @@ content type and headers, and a body that matches the documented schema."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,7 +12,8 @@ from typing import Any, NotRequired, get_args, get_origin, get_type_hints
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
@@ -236,3 +238,62 @@ def test_what_a_database_cannot_hold_never_reaches_it(api: Api, method: str, url
     offsets past a 64-bit one: the same answer on both databases, never a 500 from the driver."""
     r = api.schema.app.test_client().open(url, method=method, json=body, headers=api.auth)
     assert r.status_code == status, (url, r.status_code)
+
+
+def _json_text(names: list[str]) -> st.SearchStrategy[str]:
+    """JSON text a client may send, hostile where a parser or a database is weakest: integers of up to 6,000 digits
+    (Python refuses to convert past 4,300), numbers past a double, any code point including lone surrogates (JSON's
+    \\u escapes can write them, UTF-8 cannot hold them), NUL; keys drawn mostly from the operation's own properties so
+    the values reach the code behind the parser."""
+    huge = st.sampled_from([20, 400, 4301, 6000]).map(lambda n: "9" * n)
+    numbers = st.one_of(st.integers().map(str), huge, st.sampled_from(["1e400", "-1e400", "1.5", "-0", "0.1e-400"]))
+    strings = st.text(st.characters(codec=None, categories=None), max_size=12).map(json.dumps)
+    scalars = st.one_of(numbers, strings, st.sampled_from(["true", "false", "null"]))
+    keys = st.one_of(st.sampled_from(names), st.text(st.characters(codec=None), max_size=6)) if names else st.text(max_size=6)
+
+    def nest(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        arrays = st.lists(inner, max_size=4).map(lambda xs: "[" + ",".join(xs) + "]")
+        objects = st.dictionaries(keys, inner, max_size=4).map(lambda d: "{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in d.items()) + "}")
+        return st.one_of(arrays, objects)
+
+    return st.recursive(scalars, nest, max_leaves=12)
+
+
+def _json_operations(api: Api) -> list[tuple[str, str, list[str]]]:
+    """(method, path with the first adapter's and job's ids and the space "tiny", the body's top-level property names)
+    of every operation that takes a JSON body."""
+    spec = api.schema.app.test_client().get("/api/v1/openapi.json").get_json()
+    found = []
+    for path, item in spec["paths"].items():
+        for method, op in item.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json")
+            if body is None:
+                continue
+            ref = body["schema"].get("$ref", "")
+            props = spec["components"]["schemas"].get(ref.rsplit("/", 1)[-1], body["schema"]).get("properties", {})
+            url = re.sub(r"\{(\w+)\}", lambda m: {"name": "tiny"}.get(m.group(1), "1"), path)
+            found.append((method.upper(), url, sorted(props)))
+    return found
+
+
+def test_hostile_json_bodies_never_answer_5xx(api: Api) -> None:
+    """Every operation with a JSON body, sent JSON text with giant integers, overflowing numbers, lone surrogates and
+    NUL at any depth: a 4xx or a 2xx, never a 5xx, on both databases."""
+    operations = _json_operations(api)
+    assert len(operations) >= 4, operations
+    client = api.schema.app.test_client()
+    headers = {**api.auth, "Content-Type": "application/json"}
+    for method, url, names in operations:
+        _never_5xx(client, headers, method, url, names)()
+
+
+def _never_5xx(client: Any, headers: dict[str, str], method: str, url: str, names: list[str]) -> Any:
+    """A hypothesis test sending one operation hostile JSON bodies."""
+
+    @given(text=_json_text(names))
+    @settings(max_examples=15, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    def sends(text: str) -> None:
+        r = client.open(url, method=method, data=text.encode("utf-8", "surrogatepass"), headers=headers)
+        assert r.status_code < 500, (method, url, text[:200], r.status_code, r.get_data(as_text=True)[:300])
+
+    return sends
