@@ -173,7 +173,7 @@ def test_a_thousand_module_adapter_is_embedded_searched_and_predicted(cli: CLI, 
     assert rc == 0
     with session_factory(cli.settings.database_url)() as session:
         dims = list(session.scalars(select(Embedder.dim).where(Embedder.active)))
-    assert len(dims) == 3 and max(dims) <= MAX_SEARCH_DIM  # module sketch, raw-factor sketch, W2T
+    assert len(dims) == 4 and max(dims) <= MAX_SEARCH_DIM  # module sketch, raw-factor sketch, input-Gram sketch, W2T
     family = {r["adapter_id"]: r["name"].split("-")[1] for r in rows}
     for adapter_id in list(family)[::4]:
         rc, (found,) = cli.json_lines("search", str(adapter_id), "-k", "3", "--method", "module")
