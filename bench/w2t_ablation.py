@@ -92,22 +92,16 @@ def main() -> None:
 
 
 def merged(paths: list[str]) -> dict[str, list[dict[str, float]]]:
-    """The per-split rows of several runs on the same splits (their per-split lines; a run cut short gives the splits
-    it finished), over the splits every configuration finished."""
-    lines = []
+    """The per-split rows of several runs on the same zoo (their per-split lines; a run cut short gives the splits it
+    finished), each with its split."""
+    rows: dict[str, dict[int, dict[str, float]]] = {}
     for path in paths:
         with open(path) as f:
-            lines += [json.loads(x) for x in f if x.startswith('{"split"')]
-    configs = {x["config"] for x in lines}
-    splits = sorted(set.intersection(*({x["split"] for x in lines if x["config"] == c} for c in configs)))
-    rows: dict[str, list[dict[str, float]]] = {}
-    for split in splits:
-        for x in lines:
-            if x["split"] == split:
-                for name, row in x.items():
-                    if isinstance(row, dict) and (name not in rows or len(rows[name]) <= splits.index(split)):
-                        rows.setdefault(name, []).append(row)
-    return rows
+            for line in (json.loads(x) for x in f if x.startswith('{"split"')):
+                for name, row in line.items():
+                    if isinstance(row, dict):
+                        rows.setdefault(name, {})[line["split"]] = {**row, "split": line["split"]}
+    return {name: [per[s] for s in sorted(per)] for name, per in rows.items()}
 
 
 def measured(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
@@ -142,17 +136,17 @@ def measured(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     rows: dict[str, list[dict[str, float]]] = {"dw cosine": [], "input Gram cosine": []}
     for s in range(args.seed, args.seed + args.splits):
         labelled, queries, fit = split_of(adapters, 0.2, s, args.per_task, None)
-        rows["dw cosine"].append(score(exact["dw"], adapters, labelled, queries))
-        rows["input Gram cosine"].append(score(exact["input_gram"], adapters, labelled, queries))
+        rows["dw cosine"].append({**score(exact["dw"], adapters, labelled, queries), "split": s})
+        rows["input Gram cosine"].append({**score(exact["input_gram"], adapters, labelled, queries), "split": s})
         for name in args.configs.split(","):
             t0 = time.perf_counter()
             emb = train_w2t(fit, schema, options_of(name, s), progress=False, exact=given, pretrained=pretrained.get(name))
             took = time.perf_counter() - t0
             z = emb.embed(adapters)
             w2t = z @ z.T
-            rows.setdefault(name, []).append({**score(w2t, adapters, labelled, queries), "seconds": took})
+            rows.setdefault(name, []).append({**score(w2t, adapters, labelled, queries), "seconds": took, "split": s})
             served = emb.search.ranking(exact[emb.search.exact], w2t, np.eye(len(w2t), dtype=bool))
-            rows.setdefault(f"default ({name})", []).append({**score(served, adapters, labelled, queries)})
+            rows.setdefault(f"default ({name})", []).append({**score(served, adapters, labelled, queries), "split": s})
             line = {"split": s, "config": name, name: rows[name][-1], f"default ({name})": rows[f"default ({name})"][-1]}
             line.update({"dw cosine": rows["dw cosine"][-1], "input Gram cosine": rows["input Gram cosine"][-1], "search": emb.search.name})
             print(json.dumps(line), flush=True)
@@ -160,15 +154,20 @@ def measured(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
 
 
 def report(rows: dict[str, list[dict[str, float]]], args: dict[str, object]) -> None:
+    """Each row's means over its splits, and its gains over v1 and the input Gram paired on the splits both have."""
     summary: dict[str, dict[str, float]] = {}
     for name, per in rows.items():
         summary[name] = {k: float(np.mean([r[k] for r in per])) for k in (*MEASURES, "seconds") if k in per[0]}
+        summary[name]["splits"] = len(per)
     gains: dict[str, dict[str, tuple[float, float, float]]] = {}
     for name in rows:
         for base in ("v1", "input Gram cosine"):
-            if name == base or base not in rows or name in ("dw cosine",):
+            if name in (base, "dw cosine") or base not in rows:
                 continue
-            gains[f"{name} - {base}"] = {k: interval([a[k] - b[k] for a, b in zip(rows[name], rows[base], strict=True)]) for k in MEASURES}
+            at = {r["split"]: r for r in rows[base]}
+            pairs = [(r, at[r["split"]]) for r in rows[name] if r["split"] in at]
+            gains[f"{name} - {base}"] = {k: interval([a[k] - b[k] for a, b in pairs]) for k in MEASURES}
+            gains[f"{name} - {base}"]["splits"] = (len(pairs), len(pairs), len(pairs))
     for name, m in summary.items():
         print(f"{name:28s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
     for name, g in gains.items():
