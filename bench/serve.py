@@ -46,6 +46,7 @@ import functools
 import json
 import multiprocessing
 import os
+import queue
 import resource
 import shutil
 import subprocess
@@ -481,7 +482,13 @@ def build_or_reuse(src: Source, n: int, work: Path, seed: int, reuse: bool) -> d
     out = ctx.Queue()
     child = ctx.Process(target=_build_in_child, args=(src, n, work, seed, out))
     child.start()
-    built = out.get()
+    while True:  # a child killed (for memory, say) puts nothing: wait for it no longer than it lives
+        try:
+            built = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not child.is_alive():
+                sys.exit(f"the build process ended with exit code {child.exitcode} before its figures (-9: killed, e.g. for memory)")
     child.join()
     (work / "build.json").write_text(json.dumps(built))
     return built  # type: ignore[no-any-return]
