@@ -235,7 +235,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=5000)
     s.add_argument("--workers", type=int, default=2, help="processes, each with its own query engine (default: %(default)s)")
     s.add_argument(
-        "--threads", type=int, default=32, help="threads per process; a slow client holds one until its deadline (default: %(default)s)"
+        "--threads",
+        type=int,
+        default=32,
+        help="threads per process; a request takes one once it has fully arrived, a chunked upload as it streams (default: %(default)s)",
     )
     s.set_defaults(func=cmd_serve)
 
