@@ -8,7 +8,7 @@ import os
 import shutil
 import sqlite3
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,19 +41,29 @@ def pg_url() -> Iterator[str]:
         upgrade(url)
         yield url
         return
+    with database_beside(url, worker) as own:
+        yield own
+
+
+@contextmanager
+def database_beside(url: str, suffix: str) -> Iterator[str]:
+    """A migrated PostgreSQL database `<name>_<suffix>` beside the one at `url`, made afresh (whatever a killed run
+    left under that name is dropped first) and dropped when the block ends."""
     given = make_url(url)
-    own = given.set(database=f"{given.database}_{worker}")
+    own = given.set(database=f"{given.database}_{suffix}")
     admin = create_engine(given.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
         conn.execute(text(f'CREATE DATABASE "{own.database}"'))
-    url = own.render_as_string(hide_password=False)
-    upgrade(url)
-    yield url
-    make_engine(url).dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
-    admin.dispose()
+    own_url = own.render_as_string(hide_password=False)
+    upgrade(own_url)
+    try:
+        yield own_url
+    finally:
+        make_engine(own_url).dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
+        admin.dispose()
 
 
 @pytest.fixture(scope="module")

@@ -516,9 +516,7 @@ def _stock(url: str, data_dir: Path, root: Path, labelled: bool) -> tuple[int, d
 def guarded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guarded]:
     """On SQLite the module's `zoo serve` (`served`); on PostgreSQL one of its own, on a database beside the test
     database (which other tests here empty)."""
-    from sqlalchemy import create_engine, make_url, text
-
-    from zoo.store.session import make_engine, upgrade
+    from tests.conftest import database_beside
 
     root = tmp_path_factory.mktemp(f"guarded-{request.param}")
     if request.param == "sqlite":
@@ -527,24 +525,13 @@ def guarded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         spare, tokens = _stock(url, served.root / "data", root, labelled=False)
         yield Guarded(served.port, url, spare, tokens)
         return
-    given = make_url(request.getfixturevalue("pg_url"))
-    own = given.set(database=f"{given.database}_guarded")
-    admin = create_engine(given.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{own.database}"'))
-    url = own.render_as_string(hide_password=False)
-    upgrade(url)
-    spare, tokens = _stock(url, root / "data", root, labelled=True)
-    proc, port = _serve([sys.executable, "-m", "zoo.cli", "--db", url, "--data-dir", str(root / "data")], root / "serve.log")
-    try:
-        yield Guarded(port, url, spare, tokens)
-    finally:
-        _stop(proc)
-        make_engine(url).dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{own.database}" WITH (FORCE)'))
-        admin.dispose()
+    with database_beside(request.getfixturevalue("pg_url"), "guarded") as url:
+        spare, tokens = _stock(url, root / "data", root, labelled=True)
+        proc, port = _serve([sys.executable, "-m", "zoo.cli", "--db", url, "--data-dir", str(root / "data")], root / "serve.log")
+        try:
+            yield Guarded(port, url, spare, tokens)
+        finally:
+            _stop(proc)
 
 
 def _ask(
