@@ -24,7 +24,6 @@ The last line is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Iterable
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from bench.channel_quality import paired_gain
+from bench.channel_quality import paired_gain, split_arguments
 from embed.dataset import base_models, load_adapters
 from embed.evaluate import PERF_METRIC, labelled_split
 from embed.metrics import knn_classify, knn_regress, retrieval_per_query
@@ -168,14 +167,7 @@ def _counts(values: Iterable[str]) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--db", help="the database URL (default: SQLite in the data dir)")
-    parser.add_argument("--space", help="the base model (default: the zoo's first)")
-    parser.add_argument("--per-task", type=int, default=8)
-    parser.add_argument("--splits", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = split_arguments(__doc__).parse_args()
     adapters, bank, seconds = load(Settings.load(args.db, args.data_dir), args.space)
     result = measure(adapters, bank, args.per_task, args.splits, args.seed)
     print(

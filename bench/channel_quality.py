@@ -74,15 +74,21 @@ def paired_gain(values: list[float], base: list[float], key: str = "gain_over_dw
     return {"mean": round(float(v.mean()), 4), key: round(gain, 4), "ci95": [round(gain - half, 4), round(gain + half, 4)]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def split_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The options of a bench that measures a stored zoo on labelled splits: where the zoo is, which space, how many
+    labelled per task, how many splits and from which seed."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--db", help="the database URL (default: SQLite in the data dir)")
     parser.add_argument("--space", help="the base model (default: the zoo's first)")
     parser.add_argument("--per-task", type=int, default=8)
     parser.add_argument("--splits", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = split_arguments(__doc__).parse_args()
     sims, tasks, seconds = similarities(Settings.load(args.db, args.data_dir), args.space)
     result = measure(sims, tasks, args.per_task, args.splits, args.seed)
     print(f"{len(tasks)} adapters, {args.per_task} labelled per task, {args.splits} splits; all-pairs similarities in {seconds:.1f} s")
