@@ -481,7 +481,7 @@ def _embed_chunk(sessions: sessionmaker[Session], base_model: str, plan: _Plan, 
             return
         meanwhile = embedded_ids(session, embedder, [a.id for a in fitting])
         # adapters deleted since they were read are skipped (a delete takes the same lock: none is deleted from here on)
-        alive = set(session.scalars(select(Adapter.id).where(Adapter.id.in_([a.id for a in fitting]))))
+        alive = repository.existing_adapter_ids(session, (a.id for a in fitting))
         fresh = [j for j, a in enumerate(fitting) if a.id not in meanwhile and a.id in alive]
         store_vectors(session, embedder, [fitting[j].id for j in fresh], vectors[fresh])
         plan.embedded += len(fresh)

@@ -372,3 +372,9 @@ def replace_labels(session: Session, adapter_id: int, attributes: Mapping[str, s
             )
         )
         session.add_all(Measurement(adapter_id=adapter_id, metric=k, value=v, split="test") for k, v in measurements.items())
+
+
+def existing_adapter_ids(session: Session, ids: Iterable[int]) -> set[int]:
+    """Which of these adapter ids are still stored (the others were deleted since they were read)."""
+    ids = list(ids)
+    return set(session.scalars(select(Adapter.id).where(Adapter.id.in_(ids)))) if ids else set()
