@@ -9,8 +9,11 @@ the safetensors header); `parse_adapter` builds the modules. `read_adapter` does
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.errors import InputError
@@ -41,6 +44,8 @@ from zoo.formats.safe_load import (
 )
 
 __all__ = [
+    "LORA_FORMATS",
+    "SINGLE_FILE_FORMATS",
     "AdapterData",
     "FullMatrix",
     "LoraModule",
@@ -54,13 +59,31 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class SingleFileFormat:
+    """A single-file LoRA layout: which tensor names it claims and how it reads them."""
+
+    name: str
+    claims: Callable[[list[str]], bool]
+    read: Callable[[Path, Mapping[str, torch.Tensor], dict[str, str]], AdapterData]
+    #: the base model its metadata names
+    base_model: Callable[[dict[str, str]], str | None] = lambda metadata: None
+
+
+#: single-file formats, asked in order; the first that claims a file's tensor names reads it
+SINGLE_FILE_FORMATS: tuple[SingleFileFormat, ...] = (SingleFileFormat("kohya", has_lora_keys, read_single_file_lora, kohya_base_model),)
+_BY_NAME = {f.name: f for f in SINGLE_FILE_FORMATS}
+#: formats whose adapters are low-rank updates (the rest: full checkpoints)
+LORA_FORMATS = ("peft", *_BY_NAME)
+
+
 @dataclass
 class RawAdapter:
     """A source's files, read once and checked as far as that needs no tensors."""
 
     path: Path
     weights: WeightFile
-    #: peft | kohya | checkpoint; None for a single pickle file (known once its tensors are loaded)
+    #: peft, a SINGLE_FILE_FORMATS name or checkpoint; None for a single pickle file (known once its tensors are loaded)
     format: str | None
     #: the base model the files name
     base_model: str | None = None
@@ -101,7 +124,8 @@ def open_adapter(path: Path) -> RawAdapter:
         return RawAdapter(path, weights, None)
     header = safetensors_header(path, weights.data)
     fmt = file_format(path, list(header.entries))
-    return RawAdapter(path, weights, fmt, kohya_base_model(header.metadata) if fmt == "kohya" else None, header=header)
+    base_model = _BY_NAME[fmt].base_model(header.metadata) if fmt in _BY_NAME else None
+    return RawAdapter(path, weights, fmt, base_model, header=header)
 
 
 def _open_peft(directory: Path) -> RawAdapter:
@@ -111,13 +135,13 @@ def _open_peft(directory: Path) -> RawAdapter:
 
 
 def file_format(path: Path, keys: list[str]) -> str:
-    """kohya (a single-file LoRA) or checkpoint, by a file's tensor names; LyCORIS and empty files are refused."""
+    """The single-file format that claims a file's tensor names, else checkpoint; LyCORIS and empty files are refused."""
     if not keys:
         raise InputError(path, "empty file: no tensors")
     kind = lycoris_kind(keys)
     if kind:
         raise InputError(path, f"unsupported LyCORIS {kind} adapter: only LoRA (B·A) updates can be canonicalized")
-    return "kohya" if has_lora_keys(keys) else "checkpoint"
+    return next((f.name for f in SINGLE_FILE_FORMATS if f.claims(keys)), "checkpoint")
 
 
 def parse_adapter(
@@ -132,8 +156,8 @@ def parse_adapter(
         else:
             tensors, metadata = parse_weights_only_pickle(raw.weights), {}
         fmt = raw.format or file_format(raw.path, list(tensors))
-        if fmt == "kohya":
-            data = read_single_file_lora(raw.path, tensors, metadata)
+        if fmt in _BY_NAME:
+            data = _BY_NAME[fmt].read(raw.path, tensors, metadata)
             if isinstance(tensors, StreamedTensors):
                 tensors.verify()  # every tensor was read from the file whose SHA-256 was recorded
         else:

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.fingerprint import NamedFactors
 from zoo.errors import NotFoundError, StorageError, UsageError
+from zoo.formats import LORA_FORMATS
 from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
@@ -39,7 +40,6 @@ from zoo.store.models import UNKNOWN_BASE
 
 FORMATS = ("peft", "diffusers", "kohya")
 #: stored formats whose updates are LoRA adapters (the others are checkpoints)
-LORA_FORMATS = ("peft", "kohya")
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 _KOHYA_PAIR, _DIFFUSERS_PAIR = SINGLE_FILE_PAIRS[0], SINGLE_FILE_PAIRS[2]
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed: the same adapter always zips to the same bytes
@@ -102,7 +102,7 @@ def check_exportable(meta: ExportMeta, fmt: str) -> None:
         raise UsageError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
     what = f"adapter {meta.adapter_id} ({meta.name})"
     if meta.format not in LORA_FORMATS:
-        raise UsageError(f"{what} is a {meta.format}, not a LoRA adapter: only {' and '.join(LORA_FORMATS)} adapters can be exported")
+        raise UsageError(f"{what} is a {meta.format}, not a LoRA adapter: only LoRA adapters ({', '.join(LORA_FORMATS)}) can be exported")
     if meta.config.get("use_dora"):
         raise UsageError(f"{what} is a DoRA adapter: its magnitude vectors are not stored, so it cannot be written back")
     conv = sorted(name for name, m in meta.modules.items() if m.kind == "conv")

@@ -22,7 +22,7 @@ from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, sketc
 from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
 from zoo.domain.transforms import FactorSummary
 from zoo.errors import InputError, UsageError
-from zoo.formats import AdapterData, RawAdapter, adapter_name, layer_index, module_type, open_adapter, parse_adapter
+from zoo.formats import LORA_FORMATS, AdapterData, RawAdapter, adapter_name, layer_index, module_type, open_adapter, parse_adapter
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
 from zoo.sources import Origin, hub
@@ -36,12 +36,6 @@ from zoo.store.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measu
 from zoo.store.repository import ModuleFields
 from zoo.store.session import write_transaction
 
-#: formats read, canonicalized and described on one torch thread (see one_torch_thread; the blob is written on
-#: another): their kernels are per module, or batched over modules of a few MB to a few hundred MB, and on a busy
-#: machine (load 6 on 2 cores) a Llama-3-8B r16 adapter's canonicalization took 3.3-8.4 s on two threads against
-#: 0.8-1.1 s on one, an SDXL adapter's 1.5-11.8 s against 0.8-0.9 s; unloaded, one thread and the blob's thread
-#: keep up with two. A checkpoint's (against a base) factorizes whole matrices, which threads do speed up.
-LORA_FORMATS = ("peft", "kohya")
 T = TypeVar("T")
 
 
@@ -278,7 +272,13 @@ class Ingestor:
         result = self._stored_copy(raw, source, base_model, labels)
         lap("store")
         if result is None:
-            with one_torch_thread(raw.format in LORA_FORMATS):  # see LORA_FORMATS
+            # LoRA formats are read, canonicalized and described on one torch thread (the blob is written on another):
+            # their kernels are per module, or batched over modules of a few MB to a few hundred MB, and on a busy
+            # machine (load 6 on 2 cores) a Llama-3-8B r16 adapter's canonicalization took 3.3-8.4 s on two threads
+            # against 0.8-1.1 s on one, an SDXL adapter's 1.5-11.8 s against 0.8-0.9 s; unloaded, one thread and the
+            # blob's thread keep up with two. A checkpoint's (against a base) factorizes whole matrices, which threads
+            # do speed up.
+            with one_torch_thread(raw.format in LORA_FORMATS):
                 result = self._ingest_update(raw, source, base_model, labels, origin, lap)
         lap("store")
         result.source, result.timings = source, timings
