@@ -160,11 +160,12 @@ def fused_deltas(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     pipe = tiny_sd_pipeline(seed)
     components = {"unet": pipe.unet, "text_encoder": pipe.text_encoder}
     base = {c: {k: v.detach().clone() for k, v in m.state_dict().items()} for c, m in components.items()}
-    state_dict = load_file(str(path))
-    if not any(k.startswith(("unet.", "text_encoder.")) for k in state_dict):
-        pipe.unet.load_lora_adapter(state_dict, prefix=None)  # an unprefixed attn-procs file: what unet.save_attn_procs wrote
+    path = Path(path)
+    if not any(k.startswith(("unet.", "text_encoder.", "lora_unet_", "lora_te")) for k in load_file(str(path))):
+        # an unprefixed attn-procs file: what unet.save_attn_procs wrote, loaded as diffusers loads a UNet's own LoRA
+        pipe.unet.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=None)
     else:
-        pipe.load_lora_weights(state_dict)
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name)  # from the file: its metadata's configs apply
     pipe.fuse_lora(components=list(components), lora_scale=1.0)
     pipe.unload_lora_weights()
     deltas = {}

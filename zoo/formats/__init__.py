@@ -9,7 +9,7 @@ the safetensors header); `parse_adapter` builds the modules. `read_adapter` does
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +19,11 @@ from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
 from zoo.errors import InputError
 from zoo.formats.archive import ZIP_SUFFIX, read_peft_zip
 from zoo.formats.checkpoint import read_checkpoint
+from zoo.formats.cloneofsimo import has_cloneofsimo_keys, read_cloneofsimo_lora
+from zoo.formats.diffusers import has_diffusers_keys, read_diffusers_lora
 from zoo.formats.kohya import has_lora_keys, kohya_base_model, lycoris_kind, read_single_file_lora
 from zoo.formats.limits import MAX_ADAPTER_NAME, check_limits
+from zoo.formats.lowrank import low_rank_pairs
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, layer_index, module_type
 from zoo.formats.peft import (
     CONFIG_NAME,
@@ -71,7 +74,11 @@ class SingleFileFormat:
 
 
 #: single-file formats, asked in order; the first that claims a file's tensor names reads it
-SINGLE_FILE_FORMATS: tuple[SingleFileFormat, ...] = (SingleFileFormat("kohya", has_lora_keys, read_single_file_lora, kohya_base_model),)
+SINGLE_FILE_FORMATS: tuple[SingleFileFormat, ...] = (
+    SingleFileFormat("kohya", has_lora_keys, read_single_file_lora, kohya_base_model),
+    SingleFileFormat("diffusers", has_diffusers_keys, read_diffusers_lora, kohya_base_model),
+    SingleFileFormat("cloneofsimo", has_cloneofsimo_keys, read_cloneofsimo_lora),
+)
 _BY_NAME = {f.name: f for f in SINGLE_FILE_FORMATS}
 #: formats whose adapters are low-rank updates (the rest: full checkpoints)
 LORA_FORMATS = ("peft", *_BY_NAME)
@@ -123,7 +130,7 @@ def open_adapter(path: Path) -> RawAdapter:
     if path.suffix != SAFETENSORS_SUFFIX:
         return RawAdapter(path, weights, None)
     header = safetensors_header(path, weights.data)
-    fmt = file_format(path, list(header.entries))
+    fmt = file_format(path, {key: entry["shape"] for key, entry in header.entries.items()})
     base_model = _BY_NAME[fmt].base_model(header.metadata) if fmt in _BY_NAME else None
     return RawAdapter(path, weights, fmt, base_model, header=header)
 
@@ -134,14 +141,25 @@ def _open_peft(directory: Path) -> RawAdapter:
     return RawAdapter(directory, weights, "peft", config.base_model, config.settings(), peft=config)
 
 
-def file_format(path: Path, keys: list[str]) -> str:
-    """The single-file format that claims a file's tensor names, else checkpoint; LyCORIS and empty files are refused."""
+def file_format(path: Path, shapes: Mapping[str, Sequence[int]]) -> str:
+    """The single-file format that claims a file's tensor names, else checkpoint; LyCORIS and empty files, and
+    low-rank factor pairs that no format claims (zoo/formats/lowrank.py), are refused."""
+    keys = list(shapes)
     if not keys:
         raise InputError(path, "empty file: no tensors")
     kind = lycoris_kind(keys)
     if kind:
         raise InputError(path, f"unsupported LyCORIS {kind} adapter: only LoRA (B·A) updates can be canonicalized")
-    return next((f.name for f in SINGLE_FILE_FORMATS if f.claims(keys)), "checkpoint")
+    fmt = next((f.name for f in SINGLE_FILE_FORMATS if f.claims(keys)), "checkpoint")
+    pairs = low_rank_pairs(shapes) if fmt == "checkpoint" else []
+    if pairs:
+        shown = ", ".join(f"{a} {list(shapes[a])} / {b} {list(shapes[b])}" for a, b in pairs[:3]) + (", ..." if len(pairs) > 3 else "")
+        raise InputError(
+            path,
+            f"{len(pairs)} low-rank factor pair{'s' if len(pairs) > 1 else ''} ({shown}) in a layout no reader knows: "
+            "refused rather than stored as a full checkpoint (docs/formats.md lists the layouts read)",
+        )
+    return fmt
 
 
 def parse_adapter(
@@ -155,7 +173,7 @@ def parse_adapter(
             tensors, metadata = safetensors_tensors(raw.weights, raw.header), raw.header.metadata
         else:
             tensors, metadata = parse_weights_only_pickle(raw.weights), {}
-        fmt = raw.format or file_format(raw.path, list(tensors))
+        fmt = raw.format or file_format(raw.path, {key: t.shape for key, t in tensors.items()})
         if fmt in _BY_NAME:
             data = _BY_NAME[fmt].read(raw.path, tensors, metadata)
             if isinstance(tensors, StreamedTensors):

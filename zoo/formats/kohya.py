@@ -1,9 +1,11 @@
-"""Single-file LoRA `.safetensors`: kohya-ss (`lora_down`/`lora_up`/`alpha`) and diffusers layouts."""
+"""Single-file LoRA `.safetensors`: the (down, up) pair reader the single-file formats share, and the kohya-ss
+layout (`lora_down`/`lora_up`/`alpha`, diffusers 0.21-0.26's dotted `lora.down`/`lora.up`, and hand-converted
+`<kohya name>_lora_down.weight` names)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -11,12 +13,19 @@ import torch
 from zoo.errors import InputError
 from zoo.formats.model import AdapterData, LoraModule, check_finite, check_pair
 
-#: (down suffix, up suffix) pairs; the `alpha` scalar sits at `<stem>.alpha`.
+#: (down suffix, up suffix) of single-file layouts: kohya-ss's, diffusers 0.21-0.26's dotted one (both read here) and
+#: diffusers' PEFT-style one (read by zoo/formats/diffusers.py); the `alpha` scalar sits at `<stem>.alpha`.
 PAIRS = (
     (".lora_down.weight", ".lora_up.weight"),
     (".lora.down.weight", ".lora.up.weight"),
     (".lora_A.weight", ".lora_B.weight"),
 )
+#: hand-converted names, `<stem>_lora_down.weight`: kohya's when the stem is a kohya name (no dots), else diffusers'
+HAND_PAIR = ("_lora_down.weight", "_lora_up.weight")
+KOHYA_PAIRS = (PAIRS[0], PAIRS[1], HAND_PAIR)
+
+#: a module's (alpha, scale) from its name, its `alpha` tensor (None when absent) and its rank
+Scaling = Callable[[str, "torch.Tensor | None", int], tuple[float, float]]
 
 
 #: LyCORIS LoCon's Tucker form: a (rank, rank, kh, kw) kernel between a 1×1 `lora_down` and a 1×1 `lora_up`
@@ -46,7 +55,8 @@ def lycoris_kind(keys: list[str]) -> str | None:
 
 
 def has_lora_keys(keys: list[str]) -> bool:
-    return any(k.endswith(down) for k in keys for down, _ in PAIRS)
+    """Whether a file holds kohya-layout factors (a hand-converted name counts when its stem has no dots)."""
+    return any(k.endswith((PAIRS[0][0], PAIRS[1][0])) or (k.endswith(HAND_PAIR[0]) and "." not in k[: -len(HAND_PAIR[0])]) for k in keys)
 
 
 def _alpha(path: Path, stem: str, t: torch.Tensor | None, rank: int) -> float:
@@ -66,12 +76,26 @@ def kohya_base_model(metadata: dict[str, str]) -> str | None:
     return metadata.get("ss_sd_model_name") or metadata.get("ss_base_model_version")
 
 
-def read_single_file_lora(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> AdapterData:
-    """Modules of a kohya/diffusers LoRA file; a missing or zero alpha means alpha = rank."""
+def kohya_scaling(path: Path) -> Scaling:
+    """alpha from the module's `alpha` tensor (missing or zero: alpha = rank, kohya's convention), scale alpha/rank."""
+
+    def scaling(stem: str, alpha_tensor: torch.Tensor | None, rank: int) -> tuple[float, float]:
+        alpha = _alpha(path, stem, alpha_tensor, rank)
+        return alpha, alpha / rank
+
+    return scaling
+
+
+def read_pairs(
+    path: Path, tensors: Mapping[str, torch.Tensor], pairs: Sequence[tuple[str, str]], scaling: Scaling
+) -> tuple[list[LoraModule], dict[str, list[int]]]:
+    """The modules of every (down, up) pair of `tensors` whose suffixes are in `pairs`, named by their stem, with the
+    alpha at `<stem>.alpha` (and a LyCORIS Tucker `lora_mid` between them), and the shapes of the other tensors,
+    checked finite. A factor without its partner, or a file without pairs, is refused."""
     used: set[str] = set()
     modules: list[LoraModule] = []
     for key in sorted(tensors):
-        for down_suffix, up_suffix in PAIRS:
+        for down_suffix, up_suffix in pairs:
             if not key.endswith(down_suffix):
                 continue
             stem = key[: -len(down_suffix)]
@@ -85,13 +109,12 @@ def read_single_file_lora(path: Path, tensors: Mapping[str, torch.Tensor], metad
             A = _tucker_down(path, stem, down, tensors[mid_key], up) if mid_key in tensors else down.reshape(down.shape[0], -1)
             B = up.reshape(up.shape[0], -1)
             check_pair(path, stem, A, B)
-            rank = A.shape[0]
             alpha_key = stem + ".alpha"
-            alpha = _alpha(path, stem, tensors.get(alpha_key), rank)
+            alpha, scale = scaling(stem, tensors.get(alpha_key), A.shape[0])
             used.update(k for k in (key, up_key, alpha_key, mid_key) if k in tensors)
-            kind = "conv" if down.ndim == 4 else "linear"
-            modules.append(LoraModule(stem, A, B, alpha, alpha / rank, kind))
-    orphan_ups = [k for k in tensors if k.endswith(tuple(u for _, u in PAIRS)) and k not in used]
+            modules.append(LoraModule(stem, A, B, alpha, scale, "conv" if down.ndim == 4 else "linear"))
+            break
+    orphan_ups = [k for k in tensors if k.endswith(tuple(u for _, u in pairs)) and k not in used]
     if orphan_ups:
         raise InputError(path, f"{orphan_ups[0]} has no matching down/A factor")
     if not modules:
@@ -100,15 +123,26 @@ def read_single_file_lora(path: Path, tensors: Mapping[str, torch.Tensor], metad
     for key in sorted(set(tensors) - used):
         check_finite(path, key, tensors[key])
         extra[key] = list(tensors[key].shape)
+    return modules, extra
+
+
+def pair_config(modules: list[LoraModule]) -> dict[str, object]:
+    """The ranks and alphas a single-file adapter's modules have."""
     ranks = sorted({m.rank for m in modules})
     alphas = sorted({m.alpha for m in modules})
+    return {"ranks": ranks, "alphas": alphas, "r": max(ranks), "lora_alpha": alphas[-1]}
+
+
+def read_single_file_lora(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> AdapterData:
+    """Modules of a kohya-layout LoRA file; a missing or zero alpha means alpha = rank."""
+    modules, extra = read_pairs(path, tensors, KOHYA_PAIRS, kohya_scaling(path))
     return AdapterData(
         path=path,
         format="kohya",
         weight_files=[path],
         base_model=kohya_base_model(metadata),
         modules=modules,
-        config={"ranks": ranks, "alphas": alphas, "r": max(ranks), "lora_alpha": alphas[-1]},
+        config=pair_config(modules),
         extra_tensors=extra,
         metadata=metadata,
     )

@@ -91,6 +91,15 @@ class PeftConfig:
     def base_model(self) -> str | None:
         return self.raw.get("base_model_name_or_path")
 
+    def module_scale(self, weights: Path, name: str, rank: int) -> tuple[float, float]:
+        """(alpha, scale) of module `name` whose factors in `weights` have rank `rank`, as PEFT applies this config
+        (rank and alpha patterns, rsLoRA); a rank other than the config's is refused."""
+        expected = int(_pattern_value(self.path, self.rank_pattern, name, self.r))
+        if rank != expected:
+            raise InputError(weights, f"rank mismatch in {name}: tensors have rank {rank}, adapter_config says {expected}")
+        alpha = _pattern_value(self.path, self.alpha_pattern, name, self.alpha)
+        return alpha, alpha / math.sqrt(rank) if self.rslora else alpha / rank
+
     def settings(self) -> dict[str, object]:
         """The values the update depends on besides the weights, as the adapter's recorded config holds them."""
         return {
@@ -182,12 +191,7 @@ def parse_peft(directory: Path, cfg: PeftConfig, weights_file: WeightFile) -> Ad
                 got = f"B's kernel {list(B.shape)} has {B2.shape[1]} input channel{'s' if B2.shape[1] > 1 else ''} for rank {A2.shape[0]}"
                 raise InputError(weights, f"{name}: LoRA on a grouped convolution ({got}) is not supported")
             check_pair(weights, name, A2, B2)
-            r = A2.shape[0]
-            expected = int(_pattern_value(cfg.path, cfg.rank_pattern, name, cfg.r))
-            if r != expected:
-                raise InputError(weights, f"rank mismatch in {name}: tensors have rank {r}, adapter_config says {expected}")
-            alpha = _pattern_value(cfg.path, cfg.alpha_pattern, name, cfg.alpha)
-            scale = alpha / math.sqrt(r) if cfg.rslora else alpha / r
+            alpha, scale = cfg.module_scale(weights, name, A2.shape[0])
             transposed = embedding or (cfg.fan_in_fan_out and kind == "linear")
             if transposed:  # dW = (B·A)ᵀ = Aᵀ·Bᵀ in the stored weight's layout
                 A2, B2 = B2.T, A2.T

@@ -1,0 +1,49 @@
+"""Telling, from tensor names and shapes alone, that a file no reader claims holds low-rank factor pairs.
+
+Such a file is an adapter in a layout zoo does not know; stored as a full checkpoint it would be searched as
+one, so it is refused instead. A pair is two tensors whose names differ in one factor word (down/up, A/B, a/b,
+whole words between `.`, `_`, `:`, `-` or `/`) and whose shapes compose as r × n and m × r (either way round, conv
+kernels flattened) with r at most half of min(n, m). A file is taken for factors when its pairs hold at least half
+of its tensors of two or more dimensions: a full checkpoint whose `down_blocks` and `up_blocks` happen to make a
+pair or two is not.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+#: the words that name the two factors of a low-rank pair
+FACTOR_WORDS = (("down", "up"), ("A", "B"), ("a", "b"))
+_SEPARATORS = re.compile(r"([._:/-])")
+
+
+def _composes(first: Sequence[int], second: Sequence[int]) -> bool:
+    """Whether (first, second) are (r × n..., m × r...) or (m × r..., r × n...) with a small r."""
+    if len(first) < 2 or len(second) < 2:
+        return False
+    for down, up in ((first, second), (second, first)):
+        r, n, m = down[0], math.prod(down[1:]), up[0]
+        if up[1] == r and 0 < 2 * r <= min(n, m):
+            return True
+    return False
+
+
+def low_rank_pairs(shapes: Mapping[str, Sequence[int]]) -> list[tuple[str, str]]:
+    """The (first, second) factor pairs of a file's tensors, by name, when they make up at least half of its
+    tensors of two or more dimensions; else []."""
+    pairs = []
+    for key, shape in shapes.items():
+        parts = _SEPARATORS.split(key)
+        for i, part in enumerate(parts):
+            partner_word = next((second for first, second in FACTOR_WORDS if part == first), None)
+            if partner_word is None:
+                continue
+            partner = "".join([*parts[:i], partner_word, *parts[i + 1 :]])
+            if partner in shapes and _composes(shape, shapes[partner]):
+                pairs.append((key, partner))
+                break
+    paired = {k for pair in pairs for k in pair}
+    matrices = sum(1 for shape in shapes.values() if len(shape) >= 2)
+    return sorted(pairs) if pairs and 2 * len(paired) >= matrices else []
