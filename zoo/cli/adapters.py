@@ -220,7 +220,7 @@ def cmd_export(settings: Settings, args: argparse.Namespace) -> int:
         "format": args.format,
         "files": [str(p) for p in targets],
         "size_bytes": sum(len(data) for data in targets.values()),
-        "notes": export_notes(meta),
+        "notes": export_notes(meta, args.format),
     }
     if args.json:
         print_json(info)

@@ -7,6 +7,11 @@ k = len(S) with alpha = k, so the file's scaling is 1 and its effective update i
 Keys are the exact inverse of the readers in zoo/formats (same module names, same suffixes), so
 ingesting an export finds the stored adapter as a duplicate.
 
+A PEFT adapter's other tensors (a classifier head, modules_to_save) are not stored: a PEFT export writes them from
+the source file where it still is as ingested (zoo/services/source_file.py); where it is not, the export leaves them
+out and clears what PEFT cannot load without them (modules_to_save, and a task type that wraps a head), saying so
+in its notes (`export_notes`).
+
 Refused: stored checkpoints (spectra only, or truncated low-rank deltas named by state-dict keys:
 not LoRA adapters), DoRA adapters (their magnitude vectors are not stored) and conv modules (their
 kernel size is not stored, only the flattened in·kh·kw).
@@ -19,7 +24,8 @@ import json
 import re
 import zipfile
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from safetensors import SafetensorError
@@ -28,12 +34,14 @@ from sqlalchemy.orm import Session
 
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.fingerprint import NamedFactors
+from zoo.domain.kohya_names import is_kohya_name, kohya_names
 from zoo.errors import NotFoundError, StorageError, UsageError
 from zoo.formats import LORA_FORMATS
 from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
 from zoo.formats.peft import PAIRS as PEFT_PAIRS
+from zoo.services.source_file import SourceFile, read_source
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
 from zoo.store.models import UNKNOWN_BASE
@@ -43,6 +51,9 @@ FORMATS = ("peft", "diffusers", "kohya")
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 _KOHYA_PAIR, _DIFFUSERS_PAIR = SINGLE_FILE_PAIRS[0], SINGLE_FILE_PAIRS[2]
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed: the same adapter always zips to the same bytes
+#: PEFT task types whose model wraps a task head in modules_to_save (PeftModelForSequenceClassification, ...): PEFT
+#: loads such an adapter only with the head's tensors
+HEAD_TASKS = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS")
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,10 @@ class ExportMeta:
     config: dict
     modules: dict[str, ModuleLayout]
     extra_tensors: tuple[str, ...] = ()
+    #: where the adapter was ingested from (a path or hf:// source)
+    source_uri: str = ""
+    #: the source's weight file, read again where it was found with the bytes ingested (None: not found, or not needed)
+    source: SourceFile | None = None
 
 
 def lora_factors(f: CanonicalFactors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,12 +92,19 @@ def export_files(factors: NamedFactors, meta: ExportMeta, fmt: str) -> dict[str,
     """The files of an export in format `fmt` (peft | diffusers | kohya), by file name."""
     check_exportable(meta, fmt)
     if fmt == "peft":
-        config = json.dumps(peft_config(factors, meta), indent=2, sort_keys=True) + "\n"
-        return {CONFIG_NAME: config.encode(), WEIGHT_NAMES[0]: _safetensors(_peft_tensors(factors, meta), {})}
+        heads = peft_heads(meta)
+        config = json.dumps(peft_config(factors, meta, heads is not None), indent=2, sort_keys=True) + "\n"
+        return {CONFIG_NAME: config.encode(), WEIGHT_NAMES[0]: _safetensors({**_peft_tensors(factors, meta), **(heads or {})}, {})}
     header = {"ss_sd_model_name": meta.base_model} if meta.base_model else {}  # the header key the reader takes the base from
-    if fmt == "diffusers":
-        return {DIFFUSERS_WEIGHT_NAME: _safetensors(_single_file_tensors(factors, _DIFFUSERS_PAIR, alpha=False), header)}
-    return {f"{file_stem(meta)}.safetensors": _safetensors(_single_file_tensors(factors, _KOHYA_PAIR, alpha=True), header)}
+    if fmt == "diffusers" and not _kohya_named(meta):
+        return {DIFFUSERS_WEIGHT_NAME: _safetensors(_single_file_tensors(factors, {}, _DIFFUSERS_PAIR, alpha=False), header)}
+    names = {name: kohya or name for name, kohya in kohya_names(list(meta.modules)).items()}
+    clash = Counter(names.values()).most_common(1)
+    if clash and clash[0][1] > 1:
+        twins = sorted(n for n, k in names.items() if k == clash[0][0])
+        raise UsageError(f"adapter {meta.adapter_id} ({meta.name}): modules {twins[0]} and {twins[1]} have one kohya name, {clash[0][0]}")
+    tensors = _safetensors(_single_file_tensors(factors, names, _KOHYA_PAIR, alpha=True), header)
+    return {DIFFUSERS_WEIGHT_NAME if fmt == "diffusers" else f"{file_stem(meta)}.safetensors": tensors}
 
 
 def export_zip(factors: NamedFactors, meta: ExportMeta) -> bytes:
@@ -110,12 +132,42 @@ def check_exportable(meta: ExportMeta, fmt: str) -> None:
         raise UsageError(f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored, so it cannot be written back")
 
 
-def export_notes(meta: ExportMeta) -> list[str]:
-    """What a user should know of an export: tensors of the source that are not in it."""
-    if not meta.extra_tensors:
-        return []
-    shown = ", ".join(meta.extra_tensors[:3]) + (", ..." if len(meta.extra_tensors) > 3 else "")
-    return [f"{len(meta.extra_tensors)} tensors of the source that are not LoRA factors ({shown}) are not stored and not exported"]
+def peft_heads(meta: ExportMeta) -> dict[str, torch.Tensor] | None:
+    """The PEFT source's tensors that are not LoRA factors (its heads, modules_to_save), by their key in the source
+    file, which is the key PEFT loads them by; None when there are none or the source file is not there to read them."""
+    if meta.format != "peft" or not meta.extra_tensors or meta.source is None:
+        return None
+    found = meta.source.tensors
+    keys = [next((k for k in (PEFT_PREFIX + name, name) if k in found), None) for name in meta.extra_tensors]
+    return {k: found[k].contiguous() for k in keys if k is not None} if None not in keys else None
+
+
+def export_notes(meta: ExportMeta, fmt: str) -> list[str]:
+    """What a user should know of an export in format `fmt`: the source's tensors that are not LoRA factors and whether
+    it holds them, the PEFT config values cleared because it does not, and module names kept where kohya has none."""
+    what = f"{len(meta.extra_tensors)} tensors of the source that are not LoRA factors ({_listed(meta.extra_tensors, 3)})"
+    if fmt == "peft" and meta.source is not None and peft_heads(meta) is not None:
+        return [f"{what} are not stored: written from the source file {meta.source.path} (the bytes ingested, by SHA-256)"]
+    notes: list[str] = []
+    if meta.extra_tensors:
+        gone = f"the source is not at {meta.source_uri} as ingested" if fmt == meta.format == "peft" else f"{fmt} has no place for them"
+        notes.append(f"{what} are not stored and {gone}: not exported")
+    unnamed = sorted(name for name, kohya in kohya_names(list(meta.modules)).items() if kohya is None)
+    if fmt == "kohya" and unnamed:
+        notes.append(
+            f"{len(unnamed)} modules are not an SD UNet's or text encoder's ({_listed(unnamed, 2)}): they keep their stored names, "
+            "which A1111 and ComfyUI may not load"
+        )
+    if fmt == "diffusers" and _kohya_named(meta):
+        notes.append("the modules have kohya-ss names: written in kohya's layout, which diffusers' load_lora_weights converts")
+    task = meta.config.get("task_type")
+    if fmt == "peft" and task in HEAD_TASKS:
+        notes.append(f"task_type {task} cleared: PEFT loads a {task} adapter only with its head, which this export lacks")
+    return notes
+
+
+def _listed(names: Sequence[str], shown: int) -> str:
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
 
 
 def file_stem(meta: ExportMeta) -> str:
@@ -123,16 +175,19 @@ def file_stem(meta: ExportMeta) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", meta.name).strip("._-") or f"adapter-{meta.adapter_id}"
 
 
-def peft_config(factors: NamedFactors, meta: ExportMeta) -> dict[str, object]:
-    """adapter_config.json: r and lora_alpha the most common rank (scaling 1), exact-name patterns for the other modules."""
+def peft_config(factors: NamedFactors, meta: ExportMeta, with_heads: bool) -> dict[str, object]:
+    """adapter_config.json: r and lora_alpha the most common rank (scaling 1), exact-name patterns for the other modules;
+    modules_to_save and a task type that wraps a head only `with_heads` (the export holds the head's tensors)."""
     ranks = {name: max(f.rank, 1) for name, f in factors}
     counts = Counter(ranks.values())
     r = max(counts, key=lambda k: (counts[k], k))
     pattern = {f"^{re.escape(name)}": k for name, k in ranks.items() if k != r}
+    task = meta.config.get("task_type")
     return {
         "peft_type": "LORA",
         "base_model_name_or_path": meta.base_model,
-        "task_type": meta.config.get("task_type"),
+        "task_type": task if with_heads or task not in HEAD_TASKS else None,
+        "modules_to_save": meta.config.get("modules_to_save") if with_heads else None,
         "target_modules": meta.config.get("target_modules") or sorted(ranks),
         "r": r,
         "lora_alpha": r,
@@ -159,11 +214,19 @@ def _peft_tensors(factors: NamedFactors, meta: ExportMeta) -> dict[str, torch.Te
     return out
 
 
-def _single_file_tensors(factors: NamedFactors, pair: tuple[str, str], alpha: bool) -> dict[str, torch.Tensor]:
-    """down/A and up/B factors in the layout of the layer's stored weight (dW = up·down), with an alpha = rank tensor if asked."""
+def _kohya_named(meta: ExportMeta) -> bool:
+    """Whether an adapter's modules have kohya-ss names (a diffusers export writes them in kohya's layout, which
+    diffusers' loader converts: there is no diffusers name to give them without the model)."""
+    return any(is_kohya_name(name) for name in meta.modules)
+
+
+def _single_file_tensors(factors: NamedFactors, names: dict[str, str], pair: tuple[str, str], alpha: bool) -> dict[str, torch.Tensor]:
+    """down/A and up/B factors in the layout of the layer's stored weight (dW = up·down) under each module's name in
+    `names` (else its own), with an alpha = rank tensor if asked."""
     out: dict[str, torch.Tensor] = {}
-    for name, f in factors:
+    for stored, f in factors:
         A, B = lora_factors(f)
+        name = names.get(stored, stored)
         out[name + pair[0]], out[name + pair[1]] = A, B
         if alpha:
             out[f"{name}.alpha"] = A.new_tensor(float(A.shape[0]))
@@ -187,7 +250,10 @@ def load_for_export(session: Session, blobs: BlobStore, adapter_id: int) -> tupl
         config=adapter.config or {},
         modules={m.name: ModuleLayout(m.kind, m.transposed) for m in adapter.modules},
         extra_tensors=tuple(adapter.extra_tensors or ()),
+        source_uri=adapter.source_uri,
     )
+    if meta.format == "peft" and meta.extra_tensors:  # their heads: not stored, read from the source file
+        meta = replace(meta, source=read_source(adapter.source_uri, adapter.source_revision, adapter.file_sha256))
     if adapter.factors_blob is None:
         return [], meta
     try:

@@ -305,6 +305,23 @@ def _resolve_cached(source: str, ref: HubRef) -> Resolved:
     return Resolved(source, ref, str(sha), {n: (sizes[n], None, False) for n in names}, target, origin_of(ref, str(sha), card, tags))
 
 
+def cached_path(uri: str, sha: str) -> Path | None:
+    """Where the Hub cache holds a source (hf://owner/repo[/subfolder], no revision) at commit `sha`, as `download` left
+    it; None when the cache does not hold it or the source is not a Hub one. Reads the cache only, never the network."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        ref = parse(uri)
+    except UsageError:
+        return None
+    if ref.revision is not None or not _SHA.match(sha):
+        return None
+    storage = Path(_cache_dir() or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=ref.repo_id, repo_type="model")
+    path = storage / "snapshots" / sha / ref.subfolder
+    return path if path.exists() else None
+
+
 def download(resolved: Resolved) -> tuple[Path, Origin]:
     """Fetch the resolved files at their commit into the Hub cache (files already cached are not fetched again),
     check them against the sizes and hashes listed, and return the path to read with the origin (the card's text

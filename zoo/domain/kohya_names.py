@@ -1,0 +1,50 @@
+"""kohya-ss names of the LoRA modules of SD-family pipelines (SD 1.x/2.x, SDXL), from diffusers' names.
+
+kohya sd-scripts names a module by its model and its path in that model with dots made underscores:
+`lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q` for the UNet's
+`down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q`, and `lora_te_text_model_encoder_layers_0_self_attn_q_proj`
+for the CLIP text encoder's `text_model.encoder.layers.0.self_attn.q_proj` (`lora_te1_` and `lora_te2_` for SDXL's
+two). A1111 and ComfyUI load these names; diffusers' `load_lora_weights` converts them back.
+
+diffusers names a module `unet.<path>` and `text_encoder.<path>` (`text_encoder_2.` for SDXL's second); its
+current files drop CLIP's `text_model.`, and a UNet saved alone has no `unet.` prefix.
+"""
+
+from __future__ import annotations
+
+UNET = "lora_unet_"
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+#: kohya prefix of each text encoder: (one text encoder, SDXL's two)
+TEXT_PREFIXES = {"text_encoder": ("lora_te_", "lora_te1_"), "text_encoder_2": ("lora_te2_", "lora_te2_")}
+KOHYA_PREFIXES = (UNET, "lora_te_", "lora_te1_", "lora_te2_")
+#: first path parts of a diffusers UNet's modules (a UNet's file without the `unet.` prefix)
+UNET_ROOTS = ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding", "add_embedding", "conv_norm_out")
+CLIP_ROOT = "text_model"
+
+
+def is_kohya_name(name: str) -> bool:
+    """Whether a module name is a kohya-ss one (`lora_unet_…`, `lora_te_…`, `lora_te1_…`, `lora_te2_…`)."""
+    return name.startswith(KOHYA_PREFIXES) and "." not in name
+
+
+def kohya_name(name: str, two_text_encoders: bool) -> str | None:
+    """The kohya-ss name of a module named `name` (a kohya name stays as it is), None when it is not a module of an
+    SD-family UNet or text encoder (a Flux or SD3 `transformer.…`, or an unknown name). `two_text_encoders`: the
+    adapter has modules of SDXL's second text encoder, so the first is `lora_te1_`."""
+    if is_kohya_name(name):
+        return name
+    component, _, path = name.partition(".")
+    if component == "unet" and path:
+        return UNET + path.replace(".", "_")
+    if component in TEXT_ENCODERS and path:
+        path = path if path.startswith(f"{CLIP_ROOT}.") else f"{CLIP_ROOT}.{path}"
+        return TEXT_PREFIXES[component][two_text_encoders] + path.replace(".", "_")
+    if component in UNET_ROOTS:
+        return UNET + name.replace(".", "_")
+    return None
+
+
+def kohya_names(names: list[str]) -> dict[str, str | None]:
+    """`kohya_name` of each of an adapter's module names."""
+    two = any(n.startswith(("text_encoder_2.", "lora_te2_")) for n in names)
+    return {n: kohya_name(n, two) for n in names}
