@@ -21,9 +21,10 @@ from zoo.formats.archive import ZIP_SUFFIX, read_peft_zip
 from zoo.formats.checkpoint import read_checkpoint
 from zoo.formats.cloneofsimo import has_cloneofsimo_keys, read_cloneofsimo_lora
 from zoo.formats.diffusers import has_diffusers_keys, read_diffusers_lora
-from zoo.formats.kohya import has_lora_keys, kohya_base_model, lycoris_kind, read_single_file_lora
+from zoo.formats.kohya import has_lora_keys, kohya_base_model, read_single_file_lora
 from zoo.formats.limits import MAX_ADAPTER_NAME, check_limits
 from zoo.formats.lowrank import low_rank_pairs
+from zoo.formats.lycoris import is_lycoris, read_lycoris
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, layer_index, module_type
 from zoo.formats.peft import (
     CONFIG_NAME,
@@ -75,6 +76,7 @@ class SingleFileFormat:
 
 #: single-file formats, asked in order; the first that claims a file's tensor names reads it
 SINGLE_FILE_FORMATS: tuple[SingleFileFormat, ...] = (
+    SingleFileFormat("lycoris", is_lycoris, read_lycoris, kohya_base_model),
     SingleFileFormat("kohya", has_lora_keys, read_single_file_lora, kohya_base_model),
     SingleFileFormat("diffusers", has_diffusers_keys, read_diffusers_lora, kohya_base_model),
     SingleFileFormat("cloneofsimo", has_cloneofsimo_keys, read_cloneofsimo_lora),
@@ -142,14 +144,11 @@ def _open_peft(directory: Path) -> RawAdapter:
 
 
 def file_format(path: Path, shapes: Mapping[str, Sequence[int]]) -> str:
-    """The single-file format that claims a file's tensor names, else checkpoint; LyCORIS and empty files, and
-    low-rank factor pairs that no format claims (zoo/formats/lowrank.py), are refused."""
+    """The single-file format that claims a file's tensor names, else checkpoint; empty files, and low-rank factor
+    pairs that no format claims (zoo/formats/lowrank.py), are refused."""
     keys = list(shapes)
     if not keys:
         raise InputError(path, "empty file: no tensors")
-    kind = lycoris_kind(keys)
-    if kind:
-        raise InputError(path, f"unsupported LyCORIS {kind} adapter: only LoRA (B·A) updates can be canonicalized")
     fmt = next((f.name for f in SINGLE_FILE_FORMATS if f.claims(keys)), "checkpoint")
     pairs = low_rank_pairs(shapes) if fmt == "checkpoint" else []
     if pairs:

@@ -45,15 +45,6 @@ def _tucker_down(path: Path, stem: str, down: torch.Tensor, mid: torch.Tensor, u
     return torch.einsum("abhw,bc->achw", mid.float(), down[:, :, 0, 0].float()).reshape(mid.shape[0], -1)
 
 
-def lycoris_kind(keys: list[str]) -> str | None:
-    """'LoHa' or 'LoKr' when the keys are LyCORIS ones, else None."""
-    if any(".hada_" in k for k in keys):
-        return "LoHa"
-    if any(".lokr_" in k for k in keys):
-        return "LoKr"
-    return None
-
-
 def has_lora_keys(keys: list[str]) -> bool:
     """Whether a file holds kohya-layout factors (a hand-converted name counts when its stem has no dots)."""
     return any(k.endswith((PAIRS[0][0], PAIRS[1][0])) or (k.endswith(HAND_PAIR[0]) and "." not in k[: -len(HAND_PAIR[0])]) for k in keys)
