@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import CLI
 from tests.diffusers_models import attn_procs_state_dict, fused_deltas, write_attn_procs_lora, write_current_lora
 from tests.factories import write_kohya_file
+from webapp import create_app
 from zoo.formats import AdapterData, read_adapter
 from zoo.store.models import Adapter
 from zoo.store.session import session_factory
@@ -30,7 +31,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "current": scaled,
         "current-alpha-rank": plain,
         "attn-procs": write_attn_procs_lora(root / "attn_procs.safetensors", current),
-        "attn-procs-unet": write_attn_procs_lora(root / "unet_attn_procs.safetensors", {k: v for k, v in current.items() if k.startswith("unet.")}, False),
+        "attn-procs-unet": write_attn_procs_lora(
+            root / "unet_attn_procs.safetensors", {k: v for k, v in current.items() if k.startswith("unet.")}, False
+        ),
     }
 
 
@@ -89,7 +92,11 @@ def write_lora_diffusion_file(path: Path, seed: int = 0) -> dict[str, torch.Tens
         "text_encoder:0:up": torch.randn(24, 2, generator=g),
         "<s1>": torch.randn(24, generator=g),
     }
-    metadata = {"unet": json.dumps(["CrossAttention", "Attention", "GEGLU"]), "text_encoder": json.dumps(["CLIPAttention"]), "<s1>": "<embed>"}
+    metadata = {
+        "unet": json.dumps(["CrossAttention", "Attention", "GEGLU"]),
+        "text_encoder": json.dumps(["CLIPAttention"]),
+        "<s1>": "<embed>",
+    }
     metadata |= {f"{k.rsplit(':', 1)[0]}:rank": "2" for k in tensors if k.endswith(":down")}
     save_file(tensors, str(path), metadata)
     return tensors
@@ -111,7 +118,9 @@ def test_cloneofsimo_lora_diffusion_file(tmp_path: Path) -> None:
 def test_low_rank_pairs_no_reader_claims_are_refused_and_nothing_is_stored(tmp_path: Path, cli: CLI) -> None:
     g = torch.Generator().manual_seed(0)
     path = tmp_path / "unknown.safetensors"
-    tensors = {f"blocks.{i}.attn.q.{w}": torch.randn(*shape, generator=g) for i in range(2) for w, shape in (("down", (4, 64)), ("up", (64, 4)))}
+    tensors = {
+        f"blocks.{i}.attn.q.{w}": torch.randn(*shape, generator=g) for i in range(2) for w, shape in (("down", (4, 64)), ("up", (64, 4)))
+    }
     save_file(tensors, str(path))
     rc, out, err = cli("ingest", str(path))
     assert rc != 0
@@ -120,5 +129,14 @@ def test_low_rank_pairs_no_reader_claims_are_refused_and_nothing_is_stored(tmp_p
     with session_factory(cli.settings.database_url)() as s:
         assert s.query(Adapter).count() == 0
     # a full checkpoint whose names happen to hold factor words is still one
-    save_file({"down_blocks.0.proj.weight": torch.randn(32, 32), "up_blocks.0.proj.weight": torch.randn(32, 32)}, str(tmp_path / "ck.safetensors"))
+    save_file(
+        {"down_blocks.0.proj.weight": torch.randn(32, 32), "up_blocks.0.proj.weight": torch.randn(32, 32)}, str(tmp_path / "ck.safetensors")
+    )
     assert read_adapter(tmp_path / "ck.safetensors").format == "checkpoint"
+
+
+def test_a_diffusers_adapter_page_offers_its_downloads(files: dict[str, Path], cli: CLI) -> None:
+    assert cli("ingest", str(files["current"]))[0] == 0
+    app = create_app({"ZOO_DATABASE_URL": cli.settings.database_url, "ZOO_DATA_DIR": str(cli.settings.data_dir), "TESTING": True})
+    page = app.test_client().get("/adapters/1").get_data(as_text=True)
+    assert " · diffusers" in page and all(f"format={fmt}" in page for fmt in ("peft", "diffusers", "kohya"))
