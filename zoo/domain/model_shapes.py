@@ -1,0 +1,231 @@
+"""The module shapes of public models, from their published configs (no weights are needed): every module a LoRA of
+each can adapt, under the names its adapters give it: PEFT's for LLMs and encoders, kohya's for Stable Diffusion UNets
+and text encoders, diffusers' for Flux. A shape is the stored weight's out × in, a conv's in being in · kh · kw
+(as ingest records modules)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """One LoRA-adapted module: its name in the file (without the format's prefix and suffixes), its weight's
+    out × in, and a conv kernel (kh, kw) when it is a convolution."""
+
+    name: str
+    out: int
+    inp: int
+    kernel: tuple[int, int] | None = None
+
+    @property
+    def fan_in(self) -> int:
+        return self.inp * (self.kernel[0] * self.kernel[1] if self.kernel else 1)
+
+
+#: a model's modules, given how many of its blocks (LLM layers, UNet blocks, transformer blocks) to keep
+Blocks = Callable[[int], Iterator[ModuleShape]]
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def llm(hidden: int, intermediate: int, kv: int, targets: tuple[str, ...] = ALL_LINEAR) -> Blocks:
+    """A Llama-style decoder's attention and MLP projections (`model.layers.{i}...`)."""
+    shapes = {
+        "q_proj": ("self_attn", hidden, hidden),
+        "k_proj": ("self_attn", kv, hidden),
+        "v_proj": ("self_attn", kv, hidden),
+        "o_proj": ("self_attn", hidden, hidden),
+        "gate_proj": ("mlp", intermediate, hidden),
+        "up_proj": ("mlp", intermediate, hidden),
+        "down_proj": ("mlp", hidden, intermediate),
+    }
+
+    def modules(layers: int) -> Iterator[ModuleShape]:
+        for i in range(layers):
+            for t in targets:
+                block, out, inp = shapes[t]
+                yield ModuleShape(f"model.layers.{i}.{block}.{t}", out, inp)
+
+    return modules
+
+
+def _transformer_block(prefix: str, width: int, context: int) -> Iterator[ModuleShape]:
+    """A diffusers BasicTransformerBlock: self-attention, cross-attention to the text, GEGLU feed-forward."""
+    for attn, kv_in in (("attn1", width), ("attn2", context)):
+        yield ModuleShape(f"{prefix}_{attn}_to_q", width, width)
+        yield ModuleShape(f"{prefix}_{attn}_to_k", width, kv_in)
+        yield ModuleShape(f"{prefix}_{attn}_to_v", width, kv_in)
+        yield ModuleShape(f"{prefix}_{attn}_to_out_0", width, width)
+    yield ModuleShape(f"{prefix}_ff_net_0_proj", 8 * width, width)
+    yield ModuleShape(f"{prefix}_ff_net_2", width, 4 * width)
+
+
+def _resnet(prefix: str, inp: int, out: int) -> Iterator[ModuleShape]:
+    yield ModuleShape(f"{prefix}_conv1", out, inp, (3, 3))
+    yield ModuleShape(f"{prefix}_conv2", out, out, (3, 3))
+    if inp != out:
+        yield ModuleShape(f"{prefix}_conv_shortcut", out, inp, (1, 1))
+
+
+def _attention(prefix: str, width: int, depth: int, context: int) -> Iterator[ModuleShape]:
+    yield ModuleShape(f"{prefix}_proj_in", width, width)
+    for t in range(depth):
+        yield from _transformer_block(f"{prefix}_transformer_blocks_{t}", width, context)
+    yield ModuleShape(f"{prefix}_proj_out", width, width)
+
+
+def _clip(prefix: str, width: int, mlp: int, layers: int) -> Iterator[ModuleShape]:
+    for i in range(layers):
+        for t in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            yield ModuleShape(f"{prefix}_{i}_self_attn_{t}", width, width)
+        yield ModuleShape(f"{prefix}_{i}_mlp_fc1", mlp, width)
+        yield ModuleShape(f"{prefix}_{i}_mlp_fc2", width, mlp)
+
+
+@dataclass(frozen=True)
+class TextEncoder:
+    """A CLIP text encoder as kohya names it: its prefix, width, MLP width and layers."""
+
+    prefix: str
+    width: int
+    mlp: int
+    layers: int
+
+
+def unet(down: tuple[tuple[int, int], ...], mid_depth: int, context: int, text_encoders: tuple[TextEncoder, ...]) -> Blocks:
+    """A Stable Diffusion UNet in kohya's names: `down` is (channels, transformer blocks per attention) per down block,
+    the up blocks mirror them (3 resnets each), `context` is the cross-attention width (the text encoders' output);
+    then the text encoders. `blocks` keeps the first down/mid/up blocks and as many layers of each text encoder
+    (all of them once every UNet block is kept)."""
+
+    def modules(blocks: int) -> Iterator[ModuleShape]:
+        units: list[list[ModuleShape]] = []
+        skips = [320]
+        ch = 320
+        last = len(down) - 1
+        for b, (width, depth) in enumerate(down):
+            parts: list[ModuleShape] = []
+            for j in range(2):
+                parts += _resnet(f"lora_unet_down_blocks_{b}_resnets_{j}", ch, width)
+                ch = width
+                if depth:
+                    parts += _attention(f"lora_unet_down_blocks_{b}_attentions_{j}", width, depth, context)
+                skips.append(ch)
+            if b < last:
+                parts.append(ModuleShape(f"lora_unet_down_blocks_{b}_downsamplers_0_conv", ch, ch, (3, 3)))
+                skips.append(ch)
+            units.append(parts)
+        units.append(
+            [
+                *_resnet("lora_unet_mid_block_resnets_0", ch, ch),
+                *_attention("lora_unet_mid_block_attentions_0", ch, mid_depth, context),
+                *_resnet("lora_unet_mid_block_resnets_1", ch, ch),
+            ]
+        )
+        for b, (width, depth) in enumerate(reversed(down)):
+            parts = []
+            for j in range(3):
+                parts += _resnet(f"lora_unet_up_blocks_{b}_resnets_{j}", ch + skips.pop(), width)
+                ch = width
+                if depth:
+                    parts += _attention(f"lora_unet_up_blocks_{b}_attentions_{j}", width, depth, context)
+            if b < last:
+                parts.append(ModuleShape(f"lora_unet_up_blocks_{b}_upsamplers_0_conv", ch, ch, (3, 3)))
+            units.append(parts)
+        for part in units[:blocks]:
+            yield from part
+        for te in text_encoders:
+            yield from _clip(te.prefix, te.width, te.mlp, te.layers if blocks >= len(units) else min(blocks, te.layers))
+
+    return modules
+
+
+_CLIP_L = TextEncoder("lora_te_text_model_encoder_layers", 768, 3072, 12)
+#: SD 1.x: CLIP ViT-L/14's text encoder, cross-attention 768
+sd1 = unet(((320, 1), (640, 1), (1280, 1), (1280, 0)), 1, 768, (_CLIP_L,))
+#: SD 2.x: OpenCLIP ViT-H/14's text encoder (23 of its layers are used), cross-attention 1024
+sd2 = unet(((320, 1), (640, 1), (1280, 1), (1280, 0)), 1, 1024, (TextEncoder("lora_te_text_model_encoder_layers", 1024, 4096, 23),))
+#: SDXL: no attention in the first block, 10 transformer blocks deep at 1280; CLIP ViT-L and OpenCLIP bigG, cross-attention 2048
+sdxl = unet(
+    ((320, 0), (640, 2), (1280, 10)),
+    10,
+    2048,
+    (TextEncoder("lora_te1_text_model_encoder_layers", 768, 3072, 12), TextEncoder("lora_te2_text_model_encoder_layers", 1280, 5120, 32)),
+)
+
+
+def flux(blocks: int) -> Iterator[ModuleShape]:
+    """Flux.1-dev's transformer: 19 double-stream blocks and 38 single-stream blocks, width 3,072
+    (`blocks` < 19 keeps that many of each)."""
+    width, mlp = 3072, 12288
+    double, single = (19, 38) if blocks >= 19 else (blocks, blocks)
+    for i in range(double):
+        p = f"transformer.transformer_blocks.{i}"
+        for t in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"):
+            yield ModuleShape(f"{p}.attn.{t}", width, width)
+        for ff in ("ff", "ff_context"):
+            yield ModuleShape(f"{p}.{ff}.net.0.proj", mlp, width)
+            yield ModuleShape(f"{p}.{ff}.net.2", width, mlp)
+    for i in range(single):
+        p = f"transformer.single_transformer_blocks.{i}"
+        for t in ("to_q", "to_k", "to_v"):
+            yield ModuleShape(f"{p}.attn.{t}", width, width)
+        yield ModuleShape(f"{p}.proj_mlp", mlp, width)
+        yield ModuleShape(f"{p}.proj_out", width, width + mlp)
+
+
+def _bert(layers: int) -> Iterator[ModuleShape]:
+    """BERT-base (PEFT's names on BertModel): 12 layers of width 768, MLP 3072, vocabulary 30,522."""
+    yield ModuleShape("embeddings.word_embeddings", 30522, 768)
+    for i in range(layers):
+        p = f"encoder.layer.{i}"
+        for t in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+            yield ModuleShape(f"{p}.{t}", 768, 768)
+        yield ModuleShape(f"{p}.intermediate.dense", 3072, 768)
+        yield ModuleShape(f"{p}.output.dense", 768, 3072)
+    yield ModuleShape("pooler.dense", 768, 768)
+
+
+def _distilbert(layers: int) -> Iterator[ModuleShape]:
+    """DistilBERT-base (PEFT's names on DistilBertModel): 6 layers of width 768, MLP 3072, vocabulary 30,522."""
+    yield ModuleShape("embeddings.word_embeddings", 30522, 768)
+    for i in range(layers):
+        p = f"transformer.layer.{i}"
+        for t in ("q_lin", "k_lin", "v_lin", "out_lin"):
+            yield ModuleShape(f"{p}.attention.{t}", 768, 768)
+        yield ModuleShape(f"{p}.ffn.lin1", 3072, 768)
+        yield ModuleShape(f"{p}.ffn.lin2", 768, 3072)
+
+
+def _gpt2(layers: int) -> Iterator[ModuleShape]:
+    """GPT-2 small (PEFT's names on GPT2Model): 12 layers of width 768, vocabulary 50,257. Its Conv1D weights are
+    stored in × out (c_attn 768 × 2304), the layout ingest records them in."""
+    yield ModuleShape("wte", 50257, 768)
+    for i in range(layers):
+        p = f"h.{i}"
+        yield ModuleShape(f"{p}.attn.c_attn", 768, 3 * 768)
+        yield ModuleShape(f"{p}.attn.c_proj", 768, 768)
+        yield ModuleShape(f"{p}.mlp.c_fc", 768, 4 * 768)
+        yield ModuleShape(f"{p}.mlp.c_proj", 4 * 768, 768)
+
+
+def _decoder(hidden: int, intermediate: int, kv: int, layers: int, vocab: int) -> list[ModuleShape]:
+    """Every projection of a Llama-style decoder, its token embedding and its LM head."""
+    return [ModuleShape("model.embed_tokens", vocab, hidden), *llm(hidden, intermediate, kv)(layers), ModuleShape("lm_head", vocab, hidden)]
+
+
+#: every module a LoRA of each model can adapt, by model (all its blocks)
+VOCABULARIES: dict[str, Callable[[], list[ModuleShape]]] = {
+    "llama3-8b": lambda: _decoder(4096, 14336, 1024, 32, 128256),
+    "mistral-7b": lambda: _decoder(4096, 14336, 1024, 32, 32000),
+    "qwen2.5-7b": lambda: _decoder(3584, 18944, 512, 28, 152064),
+    "sd1.5": lambda: list(sd1(9)),
+    "sd2.1": lambda: list(sd2(9)),
+    "sdxl": lambda: list(sdxl(7)),
+    "flux1-dev": lambda: list(flux(19)),
+    "bert-base": lambda: list(_bert(12)),
+    "distilbert-base": lambda: list(_distilbert(6)),
+    "gpt2": lambda: list(_gpt2(12)),
+}
