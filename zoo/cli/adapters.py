@@ -55,6 +55,8 @@ def run_ingest(
         for result in results:
             bar.update()
             counts[result.status] += 1
+            for warning in result.warnings:
+                bar.write(f"warning: {warning}", file=sys.stderr)
             if as_json:
                 print_json(result.as_dict())
             elif result.status == "failed":

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
+from zoo.domain.base_models import contradiction, guess_base_model
 from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
 from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, sketch, structure_hash
 from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
@@ -32,7 +33,7 @@ from zoo.store.catalog import write_search_text
 from zoo.store.duplicates import stored_duplicate
 from zoo.store.labels import write_labels
 from zoo.store.locks import store_locks
-from zoo.store.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module
+from zoo.store.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module  # noqa: F401 - UNKNOWN_BASE: tests import it here
 from zoo.store.repository import ModuleFields
 from zoo.store.session import write_transaction
 
@@ -41,7 +42,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class IngestOptions:
-    base_model: str | None = None  # overrides what the files say
+    base_model: str | None = None  # overrides what the files say; with neither, it is guessed from the shapes
     base_checkpoint: Path | None = None  # for full checkpoints: deltas against this
     energy: float = DEFAULT_ENERGY
     max_rank: int = DEFAULT_MAX_RANK
@@ -59,6 +60,8 @@ class IngestResult:
     #: a duplicate's stored adapter: its name (its id is adapter_id)
     duplicate_of: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: what the caller should hear of though the adapter was stored (a base model its shapes contradict)
+    warnings: list[str] = field(default_factory=list)
     #: the commit a Hub source was pinned to
     revision: str | None = None
     #: seconds spent in each stage (read, canonicalize, describe, store), for job statistics and bench.ingest
@@ -266,10 +269,9 @@ class Ingestor:
     def _ingest(self, path: Path, source: str, labels: LabelRow | None, origin: Origin | None, timings: dict[str, float]) -> IngestResult:
         lap = _Laps(timings)
         raw = open_adapter(path)
-        named = origin.base_model if origin is not None else None
-        base_model = self.options.base_model or named or raw.base_model or UNKNOWN_BASE  # a Hub card over a config's (often local) path
+        named = self._named_base(raw, origin)
         lap("read")
-        result = self._stored_copy(raw, source, base_model, labels)
+        result = self._stored_copy(raw, source, named[0], labels) if named else None  # a guess needs the tensors
         lap("store")
         if result is None:
             # LoRA formats are read, canonicalized and described on one torch thread (the blob is written on another):
@@ -279,18 +281,29 @@ class Ingestor:
             # blob's thread keep up with two. A checkpoint's (against a base) factorizes whole matrices, which threads
             # do speed up.
             with one_torch_thread(raw.format in LORA_FORMATS):
-                result = self._ingest_update(raw, source, base_model, labels, origin, lap)
+                result = self._ingest_update(raw, source, named, labels, origin, lap)
         lap("store")
         result.source, result.timings = source, timings
         return result
 
+    def _named_base(self, raw: RawAdapter, origin: Origin | None) -> tuple[str, str] | None:
+        """The base model named for the files and who named it: --base-model over the source (a Hub card's) over the
+        files (a config's often local path); None when nobody did (it is guessed from the shapes once read)."""
+        if self.options.base_model:
+            return self.options.base_model, "--base-model"
+        if origin is not None and origin.base_model:
+            return origin.base_model, "the source"
+        return (raw.base_model, "the files") if raw.base_model else None
+
     def _ingest_update(
-        self, raw: RawAdapter, source: str, base_model: str, labels: LabelRow | None, origin: Origin | None, lap: _Laps
+        self, raw: RawAdapter, source: str, named_base: tuple[str, str] | None, labels: LabelRow | None, origin: Origin | None, lap: _Laps
     ) -> IngestResult:
         """Read the tensors of files not stored yet, canonicalize, describe and store them; the blob is written and
-        fsynced meanwhile, on a thread of its own (see zoo.store.blobs)."""
+        fsynced meanwhile, on a thread of its own (see zoo.store.blobs). `named_base`: the base model and who named it
+        (`_named_base`)."""
         opts = self.options
         data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
+        base_model, warnings = resolve_base_model(data, named_base)
         lap("read")
         with small_work_on_one_thread(data):
             canonical = canonicalize_modules(data.modules, self.device) if data.modules else []
@@ -306,7 +319,7 @@ class Ingestor:
             finally:
                 if blob is not None:  # a duplicate's or a failed write's file; once committed there is none left
                     blob.discard()
-        result.notes = list(data.notes)
+        result.notes, result.warnings = list(data.notes), warnings
         return result
 
     def _stored_copy(self, raw: RawAdapter, source: str, base_model: str, labels: LabelRow | None) -> IngestResult | None:
@@ -488,6 +501,20 @@ def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = Non
         if where not in result.error:
             result.error = f"{where}: {result.error}"
     return result
+
+
+def resolve_base_model(data: AdapterData, named: tuple[str, str] | None) -> tuple[str, list[str]]:
+    """The base model to store an adapter under, and warnings. Named (with who named it): that name, as given, with a
+    warning when the module shapes name another known family (zoo.domain.base_models.contradiction); not named: the
+    family its shapes name (or its own `unknown-<hash>` space), noted on the adapter as guessed."""
+    shapes = [(m.name, *m.shape) for m in data.modules] or [(fm.name, *fm.shape) for fm in data.full_matrices]
+    guess = guess_base_model(shapes)
+    if named is None:
+        data.notes.append(guess.describe())
+        return guess.base_model, []
+    base_model, by = named
+    why = contradiction(base_model, guess)
+    return base_model, [f"{data.path}: {why} (named by {by}; stored under {base_model!r} as named)"] if why else []
 
 
 def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> None:

@@ -17,7 +17,7 @@ from sqlalchemy import Select, SQLColumnExpression, func, literal_column, select
 from sqlalchemy.orm import Session, aliased
 
 from zoo.errors import NotFoundError
-from zoo.store.models import UNKNOWN_BASE, Adapter
+from zoo.store.models import Adapter, named_base_model
 from zoo.store.relations import from_weights
 from zoo.timestamps import iso_seconds
 
@@ -53,8 +53,9 @@ def lineage(session: Session, adapter_id: int, limit: int = RELATED) -> dict[str
         raise NotFoundError(f"no adapter with id {adapter_id}")
     meta = me.meta if isinstance(me.meta, dict) else {}
     bases, relation = _description(meta)
-    if me.base_model != UNKNOWN_BASE:
-        bases = list(dict.fromkeys([me.base_model, *bases]))
+    named = named_base_model(me.base_model)
+    if named is not None:
+        bases = list(dict.fromkeys([named, *bases]))
     own = me.source_uri.removeprefix(HUB_PREFIX) if me.source_uri.startswith(HUB_PREFIX) else None
     recorded = meta.get("base_model_tree")
     return {
@@ -64,7 +65,7 @@ def lineage(session: Session, adapter_id: int, limit: int = RELATED) -> dict[str
             "older": _summaries(session, _older(session, adapter_id, limit)),
             "newer": _summaries(session, _newer(session, adapter_id, me.source_uri, limit)),
         },
-        "same_base_model": _group(session, Adapter.base_model, me.base_model if me.base_model != UNKNOWN_BASE else None, adapter_id, limit),
+        "same_base_model": _group(session, Adapter.base_model, named, adapter_id, limit),
         "same_author": _group(session, Adapter.author, me.author, adapter_id, limit),
         "same_source": _group(session, Adapter.source_uri, me.source_uri, adapter_id, limit),
         "from_weights": from_weights(session, adapter_id, relation),

@@ -26,6 +26,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import TSVECTOR
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from zoo.domain.base_models import UNKNOWN_PREFIX
+
 
 class Base(DeclarativeBase):
     if TYPE_CHECKING:
@@ -36,8 +38,14 @@ class Base(DeclarativeBase):
 #: SQLite's full-text index of `adapter_text` (an FTS5 virtual table and its shadow tables), made by
 #: migration 0005 and kept outside this metadata
 SQLITE_FTS_TABLE = "adapter_text_fts"
-#: an adapter's base_model when neither its files, its source nor the command name one
+#: the base_model of adapters stored, before base models were guessed from shapes, without one named
 UNKNOWN_BASE = "unknown"
+
+
+def named_base_model(base_model: str) -> str | None:
+    """A stored base_model as the name of a model, None when it names none: UNKNOWN_BASE, or the space of an adapter's
+    own shapes that no known family fits (zoo.domain.base_models, `unknown-<hash>`)."""
+    return None if base_model == UNKNOWN_BASE or base_model.startswith(UNKNOWN_PREFIX) else base_model
 
 
 def on_dialect(dialect: str) -> Callable[[object, str | None, str, bool, object], bool]:
