@@ -276,6 +276,12 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
                 print(f"  {entry['space']}: {what}: {entry['state']}{done}")
         for gap in report["unembedded"]:
             print(f"  {gap['space']}: {plural(gap['count'], 'adapter')} not embedded" + (" (embedded now)" if gap.get("repaired") else ""))
+        for m in report["misfits"]:
+            have, want = "×".join(map(str, m["shape"])), "×".join(map(str, m["space_shape"]))
+            print(
+                f"  {m['space']}: adapter {m['adapter_id']} {m['name']} does not fit: {m['module']} is {have}, {want} in the space"
+                " (ingest it under its own base model)"
+            )
         for line in report["repaired"]:
             print(f"  repaired: {line}")
         for folder in report["uploads"]["orphans"]:

@@ -16,6 +16,10 @@ What it finds:
   vector, factors or point) or a missing one is a problem. Repair rebuilds that file from the database.
 - **unembedded adapters**: adapters that fit a space but have no vector under its module sketch.
   Repair embeds them (`zoo embed`).
+- **misfits**: adapters of a space's base model with a module whose shape differs from the one the space's
+  vocabulary gives that module: they are never embedded nor searched there. Ingest refuses them once the space
+  exists; adapters stored under one base model before its space was made (`zoo embed`) can be. Nothing repairs
+  them: ingest the adapter again under its own base model (`--base-model`, or none to have it guessed) and delete it.
 - **orphaned uploads**: folders under `uploads/` in the data dir (a web upload's files, kept until its job item
   finishes; a search by upload's, kept for the request) that no queued or running job item owns and that nothing
   has written to for the grace period: a worker killed while it copied an upload, or mid-job, leaves them. The
@@ -43,7 +47,8 @@ from zoo.config import Settings
 from zoo.files import TMP_PREFIX
 from zoo.store.blobs import BlobStore
 from zoo.store.jobs import StrandedItem, pending_sources, requeue_stranded, stranded_items
-from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
+from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace
+from zoo.store.repository import names_and_labels, space_module_shapes
 from zoo.store.session import session_factory
 
 #: seconds a blob or temporary file must be old before `--repair` may remove it
@@ -86,6 +91,17 @@ class Unembedded(TypedDict):
     repaired: NotRequired[bool]
 
 
+class Misfit(TypedDict):
+    """An adapter with a module whose shape is not the one its space's vocabulary gives it (the first such module)."""
+
+    space: str
+    adapter_id: int
+    name: str
+    module: str
+    shape: list[int]  # out, in as stored
+    space_shape: list[int]  # out, in in the space
+
+
 class UploadCheck(TypedDict):
     orphans: list[str]  # folders under uploads/ no live job item owns, older than the grace period
     in_flight: int  # folders owned by a queued or running item, or written to within the grace period
@@ -109,6 +125,7 @@ class CheckReport(TypedDict):
     removed: int
     indexes: list[FileCheck]
     unembedded: list[Unembedded]
+    misfits: list[Misfit]
     uploads: UploadCheck
     jobs: JobCheck
     repaired: list[str]
@@ -148,13 +165,13 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
             path.unlink(missing_ok=True)
             removed += 1
 
-    indexes, unembedded, repaired = _check_spaces(settings, sessions, blobs, repair)
+    indexes, unembedded, misfits, repaired = _check_spaces(settings, sessions, blobs, repair)
     jobs = _check_jobs(sessions, repair)
     uploads = _check_uploads(settings.data_dir / "uploads", sessions, repair, grace_s, now)
     problems = len(missing) + len(corrupt) + (0 if repair else len(orphans) + len(temporary))
     problems += 0 if repair else len(uploads["orphans"]) + len(jobs["stranded"])
     problems += sum(1 for i in indexes if i["state"] != "ok" and not i.get("repaired"))
-    problems += sum(u["count"] for u in unembedded if not u.get("repaired"))
+    problems += sum(u["count"] for u in unembedded if not u.get("repaired")) + len(misfits)
     return {
         "ok": problems == 0,
         "problems": problems,
@@ -165,6 +182,7 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
         "removed": removed,
         "indexes": indexes,
         "unembedded": unembedded,
+        "misfits": misfits,
         "uploads": uploads,
         "jobs": jobs,
         "repaired": repaired,
@@ -227,8 +245,8 @@ def _files(data_dir: Path) -> Iterator[Path]:
 
 def _check_spaces(
     settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore, repair: bool
-) -> tuple[list[FileCheck], list[Unembedded], list[str]]:
-    """Index files, module stores, maps and missing embeddings per space (embed/ is imported only here).
+) -> tuple[list[FileCheck], list[Unembedded], list[Misfit], list[str]]:
+    """Index files, module stores, maps, missing embeddings and misfits per space (embed/ is imported only here).
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
     from embed.engine import SKETCH, index_path, load_consistent_index, module_store_path, read_module_store
@@ -238,6 +256,7 @@ def _check_spaces(
 
     indexes: list[FileCheck] = []
     unembedded: list[Unembedded] = []
+    misfits: list[Misfit] = []
     repaired: list[str] = []
     with sessions() as session:
         spaces = list(session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.id)))
@@ -281,7 +300,7 @@ def _check_spaces(
                 except ValueError as exc:
                     map_entry["state"] = str(exc)
                 found.append(map_entry)
-            missing = _unembedded(session, space, sketch.id) if sketch else []
+            missing, misfit = _fit(session, space, sketch.id if sketch else None)
         bad = [entry for entry in found if entry["state"] != "ok"]
         gap: Unembedded | None = {"space": space.name, "count": len(missing), "adapter_ids": missing[:20]} if missing else None
         if repair and (bad or gap):
@@ -295,7 +314,8 @@ def _check_spaces(
             repaired += [f"{space.name}: embedded {len(missing)} adapters"] if missing else []
         indexes += found
         unembedded += [gap] if gap else []
-    return indexes, unembedded, repaired
+        misfits += misfit
+    return indexes, unembedded, misfits, repaired
 
 
 #: ids of stale or missing entries listed in a report
@@ -332,16 +352,23 @@ def _rebuild_stale(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: 
                 update_map(session, data_dir, shown, rebuild=True)
 
 
-def _unembedded(session: Session, space: EmbeddingSpace, sketch_id: int) -> list[int]:
-    """Adapters of the space's base model whose modules all fit its schema but have no sketch vector."""
+def _fit(session: Session, space: EmbeddingSpace, sketch_id: int | None) -> tuple[list[int], list[Misfit]]:
+    """The adapters of the space's base model whose modules all fit its vocabulary but have no sketch vector (none
+    without a sketch embedder), and those with a module of another shape than the vocabulary's (misfits, by id)."""
     shapes = {str(n): (int(o), int(i)) for n, o, i in space.schema["modules"]}
     fits: dict[int, bool] = {}
-    stmt = (
-        select(Module.adapter_id, Module.name, Module.out_features, Module.in_features)
-        .join(Adapter, Adapter.id == Module.adapter_id)
-        .where(Adapter.base_model == space.base_model, Adapter.factors_blob.is_not(None))
-    )
-    for adapter_id, name, out, inp in session.execute(stmt):
-        fits[adapter_id] = fits.get(adapter_id, True) and shapes.get(name) == (out, inp)
-    embedded = set(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == sketch_id)))
-    return sorted(i for i, ok in fits.items() if ok and i not in embedded)
+    conflicts: dict[int, tuple[str, tuple[int, int], tuple[int, int]]] = {}
+    for adapter_id, name, out, inp in space_module_shapes(session, space.base_model):
+        want = shapes.get(name)
+        fits[adapter_id] = fits.get(adapter_id, True) and want == (out, inp)
+        if want is not None and want != (out, inp):
+            conflicts.setdefault(adapter_id, (name, (out, inp), want))
+    embedded = set(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == sketch_id))) if sketch_id else set()
+    unembedded = sorted(i for i, ok in fits.items() if ok and i not in embedded) if sketch_id else []
+    names = names_and_labels(session, conflicts)
+    misfits: list[Misfit] = [
+        {"space": space.name, "adapter_id": i, "name": names[i][0], "module": m, "shape": list(have), "space_shape": list(want)}
+        for i, (m, have, want) in sorted(conflicts.items())
+        if i in names  # deleted meanwhile: gone from the space
+    ]
+    return unembedded, misfits

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, TypedDict
 
 from sqlalchemy import ColumnElement, Connection, Select, SQLColumnExpression, bindparam, delete, exists, select, union_all
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.errors import UsageError
-from zoo.store.models import Adapter, JobItem, Label, Measurement
+from zoo.store.models import Adapter, JobItem, Label, Measurement, Module
 from zoo.store.relations import RELATION_FILTERS, relation_filter
 from zoo.timestamps import iso_seconds
 
@@ -378,3 +378,16 @@ def existing_adapter_ids(session: Session, ids: Iterable[int]) -> set[int]:
     """Which of these adapter ids are still stored (the others were deleted since they were read)."""
     ids = list(ids)
     return set(session.scalars(select(Adapter.id).where(Adapter.id.in_(ids)))) if ids else set()
+
+
+_SPACE_MODULES = (
+    select(Module.adapter_id, Module.name, Module.out_features, Module.in_features)
+    .join(Adapter, Adapter.id == Module.adapter_id)
+    .where(Adapter.base_model == bindparam("base_model"), Adapter.factors_blob.is_not(None))
+)
+
+
+def space_module_shapes(session: Session, base_model: str) -> Iterator[tuple[int, str, int, int]]:
+    """(adapter id, module name, out, in) of every module of a base model's stored LoRA-like adapters (those with factors)."""
+    for adapter_id, name, out, inp in session.connection().execute(_SPACE_MODULES, {"base_model": base_model}):
+        yield int(adapter_id), str(name), int(out), int(inp)
