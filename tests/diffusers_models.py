@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, FluxTransformer2DModel, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, DDIMScheduler, FluxPipeline, FluxTransformer2DModel, StableDiffusionPipeline, UNet2DConditionModel
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
@@ -175,3 +175,33 @@ def fused_deltas(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
             if before is not None and key.endswith(".weight") and not torch.equal(before, value):
                 deltas[f"{component}.{key.removesuffix('.weight')}"] = value.double() - before.double()
     return deltas
+
+
+def write_flux_lora(directory: Path, seed: int = 0, rank: int = 4, alpha: float | None = 2.0) -> Path:
+    """A LoRA on the tiny Flux transformer's attention saved by `FluxPipeline.save_lora_weights`
+    (`transformer.<module>.lora_A.weight` ...), with a `transformer.<module>.alpha` beside each pair when `alpha` is
+    given (as trainers converting kohya files write; diffusers' Flux loader reads them as network alphas)."""
+    layers = add_random_lora(tiny_flux_transformer(), UNET_TARGETS, seed, rank)
+    FluxPipeline.save_lora_weights(directory, transformer_lora_layers=layers)
+    path = Path(directory) / "pytorch_lora_weights.safetensors"
+    if alpha is not None:
+        tensors = load_file(str(path))
+        stems = [k.removesuffix(".lora_A.weight") for k in tensors if k.endswith(".lora_A.weight")]
+        save_file({**tensors, **{f"{stem}.alpha": torch.tensor(alpha) for stem in stems}}, str(path))
+    return path
+
+
+def fused_flux_deltas(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`transformer.<module>` → fused − base weight after diffusers' Flux loader loads the file into a fresh tiny
+    transformer (its alphas as network alphas) and fuses it."""
+    model = tiny_flux_transformer(seed)
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state_dict, alphas = FluxPipeline.lora_state_dict(str(Path(path).parent), weight_name=Path(path).name, return_alphas=True)
+    FluxPipeline.load_lora_into_transformer(state_dict, network_alphas=alphas, transformer=model)
+    model.fuse_lora(lora_scale=1.0)
+    model.unload_lora()
+    return {
+        f"transformer.{k.removesuffix('.weight')}": v.double() - base[k].double()
+        for k, v in model.state_dict().items()
+        if k in base and k.endswith(".weight") and not torch.equal(base[k], v)
+    }

@@ -11,7 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import CLI
-from tests.diffusers_models import attn_procs_state_dict, fused_deltas, write_attn_procs_lora, write_current_lora
+from tests.diffusers_models import (
+    attn_procs_state_dict,
+    fused_deltas,
+    fused_flux_deltas,
+    write_attn_procs_lora,
+    write_current_lora,
+    write_flux_lora,
+)
 from tests.factories import write_kohya_file
 from webapp import create_app
 from zoo.formats import AdapterData, read_adapter
@@ -53,6 +60,18 @@ def test_each_layout_reads_the_delta_diffusers_applies(files: dict[str, Path], n
     assert {m.name.split(".")[0] for m in data.modules} == ({"unet"} if name == "attn-procs-unet" else {"unet", "text_encoder"})
     assert {m.scale for m in data.modules} == ({2.0} if name == "current" else {1.0})  # lora_alpha / r from the metadata
     assert_reads_what_diffusers_fuses(data, files[name])
+
+
+@pytest.mark.parametrize("alpha", [2.0, None])
+def test_a_flux_transformer_file_reads_the_delta_diffusers_applies(tmp_path: Path, alpha: float | None) -> None:
+    """`transformer.` keys, with `.alpha` tensors (diffusers' Flux loader applies them as network alphas) or without."""
+    path = write_flux_lora(tmp_path, seed=3, rank=4, alpha=alpha)
+    data = read_adapter(path)
+    assert data.format == "diffusers" and {m.scale for m in data.modules} == {0.5 if alpha else 1.0}
+    deltas = fused_flux_deltas(path)
+    assert {m.name for m in data.modules} == set(deltas) and all(m.name.startswith("transformer.") for m in data.modules)
+    for m in data.modules:
+        assert torch.linalg.norm(m.scale * m.B.double() @ m.A.double() - deltas[m.name]) <= 1e-5 * torch.linalg.norm(deltas[m.name])
 
 
 def test_attn_procs_and_current_layouts_of_one_update_are_one_adapter(files: dict[str, Path], cli: CLI) -> None:
