@@ -144,18 +144,23 @@ def test_every_export_ingests_again_as_the_same_adapter(
         assert (result.status, result.adapter_id) == ("duplicate", adapter_id), (fmt, result.error)
 
 
-def test_what_cannot_be_exported_is_refused(settings: Settings, sources: Path) -> None:
+def test_what_cannot_be_exported_is_refused(settings: Settings, sources: Path, tmp_path: Path) -> None:
     factors, meta = load(settings, ingest(settings, sources / "plain"))
     assert meta.base_model is None  # unknown: written as such, not as "unknown"
     with pytest.raises(UsageError, match="unknown export format 'onnx'"):
         export_files(factors, meta, "onnx")
+    conv = tmp_path / "conv.safetensors"  # its kernel size is read from the source file: gone here
+    conv.write_bytes((sources / "kohya-conv.safetensors").read_bytes())
+    conv_id = ingest(settings, conv)
+    conv.unlink()
     refused = {
-        "kohya-conv.safetensors": "module lora_unet_down_blocks_1_resnets_0_conv1 is a conv layer whose kernel size is not stored",
-        "dora": "is a DoRA adapter",
-        "ft.safetensors": "is a checkpoint, not a LoRA adapter",  # spectra only: no factors
+        conv_id: "module lora_unet_down_blocks_1_resnets_0_conv1 is a conv layer whose kernel size is not stored, and the source file "
+        f"is not at {conv}",
+        ingest(settings, sources / "dora"): "is a DoRA adapter",
+        ingest(settings, sources / "ft.safetensors"): "is a checkpoint, not a LoRA adapter",  # spectra only: no factors
     }
-    for name, reason in refused.items():
-        factors, meta = load(settings, ingest(settings, sources / name))
+    for adapter_id, reason in refused.items():
+        factors, meta = load(settings, adapter_id)
         for fmt in ("peft", "diffusers", "kohya"):
             with pytest.raises(UsageError, match=reason):
                 export_files(factors, meta, fmt)
@@ -176,16 +181,19 @@ def test_what_cannot_be_exported_is_refused(settings: Settings, sources: Path) -
 
 
 def test_zoo_export_command(cli: CLI, sources: Path, tmp_path: Path) -> None:
-    rc, results = cli.json_lines("ingest", str(sources / "head"), str(sources / "kohya-conv.safetensors"))
+    conv = tmp_path / "conv.safetensors"
+    conv.write_bytes((sources / "kohya-conv.safetensors").read_bytes())
+    rc, results = cli.json_lines("ingest", str(sources / "head"), str(conv))
     assert rc == 0
     head_id, conv_id = (r["adapter_id"] for r in results)
+    conv.unlink()  # a conv module's kernel size is read from its source file
     rc, (info,) = cli.json_lines("export", str(head_id), "--format", "peft", "--out", str(tmp_path / "peft"))
     assert rc == 0 and info["files"] == [
         str(tmp_path / "peft" / "adapter_config.json"),
         str(tmp_path / "peft" / "adapter_model.safetensors"),
     ]
     assert info["size_bytes"] == sum(Path(p).stat().st_size for p in info["files"])
-    assert info["notes"] and "(head.bias, head.weight)" in info["notes"][0]  # the head is recorded, not stored
+    assert info["notes"] and "(head.bias, head.weight) are not stored: written from the source file" in info["notes"][0]
     rc, (info,) = cli.json_lines("export", str(head_id), "--format", "peft", "--out", str(tmp_path / "head.zip"))
     assert rc == 0 and zipfile.is_zipfile(tmp_path / "head.zip")
     rc, (again,) = cli.json_lines("ingest", str(tmp_path / "head.zip"))  # what export writes, ingest and search read

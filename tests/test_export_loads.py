@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import StableDiffusionPipeline
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import (
@@ -24,7 +25,7 @@ from transformers import (
 )
 
 from tests.conftest import CLI
-from tests.diffusers_models import fused_deltas, write_current_lora
+from tests.diffusers_models import add_random_lora, fused_deltas, tiny_unet, write_current_lora
 from tests.hub_server import FakeRepo, HubServer
 from tests.test_export import ingest, load, write
 from tests.test_hub import hub  # noqa: F401 - the fake Hub, as a fixture
@@ -164,3 +165,16 @@ def test_diffusers_loads_the_kohya_and_diffusers_exports_of_an_sd_lora(settings:
     path = next(write(export_files(factors, meta, "diffusers"), tmp_path / "again").iterdir())
     assert "kohya-ss names" in export_notes(meta, "diffusers")[0]
     assert_same_weights(fused_deltas(path), reference)
+
+
+def test_conv_modules_are_exported_with_the_kernels_of_their_source_file(settings: Settings, tmp_path: Path) -> None:
+    """3×3 resnet convs and 1×1 projections: only in·kh·kw is stored, the kernel is read from the source file."""
+    layers = add_random_lora(tiny_unet(), ("to_q", "conv1", "proj_in"), seed=3)
+    StableDiffusionPipeline.save_lora_weights(tmp_path / "source", unet_lora_layers=layers)
+    source = tmp_path / "source" / "pytorch_lora_weights.safetensors"
+    reference = fused_deltas(source)
+    assert {tuple(d.shape[2:]) for d in reference.values() if d.ndim == 4} == {(1, 1), (3, 3)}
+    factors, meta = load(settings, ingest(settings, source))
+    assert {m.kind for m in meta.modules.values()} == {"linear", "conv"}
+    for fmt in ("kohya", "diffusers"):
+        assert_same_weights(fused_deltas(next(write(export_files(factors, meta, fmt), tmp_path / fmt).iterdir())), reference)

@@ -12,15 +12,18 @@ the source file where it still is as ingested (zoo/services/source_file.py); whe
 out and clears what PEFT cannot load without them (modules_to_save, and a task type that wraps a head), saying so
 in its notes (`export_notes`).
 
-Refused: stored checkpoints (spectra only, or truncated low-rank deltas named by state-dict keys:
-not LoRA adapters), DoRA adapters (their magnitude vectors are not stored) and conv modules (their
-kernel size is not stored, only the flattened in·kh·kw).
+A conv module's kernel size is not stored either, only the flattened in·kh·kw: it is read from the source file
+the same way, and an adapter with conv modules is refused where the file is not there as ingested.
+
+Refused besides: stored checkpoints (spectra only, or truncated low-rank deltas named by state-dict keys: not LoRA
+adapters) and DoRA adapters (their magnitude vectors are not stored).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import zipfile
 from collections import Counter
@@ -44,7 +47,7 @@ from zoo.formats.peft import PAIRS as PEFT_PAIRS
 from zoo.services.source_file import SourceFile, read_source
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
-from zoo.store.models import UNKNOWN_BASE
+from zoo.store.models import named_base_model
 
 FORMATS = ("peft", "diffusers", "kohya")
 #: stored formats whose updates are LoRA adapters (the others are checkpoints)
@@ -97,13 +100,13 @@ def export_files(factors: NamedFactors, meta: ExportMeta, fmt: str) -> dict[str,
         return {CONFIG_NAME: config.encode(), WEIGHT_NAMES[0]: _safetensors({**_peft_tensors(factors, meta), **(heads or {})}, {})}
     header = {"ss_sd_model_name": meta.base_model} if meta.base_model else {}  # the header key the reader takes the base from
     if fmt == "diffusers" and not _kohya_named(meta):
-        return {DIFFUSERS_WEIGHT_NAME: _safetensors(_single_file_tensors(factors, {}, _DIFFUSERS_PAIR, alpha=False), header)}
+        return {DIFFUSERS_WEIGHT_NAME: _safetensors(_single_file_tensors(factors, meta, {}, _DIFFUSERS_PAIR, alpha=False), header)}
     names = {name: kohya or name for name, kohya in kohya_names(list(meta.modules)).items()}
     clash = Counter(names.values()).most_common(1)
     if clash and clash[0][1] > 1:
         twins = sorted(n for n, k in names.items() if k == clash[0][0])
         raise UsageError(f"adapter {meta.adapter_id} ({meta.name}): modules {twins[0]} and {twins[1]} have one kohya name, {clash[0][0]}")
-    tensors = _safetensors(_single_file_tensors(factors, names, _KOHYA_PAIR, alpha=True), header)
+    tensors = _safetensors(_single_file_tensors(factors, meta, names, _KOHYA_PAIR, alpha=True), header)
     return {DIFFUSERS_WEIGHT_NAME if fmt == "diffusers" else f"{file_stem(meta)}.safetensors": tensors}
 
 
@@ -127,9 +130,41 @@ def check_exportable(meta: ExportMeta, fmt: str) -> None:
         raise UsageError(f"{what} is a {meta.format}, not a LoRA adapter: only LoRA adapters ({', '.join(LORA_FORMATS)}) can be exported")
     if meta.config.get("use_dora"):
         raise UsageError(f"{what} is a DoRA adapter: its magnitude vectors are not stored, so it cannot be written back")
-    conv = sorted(name for name, m in meta.modules.items() if m.kind == "conv")
+    kernels = conv_kernels(meta)
+    conv = sorted(name for name, m in meta.modules.items() if m.kind == "conv" and name not in kernels)
     if conv:
-        raise UsageError(f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored, so it cannot be written back")
+        raise UsageError(
+            f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored, and the source file is not at "
+            f"{meta.source_uri} as ingested to read it from, so it cannot be written back"
+        )
+
+
+#: key suffixes of a module's down/A factor in the layouts read (PEFT, diffusers, kohya, hand-converted)
+_DOWN_SUFFIXES = (".lora_A.weight", ".lora_down.weight", ".lora.down.weight", "_lora_down.weight")
+_MID = ".lora_mid.weight"
+
+
+def conv_kernels(meta: ExportMeta) -> dict[str, tuple[int, ...]]:
+    """Each conv module's kernel, (in_channels, k…), as its down factor in the source file has it (a LyCORIS Tucker
+    module's: its 1×1 down's channels and its mid's kernel), for the modules whose source file is there as ingested."""
+    found = meta.source.tensors if meta.source is not None else {}
+    out: dict[str, tuple[int, ...]] = {}
+    for name in (n for n, m in meta.modules.items() if m.kind == "conv"):
+        keys = (stem + suffix for stem in (PEFT_PREFIX + name, name) for suffix in _DOWN_SUFFIXES)
+        down = next((found[k] for k in keys if k in found and found[k].ndim > 2), None)
+        if down is not None:
+            mid = found.get(name + _MID)
+            out[name] = (int(down.shape[1]), *(mid.shape[2:] if mid is not None else down.shape[2:]))
+    return out
+
+
+def _conv_shaped(A: torch.Tensor, B: torch.Tensor, kernel: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matrix pair as a conv module's factors when `kernel` is given: A r × in × k…, B out × r × 1…."""
+    if kernel is None:
+        return A, B
+    if math.prod(kernel) != A.shape[1]:
+        raise StorageError(f"the source's kernel {list(kernel)} does not match the stored module's {A.shape[1]} inputs")
+    return A.reshape(A.shape[0], *kernel), B.reshape(*B.shape, *([1] * (len(kernel) - 1)))
 
 
 def peft_heads(meta: ExportMeta) -> dict[str, torch.Tensor] | None:
@@ -204,8 +239,9 @@ def peft_config(factors: NamedFactors, meta: ExportMeta, with_heads: bool) -> di
 
 def _peft_tensors(factors: NamedFactors, meta: ExportMeta) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    kernels = conv_kernels(meta)
     for name, f in factors:
-        A, B = lora_factors(f)
+        A, B = _conv_shaped(*lora_factors(f), kernels.get(name))
         layout = meta.modules[name]
         if layout.transposed:  # PEFT's factors give dWᵀ: (B·A)ᵀ = Aᵀ·Bᵀ
             A, B = B.T.contiguous(), A.T.contiguous()
@@ -220,12 +256,15 @@ def _kohya_named(meta: ExportMeta) -> bool:
     return any(is_kohya_name(name) for name in meta.modules)
 
 
-def _single_file_tensors(factors: NamedFactors, names: dict[str, str], pair: tuple[str, str], alpha: bool) -> dict[str, torch.Tensor]:
-    """down/A and up/B factors in the layout of the layer's stored weight (dW = up·down) under each module's name in
-    `names` (else its own), with an alpha = rank tensor if asked."""
+def _single_file_tensors(
+    factors: NamedFactors, meta: ExportMeta, names: dict[str, str], pair: tuple[str, str], alpha: bool
+) -> dict[str, torch.Tensor]:
+    """down/A and up/B factors in the layout of the layer's stored weight (dW = up·down; conv kernels as the source's)
+    under each module's name in `names` (else its own), with an alpha = rank tensor if asked."""
     out: dict[str, torch.Tensor] = {}
+    kernels = conv_kernels(meta)
     for stored, f in factors:
-        A, B = lora_factors(f)
+        A, B = _conv_shaped(*lora_factors(f), kernels.get(stored))
         name = names.get(stored, stored)
         out[name + pair[0]], out[name + pair[1]] = A, B
         if alpha:
@@ -246,13 +285,13 @@ def load_for_export(session: Session, blobs: BlobStore, adapter_id: int) -> tupl
         adapter_id=adapter.id,
         name=adapter.name,
         format=adapter.format,
-        base_model=None if adapter.base_model == UNKNOWN_BASE else adapter.base_model,
+        base_model=named_base_model(adapter.base_model),
         config=adapter.config or {},
         modules={m.name: ModuleLayout(m.kind, m.transposed) for m in adapter.modules},
         extra_tensors=tuple(adapter.extra_tensors or ()),
         source_uri=adapter.source_uri,
     )
-    if meta.format == "peft" and meta.extra_tensors:  # their heads: not stored, read from the source file
+    if (meta.format == "peft" and meta.extra_tensors) or any(m.kind == "conv" for m in meta.modules.values()):  # see the module docstring
         meta = replace(meta, source=read_source(adapter.source_uri, adapter.source_revision, adapter.file_sha256))
     if adapter.factors_blob is None:
         return [], meta
