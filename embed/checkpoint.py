@@ -1,5 +1,5 @@
 """A W2T checkpoint directory: its files, and its metadata read without loading the models (no torch), the methods
-chosen in it stored by name (zoo.domain.methods)."""
+chosen in it stored by name (zoo.domain.methods), with the channel metrics they may weigh."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from embed.metrics import KNN_K
+from zoo.domain.channel_metric import ChannelMetric
 from zoo.domain.methods import KnnPredictor, LearnedPredictor, Predictor, SearchScore
 
 META = "embedder.json"
@@ -44,9 +45,16 @@ def predictors_of(meta: dict) -> dict[str, Predictor]:
     return predictors
 
 
-def methods_meta(search: SearchScore, predictors: dict[str, Predictor]) -> dict[str, object]:
-    """The metadata search_of and predictors_of read back."""
+def channel_metrics_of(meta: dict) -> dict[str, ChannelMetric]:
+    """The channel metrics fitted on the labelled adapters (embed/fitted.py), by their score's name; none before
+    they were candidates."""
+    return {name: ChannelMetric.from_dict(d) for name, d in meta.get("channel_metrics", {}).items()}
+
+
+def methods_meta(search: SearchScore, predictors: dict[str, Predictor], metrics: dict[str, ChannelMetric]) -> dict[str, object]:
+    """The metadata search_of, predictors_of and channel_metrics_of read back."""
     return {
+        "channel_metrics": {name: m.as_dict() for name, m in metrics.items()},
         "search": search.name,
         "exact_score": search.exact,
         "hybrid_weight": search.w2t_weight,

@@ -33,7 +33,7 @@ from embed.calibration import Calibration, class_prior, knn_calibration, with_ea
 from embed.calibration import fit as fit_calibration
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
-from zoo.domain.methods import LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore
+from zoo.domain.methods import LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore, fitted_score
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
@@ -77,10 +77,17 @@ class Choice(Generic[M]):
         return {"chosen": self.chosen.name, "scores": {k.name: round(v, 4) for k, v in self.scores.items()}, "reason": self.reason}
 
 
-def knn_similarities(similarity: SearchScore) -> list[SearchScore]:
+def knn_similarities(similarity: SearchScore, exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
     """The similarities a kNN predictor may use: `similarity` (a one-stage score: knn_similarity) first, then the
-    exact scores."""
-    return [similarity, *(s for s in map(SearchScore, EXACT_SCORES) if s != similarity)]
+    exact scores `exact` (the training-free ones, and the target's own channel metric where it has one)."""
+    return [similarity, *(s for s in map(SearchScore, exact) if s != similarity)]
+
+
+def scores_for(exact: dict[str, np.ndarray], purpose: str) -> tuple[str, ...]:
+    """The exact scores a purpose ("search" or a target) weighs: the training-free ones, then its own channel metric
+    where `exact` holds its out-of-fold similarity (embed/fitted.py)."""
+    own = fitted_score(purpose)
+    return (*EXACT_SCORES, *((own,) if own in exact else ()))
 
 
 def knn_similarity(search: SearchScore) -> SearchScore:
@@ -130,9 +137,10 @@ def _why(chosen: SearchScore | Predictor, reference: SearchScore | Predictor, ga
     )
 
 
-def mix_candidates() -> list[SearchScore]:
+def mix_candidates(exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
     """The one-stage search scores, simplest first: each exact score, then the mixes by W2T weight."""
-    return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in EXACT_SCORES))
+    scores = tuple(exact)
+    return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in scores))
 
 
 def staged_over(score: SearchScore) -> list[SearchScore]:
@@ -143,10 +151,10 @@ def staged_over(score: SearchScore) -> list[SearchScore]:
     return [SearchScore(score.exact, w, score.w2t_weight, top) for w in MIX_WEIGHTS if score.w2t_weight < w < 1 for top in RERANK_TOPS]
 
 
-def search_candidates() -> list[SearchScore]:
-    """Every search score the choice can make, simplest first: the one-stage ones, then each one's two-stage
-    searches (staged_over)."""
-    one = mix_candidates()
+def search_candidates(exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
+    """Every search score the choice can make over the exact scores `exact`, simplest first: the one-stage ones, then
+    each one's two-stage searches (staged_over)."""
+    one = mix_candidates(exact)
     return [*one, *(s for c in one for s in staged_over(c))]
 
 
@@ -178,7 +186,8 @@ def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarr
 
 def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice[SearchScore]:
     """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score
-    between the labelled adapters (n × n), `tasks` their tasks ("" unknown). Each held-out adapter with a task
+    between the labelled adapters (n × n; a channel metric's out of fold, embed/fitted.py, whose search metric is a
+    candidate where present), `tasks` their tasks ("" unknown). Each held-out adapter with a task
     queries the labelled ones, and each candidate is scored by MRR + nDCG@10. The pick: the one-stage score with the
     best estimate, made against whole-update dW cosine (best_expected: choosing so must pay on held-out halves);
     then, over a pick other than dW cosine, the one of its two-stage searches (staged_over) with a better estimate,
@@ -204,7 +213,7 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     def value(score: SearchScore, items: np.ndarray) -> float:
         return float(per_item(score)[items].mean())
 
-    base, gain = best_expected(mix_candidates(), reference, value, len(flat))
+    base, gain = best_expected(mix_candidates(scores_for(exact, "search")), reference, value, len(flat))
     reason = _why(base, reference, gain, len(flat), "MRR + nDCG@10")
     chosen = base
     if base != reference:
@@ -232,17 +241,20 @@ def choose_attribute(
     classes: list[str],
     learned: dict[LearnedPredictor, dict[int, np.ndarray]],
     folds: list[Fold],
+    target: str = "",
 ) -> tuple[Choice[Predictor], dict[Predictor, np.ndarray], Calibration]:
-    """A kNN among the labelled adapters (the best of knn_similarities(search) × KNN_KS) or a
+    """A kNN among the labelled adapters (the best of knn_similarities(search) × KNN_KS, with the `target`'s own
+    channel metric where `exact` holds it) or a
     learned predictor (`learned`: its out-of-fold class shares over `classes` by row: the W2T heads, few-shot
     readouts of the embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice,
     every candidate's per-item hits, and the chosen predictor's calibration: fit on its out-of-fold shares, or for a
     kNN by a training-free similarity on the leave-one-out votes among all the labelled adapters (embed.calibration
-    knn_calibration: more votes, none of them shaped by its own label). A kNN by a similarity mixed with W2T is
-    calibrated out of fold like a learned predictor: in the served embedding the labelled adapters were trained on,
-    so their leave-one-out votes are surer than a query's."""
+    knn_calibration: more votes, none of them shaped by its own label). A kNN by a similarity mixed with W2T, or by a
+    channel metric, is calibrated out of fold like a learned predictor: the labelled adapters shaped the served
+    similarity, so their leave-one-out votes are surer than a query's."""
     index = np.array([classes.index(label) if label else -1 for label in labels], np.int64)
-    knns = [KnnPredictor(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
+    similarities = knn_similarities(search, scores_for(exact, target))
+    knns = [KnnPredictor(sim, k) for sim in similarities for k in KNN_KS]
     shares: dict[Predictor, list[np.ndarray]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
     truth: list[int] = []
     for f in folds:
@@ -250,7 +262,7 @@ def choose_attribute(
         train = [r for r in f.train if labels[r]]
         if not val or not train:
             continue
-        for similarity in knn_similarities(search):
+        for similarity in similarities:
             sim = search_similarity(exact, similarity, f.z, val, train)
             for k in KNN_KS:
                 shares[KnnPredictor(similarity, k)].append(knn_vote_shares(sim, index[train], len(classes), k))
@@ -269,7 +281,7 @@ def choose_attribute(
         chosen, value = best_expected(candidates, free, lambda c, items: float(per[c][items].mean()), len(t))
         reason = _why(chosen, free, value, len(t), "accuracy") + (" (the best kNN)" if chosen == free else "")
     prior = class_prior(index[index >= 0], len(classes))
-    if isinstance(chosen, KnnPredictor) and chosen.similarity.w2t_weight == 0:  # no adapter's label shaped its similarity
+    if isinstance(chosen, KnnPredictor) and chosen.similarity.w2t_weight == 0 and chosen.similarity.fitted is None:  # no label shaped it
         rows = np.flatnonzero(index >= 0).tolist()
         sim = exact[chosen.similarity.exact][np.ix_(rows, rows)]
         calibration = knn_calibration(sim, index[rows], len(classes), chosen.k, prior)
@@ -342,11 +354,14 @@ def choose_metric(
     values: np.ndarray,
     learned: dict[LearnedPredictor, dict[int, float]],
     folds: list[Fold],
+    target: str = "",
 ) -> tuple[Choice[Predictor], np.ndarray, np.ndarray]:
-    """A kNN among the labelled adapters (as for attributes, by Spearman) or a learned predictor (`learned`: its
-    out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric (values per
-    labelled adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
-    knns = [KnnPredictor(sim, k) for sim in knn_similarities(search) for k in KNN_KS]
+    """A kNN among the labelled adapters (as for attributes, by Spearman, with the `target` metric's own channel
+    metric where `exact` holds it) or a learned predictor (`learned`: its out-of-fold predictions by row, e.g. the
+    heads and a kNN in the W2T embedding), for one metric (values per labelled adapter, NaN unknown). Returns the
+    choice, and the chosen predictor's out-of-fold predictions with the truth."""
+    similarities = knn_similarities(search, scores_for(exact, target))
+    knns = [KnnPredictor(sim, k) for sim in similarities for k in KNN_KS]
     preds: dict[Predictor, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
     truth: list[float] = []
     for f in folds:
@@ -354,7 +369,7 @@ def choose_metric(
         train = [r for r in f.train if not np.isnan(values[r])]
         if not val or not train:
             continue
-        for similarity in knn_similarities(search):
+        for similarity in similarities:
             sim = search_similarity(exact, similarity, f.z, val, train)
             for k in KNN_KS:
                 preds[KnnPredictor(similarity, k)] += knn_regress(sim, values[train], k).tolist()

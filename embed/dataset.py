@@ -10,7 +10,7 @@ from sqlalchemy import select as sql_select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from embed.types import SpaceSchema, ZooAdapter
-from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_cosines, sketch_width
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter
@@ -128,7 +128,7 @@ class _ExactBuilder:
             s = self.stack  # its first n rows, as views
             factors = {k: (U[:n], V[:n], w[:n]) for k, (U, V, w) in s.factors.items()}
             stack = ModuleStack(n, {k: v[:n] for k, v in s.norms.items()}, {k: v[:n] for k, v in s.dense.items()}, factors)
-            return ExactScores(ids, {score: exact_cosines(stack, stack, score) for score in EXACT_SCORES})
+            return ExactScores.of_stack(ids, stack)
         sketches = np.concatenate(self.sketches) if self.sketches else np.zeros((0, len(self.schema.modules)), np.float32)
         estimate = sketch_module_cosines(sketches, sketches, len(self.schema.modules))
         return ExactScores(ids, dict.fromkeys(EXACT_SCORES, estimate), source="module sketches")

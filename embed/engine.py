@@ -39,14 +39,15 @@ from threadpoolctl import threadpool_limits
 
 from embed.attributes import AdapterAttributes, last_label_id
 from embed.calibration import is_sure
-from embed.checkpoint import checkpoint_meta, search_of
+from embed.checkpoint import channel_metrics_of, checkpoint_meta, search_of
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
 from embed.types import SpaceSchema, ZooAdapter
 from zoo import config
+from zoo.domain.channel_metric import ChannelMetric
 from zoo.domain.channels import EXACT_SCORES, channel_sketches, exact_cosines
-from zoo.domain.methods import KnnPredictor, SearchScore
+from zoo.domain.methods import KnnPredictor, SearchScore, fitted_purpose
 from zoo.domain.similarity import MODULE_SKETCH_DIM, ModuleStack, dense_modules, module_sketches, sketch_module_cosines
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), **dict.fromkeys(EXACT_SCORES, (SKET
 #: 0.609 of the exact input-Gram top 10 from the module sketch index, 0.965 from the input-Gram sketch index and 0.988
 #: from both (docs/results.md)
 EXACT_CANDIDATES = {"dw": (SKETCH,), "module": (SKETCH,), "input_gram": (GRAM, SKETCH)}
+#: a channel metric's first-stage candidates (embed/fitted.py): it weighs the input Gram, dW and module cosine as the
+#: labels ask, so both indexes' nearest
+FITTED_CANDIDATES = (GRAM, SKETCH)
 #: the most lists an IVF index of these embedders probes: raw-factor sketches of unrelated adapters are near-random
 #: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
 #: ones tuned to every list: 99 ms a query); the relation step wants only relatives, which share the query's lists
@@ -790,7 +794,7 @@ class QueryEngine:
     @staticmethod
     def _missing(state: SpaceState, exact: str | None) -> dict[str, str]:
         """The indexes that would give an exact score candidates that the space lacks, each with what stands in."""
-        wanted = EXACT_CANDIDATES[exact] if exact is not None else ()
+        wanted = exact_sources(exact) if exact is not None else ()
         return {
             kind: f"not built: candidates from the {SKETCH} index instead; run `zoo embed --space {state.name}`"
             for kind in wanted
@@ -874,16 +878,22 @@ class QueryEngine:
         return score.similarity(exact, w2t), score.ranking(exact, w2t)
 
     def _exact(self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, score: str) -> np.ndarray:
-        """An exact score (zoo.domain.channels.exact_cosines) from the module store; without one, estimated from the
-        sketches: the input Gram from the input-Gram sketches where the space has them for every candidate, else (and
-        for the other scores) the module sketches' cosine stands in."""
+        """An exact score (zoo.domain.channels.exact_cosines, or the channel metric `zoo train` fitted: its atoms in
+        r×r blocks) from the module store; without one, estimated from the sketches: the input Gram from the input-Gram
+        sketches where the space has them for every candidate, else (and for the other scores) the module sketches'
+        cosine stands in. A channel metric has no estimate: without the module store it is refused."""
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):
             if query.adapter_id is not None and query.adapter_id in store.rows:
                 q = store.stack.take([store.rows[query.adapter_id]])
             else:
                 q = ModuleStack.of([query.factors], store.dense)
-            return exact_cosines(store.stack.take([store.rows[int(i)] for i in ids.tolist()]), q, score)[0]
+            gallery = store.stack.take([store.rows[int(i)] for i in ids.tolist()])
+            if fitted_purpose(score) is not None:
+                return served_metric(self.data_dir / str(state.embedders[W2T].checkpoint), score).between(gallery, q)[0]
+            return exact_cosines(gallery, q, score)[0]
+        if fitted_purpose(score) is not None:
+            raise NotReadyError(f"space {state.name} serves the channel metric {score}, which needs its module store: run `zoo embed`")
         kind = GRAM if score == "input_gram" and GRAM in vectors else SKETCH
         e = state.embedders[kind]
         if kind == GRAM and not all(e.index.contains(int(i)) for i in ids.tolist()):  # embedded before `zoo embed` caught up
@@ -1008,9 +1018,25 @@ def stage_kinds(search: SearchScore, have: Mapping[str, object]) -> tuple[str, .
 
 
 def candidate_kinds(score: str, have: Mapping[str, object]) -> tuple[str, ...]:
-    """The embedders whose indexes give an exact score its first-stage candidates: EXACT_CANDIDATES[score] of those
+    """The embedders whose indexes give an exact score its first-stage candidates: exact_sources(score) of those
     the space has (`have`: by method), the module sketch where it has none of them."""
-    return tuple(k for k in EXACT_CANDIDATES[score] if k in have) or (SKETCH,)
+    return tuple(k for k in exact_sources(score) if k in have) or (SKETCH,)
+
+
+def exact_sources(score: str) -> tuple[str, ...]:
+    """The indexes whose nearest are an exact score's first-stage candidates: EXACT_CANDIDATES', or a channel
+    metric's FITTED_CANDIDATES."""
+    return FITTED_CANDIDATES if fitted_purpose(score) is not None else EXACT_CANDIDATES[score]
+
+
+@functools.lru_cache(maxsize=64)
+def served_metric(checkpoint: Path, name: str) -> ChannelMetric:
+    """A channel metric a W2T checkpoint serves, by its score's name (its directory is never rewritten, so this is
+    cached)."""
+    metrics = channel_metrics_of(checkpoint_meta(checkpoint))
+    if name not in metrics:
+        raise NotReadyError(f"the W2T checkpoint {checkpoint.name} has no channel metric {name}: run `zoo train` again")
+    return metrics[name]
 
 
 def knn_shares(

@@ -17,12 +17,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from embed.calibration import NEVER_SURE, Calibration
-from embed.checkpoint import MEMORY, META, WEIGHTS, checkpoint_meta, methods_meta, predictors_of, search_of
+from embed.checkpoint import MEMORY, META, WEIGHTS, channel_metrics_of, checkpoint_meta, methods_meta, predictors_of, search_of
 from embed.choice import prototype_shares, softmax_rows
 from embed.metrics import knn_regress
 from embed.model import W2T, W2TConfig
 from embed.tokens import Batch, n_rows, select, to_device, token_shapes, tokenize
 from embed.types import SpaceSchema, ZooAdapter
+from zoo.domain.channel_metric import ChannelMetric
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, Predictor, SearchScore
 
 #: adapters per forward pass when embedding (at most: see TOKENS_PER_BATCH)
@@ -72,6 +73,9 @@ class W2TEnsemble:
     #: per attribute: the chosen predictor's calibration, fit on its out-of-fold shares (embed/calibration.py);
     #: checkpoints from before calibration have none and serve raw shares
     calibration: dict[str, Calibration] = field(default_factory=dict)
+    #: the channel metrics fitted on the labelled training adapters, by their score's name (zoo.domain.methods.fitted_score):
+    #: what a search score or kNN that weighs one serves (embed/fitted.py)
+    channel_metrics: dict[str, ChannelMetric] = field(default_factory=dict)
     _memory_classes: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def memory_classes(self, attribute: str) -> np.ndarray:
@@ -225,7 +229,7 @@ class W2TEnsemble:
             "history": self.history,
             "residual_std": self.residual_std,
             "metric_range": self.metric_range,
-            **methods_meta(self.search, self.predictors),
+            **methods_meta(self.search, self.predictors, self.channel_metrics),
             "memory_labels": self.memory_labels,
             "choices": self.choices,
             "readouts": self.readouts,
@@ -262,4 +266,5 @@ class W2TEnsemble:
             meta.get("choices", {}),
             meta.get("readouts", {}),
             calibration={k: Calibration.from_dict(c) for k, c in meta.get("calibration", {}).items()},
+            channel_metrics=channel_metrics_of(meta),
         )

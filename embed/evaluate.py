@@ -14,6 +14,7 @@ chosen cross-fitted (on the other splits).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,14 +25,15 @@ import torch
 
 from embed.baselines import raw_factor_vectors, spectra_vectors
 from embed.calibration import expected_calibration_error
-from embed.choice import search_candidates
+from embed.choice import scores_for, search_candidates
 from embed.ensemble import W2TEnsemble
 from embed.intervals import LEVEL, RESAMPLES, Interval, clustered_bootstrap
 from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval_per_query
 from embed.tokens import max_rank
-from embed.train import TrainOptions, train_w2t
+from embed.train import TrainOptions, remember_and_choose, train_w2t
 from embed.types import SpaceSchema, ZooAdapter, split_positions
 from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.channel_metric import Bank, ChannelMetric, bank_matrices
 from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import KnnPredictor, SearchScore
 from zoo.domain.similarity import (
@@ -44,9 +46,11 @@ from zoo.domain.similarity import (
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"
-#: `default` is what `zoo search` and `zoo predict` do once a supervised W2T is trained (embed/choice.py), `module_cosine` before
+#: `default` is what `zoo search` and `zoo predict` do once a supervised W2T is trained (embed/choice.py), `module_cosine` before;
+#: `default_without_metric` the same W2T's choice made without the channel metrics (TrainOptions.channel_metric)
 METHODS = (
     "default",
+    "default_without_metric",
     "dw_cosine",
     "module_cosine",
     "input_gram_cosine",
@@ -171,6 +175,17 @@ class Similarities:
     raw: np.ndarray | None
     spectra: np.ndarray
     seconds: dict[str, float]
+    #: the adapters' module stack, and the channel metrics' atoms among them (what a split's fitted metrics score
+    #: them by, where the metric's module groups are the bank's)
+    stack: ModuleStack | None = None
+    bank: Bank | None = None
+
+    def fitted(self, metrics: dict[str, ChannelMetric]) -> dict[str, np.ndarray]:
+        """Each channel metric's similarity among all the adapters, by its score's name."""
+        stack, bank = self.stack, self.bank
+        if stack is None or bank is None:
+            return {}
+        return {name: m.similarity(bank) if bank.modules == m.groups else m.between(stack, stack) for name, m in metrics.items()}
 
 
 def similarities(adapters: list[ZooAdapter], schema: SpaceSchema) -> Similarities:
@@ -185,8 +200,10 @@ def similarities(adapters: list[ZooAdapter], schema: SpaceSchema) -> Similaritie
     raw = raw_factor_vectors(adapters, schema, max_rank(adapters))
     spec = spectra_vectors(adapters, schema, max_rank(adapters))
     raw_sim, spec_sim = (cosine(raw, raw) if raw is not None else None), cosine(spec, spec)
-    seconds = {"dw_cosine": t1 - t0, "module_sketch": t2 - t1, "raw_and_spectra": time.perf_counter() - t2}
-    return Similarities(exact, sketch_sim, raw_sim, spec_sim, seconds)
+    t3 = time.perf_counter()
+    bank = bank_matrices(stack, stack)
+    seconds = {"dw_cosine": t1 - t0, "module_sketch": t2 - t1, "raw_and_spectra": t3 - t2, "channel_bank": time.perf_counter() - t3}
+    return Similarities(exact, sketch_sim, raw_sim, spec_sim, seconds, stack, bank)
 
 
 def split_of(
@@ -281,8 +298,12 @@ def evaluate(
         methods[name] = _score(sim, adapters, test_pos, train_pos, predict=kind == "contrastive")
         if kind == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
-            methods["default"] = _default_scores(emb, exact, sim, adapters, test_pos, train_pos)
-            candidates = candidate_scores(exact, sim, adapters, test_pos)
+            served = {**exact, **sims.fitted(emb.channel_metrics)}  # the channel metrics this split's labels fitted
+            methods["default"] = _default_scores(emb, served, sim, adapters, test_pos, train_pos)
+            candidates = candidate_scores(served, sim, adapters, test_pos)
+            free = copy.copy(emb)  # the same members, its choices made again without the metrics
+            remember_and_choose(free, fit, replace(options, objective=trained_as, channel_metric=False))
+            methods["default_without_metric"] = _default_scores(free, exact, sim, adapters, test_pos, train_pos)
 
     if not contrastive:
         methods["w2t_contrastive"] = _nothing()
@@ -320,9 +341,13 @@ def evaluate(
 def candidate_scores(
     exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int]
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Every search score the choice had (embed.choice.search_candidates), by name: its REGRET_KEYS per query of the
-    split (its held-out adapters with a task), for cross_fitted_regret."""
-    return {c.name: _score(_ranking(exact, w2t, c), adapters, test_pos, [], predict=False).per_query for c in search_candidates()}
+    """Every search score the choice had (embed.choice.search_candidates over `exact`'s scores: the search's channel
+    metric too where it was fitted), by name: its REGRET_KEYS per query of the split (its held-out adapters with a
+    task), for cross_fitted_regret."""
+    return {
+        c.name: _score(_ranking(exact, w2t, c), adapters, test_pos, [], predict=False).per_query
+        for c in search_candidates(scores_for(exact, "search"))
+    }
 
 
 def _share(fraction: float | None, size: int) -> int:
@@ -454,7 +479,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     (combine_splits), without the per-query scores, and from those the paired comparisons (INTERVAL_SCHEME): the
     leading method on MAIN_METRIC against the runner-up (`comparison`), the default against each exact score on
     VERSUS_KEYS (`default_versus`), the default's performance Spearman against the best training-free kNN
-    (`spearman_versus_best_knn`), and the search choice's cross-fitted regret (`search_regret`)."""
+    (`spearman_versus_best_knn`), what the channel metrics add to the default (`metric_gain`: against the same W2T's
+    choice made without them) and the search choice's cross-fitted regret (`search_regret`)."""
     public = [{k: v for k, v in r.items() if k != "per_query"} for r in results]
     result = public[0] if len(public) == 1 else combine_splits(public)
     best = best_training_free_knn(results)
@@ -464,6 +490,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "comparison": leader(results),
         "default_versus": {f"{e}_cosine": {k: compare(results, "default", f"{e}_cosine", k) for k in VERSUS_KEYS} for e in EXACT_SCORES},
         "spearman_versus_best_knn": compare(results, "default", best, "perf_spearman") if best else None,
+        "metric_gain": {k: compare(results, "default", "default_without_metric", k) for k in VERSUS_KEYS},
         "search_regret": cross_fitted_regret(results),
     }
 

@@ -40,6 +40,7 @@ from embed.choice import (
 )
 from embed.distill import distillation_loss, rotate_outputs, token_kernel
 from embed.ensemble import W2TEnsemble, batch_rows
+from embed.fitted import MAX_LABELLED, Purpose, fit_all, out_of_fold, unavailable
 from embed.metrics import retrieval
 from embed.model import W2T, W2TConfig
 from embed.tokens import (
@@ -59,6 +60,7 @@ from embed.tokens import (
     torch_threads,
 )
 from embed.types import SpaceSchema, ZooAdapter
+from zoo.domain.channel_metric import Bank, bank_matrices
 from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS
 from zoo.domain.similarity import ModuleStack, dense_modules
@@ -142,6 +144,9 @@ class TrainOptions:
     #: torch threads while training (None: torch's default). One: on a shared 2-core machine two threads wait on each
     #: other at every small op (a Llama-3-8B step was 2.6 times slower in wall time, docs/results.md)
     threads: int | None = 1
+    #: the few-label channel metrics (embed/fitted.py) are candidates of the out-of-fold choices, where the space has
+    #: their atoms; off: the training-free exact scores and W2T only (what `zoo eval` compares the default with)
+    channel_metric: bool = True
 
 
 def token_spec(options: TrainOptions, schema: SpaceSchema, rank: int) -> TokenSpec:
@@ -158,23 +163,39 @@ class ExactScores:
     """The exact scores (zoo.domain.channels.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
     choices compare W2T with. `source` says what they were computed from: "factors" (exact), or "module sketches"
     where the space is too big for the engine's module store, whose module-cosine estimate then stands in for both
-    scores when a query is served (embed.engine) and so here."""
+    scores when a query is served (embed.engine) and so here. `bank`: the channel metric's atoms among them
+    (zoo.domain.channel_metric.bank_matrices), from the factors, where they are at most embed.fitted.MAX_LABELLED."""
 
     ids: np.ndarray
     scores: dict[str, np.ndarray]
     source: str = "factors"
+    bank: Bank | None = None
+
+    def _at(self, ids: list[int]) -> np.ndarray:
+        at = {int(i): j for j, i in enumerate(self.ids.tolist())}
+        return np.array([at[int(i)] for i in ids], dtype=np.int64)
 
     def among(self, ids: list[int]) -> dict[str, np.ndarray]:
-        at = {int(i): j for j, i in enumerate(self.ids.tolist())}
-        idx = np.array([at[int(i)] for i in ids], dtype=np.int64)
+        idx = self._at(ids)
         return {k: v[np.ix_(idx, idx)] for k, v in self.scores.items()}
 
+    def bank_among(self, ids: list[int]) -> Bank | None:
+        idx = self._at(ids)
+        return self.bank.take(idx, idx) if self.bank is not None else None
+
     @classmethod
-    def of_factors(cls, adapters: list[ZooAdapter]) -> ExactScores:
-        """Exact scores among adapters held with their full factors."""
+    def of_stack(cls, ids: np.ndarray, stack: ModuleStack, bank: bool = True) -> ExactScores:
+        """Exact scores among the adapters of a stack, and with `bank` the channel metric's atoms where they are few
+        enough."""
+        atoms = bank_matrices(stack, stack) if bank and stack.size <= MAX_LABELLED else None
+        return cls(ids, {s: exact_cosines(stack, stack, s) for s in EXACT_SCORES}, bank=atoms)
+
+    @classmethod
+    def of_factors(cls, adapters: list[ZooAdapter], bank: bool = True) -> ExactScores:
+        """Exact scores (and with `bank` the atoms: of_stack) among adapters held with their full factors."""
         factors = [a.factors for a in adapters]
         stack = ModuleStack.of(factors, dense_modules(factors))
-        return cls(np.array([a.id for a in adapters], dtype=np.int64), {s: exact_cosines(stack, stack, s) for s in EXACT_SCORES})
+        return cls.of_stack(np.array([a.id for a in adapters], dtype=np.int64), stack, bank)
 
 
 def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
@@ -788,12 +809,15 @@ def remember_and_choose(
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
     embedder.predictors, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}
-    embedder.calibration, embedder._memory_classes = {}, {}
+    embedder.calibration, embedder._memory_classes, embedder.channel_metrics = {}, {}, {}
     folds = _folds(len(adapters), len(models), options)
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
         labelled = [adapters[r] for r in known]
-        scores = exact.among([a.id for a in labelled]) if exact is not None else ExactScores.of_factors(labelled).scores
-        _choose(embedder, labelled, known, singles, member_z, folds, tokens, scores)
+        ids = [a.id for a in labelled]
+        given = exact if exact is not None else ExactScores.of_factors(labelled, bank=options.channel_metric)
+        why_not = unavailable(given.bank, given.source, len(labelled)) if options.channel_metric else "no channel metric: left out"
+        bank = given.bank_among(ids) if why_not is None else None
+        _choose(embedder, labelled, known, singles, member_z, folds, tokens, given.among(ids), bank, why_not)
 
 
 def _choose(
@@ -805,18 +829,32 @@ def _choose(
     folds: list[_Fold],
     tokens: Batch,
     exact: dict[str, np.ndarray],
+    bank: Bank | None,
+    why_not: str | None,
 ) -> None:
     """The search score and each target's predictor, out of fold (embed/choice.py), over the labelled adapters
-    (`labelled`, at `rows` of the training set); and the std of the chosen metric predictors' residuals there."""
+    (`labelled`, at `rows` of the training set), among candidates that include the channel metrics (embed/fitted.py)
+    where `bank` holds their atoms (else `why_not` says why not); the metrics fitted on every labelled adapter; and the
+    std of the chosen metric predictors' residuals there."""
     at = {r: i for i, r in enumerate(rows)}
     views = [
         Fold([at[r] for r in f.val.tolist() if r in at], [at[r] for r in f.train.tolist() if r in at], mz[rows])
         for f, mz in zip(folds, member_z, strict=True)
     ]
     tasks = [a.labels.get(TASK_KEY, "") for a in labelled]
+    if bank is not None:
+        purposes = {
+            "search": Purpose("search", tasks),
+            **{k: Purpose("task", embedder.memory_labels[k]) for k in embedder.config.categorical},
+            **{m: Purpose("performance", embedder.memory_values[m]) for m in embedder.config.regression},
+        }
+        exact = {**exact, **out_of_fold(bank, purposes, views)}
+        embedder.channel_metrics = fit_all(bank, purposes)
     search = choose_search(exact, tasks, views)
     embedder.search = search.chosen
     similarity = knn_similarity(search.chosen)
+    if why_not is not None:  # said where `zoo train` reports the search chosen
+        search.reason = f"{search.reason}; {why_not}"
     embedder.choices = {"search": search.as_dict()}
     # each member predicts the rows it never trained on; a row held out by several is given their mean
     held_shares: dict[str, list[tuple[int, np.ndarray]]] = {}  # the heads' class shares by attribute, with their rows
@@ -838,7 +876,7 @@ def _choose(
     for k in embedder.config.categorical:
         labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
         learned = {HEAD: shares.get(k, {}), **readout_predictions(labels, classes, views)}
-        choice, _, embedder.calibration[k] = choose_attribute(exact, similarity, labels, classes, learned, views)
+        choice, _, embedder.calibration[k] = choose_attribute(exact, similarity, labels, classes, learned, views, k)
         embedder.predictors[k] = choice.chosen
         embedder.choices[k] = choice.as_dict()
         if choice.chosen == LOGREG:
@@ -846,7 +884,7 @@ def _choose(
             embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
     for m in embedder.config.regression:
         predicted = {HEAD: values.get(m, {}), NEIGHBOURS: values.get(f"neighbours.{m}", {})}
-        choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views)
+        choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views, m)
         embedder.predictors[m] = choice.chosen
         embedder.choices[m] = choice.as_dict()
         if len(truth) >= 2:

@@ -120,10 +120,16 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
         accuracy = dict(session.execute(select(Measurement.adapter_id, Measurement.value)).all())
         tasks = dict(session.execute(select(Label.adapter_id, Label.value).where(Label.key == "task")).all())
     others = sorted(i for i in accuracy if i != 3)
+    from embed.ensemble import W2TEnsemble
+    from zoo.domain.channels import factor_stack
+
+    emb = W2TEnsemble.load(Path(info["checkpoint"]))
     scores = {
         "dw": dw_cosine_matrix,
         "module": module_cosine_matrix,
         "input_gram": lambda q, g: channel_similarity_matrix(q, g, "input_gram"),
+        # a channel metric fitted on the labelled adapters (embed/fitted.py), from the factors in r×r blocks
+        **{name: lambda q, g, m=m: m.between(factor_stack(g), factor_stack(q)) for name, m in emb.channel_metrics.items()},
     }
     rc, (by_id,) = cli.json_lines("predict", "3")
     knn = KnnPredictor.parse(info["predictors"]["test_accuracy"])
@@ -137,9 +143,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     assert by_id["attributes"]["task"][0]["value"] == max(votes, key=votes.get)
     # the served probabilities are the vote's shares calibrated as fit out of fold, with the neighbours counted
     from embed.calibration import is_sure
-    from embed.ensemble import W2TEnsemble
 
-    emb = W2TEnsemble.load(Path(info["checkpoint"]))
     classes = emb.config.categorical["task"]
     shares = np.array([votes.get(c, 0.0) for c in classes])
     want_p = emb.calibrated("task", shares / shares.sum(), own_label_left_out=True)  # adapter 3 is labelled: its label left out

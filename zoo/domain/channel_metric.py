@@ -32,14 +32,11 @@ inside each fold); λ = ∞ is the prior itself, and a tie goes to the stronger 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-from scipy.optimize import minimize, minimize_scalar
-from scipy.special import logsumexp
-from scipy.stats import rankdata, spearmanr
-from threadpoolctl import threadpool_limits
 
 from zoo.domain.channels import CHANNELS, channel_group_sums
 from zoo.domain.naming import layer_index, module_type
@@ -79,10 +76,11 @@ def module_groups(names: Sequence[str], buckets: int = DEPTH_BUCKETS) -> dict[st
 @dataclass(frozen=True)
 class Bank:
     """The atoms' values between queries and a gallery: `values[a]` (queries, gallery) float64 is atom
-    `atoms[a]` = (channel, module group)."""
+    `atoms[a]` = (channel, module group); `modules`: each module's group, as the bank was built."""
 
     atoms: tuple[tuple[str, str], ...]
     values: np.ndarray
+    modules: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.values.ndim != 3 or self.values.shape[0] != len(self.atoms):
@@ -105,24 +103,40 @@ class Bank:
 
     def take(self, queries: Sequence[int] | np.ndarray, gallery: Sequence[int] | np.ndarray) -> Bank:
         """The bank between the given query rows and gallery columns."""
-        return Bank(self.atoms, self.values[:, np.asarray(queries)[:, None], np.asarray(gallery)[None, :]])
+        return Bank(self.atoms, self.values[:, np.asarray(queries)[:, None], np.asarray(gallery)[None, :]], self.modules)
 
 
-def bank_matrices(gallery: ModuleStack, queries: ModuleStack, buckets: int = DEPTH_BUCKETS, chunk: int = 2048) -> Bank:
-    """Every channel of BANK per module group (`module_groups` of the stacks' shared modules) between the stacks; an
-    atom's (queries, gallery) values are its group's part of the channel (0 where the pair shares no module)."""
+def bank_matrices(
+    gallery: ModuleStack, queries: ModuleStack, buckets: int = DEPTH_BUCKETS, chunk: int = 2048, groups: Mapping[str, str] | None = None
+) -> Bank:
+    """Every channel of BANK per module group between the stacks; an atom's (queries, gallery) values are its group's
+    part of the channel (0 where the pair shares no module). The groups: `module_groups` of the stacks' shared
+    modules, or `groups` given (a fitted metric's: every group of it is an atom, and a module it does not name counts
+    in none)."""
     names = sorted(queries.norms.keys() & gallery.norms.keys())
-    group_of = module_groups(names, buckets)
-    groups = sorted(set(group_of.values()))
+    group_of = module_groups(names, buckets) if groups is None else {n: groups[n] for n in names if n in groups}
+    total = np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)  # every module's: dW cosine's norms
+    gallery, queries = _only(gallery, group_of), _only(queries, group_of)
+    kept = sorted(set(group_of.values()) if groups is None else set(groups.values()))
     sums, counts = channel_group_sums(gallery, queries, group_of.__getitem__, CHANNELS, chunk)
-    shared = np.maximum(sum((counts[g] for g in groups), np.zeros((queries.size, gallery.size))), 1)
-    dw = {g: np.zeros((queries.size, gallery.size)) for g in groups}
+    shared = np.maximum(sum((counts.get(g, 0) for g in kept), np.zeros((queries.size, gallery.size))), 1)
+    dw = {g: np.zeros((queries.size, gallery.size)) for g in kept}
     for name, cos, _ in gallery.module_cosines(queries, chunk):
         dw[group_of[name]] += cos * np.outer(queries.norms[name].astype(np.float64), gallery.norms[name].astype(np.float64))
-    total = np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)
-    atoms = tuple((c, g) for c in BANK for g in groups)
-    values = [dw[g] / total if c == "dw" else sums[c][g] / shared for c, g in atoms]
-    return Bank(atoms, np.stack(values) if values else np.zeros((0, queries.size, gallery.size)))
+    atoms = tuple((c, g) for c in BANK for g in kept)
+    empty = np.zeros((queries.size, gallery.size))
+    values = [dw[g] / total if c == "dw" else sums[c].get(g, empty) / shared for c, g in atoms]
+    return Bank(atoms, np.stack(values) if values else np.zeros((0, queries.size, gallery.size)), group_of)
+
+
+def _only(stack: ModuleStack, keep: Mapping[str, str]) -> ModuleStack:
+    """A view of the stack holding only the modules `keep` names."""
+    return ModuleStack(
+        stack.size,
+        {n: v for n, v in stack.norms.items() if n in keep},
+        {n: v for n, v in stack.dense.items() if n in keep},
+        {n: v for n, v in stack.factors.items() if n in keep},
+    )
 
 
 @dataclass(frozen=True)
@@ -137,12 +151,38 @@ class ChannelMetric:
     prior: str
     #: the shrink strength chosen by inner cross-validation (∞: the prior itself)
     shrink: float
+    #: each module's group, as the bank it was fitted on had them: new adapters' atoms are built with these
+    groups: Mapping[str, str] = field(default_factory=dict)
 
     def similarity(self, bank: Bank) -> np.ndarray:
         """(queries, gallery) Σ_a w_a F_a on a bank of the same atoms."""
         if bank.atoms != self.atoms:
             raise ValueError("the bank's atoms differ from the metric's: build both over the same modules and buckets")
         return np.tensordot(self.weights, bank.values, axes=1)
+
+    def between(self, gallery: ModuleStack, queries: ModuleStack, chunk: int = 2048) -> np.ndarray:
+        """(queries.size, gallery.size) the metric between two stacks: their atoms over the metric's module groups."""
+        return self.similarity(bank_matrices(gallery, queries, chunk=chunk, groups=self.groups))
+
+    def as_dict(self) -> dict[str, Any]:
+        """As a checkpoint stores it (JSON); `from_dict` reads it back."""
+        return {
+            "objective": self.objective,
+            "atoms": [list(a) for a in self.atoms],
+            "weights": self.weights.tolist(),
+            "prior": self.prior,
+            "shrink": None if math.isinf(self.shrink) else self.shrink,
+            "groups": dict(self.groups),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ChannelMetric:
+        atoms = tuple((str(c), str(g)) for c, g in d["atoms"])
+        weights = np.asarray(d["weights"], dtype=np.float64)
+        if len(weights) != len(atoms) or not (weights >= 0).all() or d["objective"] not in OBJECTIVES:
+            raise ValueError("a channel metric needs an objective of OBJECTIVES and one non-negative weight per atom")
+        shrink = math.inf if d["shrink"] is None else float(d["shrink"])
+        return cls(str(d["objective"]), atoms, weights, str(d["prior"]), shrink, {str(k): str(v) for k, v in d["groups"].items()})
 
     def channel_shares(self) -> dict[str, float]:
         """Per channel its share of the weights (summing to 1)."""
@@ -159,7 +199,7 @@ def prior_metric(bank: Bank, channel: str, objective: str) -> ChannelMetric:
     weights = np.array([1.0 if c == channel else 0.0 for c, _ in bank.atoms])
     if weights.sum() != groups:
         raise ValueError(f"channel {channel!r} needs one atom per module group of the bank")
-    return ChannelMetric(objective, bank.atoms, weights, channel, math.inf)
+    return ChannelMetric(objective, bank.atoms, weights, channel, math.inf, bank.modules)
 
 
 def fit_metric(
@@ -168,6 +208,8 @@ def fit_metric(
     """The metric fitted on labelled adapters: `bank` is labelled × labelled (the same adapters in the same order on
     both sides), `targets` their tasks ("search", "task") or target values ("performance"); the shrink chosen from
     `shrinks` by `folds`-fold cross-validation (one value: no cross-validation)."""
+    from threadpoolctl import threadpool_limits  # scipy and threadpoolctl: imported where a metric is fitted, not served
+
     problem = _Problem.of(bank, targets, objective)
     if not shrinks:
         raise ValueError("give at least one shrink strength")
@@ -200,6 +242,8 @@ class _Problem:
             )
         if objective != "performance":
             return cls(bank, np.asarray(targets, dtype=object), objective)
+        from scipy.stats import rankdata
+
         values = np.asarray(targets, dtype=np.float64)
         if not np.isfinite(values).all():
             raise ValueError("performance targets must be finite numbers")
@@ -216,10 +260,14 @@ class _Problem:
         weights = np.where(active, setup.solve(shrink) / np.where(active, setup.scale, 1.0), prior.weights * setup.temperature)
         if not weights.sum() > 0:
             return prior
-        return ChannelMetric(self.objective, self.bank.atoms, weights * len(self.bank.groups) / weights.sum(), setup.prior, shrink)
+        return ChannelMetric(
+            self.objective, self.bank.atoms, weights * len(self.bank.groups) / weights.sum(), setup.prior, shrink, self.bank.modules
+        )
 
     def setup(self, rows: np.ndarray) -> _Setup:
         """The fit on `rows`: the standardized atoms' loss and the prior there."""
+        from scipy.optimize import minimize_scalar
+
         X = self.bank.values[:, rows[:, None], rows[None, :]]
         valid = ~np.eye(len(rows), dtype=bool)
         scale = X[:, valid].std(axis=1)
@@ -286,6 +334,8 @@ class _Setup:
 
     def solve(self, shrink: float) -> np.ndarray:
         """The standardized weights v ≥ 0 minimizing loss(v) + shrink·‖v − v₀‖² / ‖v₀‖² (v₀ at shrink ∞)."""
+        from scipy.optimize import minimize
+
         if math.isinf(shrink):
             return self.v0
         v0, norm = self.v0, float(self.v0 @ self.v0)
@@ -346,6 +396,8 @@ def _knn_spearman(scores: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> flo
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     """Spearman's correlation, 0 where either side is constant."""
+    from scipy.stats import spearmanr
+
     value = float(spearmanr(a, b).statistic)
     return value if math.isfinite(value) else 0.0
 
@@ -387,6 +439,8 @@ class _Loss:
 
     def at_scores(self, scores: np.ndarray, gradient: bool = True) -> tuple[float, np.ndarray]:
         """The loss at scores s (anchors, candidates) and, with `gradient`, its gradient in s (else zeros)."""
+        from scipy.special import logsumexp
+
         d_full = np.zeros(self.valid.shape)
         if not self.anchors:
             return 0.0, d_full

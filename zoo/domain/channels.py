@@ -23,8 +23,10 @@ modules both have (0 where they share none), as for module cosine. With s = S/�
 
 `channel_matrices` computes them for many adapters at once over `ModuleStack`s, one GEMM per side and chunk shared by
 each side's Gram and subspace channels; module cosine is `ModuleStack.cosines` itself. A module the stack keeps dense
-(its unit-norm dW) is factored there by one batched SVD and compared as factors; the subspace channels, which count
-components however small, need the stored factors (`factor_stack`). `pair_channels` is the per-pair float64 reference.
+(its unit-norm dW) is factored there by one batched SVD and compared as factors, each row keeping the components whose
+singular value passes _DENSE_CUTOFF (float32 round-off of the unit-norm dW): the subspace channels, which count every
+component, then count those (a component the canonical form kept below 1e-5 of ‖dW‖ counts only from the factors).
+`pair_channels` is the per-pair float64 reference.
 `channel_group_sums` gives the same per-module values summed per module group (by type and depth, say) with each
 group's count of shared modules, from which the mean and any weighting of the groups follow (zoo/domain/channel_metric.py).
 
@@ -112,9 +114,6 @@ def channel_group_sums(
     mixed = [n for n in names if (n in gallery.dense) != (n in queries.dense)]
     if mixed:
         raise ValueError(f"stacks of different layouts for modules {mixed}: build both with the same `dense`")
-    dense = [n for n in names if n in gallery.dense]
-    if dense and any(_OVERLAPS.get(c, ("", ""))[1] == "subspace" for c in channels):
-        raise ValueError(f"modules {dense} are stored dense: build the stacks with factor_stack for subspace channels")
     sums: dict[str, dict[str, np.ndarray]] = {c: {} for c in channels}
     counts: dict[str, np.ndarray] = {}
     for name in names:
@@ -127,16 +126,19 @@ def channel_group_sums(
 
 
 def _module_values(gallery: ModuleStack, queries: ModuleStack, channels: Sequence[str], chunk: int, name: str) -> dict[str, np.ndarray]:
-    """One module's (queries.size, gallery.size) value of each channel asked for."""
+    """One module's (queries.size, gallery.size) value of each channel asked for (a dense module factored once)."""
     out: dict[str, np.ndarray] = {}
     if "module" in channels:
         out["module"] = next(_one_module(gallery, name).module_cosines(_one_module(queries, name), chunk))[1]
+    if not set(channels) - {"module"}:
+        return out
+    fq, fg = module_factors(queries, name), module_factors(gallery, name)
     for side in _SIDE_INDEX:
         wanted = [c for c in channels if _OVERLAPS.get(c, ("", ""))[0] == side]
         if wanted:
-            out.update(_overlaps(gallery, queries, side, wanted, chunk, name))
+            out.update(_overlaps(fq, fg, side, wanted, chunk))
     if "spectrum" in channels:
-        out.update(_spectrum_cosines(gallery, queries, name))
+        out["spectrum"] = _spectrum_cosines(fq[2], fg[2])
     return out
 
 
@@ -147,20 +149,22 @@ def _one_module(stack: ModuleStack, name: str) -> ModuleStack:
     return ModuleStack(stack.size, {name: stack.norms[name]}, dense, factors)
 
 
-def _spectrum_cosines(gallery: ModuleStack, queries: ModuleStack, name: str) -> dict[str, np.ndarray]:
+def _spectrum_cosines(wq: np.ndarray, wg: np.ndarray) -> np.ndarray:
     """One module's (queries, gallery) cosine of the unit spectra, sorted descending and zero-padded to a common
     length (sorted: factors given in another order than the canonical one score the same)."""
-    wq, wg = (-np.sort(-module_factors(s, name)[2], axis=1) for s in (queries, gallery))
+    wq, wg = -np.sort(-wq, axis=1), -np.sort(-wg, axis=1)
     width = max(wq.shape[1], wg.shape[1])
     wq, wg = np.pad(wq, ((0, 0), (0, width - wq.shape[1]))), np.pad(wg, ((0, 0), (0, width - wg.shape[1])))
-    return {"spectrum": (wq @ wg.T).astype(np.float64)}
+    return (wq @ wg.T).astype(np.float64)
 
 
-def _overlaps(gallery: ModuleStack, queries: ModuleStack, side: str, channels: list[str], chunk: int, name: str) -> dict[str, np.ndarray]:
-    """One module's value of each channel of one side: Σ_ab p_a (C²)_ab q_b with C = X_xᵀX_y and the channel's
-    weights p, q."""
+_ModuleFactors = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _overlaps(fq: _ModuleFactors, fg: _ModuleFactors, side: str, channels: list[str], chunk: int) -> dict[str, np.ndarray]:
+    """One module's value of each channel of one side, from both stacks' (U, V, w) of it: Σ_ab p_a (C²)_ab q_b with
+    C = X_xᵀX_y and the channel's weights p, q."""
     k = _SIDE_INDEX[side]
-    fq, fg = module_factors(queries, name), module_factors(gallery, name)
     weights = [(_weights(fq[2], _OVERLAPS[c][1]), _weights(fg[2], _OVERLAPS[c][1])) for c in channels]
     values = _squared_overlaps(fq[k], fg[k], weights, chunk)
     return dict(zip(channels, values, strict=True))
@@ -168,12 +172,14 @@ def _overlaps(gallery: ModuleStack, queries: ModuleStack, side: str, channels: l
 
 def module_factors(stack: ModuleStack, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One module's (U (N, R, out), V (N, R, in), w (N, R)) as ModuleStack.factors holds them; a dense module's from
-    one batched SVD of its unit-norm dW, components below _DENSE_CUTOFF in every row dropped (w = S, as ‖dW‖ = 1)."""
+    one batched SVD of its unit-norm dW (w = S, as ‖dW‖ = 1), a row's components at or below _DENSE_CUTOFF zeroed
+    (round-off, as a padded component is) and those below it in every row dropped."""
     if name not in stack.dense:
         return stack.factors[name]
     U, S, Vt = np.linalg.svd(stack.dense[name], full_matrices=False)
     keep = max(1, int((S > _DENSE_CUTOFF).any(axis=0).sum()))  # S is sorted descending per row: a prefix
-    return U[:, :, :keep].transpose(0, 2, 1), Vt[:, :keep], S[:, :keep]
+    S = np.where(S[:, :keep] > _DENSE_CUTOFF, S[:, :keep], 0.0).astype(S.dtype)
+    return U[:, :, :keep].transpose(0, 2, 1), Vt[:, :keep], S
 
 
 def _weights(w: np.ndarray, weighting: str) -> np.ndarray:
@@ -274,19 +280,23 @@ def _spectrum_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim:
 def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int, side: str, weighting: str) -> np.ndarray:
     """Per module `dim` seeded probe values ω_jᵀ·X diag(c) Xᵀ·ψ_j / √dim with X = V (input) or U (output) and c the
     channel's unit-norm weights (`_weights`), so that E[block·block'] = ⟨M, M'⟩_F, the channel's value. ω, ψ are
-    independent standard Gaussians in the side's dimension, drawn once per module name, shape and channel."""
+    independent standard Gaussians in the side's dimension, drawn once per module name, shape and channel. Float32
+    products, one adapter's module at a time (as the module sketches: no float64 copy of the factors)."""
     from zoo import deadline
-    from zoo.domain.probes import probes  # torch: only when sketching
+    from zoo.domain.probes import sketch_probes  # torch: only when sketching
 
     out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
     for m, name in enumerate(modules):
         deadline.check()  # a web call past its time limit stops here (zoo/deadline.py)
-        present = [(i, _float64(a[name])) for i, a in enumerate(adapters) if name in a and a[name].rank]
+        present = [(i, a[name]) for i, a in enumerate(adapters) if name in a and a[name].rank]
         if not present:
             continue
-        width = present[0][1][2 if side == "input" else 0].shape[0]
-        omega, psi = (p.numpy() for p in probes(name, width, width, dim, f"{side}-{weighting}-sketch"))
-        for i, (U, S, V) in present:
-            X, c = (V if side == "input" else U), _weights((S / np.linalg.norm(S))[None, :], weighting)[0]
-            out[i, m] = ((omega.T @ X) * (psi.T @ X)) @ c / np.sqrt(dim)
+        width = int((present[0][1].V if side == "input" else present[0][1].U).shape[0])
+        omega, psi = (p.numpy() for p in sketch_probes(name, width, width, dim, f"{side}-{weighting}-sketch"))
+        for i, f in present:
+            S = f.S.detach().cpu().double().numpy()
+            keep = S > 0
+            X = (f.V if side == "input" else f.U).detach().cpu().float().numpy()[:, keep]
+            c = _weights((S[keep] / np.linalg.norm(S[keep]))[None, :], weighting)[0]
+            out[i, m] = ((omega @ X) * (psi @ X)) @ c / np.sqrt(dim)
     return out.reshape(len(adapters), -1)

@@ -15,6 +15,8 @@ import numpy as np
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.similarity import hybrid_score, rerank_keys
 
+#: a fitted score's name: this and its purpose ("search" or a target), e.g. `metric:search`, `metric:task`
+FITTED = "metric:"
 _W2T = "w2t"
 _MIX = "+w2t@"
 _THEN = " then top "
@@ -25,6 +27,17 @@ _K = " k="
 MAX_RERANK_TOP = 100
 
 
+def fitted_score(purpose: str) -> str:
+    """The name of the few-label channel metric fitted for `purpose` (zoo/domain/channel_metric.py): "search", or a
+    target (an attribute, fitted as the task kNN's, or a metric, as the performance kNN's)."""
+    return f"{FITTED}{purpose}"
+
+
+def fitted_purpose(score: str) -> str | None:
+    """The purpose of a fitted score's name (`fitted_score`); None for a training-free exact score."""
+    return score.removeprefix(FITTED) or None if score.startswith(FITTED) else None
+
+
 def _writable(weight: float) -> bool:
     """A W2T weight in [0, 1] that a name writes exactly (`:g`, six significant digits)."""
     return 0 <= weight <= 1 and float(f"{weight:g}") == weight
@@ -32,7 +45,8 @@ def _writable(weight: float) -> bool:
 
 @dataclass(frozen=True)
 class SearchScore:
-    """An exact score (zoo.domain.channels.EXACT_SCORES) mixed with the supervised W2T cosine at `w2t_weight`:
+    """An exact score (zoo.domain.channels.EXACT_SCORES, or a channel metric fitted on the labelled adapters for a
+    purpose: `fitted_score`) mixed with the supervised W2T cosine at `w2t_weight`:
     0 the exact score alone, 1 the W2T cosine alone (which mixes in no exact score: its `exact` is always the first).
     A weight is one its name writes exactly (`:g`, six significant digits).
 
@@ -47,7 +61,7 @@ class SearchScore:
 
     def __post_init__(self) -> None:
         weight = float(self.w2t_weight)
-        if self.exact not in EXACT_SCORES or not _writable(weight):
+        if (self.exact not in EXACT_SCORES and fitted_purpose(self.exact) is None) or not _writable(weight):
             raise ValueError(f"no search score mixes exact score {self.exact!r} with the W2T cosine at {self.w2t_weight!r}")
         object.__setattr__(self, "w2t_weight", weight)
         if self.rerank_weight is not None:
@@ -66,6 +80,11 @@ class SearchScore:
             object.__setattr__(self, "rerank_weight", second)
         if weight == 1:
             object.__setattr__(self, "exact", EXACT_SCORES[0])
+
+    @property
+    def fitted(self) -> str | None:
+        """The purpose of the channel metric this score weighs (`fitted_score`), if it weighs one."""
+        return fitted_purpose(self.exact) if self.w2t_weight < 1 else None
 
     @property
     def first_stage(self) -> SearchScore:
@@ -102,7 +121,7 @@ class SearchScore:
             score = None
         if score is None or score.name != name:
             raise ValueError(
-                f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {_W2T}, e.g. dw{_MIX}0.3, "
+                f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {fitted_score('search')}, {_W2T}, e.g. dw{_MIX}0.3, "
                 f"or e.g. module{_MIX}0.8{_THEN}10{_BY}module{_MIX}0.1)"
             )
         return score
