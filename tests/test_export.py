@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import CLI
 from tests.factories import TinyLM, train_peft_adapter, write_kohya_file
+from tests.test_formats_diffusers import write_lora_diffusion_file
+from tests.test_formats_lycoris import lycoris_file
 from zoo.config import Settings
 from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.fingerprint import NamedFactors
@@ -153,11 +155,14 @@ def test_what_cannot_be_exported_is_refused(settings: Settings, sources: Path, t
     conv.write_bytes((sources / "kohya-conv.safetensors").read_bytes())
     conv_id = ingest(settings, conv)
     conv.unlink()
+    write_lora_diffusion_file(tmp_path / "lora_diffusion.safetensors")
+    lycoris_file(tmp_path / "full.safetensors", "full")
     refused = {
-        conv_id: "module lora_unet_down_blocks_1_resnets_0_conv1 is a conv layer whose kernel size is not stored, and the source file "
-        f"is not at {conv}",
+        conv_id: f"resnets_0_conv1 is a conv layer whose kernel size is not stored, nor read from a source file at {conv}",
         ingest(settings, sources / "dora"): "is a DoRA adapter",
         ingest(settings, sources / "ft.safetensors"): "is a checkpoint, not a LoRA adapter",  # spectra only: no factors
+        ingest(settings, tmp_path / "lora_diffusion.safetensors"): "its modules are named by the order",
+        ingest(settings, tmp_path / "full.safetensors"): "is stored as its spectrum only",  # LyCORIS full: spectra only
     }
     for adapter_id, reason in refused.items():
         factors, meta = load(settings, adapter_id)

@@ -40,6 +40,7 @@ from zoo.domain.fingerprint import NamedFactors
 from zoo.domain.kohya_names import is_kohya_name, kohya_names
 from zoo.errors import NotFoundError, StorageError, UsageError
 from zoo.formats import LORA_FORMATS
+from zoo.formats.cloneofsimo import FORMAT as CLONEOFSIMO
 from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
@@ -130,12 +131,20 @@ def check_exportable(meta: ExportMeta, fmt: str) -> None:
         raise UsageError(f"{what} is a {meta.format}, not a LoRA adapter: only LoRA adapters ({', '.join(LORA_FORMATS)}) can be exported")
     if meta.config.get("use_dora"):
         raise UsageError(f"{what} is a DoRA adapter: its magnitude vectors are not stored, so it cannot be written back")
+    if meta.format == CLONEOFSIMO:
+        raise UsageError(
+            f"{what} is a cloneofsimo lora_diffusion file: its modules are named by the order lora_diffusion injected them "
+            "(unet:0, ...), not by their paths in the model, so no format can name them for a library to load"
+        )
+    full = sorted(name for name, m in meta.modules.items() if m.kind == "full")
+    if full:
+        raise UsageError(f"{what}: module {full[0]} is stored as its spectrum only (full rank): there are no factors to write back")
     kernels = conv_kernels(meta)
     conv = sorted(name for name, m in meta.modules.items() if m.kind == "conv" and name not in kernels)
     if conv:
         raise UsageError(
-            f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored, and the source file is not at "
-            f"{meta.source_uri} as ingested to read it from, so it cannot be written back"
+            f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored, nor read from a source file at "
+            f"{meta.source_uri} with the bytes ingested, so it cannot be written back"
         )
 
 
