@@ -185,6 +185,8 @@ def test_dora_magnitude_is_recorded_not_applied(tmp_path: Path) -> None:
             r"shape mismatch in m: lokr_w2_a",
         ),
         ({"m.lokr_w1": torch.randn(2, 2), "m.lokr_w2": torch.randn(4, 4), "m.lora_down.weight": torch.randn(2, 8)}, r"m mixes LyCORIS"),
+        # a kron of two small stored sides past the width limit, refused before anything is built
+        ({"m.lokr_w1": torch.randn(730, 1), "m.lokr_w2": torch.randn(730, 1)}, r"is 532,900 wide, past the limit"),
     ],
 )
 def test_unreadable_modules_are_refused_by_key(tmp_path: Path, tensors: dict[str, torch.Tensor], reason: str) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from zoo.domain.spectra import singular_values, spectrum_from_singular_values
+from zoo.domain.spectra import Spectrum, singular_values, spectrum_from_singular_values
 from zoo.errors import InputError
 from zoo.formats.kohya import PAIRS, kohya_base_model, kohya_scaling, read_pairs
 from zoo.formats.limits import check_widths, max_rank
@@ -177,9 +177,7 @@ def _spectra(
     """Every module a full-rank delta: its exact spectrum only, as a checkpoint without a base is stored."""
     if not updates:
         raise InputError(path, "empty adapter: no LyCORIS modules found")
-    matrices = [
-        FullMatrix(u.name, u.shape, spectrum_from_singular_values(abs(u.scale) * u.singular_values(), fit_power_law=True)) for u in updates
-    ]
+    matrices = [FullMatrix(u.name, u.shape, _spectrum(u)) for u in updates]
     notes = [
         f"every LyCORIS module has an exact rank over half its smaller side (or past ZOO_MAX_RANK): read as {len(updates)} "
         "full-rank deltas, their exact spectra only (no factors: not searchable by dW, not exportable)",
@@ -196,6 +194,13 @@ def _spectra(
         metadata=metadata,
         notes=notes,
     )
+
+
+def _spectrum(u: _Update) -> Spectrum:
+    """The module's exact spectrum, its power-law tail fitted where it has at most ZOO_MAX_RANK values: the fit is
+    quadratic in their number, and the kron of two small stored sides can have 500,000."""
+    s = abs(u.scale) * u.singular_values()
+    return spectrum_from_singular_values(s, fit_power_law=s.numel() <= max_rank())
 
 
 def _module(path: Path, u: _Update) -> LoraModule:
