@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import (
@@ -30,6 +30,8 @@ from tests.hub_server import FakeRepo, HubServer
 from tests.test_export import ingest, load, write
 from tests.test_hub import hub  # noqa: F401 - the fake Hub, as a fixture
 from zoo.config import Settings
+from zoo.domain.kohya_names import kohya_names
+from zoo.formats.diffusers import module_name
 from zoo.services.export import export_files, export_notes
 
 VOCAB, LABELS = 50, 3
@@ -63,7 +65,7 @@ CLASSIFIERS: dict[str, tuple[Callable[[], PreTrainedModel], list[str]]] = {
     ),
 }
 #: what is measured is the export and the library loading it, not the database: SQLite only (tests/test_export.py runs both)
-pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 IDS = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
 
 
@@ -98,6 +100,7 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert diff <= 1e-5 * max(float(want[key].double().norm()), 1e-12), (key, diff)
 
 
+@SQLITE
 @pytest.mark.parametrize("kind", list(CLASSIFIERS))
 def test_peft_loads_a_classifier_export_with_its_head(settings: Settings, tmp_path: Path, kind: str) -> None:
     write_seq_cls_adapter(kind, tmp_path / "source")
@@ -115,6 +118,7 @@ def test_peft_loads_a_classifier_export_with_its_head(settings: Settings, tmp_pa
     assert_same_weights(exported.merge_and_unload().state_dict(), original.merge_and_unload().state_dict())
 
 
+@SQLITE
 def test_a_hub_adapter_is_exported_with_its_head_from_the_hub_cache(cli: CLI, hub: HubServer, tmp_path: Path) -> None:  # noqa: F811
     write_seq_cls_adapter("bert", tmp_path / "source")
     hub.repos["alice/bert-cls"] = FakeRepo.from_dir(tmp_path / "source")
@@ -127,6 +131,7 @@ def test_a_hub_adapter_is_exported_with_its_head_from_the_hub_cache(cli: CLI, hu
     assert float((got - want).norm()) <= 1e-5 * float(want.norm())
 
 
+@SQLITE
 def test_a_head_not_found_as_ingested_is_left_out_and_its_task_type_cleared(settings: Settings, tmp_path: Path) -> None:
     source = tmp_path / "source"
     write_seq_cls_adapter("distilbert", source)
@@ -149,6 +154,7 @@ def test_a_head_not_found_as_ingested_is_left_out_and_its_task_type_cleared(sett
     )
 
 
+@SQLITE
 def test_diffusers_loads_the_kohya_and_diffusers_exports_of_an_sd_lora(settings: Settings, tmp_path: Path) -> None:
     source = write_current_lora(tmp_path / "source")
     reference = fused_deltas(source)
@@ -167,6 +173,7 @@ def test_diffusers_loads_the_kohya_and_diffusers_exports_of_an_sd_lora(settings:
     assert_same_weights(fused_deltas(path), reference)
 
 
+@SQLITE
 def test_conv_modules_are_exported_with_the_kernels_of_their_source_file(settings: Settings, tmp_path: Path) -> None:
     """3×3 resnet convs and 1×1 projections: only in·kh·kw is stored, the kernel is read from the source file."""
     layers = add_random_lora(tiny_unet(), ("to_q", "conv1", "proj_in"), seed=3)
@@ -178,3 +185,30 @@ def test_conv_modules_are_exported_with_the_kernels_of_their_source_file(setting
     assert {m.kind for m in meta.modules.values()} == {"linear", "conv"}
     for fmt in ("kohya", "diffusers"):
         assert_same_weights(fused_deltas(next(write(export_files(factors, meta, fmt), tmp_path / fmt).iterdir())), reference)
+
+
+def test_kohya_names_of_sdxl_modules_are_those_diffusers_converts_back() -> None:
+    """Both text encoders (lora_te1_, lora_te2_) and UNet blocks: diffusers' kohya conversion gives back each module."""
+    names = [
+        "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+        "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_out.0",
+        "unet.mid_block.attentions.0.proj_in",
+        "unet.up_blocks.0.attentions.1.transformer_blocks.0.ff.net.0.proj",
+        "text_encoder.encoder.layers.0.self_attn.q_proj",
+        "text_encoder_2.encoder.layers.1.self_attn.out_proj",
+        "text_encoder_2.encoder.layers.1.mlp.fc1",
+    ]
+    state = {}
+    for kohya in kohya_names(names).values():
+        assert kohya is not None
+        state |= {
+            f"{kohya}.lora_down.weight": torch.zeros(2, 4),
+            f"{kohya}.lora_up.weight": torch.zeros(4, 2),
+            f"{kohya}.alpha": torch.tensor(2.0),
+        }
+    converted, _ = StableDiffusionXLPipeline.lora_state_dict(state)  # diffusers' names, in its attn-procs layout
+    downs = [k for k in converted if k.endswith("down.weight")]
+    stems = [
+        k.removesuffix("_lora.down.weight").removesuffix(".lora_linear_layer.down.weight").removesuffix(".lora.down.weight") for k in downs
+    ]
+    assert sorted(module_name(stem, "attn-procs") for stem in stems) == sorted(names)
