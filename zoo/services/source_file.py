@@ -53,7 +53,7 @@ def _candidates(where: Path) -> list[Path]:
     """What to open at a source's path: itself, or the .safetensors files of a folder that is not a PEFT directory."""
     try:
         if where.is_dir() and not is_peft_dir(where):
-            return sorted(where.glob(f"*{SAFETENSORS_SUFFIX}"))[:MAX_CANDIDATES]
-        return [where] if where.exists() else []
+            return sorted(p for p in where.glob(f"*{SAFETENSORS_SUFFIX}") if p.is_file())[:MAX_CANDIDATES]
+        return [where] if where.is_file() or is_peft_dir(where) else []  # a regular file: never a device or a pipe
     except OSError:
         return []
