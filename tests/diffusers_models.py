@@ -149,8 +149,13 @@ def attn_procs_state_dict(current: dict[str, torch.Tensor], prefixed: bool = Tru
 
 
 def write_attn_procs_lora(path: Path, current: dict[str, torch.Tensor], prefixed: bool = True) -> Path:
-    """Write the 2023 attn-procs file holding the same update as a current-layout state dict whose alpha is its rank."""
-    save_file({k: v.contiguous() for k, v in attn_procs_state_dict(current, prefixed).items()}, str(path))
+    """Write the 2023 attn-procs file holding the same update as a current-layout state dict whose alpha is its rank
+    (a weights-only torch pickle when `path` ends in .bin)."""
+    tensors = {k: v.contiguous() for k, v in attn_procs_state_dict(current, prefixed).items()}
+    if Path(path).suffix == ".bin":
+        torch.save(tensors, path)  # pytorch_lora_weights.bin: what diffusers 0.14's unet.save_attn_procs wrote
+    else:
+        save_file(tensors, str(path))
     return Path(path)
 
 
@@ -161,7 +166,7 @@ def fused_deltas(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     components = {"unet": pipe.unet, "text_encoder": pipe.text_encoder}
     base = {c: {k: v.detach().clone() for k, v in m.state_dict().items()} for c, m in components.items()}
     path = Path(path)
-    if not any(k.startswith(("unet.", "text_encoder.", "lora_unet_", "lora_te")) for k in load_file(str(path))):
+    if not any(k.startswith(("unet.", "text_encoder.", "lora_unet_", "lora_te")) for k in _keys(path)):
         # an unprefixed attn-procs file: what unet.save_attn_procs wrote, loaded as diffusers loads a UNet's own LoRA
         pipe.unet.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=None)
     else:
@@ -205,3 +210,8 @@ def fused_flux_deltas(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
         for k, v in model.state_dict().items()
         if k in base and k.endswith(".weight") and not torch.equal(base[k], v)
     }
+
+
+def _keys(path: Path) -> list[str]:
+    """The tensor names of a .safetensors or weights-only .bin file."""
+    return list(torch.load(path, weights_only=True) if path.suffix == ".bin" else load_file(str(path)))

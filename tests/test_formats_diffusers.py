@@ -29,7 +29,7 @@ from zoo.store.session import session_factory
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A current-layout file with alpha 2·rank (scale 2), one with alpha = rank, and that one's update as 2023 attn-procs
-    files, with and without the `unet.` prefix."""
+    files: a .safetensors with `unet.` and `text_encoder.` keys, and a UNet-only .bin without the prefix."""
     root = tmp_path_factory.mktemp("diffusers")
     scaled = write_current_lora(root / "scaled", seed=1, rank=4, alpha=8.0)
     plain = write_current_lora(root / "plain", seed=2, rank=4, alpha=4.0)
@@ -39,7 +39,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "current-alpha-rank": plain,
         "attn-procs": write_attn_procs_lora(root / "attn_procs.safetensors", current),
         "attn-procs-unet": write_attn_procs_lora(
-            root / "unet_attn_procs.safetensors", {k: v for k, v in current.items() if k.startswith("unet.")}, False
+            root / "pytorch_lora_weights.bin", {k: v for k, v in current.items() if k.startswith("unet.")}, False
         ),
     }
 
