@@ -273,7 +273,7 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
     import torch
 
     from zoo import deadline
-    from zoo.domain.probes import probes  # torch: only when sketching
+    from zoo.domain.probes import sketch_probes  # torch: only when sketching
 
     out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
     threads = torch.get_num_threads()
@@ -285,7 +285,7 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
             if not present:
                 continue
             first = present[0][1]
-            omega, psi = (p.float().T.contiguous() for p in probes(name, first.U.shape[0], first.V.shape[0], dim, _SKETCH_SALT))
+            omega, psi = sketch_probes(name, first.U.shape[0], first.V.shape[0], dim, _SKETCH_SALT)
             for i, f in present:
                 z = ((omega @ f.U.float()) * (psi @ f.V.float())) @ f.S.float()
                 out[i, m] = (z / (torch.linalg.vector_norm(f.S.double()) * dim**0.5).clamp_min(1e-300)).numpy()
