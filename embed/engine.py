@@ -548,7 +548,12 @@ def load_w2t(checkpoint: Path, device: str | None) -> W2TEnsemble:
 class QueryEngine:
     """Similar-adapter queries and predictions against one database and data dir; thread-safe."""
 
-    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, device: str | None = None) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, device: str | None = None, module_stores: bool = True
+    ) -> None:
+        """`module_stores`: whether spaces hold their module store (the exact stage). An engine that only finds stored
+        adapters' neighbours by their vectors (the relation step's: `stored_neighbours`, `stored_vectors`) holds their
+        indexes alone, not a module store of up to ZOO_MODULE_STORE_BYTES per space."""
         # one core per query: concurrency comes from the threads serving queries, and OpenMP teams spinning
         # against a busy second core cost 100x (flat search at 10k: 12.5 ms with 2 threads, 0.11 ms with 1)
         faiss.omp_set_num_threads(1)
@@ -556,6 +561,7 @@ class QueryEngine:
         self.blobs = blobs
         self.data_dir = Path(data_dir)
         self.device = device
+        self.module_stores = module_stores
         self._spaces: OrderedDict[str, SpaceState] = OrderedDict()  # least recently used first
         self._bytes: dict[str, int] = {}  # space_bytes of each held state
         self._marks: dict[str, tuple[int, int, int]] = {}  # (version, label mark, module store) each was measured at
@@ -615,7 +621,7 @@ class QueryEngine:
             index, index_state = self._open_index(session, e, version)
             embedders[method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, index_state)
         modules = None
-        have = read_module_store(module_store_path(self.data_dir, row.id))
+        have = read_module_store(module_store_path(self.data_dir, row.id)) if self.module_stores else None
         if have is not None and have[3] <= version and SKETCH in embedders:
             ids, stack, dense, _ = have
             modules = ModuleStore(stack, {int(i): j for j, i in enumerate(ids.tolist())}, dense)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,40 @@ def test_embed_memory_does_not_grow_with_the_zoo(tmp_path: Path) -> None:
     few, many = _embed_peak_rss(tmp_path, 3), _embed_peak_rss(tmp_path, 9)
     per_adapter = 4 * sum(16 * (m.out + m.fan_in) for m in MODELS["llama3-8b"].modules(4))
     assert many - few < 3 * per_adapter, (few, many, per_adapter)
+
+
+def _embed_rss(data: Path, *space: str) -> int:
+    """Peak RSS (bytes) of `zoo embed` (of one space, or of all) in a child process over a copy of the data dir."""
+    copy = data.with_name(f"{data.name}-{len(space)}")
+    shutil.copytree(data, copy)
+    env = {**os.environ, "ZOO_DATA_DIR": str(copy), "ZOO_EMBED_CHUNK_BYTES": str(16 << 20)}
+    env.pop("ZOO_DATABASE_URL", None)
+    code = (
+        "import resource, subprocess, sys\n"
+        "subprocess.run(sys.argv[1:], check=True, capture_output=True)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
+    args = [sys.executable, "-c", code, sys.executable, "-m", "zoo.cli", "embed", *(["--space", *space] if space else []), "--json"]
+    return int(subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout.strip()) * 1024
+
+
+@pytest.mark.slow
+def test_embed_memory_is_one_base_models_whatever_the_spaces(tmp_path: Path) -> None:
+    """`zoo embed` of three base models' spaces holds what one needs: each space is embedded, scanned for relations
+    and let go before the next (the relation step held every space's module store, ~130 MB each here, and the
+    sketches' probes of every base model). The same six Llama-3-8B adapters of four real-width blocks are stored
+    under three base models, so the spaces are alike and the one embedded alone is any of them."""
+    data = tmp_path / "data"
+    env = {**os.environ, "ZOO_DATA_DIR": str(data)}
+    env.pop("ZOO_DATABASE_URL", None)
+    zoo = [sys.executable, "-m", "zoo.cli"]
+    subprocess.run([*zoo, "init"], env=env, check=True, capture_output=True)
+    written = write_zoo("llama3-8b", tmp_path / "files", families=3, members=2, layers=4)
+    for base in ("base-a", "base-b", "base-c"):
+        subprocess.run([*zoo, "ingest", *[str(p) for p, _ in written], "--base-model", base], env=env, check=True, capture_output=True)
+    one, three = _embed_rss(data, "base-a"), _embed_rss(data)
+    store = 4 * len(written) * sum(16 * (m.out + m.fan_in + 1) for m in MODELS["llama3-8b"].modules(4))  # one space's module store
+    assert three - one < store, (one, three, store)
 
 
 def _write_thousand_module_adapter(directory: Path, family: int, member: int) -> Path:

@@ -42,11 +42,10 @@ QUICKSTART_PATIENCE = 5
 def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     """The main job on embedded defaults: build a demo zoo, store it, embed it, train W2T, say what to run next."""
     from embed import service
-    from embed.engine import QueryEngine
     from embed.train import TrainOptions
     from zoo.reference.build import make_zoo
     from zoo.services.ingest import IngestOptions
-    from zoo.services.relations import scan_space
+    from zoo.services.relations import relation_engine, scan_space
     from zoo.store.blobs import BlobStore
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +59,7 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     base_model = str(report["base_model"])
     ready = service.prepare_space(settings, base_model, options, args.retrain, progress)
     sessions, blobs = session_factory(settings.database_url), BlobStore(settings.blob_dir)
-    relations = scan_space(QueryEngine(sessions, blobs, settings.data_dir), sessions, blobs, base_model)  # as `zoo embed` ends
+    relations = scan_space(relation_engine(sessions, blobs, settings.data_dir), sessions, blobs, base_model)  # as `zoo embed` ends
     if args.json:
         print_json({"zoo": report, "ingest": counts, "database": settings.database_url, **ready, "relations": relations})
         return serve_after(settings, args, failures)

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from embed.evaluate import Similarities
     from embed.train import TrainOptions
     from embed.types import SpaceSchema, ZooAdapter
+    from zoo.services.relations import RelationReport
 
 
 def space_of(settings: Settings, requested: str | None) -> str:
@@ -104,15 +105,25 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
     from embed import service
     from embed.dataset import base_models
-    from zoo.services.relations import scan_space
+    from zoo.domain.probes import probes
+    from zoo.memory import trim
+    from zoo.services.relations import relation_engine, scan_space
 
     require_schema(settings.database_url)
     sessions = session_factory(settings.database_url)
+    blobs = blob_store(settings)
     with sessions() as session:
         spaces = [args.space] if args.space else base_models(session)
-    reports = [r for sp in spaces for r in service.embed_space(sessions, blob_store(settings), settings.data_dir, sp, args.device)]
-    engine = query_engine(settings, args.device)
-    found = {sp: scan_space(engine, sessions, blob_store(settings), sp) for sp in dict.fromkeys(r["space"] for r in reports)}
+    reports: list[service.EmbedReport] = []
+    found: dict[str, RelationReport] = {}
+    for sp in spaces:  # one space at a time, its memory given back before the next: `zoo embed` holds one space's
+        embedded = service.embed_space(sessions, blobs, settings.data_dir, sp, args.device)
+        probes.cache_clear()  # the space's sketch probes: the relation step draws none, another space has other modules
+        trim()
+        if embedded:  # an engine of its own, let go with the space
+            found[sp] = scan_space(relation_engine(sessions, blobs, settings.data_dir, args.device), sessions, blobs, sp)
+            trim()
+        reports += embedded
     if args.json:
         print_json([{**r, "relations": found[r["space"]]} for r in reports])
         return 0

@@ -236,11 +236,10 @@ class EmbedBatches:
     def _relations(self, base_model: str, ids: list[int] | None) -> None:
         """The relation step (zoo.services.relations) for these newly embedded adapters (None: all the space's still to
         scan); a scan that fails is recorded on the adapter (`zoo lineage` shows it) and logged, never raised."""
-        from embed.engine import QueryEngine
-        from zoo.services.relations import scan_space
+        from zoo.services.relations import relation_engine, scan_space
 
         if self.engine is None:
-            self.engine = QueryEngine(self.sessions, self.blobs, self.settings.data_dir, self.device)
+            self.engine = relation_engine(self.sessions, self.blobs, self.settings.data_dir, self.device)
         report = scan_space(self.engine, self.sessions, self.blobs, base_model, ids)
         for error in report["errors"]:
             log.warning("relations from the weights in %s: %s", base_model, error)

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypedDict
 
 import numpy as np
@@ -104,6 +105,12 @@ class RelationReport(TypedDict):
     errors: list[str]  # the first REPORTED_ERRORS: "adapter ID: reason"
     not_ready: str | None  # why the step stopped early (the engine had no index yet); the rest waits for the next run
     ms_per_adapter: float | None
+
+
+def relation_engine(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, device: str | None = None) -> QueryEngine:
+    """The engine the step searches: spaces' indexes alone (the step reads neighbours by their vectors and their factors
+    from the blob store, never a module store, which takes up to ZOO_MODULE_STORE_BYTES a space)."""
+    return QueryEngine(sessions, blobs, data_dir, device, module_stores=False)
 
 
 def scan_space(
