@@ -150,24 +150,22 @@ def _recorded(path: Path, key: str, tensors: Mapping[str, torch.Tensor]) -> list
 
 
 def _notes(updates: list[_Update], modules: list[LoraModule], extra: dict[str, list[int]]) -> list[str]:
+    """What a user should know of the read: modules kept at a high rank, and what was recorded but not applied."""
     notes = []
     dense = [u for u in updates if not u.low_rank]
     if dense and (modules or len(dense) < len(updates)):
         notes.append(f"{len(dense)} LyCORIS modules have an exact rank over half their smaller side: kept exact at that rank")
-    dora = sorted(k for k in extra if k.endswith(".dora_scale"))
+    dora, scalars = (sum(k.endswith(suffix) for k in extra) for suffix in (".dora_scale", ".scalar"))
+    biases = sum(k.endswith((".diff_b", ".w_norm", ".b_norm")) for k in extra)
     if dora:
         notes.append(
-            f"{len(dora)} modules carry a DoRA magnitude (dora_scale, recorded, not applied): dW is their update before the "
+            f"{dora} modules carry a DoRA magnitude (dora_scale, recorded, not applied): dW is their update before the "
             "weight is renormalized, m·(W0 + dW)/‖W0 + dW‖, which needs the base weights"
         )
-    scalars = sorted(k for k in extra if k.endswith(".scalar"))
     if scalars:
-        notes.append(
-            f"{len(scalars)} `scalar` tensors recorded, not applied: LyCORIS folds them into the saved factors and ignores them on load"
-        )
-    biases = sorted(k for k in extra if k.endswith((".diff_b", ".w_norm", ".b_norm")))
+        notes.append(f"{scalars} `scalar` tensors recorded, not applied: LyCORIS folds them into the saved factors, ignores them on load")
     if biases:
-        notes.append(f"{len(biases)} bias or norm deltas (diff_b, w_norm, b_norm) recorded, not part of dW")
+        notes.append(f"{biases} bias or norm deltas (diff_b, w_norm, b_norm) recorded, not part of dW")
     return notes
 
 
