@@ -20,7 +20,7 @@ from zoo.domain.canonical import canonicalize
 from zoo.domain.fingerprint import DUPLICATE_RTOL, relative_distance
 from zoo.formats import AdapterData, LoraModule, read_adapter
 from zoo.labels import LabelRow
-from zoo.services.ingest import SMALL_ADAPTER_ELEMENTS, UNKNOWN_BASE, IngestOptions, Ingestor, ingest_source, small_work_on_one_thread
+from zoo.services.ingest import SMALL_ADAPTER_ELEMENTS, IngestOptions, Ingestor, ingest_source, small_work_on_one_thread
 from zoo.sources import Origin
 from zoo.store.blobs import BlobStore
 from zoo.store.catalog import refresh_search_text
@@ -298,14 +298,14 @@ def test_a_near_duplicate_is_found_among_many_adapters_of_close_norm(settings: S
     with session_factory(settings.database_url)() as s, s.begin():
         a = s.get(Adapter, first.adapter_id)
         a.canonical_hash = "f" * 64  # as if the copy's hash rounded the other way
-        norm, structure = a.dw_norm, a.structure_hash
+        norm, structure, base = a.dw_norm, a.structure_hash, a.base_model  # the space of its shapes: no base is named
         for i in range(decoys):  # norms closer to the copy's than the tolerance, on both sides, but never closer than a's
             side = 1 if i % 2 else -1
-            s.add(Adapter(name=f"decoy{i}", source_uri=f"decoy{i}", base_model=UNKNOWN_BASE, format="peft", canonical_hash=f"{i:064d}",
+            s.add(Adapter(name=f"decoy{i}", source_uri=f"decoy{i}", base_model=base, format="peft", canonical_hash=f"{i:064d}",
                           structure_hash=structure, dw_norm=norm * (1 + side * (i + 1) * DUPLICATE_RTOL / (decoys + 2)),
                           file_sha256=f"{i:064d}", size_bytes=1, factors_blob=a.factors_blob))  # fmt: skip
     with session_factory(settings.database_url)() as s:
-        found = duplicate_candidates(s, UNKNOWN_BASE, "1" * 64, structure, norm, DUPLICATE_RTOL)
+        found = duplicate_candidates(s, base, "1" * 64, structure, norm, DUPLICATE_RTOL)
     assert len(found) == 2 * NEAR_DUPLICATE_LIMIT and found[0].id == first.adapter_id
     gaps = [abs(c.dw_norm - norm) for c in found]
     assert gaps == sorted(gaps)
@@ -313,7 +313,7 @@ def test_a_near_duplicate_is_found_among_many_adapters_of_close_norm(settings: S
     assert (copy.status, copy.adapter_id) == ("duplicate", first.adapter_id)
     with session_factory(settings.database_url)() as s:  # an exact hash comes first, however far its norm
         farthest = s.scalars(select(Adapter.id).where(Adapter.name == f"decoy{decoys - 1}")).one()
-        assert duplicate_candidates(s, UNKNOWN_BASE, f"{decoys - 1:064d}", structure, norm, DUPLICATE_RTOL)[0].id == farthest
+        assert duplicate_candidates(s, base, f"{decoys - 1:064d}", structure, norm, DUPLICATE_RTOL)[0].id == farthest
 
 
 @given(norm=st.floats(1e-30, 1e30), t=st.floats(0.0, 1.0))

@@ -271,7 +271,7 @@ class Ingestor:
         raw = open_adapter(path)
         named = self._named_base(raw, origin)
         lap("read")
-        result = self._stored_copy(raw, source, named[0], labels) if named else None  # a guess needs the tensors
+        result = self._stored_copy(raw, source, named[0] if named else None, labels)
         lap("store")
         if result is None:
             # LoRA formats are read, canonicalized and described on one torch thread (the blob is written on another):
@@ -322,16 +322,20 @@ class Ingestor:
         result.notes, result.warnings = list(data.notes), warnings
         return result
 
-    def _stored_copy(self, raw: RawAdapter, source: str, base_model: str, labels: LabelRow | None) -> IngestResult | None:
+    def _stored_copy(self, raw: RawAdapter, source: str, base_model: str | None, labels: LabelRow | None) -> IngestResult | None:
         """The duplicate result for files already stored, without reading tensors: a stored adapter of this base model
         from a weight file with the same SHA-256, in the same format, with the same config values the update depends
         on (a full checkpoint only while no --base makes it a delta). Given labels are attached to it as on any
         duplicate (unless it has them already), and the source recorded (with `record_duplicates_as`). None when there
-        is no such adapter (or it was deleted meanwhile)."""
-        if raw.format is None or not isinstance(base_model, str) or (raw.format == "checkpoint" and self.options.base_checkpoint):
+        is no such adapter (or it was deleted meanwhile). With no base model named, the one guessed for such a stored
+        copy (`_guessed_copy_base`)."""
+        if raw.format is None or (raw.format == "checkpoint" and self.options.base_checkpoint):
             return None
         with self.sessions() as session:  # reads only: no transaction around them
             conn = session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+            base_model = base_model or _guessed_copy_base(conn, raw)
+            if base_model is None:
+                return None
             rows = repository.stored_copies(conn, raw.weights.sha256, base_model, raw.format)
             match = next((r for r in rows if all((r.config or {}).get(k) == v for k, v in raw.settings.items())), None)
             if match is None:
@@ -515,6 +519,13 @@ def resolve_base_model(data: AdapterData, named: tuple[str, str] | None) -> tupl
     base_model, by = named
     why = contradiction(base_model, guess)
     return base_model, [f"{data.path}: {why} (named by {by}; stored under {base_model!r} as named)"] if why else []
+
+
+def _guessed_copy_base(conn: Connection, raw: RawAdapter) -> str | None:
+    """The base model guessed for a stored copy of these files (same weight file, same format), read from its stored
+    module shapes: the same bytes have the same modules, so the guess for these files, before their tensors are read."""
+    copies = repository.stored_copy_shapes(conn, raw.weights.sha256, raw.format or "")
+    return next((base for base, shapes in copies if guess_base_model(shapes).base_model == base), None)
 
 
 def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> None:

@@ -94,6 +94,23 @@ def stored_copies(conn: Connection, file_sha256: str, base_model: str, fmt: str)
     return [StoredCopy(*row) for row in rows]
 
 
+_COPY_SHAPES = (
+    select(Adapter.id, Adapter.base_model, Module.name, Module.out_features, Module.in_features)
+    .join(Module, Module.adapter_id == Adapter.id)
+    .where(Adapter.file_sha256 == bindparam("sha"), Adapter.format == bindparam("fmt"))
+    .order_by(Adapter.id)
+)
+
+
+def stored_copy_shapes(conn: Connection, file_sha256: str, fmt: str) -> list[tuple[str, list[tuple[str, int, int]]]]:
+    """(base model, modules' (name, out, in)) of each adapter of this format stored from a weight file with this SHA-256,
+    oldest first, under whatever base model."""
+    copies: dict[int, tuple[str, list[tuple[str, int, int]]]] = {}
+    for adapter_id, base_model, name, out, inp in conn.execute(_COPY_SHAPES, {"sha": file_sha256, "fmt": fmt}):
+        copies.setdefault(int(adapter_id), (str(base_model), []))[1].append((str(name), int(out), int(inp)))
+    return list(copies.values())
+
+
 class AdapterSummary(TypedDict):
     """An adapter in a list: who it is and what it is."""
 
