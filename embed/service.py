@@ -54,6 +54,7 @@ from embed.registry import (
 from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
+from zoo.domain.base_models import guess_base_model
 from zoo.domain.factorwise import raw_sketches, raw_width
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
@@ -67,6 +68,7 @@ from zoo.store.session import session_factory, write_transaction
 
 if TYPE_CHECKING:
     from embed.train import TrainOptions
+    from zoo.formats import AdapterData
 
 #: how module-sketch blocks are scaled (zoo.domain.similarity.module_sketches); embedders of another scale are replaced
 SKETCH_SCALE = "module-norm"
@@ -598,7 +600,8 @@ def resolve_base_model(session: Session, requested: str | None) -> str:
 
 
 def make_query(session: Session, blobs: BlobStore, id_or_path: str, device: str | None = None) -> tuple[Query, str | None]:
-    """(query, its base model) for a stored id, or for a path read and canonicalized without storing it."""
+    """(query, its base model) for a stored id, or for a path read and canonicalized without storing it (whose base
+    model, when the file names none, is the space its shapes name if the zoo has it)."""
     if id_or_path.isdigit() and not Path(id_or_path).exists():
         stmt = select(Adapter.name, Adapter.base_model, Adapter.factors_blob).where(Adapter.id == int(id_or_path))
         row = session.connection().execute(stmt).first()  # Core: no ORM work on the query path
@@ -615,7 +618,13 @@ def make_query(session: Session, blobs: BlobStore, id_or_path: str, device: str 
         raise UsageError(f"{id_or_path}: a full checkpoint without --base has no low-rank update to search with")
     factors = canonicalize_modules(data.modules, pick_device(device))
     named = {m.name: f for m, f in zip(data.modules, factors, strict=True)}
-    return Query(adapter_name(data.path), None, lambda: named), data.base_model
+    return Query(adapter_name(data.path), None, lambda: named), data.base_model or _guessed_space(session, data)
+
+
+def _guessed_space(session: Session, data: AdapterData) -> str | None:
+    """The space of the base model a file's shapes name (as ingest guesses it when nothing names one), if it exists."""
+    guessed = guess_base_model((m.name, *m.shape) for m in data.modules).base_model
+    return guessed if get_space(session, guessed) is not None else None
 
 
 def search(

@@ -54,6 +54,22 @@ def test_adapters_without_a_named_base_land_in_their_familys_space(cli: CLI, tmp
     assert "note: base model guessed from shapes: sd1.x, from 35 of 35 modules" in out
 
 
+def test_a_file_naming_no_base_is_searched_in_its_familys_space(cli: CLI, tmp_path: Path) -> None:
+    """SD 1.5 and SD 2.1 adapters naming no base: two spaces after `zoo embed`, nothing misfits; each file, searched by
+    path (no --space), is answered from its own family's space, as the adapter it is."""
+    paths = [write_adapter(kind, tmp_path, family=0, member=0, layers=1, name_base=False) for kind in ("sd1.5", "sd2.1")]
+    rc, rows, _ = _ingest(cli, "ingest", *map(str, paths))
+    assert rc == 0 and [r["status"] for r in rows] == ["ingested", "ingested"], rows
+    rc, (reports,) = cli.json_lines("embed")
+    assert rc == 0 and {r["space"] for r in reports} == {"sd1.x", "sd2.x"}
+    assert all(r["skipped_not_fitting"] == 0 for r in reports), reports
+    for path, row, row_space in zip(paths, rows, ("sd1.x", "sd2.x"), strict=True):
+        rc, (found,) = cli.json_lines("search", str(path), "-k", "1")
+        assert rc == 0 and found["space"] == row_space and found["stored_as"]["adapter_id"] == row["adapter_id"], found
+    rc, (report,) = cli.json_lines("check")
+    assert rc == 0 and report["misfits"] == [], report
+
+
 def test_encoders_written_by_peft_are_named_by_their_shapes(cli: CLI, tmp_path: Path) -> None:
     """BERT-base, DistilBERT and GPT-2 (one layer each, at their real widths), LoRA written by PEFT, whose configs name
     no base model; a tiny model no family fits gets a space of its own shapes, another architecture another one."""
