@@ -25,9 +25,10 @@ is the input Gram estimated from these sketches, and its first stage is the unio
 first stage before the input-Gram index: the baseline) and with the input-Gram sketch's alone.
 
 Build (timed, in a child process so the serving process's memory is its own): a SQLite database
-with the adapters, their labels and their embeddings, written in bulk, and every FAISS index
-(IVF above 100k adapters). Serve: the engine loads the space, then answers `--queries` queries by
-stored id with the default method (hybrid) single-threaded, with 8 concurrent threads, and with a
+with the adapters, their labels and their embeddings, written in bulk, then every FAISS index (IVF above 100k
+adapters) read back from it as `zoo index` builds one (embed/engine.py build_index), one at a time: built, saved and
+freed before the next, so the build's memory peaks at the largest index's, not their sum. Serve: the engine loads the
+space, then answers `--queries` queries by stored id with the default method (hybrid) single-threaded, with 8 concurrent threads, and with a
 1 % label filter (and input_gram single-threaded and filtered). Recall@10 compares the served top 10 with an
 exhaustive ranking by the same score over all N adapters (computed chunk by chunk from the generator: the baseline,
 timed per query).
@@ -340,10 +341,9 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     """Write the synthetic space's database and index files under `work` (runs in a child process)."""
     from sqlalchemy import insert
 
-    from embed.engine import MAX_NPROBE, index_path
-    from embed.index import IVF_FROM, AdapterIndex, ivf_lists
+    from embed.engine import build_index, index_path
     from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Label
-    from zoo.store.session import make_engine, upgrade
+    from zoo.store.session import make_engine, session_factory, upgrade
 
     t0 = time.perf_counter()
     url = f"sqlite:///{work / 'zoo.db'}"
@@ -387,13 +387,12 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
         sk, w, parent = synthetic_chunk(src, start, stop, seed)
         return [sk, w, *(make(src, start, stop, seed) for make in makers)], parent
 
-    indexes: list[AdapterIndex] = []
-    steps = dict.fromkeys(("generate_s", "sql_s", "train_s", "add_s", "tune_s", "save_s"), 0.0)
+    steps = dict.fromkeys(("generate_s", "sql_s"), 0.0)
     t = time.perf_counter()
 
     def lap(step: str) -> None:
         nonlocal t
-        steps[step] += time.perf_counter() - t
+        steps[step] = steps.get(step, 0.0) + time.perf_counter() - t
         t = time.perf_counter()
 
     for start, stop in chunks(n):
@@ -437,26 +436,17 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
                     ],
                 )
         lap("sql_s")
-        if not indexes:  # the coarse quantizers are trained on the first 64 adapters a list
-            if n >= IVF_FROM:
-                samples, _ = vectors_of(0, min(n, 64 * ivf_lists(n)))
-                lap("generate_s")
-                indexes = [AdapterIndex.trained_ivf(sample, n) for sample in samples]
-                del samples
-            else:
-                indexes = [AdapterIndex.exact(v.shape[1]) for v in vectors_now]
-            lap("train_s")
-        for index, vectors in zip(indexes, vectors_now, strict=True):
-            index.add(ids, vectors)
-        lap("add_s")
     db_s = time.perf_counter() - t0
-    samples, _ = vectors_of(0, min(n, 200))
-    for embedder_id, method, index, sample in zip(embedder_ids, methods, indexes, samples, strict=True):
-        if index.ivf:
-            index.tune_nprobe(sample, max_nprobe=MAX_NPROBE.get(method))
-        lap("tune_s")
-        index.save(index_path(work, embedder_id), {"embedder_id": embedder_id, "version": 1})
-        lap("save_s")
+    figures: dict[str, list] = {"nprobe": [], "rerank": [], "store": []}
+    with session_factory(url)() as session:
+        for embedder_id, method in zip(embedder_ids, methods, strict=True):
+            # one index at a time, as `zoo index` builds them: read from the database, saved, freed before the next
+            index = build_index(session, session.get_one(Embedder, embedder_id))
+            index.save(index_path(work, embedder_id), {"embedder_id": embedder_id, "version": 1})
+            for key, value in (("nprobe", index.nprobe), ("rerank", index.rerank), ("store", index.store)):
+                figures[key].append(value)
+            del index
+            lap(f"index_{method}_s")
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "build_s": time.perf_counter() - t0,
@@ -464,8 +454,7 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
         "peak_rss_gb": usage.ru_maxrss / 2**20,  # the child's own (KiB)
         "database_s": db_s,
         "steps_s": {k: round(v, 1) for k, v in steps.items()},
-        "nprobe": [ix.nprobe for ix in indexes],
-        "rerank": [ix.rerank for ix in indexes],
+        **figures,
     }  # type: ignore[dict-item]
 
 

@@ -91,6 +91,11 @@ FITTED_CANDIDATES = (GRAM, SKETCH)
 #: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
 #: ones tuned to every list: 99 ms a query); the relation step wants only relatives, which share the query's lists
 MAX_NPROBE = {RAW: 32}
+#: an IVF index's store (its re-rank copy, whose cosines are the scores) where not the default by dimension (8-bit from
+#: embed/index.py STORE_8BIT_FROM_DIM): the input-Gram sketches keep float16, as the default search's scores are read
+#: from them and an 8-bit store's error (2.7e-4 in a cosine) reorders near neighbours (recall@10 of the exact top 10 on
+#: clustered sets: 0.96-0.97 against float16's 0.998)
+STORE = {GRAM: "fp16"}
 #: the embedder whose vectors each method's own scores are (the others score through exact cosines or the hybrid)
 VECTOR_SCORES = {"sketch": SKETCH, "w2t": W2T, "raw": RAW}
 MAX_K = 1000
@@ -178,7 +183,7 @@ def build_index(session: Session, embedder: Embedder, ivf: bool | None = None) -
     else:
         rng = np.random.default_rng(0)
         _, sample = load_embeddings(session, embedder, ids=rng.choice(ids, size=min(len(ids), 64 * ivf_lists(len(ids))), replace=False))
-        index = AdapterIndex.trained_ivf(sample, len(ids))
+        index = AdapterIndex.trained_ivf(sample, len(ids), store=STORE.get(embedder.method))
         del sample
     per_chunk = max(1, BUILD_CHUNK_BYTES // (4 * embedder.dim))
     for chunk_ids, vectors in iter_embeddings(session, embedder, ids=ids, batch=per_chunk):
@@ -437,12 +442,12 @@ def space_bytes(state: SpaceState) -> int:
 
 
 def index_bytes(index: AdapterIndex) -> int:
-    """An index's vectors: float32 in a flat one; in an IVF one the float16 store, the list codes (float16 or 4-bit
-    PQ) and the 8-bit subset codes (embed/index.py)."""
+    """An index's vectors: float32 in a flat one; in an IVF one the store (8-bit or float16), the list codes (float16 or
+    4-bit PQ) and the 8-bit subset codes (embed/index.py)."""
     if not index.ivf:
-        return index.size * (4 * index.dim + ID_BYTES)
+        return index.size * (index.store_bytes + ID_BYTES)
     codes = 2 * index.dim if index.codes == "fp16" else index.dim // 8
-    return index.size * (2 * index.dim + codes + index.dim // 8 + ID_BYTES)
+    return index.size * (index.store_bytes + codes + index.dim // 8 + ID_BYTES)
 
 
 @dataclass

@@ -6,7 +6,12 @@ never re-embed. How it searches depends on its size:
 - below `IVF_FROM` vectors it is **flat**: exact cosine by brute force over the float32 store
   (`faiss.knn`, or `faiss.knn_gpu` when a GPU is present);
 - from there on it is an **inverted file** (`IndexIVF`, ids = adapter ids) over compressed codes,
-  with the store kept in float16 (half the memory; cosine error ~1e-3). The codes follow the
+  with the store compressed too: by default at d ≥ 512 one byte a dimension (a quarter of float32; one
+  range for every dimension, trained on the sample; a cosine with a unit query is off by (range / 255) / √12
+  in standard deviation, 2.7e-4 for random unit vectors of 2,016 dimensions), below that float16 (a cosine
+  off by ~1e-5; the W2T embedding's neighbours can be that close). 8 bits reorder neighbours closer than
+  their error, so an index whose cosines are a search's final scores keeps float16 (embed/engine.py STORE);
+  one that only nominates candidates loses nothing measurable with 8 bits. The codes follow the
   dimension, as measured on the synthetic spaces of `bench/serve.py`: at d ≥ 512 (the module
   sketch: 24 modules × 64) product-quantizer fast-scan codes of 4 bits per 4 dimensions scan
   20–50× faster than float16 codes; at small d (the W2T embedding, 160) such codes never put 0.97
@@ -61,9 +66,15 @@ CANDIDATES = 200
 #: an IVF index's nprobe is the smallest that puts this share of the exact top 10 among its CANDIDATES
 RECALL_GOAL = 0.98
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
-#: exact scores within this of the k-th are ties when nprobe is tuned: about what the float16 store rounds a cosine by,
-#: so which of them is "the" k-th is decided by rounding (a space of near-copies has hundreds within it)
+#: exact scores within this of the k-th are ties when nprobe is tuned: at least what the float16 store rounds a cosine by,
+#: so which of them is "the" k-th is decided by rounding (a space of near-copies has hundreds within it); an 8-bit
+#: store's ties are wider (`AdapterIndex.tie`)
 TIE = 1e-4
+#: from this dimension on, an IVF index's store holds one byte a dimension (QT_8bit_uniform), below it float16
+STORE_8BIT_FROM_DIM = 512
+#: the 8-bit store's range is the training sample's widened by this share of it on each side, so that later vectors
+#: slightly past the sample's extremes are not clipped
+STORE_RANGE_MARGIN = 0.05
 #: how deep the exact ranking is read to find the ties of the k-th
 TIE_DEPTH = CANDIDATES
 #: how many of an IVF's nearest by the codes are re-ranked by the store (tuned with nprobe)
@@ -76,6 +87,8 @@ PQ_FROM_DIM = 512
 SUBSET_DIMS_PER_BYTE = 8
 #: vectors the subset codes are trained on
 SUBSET_TRAIN = 20_000
+#: an IVF store's kinds (the FAISS scalar quantizer of each)
+STORE_TYPES = {"8-bit": faiss.ScalarQuantizer.QT_8bit_uniform, "fp16": faiss.ScalarQuantizer.QT_fp16}
 
 
 def pq_subquantizers(dim: int) -> int:
@@ -116,7 +129,7 @@ class AdapterIndex:
     Rows are numbered in insertion order; `_ids[row]` is the adapter id, and the sorted ids with their
     rows give the reverse.
     Flat: the store is a float32 array. IVF: a FAISS `IndexRefine` whose base is the IVF over the
-    codes (FAISS ids = rows) and whose refine index, float16 codes, is the store.
+    codes (FAISS ids = rows) and whose refine index, a scalar quantizer (8-bit or float16 codes), is the store.
     """
 
     def __init__(self, dim: int, ivf: faiss.IndexRefine | None = None) -> None:
@@ -141,8 +154,9 @@ class AdapterIndex:
         return cls(dim)
 
     @classmethod
-    def build(cls, ids: np.ndarray, vectors: np.ndarray, ivf: bool | None = None) -> AdapterIndex:
-        """An index over (ids, vectors): flat below IVF_FROM vectors, IVF from there (unless told)."""
+    def build(cls, ids: np.ndarray, vectors: np.ndarray, ivf: bool | None = None, store: str | None = None) -> AdapterIndex:
+        """An index over (ids, vectors): flat below IVF_FROM vectors, IVF from there (unless told), its store as
+        `trained_ivf`'s."""
         vectors = normalize(vectors) if len(ids) else np.zeros((0, np.asarray(vectors).shape[-1]), np.float32)
         dim = int(vectors.shape[1])
         if ivf is None:
@@ -153,15 +167,16 @@ class AdapterIndex:
             return index
         rng = np.random.default_rng(0)
         sample = vectors[rng.choice(len(vectors), size=min(len(vectors), 64 * ivf_lists(len(ids))), replace=False)]
-        obj = cls.trained_ivf(sample, len(ids))
+        obj = cls.trained_ivf(sample, len(ids), store)
         obj.add(ids, vectors)
         obj.tune_nprobe(vectors[rng.choice(len(vectors), size=min(len(vectors), 200), replace=False)])
         return obj
 
     @classmethod
-    def trained_ivf(cls, sample: np.ndarray, expected: int) -> AdapterIndex:
-        """An empty IVF index for about `expected` vectors, its coarse quantizer and codes trained on
-        `sample` (add the vectors, then `tune_nprobe`)."""
+    def trained_ivf(cls, sample: np.ndarray, expected: int, store: str | None = None) -> AdapterIndex:
+        """An empty IVF index for about `expected` vectors, its coarse quantizer, codes and store trained on
+        `sample` (add the vectors, then `tune_nprobe`). `store`: '8-bit' or 'fp16' (default: by the dimension,
+        STORE_8BIT_FROM_DIM)."""
         sample = normalize(sample)
         dim = int(sample.shape[1])
         quantizer = faiss.IndexFlatIP(dim)
@@ -173,11 +188,16 @@ class AdapterIndex:
             base = faiss.IndexIVFScalarQuantizer(quantizer, dim, lists, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
         base.train(sample)
         base.nprobe = min(NPROBES[0], lists)
-        store = faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
-        refine = faiss.IndexRefine(base, store)
+        store = store or ("8-bit" if dim >= STORE_8BIT_FROM_DIM else "fp16")
+        if store not in STORE_TYPES:
+            raise ValueError(f"store {store!r}: expected one of {sorted(STORE_TYPES)}")
+        store_index = faiss.IndexScalarQuantizer(dim, STORE_TYPES[store], faiss.METRIC_INNER_PRODUCT)
+        store_index.sq.rangestat, store_index.sq.rangestat_arg = faiss.ScalarQuantizer.RS_minmax, STORE_RANGE_MARGIN
+        store_index.train(sample)
+        refine = faiss.IndexRefine(base, store_index)
         # the C++ objects own their parts (as a deserialized index does), not these Python wrappers
         base.own_fields, refine.own_fields = True, True
-        for part in (quantizer, base, store):
+        for part in (quantizer, base, store_index):
             part.this.disown()  # type: ignore[union-attr]  # SWIG's handle on the C++ object: not in faiss's stubs
         index = cls(dim, refine)
         per_byte = next(b for b in range(SUBSET_DIMS_PER_BYTE, 0, -1) if dim % b == 0)
@@ -224,6 +244,29 @@ class AdapterIndex:
         return "pq4 fast-scan" if isinstance(self._base, faiss.IndexIVFPQFastScan) else "fp16"
 
     @property
+    def store(self) -> str | None:
+        """The IVF's store (the re-rank copy): '8-bit' or 'fp16'; None when flat (float32)."""
+        if self._ivf is None:
+            return None
+        qtype = self._store.sq.qtype
+        return next(name for name, q in STORE_TYPES.items() if q == qtype)
+
+    @property
+    def store_bytes(self) -> int:
+        """Bytes a vector takes in the store."""
+        return 4 * self.dim if self._ivf is None else int(self._store.code_size)
+
+    @property
+    def tie(self) -> float:
+        """Exact scores this close to the k-th are ties when nprobe is tuned: TIE, or for an 8-bit store two standard
+        deviations of its error in a cosine with a unit query, 2 · step / √12 (a coordinate rounded to a step of the
+        range / 255 is off by a uniform error of ± step / 2)."""
+        if self.store != "8-bit":
+            return TIE
+        step = float(faiss.vector_to_array(self._store.sq.trained)[1]) / 255
+        return max(TIE, 2 * step / np.sqrt(12))
+
+    @property
     def nprobe(self) -> int | None:
         return int(self._base.nprobe) if self._ivf is not None else None
 
@@ -258,14 +301,14 @@ class AdapterIndex:
     def _at(self, rows: np.ndarray) -> np.ndarray:
         if self._ivf is None:
             return self._flat[rows]
-        if len(rows) <= 1000:  # FAISS decodes few rows faster; numpy gathers and converts many faster
+        if len(rows) <= 1000:  # FAISS decodes few rows faster by id; many faster gathered by numpy and decoded at once
             return self._store.reconstruct_batch(np.ascontiguousarray(rows, np.int64)) if len(rows) else np.zeros((0, self.dim), np.float32)
-        return self._store_codes()[rows].astype(np.float32)
+        return self._store.sa_decode(np.ascontiguousarray(self._store_codes()[rows]))
 
     def _store_codes(self) -> np.ndarray:
-        """The IVF store's float16 codes as a writable (size, dim) array, in place."""
+        """The IVF store's codes as a writable (size, bytes per vector) array, in place."""
         codes = faiss.rev_swig_ptr(self._store.codes.data(), self._store.codes.size())
-        return np.frombuffer(codes, dtype=np.float16).reshape(-1, self.dim)
+        return np.frombuffer(codes, dtype=np.uint8).reshape(-1, self._store.code_size)
 
     def _subset_codes(self) -> np.ndarray:
         """The subset codes as a writable (size, bytes per code) array, in place."""
@@ -332,7 +375,7 @@ class AdapterIndex:
                 else:
                     self._base.remove_ids(rows[old])  # type: ignore[arg-type]  # ids as an array: faiss's wrapper takes them, its stubs not
                     self._base.add_with_ids(vectors[old], rows[old])
-                    self._store_codes()[rows[old]] = vectors[old].astype(np.float16)
+                    self._store_codes()[rows[old]] = self._store.sa_encode(vectors[old])
                     self._subset_codes()[rows[old]] = self._subset_index.sa_encode(vectors[old])
         self.add(ids[~old], vectors[~old])
 
@@ -453,7 +496,7 @@ class AdapterIndex:
         if self._ivf is None:
             return 1.0
         q = normalize(queries)
-        exact = TiedTop(*self.exact_top(q, TIE_DEPTH), k)
+        exact = TiedTop(*self.exact_top(q, TIE_DEPTH), k, self.tie)
         base = self._base
         most = min(base.nlist, max_nprobe or base.nlist)
         ladder = [p for p in NPROBES if p < most] + [most]
@@ -498,7 +541,7 @@ class AdapterIndex:
         rows = np.sort(rng.choice(self._size, int(self._size * FILTER_SHARE), replace=False))
         scores = q @ self._at(rows).T
         order = np.argsort(-scores, axis=1, kind="stable")[:, :TIE_DEPTH]
-        exact = TiedTop(np.take_along_axis(scores, order, 1), self._ids[rows[order]], k)
+        exact = TiedTop(np.take_along_axis(scores, order, 1), self._ids[rows[order]], k, self.tie)
         nprobe = base.nprobe
         while nprobe < base.nlist:
             params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(rows))  # type: ignore[call-arg]  # see _probe
@@ -615,14 +658,14 @@ def brute_force(ids: np.ndarray, vectors: np.ndarray, queries: np.ndarray, k: in
 
 
 class TiedTop:
-    """The exact top k of some queries with their ties: the neighbours scoring more than TIE above the k-th must be
-    found themselves; the rest of the k may be any adapters whose exact score is within TIE of the k-th's."""
+    """The exact top k of some queries with their ties: the neighbours scoring more than `tie` above the k-th must be
+    found themselves; the rest of the k may be any adapters whose exact score is within `tie` of the k-th's."""
 
-    def __init__(self, scores: np.ndarray, ids: np.ndarray, k: int) -> None:
+    def __init__(self, scores: np.ndarray, ids: np.ndarray, k: int, tie: float = TIE) -> None:
         kth = scores[:, k - 1 : k]
         self.k = k
-        self.above = [set(row[s > t + TIE].tolist()) for row, s, t in zip(ids, scores, kth, strict=True)]
-        self.tied = [set(row[np.abs(s - t) <= TIE].tolist()) for row, s, t in zip(ids, scores, kth, strict=True)]
+        self.above = [set(row[s > t + tie].tolist()) for row, s, t in zip(ids, scores, kth, strict=True)]
+        self.tied = [set(row[np.abs(s - t) <= tie].tolist()) for row, s, t in zip(ids, scores, kth, strict=True)]
 
     def recall(self, found: np.ndarray) -> float:
         """Mean share of the k that `found` (ids per query, -1 pads) holds, a tie of the k-th standing for any other."""
