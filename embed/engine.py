@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from zoo.domain.canonical import CanonicalFactors
     from zoo.store.blobs import BlobStore
 from zoo.errors import NotFoundError, NotReadyError, UsageError
-from zoo.files import read_derived, write_derived
+from zoo.files import read_derived, write_derived, write_derived_in_place
 from zoo.store import repository
 from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
 
@@ -241,18 +241,26 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
         out, inp, r = layout[name]
         layout[name] = (out, inp, max(r, U.shape[1]))
     dense = have[2] if have else {n for n, (o, i, r) in layout.items() if r and o * i <= 2 * r * (o + i)}
-    stack = ModuleStack.allocate(len(ids), layout, dense)
-    start = 0
-    if have:
-        have[1].copy_into(stack)
-        start = have[1].size
+    start = have[1].size if have else 0
     all_ids = np.concatenate([have[0], np.array(new, dtype=np.int64)]) if have else np.array(new, dtype=np.int64)
-    have = None
     per_chunk = max(1, embed_chunk_bytes() // max(layout_bytes(layout), 1))
-    for at in range(0, len(new), per_chunk):
-        chunk = new[at : at + per_chunk]
-        stack.fill(start + at, _factors_of(session, blobs, chunk))
-    _write_module_store(path, all_ids, stack, space_version(session, space.id))
+
+    def fill(arrays: dict[str, np.ndarray], release: Callable[[], None]) -> None:
+        """The store filled in its file a chunk of adapters at a time, each chunk's pages let go once written: `zoo
+        embed` holds one chunk, not the store (up to ZOO_MODULE_STORE_BYTES)."""
+        nonlocal have
+        arrays["ids"][:] = all_ids
+        stack = ModuleStack.from_arrays({k: v for k, v in arrays.items() if k != "ids"}, len(all_ids))
+        if have:
+            have[1].copy_into(stack)
+            have = None  # the store read back, let go
+            release()
+        for at in range(0, len(new), per_chunk):
+            stack.fill(start + at, _factors_of(session, blobs, new[at : at + per_chunk]))
+            release()
+
+    shapes = {**ModuleStack.shapes(len(all_ids), layout, dense), "ids": (len(all_ids),)}
+    write_derived_in_place(path, shapes, {"version": space_version(session, space.id), "dense": sorted(dense)}, fill)
     how = "updated" if start else "built"
     return f"{how} ({dropped} deleted dropped)" if dropped else how
 

@@ -615,7 +615,8 @@ def make_query(session: Session, blobs: BlobStore, id_or_path: str, device: str 
 
     data = read_adapter(Path(id_or_path))
     if not data.modules:
-        raise UsageError(f"{id_or_path}: a full checkpoint without --base has no low-rank update to search with")
+        what = "a full checkpoint without --base" if data.format == "checkpoint" else f"a {data.format} file read as full-rank spectra"
+        raise UsageError(f"{id_or_path}: {what} has no low-rank update to search with")
     factors = canonicalize_modules(data.modules, pick_device(device))
     named = {m.name: f for m, f in zip(data.modules, factors, strict=True)}
     return Query(adapter_name(data.path), None, lambda: named), data.base_model or _guessed_space(session, data)

@@ -264,3 +264,6 @@ def test_ingest_embed_search_finds_the_stored_file(cli: CLI, tmp_path: Path) -> 
     rc, (found,) = cli.json_lines("search", str(tmp_path / "lokr-copy.safetensors"), "-k", "2")
     assert rc == 0 and found["stored_as"]["adapter_id"] == lokr_id
     assert len(found["results"]) == 2 and lokr_id not in [r["adapter_id"] for r in found["results"]]
+    lycoris_file(tmp_path / "whole.safetensors", "lokr", targets=("Linear",), lora_dim=10000, alpha=1)
+    rc, _, err = cli("search", str(tmp_path / "whole.safetensors"))
+    assert rc == 2 and "a lycoris file read as full-rank spectra has no low-rank update to search with" in err

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
+import struct
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from safetensors import safe_open
@@ -52,6 +56,65 @@ def write_derived(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[s
     replace_durably(path, lambda tmp: save_file(arrays, str(tmp), metadata={DERIVED_META_KEY: json.dumps(full)}))
 
 
+#: safetensors' names of the dtypes `write_derived_in_place` writes
+_SAFETENSORS_DTYPES = {np.dtype(t): n for t, n in ((np.float32, "F32"), (np.float64, "F64"), (np.float16, "F16"), (np.int64, "I64"))}
+#: bytes read at a time to checksum a file written in place
+_CHECKSUM_READ = 64 << 20
+
+#: fills a file's tensors in place: (the tensors, mapped onto the file; release: called after each part written)
+Filler = Callable[[dict[str, np.ndarray], Callable[[], None]], None]
+
+
+def write_derived_in_place(path: Path, shapes: Mapping[str, tuple[int, ...]], meta: Mapping[str, object], fill: Filler) -> None:
+    """Write a derived file as `write_derived` does, its float32 tensors (of these shapes; "ids" int64) filled in the
+    file itself: `fill(tensors, release)` gets them as writable arrays mapped onto the file, zeros at first, and calls
+    `release()` after each part it wrote, which writes the part's pages out and drops them from the process's memory.
+    So a file larger than the memory a caller may take (a module store: up to ZOO_MODULE_STORE_BYTES) is written
+    holding one part; the checksum is then read back from the file a piece at a time."""
+    dtypes = {n: np.dtype(np.int64 if n == "ids" else np.float32) for n in shapes}
+    offsets, end = {}, 0
+    for name in sorted(shapes):
+        size = dtypes[name].itemsize * math.prod(shapes[name])
+        offsets[name], end = (end, end + size), end + size
+
+    def header(checksum: str) -> bytes:
+        entries = {
+            n: {"dtype": _SAFETENSORS_DTYPES[dtypes[n]], "shape": list(shapes[n]), "data_offsets": list(offsets[n])} for n in offsets
+        }
+        raw = json.dumps({"__metadata__": {DERIVED_META_KEY: json.dumps({**meta, "checksum": checksum})}, **entries}).encode()
+        return raw + b" " * (-len(raw) % 8)  # safetensors' writer aligns the data to 8 bytes
+
+    def write(tmp: Path) -> None:
+        start = 8 + len(header("0" * 64))  # a checksum is 64 hex digits: the header's length is known before it
+        with tmp.open("r+b") as fh:
+            fh.truncate(start + end)
+            with mmap.mmap(fh.fileno(), start + end) as mapped:
+
+                def release() -> None:
+                    mapped.flush()
+                    mapped.madvise(mmap.MADV_DONTNEED)
+
+                views = {
+                    n: np.frombuffer(mapped, dtypes[n], math.prod(shapes[n]), start + b).reshape(shapes[n]) for n, (b, _) in offsets.items()
+                }
+                fill(views, release)
+                release()
+                del views  # the map closes only once no array views it
+            digest = _checksum(meta, ((n, dtypes[n], tuple(shapes[n]), _read(fh, start + b, start + e)) for n, (b, e) in offsets.items()))
+            fh.seek(0)
+            fh.write(struct.pack("<Q", start - 8) + header(digest))
+
+    replace_durably(path, write)
+
+
+def _read(fh: BinaryIO, begin: int, end: int) -> Iterator[bytes]:
+    fh.seek(begin)
+    while begin < end:
+        piece = fh.read(min(_CHECKSUM_READ, end - begin))
+        begin += len(piece)
+        yield piece
+
+
 #: reads a file written before the derived-file format: (tensors, the file's safetensors metadata) -> its metadata when
 #: it verifies in its old layout, else None
 LegacyReader = Callable[[dict[str, np.ndarray], dict[str, str]], "dict | None"]
@@ -80,8 +143,14 @@ def read_derived(path: Path, what: str, legacy: LegacyReader | None = None) -> t
 
 def derived_checksum(tensors: Mapping[str, np.ndarray], meta: Mapping[str, object]) -> str:
     """SHA-256 of the metadata (as sorted JSON) and of every tensor's name, dtype, shape and bytes, in name order."""
+    return _checksum(meta, ((n, tensors[n].dtype, tensors[n].shape, [np.ascontiguousarray(tensors[n]).data]) for n in sorted(tensors)))
+
+
+def _checksum(meta: Mapping[str, object], tensors: Iterable[tuple[str, np.dtype, tuple[int, ...], Iterable[bytes | memoryview]]]) -> str:
+    """`derived_checksum` of tensors given in name order as (name, dtype, shape, their bytes in pieces)."""
     h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        h.update(f"{name}:{tensors[name].dtype}:{tensors[name].shape}".encode())
-        h.update(np.ascontiguousarray(tensors[name]).data)
+    for name, dtype, shape, pieces in tensors:
+        h.update(f"{name}:{dtype}:{shape}".encode())
+        for piece in pieces:
+            h.update(piece)
     return h.hexdigest()

@@ -79,22 +79,21 @@ class ModuleStack:
     @classmethod
     def allocate(cls, size: int, layout: Mapping[str, tuple[int, int, int]], dense: set[str]) -> ModuleStack:
         """A stack of `size` empty rows: per module name (out, in, largest rank); names of rank 0 are left out."""
-        norms: dict[str, np.ndarray] = {}
-        flat: dict[str, np.ndarray] = {}
-        factors: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        for name, (out, inp, r) in sorted(layout.items()):
+        return cls.from_arrays({k: np.zeros(shape, np.float32) for k, shape in cls.shapes(size, layout, dense).items()}, size)
+
+    @staticmethod
+    def shapes(size: int, layout: Mapping[str, tuple[int, int, int]], dense: set[str]) -> dict[str, tuple[int, ...]]:
+        """The shapes of the float32 arrays (`arrays`' names) of a stack of `size` rows of this layout."""
+        out: dict[str, tuple[int, ...]] = {}
+        for name, (rows, cols, r) in sorted(layout.items()):
             if not r:
                 continue
-            norms[name] = np.zeros(size, np.float32)
+            out[f"norms/{name}"] = (size,)
             if name in dense:
-                flat[name] = np.zeros((size, out, inp), np.float32)
+                out[f"dense/{name}"] = (size, rows, cols)
             else:
-                factors[name] = (
-                    np.zeros((size, r, out), np.float32),
-                    np.zeros((size, r, inp), np.float32),
-                    np.zeros((size, r), np.float32),
-                )
-        return cls(size, norms, flat, factors)
+                out.update({f"U/{name}": (size, r, rows), f"V/{name}": (size, r, cols), f"w/{name}": (size, r)})
+        return out
 
     def fill(self, start: int, adapters: Sequence[Factors]) -> None:
         """Write the adapters into rows start, start + 1, ... (modules the stack does not hold must have rank 0)."""
