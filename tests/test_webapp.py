@@ -264,9 +264,12 @@ def test_download_in_each_format(web: Web) -> None:
     assert r.status_code == 200 and r.mimetype == "application/zip" and "attachment" in r.headers["Content-Disposition"]
     names = zipfile.ZipFile(io.BytesIO(r.data)).namelist()
     assert any(n.endswith("adapter_config.json") for n in names) and any(n.endswith("adapter_model.safetensors") for n in names)
+    assert json.loads(r.headers["X-Zoo-Export-Notes"]) == []
     for fmt in ("diffusers", "kohya"):
         r = web.client.get(f"/api/v1/adapters/1/download?format={fmt}")
         assert r.status_code == 200 and r.headers["Content-Disposition"].endswith('.safetensors"')
+    # the seeded zoo's modules are no SD UNet's: the kohya file keeps their names, and says so
+    assert "keep their stored names" in json.loads(r.headers["X-Zoo-Export-Notes"])[0]
     assert error_of(web.client.get("/api/v1/adapters/1/download?format=onnx"))["status"] == 422
     assert error_of(web.client.get("/api/v1/adapters/999/download"))["status"] == 404
 

@@ -54,6 +54,8 @@ T = TypeVar("T")
 READ = [400, 401]
 ENGINE = [*READ, 404, 409]
 UPLOAD = [400, 401, 404, 409, 413, 415, 422, 503]
+#: a download's notes: what the export lacks (zoo.services.export.export_notes), as a JSON list
+NOTES_HEADER = "X-Zoo-Export-Notes"
 
 
 @api.get("/health")
@@ -212,10 +214,17 @@ def predict_performance(body: dict) -> dict[str, object]:
 @needs("read")
 @api.input(schemas.DownloadQuery, location="query", arg_name="query")
 # apiflask types the dict's values all alike; each may be a description (an error: with the error schema) or a whole response
-@api.doc(responses={200: {"description": "a zip (peft) or a .safetensors file"}, 400: "Bad Request", 401: "Unauthorized"})  # type: ignore[arg-type]
+@api.doc(
+    responses={  # type: ignore[arg-type]
+        200: {"description": f"a zip (peft) or a .safetensors file; the {NOTES_HEADER} header: what the export lacks, a JSON list"},
+        400: "Bad Request",
+        401: "Unauthorized",
+    }
+)
 def download(adapter_id: int, query: dict) -> Response:
-    """The adapter rebuilt from its canonical form as a PEFT directory (zip), a diffusers or a kohya file."""
-    from zoo.services.export import export_files, export_zip, file_stem, load_for_export
+    """The adapter rebuilt from its canonical form as a PEFT directory (zip), a diffusers or a kohya file; what it
+    lacks (a head whose source file is gone, names kept) in the X-Zoo-Export-Notes header, as `zoo export` says it."""
+    from zoo.services.export import export_files, export_notes, export_zip, file_stem, load_for_export
 
     factors, meta = load_for_export(db(), zoo_context().blobs, adapter_id)
     fmt = query["format"]
@@ -224,7 +233,8 @@ def download(adapter_id: int, query: dict) -> Response:
     else:
         ((filename, body),) = export_files(factors, meta, fmt).items()
         name, mime = filename, "application/octet-stream"
-    return Response(body, mimetype=mime, headers={"Content-Disposition": f'attachment; filename="{name}"'})
+    notes = json.dumps(export_notes(meta, fmt))  # ASCII: non-ASCII characters escaped
+    return Response(body, mimetype=mime, headers={"Content-Disposition": f'attachment; filename="{name}"', NOTES_HEADER: notes})
 
 
 @api.put("/adapters/<int:adapter_id>/labels")
