@@ -732,6 +732,7 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
         "build_steps_s": built.get("steps_s"),
         "load_s": round(load_s, 2),
         "nprobe": built["nprobe"],
+        "store": built.get("store"),
         "rerank": built.get("rerank"),
         "hybrid_weight": weight,
         "blas_threads": args.blas_threads,
