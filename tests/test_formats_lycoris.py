@@ -267,3 +267,9 @@ def test_ingest_embed_search_finds_the_stored_file(cli: CLI, tmp_path: Path) -> 
     lycoris_file(tmp_path / "whole.safetensors", "lokr", targets=("Linear",), lora_dim=10000, alpha=1)
     rc, _, err = cli("search", str(tmp_path / "whole.safetensors"))
     assert rc == 2 and "a lycoris file read as full-rank spectra has no low-rank update to search with" in err
+    # a LoKr is an exact B·A: its PEFT export (rank r1·r2, scale 1) ingests as the same adapter
+    lycoris_file(tmp_path / "linear.safetensors", "lokr", targets=("Linear",), lora_dim=2, alpha=1, factor=4)
+    rc, (linear,) = cli.json_lines("ingest", str(tmp_path / "linear.safetensors"), "--base-model", "tiny")
+    rc, _, _ = cli("export", str(linear["adapter_id"]), "--format", "peft", "--out", str(tmp_path / "peft"))
+    rc, (exported,) = cli.json_lines("ingest", str(tmp_path / "peft"), "--base-model", "tiny")
+    assert rc == 0 and exported["status"] == "duplicate" and exported["adapter_id"] == linear["adapter_id"]
