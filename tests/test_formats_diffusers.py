@@ -152,6 +152,10 @@ def test_low_rank_pairs_no_reader_claims_are_refused_and_nothing_is_stored(tmp_p
         {"down_blocks.0.proj.weight": torch.randn(32, 32), "up_blocks.0.proj.weight": torch.randn(32, 32)}, str(tmp_path / "ck.safetensors")
     )
     assert read_adapter(tmp_path / "ck.safetensors").format == "checkpoint"
+    # nor is an MLP whose down and up projections compose like factors (a partial fine-tune of a Llama-style block)
+    mlp = {"layers.0.mlp.down_proj.weight": torch.randn(16, 64), "layers.0.mlp.up_proj.weight": torch.randn(64, 16)}
+    save_file(mlp, str(tmp_path / "mlp.safetensors"))
+    assert read_adapter(tmp_path / "mlp.safetensors").format == "checkpoint"
 
 
 def test_a_diffusers_adapter_page_offers_its_downloads(files: dict[str, Path], cli: CLI) -> None:

@@ -1,11 +1,11 @@
 """Telling, from tensor names and shapes alone, that a file no reader claims holds low-rank factor pairs.
 
 Such a file is an adapter in a layout zoo does not know; stored as a full checkpoint it would be searched as
-one, so it is refused instead. A pair is two tensors whose names differ in one factor word (down/up, A/B, a/b,
-whole words between `.`, `_`, `:`, `-` or `/`) and whose shapes compose as r × n and m × r (either way round, conv
-kernels flattened) with r at most half of min(n, m). A file is taken for factors when its pairs hold at least half
-of its tensors of two or more dimensions: a full checkpoint whose `down_blocks` and `up_blocks` happen to make a
-pair or two is not.
+one, so it is refused instead. A pair is two tensors whose names differ in one factor word (down/up, A/B, a/b: whole
+words between `.`, `_`, `:`, `-` or `/`, followed by nothing but `weight` or PEFT's `default`, as in `q.lora_down.weight`
+or `unet:0:up`, not `mlp.down_proj.weight` or `down_blocks.0`) and whose shapes compose as r × n and m × r (either way
+round, conv kernels flattened) with r at most half of min(n, m). A file is taken for factors when its pairs hold at
+least half of its tensors of two or more dimensions, so that a checkpoint with a stray pair is still a checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 
 #: the words that name the two factors of a low-rank pair
 FACTOR_WORDS = (("down", "up"), ("A", "B"), ("a", "b"))
+#: the words that may follow a factor word in its name
+TRAILING = {"weight", "default"}
 _SEPARATORS = re.compile(r"([._:/-])")
 
 
@@ -38,7 +40,7 @@ def low_rank_pairs(shapes: Mapping[str, Sequence[int]]) -> list[tuple[str, str]]
         parts = _SEPARATORS.split(key)
         for i, part in enumerate(parts):
             partner_word = next((second for first, second in FACTOR_WORDS if part == first), None)
-            if partner_word is None:
+            if partner_word is None or any(word not in TRAILING for word in parts[i + 2 :: 2]):
                 continue
             partner = "".join([*parts[:i], partner_word, *parts[i + 1 :]])
             if partner in shapes and _composes(shape, shapes[partner]):
