@@ -9,16 +9,18 @@ reference is positive, the reference stays. With few
 labels (or many candidates of equal worth) the best estimate is mostly noise and loses on the other halves;
 with many, the best estimate wins without having to be "clearly" better.
 
-- search: every exact score (the whole update's dW cosine, the mean module cosine) alone and mixed with the W2T
+- search: every exact score (the whole update's dW cosine, the mean module cosine, the input Gram, and the search's
+  few-label channel metric where it was fitted in each fold: embed/fitted.py) alone and mixed with the W2T
   cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task), against
   whole-update dW cosine; then, over that pick, a heavier mix of the same exact score whose top it re-orders
   (staged_over), where that is better;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score, or
-  either exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
-  held-out adapters best, against the W2T heads and few-shot readouts of the W2T embedding (nearest class mean,
-  logistic regression on the frozen embedding), by accuracy against that kNN;
-- a metric: the same kNN family (best Spearman), against the heads and the kNN in the W2T embedding, by Spearman
-  against that kNN.
+  an exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
+  held-out adapters best, against the W2T heads, few-shot readouts of the W2T embedding (nearest class mean,
+  logistic regression on the frozen embedding) and the kNNs by the attribute's channel metric, by accuracy against
+  that kNN;
+- a metric: the same kNN family (best Spearman), against the heads, the kNN in the W2T embedding and the kNNs by the
+  metric's channel metric, by Spearman against that kNN.
 """
 
 from __future__ import annotations
@@ -243,12 +245,12 @@ def choose_attribute(
     folds: list[Fold],
     target: str = "",
 ) -> tuple[Choice[Predictor], dict[Predictor, np.ndarray], Calibration]:
-    """A kNN among the labelled adapters (the best of knn_similarities(search) × KNN_KS, with the `target`'s own
-    channel metric where `exact` holds it) or a
-    learned predictor (`learned`: its out-of-fold class shares over `classes` by row: the W2T heads, few-shot
-    readouts of the embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice,
-    every candidate's per-item hits, and the chosen predictor's calibration: fit on its out-of-fold shares, or for a
-    kNN by a training-free similarity on the leave-one-out votes among all the labelled adapters (embed.calibration
+    """A kNN among the labelled adapters (the best of knn_similarities(search) × KNN_KS by no channel metric) or,
+    guarded against it, a kNN by the `target`'s own channel metric (where `exact` holds it) or a learned predictor
+    (`learned`: its out-of-fold class shares over `classes` by row: the W2T heads, few-shot readouts of the
+    embedding), for one attribute (labels per labelled adapter, "" unknown). Returns the choice, every candidate's
+    per-item hits, and the chosen predictor's calibration: fit on its out-of-fold shares, or for a kNN by a
+    training-free similarity on the leave-one-out votes among all the labelled adapters (embed.calibration
     knn_calibration: more votes, none of them shaped by its own label). A kNN by a similarity mixed with W2T, or by a
     channel metric, is calibrated out of fold like a learned predictor: the labelled adapters shaped the served
     similarity, so their leave-one-out votes are surer than a query's."""
@@ -273,12 +275,11 @@ def choose_attribute(
     oof = {k: np.concatenate(v) if v else np.zeros((0, len(classes))) for k, v in shares.items()}
     per = {k: (v.argmax(axis=1) == t).astype(np.float64) for k, v in oof.items()}
     means = {k: float(v.mean()) if len(v) else 0.0 for k, v in per.items()}
-    free = max(knns, key=lambda k: means[k])  # ties: the first (the search score, the most neighbours)
+    free, weighed = _knn_reference(knns, learned, lambda k: means[k])
     chosen: Predictor = free
     reason = f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"
-    if learned and len(t) >= MIN_ITEMS:
-        candidates: list[Predictor] = list(learned)
-        chosen, value = best_expected(candidates, free, lambda c, items: float(per[c][items].mean()), len(t))
+    if weighed and len(t) >= MIN_ITEMS:
+        chosen, value = best_expected(weighed, free, lambda c, items: float(per[c][items].mean()), len(t))
         reason = _why(chosen, free, value, len(t), "accuracy") + (" (the best kNN)" if chosen == free else "")
     prior = class_prior(index[index >= 0], len(classes))
     if isinstance(chosen, KnnPredictor) and chosen.similarity.w2t_weight == 0 and chosen.similarity.fitted is None:  # no label shaped it
@@ -291,6 +292,16 @@ def choose_attribute(
     else:
         calibration = with_earned_sure(fit_calibration(oof[chosen], t, prior), oof[chosen], t)
     return Choice(chosen, means, reason), per, calibration
+
+
+def _knn_reference(
+    knns: list[KnnPredictor], learned: Iterable[LearnedPredictor], estimate: Callable[[KnnPredictor], float]
+) -> tuple[KnnPredictor, list[Predictor]]:
+    """(the reference: the kNN of best estimate by a similarity fitted to no label's channel metric, ties to the
+    first; what is weighed against it, guarded: the learned predictors and the kNNs by a channel metric, which the
+    labels shaped as they shaped a head)."""
+    free = max((k for k in knns if k.similarity.fitted is None), key=estimate)
+    return free, [*learned, *(k for k in knns if k.similarity.fitted is not None)]
 
 
 def prototype_shares(z: np.ndarray, labels: list[str], classes: list[str], train: list[int], rows: list[int]) -> np.ndarray:
@@ -356,10 +367,11 @@ def choose_metric(
     folds: list[Fold],
     target: str = "",
 ) -> tuple[Choice[Predictor], np.ndarray, np.ndarray]:
-    """A kNN among the labelled adapters (as for attributes, by Spearman, with the `target` metric's own channel
-    metric where `exact` holds it) or a learned predictor (`learned`: its out-of-fold predictions by row, e.g. the
-    heads and a kNN in the W2T embedding), for one metric (values per labelled adapter, NaN unknown). Returns the
-    choice, and the chosen predictor's out-of-fold predictions with the truth."""
+    """A kNN among the labelled adapters (as for attributes, by Spearman; the kNNs by the `target` metric's own
+    channel metric, where `exact` holds it, weighed against it as learned predictors are) or a learned predictor
+    (`learned`: its out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric
+    (values per labelled adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold
+    predictions with the truth."""
     similarities = knn_similarities(search, scores_for(exact, target))
     knns = [KnnPredictor(sim, k) for sim in similarities for k in KNN_KS]
     preds: dict[Predictor, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
@@ -379,11 +391,10 @@ def choose_metric(
     t = np.array(truth)
     per = {k: np.array(v) for k, v in preds.items()}
     means = {k: _spearman(v, t) for k, v in per.items()}
-    free = max(knns, key=lambda k: np.nan_to_num(means[k], nan=-2.0))  # ties: the first
-    if len(t) < MIN_ITEMS or not learned:
+    free, weighed = _knn_reference(knns, learned, lambda k: float(np.nan_to_num(means[k], nan=-2.0)))
+    if len(t) < MIN_ITEMS or not weighed:
         return Choice(free, means, f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"), per[free], t
-    candidates: list[Predictor] = list(learned)
-    chosen, value = best_expected(candidates, free, lambda c, items: _spearman(per[c][items], t[items]), len(t))
+    chosen, value = best_expected(weighed, free, lambda c, items: _spearman(per[c][items], t[items]), len(t))
     reason = _why(chosen, free, value, len(t), "Spearman") + (" (the best kNN)" if chosen == free else "")
     return Choice(chosen, means, reason), per[chosen], t
 

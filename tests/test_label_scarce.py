@@ -119,7 +119,7 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
     # 3 exact scores and the search's channel metric fitted on the labelled (embed/fitted.py), each alone and mixed at
     # 0.1 … 0.9, W2T alone; and each of the 4 × 10 one-stage mixes below 0.9 under every heavier one below 1 (45 pairs
     # per exact score), re-ordering its top 5 or 10
-    assert "metric:search" in result["choices"]["search"]["scores"]
+    assert "metric:search" in per_query.candidates
     assert len(per_query.candidates) == len(result["search_candidates"]["mrr"]) == 41 + 4 * 45 * 2
 
 
