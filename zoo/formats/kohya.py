@@ -13,8 +13,9 @@ import torch
 from zoo.errors import InputError
 from zoo.formats.model import AdapterData, LoraModule, check_finite, check_pair
 
-#: (down suffix, up suffix) of single-file layouts: kohya-ss's, diffusers 0.21-0.26's dotted one (both read here) and
-#: diffusers' PEFT-style one (read by zoo/formats/diffusers.py); the `alpha` scalar sits at `<stem>.alpha`.
+#: (down suffix, up suffix) of single-file layouts: kohya-ss's, diffusers 0.21-0.26's dotted one, and diffusers'
+#: PEFT-style one (zoo/formats/diffusers.py reads files of it; a kohya file that mixes some in is read whole here);
+#: the `alpha` scalar sits at `<stem>.alpha`.
 PAIRS = (
     (".lora_down.weight", ".lora_up.weight"),
     (".lora.down.weight", ".lora.up.weight"),
@@ -22,7 +23,7 @@ PAIRS = (
 )
 #: hand-converted names, `<stem>_lora_down.weight`: kohya's when the stem is a kohya name (no dots), else diffusers'
 HAND_PAIR = ("_lora_down.weight", "_lora_up.weight")
-KOHYA_PAIRS = (PAIRS[0], PAIRS[1], HAND_PAIR)
+KOHYA_PAIRS = (*PAIRS, HAND_PAIR)
 
 #: a module's (alpha, scale) from its name, its `alpha` tensor (None when absent) and its rank
 Scaling = Callable[[str, "torch.Tensor | None", int], tuple[float, float]]
