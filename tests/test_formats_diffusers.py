@@ -162,4 +162,4 @@ def test_a_diffusers_adapter_page_offers_its_downloads(files: dict[str, Path], c
     assert cli("ingest", str(files["current"]))[0] == 0
     app = create_app({"ZOO_DATABASE_URL": cli.settings.database_url, "ZOO_DATA_DIR": str(cli.settings.data_dir), "TESTING": True})
     page = app.test_client().get("/adapters/1").get_data(as_text=True)
-    assert " · diffusers" in page and all(f"format={fmt}" in page for fmt in ("peft", "diffusers", "kohya"))
+    assert " · diffusers" in page and "format=diffusers" in page and "format=peft" in page
