@@ -55,8 +55,9 @@ def write_task_in_one_module(root: Path) -> Path:
 
 def test_a_space_whose_choice_picks_the_metric_searches_by_it(cli: CLI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = write_task_in_one_module(tmp_path)
-    rc, _ = cli.json_lines("ingest", str(src / "zoo"), "--labels", str(src / "labels.csv"), "--base-model", "tiny")
+    rc, ingested = cli.json_lines("ingest", str(src / "zoo"), "--labels", str(src / "labels.csv"), "--base-model", "tiny")
     assert rc == 0
+    by_name = {r["name"]: r["adapter_id"] for r in ingested}
     rc, (info,) = cli.json_lines("train", "--epochs", "2", "--members", "2")
     assert rc == 0
     scores = info["choices"]["search"]["scores"]
@@ -71,14 +72,13 @@ def test_a_space_whose_choice_picks_the_metric_searches_by_it(cli: CLI, tmp_path
     assert sum(w for (c, g), w in zip(metric.atoms, metric.weights, strict=True) if g == "q_proj@0") > 0.5 * sum(metric.weights), shares
 
     # zoo search serves it: the order of the metric computed here from the stored factors, in r×r blocks
-    ids = list(range(1, COUNT + 1))
-    rc, (found,) = cli.json_lines("search", "1", "-k", "6")
+    query, others = by_name["a00"], sorted(i for name, i in by_name.items() if name != "a00")
+    rc, (found,) = cli.json_lines("search", str(query), "-k", "6")
     assert rc == 0 and found["method"] == "hybrid" and found["module_stage"] == "exact (module store)"
-    others = ids[1:]
-    want = metric.between(factor_stack(stored_factors(cli, others)), factor_stack(stored_factors(cli, [1])))[0]
+    want = metric.between(factor_stack(stored_factors(cli, others)), factor_stack(stored_factors(cli, [query])))[0]
     assert [r["adapter_id"] for r in found["results"]] == [others[j] for j in np.argsort(-want, kind="stable")[:6]]
     assert [r["score"] for r in found["results"]] == pytest.approx(sorted(want, reverse=True)[:6], abs=1e-5)
-    assert {r["labels"]["task"] for r in found["results"][:5]} == {"t0"}  # adapter 1's task: the metric finds it
+    assert {r["labels"]["task"] for r in found["results"][:5]} == {"t0"}  # a00's task: the metric finds it
 
     # a space without a module store (past ZOO_MODULE_STORE_BYTES) does not weigh it, and says so
     monkeypatch.setenv("ZOO_MODULE_STORE_BYTES", "1")
