@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from zoo.errors import InputError
-from zoo.formats.kohya import HAND_PAIR, PAIRS, _alpha, kohya_base_model, pair_config, read_pairs
+from zoo.formats.kohya import HAND_PAIR, PAIRS, kohya_base_model, module_alpha, pair_config, read_pairs
 from zoo.formats.model import AdapterData
 from zoo.formats.peft import PeftConfig, parse_peft_config
 
@@ -150,7 +150,7 @@ def read_diffusers_lora(path: Path, tensors: Mapping[str, torch.Tensor], metadat
 
     def scaling(name: str, alpha_tensor: torch.Tensor | None, rank: int) -> tuple[float, float]:
         if alpha_tensor is not None:
-            alpha = _alpha(path, name, alpha_tensor, rank)
+            alpha = module_alpha(path, name, alpha_tensor, rank)
             return alpha, alpha / rank
         component, _, module = name.partition(".")
         config = configs.get(component)

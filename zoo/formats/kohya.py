@@ -51,7 +51,7 @@ def has_lora_keys(keys: list[str]) -> bool:
     return any(k.endswith((PAIRS[0][0], PAIRS[1][0])) or (k.endswith(HAND_PAIR[0]) and "." not in k[: -len(HAND_PAIR[0])]) for k in keys)
 
 
-def _alpha(path: Path, stem: str, t: torch.Tensor | None, rank: int) -> float:
+def module_alpha(path: Path, stem: str, t: torch.Tensor | None, rank: int) -> float:
     """A module's alpha: its one-number tensor; missing or zero means alpha = rank (kohya's convention)."""
     if t is None:
         return float(rank)
@@ -72,7 +72,7 @@ def kohya_scaling(path: Path) -> Scaling:
     """alpha from the module's `alpha` tensor (missing or zero: alpha = rank, kohya's convention), scale alpha/rank."""
 
     def scaling(stem: str, alpha_tensor: torch.Tensor | None, rank: int) -> tuple[float, float]:
-        alpha = _alpha(path, stem, alpha_tensor, rank)
+        alpha = module_alpha(path, stem, alpha_tensor, rank)
         return alpha, alpha / rank
 
     return scaling
