@@ -27,7 +27,7 @@ from transformers import (
 from tests.conftest import CLI
 from tests.diffusers_models import add_random_lora, fused_deltas, tiny_unet, write_current_lora
 from tests.hub_server import FakeRepo, HubServer
-from tests.test_export import ingest, load, write
+from tests.test_export import ingest, load, stored_before_0016, write
 from tests.test_hub import hub  # noqa: F401 - the fake Hub, as a fixture
 from zoo.config import Settings
 from zoo.domain.kohya_names import kohya_names
@@ -108,7 +108,7 @@ def test_peft_loads_a_classifier_export_with_its_head(settings: Settings, tmp_pa
     out = write(export_files(factors, meta, "peft"), tmp_path / "export")
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["classifier", "score"]
-    assert "written from the source file" in export_notes(meta, "peft")[0]
+    assert export_notes(meta, "peft") == []  # the head is stored
 
     original, exported = peft_loaded(kind, tmp_path / "source"), peft_loaded(kind, out)
     with torch.no_grad():
@@ -124,6 +124,7 @@ def test_a_hub_adapter_is_exported_with_its_head_from_the_hub_cache(cli: CLI, hu
     hub.repos["alice/bert-cls"] = FakeRepo.from_dir(tmp_path / "source")
     rc, [ingested] = cli.json_lines("ingest", "hf://alice/bert-cls")
     assert rc == 0 and ingested["status"] == "ingested", ingested
+    stored_before_0016(cli.settings, ingested["adapter_id"])  # no head stored: it is read from the Hub cache
     rc, [info] = cli.json_lines("export", str(ingested["adapter_id"]), "--format", "peft", "--out", str(tmp_path / "export"))
     assert rc == 0 and "written from the source file" in info["notes"][0] and "models--alice--bert-cls" in info["notes"][0]
     with torch.no_grad():
@@ -137,6 +138,7 @@ def test_a_head_not_found_as_ingested_is_left_out_and_its_task_type_cleared(sett
     write_seq_cls_adapter("distilbert", source)
     original = peft_loaded("distilbert", source).merge_and_unload().state_dict()
     factors, meta = load(settings, ingest(settings, source, base_model="distilbert"))
+    stored_before_0016(settings, meta.adapter_id)  # no head stored: it is read from the source file, if that is as ingested
     write_seq_cls_adapter("distilbert", source, seed=2)  # another head where the source was: not the bytes ingested
 
     factors, meta = load(settings, meta.adapter_id)
@@ -175,13 +177,16 @@ def test_diffusers_loads_the_kohya_and_diffusers_exports_of_an_sd_lora(settings:
 
 @SQLITE
 def test_conv_modules_are_exported_with_the_kernels_of_their_source_file(settings: Settings, tmp_path: Path) -> None:
-    """3×3 resnet convs and 1×1 projections: only in·kh·kw is stored, the kernel is read from the source file."""
+    """3×3 resnet convs and 1×1 projections of an adapter stored before kernels were (its factors hold only in·kh·kw):
+    the kernel is read from the source file."""
     layers = add_random_lora(tiny_unet(), ("to_q", "conv1", "proj_in"), seed=3)
     StableDiffusionPipeline.save_lora_weights(tmp_path / "source", unet_lora_layers=layers)
     source = tmp_path / "source" / "pytorch_lora_weights.safetensors"
     reference = fused_deltas(source)
     assert {tuple(d.shape[2:]) for d in reference.values() if d.ndim == 4} == {(1, 1), (3, 3)}
-    factors, meta = load(settings, ingest(settings, source))
+    adapter_id = ingest(settings, source)
+    stored_before_0016(settings, adapter_id)
+    factors, meta = load(settings, adapter_id)
     assert {m.kind for m in meta.modules.values()} == {"linear", "conv"}
     for fmt in ("kohya", "diffusers"):
         assert_same_weights(fused_deltas(next(write(export_files(factors, meta, fmt), tmp_path / fmt).iterdir())), reference)

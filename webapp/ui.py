@@ -15,7 +15,6 @@ from webapp.context import db, zoo_context
 from webapp.schemas import MAX_PAGE
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
 from zoo.errors import ZooError
-from zoo.formats import LORA_FORMATS
 from zoo.labels import TASK_KEY
 from zoo.store import repository
 from zoo.store.catalog import FACET_VALUES, FacetValue
@@ -79,9 +78,12 @@ def api_docs_page() -> str:
 @ui.get("/adapters/<int:adapter_id>")
 @needs("read")
 def adapter_page(adapter_id: int) -> str:
+    from zoo.services.export import exportable_formats, load_meta
+
     resource = service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True))
     twin = url_for("api.adapter", adapter_id=adapter_id)
-    return render_template("adapter.html", a=resource, twin=twin, lora_formats=LORA_FORMATS)  # LoRA adapters can be downloaded
+    downloads = exportable_formats(load_meta(db(), zoo_context().blobs, adapter_id, with_head=False))  # those an export writes
+    return render_template("adapter.html", a=resource, twin=twin, downloads=downloads)
 
 
 @ui.get("/map")

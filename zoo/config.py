@@ -42,6 +42,7 @@ MAX_MODULE_WIDTH = Variable("ZOO_MAX_MODULE_WIDTH", 1 << 19, "the widest side of
 MAX_HEADER_BYTES = Variable("ZOO_MAX_HEADER_BYTES", 16 << 20, "the largest safetensors JSON header accepted")
 MAX_FILE_BYTES = Variable("ZOO_MAX_FILE_BYTES", 4 << 30, "the largest weight file accepted")
 STREAM_MIN_BYTES = Variable("ZOO_STREAM_MIN_BYTES", 256 << 20, "safetensors files at least this large are streamed, not held")
+MAX_HEAD_BYTES = Variable("ZOO_MAX_HEAD_BYTES", 64 << 20, "the largest PEFT head (its tensors that are not LoRA factors) stored")
 HUB_MAX_WAIT_S = Variable("ZOO_HUB_MAX_WAIT_S", 120.0, "seconds one source spends retrying a rate-limited or failing Hub")
 JOB_LEASE_S = Variable("ZOO_JOB_LEASE_S", 60.0, "seconds a claimed job item is held without a heartbeat")
 FACET_EXACT_ROWS = Variable("ZOO_FACET_EXACT_ROWS", 10_000, "matching adapters up to which catalog facets are counted exactly")
@@ -68,7 +69,7 @@ WORKER_CONNECTIONS = Variable("ZOO_WORKER_CONNECTIONS", 1000, "connections one `
 
 #: every ZOO_* setting (docs/settings.md lists them)
 VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool], ...] = (
-    DATA_DIR, DATABASE_URL, MAX_RANK, MAX_MODULES, MAX_MODULE_WIDTH, MAX_HEADER_BYTES, MAX_FILE_BYTES, STREAM_MIN_BYTES,
+    DATA_DIR, DATABASE_URL, MAX_RANK, MAX_MODULES, MAX_MODULE_WIDTH, MAX_HEADER_BYTES, MAX_FILE_BYTES, STREAM_MIN_BYTES, MAX_HEAD_BYTES,
     HUB_MAX_WAIT_S, JOB_LEASE_S, FACET_EXACT_ROWS, PROBE_CACHE_BYTES, MODULE_STORE_BYTES, SPACES_BYTES, EMBED_CHUNK_BYTES,
     MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, MAX_LABELS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS,
     MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE,

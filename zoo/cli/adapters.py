@@ -61,18 +61,26 @@ def run_ingest(
                 print_json(result.as_dict())
             elif result.status == "failed":
                 failures.append(result.error or result.source)
-            elif result.revision or result.status == "duplicate":
+            elif result.revision or result.status == "duplicate" or result.head:
                 bar.write(result_line(result), file=sys.stdout)
             bar.set_postfix(counts)
     return counts, failures
 
 
 def result_line(result: IngestResult) -> str:
-    """One source's outcome worth a line of its own: a duplicate names the stored adapter it is; a Hub source its revision."""
+    """One source's outcome worth a line of its own: a duplicate names the stored adapter it is; a Hub source its
+    revision; a PEFT head stored with the adapter its tensors."""
     at = f" at revision {result.revision}" if result.revision else ""
     if result.status == "duplicate":
         return f"{result.source}{at}: duplicate of #{result.adapter_id} {result.duplicate_of or ''}".rstrip()
-    return f"{result.source}{at}: {result.status}, adapter {result.adapter_id}"
+    head = result.head
+    stored = f", with its head ({head_text(head['tensors'])}; {head['bytes']:,} bytes)" if head else ""
+    return f"{result.source}{at}: {result.status}, adapter {result.adapter_id}{stored}"
+
+
+def head_text(tensors: list[str]) -> str:
+    """A stored PEFT head's tensors in words."""
+    return f"{plural(len(tensors), 'tensor')}: " + ", ".join(tensors[:4]) + (", ..." if len(tensors) > 4 else "")
 
 
 def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
@@ -170,6 +178,8 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
         "author",
     ):
         print(f"{key:>15}: {human(detail[key])}")
+    if detail["head_blob"]:
+        print(f"{'head':>15}: {head_text(sorted(detail['extra_tensors']))} (stored for exports, blob {detail['head_blob'][:12]})")
     for note in detail["notes"]:
         print(f"{'note':>15}: {note}")
     for source in duplicates:

@@ -2,7 +2,8 @@
 module stores against the database, embeddings against adapters; `--repair` fixes what can be fixed.
 
 What it finds:
-- **missing / corrupt blobs**: a row whose blob is absent or whose bytes do not hash to its digest.
+- **missing / corrupt blobs**: a row whose blob (its factors', or its PEFT head's) is absent or whose bytes do not hash
+  to its digest.
   Data is lost: nothing repairs it (ingest the adapter again).
 - **orphans**: blob files no row refers to, and temporary files (`.tmp-*`) a killed writer left. A
   writer inserts its rows, writes its blob, then commits, so a blob younger than the grace period
@@ -47,8 +48,8 @@ from zoo.config import Settings
 from zoo.files import TMP_PREFIX
 from zoo.store.blobs import BlobStore
 from zoo.store.jobs import StrandedItem, pending_sources, requeue_stranded, stranded_items
-from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace
-from zoo.store.repository import names_and_labels, space_module_shapes
+from zoo.store.models import Embedder, Embedding, EmbeddingSpace
+from zoo.store.repository import adapter_blobs, names_and_labels, space_module_shapes
 from zoo.store.session import session_factory
 
 #: seconds a blob or temporary file must be old before `--repair` may remove it
@@ -63,7 +64,7 @@ class LostBlob(TypedDict):
 
 
 class BlobCheck(TypedDict):
-    rows: int  # adapters with a blob
+    rows: int  # adapters with a blob (factors, head or both)
     missing: list[LostBlob]
     corrupt: list[LostBlob]
 
@@ -136,8 +137,8 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
     sessions = session_factory(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
     with sessions() as session:
-        rows = session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.factors_blob.is_not(None))).all()
-    referenced = {str(digest) for _, digest in rows}
+        rows = adapter_blobs(session)
+    referenced = {digest for _, digest in rows}
     missing: list[LostBlob] = []
     corrupt: list[LostBlob] = []
     for adapter_id, digest in rows:
@@ -175,7 +176,7 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
     return {
         "ok": problems == 0,
         "problems": problems,
-        "blobs": {"rows": len(rows), "missing": missing, "corrupt": corrupt},
+        "blobs": {"rows": len({adapter_id for adapter_id, _ in rows}), "missing": missing, "corrupt": corrupt},
         "orphans": [str(p) for p in orphans],
         "temporary_files": [str(p) for p in temporary],
         "in_flight": in_flight,

@@ -7,13 +7,12 @@ k = len(S) with alpha = k, so the file's scaling is 1 and its effective update i
 Keys are the exact inverse of the readers in zoo/formats (same module names, same suffixes), so
 ingesting an export finds the stored adapter as a duplicate.
 
-A PEFT adapter's other tensors (a classifier head, modules_to_save) are not stored: a PEFT export writes them from
-the source file where it still is as ingested (zoo/services/source_file.py); where it is not, the export leaves them
-out and clears what PEFT cannot load without them (modules_to_save, and a task type that wraps a head), saying so
-in its notes (`export_notes`).
-
-A conv module's kernel size is not stored either, only the flattened in·kh·kw: it is read from the source file
-the same way, and an adapter with conv modules is refused where the file is not there as ingested.
+A PEFT adapter's other tensors (its head: modules_to_save, ...) and each conv module's kernel (the factors hold only
+the flattened in·kh·kw) are stored at ingest (zoo/services/file_parts.py). For an adapter stored before they were
+(or whose head was past ZOO_MAX_HEAD_BYTES), they are read from the source file where it still is as ingested
+(zoo/services/source_file.py); where it is not, a PEFT export leaves the head out and clears what PEFT cannot load
+without it (modules_to_save, and a task type that wraps a head), saying so in its notes (`export_notes`), and an
+adapter with a conv module whose kernel is not known is refused.
 
 Refused besides: stored checkpoints (spectra only, or truncated low-rank deltas named by state-dict keys: not LoRA
 adapters) and DoRA adapters (their magnitude vectors are not stored).
@@ -27,8 +26,9 @@ import math
 import re
 import zipfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError
@@ -38,18 +38,20 @@ from sqlalchemy.orm import Session
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.fingerprint import NamedFactors
 from zoo.domain.kohya_names import is_kohya_name, kohya_names
-from zoo.errors import NotFoundError, StorageError, UsageError
+from zoo.errors import InputError, NotFoundError, StorageError, UsageError
 from zoo.formats import LORA_FORMATS
 from zoo.formats.cloneofsimo import FORMAT as CLONEOFSIMO
 from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
 from zoo.formats.peft import PAIRS as PEFT_PAIRS
-from zoo.services.source_file import SourceFile, read_source
+from zoo.services.file_parts import FileParts, file_parts, needs_file
+from zoo.services.source_file import read_source
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
-from zoo.store.models import named_base_model
+from zoo.store.models import Adapter, named_base_model
 
+T = TypeVar("T")
 FORMATS = ("peft", "diffusers", "kohya")
 #: stored formats whose updates are LoRA adapters (the others are checkpoints)
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -64,6 +66,7 @@ HEAD_TASKS = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS")
 class ModuleLayout:
     kind: str  # linear | conv | embedding
     transposed: bool  # the stored update is (B·A)ᵀ of PEFT's factors (embeddings, fan_in_fan_out layers)
+    kernel: tuple[int, ...] | None = None  # a conv module's (in_channels, k...), as stored or read from the source file
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,11 @@ class ExportMeta:
     extra_tensors: tuple[str, ...] = ()
     #: where the adapter was ingested from (a path or hf:// source)
     source_uri: str = ""
-    #: the source's weight file, read again where it was found with the bytes ingested (None: not found, or not needed)
-    source: SourceFile | None = None
+    #: a PEFT adapter's tensors that are not LoRA factors (its head), by their names in extra_tensors; None when it
+    #: has none or they are neither stored nor in the source file as ingested
+    heads: dict[str, torch.Tensor] | None = None
+    #: the source file the head was read from, for an adapter stored before heads were (None: the store, or no head)
+    head_from: str | None = None
 
 
 def lora_factors(f: CanonicalFactors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +102,9 @@ def export_files(factors: NamedFactors, meta: ExportMeta, fmt: str) -> dict[str,
     """The files of an export in format `fmt` (peft | diffusers | kohya), by file name."""
     check_exportable(meta, fmt)
     if fmt == "peft":
-        heads = peft_heads(meta)
-        config = json.dumps(peft_config(factors, meta, heads is not None), indent=2, sort_keys=True) + "\n"
-        return {CONFIG_NAME: config.encode(), WEIGHT_NAMES[0]: _safetensors({**_peft_tensors(factors, meta), **(heads or {})}, {})}
+        heads = {PEFT_PREFIX + name: t for name, t in (meta.heads or {}).items()}  # PEFT loads them by these keys
+        config = json.dumps(peft_config(factors, meta, meta.heads is not None), indent=2, sort_keys=True) + "\n"
+        return {CONFIG_NAME: config.encode(), WEIGHT_NAMES[0]: _safetensors({**_peft_tensors(factors, meta), **heads}, {})}
     header = {"ss_sd_model_name": meta.base_model} if meta.base_model else {}  # the header key the reader takes the base from
     if fmt == "diffusers" and not _kohya_named(meta):
         return {DIFFUSERS_WEIGHT_NAME: _safetensors(_single_file_tensors(factors, meta, {}, _DIFFUSERS_PAIR, alpha=False), header)}
@@ -139,31 +145,23 @@ def check_exportable(meta: ExportMeta, fmt: str) -> None:
     full = sorted(name for name, m in meta.modules.items() if m.kind == "full")
     if full:
         raise UsageError(f"{what}: module {full[0]} is stored as its spectrum only (full rank): there are no factors to write back")
-    kernels = conv_kernels(meta)
-    conv = sorted(name for name, m in meta.modules.items() if m.kind == "conv" and name not in kernels)
+    conv = sorted(name for name, m in meta.modules.items() if m.kind == "conv" and m.kernel is None)
     if conv:
         raise UsageError(
-            f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored, nor read from a source file at "
-            f"{meta.source_uri} with the bytes ingested, so it cannot be written back"
+            f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored (stored before kernels were), nor "
+            f"read from a source file at {meta.source_uri} with the bytes ingested, so it cannot be written back"
         )
 
 
-#: key suffixes of a module's down/A factor in the layouts read (PEFT, diffusers, kohya, hand-converted)
-_DOWN_SUFFIXES = (".lora_A.weight", ".lora_down.weight", ".lora.down.weight", "_lora_down.weight")
-_MID = ".lora_mid.weight"
-
-
-def conv_kernels(meta: ExportMeta) -> dict[str, tuple[int, ...]]:
-    """Each conv module's kernel, (in_channels, k…), as its down factor in the source file has it (a LyCORIS Tucker
-    module's: its 1×1 down's channels and its mid's kernel), for the modules whose source file is there as ingested."""
-    found = meta.source.tensors if meta.source is not None else {}
-    out: dict[str, tuple[int, ...]] = {}
-    for name in (n for n, m in meta.modules.items() if m.kind == "conv"):
-        keys = (stem + suffix for stem in (PEFT_PREFIX + name, name) for suffix in _DOWN_SUFFIXES)
-        down = next((found[k] for k in keys if k in found and found[k].ndim > 2), None)
-        if down is not None:
-            mid = found.get(name + _MID)
-            out[name] = (int(down.shape[1]), *(mid.shape[2:] if mid is not None else down.shape[2:]))
+def exportable_formats(meta: ExportMeta) -> list[str]:
+    """The formats an export of the adapter is written in (those `check_exportable` does not refuse)."""
+    out = []
+    for fmt in FORMATS:
+        try:
+            check_exportable(meta, fmt)
+        except UsageError:
+            continue
+        out.append(fmt)
     return out
 
 
@@ -172,30 +170,21 @@ def _conv_shaped(A: torch.Tensor, B: torch.Tensor, kernel: tuple[int, ...] | Non
     if kernel is None:
         return A, B
     if math.prod(kernel) != A.shape[1]:
-        raise StorageError(f"the source's kernel {list(kernel)} does not match the stored module's {A.shape[1]} inputs")
+        raise StorageError(f"the kernel {list(kernel)} does not match the stored module's {A.shape[1]} inputs")
     return A.reshape(A.shape[0], *kernel), B.reshape(*B.shape, *([1] * (len(kernel) - 1)))
 
 
-def peft_heads(meta: ExportMeta) -> dict[str, torch.Tensor] | None:
-    """The PEFT source's tensors that are not LoRA factors (its heads, modules_to_save), by their key in the source
-    file, which is the key PEFT loads them by; None when there are none or the source file is not there to read them."""
-    if meta.format != "peft" or not meta.extra_tensors or meta.source is None:
-        return None
-    found = meta.source.tensors
-    keys = [next((k for k in (PEFT_PREFIX + name, name) if k in found), None) for name in meta.extra_tensors]
-    return {k: found[k].contiguous() for k in keys if k is not None} if None not in keys else None
-
-
 def export_notes(meta: ExportMeta, fmt: str) -> list[str]:
-    """What a user should know of an export in format `fmt`: the source's tensors that are not LoRA factors and whether
-    it holds them, the PEFT config values cleared because it does not, and module names kept where kohya has none."""
-    what = f"{len(meta.extra_tensors)} tensors of the source that are not LoRA factors ({_listed(meta.extra_tensors, 3)})"
-    if fmt == "peft" and meta.source is not None and peft_heads(meta) is not None:
-        return [f"{what} are not stored: written from the source file {meta.source.path} (the bytes ingested, by SHA-256)"]
+    """What a user should know of an export in format `fmt`: where the adapter's head came from (the source file, for
+    an adapter stored before heads were) or why it is left out, the PEFT config values cleared without it, and module
+    names kept where kohya has none."""
+    what = f"{len(meta.extra_tensors)} tensors that are not LoRA factors ({_listed(meta.extra_tensors, 3)})"
     notes: list[str] = []
-    if meta.extra_tensors:
+    if fmt == "peft" and meta.head_from is not None:
+        notes.append(f"{what} are not stored: written from the source file {meta.head_from} (the bytes ingested, by SHA-256)")
+    elif meta.extra_tensors and (fmt != "peft" or meta.heads is None):
         gone = f"the source is not at {meta.source_uri} as ingested" if fmt == meta.format == "peft" else f"{fmt} has no place for them"
-        notes.append(f"{what} are not stored and {gone}: not exported")
+        notes.append(f"{what} are {'not stored and ' if fmt == 'peft' else ''}{gone}: not exported")
     unnamed = sorted(name for name, kohya in kohya_names(list(meta.modules)).items() if kohya is None)
     if fmt == "kohya" and unnamed:
         notes.append(
@@ -205,7 +194,7 @@ def export_notes(meta: ExportMeta, fmt: str) -> list[str]:
     if fmt == "diffusers" and _kohya_named(meta):
         notes.append("the modules have kohya-ss names: written in kohya's layout, which diffusers' load_lora_weights converts")
     task = meta.config.get("task_type")
-    if fmt == "peft" and task in HEAD_TASKS:
+    if fmt == "peft" and task in HEAD_TASKS and meta.heads is None:
         notes.append(f"task_type {task} cleared: PEFT loads a {task} adapter only with its head, which this export lacks")
     return notes
 
@@ -248,10 +237,9 @@ def peft_config(factors: NamedFactors, meta: ExportMeta, with_heads: bool) -> di
 
 def _peft_tensors(factors: NamedFactors, meta: ExportMeta) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    kernels = conv_kernels(meta)
     for name, f in factors:
-        A, B = _conv_shaped(*lora_factors(f), kernels.get(name))
         layout = meta.modules[name]
+        A, B = _conv_shaped(*lora_factors(f), layout.kernel)
         if layout.transposed:  # PEFT's factors give dWᵀ: (B·A)ᵀ = Aᵀ·Bᵀ
             A, B = B.T.contiguous(), A.T.contiguous()
         a_suffix, b_suffix = PEFT_PAIRS[1] if layout.kind == "embedding" else PEFT_PAIRS[0]
@@ -271,9 +259,8 @@ def _single_file_tensors(
     """down/A and up/B factors in the layout of the layer's stored weight (dW = up·down; conv kernels as the source's)
     under each module's name in `names` (else its own), with an alpha = rank tensor if asked."""
     out: dict[str, torch.Tensor] = {}
-    kernels = conv_kernels(meta)
     for stored, f in factors:
-        A, B = _conv_shaped(*lora_factors(f), kernels.get(stored))
+        A, B = _conv_shaped(*lora_factors(f), meta.modules[stored].kernel)
         name = names.get(stored, stored)
         out[name + pair[0]], out[name + pair[1]] = A, B
         if alpha:
@@ -287,27 +274,61 @@ def _safetensors(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> by
 
 def load_for_export(session: Session, blobs: BlobStore, adapter_id: int) -> tuple[NamedFactors, ExportMeta]:
     """A stored adapter's canonical factors (none for a spectra-only checkpoint) and what its export needs."""
+    adapter = _adapter(session, adapter_id)
+    factors = _read_blob(blobs, adapter_id, "factors", adapter.factors_blob, blobs.get_factors) if adapter.factors_blob else []
+    return factors, _meta(blobs, adapter, with_head=True)
+
+
+def load_meta(session: Session, blobs: BlobStore, adapter_id: int, with_head: bool = True) -> ExportMeta:
+    """What an export of a stored adapter needs besides its factors; without its head (`with_head` False), what
+    `check_exportable` asks."""
+    return _meta(blobs, _adapter(session, adapter_id), with_head)
+
+
+def _adapter(session: Session, adapter_id: int) -> Adapter:
     adapter = repository.get_adapter(session, adapter_id, with_modules=True)
     if adapter is None:
         raise NotFoundError(f"no adapter with id {adapter_id}: see `zoo list`")
-    meta = ExportMeta(
+    return adapter
+
+
+def _meta(blobs: BlobStore, adapter: Adapter, with_head: bool) -> ExportMeta:
+    """The head and conv kernels from the store; for an adapter stored before they were kept (or whose head was past
+    ZOO_MAX_HEAD_BYTES), from its source file where that is still the file ingested (see the module docstring)."""
+    extra = tuple(adapter.extra_tensors or ())
+    modules = {m.name: ModuleLayout(m.kind, m.transposed, tuple(m.kernel) if m.kernel else None) for m in adapter.modules}
+    heads = _read_blob(blobs, adapter.id, "head", adapter.head_blob, blobs.get) if with_head and adapter.head_blob else None
+    head_lacking = with_head and heads is None and needs_file(adapter.format, {}, extra)
+    kernels_lacking = {m.name: m.in_features for m in adapter.modules if m.kind == "conv" and not m.kernel}
+    head_from = None
+    source = read_source(adapter.source_uri, adapter.source_revision, adapter.file_sha256) if head_lacking or kernels_lacking else None
+    if source is not None:
+        try:
+            parts = file_parts(source.weights, adapter.format, kernels_lacking, extra if head_lacking else ())
+        except InputError:  # read as ingested, yet unreadable now: as if it were gone
+            parts = FileParts(None, {})
+        modules |= {name: replace(modules[name], kernel=kernel) for name, kernel in parts.kernels.items()}
+        if parts.head is not None:
+            heads, head_from = parts.head, str(source.path)
+    return ExportMeta(
         adapter_id=adapter.id,
         name=adapter.name,
         format=adapter.format,
         base_model=named_base_model(adapter.base_model),
         config=adapter.config or {},
-        modules={m.name: ModuleLayout(m.kind, m.transposed) for m in adapter.modules},
-        extra_tensors=tuple(adapter.extra_tensors or ()),
+        modules=modules,
+        extra_tensors=extra,
         source_uri=adapter.source_uri,
+        heads=heads,
+        head_from=head_from,
     )
-    if (meta.format == "peft" and meta.extra_tensors) or any(m.kind == "conv" for m in meta.modules.values()):  # see the module docstring
-        meta = replace(meta, source=read_source(adapter.source_uri, adapter.source_revision, adapter.file_sha256))
-    if adapter.factors_blob is None:
-        return [], meta
+
+
+def _read_blob(blobs: BlobStore, adapter_id: int, what: str, digest: str, read: Callable[[str], T]) -> T:
     try:
-        return blobs.get_factors(adapter.factors_blob), meta
+        return read(digest)
     except (OSError, SafetensorError) as exc:
         raise StorageError(
-            f"adapter {adapter_id}: its factors blob {adapter.factors_blob} is missing or unreadable ({type(exc).__name__}): "
+            f"adapter {adapter_id}: its {what} blob {digest} is missing or unreadable ({type(exc).__name__}): "
             "see `zoo check`, and ingest the adapter again"
         ) from None

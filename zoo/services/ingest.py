@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import torch
 from sqlalchemy import Connection, bindparam, insert, select
@@ -26,9 +26,10 @@ from zoo.errors import InputError, UsageError
 from zoo.formats import LORA_FORMATS, AdapterData, RawAdapter, adapter_name, layer_index, module_type, open_adapter, parse_adapter
 from zoo.formats.limits import MAX_ADAPTER_NAME
 from zoo.labels import LabelRow, source_labels
+from zoo.services.file_parts import FileParts, file_parts, max_head_bytes, needs_file
 from zoo.sources import Origin, hub
 from zoo.store import jobs, repository
-from zoo.store.blobs import BlobStore, BlobWriter
+from zoo.store.blobs import BlobStore, BlobWriter, StagedBlob
 from zoo.store.catalog import write_search_text
 from zoo.store.duplicates import stored_duplicate
 from zoo.store.labels import write_labels
@@ -49,6 +50,14 @@ class IngestOptions:
     device: str | None = None  # default: cuda when available, else cpu
 
 
+class StoredHead(TypedDict):
+    """A head stored with an adapter: its tensors' names, their bytes and the blob holding them."""
+
+    tensors: list[str]
+    bytes: int
+    blob: str
+
+
 @dataclass
 class IngestResult:
     source: str
@@ -66,6 +75,8 @@ class IngestResult:
     revision: str | None = None
     #: seconds spent in each stage (read, canonicalize, describe, store), for job statistics and bench.ingest
     timings: dict[str, float] = field(default_factory=dict)
+    #: the PEFT head stored with a new adapter (its tensors that are not LoRA factors: zoo.services.file_parts)
+    head: StoredHead | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -126,8 +137,10 @@ def _module_row(
     alpha: float | None = None,
     scale: float | None = None,
     transposed: bool = False,
+    kernel: tuple[int, ...] | None = None,
 ) -> ModuleRow:
-    """A module's row: its name, shape and spectrum, with its LoRA rank, alpha and scale where it has them."""
+    """A module's row: its name, shape and spectrum, with its LoRA rank, alpha and scale and a conv module's kernel
+    where it has them."""
     return {
         "name": name,
         "layer_index": layer_index(name),
@@ -140,6 +153,7 @@ def _module_row(
         "alpha": alpha,
         "scale": scale,
         "transposed": transposed,
+        "kernel": list(kernel) if kernel is not None else None,
         "singular_values": spec.singular_values,
         "spectral_norm": spec.spectral_norm,
         "frobenius_norm": spec.frobenius_norm,
@@ -162,14 +176,22 @@ class _Described:
     sketch: Sketch | None
 
 
-def describe(data: AdapterData, source_uri: str, base_model: str, canonical: list[CanonicalFactors]) -> _Described:
+def describe(
+    data: AdapterData,
+    source_uri: str,
+    base_model: str,
+    canonical: list[CanonicalFactors],
+    kernels: Mapping[str, tuple[int, ...]] | None = None,
+) -> _Described:
     """Spectra, hashes and rows of a read adapter from its modules' canonical factors (module by module, on one
-    torch thread: see one_torch_thread); no database access."""
+    torch thread: see one_torch_thread), with its conv modules' `kernels` (zoo.services.file_parts); no database access."""
     with one_torch_thread(bool(data.modules)):
-        return _describe(data, source_uri, base_model, canonical)
+        return _describe(data, source_uri, base_model, canonical, kernels or {})
 
 
-def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: list[CanonicalFactors]) -> _Described:
+def _describe(
+    data: AdapterData, source_uri: str, base_model: str, canonical: list[CanonicalFactors], kernels: Mapping[str, tuple[int, ...]]
+) -> _Described:
     factors: list[tuple[str, CanonicalFactors]] = []
     rows: list[ModuleRow] = []
     if data.modules:
@@ -186,6 +208,7 @@ def _describe(data: AdapterData, source_uri: str, base_model: str, canonical: li
                     alpha=m.alpha,
                     scale=m.scale,
                     transposed=m.transposed,
+                    kernel=kernels.get(m.name),
                 )
             )
         shapes = [(n, int(f.U.shape[0]), int(f.V.shape[0])) for n, f in factors]
@@ -304,22 +327,29 @@ class Ingestor:
         opts = self.options
         data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
         base_model, warnings = resolve_base_model(data, named_base)
+        parts = kept_parts(raw, data)
         lap("read")
         with small_work_on_one_thread(data):
             canonical = canonicalize_modules(data.modules, self.device) if data.modules else []
             lap("canonicalize")
             named = [(m.name, f) for m, f in zip(data.modules, canonical, strict=True)]
             blob = BlobWriter(self.blobs, named) if canonical else None
+            head: StagedBlob | None = None
             try:
-                described = describe(data, source, base_model, canonical)
+                described = describe(data, source, base_model, canonical, parts.kernels)
                 if origin is not None:
                     apply_origin(described.adapter, origin, labels)
+                head = self.blobs.stage_tensors(parts.head) if parts.head else None
                 lap("describe")
-                result = self._with_retries(self._store, described, labels, blob)
+                result = self._with_retries(self._store, described, labels, blob, head)
             finally:
                 if blob is not None:  # a duplicate's or a failed write's file; once committed there is none left
                     blob.discard()
+                if head is not None:
+                    BlobStore.discard(head)
         result.notes, result.warnings = list(data.notes), warnings
+        if result.status == "ingested" and head is not None and parts.head:
+            result.head = {"tensors": sorted(parts.head), "bytes": head.size, "blob": head.digest}
         return result
 
     def _stored_copy(self, raw: RawAdapter, source: str, base_model: str | None, labels: LabelRow | None) -> IngestResult | None:
@@ -405,27 +435,32 @@ class Ingestor:
                     raise
         return write(*args)
 
-    def _store(self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None) -> IngestResult:
+    def _store(
+        self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None, head: StagedBlob | None = None
+    ) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
         duplicate (see zoo.store.locks.store_locks) so that the duplicate check sees every earlier one's update; a
         duplicate's labels are written under its label lock too (zoo.store.labels.write_labels), and its source
         recorded (`record_duplicates_as`). The blob, written and fsynced meanwhile (`blob`), is put under its digest
         (idempotently, by content) after the rows are inserted and before they commit, and is never deleted here: a
-        committed row always has its blob; a blob left by a transaction that failed is an orphan for `zoo check --repair`."""
+        committed row always has its blob; a blob left by a transaction that failed is an orphan for `zoo check --repair`.
+        A PEFT head's blob (`head`, staged before) goes the same way."""
         a = d.adapter
         with write_transaction(self.sessions, *store_locks(a.base_model, a.structure_hash, a.dw_norm, DUPLICATE_RTOL)) as session:
             check_space_fits(session, a, d.modules)
             dup = self._find_duplicate(session, d)
             if dup is None:
-                return self._insert(session, d, labels, blob)
+                return self._insert(session, d, labels, blob, head)
             if labels is not None:
                 write_labels(session, dup.id, labels.attributes, labels.measurements)
             job = self._record_duplicate(session, dup.id, a.source_uri)
         self._committed(job)
         return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name, duplicate_of=dup.name)
 
-    def _insert(self, session: Session, d: _Described, labels: LabelRow | None, blob: BlobWriter | None) -> IngestResult:
-        """A new adapter's rows, labels, search document and blob, in `_store`'s transaction."""
+    def _insert(
+        self, session: Session, d: _Described, labels: LabelRow | None, blob: BlobWriter | None, head: StagedBlob | None
+    ) -> IngestResult:
+        """A new adapter's rows, labels, search document and blobs, in `_store`'s transaction."""
         a = d.adapter
         if a.source_revision is not None:  # a new revision of a stored source is its next version
             previous = {"uri": a.source_uri, "revision": a.source_revision}
@@ -435,6 +470,7 @@ class Ingestor:
         conn = session.connection()
         if blob is not None:
             a.factors_blob = blob.digest()
+        a.head_blob = head.digest if head is not None else None
         a.id = conn.execute(_INSERT_ADAPTER, {c: getattr(a, c) for c in _ADAPTER_COLUMNS if c in a.__dict__}).scalar_one()
         _insert_rows(conn, Module, [{**row, "adapter_id": a.id} for row in d.modules])
         _insert_rows(conn, Label, [{"adapter_id": a.id, "key": k, "value": v, "source": "given"} for k, v in given.items()])
@@ -442,6 +478,8 @@ class Ingestor:
         write_search_text(conn, a, given)
         if blob is not None:
             self.blobs.commit(blob.staged())
+        if head is not None:
+            self.blobs.commit(head)
         return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
 
 
@@ -505,6 +543,19 @@ def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = Non
         if where not in result.error:
             result.error = f"{where}: {result.error}"
     return result
+
+
+def kept_parts(raw: RawAdapter, data: AdapterData) -> FileParts:
+    """What an export needs of the read file besides the factors (zoo.services.file_parts): a PEFT head and conv
+    kernels; a head past ZOO_MAX_HEAD_BYTES is noted on the adapter, not stored."""
+    kinds = {m.name: m.kind for m in data.modules}
+    if not needs_file(data.format, kinds, list(data.extra_tensors)):
+        return FileParts(None, {})
+    convs = {m.name: m.shape[1] for m in data.modules if m.kind == "conv"}
+    parts = file_parts(raw.weights, data.format, convs, list(data.extra_tensors), max_head_bytes())
+    if parts.why_not:
+        data.notes.append(f"the head ({len(data.extra_tensors)} tensors that are not LoRA factors) is not stored: {parts.why_not}")
+    return parts
 
 
 def resolve_base_model(data: AdapterData, named: tuple[str, str] | None) -> tuple[str, list[str]]:

@@ -1,9 +1,10 @@
 """A stored adapter's weight file read back from where it was ingested.
 
-Only an adapter's LoRA factors are stored (canonical, in the blob store); the file's other tensors (a classifier
-head, PEFT's modules_to_save) are recorded by name and shape only. An export that needs them reads the source
-itself: the local path it was ingested from, or the Hub cache at the commit it was pinned to. The file is used only
-when its SHA-256 is the one recorded at ingest, so that an export never writes tensors other than those ingested.
+Ingest stores what an export needs besides the canonical factors (zoo/services/file_parts.py: a PEFT head, conv
+kernels); an adapter stored before it did has only the names and shapes of its head's tensors. An export of such an
+adapter reads them from its source: the local path it was ingested from, or the Hub cache at the commit it was pinned
+to. The file is used only when its SHA-256 is the one recorded at ingest, so that an export never writes tensors
+other than those ingested.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from zoo.errors import InputError
 from zoo.formats import open_adapter
 from zoo.formats.peft import is_peft_dir
-from zoo.formats.safe_load import SAFETENSORS_SUFFIX, parse_tensors
+from zoo.formats.safe_load import SAFETENSORS_SUFFIX, WeightFile
 from zoo.sources import hub
 
 #: single files looked at in a source folder that is not a PEFT directory (a Hub snapshot of a single-file LoRA)
@@ -25,10 +24,10 @@ MAX_CANDIDATES = 8
 
 @dataclass(frozen=True)
 class SourceFile:
-    """The tensors of a source's weight file, by their names in the file, and where it was found."""
+    """A source's weight file as read, and where it was found."""
 
     path: Path
-    tensors: dict[str, torch.Tensor]
+    weights: WeightFile
 
 
 def read_source(uri: str, revision: str | None, sha256: str) -> SourceFile | None:
@@ -40,12 +39,10 @@ def read_source(uri: str, revision: str | None, sha256: str) -> SourceFile | Non
     for path in _candidates(where):
         try:
             raw = open_adapter(path)
-            if raw.weights.sha256 != sha256:
-                continue
-            tensors, _ = parse_tensors(raw.weights)
         except (InputError, OSError):
             continue
-        return SourceFile(raw.path, tensors)
+        if raw.weights.sha256 == sha256:
+            return SourceFile(raw.path, raw.weights)
     return None
 
 

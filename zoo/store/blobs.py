@@ -1,4 +1,5 @@
-"""Content-addressed blob store for canonical factors (safetensors files named by SHA-256).
+"""Content-addressed blob store for canonical factors, and for a PEFT adapter's head (safetensors files named by
+SHA-256).
 
 A blob holds each module's canonical factors (`<module>.U`, `.S`, `.V`) and, where the update has its factors' full
 rank, the gauge of the file's factors in them (`<module>.M` = Uᵀ·B and `.N` = A·V, r×r each: the factors as the file
@@ -9,7 +10,8 @@ temporary file in the store, hashed as they are written, with the bytes `safeten
 (so a digest does not depend on which writer made the blob), and made durable there. It does so on a thread
 of its own (`BlobWriter`) while the adapter is described and its rows are written: the transaction waits for
 the digest before inserting the adapter's row and for the fsync before renaming the file to its digest
-(`commit`) and committing; a duplicate's file is removed (`discard`).
+(`commit`) and committing; a duplicate's file is removed (`discard`). A head (zoo/services/file_parts.py: tensors of
+any dtype, a few MB at most) is staged the same way, whole, on the ingest's own thread (`stage_tensors`).
 """
 
 from __future__ import annotations
@@ -130,11 +132,34 @@ class BlobStore:
             raise
         return StagedBlob(digest, tmp, size)
 
+    def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> StagedBlob:
+        """A blob of any tensors (a head: any dtypes), the bytes safetensors.torch.save gives, written whole to a temporary
+        file in the store and fsynced; `commit` puts it under its digest, `discard` removes it."""
+        from safetensors.torch import save
+
+        data = save(tensors)
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=self.root, prefix=TMP_PREFIX, suffix=".safetensors")
+        tmp = Path(name)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as fh:
+                _write_all(fh, memoryview(data))
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return StagedBlob(hashlib.sha256(data).hexdigest(), tmp, len(data))
+
     def commit(self, staged: StagedBlob) -> None:
         """Put a staged blob under its digest (durably: the rename and its directory are fsynced); when that blob
-        is stored already, the staged copy is removed."""
+        is stored already, the staged copy is removed and the stored one's time touched, so that `zoo check --repair`
+        does not take it for an old orphan (a deleted adapter's) while the row that now refers to it commits."""
         target = self.path(staged.digest)
-        if target.exists():
+        try:
+            os.utime(target)
+        except FileNotFoundError:  # not stored (or removed meanwhile): this copy goes there
+            pass
+        else:
             staged.tmp.unlink(missing_ok=True)
             return
         target.parent.mkdir(parents=True, exist_ok=True)

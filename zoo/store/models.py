@@ -107,6 +107,10 @@ class Adapter(Base):
     file_sha256: Mapped[str] = mapped_column(String(64), index=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     factors_blob: Mapped[str | None] = mapped_column(String(64))
+    #: a PEFT adapter's tensors that are not LoRA factors (its head: modules_to_save, ...), by their names in
+    #: extra_tensors, as a blob of their own (zoo.services.file_parts); None when it has none, they were past
+    #: ZOO_MAX_HEAD_BYTES, or it was stored before 0016
+    head_blob: Mapped[str | None] = mapped_column(String(64))
     #: what the relation step needs of the factors as read from the file, which are not kept
     #: (zoo.domain.transforms.FactorSummary.as_json: precisions, exact zeros); None for full checkpoints and before 0014
     factor_summary: Mapped[dict | None] = mapped_column(JSON)
@@ -145,6 +149,9 @@ class Module(Base):
     alpha: Mapped[float | None] = mapped_column(Float)
     scale: Mapped[float | None] = mapped_column(Float)
     transposed: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: a conv module's kernel, [in_channels, k...] (its product is in_features); None for other kinds, when the file
+    #: does not give it, and before 0016
+    kernel: Mapped[list | None] = mapped_column(JSON)
     singular_values: Mapped[list] = mapped_column(JSON)
     spectral_norm: Mapped[float] = mapped_column(Float)
     frobenius_norm: Mapped[float] = mapped_column(Float)

@@ -14,6 +14,12 @@ from zoo.store.relations import RELATION_FILTERS, relation_filter
 from zoo.timestamps import iso_seconds
 
 
+def adapter_blobs(session: Session) -> list[tuple[int, str]]:
+    """(adapter id, digest) of every blob a stored adapter refers to: its factors' and its PEFT head's."""
+    rows = session.execute(select(Adapter.id, Adapter.factors_blob, Adapter.head_blob)).all()
+    return [(int(i), str(d)) for i, factors, head in rows for d in (factors, head) if d is not None]
+
+
 def get_adapter(session: Session, adapter_id: int, with_modules: bool = False) -> Adapter | None:
     stmt = select(Adapter).where(Adapter.id == adapter_id)
     if with_modules:
@@ -138,6 +144,7 @@ class ModuleFields(TypedDict):
     alpha: float | None
     scale: float | None
     transposed: bool
+    kernel: list[int] | None  # a conv module's [in_channels, k...]
     singular_values: list[float]
     spectral_norm: float
     frobenius_norm: float
@@ -167,6 +174,7 @@ class AdapterDetail(AdapterSummary):
     file_sha256: str
     size_bytes: int
     factors_blob: str | None
+    head_blob: str | None  # a PEFT head's tensors that are not LoRA factors (zoo.services.file_parts)
     config: dict[str, Any]
     file_metadata: dict[str, Any]
     extra_tensors: dict[str, Any]
@@ -207,6 +215,7 @@ def adapter_detail(a: Adapter) -> AdapterDetail:
         "file_sha256": a.file_sha256,
         "size_bytes": a.size_bytes,
         "factors_blob": a.factors_blob,
+        "head_blob": a.head_blob,
         "config": a.config,
         "file_metadata": a.file_metadata,
         "extra_tensors": a.extra_tensors,
@@ -227,6 +236,7 @@ def adapter_detail(a: Adapter) -> AdapterDetail:
                 "alpha": m.alpha,
                 "scale": m.scale,
                 "transposed": m.transposed,
+                "kernel": m.kernel,
                 "singular_values": m.singular_values,
                 "spectral_norm": m.spectral_norm,
                 "frobenius_norm": m.frobenius_norm,

@@ -1,0 +1,110 @@
+"""What an export needs of an adapter's weight file that its canonical factors do not hold: a PEFT adapter's head (its
+tensors that are not LoRA factors: modules_to_save, trained biases, ...) and each conv module's kernel.
+
+Ingest takes both from the file it has read and stores them: the head as a blob of its own (adapter.head_blob, at most
+ZOO_MAX_HEAD_BYTES), each kernel in its module row (module.kernel). An export of an adapter stored before they were
+takes them from its source file, where that is still the file ingested (zoo/services/source_file.py), with the same
+function (`file_parts`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zoo import config
+from zoo.domain.kohya_names import kohya_names
+from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
+from zoo.formats.safe_load import (
+    DTYPE_BYTES,
+    SAFETENSORS_SUFFIX,
+    StreamedTensors,
+    WeightFile,
+    parse_weights_only_pickle,
+    safetensors_header,
+    safetensors_tensors,
+)
+
+#: key suffixes of a module's down/A factor in the layouts read (PEFT, diffusers, kohya, hand-converted)
+_DOWN_SUFFIXES = (".lora_A.weight", ".lora_down.weight", ".lora.down.weight", "_lora_down.weight")
+#: a LyCORIS Tucker module's core, which holds its kernel
+_MID = ".lora_mid.weight"
+
+
+def max_head_bytes() -> int:
+    """The largest head stored with an adapter (ZOO_MAX_HEAD_BYTES, default 64 MiB): a classifier's is a few KB to a few
+    MB; a modules_to_save of a large model's embeddings or LM head (hundreds of MB) is left to its source file."""
+    return config.MAX_HEAD_BYTES.get()
+
+
+@dataclass(frozen=True)
+class FileParts:
+    """A weight file's head and conv kernels, as an export needs them."""
+
+    #: the head's tensors by their names in adapter.extra_tensors (PEFT's key less its base_model.model. prefix);
+    #: None when the adapter has none or it is not kept (`why_not`)
+    head: dict[str, torch.Tensor] | None
+    #: each conv module's kernel, (in_channels, k...), whose product is its stored in_features
+    kernels: dict[str, tuple[int, ...]]
+    #: why a head is not kept (past ZOO_MAX_HEAD_BYTES, or a tensor missing from the file)
+    why_not: str | None = None
+
+
+def needs_file(fmt: str, kinds: Mapping[str, str], extra_tensors: Sequence[str]) -> bool:
+    """Whether an adapter has anything `file_parts` takes: a PEFT head, or a conv module."""
+    return (fmt == "peft" and bool(extra_tensors)) or "conv" in kinds.values()
+
+
+def file_parts(
+    weights: WeightFile, fmt: str, convs: Mapping[str, int], extra_tensors: Sequence[str], max_bytes: int | None = None
+) -> FileParts:
+    """The head of a PEFT adapter (`extra_tensors`: its names; none past `max_bytes`) and the kernel of each conv module
+    (`convs`: name → stored in_features) in its read weight file. A safetensors file's tensors are views of its bytes
+    (a streamed one's read when looked up): only a head's tensors are copied; a pickle is loaded again."""
+    tensors = _tensors(weights)
+    kohya = kohya_names(list(convs)) if convs else {}  # a kohya file's modules may be stored under their model paths
+    kernels: dict[str, tuple[int, ...]] = {}
+    for name, inputs in convs.items():
+        kernel = next((k for stem in (PEFT_PREFIX + name, name, kohya.get(name)) if stem and (k := _kernel(tensors, stem))), None)
+        if kernel is not None and math.prod(kernel) == inputs:
+            kernels[name] = kernel
+    if fmt != "peft" or not extra_tensors:
+        return FileParts(None, kernels)
+    keys = {name: next((k for k in (PEFT_PREFIX + name, name) if k in tensors), None) for name in extra_tensors}
+    missing = sorted(name for name, key in keys.items() if key is None)
+    if missing:
+        return FileParts(None, kernels, f"{missing[0]} is not in {weights.path}")
+    size = sum(_nbytes(tensors, str(key)) for key in keys.values())
+    if max_bytes is not None and size > max_bytes:
+        return FileParts(None, kernels, f"its {size:,} bytes are past the limit of {max_bytes:,} (ZOO_MAX_HEAD_BYTES)")
+    return FileParts({name: tensors[str(key)].clone() for name, key in keys.items()}, kernels)
+
+
+def _tensors(weights: WeightFile) -> Mapping[str, torch.Tensor]:
+    if weights.path.suffix == SAFETENSORS_SUFFIX:
+        return safetensors_tensors(weights, safetensors_header(weights.path, weights.data))
+    return parse_weights_only_pickle(weights)
+
+
+def _shape(tensors: Mapping[str, torch.Tensor], key: str) -> Sequence[int]:
+    return tensors.shape(key) if isinstance(tensors, StreamedTensors) else tensors[key].shape
+
+
+def _nbytes(tensors: Mapping[str, torch.Tensor], key: str) -> int:
+    if isinstance(tensors, StreamedTensors):
+        return math.prod(tensors.shape(key)) * DTYPE_BYTES[tensors.header.entries[key]["dtype"]]
+    return tensors[key].nbytes
+
+
+def _kernel(tensors: Mapping[str, torch.Tensor], stem: str) -> tuple[int, ...] | None:
+    """The kernel, (in_channels, k...), of the conv module whose keys in the file start with `stem`, as its down factor
+    has it (a LyCORIS Tucker module's: its 1×1 down's channels and its mid's kernel); None when there is no such factor."""
+    keys = (stem + suffix for suffix in _DOWN_SUFFIXES)
+    down = next((_shape(tensors, k) for k in keys if k in tensors and len(_shape(tensors, k)) > 2), None)
+    if down is None:
+        return None
+    mid = _shape(tensors, stem + _MID) if stem + _MID in tensors else None
+    return (int(down[1]), *(int(k) for k in (mid if mid is not None else down)[2:]))
