@@ -111,6 +111,24 @@ def normalize(vectors: np.ndarray) -> np.ndarray:
     return v / np.maximum(norms, 1e-12)
 
 
+def trained_store(sample: np.ndarray, store: str | None = None) -> faiss.IndexScalarQuantizer:
+    """An IVF index's empty store, '8-bit' or 'fp16' (default: by the dimension, STORE_8BIT_FROM_DIM), trained on
+    `sample` (the 8-bit range: its smallest and largest coordinate, widened by STORE_RANGE_MARGIN)."""
+    dim = int(sample.shape[1])
+    store = store or ("8-bit" if dim >= STORE_8BIT_FROM_DIM else "fp16")
+    if store not in STORE_TYPES:
+        raise ValueError(f"store {store!r}: expected one of {sorted(STORE_TYPES)}")
+    index = faiss.IndexScalarQuantizer(dim, STORE_TYPES[store], faiss.METRIC_INNER_PRODUCT)
+    index.sq.rangestat, index.sq.rangestat_arg = faiss.ScalarQuantizer.RS_minmax, STORE_RANGE_MARGIN
+    index.train(sample)
+    return index
+
+
+def store_step(store: faiss.IndexScalarQuantizer) -> float:
+    """An 8-bit store's step: its range / 255 (a coordinate in the range is decoded within half a step)."""
+    return float(faiss.vector_to_array(store.sq.trained)[1]) / 255
+
+
 def gpu_available() -> bool:
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
@@ -188,12 +206,7 @@ class AdapterIndex:
             base = faiss.IndexIVFScalarQuantizer(quantizer, dim, lists, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
         base.train(sample)
         base.nprobe = min(NPROBES[0], lists)
-        store = store or ("8-bit" if dim >= STORE_8BIT_FROM_DIM else "fp16")
-        if store not in STORE_TYPES:
-            raise ValueError(f"store {store!r}: expected one of {sorted(STORE_TYPES)}")
-        store_index = faiss.IndexScalarQuantizer(dim, STORE_TYPES[store], faiss.METRIC_INNER_PRODUCT)
-        store_index.sq.rangestat, store_index.sq.rangestat_arg = faiss.ScalarQuantizer.RS_minmax, STORE_RANGE_MARGIN
-        store_index.train(sample)
+        store_index = trained_store(sample, store)
         refine = faiss.IndexRefine(base, store_index)
         # the C++ objects own their parts (as a deserialized index does), not these Python wrappers
         base.own_fields, refine.own_fields = True, True
@@ -263,8 +276,7 @@ class AdapterIndex:
         range / 255 is off by a uniform error of ± step / 2)."""
         if self.store != "8-bit":
             return TIE
-        step = float(faiss.vector_to_array(self._store.sq.trained)[1]) / 255
-        return max(TIE, 2 * step / np.sqrt(12))
+        return max(TIE, 2 * store_step(self._store) / np.sqrt(12))
 
     @property
     def nprobe(self) -> int | None:
