@@ -16,6 +16,7 @@ from torch import nn
 
 from tests.factories import TinyLM, train_peft_adapter, write_kohya_file
 from zoo.domain.canonical import canonicalize
+from zoo.domain.kohya_names import kohya_name
 from zoo.errors import InputError
 from zoo.formats import read_adapter
 from zoo.formats.model import layer_index, module_type
@@ -123,13 +124,14 @@ def test_kohya_file(tmp_path: Path) -> None:
     assert data.format == "kohya"
     assert data.base_model == "sd-v1-5"
     assert data.metadata["ss_network_dim"] == "4"
-    mods = {m.name: m for m in data.modules}
-    conv = mods["lora_unet_down_blocks_1_resnets_0_conv1"]
+    mods = {m.name: m for m in data.modules}  # kohya's names, read as the UNet's module paths
+    conv = mods["unet.down_blocks.1.resnets.0.conv1"]
     assert conv.kind == "conv" and conv.shape == (12, 72) and conv.scale == pytest.approx(0.5)
-    lin = mods["lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"]
-    expected = 0.5 * tensors[f"{lin.name}.lora_up.weight"].float() @ tensors[f"{lin.name}.lora_down.weight"].float()
+    lin = mods["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"]
+    stem = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    expected = 0.5 * tensors[f"{stem}.lora_up.weight"].float() @ tensors[f"{stem}.lora_down.weight"].float()
     assert torch.allclose(canonicalize(lin.A, lin.B, lin.scale).delta(), expected, atol=1e-4)
-    assert layer_index(lin.name) == 0 and module_type(lin.name) == "attn1_to_q"
+    assert layer_index(lin.name) == 0 and module_type(lin.name) == "to_q"
 
 
 @pytest.mark.parametrize("alpha", [None, 0.0])
@@ -252,9 +254,8 @@ def test_weights_are_read_once_hashed_and_viewed_in_place(tmp_path: Path) -> Non
     tensors = write_kohya_file(path)
     data = read_adapter(path)
     assert data.file_sha256 == hashlib.sha256(path.read_bytes()).hexdigest() and data.size_bytes == path.stat().st_size
-    by_name = {m.name: m for m in data.modules}
-    for stem, m in by_name.items():
-        assert torch.equal(m.A, tensors[f"{stem}.lora_down.weight"].reshape(m.A.shape[0], -1))
+    for m in data.modules:
+        assert torch.equal(m.A, tensors[f"{kohya_name(m.name, False)}.lora_down.weight"].reshape(m.A.shape[0], -1))
     # a tensor at an offset its element size does not divide (the format allows it) is read right
     g = torch.Generator().manual_seed(0)
     down, up = torch.randn(2, 5, generator=g), torch.randn(3, 2, generator=g)

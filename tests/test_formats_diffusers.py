@@ -163,3 +163,19 @@ def test_a_diffusers_adapter_page_offers_its_downloads(files: dict[str, Path], c
     app = create_app({"ZOO_DATABASE_URL": cli.settings.database_url, "ZOO_DATA_DIR": str(cli.settings.data_dir), "TESTING": True})
     page = app.test_client().get("/adapters/1").get_data(as_text=True)
     assert " · diffusers" in page and "format=diffusers" in page and "format=peft" in page
+
+
+def test_a_kohya_export_of_a_diffusers_lora_reingests_as_its_duplicate(files: dict[str, Path], cli: CLI, tmp_path: Path) -> None:
+    """kohya's underscore names are read as the model's module paths: the kohya export of a diffusers file is the same
+    adapter (its canonical hash), module by module, and each module's dW is what diffusers fuses from the kohya file."""
+    rc, [original] = cli.json_lines("ingest", str(files["current"]))
+    assert rc == 0 and original["status"] == "ingested", original
+    out = tmp_path / "kohya.safetensors"
+    rc, [exported] = cli.json_lines("export", str(original["adapter_id"]), "--format", "kohya", "--out", str(out))
+    assert rc == 0 and any(k.startswith("lora_unet_down_blocks_0_attentions_0_") for k in load_file(str(out))), exported
+    rc, [again] = cli.json_lines("ingest", str(out))
+    assert rc == 0 and again["status"] == "duplicate" and again["canonical_hash"] == original["canonical_hash"], again
+
+    data = read_adapter(out)
+    assert data.format == "kohya" and {m.name for m in data.modules} == {m.name for m in read_adapter(files["current"]).modules}
+    assert_reads_what_diffusers_fuses(data, out)

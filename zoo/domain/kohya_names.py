@@ -8,9 +8,17 @@ two). A1111 and ComfyUI load these names; diffusers' `load_lora_weights` convert
 
 diffusers names a module `unet.<path>` and `text_encoder.<path>` (`text_encoder_2.` for SDXL's second); its
 current files drop CLIP's `text_model.`, and a UNet saved alone has no `unet.` prefix.
+
+Back from kohya's names: underscores are ambiguous (`down_blocks_0_attentions_0_proj_in`, `ff_net_0_proj`), so a kohya
+name is read as a path by lookup in the module tables of zoo/domain/model_shapes.py (SD 1.5, SD 2.1 and SDXL, which give
+each name one path: a path is a name's in every family that has it), `model_path`.
 """
 
 from __future__ import annotations
+
+import functools
+
+from zoo.domain.model_shapes import VOCABULARIES
 
 UNET = "lora_unet_"
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -48,3 +56,15 @@ def kohya_names(names: list[str]) -> dict[str, str | None]:
     """`kohya_name` of each of an adapter's module names."""
     two = any(n.startswith(("text_encoder_2.", "lora_te2_")) for n in names)
     return {n: kohya_name(n, two) for n in names}
+
+
+@functools.cache
+def _paths() -> dict[str, str]:
+    """kohya name → dotted path of every module the model tables name both ways."""
+    return {m.name: m.path for shapes in VOCABULARIES.values() for m in shapes() if m.path is not None}
+
+
+def model_path(name: str) -> str | None:
+    """The dotted path, as diffusers names it (`unet.down_blocks.0.attentions.0.proj_in`,
+    `text_encoder.encoder.layers.0.self_attn.q_proj`), of a kohya-named module that the model tables know, else None."""
+    return _paths().get(name) if is_kohya_name(name) else None

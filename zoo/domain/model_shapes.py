@@ -18,6 +18,9 @@ class ModuleShape:
     out: int
     inp: int
     kernel: tuple[int, int] | None = None
+    #: a kohya-named module's dotted path in its pipeline, as diffusers names it (`unet.down_blocks.0.resnets.0.conv1`,
+    #: `text_encoder.encoder.layers.0.self_attn.q_proj`): what resolves kohya's ambiguous underscores
+    path: str | None = None
 
     @property
     def fan_in(self) -> int:
@@ -54,40 +57,48 @@ def llm(hidden: int, intermediate: int, kv: int, targets: tuple[str, ...] = ALL_
 def _transformer_block(prefix: str, width: int, context: int) -> Iterator[ModuleShape]:
     """A diffusers BasicTransformerBlock: self-attention, cross-attention to the text, GEGLU feed-forward."""
     for attn, kv_in in (("attn1", width), ("attn2", context)):
-        yield ModuleShape(f"{prefix}_{attn}_to_q", width, width)
-        yield ModuleShape(f"{prefix}_{attn}_to_k", width, kv_in)
-        yield ModuleShape(f"{prefix}_{attn}_to_v", width, kv_in)
-        yield ModuleShape(f"{prefix}_{attn}_to_out_0", width, width)
-    yield ModuleShape(f"{prefix}_ff_net_0_proj", 8 * width, width)
-    yield ModuleShape(f"{prefix}_ff_net_2", width, 4 * width)
+        yield ModuleShape(f"{prefix}.{attn}.to_q", width, width)
+        yield ModuleShape(f"{prefix}.{attn}.to_k", width, kv_in)
+        yield ModuleShape(f"{prefix}.{attn}.to_v", width, kv_in)
+        yield ModuleShape(f"{prefix}.{attn}.to_out.0", width, width)
+    yield ModuleShape(f"{prefix}.ff.net.0.proj", 8 * width, width)
+    yield ModuleShape(f"{prefix}.ff.net.2", width, 4 * width)
 
 
 def _resnet(prefix: str, inp: int, out: int) -> Iterator[ModuleShape]:
-    yield ModuleShape(f"{prefix}_conv1", out, inp, (3, 3))
-    yield ModuleShape(f"{prefix}_conv2", out, out, (3, 3))
+    yield ModuleShape(f"{prefix}.conv1", out, inp, (3, 3))
+    yield ModuleShape(f"{prefix}.conv2", out, out, (3, 3))
     if inp != out:
-        yield ModuleShape(f"{prefix}_conv_shortcut", out, inp, (1, 1))
+        yield ModuleShape(f"{prefix}.conv_shortcut", out, inp, (1, 1))
 
 
 def _attention(prefix: str, width: int, depth: int, context: int) -> Iterator[ModuleShape]:
-    yield ModuleShape(f"{prefix}_proj_in", width, width)
+    yield ModuleShape(f"{prefix}.proj_in", width, width)
     for t in range(depth):
-        yield from _transformer_block(f"{prefix}_transformer_blocks_{t}", width, context)
-    yield ModuleShape(f"{prefix}_proj_out", width, width)
+        yield from _transformer_block(f"{prefix}.transformer_blocks.{t}", width, context)
+    yield ModuleShape(f"{prefix}.proj_out", width, width)
 
 
-def _clip(prefix: str, width: int, mlp: int, layers: int) -> Iterator[ModuleShape]:
+def _clip(width: int, mlp: int, layers: int) -> Iterator[ModuleShape]:
     for i in range(layers):
         for t in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            yield ModuleShape(f"{prefix}_{i}_self_attn_{t}", width, width)
-        yield ModuleShape(f"{prefix}_{i}_mlp_fc1", mlp, width)
-        yield ModuleShape(f"{prefix}_{i}_mlp_fc2", width, mlp)
+            yield ModuleShape(f"encoder.layers.{i}.self_attn.{t}", width, width)
+        yield ModuleShape(f"encoder.layers.{i}.mlp.fc1", mlp, width)
+        yield ModuleShape(f"encoder.layers.{i}.mlp.fc2", width, mlp)
+
+
+def _kohya_named(shapes: Iterator[ModuleShape], component: str, kohya_prefix: str) -> Iterator[ModuleShape]:
+    """Modules of a pipeline's `component`, given by their dotted paths in it, under their kohya names (the dotted
+    path kept as `path`)."""
+    for m in shapes:
+        yield ModuleShape(kohya_prefix + m.name.replace(".", "_"), m.out, m.inp, m.kernel, f"{component}.{m.name}")
 
 
 @dataclass(frozen=True)
 class TextEncoder:
-    """A CLIP text encoder as kohya names it: its prefix, width, MLP width and layers."""
+    """A CLIP text encoder: the pipeline's component, its kohya prefix, width, MLP width and layers."""
 
+    component: str
     prefix: str
     width: int
     mlp: int
@@ -108,51 +119,55 @@ def unet(down: tuple[tuple[int, int], ...], mid_depth: int, context: int, text_e
         for b, (width, depth) in enumerate(down):
             parts: list[ModuleShape] = []
             for j in range(2):
-                parts += _resnet(f"lora_unet_down_blocks_{b}_resnets_{j}", ch, width)
+                parts += _resnet(f"down_blocks.{b}.resnets.{j}", ch, width)
                 ch = width
                 if depth:
-                    parts += _attention(f"lora_unet_down_blocks_{b}_attentions_{j}", width, depth, context)
+                    parts += _attention(f"down_blocks.{b}.attentions.{j}", width, depth, context)
                 skips.append(ch)
             if b < last:
-                parts.append(ModuleShape(f"lora_unet_down_blocks_{b}_downsamplers_0_conv", ch, ch, (3, 3)))
+                parts.append(ModuleShape(f"down_blocks.{b}.downsamplers.0.conv", ch, ch, (3, 3)))
                 skips.append(ch)
             units.append(parts)
         units.append(
             [
-                *_resnet("lora_unet_mid_block_resnets_0", ch, ch),
-                *_attention("lora_unet_mid_block_attentions_0", ch, mid_depth, context),
-                *_resnet("lora_unet_mid_block_resnets_1", ch, ch),
+                *_resnet("mid_block.resnets.0", ch, ch),
+                *_attention("mid_block.attentions.0", ch, mid_depth, context),
+                *_resnet("mid_block.resnets.1", ch, ch),
             ]
         )
         for b, (width, depth) in enumerate(reversed(down)):
             parts = []
             for j in range(3):
-                parts += _resnet(f"lora_unet_up_blocks_{b}_resnets_{j}", ch + skips.pop(), width)
+                parts += _resnet(f"up_blocks.{b}.resnets.{j}", ch + skips.pop(), width)
                 ch = width
                 if depth:
-                    parts += _attention(f"lora_unet_up_blocks_{b}_attentions_{j}", width, depth, context)
+                    parts += _attention(f"up_blocks.{b}.attentions.{j}", width, depth, context)
             if b < last:
-                parts.append(ModuleShape(f"lora_unet_up_blocks_{b}_upsamplers_0_conv", ch, ch, (3, 3)))
+                parts.append(ModuleShape(f"up_blocks.{b}.upsamplers.0.conv", ch, ch, (3, 3)))
             units.append(parts)
         for part in units[:blocks]:
-            yield from part
+            yield from _kohya_named(iter(part), "unet", "lora_unet_")
         for te in text_encoders:
-            yield from _clip(te.prefix, te.width, te.mlp, te.layers if blocks >= len(units) else min(blocks, te.layers))
+            layers = te.layers if blocks >= len(units) else min(blocks, te.layers)
+            yield from _kohya_named(_clip(te.width, te.mlp, layers), te.component, te.prefix)
 
     return modules
 
 
-_CLIP_L = TextEncoder("lora_te_text_model_encoder_layers", 768, 3072, 12)
+_CLIP_L = TextEncoder("text_encoder", "lora_te_text_model_", 768, 3072, 12)
 #: SD 1.x: CLIP ViT-L/14's text encoder, cross-attention 768
 sd1 = unet(((320, 1), (640, 1), (1280, 1), (1280, 0)), 1, 768, (_CLIP_L,))
 #: SD 2.x: OpenCLIP ViT-H/14's text encoder (23 of its layers are used), cross-attention 1024
-sd2 = unet(((320, 1), (640, 1), (1280, 1), (1280, 0)), 1, 1024, (TextEncoder("lora_te_text_model_encoder_layers", 1024, 4096, 23),))
+sd2 = unet(((320, 1), (640, 1), (1280, 1), (1280, 0)), 1, 1024, (TextEncoder("text_encoder", "lora_te_text_model_", 1024, 4096, 23),))
 #: SDXL: no attention in the first block, 10 transformer blocks deep at 1280; CLIP ViT-L and OpenCLIP bigG, cross-attention 2048
 sdxl = unet(
     ((320, 0), (640, 2), (1280, 10)),
     10,
     2048,
-    (TextEncoder("lora_te1_text_model_encoder_layers", 768, 3072, 12), TextEncoder("lora_te2_text_model_encoder_layers", 1280, 5120, 32)),
+    (
+        TextEncoder("text_encoder", "lora_te1_text_model_", 768, 3072, 12),
+        TextEncoder("text_encoder_2", "lora_te2_text_model_", 1280, 5120, 32),
+    ),
 )
 
 

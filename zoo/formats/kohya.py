@@ -1,17 +1,23 @@
 """Single-file LoRA `.safetensors`: the (down, up) pair reader the single-file formats share, and the kohya-ss
 layout (`lora_down`/`lora_up`/`alpha`, diffusers 0.21-0.26's dotted `lora.down`/`lora.up`, and hand-converted
-`<kohya name>_lora_down.weight` names)."""
+`<kohya name>_lora_down.weight` names).
+
+Modules are named by their model paths where the model tables know their kohya names (`model_named`), so that a kohya
+file and the same update in diffusers' layout have the same module names, hence the same canonical hash."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
+from zoo.domain.kohya_names import model_path
 from zoo.errors import InputError
-from zoo.formats.model import AdapterData, LoraModule, check_finite, check_pair
+from zoo.formats.model import AdapterData, FullMatrix, LoraModule, check_finite, check_pair
 
 #: (down suffix, up suffix) of single-file layouts: kohya-ss's, diffusers 0.21-0.26's dotted one, and diffusers'
 #: PEFT-style one (zoo/formats/diffusers.py reads files of it; a kohya file that mixes some in is read whole here);
@@ -25,6 +31,7 @@ PAIRS = (
 HAND_PAIR = ("_lora_down.weight", "_lora_up.weight")
 KOHYA_PAIRS = (*PAIRS, HAND_PAIR)
 
+_Named = TypeVar("_Named", LoraModule, FullMatrix)
 #: a module's (alpha, scale) from its name, its `alpha` tensor (None when absent) and its rank
 Scaling = Callable[[str, "torch.Tensor | None", int], tuple[float, float]]
 
@@ -118,6 +125,20 @@ def read_pairs(
     return modules, extra
 
 
+def model_named(path: Path, modules: list[_Named]) -> list[_Named]:
+    """Modules with kohya names under the dotted paths the model tables give those names (zoo/domain/kohya_names.py
+    `model_path`: `lora_unet_down_blocks_0_attentions_0_proj_in` → `unet.down_blocks.0.attentions.0.proj_in`), the
+    others as they are, sorted by name; two modules of one name (a kohya module and a dotted one of the same path) are
+    refused."""
+    named: dict[str, _Named] = {}
+    for m in modules:
+        new = model_path(m.name) or m.name
+        if new in named:
+            raise InputError(path, f"{named[new].name} and {m.name} are the same module ({new})")
+        named[new] = m
+    return [dataclasses.replace(m, name=new) for new, m in sorted(named.items())]
+
+
 def pair_config(modules: list[LoraModule]) -> dict[str, object]:
     """The ranks and alphas a single-file adapter's modules have."""
     ranks = sorted({m.rank for m in modules})
@@ -128,6 +149,7 @@ def pair_config(modules: list[LoraModule]) -> dict[str, object]:
 def read_single_file_lora(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> AdapterData:
     """Modules of a kohya-layout LoRA file; a missing or zero alpha means alpha = rank."""
     modules, extra = read_pairs(path, tensors, KOHYA_PAIRS, kohya_scaling(path))
+    modules = model_named(path, modules)
     return AdapterData(
         path=path,
         format="kohya",

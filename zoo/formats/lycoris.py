@@ -7,7 +7,8 @@ exact update LyCORIS applies, dW = s·B·A (conv kernels flattened to out × in�
 - LoHa: dW = s·(B1·A1) ⊙ (B2·A2) = B·A, with B[o, (i, j)] = B1[o, i]·B2[o, j] (the row-wise Kronecker, or
   face-splitting, product) and A[(i, j), c] = A1[i, c]·A2[j, c] (the column-wise Khatri–Rao product): rank r1·r2.
 - full: dW stored whole.
-Plain LoRA/LoCon modules (`lora_down`/`lora_up`) in such a file are read as the kohya reader reads them.
+Plain LoRA/LoCon modules (`lora_down`/`lora_up`) in such a file are read as the kohya reader reads them, and every
+module is named by its model path where the model tables know its kohya name, as kohya files are.
 
 s is LyCORIS's alpha/dim, as its training forward applies it: dim is the rank of a factored side (the rows of w1_b,
 else of w2_b), a missing or zero alpha means alpha = dim, and a LoKr with both sides whole has s = 1.
@@ -29,7 +30,7 @@ import torch
 
 from zoo.domain.spectra import Spectrum, singular_values, spectrum_from_singular_values
 from zoo.errors import InputError
-from zoo.formats.kohya import PAIRS, kohya_base_model, kohya_scaling, read_pairs
+from zoo.formats.kohya import PAIRS, kohya_base_model, kohya_scaling, model_named, read_pairs
 from zoo.formats.limits import check_widths, max_rank
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, check_finite, check_pair
 
@@ -123,8 +124,7 @@ def read_lycoris(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict
     notes = _notes(updates, modules, extra)
     if not modules and not any(u.low_rank for u in updates):
         return _spectra(path, updates, metadata, extra, algorithms, notes)
-    modules.extend(_module(path, u) for u in updates)
-    modules.sort(key=lambda m: m.name)
+    modules = model_named(path, [*modules, *(_module(path, u) for u in updates)])
     ranks = sorted({m.rank for m in modules})
     alphas = sorted({m.alpha for m in modules})
     config: dict[str, object] = {"ranks": ranks, "alphas": alphas, "r": max(ranks), "lora_alpha": alphas[-1], "algorithms": algorithms}
@@ -186,7 +186,7 @@ def _spectra(
         format="lycoris",
         weight_files=[path],
         base_model=kohya_base_model(metadata),
-        full_matrices=matrices,
+        full_matrices=model_named(path, matrices),
         config={"algorithms": algorithms, "full_rank": True},
         extra_tensors=extra,
         metadata=metadata,
