@@ -112,7 +112,14 @@ def bank_matrices(
     """Every channel of BANK per module group between the stacks; an atom's (queries, gallery) values are its group's
     part of the channel (0 where the pair shares no module). The groups: `module_groups` of the stacks' shared
     modules, or `groups` given (a fitted metric's: every group of it is an atom, and a module it does not name counts
-    in none)."""
+    in none). On one BLAS thread, as the fit."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _bank_matrices(gallery, queries, buckets, chunk, groups)
+
+
+def _bank_matrices(gallery: ModuleStack, queries: ModuleStack, buckets: int, chunk: int, groups: Mapping[str, str] | None) -> Bank:
     names = sorted(queries.norms.keys() & gallery.norms.keys())
     group_of = module_groups(names, buckets) if groups is None else {n: groups[n] for n in names if n in groups}
     total = np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)  # every module's: dW cosine's norms

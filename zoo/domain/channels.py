@@ -176,7 +176,12 @@ def module_factors(stack: ModuleStack, name: str) -> tuple[np.ndarray, np.ndarra
     (round-off, as a padded component is) and those below it in every row dropped."""
     if name not in stack.dense:
         return stack.factors[name]
-    U, S, Vt = np.linalg.svd(stack.dense[name], full_matrices=False)
+    from threadpoolctl import threadpool_limits
+
+    # one BLAS thread: each matrix is small, and a second OpenBLAS thread spinning against a busy core made 51 SVDs of
+    # 48 × 48 take 7.6 s instead of 0.13 on the shared 2-core machine
+    with threadpool_limits(limits=1, user_api="blas"):
+        U, S, Vt = np.linalg.svd(stack.dense[name], full_matrices=False)
     keep = max(1, int((S > _DENSE_CUTOFF).any(axis=0).sum()))  # S is sorted descending per row: a prefix
     S = np.where(S[:, :keep] > _DENSE_CUTOFF, S[:, :keep], 0.0).astype(S.dtype)
     return U[:, :, :keep].transpose(0, 2, 1), Vt[:, :keep], S
