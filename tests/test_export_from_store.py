@@ -22,7 +22,8 @@ from tests.test_export import stored_before_0016, write
 from tests.test_export_loads import IDS, assert_same_weights, peft_loaded, write_seq_cls_adapter
 from tests.test_formats_diffusers import write_lora_diffusion_file
 from webapp import create_app
-from zoo.services.export import FORMATS, export_files, export_notes
+from zoo.errors import UsageError
+from zoo.services.export import FORMATS, ExportMeta, ModuleLayout, check_exportable, export_files, export_notes, exportable_formats
 from zoo.store.blobs import BlobStore
 from zoo.store.session import session_factory
 
@@ -115,9 +116,26 @@ def test_the_adapter_page_offers_only_the_downloads_an_export_writes(cli: CLI, t
     (tmp_path / "conv.safetensors").unlink()  # its kernels are stored
     app = create_app({"ZOO_DATABASE_URL": cli.settings.database_url, "ZOO_DATA_DIR": str(cli.settings.data_dir), "TESTING": True})
     client = app.test_client()
-    for adapter_id, offered in ((1, FORMATS), (2, ()), (3, ())):
+    head = tmp_path / "head"
+    train_peft_adapter(head, seed=3, steps=1, modules_to_save=["head"])
+    assert cli("ingest", str(head))[0] == 0
+    page = client.get("/adapters/4").get_data(as_text=True)
+    assert "2 tensors beside the LoRA factors (head.bias, head.weight), stored: the peft download has them" in page
+    for adapter_id, offered in ((1, FORMATS), (2, ()), (3, ()), (4, FORMATS)):
         page = client.get(f"/adapters/{adapter_id}").get_data(as_text=True)
         assert [fmt for fmt in FORMATS if f"format={fmt}" in page] == list(offered), adapter_id
         assert ("Download:" in page) == bool(offered)
         for fmt in FORMATS:
             assert (client.get(f"/api/v1/adapters/{adapter_id}/download?format={fmt}").status_code == 200) == (fmt in offered)
+
+
+def test_two_modules_of_one_kohya_name_are_refused_before_an_export_is_written() -> None:
+    """A module under its diffusers path and one under its kohya name: no file of kohya's layout can hold both, so the
+    kohya export (and the diffusers one, written in kohya's layout for kohya-named modules) is refused by
+    `check_exportable`, which the adapter page asks, not midway through writing."""
+    layout = ModuleLayout("linear", False)
+    names = ("unet.down_blocks.0.attentions.0.proj_in", "lora_unet_down_blocks_0_attentions_0_proj_in")
+    meta = ExportMeta(1, "twins", "diffusers", None, {}, dict.fromkeys(names, layout))
+    assert exportable_formats(meta) == ["peft"]
+    with pytest.raises(UsageError, match="have one kohya name, lora_unet_down_blocks_0_attentions_0_proj_in"):
+        check_exportable(meta, "kohya")

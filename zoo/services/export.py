@@ -108,12 +108,7 @@ def export_files(factors: NamedFactors, meta: ExportMeta, fmt: str) -> dict[str,
     header = {"ss_sd_model_name": meta.base_model} if meta.base_model else {}  # the header key the reader takes the base from
     if fmt == "diffusers" and not _kohya_named(meta):
         return {DIFFUSERS_WEIGHT_NAME: _safetensors(_single_file_tensors(factors, meta, {}, _DIFFUSERS_PAIR, alpha=False), header)}
-    names = {name: kohya or name for name, kohya in kohya_names(list(meta.modules)).items()}
-    clash = Counter(names.values()).most_common(1)
-    if clash and clash[0][1] > 1:
-        twins = sorted(n for n, k in names.items() if k == clash[0][0])
-        raise UsageError(f"adapter {meta.adapter_id} ({meta.name}): modules {twins[0]} and {twins[1]} have one kohya name, {clash[0][0]}")
-    tensors = _safetensors(_single_file_tensors(factors, meta, names, _KOHYA_PAIR, alpha=True), header)
+    tensors = _safetensors(_single_file_tensors(factors, meta, _kohya_file_names(meta), _KOHYA_PAIR, alpha=True), header)
     return {DIFFUSERS_WEIGHT_NAME if fmt == "diffusers" else f"{file_stem(meta)}.safetensors": tensors}
 
 
@@ -151,6 +146,18 @@ def check_exportable(meta: ExportMeta, fmt: str) -> None:
             f"{what}: module {conv[0]} is a conv layer whose kernel size is not stored (stored before kernels were), nor "
             f"read from a source file at {meta.source_uri} with the bytes ingested, so it cannot be written back"
         )
+    if fmt == "kohya" or (fmt == "diffusers" and _kohya_named(meta)):
+        _kohya_file_names(meta)
+
+
+def _kohya_file_names(meta: ExportMeta) -> dict[str, str]:
+    """Each module's name in a file of kohya's layout (its kohya name, else its own); two modules of one name refused."""
+    names = {name: kohya or name for name, kohya in kohya_names(list(meta.modules)).items()}
+    clash = Counter(names.values()).most_common(1)
+    if clash and clash[0][1] > 1:
+        twins = sorted(n for n, k in names.items() if k == clash[0][0])
+        raise UsageError(f"adapter {meta.adapter_id} ({meta.name}): modules {twins[0]} and {twins[1]} have one kohya name, {clash[0][0]}")
+    return names
 
 
 def exportable_formats(meta: ExportMeta) -> list[str]:
