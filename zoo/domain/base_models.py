@@ -49,7 +49,7 @@ FAMILIES = (
 _BY_NAME = {f.name: f for f in FAMILIES}
 
 #: prefixes that say which part of a pipeline or wrapper a module is in, not which module it is
-_WRAPPERS = re.compile(r"^(?:base_model_model_|model_|lora_unet_|unet_|lora_transformer_|transformer_|bert_|distilbert_)+")
+_WRAPPERS = re.compile(r"^(?:base_model_model_|model_|lora_unet_|unet_|lora_transformer_|transformer_|diffusion_model_|bert_|distilbert_)+")
 #: the text encoders of a Stable Diffusion pipeline: kohya's te/te1/te2, diffusers' text_encoder/text_encoder_2
 _TEXT_ENCODERS = (
     (re.compile(r"^(?:lora_te2_|text_encoder_2_)(?:text_model_)?"), "te2_"),

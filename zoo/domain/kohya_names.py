@@ -11,7 +11,9 @@ current files drop CLIP's `text_model.`, and a UNet saved alone has no `unet.` p
 
 Back from kohya's names: underscores are ambiguous (`down_blocks_0_attentions_0_proj_in`, `ff_net_0_proj`), so a kohya
 name is read as a path by lookup in the module tables of zoo/domain/model_shapes.py (SD 1.5, SD 2.1 and SDXL, which give
-each name one path: a path is a name's in every family that has it), `model_path`.
+each name one path: a path is a name's in every family that has it), `model_path`; so is the kohya name of an SD
+UNet module in the original (SGM/LDM) layout that kohya-ss's SDXL training and A1111 write,
+`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q` → `unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def kohya_names(names: list[str]) -> dict[str, str | None]:
 
 @functools.cache
 def _paths() -> dict[str, str]:
-    """kohya name → dotted path of every module the model tables name both ways."""
-    return {m.name: m.path for shapes in VOCABULARIES.values() for m in shapes() if m.path is not None}
+    """kohya name (and SGM alias) → dotted path of every module the model tables name both ways."""
+    return {name: m.path for shapes in VOCABULARIES.values() for m in shapes() if m.path is not None for name in (m.name, *m.aliases)}
 
 
 def model_path(name: str) -> str | None:

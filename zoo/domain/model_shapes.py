@@ -1,6 +1,6 @@
 """The module shapes of public models, from their published configs (no weights are needed): every module a LoRA of
 each can adapt, under the names its adapters give it: PEFT's for LLMs and encoders, kohya's for Stable Diffusion UNets
-and text encoders, diffusers' for Flux. A shape is the stored weight's out × in, a conv's in being in · kh · kw
+and text encoders, diffusers' and Black Forest Labs' for Flux. A shape is the stored weight's out × in, a conv's in being in · kh · kw
 (as ingest records modules)."""
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ class ModuleShape:
     inp: int
     kernel: tuple[int, int] | None = None
     #: a kohya-named module's dotted path in its pipeline, as diffusers names it (`unet.down_blocks.0.resnets.0.conv1`,
-    #: `text_encoder.encoder.layers.0.self_attn.q_proj`): what resolves kohya's ambiguous underscores
+    #: `text_encoder.encoder.layers.0.self_attn.q_proj`; Flux's in its own names): what resolves kohya's underscores
     path: str | None = None
+    #: other kohya names of the module: an SD UNet's in the original (SGM, A1111) layout, `lora_unet_input_blocks_4_1_…`;
+    #: Flux's, `lora_unet_double_blocks_0_img_attn_qkv`
+    aliases: tuple[str, ...] = ()
 
     @property
     def fan_in(self) -> int:
@@ -87,11 +90,44 @@ def _clip(width: int, mlp: int, layers: int) -> Iterator[ModuleShape]:
         yield ModuleShape(f"encoder.layers.{i}.mlp.fc2", width, mlp)
 
 
-def _kohya_named(shapes: Iterator[ModuleShape], component: str, kohya_prefix: str) -> Iterator[ModuleShape]:
+def _kohya_named(
+    shapes: Iterator[ModuleShape], component: str, kohya_prefix: str, sgm: Callable[[str], str] | None = None
+) -> Iterator[ModuleShape]:
     """Modules of a pipeline's `component`, given by their dotted paths in it, under their kohya names (the dotted
-    path kept as `path`)."""
+    path kept as `path`, the kohya name of the `sgm` path as an alias)."""
     for m in shapes:
-        yield ModuleShape(kohya_prefix + m.name.replace(".", "_"), m.out, m.inp, m.kernel, f"{component}.{m.name}")
+        aliases = (kohya_prefix + sgm(m.name).replace(".", "_"),) if sgm else ()
+        yield ModuleShape(kohya_prefix + m.name.replace(".", "_"), m.out, m.inp, m.kernel, f"{component}.{m.name}", aliases)
+
+
+#: a resnet's convs in the original (SGM) UNet
+_SGM_RESNET = {"conv1": "in_layers.2", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+
+
+def _sgm_path(path: str, up_attention: list[bool]) -> str:
+    """The original (SGM/LDM) UNet's path of a diffusers UNet module (two resnets a down block, three an up block):
+    `down_blocks.b.{resnets,attentions}.j` is `input_blocks.(1+3b+j).{0,1}`, its downsampler `input_blocks.(3+3b).0.op`;
+    the mid block's resnet, attention, resnet are `middle_block.0/1/2`; `up_blocks.b.{resnets,attentions}.j` is
+    `output_blocks.(3b+j).{0,1}`, its upsampler the next layer of `output_blocks.(3b+2)`; a resnet's conv1, conv2 and
+    conv_shortcut are in_layers.2, out_layers.3 and skip_connection."""
+    parts = path.split(".")
+    block, rest = parts[0], parts[1:]
+    if block == "mid_block":
+        kind, j, inner = rest[0], int(rest[1]), rest[2:]
+        head = f"middle_block.{1 if kind == 'attentions' else 2 * j}"
+    else:
+        b, kind, j, inner = int(rest[0]), rest[1], int(rest[2]), rest[3:]
+        if block == "down_blocks":
+            head = f"input_blocks.{3 + 3 * b}.0" if kind == "downsamplers" else f"input_blocks.{1 + 3 * b + j}.{int(kind == 'attentions')}"
+        elif kind == "upsamplers":
+            head = f"output_blocks.{3 * b + 2}.{1 + up_attention[b]}"
+        else:
+            head = f"output_blocks.{3 * b + j}.{int(kind == 'attentions')}"
+    if kind == "resnets":
+        inner = [_SGM_RESNET.get(inner[0], inner[0])]
+    elif kind == "downsamplers":
+        inner = ["op"]
+    return ".".join([head, *inner])
 
 
 @dataclass(frozen=True)
@@ -145,8 +181,9 @@ def unet(down: tuple[tuple[int, int], ...], mid_depth: int, context: int, text_e
             if b < last:
                 parts.append(ModuleShape(f"up_blocks.{b}.upsamplers.0.conv", ch, ch, (3, 3)))
             units.append(parts)
+        up_attention = [depth > 0 for _, depth in reversed(down)]
         for part in units[:blocks]:
-            yield from _kohya_named(iter(part), "unet", "lora_unet_")
+            yield from _kohya_named(iter(part), "unet", "lora_unet_", lambda p: _sgm_path(p, up_attention))
         for te in text_encoders:
             layers = te.layers if blocks >= len(units) else min(blocks, te.layers)
             yield from _kohya_named(_clip(te.width, te.mlp, layers), te.component, te.prefix)
@@ -189,6 +226,28 @@ def flux(blocks: int) -> Iterator[ModuleShape]:
             yield ModuleShape(f"{p}.attn.{t}", width, width)
         yield ModuleShape(f"{p}.proj_mlp", mlp, width)
         yield ModuleShape(f"{p}.proj_out", width, width + mlp)
+
+
+def flux_bfl(blocks: int) -> Iterator[ModuleShape]:
+    """Flux.1-dev's transformer in Black Forest Labs' own names (its reference code, kohya-ss's Flux LoRAs, XLabs'):
+    a double block's fused q·k·v projection `img_attn.qkv` (and `txt_attn.qkv`) is one module of 3·3,072 outputs, a
+    single block's `linear1` fuses q, k, v and the MLP's input (3·3,072 + 12,288 outputs), its `linear2` the
+    attention's output and the MLP's (3,072 + 12,288 inputs). Each is its own path, and kohya-ss's name
+    (`lora_unet_double_blocks_0_img_attn_qkv`) its alias."""
+    width, mlp = 3072, 12288
+    double, single = (19, 38) if blocks >= 19 else (blocks, blocks)
+    shapes: list[tuple[str, int, int]] = []
+    for i in range(double):
+        for stream in ("img", "txt"):
+            p = f"double_blocks.{i}.{stream}"
+            shapes += [(f"{p}_mod.lin", 6 * width, width), (f"{p}_attn.qkv", 3 * width, width), (f"{p}_attn.proj", width, width)]
+            shapes += [(f"{p}_mlp.0", mlp, width), (f"{p}_mlp.2", width, mlp)]
+    for i in range(single):
+        p = f"single_blocks.{i}"
+        shapes += [(f"{p}.linear1", 3 * width + mlp, width), (f"{p}.linear2", width, width + mlp)]
+        shapes.append((f"{p}.modulation.lin", 3 * width, width))
+    for name, out, inp in shapes:
+        yield ModuleShape(name, out, inp, path=name, aliases=("lora_unet_" + name.replace(".", "_"),))
 
 
 def _bert(layers: int) -> Iterator[ModuleShape]:
@@ -239,7 +298,7 @@ VOCABULARIES: dict[str, Callable[[], list[ModuleShape]]] = {
     "sd1.5": lambda: list(sd1(9)),
     "sd2.1": lambda: list(sd2(9)),
     "sdxl": lambda: list(sdxl(7)),
-    "flux1-dev": lambda: list(flux(19)),
+    "flux1-dev": lambda: [*flux(19), *flux_bfl(19)],
     "bert-base": lambda: list(_bert(12)),
     "distilbert-base": lambda: list(_distilbert(6)),
     "gpt2": lambda: list(_gpt2(12)),

@@ -46,6 +46,7 @@ from zoo.formats.safe_load import (
     safetensors_header,
     safetensors_tensors,
 )
+from zoo.formats.xlabs import has_xlabs_keys, read_xlabs_lora
 
 __all__ = [
     "LORA_FORMATS",
@@ -78,6 +79,7 @@ class SingleFileFormat:
 SINGLE_FILE_FORMATS: tuple[SingleFileFormat, ...] = (
     SingleFileFormat("lycoris", is_lycoris, read_lycoris, kohya_base_model),
     SingleFileFormat("kohya", has_lora_keys, read_single_file_lora, kohya_base_model),
+    SingleFileFormat("xlabs", has_xlabs_keys, read_xlabs_lora),
     SingleFileFormat("diffusers", has_diffusers_keys, read_diffusers_lora, kohya_base_model),
     SingleFileFormat("cloneofsimo", has_cloneofsimo_keys, read_cloneofsimo_lora),
 )

@@ -84,7 +84,7 @@ def module_name(stem: str, layout: str) -> str:
     return f"{component}.{rest}"
 
 
-class _Renamed(Mapping[str, torch.Tensor]):
+class Renamed(Mapping[str, torch.Tensor]):
     """A file's tensors under their current-layout names (read from the file only when looked up)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str]) -> None:
@@ -156,7 +156,7 @@ def read_diffusers_lora(path: Path, tensors: Mapping[str, torch.Tensor], metadat
         config = configs.get(component)
         return config.module_scale(path, module, rank) if config else (float(rank), 1.0)
 
-    modules, extra = read_pairs(path, _Renamed(tensors, names), (CURRENT_PAIR,), scaling)
+    modules, extra = read_pairs(path, Renamed(tensors, names), (CURRENT_PAIR,), scaling)
     dora = any(k.endswith(".lora_magnitude_vector") for k in extra) or any(c.raw.get("use_dora") for c in configs.values())
     return AdapterData(
         path=path,

@@ -56,7 +56,7 @@ class AdapterData:
     """Everything read from one source, before any math."""
 
     path: Path
-    format: str  # peft | a SINGLE_FILE_FORMATS name (kohya, diffusers, cloneofsimo, lycoris) | checkpoint-delta | checkpoint
+    format: str  # peft | a SINGLE_FILE_FORMATS name (kohya, diffusers, xlabs, cloneofsimo, lycoris) | checkpoint-delta | checkpoint
     weight_files: list[Path]
     base_model: str | None = None
     modules: list[LoraModule] = field(default_factory=list)
