@@ -363,3 +363,34 @@ def test_base_model_of_tiny_model_is_unset(tmp_path: Path) -> None:
     TinyLM()
     train_peft_adapter(tmp_path / "a")
     assert read_adapter(tmp_path / "a").base_model is None
+
+
+def test_training_checkpoints_are_read_as_the_state_dict_they_nest(tmp_path: Path) -> None:
+    """PyTorch Lightning's checkpoint (`state_dict` beside optimizer states and counters), a training loop's
+    `model_state_dict`, DeepSpeed's `module` with DDP's `module.` prefix on every name: each reads as its weights."""
+    tensors = write_kohya_file(tmp_path / "plain.safetensors", conv=False)
+    want = [(m.name, m.scale, m.A, m.B) for m in read_adapter(tmp_path / "plain.safetensors").modules]
+    adam = {"state": {0: {"step": torch.tensor(10.0), "exp_avg": torch.zeros(4, 32)}}, "param_groups": [{"lr": 1e-4, "params": [0]}]}
+    checkpoints = {
+        "lightning.ckpt.pt": {
+            "epoch": 3,
+            "global_step": 120,
+            "pytorch-lightning_version": "2.4.0",
+            "state_dict": tensors,
+            "optimizer_states": [adam],
+            "lr_schedulers": [],
+            "callbacks": {},
+        },
+        "loop.pt": {"model_state_dict": tensors, "optimizer_state_dict": adam, "epoch": 2},
+        "deepspeed.bin": {"module": {f"module.{k}": v for k, v in tensors.items()}, "buffer_names": [], "dp_world_size": 1},
+    }
+    for name, checkpoint in checkpoints.items():
+        torch.save(checkpoint, tmp_path / name)
+        data = read_adapter(tmp_path / name)
+        assert data.format == "kohya" and len(data.modules) == len(want), name
+        for m, (n, scale, A, B) in zip(data.modules, want, strict=True):
+            assert (m.name, m.scale) == (n, scale) and torch.equal(m.A, A) and torch.equal(m.B, B), name
+
+    torch.save({"epoch": 1, "optimizer_states": [adam]}, tmp_path / "no-weights.pt")
+    with pytest.raises(InputError, match=r"no-weights.pt.*expected a dict of tensors \(or a training checkpoint with one under state_dict"):
+        read_adapter(tmp_path / "no-weights.pt")

@@ -369,17 +369,47 @@ class StreamedTensors(Mapping[str, torch.Tensor]):
         return buf
 
 
+#: keys under which training checkpoints hold the model's weights: PyTorch Lightning's `state_dict`, a training loop's
+#: `model_state_dict`, DeepSpeed's `module`
+NESTED_KEYS = ("state_dict", "model_state_dict", "module")
+#: the prefix DistributedDataParallel and DeepSpeed give every weight's name
+WRAPPER_PREFIX = "module."
+
+
+def _is_state_dict(obj: object) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+
+
+def inner_state_dict(path: Path, obj: object) -> dict[str, torch.Tensor]:
+    """The tensors of a loaded pickle: a dict of tensors as it is, else the dict of tensors a training checkpoint
+    nests under one of NESTED_KEYS (at any depth of such keys; its other entries, optimizer states, epoch, are left
+    out), with a `module.` prefix that every name has dropped."""
+    seen: list[str] = []
+    while isinstance(obj, dict) and not _is_state_dict(obj):
+        key = next((k for k in NESTED_KEYS if isinstance(obj.get(k), dict)), None)
+        if key is None:
+            where = f" under {'/'.join(seen)}" if seen else ""
+            nested = ", ".join(NESTED_KEYS)
+            raise InputError(path, f"refused: expected a dict of tensors{where} (or a training checkpoint with one under {nested})")
+        seen.append(key)
+        obj = obj[key]
+    if not _is_state_dict(obj):
+        raise InputError(path, "refused: expected a dict of tensors")
+    assert isinstance(obj, dict)
+    if all(k.startswith(WRAPPER_PREFIX) for k in obj):
+        return {k.removeprefix(WRAPPER_PREFIX): v for k, v in obj.items()}
+    return obj
+
+
 def parse_weights_only_pickle(wf: WeightFile) -> dict[str, torch.Tensor]:
-    """A torch pickle's bytes loaded with weights_only=True: code in the pickle is never run."""
+    """A torch pickle's bytes loaded with weights_only=True (code in the pickle is never run), as `inner_state_dict`."""
     assert isinstance(wf.data, bytearray)  # only a safetensors file is streamed
     try:
         obj = torch.load(io.BytesIO(wf.data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever a hostile pickle makes torch raise, the file is refused
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(wf.path, f"refused: not a weights-only torch file ({first})") from None
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise InputError(wf.path, "refused: expected a dict of tensors")
-    return obj
+    return inner_state_dict(wf.path, obj)
 
 
 def parse_tensors(wf: WeightFile) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
