@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from peft import AdaLoraConfig, IA3Config, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.factories import TinyLM, train_peft_adapter, write_kohya_file
+from tests.factories import VOCAB, TinyLM, train_peft_adapter, write_kohya_file
 from zoo.domain.canonical import canonicalize
 from zoo.domain.kohya_names import kohya_name
 from zoo.errors import InputError
@@ -343,8 +344,8 @@ def test_rank_disagreeing_with_config(tmp_path: Path) -> None:
 
 
 def test_unsupported_peft_type(tmp_path: Path) -> None:
-    d = _peft_dir(tmp_path, {"x": torch.randn(2)}, peft_type="IA3")
-    with pytest.raises(InputError, match="unsupported PEFT type IA3"):
+    d = _peft_dir(tmp_path, {"x": torch.randn(2)}, peft_type="LOHA")
+    with pytest.raises(InputError, match="unsupported PEFT type LOHA"):
         read_adapter(d)
 
 
@@ -394,3 +395,48 @@ def test_training_checkpoints_are_read_as_the_state_dict_they_nest(tmp_path: Pat
     torch.save({"epoch": 1, "optimizer_states": [adam]}, tmp_path / "no-weights.pt")
     with pytest.raises(InputError, match=r"no-weights.pt.*expected a dict of tensors \(or a training checkpoint with one under state_dict"):
         read_adapter(tmp_path / "no-weights.pt")
+
+
+def write_adalora_adapter(directory: Path, prune: bool) -> PeftModel:
+    """An AdaLoRA adapter of TinyLM written by PEFT: random A, E, B (init_r 6), and with `prune` a few steps of
+    AdaLoRA's own training that end by masking ranks (its rank_pattern: the saved factors keep fewer ranks)."""
+    config = AdaLoraConfig(init_r=6, target_r=2, lora_alpha=8, target_modules=["q_proj", "v_proj"], total_step=4, tinit=0, tfinal=1)
+    model = get_peft_model(TinyLM(), config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    if prune:
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        ids, labels = torch.randint(0, VOCAB, (8, 6), generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        for step in range(4):
+            torch.nn.functional.cross_entropy(model(ids), labels).backward()
+            opt.step()
+            model.base_model.update_and_allocate(step)
+            opt.zero_grad()
+    model.save_pretrained(str(directory))
+    return model
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_adalora_is_read_as_the_delta_peft_merges(tmp_path: Path, prune: bool) -> None:
+    """dW = B·diag(E)·A · lora_alpha / (ranknum + 1e-5), ranknum = init_r, the ranks AdaLoRA kept: PEFT's own merge."""
+    write_adalora_adapter(tmp_path / "ada", prune)
+    saved = load_file(str(tmp_path / "ada" / "adapter_model.safetensors"))
+    assert prune == any(t.shape[0] < 6 for k, t in saved.items() if k.endswith(".lora_A"))
+    data = read_adapter(tmp_path / "ada")
+    assert data.config["peft_type"] == "ADALORA"
+    base = TinyLM().state_dict()
+    merged = PeftModel.from_pretrained(TinyLM(), str(tmp_path / "ada")).merge_and_unload().state_dict()
+    changed = {k.removesuffix(".weight") for k in base if not torch.equal(base[k], merged[k])}
+    assert changed == {m.name for m in data.modules}
+    for m in data.modules:
+        want = merged[f"{m.name}.weight"].double() - base[f"{m.name}.weight"].double()
+        assert torch.linalg.norm(m.scale * m.B.double() @ m.A.double() - want) <= 1e-5 * torch.linalg.norm(want), m.name
+
+
+def test_ia3_is_refused_saying_why_and_what_to_pass(tmp_path: Path) -> None:
+    get_peft_model(TinyLM(), IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[])).save_pretrained(str(tmp_path / "ia3"))
+    with pytest.raises(InputError, match=r"adapter_config.json.*IA3 is a per-channel rescale.*not a low-rank update.*--base BASE"):
+        read_adapter(tmp_path / "ia3")

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters: a directory with adapter_config.json and adapter_model.safetensors (or .bin)."""
+"""PEFT LoRA and AdaLoRA adapters: a directory with adapter_config.json and adapter_model.safetensors (or .bin)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import regex
+import torch
 
 from zoo.errors import InputError
 from zoo.formats.limits import MAX_MODULE_NAME, max_modules
@@ -18,6 +19,10 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 KEY_PREFIX = "base_model.model."
 PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_embedding_A", ".lora_embedding_B"))
+#: AdaLoRA's factors (parameters, no `.weight`): dW = B·diag(E)·A · scale, E beside A and B
+ADALORA_PAIR, ADALORA_E = (".lora_A", ".lora_B"), ".lora_E"
+#: what PEFT's AdaLoRA adds to ranknum in its scale
+ADALORA_EPS = 1e-5
 #: factor dimensions read: matrices, and the kernels of PEFT's Conv1d, Conv2d and Conv3d LoRA layers
 #: (A: r × in × k..., B: out × r × 1...), flattened to r × in·k... and out × r
 CONV_NDIMS = (2, 3, 4, 5)
@@ -86,6 +91,8 @@ class PeftConfig:
     alpha_pattern: Patterns
     rslora: bool
     fan_in_fan_out: bool
+    #: AdaLoRA's initial rank (its factors' ranknum, in every module's scale); None for LoRA
+    adalora_init_r: int | None = None
 
     @property
     def base_model(self) -> str | None:
@@ -93,7 +100,14 @@ class PeftConfig:
 
     def module_scale(self, weights: Path, name: str, rank: int) -> tuple[float, float]:
         """(alpha, scale) of module `name` whose factors in `weights` have rank `rank`, as PEFT applies this config
-        (rank and alpha patterns, rsLoRA); a rank other than the config's is refused."""
+        (rank and alpha patterns, rsLoRA); a rank other than the config's is refused. AdaLoRA: lora_alpha (else the
+        module's rank) over ranknum + 1e-5, ranknum being init_r whatever rank the module kept (PEFT's forward)."""
+        if self.adalora_init_r is not None:
+            if rank > self.adalora_init_r:
+                got = f"tensors have rank {rank}, above AdaLoRA's init_r {self.adalora_init_r}"
+                raise InputError(weights, f"rank mismatch in {name}: {got}")
+            alpha = self.alpha if self.alpha > 0 else float(rank)
+            return alpha, alpha / (self.adalora_init_r + ADALORA_EPS)
         expected = int(_pattern_value(self.path, self.rank_pattern, name, self.r))
         if rank != expected:
             raise InputError(weights, f"rank mismatch in {name}: tensors have rank {rank}, adapter_config says {expected}")
@@ -133,8 +147,17 @@ def parse_peft_config(config_path: Path, text: bytes) -> PeftConfig:
     if not isinstance(config, dict):
         raise InputError(config_path, "adapter config is not a JSON object")
     peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type == "ADALORA":
+        return _adalora_config(config_path, config)
+    if peft_type == "IA3":
+        raise InputError(
+            config_path,
+            "PEFT type IA3 is a per-channel rescale of the base weights (ΔW = W0·(l − 1)), not a low-rank update: "
+            "without the base model's weights it has no ΔW to store; merge it into the base (PEFT merge_and_unload), "
+            "save the merged model, and ingest that with --base BASE",
+        )
     if peft_type != "LORA":
-        raise InputError(config_path, f"unsupported PEFT type {peft_type}: only LORA adapters can be canonicalized")
+        raise InputError(config_path, f"unsupported PEFT type {peft_type}: only LORA and ADALORA adapters can be canonicalized")
     r_default = _number(config_path, "r", config.get("r"), 8.0, positive=True)
     if r_default != int(r_default):
         raise InputError(config_path, f"r must be a whole number, got {r_default}")
@@ -150,12 +173,41 @@ def parse_peft_config(config_path: Path, text: bytes) -> PeftConfig:
     )
 
 
+def _adalora_config(config_path: Path, config: dict) -> PeftConfig:
+    """An AdaLoRA config: init_r (the ranknum of every module) and lora_alpha; its rank_pattern (which ranks each
+    module kept, already applied to the saved factors) is recorded, not a LoRA rank pattern."""
+    init_r = _number(config_path, "init_r", config.get("init_r"), 12.0, positive=True)
+    if init_r != int(init_r):
+        raise InputError(config_path, f"init_r must be a whole number, got {init_r}")
+    return PeftConfig(
+        path=config_path,
+        raw=config,
+        r=init_r,
+        alpha=_number(config_path, "lora_alpha", config.get("lora_alpha"), 8.0),
+        rank_pattern=[],
+        alpha_pattern=[],
+        rslora=False,
+        fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+        adalora_init_r=int(init_r),
+    )
+
+
 def peft_weights(directory: Path) -> Path:
     """The weight file of a PEFT directory."""
     weights = next((directory / n for n in WEIGHT_NAMES if (directory / n).is_file()), None)
     if weights is None:
         raise InputError(directory, f"PEFT adapter without weights: expected one of {', '.join(WEIGHT_NAMES)}")
     return weights
+
+
+def _adalora_a(weights: Path, name: str, A: torch.Tensor, E: torch.Tensor | None) -> torch.Tensor:
+    """diag(E)·A: AdaLoRA's singular values folded into its A factor, so that dW = B·(diag(E)·A)·scale is a B·A."""
+    if E is None:
+        raise InputError(weights, f"{name} has AdaLoRA lora_A and lora_B but no lora_E")
+    if E.numel() != A.shape[0]:
+        raise InputError(weights, f"{name}: lora_E {list(E.shape)} must hold one value for each of lora_A's {A.shape[0]} rows")
+    check_finite(weights, f"{name}.lora_E", E)
+    return A * E.reshape(-1, *[1] * (A.ndim - 1)).to(A.dtype)
 
 
 def parse_peft(directory: Path, cfg: PeftConfig, weights_file: WeightFile) -> AdapterData:
@@ -168,8 +220,9 @@ def parse_peft(directory: Path, cfg: PeftConfig, weights_file: WeightFile) -> Ad
 
     used: set[str] = set()
     modules: list[LoraModule] = []
+    pairs = (ADALORA_PAIR,) if cfg.adalora_init_r is not None else PAIRS
     for key in sorted(tensors):
-        for a_suffix, b_suffix in PAIRS:
+        for a_suffix, b_suffix in pairs:
             if not key.endswith(a_suffix):
                 continue
             stem = key[: -len(a_suffix)]
@@ -184,6 +237,11 @@ def parse_peft(directory: Path, cfg: PeftConfig, weights_file: WeightFile) -> Ad
                 raise InputError(weights, f"{name}: factors must be matrices (or conv kernels), got {got}")
             embedding = a_suffix == ".lora_embedding_A"
             kind = "embedding" if embedding else ("conv" if A.ndim > 2 else "linear")
+            if cfg.adalora_init_r is not None:
+                used.add(stem + ADALORA_E)
+                if A.shape[0] == 0:
+                    break  # AdaLoRA pruned every rank: no update
+                A = _adalora_a(weights, name, A, tensors.get(stem + ADALORA_E))
             A2 = A.reshape(A.shape[0], -1)
             B2 = B.reshape(B.shape[0], -1)
             if kind == "conv" and B.ndim == A.ndim and 0 < B2.shape[1] < A2.shape[0] and A2.shape[0] % B2.shape[1] == 0:
@@ -197,7 +255,7 @@ def parse_peft(directory: Path, cfg: PeftConfig, weights_file: WeightFile) -> Ad
                 A2, B2 = B2.T, A2.T
             modules.append(LoraModule(name, A2, B2, alpha, scale, kind, transposed))
     for key in tensors:
-        if key.endswith(tuple(b for _, b in PAIRS)) and key not in used:
+        if key.endswith(tuple(b for _, b in pairs)) and key not in used:
             raise InputError(weights, f"{strip(key)} has lora_B but no lora_A")
     if not modules:
         raise InputError(weights, "empty adapter: no lora_A/lora_B tensors found")
@@ -210,6 +268,7 @@ def parse_peft(directory: Path, cfg: PeftConfig, weights_file: WeightFile) -> Ad
         **cfg.settings(),
         "ranks": r_values,
         "use_dora": bool(cfg.raw.get("use_dora", False)),
+        "peft_type": "ADALORA" if cfg.adalora_init_r is not None else "LORA",
         "target_modules": cfg.raw.get("target_modules"),
         "task_type": cfg.raw.get("task_type"),
         "modules_to_save": cfg.raw.get("modules_to_save"),
