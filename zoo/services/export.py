@@ -311,7 +311,7 @@ def _meta(blobs: BlobStore, adapter: Adapter, with_head: bool) -> ExportMeta:
     source = read_source(adapter.source_uri, adapter.source_revision, adapter.file_sha256) if head_lacking or kernels_lacking else None
     if source is not None:
         try:
-            parts = file_parts(source.weights, adapter.format, kernels_lacking, extra if head_lacking else ())
+            parts = file_parts(source.raw, adapter.format, kernels_lacking, extra if head_lacking else ())
         except InputError:  # read as ingested, yet unreadable now: as if it were gone
             parts = FileParts(None, {})
         modules |= {name: replace(modules[name], kernel=kernel) for name, kernel in parts.kernels.items()}

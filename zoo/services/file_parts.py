@@ -10,23 +10,16 @@ function (`file_parts`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from zoo import config
 from zoo.domain.kohya_names import kohya_names
+from zoo.formats import RawAdapter
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
-from zoo.formats.safe_load import (
-    DTYPE_BYTES,
-    SAFETENSORS_SUFFIX,
-    StreamedTensors,
-    WeightFile,
-    parse_weights_only_pickle,
-    safetensors_header,
-    safetensors_tensors,
-)
+from zoo.formats.safe_load import DTYPE_BYTES, SAFETENSORS_SUFFIX, parse_weights_only_pickle, safetensors_header, safetensors_tensors
 
 #: key suffixes of a module's down/A factor in the layouts read (PEFT, diffusers, kohya, hand-converted)
 _DOWN_SUFFIXES = (".lora_A.weight", ".lora_down.weight", ".lora.down.weight", "_lora_down.weight")
@@ -59,52 +52,49 @@ def needs_file(fmt: str, kinds: Mapping[str, str], extra_tensors: Sequence[str])
 
 
 def file_parts(
-    weights: WeightFile, fmt: str, convs: Mapping[str, int], extra_tensors: Sequence[str], max_bytes: int | None = None
+    raw: RawAdapter, fmt: str, convs: Mapping[str, int], extra_tensors: Sequence[str], max_bytes: int | None = None
 ) -> FileParts:
     """The head of a PEFT adapter (`extra_tensors`: its names; none past `max_bytes`) and the kernel of each conv module
-    (`convs`: name → stored in_features) in its read weight file. A safetensors file's tensors are views of its bytes
-    (a streamed one's read when looked up): only a head's tensors are copied; a pickle is loaded again."""
-    tensors = _tensors(weights)
+    (`convs`: name → stored in_features) in its read files. A safetensors file's kernels come from its header (the one
+    read already, for a single file), and only a head's tensors are built (copied out of the file's bytes; a streamed
+    file's read); a pickle is loaded again."""
+    shapes, dtype_bytes, tensors = _contents(raw)
     kohya = kohya_names(list(convs)) if convs else {}  # a kohya file's modules may be stored under their model paths
     kernels: dict[str, tuple[int, ...]] = {}
     for name, inputs in convs.items():
-        kernel = next((k for stem in (PEFT_PREFIX + name, name, kohya.get(name)) if stem and (k := _kernel(tensors, stem))), None)
+        kernel = next((k for stem in (PEFT_PREFIX + name, name, kohya.get(name)) if stem and (k := _kernel(shapes, stem))), None)
         if kernel is not None and math.prod(kernel) == inputs:
             kernels[name] = kernel
     if fmt != "peft" or not extra_tensors:
         return FileParts(None, kernels)
-    keys = {name: next((k for k in (PEFT_PREFIX + name, name) if k in tensors), None) for name in extra_tensors}
+    keys = {name: next((k for k in (PEFT_PREFIX + name, name) if k in shapes), None) for name in extra_tensors}
     missing = sorted(name for name, key in keys.items() if key is None)
     if missing:
-        return FileParts(None, kernels, f"{missing[0]} is not in {weights.path}")
-    size = sum(_nbytes(tensors, str(key)) for key in keys.values())
+        return FileParts(None, kernels, f"{missing[0]} is not in {raw.weights.path}")
+    size = sum(math.prod(shapes[str(key)]) * dtype_bytes(str(key)) for key in keys.values())
     if max_bytes is not None and size > max_bytes:
         return FileParts(None, kernels, f"its {size:,} bytes are past the limit of {max_bytes:,} (ZOO_MAX_HEAD_BYTES)")
-    return FileParts({name: tensors[str(key)].clone() for name, key in keys.items()}, kernels)
+    found = tensors()
+    return FileParts({name: found[str(key)].clone() for name, key in keys.items()}, kernels)
 
 
-def _tensors(weights: WeightFile) -> Mapping[str, torch.Tensor]:
+def _contents(raw: RawAdapter) -> tuple[Mapping[str, Sequence[int]], Callable[[str], int], Callable[[], Mapping[str, torch.Tensor]]]:
+    """(each tensor's shape, a tensor's bytes per element, its tensors when asked) of a read weight file."""
+    weights = raw.weights
     if weights.path.suffix == SAFETENSORS_SUFFIX:
-        return safetensors_tensors(weights, safetensors_header(weights.path, weights.data))
-    return parse_weights_only_pickle(weights)
+        header = raw.header or safetensors_header(weights.path, weights.data)
+        shapes = {key: entry["shape"] for key, entry in header.entries.items()}
+        return shapes, lambda key: DTYPE_BYTES[header.entries[key]["dtype"]], lambda: safetensors_tensors(weights, header)
+    loaded = parse_weights_only_pickle(weights)
+    return {key: t.shape for key, t in loaded.items()}, lambda key: loaded[key].element_size(), lambda: loaded
 
 
-def _shape(tensors: Mapping[str, torch.Tensor], key: str) -> Sequence[int]:
-    return tensors.shape(key) if isinstance(tensors, StreamedTensors) else tensors[key].shape
-
-
-def _nbytes(tensors: Mapping[str, torch.Tensor], key: str) -> int:
-    if isinstance(tensors, StreamedTensors):
-        return math.prod(tensors.shape(key)) * DTYPE_BYTES[tensors.header.entries[key]["dtype"]]
-    return tensors[key].nbytes
-
-
-def _kernel(tensors: Mapping[str, torch.Tensor], stem: str) -> tuple[int, ...] | None:
+def _kernel(shapes: Mapping[str, Sequence[int]], stem: str) -> tuple[int, ...] | None:
     """The kernel, (in_channels, k...), of the conv module whose keys in the file start with `stem`, as its down factor
     has it (a LyCORIS Tucker module's: its 1×1 down's channels and its mid's kernel); None when there is no such factor."""
     keys = (stem + suffix for suffix in _DOWN_SUFFIXES)
-    down = next((_shape(tensors, k) for k in keys if k in tensors and len(_shape(tensors, k)) > 2), None)
+    down = next((shapes[k] for k in keys if k in shapes and len(shapes[k]) > 2), None)
     if down is None:
         return None
-    mid = _shape(tensors, stem + _MID) if stem + _MID in tensors else None
+    mid = shapes.get(stem + _MID)
     return (int(down[1]), *(int(k) for k in (mid if mid is not None else down)[2:]))

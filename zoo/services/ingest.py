@@ -552,7 +552,7 @@ def kept_parts(raw: RawAdapter, data: AdapterData) -> FileParts:
     if not needs_file(data.format, kinds, list(data.extra_tensors)):
         return FileParts(None, {})
     convs = {m.name: m.shape[1] for m in data.modules if m.kind == "conv"}
-    parts = file_parts(raw.weights, data.format, convs, list(data.extra_tensors), max_head_bytes())
+    parts = file_parts(raw, data.format, convs, list(data.extra_tensors), max_head_bytes())
     if parts.why_not:
         data.notes.append(f"the head ({len(data.extra_tensors)} tensors that are not LoRA factors) is not stored: {parts.why_not}")
     return parts

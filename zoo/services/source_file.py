@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoo.errors import InputError
-from zoo.formats import open_adapter
+from zoo.formats import RawAdapter, open_adapter
 from zoo.formats.peft import is_peft_dir
-from zoo.formats.safe_load import SAFETENSORS_SUFFIX, WeightFile
+from zoo.formats.safe_load import SAFETENSORS_SUFFIX
 from zoo.sources import hub
 
 #: single files looked at in a source folder that is not a PEFT directory (a Hub snapshot of a single-file LoRA)
@@ -24,10 +24,10 @@ MAX_CANDIDATES = 8
 
 @dataclass(frozen=True)
 class SourceFile:
-    """A source's weight file as read, and where it was found."""
+    """A source's files as read, and where they were found."""
 
     path: Path
-    weights: WeightFile
+    raw: RawAdapter
 
 
 def read_source(uri: str, revision: str | None, sha256: str) -> SourceFile | None:
@@ -42,7 +42,7 @@ def read_source(uri: str, revision: str | None, sha256: str) -> SourceFile | Non
         except (InputError, OSError):
             continue
         if raw.weights.sha256 == sha256:
-            return SourceFile(raw.path, raw.weights)
+            return SourceFile(raw.path, raw)
     return None
 
 
