@@ -440,3 +440,14 @@ def test_ia3_is_refused_saying_why_and_what_to_pass(tmp_path: Path) -> None:
     get_peft_model(TinyLM(), IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[])).save_pretrained(str(tmp_path / "ia3"))
     with pytest.raises(InputError, match=r"adapter_config.json.*IA3 is a per-channel rescale.*not a low-rank update.*--base BASE"):
         read_adapter(tmp_path / "ia3")
+
+
+def test_a_safetensors_file_whose_every_name_is_prefixed_is_read_without_the_prefix(tmp_path: Path) -> None:
+    """DeepSpeed/DDP's `module.` and a flattened checkpoint's `state_dict.` before every name of a LoRA file."""
+    tensors = write_kohya_file(tmp_path / "plain.safetensors", conv=False)
+    want = [(m.name, m.scale, m.A, m.B) for m in read_adapter(tmp_path / "plain.safetensors").modules]
+    for prefix in ("module.", "state_dict.module."):
+        save_file({prefix + k: v for k, v in tensors.items()}, str(tmp_path / "prefixed.safetensors"))
+        data = read_adapter(tmp_path / "prefixed.safetensors")
+        assert data.format == "kohya" and [(m.name, m.scale) for m in data.modules] == [(n, s) for n, s, _, _ in want], prefix
+        assert all(torch.equal(m.A, A) and torch.equal(m.B, B) for m, (_, _, A, B) in zip(data.modules, want, strict=True))

@@ -20,7 +20,7 @@ from zoo.errors import InputError
 from zoo.formats.archive import ZIP_SUFFIX, read_peft_zip
 from zoo.formats.checkpoint import read_checkpoint
 from zoo.formats.cloneofsimo import has_cloneofsimo_keys, read_cloneofsimo_lora
-from zoo.formats.diffusers import has_diffusers_keys, read_diffusers_lora
+from zoo.formats.diffusers import Renamed, has_diffusers_keys, read_diffusers_lora
 from zoo.formats.kohya import has_lora_keys, kohya_base_model, read_single_file_lora
 from zoo.formats.limits import MAX_ADAPTER_NAME, check_limits
 from zoo.formats.lowrank import low_rank_pairs
@@ -45,6 +45,7 @@ from zoo.formats.safe_load import (
     read_weight_file,
     safetensors_header,
     safetensors_tensors,
+    wrapper_prefix,
 )
 from zoo.formats.xlabs import has_xlabs_keys, read_xlabs_lora
 
@@ -102,6 +103,8 @@ class RawAdapter:
     settings: dict[str, object] = field(default_factory=dict)
     peft: PeftConfig | None = None
     header: SafetensorsHeader | None = None
+    #: what every tensor name of a .safetensors file starts with and is read without (`safe_load.wrapper_prefix`)
+    prefix: str = ""
 
 
 def adapter_name(path: Path) -> str:
@@ -134,9 +137,10 @@ def open_adapter(path: Path) -> RawAdapter:
     if path.suffix != SAFETENSORS_SUFFIX:
         return RawAdapter(path, weights, None)
     header = safetensors_header(path, weights.data)
-    fmt = file_format(path, {key: entry["shape"] for key, entry in header.entries.items()})
+    prefix = wrapper_prefix(list(header.entries))
+    fmt = file_format(path, {key.removeprefix(prefix): entry["shape"] for key, entry in header.entries.items()})
     base_model = _BY_NAME[fmt].base_model(header.metadata) if fmt in _BY_NAME else None
-    return RawAdapter(path, weights, fmt, base_model, header=header)
+    return RawAdapter(path, weights, fmt, base_model, header=header, prefix=prefix)
 
 
 def _open_peft(directory: Path) -> RawAdapter:
@@ -170,17 +174,19 @@ def parse_adapter(
     if raw.peft is not None:
         data = parse_peft(raw.path, raw.peft, raw.weights)
     else:
+        file_tensors: Mapping[str, torch.Tensor]
         if raw.header is not None:
-            tensors, metadata = safetensors_tensors(raw.weights, raw.header), raw.header.metadata
+            file_tensors, metadata = safetensors_tensors(raw.weights, raw.header), raw.header.metadata
         else:
-            tensors, metadata = parse_weights_only_pickle(raw.weights), {}
+            file_tensors, metadata = parse_weights_only_pickle(raw.weights), {}
+        tensors = Renamed(file_tensors, {key.removeprefix(raw.prefix): key for key in file_tensors}) if raw.prefix else file_tensors
         fmt = raw.format or file_format(raw.path, {key: t.shape for key, t in tensors.items()})
         if fmt in _BY_NAME:
             data = _BY_NAME[fmt].read(raw.path, tensors, metadata)
-            if isinstance(tensors, StreamedTensors):
-                tensors.verify()  # every tensor was read from the file whose SHA-256 was recorded
-        else:
-            data = read_checkpoint(raw.path, tensors, metadata, base, energy, max_rank)
+            if isinstance(file_tensors, StreamedTensors):
+                file_tensors.verify()  # every tensor was read from the file whose SHA-256 was recorded
+        else:  # a checkpoint keeps its names (read streamed where the file is, as named in it)
+            data = read_checkpoint(raw.path, file_tensors, metadata, base, energy, max_rank)
     data.file_sha256, data.size_bytes = raw.weights.sha256, raw.weights.size
     check_limits(data, data.base_model)
     return data

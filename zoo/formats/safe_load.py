@@ -372,8 +372,20 @@ class StreamedTensors(Mapping[str, torch.Tensor]):
 #: keys under which training checkpoints hold the model's weights: PyTorch Lightning's `state_dict`, a training loop's
 #: `model_state_dict`, DeepSpeed's `module`
 NESTED_KEYS = ("state_dict", "model_state_dict", "module")
-#: the prefix DistributedDataParallel and DeepSpeed give every weight's name
-WRAPPER_PREFIX = "module."
+#: prefixes every weight's name gets from a wrapper: DistributedDataParallel's and DeepSpeed's `module.`, and a
+#: flattened training checkpoint's `state_dict.` / `model_state_dict.`
+WRAPPER_PREFIXES = ("module.", "state_dict.", "model_state_dict.")
+
+
+def wrapper_prefix(keys: list[str]) -> str:
+    """The run of WRAPPER_PREFIXES that every one of `keys` starts with (`module.`, `state_dict.module.`, ...), else ""."""
+    prefix = ""
+    while keys:
+        step = next((p for p in WRAPPER_PREFIXES if all(k.startswith(prefix + p) for k in keys)), None)
+        if step is None:
+            return prefix
+        prefix += step
+    return prefix
 
 
 def _is_state_dict(obj: object) -> bool:
@@ -383,7 +395,7 @@ def _is_state_dict(obj: object) -> bool:
 def inner_state_dict(path: Path, obj: object) -> dict[str, torch.Tensor]:
     """The tensors of a loaded pickle: a dict of tensors as it is, else the dict of tensors a training checkpoint
     nests under one of NESTED_KEYS (at any depth of such keys; its other entries, optimizer states, epoch, are left
-    out), with a `module.` prefix that every name has dropped."""
+    out), with the `wrapper_prefix` that every name has dropped."""
     seen: list[str] = []
     while isinstance(obj, dict) and not _is_state_dict(obj):
         key = next((k for k in NESTED_KEYS if isinstance(obj.get(k), dict)), None)
@@ -396,9 +408,8 @@ def inner_state_dict(path: Path, obj: object) -> dict[str, torch.Tensor]:
     if not _is_state_dict(obj):
         raise InputError(path, "refused: expected a dict of tensors")
     assert isinstance(obj, dict)
-    if all(k.startswith(WRAPPER_PREFIX) for k in obj):
-        return {k.removeprefix(WRAPPER_PREFIX): v for k, v in obj.items()}
-    return obj
+    prefix = wrapper_prefix(list(obj))
+    return {k.removeprefix(prefix): v for k, v in obj.items()} if prefix else obj
 
 
 def parse_weights_only_pickle(wf: WeightFile) -> dict[str, torch.Tensor]:
