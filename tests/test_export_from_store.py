@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
-from safetensors.torch import load
+from safetensors.torch import load, save_file
 
 from embed.service import delete_adapter
 from tests.conftest import CLI
@@ -139,3 +139,19 @@ def test_two_modules_of_one_kohya_name_are_refused_before_an_export_is_written()
     assert exportable_formats(meta) == ["peft"]
     with pytest.raises(UsageError, match="have one kohya name, lora_unet_down_blocks_0_attentions_0_proj_in"):
         check_exportable(meta, "kohya")
+
+
+def test_the_kernels_of_a_file_whose_every_name_is_prefixed_are_stored(cli: CLI, tmp_path: Path) -> None:
+    """DDP's `module.` before every name of a kohya conv file: its kernels are found under the names as read and stored;
+    with the file deleted, its kohya export holds the plain file's tensors (the same update at the same rank)."""
+    tensors = write_kohya_file(tmp_path / "plain.safetensors", seed=6)
+    save_file({"module." + k: v for k, v in tensors.items()}, str(tmp_path / "prefixed.safetensors"))
+    rc, (ingested,) = cli.json_lines("ingest", str(tmp_path / "prefixed.safetensors"))
+    assert rc == 0 and ingested["status"] == "ingested"
+    (tmp_path / "prefixed.safetensors").unlink()
+    rc, (shown,) = cli.json_lines("show", "1")
+    assert [m["kernel"] for m in shown["modules"] if m["kind"] == "conv"] == [[8, 3, 3]]
+    factors, meta = load_stored(cli.settings, 1)
+    exported = load(next(iter(export_files(factors, meta, "kohya").values())))
+    convs = [k for k in tensors if k.endswith("lora_down.weight") and tensors[k].ndim == 4]
+    assert convs and all(exported[k].shape == tensors[k].shape for k in convs)

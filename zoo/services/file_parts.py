@@ -75,16 +75,17 @@ def file_parts(
     if max_bytes is not None and size > max_bytes:
         return FileParts(None, kernels, f"its {size:,} bytes are past the limit of {max_bytes:,} (ZOO_MAX_HEAD_BYTES)")
     found = tensors()
-    return FileParts({name: found[str(key)].clone() for name, key in keys.items()}, kernels)
+    return FileParts({name: found[raw.prefix + str(key)].clone() for name, key in keys.items()}, kernels)
 
 
 def _contents(raw: RawAdapter) -> tuple[Mapping[str, Sequence[int]], Callable[[str], int], Callable[[], Mapping[str, torch.Tensor]]]:
-    """(each tensor's shape, a tensor's bytes per element, its tensors when asked) of a read weight file."""
-    weights = raw.weights
+    """(each tensor's shape and a tensor's bytes per element, by its name as read: without the file's wrapper prefix
+    (`raw.prefix`), and its tensors when asked, by their names in the file) of a read weight file."""
+    weights, prefix = raw.weights, raw.prefix
     if weights.path.suffix == SAFETENSORS_SUFFIX:
         header = raw.header or safetensors_header(weights.path, weights.data)
-        shapes = {key: entry["shape"] for key, entry in header.entries.items()}
-        return shapes, lambda key: DTYPE_BYTES[header.entries[key]["dtype"]], lambda: safetensors_tensors(weights, header)
+        shapes = {key.removeprefix(prefix): entry["shape"] for key, entry in header.entries.items()}
+        return shapes, lambda key: DTYPE_BYTES[header.entries[prefix + key]["dtype"]], lambda: safetensors_tensors(weights, header)
     loaded = parse_weights_only_pickle(weights)
     return {key: t.shape for key, t in loaded.items()}, lambda key: loaded[key].element_size(), lambda: loaded
 
