@@ -127,3 +127,20 @@ def test_a_kohya_flux_lora_names_its_modules_as_xlabs_does(tmp_path: Path) -> No
     attn = "transformer.transformer_blocks.0.attn."
     assert torch.allclose(got["double_blocks.0.img_attn.qkv"], torch.cat([fused[f"{attn}to_{p}"] for p in "qkv"]), atol=1e-6)
     assert torch.allclose(got["double_blocks.0.txt_attn.proj"], fused[f"{attn}to_add_out"], atol=1e-6)
+
+
+def test_a_bfl_flux_lora_in_peft_style_names_its_modules_as_xlabs_does(tmp_path: Path) -> None:
+    """`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`: Flux's own names without the prefix, one fused
+    q·k·v module, the same modules and dW as the XLabs file of the same update."""
+    xlabs = write_xlabs_lora(tmp_path / "xlabs.safetensors")
+    layers = {"qkv_lora1": "img_attn.qkv", "proj_lora1": "img_attn.proj", "qkv_lora2": "txt_attn.qkv", "proj_lora2": "txt_attn.proj"}
+    bfl = {}
+    for old, new in layers.items():
+        stem = f"diffusion_model.double_blocks.0.{new}"
+        bfl |= {f"{stem}.lora_A.weight": xlabs[f"double_blocks.0.processor.{old}.down.weight"]}
+        bfl |= {f"{stem}.lora_B.weight": xlabs[f"double_blocks.0.processor.{old}.up.weight"]}
+    save_file(bfl, str(tmp_path / "bfl.safetensors"))
+    data, reference = read_adapter(tmp_path / "bfl.safetensors"), read_adapter(tmp_path / "xlabs.safetensors")
+    want = {m.name: m.scale * m.B @ m.A for m in reference.modules if m.name.startswith("double_blocks.")}
+    got = {m.name: m.scale * m.B @ m.A for m in data.modules}
+    assert set(got) == set(want) and all(torch.allclose(got[n], want[n]) for n in want)

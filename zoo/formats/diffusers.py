@@ -13,7 +13,8 @@ The base model is the one an `ss_sd_model_name` (or `ss_base_model_version`) hea
 
 Every layout is read into the current layout's names, as diffusers' own loader converts them: `.processor.`
 dropped, `to_q_lora` → `to_q` in the UNet and `q_proj` in CLIP (`to_out_lora` → `to_out.0` / `out_proj`),
-`text_model.` dropped. So a file in any layout and the same update in another have the same module names.
+`text_model.` dropped. So a file in any layout and the same update in another have the same module names. Flux
+modules under Black Forest Labs' `diffusion_model.` prefix are named without it (`double_blocks.0.img_attn.qkv`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ CURRENT_PAIR = PAIRS[2]
 #: the models of a pipeline that diffusers' loaders give a LoRA, by the prefix of their keys
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+#: what Black Forest Labs' Flux checkpoints put before their modules' names
+BFL_PREFIX = "diffusion_model"
 #: the attn-procs name of each attention projection → its module in the UNet, in CLIP
 PROJECTIONS = {"to_q": ("to_q", "q_proj"), "to_k": ("to_k", "k_proj"), "to_v": ("to_v", "v_proj"), "to_out": ("to_out.0", "out_proj")}
 #: (suffix of a factor's key, suffix in the current layout, layout)
@@ -70,6 +73,8 @@ def has_diffusers_keys(keys: list[str]) -> bool:
 def module_name(stem: str, layout: str) -> str:
     """The current layout's name of a module, from its stem in `layout` (see the module docstring)."""
     component, _, rest = stem.partition(".")
+    if component == BFL_PREFIX:
+        return rest  # Flux's own names (`double_blocks.0.img_attn.qkv`), as XLabs' and kohya-ss's Flux files are read
     if component not in COMPONENTS:
         if layout != "attn-procs":
             return stem
