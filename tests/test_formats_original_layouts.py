@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import torch
 from diffusers import StableDiffusionXLPipeline
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from tests.conftest import CLI
 from tests.diffusers_models import fused_flux_deltas
 from zoo.domain.base_models import guess_base_model
 from zoo.domain.model_shapes import VOCABULARIES
@@ -144,3 +145,18 @@ def test_a_bfl_flux_lora_in_peft_style_names_its_modules_as_xlabs_does(tmp_path:
     want = {m.name: m.scale * m.B @ m.A for m in reference.modules if m.name.startswith("double_blocks.")}
     got = {m.name: m.scale * m.B @ m.A for m in data.modules}
     assert set(got) == set(want) and all(torch.allclose(got[n], want[n]) for n in want)
+
+
+def test_the_kohya_export_of_an_xlabs_flux_lora_is_kohya_ss_flux_and_reingests_as_it(cli: CLI, tmp_path: Path) -> None:
+    """Flux's own module names export under kohya-ss's Flux names (which diffusers loads: the test above), and the
+    export ingests as the adapter it came from (a duplicate). diffusers' kohya Flux conversion splits linear1 at
+    Flux.1's real widths, so it cannot load this tiny one's single block."""
+    write_xlabs_lora(tmp_path / "xlabs.safetensors")
+    rc, [original] = cli.json_lines("ingest", str(tmp_path / "xlabs.safetensors"), "--base-model", "flux-dev")
+    assert rc == 0 and original["status"] == "ingested", original
+    out = tmp_path / "kohya.safetensors"
+    rc, [exported] = cli.json_lines("export", str(original["adapter_id"]), "--format", "kohya", "--out", str(out))
+    assert rc == 0 and not exported["notes"], exported
+    assert {k.split(".")[0] for k in load_file(str(out))} >= {"lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_single_blocks_0_linear1"}
+    rc, [again] = cli.json_lines("ingest", str(out), "--base-model", "flux-dev")
+    assert rc == 0 and again["status"] == "duplicate" and again["canonical_hash"] == original["canonical_hash"], again

@@ -30,6 +30,8 @@ KOHYA_PREFIXES = (UNET, "lora_te_", "lora_te1_", "lora_te2_")
 #: first path parts of a diffusers UNet's modules (a UNet's file without the `unet.` prefix)
 UNET_ROOTS = ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding", "add_embedding", "conv_norm_out")
 CLIP_ROOT = "text_model"
+#: first path parts of Flux's modules in its own names
+FLUX_ROOTS = ("double_blocks.", "single_blocks.")
 
 
 def is_kohya_name(name: str) -> bool:
@@ -39,10 +41,14 @@ def is_kohya_name(name: str) -> bool:
 
 def kohya_name(name: str, two_text_encoders: bool) -> str | None:
     """The kohya-ss name of a module named `name` (a kohya name stays as it is), None when it is not a module of an
-    SD-family UNet or text encoder (a Flux or SD3 `transformer.…`, or an unknown name). `two_text_encoders`: the
-    adapter has modules of SDXL's second text encoder, so the first is `lora_te1_`."""
+    SD-family UNet or text encoder, nor one of Flux's own (Black Forest Labs') modules that kohya-ss's Flux LoRAs
+    name (`double_blocks.0.img_attn.qkv` → `lora_unet_double_blocks_0_img_attn_qkv`; not diffusers' Flux
+    `transformer.…`, nor an unknown name). `two_text_encoders`: the adapter has modules of SDXL's second text encoder,
+    so the first is `lora_te1_`."""
     if is_kohya_name(name):
         return name
+    if name.startswith(FLUX_ROOTS) and model_path(UNET + name.replace(".", "_")) == name:
+        return UNET + name.replace(".", "_")
     component, _, path = name.partition(".")
     if component == "unet" and path:
         return UNET + path.replace(".", "_")
