@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 from zoo.config import Settings
 from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.fingerprint import DUPLICATE_RTOL, FINGERPRINT_DIM, SCREEN_SIGMAS, may_be_duplicate, relative_distance, sketch
+from zoo.domain.kohya_names import model_path
 from zoo.reference.real_shapes import MODELS, write_adapter
 from zoo.services.ingest import IngestOptions, Ingestor
 from zoo.store.blobs import MAPPED_FROM, BlobStore, BlobWriter, factor_arrays
@@ -117,8 +118,11 @@ def noisy(factors: Factors, relative: float, seed: int) -> Factors:
 
 
 def in_other_layout(factors: Factors, layout: str, path: Path, base_model: str) -> Path:
-    """The factors in the other family of layouts: a PEFT directory as a kohya file, a single file as a PEFT directory."""
-    return write_kohya(path.with_suffix(".safetensors"), factors) if layout == "peft" else write_peft(path, factors, base_model)
+    """The factors in the other family of layouts: a PEFT directory as a kohya file, a single file as a PEFT directory
+    (its kohya names as the model paths a converter gives them)."""
+    if layout == "peft":
+        return write_kohya(path.with_suffix(".safetensors"), factors)
+    return write_peft(path, {model_path(name) or name: f for name, f in factors.items()}, base_model)
 
 
 def update_norm(factors: Factors) -> float:

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from sqlalchemy import select
 
 from tests.conftest import CLI
+from zoo.domain.kohya_names import model_path
 from zoo.domain.similarity import (
     MAX_SEARCH_DIM,
     MODULE_SKETCH_DIM,
@@ -54,7 +55,7 @@ def test_every_kind_is_read_at_its_real_widths(kind: str, cli: CLI, tmp_path: Pa
     rc, (shown,) = cli.json_lines("show", str(rows[0]["adapter_id"]))
     assert rc == 0
     stored = {(m["name"], *m["shape"]) for m in shown["modules"]}
-    want = {(m.name, m.out, m.fan_in) for m in model.modules(1)}
+    want = {(model_path(m.name) or m.name, m.out, m.fan_in) for m in model.modules(1)}  # kohya names read as model paths
     assert stored == want
     assert {m["rank"] for m in shown["modules"]} == {model.rank}
     assert max(o for _, o, _ in stored) >= 3072  # real widths, not toy ones
