@@ -30,7 +30,7 @@ import torch
 
 from zoo.domain.spectra import Spectrum, singular_values, spectrum_from_singular_values
 from zoo.errors import InputError
-from zoo.formats.kohya import PAIRS, kohya_base_model, kohya_scaling, model_named, read_pairs
+from zoo.formats.kohya import PAIRS, kohya_base_model, kohya_scaling, model_named, pair_config, read_pairs
 from zoo.formats.limits import check_widths, max_rank
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, check_finite, check_pair
 
@@ -125,9 +125,7 @@ def read_lycoris(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict
     if not modules and not any(u.low_rank for u in updates):
         return _spectra(path, updates, metadata, extra, algorithms, notes)
     modules = model_named(path, [*modules, *(_module(path, u) for u in updates)])
-    ranks = sorted({m.rank for m in modules})
-    alphas = sorted({m.alpha for m in modules})
-    config: dict[str, object] = {"ranks": ranks, "alphas": alphas, "r": max(ranks), "lora_alpha": alphas[-1], "algorithms": algorithms}
+    config: dict[str, object] = {**pair_config(modules), "algorithms": algorithms}
     if any(k.endswith(".dora_scale") for k in extra):
         config["use_dora"] = True  # what dW leaves out (the magnitude) is not stored: no LoRA file can hold the update
     return AdapterData(
