@@ -4,6 +4,8 @@ workers and the web app (`zoo serve`) ingesting the same sources at once, and a 
 
 from __future__ import annotations
 
+import html
+import io
 import json
 import os
 import signal
@@ -206,6 +208,54 @@ def test_zoo_jobs_and_zoo_worker(cli: CLI, tmp_path: Path) -> None:
     assert json.loads(cli("worker", "--drain", "--json")[1])["processed"] == 0
     rc, _, err = cli("worker", "--drain", "--job", "999")
     assert rc != 0 and "no job with id 999" in err
+
+
+def test_a_jobs_items_carry_the_base_model_warning_and_guess_as_zoo_ingest_prints_them(cli: CLI, tmp_path: Path) -> None:
+    """A job's item says what `zoo ingest` prints for its source: a --base-model the module shapes contradict (a warning)
+    and the base model guessed from the shapes (a note), in the REST job, on the job's page and in `zoo jobs show`, for
+    paths and uploads the web app's job thread ingests and for items `zoo worker` works."""
+    from webapp import create_app
+    from zoo.reference.real_shapes import write_adapter
+
+    root = tmp_path / "root"
+    sd15 = [write_adapter("sd1.5", root, family=0, member=m, layers=1, name_base=False) for m in range(3)]
+    sdxl = "stabilityai/stable-diffusion-xl-base-1.0"
+    assert cli("init")[0] == 0
+    settings = cli.settings
+    app = create_app({"ZOO_DATABASE_URL": settings.database_url, "ZOO_DATA_DIR": str(settings.data_dir), "ZOO_IMPORT_ROOT": str(root)})
+    client = app.test_client()
+    with session_factory(settings.database_url).begin() as session:
+        _, token = tokens.create_token(session, "warnings", "write")
+    auth = {"Authorization": f"Bearer {token}"}
+
+    def finished(r) -> dict:  # type: ignore[no-untyped-def]
+        assert r.status_code == 202, r.get_json()
+        for _ in range(600):
+            job = client.get(f"/api/v1/jobs/{r.json['id']}").json
+            if job["state"] == "done":
+                return job
+            time.sleep(0.05)
+        raise AssertionError(job)
+
+    said = "names the sdxl family, but the module shapes are sd1.x's"
+    job = finished(client.post("/api/v1/ingest", json={"paths": [sd15[0].name], "base_model": sdxl}, headers=auth))
+    (item,) = job["items"]
+    assert item["state"] == "done" and len(item["warnings"]) == 1 and said in item["warnings"][0], item
+    assert f"<strong>warning:</strong> {item['warnings'][0]}" in html.unescape(client.get(f"/jobs/{job['id']}").get_data(as_text=True))
+
+    upload = {"file": [(io.BytesIO(sd15[1].read_bytes()), sd15[1].name)]}
+    r = client.post("/api/v1/ingest", data=upload, headers=auth, content_type="multipart/form-data")
+    (item,) = finished(r)["items"]
+    assert item["state"] == "done" and item["warnings"] == [], item
+    assert "base model guessed from shapes: sd1.x, from 35 of 35 modules" in item["notes"], item
+
+    rc, out, _ = cli("jobs", "add", str(sd15[2]), "--base-model", sdxl, "--json")
+    job = json.loads(out)["id"]
+    assert cli("worker", "--drain", "--json")[0] == 0
+    (item,) = json.loads(cli("jobs", "show", str(job), "--json")[1])["items"]
+    assert item["state"] == "done" and said in item["warnings"][0], item
+    rc, out, _ = cli("jobs", "show", str(job))
+    assert rc == 0 and f"warning: {item['warnings'][0]}" in out, out
 
 
 # --- real processes on PostgreSQL --------------------------------------------------------------------

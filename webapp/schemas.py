@@ -164,6 +164,10 @@ class JobItem(Schema):
     lease_owner = String(allow_none=True, metadata={"description": "the worker (host:pid:thread) holding a running item"})
     started_at = String(allow_none=True)
     timings = Dict(keys=String(), values=Float(), allow_none=True, metadata={"description": "seconds per ingest stage"})
+    warnings = List(
+        String(), metadata={"description": "what ingest warned of though it stored the source (a base model its module shapes contradict)"}
+    )
+    notes = List(String(), metadata={"description": "ingest's notes on the source (the base model guessed from its shapes, ...)"})
 
 
 class Job(Schema):

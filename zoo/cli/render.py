@@ -360,8 +360,13 @@ def job_lines(j: JobDetail) -> list[str]:
     for key in ("requeued", "cancelled_items"):
         if key in j:
             lines.append(f"  {plural(j[key], 'item')} {'queued again' if key == 'requeued' else 'cancelled'}")
-    failed = [i for i in j.get("items", []) if i["state"] == "failed"]
+    items = j.get("items", [])
+    failed = [i for i in items if i["state"] == "failed"]
     if failed:
         lines.append("  failed (`zoo jobs retry` queues them again):")
         lines += [f"    #{i['id']} {i['reason'] or i['source']}" for i in failed]
+    warned = [i for i in items if i.get("warnings")]
+    if warned:
+        lines.append("  stored, with warnings:")
+        lines += [f"    #{i['id']} warning: {w}" for i in warned for w in i["warnings"]]
     return lines

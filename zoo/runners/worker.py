@@ -165,7 +165,8 @@ def process_claim(sessions: sessionmaker[Session], ingestor: Ingestor, claim: Cl
             raise
         return Outcome(claim.item_id, claim.job_id, claim.source, state or "lost", None, reason, time.perf_counter() - start)
     state = "done" if result.status == "ingested" else result.status
-    held = finish_item(sessions, owner, claim.item_id, state, result.adapter_id, result.error, result.timings)
+    said = (result.warnings, result.notes)  # what `zoo ingest` prints for the source besides its outcome
+    held = finish_item(sessions, owner, claim.item_id, state, result.adapter_id, result.error, result.timings, *said)
     seconds = time.perf_counter() - start
     return Outcome(claim.item_id, claim.job_id, claim.source, state if held else "lost", result.adapter_id, result.error, seconds)
 

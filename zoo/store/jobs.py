@@ -199,12 +199,15 @@ def finish_item(
     adapter_id: int | None = None,
     reason: str | None = None,
     timings: dict[str, float] | None = None,
+    warnings: list[str] | None = None,
+    notes: list[str] | None = None,
 ) -> bool:
-    """Write an item's outcome (done | duplicate | failed) and clear its lease, if `owner` still holds
-    it; False (nothing written) when another worker took it over. Settles the job."""
+    """Write an item's outcome (done | duplicate | failed), with what ingest warned of and noted, and clear its lease,
+    if `owner` still holds it; False (nothing written) when another worker took it over. Settles the job."""
     if state not in PROCESSED:
         raise ValueError(f"an item finishes as one of {PROCESSED}, not {state!r}")
-    values = {"state": state, "adapter_id": adapter_id, "reason": reason, "timings": timings or {}}
+    values: dict[str, object] = {"state": state, "adapter_id": adapter_id, "reason": reason, "timings": timings or {}}
+    values |= {"warnings": list(warnings or []), "notes": list(notes or [])}
     return _settle_item(sessions, owner, item_id, values)
 
 
@@ -494,6 +497,8 @@ class ItemSummary(TypedDict):
     lease_owner: str | None
     started_at: str | None
     timings: dict[str, float] | None
+    warnings: list[str]
+    notes: list[str]
 
 
 class JobDetail(JobSummary):
@@ -531,6 +536,8 @@ def _item(i: JobItem) -> ItemSummary:
         "lease_owner": i.lease_owner,
         "started_at": iso_seconds(i.started_at),
         "timings": i.timings,
+        "warnings": list(i.warnings or []),
+        "notes": list(i.notes or []),
     }
 
 

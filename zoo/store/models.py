@@ -343,6 +343,10 @@ class JobItem(Base):
     timings: Mapped[dict[str, float] | None] = mapped_column(JSON)
     #: the source's given labels, from a labels CSV
     labels: Mapped[StoredLabels | None] = mapped_column(JSON)
+    #: what ingest warned of though it stored the source (a named base model its module shapes contradict), and its
+    #: notes (the base model guessed from the shapes, a head not stored): what `zoo ingest` prints for the source
+    warnings: Mapped[list[str] | None] = mapped_column(JSON)
+    notes: Mapped[list[str] | None] = mapped_column(JSON)
 
     job: Mapped[Job] = relationship(back_populates="items")
 
