@@ -50,6 +50,7 @@ from zoo.services.source_file import read_source
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter, named_base_model
+from zoo.store.session import read_snapshot
 
 T = TypeVar("T")
 FORMATS = ("peft", "diffusers", "kohya")
@@ -293,7 +294,10 @@ def load_meta(session: Session, blobs: BlobStore, adapter_id: int, with_head: bo
 
 
 def _adapter(session: Session, adapter_id: int) -> Adapter:
-    adapter = repository.get_adapter(session, adapter_id, with_modules=True)
+    """The adapter with its modules, read in one snapshot (zoo.store.session.read_snapshot, where the session's
+    transaction has not begun): on PostgreSQL a delete committed between the adapter's statement and its modules'
+    would otherwise leave an adapter without modules, whose export fails on its first factor (KeyError)."""
+    adapter = repository.get_adapter(read_snapshot(session), adapter_id, with_modules=True)
     if adapter is None:
         raise NotFoundError(f"no adapter with id {adapter_id}: see `zoo list`")
     return adapter
