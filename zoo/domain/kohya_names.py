@@ -26,10 +26,13 @@ UNET = "lora_unet_"
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 #: kohya prefix of each text encoder: (one text encoder, SDXL's two)
 TEXT_PREFIXES = {"text_encoder": ("lora_te_", "lora_te1_"), "text_encoder_2": ("lora_te2_", "lora_te2_")}
-KOHYA_PREFIXES = (UNET, "lora_te_", "lora_te1_", "lora_te2_")
+#: kohya-ss's prefixes: the UNet's (and Flux's own modules'), the text encoders', and Flux's diffusers modules'
+KOHYA_PREFIXES = (UNET, "lora_te_", "lora_te1_", "lora_te2_", "lora_transformer_")
 #: first path parts of a diffusers UNet's modules (a UNet's file without the `unet.` prefix)
 UNET_ROOTS = ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding", "add_embedding", "conv_norm_out")
 CLIP_ROOT = "text_model"
+#: the projection of SDXL's second text encoder, outside its text_model (`lora_te2_text_projection`)
+TEXT_PROJECTION = "text_projection"
 #: first path parts of Flux's modules in its own names
 FLUX_ROOTS = ("double_blocks.", "single_blocks.")
 
@@ -53,7 +56,8 @@ def kohya_name(name: str, two_text_encoders: bool) -> str | None:
     if component == "unet" and path:
         return UNET + path.replace(".", "_")
     if component in TEXT_ENCODERS and path:
-        path = path if path.startswith(f"{CLIP_ROOT}.") else f"{CLIP_ROOT}.{path}"
+        # CLIP's modules are under text_model (kohya names them so), but for the projection after it (SDXL's second)
+        path = path if path.startswith(f"{CLIP_ROOT}.") or path == TEXT_PROJECTION else f"{CLIP_ROOT}.{path}"
         return TEXT_PREFIXES[component][two_text_encoders] + path.replace(".", "_")
     if component in UNET_ROOTS:
         return UNET + name.replace(".", "_")

@@ -100,8 +100,8 @@ def _kohya_named(
         yield ModuleShape(kohya_prefix + m.name.replace(".", "_"), m.out, m.inp, m.kernel, f"{component}.{m.name}", aliases)
 
 
-#: a resnet's convs in the original (SGM) UNet
-_SGM_RESNET = {"conv1": "in_layers.2", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+#: a resnet's convs, and the projection of the time embedding into it, in the original (SGM) UNet
+_SGM_RESNET = {"conv1": "in_layers.2", "conv2": "out_layers.3", "conv_shortcut": "skip_connection", "time_emb_proj": "emb_layers.1"}
 
 
 def _sgm_path(path: str, up_attention: list[bool]) -> str:
@@ -191,6 +191,40 @@ def unet(down: tuple[tuple[int, int], ...], mid_depth: int, context: int, text_e
     return modules
 
 
+#: the width of an SD UNet's time embedding (4 × its first block's 320 channels)
+TIME_EMBED = 1280
+#: an SD UNet's modules outside its blocks, as (diffusers path, out, in, kernel, original SGM path): the latent's input
+#: and output convs and the time embedding's MLP
+_UNET_OUTSIDE = (
+    ("conv_in", 320, 4, (3, 3), "input_blocks.0.0"),
+    ("conv_out", 4, 320, (3, 3), "out.2"),
+    ("time_embedding.linear_1", TIME_EMBED, 320, None, "time_embed.0"),
+    ("time_embedding.linear_2", TIME_EMBED, TIME_EMBED, None, "time_embed.2"),
+)
+#: SDXL's added conditioning (pooled text and size/crop embeddings: 1,280 + 6 × 256 inputs), SGM's `label_emb`
+_SDXL_ADDED = (
+    ("add_embedding.linear_1", TIME_EMBED, 2816, None, "label_emb.0.0"),
+    ("add_embedding.linear_2", TIME_EMBED, TIME_EMBED, None, "label_emb.0.2"),
+)
+
+
+def unet_outside(blocks: Blocks, sdxl: bool = False) -> Iterator[ModuleShape]:
+    """The modules LoRAs also adapt beside a UNet's attentions and convs, under kohya's names with their SGM aliases:
+    conv_in, conv_out, the time embedding's linear_1 / linear_2 (SDXL's add_embedding too), each resnet's
+    `time_emb_proj` (time embedding → its channels, the out of its conv1), and SDXL's second text encoder's
+    `text_projection`. For the module tables only (the real-size adapters of zoo/reference/real_shapes.py keep
+    `blocks`' modules)."""
+    for path, out, inp, kernel, sgm in (*_UNET_OUTSIDE, *(_SDXL_ADDED if sdxl else ())):
+        yield ModuleShape("lora_unet_" + path.replace(".", "_"), out, inp, kernel, f"unet.{path}", ("lora_unet_" + sgm.replace(".", "_"),))
+    for m in blocks(99):  # every block
+        if m.path is not None and m.path.startswith("unet.") and m.path.endswith(".conv1"):
+            path = m.path.removeprefix("unet.").removesuffix("conv1") + "time_emb_proj"
+            sgm = "lora_unet_" + _sgm_path(path, []).replace(".", "_")
+            yield ModuleShape("lora_unet_" + path.replace(".", "_"), m.out, TIME_EMBED, None, f"unet.{path}", (sgm,))
+    if sdxl:
+        yield ModuleShape("lora_te2_text_projection", 1280, 1280, None, "text_encoder_2.text_projection")
+
+
 _CLIP_L = TextEncoder("text_encoder", "lora_te_text_model_", 768, 3072, 12)
 #: SD 1.x: CLIP ViT-L/14's text encoder, cross-attention 768
 sd1 = unet(((320, 1), (640, 1), (1280, 1), (1280, 0)), 1, 768, (_CLIP_L,))
@@ -250,6 +284,35 @@ def flux_bfl(blocks: int) -> Iterator[ModuleShape]:
         yield ModuleShape(name, out, inp, path=name, aliases=("lora_unet_" + name.replace(".", "_"),))
 
 
+#: kohya's prefix of Flux's modules in diffusers' names (`lora_transformer_transformer_blocks_0_attn_to_q`), which
+#: diffusers' `_convert_kohya_flux_lora_to_diffusers` reads
+FLUX_KOHYA = "lora_transformer_"
+
+
+def flux_outside(blocks: int) -> Iterator[ModuleShape]:
+    """Flux.1-dev's modules in diffusers' names beside its blocks' attention and MLP (the latent and text inputs'
+    embedders, the output projection and its norm, the timestep, guidance and pooled-text embedders, each block's
+    norm modulation), for the module tables only."""
+    width = 3072
+    double, single = (19, 38) if blocks >= 19 else (blocks, blocks)
+    shapes = [("x_embedder", width, 64), ("context_embedder", width, 4096), ("proj_out", 64, width), ("norm_out.linear", 2 * width, width)]
+    for embedder, inp in (("timestep_embedder", 256), ("guidance_embedder", 256), ("text_embedder", 768)):
+        shapes += [(f"time_text_embed.{embedder}.linear_1", width, inp), (f"time_text_embed.{embedder}.linear_2", width, width)]
+    for i in range(double):
+        shapes += [(f"transformer_blocks.{i}.{norm}.linear", 6 * width, width) for norm in ("norm1", "norm1_context")]
+    shapes += [(f"single_transformer_blocks.{i}.norm.linear", 3 * width, width) for i in range(single)]
+    for name, out, inp in shapes:
+        yield ModuleShape(f"transformer.{name}", out, inp)
+
+
+def kohya_flux_named(modules: Iterator[ModuleShape]) -> Iterator[ModuleShape]:
+    """Flux's modules in diffusers' names (`transformer.…`), each its own path with kohya's `lora_transformer_` name as
+    its alias."""
+    for m in modules:
+        alias = FLUX_KOHYA + m.name.removeprefix("transformer.").replace(".", "_")
+        yield ModuleShape(m.name, m.out, m.inp, m.kernel, m.name, (alias,))
+
+
 def _bert(layers: int) -> Iterator[ModuleShape]:
     """BERT-base (PEFT's names on BertModel): 12 layers of width 768, MLP 3072, vocabulary 30,522."""
     yield ModuleShape("embeddings.word_embeddings", 30522, 768)
@@ -295,10 +358,10 @@ VOCABULARIES: dict[str, Callable[[], list[ModuleShape]]] = {
     "llama3-8b": lambda: _decoder(4096, 14336, 1024, 32, 128256),
     "mistral-7b": lambda: _decoder(4096, 14336, 1024, 32, 32000),
     "qwen2.5-7b": lambda: _decoder(3584, 18944, 512, 28, 152064),
-    "sd1.5": lambda: list(sd1(9)),
-    "sd2.1": lambda: list(sd2(9)),
-    "sdxl": lambda: list(sdxl(7)),
-    "flux1-dev": lambda: [*flux(19), *flux_bfl(19)],
+    "sd1.5": lambda: [*sd1(9), *unet_outside(sd1)],
+    "sd2.1": lambda: [*sd2(9), *unet_outside(sd2)],
+    "sdxl": lambda: [*sdxl(7), *unet_outside(sdxl, sdxl=True)],
+    "flux1-dev": lambda: [*kohya_flux_named(flux(19)), *kohya_flux_named(flux_outside(19)), *flux_bfl(19)],
     "bert-base": lambda: list(_bert(12)),
     "distilbert-base": lambda: list(_distilbert(6)),
     "gpt2": lambda: list(_gpt2(12)),
