@@ -58,7 +58,7 @@ import faiss  # noqa: E402
 import numpy as np
 
 from embed.lookup import RowLookup
-from zoo.files import read_derived, write_derived
+from zoo.files import read_derived, read_derived_mapped, write_derived
 
 IVF_FROM = 100_000
 #: the first stage hands this many candidates to the exact re-ranking
@@ -89,6 +89,9 @@ SUBSET_DIMS_PER_BYTE = 8
 SUBSET_TRAIN = 20_000
 #: an IVF store's kinds (the FAISS scalar quantizer of each)
 STORE_TYPES = {"8-bit": faiss.ScalarQuantizer.QT_8bit_uniform, "fp16": faiss.ScalarQuantizer.QT_fp16}
+#: an IVF index file's parts that `AdapterIndex.load` maps rather than reads (the serialized IVF with its store, and the
+#: subset codes): FAISS reads them in place (IO_FLAG_MMAP_IFC), so the codes stay in the page cache
+MAPPED_PARTS = ("ivf", "subset")
 
 
 def pq_subquantizers(dim: int) -> int:
@@ -164,6 +167,10 @@ class AdapterIndex:
         self._size = 0
         self._lookup = RowLookup(self._ids)
         self._lock = threading.Lock()
+        #: the file's parts the IVF and subset codes were read in place from (`load`), until a write copies them
+        self._mapping: dict[str, np.ndarray] | None = None
+        #: seconds each step of building it took (train_ivf_s, train_store_s, train_subset_s, add_s, tune_s)
+        self.timings: dict[str, float] = {}
 
     # -- construction ------------------------------------------------------------------------
 
@@ -204,9 +211,12 @@ class AdapterIndex:
             base = faiss.IndexIVFPQFastScan(quantizer, dim, lists, pq_subquantizers(dim), 4, faiss.METRIC_INNER_PRODUCT)
         else:
             base = faiss.IndexIVFScalarQuantizer(quantizer, dim, lists, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        t0 = time.perf_counter()
         base.train(sample)
         base.nprobe = min(NPROBES[0], lists)
+        t1 = time.perf_counter()
         store_index = trained_store(sample, store)
+        t2 = time.perf_counter()
         refine = faiss.IndexRefine(base, store_index)
         # the C++ objects own their parts (as a deserialized index does), not these Python wrappers
         base.own_fields, refine.own_fields = True, True
@@ -216,6 +226,7 @@ class AdapterIndex:
         per_byte = next(b for b in range(SUBSET_DIMS_PER_BYTE, 0, -1) if dim % b == 0)
         index._subset = faiss.IndexPQ(dim, dim // per_byte, 8, faiss.METRIC_INNER_PRODUCT)
         index._subset.train(sample[np.random.default_rng(1).permutation(len(sample))[:SUBSET_TRAIN]])
+        index.timings = {"train_ivf_s": t1 - t0, "train_store_s": t2 - t1, "train_subset_s": time.perf_counter() - t2}
         return index
 
     # -- what it holds -------------------------------------------------------------------------
@@ -342,10 +353,12 @@ class AdapterIndex:
         vectors = normalize(vectors)
         if vectors.shape != (len(ids), self.dim):
             raise ValueError(f"expected {len(ids)} vectors of dimension {self.dim}, got {vectors.shape}")
+        t0 = time.perf_counter()
         with self._lock:
             present = ids[self._rows(ids) >= 0].tolist()
             if present or len(np.unique(ids)) != len(ids):
                 raise ValueError(f"ids already in the index: {present[:5] or 'repeated in the batch'}")
+            self._own()
             start = self._size
             self._grow(start + len(ids))
             self._ids[start : start + len(ids)] = ids
@@ -358,6 +371,24 @@ class AdapterIndex:
                 self._ivf.ntotal = self._store.ntotal
             self._size = start + len(ids)
             self._index_rows()
+        self.timings["add_s"] = self.timings.get("add_s", 0.0) + time.perf_counter() - t0
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the IVF's codes and store and the subset codes are read in place from the index file (`load`): their
+        pages are then the page cache's, resident in the process only where touched (module doc)."""
+        return self._mapping is not None
+
+    def _own(self) -> None:
+        """Before a write: copy the parts mapped from the file into memory of the index's own (a mapped part is
+        read-only, and the file may be replaced)."""
+        if self._mapping is None:
+            return
+        nprobe = self._base.nprobe
+        self._ivf = cast(faiss.IndexRefine, faiss.deserialize_index(np.array(self._mapping["ivf"])))
+        self._subset = cast(faiss.IndexPQ, faiss.deserialize_index(np.array(self._mapping["subset"])))
+        self._base.nprobe = nprobe
+        self._mapping = None
 
     def _grow(self, need: int) -> None:
         """Room for `need` rows, growing by half again (amortized O(1) per vector)."""
@@ -382,6 +413,7 @@ class AdapterIndex:
         old = rows >= 0
         if old.any():
             with self._lock:
+                self._own()
                 if self._ivf is None:
                     self._flat[rows[old]] = vectors[old]
                 else:
@@ -399,6 +431,7 @@ class AdapterIndex:
         if not len(rows):
             return
         with self._lock:
+            self._own()
             if self._ivf is None:
                 keep = np.setdiff1d(np.arange(self._size), rows)
                 self._flat[: len(keep)] = self._flat[keep]
@@ -507,6 +540,7 @@ class AdapterIndex:
         the pair."""
         if self._ivf is None:
             return 1.0
+        t0 = time.perf_counter()
         q = normalize(queries)
         exact = TiedTop(*self.exact_top(q, TIE_DEPTH), k, self.tie)
         base = self._base
@@ -536,6 +570,7 @@ class AdapterIndex:
             recall = recall_of(nprobe, rerank)
         base.nprobe, self.rerank = nprobe, rerank
         self._tune_filtered(q, k)
+        self.timings["tune_s"] = time.perf_counter() - t0
         return recall
 
     def _tune_filtered(self, q: np.ndarray, k: int) -> None:
@@ -611,9 +646,17 @@ class AdapterIndex:
             write_derived(path, tensors, full)
 
     @classmethod
-    def load(cls, path: Path) -> tuple[AdapterIndex, dict]:
-        """The index and its metadata; ValueError when the file is missing, unreadable or disagrees with itself."""
-        tensors, meta = read_derived(path, "index", legacy=_legacy_index_meta)
+    def load(cls, path: Path, mapped: bool = True) -> tuple[AdapterIndex, dict]:
+        """The index and its metadata; ValueError when the file is missing, unreadable or disagrees with itself.
+        `mapped`: an IVF index's codes, store and subset codes are read in place from the file (MAPPED_PARTS), not
+        copied into the process's memory, until it is first written to (`_own`)."""
+        if mapped:
+            try:
+                tensors, meta = read_derived_mapped(path, "index", MAPPED_PARTS)
+            except ValueError:  # a file in an older layout (or damaged: read_derived says how)
+                mapped = False
+        if not mapped:
+            tensors, meta = read_derived(path, "index", legacy=_legacy_index_meta)
         try:
             dim, count = int(meta["dim"]), int(meta["count"])
             ids = tensors["ids"]
@@ -626,12 +669,16 @@ class AdapterIndex:
         )
         if not consistent:
             raise ValueError(f"index file {path} disagrees with itself (count or shape)")
+        mapped = mapped and ivf_bytes is not None
+        read = _read_in_place if mapped else faiss.deserialize_index
         # deserialize_index returns the index as its own class, typed in faiss's stubs as any Index
-        ivf = cast(faiss.IndexRefine, faiss.deserialize_index(ivf_bytes)) if ivf_bytes is not None else None
+        ivf = cast(faiss.IndexRefine, read(ivf_bytes)) if ivf_bytes is not None else None
         index = cls(dim, ivf)
         if ivf is not None:
-            assert subset_bytes is not None  # consistent
-            index._subset = cast(faiss.IndexPQ, faiss.deserialize_index(subset_bytes))
+            assert subset_bytes is not None and ivf_bytes is not None  # consistent
+            index._subset = cast(faiss.IndexPQ, read(subset_bytes))
+            if mapped:
+                index._mapping = {"ivf": ivf_bytes, "subset": subset_bytes}
             if int(ivf.ntotal) != count or int(ivf.d) != dim or int(index._subset.ntotal) != count:
                 raise ValueError(f"index file {path} disagrees with itself (the IVF holds {ivf.ntotal} of {count})")
             index._base.nprobe = int(meta["nprobe"])
@@ -646,6 +693,13 @@ class AdapterIndex:
         index._size = count
         index._index_rows()
         return index, meta
+
+
+def _read_in_place(buffer: np.ndarray) -> faiss.Index:
+    """A serialized FAISS index whose codes (flat codes, inverted lists) are read in place from `buffer`, which must
+    outlive it (IO_FLAG_MMAP_IFC on a zero-copy reader: FAISS's own mapping, by buffer rather than file name)."""
+    reader = faiss.ZeroCopyIOReader(faiss.swig_ptr(buffer), buffer.nbytes)  # type: ignore[attr-defined]  # not in faiss's stubs
+    return faiss.read_index(reader, faiss.IO_FLAG_MMAP_IFC)
 
 
 def _legacy_index_meta(tensors: dict[str, np.ndarray], raw: dict[str, str]) -> dict | None:

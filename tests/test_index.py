@@ -240,6 +240,56 @@ def test_subset_codes_follow_upserts_and_round_trip(tmp_path: Path) -> None:
     assert np.array_equal(loaded.search(-vecs[:1], 5, allowed=allowed)[1], index.search(-vecs[:1], 5, allowed=allowed)[1])
 
 
+def test_a_mapped_index_answers_as_a_read_one_keeps_its_codes_in_the_file_and_copies_them_to_write(tmp_path: Path) -> None:
+    ids, vecs = clustered(6000, 32, seed=11)
+    path = tmp_path / "ivf.index"
+    AdapterIndex.build(ids, vecs, ivf=True).save(path, {"embedder_id": 1, "version": 1})
+    written = path.read_bytes()
+    mapped, meta = AdapterIndex.load(path)
+    read, _ = AdapterIndex.load(path, mapped=False)
+    assert mapped.mapped and not read.mapped and meta["count"] == 6000
+    for name, codes, copied in (
+        ("ivf", mapped._store_codes(), read._store_codes()),
+        ("subset", mapped._subset_codes(), read._subset_codes()),
+    ):
+        part = mapped._mapping[name]  # type: ignore[index]
+        begin, end = part.ctypes.data, part.ctypes.data + part.nbytes
+        assert begin <= codes.ctypes.data and codes.ctypes.data + codes.nbytes <= end  # the file's bytes, not a copy
+        assert not begin <= copied.ctypes.data < end
+    queries = vecs[:40] + 0.05
+    allowed = ids[:3000]
+    for got, want in (
+        (mapped.search(queries, 10), read.search(queries, 10)),
+        (mapped.search(queries, 5, allowed), read.search(queries, 5, allowed)),
+    ):
+        assert np.array_equal(got[1], want[1]) and np.array_equal(got[0], want[0])
+    assert np.array_equal(mapped.vectors(ids[:5]), read.vectors(ids[:5]))
+    # a write copies the parts first: the same answers as the read one after the same writes, and the file is untouched
+    for index in (mapped, read):
+        index.upsert(ids[:2], -vecs[:2])
+        index.remove(ids[2:4])
+        index.add(np.array([10**9 + 1]), vecs[4:5])
+    assert not mapped.mapped and path.read_bytes() == written
+    assert np.array_equal(mapped.search(-vecs[:2], 10)[1], read.search(-vecs[:2], 10)[1])
+    assert mapped.search(-vecs[:1], 1)[1][0, 0] == ids[0] and not mapped.contains(int(ids[2]))
+    # a file replaced under a mapped index leaves it answering from the old one
+    again, _ = AdapterIndex.load(path)
+    before = again.search(queries, 10)
+    mapped.save(path, {"embedder_id": 1, "version": 2})
+    assert np.array_equal(again.search(queries, 10)[1], before[1])
+
+
+def test_a_damaged_mapped_file_is_refused_by_its_checksum(tmp_path: Path) -> None:
+    ids, vecs = clustered(3000, 16, seed=12)
+    path = tmp_path / "ivf.index"
+    AdapterIndex.build(ids, vecs, ivf=True).save(path, {"embedder_id": 1, "version": 1})
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF  # a byte of the subset codes, the last part
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="disagrees with itself"):
+        AdapterIndex.load(path)
+
+
 @given(
     ids=st.lists(st.integers(0, 5000), unique=True, max_size=300),
     spread=st.sampled_from([1, 1000]),

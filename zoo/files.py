@@ -10,7 +10,7 @@ import mmap
 import os
 import struct
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -139,6 +139,63 @@ def read_derived(path: Path, what: str, legacy: LegacyReader | None = None) -> t
     if old is None:
         raise ValueError(f"{what} file {path} disagrees with itself (checksum)")
     return tensors, old
+
+
+#: numpy's dtype of each safetensors dtype name a derived file may hold
+_NUMPY_DTYPES = {
+    "U8": np.uint8,
+    "I8": np.int8,
+    "I32": np.int32,
+    "I64": np.int64,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "BOOL": np.bool_,
+}
+
+
+def read_derived_mapped(path: Path, what: str, mapped: Collection[str]) -> tuple[dict[str, np.ndarray], dict]:
+    """`read_derived` with the tensors named in `mapped` as read-only arrays mapped onto the file (np.memmap), not read
+    into memory: their pages are the page cache's, resident in the process only once touched (counted in its RssFile,
+    not RssAnon) and dropped by the kernel under memory pressure, to be read from disk again when next touched. The
+    checksum is read from the file a piece at a time, not through the map, so verifying it maps nothing in. ValueError
+    naming `what` when the file is missing, unreadable, disagrees with its checksum or is in an older layout (the
+    caller falls back on `read_derived`)."""
+    if not Path(path).exists():
+        raise ValueError(f"no {what} file {path}")
+    try:
+        with Path(path).open("rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+            raw = header.pop("__metadata__", None) or {}
+            meta = json.loads(raw[DERIVED_META_KEY])
+            start = 8 + length
+            parts: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {
+                name: (np.dtype(_NUMPY_DTYPES[entry["dtype"]]), tuple(int(x) for x in entry["shape"]), *_offsets(entry["data_offsets"]))
+                for name, entry in header.items()
+            }
+            tensors: dict[str, np.ndarray] = {}
+            for name, (dtype, shape, begin, end) in parts.items():
+                if name in mapped and end > begin:
+                    tensors[name] = np.memmap(path, dtype, mode="r", offset=start + begin, shape=shape)
+                else:
+                    fh.seek(start + begin)
+                    tensors[name] = np.frombuffer(bytearray(fh.read(end - begin)), dtype).reshape(shape)
+            given = meta.pop("checksum", None) if isinstance(meta, dict) else None
+            digest = _checksum(
+                meta,
+                ((n, dtype, shape, _read(fh, start + b, start + e)) for n, (dtype, shape, b, e) in sorted(parts.items())),
+            )
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged header or short file raises, it is unreadable
+        raise ValueError(f"{what} file {path} is missing or unreadable ({type(exc).__name__})") from None
+    if given != digest:
+        raise ValueError(f"{what} file {path} disagrees with itself (checksum)")
+    return tensors, meta
+
+
+def _offsets(pair: list) -> tuple[int, int]:
+    begin, end = pair
+    return int(begin), int(end)
 
 
 def derived_checksum(tensors: Mapping[str, np.ndarray], meta: Mapping[str, object]) -> str:
