@@ -438,24 +438,60 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
         lap("sql_s")
     db_s = time.perf_counter() - t0
     figures: dict[str, list] = {"nprobe": [], "rerank": [], "store": []}
+    database_cpu_s = time.process_time()
+    indexes: dict[str, dict[str, float]] = {}
     with session_factory(url)() as session:
         for embedder_id, method in zip(embedder_ids, methods, strict=True):
             # one index at a time, as `zoo index` builds them: read from the database, saved, freed before the next
+            cpu, begun = time.process_time(), time.perf_counter()
             index = build_index(session, session.get_one(Embedder, embedder_id))
+            built_s = time.perf_counter() - begun
             index.save(index_path(work, embedder_id), {"embedder_id": embedder_id, "version": 1})
             for key, value in (("nprobe", index.nprobe), ("rerank", index.rerank), ("store", index.store)):
                 figures[key].append(value)
+            indexes[method] = index_steps(index.timings, built_s, time.perf_counter() - begun - built_s, time.process_time() - cpu)
             del index
             lap(f"index_{method}_s")
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "build_s": time.perf_counter() - t0,
         "build_cpu_s": usage.ru_utime + usage.ru_stime,  # the child's own: on a busy machine, wall time is not its cost
+        "database_cpu_s": database_cpu_s,
         "peak_rss_gb": usage.ru_maxrss / 2**20,  # the child's own (KiB)
         "database_s": db_s,
+        "database_gb": (work / "zoo.db").stat().st_size / 1e9,
         "steps_s": {k: round(v, 1) for k, v in steps.items()},
+        "index_steps_s": indexes,
+        "machine": machine(),
         **figures,
     }  # type: ignore[dict-item]
+
+
+def index_steps(timings: dict[str, float], built_s: float, save_s: float, cpu_s: float) -> dict[str, float]:
+    """One index's build in steps (seconds): FAISS's training (the IVF's quantizer and codes, the store's range, the
+    subset codes), adding, tuning, the rest of building it (reading its vectors from the database: the part that
+    waits on the disk where the database is not in the page cache) and saving its file; and the process's CPU seconds
+    over all of them (at most wall × cores: a busy machine's wall time is longer, not its CPU time)."""
+    faiss_s = sum(timings.values())
+    return {
+        **{k: round(v, 1) for k, v in timings.items()},
+        "read_s": round(max(0.0, built_s - faiss_s), 1),
+        "save_s": round(save_s, 1),
+        "cpu_s": round(cpu_s, 1),
+    }
+
+
+def machine() -> dict[str, float]:
+    """What the build's and the serve's times and memory depend on beyond the bench: cores, load average, memory, the
+    page cache (GB of /proc/meminfo: files read or written lately, dropped under memory pressure)."""
+    info = {line.split(":")[0]: int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()}
+    return {
+        "cores": os.cpu_count() or 0,
+        "load_1min": round(os.getloadavg()[0], 2),
+        "memory_gb": round(info.get("MemTotal", 0) / 2**20, 1),
+        "available_gb": round(info.get("MemAvailable", 0) / 2**20, 1),
+        "page_cache_gb": round(info.get("Cached", 0) / 2**20, 1),
+    }
 
 
 def _build_in_child(src: Source, n: int, work: Path, seed: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
@@ -484,10 +520,21 @@ def build_or_reuse(src: Source, n: int, work: Path, seed: int, reuse: bool) -> d
 
 
 def rss_gb() -> float:
+    return memory_gb()["rss"]
+
+
+def memory_gb() -> dict[str, float]:
+    """The process's resident memory (VmRSS, GiB) and its parts (/proc/self/status): anonymous (RssAnon: its own heap,
+    what it alone holds) and file-backed (RssFile: pages of files it maps, e.g. mapped index files, which are the page
+    cache's: shared, dropped by the kernel under memory pressure and read from disk again when touched), and its peak
+    (VmHWM)."""
+    keys = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem", "VmHWM": "peak"}
+    out = dict.fromkeys(keys.values(), float("nan"))
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
+        key = line.split(":")[0]
+        if key in keys:
+            out[keys[key]] = int(line.split()[1]) / 2**20
+    return out
 
 
 def percentiles(times: list[float]) -> tuple[float, float]:
@@ -649,10 +696,13 @@ def main() -> None:
         f"recall@10 vs exhaustive {result['recall_at_10']:.3f} (1 % filter: {result['recall_at_10_filtered_1pct']:.3f}; "
         f"exact score of the 10th minus the {GAP_RANK}th neighbour, median {result['score_gap_10th_to_50th']:.2g}); "
         f"exhaustive {result['exhaustive_ms_per_query']:.0f} ms/query "
-        f"({result['speedup_vs_exhaustive']:.0f}x the served p50); resident memory {result['rss_gb']:.2f} GB\n"
+        f"({result['speedup_vs_exhaustive']:.0f}x the served p50); resident memory {result['rss_gb']:.2f} GB "
+        f"(anonymous {result['rss_anon_gb']:.2f}, mapped files {result['rss_file_gb']:.2f})\n"
         f"same-task hit@1 of the exact nearest: real zoo {result['task_hit_at_1_real']:.3f}, "
         f"synthetic {result['task_hit_at_1_synthetic']:.3f}; indexes (GB) {result['index_gb']}"
     )
+    for method, parts in (result["index_steps_s"] or {}).items():
+        print(f"index {method}: " + ", ".join(f"{k} {v}" for k, v in parts.items()))
     for name, g in (result["input_gram"] or {}).items():
         if isinstance(g, dict):
             print(
@@ -664,7 +714,7 @@ def main() -> None:
 
 
 def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dict[str, object]:
-    from embed.engine import Query, QueryEngine, index_bytes
+    from embed.engine import Query, QueryEngine, index_bytes, index_path
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
@@ -711,6 +761,7 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
     f50, f99 = percentiles([t for t, _ in filtered])
     gram = serve_input_gram(src, args, engine, sessions, space, queries, shards) if src.gram is not None else None
     state = engine.space(sessions(), space)
+    memory = memory_gb()
     return {
         "adapters": args.adapters,
         "real_adapters": len(src.tasks),
@@ -725,11 +776,23 @@ def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dic
         "score_gap_10th_to_50th": round(gap, 6),
         "exhaustive_ms_per_query": round(exhaustive_s * 1e3, 1),
         "speedup_vs_exhaustive": round(exhaustive_s * 1e3 / p50, 1),
-        "rss_gb": round(rss_gb(), 3),
+        "rss_gb": round(memory["rss"], 3),
+        # the parts of rss_gb: the process's own memory, and the pages of the mapped index files it has touched (the
+        # page cache's, so machine-dependent: on a machine short of memory they are dropped, and read again from disk)
+        "rss_anon_gb": round(memory["anon"], 3),
+        "rss_file_gb": round(memory["file"], 3),
+        "rss_peak_gb": round(memory["peak"], 3),
+        "index_file_gb": {m: round(index_path(work, e.id).stat().st_size / 1e9, 3) for m, e in state.embedders.items()},
+        "index_mapped": {m: e.index.mapped for m, e in state.embedders.items()},
+        "machine_at_serve": machine(),
         "build_s": round(built["build_s"], 1),
         "build_cpu_s": round(built["build_cpu_s"], 1) if "build_cpu_s" in built else None,
         "database_s": round(built["database_s"], 1),
+        "database_cpu_s": round(built["database_cpu_s"], 1) if "database_cpu_s" in built else None,
+        "database_gb": round(built["database_gb"], 2) if "database_gb" in built else None,
         "build_steps_s": built.get("steps_s"),
+        "index_steps_s": built.get("index_steps_s"),
+        "machine_at_build": built.get("machine"),
         "load_s": round(load_s, 2),
         "nprobe": built["nprobe"],
         "store": built.get("store"),
