@@ -139,6 +139,18 @@ def model_named(path: Path, modules: list[_Named]) -> list[_Named]:
     return [dataclasses.replace(m, name=new) for new, m in sorted(named.items())]
 
 
+#: the suffix of a module's DoRA magnitude in kohya's layout (kohya-ss's DoRA, LyCORIS's `weight_decompose`)
+DORA_SCALE = ".dora_scale"
+
+
+def dora_note(modules: int) -> str:
+    """What a file's DoRA magnitudes mean for its dW (recorded, not applied: see docs/formats.md)."""
+    return (
+        f"{modules} modules carry a DoRA magnitude (dora_scale, recorded, not applied): dW is their update before the "
+        "weight is renormalized, m·(W0 + dW)/‖W0 + dW‖, which needs the base weights"
+    )
+
+
 def pair_config(modules: list[LoraModule]) -> dict[str, object]:
     """The ranks and alphas a single-file adapter's modules have."""
     ranks = sorted({m.rank for m in modules})
@@ -150,13 +162,16 @@ def read_single_file_lora(path: Path, tensors: Mapping[str, torch.Tensor], metad
     """Modules of a kohya-layout LoRA file; a missing or zero alpha means alpha = rank."""
     modules, extra = read_pairs(path, tensors, KOHYA_PAIRS, kohya_scaling(path))
     modules = model_named(path, modules)
+    dora = sum(k.endswith(DORA_SCALE) for k in extra)
+    # DoRA: what dW leaves out (the magnitude) is not stored, so no LoRA file can hold the update (export refuses it)
     return AdapterData(
         path=path,
         format="kohya",
         weight_files=[path],
         base_model=kohya_base_model(metadata),
         modules=modules,
-        config=pair_config(modules),
+        config={**pair_config(modules), **({"use_dora": True} if dora else {})},
         extra_tensors=extra,
         metadata=metadata,
+        notes=[dora_note(dora)] if dora else [],
     )

@@ -30,7 +30,7 @@ import torch
 
 from zoo.domain.spectra import Spectrum, singular_values, spectrum_from_singular_values
 from zoo.errors import InputError
-from zoo.formats.kohya import PAIRS, kohya_base_model, kohya_scaling, model_named, pair_config, read_pairs
+from zoo.formats.kohya import DORA_SCALE, PAIRS, dora_note, kohya_base_model, kohya_scaling, model_named, pair_config, read_pairs
 from zoo.formats.limits import check_widths, max_rank
 from zoo.formats.model import AdapterData, FullMatrix, LoraModule, check_finite, check_pair
 
@@ -126,7 +126,7 @@ def read_lycoris(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict
         return _spectra(path, updates, metadata, extra, algorithms, notes)
     modules = model_named(path, [*modules, *(_module(path, u) for u in updates)])
     config: dict[str, object] = {**pair_config(modules), "algorithms": algorithms}
-    if any(k.endswith(".dora_scale") for k in extra):
+    if any(k.endswith(DORA_SCALE) for k in extra):
         config["use_dora"] = True  # what dW leaves out (the magnitude) is not stored: no LoRA file can hold the update
     return AdapterData(
         path=path,
@@ -153,13 +153,10 @@ def _notes(updates: list[_Update], modules: list[LoraModule], extra: dict[str, l
     dense = [u for u in updates if not u.low_rank]
     if dense and (modules or len(dense) < len(updates)):
         notes.append(f"{len(dense)} LyCORIS modules have an exact rank over half their smaller side: kept exact at that rank")
-    dora, scalars = (sum(k.endswith(suffix) for k in extra) for suffix in (".dora_scale", ".scalar"))
+    dora, scalars = (sum(k.endswith(suffix) for k in extra) for suffix in (DORA_SCALE, ".scalar"))
     biases = sum(k.endswith((".diff_b", ".w_norm", ".b_norm")) for k in extra)
     if dora:
-        notes.append(
-            f"{dora} modules carry a DoRA magnitude (dora_scale, recorded, not applied): dW is their update before the "
-            "weight is renormalized, m·(W0 + dW)/‖W0 + dW‖, which needs the base weights"
-        )
+        notes.append(dora_note(dora))
     if scalars:
         notes.append(f"{scalars} `scalar` tensors recorded, not applied: LyCORIS folds them into the saved factors, ignores them on load")
     if biases:
