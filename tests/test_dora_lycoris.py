@@ -18,6 +18,8 @@ from tests.conftest import CLI
 from tests.diffusers_models import fused_deltas, tiny_sd_pipeline
 from tests.test_formats_lycoris import applied_delta, lycoris_file, relative_error
 from zoo.formats import read_adapter
+from zoo.store.models import Adapter
+from zoo.store.session import session_factory
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 logging.getLogger("LyCORIS").setLevel(logging.ERROR)
@@ -69,6 +71,12 @@ def test_a_kohya_dora_file_is_stored_marked_and_not_exported(cli: CLI, tmp_path:
     for fmt in ("kohya", "diffusers", "peft"):
         rc, _, err = cli("export", str(row["adapter_id"]), "--format", fmt, "--out", str(tmp_path / f"out-{fmt}"))
         assert rc != 0 and "is a DoRA adapter" in err, (fmt, err)
+    # stored before kohya files were marked DoRA (no use_dora in its config): its recorded dora_scale tensors say it
+    with session_factory(cli.settings.database_url).begin() as session:
+        adapter = session.get_one(Adapter, row["adapter_id"])
+        adapter.config = {k: v for k, v in adapter.config.items() if k != "use_dora"}
+    rc, _, err = cli("export", str(row["adapter_id"]), "--format", "kohya", "--out", str(tmp_path / "out-before"))
+    assert rc != 0 and "is a DoRA adapter" in err, err
 
 
 def test_diffusers_drops_a_kohya_dora_scale_and_applies_the_dw_zoo_stores(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from zoo.domain.kohya_names import is_kohya_name, kohya_names
 from zoo.errors import InputError, NotFoundError, StorageError, UsageError
 from zoo.formats import LORA_FORMATS
 from zoo.formats.cloneofsimo import FORMAT as CLONEOFSIMO
+from zoo.formats.kohya import DORA_SCALE
 from zoo.formats.kohya import PAIRS as SINGLE_FILE_PAIRS
 from zoo.formats.peft import CONFIG_NAME, WEIGHT_NAMES
 from zoo.formats.peft import KEY_PREFIX as PEFT_PREFIX
@@ -131,7 +132,7 @@ def check_exportable(meta: ExportMeta, fmt: str) -> None:
     what = f"adapter {meta.adapter_id} ({meta.name})"
     if meta.format not in LORA_FORMATS:
         raise UsageError(f"{what} is a {meta.format}, not a LoRA adapter: only LoRA adapters ({', '.join(LORA_FORMATS)}) can be exported")
-    if meta.config.get("use_dora"):
+    if meta.config.get("use_dora") or any(k.endswith(DORA_SCALE) for k in meta.extra_tensors):  # kohya files stored before use_dora
         raise UsageError(f"{what} is a DoRA adapter: its magnitude vectors are not stored, so it cannot be written back")
     if meta.format == CLONEOFSIMO:
         raise UsageError(
