@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from zoo.domain.lowrank import LowRank, inner, sample_entries, sq_norm
+from zoo.domain.lowrank import LowRank, blocks, inner, sample_entries, sq_norm
 from zoo.domain.transforms import Update, fit_scale, residual_class, same_structure
 
 #: least module cosine of a continuation where no module's row space can tell
@@ -123,7 +123,7 @@ def shared_rows(q: Mapping[str, LowRank], p: Mapping[str, LowRank]) -> float | N
         inputs, low, high = q[n].shape[1], min(q[n].rank, p[n].rank), max(q[n].rank, p[n].rank)
         chance = high / inputs
         if chance <= MAX_CHANCE and low > 0:
-            overlap = float(np.linalg.norm(q[n].V.T @ p[n].V) ** 2) / low
+            overlap = float(np.linalg.norm(blocks(q[n], p[n])[1]) ** 2) / low  # V_qᵀV_p, kept for the pair
             values.append((overlap - chance) / (1.0 - chance))
     return float(np.mean(values)) if values else None
 

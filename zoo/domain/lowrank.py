@@ -10,16 +10,21 @@ those of the matrices the factors represent (not Σ S², which assumes exactly o
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+import torch
 
 from zoo.domain.canonical import CanonicalFactors
 
 #: eigenvalues of a Gram matrix below this fraction of the largest are treated as zero (rank-deficient stacks)
 GRAM_RTOL = 1e-10
+#: what assembling a stack from a pair's kept blocks costs, in the multiply-adds of making the stack's Grams anew: a
+#: stack whose Grams take fewer than this times its members² is made anew (small modules, few of them: 0.6 against 15
+#: ms a stack on the lineage recipe), a larger one from the kept blocks
+PAIR_OVERHEAD = 2e5
 
 
 @dataclass(frozen=True)
@@ -29,12 +34,22 @@ class LowRank:
     U: np.ndarray  # (out, r)
     S: np.ndarray  # (r,)
     V: np.ndarray  # (in, r)
-    #: inner products with other updates, by id, each with a weak reference that says it is still that update
-    _inners: dict[int, tuple[weakref.ref[LowRank], float]] = field(default_factory=dict, init=False, compare=False, repr=False)
+    #: (U_xᵀU_y, V_xᵀV_y, ⟨dW_x, dW_y⟩ or None) with other updates, by id, each with a weak reference that says it is
+    #: still that update (`blocks`)
+    _inners: dict[int, tuple[weakref.ref[LowRank], np.ndarray, np.ndarray, float | None]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    #: (ids of this update's module list, U_xᵀU_y, V_xᵀV_y) of its module list with other ones (modules × r × r), by the
+    #: ids of the other list, whose first is weakly referenced (`group_blocks`)
+    _groups: dict[tuple[int, ...], tuple[weakref.ref[LowRank], tuple[int, ...], np.ndarray, np.ndarray]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     @classmethod
     def of(cls, f: CanonicalFactors) -> LowRank:
-        return cls(f.U.double().numpy(), f.S.double().numpy(), f.V.double().numpy())
+        """In float64, converted by numpy (exact, as torch's `.double()`, which took 10-20× as long on a stored blob's
+        memory-mapped float32 factors: 1.1 s against 0.05 s an SDXL adapter)."""
+        return cls(float64(f.U), float64(f.S), float64(f.V))
 
     @property
     def rank(self) -> int:
@@ -51,7 +66,13 @@ class LowRank:
     @cached_property
     def sq_norm(self) -> float:
         """‖dW‖²_F of the matrix the factors represent (made once: an update is compared with many)."""
-        return _inner(self, self)
+        UU, VV = self.self_blocks
+        return float(((self.S[:, None] * UU * self.S[None, :]) * VV).sum())
+
+    @cached_property
+    def self_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(UᵀU, VᵀV), made once."""
+        return self.U.T @ self.U, self.V.T @ self.V
 
 
 def inner(x: LowRank, y: LowRank) -> float:
@@ -60,15 +81,52 @@ def inner(x: LowRank, y: LowRank) -> float:
     if x is y:
         return x.sq_norm
     known = x._inners.get(id(y))
-    if known is not None and known[0]() is y:
-        return known[1]
-    value = _inner(x, y)
-    x._inners[id(y)], y._inners[id(x)] = (weakref.ref(y), value), (weakref.ref(x), value)
+    if known is not None and known[0]() is y and known[3] is not None:
+        return known[3]
+    UU, VV = blocks(x, y)
+    value = float(((x.S[:, None] * UU * y.S[None, :]) * VV).sum())
+    _keep(x, y, UU, VV, value)
     return value
 
 
-def _inner(x: LowRank, y: LowRank) -> float:
-    return float(((x.S[:, None] * (x.U.T @ y.U) * y.S[None, :]) * (x.V.T @ y.V)).sum())
+def blocks(x: LowRank, y: LowRank) -> tuple[np.ndarray, np.ndarray]:
+    """(U_xᵀU_y, V_xᵀV_y), made once per pair and kept while both updates live: every quantity between two updates is
+    read off them (their inner product, the merge test's stacked Grams, the continuation test's shared rows), and the
+    relation step compares each with its neighbours' neighbours too, which are mostly its own."""
+    if x is y:
+        return x.self_blocks
+    known = x._inners.get(id(y))
+    if known is not None and known[0]() is y:
+        return known[1], known[2]
+    UU, VV = x.U.T @ y.U, x.V.T @ y.V
+    _keep(x, y, UU, VV, None)
+    return UU, VV
+
+
+def _keep(x: LowRank, y: LowRank, UU: np.ndarray, VV: np.ndarray, value: float | None) -> None:
+    """Keep a pair's blocks (and inner product, once known) on both updates, each entry with a weak reference that says
+    it is still of that update (an id is reused once its update is gone) and drops the entry when that update goes."""
+    x._inners[id(y)] = (weakref.ref(y, _dropper(x, id(y))), UU, VV, value)
+    y._inners[id(x)] = (weakref.ref(x, _dropper(y, id(x))), UU.T, VV.T, value)
+
+
+def _dropper(holder: LowRank, key: int) -> Callable[[weakref.ref[LowRank]], None]:
+    """A callback that removes `holder`'s entry `key` once the update it names is gone (holding `holder` weakly)."""
+    held = weakref.ref(holder)
+
+    def drop(ref: weakref.ref[LowRank]) -> None:
+        h = held()
+        if h is not None and (entry := h._inners.get(key)) is not None and entry[0] is ref:
+            del h._inners[key]
+
+    return drop
+
+
+def float64(t: torch.Tensor) -> np.ndarray:
+    """A float tensor as a float64 array (exact for float32, float16 and bfloat16 alike)."""
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy().astype(np.float64)
 
 
 def sq_norm(x: LowRank) -> float:
@@ -90,17 +148,26 @@ class Stack:
     """
 
     def __init__(self, members: Sequence[LowRank]) -> None:
-        self.S = [m.S for m in members]
-        self.offsets = np.concatenate([[0], np.cumsum([m.rank for m in members])]).astype(int)
-        U = np.concatenate([m.U for m in members], axis=1)
-        V = np.concatenate([m.V for m in members], axis=1)
-        self.UU = U.T @ U
-        self.VV = V.T @ V
-        self.shape = members[0].shape
+        offsets = np.concatenate([[0], np.cumsum([m.rank for m in members])]).astype(int)
+        UU, VV = _stacked_grams(members, offsets)
+        S, owner = [m.S for m in members], _owner([m.rank for m in members])
         # ⟨dW_i, dW_j⟩ for all members at once: the (i, j) block sums of (S UᵀU S) ∘ VᵀV
-        S = np.concatenate(self.S)
-        owner = _owner([len(s) for s in self.S])
-        self._gram = owner.T @ ((S[:, None] * self.UU * S[None, :]) * self.VV) @ owner
+        gram = owner.T @ ((np.concatenate(S)[:, None] * UU * np.concatenate(S)[None, :]) * VV) @ owner
+        self._set(S, offsets, UU, VV, gram, members[0].shape)
+
+    def _set(
+        self, S: list[np.ndarray], offsets: np.ndarray, UU: np.ndarray, VV: np.ndarray, gram: np.ndarray, shape: tuple[int, int]
+    ) -> None:
+        self.S, self.offsets, self.UU, self.VV, self._gram, self.shape = S, offsets, UU, VV, gram, shape
+
+    @classmethod
+    def of(
+        cls, S: list[np.ndarray], offsets: np.ndarray, UU: np.ndarray, VV: np.ndarray, gram: np.ndarray, shape: tuple[int, int]
+    ) -> Stack:
+        """A stack from its parts, made already (one module of `Stacks`)."""
+        stack = cls.__new__(cls)
+        stack._set(S, offsets, UU, VV, gram, shape)
+        return stack
 
     def cols(self, idx: Sequence[int]) -> np.ndarray:
         return np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in idx]).astype(int)
@@ -139,6 +206,203 @@ class Stack:
         left = X.T @ inv_u @ self.UU[np.ix_(a, q)]  # X_kᵀ Q_Uᵀ U_q
         right = Y.T @ inv_v @ self.VV[np.ix_(a, q)]
         return float((sigma**2).sum()), float((sigma[:, None] * left * self.S[query][None, :] * right).sum())
+
+
+def _stacked_grams(members: Sequence[LowRank], offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The Grams of the stacked U and V from the pairs' blocks (`blocks`): those not made yet are made a member at a
+    time, against all the later members in one product."""
+    for i, x in enumerate(members):
+        later = [y for y in members[i + 1 :] if y is not x and not _known(x, y)]
+        if later:
+            UU = x.U.T @ np.concatenate([y.U for y in later], axis=1)
+            VV = x.V.T @ np.concatenate([y.V for y in later], axis=1)
+            at = np.cumsum([0, *(y.rank for y in later)])
+            for k, y in enumerate(later):
+                _keep(x, y, UU[:, at[k] : at[k + 1]], VV[:, at[k] : at[k + 1]], None)
+    R = int(offsets[-1])
+    UU, VV = np.empty((R, R)), np.empty((R, R))
+    for i, x in enumerate(members):
+        for j, y in enumerate(members[i:], start=i):
+            bu, bv = blocks(x, y)
+            rows, cols = slice(offsets[i], offsets[i + 1]), slice(offsets[j], offsets[j + 1])
+            UU[rows, cols], VV[rows, cols] = bu, bv
+            UU[cols, rows], VV[cols, rows] = bu.T, bv.T
+    return UU, VV
+
+
+class Stacks:
+    """Several updates stacked module by module (members[0] first, as the query), batched: the modules where every
+    member has one rank form a group, whose Grams are (modules × R × R) arrays made of the pairs' blocks across those
+    modules (`group_blocks`), so that the work per stack is per pair of members, not per module (an SDXL adapter has
+    418). `modules()` gives each module's `Stack`, in the order of `names`' groups."""
+
+    def __init__(self, members: Sequence[Mapping[str, LowRank]], names: Sequence[str]) -> None:
+        by_ranks: dict[tuple[int, ...], list[str]] = {}
+        for n in names:
+            by_ranks.setdefault(tuple(m[n].rank for m in members), []).append(n)
+        self.groups = [_Group([[m[n] for n in group] for m in members], ranks) for ranks, group in by_ranks.items()]
+        self.names = [n for group in by_ranks.values() for n in group]
+
+    def inner(self, i: int, j: int) -> float:
+        """⟨dW_i, dW_j⟩ summed over the modules."""
+        return float(sum(g.gram[:, i, j].sum() for g in self.groups))
+
+    def gram(self, idx: Sequence[int]) -> np.ndarray:
+        """⟨dW_i, dW_j⟩ summed over the modules, for i, j in idx."""
+        return np.sum([g.gram[:, idx][:, :, idx].sum(axis=0) for g in self.groups], axis=0)
+
+    def modules(self) -> list[Stack]:
+        """Each module's stack (views of the groups' arrays)."""
+        return [g.module(k) for g in self.groups for k in range(len(g.shapes))]
+
+
+class _Group:
+    """Modules where each member has one rank: Grams (modules × R × R), S per member (modules × rank)."""
+
+    def __init__(self, mods: list[list[LowRank]], ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+        self.offsets = np.concatenate([[0], np.cumsum(ranks)]).astype(int)
+        self.shapes = [x.shape for x in mods[0]]
+        n, R = len(mods[0]), int(self.offsets[-1])
+        self.S = [np.stack([x.S for x in m]) if m else np.zeros((0, r)) for m, r in zip(mods, ranks, strict=True)]
+        if sum(R * R * (o + i) for o, i in self.shapes) < PAIR_OVERHEAD * len(mods) ** 2:  # small modules: at once
+            self.UU = np.stack([_gram(np.concatenate([m[k].U for m in mods], axis=1)) for k in range(n)])
+            self.VV = np.stack([_gram(np.concatenate([m[k].V for m in mods], axis=1)) for k in range(n)])
+        else:
+            self.UU, self.VV = self._from_pairs(mods)
+        S = np.concatenate(self.S, axis=1) if self.S else np.zeros((n, 0))
+        products = (S[:, :, None] * self.UU * S[:, None, :]) * self.VV
+        if len(set(ranks)) == 1 and ranks[0] > 0:  # the block sums by a reshape (a product with `owner` took 0.14 s an SDXL query)
+            M, r = len(ranks), ranks[0]
+            self.gram = products.reshape(n, M, r, M, r).sum(axis=(2, 4))
+        else:
+            owner = _owner(list(ranks))
+            self.gram = owner.T @ products @ owner
+
+    def _from_pairs(self, mods: list[list[LowRank]]) -> tuple[np.ndarray, np.ndarray]:
+        n, R = len(mods[0]), int(self.offsets[-1])
+        UU, VV = np.empty((n, R, R)), np.empty((n, R, R))
+        _fill_groups(mods)
+        for i, xs in enumerate(mods):
+            for j in range(i, len(mods)):
+                bu, bv = group_blocks(xs, mods[j])
+                rows, cols = slice(self.offsets[i], self.offsets[i + 1]), slice(self.offsets[j], self.offsets[j + 1])
+                UU[:, rows, cols], VV[:, rows, cols] = bu, bv
+                UU[:, cols, rows], VV[:, cols, rows] = bu.transpose(0, 2, 1), bv.transpose(0, 2, 1)
+        return UU, VV
+
+    def cols(self, idx: Iterable[int]) -> np.ndarray:
+        return np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in idx]).astype(int)
+
+    def projections(self, query: int, idx: Sequence[int]) -> np.ndarray:
+        """`Stack.projections` of each module: (modules × r_q × r_q × len(idx))."""
+        q, cols = self.cols([query]), self.cols(idx)
+        S = np.concatenate([self.S[i] for i in idx], axis=1)
+        owner = _owner([self.ranks[i] for i in idx])
+        if len(set(self.ranks[i] for i in idx)) == 1:  # by member without `owner` (an einsum of three took 0.2 s an SDXL query)
+            r, m = self.ranks[idx[0]], len(idx)
+            left = (self.UU[:, q][:, :, cols] * S[:, None, :]).reshape(len(S), len(q), m, r)
+            return np.einsum("namc,nmcb->nabm", left, self.VV[:, cols][:, :, q].reshape(len(S), m, r, len(q)))
+        return np.einsum("nac,ncb,ci->nabi", self.UU[:, q][:, :, cols] * S[:, None, :], self.VV[:, cols][:, :, q], owner)
+
+    def truncated_sums(self, query: int, idx: Sequence[int], weights: np.ndarray) -> np.ndarray:
+        """(Σ ‖M_k‖², Σ ⟨M_k, dW_query⟩) over the modules, `Stack.truncated_sum` with k the query's rank, in one eigh
+        and one SVD call for all the group's modules (not three a module)."""
+        k = self.ranks[query]
+        if k == 0 or not self.shapes:
+            return np.zeros(2)
+        a, q = self.cols(idx), self.cols([query])
+        d = np.concatenate([w * self.S[i] for w, i in zip(weights, idx, strict=True)], axis=1)
+        root_u, inv_u = _gram_roots_batched(self.UU[:, a][:, :, a])  # 𝒰 = Q_U·root_u with Q_U orthonormal
+        root_v, inv_v = _gram_roots_batched(self.VV[:, a][:, :, a])
+        X, sigma, Yt = np.linalg.svd((root_u * d[:, None, :]) @ root_v.transpose(0, 2, 1))  # M = Q_U (X Σ Yᵀ) Q_Vᵀ
+        X, sigma, Y = X[:, :, :k], sigma[:, :k], Yt[:, :k].transpose(0, 2, 1)
+        left = X.transpose(0, 2, 1) @ inv_u @ self.UU[:, a][:, :, q]  # X_kᵀ Q_Uᵀ U_q
+        right = Y.transpose(0, 2, 1) @ inv_v @ self.VV[:, a][:, :, q]
+        return np.array([float((sigma**2).sum()), float((sigma[:, :, None] * left * self.S[query][:, None, :] * right).sum())])
+
+    def module(self, k: int) -> Stack:
+        S = [s[k] for s in self.S]
+        return Stack.of(S, self.offsets, self.UU[k], self.VV[k], self.gram[k], self.shapes[k])
+
+
+def _gram(F: np.ndarray) -> np.ndarray:
+    return F.T @ F
+
+
+def group_blocks(xs: Sequence[LowRank], ys: Sequence[LowRank]) -> tuple[np.ndarray, np.ndarray]:
+    """(U_xᵀU_y, V_xᵀV_y) of each pair of modules of two updates, stacked (modules × r_x × r_y: the modules of one
+    rank each), made once per pair of module lists and kept on their first modules while those live."""
+    if not xs:
+        return np.zeros((0, 0, 0)), np.zeros((0, 0, 0))
+    if all(x is y for x, y in zip(xs, ys, strict=True)):
+        return np.stack([x.self_blocks[0] for x in xs]), np.stack([x.self_blocks[1] for x in xs])
+    ids = tuple(map(id, ys))
+    known = xs[0]._groups.get(ids)
+    if known is not None and known[0]() is ys[0] and known[1] == tuple(map(id, xs)):
+        return known[2], known[3]
+    UU = np.stack([blocks(x, y)[0] for x, y in zip(xs, ys, strict=True)])
+    VV = np.stack([blocks(x, y)[1] for x, y in zip(xs, ys, strict=True)])
+    _keep_group(xs, ys, UU, VV)
+    return UU, VV
+
+
+def _keep_group(xs: Sequence[LowRank], ys: Sequence[LowRank], UU: np.ndarray, VV: np.ndarray) -> None:
+    x_ids, y_ids = tuple(map(id, xs)), tuple(map(id, ys))
+    xs[0]._groups[y_ids] = (weakref.ref(ys[0], _group_dropper(xs[0], y_ids)), x_ids, UU, VV)
+    ys[0]._groups[x_ids] = (weakref.ref(xs[0], _group_dropper(ys[0], x_ids)), y_ids, UU.transpose(0, 2, 1), VV.transpose(0, 2, 1))
+
+
+def _group_dropper(holder: LowRank, key: tuple[int, ...]) -> Callable[[weakref.ref[LowRank]], None]:
+    held = weakref.ref(holder)
+
+    def drop(ref: weakref.ref[LowRank]) -> None:
+        h = held()
+        if h is not None and (entry := h._groups.get(key)) is not None and entry[0] is ref:
+            del h._groups[key]
+
+    return drop
+
+
+def _fill_groups(mods: list[list[LowRank]]) -> None:
+    """Make the group blocks of the pairs of members not made yet (nor each module's blocks: then from those), a member
+    at a time against all its later members, one product a module (the pairs' module blocks are not kept: the group's
+    are)."""
+    for i, xs in enumerate(mods):
+        later = [ys for ys in mods[i + 1 :] if xs and not _group_known(xs, ys) and not _all_known(xs, ys)]
+        if not later:
+            continue
+        at = np.cumsum([0, *(ys[0].rank for ys in later)])
+        UUs = [x.U.T @ np.concatenate([ys[k].U for ys in later], axis=1) for k, x in enumerate(xs)]
+        VVs = [x.V.T @ np.concatenate([ys[k].V for ys in later], axis=1) for k, x in enumerate(xs)]
+        UU, VV = np.stack(UUs), np.stack(VVs)
+        for k, ys in enumerate(later):
+            _keep_group(xs, ys, UU[:, :, at[k] : at[k + 1]], VV[:, :, at[k] : at[k + 1]])
+
+
+def _group_known(xs: Sequence[LowRank], ys: Sequence[LowRank]) -> bool:
+    known = xs[0]._groups.get(tuple(map(id, ys)))
+    return known is not None and known[0]() is ys[0] and known[1] == tuple(map(id, xs))
+
+
+def _all_known(xs: Sequence[LowRank], ys: Sequence[LowRank]) -> bool:
+    return all(_known(x, y) for x, y in zip(xs, ys, strict=True))
+
+
+def _known(x: LowRank, y: LowRank) -> bool:
+    known = x._inners.get(id(y))
+    return known is not None and known[0]() is y
+
+
+def _gram_roots_batched(G: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_gram_roots` of a batch of Grams of one size, the directions dropped there left as zero rows (which add only zero
+    singular values and zero products)."""
+    ev, E = np.linalg.eigh(G)
+    keep = ev > GRAM_RTOL * np.maximum(ev[:, -1:], 0.0)
+    root = np.where(keep, np.sqrt(np.where(keep, ev, 1.0)), 0.0)
+    inv = np.where(keep, 1.0 / np.sqrt(np.where(keep, ev, 1.0)), 0.0)
+    Et = E.transpose(0, 2, 1)
+    return root[:, :, None] * Et, inv[:, :, None] * Et
 
 
 def _owner(ranks: Sequence[int]) -> np.ndarray:

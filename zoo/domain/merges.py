@@ -33,7 +33,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from zoo.domain.factorwise import fit_factorwise
-from zoo.domain.lowrank import GRAM_RTOL, LowRank, Stack, inner, sq_norm
+from zoo.domain.lowrank import GRAM_RTOL, LowRank, Stack, Stacks, inner, sq_norm
 from zoo.domain.transforms import BAND_FACTOR, Update, expected_cast_residual, same_structure
 
 #: candidates kept for the fits (the most correlated with the query): 12, as the relation step compares a query with
@@ -94,9 +94,9 @@ def detect_merge(
     pool = [int(i) for i in np.argsort(-cos)[: pool_size + POOL_MARGIN] if cos[i] > 0]
     if len(pool) < 2:
         return None
-    stacks = {n: Stack([q[n], *(mods[i][n] for i in pool)]) for n in q}
+    stacks = Stacks([q, *(mods[i] for i in pool)], list(q))
     members = list(range(1, len(pool) + 1))
-    G = np.sum([s.gram(members) for s in stacks.values()], axis=0)
+    G = stacks.gram(members)
     ids = [comparable[i].id for i in pool]
     copies = later_copies(G, ids) | later_sums(G, ids)
     copy_ids = {ids[k] for k in copies}
@@ -104,14 +104,18 @@ def detect_merge(
         pool = [i for k, i in enumerate(pool) if k not in copies][:pool_size]
         if len(pool) < 2:
             return None
-        stacks = {n: Stack([q[n], *(mods[i][n] for i in pool)]) for n in q}
+        stacks = Stacks([q, *(mods[i] for i in pool)], list(q))
         members = list(range(1, len(pool) + 1))
-        G = np.sum([s.gram(members) for s in stacks.values()], axis=0)
-    b = np.array([sum(s.inner(0, i) for s in stacks.values()) for i in members])
-    summed = _weighted_sum(stacks, q, G, b, qq)
+        G = stacks.gram(members)
+    b = stacks.gram([0, *members])[0, 1:]
+    summed = _weighted_sum(stacks, G, b, qq)
     # where every gauge is known, a linear merge is the factorwise fit's (over more candidates, and past the width)
     factorwise_linear = bool(query.raw_modules()) and all(len(c.raw_modules()) == len(query.raw_modules()) for c in comparable)
-    hypotheses = [summed, _svd(stacks, q, len(pool), qq), None if factorwise_linear else _linear(stacks, summed, max_parents, qq)]
+    svd_fit = _svd(stacks, len(pool))
+    # its residual (the costly part: eigh and SVD of every module's blocks) only where the hypothesis can be chosen, or
+    # told as evidence: a fit of more than max_parents is neither found nor exact, but named in a merge's evidence
+    svd = _svd_hypothesis(stacks, *svd_fit, qq) if svd_fit is not None and 2 <= len(svd_fit[0]) <= max_parents else None
+    hypotheses = [summed, svd, None if factorwise_linear else _linear(stacks, summed, max_parents, qq)]
     found = [h for h in hypotheses if h is not None and 2 <= len(h.members) <= max_parents]
     exact = [h for h in found if h.rho <= EXACT_RTOL]
     named = [comparable[i] for i in pool]  # what the hypotheses' members index
@@ -131,6 +135,8 @@ def detect_merge(
             return None
         best = _Hypothesis("approximate", best.members, best.weights, best.rho, {**best.extra, "least_unique_energy": unique})
         confidence = 0.5 * (1.0 - best.rho / APPROXIMATE_RTOL)
+    if hypotheses[1] is None and svd_fit is not None:
+        hypotheses[1] = _svd_hypothesis(stacks, *svd_fit, qq)
     return MergeEdge(
         parents=tuple(named[i].id for i in best.members),
         weights=tuple(float(w) for w in best.weights),
@@ -233,7 +239,7 @@ def _unique_energy(G: np.ndarray, b: np.ndarray, qq: float, members: list[int]) 
     return min(_sum_residual_sq(G, b, qq, [j for j in members if j != i]) - base for i in members)
 
 
-def _weighted_sum(stacks: Mapping[str, Stack], q: Mapping[str, LowRank], G: np.ndarray, b: np.ndarray, qq: float) -> _Hypothesis:
+def _weighted_sum(stacks: Stacks, G: np.ndarray, b: np.ndarray, qq: float) -> _Hypothesis:
     """dW_q ≈ Σ w_i dW_i over the pool (members 1..size of each stack; G and b their Gram and products with dW_q)."""
     size = len(b)
     w = _nnls_gram(G, b)
@@ -244,16 +250,20 @@ def _weighted_sum(stacks: Mapping[str, Stack], q: Mapping[str, LowRank], G: np.n
         w[keep] = w_keep
     rho = math.sqrt(max(qq - 2 * w @ b + w @ G @ w, 0.0) / qq)
     members = tuple(keep)
-    summed = all(q[n].rank == sum(int(stacks[n].offsets[i + 2] - stacks[n].offsets[i + 1]) for i in members) for n in q)
+    summed = all(g.ranks[0] == sum(g.ranks[i + 1] for i in members) for g in stacks.groups)
     return _Hypothesis("cat" if summed else "weighted_sum", members, w[list(members)], rho)
 
 
-def _svd(stacks: Mapping[str, Stack], q: Mapping[str, LowRank], size: int, qq: float) -> _Hypothesis | None:
-    """dW_q = top-r_q(Σ w_i dW_i): weights from the projections U_qᵀ dW_i V_q, checked on the whole truncation."""
+def _svd(stacks: Stacks, size: int) -> tuple[tuple[int, ...], np.ndarray] | None:
+    """dW_q = top-r_q(Σ w_i dW_i): the members and weights from the projections U_qᵀ dW_i V_q (`_svd_hypothesis` checks
+    them on the whole truncation)."""
     rows, target = [], []
-    for n, s in stacks.items():
-        rows.append(s.projections(0, range(1, size + 1)))  # U_qᵀ dW_i V_q per pool member
-        target.append(np.diag(q[n].S))
+    for g in stacks.groups:
+        rows.append(g.projections(0, range(1, size + 1)))  # U_qᵀ dW_i V_q per pool member (modules × r_q × r_q × size)
+        k = np.arange(g.ranks[0])
+        diag = np.zeros((len(g.shapes), len(k), len(k)))
+        diag[:, k, k] = g.S[0]
+        target.append(diag)
     F = np.concatenate([r.reshape(-1, size) for r in rows])
     t = np.concatenate([x.ravel() for x in target])
     norms = np.linalg.norm(F, axis=0)
@@ -261,29 +271,32 @@ def _svd(stacks: Mapping[str, Stack], q: Mapping[str, LowRank], size: int, qq: f
         return None
     w, _ = nnls(F / norms, t)
     w = w / norms
-    full_norms = np.sqrt([sum(s.inner(i, i) for s in stacks.values()) for i in range(1, size + 1)])
+    full_norms = np.sqrt(np.diag(stacks.gram(list(range(1, size + 1)))))
     keep = _support(w, full_norms)
     if len(keep) < 2:
         return None
     w_keep, _ = nnls(F[:, keep] / norms[keep], t)
-    w_keep = w_keep / norms[keep]
+    return tuple(keep), w_keep / norms[keep]
+
+
+def _svd_hypothesis(stacks: Stacks, keep: tuple[int, ...], w_keep: np.ndarray, qq: float) -> _Hypothesis:
+    """The `svd` hypothesis of these members and weights, its residual that of the whole truncation."""
     members = [i + 1 for i in keep]
-    residual = 0.0
-    for n, s in stacks.items():
-        mk, cross = s.truncated_sum(0, members, w_keep, q[n].rank)
-        residual += s.inner(0, 0) - 2 * cross + mk
-    return _Hypothesis("svd", tuple(keep), w_keep, math.sqrt(max(residual, 0.0) / qq))
+    mk, cross = np.sum([g.truncated_sums(0, members, w_keep) for g in stacks.groups], axis=0)
+    residual = stacks.inner(0, 0) - 2 * float(cross) + float(mk)
+    return _Hypothesis("svd", keep, w_keep, math.sqrt(max(residual, 0.0) / qq))
 
 
-def _linear(stacks: Mapping[str, Stack], summed: _Hypothesis, max_parents: int, qq: float) -> _Hypothesis | None:
+def _linear(stacks: Stacks, summed: _Hypothesis, max_parents: int, qq: float) -> _Hypothesis | None:
     """A_q = Σ √w_i A_i, B_q = Σ √w_i B_i: the joint-subspace fit over subsets of the likeliest candidates."""
-    size = len(next(iter(stacks.values())).S) - 1
+    size = len(stacks.groups[0].ranks) - 1
+    modules = stacks.modules()
     order = list(summed.members) + [i for i in range(size) if i not in summed.members]
     tried = order[:LINEAR_TRIED]
     best: _Hypothesis | None = None
     for n_parents in range(2, max_parents + 1):
         for subset in itertools.combinations(tried, n_parents):
-            h = _linear_fit(stacks, subset, qq)
+            h = _linear_fit(modules, subset, qq)
             if h is not None and (best is None or h.rho < best.rho):
                 best = h
         if best is not None and best.rho <= EXACT_RTOL:
@@ -291,7 +304,7 @@ def _linear(stacks: Mapping[str, Stack], summed: _Hypothesis, max_parents: int, 
     return best
 
 
-def _linear_fit(stacks: Mapping[str, Stack], subset: tuple[int, ...], qq: float) -> _Hypothesis | None:
+def _linear_fit(stacks: Sequence[Stack], subset: tuple[int, ...], qq: float) -> _Hypothesis | None:
     """The joint-subspace fit over one subset, or None where it cannot hold: the subspaces could hold any update, or
     the residual of the modules fitted so far already passes EXACT_RTOL (only an exact `linear` is ever reported, so
     a subset that does not fit is given up at its first modules, not fitted on all of an adapter's 1,000)."""
@@ -299,7 +312,7 @@ def _linear_fit(stacks: Mapping[str, Stack], subset: tuple[int, ...], qq: float)
     residual = diag_num = diag_den = 0.0
     limit = EXACT_RTOL**2 * qq
     blocks: list[tuple[Stack, np.ndarray]] = []
-    for s in stacks.values():
+    for s in stacks:
         width = int(sum(s.offsets[i + 1] - s.offsets[i] for i in members))
         if width >= min(s.shape):
             return None  # the parents' subspaces could hold any update: no evidence

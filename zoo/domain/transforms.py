@@ -48,7 +48,7 @@ import torch
 
 from zoo.domain.canonical import CanonicalFactors, LowRankModule
 from zoo.domain.factorwise import RawModule
-from zoo.domain.lowrank import LowRank, inner, sq_norm
+from zoo.domain.lowrank import LowRank, float64, inner, sq_norm
 
 T = TypeVar("T")
 
@@ -149,7 +149,7 @@ class Update:
                 if f.rank and f.gauge is not None:
                     M, N = f.gauge
                     low = self.modules()[name]
-                    out[name] = RawModule(low.U, low.S, low.V, M.double().numpy(), N.double().numpy())
+                    out[name] = RawModule(low.U, low.S, low.V, float64(M), float64(N))
             return out
 
         return dict(self.computed("raw_modules", make))
