@@ -43,7 +43,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     its bf16 cast (`cast`), its copy with the PRUNED share of each tensor zeroed (`pruned`), p resumed on another
     task (`continued`: A drifted a little, B learnt anew), q1 and q2 and their `merge` by add_weighted_adapter (cat,
     weights 0.7 and 0.5), and u1, u2 (unrelated); `ties`: q1 and u1 merged by TIES at density 0.5 (weights 0.6, 0.9),
-    which prunes A and B apart; `pmerge`: p and q2 merged by cat (0.8, 0.4).
+    which prunes A and B apart; `pmerge`: p and q2 merged by cat (0.8, 0.4); `svdmerge`: q2 and u2 by svd (0.6, 0.8);
+    `linmerge`: q1 and u2 by linear (0.5, 0.7).
     Factors are random (A of Kaiming scale, B smaller): real PEFT files without training."""
     root = tmp_path_factory.mktemp("relations")
     config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -59,8 +60,10 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model.add_weighted_adapter(["q1", "q2"], [0.7, 0.5], "merge", combination_type="cat")
     model.add_weighted_adapter(["q1", "u1"], [0.6, 0.9], "ties", combination_type="ties", density=0.5)
     model.add_weighted_adapter(["p", "q2"], [0.8, 0.4], "pmerge", combination_type="cat")
+    model.add_weighted_adapter(["q2", "u2"], [0.6, 0.8], "svdmerge", combination_type="svd")
+    model.add_weighted_adapter(["q1", "u2"], [0.5, 0.7], "linmerge", combination_type="linear")
     out = {}
-    for name in ["p", *names, "merge", "ties", "pmerge"]:
+    for name in ["p", *names, "merge", "ties", "pmerge", "svdmerge", "linmerge"]:
         model.save_pretrained(str(root / "saved"), selected_adapters=[name])  # under saved/<name> (not the default adapter)
         out[name] = shutil.copytree(root / "saved" / name, root / name)
     out["rescaled"] = _copy(out["p"], root / "rescaled", alpha=16)
@@ -237,6 +240,25 @@ def test_a_ties_merge_is_found_from_the_factors_as_saved(cli: CLI, settings: Set
     assert edge.evidence["relative_residual"] < 1e-4 and edge.confidence > 0.9
     rc, out, _ = cli("lineage", str(ids["ties"]))
     assert rc == 0 and "ties" in out and f"derives from #{ids['u1']}" in out
+
+
+@pytest.mark.parametrize(
+    ("name", "parents", "combination"), [("svdmerge", {"q2": 0.6, "u2": 0.8}, "svd"), ("linmerge", {"q1": 0.5, "u2": 0.7}, "linear")]
+)
+def test_svd_and_linear_merges_are_found_through_ingest_and_embed(
+    cli: CLI, settings: Settings, sources: dict[str, Path], name: str, parents: dict[str, float], combination: str
+) -> None:
+    """The step's merge test, whatever it leaves out as cheap to rule out (the svd fit's residual where it cannot be
+    chosen, the pair blocks it keeps), finds PEFT's own svd and linear merges among other adapters, with their weights."""
+    ids = ingest(cli, sources, "q1", "q2", "u1", "u2", "p", "merge", name)
+    report = embed(cli)
+    assert report["scanned"] == 7 and report["failed"] == 0, report
+    found = {k[1]: e for k, e in edges(settings).items() if k[0] == ids[name] and k[2] == "merge"}
+    assert set(found) == {ids[p] for p in parents}, found
+    for parent, weight in parents.items():
+        edge = found[ids[parent]]
+        assert edge.parameters["combination"] == combination and edge.parameters["weight"] == pytest.approx(weight, abs=0.05)
+        assert edge.evidence["relative_residual"] < 1e-3 and edge.confidence > 0.5
 
 
 def test_a_parent_stored_after_its_child_is_found(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:

@@ -236,11 +236,13 @@ class Stacks:
     modules (`group_blocks`), so that the work per stack is per pair of members, not per module (an SDXL adapter has
     418). `modules()` gives each module's `Stack`, in the order of `names`' groups."""
 
-    def __init__(self, members: Sequence[Mapping[str, LowRank]], names: Sequence[str]) -> None:
+    def __init__(self, members: Sequence[Mapping[str, LowRank]], names: Sequence[str], from_pairs: bool | None = None) -> None:
+        """`from_pairs`: assemble the Grams from the pairs' kept blocks (True) or make them at once (False); by default as
+        PAIR_OVERHEAD says."""
         by_ranks: dict[tuple[int, ...], list[str]] = {}
         for n in names:
             by_ranks.setdefault(tuple(m[n].rank for m in members), []).append(n)
-        self.groups = [_Group([[m[n] for n in group] for m in members], ranks) for ranks, group in by_ranks.items()]
+        self.groups = [_Group([[m[n] for n in group] for m in members], ranks, from_pairs) for ranks, group in by_ranks.items()]
         self.names = [n for group in by_ranks.values() for n in group]
 
     def inner(self, i: int, j: int) -> float:
@@ -259,13 +261,15 @@ class Stacks:
 class _Group:
     """Modules where each member has one rank: Grams (modules × R × R), S per member (modules × rank)."""
 
-    def __init__(self, mods: list[list[LowRank]], ranks: tuple[int, ...]) -> None:
+    def __init__(self, mods: list[list[LowRank]], ranks: tuple[int, ...], from_pairs: bool | None) -> None:
         self.ranks = ranks
         self.offsets = np.concatenate([[0], np.cumsum(ranks)]).astype(int)
         self.shapes = [x.shape for x in mods[0]]
         n, R = len(mods[0]), int(self.offsets[-1])
         self.S = [np.stack([x.S for x in m]) if m else np.zeros((0, r)) for m, r in zip(mods, ranks, strict=True)]
-        if sum(R * R * (o + i) for o, i in self.shapes) < PAIR_OVERHEAD * len(mods) ** 2:  # small modules: at once
+        if from_pairs is None:  # small modules: at once
+            from_pairs = sum(R * R * (o + i) for o, i in self.shapes) >= PAIR_OVERHEAD * len(mods) ** 2
+        if not from_pairs:
             self.UU = np.stack([_gram(np.concatenate([m[k].U for m in mods], axis=1)) for k in range(n)])
             self.VV = np.stack([_gram(np.concatenate([m[k].V for m in mods], axis=1)) for k in range(n)])
         else:
