@@ -7,7 +7,8 @@ default: --kinds), then, each step a `zoo` command in a child process whose wall
 - ingest, one worker process per kind: MB/s of adapter file (the command's wall time, and the stages' sum
   without the process's start), and the ratio of that time to `safetensors.torch.load_file` of the same files
   (the floor: reading the tensors once) measured here;
-- `zoo embed` per space: adapters/s and peak RSS; every space's search vector dimensions;
+- `zoo embed` per space: adapters/s and peak RSS, and its relation step's ms per adapter and edges found; every
+  space's search vector dimensions;
 - same-family hit@1: each adapter's nearest other adapter (`zoo search ID -k 1`, in-process through the
   query engine) is of its family, by module cosine, and after training by the default (hybrid) search;
 - `zoo train` on the first kind's space (--skip-train to leave it out): time and peak RSS;
@@ -195,14 +196,19 @@ def main() -> None:
         embed_rss = 0.0
         for kind in kinds:
             base = MODELS[kind].base_model
-            seconds, rss, _ = measured([*zoo, "embed", "--space", base, "--json"], env)
+            seconds, rss, out = measured([*zoo, "embed", "--space", base, "--json"], env)
             embed_rss = max(embed_rss, rss)
             n = len(stored_families(data_dir, base))
+            step = json.loads(out)[0]["relations"]
             figures[kind]["embed_adapters_per_s"] = round(n / seconds, 2)  # type: ignore[index]
             figures[kind]["embed_peak_rss_gb"] = round(rss, 2)  # type: ignore[index]
+            figures[kind]["relation_ms_per_adapter"] = round(step["ms_per_adapter"] or 0.0, 1)  # type: ignore[index]
+            figures[kind]["relation_edges"] = step["edges"]  # type: ignore[index]
             hit = family_hit_at_1(data_dir, base, stored_families(data_dir, base), "module")
             figures[kind]["family_hit_at_1_module"] = round(hit, 3)  # type: ignore[index]
-            rows.append((f"embed {kind}", f"{n / seconds:.2f} adapters/s, RSS {rss:.2f} GB, same-family hit@1 {hit:.3f} (module cosine)"))
+            text = f"{n / seconds:.2f} adapters/s, RSS {rss:.2f} GB, same-family hit@1 {hit:.3f} (module cosine)"
+            text += f"; relation step {step['ms_per_adapter'] or 0.0:.0f} ms an adapter, {step['edges']} edges"
+            rows.append((f"embed {kind}", text))
         figures["embed_peak_rss_gb"] = round(embed_rss, 2)
         dims = search_dims(data_dir)
         figures["search_dims"] = dims

@@ -22,8 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from zoo.domain.continuation import ContinuationEdge, detect_continuation, origin_score
+from zoo.domain.lowrank import fill_blocks
 from zoo.domain.merges import MergeEdge, detect_merge
-from zoo.domain.transforms import FactorSummary, TransformEdge, Update, detect_transform
+from zoo.domain.transforms import FactorSummary, TransformEdge, Update, detect_transform, same_structure
 
 __all__ = ["DETECTOR", "ContinuationEdge", "FactorSummary", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
 
@@ -44,6 +45,7 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
     """Transforms first (either way); a merge and continuations only where no transform explains the query, and no
     continuation with a parent of the merge found: the merge explains why the query is like each of its parents (a
     merge mostly of one parent passes the continuation test with it)."""
+    _fill(query, candidates)
     transforms = [edge for c in candidates if (edge := _transform_either_way(query, c)) is not None]
     if transforms:
         return Relations(transforms=tuple(transforms))
@@ -58,9 +60,15 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
 
 def find_merge(query: Update, candidates: Sequence[Update]) -> MergeEdge | None:
     """The merge `find_relations` finds (None where a transform explains the query), without its continuations."""
+    _fill(query, candidates)
     if any(_transform_either_way(query, c) is not None for c in candidates):
         return None
     return detect_merge(query, candidates)
+
+
+def _fill(query: Update, candidates: Sequence[Update]) -> None:
+    """The query's pair blocks with all the candidates (every test reads its pairs' off them), made at once."""
+    fill_blocks(query.modules(), [c.modules() for c in candidates if same_structure(query, c)])
 
 
 def _origin(later: Sequence[ContinuationEdge], by_id: Mapping[int | None, Update]) -> ContinuationEdge | None:
