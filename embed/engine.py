@@ -40,6 +40,7 @@ from threadpoolctl import threadpool_limits
 from embed.attributes import AdapterAttributes, last_label_id
 from embed.calibration import is_sure
 from embed.checkpoint import channel_metrics_of, checkpoint_meta, search_of
+from embed.dense_svd import DenseSVD
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
@@ -393,16 +394,31 @@ class LoadedEmbedder:
 
 @dataclass
 class ModuleStore:
-    """The exact stage's data: factors of the stored adapters, row per id."""
+    """The exact stage's data: factors of the stored adapters, row per id, and the SVDs of their dense modules as
+    queries first need them (`svd`, embed/dense_svd.py). Never changed in place: adding or dropping adapters makes a
+    new store, which carries the SVDs of the rows it keeps."""
 
     stack: ModuleStack
     rows: dict[int, int]
     dense: set[str]
+    svd: DenseSVD | None = None
+
+    def __post_init__(self) -> None:
+        if self.svd is None or self.svd.stack is not self.stack:
+            self.svd = DenseSVD(self.stack)
+
+    def take(self, ids: Sequence[int]) -> ModuleStack:
+        """The stack of these stored adapters, in that order, with their dense modules' SVDs (`ModuleStack.svd`)."""
+        assert self.svd is not None  # set by __post_init__
+        return self.svd.take([self.rows[int(i)] for i in ids])
 
     def extended(self, ids: list[int], stack: ModuleStack) -> ModuleStore:
         start = self.stack.size
         rows = {**self.rows, **{i: start + j for j, i in enumerate(ids)}}
-        return ModuleStore(ModuleStack.concat([self.stack, stack]), rows, self.dense)
+        grown = ModuleStack.concat([self.stack, stack])
+        assert self.svd is not None
+        source = np.concatenate([np.arange(start), np.full(stack.size, -1)])
+        return ModuleStore(grown, rows, self.dense, self.svd.moved(grown, source))
 
     def without(self, ids: np.ndarray) -> ModuleStore:
         """The store without the rows of these ids (deleted adapters): itself when it holds none of them."""
@@ -410,7 +426,10 @@ class ModuleStore:
         if not gone:
             return self
         kept = sorted((row, i) for i, row in self.rows.items() if i not in gone)
-        return ModuleStore(self.stack.take([row for row, _ in kept]), {i: j for j, (_, i) in enumerate(kept)}, self.dense)
+        source = np.array([row for row, _ in kept], dtype=np.int64)
+        stack = self.stack.take(source)
+        assert self.svd is not None
+        return ModuleStore(stack, {i: j for j, (_, i) in enumerate(kept)}, self.dense, self.svd.moved(stack, source))
 
 
 @dataclass
@@ -441,11 +460,12 @@ ID_BYTES, ROW_BYTES, NAME_BYTES = 16, 100, 112
 
 
 def space_bytes(state: SpaceState) -> int:
-    """The memory a loaded space holds, estimated from its parts: each index's vectors, the module store's arrays
-    and rows, the names and a label code per adapter and key. W2T models are held per process (`load_w2t`)."""
+    """The memory a loaded space holds, estimated from its parts: each index's vectors, the module store's arrays,
+    rows and the most its dense modules' SVDs can take (DenseSVD.bound), the names and a label code per adapter and
+    key. W2T models are held per process (`load_w2t`)."""
     total = sum(index_bytes(e.index) for e in state.embedders.values())
     if state.modules is not None:
-        total += _nbytes(state.modules.stack) + ROW_BYTES * len(state.modules.rows)
+        total += _nbytes(state.modules.stack) + DenseSVD.bound(state.modules.stack) + ROW_BYTES * len(state.modules.rows)
     attributes = state.attributes
     return total + len(attributes) * (NAME_BYTES + 4 * len(attributes.labels))
 
@@ -905,10 +925,10 @@ class QueryEngine:
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):
             if query.adapter_id is not None and query.adapter_id in store.rows:
-                q = store.stack.take([store.rows[query.adapter_id]])
+                q = store.take([query.adapter_id])
             else:
                 q = ModuleStack.of([query.factors], store.dense)
-            gallery = store.stack.take([store.rows[int(i)] for i in ids.tolist()])
+            gallery = store.take(ids.tolist())
             if fitted_purpose(score) is not None:
                 return served_metric(self.data_dir / str(state.embedders[W2T].checkpoint), score).between(gallery, q)[0]
             return exact_cosines(gallery, q, score)[0]

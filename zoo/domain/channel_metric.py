@@ -143,6 +143,7 @@ def _only(stack: ModuleStack, keep: Mapping[str, str]) -> ModuleStack:
         {n: v for n, v in stack.norms.items() if n in keep},
         {n: v for n, v in stack.dense.items() if n in keep},
         {n: v for n, v in stack.factors.items() if n in keep},
+        {n: v for n, v in stack.svd.items() if n in keep},
     )
 
 

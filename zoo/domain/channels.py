@@ -24,7 +24,7 @@ modules both have (0 where they share none), as for module cosine. With s = S/�
 `channel_matrices` computes them for many adapters at once over `ModuleStack`s, one GEMM per side and chunk shared by
 each side's Gram and subspace channels; module cosine is `ModuleStack.cosines` itself. A module the stack keeps dense
 (its unit-norm dW) is factored there by one batched SVD and compared as factors, each row keeping the components whose
-singular value passes _DENSE_CUTOFF (float32 round-off of the unit-norm dW): the subspace channels, which count every
+singular value passes DENSE_CUTOFF (float32 round-off of the unit-norm dW): the subspace channels, which count every
 component, then count those (a component the canonical form kept below 1e-5 of ‖dW‖ counts only from the factors).
 `pair_channels` is the per-pair float64 reference.
 `channel_group_sums` gives the same per-module values summed per module group (by type and depth, say) with each
@@ -63,7 +63,7 @@ _OVERLAPS = {
 }
 _SIDE_INDEX = {"output": 0, "input": 1}  # U, V in ModuleStack.factors
 #: singular values (of unit-norm dW) below this are dropped when a dense module is factored: float32 round-off
-_DENSE_CUTOFF = 1e-5
+DENSE_CUTOFF = 1e-5
 #: the training-free exact scores: the whole update's cosine, the mean per-module cosine and the mean per-module
 #: input Gram cosine
 EXACT_SCORES = ("dw", "module", "input_gram")
@@ -146,7 +146,8 @@ def _one_module(stack: ModuleStack, name: str) -> ModuleStack:
     """A view of the stack holding only the named module."""
     dense = {name: stack.dense[name]} if name in stack.dense else {}
     factors = {name: stack.factors[name]} if name in stack.factors else {}
-    return ModuleStack(stack.size, {name: stack.norms[name]}, dense, factors)
+    svd = {name: stack.svd[name]} if name in stack.svd else {}
+    return ModuleStack(stack.size, {name: stack.norms[name]}, dense, factors, svd)
 
 
 def _spectrum_cosines(wq: np.ndarray, wg: np.ndarray) -> np.ndarray:
@@ -172,19 +173,27 @@ def _overlaps(fq: _ModuleFactors, fg: _ModuleFactors, side: str, channels: list[
 
 def module_factors(stack: ModuleStack, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One module's (U (N, R, out), V (N, R, in), w (N, R)) as ModuleStack.factors holds them; a dense module's from
-    one batched SVD of its unit-norm dW (w = S, as ‖dW‖ = 1), a row's components at or below _DENSE_CUTOFF zeroed
-    (round-off, as a padded component is) and those below it in every row dropped."""
+    the batched SVD of its unit-norm dW (`dense_svd`; the stack's `svd` where it holds it) with w = S, as ‖dW‖ = 1, a
+    row's components at or below DENSE_CUTOFF zeroed (round-off, as a padded component is) and those below it in
+    every row dropped."""
     if name not in stack.dense:
         return stack.factors[name]
+    U, V, S = stack.svd[name] if name in stack.svd else dense_svd(stack.dense[name])
+    keep = max(1, int((S > DENSE_CUTOFF).any(axis=0).sum()))  # S is sorted descending per row: a prefix
+    return U[:, :keep], V[:, :keep], np.where(S[:, :keep] > DENSE_CUTOFF, S[:, :keep], 0.0).astype(S.dtype)
+
+
+def dense_svd(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The SVD of each of a dense module's rows dense (N, out, in): (U (N, m, out), V (N, m, in), S (N, m)) with m =
+    min(out, in), every component, C-contiguous. Each matrix is factored on its own (numpy's batched SVD), so a row's
+    factors do not depend on the other rows: factored once, they can be served for any subset of rows."""
     from threadpoolctl import threadpool_limits
 
     # one BLAS thread: each matrix is small, and a second OpenBLAS thread spinning against a busy core made 51 SVDs of
     # 48 × 48 take 7.6 s instead of 0.13 on the shared 2-core machine
     with threadpool_limits(limits=1, user_api="blas"):
-        U, S, Vt = np.linalg.svd(stack.dense[name], full_matrices=False)
-    keep = max(1, int((S > _DENSE_CUTOFF).any(axis=0).sum()))  # S is sorted descending per row: a prefix
-    S = np.where(S[:, :keep] > _DENSE_CUTOFF, S[:, :keep], 0.0).astype(S.dtype)
-    return U[:, :, :keep].transpose(0, 2, 1), Vt[:, :keep], S
+        U, S, Vt = np.linalg.svd(dense, full_matrices=False)
+    return np.ascontiguousarray(U.transpose(0, 2, 1)), Vt, S
 
 
 def _weights(w: np.ndarray, weighting: str) -> np.ndarray:

@@ -56,6 +56,11 @@ class ModuleStack:
     `dense` (N, out, in), the unit-norm dW, or `factors` = (U (N, R, out), V (N, R, in),
     w (N, R)) with w = S/‖S‖, zero-padded to the module's largest rank R. Stacks compared with
     each other must agree on which modules are dense. Plain numpy, so a query needs no torch.
+
+    `svd`, optional: per dense module, the SVD of its rows (zoo.domain.channels.dense_svd) computed beforehand, which
+    the channels that need a dense module's factors read instead of factoring it again (the engine keeps them per
+    module store: embed/dense_svd.py). Row j holds the leading components of the SVD of `dense[name][j]`, at least
+    every one that `module_factors` keeps.
     """
 
     def __init__(
@@ -64,11 +69,13 @@ class ModuleStack:
         norms: dict[str, np.ndarray],
         dense: dict[str, np.ndarray],
         factors: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        svd: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
     ) -> None:
         self.size = size
         self.norms = norms
         self.dense = dense
         self.factors = factors
+        self.svd = svd if svd is not None else {}
 
     @classmethod
     def of(cls, adapters: Sequence[Factors], dense: set[str]) -> ModuleStack:
@@ -124,13 +131,14 @@ class ModuleStack:
             U_[rows, :k], V_[rows, :k], w_[rows, :k] = U, V, w
 
     def take(self, rows: Sequence[int] | np.ndarray) -> ModuleStack:
-        """The stack of the given rows, in that order."""
+        """The stack of the given rows, in that order (with their `svd` where it has one)."""
         idx = np.asarray(rows, dtype=np.int64)
         return ModuleStack(
             len(idx),
             {k: v[idx] for k, v in self.norms.items()},
             {k: v[idx] for k, v in self.dense.items()},
             {k: (U[idx], V[idx], w[idx]) for k, (U, V, w) in self.factors.items()},
+            {k: (U[idx], V[idx], S[idx]) for k, (U, V, S) in self.svd.items()},
         )
 
     @staticmethod
