@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sqlite3
+import sys
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -21,6 +22,24 @@ from zoo.config import Settings, normalize_database_url
 from zoo.store.session import downgrade, make_engine, upgrade
 
 PG_URL = os.environ.get("ZOO_TEST_DATABASE_URL")
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist, each worker (and the processes its tests start) gets its share of the cores for OpenMP, BLAS
+    and torch: two workers of two threads each on two cores spin-wait on each other (README's command on this 2-core
+    machine: 31 % less CPU time, a third less wall time). An explicit OMP_NUM_THREADS wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(name, threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # imported before this file: its pool is already sized
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_the_cores_between_workers()
 
 
 def backends() -> list[object]:
@@ -78,11 +97,24 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An SQLite file brought to the current schema once a session (per xdist worker): each test's database is a copy,
+    which costs a file copy where running every migration again cost 0.1-0.2 s a test."""
+    path = tmp_path_factory.mktemp("migrated") / "zoo.db"
+    url = f"sqlite:///{path}"
+    upgrade(url)
+    make_engine(url).dispose()
+    assert not path.with_name("zoo.db-wal").exists(), "the template's WAL was not checkpointed into the file"
+    return path
+
+
 @pytest.fixture(params=backends())
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'zoo.db'}"
-        upgrade(url)
+        path = tmp_path / "zoo.db"
+        shutil.copyfile(request.getfixturevalue("migrated_sqlite"), path)
+        url = f"sqlite:///{path}"
         yield url
         make_engine(url).dispose()
         return

@@ -124,7 +124,11 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("objective", "unlabelled"), [("supervised", None), ("both", 0.5)])
+@pytest.mark.parametrize(
+    ("db_url", "objective", "unlabelled"),
+    [("sqlite", "supervised", None), pytest.param("postgresql", "both", 0.5, marks=pytest.mark.postgres)],
+    indirect=["db_url"],
+)  # each objective on one database: the database's part (labels, embeddings, the checkpoint stored) is any zoo's
 def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_path: Path, objective: str, unlabelled: float | None) -> None:
     """Adapters ingested with labels on N per task only, `zoo train --objective [--unlabelled-per-labelled]`, then
     `zoo search` and `zoo predict` on each unlabelled adapter: their scores are the eval's row `default` under the same

@@ -172,6 +172,7 @@ def test_accuracy_varies_with_attributes(cache_dir: Path, data: shapes.ShapesDat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # conv modules through ingest, embed and search, whatever the database
 def test_ingest_and_search_find_the_same_task(cli: CLI, cache_dir: Path, data: shapes.ShapesData, tmp_path: Path) -> None:
     """Conv-LoRA adapters ingest with conv modules, embed, and whole-update dW search finds the same task first."""
     base = shapes.load_base(cache_dir)

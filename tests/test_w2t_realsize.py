@@ -188,9 +188,9 @@ def _ingest(cli: CLI, kind: str, root: Path, layers: int) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("db_url", "kind", "layers"),
-    [("sqlite", "llama3-8b", 1), ("sqlite", "sdxl", 2), pytest.param("postgresql", "llama3-8b", 1, marks=pytest.mark.postgres)],
+    [("sqlite", "sdxl", 2), pytest.param("postgresql", "llama3-8b", 1, marks=pytest.mark.postgres)],
     indirect=["db_url"],
-)  # the database's part (the checkpoint and the embeddings stored) is the same for both widths: PostgreSQL runs the cheaper
+)  # the database's part (the checkpoint and the embeddings stored) is the same for both widths: each width on one
 def test_zoo_train_on_real_widths_projects_and_round_trips(kind: str, layers: int, cli: CLI, tmp_path: Path) -> None:
     """`zoo train` on twelve real-width adapters: the checkpoint records its projection; the embeddings it made in
     training from the projected training set (its memory) are what the loaded checkpoint gives for the adapters'
@@ -239,6 +239,7 @@ def test_zoo_train_on_real_widths_projects_and_round_trips(kind: str, layers: in
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the reader's projection, whatever the database
 def test_the_training_set_is_read_projected_with_its_exact_scores(cli: CLI, tmp_path: Path) -> None:
     """read_training_set, a few adapters a chunk: tokens as tokenize makes them from the full factors, no factors kept;
     exact scores from a module stack as from the factors, and from module sketches close to them."""
