@@ -99,6 +99,7 @@ def predict(
     task came from (default rule), which of its labels.csv values that copy has too."""
     from embed import service
     from embed.engine import QueryEngine
+    from embed.refs import StoredId
     from zoo.config import Settings
     from zoo.store.blobs import BlobStore
     from zoo.store.imputation import from_lineage
@@ -117,8 +118,8 @@ def predict(
             if not set(names) <= held or len(truths) > 1:  # a kept member's labels are on it, or its copies disagree
                 continue
             name = names[0]
-            top = service.predict(engine, session, str(i))["attributes"].get("task")
-            hits = service.search(engine, session, str(i), len(by_id))["results"]
+            top = service.predict(engine, session, StoredId(i))["attributes"].get("task")
+            hits = service.search(engine, session, StoredId(i), len(by_id))["results"]
             found = {rule: from_lineage(session, i, floor, kinds) for rule, (kinds, floor) in RULES.items()}
             task = found[DEFAULT_RULE]["attributes"].get("task")
             sources = [s["adapter"]["name"] for s in task["values"][0]["sources"]] if task and task["kind"] == "copy" else []

@@ -25,6 +25,7 @@ import numpy as np
 from embed import service
 from embed.calibration import ECE_BINS, SURE_SLACK
 from embed.engine import QueryEngine
+from embed.refs import StoredId
 from zoo.config import Settings
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter
@@ -36,7 +37,7 @@ def measure(settings: Settings, space: str | None) -> dict[str, object]:
     engine = QueryEngine(sessions, BlobStore(settings.blob_dir), settings.data_dir)
     with sessions() as session:
         ids = [i for (i,) in session.query(Adapter.id).order_by(Adapter.id)]
-        found = [service.predict(engine, session, str(i), space, lineage=False) for i in ids]
+        found = [service.predict(engine, session, StoredId(i), space, lineage=False) for i in ids]
     sure: dict[str, list[tuple[float, bool]]] = defaultdict(list)
     attributes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     metrics: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))

@@ -38,6 +38,7 @@ from embed.engine import (
 )
 from embed.index import brute_force, recall_at_k
 from embed.maps import refresh_map
+from embed.refs import AdapterRef, StoredId
 from embed.registry import (
     active_embedder,
     bump_version,
@@ -599,24 +600,24 @@ def resolve_base_model(session: Session, requested: str | None) -> str:
     return spaces[0]
 
 
-def make_query(session: Session, blobs: BlobStore, id_or_path: str, device: str | None = None) -> tuple[Query, str | None]:
-    """(query, its base model) for a stored id, or for a path read and canonicalized without storing it (whose base
+def make_query(session: Session, blobs: BlobStore, ref: AdapterRef, device: str | None = None) -> tuple[Query, str | None]:
+    """(query, its base model) for a stored id, or for a file read and canonicalized without storing it (whose base
     model, when the file names none, is the space its shapes name if the zoo has it)."""
-    if id_or_path.isdigit() and not Path(id_or_path).exists():
-        stmt = select(Adapter.name, Adapter.base_model, Adapter.factors_blob).where(Adapter.id == int(id_or_path))
+    if isinstance(ref, StoredId):
+        stmt = select(Adapter.name, Adapter.base_model, Adapter.factors_blob).where(Adapter.id == ref.id)
         row = session.connection().execute(stmt).first()  # Core: no ORM work on the query path
         if row is None:
-            raise NotFoundError(f"no adapter with id {id_or_path}: see `zoo list`")
+            raise NotFoundError(f"no adapter with id {ref.id}: see `zoo list`")
         digest = row.factors_blob  # None for a checkpoint: it is found by its stored vectors, if it has any
         loader = (lambda: dict(blobs.get_factors(str(digest)))) if digest else None
-        return Query(row.name, int(id_or_path), loader), row.base_model
+        return Query(row.name, ref.id, loader), row.base_model
     from zoo.domain.canonical import canonicalize_modules, pick_device
     from zoo.formats import adapter_name, read_adapter
 
-    data = read_adapter(Path(id_or_path))
+    data = read_adapter(Path(ref.path))
     if not data.modules:
         what = "a full checkpoint without --base" if data.format == "checkpoint" else f"a {data.format} file read as full-rank spectra"
-        raise UsageError(f"{id_or_path}: {what} has no low-rank update to search with")
+        raise UsageError(f"{ref.text}: {what} has no low-rank update to search with")
     factors = canonicalize_modules(data.modules, pick_device(device))
     named = {m.name: f for m, f in zip(data.modules, factors, strict=True)}
     return Query(adapter_name(data.path), None, lambda: named), data.base_model or _guessed_space(session, data)
@@ -631,31 +632,31 @@ def _guessed_space(session: Session, data: AdapterData) -> str | None:
 def search(
     engine: QueryEngine,
     session: Session,
-    id_or_path: str,
+    ref: AdapterRef,
     k: int,
     space: str | None = None,
     filters: Mapping[str, str] | None = None,
     method: str | None = None,
 ) -> SearchResource:
     """The search resource: the query, then the engine's answer."""
-    query, base = make_query(session, engine.blobs, id_or_path, engine.device)
+    query, base = make_query(session, engine.blobs, ref, engine.device)
     name = _space_name(session, space, query, base)
     query, stored_as = as_stored(session, engine.blobs, query, name)
     found = engine.similar(session, name, query, k, filters or {}, method)
-    return {"query": id_or_path, "query_name": query.name, "stored_as": stored_as, **found}
+    return {"query": ref.text, "query_name": query.name, "stored_as": stored_as, **found}
 
 
-def predict(engine: QueryEngine, session: Session, id_or_path: str, space: str | None = None, lineage: bool = True) -> PredictionResource:
+def predict(engine: QueryEngine, session: Session, ref: AdapterRef, space: str | None = None, lineage: bool = True) -> PredictionResource:
     """The prediction resource: predicted attributes and metrics of the query, and for a stored adapter what it inherits
     along its edges (not read when `lineage` is False: the caller has it already, or serves no attributes)."""
-    query, base = make_query(session, engine.blobs, id_or_path, engine.device)
+    query, base = make_query(session, engine.blobs, ref, engine.device)
     name = _space_name(session, space, query, base)
     query, stored_as = as_stored(session, engine.blobs, query, name)
     predicted = engine.predict(session, name, query)
     if query.adapter_id is not None:
         beside_given(predicted, *given_labels(session, query.adapter_id))
     inherited = from_lineage(session, query.adapter_id) if lineage and query.adapter_id is not None else None
-    return {"query": id_or_path, "query_name": query.name, "stored_as": stored_as, **predicted, "from_lineage": inherited}
+    return {"query": ref.text, "query_name": query.name, "stored_as": stored_as, **predicted, "from_lineage": inherited}
 
 
 def beside_given(predicted: Predicted, given: Mapping[str, str], measured: Mapping[str, float]) -> None:
@@ -842,8 +843,8 @@ def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k:
     if space is None or adapter.factors_blob is None:
         resource["not_ready"].append("not embedded: run `zoo embed`" if adapter.factors_blob else "a checkpoint without a low-rank update")
         return resource
-    resource["neighbours"] = _when_ready(lambda: search(engine, session, str(adapter.id), k, space.name), resource["not_ready"])
-    predictions = _when_ready(lambda: predict(engine, session, str(adapter.id), space.name, lineage=False), resource["not_ready"])
+    resource["neighbours"] = _when_ready(lambda: search(engine, session, StoredId(adapter.id), k, space.name), resource["not_ready"])
+    predictions = _when_ready(lambda: predict(engine, session, StoredId(adapter.id), space.name, lineage=False), resource["not_ready"])
     if predictions is not None:
         predictions["from_lineage"] = resource["from_lineage"]  # read once above
     resource["predictions"] = predictions

@@ -18,6 +18,7 @@ from werkzeug.exceptions import UnsupportedMediaType
 
 from embed import service
 from embed.engine import spaces_budget
+from embed.refs import StoredId
 from webapp import schemas
 from webapp.auth import current_token, needs
 from webapp.context import db, retry_after, zoo_context
@@ -118,7 +119,7 @@ def similar(adapter_id: int, query: dict) -> Response:
     filters = repository.parse_filters(query["filter"])
     ctx = zoo_context()
     engine, k, space, method = ctx.engine, query["k"], query["space"], query["method"]
-    found = ctx.limited(with_session(lambda s: service.search(engine, s, str(adapter_id), k, space, filters, method)), ctx.searches)
+    found = ctx.limited(with_session(lambda s: service.search(engine, s, StoredId(adapter_id), k, space, filters, method)), ctx.searches)
     response = jsonify(found)  # the hot path: the resource is already plain JSON, so skip the schema's dump
     response.headers["Server-Timing"] = f"engine;dur={(time.perf_counter() - start) * 1e3:.3f}"
     return response
@@ -136,7 +137,7 @@ def similar_upload(query: dict, form: dict) -> service.SearchResource:
     options = agreed_options(query, form, schemas.SimilarQuery().load({}))
     filters = repository.parse_filters(options["filter"])
     engine, k, space, method = zoo_context().engine, options["k"], options["space"], options["method"]
-    return limited_upload(form["file"], lambda s, path: service.search(engine, s, path, k, space, filters, method))
+    return limited_upload(form["file"], lambda s, upload: service.search(engine, s, upload, k, space, filters, method))
 
 
 def agreed_options(query: Mapping[str, Any], form: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -169,14 +170,16 @@ def _predict(part: str, body: dict) -> dict[str, object]:
     one_query(body, files)
     found: Sequence[Mapping[str, object]]
     if files:
-        found = [limited_upload(files, lambda s, path: service.predict(engine, s, path, body.get("space")))]
+        found = [limited_upload(files, lambda s, upload: service.predict(engine, s, upload, body.get("space")))]
     else:
         ids = body.get("adapter_ids") or ([body["adapter_id"]] if body.get("adapter_id") else [])
         if not ids:
             raise UsageError("send adapter_id, adapter_ids, or an upload in the `file` field")
         found = zoo_context().limited(
             # what a stored adapter inherits is served with its attributes only
-            with_session(lambda s: [_checked(service.predict, engine, s, str(i), body.get("space"), part == "attributes") for i in ids])
+            with_session(
+                lambda s: [_checked(service.predict, engine, s, StoredId(i), body.get("space"), part == "attributes") for i in ids]
+            )
         )
     return {"predictions": [{k: p[k] for k in schemas.PREDICTION_KEYS[part]} for p in found]}
 

@@ -14,6 +14,7 @@ from flask import request
 from sqlalchemy.orm import Session
 
 from embed import service
+from embed.refs import UploadedFile
 from webapp import schemas
 from webapp.context import db, zoo_context
 from zoo.errors import NotFoundError, UsageError
@@ -36,15 +37,15 @@ def with_session(fn: Callable[[Session], T]) -> Callable[[], T]:
     return run
 
 
-def limited_upload(files: list, fn: Callable[[Session, str], T]) -> T:
-    """fn(session, path) on the uploaded files laid out in a temporary directory, under the time limit."""
+def limited_upload(files: list, fn: Callable[[Session, UploadedFile], T]) -> T:
+    """fn(session, upload) on the uploaded files laid out in a temporary directory, under the time limit."""
     ctx = zoo_context()
     uploads = [Upload(f.filename or "upload", f.stream) for f in files]
     uploads_dir = ctx.settings.data_dir / "uploads"  # requests touch no directory but the data dir and the import root
     uploads_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="query-", dir=uploads_dir) as tmp:
-        path = str(materialize(uploads, Path(tmp), ctx.web.max_upload_bytes))
-        return ctx.limited(with_session(lambda session: fn(session, path)))
+        upload = UploadedFile(materialize(uploads, Path(tmp), ctx.web.max_upload_bytes))
+        return ctx.limited(with_session(lambda session: fn(session, upload)))
 
 
 def ids_in_range(_endpoint: str | None, values: dict[str, object] | None) -> None:

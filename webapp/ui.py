@@ -10,6 +10,7 @@ from flask import redirect, render_template, request, url_for
 from werkzeug.wrappers import Response
 
 from embed import service
+from embed.refs import UploadedFile
 from webapp.auth import needs
 from webapp.context import db, zoo_context
 from webapp.schemas import MAX_PAGE
@@ -107,11 +108,11 @@ def similar_page() -> tuple[str, int] | str:
     space = request.form.get("space") or None  # None: the space of the adapter's own base model
     try:
 
-        def run(session: Session, path: str) -> tuple[service.SearchResource, service.PredictionResource | dict[str, str]]:
-            found = service.search(engine, session, path, k, space)
+        def run(session: Session, upload: UploadedFile) -> tuple[service.SearchResource, service.PredictionResource | dict[str, str]]:
+            found = service.search(engine, session, upload, k, space)
             predicted: service.PredictionResource | dict[str, str]
             try:
-                predicted = service.predict(engine, session, path, str(found["space"]))
+                predicted = service.predict(engine, session, upload, str(found["space"]))
             except ZooError as exc:
                 predicted = {"error": str(exc)}
             return found, predicted

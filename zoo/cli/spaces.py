@@ -140,13 +140,21 @@ def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+#: how `zoo search` and `zoo predict` read their query: decided by the text, never by which files exist
+QUERY_HELP = (
+    "a stored adapter's id (digits only, always an id), or any other text: a path that is read and canonicalized, "
+    "not stored (a file named 1: ./1)"
+)
+
+
 def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
     from embed import service
+    from embed.refs import cli_ref
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
         filters = repository.parse_filters(args.filter)
-        found = service.search(query_engine(settings, args.device), session, args.query, args.k, args.space, filters, args.method)
+        found = service.search(query_engine(settings, args.device), session, cli_ref(args.query), args.k, args.space, filters, args.method)
     if args.json:
         print_json(found)
         return 0
@@ -183,10 +191,11 @@ PREDICTOR_WORDS = {
 
 def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
     from embed import service
+    from embed.refs import cli_ref
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
-        pred = service.predict(query_engine(settings, args.device), session, args.query, args.space)
+        pred = service.predict(query_engine(settings, args.device), session, cli_ref(args.query), args.space)
     if args.json:
         print_json(pred)
         return 0
@@ -384,7 +393,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("search", help="the adapters most similar to a stored adapter (id) or a file/directory (path)")
-    s.add_argument("query", metavar="ID_OR_PATH", help="a stored adapter id, or a path that is read and canonicalized, not stored")
+    s.add_argument("query", metavar="ID_OR_PATH", help=QUERY_HELP)
     s.add_argument("-k", type=int, default=10, help="how many results (1..1000, default: %(default)s)")
     s.add_argument("--space")
     s.add_argument(
@@ -408,7 +417,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_search)
 
     s = sub.add_parser("predict", help="predicted attributes (with probabilities) and performance (with an interval)")
-    s.add_argument("query", metavar="ID_OR_PATH")
+    s.add_argument("query", metavar="ID_OR_PATH", help=QUERY_HELP)
     s.add_argument("--space")
     s.add_argument("--device")
     s.add_argument("--json", action="store_true")

@@ -1,0 +1,51 @@
+"""Requests typed at the door they came in by: a query's id or path decided by its text (never by which files the working
+directory holds), and filters whose field and label keys never shadow each other. On a copy of the seeded zoo
+(tests/conftest.py `seeded`: w00..w11 as `tiny`, tasks qk and qv, embedded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from flask.testing import FlaskClient
+
+from tests.conftest import SeededZoo
+from webapp import create_app
+from zoo.cli import main
+
+
+def zoo_json(zoo: SeededZoo, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[dict], str]:
+    capsys.readouterr()
+    rc = main(["--db", zoo.url, "--data-dir", str(zoo.data_dir), *args, "--json"])
+    out = capsys.readouterr()
+    return rc, [json.loads(line) for line in out.out.splitlines() if line.strip()], out.err
+
+
+@pytest.fixture(scope="module")
+def client(seeded: SeededZoo) -> FlaskClient:
+    app = create_app({"ZOO_DATABASE_URL": seeded.url, "ZOO_DATA_DIR": str(seeded.data_dir), "TESTING": True})
+    return app.test_client()
+
+
+def test_a_file_named_like_an_id_does_not_shadow_the_id(
+    seeded: SeededZoo, client: FlaskClient, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc, (want,), _ = zoo_json(seeded, capsys, "search", "1", "-k", "3")
+    assert rc == 0 and want["query"] == "1" and want["query_name"] == "w00"
+    (tmp_path / "1").write_text("not an adapter")
+    # the command line: digits are the stored adapter, whatever the working directory holds
+    rc, (found,), _ = zoo_json(seeded, capsys, "search", "1", "-k", "3")
+    assert rc == 0 and found == want
+    rc, (predicted,), _ = zoo_json(seeded, capsys, "predict", "1")
+    assert rc == 0 and predicted["query_name"] == "w00"
+    # the file is reached as a path
+    rc, _, err = zoo_json(seeded, capsys, "search", "./1")
+    assert rc == 2 and "unsupported file type" in err
+    # the API never reads a path: the server's working directory holding a file named 1 changes nothing
+    served = client.get("/api/v1/adapters/1/similar?k=3")
+    assert served.status_code == 200 and served.get_json()["query_name"] == "w00"
+    assert [r["adapter_id"] for r in served.get_json()["results"]] == [r["adapter_id"] for r in want["results"]]
+    predicted = client.post("/api/v1/predict/attributes", json={"adapter_id": 1})
+    assert predicted.status_code == 200, predicted.get_json()
