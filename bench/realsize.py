@@ -196,10 +196,10 @@ def main() -> None:
         embed_rss = 0.0
         for kind in kinds:
             base = MODELS[kind].base_model
-            seconds, rss, out = measured([*zoo, "embed", "--space", base, "--json"], env)
+            seconds, rss, printed = measured([*zoo, "embed", "--space", base, "--json"], env)
             embed_rss = max(embed_rss, rss)
             n = len(stored_families(data_dir, base))
-            step = json.loads(out)[0]["relations"]
+            step = json.loads(printed)[0]["relations"]
             figures[kind]["embed_adapters_per_s"] = round(n / seconds, 2)  # type: ignore[index]
             figures[kind]["embed_peak_rss_gb"] = round(rss, 2)  # type: ignore[index]
             figures[kind]["relation_ms_per_adapter"] = round(step["ms_per_adapter"] or 0.0, 1)  # type: ignore[index]
