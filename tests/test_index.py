@@ -279,6 +279,31 @@ def test_a_mapped_index_answers_as_a_read_one_keeps_its_codes_in_the_file_and_co
     assert np.array_equal(again.search(queries, 10)[1], before[1])
 
 
+def test_subset_codes_take_parts_of_eight_dimensions_at_any_dimension_trained_on_one_thread() -> None:
+    """At a dimension 8 does not divide (20), the subset codes pad the vectors to 24 (three parts of 8: FAISS's fast
+    kernel, not parts of 5), their filtered search still finds the exact nearest, and training them leaves FAISS's
+    thread count as it was."""
+    import faiss
+
+    from embed.index import SUBSET_ITERATIONS
+
+    ids, vecs = clustered(4000, 20, seed=13)
+    threads = faiss.omp_get_max_threads()
+    index = AdapterIndex.build(ids, vecs, ivf=True)
+    assert faiss.omp_get_max_threads() == threads
+    sub = index._subset_index
+    assert (sub.d, sub.pq.M, sub.pq.dsub, sub.code_size) == (24, 3, 8, 3) and sub.pq.cp.niter == SUBSET_ITERATIONS
+    allowed = ids[:2000]
+    index.filter_rerank = 2000  # every allowed row re-ranked by the store: the subset way alone decides nothing
+    queries = vecs[:20] + 0.01
+    _, got = index._search_subset(queries, np.sort(index._rows(allowed)), 5)
+    _, want = brute_force(allowed, vecs[:2000], queries, 5)
+    assert recall_at_k(got, want) == 1.0
+    index.upsert(ids[:1], -vecs[:1])
+    index.filter_rerank = 5
+    assert index.search(-vecs[:1], 1, allowed=allowed)[1][0, 0] == ids[0]
+
+
 def test_a_damaged_mapped_file_is_refused_by_its_checksum(tmp_path: Path) -> None:
     ids, vecs = clustered(3000, 16, seed=12)
     path = tmp_path / "ivf.index"
