@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import read_derived, write_derived, write_derived_in_place
 from zoo.store import repository
+from zoo.store.filters import label_key
 from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
 
 SKETCH = "module_sketch"
@@ -821,12 +822,13 @@ class QueryEngine:
 
     @staticmethod
     def _allowed(session: Session, state: SpaceState, filters: Mapping[str, str]) -> np.ndarray:
-        """Ids the filters keep: label keys from memory, adapter columns (base_model, format, rank, source) in SQL."""
+        """Ids the filters keep: labels from memory (`label.rank` the label rank), adapter columns (base_model, format, rank,
+        source) in SQL."""
         columns = {k: v for k, v in filters.items() if k in repository.COLUMN_FILTERS}
         allowed = np.array(repository.filter_adapter_ids(session, state.base_model, columns), np.int64) if columns else None
         for key, value in filters.items():
             if key not in repository.COLUMN_FILTERS:
-                ids = state.attributes.with_label(key, value)
+                ids = state.attributes.with_label(label_key(key), value)
                 allowed = ids if allowed is None else np.intersect1d(allowed, ids, assume_unique=True)
         assert allowed is not None  # called with filters only, each of which narrowed it
         return np.sort(allowed)

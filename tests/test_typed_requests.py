@@ -49,3 +49,41 @@ def test_a_file_named_like_an_id_does_not_shadow_the_id(
     assert [r["adapter_id"] for r in served.get_json()["results"]] == [r["adapter_id"] for r in want["results"]]
     predicted = client.post("/api/v1/predict/attributes", json={"adapter_id": 1})
     assert predicted.status_code == 200, predicted.get_json()
+
+
+def ids_of(found: dict) -> set[int]:
+    return {r["id"] if "id" in r else r["adapter_id"] for r in found["results"]}
+
+
+def test_a_label_named_like_a_field_is_filtered_in_its_own_namespace(
+    seeded: SeededZoo, client: FlaskClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from zoo.store.labels import write_labels
+    from zoo.store.session import session_factory, write_transaction
+
+    rc, (before,), _ = zoo_json(seeded, capsys, "list", "--filter", "task=qv", "--per-page", "100")
+    rc, (ranked,), _ = zoo_json(seeded, capsys, "list", "--filter", "rank=4", "--per-page", "100")
+    assert rc == 0 and ranked["total"] == 12  # every seeded adapter has rank 4
+    with write_transaction(session_factory(seeded.url)) as session:
+        for adapter_id in (1, 3):
+            write_labels(session, adapter_id, {"rank": "8", "format": "gguf"}, {})
+    # the label: through the command line, the catalog API and similarity search on both doors
+    rc, (found,), _ = zoo_json(seeded, capsys, "list", "--filter", "label.rank=8")
+    assert rc == 0 and ids_of(found) == {1, 3} and found["filters"] == {"label.rank": "8"}
+    rc, (found,), _ = zoo_json(seeded, capsys, "list", "--filter", "label.format=gguf", "--filter", "task=qk")
+    assert rc == 0 and ids_of(found) == {1, 3}
+    served = client.get("/api/v1/adapters?filter=label.rank=8&per_page=100").get_json()
+    assert ids_of(served) == {1, 3} and served["facets"]["label:rank"] == [{"value": "8", "count": 2}]
+    rc, (similar,), _ = zoo_json(seeded, capsys, "search", "2", "-k", "20", "--filter", "label.rank=8")
+    assert rc == 0 and ids_of(similar) == {1, 3}
+    fresh = create_app({"ZOO_DATABASE_URL": seeded.url, "ZOO_DATA_DIR": str(seeded.data_dir), "TESTING": True}).test_client()
+    similar = fresh.get("/api/v1/adapters/2/similar?k=20&filter=label.rank=8").get_json()
+    assert ids_of(similar) == {1, 3}
+    # the field keeps its key, and a filter written before labels had a namespace answers as it did
+    rc, (still,), _ = zoo_json(seeded, capsys, "list", "--filter", "rank=4", "--per-page", "100")
+    assert still["total"] == 12 and not client.get("/api/v1/adapters?filter=rank=8").get_json()["results"]
+    rc, (after,), _ = zoo_json(seeded, capsys, "list", "--filter", "task=qv", "--per-page", "100")
+    assert after["results"] == before["results"] and after["filters"] == before["filters"] == {"task": "qv"}
+    # the search page's facet of the label links with the label's filter, the field's with the field's
+    page = fresh.get("/?per_page=100").get_data(as_text=True)
+    assert "filter=label.rank%3D8" in page and "filter=rank%3D4" in page and "filter=task%3Dqv" in page

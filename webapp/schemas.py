@@ -73,7 +73,8 @@ def _field(hint: Any, **kwargs: Any) -> Field:
 
 FILTER_DOC = (
     "key=value, repeatable: base_model, format, rank, source (prefix), author, license, pipeline_tag, library, "
-    "base_model_relation, relation (found from the weights: merge, rescaled, ...), derived_from (an adapter id), or a label"
+    "base_model_relation, relation (found from the weights: merge, rescaled, ...), derived_from (an adapter id), or a label; "
+    "label.key=value is always the label (label.rank=8: a label named like a field)"
 )
 SPACE_DOC = "the space to search (default: the space of the query's base model)"
 

@@ -19,6 +19,7 @@ from zoo.errors import ZooError
 from zoo.labels import TASK_KEY
 from zoo.store import repository
 from zoo.store.catalog import FACET_VALUES, FacetValue
+from zoo.store.filters import facet_filter_name
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -47,8 +48,18 @@ def search_page() -> str:
     twin = url_for("api.adapters", **args)
     major, minor = facet_groups({k: v for k, v in found["facets"].items() if not (space and k == "base_model")})  # the space names it
     spaces = space_choices(service.space_names(db()), found["facets"].get("base_model", []))
+    names = {key: facet_filter_name(key) for key in found["facets"]}  # what a facet's values are chosen by: `label.rank` a label's
     return render_template(
-        "search.html", found=found, filters=filters, sort=sort, twin=twin, major=major, minor=minor, space=space, spaces=spaces
+        "search.html",
+        found=found,
+        filters=filters,
+        sort=sort,
+        twin=twin,
+        major=major,
+        minor=minor,
+        names=names,
+        space=space,
+        spaces=spaces,
     )
 
 

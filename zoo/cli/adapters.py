@@ -108,6 +108,13 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     return 1 if counts["failed"] else 0
 
 
+#: what `zoo list --filter` and `zoo search --filter` take (zoo.store.filters)
+FILTER_HELP = (
+    "base_model, format, rank, source (prefix), author, license, pipeline_tag, library, base_model_relation, relation, "
+    "derived_from, or a label; label.KEY=VALUE is always the label (label.rank=8); repeatable"
+)
+
+
 def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
     require_schema(settings.database_url)
     filters = repository.parse_filters(args.filter)
@@ -347,7 +354,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "words are AND-ed, punctuated words are phrases (task=even, digits-vit-00012), the last word is a prefix.",
     )
     s.add_argument("--query", "-q", metavar="TEXT", help="free text")
-    s.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE", help="base_model, format, rank, source (prefix), label")
+    s.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE", help=FILTER_HELP)
     s.add_argument("--base-model", metavar="NAME", help="same as --filter base_model=NAME")
     s.add_argument("--sort", choices=SORTS, help="default: relevance with --query, else newest")
     s.add_argument("--page", type=int, default=1)

@@ -401,7 +401,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="only adapters with this given label; also format=, rank= and source= (a prefix of the source URI); repeatable",
+        help="only adapters with this given label; also format=, rank=, source= (a prefix of the source URI) and the other fields "
+        "of `zoo list --filter`; label.KEY=VALUE is always the label (label.rank=8); repeatable",
     )
     s.add_argument(
         "--method",

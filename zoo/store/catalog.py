@@ -52,6 +52,7 @@ from sqlalchemy.orm import Session
 from zoo import config
 from zoo.errors import UsageError
 from zoo.store import repository
+from zoo.store.filters import label_key
 from zoo.store.models import SQLITE_FTS_TABLE, Adapter, AdapterText, Label
 from zoo.store.session import read_snapshot
 
@@ -252,11 +253,12 @@ def _column_facet(matching: CTE, key: str) -> Select:
 
 
 def _label_facets(matching: CTE, exclude: Iterable[str] = ()) -> Select:
-    """(`label:<key>`, value, n) over the matching adapters' given labels of every key but those of adapter
-    columns and `exclude`."""
+    """(`label:<key>`, value, n) over the matching adapters' given labels of every key but `exclude` (a label named
+    like a field too: its facet is chosen by `label.<key>=value`, zoo.store.filters)."""
     stmt = select((literal("label:") + Label.key).label("facet"), Label.value, func.count())
     stmt = stmt.join(matching, matching.c.id == Label.adapter_id).where(Label.source == "given")
-    return stmt.where(Label.key.not_in([*repository.COLUMN_FILTERS, *exclude])).group_by(Label.key, Label.value)
+    excluded = list(exclude)
+    return (stmt.where(Label.key.not_in(excluded)) if excluded else stmt).group_by(Label.key, Label.value)
 
 
 def _filter_condition(key: str, value: str) -> ColumnElement[bool]:
@@ -271,7 +273,7 @@ def _filter_ids(key: str, value: str) -> Select:
     """The ids of the adapters one filter keeps, read through that filter's own index (a label's, or the column's)."""
     if key in repository.COLUMN_FILTERS:
         return select(Adapter.id).where(_filter_condition(key, value))
-    return select(Label.adapter_id).where(Label.key == key, Label.value == value, Label.source == "given")
+    return select(Label.adapter_id).where(Label.key == label_key(key), Label.value == value, Label.source == "given")
 
 
 #: what reading one candidate by id costs (its row and its labels, random reads) against one id of a filter's own index
@@ -311,7 +313,7 @@ def _near_matches(
     filters or more, only those that also have all the filtered labels but one."""
     columns: list[SQLColumnExpression[Any]] = [Adapter.id, *(expr.label(key) for key, expr in _FACET_EXPRESSIONS.items())]
     column_keys = [k for k in filters if k in repository.COLUMN_FILTERS]
-    pairs = [(k, v) for k, v in filters.items() if k not in repository.COLUMN_FILTERS]
+    pairs = [(label_key(k), v) for k, v in filters.items() if k not in repository.COLUMN_FILTERS]
     candidates = None
     if through:
         ids = union_all(*(_filter_ids(k, filters[k]) for k in through)).subquery("through")
@@ -361,12 +363,12 @@ def _facets_statement(
         matching = select(near).where(near.c.misses == 0).cte("matching")
     parts = [select(literal(_TOTAL).label("facet"), literal("").label("value"), func.count().label("n")).select_from(matching)]
     parts += [_column_facet(matching, key) for key in (*COLUMN_FACETS, *repository.SOURCE_FIELDS) if key not in filters]
-    parts.append(_label_facets(matching, exclude=filters))
+    parts.append(_label_facets(matching, exclude=[label_key(k) for k in filters if k not in repository.COLUMN_FILTERS]))
     column_keys = [k for k in filters if k in repository.COLUMN_FILTERS]
     for i, key in enumerate(column_keys):  # its own filter missed, or none (relation filters have no facet)
         if key in _FACET_EXPRESSIONS:
             parts.append(_column_facet(near, key).where(or_(near.c.misses == 0, near.c[f"miss_{i}"] == 1)))
-    pairs = [(k, v) for k, v in filters.items() if k not in repository.COLUMN_FILTERS]
+    pairs = [(label_key(k), v) for k, v in filters.items() if k not in repository.COLUMN_FILTERS]
     if pairs:
         # an adapter that misses one label filter and no column filter has one given label of the filtered keys that
         # differs from its filter: that label's key is the one it misses, and the label's value counts in its facet

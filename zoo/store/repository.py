@@ -9,6 +9,7 @@ from sqlalchemy import ColumnElement, Connection, Select, SQLColumnExpression, b
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.errors import UsageError
+from zoo.store.filters import FIELDS, label_key, parse_filter
 from zoo.store.models import Adapter, JobItem, Label, Measurement, Module
 from zoo.store.relations import RELATION_FILTERS, relation_filter
 from zoo.timestamps import iso_seconds
@@ -251,7 +252,7 @@ def adapter_detail(a: Adapter) -> AdapterDetail:
     }
 
 
-#: what a source (the Hub) said about an adapter, by filter and facet key: each matches exactly
+#: what a source (the Hub) said about an adapter, by filter and facet key (zoo.store.filters.SOURCE_KEYS): each matches exactly
 SOURCE_FIELDS: dict[str, SQLColumnExpression[Any]] = {
     "author": Adapter.author,
     "license": Adapter.license,
@@ -260,14 +261,15 @@ SOURCE_FIELDS: dict[str, SQLColumnExpression[Any]] = {
     "base_model_relation": Adapter.source_metadata["base_model_relation"].as_string(),
 }
 #: filter keys that are conditions on adapters (columns, and relations found from the weights); any other key is a given label
-COLUMN_FILTERS = ("rank", "format", "base_model", "source", *SOURCE_FIELDS, *RELATION_FILTERS)
+COLUMN_FILTERS = FIELDS
 
 
 def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]], list[tuple[str, str]]]:
     """Filters as conditions on adapters and (key, value) pairs of given labels: `base_model`, `format`, `rank` and
     the SOURCE_FIELDS (author, license, pipeline_tag, library, base_model_relation) match exactly, `source` is a
     prefix of the source URI, `relation` and `derived_from` read the relations found from the weights
-    (zoo.store.relations.relation_filter), any other key is a label."""
+    (zoo.store.relations.relation_filter), any other key is a label (zoo.store.filters.label_key: `label.rank` is the
+    label rank)."""
     conditions: list[ColumnElement[bool]] = []
     labels: list[tuple[str, str]] = []
     for key, value in filters.items():
@@ -286,7 +288,7 @@ def split_filters(filters: Mapping[str, str]) -> tuple[list[ColumnElement[bool]]
         elif key in RELATION_FILTERS:
             conditions.append(relation_filter(key, value))
         else:
-            labels.append((key, value))
+            labels.append((label_key(key), value))
     return conditions, labels
 
 
@@ -295,17 +297,13 @@ MAX_FILTERS = 32
 
 
 def parse_filters(values: Iterable[str]) -> dict[str, str]:
-    """`key=value` texts (the CLI's --filter, the API's filter parameter) as a mapping; at most MAX_FILTERS."""
+    """`key=value` texts (the CLI's --filter, the API's filter parameter) as a mapping of filter names to values
+    (zoo.store.filters: `label.rank=8` a label, `rank=8` the field); at most MAX_FILTERS."""
     values = list(values)
     if len(values) > MAX_FILTERS:
         raise UsageError(f"{len(values)} filters: a request may name at most {MAX_FILTERS}")
-    out = {}
-    for v in values:
-        key, sep, value = v.partition("=")
-        if not sep or not key or not value:
-            raise UsageError(f"filter {v!r}: write key=value")
-        out[key] = value
-    return out
+    parsed = [parse_filter(v) for v in values]
+    return {f.name: f.value for f in parsed}
 
 
 def filter_adapter_ids(session: Session, base_model: str, filters: Mapping[str, str]) -> list[int]:
