@@ -532,3 +532,16 @@ def test_a_batch_keeps_the_copy_edges_as_its_scans_store_them(cli: CLI, settings
         scan.stored(adapter, rows)
         assert scan.copies == fresh(), adapter
     assert scan.copies[u2] == {cast: DETECTOR} and scan.copies[u1] == {cast: DETECTOR}
+
+
+def test_the_step_collects_cycles_rarely_and_restores_the_collector() -> None:
+    """The step raises the collector's first threshold while it runs (its kept pair blocks are many small objects) and
+    gives back the one it found, whatever happens inside."""
+    import gc
+
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError), relations.rare_collections():
+        assert gc.get_threshold()[0] >= relations.GC_THRESHOLD
+        assert gc.get_threshold()[1:] == before[1:]
+        raise RuntimeError("a scan failed")
+    assert gc.get_threshold() == before
