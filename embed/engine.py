@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from zoo.store.blobs import BlobStore
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import read_derived, write_derived, write_derived_in_place
+from zoo.limits import MAX_K
 from zoo.store import repository
 from zoo.store.filters import label_key
 from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
@@ -101,7 +102,6 @@ MAX_NPROBE = {RAW: 32}
 STORE = {GRAM: "fp16"}
 #: the embedder whose vectors each method's own scores are (the others score through exact cosines or the hybrid)
 VECTOR_SCORES = {"sketch": SKETCH, "w2t": W2T, "raw": RAW}
-MAX_K = 1000
 #: labelled neighbours counted as support of an attribute predicted by something other than a kNN
 SUPPORT_K = 5
 

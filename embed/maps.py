@@ -53,10 +53,9 @@ from zoo.domain.palette import MISSING, SEQUENTIAL, category_colours
 from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import read_derived, write_derived
 from zoo.labels import TASK_KEY
+from zoo.limits import DEFAULT_MAP_POINTS, MAX_MAP_POINTS
 from zoo.store.models import Adapter, Embedder, Embedding, Label, Measurement
 
-DEFAULT_POINTS = 5_000
-MAX_POINTS = 100_000
 #: a request fits a missing or bad map in memory while the embedder has at most this many vectors
 FIT_IN_REQUEST = 100_000
 #: `color_by` of a measured metric (split "test"); any other key is a given label
@@ -328,7 +327,7 @@ def space_map(
     data_dir: Path,
     space_name: str,
     color_by: str | None = None,
-    limit: int = DEFAULT_POINTS,
+    limit: int = DEFAULT_MAP_POINTS,
     highlight: Sequence[int] = (),
 ) -> MapResource:
     """The map resource: {space, embedder_id, method, projection, explained, state, count (points in the
@@ -337,8 +336,8 @@ def space_map(
     `value` is the point's given label `color_by`, or its measured test metric for `metric:<name>`; without
     `color_by` the points are coloured by their task where they have one ("" colours nothing); `color_keys`
     lists the keys the shown points can be coloured by."""
-    if not 1 <= limit <= MAX_POINTS:
-        raise UsageError(f"limit must be between 1 and {MAX_POINTS}, got {limit}")
+    if not 1 <= limit <= MAX_MAP_POINTS:
+        raise UsageError(f"limit must be between 1 and {MAX_MAP_POINTS}, got {limit}")
     space = get_space(session, space_name)
     if space is None:
         raise NotFoundError(f"no embedding space {space_name!r}: run `zoo embed`")

@@ -59,6 +59,7 @@ from zoo.domain.base_models import guess_base_model
 from zoo.domain.factorwise import raw_sketches, raw_width
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, UsageError
+from zoo.limits import DEFAULT_K
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
 from zoo.store.imputation import FromLineage, from_lineage
@@ -824,7 +825,7 @@ def _embedder_entry(session: Session, e: Embedder) -> EmbedderEntry:
     return entry
 
 
-def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k: int = 10) -> AdapterResource:
+def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k: int = DEFAULT_K) -> AdapterResource:
     """The adapter page's resource: everything stored, its lineage, its nearest neighbours and its predictions
     (each None with the reason when the zoo is not ready for it)."""
     from zoo.store.lineage import lineage

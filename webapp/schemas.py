@@ -15,17 +15,16 @@ from apiflask import Schema
 from apiflask.fields import Boolean, Dict, Field, File, Float, Integer, List, Nested, Raw, String
 from apiflask.validators import Length, OneOf, Range
 
-from embed.engine import MAX_K, SEARCH_METHODS
+from embed.engine import SEARCH_METHODS
 from embed.maps import MapResource
 from embed.service import AdapterResource, Deletion, PredictionResource, SearchResource, SpacesResource
 from webapp.errors import ERROR_TYPES
+from zoo.limits import DEFAULT_K, DEFAULT_MAP_POINTS, DEFAULT_PER_PAGE, MAX_K, MAX_MAP_POINTS, MAX_PAGE, MAX_PER_PAGE, MAX_PREDICTION_IDS
 from zoo.services.export import FORMATS
 from zoo.store.catalog import CatalogPage
 from zoo.store.labels import AdapterLabels
 from zoo.store.relations import FromWeights
 
-MAX_IDS = 100
-MAX_PAGE = 1_000_000
 #: the largest id an SQL INTEGER key holds (PostgreSQL's int4); larger ones overflow in the database driver
 MAX_ID = 2**31 - 1
 
@@ -91,12 +90,12 @@ class CatalogQuery(Filters):
     )
     sort = String(load_default=None, validate=OneOf(("relevance", "name", "newest", "rank")))
     page = Integer(load_default=1, validate=Range(1, MAX_PAGE))
-    per_page = Integer(load_default=20, validate=Range(1, 100))
+    per_page = Integer(load_default=DEFAULT_PER_PAGE, validate=Range(1, MAX_PER_PAGE))
     space = String(load_default=None, metadata={"description": "only adapters of this embedding space (its base model)"})
 
 
 class SimilarQuery(Filters):
-    k = Integer(load_default=10, validate=Range(1, MAX_K))
+    k = Integer(load_default=DEFAULT_K, validate=Range(1, MAX_K))
     space = String(load_default=None, metadata={"description": SPACE_DOC})
     method = String(load_default=None, validate=OneOf(SEARCH_METHODS))
 
@@ -105,7 +104,7 @@ class SimilarOptions(Schema):
     """The upload search's parameters (SimilarQuery's), each in the query string or in the form: without defaults
     here, so that the view sees where each came (in both, the values must agree) and applies SimilarQuery's."""
 
-    k = Integer(validate=Range(1, MAX_K), metadata={"default": 10, "description": "in the query string or the form"})
+    k = Integer(validate=Range(1, MAX_K), metadata={"default": DEFAULT_K, "description": "in the query string or the form"})
     space = String(metadata={"description": f"{SPACE_DOC}; in the query string or the form"})
     method = String(validate=OneOf(SEARCH_METHODS), metadata={"description": "in the query string or the form"})
     filter = List(String(), metadata={"description": f"{FILTER_DOC}; in the query string or the form"})
@@ -121,7 +120,7 @@ class DownloadQuery(Schema):
 
 class PredictBody(Schema):
     adapter_id = Integer(validate=Range(1, MAX_ID))
-    adapter_ids = List(Integer(validate=Range(1, MAX_ID)), validate=Length(1, MAX_IDS))
+    adapter_ids = List(Integer(validate=Range(1, MAX_ID)), validate=Length(1, MAX_PREDICTION_IDS))
     space = String(load_default=None)
 
 
@@ -194,7 +193,7 @@ class JobList(Schema):
 
 class MapQuery(Schema):
     color_by = String(load_default=None, metadata={"description": "a label key, or metric:<name>"})
-    limit = Integer(load_default=5000, validate=Range(1, 100_000))
+    limit = Integer(load_default=DEFAULT_MAP_POINTS, validate=Range(1, MAX_MAP_POINTS))
     highlight = List(Integer(validate=Range(1, MAX_ID)), load_default=list, metadata={"description": "ids always drawn"})
 
 

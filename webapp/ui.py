@@ -13,10 +13,10 @@ from embed import service
 from embed.refs import UploadedFile
 from webapp.auth import needs
 from webapp.context import db, zoo_context
-from webapp.schemas import MAX_PAGE
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
 from zoo.errors import ZooError
 from zoo.labels import TASK_KEY
+from zoo.limits import DEFAULT_K, DEFAULT_PER_PAGE, MAX_PAGE, MAX_PAGE_K
 from zoo.store import repository
 from zoo.store.catalog import FACET_VALUES, FacetValue
 from zoo.store.filters import facet_filter_name
@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 ui = APIBlueprint("ui", __name__, enable_openapi=False)
 ui.url_value_preprocessor(ids_in_range)
 ui.before_request(refuse_nul)
+
+
+@ui.context_processor
+def _limits() -> dict[str, int]:
+    """The similar page's k, as its form offers it."""
+    return {"DEFAULT_K": DEFAULT_K, "MAX_PAGE_K": MAX_PAGE_K}
 
 
 def _filters_from_args() -> list[str]:
@@ -43,7 +49,7 @@ def search_page() -> str:
     page = min(max(1, request.args.get("page", 1, type=int) or 1), MAX_PAGE)  # an offset the database can hold
     sort = request.args.get("sort") or None  # the page keeps this, not found["sort"]: a resolved default would stick to later searches
     chosen = space_filters(db(), space, repository.parse_filters(filters))
-    found = search_catalog(db(), request.args.get("q") or None, chosen, sort, page, 20)
+    found = search_catalog(db(), request.args.get("q") or None, chosen, sort, page, DEFAULT_PER_PAGE)
     args: dict[str, Any] = request.args.to_dict(flat=False)
     twin = url_for("api.adapters", **args)
     major, minor = facet_groups({k: v for k, v in found["facets"].items() if not (space and k == "base_model")})  # the space names it
@@ -115,7 +121,7 @@ def similar_page() -> tuple[str, int] | str:
     if request.method == "GET":
         return render_template("similar.html", result=None, error=None, spaces=spaces, space=request.args.get("space") or "")
     engine = zoo_context().engine
-    k = min(max(request.form.get("k", 10, type=int) or 10, 1), 100)
+    k = min(max(request.form.get("k", DEFAULT_K, type=int) or DEFAULT_K, 1), MAX_PAGE_K)
     space = request.form.get("space") or None  # None: the space of the adapter's own base model
     try:
 

@@ -15,9 +15,10 @@ from zoo.cli.spaces import blob_store
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow, assign_rows, read_labels_csv
+from zoo.limits import DEFAULT_PER_PAGE, MAX_PER_PAGE
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
-from zoo.store.catalog import MAX_PER_PAGE, SORTS, search_catalog
+from zoo.store.catalog import SORTS, search_catalog
 from zoo.store.session import require_schema, session_factory
 
 if TYPE_CHECKING:
@@ -358,7 +359,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--base-model", metavar="NAME", help="same as --filter base_model=NAME")
     s.add_argument("--sort", choices=SORTS, help="default: relevance with --query, else newest")
     s.add_argument("--page", type=int, default=1)
-    s.add_argument("--per-page", type=int, default=20, help=f"at most {MAX_PER_PAGE} (default %(default)s)")
+    s.add_argument("--per-page", type=int, default=DEFAULT_PER_PAGE, help=f"at most {MAX_PER_PAGE} (default %(default)s)")
     s.add_argument("--json", action="store_true", help="print the whole result: page, total and facets")
     s.set_defaults(func=cmd_list)
 

@@ -26,6 +26,7 @@ from zoo.cli.render import (
 )
 from zoo.config import Settings
 from zoo.errors import UsageError
+from zoo.limits import DEFAULT_K, DEFAULT_MAP_POINTS, MAX_K
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
 from zoo.store.session import require_schema, session_factory
@@ -394,7 +395,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("search", help="the adapters most similar to a stored adapter (id) or a file/directory (path)")
     s.add_argument("query", metavar="ID_OR_PATH", help=QUERY_HELP)
-    s.add_argument("-k", type=int, default=10, help="how many results (1..1000, default: %(default)s)")
+    s.add_argument("-k", type=int, default=DEFAULT_K, help=f"how many results (1..{MAX_K}, default: %(default)s)")
     s.add_argument("--space")
     s.add_argument(
         "--filter",
@@ -443,7 +444,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--space")
     s.add_argument("--color-by", metavar="KEY", help="a given label key, or metric:NAME for a measured test metric")
-    s.add_argument("--limit", type=int, default=5000, help="at most this many points, a deterministic spread (default: %(default)s)")
+    s.add_argument(
+        "--limit", type=int, default=DEFAULT_MAP_POINTS, help="at most this many points, a deterministic spread (default: %(default)s)"
+    )
     s.add_argument("--rebuild", action="store_true", help="fit the map again from every embedding")
     s.add_argument("--plot", metavar="PNG", help="draw the map to this image file")
     s.add_argument("--json", action="store_true", help="print the map resource as one JSON object")

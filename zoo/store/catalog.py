@@ -51,13 +51,13 @@ from sqlalchemy.orm import Session
 
 from zoo import config
 from zoo.errors import UsageError
+from zoo.limits import DEFAULT_PER_PAGE, MAX_PER_PAGE
 from zoo.store import repository
 from zoo.store.filters import label_key
 from zoo.store.models import SQLITE_FTS_TABLE, Adapter, AdapterText, Label
 from zoo.store.session import read_snapshot
 
 SORTS = ("relevance", "name", "newest", "rank")
-MAX_PER_PAGE = 100
 #: facets of adapter columns, in the order they are returned; the source's facets (repository.SOURCE_FIELDS: author,
 #: license, pipeline_tag, library, base_model_relation) follow where they have values, then label facets as `label:<key>`
 COLUMN_FACETS = ("base_model", "format", "rank", "source")
@@ -504,7 +504,7 @@ def _checked_sort(sort: str | None, phrases: list[list[str]], page: int, per_pag
 
 
 def search_catalog(
-    session: Session, q: str | None, filters: Mapping[str, str], sort: str | None = None, page: int = 1, per_page: int = 20
+    session: Session, q: str | None, filters: Mapping[str, str], sort: str | None = None, page: int = 1, per_page: int = DEFAULT_PER_PAGE
 ) -> CatalogPage:
     """One page of the adapters matching free text `q` and `filters` (the engine's: base_model, format,
     rank, source prefix, the source's fields (author, license, pipeline_tag, library, base_model_relation), any
