@@ -87,3 +87,24 @@ def test_a_label_named_like_a_field_is_filtered_in_its_own_namespace(
     # the search page's facet of the label links with the label's filter, the field's with the field's
     page = fresh.get("/?per_page=100").get_data(as_text=True)
     assert "filter=label.rank%3D8" in page and "filter=rank%3D4" in page and "filter=task%3Dqv" in page
+
+
+def test_filter_syntax() -> None:
+    from zoo.errors import UsageError
+    from zoo.store import repository
+    from zoo.store.filters import SOURCE_KEYS, Filter, facet_filter_name, filter_of, parse_filter
+
+    assert parse_filter("rank=8") == Filter("field", "rank", "8") and parse_filter("label.rank=8") == Filter("label", "rank", "8")
+    assert parse_filter("task=qv") == parse_filter("label.task=qv") == Filter("label", "task", "qv")  # one filter, one name
+    assert repository.parse_filters(["label.task=qv", "label.format=gguf", "format=peft"]) == {
+        "task": "qv",
+        "label.format": "gguf",
+        "format": "peft",
+    }
+    label = parse_filter("label.label.x=1")  # a label whose own key starts with the prefix
+    assert label == Filter("label", "label.x", "1") and filter_of(label.name, "1") == label and label.text == "label.label.x=1"
+    for bad in ("label.=v", "rank", "=v", "rank="):
+        with pytest.raises(UsageError, match="filter"):
+            parse_filter(bad)
+    assert [facet_filter_name(f) for f in ("label:rank", "label:task", "rank", "author")] == ["label.rank", "task", "rank", "author"]
+    assert tuple(repository.SOURCE_FIELDS) == SOURCE_KEYS  # the filter syntax's fields are the store's

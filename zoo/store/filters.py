@@ -48,8 +48,10 @@ class Filter:
 def parse_filter(text: str) -> Filter:
     """`key=value` (a field, else a label) or `label.key=value` (a label); UsageError naming the text otherwise."""
     key, sep, value = text.partition("=")
-    if not sep or not key or not value or key == LABEL_PREFIX:
-        raise UsageError(f"filter {text!r}: write key=value, or label.key=value for a label (needed where it is named like a field)")
+    if not sep or not key or not value:
+        raise UsageError(f"filter {text!r}: write key=value")
+    if key == LABEL_PREFIX:
+        raise UsageError(f"filter {text!r}: name the label, label.key=value")
     return filter_of(key, value)
 
 
