@@ -22,6 +22,7 @@ from sqlalchemy import func, select, text
 
 from embed import engine as engine_module
 from embed.engine import Query, QueryEngine
+from embed.refs import StoredId
 from embed.service import delete_adapter, embed_adapters, search
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
@@ -122,7 +123,7 @@ def test_twelve_threads_delete_ingest_and_query_at_once(cli: CLI, adapters: tupl
 
     def query(rng: random.Random) -> None:
         with sessions() as session:  # the seeded adapters (1-12) are never deleted
-            search(engine, session, str(rng.randint(1, 12)), 5, None, {}, rng.choice(("module", "dw", "sketch")))
+            search(engine, session, StoredId(rng.randint(1, 12)), 5, None, {}, rng.choice(("module", "dw", "sketch")))
 
     def churner(offset: int):  # type: ignore[no-untyped-def]
         ingestor, turn = Ingestor(sessions, blobs, IngestOptions(base_model="tiny")), [offset]
