@@ -10,7 +10,7 @@ those of the matrices the factors represent (not Σ S², which assumes exactly o
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -121,18 +121,20 @@ def fill_blocks(x: Mapping[str, LowRank], others: Sequence[Mapping[str, LowRank]
 def _keep(x: LowRank, y: LowRank, UU: np.ndarray, VV: np.ndarray, value: float | None) -> None:
     """Keep a pair's blocks (and inner product, once known) on both updates, each entry with a weak reference that says
     it is still of that update (an id is reused once its update is gone) and drops the entry when that update goes."""
-    x._inners[id(y)] = (weakref.ref(y, _dropper(x, id(y))), UU, VV, value)
-    y._inners[id(x)] = (weakref.ref(x, _dropper(y, id(x))), UU.T, VV.T, value)
+    x._inners[id(y)] = (weakref.ref(y, _dropper(x, "_inners", id(y))), UU, VV, value)
+    y._inners[id(x)] = (weakref.ref(x, _dropper(y, "_inners", id(x))), UU.T, VV.T, value)
 
 
-def _dropper(holder: LowRank, key: int) -> Callable[[weakref.ref[LowRank]], None]:
-    """A callback that removes `holder`'s entry `key` once the update it names is gone (holding `holder` weakly)."""
+def _dropper(holder: LowRank, table: str, key: Hashable) -> Callable[[weakref.ref[LowRank]], None]:
+    """A callback that removes entry `key` of `holder`'s kept blocks (its attribute `table`: `_inners` or `_groups`)
+    once the update it names is gone (holding `holder` weakly)."""
     held = weakref.ref(holder)
 
     def drop(ref: weakref.ref[LowRank]) -> None:
         h = held()
-        if h is not None and (entry := h._inners.get(key)) is not None and entry[0] is ref:
-            del h._inners[key]
+        entries = getattr(h, table) if h is not None else {}
+        if (entry := entries.get(key)) is not None and entry[0] is ref:
+            del entries[key]
 
     return drop
 
@@ -368,19 +370,8 @@ def group_blocks(xs: Sequence[LowRank], ys: Sequence[LowRank]) -> tuple[np.ndarr
 
 def _keep_group(xs: Sequence[LowRank], ys: Sequence[LowRank], UU: np.ndarray, VV: np.ndarray) -> None:
     x_ids, y_ids = tuple(map(id, xs)), tuple(map(id, ys))
-    xs[0]._groups[y_ids] = (weakref.ref(ys[0], _group_dropper(xs[0], y_ids)), x_ids, UU, VV)
-    ys[0]._groups[x_ids] = (weakref.ref(xs[0], _group_dropper(ys[0], x_ids)), y_ids, UU.transpose(0, 2, 1), VV.transpose(0, 2, 1))
-
-
-def _group_dropper(holder: LowRank, key: tuple[int, ...]) -> Callable[[weakref.ref[LowRank]], None]:
-    held = weakref.ref(holder)
-
-    def drop(ref: weakref.ref[LowRank]) -> None:
-        h = held()
-        if h is not None and (entry := h._groups.get(key)) is not None and entry[0] is ref:
-            del h._groups[key]
-
-    return drop
+    xs[0]._groups[y_ids] = (weakref.ref(ys[0], _dropper(xs[0], "_groups", y_ids)), x_ids, UU, VV)
+    ys[0]._groups[x_ids] = (weakref.ref(xs[0], _dropper(ys[0], "_groups", x_ids)), y_ids, UU.transpose(0, 2, 1), VV.transpose(0, 2, 1))
 
 
 def _fill_groups(mods: list[list[LowRank]]) -> None:
