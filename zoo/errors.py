@@ -23,6 +23,15 @@ class NotFoundError(ZooError):
     http_status = 404
 
 
+class SpaceNotFoundError(NotFoundError):
+    """An embedding space asked for by name that the zoo does not have; the message lists the ones it has."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        self.known = known
+        super().__init__(f"no embedding space {name!r}; spaces: {', '.join(known) or 'none (run `zoo embed`)'}")
+
+
 class NotReadyError(ZooError):
     """The zoo lacks what the request needs yet (embeddings, a trained W2T, an index): the message says what to run."""
 
