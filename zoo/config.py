@@ -66,6 +66,8 @@ BODY_TIMEOUT_S = Variable("ZOO_BODY_TIMEOUT_S", 120.0, "seconds a client has to 
 IO_TIMEOUT_S = Variable("ZOO_IO_TIMEOUT_S", 30.0, "seconds one socket read or write may take")
 WORKER_CLASS = Variable("ZOO_WORKER_CLASS", "webapp.serve.ZooThreadWorker", "gunicorn's worker class for `zoo serve`")
 WORKER_CONNECTIONS = Variable("ZOO_WORKER_CONNECTIONS", 1000, "connections one `zoo serve` worker holds at most")
+LOG_FORMAT = Variable("ZOO_LOG_FORMAT", "", "json: log lines as JSON objects with the request id (`zoo serve`, `zoo worker`); else text")
+TRUST_REQUEST_ID = Variable("ZOO_TRUST_REQUEST_ID", False, "take a request id from the X-Request-ID header (behind a proxy that sets it)")
 
 #: every ZOO_* setting (docs/settings.md lists them)
 VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool], ...] = (
@@ -73,7 +75,7 @@ VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool
     HUB_MAX_WAIT_S, JOB_LEASE_S, FACET_EXACT_ROWS, PROBE_CACHE_BYTES, MODULE_STORE_BYTES, SPACES_BYTES, EMBED_CHUNK_BYTES,
     MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, MAX_LABELS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS,
     MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE,
-    HEADER_TIMEOUT_S, BODY_TIMEOUT_S, IO_TIMEOUT_S, WORKER_CLASS, WORKER_CONNECTIONS,
+    HEADER_TIMEOUT_S, BODY_TIMEOUT_S, IO_TIMEOUT_S, WORKER_CLASS, WORKER_CONNECTIONS, LOG_FORMAT, TRUST_REQUEST_ID,
 )  # fmt: skip
 
 #: full checkpoints stored as deltas: the fewest components keeping this share of each delta's energy ...
