@@ -1,6 +1,6 @@
 """README.md as a newcomer's front door: CI runs its install line and test command as written, it stays short,
-every `zoo` command it or `zoo quickstart` suggests exists, and the manual's command list names every command and
-option the parser has."""
+every `zoo` command it or `zoo quickstart` suggests exists, and the manual (docs/commands.md) names every command
+and option the parser has, and none it lacks."""
 
 from __future__ import annotations
 
@@ -77,16 +77,62 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
     return found
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """A parser's sub-commands by name (`zoo jobs add`'s `add` under `jobs`), none when it has none."""
+    found = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(found[0].choices) if found else {}
+
+
+MANUAL = (ROOT / "docs" / "commands.md").read_text()
+
+
 def test_the_manual_lists_every_command_and_option() -> None:
-    """docs/commands.md's command list is where a user looks an option up: none may be missing from it."""
-    manual = (ROOT / "docs" / "commands.md").read_text()
-    block = manual.split("```")[1]
+    """docs/commands.md's command list is where a user looks an option up: no command, sub-command (`zoo jobs add`)
+    or option may be missing from it."""
+    block = MANUAL.split("```")[1]
     lines = [line.split("#", 1)[0] for line in block.splitlines() if line.startswith("zoo ")]
-    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     missing = []
-    for name, sub in commands.choices.items():
+    for name, sub in _subcommands(build_parser()).items():
         text = " ".join(line for line in lines if line.split()[1] == name)
         if not text:
             missing.append(name)
+        missing += [f"{name} {verb}" for verb in _subcommands(sub) if not re.search(rf"(?<![\w-]){verb}(?![\w-])", text)]
         missing += [f"{name} {o}" for o in _options(sub) if o.split(":")[-1] not in text]
     assert not missing, f"docs/commands.md does not list: {', '.join(missing)}"
+
+
+#: Programs other than zoo whose options the manual quotes (`docker compose run --rm`, `ray start --head`).
+OTHER_PROGRAMS = {"python", "python3", "pip", "pytest", "docker", "ray", "curl", "bash", "gunicorn", "nginx", "git"}
+
+
+def _code(text: str) -> list[str]:
+    """The lines of a text's fenced blocks (comments dropped) and its inline code spans."""
+    parts = text.split("```")
+    found = [line.split("#", 1)[0] for part in parts[1::2] for line in part.splitlines()]
+    return found + [span for part in parts[0::2] for span in re.findall(r"`([^`\n]+)`", part)]
+
+
+def _named_options(text: str) -> list[str]:
+    return re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
+
+
+def test_the_manual_names_no_option_the_parser_lacks() -> None:
+    """An option the manual names must be one the parser takes: in a `zoo COMMAND ...` line, one of that command's
+    (or a global one); in prose, one of some command's. A renamed or removed option shows up here."""
+    parser = build_parser()
+    commands = _subcommands(parser)
+    global_options = {o for o in _options(parser) if ":" not in o} | {"--help"}
+    any_command = global_options | {o.split(":")[-1] for o in _options(parser)}
+    wrong = []
+    for code in _code(MANUAL):
+        words = code.split()
+        if not words or words[0] in OTHER_PROGRAMS:
+            continue
+        allowed = any_command
+        if words[0] == "zoo":
+            name = next((w for w in words[1:] if w in commands), None)
+            allowed = global_options | ({o.split(":")[-1] for o in _options(commands[name])} if name else set())
+        wrong += [f"{code.strip()!r}: {o}" for o in _named_options(code) if o not in allowed]
+    prose = re.sub(r"`[^`\n]+`", "", "".join(MANUAL.split("```")[0::2]))
+    wrong += [f"prose: {o}" for o in _named_options(prose) if o not in any_command]
+    assert not wrong, "docs/commands.md names options the parser does not take:\n" + "\n".join(wrong)
