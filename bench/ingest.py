@@ -3,7 +3,7 @@
 For each backend and worker count, in a fresh database and data dir (PostgreSQL's created and
 dropped here): every adapter of the set is ingested by worker processes (a worker is a process
 running an Ingestor over its share of the files, torch using its share of the cores, as
-`zoo.services.ingest.share_cores` sets it), then the same directory is ingested again (every file a
+`zoo.services.threads.share_cores` sets it), then the same directory is ingested again (every file a
 duplicate, recognized by its SHA-256 before any math), then `zoo embed` embeds the new adapters
 (module sketches) and is timed apart. Each configuration runs --repeats times; the median counts.
 
@@ -75,7 +75,8 @@ def _worker(
     import torch
 
     from zoo.formats import read_adapter
-    from zoo.services.ingest import Ingestor, canonicalize_modules, ingest_source, share_cores
+    from zoo.services.ingest import Ingestor, canonicalize_modules, ingest_source
+    from zoo.services.threads import share_cores
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
@@ -235,12 +236,13 @@ def real_set(kind: str, count: int, layers: int | None, work: Path) -> list[Path
 
 
 def _real_worker(url: str, blob_dir: str, paths: list[Path], out: Queue) -> None:
-    """One worker process (torch on every core, as zoo.services.ingest.share_cores(1) sets it): per adapter, load_file of its
+    """One worker process (torch on every core, as zoo.services.threads.share_cores(1) sets it): per adapter, load_file of its
     weight file, then its ingest; sends back [(bytes, ingest s, load_file s, stage seconds, status, ingest CPU s)] (CPU
     seconds of the process, every thread's: what the ingest costs on a machine that other work does not share)."""
     from safetensors.torch import load_file
 
-    from zoo.services.ingest import Ingestor, share_cores
+    from zoo.services.ingest import Ingestor
+    from zoo.services.threads import share_cores
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
@@ -352,7 +354,8 @@ def _unit_norm(tensors: dict, scale: float) -> dict:
 def run_dense(args: argparse.Namespace) -> dict:
     """--dense: store seconds per adapter in a zoo dense in norms, with stored probe values and without (before 0010)."""
     from zoo.domain.canonical import CanonicalFactors
-    from zoo.services.ingest import Ingestor, share_cores
+    from zoo.services.ingest import Ingestor
+    from zoo.services.threads import share_cores
     from zoo.store.blobs import BlobStore
     from zoo.store.session import make_engine, session_factory
 
@@ -431,7 +434,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes (default: 1 2)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, the median counts (default: %(default)s)")
     p.add_argument(
-        "--threads", type=int, help="torch threads per worker (default: its share of the cores, zoo.services.ingest.share_cores)"
+        "--threads", type=int, help="torch threads per worker (default: its share of the cores, zoo.services.threads.share_cores)"
     )
     p.add_argument("--labels", action="store_true", help="attach the set's labels.csv on both ingests, as quickstart does")
     p.add_argument("--no-embed", dest="embed", action="store_false", help="skip timing zoo embed")

@@ -25,8 +25,9 @@ from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.fingerprint import NamedFactors
 from zoo.errors import NotFoundError, StorageError, UsageError
 from zoo.formats import read_adapter
+from zoo.services.describe import describe
 from zoo.services.export import ExportMeta, export_files, export_zip, file_stem, load_for_export, lora_factors
-from zoo.services.ingest import UNKNOWN_BASE, IngestOptions, Ingestor, canonicalize_modules, describe
+from zoo.services.ingest import UNKNOWN_BASE, IngestOptions, Ingestor, canonicalize_modules
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter
 from zoo.store.repository import get_adapter

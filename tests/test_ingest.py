@@ -20,7 +20,8 @@ from zoo.domain.canonical import canonicalize
 from zoo.domain.fingerprint import DUPLICATE_RTOL, relative_distance
 from zoo.formats import AdapterData, LoraModule, read_adapter
 from zoo.labels import LabelRow
-from zoo.services.ingest import SMALL_ADAPTER_ELEMENTS, IngestOptions, Ingestor, ingest_source, small_work_on_one_thread
+from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
+from zoo.services.threads import SMALL_ADAPTER_ELEMENTS, small_work_on_one_thread
 from zoo.sources import Origin
 from zoo.store.blobs import BlobStore
 from zoo.store.catalog import refresh_search_text

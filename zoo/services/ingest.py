@@ -2,43 +2,30 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypedDict, TypeVar
-
-import torch
-from sqlalchemy import Connection, bindparam, insert, select
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
+from typing import TypedDict
 
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK
-from zoo.domain.base_models import contradiction, guess_base_model
-from zoo.domain.canonical import CanonicalFactors, canonicalize_modules, pick_device
-from zoo.domain.fingerprint import DUPLICATE_RTOL, Sketch, canonical_hash, sketch, structure_hash
-from zoo.domain.spectra import Spectrum, spectrum_from_singular_values
-from zoo.domain.transforms import FactorSummary
+from zoo.domain.base_models import guess_base_model
+from zoo.domain.canonical import canonicalize_modules, pick_device
+from zoo.domain.fingerprint import DUPLICATE_RTOL
 from zoo.errors import InputError, UsageError
-from zoo.formats import LORA_FORMATS, AdapterData, RawAdapter, adapter_name, layer_index, module_type, open_adapter, parse_adapter
-from zoo.formats.limits import MAX_ADAPTER_NAME
-from zoo.labels import LabelRow, source_labels
-from zoo.services.file_parts import FileParts, file_parts, max_head_bytes, needs_file
+from zoo.formats import LORA_FORMATS, RawAdapter, adapter_name, open_adapter, parse_adapter
+from zoo.labels import LabelRow
+from zoo.services.describe import Described, ModuleRow, apply_origin, describe, kept_parts, resolve_base_model
+from zoo.services.threads import one_torch_thread, small_work_on_one_thread
 from zoo.sources import Origin, hub
 from zoo.store import jobs, repository
+from zoo.store.adapters import adapter_exists, insert_adapter, previous_version, space_schema, stored_revision
 from zoo.store.blobs import BlobStore, BlobWriter, StagedBlob
-from zoo.store.catalog import write_search_text
 from zoo.store.duplicates import stored_duplicate
+from zoo.store.errors import DatabaseError, driver_message, retry_conflicts
 from zoo.store.labels import write_labels
 from zoo.store.locks import store_locks
-from zoo.store.models import UNKNOWN_BASE, Adapter, EmbeddingSpace, Label, Measurement, Module  # noqa: F401 - UNKNOWN_BASE: tests import it here
-from zoo.store.repository import ModuleFields
-from zoo.store.session import write_transaction
-
-T = TypeVar("T")
+from zoo.store.models import UNKNOWN_BASE, Adapter  # noqa: F401 - UNKNOWN_BASE: tests import it here
+from zoo.store.session import Connection, Session, Sessions, autocommit_reads, write_transaction
 
 
 @dataclass(frozen=True)
@@ -82,169 +69,6 @@ class IngestResult:
         return asdict(self)
 
 
-def share_cores(processes: int) -> int:
-    """Give this process's torch its share of the machine's cores when `processes` ingest processes run on it at
-    once (at least one thread): more intra-op threads than cores make every small kernel wait for descheduled
-    threads. Returns the thread count."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cores // max(1, processes))
-    torch.set_num_threads(threads)
-    return threads
-
-
-#: adapters with fewer factor (or matrix) elements than this are described on one torch thread: their kernels are too
-#: small to share out, and waking a thread pool costs more than the work (on a busy machine, ten times more)
-SMALL_ADAPTER_ELEMENTS = 1 << 20
-
-
-@contextmanager
-def one_torch_thread(when: bool = True) -> Iterator[None]:
-    """Run the block on one torch thread (when `when`), restoring the thread count after: for loops of small
-    per-module kernels, each of which would otherwise hand its work to the intra-op thread pool and wait for its
-    threads (on a busy machine a 2-thread kernel of a few MB measured 100 times slower than on one thread). Torch's
-    setting is per process: another thread's large adapter meanwhile runs slower, not wrong."""
-    before = torch.get_num_threads()
-    if before == 1 or not when:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def small_work_on_one_thread(data: AdapterData) -> contextlib.AbstractContextManager[None]:
-    """Run the block on one torch thread when the adapter is small (see SMALL_ADAPTER_ELEMENTS)."""
-    elements = sum(m.A.numel() + m.B.numel() for m in data.modules) + sum(fm.shape[0] * fm.shape[1] for fm in data.full_matrices)
-    return one_torch_thread(elements < SMALL_ADAPTER_ELEMENTS)
-
-
-class ModuleRow(ModuleFields):
-    """A module table row (without its adapter id), for one bulk insert per adapter."""
-
-    out_features: int
-    in_features: int
-
-
-def _module_row(
-    name: str,
-    kind: str,
-    shape: tuple[int, int],
-    spec: Spectrum,
-    rank: int | None = None,
-    canonical_rank: int | None = None,
-    alpha: float | None = None,
-    scale: float | None = None,
-    transposed: bool = False,
-    kernel: tuple[int, ...] | None = None,
-) -> ModuleRow:
-    """A module's row: its name, shape and spectrum, with its LoRA rank, alpha and scale and a conv module's kernel
-    where it has them."""
-    return {
-        "name": name,
-        "layer_index": layer_index(name),
-        "module_type": module_type(name),
-        "kind": kind,
-        "out_features": shape[0],
-        "in_features": shape[1],
-        "rank": rank,
-        "canonical_rank": canonical_rank,
-        "alpha": alpha,
-        "scale": scale,
-        "transposed": transposed,
-        "kernel": list(kernel) if kernel is not None else None,
-        "singular_values": spec.singular_values,
-        "spectral_norm": spec.spectral_norm,
-        "frobenius_norm": spec.frobenius_norm,
-        "stable_rank": spec.stable_rank,
-        "effective_rank": spec.effective_rank,
-        "power_law_alpha": spec.power_law_alpha,
-        "power_law_xmin": spec.power_law_xmin,
-        "power_law_ks": spec.power_law_ks,
-    }
-
-
-@dataclass
-class _Described:
-    """An adapter ready to store: its row, its module rows and, for LoRA-like updates, its canonical factors and
-    their sketch (the blob is staged after: see Ingestor._ingest)."""
-
-    adapter: Adapter
-    modules: list[ModuleRow]
-    factors: list[tuple[str, CanonicalFactors]]
-    sketch: Sketch | None
-
-
-def describe(
-    data: AdapterData,
-    source_uri: str,
-    base_model: str,
-    canonical: list[CanonicalFactors],
-    kernels: Mapping[str, tuple[int, ...]] | None = None,
-) -> _Described:
-    """Spectra, hashes and rows of a read adapter from its modules' canonical factors (module by module, on one
-    torch thread: see one_torch_thread), with its conv modules' `kernels` (zoo.services.file_parts); no database access."""
-    with one_torch_thread(bool(data.modules)):
-        return _describe(data, source_uri, base_model, canonical, kernels or {})
-
-
-def _describe(
-    data: AdapterData, source_uri: str, base_model: str, canonical: list[CanonicalFactors], kernels: Mapping[str, tuple[int, ...]]
-) -> _Described:
-    factors: list[tuple[str, CanonicalFactors]] = []
-    rows: list[ModuleRow] = []
-    if data.modules:
-        for m, f in zip(data.modules, canonical, strict=True):
-            factors.append((m.name, f))
-            rows.append(
-                _module_row(
-                    m.name,
-                    m.kind,
-                    (int(f.U.shape[0]), int(f.V.shape[0])),
-                    spectrum_from_singular_values(f.S.numpy()),
-                    rank=m.rank,
-                    canonical_rank=f.rank,
-                    alpha=m.alpha,
-                    scale=m.scale,
-                    transposed=m.transposed,
-                    kernel=kernels.get(m.name),
-                )
-            )
-        shapes = [(n, int(f.U.shape[0]), int(f.V.shape[0])) for n, f in factors]
-        summary = FactorSummary.of({m.name: m for m in data.modules}, dict(factors)).as_json()
-        sk = sketch(factors)
-        chash, dw_norm = canonical_hash(factors, sk.fingerprint), sk.norm
-    else:
-        rows.extend(_module_row(fm.name, "full", fm.shape, fm.spectrum) for fm in data.full_matrices)
-        shapes = [(fm.name, *fm.shape) for fm in data.full_matrices]
-        chash, dw_norm, sk, summary = data.file_sha256, None, None, None  # nothing to canonicalize: identical files are the duplicates
-    config = data.config
-    adapter = Adapter(
-        name=adapter_name(data.path),
-        source_uri=source_uri,
-        base_model=base_model,
-        format=data.format,
-        rank=config.get("r"),
-        alpha=config.get("lora_alpha"),
-        target_modules=config.get("target_modules"),
-        task_type=config.get("task_type"),
-        canonical_hash=chash,
-        structure_hash=structure_hash(shapes),
-        dw_norm=dw_norm,
-        dw_probes=sk.raw if sk else None,
-        file_sha256=data.file_sha256,
-        size_bytes=data.size_bytes,
-        factors_blob=None,
-        factor_summary=summary,
-        config=config,
-        file_metadata=data.metadata,
-        extra_tensors=data.extra_tensors,
-        notes=data.notes,
-    )
-    return _Described(adapter, rows, factors, sk)
-
-
 class Ingestor:
     """Ingests sources one at a time into one database and blob store.
 
@@ -254,7 +78,7 @@ class Ingestor:
 
     def __init__(
         self,
-        sessions: sessionmaker[Session],
+        sessions: Sessions,
         blobs: BlobStore,
         options: IngestOptions | None = None,
         record_duplicates_as: str | None = None,
@@ -283,8 +107,8 @@ class Ingestor:
             return self._ingest(Path(path), source, labels, origin, timings)
         except InputError as exc:
             return IngestResult(source, "failed", error=str(exc), timings=timings)
-        except SQLAlchemyError as exc:
-            error = f"{path}: database error ({type(exc).__name__}: {_first_line(getattr(exc, 'orig', None) or exc)})"
+        except DatabaseError as exc:
+            error = f"{path}: database error ({type(exc).__name__}: {_first_line(driver_message(exc))})"
             return IngestResult(source, "failed", error=error, timings=timings)
         except Exception as exc:  # noqa: BLE001 - a batch goes on past any one file
             return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {_first_line(exc)}", timings=timings)
@@ -341,7 +165,7 @@ class Ingestor:
                     apply_origin(described.adapter, origin, labels)
                 head = self.blobs.stage_tensors(parts.head) if parts.head else None
                 lap("describe")
-                result = self._with_retries(self._store, described, labels, blob, head)
+                result = retry_conflicts(self._store, described, labels, blob, head)
             finally:
                 if blob is not None:  # a duplicate's or a failed write's file; once committed there is none left
                     blob.discard()
@@ -361,8 +185,7 @@ class Ingestor:
         copy (`_guessed_copy_base`)."""
         if raw.format is None or (raw.format == "checkpoint" and self.options.base_checkpoint):
             return None
-        with self.sessions() as session:  # reads only: no transaction around them
-            conn = session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+        with autocommit_reads(self.sessions) as conn:  # reads only: no transaction around them
             base_model = base_model or _guessed_copy_base(conn, raw)
             if base_model is None:
                 return None
@@ -373,7 +196,7 @@ class Ingestor:
             same = labels is None or repository.has_labels(conn, match.id, labels.attributes, labels.measurements)
         locks = store_locks(base_model, match.structure_hash, match.dw_norm, DUPLICATE_RTOL)
         attach = labels if labels is not None and not same else None
-        if (attach or self.record_duplicates_as) and not self._with_retries(self._confirm_copy, match.id, locks, attach, source):
+        if (attach or self.record_duplicates_as) and not retry_conflicts(self._confirm_copy, match.id, locks, attach, source):
             return None
         return IngestResult(
             str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path), duplicate_of=match.name
@@ -382,9 +205,8 @@ class Ingestor:
     def stored_revision(self, uri: str, revision: str) -> IngestResult | None:
         """The duplicate result when an adapter of this source at this revision is stored already (answered before
         anything is downloaded), else None."""
-        with self.sessions() as session:
-            row = session.execute(_STORED_REVISION, {"uri": uri, "revision": revision}).first()
-        if row is None or self.record_duplicates_as and not self._with_retries(self._confirm_copy, row.id, [], None, uri):
+        row = stored_revision(self.sessions, uri, revision)
+        if row is None or self.record_duplicates_as and not retry_conflicts(self._confirm_copy, row.id, [], None, uri):
             return None
         note = f"{uri} at revision {revision} is stored already (adapter {row.id}): same revision, nothing downloaded"
         return IngestResult(
@@ -396,7 +218,7 @@ class Ingestor:
         label lock, zoo.store.labels.write_labels) and its source recorded (with `record_duplicates_as`), in one
         transaction; False if the adapter is gone."""
         with write_transaction(self.sessions, *locks) as session:
-            if session.connection().execute(_ADAPTER_EXISTS, {"id": adapter_id}).first() is None:
+            if not adapter_exists(session, adapter_id):
                 return False
             if labels is not None:
                 write_labels(session, adapter_id, labels.attributes, labels.measurements)
@@ -416,28 +238,12 @@ class Ingestor:
         if job is not None:
             self.duplicates_job = job
 
-    def _find_duplicate(self, session: Session, d: _Described) -> repository.Candidate | None:
+    def _find_duplicate(self, session: Session, d: Described) -> repository.Candidate | None:
         """The stored adapter this one is (zoo.store.duplicates.stored_duplicate)."""
         a = d.adapter
         return stored_duplicate(session, self.blobs, a.base_model, a.canonical_hash, a.structure_hash, d.sketch, d.factors)
 
-    def _with_retries(self, write: Callable[..., T], *args: object, attempts: int = 3) -> T:
-        """`write(*args)`, again when a concurrent writer stored the same update or labels first (a unique
-        constraint fired: the next attempt finds it and reports a duplicate, with the labels attached) or
-        when a SQLite database stayed locked past its busy timeout."""
-        for _ in range(attempts - 1):
-            try:
-                return write(*args)
-            except IntegrityError:
-                continue
-            except OperationalError as exc:
-                if "locked" not in str(exc.orig):
-                    raise
-        return write(*args)
-
-    def _store(
-        self, d: _Described, labels: LabelRow | None, blob: BlobWriter | None = None, head: StagedBlob | None = None
-    ) -> IngestResult:
+    def _store(self, d: Described, labels: LabelRow | None, blob: BlobWriter | None = None, head: StagedBlob | None = None) -> IngestResult:
         """One transaction (rows, labels and the search document), serialized with writers of updates it could
         duplicate (see zoo.store.locks.store_locks) so that the duplicate check sees every earlier one's update; a
         duplicate's labels are written under its label lock too (zoo.store.labels.write_labels), and its source
@@ -458,54 +264,23 @@ class Ingestor:
         return IngestResult(a.source_uri, "duplicate", dup.id, dup.canonical_hash, name=a.name, duplicate_of=dup.name)
 
     def _insert(
-        self, session: Session, d: _Described, labels: LabelRow | None, blob: BlobWriter | None, head: StagedBlob | None
+        self, session: Session, d: Described, labels: LabelRow | None, blob: BlobWriter | None, head: StagedBlob | None
     ) -> IngestResult:
         """A new adapter's rows, labels, search document and blobs, in `_store`'s transaction."""
         a = d.adapter
         if a.source_revision is not None:  # a new revision of a stored source is its next version
-            previous = {"uri": a.source_uri, "revision": a.source_revision}
-            a.previous_version_id = session.connection().execute(_PREVIOUS_VERSION, previous).scalar()
+            a.previous_version_id = previous_version(session, a.source_uri, a.source_revision)
         given = {lb.key: lb.value for lb in a.labels} | (labels.attributes if labels else {})
         measured = labels.measurements if labels else {}
-        conn = session.connection()
         if blob is not None:
             a.factors_blob = blob.digest()
         a.head_blob = head.digest if head is not None else None
-        a.id = conn.execute(_INSERT_ADAPTER, {c: getattr(a, c) for c in _ADAPTER_COLUMNS if c in a.__dict__}).scalar_one()
-        _insert_rows(conn, Module, [{**row, "adapter_id": a.id} for row in d.modules])
-        _insert_rows(conn, Label, [{"adapter_id": a.id, "key": k, "value": v, "source": "given"} for k, v in given.items()])
-        _insert_rows(conn, Measurement, [{"adapter_id": a.id, "metric": k, "value": v, "split": "test"} for k, v in measured.items()])
-        write_search_text(conn, a, given)
+        insert_adapter(session, a, d.modules, given, measured)
         if blob is not None:
             self.blobs.commit(blob.staged())
         if head is not None:
             self.blobs.commit(head)
         return IngestResult(a.source_uri, "ingested", a.id, a.canonical_hash, name=a.name)
-
-
-_ADAPTER_COLUMNS = tuple(c.key for c in Adapter.__table__.columns)
-_ADAPTER_EXISTS = select(Adapter.id).where(Adapter.id == bindparam("id"))
-_INSERT_ADAPTER = insert(Adapter.__table__).returning(Adapter.__table__.c.id)
-_STORED_REVISION = (
-    select(Adapter.id, Adapter.canonical_hash, Adapter.name)
-    .where(Adapter.source_uri == bindparam("uri"), Adapter.source_revision == bindparam("revision"))
-    .order_by(Adapter.id.desc())
-    .limit(1)
-)
-#: the newest stored adapter of a source at another revision
-_PREVIOUS_VERSION = (
-    select(Adapter.id)
-    .where(Adapter.source_uri == bindparam("uri"), Adapter.source_revision != bindparam("revision"))
-    .order_by(Adapter.id.desc())
-    .limit(1)
-)
-
-
-def _insert_rows(conn: Connection, model: type[Module | Label | Measurement], rows: Sequence[Mapping[str, object]]) -> None:
-    """Rows of a table in one executemany (psycopg pipelines it; the cheapest way for SQLAlchemy and the driver to
-    send a few dozen rows: a multi-row VALUES statement costs several times the CPU to build and parse)."""
-    if rows:
-        conn.execute(insert(model.__table__), rows)
 
 
 class _Laps:
@@ -545,33 +320,6 @@ def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = Non
     return result
 
 
-def kept_parts(raw: RawAdapter, data: AdapterData) -> FileParts:
-    """What an export needs of the read file besides the factors (zoo.services.file_parts): a PEFT head and conv
-    kernels; a head past ZOO_MAX_HEAD_BYTES is noted on the adapter, not stored."""
-    kinds = {m.name: m.kind for m in data.modules}
-    if not needs_file(data.format, kinds, list(data.extra_tensors)):
-        return FileParts(None, {})
-    convs = {m.name: m.shape[1] for m in data.modules if m.kind == "conv"}
-    parts = file_parts(raw, data.format, convs, list(data.extra_tensors), max_head_bytes())
-    if parts.why_not:
-        data.notes.append(f"the head ({len(data.extra_tensors)} tensors that are not LoRA factors) is not stored: {parts.why_not}")
-    return parts
-
-
-def resolve_base_model(data: AdapterData, named: tuple[str, str] | None) -> tuple[str, list[str]]:
-    """The base model to store an adapter under, and warnings. Named (with who named it): that name, as given, with a
-    warning when the module shapes name another known family (zoo.domain.base_models.contradiction); not named: the
-    family its shapes name (or its own `unknown-<hash>` space), noted on the adapter as guessed."""
-    shapes = [(m.name, *m.shape) for m in data.modules] or [(fm.name, *fm.shape) for fm in data.full_matrices]
-    guess = guess_base_model(shapes)
-    if named is None:
-        data.notes.append(guess.describe())
-        return guess.base_model, []
-    base_model, by = named
-    why = contradiction(base_model, guess)
-    return base_model, [f"{data.path}: {why} (named by {by}; stored under {base_model!r} as named)"] if why else []
-
-
 def _guessed_copy_base(conn: Connection, raw: RawAdapter) -> str | None:
     """The base model guessed for a stored copy of these files (same weight file, same format), read from its stored
     module shapes: the same bytes have the same modules, so the guess for these files, before their tensors are read."""
@@ -579,24 +327,10 @@ def _guessed_copy_base(conn: Connection, raw: RawAdapter) -> str | None:
     return next((base for base, shapes in copies if guess_base_model(shapes).base_model == base), None)
 
 
-def apply_origin(a: Adapter, origin: Origin, labels: LabelRow | None = None) -> None:
-    """Copy what the source said onto the adapter row, with the given labels it implies (zoo.labels.source_labels:
-    stored with a new adapter only, never over a stored one's)."""
-    a.source_uri, a.source_revision, a.author = origin.uri, origin.revision, origin.author
-    if origin.name:
-        a.name = origin.name[:MAX_ADAPTER_NAME]
-    a.license, a.tags, a.card = origin.license, list(origin.tags) or None, origin.card
-    a.source_metadata = dict(origin.metadata)
-    a.labels = [Label(key=k, value=v, source="given") for k, v in source_labels(origin.metadata, labels).items()]
-
-
-_SPACE_SCHEMA = select(EmbeddingSpace.schema).where(EmbeddingSpace.base_model == bindparam("base_model")).limit(1)
-
-
 def check_space_fits(session: Session, a: Adapter, modules: list[ModuleRow]) -> None:
     """Refuse an adapter whose module shapes conflict with the embedding space of its base model (it
     would break embedding and training for the whole space)."""
-    schema = session.connection().execute(_SPACE_SCHEMA, {"base_model": a.base_model}).scalar()
+    schema = space_schema(session, a.base_model)
     if not schema or not modules:
         return
     known = {str(n): (int(o), int(i)) for n, o, i in schema["modules"]}
@@ -610,6 +344,6 @@ def check_space_fits(session: Session, a: Adapter, modules: list[ModuleRow]) -> 
             )
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException | str) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else ""

@@ -92,7 +92,7 @@ BATCH = 32
 #: ONE_BLAS_THREAD: the detectors' products are of a few MB each (k·r columns of factors thousands of rows long), and on
 #: a busy machine (load 5 on 2 cores) two BLAS threads took 69 s for one adapter's find_relations at Llama-3-8B's widths
 #: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as
-#: zoo.services.ingest.one_torch_thread does for torch)
+#: zoo.services.threads.one_torch_thread does for torch)
 #: the step's first-generation threshold for Python's cyclic garbage collector (the default is 700): the detectors keep
 #: each pair of updates' blocks per module (zoo.domain.lowrank.blocks), tens of thousands of small tuples, weak
 #: references and callbacks an SDXL neighbourhood (418 modules a pair), which every collection traverses: a fifth of

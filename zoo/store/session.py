@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from alembic import command
 from alembic.config import Config
@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 SQLITE_BUSY_MS = 60_000
 #: execution option marking a write transaction (see write_transaction)
 WRITE_OPTION = "zoo_write"
+
+
+#: a factory of sessions on one database: what code outside the store holds and hands to store functions
+Sessions: TypeAlias = sessionmaker[Session]
 
 
 #: every engine made in this process, so that a forked child can drop the connections it inherited
@@ -92,12 +96,17 @@ def _make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
-def session_factory(url: str) -> sessionmaker[Session]:
+def session_factory(url: str) -> Sessions:
     return sessionmaker(bind=make_engine(url), expire_on_commit=False)
 
 
+def shown_url(url: str) -> str:
+    """The database URL as messages show it: its password hidden."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
 @contextmanager
-def write_transaction(sessions: sessionmaker[Session], *lock_keys: str) -> Iterator[Session]:
+def write_transaction(sessions: Sessions, *lock_keys: str) -> Iterator[Session]:
     """A session in one write transaction, committed at the end, serialized against other writers
     holding any of `lock_keys`: PostgreSQL takes a transaction-level advisory lock per key; SQLite
     begins IMMEDIATE (one writer at a time, others wait up to the busy timeout)."""
@@ -105,6 +114,13 @@ def write_transaction(sessions: sessionmaker[Session], *lock_keys: str) -> Itera
         session.connection(execution_options={WRITE_OPTION: True})
         take_locks(session, *lock_keys)
         yield session
+
+
+@contextmanager
+def autocommit_reads(sessions: Sessions) -> Iterator[Connection]:
+    """A connection for reads only, each statement on its own (no transaction held around them)."""
+    with sessions() as session:
+        yield session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
 
 
 def read_snapshot(session: Session) -> Session:
@@ -147,4 +163,4 @@ def require_schema(url: str) -> None:
     current, head = current_revision(url), head_revision(url)
     if current != head:
         state = "not initialized" if current is None else f"at schema {current}, this zoo needs {head}"
-        raise ZooError(f"database {make_url(url).render_as_string(hide_password=True)} is {state}: run `zoo init`")
+        raise ZooError(f"database {shown_url(url)} is {state}: run `zoo init`")
