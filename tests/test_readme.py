@@ -86,6 +86,17 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 MANUAL = (ROOT / "docs" / "commands.md").read_text()
 
 
+def test_every_command_but_serve_takes_json() -> None:
+    """README promises `--json` on every command but `zoo serve`: for scripts, one JSON answer instead of text."""
+    lacking = []
+    for name, sub in _subcommands(build_parser()).items():
+        for verb, leaf in (_subcommands(sub) or {"": sub}).items():
+            if "--json" not in [o for a in leaf._actions for o in a.option_strings]:
+                lacking.append(f"{name} {verb}".strip())
+    assert "all but `zoo serve` take `--json`" in README
+    assert lacking == ["serve"]
+
+
 def test_the_manual_lists_every_command_and_option() -> None:
     """docs/commands.md's command list is where a user looks an option up: no command, sub-command (`zoo jobs add`)
     or option may be missing from it."""
