@@ -16,7 +16,7 @@ from zoo.store.session import require_schema
 def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     """The app for one database and data dir (config keys ZOO_DATABASE_URL, ZOO_DATA_DIR, ZOO_IMPORT_ROOT,
     ZOO_MAX_UPLOAD_BYTES, ZOO_READ_TOKEN_REQUIRED, ZOO_TIME_LIMIT_S; else the environment)."""
-    from webapp import errors, schemas, security
+    from webapp import errors, metrics, request_ids, schemas, security
     from webapp.api import api
     from webapp.context import WebConfig, ZooContext, close_session
     from webapp.ui import ui
@@ -44,6 +44,8 @@ def create_app(config: Mapping[str, object] | None = None) -> APIFlask:
     app.teardown_appcontext(close_session)
     errors.register(app)
     security.register(app)  # read tokens, security headers, no server path in a response
+    metrics.register(app)  # GET /metrics, each request timed
+    request_ids.register(app)  # each request's id: in its response, its log lines and the jobs it makes
     app.register_blueprint(api)
     app.register_blueprint(ui)
     security.check_declared(app)  # every route declares the scope it needs, or is open: else the app does not start

@@ -28,6 +28,7 @@ from zoo import config, deadline, memory
 from zoo.config import Settings
 from zoo.deadline import TimeLimitError
 from zoo.errors import ZooError
+from zoo.metrics import metrics
 from zoo.store.blobs import BlobStore
 from zoo.store.session import read_snapshot, session_factory
 
@@ -52,8 +53,11 @@ class BusyError(ZooError):
 class CallPool:
     """`workers` threads for expensive calls and at most `queue` calls waiting; see the module's doc."""
 
-    def __init__(self, workers: int, queue: int, time_limit_s: float) -> None:
+    def __init__(self, workers: int, queue: int, time_limit_s: float, name: str = "calls") -> None:
         self.workers, self.queue, self.time_limit_s = workers, queue, time_limit_s
+        self.name = name  # the pool's label in the metrics (zoo/metrics.py)
+        metrics().pool_calls.labels(name)  # reported from the start, at 0
+        metrics().pool_refused.labels(name)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zoo-call")
         self._slots = threading.BoundedSemaphore(workers + queue)
         self._lock = threading.Lock()
@@ -62,16 +66,19 @@ class CallPool:
     def _release(self) -> None:
         with self._lock:
             self.running -= 1
+        metrics().pool_calls.labels(self.name).dec()
         self._slots.release()
 
     def run(self, fn: Callable[[], T]) -> T:
         """fn() in the pool under the deadline; BusyError when the pool is full, TimeLimitError past the limit."""
         if not self._slots.acquire(blocking=False):
+            metrics().pool_refused.labels(self.name).inc()
             retry = max(1, math.ceil(self.time_limit_s * (self.queue + self.workers) / self.workers / 4))
             raise BusyError(f"the server is busy with {self.workers + self.queue} expensive calls; try again in {retry} s", retry)
         end = time.monotonic() + self.time_limit_s
         with self._lock:
             self.running += 1
+        metrics().pool_calls.labels(self.name).inc()
 
         def call() -> T:
             try:
@@ -145,8 +152,8 @@ class ZooContext:
     def open(cls, settings: Settings, web: WebConfig) -> ZooContext:
         sessions = session_factory(settings.database_url)
         blobs = BlobStore(settings.blob_dir)
-        pool = CallPool(web.call_workers, web.call_queue, web.time_limit_s)
-        searches = CallPool(web.call_workers, web.call_queue, web.time_limit_s)
+        pool = CallPool(web.call_workers, web.call_queue, web.time_limit_s, "calls")
+        searches = CallPool(web.call_workers, web.call_queue, web.time_limit_s, "searches")
         return cls(settings, web, sessions, blobs, QueryEngine(sessions, blobs, settings.data_dir), pool, searches)
 
     def limited(self, fn: Callable[[], T], pool: CallPool | None = None) -> T:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from webapp.context import db, zoo_context
-from zoo import memory
+from zoo import logs, memory
 from zoo.errors import UsageError
 from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, drive, work
 from zoo.sources.local import expand_under
@@ -44,6 +44,8 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
     upload_dir = None
     refused: list[tuple[str, str]] = []
     options: JobOptions = {"base_model": base_model}
+    if request_id := logs.REQUEST_ID.get():
+        options["request_id"] = request_id  # the items' log lines carry it, in any worker (zoo/logs.py)
     if files:
         upload_dir = ctx.settings.data_dir / "uploads" / uuid.uuid4().hex
         upload_dir.mkdir(parents=True)

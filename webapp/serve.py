@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import selectors
 import socket
 import tempfile
@@ -29,7 +30,7 @@ from gunicorn.app.base import BaseApplication
 from gunicorn.http.errors import NoMoreData
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
-from zoo import config
+from zoo import config, logs, metrics
 from zoo.config import Settings
 
 if TYPE_CHECKING:
@@ -312,7 +313,17 @@ def serve(settings: Settings, host: str, port: int, workers: int, threads: int =
         # the same socket and stopping one deleted the other's; zoo does not use it
         "control_socket_disable": True,
     }
+    if logs.json_logs():  # JSON lines from the master and the workers; the app logs each request with its id
+        options.update(logconfig_dict=logs.gunicorn_logconfig(), accesslog=None)
     from webapp.security import gunicorn_errors_as_json
 
     gunicorn_errors_as_json()  # what gunicorn refuses itself (414, 431, 400) in the API's JSON error shape, in every worker
-    ZooServer(settings, options).run()
+    # every worker counts into one directory, so that a scrape of any of them reports all (zoo/metrics.py); set before
+    # any process imports prometheus-client
+    made = not os.environ.get(metrics.MULTIPROC_ENV)
+    metrics_dir = metrics.use_multiprocess_dir("serve")
+    options["child_exit"] = lambda _server, worker: metrics.process_exited(worker.pid)
+    try:
+        ZooServer(settings, options).run()
+    finally:
+        metrics.clear_multiprocess_dir(metrics_dir, made)

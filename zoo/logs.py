@@ -83,21 +83,17 @@ def json_logs() -> bool:
 
 
 def configure() -> bool:
-    """Under ZOO_LOG_FORMAT=json, send every record of level INFO and up to stderr as JSON lines (the root logger's one
-    handler; gunicorn's error log too). Returns whether it did; called again, it changes nothing more."""
+    """Under ZOO_LOG_FORMAT=json, send every record of level INFO and up to stderr as JSON lines (a handler on the root
+    logger; under `zoo serve`, gunicorn's logconfig_dict does it instead). Returns whether it did; called again, it adds
+    nothing more."""
     if not json_logs():
         return False
     root = logging.getLogger()
     if not any(isinstance(h.formatter, JsonFormatter) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter())
-        for old in list(root.handlers):
-            root.removeHandler(old)
         root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    for name in ("gunicorn.error", "gunicorn.access"):  # gunicorn's own lines through the same handler
-        logging.getLogger(name).handlers.clear()
-        logging.getLogger(name).propagate = True
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))
     return True
 
 

@@ -50,8 +50,9 @@ class Metrics:
 def metrics() -> Metrics:
     """This process's metrics, made at first use (after PROMETHEUS_MULTIPROC_DIR is set, where it is), in no registry:
     a scrape builds its own (`registry`)."""
-    from prometheus_client import Counter, Gauge, Histogram
+    from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
+    disable_created_metrics()  # no `_created` series beside each counter: nothing here reads them
     return Metrics(
         requests=Histogram(
             "zoo_http_request_duration_seconds",
@@ -106,9 +107,10 @@ def registry() -> CollectorRegistry:
 
 def exposition(reg: CollectorRegistry) -> tuple[bytes, str]:
     """The registry in Prometheus's text format, and its content type."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-    return generate_latest(reg), CONTENT_TYPE_LATEST
+    return generate_latest(reg), CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads
 
 
 def use_multiprocess_dir(purpose: str) -> Path:

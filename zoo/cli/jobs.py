@@ -118,12 +118,17 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from zoo import logs, metrics
     from zoo.runners.worker import WorkerOptions, run_worker
     from zoo.store.jobs import get_job
 
     require_schema(settings.database_url)
     if args.concurrency < 1 or args.embed_every < 1:
         raise UsageError("--concurrency and --embed-every must be at least 1")
+    logs.configure()
+    if args.metrics_port is not None:  # this process's and its workers' counts, on their own port (zoo/metrics.py)
+        metrics.use_multiprocess_dir("worker")
+        metrics.serve_metrics(args.metrics_port, args.metrics_host)
     if args.job is not None:
         with session_factory(settings.database_url)() as session:
             get_job(session, args.job, items=False)
@@ -206,4 +211,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--embed-every", type=int, default=64, metavar="N", help="embed after every N new adapters (default: %(default)s)")
     s.add_argument("--device", help="torch device for canonicalization (default: cuda if available, else cpu)")
     s.add_argument("--json", action="store_true", help="no progress bar; print a JSON summary at the end")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics (items, bytes and adapters embedded, memory) on http://HOST:PORT/metrics (default: none)",
+    )
+    s.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="the address of --metrics-port (default: %(default)s)")
     s.set_defaults(func=cmd_worker)

@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, Protocol, TypedDict
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm import tqdm
 
+from zoo import logs
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
+from zoo.metrics import metrics, note_resident
 from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.sources.local import escapes
 from zoo.store.blobs import BlobStore
@@ -171,6 +173,28 @@ def process_claim(sessions: sessionmaker[Session], ingestor: Ingestor, claim: Cl
     return Outcome(claim.item_id, claim.job_id, claim.source, state if held else "lost", result.adapter_id, result.error, seconds)
 
 
+def source_bytes(source: str) -> int:
+    """Bytes of a local source on disk (a file, or the files of a PEFT folder); 0 for a Hub source or one gone."""
+    path = Path(source)
+    try:
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def count_outcome(outcome: Outcome) -> None:
+    """An item's outcome in this process's metrics (zoo/metrics.py) and its log line (with the job's request id)."""
+    counted = metrics()
+    counted.ingest_items.labels(outcome.state).inc()
+    if outcome.state in ("done", "duplicate"):
+        counted.ingest_bytes.inc(source_bytes(outcome.source))
+    note_resident()
+    fields = {"item_id": outcome.item_id, "state": outcome.state, "adapter_id": outcome.adapter_id, "seconds": round(outcome.seconds, 3)}
+    log.info("job %d item %d: %s", outcome.job_id, outcome.item_id, outcome.state, extra=fields)
+
+
 def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator[Outcome | None]:
     """One worker's loop in this thread: claim, ingest, finish; yields each outcome, and None whenever
     it finds nothing to claim. With `drain`, returns once nothing is queued or held by anyone."""
@@ -199,7 +223,9 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
             ingestors[key] = Ingestor(sessions, blobs, ingest_options(claim.options, options.device))
         beat.hold(owner, claim.item_id)
         try:
-            outcome = process_claim(sessions, ingestors[key], claim, owner)
+            with logs.context(claim.options.get("request_id"), claim.job_id):  # the request that made the job, if one did
+                outcome = process_claim(sessions, ingestors[key], claim, owner)
+                count_outcome(outcome)
         finally:
             beat.drop(claim.item_id)
         yield outcome
@@ -229,6 +255,8 @@ class EmbedBatches:
         from embed.service import embed_adapters
 
         done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, ids, self.device)
+        for space, count in done.items():
+            metrics().embedded.labels(space).inc(count)
         self.embedded.update(done)
         self.touched.update(done)
         for base_model in done:
@@ -272,6 +300,7 @@ def _child(settings: Settings, options: WorkerOptions, out: multiprocessing.Queu
     """A worker process: ingests until told to stop or its parent dies (items in hand are finished)."""
     import torch
 
+    logs.configure()  # a spawned process starts with logging unset
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which tells us to stop
     torch.set_num_threads(threads)
     parent = multiprocessing.parent_process()

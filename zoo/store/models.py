@@ -293,6 +293,7 @@ class JobOptions(TypedDict, total=False):
     energy: float
     max_rank: int
     import_root: str  # the web app's: every item's path must stay under it when it is read
+    request_id: str  # the web request that made the job: its items' log lines carry it (zoo/logs.py)
 
 
 class StoredLabels(TypedDict):
