@@ -92,6 +92,13 @@ class CatalogQuery(Filters):
     page = Integer(load_default=1, validate=Range(1, MAX_PAGE))
     per_page = Integer(load_default=DEFAULT_PER_PAGE, validate=Range(1, MAX_PER_PAGE))
     space = String(load_default=None, metadata={"description": "only adapters of this embedding space (its base model)"})
+    semantic = Boolean(
+        load_default=False,
+        metadata={
+            "description": "rank by meaning (the search page's default): q's sentence against each adapter's text and predicted "
+            "attributes, fused with full text, plus weight-space neighbours of the text hits; each result says why it matched"
+        },
+    )
 
 
 class SimilarQuery(Filters):

@@ -14,7 +14,7 @@ from embed.refs import UploadedFile
 from webapp.auth import needs
 from webapp.context import db, zoo_context
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
-from zoo.errors import ZooError
+from zoo.errors import NotReadyError, ZooError
 from zoo.labels import TASK_KEY
 from zoo.limits import DEFAULT_K, DEFAULT_PER_PAGE, MAX_PAGE, MAX_PAGE_K
 from zoo.store import repository
@@ -22,7 +22,7 @@ from zoo.store.catalog import FACET_VALUES, FacetValue
 from zoo.store.filters import facet_filter_name
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
+    from zoo.store.session import Session
 
 ui = APIBlueprint("ui", __name__, enable_openapi=False)
 ui.url_value_preprocessor(ids_in_range)
@@ -42,6 +42,7 @@ def _filters_from_args() -> list[str]:
 @ui.get("/")
 @needs("read")
 def search_page() -> str:
+    from embed.text_search import search_by_meaning
     from zoo.store.catalog import search_catalog
 
     filters = _filters_from_args()
@@ -49,8 +50,15 @@ def search_page() -> str:
     page = min(max(1, request.args.get("page", 1, type=int) or 1), MAX_PAGE)  # an offset the database can hold
     sort = request.args.get("sort") or None  # the page keeps this, not found["sort"]: a resolved default would stick to later searches
     chosen = space_filters(db(), space, repository.parse_filters(filters))
-    found = search_catalog(db(), request.args.get("q") or None, chosen, sort, page, DEFAULT_PER_PAGE)
-    args: dict[str, Any] = request.args.to_dict(flat=False)
+    semantic = request.args.get("semantic", "1") != "0"  # by meaning unless asked for exact words
+    q, notice = request.args.get("q") or None, None
+    try:
+        found = search_by_meaning(db(), zoo_context().engine, q, chosen, sort, page, DEFAULT_PER_PAGE) if semantic else None
+    except NotReadyError as exc:  # no sentence encoder here: the words alone
+        found, notice = None, str(exc)
+    if found is None:
+        found = search_catalog(db(), q, chosen, sort, page, DEFAULT_PER_PAGE)
+    args: dict[str, Any] = {**request.args.to_dict(flat=False), "semantic": "1" if semantic else "0"}
     twin = url_for("api.adapters", **args)
     major, minor = facet_groups({k: v for k, v in found["facets"].items() if not (space and k == "base_model")})  # the space names it
     spaces = space_choices(service.space_names(db()), found["facets"].get("base_model", []))
@@ -66,6 +74,8 @@ def search_page() -> str:
         names=names,
         space=space,
         spaces=spaces,
+        semantic=semantic,
+        notice=notice,
     )
 
 

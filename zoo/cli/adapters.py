@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from zoo.cli.jobs import add_ray_arguments, queue_job, run_job_on_ray
 from zoo.cli.render import human, label_columns, lineage_lines, plural, print_json, table
-from zoo.cli.spaces import blob_store
+from zoo.cli.spaces import blob_store, query_engine
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow, assign_rows, read_labels_csv
@@ -121,8 +121,14 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
     filters = repository.parse_filters(args.filter)
     if args.base_model:
         filters.setdefault("base_model", args.base_model)
-    with session_factory(settings.database_url)() as session:
-        found = search_catalog(session, args.query, filters, args.sort, args.page, args.per_page)
+    sessions = session_factory(settings.database_url)
+    with sessions() as session:
+        if args.semantic:
+            from embed.text_search import search_by_meaning
+
+            found = search_by_meaning(session, query_engine(settings, None), args.query, filters, args.sort, args.page, args.per_page)
+        else:
+            found = search_catalog(session, args.query, filters, args.sort, args.page, args.per_page)
     if args.json:
         print_json(found)
         return 0
@@ -134,6 +140,8 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
             print("no adapters match" if args.query or filters else "no adapters yet: add some with `zoo ingest PATH`")
         return 0
     print("\n".join(list_lines(rows)))
+    if found.get("semantic"):
+        print("why:\n" + "\n".join(f"  {r['id']}: {', '.join(r.get('why', []))}" for r in rows))
     pages = -(-total // args.per_page)
     if pages > 1:
         print(f"page {args.page} of {pages} ({plural(total, 'adapter')}, sorted by {found['sort']}): --page N for another")
@@ -355,6 +363,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "words are AND-ed, punctuated words are phrases (task=even, digits-vit-00012), the last word is a prefix.",
     )
     s.add_argument("--query", "-q", metavar="TEXT", help="free text")
+    s.add_argument(
+        "--semantic",
+        action="store_true",
+        help="rank by meaning: the query's sentence against the adapters' text and predicted attributes, fused with full text, "
+        "plus weight-space neighbours of the text hits (needs the `text` extra); each result says why it matched",
+    )
     s.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE", help=FILTER_HELP)
     s.add_argument("--base-model", metavar="NAME", help="same as --filter base_model=NAME")
     s.add_argument("--sort", choices=SORTS, help="default: relevance with --query, else newest")

@@ -19,7 +19,7 @@ import json
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from sqlalchemy import (
     CTE,
@@ -454,6 +454,7 @@ class FacetValue(TypedDict):
 class CatalogHit(repository.AdapterSummary):
     labels: dict[str, str]  # given labels
     tags: list[str]
+    why: NotRequired[list[str]]  # a search by meaning: why it matched ("text", "predicted task=x (p=0.83)", "near #N")
 
 
 class CatalogPage(TypedDict):
@@ -468,6 +469,7 @@ class CatalogPage(TypedDict):
     approximate: bool
     results: list[CatalogHit]
     facets: dict[str, list[FacetValue]]
+    semantic: NotRequired[bool]  # ranked by meaning (embed/text_search.py): the total counts the ranked adapters
 
 
 def _facet_values(counts: dict[Any, int]) -> list[FacetValue]:
@@ -541,7 +543,7 @@ def search_catalog(
         within, scale = _sample(session)
         rows = session.execute(_facets_statement(dialect, phrases, filters, within, through)).all()
     total, facets = _read_facets(rows, scale)
-    results: list[CatalogHit] = [{**repository.adapter_summary(a), "labels": labels[a.id][1], "tags": a.tags or []} for a in adapters]
+    results = [_hit(a, labels[a.id][1]) for a in adapters]
     return {
         "q": q,
         "filters": dict(filters),
@@ -553,3 +555,31 @@ def search_catalog(
         "results": results,
         "facets": facets,
     }
+
+
+def _hit(a: Adapter, labels: dict[str, str]) -> CatalogHit:
+    return {**repository.adapter_summary(a), "labels": labels, "tags": a.tags or []}
+
+
+def ranked_ids(session: Session, q: str | None, filters: Mapping[str, str], limit: int) -> list[int]:
+    """The ids of the `limit` most relevant adapters matching free text `q` and `filters` (none without query words):
+    full text's list in a search by meaning."""
+    phrases = query_phrases(q)
+    if not phrases:
+        return []
+    dialect = session.get_bind().dialect.name
+    stmt, relevance = _restrict(select(Adapter.id), dialect, phrases, filters)
+    return list(session.scalars(stmt.order_by(*_order("relevance", dialect, relevance)).limit(limit)))
+
+
+def filtered_ids(session: Session, filters: Mapping[str, str]) -> list[int]:
+    """The ids of every adapter the filters keep."""
+    dialect = session.get_bind().dialect.name
+    return list(session.scalars(_restrict(select(Adapter.id), dialect, [], filters)[0]))
+
+
+def catalog_hits(session: Session, ids: Sequence[int]) -> list[CatalogHit]:
+    """The catalog's rows of these adapters in this order (ids of deleted adapters left out)."""
+    adapters = {a.id: a for a in session.scalars(select(Adapter).where(Adapter.id.in_(list(ids))))} if ids else {}
+    labels = repository.names_and_labels(session, list(adapters))
+    return [_hit(adapters[i], labels[i][1]) for i in ids if i in adapters]
