@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from zoo.cli import adapters, app, jobs, spaces
+from zoo.cli import adapters, app, jobs, ops, spaces
 from zoo.config import Settings
 from zoo.errors import ZooError
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", metavar="URL", help="database URL (default: $ZOO_DATABASE_URL, else SQLite under the data dir)")
     p.add_argument("--data-dir", metavar="DIR", help="data directory for the blob store (default: $ZOO_DATA_DIR or ~/.local/share/zoo)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (app, adapters, spaces, jobs):
+    for group in (app, adapters, spaces, jobs, ops):
         group.add_commands(sub)
     return p
 
