@@ -6,14 +6,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from sqlalchemy import select as sql_select
-from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from embed.types import SpaceSchema, ZooAdapter
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_cosines, sketch_width
+from zoo.store.adapters import adapters_with_factors, factor_base_models
 from zoo.store.blobs import BlobStore
-from zoo.store.models import Adapter
+from zoo.store.session import Session, Sessions
 
 if TYPE_CHECKING:  # torch: only when a training set is read
     from embed.tokens import Batch, TokenSpec
@@ -22,16 +21,8 @@ if TYPE_CHECKING:  # torch: only when a training set is read
 
 def load_adapters(session: Session, blobs: BlobStore, base_model: str, ids: list[int] | None = None) -> list[ZooAdapter]:
     """Every stored LoRA-like adapter of a base model (only those `ids`, when given), with its given labels and test measurements."""
-    stmt = (
-        sql_select(Adapter)
-        .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
-        .options(selectinload(Adapter.labels), selectinload(Adapter.measurements))
-        .order_by(Adapter.id)
-    )
-    if ids is not None:
-        stmt = stmt.where(Adapter.id.in_(ids))
     out = []
-    for a in session.scalars(stmt):
+    for a in adapters_with_factors(session, base_model, ids):
         assert a.factors_blob is not None  # selected for having one
         out.append(
             ZooAdapter(
@@ -47,9 +38,7 @@ def load_adapters(session: Session, blobs: BlobStore, base_model: str, ids: list
 
 
 def base_models(session: Session) -> list[str]:
-    return list(
-        session.scalars(sql_select(Adapter.base_model).where(Adapter.factors_blob.is_not(None)).distinct().order_by(Adapter.base_model))
-    )
+    return factor_base_models(session)
 
 
 def given_labels(adapter: ZooAdapter) -> bool:
@@ -68,7 +57,7 @@ class TrainingSet:
 
 
 def read_training_set(
-    sessions: sessionmaker[Session],
+    sessions: Sessions,
     blobs: BlobStore,
     base_model: str,
     schema: SpaceSchema,

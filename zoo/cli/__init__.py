@@ -6,12 +6,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
-
 from zoo.cli import adapters, app, jobs, ops, spaces
 from zoo.config import Settings
 from zoo.errors import ZooError
+from zoo.store.errors import UnavailableError
+from zoo.store.session import shown_url
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,9 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`
         sys.stderr.close()
         return 0
-    except OperationalError as exc:
+    except UnavailableError as exc:
         first = str(exc.orig or exc).strip().splitlines()[0]
-        where = make_url(settings.database_url).render_as_string(hide_password=True)
+        where = shown_url(settings.database_url)
         if "database is locked" in first:
             print(
                 f"zoo: error: the SQLite database {where} stayed locked by another writer past the busy timeout; "

@@ -29,7 +29,6 @@ from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
-from sqlalchemy.orm import Session, sessionmaker
 from tqdm import tqdm
 
 from zoo import logs
@@ -50,7 +49,8 @@ from zoo.store.jobs import (
     stranded_items,
 )
 from zoo.store.models import JobOptions
-from zoo.store.session import session_factory
+from zoo.store.session import Sessions, session_factory
+from zoo.store.spaces import find_space
 
 if TYPE_CHECKING:
     from embed.engine import QueryEngine
@@ -97,7 +97,7 @@ def owner_name() -> str:
 class Heartbeat:
     """A daemon thread renewing the leases this process holds, three times per lease."""
 
-    def __init__(self, sessions: sessionmaker[Session], lease_s: float) -> None:
+    def __init__(self, sessions: Sessions, lease_s: float) -> None:
         self.sessions, self.lease_s = sessions, lease_s
         self._held: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -150,7 +150,7 @@ def ingest_options(job_options: JobOptions, device: str | None = None) -> Ingest
     )
 
 
-def process_claim(sessions: sessionmaker[Session], ingestor: Ingestor, claim: Claim, owner: str) -> Outcome:
+def process_claim(sessions: Sessions, ingestor: Ingestor, claim: Claim, owner: str) -> Outcome:
     """Ingest a claimed item and write its outcome (if the lease is still ours)."""
     start = time.perf_counter()
     root = claim.options.get("import_root")
@@ -274,7 +274,6 @@ class EmbedBatches:
             log.warning("relations from the weights in %s: %s", base_model, error)
 
     def flush(self, files: bool = True) -> None:
-        from embed.registry import get_space
         from embed.service import refresh_space_files, unembedded_ids
 
         if self.pending:
@@ -288,7 +287,7 @@ class EmbedBatches:
             if left:
                 self._embed(left)
             with self.sessions() as session:
-                space = get_space(session, base_model)
+                space = find_space(session, base_model)
                 assert space is not None  # embed_adapters named it: the space it embedded them into
                 space_id = space.id
             refresh_space_files(self.sessions, self.blobs, self.settings.data_dir, space_id)

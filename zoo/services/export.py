@@ -33,7 +33,6 @@ from typing import TypeVar
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save
-from sqlalchemy.orm import Session
 
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.fingerprint import NamedFactors
@@ -51,7 +50,7 @@ from zoo.services.source_file import read_source
 from zoo.store import repository
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter, named_base_model
-from zoo.store.session import read_snapshot
+from zoo.store.session import Session, read_snapshot
 
 T = TypeVar("T")
 FORMATS = ("peft", "diffusers", "kohya")
