@@ -124,8 +124,8 @@ def search_dims(data_dir: Path) -> dict[str, dict[str, int]]:
     """Per space, the dimension of each serving embedder's vectors."""
     from sqlalchemy import select
 
-    from embed.registry import serving_embedders
     from zoo.config import Settings
+    from zoo.store.embedders import serving_embedders
     from zoo.store.models import EmbeddingSpace
     from zoo.store.session import session_factory
 

@@ -61,12 +61,13 @@ def zoo_first_stage(data_dir: Path, pools: list[int], widths: list[int], k: int)
     a query (see the module doc)."""
     from embed.dataset import load_adapters
     from embed.engine import GRAM, SKETCH, module_store_path, read_module_store
-    from embed.registry import load_embeddings, serving_embedders
     from embed.service import resolve_space
     from embed.types import SpaceSchema
     from zoo.config import Settings
     from zoo.domain.channels import channel_sketches, exact_cosines
     from zoo.store.blobs import BlobStore
+    from zoo.store.embedders import serving_embedders
+    from zoo.store.embeddings import load_embeddings
     from zoo.store.session import session_factory
 
     settings = Settings.load(None, data_dir)

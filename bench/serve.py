@@ -109,8 +109,9 @@ def _zoo_vectors(
     `optional`, no vectors and None where the space has no such embedder."""
     from sqlalchemy import select
 
-    from embed.registry import active_embedder, load_embeddings
     from embed.service import resolve_space
+    from zoo.store.embedders import active_embedder
+    from zoo.store.embeddings import load_embeddings
     from zoo.store.models import Adapter, Label
     from zoo.store.session import session_factory
 

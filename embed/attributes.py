@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from sqlalchemy import Row, bindparam, func, select
-from sqlalchemy.orm import Session
 
 from embed.lookup import RowLookup
-from zoo.store.models import Adapter, Label
+from zoo.store.label_reads import LabelRow, given_label_rows, given_label_rows_after, given_label_rows_of, last_label_id
+from zoo.store.session import Session
+from zoo.store.space_adapters import adapter_names, space_adapter_names
 
 
 @dataclass
@@ -36,19 +36,6 @@ class LabelColumn:
             self.index[value] = len(self.values)
             self.values.append(value)
         return self.index[value]
-
-
-_NAMES = select(Adapter.id, Adapter.name).where(Adapter.id.in_(bindparam("ids", expanding=True)))
-_LABELS_OF = select(Label.id, Label.adapter_id, Label.key, Label.value).where(
-    Label.source == "given", Label.adapter_id.in_(bindparam("ids", expanding=True))
-)
-_LABELS_AFTER = select(Label.id, Label.adapter_id, Label.key, Label.value).where(Label.source == "given", Label.id > bindparam("mark"))
-_LAST_LABEL = select(func.max(Label.id))
-
-
-def last_label_id(session: Session) -> int:
-    """The largest label row id: one index read (every query asks it)."""
-    return int(session.connection().execute(_LAST_LABEL).scalar() or 0)
 
 
 class AdapterAttributes:
@@ -66,19 +53,13 @@ class AdapterAttributes:
         """The attributes of these adapters of one base model, read in two sequential scans (not by id);
         the mark is read first, so a label written meanwhile is applied by `refresh`."""
         attributes = cls(last_label_id(session))
-        conn = session.connection()
-        rows = conn.execute(select(Adapter.id, Adapter.name).where(Adapter.base_model == base_model).order_by(Adapter.id)).all()
+        rows = space_adapter_names(session, base_model)
         held = np.array([r[0] for r in rows], np.int64)
         keep = np.isin(held, ids)
         attributes.ids = held[keep]
         attributes.names = [r[1] for r, k in zip(rows, keep.tolist(), strict=True) if k]
         attributes._lookup = RowLookup(attributes.ids)
-        stmt = (
-            select(Label.id, Label.adapter_id, Label.key, Label.value)
-            .join(Adapter, Adapter.id == Label.adapter_id)
-            .where(Adapter.base_model == base_model, Label.source == "given")
-        )
-        attributes._apply(conn.execute(stmt).all())
+        attributes._apply(given_label_rows(session, base_model))
         return attributes
 
     def __len__(self) -> int:
@@ -92,9 +73,8 @@ class AdapterAttributes:
         """Load the names and current labels of the adapters not held yet (the mark stays: see refresh)."""
         wanted = np.unique(np.asarray(ids, np.int64))
         new = wanted[self.rows(wanted) < 0].tolist()
-        conn = session.connection()
         for start in range(0, len(new), 10_000):  # IN lists stay small
-            names = dict(conn.execute(_NAMES, {"ids": new[start : start + 10_000]}).all())
+            names = adapter_names(session, new[start : start + 10_000])
             present = [i for i in new[start : start + 10_000] if i in names]
             self.ids = np.concatenate([self.ids, np.asarray(present, np.int64)])
             self.names.extend(names[i] for i in present)
@@ -102,7 +82,7 @@ class AdapterAttributes:
                 column.codes = np.concatenate([column.codes, np.full(len(present), -1, np.int32)])
             self._lookup = RowLookup(self.ids)
             if present:
-                self._apply(conn.execute(_LABELS_OF, {"ids": present}).all())
+                self._apply(given_label_rows_of(session, present))
 
     def drop(self, ids: np.ndarray) -> None:
         """Forget these adapters (deleted): their names and labels leave every lookup and filter."""
@@ -120,12 +100,12 @@ class AdapterAttributes:
         """Apply the label rows written since the mark (one index read when none were)."""
         last = last_label_id(session)
         if last != self.mark:
-            self._apply(session.connection().execute(_LABELS_AFTER, {"mark": self.mark}).all())
+            self._apply(given_label_rows_after(session, self.mark))
             self.mark = last
 
-    def _apply(self, rows: Sequence[Row[int, int, str, str]]) -> None:
+    def _apply(self, rows: Sequence[LabelRow]) -> None:
         """Set label values from (label id, adapter id, key, value) rows in id order: the newest wins."""
-        rows = sorted(rows, key=lambda r: r[0])  # by label id: ints compare fast, SQLAlchemy rows do not (2 s per 100k)
+        rows = sorted(rows, key=lambda r: r[0])  # by label id, the newest last
         where = self.rows(np.array([r[1] for r in rows], np.int64)).tolist() if rows else []
         for (_, _, key, value), row in zip(rows, where, strict=True):
             if row < 0:

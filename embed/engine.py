@@ -8,7 +8,7 @@ Per embedding space it holds, loaded once:
   for the exact module-cosine stage. `zoo embed` writes it while it fits `module_store_budget()`;
   a space without one scores module cosine from the stored module sketches instead.
 
-It learns of new embeddings from the space's version (embed/registry.py): one indexed query per
+It learns of new embeddings from the space's version (zoo/store/spaces.py): one indexed query per
 request; when the version moved, it loads only the rows stamped after the version it has and adds
 them to the indexes (and their factors to the module store), and drops the adapters deleted since (their
 tombstones) from everything it holds by id: indexes, module store, names and labels. Ids are never reused
@@ -33,17 +33,14 @@ from typing import TYPE_CHECKING, TypedDict
 
 import faiss
 import numpy as np
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session, sessionmaker
 from threadpoolctl import threadpool_limits
 
-from embed.attributes import AdapterAttributes, last_label_id
+from embed.attributes import AdapterAttributes
 from embed.calibration import is_sure
 from embed.checkpoint import channel_metrics_of, checkpoint_meta, search_of
 from embed.dense_svd import DenseSVD
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
 from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
-from embed.registry import deleted_since, embedding_ids, iter_embeddings, load_embeddings, serving_embedders, space_version
 from embed.types import SpaceSchema, ZooAdapter
 from zoo import config
 from zoo.domain.channel_metric import ChannelMetric
@@ -59,8 +56,14 @@ from zoo.errors import NotFoundError, NotReadyError, UsageError
 from zoo.files import read_derived, write_derived, write_derived_in_place
 from zoo.limits import MAX_K
 from zoo.store import repository
+from zoo.store.embedders import get_embedder, serving_embedders
+from zoo.store.embeddings import deleted_since, embedded_ids, embedding_ids, iter_embeddings, load_embeddings, stored_count
 from zoo.store.filters import label_key
-from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Module
+from zoo.store.label_reads import last_label_id
+from zoo.store.models import Embedder, EmbeddingSpace
+from zoo.store.session import Session, Sessions, read_snapshot
+from zoo.store.space_adapters import factor_digests, module_ranks
+from zoo.store.spaces import get_space, get_space_by_id, space_version
 
 SKETCH = "module_sketch"
 W2T = "w2t"
@@ -211,17 +214,13 @@ def load_consistent_index(session: Session, path: Path, embedder: Embedder, vers
     return index, meta
 
 
-def stored_count(session: Session, embedder_id: int) -> int:
-    return int(session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder_id)) or 0)
-
-
 def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, space: EmbeddingSpace, rebuild: bool = False) -> str:
     """Write the space's module store (every embedded adapter's factors) while it fits the budget."""
     sketch = serving_embedders(session, space.id).get(SKETCH)
     path = module_store_path(data_dir, space.id)
     if sketch is None:
         return "none (no module sketch embedder)"
-    ids = sorted(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == sketch.id)))
+    ids = sorted(embedded_ids(session, sketch))
     have = None if rebuild else read_module_store(path)
     dropped = 0
     if have is not None:  # rows of adapters deleted since it was written, or no longer embedded, leave it
@@ -277,14 +276,8 @@ def embed_chunk_bytes() -> int:
 
 def module_layout(session: Session, base_model: str, schema: SpaceSchema) -> dict[str, tuple[int, int, int]]:
     """Per module of the space's vocabulary: (out, in, the largest canonical rank stored), from the module table."""
-    stmt = (
-        select(Module.name, Module.out_features, Module.in_features, func.max(Module.canonical_rank))
-        .join(Adapter, Adapter.id == Module.adapter_id)
-        .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
-        .group_by(Module.name, Module.out_features, Module.in_features)
-    )
     known = set(schema.modules)
-    return {str(n): (int(o), int(i), int(r or 0)) for n, o, i, r in session.execute(stmt) if (n, o, i) in known}
+    return {n: (o, i, r) for n, o, i, r in module_ranks(session, base_model) if (n, o, i) in known}
 
 
 def layout_bytes(layout: dict[str, tuple[int, int, int]]) -> int:
@@ -306,7 +299,7 @@ def _over_budget(nbytes: float) -> str:
 
 
 def _factors_of(session: Session, blobs: BlobStore, ids: list[int]) -> list[dict[str, CanonicalFactors]]:
-    digests = dict(session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.id.in_(ids))).all()) if ids else {}
+    digests = factor_digests(session, ids)
     return [dict(blobs.get_factors(str(digests[i]))) for i in ids]
 
 
@@ -583,9 +576,7 @@ def load_w2t(checkpoint: Path, device: str | None) -> W2TEnsemble:
 class QueryEngine:
     """Similar-adapter queries and predictions against one database and data dir; thread-safe."""
 
-    def __init__(
-        self, sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, device: str | None = None, module_stores: bool = True
-    ) -> None:
+    def __init__(self, sessions: Sessions, blobs: BlobStore, data_dir: Path, device: str | None = None, module_stores: bool = True) -> None:
         """`module_stores`: whether spaces hold their module store (the exact stage). An engine that only finds stored
         adapters' neighbours by their vectors (the relation step's: `stored_neighbours`, `stored_vectors`) holds their
         indexes alone, not a module store of up to ZOO_MODULE_STORE_BYTES per space."""
@@ -614,10 +605,7 @@ class QueryEngine:
                 self._spaces.move_to_end(name)
         if state is None:
             with self._snapshot() as snap:
-                row = snap.scalars(select(EmbeddingSpace).where(EmbeddingSpace.name == name)).one_or_none()
-                if row is None:
-                    raise NotFoundError(f"no embedding space {name!r}: run `zoo embed`")
-                state = self._load(snap, row)
+                state = self._load(snap, get_space(snap, name))
             with self._lock:
                 state = self._spaces.setdefault(name, state)
                 self._spaces.move_to_end(name)
@@ -698,15 +686,12 @@ class QueryEngine:
         the commits made since the one before, so an adapter deleted between reading its embedding and its factors'
         digest failed the request (a KeyError, a 500) and the version read could disagree with the rows loaded."""
         with self.sessions() as session:
-            if session.get_bind().dialect.name == "postgresql":
-                session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
-            yield session
+            yield read_snapshot(session)
 
     def _catch_up(self, session: Session, state: SpaceState, version: int) -> None:
         active = {m: e.id for m, e in serving_embedders(session, state.id).items()}
         if active != {m: e.id for m, e in state.embedders.items()}:  # an embedder was trained or replaced
-            row = session.get_one(EmbeddingSpace, state.id)
-            fresh = self._load(session, row)
+            fresh = self._load(session, get_space_by_id(session, state.id))
             state.embedders, state.modules, state.attributes = fresh.embedders, fresh.modules, fresh.attributes
             state.version = fresh.version
             return
@@ -715,7 +700,7 @@ class QueryEngine:
             state.modules = state.modules.without(deleted) if state.modules is not None else None
             state.attributes.drop(deleted)
         for loaded in state.embedders.values():
-            e = session.get_one(Embedder, loaded.id)
+            e = get_embedder(session, loaded.id)
             loaded.index.remove(deleted)  # before adding: an id may come back
             ids, vectors = load_embeddings(session, e, after_version=state.version)
             loaded.index.upsert(ids, vectors)
@@ -727,7 +712,7 @@ class QueryEngine:
         """Add the factors of adapters sketched after `after_version` to the module store."""
         if state.modules is None:
             return
-        sketch = session.get_one(Embedder, state.embedders[SKETCH].id)
+        sketch = get_embedder(session, state.embedders[SKETCH].id)
         ids, _ = load_embeddings(session, sketch, after_version=after_version)
         new = [int(i) for i in ids.tolist() if int(i) not in state.modules.rows]
         if new:

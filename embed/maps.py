@@ -26,7 +26,6 @@ database's vectors (fitted in memory, not saved) while there are at most `FIT_IN
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -35,26 +34,21 @@ from pathlib import Path
 from typing import Literal, NotRequired, TypedDict
 
 import numpy as np
-from sqlalchemy import Connection, Integer, bindparam, func, select
-from sqlalchemy.orm import Session
 
 from embed.engine import SKETCH, W2T
 from embed.projection import MAX_FIT, Projection, fit, spread_sample
-from embed.registry import (
-    deleted_since,
-    embedding_ids,
-    get_space,
-    iter_embeddings,
-    load_embeddings,
-    serving_embedders,
-    space_version,
-)
 from zoo.domain.palette import MISSING, SEQUENTIAL, category_colours
-from zoo.errors import NotFoundError, NotReadyError, UsageError
+from zoo.errors import NotReadyError, UsageError
 from zoo.files import read_derived, write_derived
 from zoo.labels import TASK_KEY
 from zoo.limits import DEFAULT_MAP_POINTS, MAX_MAP_POINTS
-from zoo.store.models import Adapter, Embedder, Embedding, Label, Measurement
+from zoo.store.embedders import serving_embedders
+from zoo.store.embeddings import deleted_since, embedding_ids, iter_embeddings, load_embeddings, stored_count
+from zoo.store.label_reads import given_label_keys, given_label_values, measured_metric_names, measured_metric_values
+from zoo.store.models import Embedder
+from zoo.store.session import Session
+from zoo.store.space_adapters import adapter_names
+from zoo.store.spaces import get_space, space_version
 
 #: a request fits a missing or bad map in memory while the embedder has at most this many vectors
 FIT_IN_REQUEST = 100_000
@@ -133,10 +127,6 @@ def read_map(path: Path) -> ZooMap:
     return m
 
 
-def _stored_count(session: Session, embedder_id: int) -> int:
-    return int(session.scalar(select(func.count()).select_from(Embedding).where(Embedding.embedder_id == embedder_id)) or 0)
-
-
 def load_consistent_map(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[ZooMap, str]:
     """The map file without the adapters deleted after its version (their tombstones) and with the points
     embedded after it, and what changed ("" nothing); ValueError when it cannot be made to agree with the
@@ -152,7 +142,7 @@ def load_consistent_map(session: Session, path: Path, embedder: Embedder, versio
         m = m.without(gone, version)
     if len(ids):
         m = m.with_points(ids, xy, version)
-    stored = _stored_count(session, embedder.id)
+    stored = stored_count(session, embedder.id)
     if m.count != stored:
         raise ValueError(f"map file {path} holds {m.count} points, the database {stored} vectors")
     changes = ([f"{dropped} deleted points dropped"] if dropped else []) + ([f"{len(ids)} points projected"] if len(ids) else [])
@@ -248,7 +238,7 @@ def current_map(session: Session, data_dir: Path, embedder: Embedder) -> tuple[Z
         m, changed = load_consistent_map(session, path, embedder, version)
         state = "loaded" + (f" ({changed} in memory since it was saved)" if changed else "")
     except ValueError as exc:
-        if _stored_count(session, embedder.id) > FIT_IN_REQUEST:
+        if stored_count(session, embedder.id) > FIT_IN_REQUEST:
             raise NotReadyError(f"{exc}: run `zoo map` to fit it") from None
         m, state = _fitted(session, embedder, version), f"fitted from the database ({exc}); run `zoo map` to save it"
     with _CACHE_LOCK:
@@ -256,18 +246,6 @@ def current_map(session: Session, data_dir: Path, embedder: Embedder) -> tuple[Z
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = (m, state)
     return m, state
-
-
-_IDS = bindparam("ids", type_=Integer, expanding=True, literal_execute=True)  # rendered inline: no bound-parameter limit
-_NAMES = select(Adapter.id, Adapter.name).where(Adapter.id.in_(_IDS))
-_LABEL_KEYS = select(Label.key).where(Label.source == "given", Label.adapter_id.in_(_IDS)).distinct()
-_METRICS = select(Measurement.metric).where(Measurement.split == "test", Measurement.adapter_id.in_(_IDS)).distinct()
-_LABEL_VALUES = select(Label.adapter_id, Label.value).where(
-    Label.source == "given", Label.key == bindparam("key"), Label.adapter_id.in_(_IDS)
-)
-_METRIC_VALUES = select(Measurement.adapter_id, Measurement.value).where(
-    Measurement.split == "test", Measurement.metric == bindparam("key"), Measurement.adapter_id.in_(_IDS)
-)
 
 
 class MapPoint(TypedDict):
@@ -339,8 +317,6 @@ def space_map(
     if not 1 <= limit <= MAX_MAP_POINTS:
         raise UsageError(f"limit must be between 1 and {MAX_MAP_POINTS}, got {limit}")
     space = get_space(session, space_name)
-    if space is None:
-        raise NotFoundError(f"no embedding space {space_name!r}: run `zoo embed`")
     embedder = map_embedder(session, space.id)
     if embedder is None:
         raise NotReadyError(f"space {space.name} has no embeddings yet: run `zoo embed --space {space.name}`")
@@ -352,16 +328,15 @@ def space_map(
     metric: dict[int, float] = {}
     labels: dict[int, str] = {}
     if ids:
-        conn = session.connection()
-        names = dict(conn.execute(_NAMES, {"ids": ids}).all())
-        keys = sorted(conn.execute(_LABEL_KEYS, {"ids": ids}).scalars())
-        keys += sorted(METRIC + k for k in conn.execute(_METRICS, {"ids": ids}).scalars())
+        names = adapter_names(session, ids)
+        keys = given_label_keys(session, ids)
+        keys += sorted(METRIC + k for k in measured_metric_names(session, ids))
         if color_by is None:  # not asked: the task where the points have one ("" asks for no colouring)
             color_by = TASK_KEY if TASK_KEY in keys else ""
         if color_by.startswith(METRIC):
-            metric = _metric_values(conn, color_by[len(METRIC) :], ids)
+            metric = measured_metric_values(session, color_by[len(METRIC) :], ids)
         elif color_by:
-            labels = _label_values(conn, color_by, ids)
+            labels = given_label_values(session, color_by, ids)
     values: Mapping[int, str | float] = metric or labels
     points: list[MapPoint] = [  # a deleted adapter's point stays in the file until a refit: it has no name and is left out
         {"id": i, "name": names[i], "x": round(x, 6), "y": round(y, 6), "value": values.get(i)}
@@ -382,17 +357,6 @@ def space_map(
         "legend": _legend(color_by, metric, labels, len(points)),
         "color_keys": keys,
     }
-
-
-def _metric_values(conn: Connection, metric: str, ids: list[int]) -> dict[int, float]:
-    """{id: measured test value} of the points that have a finite one, in one query."""
-    rows = conn.execute(_METRIC_VALUES, {"ids": ids, "key": metric}).all()
-    return {i: float(v) for i, v in rows if v is not None and math.isfinite(v)}
-
-
-def _label_values(conn: Connection, key: str, ids: list[int]) -> dict[int, str]:
-    """{id: given label value} of the points that have one, in one query."""
-    return {i: v for i, v in conn.execute(_LABEL_VALUES, {"ids": ids, "key": key})}
 
 
 def _legend(color_by: str | None, metric: dict[int, float], labels: dict[int, str], shown: int) -> MetricLegend | LabelLegend | None:

@@ -6,6 +6,7 @@ plain dict, one per resource, that `--json` prints and the REST API will serve a
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -14,8 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar
 
 import numpy as np
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session, sessionmaker
 
 from embed.dataset import base_models, load_adapters
 from embed.engine import (
@@ -32,41 +31,38 @@ from embed.engine import (
     gram_sketch_width,
     gram_sketches,
     load_w2t,
-    stored_count,
     update_index_file,
     update_module_store,
 )
 from embed.index import brute_force, recall_at_k
 from embed.maps import refresh_map
 from embed.refs import AdapterRef, StoredId
-from embed.registry import (
-    active_embedder,
-    bump_version,
-    embedded_ids,
-    embedding_ids,
-    ensure_space,
-    get_space,
-    iter_embeddings,
-    load_embeddings,
-    register,
-    serving_embedders,
-    slug,
-)
-from embed.registry import store_embeddings as store_vectors
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
 from zoo.domain.base_models import guess_base_model
 from zoo.domain.factorwise import raw_sketches, raw_width
 from zoo.domain.similarity import module_sketches, sketch_width
-from zoo.errors import NotFoundError, NotReadyError, UsageError
+from zoo.errors import NotFoundError, NotReadyError, SpaceNotFoundError, UsageError
 from zoo.limits import DEFAULT_K
-from zoo.store import repository
+from zoo.store import repository, space_adapters
 from zoo.store.blobs import BlobStore
+from zoo.store.embedders import active_embedder, find_embedder, get_embedder, register, serving_embedders
+from zoo.store.embeddings import embedded_ids, embedding_ids, iter_embeddings, load_embeddings, stored_count
+from zoo.store.embeddings import store_embeddings as store_vectors
 from zoo.store.imputation import FromLineage, from_lineage
 from zoo.store.labels import given_labels
 from zoo.store.locks import space_lock
-from zoo.store.models import Adapter, DeletedAdapter, Embedder, Embedding, EmbeddingSpace, Module
-from zoo.store.session import session_factory, write_transaction
+from zoo.store.models import Adapter, Embedder, EmbeddingSpace
+from zoo.store.session import Session, Sessions, session_factory, write_transaction
+from zoo.store.spaces import (
+    all_spaces,
+    ensure_space,
+    find_space,
+    get_space,
+    get_space_by_id,
+    space_base_model,
+    space_bases,
+)
 
 if TYPE_CHECKING:
     from embed.train import TrainOptions
@@ -264,6 +260,11 @@ class IndexReport(TypedDict):
     module_store: str
 
 
+def slug(name: str) -> str:
+    """The name as a file name's part: runs of other characters than letters, digits, `.`, `_` and `-` made `_`."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "space"
+
+
 def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None) -> tuple[EmbedFn, SpaceSchema]:
     """How an embedder turns adapters into vectors, and the module vocabulary it was made for."""
     if embedder.method == W2T:
@@ -314,9 +315,7 @@ def ensure_gram(session: Session, space: EmbeddingSpace, schema: SpaceSchema) ->
 _REPORT_ORDER = {SKETCH: 0, RAW: 1, GRAM: 2, W2T: 3}
 
 
-def embed_space(
-    sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, device: str | None = None
-) -> list[EmbedReport]:
+def embed_space(sessions: Sessions, blobs: BlobStore, data_dir: Path, base_model: str, device: str | None = None) -> list[EmbedReport]:
     """Embed every adapter of the space not yet embedded, under every serving embedder; update the index
     files, the module store and the map. One report per embedder.
 
@@ -328,11 +327,11 @@ def embed_space(
     meanwhile. A run killed half-way keeps its committed chunks, and the next run embeds the rest."""
     with sessions() as session:
         schema = stored_schema(session, base_model)
-        ids = space_adapter_ids(session, base_model)
+        ids = space_adapters.space_adapter_ids(session, base_model)
     if not ids:
         return []
     with write_transaction(sessions, space_lock(base_model)) as session:
-        space = ensure_space(session, schema)
+        space = ensure_space(session, schema.base_model, schema.modules)
         ensure_sketch(session, space, schema)
         ensure_raw(session, space, schema)
         ensure_gram(session, space, schema)
@@ -357,7 +356,7 @@ def embed_space(
 
 
 def embed_adapters(
-    sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, adapter_ids: list[int], device: str | None = None
+    sessions: Sessions, blobs: BlobStore, data_dir: Path, adapter_ids: list[int], device: str | None = None
 ) -> dict[str, int]:
     """Embed newly stored adapters under the serving embedders of their spaces: the incremental path
     workers take after each batch. Query engines see them at their next query (the space's version
@@ -365,16 +364,14 @@ def embed_adapters(
     have embedders already (a new space waits for `zoo embed`), only adapters that fit an embedder's
     modules (a wider vocabulary waits for `zoo embed` too). Returns the count embedded per space."""
     with sessions() as session:
-        rows = session.execute(
-            select(Adapter.base_model, Adapter.id).where(Adapter.id.in_(adapter_ids), Adapter.factors_blob.is_not(None))
-        ).all()
+        rows = space_adapters.lora_base_models(session, adapter_ids)
     by_space: dict[str, list[int]] = {}
     for base_model, adapter_id in rows:
         by_space.setdefault(base_model, []).append(adapter_id)
     out: dict[str, int] = {}
     for base_model, ids in sorted(by_space.items()):
         with sessions() as session:
-            space = get_space(session, base_model)
+            space = find_space(session, base_model)
             embedder_ids = [e.id for e in serving_embedders(session, space.id).values()] if space else []
         counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, sorted(ids), device, subset=True)
         if counts:
@@ -385,46 +382,24 @@ def embed_adapters(
 def unembedded_ids(session: Session, base_model: str) -> list[int]:
     """The space's stored LoRA-like adapters without a vector under its serving module sketch (one anti-join;
     none when the space has no sketch yet): what a worker killed between storing and embedding left behind."""
-    space = get_space(session, base_model)
+    space = find_space(session, base_model)
     sketch = serving_embedders(session, space.id).get(SKETCH) if space else None
     if sketch is None:
         return []
-    vector = select(Embedding.id).where(Embedding.adapter_id == Adapter.id, Embedding.embedder_id == sketch.id)
-    stmt = select(Adapter.id).where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None), ~vector.exists())
-    return list(session.scalars(stmt.order_by(Adapter.id)))
+    return space_adapters.unembedded_ids(session, base_model, sketch.id)
 
 
 def stored_schema(session: Session, base_model: str) -> SpaceSchema:
     """The module vocabulary of a base model's stored LoRA-like adapters, read from the module table (no blobs):
     the vocabulary `embed.types.schema_of` gives for their factors."""
-    stmt = (
-        select(Module.name, Module.out_features, Module.in_features, func.count(), func.min(Module.adapter_id))
-        .join(Adapter, Adapter.id == Module.adapter_id)
-        .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
-        .group_by(Module.name, Module.out_features, Module.in_features)
-    )
-    return schema_from_shapes(base_model, [(str(n), int(o), int(i), int(c), int(first)) for n, o, i, c, first in session.execute(stmt)])
-
-
-def space_adapter_ids(session: Session, base_model: str) -> list[int]:
-    """Ids of a base model's stored LoRA-like adapters, in order."""
-    stmt = select(Adapter.id).where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None)).order_by(Adapter.id)
-    return list(session.scalars(stmt))
+    return schema_from_shapes(base_model, space_adapters.module_shapes(session, base_model))
 
 
 def chunk_size(session: Session, base_model: str) -> int:
     """Adapters per embedding chunk: as many as hold `embed_chunk_bytes()` of canonical factors on average (from the
     module table), between 1 and EMBED_CHUNK."""
-    stmt = (
-        select(
-            func.sum((Module.out_features + Module.in_features) * func.coalesce(Module.canonical_rank, 0)),
-            func.count(Adapter.id.distinct()),
-        )
-        .join(Adapter, Adapter.id == Module.adapter_id)
-        .where(Adapter.base_model == base_model, Adapter.factors_blob.is_not(None))
-    )
-    elements, adapters = session.execute(stmt).one()
-    per_adapter = 4 * int(elements or 0) / max(int(adapters or 0), 1)
+    elements, adapters = space_adapters.factor_elements(session, base_model)
+    per_adapter = 4 * elements / max(adapters, 1)
     return max(1, min(EMBED_CHUNK, int(embed_chunk_bytes() // max(per_adapter, 1.0))))
 
 
@@ -442,7 +417,7 @@ class _Plan:
 
 
 def _embed_ids(
-    sessions: sessionmaker[Session],
+    sessions: Sessions,
     blobs: BlobStore,
     data_dir: Path,
     base_model: str,
@@ -457,7 +432,7 @@ def _embed_ids(
     plans: list[_Plan] = []
     with sessions() as session:
         for embedder_id in embedder_ids:
-            embedder = session.get_one(Embedder, embedder_id)
+            embedder = get_embedder(session, embedder_id)
             fn, schema = embed_function(embedder, data_dir, device)
             plans.append(_Plan(embedder_id, fn, schema, embedded_ids(session, embedder, ids if subset else None)))
         per_chunk = chunk_size(session, base_model)
@@ -471,7 +446,7 @@ def _embed_ids(
     return {p.id: (p.embedded, p.misfits) for p in plans}
 
 
-def _embed_chunk(sessions: sessionmaker[Session], base_model: str, plan: _Plan, adapters: list[ZooAdapter]) -> None:
+def _embed_chunk(sessions: Sessions, base_model: str, plan: _Plan, adapters: list[ZooAdapter]) -> None:
     mine = [a for a in adapters if a.id not in plan.done]
     fitting = [a for a in mine if plan.schema.fits(a.factors)]
     plan.misfits += len(mine) - len(fitting)
@@ -479,7 +454,7 @@ def _embed_chunk(sessions: sessionmaker[Session], base_model: str, plan: _Plan, 
         return
     vectors = plan.fn(fitting)
     with write_transaction(sessions, space_lock(base_model)) as session:
-        embedder = session.get(Embedder, plan.id)
+        embedder = find_embedder(session, plan.id)
         if embedder is None or not embedder.active:  # replaced by a concurrent run: it embeds for its own
             plan.retired = True
             return
@@ -491,7 +466,7 @@ def _embed_chunk(sessions: sessionmaker[Session], base_model: str, plan: _Plan, 
         plan.embedded += len(fresh)
 
 
-def refresh_space_files(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int) -> SpaceFiles:
+def refresh_space_files(sessions: Sessions, blobs: BlobStore, data_dir: Path, space_id: int) -> SpaceFiles:
     """Bring the space's files up to the database: each serving embedder's index file (method, total,
     how, kind by embedder id), the module store and the map."""
     indexes: dict[int, IndexFile] = {}
@@ -499,13 +474,13 @@ def refresh_space_files(sessions: sessionmaker[Session], blobs: BlobStore, data_
         for embedder in serving_embedders(session, space_id).values():
             index, how = update_index_file(session, data_dir, embedder)
             indexes[embedder.id] = {"method": embedder.method, "total": index.size, "index": how, "index_kind": index.kind}
-        store = update_module_store(session, blobs, data_dir, session.get_one(EmbeddingSpace, space_id))
+        store = update_module_store(session, blobs, data_dir, get_space_by_id(session, space_id))
         zoo_map = refresh_map(session, data_dir, space_id)
     return {"indexes": indexes, "module_store": store, "map": zoo_map}
 
 
 def train_space(
-    sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, base_model: str, options: TrainOptions, progress: bool = True
+    sessions: Sessions, blobs: BlobStore, data_dir: Path, base_model: str, options: TrainOptions, progress: bool = True
 ) -> TrainReport:
     """Train W2T on the adapters of the space that fit it (labels and measurements as given), save it
     under a name no other training uses, and register it. No transaction is open while it trains.
@@ -520,7 +495,7 @@ def train_space(
 
     with sessions() as session:
         schema = stored_schema(session, base_model)
-        ids = space_adapter_ids(session, base_model)
+        ids = space_adapters.space_adapter_ids(session, base_model)
         if len(ids) < 10:
             raise NotReadyError(f"space {base_model} has {len(ids)} adapters: training needs at least 10")
         layout = module_layout(session, base_model, schema)
@@ -547,7 +522,7 @@ def train_space(
         "choices": model.choices,
     }
     with write_transaction(sessions, space_lock(base_model)) as session:
-        space = ensure_space(session, schema)
+        space = ensure_space(session, schema.base_model, schema.modules)
         embedder = register(
             session,
             space,
@@ -575,13 +550,9 @@ def train_space(
 
 def resolve_space(session: Session, requested: str | None) -> EmbeddingSpace:
     """The embedding space asked for (one indexed read), or the zoo's only one: for queries, which need a space that exists."""
-    space = get_space(session, requested) if requested else None
-    if space is not None:
-        return space
-    spaces = list(session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.name)))
     if requested:
-        known = ", ".join(s.name for s in spaces) or "none (run `zoo embed`)"
-        raise NotFoundError(f"no embedding space {requested!r}; spaces: {known}")
+        return get_space(session, requested)
+    spaces = all_spaces(session)
     if len(spaces) != 1:
         names = ", ".join(s.name for s in spaces) or "none yet: run `zoo embed`"
         raise UsageError(f"--space is needed: this zoo has {len(spaces)} embedding spaces ({names})")
@@ -594,7 +565,7 @@ def resolve_base_model(session: Session, requested: str | None) -> str:
     spaces = base_models(session)
     if requested:
         if requested not in spaces:
-            raise NotFoundError(f"no embedding space {requested!r}; spaces (base models with LoRA adapters): {', '.join(spaces) or 'none'}")
+            raise SpaceNotFoundError(requested, spaces)
         return requested
     if len(spaces) != 1:
         raise UsageError(f"--space is needed: this zoo has {len(spaces)} embedding spaces ({', '.join(spaces) or 'none'})")
@@ -605,8 +576,7 @@ def make_query(session: Session, blobs: BlobStore, ref: AdapterRef, device: str 
     """(query, its base model) for a stored id, or for a file read and canonicalized without storing it (whose base
     model, when the file names none, is the space its shapes name if the zoo has it)."""
     if isinstance(ref, StoredId):
-        stmt = select(Adapter.name, Adapter.base_model, Adapter.factors_blob).where(Adapter.id == ref.id)
-        row = session.connection().execute(stmt).first()  # Core: no ORM work on the query path
+        row = space_adapters.query_row(session, ref.id)
         if row is None:
             raise NotFoundError(f"no adapter with id {ref.id}: see `zoo list`")
         digest = row.factors_blob  # None for a checkpoint: it is found by its stored vectors, if it has any
@@ -627,7 +597,7 @@ def make_query(session: Session, blobs: BlobStore, ref: AdapterRef, device: str 
 def _guessed_space(session: Session, data: AdapterData) -> str | None:
     """The space of the base model a file's shapes name (as ingest guesses it when nothing names one), if it exists."""
     guessed = guess_base_model((m.name, *m.shape) for m in data.modules).base_model
-    return guessed if get_space(session, guessed) is not None else None
+    return guessed if find_space(session, guessed) is not None else None
 
 
 def search(
@@ -687,7 +657,7 @@ def as_stored(session: Session, blobs: BlobStore, query: Query, space: str) -> t
     from zoo.domain.fingerprint import canonical_hash, sketch, structure_hash
     from zoo.store.duplicates import stored_duplicate
 
-    base = session.connection().execute(select(EmbeddingSpace.base_model).where(EmbeddingSpace.name == space)).scalar()
+    base = space_base_model(session, space)
     if base is None:
         return query, None
     named = sorted(query.factors.items())
@@ -697,7 +667,7 @@ def as_stored(session: Session, blobs: BlobStore, query: Query, space: str) -> t
     if match is None or match.factors_blob is None:
         return query, None
     digest = match.factors_blob
-    name = session.connection().execute(select(Adapter.name).where(Adapter.id == match.id)).scalar_one()
+    name = space_adapters.adapter_name(session, match.id)
     return Query(query.name, match.id, lambda: dict(blobs.get_factors(digest))), {"adapter_id": match.id, "name": name}
 
 
@@ -706,7 +676,7 @@ def _space_name(session: Session, requested: str | None, query: Query, base: str
     query's base model's, else the zoo's only one. A stored adapter is never compared with another base model's
     adapters, even where its modules have their shapes (Mistral-7B's q/v are Llama-3-8B's)."""
     if requested and query.adapter_id is not None and base:
-        space_base = session.connection().execute(select(EmbeddingSpace.base_model).where(EmbeddingSpace.name == requested)).scalar()
+        space_base = space_base_model(session, requested)
         if space_base is not None and space_base != base:
             raise UsageError(
                 f"adapter {query.adapter_id} is an adapter of {base!r}, not of space {requested!r}'s base model {space_base!r}: "
@@ -776,10 +746,10 @@ def prepare_space(
     return {"embedded": n, "embedded_new": new, "w2t": trained}
 
 
-def _trained_on(sessions: sessionmaker[Session], base_model: str, n: int) -> dict[str, object] | None:
+def _trained_on(sessions: Sessions, base_model: str, n: int) -> dict[str, object] | None:
     """The serving supervised W2T of a space, if it was trained on exactly its `n` adapters: its report."""
     with sessions() as session:
-        space = get_space(session, base_model)
+        space = find_space(session, base_model)
         e = serving_embedders(session, space.id).get(W2T) if space else None
         if e is None or e.objective == "contrastive" or (e.metrics or {}).get("n_adapters") != n:
             return None
@@ -788,8 +758,7 @@ def _trained_on(sessions: sessionmaker[Session], base_model: str, n: int) -> dic
 
 def space_names(session: Session) -> list[SpaceName]:
     """Each space's name and base model, by name (without list_spaces' counts, which read every embedding row)."""
-    rows = session.execute(select(EmbeddingSpace.name, EmbeddingSpace.base_model).order_by(EmbeddingSpace.name))
-    return [{"name": name, "base_model": base_model} for name, base_model in rows]
+    return [{"name": name, "base_model": base_model} for name, base_model in space_bases(session)]
 
 
 def list_spaces(session: Session, engine: QueryEngine | None = None) -> list[SpaceEntry]:
@@ -798,7 +767,7 @@ def list_spaces(session: Session, engine: QueryEngine | None = None) -> list[Spa
     without an engine)."""
     held = engine.loaded_spaces() if engine is not None else {}
     out: list[SpaceEntry] = []
-    for space in session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.name)):
+    for space in all_spaces(session):
         embedders = [_embedder_entry(session, e) for e in serving_embedders(session, space.id).values()]
         adapters = max((e["embedded"] for e in embedders), default=0)
         out.append(
@@ -830,7 +799,7 @@ def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k:
     (each None with the reason when the zoo is not ready for it)."""
     from zoo.store.lineage import lineage
 
-    space = get_space(session, adapter.base_model)
+    space = find_space(session, adapter.base_model)
     resource: AdapterResource = {
         **repository.adapter_detail(adapter),
         "duplicate_sources": repository.duplicate_sources(session, adapter.id),
@@ -861,20 +830,16 @@ def _when_ready(call: Callable[[], T], not_ready: list[str]) -> T | None:
         return None
 
 
-def delete_adapter(sessions: sessionmaker[Session], adapter_id: int) -> Deletion:
+def delete_adapter(sessions: Sessions, adapter_id: int) -> Deletion:
     """Delete an adapter and everything stored with it (rows; its blob stays for `zoo check --repair`),
     leaving a tombstone under a new version of its space, so that engines and index files drop it."""
     with sessions() as session:
-        base = session.scalar(select(Adapter.base_model).where(Adapter.id == adapter_id))
+        base = space_adapters.base_model_of(session, adapter_id)
     if base is None:
         raise NotFoundError(f"no adapter with id {adapter_id}")
     with write_transaction(sessions, space_lock(base)) as session:
-        adapter = session.get(Adapter, adapter_id)
-        if adapter is None:
+        space = find_space(session, base)
+        name = space_adapters.delete_adapter(session, adapter_id, space.id if space else None)
+        if name is None:
             raise NotFoundError(f"no adapter with id {adapter_id}")
-        space = get_space(session, base)
-        if space is not None:
-            session.add(DeletedAdapter(adapter_id=adapter_id, space_id=space.id, version=bump_version(session, space.id)))
-        name = adapter.name
-        session.delete(adapter)
     return {"id": adapter_id, "name": name, "deleted": True}

@@ -291,12 +291,12 @@ def test_schema_keeps_the_majority_shape_and_leaves_conflicting_adapters_out() -
 
 
 def test_a_contrastive_w2t_does_not_retire_the_supervised_one(db_url: str) -> None:
-    from embed.registry import active_embedder, ensure_space, register, serving_embedders
-    from embed.types import SpaceSchema
+    from zoo.store.embedders import active_embedder, register, serving_embedders
     from zoo.store.session import session_factory
+    from zoo.store.spaces import ensure_space
 
     with session_factory(db_url)() as session, session.begin():
-        space = ensure_space(session, SpaceSchema("tiny", (("m", 4, 4),)))
+        space = ensure_space(session, "tiny", (("m", 4, 4),))
         supervised = register(session, space, "w2t", 8, objective="supervised", checkpoint="s")
         contrastive = register(session, space, "w2t", 8, objective="contrastive", checkpoint="c")
         assert supervised.active and contrastive.active
@@ -425,7 +425,7 @@ def test_embeddings_by_id_are_read_by_their_key(tmp_path: Path) -> None:
     with the version in the WHERE clause it ranged over the (embedder, version) index, every row of the embedder."""
     from sqlalchemy import event
 
-    from embed.registry import load_embeddings
+    from zoo.store.embeddings import load_embeddings
     from zoo.store.models import Embedder
     from zoo.store.session import session_factory, upgrade
 

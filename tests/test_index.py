@@ -356,10 +356,11 @@ def test_an_index_built_from_the_database_a_chunk_at_a_time(db_url: str, monkeyp
     from sqlalchemy import insert
 
     from embed import engine, service
-    from embed.registry import ensure_space, register, store_embeddings
-    from embed.types import SpaceSchema
+    from zoo.store.embedders import register
+    from zoo.store.embeddings import store_embeddings
     from zoo.store.models import Adapter
     from zoo.store.session import session_factory
+    from zoo.store.spaces import ensure_space
 
     n, dim = 3_000, 32
     _, vectors = clustered(n, dim, seed=3)
@@ -367,7 +368,7 @@ def test_an_index_built_from_the_database_a_chunk_at_a_time(db_url: str, monkeyp
         row = {"base_model": "tiny", "format": "peft", "canonical_hash": "h", "structure_hash": "s", "file_sha256": "f", "size_bytes": 1}
         session.execute(insert(Adapter), [{**row, "name": f"a{i}", "source_uri": f"/a{i}", "canonical_hash": f"h{i}"} for i in range(n)])
         ids = sorted(session.scalars(select(Adapter.id)))
-        embedder = register(session, ensure_space(session, SpaceSchema("tiny", (("m", 4, 4),))), "sketch", dim)
+        embedder = register(session, ensure_space(session, "tiny", (("m", 4, 4),)), "sketch", dim)
         store_embeddings(session, embedder, ids, vectors)
     monkeypatch.setattr(engine, "BUILD_CHUNK_BYTES", 4 * dim * 257)  # 257 rows a chunk
     monkeypatch.setattr(service, "BUILD_CHUNK_BYTES", 4 * dim * 257)

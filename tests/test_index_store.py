@@ -112,10 +112,11 @@ def test_the_input_gram_sketches_index_keeps_float16_and_the_module_sketch_8bit(
     scores, in float16, and the module sketches, which only nominate candidates for it, in 8 bits (from 32 dimensions
     here, to keep the test small)."""
     from embed import index as index_module
-    from embed.registry import ensure_space, register, store_embeddings
-    from embed.types import SpaceSchema
+    from zoo.store.embedders import register
+    from zoo.store.embeddings import store_embeddings
     from zoo.store.models import Adapter
     from zoo.store.session import session_factory
+    from zoo.store.spaces import ensure_space
 
     monkeypatch.setattr(index_module, "STORE_8BIT_FROM_DIM", 32)
     n, dim = 2_000, 32
@@ -124,7 +125,7 @@ def test_the_input_gram_sketches_index_keeps_float16_and_the_module_sketch_8bit(
         row = {"base_model": "tiny", "format": "peft", "structure_hash": "s", "file_sha256": "f", "size_bytes": 1}
         session.execute(insert(Adapter), [{**row, "name": f"a{i}", "source_uri": f"/a{i}", "canonical_hash": f"h{i}"} for i in range(n)])
         ids = sorted(session.scalars(select(Adapter.id)))
-        space = ensure_space(session, SpaceSchema("tiny", (("m", 4, 4),)))
+        space = ensure_space(session, "tiny", (("m", 4, 4),))
         embedders = {method: register(session, space, method, dim) for method in (SKETCH, GRAM)}
         for embedder in embedders.values():
             store_embeddings(session, embedder, ids, vectors)

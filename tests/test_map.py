@@ -22,14 +22,16 @@ import embed.maps
 import embed.projection
 from embed.maps import map_embedder, map_path, read_map, space_map, write_map
 from embed.projection import MIN_SKEW, fit, spread_sample
-from embed.registry import get_space, load_embeddings, register, store_embeddings
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from tests.test_engine import ingest_and_embed
 from zoo.domain.palette import CATEGORIES, MISSING, OTHER, SEQUENTIAL, category_colours, cielab, closest_pair, distance
 from zoo.errors import UsageError
 from zoo.plots import map_figure
+from zoo.store.embedders import register
+from zoo.store.embeddings import load_embeddings, store_embeddings
 from zoo.store.session import make_engine, session_factory
+from zoo.store.spaces import get_space
 
 PARTS = {"first": 8, "later": 6, "more": 4}
 
@@ -53,7 +55,7 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stored(cli: CLI) -> tuple[int, Path, np.ndarray, np.ndarray]:
     """(map embedder id, its map file, stored ids, stored vectors) of the space `tiny`."""
     with session_factory(cli.settings.database_url)() as session:
-        embedder = map_embedder(session, get_space(session, "tiny").id)  # type: ignore[union-attr]
+        embedder = map_embedder(session, get_space(session, "tiny").id)
         ids, vectors = load_embeddings(session, embedder)  # type: ignore[arg-type]
         return embedder.id, map_path(cli.settings.data_dir, embedder.id), ids, vectors  # type: ignore[union-attr]
 
@@ -347,7 +349,7 @@ def test_the_map_shows_the_supervised_w2t_when_there_is_one(cli: CLI, parts: Pat
     made = {}
     for objective in ("contrastive", "supervised"):
         with sessions.begin() as session:
-            e = register(session, get_space(session, "tiny"), "w2t", 8, objective=objective, checkpoint="unused", config={})  # type: ignore[arg-type]
+            e = register(session, get_space(session, "tiny"), "w2t", 8, objective=objective, checkpoint="unused", config={})
             store_embeddings(session, e, ids.tolist(), np.random.default_rng(len(made)).standard_normal((len(ids), 8)).astype(np.float32))
             made[objective] = e.id
         rc, (found,) = cli.json_lines("map")
@@ -457,3 +459,28 @@ def test_the_plot_of_a_metric_has_a_colour_bar_with_its_min_and_max() -> None:
         assert (low, high) == (SEQUENTIAL[0], SEQUENTIAL[-1])
     finally:
         plt.close(fig)
+
+
+def test_an_unknown_space_is_one_not_found_wherever_it_is_asked_for(cli: CLI, parts: Path) -> None:
+    """The map, the query engine, the commands' --space and the base model a command embeds answer an unknown space
+    with one error: 404 over HTTP, naming the spaces there are."""
+    from embed import service
+    from tests.test_engine import make_engine
+    from zoo.errors import SpaceNotFoundError
+
+    ingest_and_embed(cli, parts, "first")
+    expected = "no embedding space 'nope'; spaces: tiny"
+    with session_factory(cli.settings.database_url)() as session:
+        asks = [
+            lambda: space_map(session, cli.settings.data_dir, "nope"),
+            lambda: make_engine(cli).space(session, "nope"),
+            lambda: service.resolve_space(session, "nope"),
+            lambda: service.resolve_base_model(session, "nope"),
+        ]
+        for ask in asks:
+            with pytest.raises(SpaceNotFoundError) as caught:
+                ask()
+            assert str(caught.value) == expected and caught.value.http_status == 404
+    for command in (("map", "--space", "nope"), ("eval", "--space", "nope"), ("index", "stats", "--space", "nope")):
+        rc, _, err = cli(*command)
+        assert rc == 2 and expected in err, (command, err)

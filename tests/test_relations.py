@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import delete, func, select, update
 
 from embed.engine import SKETCH, W2T, Query, QueryEngine
-from embed.registry import get_space, load_embeddings, serving_embedders
 from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import TinyLM
@@ -27,9 +26,12 @@ from zoo.config import Settings
 from zoo.domain.provenance import DETECTOR
 from zoo.services import relations
 from zoo.store.blobs import BlobStore
+from zoo.store.embedders import serving_embedders
+from zoo.store.embeddings import load_embeddings
 from zoo.store.models import Adapter, AdapterRelation, RelationScan
 from zoo.store.relations import EdgeRow, write_scan
 from zoo.store.session import session_factory
+from zoo.store.spaces import get_space
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -435,7 +437,6 @@ def test_neighbours_sketches_come_from_the_engine_as_stored(cli: CLI, settings: 
     with sessions() as session:
         held = engine.stored_vectors(session, "tiny", SKETCH, [*wanted, 10**6])
         space = get_space(session, "tiny")
-        assert space is not None
         found, stored = load_embeddings(session, serving_embedders(session, space.id)[SKETCH], ids=np.array(wanted))
     assert sorted(held) == sorted(wanted)
     for i, vector in zip(found.tolist(), stored, strict=True):

@@ -21,7 +21,6 @@ from embed.dataset import load_adapters, read_training_set
 from embed.engine import module_layout
 from embed.ensemble import TOKENS_PER_BATCH, W2TEnsemble
 from embed.model import W2T
-from embed.registry import load_embeddings
 from embed.service import stored_schema
 from embed.tokens import (
     MAX_MODULE_TOKENS,
@@ -49,6 +48,7 @@ from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.channels import EXACT_SCORES
 from zoo.reference.real_shapes import write_zoo
 from zoo.store.blobs import BlobStore
+from zoo.store.embeddings import load_embeddings
 from zoo.store.models import Adapter, Embedder
 from zoo.store.session import session_factory
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from apiflask import APIBlueprint, abort
 from flask import Response, jsonify, request
-from sqlalchemy import func, select
 from werkzeug.exceptions import UnsupportedMediaType
 
 from embed import service
@@ -26,7 +25,6 @@ from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_inva
 from zoo import __version__, deadline
 from zoo.errors import NotFoundError, UsageError
 from zoo.store import repository
-from zoo.store.models import Adapter
 from zoo.store.session import current_revision
 
 if TYPE_CHECKING:
@@ -63,7 +61,7 @@ NOTES_HEADER = "X-Zoo-Export-Notes"
 @api.output(schemas.Health)
 def health() -> HealthResource:
     """Liveness and the database's state."""
-    count = int(db().scalar(select(func.count()).select_from(Adapter)) or 0)
+    count = repository.adapter_count(db())
     return {
         "status": "ok",
         "database": "ok",

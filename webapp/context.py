@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from flask import Response, current_app, g, request
-from sqlalchemy.orm import Session, sessionmaker
 
 from embed.engine import QueryEngine
 from zoo import config, deadline, memory
@@ -30,7 +29,7 @@ from zoo.deadline import TimeLimitError
 from zoo.errors import ZooError
 from zoo.metrics import metrics
 from zoo.store.blobs import BlobStore
-from zoo.store.session import read_snapshot, session_factory
+from zoo.store.session import Session, Sessions, read_snapshot, session_factory
 
 T = TypeVar("T")
 
@@ -139,7 +138,7 @@ class WebConfig:
 class ZooContext:
     settings: Settings
     web: WebConfig
-    sessions: sessionmaker[Session]
+    sessions: Sessions
     blobs: BlobStore
     engine: QueryEngine
     pool: CallPool

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from flask import request
-from sqlalchemy.orm import Session
 
 from embed import service
 from embed.refs import UploadedFile
@@ -21,7 +20,7 @@ from zoo.errors import NotFoundError, UsageError
 from zoo.sources.upload import Upload, materialize
 from zoo.store import repository
 from zoo.store.models import Adapter
-from zoo.store.session import read_snapshot
+from zoo.store.session import Session, read_snapshot
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ from zoo.store.catalog import FACET_VALUES, FacetValue
 from zoo.store.filters import facet_filter_name
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
+    from zoo.store.session import Session
 
 ui = APIBlueprint("ui", __name__, enable_openapi=False)
 ui.url_value_preprocessor(ids_in_range)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, TypedDict
 
-from sqlalchemy import ColumnElement, Connection, Select, SQLColumnExpression, bindparam, delete, exists, select, union_all
+from sqlalchemy import ColumnElement, Connection, Select, SQLColumnExpression, bindparam, delete, exists, func, select, union_all
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from zoo.errors import UsageError
@@ -19,6 +19,11 @@ def adapter_blobs(session: Session) -> list[tuple[int, str]]:
     """(adapter id, digest) of every blob a stored adapter refers to: its factors' and its PEFT head's."""
     rows = session.execute(select(Adapter.id, Adapter.factors_blob, Adapter.head_blob)).all()
     return [(int(i), str(d)) for i, factors, head in rows for d in (factors, head) if d is not None]
+
+
+def adapter_count(session: Session) -> int:
+    """How many adapters are stored."""
+    return int(session.scalar(select(func.count()).select_from(Adapter)) or 0)
 
 
 def get_adapter(session: Session, adapter_id: int, with_modules: bool = False) -> Adapter | None:

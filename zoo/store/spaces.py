@@ -32,6 +32,25 @@ def get_space(session: Session, name: str) -> EmbeddingSpace:
     return space
 
 
+def get_space_by_id(session: Session, space_id: int) -> EmbeddingSpace:
+    """The space of this id (one that exists: sqlalchemy's NoResultFound otherwise)."""
+    return session.get_one(EmbeddingSpace, space_id)
+
+
+_BASE_OF = select(EmbeddingSpace.base_model).where(EmbeddingSpace.name == bindparam("name"))
+
+
+def space_base_model(session: Session, name: str) -> str | None:
+    """The base model of the space named `name`, through Core (no ORM work on the query path); None if there is none."""
+    return session.connection().execute(_BASE_OF, {"name": name}).scalar()
+
+
+def space_bases(session: Session) -> list[tuple[str, str]]:
+    """(name, base model) of each space, by name."""
+    rows = session.execute(select(EmbeddingSpace.name, EmbeddingSpace.base_model).order_by(EmbeddingSpace.name))
+    return [(str(n), str(b)) for n, b in rows]
+
+
 def space_names(session: Session) -> list[str]:
     """The names of the zoo's spaces, sorted."""
     return list(session.scalars(select(EmbeddingSpace.name).order_by(EmbeddingSpace.name)))
