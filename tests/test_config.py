@@ -15,7 +15,7 @@ from zoo.config import VARIABLES, Variable
 ROOT = Path(__file__).resolve().parents[1]
 #: variables of the test suite itself, not of zoo
 TEST_VARIABLES = {"ZOO_TEST_DATABASE_URL", "ZOO_SCREENSHOTS"}
-NAME = re.compile(r"\bZOO_[A-Z_]*[A-Z]\b")
+NAME = re.compile(r"\bZOO_[A-Z0-9_]*[A-Z0-9]\b")
 
 
 def _sources() -> list[Path]:
@@ -34,7 +34,7 @@ def test_every_variable_named_is_declared_and_documented() -> None:
     texts = [p.read_text() for p in [*_sources(), ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]]
     named = {m for text in texts for m in NAME.findall(text)} - TEST_VARIABLES
     assert named <= declared, f"named but not declared in zoo/config.py: {sorted(named - declared)}"
-    listed = re.findall(r"^\| `(ZOO_[A-Z_]+)` \| ([^|]+) \|", (ROOT / "docs" / "settings.md").read_text(), re.M)
+    listed = re.findall(r"^\| `(ZOO_[A-Z0-9_]+)` \| ([^|]+) \|", (ROOT / "docs" / "settings.md").read_text(), re.M)
     assert [name for name, _ in listed] == [v.name for v in VARIABLES]
     for (_, shown), v in zip(listed, VARIABLES, strict=True):
         default = ("1" if v.default else "0") if isinstance(v.default, bool) else str(v.default) or "none"

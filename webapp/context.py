@@ -28,6 +28,7 @@ from zoo.config import Settings
 from zoo.deadline import TimeLimitError
 from zoo.errors import ZooError
 from zoo.metrics import metrics
+from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.session import Session, Sessions, read_snapshot, session_factory
 
@@ -150,7 +151,7 @@ class ZooContext:
     @classmethod
     def open(cls, settings: Settings, web: WebConfig) -> ZooContext:
         sessions = session_factory(settings.database_url)
-        blobs = BlobStore(settings.blob_dir)
+        blobs = open_blob_store(settings)
         pool = CallPool(web.call_workers, web.call_queue, web.time_limit_s, "calls")
         searches = CallPool(web.call_workers, web.call_queue, web.time_limit_s, "searches")
         return cls(settings, web, sessions, blobs, QueryEngine(sessions, blobs, settings.data_dir), pool, searches)

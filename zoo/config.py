@@ -68,6 +68,12 @@ WORKER_CLASS = Variable("ZOO_WORKER_CLASS", "webapp.serve.ZooThreadWorker", "gun
 WORKER_CONNECTIONS = Variable("ZOO_WORKER_CONNECTIONS", 1000, "connections one `zoo serve` worker holds at most")
 LOG_FORMAT = Variable("ZOO_LOG_FORMAT", "", "json: log lines as JSON objects with the request id (`zoo serve`, `zoo worker`); else text")
 TRUST_REQUEST_ID = Variable("ZOO_TRUST_REQUEST_ID", False, "take a request id from the X-Request-ID header (behind a proxy that sets it)")
+BLOB_URL = Variable("ZOO_BLOB_URL", "", "where blobs are kept: s3://bucket/prefix for S3-compatible object storage; none: the data dir")
+S3_ENDPOINT_URL = Variable("ZOO_S3_ENDPOINT_URL", "", "the S3 endpoint (http://host:port); none: AWS's (credentials: AWS_* variables)")
+S3_PART_BYTES = Variable("ZOO_S3_PART_BYTES", 8 << 20, "blobs at least this large are uploaded in parts of this size (at least 5 MiB)")
+S3_CONCURRENCY = Variable("ZOO_S3_CONCURRENCY", 4, "parts of one blob uploaded at once")
+S3_MAX_ATTEMPTS = Variable("ZOO_S3_MAX_ATTEMPTS", 5, "attempts of one S3 request, with exponential backoff, before it fails")
+S3_TIMEOUT_S = Variable("ZOO_S3_TIMEOUT_S", 30.0, "seconds to connect to the S3 endpoint, and to wait for one read from it")
 
 #: every ZOO_* setting (docs/settings.md lists them)
 VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool], ...] = (
@@ -76,6 +82,7 @@ VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool
     MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, MAX_LABELS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS,
     MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE,
     HEADER_TIMEOUT_S, BODY_TIMEOUT_S, IO_TIMEOUT_S, WORKER_CLASS, WORKER_CONNECTIONS, LOG_FORMAT, TRUST_REQUEST_ID,
+    BLOB_URL, S3_ENDPOINT_URL, S3_PART_BYTES, S3_CONCURRENCY, S3_MAX_ATTEMPTS, S3_TIMEOUT_S,
 )  # fmt: skip
 
 #: full checkpoints stored as deltas: the fewest components keeping this share of each delta's energy ...
@@ -103,14 +110,16 @@ def normalize_database_url(url: str) -> str:
 class Settings:
     data_dir: Path
     database_url: str
+    #: where blobs are kept (ZOO_BLOB_URL): "" for the data directory's blobs/, or s3://bucket/prefix
+    blob_url: str = ""
 
     @property
     def blob_dir(self) -> Path:
         return self.data_dir / "blobs"
 
     @classmethod
-    def load(cls, database_url: str | None = None, data_dir: str | Path | None = None) -> Settings:
-        """Explicit arguments win over ZOO_DATABASE_URL / ZOO_DATA_DIR, which win over defaults."""
+    def load(cls, database_url: str | None = None, data_dir: str | Path | None = None, blob_url: str | None = None) -> Settings:
+        """Explicit arguments win over ZOO_DATABASE_URL / ZOO_DATA_DIR / ZOO_BLOB_URL, which win over defaults."""
         ddir = Path(data_dir).expanduser() if data_dir else default_data_dir()
         url = database_url or DATABASE_URL.get() or f"sqlite:///{ddir / 'zoo.db'}"
-        return cls(data_dir=ddir, database_url=normalize_database_url(url))
+        return cls(data_dir=ddir, database_url=normalize_database_url(url), blob_url=blob_url or BLOB_URL.get())

@@ -17,7 +17,7 @@ from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow, assign_rows, read_labels_csv
 from zoo.limits import DEFAULT_PER_PAGE, MAX_PER_PAGE
 from zoo.store import repository
-from zoo.store.blobs import BlobStore
+from zoo.store.blob_backends import open_blob_store
 from zoo.store.catalog import SORTS, search_catalog
 from zoo.store.session import require_schema, session_factory
 
@@ -44,7 +44,7 @@ def run_ingest(
     for source in remote:
         hub.parse(source)  # a malformed source is a usage error before anything runs
     require_schema(settings.database_url)
-    ingestor = Ingestor(session_factory(settings.database_url), BlobStore(settings.blob_dir), options, record_duplicates_as="zoo ingest")
+    ingestor = Ingestor(session_factory(settings.database_url), open_blob_store(settings), options, record_duplicates_as="zoo ingest")
     counts = {"ingested": 0, "duplicate": 0, "failed": 0}
     failures: list[str] = []
     sources = expand_paths([p for p in paths if not is_remote(p)])

@@ -46,7 +46,7 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     from zoo.reference.build import make_zoo
     from zoo.services.ingest import IngestOptions
     from zoo.services.relations import relation_engine, scan_space
-    from zoo.store.blobs import BlobStore
+    from zoo.store.blob_backends import open_blob_store
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
@@ -58,7 +58,7 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     options = TrainOptions(epochs=args.epochs, members=args.members, patience=QUICKSTART_PATIENCE)
     base_model = str(report["base_model"])
     ready = service.prepare_space(settings, base_model, options, args.retrain, progress)
-    sessions, blobs = session_factory(settings.database_url), BlobStore(settings.blob_dir)
+    sessions, blobs = session_factory(settings.database_url), open_blob_store(settings)
     relations = scan_space(relation_engine(sessions, blobs, settings.data_dir), sessions, blobs, base_model)  # as `zoo embed` ends
     if args.json:
         print_json({"zoo": report, "ingest": counts, "database": settings.database_url, **ready, "relations": relations})

@@ -28,6 +28,7 @@ from zoo.config import Settings
 from zoo.errors import UsageError
 from zoo.limits import DEFAULT_K, DEFAULT_MAP_POINTS, MAX_K
 from zoo.store import repository
+from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.session import require_schema, session_factory
 
@@ -59,7 +60,7 @@ def space_of(settings: Settings, requested: str | None) -> str:
 
 
 def blob_store(settings: Settings) -> BlobStore:
-    return BlobStore(settings.blob_dir)
+    return open_blob_store(settings)
 
 
 def query_engine(settings: Settings, device: str | None) -> QueryEngine:
@@ -290,7 +291,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     require_schema(settings.database_url)
     space = space_of(settings, args.space)
     with session_factory(settings.database_url)() as session:
-        adapters = load_adapters(session, BlobStore(settings.blob_dir), space)
+        adapters = load_adapters(session, blob_store(settings), space)
     if len(adapters) < 10:
         raise UsageError(f"space {space} has {plural(len(adapters), 'adapter')}: evaluation needs at least 10")
     started = time.perf_counter()

@@ -22,7 +22,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, TypedDict
 
 from zoo.config import Settings
@@ -180,7 +180,7 @@ def run_on_ray(
     bar; returns `zoo worker`'s summary, with the cluster's CPUs, GPUs and nodes."""
     if tasks is not None and tasks < 1:
         raise UsageError(f"--concurrency must be at least 1, got {tasks}")
-    settings = Settings(settings.data_dir.resolve(), settings.database_url)
+    settings = replace(settings, data_dir=settings.data_dir.resolve())
     ray = connect(settings, address)
     resources = ray.cluster_resources()
     cpus, gpus = int(resources.get("CPU", 1)), float(resources.get("GPU", 0))

@@ -36,7 +36,7 @@ from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.metrics import metrics, note_resident
 from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.sources.local import escapes
-from zoo.store.blobs import BlobStore
+from zoo.store.blob_backends import open_blob_store
 from zoo.store.jobs import (
     Claim,
     claim_items,
@@ -199,7 +199,7 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
     """One worker's loop in this thread: claim, ingest, finish; yields each outcome, and None whenever
     it finds nothing to claim. With `drain`, returns once nothing is queued or held by anyone."""
     sessions = session_factory(settings.database_url)
-    blobs = BlobStore(settings.blob_dir)
+    blobs = open_blob_store(settings)
     beat = heartbeat(settings.database_url, options.lease_s)
     owner = owner_name()
     ingestors: dict[str, Ingestor] = {}
@@ -239,7 +239,7 @@ class EmbedBatches:
     def __init__(self, settings: Settings, every: int, device: str | None = None) -> None:
         self.settings, self.every, self.device = settings, every, device
         self.sessions = session_factory(settings.database_url)
-        self.blobs = BlobStore(settings.blob_dir)
+        self.blobs = open_blob_store(settings)
         self.pending: list[int] = []
         self.touched: set[str] = set()
         self.embedded: Counter[str] = Counter()

@@ -5,9 +5,10 @@ What it finds:
 - **missing / corrupt blobs**: a row whose blob (its factors', or its PEFT head's) is absent or whose bytes do not hash
   to its digest.
   Data is lost: nothing repairs it (ingest the adapter again).
-- **orphans**: blob files no row refers to, and temporary files (`.tmp-*`) a killed writer left. A
-  writer inserts its rows, writes its blob, then commits, so a blob younger than the grace period
-  may belong to a transaction still open: those are counted as `in_flight`, never removed.
+- **orphans**: blobs no row refers to, and what a killed writer left half-done: temporary files (`.tmp-*`) in
+  the data dir, multipart uploads never completed in an S3 bucket (zoo/store/s3_blobs.py). A writer inserts its
+  rows, writes its blob, then commits, so a blob younger than the grace period may belong to a transaction
+  still open: those are counted as `in_flight`, never removed.
 - **indexes**: each serving embedder's index file must load, check itself and agree with the
   database; the module store must be readable; so must the space's map file (embed/maps.py). Repair
   rebuilds them from the database.
@@ -33,7 +34,6 @@ What it finds:
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import time
 from collections.abc import Iterator
@@ -46,6 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.config import Settings
 from zoo.files import TMP_PREFIX
+from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.jobs import StrandedItem, pending_sources, requeue_stranded, stranded_items
 from zoo.store.models import Embedder, Embedding, EmbeddingSpace
@@ -135,34 +136,33 @@ class CheckReport(TypedDict):
 def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRACE_S) -> CheckReport:
     """The check report: what was found, what was repaired, and `ok` (nothing wrong left)."""
     sessions = session_factory(settings.database_url)
-    blobs = BlobStore(settings.blob_dir)
+    blobs = open_blob_store(settings)
     with sessions() as session:
         rows = adapter_blobs(session)
-    referenced = {digest for _, digest in rows}
+    referenced = {str(digest) for _, digest in rows}
     missing: list[LostBlob] = []
     corrupt: list[LostBlob] = []
     for adapter_id, digest in rows:
-        path = blobs.path(str(digest))
-        if not path.is_file():
-            missing.append({"adapter_id": adapter_id, "blob": str(digest)})
-        elif _sha256(path) != digest:
-            corrupt.append({"adapter_id": adapter_id, "blob": str(digest)})
+        state = blobs.verify(str(digest))
+        if state != "ok":
+            (missing if state == "missing" else corrupt).append({"adapter_id": adapter_id, "blob": str(digest)})
 
     now = time.time()
-    orphans: list[Path] = []
-    temporary: list[Path] = []
-    in_flight = 0
+    left = blobs.leftovers(referenced, now, grace_s)  # orphan blobs, and blob writes never finished
+    stray: list[Path] = []  # derived files' temporary files
+    in_flight = left.in_flight
     for path in _files(settings.data_dir):
-        stray = path.name.startswith(TMP_PREFIX)
-        if not stray and not (path.is_relative_to(settings.blob_dir) and path.suffix == ".safetensors" and path.stem not in referenced):
+        if not path.name.startswith(TMP_PREFIX):
             continue
         if now - path.stat().st_mtime < grace_s:
             in_flight += 1
-            continue
-        (temporary if stray else orphans).append(path)
+        else:
+            stray.append(path)
+    orphans, temporary = left.orphans, left.temporary + [str(p) for p in stray]
     removed = 0
     if repair:
-        for path in orphans + temporary:
+        removed = blobs.remove(left.orphans + left.temporary)
+        for path in stray:
             path.unlink(missing_ok=True)
             removed += 1
 
@@ -177,8 +177,8 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
         "ok": problems == 0,
         "problems": problems,
         "blobs": {"rows": len({adapter_id for adapter_id, _ in rows}), "missing": missing, "corrupt": corrupt},
-        "orphans": [str(p) for p in orphans],
-        "temporary_files": [str(p) for p in temporary],
+        "orphans": orphans,
+        "temporary_files": temporary,
         "in_flight": in_flight,
         "removed": removed,
         "indexes": indexes,
@@ -229,16 +229,8 @@ def _last_written(folder: Path) -> float:
     return max(times)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _files(data_dir: Path) -> Iterator[Path]:
-    for sub in ("blobs", "index", "rerank", "embedders", "map"):
+    for sub in ("index", "rerank", "embedders", "map"):  # the blob store finds its own (BlobStore.leftovers)
         root = data_dir / sub
         if root.is_dir():
             yield from (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())

@@ -12,6 +12,10 @@ of its own (`BlobWriter`) while the adapter is described and its rows are writte
 the digest before inserting the adapter's row and for the fsync before renaming the file to its digest
 (`commit`) and committing; a duplicate's file is removed (`discard`). A head (zoo/services/file_parts.py: tensors of
 any dtype, a few MB at most) is staged the same way, whole, on the ingest's own thread (`stage_tensors`).
+
+`BlobStore` is the interface every caller uses and its default backend, a local directory; `S3BlobStore`
+(zoo/store/s3_blobs.py) keeps the same interface in S3-compatible object storage, and `open_blob_store`
+(zoo/store/blob_backends.py) opens the one a node's settings name.
 """
 
 from __future__ import annotations
@@ -48,11 +52,23 @@ _WRITEBACK_CHUNK = 8 << 20
 
 @dataclass(frozen=True)
 class StagedBlob:
-    """A blob written whole and fsynced to a temporary file in the store, not yet under its digest."""
+    """A blob written whole and fsynced to a temporary file in the store (`tmp`), not yet under its digest; or, in a
+    store with no temporary files (an object store), uploaded under its digest already (`tmp` None)."""
 
     digest: str
-    tmp: Path
+    tmp: Path | None
     size: int
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What a crash can leave in a blob store, as `zoo check` reports it: `orphans`, blobs no row refers to, and
+    `temporary`, writes never finished (a local store's temporary files, an object store's multipart uploads), each
+    named as `BlobStore.remove` takes it; `in_flight` counts those younger than the grace period (kept)."""
+
+    orphans: list[str]
+    temporary: list[str]
+    in_flight: int
 
 
 def safetensors_layout(arrays: dict[str, np.ndarray]) -> tuple[bytes, list[np.ndarray]]:
@@ -86,11 +102,63 @@ def factor_arrays(modules: Sequence[tuple[str, CanonicalFactors]]) -> dict[str, 
 
 
 class BlobStore:
+    """Blobs by digest, in a local directory: `<root>/<digest[:2]>/<digest>.safetensors`."""
+
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
+    def __str__(self) -> str:
+        return str(self.root)
+
+    @staticmethod
+    def key(digest: str) -> str:
+        """A blob's name relative to the store's root (a directory, a bucket's prefix): the same in every backend."""
+        return f"{digest[:2]}/{digest}.safetensors"
+
     def path(self, digest: str) -> Path:
-        return self.root / digest[:2] / f"{digest}.safetensors"
+        return self.root / self.key(digest)
+
+    def where(self, digest: str) -> str:
+        """Where a blob is kept, for messages."""
+        return str(self.path(digest))
+
+    def verify(self, digest: str) -> str:
+        """Whether the blob's bytes hash to its digest: "ok", else "missing" or "corrupt"."""
+        path = self.path(digest)
+        if not path.is_file():
+            return "missing"
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+        return "ok" if h.hexdigest() == digest else "corrupt"
+
+    def leftovers(self, referenced: set[str], now: float, grace_s: float) -> Leftovers:
+        """Blob files whose digest is not in `referenced` and temporary files (a killed writer's), by path; those written
+        within `grace_s` seconds of `now` are counted as in flight (a transaction still open may commit them)."""
+        orphans: list[str] = []
+        temporary: list[str] = []
+        in_flight = 0
+        files = (p for p in self.root.rglob("*") if p.is_file() and not p.is_symlink()) if self.root.is_dir() else iter(())
+        for path in sorted(files):
+            stray = path.name.startswith(TMP_PREFIX)
+            if not stray and (path.suffix != ".safetensors" or path.stem in referenced):
+                continue
+            try:
+                young = now - path.stat().st_mtime < grace_s
+            except FileNotFoundError:  # committed or removed meanwhile
+                continue
+            if young:
+                in_flight += 1
+            else:
+                (temporary if stray else orphans).append(str(path))
+        return Leftovers(orphans, temporary, in_flight)
+
+    def remove(self, names: Sequence[str]) -> int:
+        """Remove leftovers named as `leftovers` names them; returns how many."""
+        for name in names:
+            Path(name).unlink(missing_ok=True)
+        return len(names)
 
     def stage_factors(self, modules: Sequence[tuple[str, CanonicalFactors]]) -> StagedBlob:
         """Write the factors' blob to a temporary file in the store in one pass from their memory, hashing the bytes
@@ -154,6 +222,7 @@ class BlobStore:
         """Put a staged blob under its digest (durably: the rename and its directory are fsynced); when that blob
         is stored already, the staged copy is removed and the stored one's time touched, so that `zoo check --repair`
         does not take it for an old orphan (a deleted adapter's) while the row that now refers to it commits."""
+        assert staged.tmp is not None, "a blob staged by this store has a temporary file"
         target = self.path(staged.digest)
         try:
             os.utime(target)
@@ -168,7 +237,10 @@ class BlobStore:
 
     @staticmethod
     def discard(staged: StagedBlob) -> None:
-        staged.tmp.unlink(missing_ok=True)
+        """Remove a staged blob's temporary file (an object uploaded already stays: an orphan for `zoo check --repair`
+        unless a row refers to it, since another writer's row may)."""
+        if staged.tmp is not None:
+            staged.tmp.unlink(missing_ok=True)
 
     def get(self, digest: str) -> dict[str, torch.Tensor]:
         """A blob's tensors. A large one is read through a memory map: one copy from the page cache, not the file's
