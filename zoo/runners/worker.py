@@ -214,6 +214,7 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
                 with sessions() as session:
                     if not pending_items(session, options.job_id):
                         return
+            note_resident()  # an idle worker's memory in its metrics too
             yield None
             stop.wait(min(options.poll_s, 0.5) if options.drain else options.poll_s)
             continue
