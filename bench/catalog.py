@@ -5,7 +5,10 @@ ranks, 500 authors and source directories, each with given labels `task` (50 val
 two in three, `style` (12), and its search document. Then times `search_catalog` in process, as the search page
 and the API call it, in three cases: a text query with facets, unfiltered facets (the search page's first view),
 and 5 filters (a base model, a format, two labels and a source prefix), p50 and p99 over --repeats runs each, and
-says whether facet counts were approximate (zoo/store/catalog.py: facet_exact_rows, FACET_TIMEOUT_MS).
+says whether facet counts were approximate (zoo/store/catalog.py: facet_exact_rows, FACET_TIMEOUT_MS). `semantic`:
+a search by meaning (embed/text_search.py: the sentence encoder, full text and the FAISS text index fused, facets of
+the ranked adapters; the catalog has no embedding space, so no expansion through the weights), after its text index
+is built once under --data-dir (timed apart: `text_index_build_s`). --cases picks the cases.
 
     python -m bench.catalog --db postgresql://postgres@127.0.0.1:5432/zoo_bench_catalog --adapters 1000000
 
@@ -19,8 +22,11 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 BASES = ("llama-3-8b", "mistral-7b", "sdxl", "vit-b-16", "qwen2-7b")
 FORMATS = ("peft", "kohya", "diffusers")
@@ -104,27 +110,61 @@ def _filters_of(i: int) -> dict[str, str]:
     }
 
 
-def measure(url: str, repeats: int, seed: int = 0) -> dict[str, object]:
-    """p50/p99 milliseconds of search_catalog per case, and whether its facets were approximate."""
+#: descriptions a search by meaning is timed with
+SENTENCES = (
+    "watercolor paintings of landscapes",
+    "pixel art sprites for a retro game",
+    "anime style characters",
+    "black ink drawings",
+    "noir film look in task 7",
+    "photographs of 3d renders",
+)
+CASES = ("text_and_facets", "unfiltered_facets", "five_filters", "semantic")
+
+
+def measure(url: str, repeats: int, seed: int = 0, data_dir: str | None = None, which: tuple[str, ...] = CASES) -> dict[str, object]:
+    """p50/p99 milliseconds of search_catalog per case (and search_by_meaning for `semantic`), and whether its facets
+    were approximate."""
     from zoo.store.catalog import search_catalog
     from zoo.store.session import session_factory
 
     sessions = session_factory(url)
     rng = random.Random(seed)
+    out: dict[str, object] = {}
+    search: Callable[[Session, str | None, dict[str, str]], Mapping[str, object]] = search_catalog
+    by_meaning = search
+    if "semantic" in which:
+        from embed import text_search
+        from embed.engine import QueryEngine
+        from zoo.store.blobs import BlobStore
+
+        assert data_dir, "the semantic case needs --data-dir"
+        engine = QueryEngine(sessions, BlobStore(Path(data_dir) / "blobs"), Path(data_dir))
+        with sessions() as session:
+            t = time.perf_counter()
+            text_search.current_index(session, engine)
+            out["text_index_build_s"] = round(time.perf_counter() - t, 1)
+            text_search.encode(["warm up"])
+
+        def by_meaning(session: Session, q: str | None, filters: dict[str, str]) -> Mapping[str, object]:
+            return text_search.search_by_meaning(session, engine, q, filters)
+
     cases = {
         # words matching 1 in 5 adapters (llama), 1 in 12 (pixel art), 1 in 50 (task7), 1 in 500 (org12), a handful
         "text_and_facets": lambda: (rng.choice(["llama", "pixel art", "task7", "org12", "bench 4242", "watercolor task3"]), {}),
         "unfiltered_facets": lambda: (None, {}),
         "five_filters": lambda: (None, _filters_of(rng.randrange(1, 1_000_000))),
+        "semantic": lambda: (rng.choice(SENTENCES), {}),
     }
-    out: dict[str, object] = {}
     for name, make in cases.items():
+        if name not in which:
+            continue
         times, approximate = [], 0
         for _ in range(repeats):
             q, filters = make()
             with sessions() as session:
                 t = time.perf_counter()
-                found = search_catalog(session, q, filters)
+                found = (by_meaning if name == "semantic" else search)(session, q, filters)
                 times.append(time.perf_counter() - t)
             approximate += bool(found.get("approximate"))
         out[name] = {"p50_ms": round(percentile(times, 50), 1), "p99_ms": round(percentile(times, 99), 1), "approximate": approximate}
@@ -136,7 +176,10 @@ def main() -> None:
     p.add_argument("--db", default=os.environ.get("ZOO_BENCH_CATALOG_URL", "postgresql://postgres@127.0.0.1:5432/zoo_bench_catalog"))
     p.add_argument("--adapters", type=int, default=1_000_000)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--data-dir", default="/tmp/zoo_bench_catalog_data", help="where the semantic case's text index is written")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     args = p.parse_args()
+    which = tuple(c for c in args.cases.split(",") if c)
     from sqlalchemy.engine import make_url
 
     from zoo.store.session import make_engine
@@ -149,10 +192,15 @@ def main() -> None:
     admin.dispose()
     built_s = build(args.db, args.adapters)
     load = os.getloadavg()[0]
-    result = {"adapters": args.adapters, "build_s": round(built_s, 1), "load_1min": round(load, 2), **measure(args.db, args.repeats)}
-    for name in ("text_and_facets", "unfiltered_facets", "five_filters"):
+    result = {
+        "adapters": args.adapters,
+        "build_s": round(built_s, 1),
+        "load_1min": round(load, 2),
+        **measure(args.db, args.repeats, data_dir=args.data_dir, which=which),
+    }
+    for name in which:
         r = result[name]
-        print(f"{name:18s} p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  approximate {r['approximate']}/{args.repeats}")  # type: ignore[index]
+        print(f"{name:18s} p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  approximate {r['approximate']}/{args.repeats}")
     print(json.dumps(result))
 
 

