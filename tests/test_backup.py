@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import copy_seeded, database_beside
+from tests.seaweedfs import SeaweedFS
 from zoo.cli import main
 from zoo.store.backup import is_empty
 from zoo.store.session import make_engine
@@ -75,6 +76,35 @@ def run_restore(url: str, data_dir: Path, backup: Path, capsys: pytest.CaptureFi
     rc, _, err = zoo(url, data_dir, capsys, "restore", str(backup), "--json")
     assert rc != 0 and "already holds a zoo" in err
     return url
+
+
+@pytest.mark.slow  # as above, with a bucket of SeaweedFS's
+def test_a_backup_restores_into_a_fresh_bucket_and_backs_up_from_it_again(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    seaweedfs: SeaweedFS,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source = copy_seeded(request, "sqlite", tmp_path / "source")
+    with make_engine(source.url).connect() as conn:
+        ids = [int(i) for i in conn.exec_driver_sql("SELECT id FROM adapter ORDER BY id LIMIT 2").scalars()]
+    before = searches(source.url, source.data_dir, capsys, ids)
+    rc, first, err = zoo(source.url, source.data_dir, capsys, "backup", str(tmp_path / "backup"), "--json")
+    assert rc == 0, err
+    for name, value in seaweedfs.env(seaweedfs.new_bucket()).items():  # blobs in a new bucket from here on
+        monkeypatch.setenv(name, value)
+    data_dir = tmp_path / "restored-data"
+    url = run_restore(f"sqlite:///{tmp_path / 'restored.db'}", data_dir, tmp_path / "backup", capsys)
+    assert not (data_dir / "blobs").exists()  # in the bucket
+    assert searches(url, data_dir, capsys, ids) == before
+    rc, again, err = zoo(url, data_dir, capsys, "backup", str(tmp_path / "again"), "--json")
+    assert rc == 0, err
+    assert first is not None and again is not None and (again["blobs"], again["blob_bytes"]) == (first["blobs"], first["blob_bytes"])
+    have = json.loads((tmp_path / "backup" / "manifest.json").read_text())["blobs"]
+    assert json.loads((tmp_path / "again" / "manifest.json").read_text())["blobs"] == have
+    for blob in have:
+        assert (tmp_path / "again" / blob["file"]).read_bytes() == (tmp_path / "backup" / blob["file"]).read_bytes()
 
 
 def test_a_corrupt_blob_in_a_backup_is_found_before_any_row_is_written(

@@ -34,7 +34,7 @@ from zoo import __version__
 from zoo.config import Settings
 from zoo.errors import UsageError
 from zoo.store import backup as rows
-from zoo.store.blobs import BlobStore
+from zoo.store.blob_backends import open_blob_store
 from zoo.store.session import current_revision, make_engine, require_schema, session_factory, upgrade
 from zoo.store.spaces import all_spaces
 
@@ -141,7 +141,7 @@ def backup(settings: Settings, dest: Path, progress: bool = False) -> BackupRepo
     counts = rows.row_counts(url)
     with _bar(sum(counts.values()), "rows", "row", progress) as bar:
         tables = rows.dump_rows(url, dest, lambda _table, n: bar.update(n))
-    store = BlobStore(settings.blob_dir)
+    store = open_blob_store(settings)  # the data dir's blobs/ or the bucket ZOO_BLOB_URL names
     blobs: list[BlobEntry] = []
     digests = _digests(dest, tables)
     with _bar(len(digests), "blobs", "blob", progress) as bar:
@@ -226,7 +226,7 @@ def restore(settings: Settings, src: Path, progress: bool = False) -> RestoreRep
     start = time.perf_counter()
     url = settings.database_url
     _prepare_database(url, manifest["database"]["revision"])
-    store = BlobStore(settings.blob_dir)
+    store = open_blob_store(settings)
     with _bar(len(manifest["blobs"]), "blobs", "blob", progress) as bar:
         for blob in manifest["blobs"]:  # blobs first: no committed row ever points at a missing blob
             rows.blob_in(store, blob["digest"], src / blob["file"])

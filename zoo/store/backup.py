@@ -34,6 +34,7 @@ from zoo.errors import UsageError
 from zoo.files import TMP_PREFIX
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Base, Embedder
+from zoo.store.s3_blobs import CorruptBlob, S3BlobStore
 from zoo.store.session import make_engine
 
 #: how a column's values are written (see the module's doc)
@@ -231,18 +232,30 @@ class CorruptBlobError(UsageError):
     """A blob whose bytes do not hash to its digest (or that is missing), met while copying it."""
 
 
-def _copy_hashed(src: IO[bytes], dst: IO[bytes]) -> tuple[str, int]:
+def _copy_hashed(src: IO[bytes], dst: IO[bytes] | None) -> tuple[str, int]:
+    """(sha256, bytes) of src, read to its end; written to dst as it goes (where there is one)."""
     h, size = hashlib.sha256(), 0
     while chunk := src.read(1 << 20):
         h.update(chunk)
-        dst.write(chunk)
+        if dst is not None:
+            dst.write(chunk)
         size += len(chunk)
     return h.hexdigest(), size
 
 
 def blob_out(store: BlobStore, digest: str, dest: Path) -> CopiedBlob:
-    """A stored blob copied to `dest`, its bytes hashed on the way: CorruptBlobError when they are not its digest's."""
+    """A stored blob (in a local directory or a bucket) copied to `dest`, its bytes checked against its digest on the
+    way: CorruptBlobError where they do not hash to it or it is missing."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(store, S3BlobStore):
+        try:
+            data = store.read_bytes(digest)  # verified against the digest as it is read
+        except FileNotFoundError:
+            raise CorruptBlobError(f"blob {store.where(digest)} is missing: run `zoo check`") from None
+        except CorruptBlob as exc:
+            raise CorruptBlobError(f"{exc}") from None
+        dest.write_bytes(data)
+        return CopiedBlob(digest, len(data))
     try:
         with store.path(digest).open("rb") as src, dest.open("wb") as dst:
             got, size = _copy_hashed(src, dst)
@@ -255,19 +268,32 @@ def blob_out(store: BlobStore, digest: str, dest: Path) -> CopiedBlob:
     return CopiedBlob(digest, size)
 
 
+def check_blob(digest: str, src: Path) -> int:
+    """The size of a backed-up blob, once its bytes are found to hash to its digest (CorruptBlobError otherwise)."""
+    with src.open("rb") as fh:
+        got, size = _copy_hashed(fh, None)
+    if got != digest:
+        raise CorruptBlobError(f"the backup's blob {digest} is corrupt (its bytes hash to {got})")
+    return size
+
+
 def blob_in(store: BlobStore, digest: str, src: Path) -> CopiedBlob:
-    """A backed-up blob put in the store under its digest, checked against it first; never visible half-written (a
-    temporary file in the store, renamed into place)."""
+    """A backed-up blob put in the store under its digest, checked against it first (`check_blob`); never visible
+    half-written: a temporary file renamed into place, or an object that appears whole when its upload completes."""
+    size = check_blob(digest, src)
+    if isinstance(store, S3BlobStore):
+        store.put_file(digest, src)
+        return CopiedBlob(digest, size)
     target = store.path(digest)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=TMP_PREFIX, suffix=".safetensors")  # `zoo check` sees a leftover
     tmp = Path(name)
     try:
         with src.open("rb") as fh, os.fdopen(fd, "wb") as out:
-            got, size = _copy_hashed(fh, out)
+            got, _ = _copy_hashed(fh, out)
             out.flush()
             os.fsync(out.fileno())
-        if got != digest:
+        if got != digest:  # changed since it was checked
             raise CorruptBlobError(f"the backup's blob {digest} is corrupt (its bytes hash to {got})")
         os.replace(tmp, target)
     except BaseException:

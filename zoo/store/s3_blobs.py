@@ -173,6 +173,15 @@ class S3BlobStore(BlobStore):
     def commit(self, staged: StagedBlob) -> None:
         """Nothing: the object was uploaded whole under its digest while staging."""
 
+    def put_file(self, digest: str, path: Path) -> None:
+        """A file whose bytes the caller found to hash to `digest` (a restored backup's blob) uploaded under its key,
+        in parts as a staged blob is: the object appears whole once its upload completes, or not at all."""
+        with self._errors(f"uploading {self.where(digest)}"):
+            self.client.upload_file(
+                str(path), self.location.bucket, self.object_key(digest), ExtraArgs={"ContentType": "application/octet-stream"},
+                Config=self._transfer(),
+            )  # fmt: skip
+
     # --- reads --------------------------------------------------------------------------------------------------------
 
     def read_bytes(self, digest: str) -> bytes:
