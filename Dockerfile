@@ -8,7 +8,8 @@ COPY zoo zoo
 COPY embed embed
 COPY webapp webapp
 COPY migrations migrations
-RUN pip install --no-cache-dir .
+# the s3 extra: boto3, for blobs in an object store (ZOO_BLOB_URL, as docker-compose.yml sets it)
+RUN pip install --no-cache-dir ".[s3]"
 ENV ZOO_DATA_DIR=/data
 ENTRYPOINT []
 CMD ["zoo", "--help"]

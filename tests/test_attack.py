@@ -352,10 +352,11 @@ def proxied(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         port = s.getsockname()[1]
     conf = (DEPLOY / "nginx.conf").read_text()
     for old, new in (
-        ("server app:5000;", f"server 127.0.0.1:{served.port};"),
+        ("server app-1:5000 ", f"server 127.0.0.1:{served.port} "),
+        ("server app-2:5000 ", f"server 127.0.0.1:{served.port} "),  # the second replica: the same server here
         ("listen 8080;", f"listen 127.0.0.1:{port};"),
         ("client_max_body_size 257m;", "client_max_body_size 1m;"),
-        ("access_log /dev/stdout;", f"access_log {root}/access.log;"),
+        ("access_log /dev/stdout zoo;", f"access_log {root}/access.log zoo;"),
         (
             "http {",
             "http {\n" + "".join(f"    {kind}_temp_path {root}/{kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")),
@@ -435,6 +436,15 @@ def test_nginx_sends_the_app_its_own_host_not_the_clients(proxied: int) -> None:
     assert status == 308 and headers["Location"].endswith("/adapters/1") and "evil.example" not in headers["Location"], headers
     status, _, text = _ask(proxied, "GET", "/api/v1/openapi.json", headers={"Host": "evil.example"})
     assert status == 200 and "evil.example" not in text
+
+
+def test_nginx_keeps_metrics_inside_and_gives_each_request_an_id(served: Served, proxied: int) -> None:
+    """/metrics answers on the app itself, not through deploy/nginx.conf (Prometheus scrapes each replica); a request
+    through the proxy carries an id back, never the one a client sent."""
+    assert _ask(served.port, "GET", "/metrics")[0] == 200
+    assert _ask(proxied, "GET", "/metrics")[0] == 404
+    status, headers, _ = _ask(proxied, "GET", "/api/v1/health", headers={"X-Request-ID": "forged"})
+    assert status == 200 and len(headers["X-Request-ID"]) == 32 and headers["X-Request-ID"] != "forged"
 
 
 def test_a_query_matching_most_of_the_catalog_shows_the_newest_unless_relevance_is_asked(
