@@ -48,7 +48,8 @@ def dump(args: argparse.Namespace) -> None:
     from embed.ensemble import W2TEnsemble
     from embed.evaluate import labelled_split
     from embed.service import resolve_base_model
-    from embed.train import TrainOptions, _folds, train_w2t
+    from embed.train import _folds, train_w2t
+    from embed.train_options import TrainOptions
     from embed.types import ZooAdapter, schema_of, split_positions
     from zoo.config import Settings
     from zoo.domain.channels import exact_cosines

@@ -18,7 +18,7 @@ from bench.timing import median_time
 from embed.ensemble import EMBED_BATCH, W2TEnsemble
 from embed.model import W2T, W2TConfig
 from embed.tokens import tokenize
-from embed.train import TrainOptions
+from embed.train_options import TrainOptions
 from embed.types import ZooAdapter, schema_of
 from zoo.domain.canonical import canonicalize
 from zoo.domain.similarity import module_sketches, sketch_width

@@ -27,12 +27,14 @@ import numpy as np
 import torch
 from scipy import stats
 
-from embed.dataset import base_models, load_adapters
+from embed.dataset import ExactScores, base_models, load_adapters
 from embed.distill import token_kernel
 from embed.evaluate import PERF_METRIC, split_of
 from embed.metrics import knn_regress, regression, retrieval
+from embed.pretrain import Pretrained, pretrain
 from embed.tokens import max_rank, tokenize
-from embed.train import ExactScores, Pretrained, TrainOptions, pretrain, train_w2t, w2t_config
+from embed.train import train_w2t, w2t_config
+from embed.train_options import TrainOptions
 from embed.types import ZooAdapter, schema_of
 from zoo.config import Settings
 from zoo.domain.channels import EXACT_SCORES

@@ -7,16 +7,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from embed.fitted import MAX_LABELLED
 from embed.types import SpaceSchema, ZooAdapter
-from zoo.domain.channels import EXACT_SCORES
-from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_cosines, sketch_width
+from zoo.domain.channel_metric import Bank, bank_matrices
+from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines, sketch_width
 from zoo.store.adapters import adapters_with_factors, factor_base_models
 from zoo.store.blobs import BlobStore
 from zoo.store.session import Session, Sessions
 
 if TYPE_CHECKING:  # torch: only when a training set is read
     from embed.tokens import Batch, TokenSpec
-    from embed.train import ExactScores
 
 
 def load_adapters(session: Session, blobs: BlobStore, base_model: str, ids: list[int] | None = None) -> list[ZooAdapter]:
@@ -44,6 +45,46 @@ def base_models(session: Session) -> list[str]:
 def given_labels(adapter: ZooAdapter) -> bool:
     """Whether the adapter has any given label or test measurement (a row W2T's out-of-fold choices may score)."""
     return bool(adapter.labels or adapter.measurements)
+
+
+@dataclass
+class ExactScores:
+    """The exact scores (zoo.domain.channels.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
+    choices compare W2T with. `source` says what they were computed from: "factors" (exact), or "module sketches"
+    where the space is too big for the engine's module store, whose module-cosine estimate then stands in for both
+    scores when a query is served (embed.engine) and so here. `bank`: the channel metric's atoms among them
+    (zoo.domain.channel_metric.bank_matrices), from the factors, where they are at most embed.fitted.MAX_LABELLED."""
+
+    ids: np.ndarray
+    scores: dict[str, np.ndarray]
+    source: str = "factors"
+    bank: Bank | None = None
+
+    def _at(self, ids: list[int]) -> np.ndarray:
+        at = {int(i): j for j, i in enumerate(self.ids.tolist())}
+        return np.array([at[int(i)] for i in ids], dtype=np.int64)
+
+    def among(self, ids: list[int]) -> dict[str, np.ndarray]:
+        idx = self._at(ids)
+        return {k: v[np.ix_(idx, idx)] for k, v in self.scores.items()}
+
+    def bank_among(self, ids: list[int]) -> Bank | None:
+        idx = self._at(ids)
+        return self.bank.take(idx, idx) if self.bank is not None else None
+
+    @classmethod
+    def of_stack(cls, ids: np.ndarray, stack: ModuleStack, bank: bool = True) -> ExactScores:
+        """Exact scores among the adapters of a stack, and with `bank` the channel metric's atoms where they are few
+        enough."""
+        atoms = bank_matrices(stack, stack) if bank and stack.size <= MAX_LABELLED else None
+        return cls(ids, {s: exact_cosines(stack, stack, s) for s in EXACT_SCORES}, bank=atoms)
+
+    @classmethod
+    def of_factors(cls, adapters: list[ZooAdapter], bank: bool = True) -> ExactScores:
+        """Exact scores (and with `bank` the atoms: of_stack) among adapters held with their full factors."""
+        factors = [a.factors for a in adapters]
+        stack = ModuleStack.of(factors, dense_modules(factors))
+        return cls.of_stack(np.array([a.id for a in adapters], dtype=np.int64), stack, bank)
 
 
 @dataclass
@@ -110,7 +151,6 @@ class _ExactBuilder:
         self.ids += [a.id for a in adapters]
 
     def done(self) -> ExactScores:
-        from embed.train import ExactScores
 
         n, ids = len(self.ids), np.array(self.ids, dtype=np.int64)
         if self.stack is not None:

@@ -30,7 +30,8 @@ from embed.ensemble import W2TEnsemble
 from embed.intervals import LEVEL, RESAMPLES, Interval, clustered_bootstrap
 from embed.metrics import KNN_K, classification, cosine, knn_classify, knn_regress, knn_vote_shares, regression, retrieval_per_query
 from embed.tokens import max_rank
-from embed.train import TrainOptions, remember_and_choose, train_w2t
+from embed.train import remember_and_choose, train_w2t
+from embed.train_options import TrainOptions
 from embed.types import SpaceSchema, ZooAdapter, split_positions
 from zoo.domain.canonical import CanonicalFactors, canonicalize
 from zoo.domain.channel_metric import Bank, ChannelMetric, bank_matrices

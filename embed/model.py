@@ -55,7 +55,7 @@ class W2TConfig:
     max_module_tokens: int = 0  # 0: a module token per module
     module_groups: int = 0  # module tokens (embed.tokens.module_groups); 0: n_modules, one per module
     gram_sketches: bool = False  # second-order input and output Gram sketches per module (module token and readout)
-    #: how the weights were pretrained (embed.train.pretrain: the distilled score, epochs, views, losses); {}: not
+    #: how the weights were pretrained (embed.pretrain.pretrain: the distilled score, epochs, views, losses); {}: not
     pretraining: dict[str, object] = field(default_factory=dict)
 
     @property

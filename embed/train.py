@@ -30,25 +30,16 @@ from tqdm import tqdm
 
 from embed.choice import (
     Fold,
-    choose_attribute,
-    choose_metric,
-    choose_search,
-    knn_similarity,
-    logistic_readout,
-    mean_per_row,
-    readout_predictions,
 )
-from embed.distill import distillation_loss, rotate_outputs, token_kernel
+from embed.dataset import ExactScores
 from embed.ensemble import W2TEnsemble, batch_rows
-from embed.fitted import MAX_LABELLED, Purpose, fit_all, out_of_fold, unavailable
-from embed.metrics import retrieval
+from embed.ensemble_choices import choose_methods
+from embed.fitted import unavailable
 from embed.model import W2T, W2TConfig
+from embed.pretrain import Pretrained, pretrain
 from embed.tokens import (
-    MAX_MODULE_TOKENS,
-    TOKEN_WIDTH,
     Batch,
     TokenSpec,
-    TypeTokens,
     max_rank,
     module_groups,
     n_rows,
@@ -59,143 +50,10 @@ from embed.tokens import (
     tokens_per_adapter,
     torch_threads,
 )
+from embed.train_options import TrainOptions, token_spec
 from embed.types import SpaceSchema, ZooAdapter
-from zoo.domain.channel_metric import Bank, bank_matrices
-from zoo.domain.channels import EXACT_SCORES, exact_cosines
-from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS
-from zoo.domain.similarity import ModuleStack, dense_modules
+from embed.views import VIEW_NOISE, augment, copy_tokens, mix, mix_partners, module_view, readout_scale
 from zoo.labels import TASK_KEY
-
-#: an adapter's tokens at full width (float32 u and v) may take this much before its sides are projected (unless a
-#: training names its width): the reference zoos' adapters (all-MiniLM-L6 at r16: 2.7 MB) keep every width, on
-#: which their results were measured; one layer of Llama-3-8B at r16 (5.2 MB) is projected, all 32 take 168 MB
-FULL_WIDTH_TOKEN_BYTES = 4 << 20
-#: rank tokens an adapter brings to a training step (TrainOptions.step_rank_tokens): Llama-3-8B r16, 64 of its 224 modules
-STEP_RANK_TOKENS = 1024
-
-
-@dataclass
-class TrainOptions:
-    objective: str = "supervised"  # supervised | contrastive | both
-    epochs: int = 80
-    batch_size: int = 64
-    lr: float = 2e-3
-    weight_decay: float = 0.05
-    #: each member's held-out share (_folds), on which it early-stops and the choices are scored; each adapter is held
-    #: out by about members × val_fraction members (0.75 by default: a quarter by none, the rest by one)
-    val_fraction: float = 0.15
-    patience: int = 15
-    seed: int = 0
-    dim: int = 32
-    temperature: float = 0.1
-    augment_sign_flips: bool = False  # harmless by construction: for measuring that
-    augment_rank_permutations: bool = False
-    augment_truncation: bool = True  # supervised views drop weak components and add small noise, as contrastive views do
-    #: views rescale each adapter's update by e^c, c ~ U(-x, x) (its σ; the sketches are normalized and keep theirs): the
-    #: update's scale (learning rate × alpha) says nothing of what the adapter does. 0: off
-    augment_rescale: float = 0.0
-    #: views drop up to this share of each adapter's modules (the share drawn per view, at least one module kept; the
-    #: readout of the rest scaled up to match, as _module_view does). On shapes-cnn with 8 labels per task the chosen
-    #: search gained 0.017 hit@1 and 0.029 nDCG@10 by it; with 4 it lost 0.003-0.007 (docs/results-history.md, issue 32,
-    #: seventh round). Contrastive views drop modules too. 0: off
-    augment_module_dropout: float = 0.5
-    #: supervised steps replace this share of their labelled adapters by a mix λ dW + (1 − λ) dW′ with another training
-    #: adapter of the same task (λ ~ U(0.25, 0.75)), canonicalized again and cut to the padded rank: a new adapter of
-    #: that task, where labels are few. Its measured metrics are unknown. 0: off
-    augment_mixup: float = 0.0
-    #: `both` only: an epoch's contrastive rows are its labelled training adapters and a fresh draw of at most this many
-    #: unlabelled ones per labelled one (validation: one fixed draw of the same share), so that the training's cost
-    #: follows the labels, not the zoo. None: every adapter, every epoch
-    unlabelled_per_labelled: float | None = None
-    device: str | None = None
-    metrics: tuple[str, ...] = ("test_accuracy",)
-    #: attributes that get a classification head; None: every categorical attribute. Heads for the
-    #: generating hyperparameters made the task embedding much worse on the reference zoo (docs/results-history.md).
-    attributes: tuple[str, ...] | None = ("task",)
-    dropout: float = 0.2
-    #: models in the ensemble, trained from seeds seed, seed + 1, ... Ten with val_fraction 0.2 hold each adapter out
-    #: of two, whose mean the choices score: better with scarce labels, worse with full ones, at twice the training
-    #: (docs/results-history.md, issue 32, sixth round)
-    members: int = 5
-    #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width; None:
-    #: full width while an adapter's tokens at full width take at most FULL_WIDTH_TOKEN_BYTES, else TOKEN_WIDTH
-    token_width: int | None = None
-    #: module tokens per adapter, at most (modules grouped by type and layer beyond it); 0: one per module
-    max_module_tokens: int = MAX_MODULE_TOKENS
-    #: rank tokens an adapter brings to a training step, at most: beyond it a step sees a random subset of the modules
-    #: (_module_view; validation and embedding see them all); 0: every module
-    step_rank_tokens: int = STEP_RANK_TOKENS
-    #: second-order input and output Gram sketches per module beside the first-order one, into the module tokens and
-    #: the readout (embed.model, W2TConfig.gram_sketches): a rotation of dW's output side leaves the input one unmoved
-    gram_sketches: bool = False
-    #: self-supervised epochs before the supervised ones, on every adapter, labelled or not (at most pretrain_adapters):
-    #: the W2T cosine is taught to rank the adapters of a batch as an exact score does (embed.distill); the members
-    #: then start from these weights. 0: none
-    pretrain_epochs: int = 0
-    #: the exact score pretraining distills: "dw", "module", "input_gram", or "auto": of those the one that retrieves
-    #: the labelled adapters' tasks best (leave-one-out MRR + nDCG@10 among them; training-free, so no fold is needed)
-    pretrain_score: str = "auto"
-    #: pretraining views carry what a run's own seeds and settings change but its task does not: weak components cut,
-    #: modules dropped (augment_module_dropout), dW rescaled by e^c, c ~ U(-1, 1), and, where the distilled score
-    #: ignores the output side (the input Gram), the output side turned by a random orthogonal Q (a re-seeded head)
-    pretrain_augment: bool = True
-    #: the most adapters pretraining uses, drawn with the seed (its target kernel is their n × n exact scores)
-    pretrain_adapters: int = 4096
-    #: torch threads while training (None: torch's default). One: on a shared 2-core machine two threads wait on each
-    #: other at every small op (a Llama-3-8B step was 2.6 times slower in wall time, docs/results.md)
-    threads: int | None = 1
-    #: the few-label channel metrics (embed/fitted.py) are candidates of the out-of-fold choices, where the space has
-    #: their atoms; off: the training-free exact scores and W2T only (what `zoo eval` compares the default with)
-    channel_metric: bool = True
-
-
-def token_spec(options: TrainOptions, schema: SpaceSchema, rank: int) -> TokenSpec:
-    """How the adapters of a training with these options are tokenized, in a space of this schema and padded rank."""
-    width = options.token_width
-    if width is None:
-        full_bytes = 4 * rank * sum(o + i for _, o, i in schema.modules)  # float32 u and v of every component
-        width = TOKEN_WIDTH if full_bytes > FULL_WIDTH_TOKEN_BYTES else 0
-    return TokenSpec(width, options.seed, options.max_module_tokens)
-
-
-@dataclass
-class ExactScores:
-    """The exact scores (zoo.domain.channels.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
-    choices compare W2T with. `source` says what they were computed from: "factors" (exact), or "module sketches"
-    where the space is too big for the engine's module store, whose module-cosine estimate then stands in for both
-    scores when a query is served (embed.engine) and so here. `bank`: the channel metric's atoms among them
-    (zoo.domain.channel_metric.bank_matrices), from the factors, where they are at most embed.fitted.MAX_LABELLED."""
-
-    ids: np.ndarray
-    scores: dict[str, np.ndarray]
-    source: str = "factors"
-    bank: Bank | None = None
-
-    def _at(self, ids: list[int]) -> np.ndarray:
-        at = {int(i): j for j, i in enumerate(self.ids.tolist())}
-        return np.array([at[int(i)] for i in ids], dtype=np.int64)
-
-    def among(self, ids: list[int]) -> dict[str, np.ndarray]:
-        idx = self._at(ids)
-        return {k: v[np.ix_(idx, idx)] for k, v in self.scores.items()}
-
-    def bank_among(self, ids: list[int]) -> Bank | None:
-        idx = self._at(ids)
-        return self.bank.take(idx, idx) if self.bank is not None else None
-
-    @classmethod
-    def of_stack(cls, ids: np.ndarray, stack: ModuleStack, bank: bool = True) -> ExactScores:
-        """Exact scores among the adapters of a stack, and with `bank` the channel metric's atoms where they are few
-        enough."""
-        atoms = bank_matrices(stack, stack) if bank and stack.size <= MAX_LABELLED else None
-        return cls(ids, {s: exact_cosines(stack, stack, s) for s in EXACT_SCORES}, bank=atoms)
-
-    @classmethod
-    def of_factors(cls, adapters: list[ZooAdapter], bank: bool = True) -> ExactScores:
-        """Exact scores (and with `bank` the atoms: of_stack) among adapters held with their full factors."""
-        factors = [a.factors for a in adapters]
-        stack = ModuleStack.of(factors, dense_modules(factors))
-        return cls.of_stack(np.array([a.id for a in adapters], dtype=np.int64), stack, bank)
 
 
 def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
@@ -213,131 +71,6 @@ def categorical_attributes(adapters: list[ZooAdapter]) -> dict[str, list[str]]:
     return out
 
 
-def _module_view(tokens: Batch, rows: torch.Tensor, rank_tokens: int, gen: torch.Generator) -> tuple[Batch, float]:
-    """(the rows' tokens of as many modules as `rank_tokens` allows, drawn at random over all types; the readout scale,
-    modules / drawn). Each type keeps the σ norm of the whole adapter, so that a module's sketch is scaled as when all
-    are seen, and the readout of the sketches, scaled, is as large on average. All modules where they fit."""
-    sizes = [tok.mask.shape[1] for tok in tokens.values()]
-    total, rank = sum(sizes), next(iter(tokens.values())).mask.shape[2]
-    k = max(1, rank_tokens // rank) if rank_tokens else total
-    if k >= total:
-        return select(tokens, rows), 1.0
-    chosen = torch.randperm(total, generator=gen)[:k].sort().values
-    out: Batch = {}
-    start = 0
-    for (t, tok), m in zip(tokens.items(), sizes, strict=True):
-        idx = chosen[(chosen >= start) & (chosen < start + m)] - start
-        start += m
-        if len(idx):
-            r, c = rows[:, None], idx[None, :]
-            norms = (tok.log_sigma[rows].exp() * tok.mask[rows]).pow(2).flatten(1).sum(dim=1).sqrt()
-            out[t] = TypeTokens(tok.u[r, c], tok.v[r, c], tok.log_sigma[r, c], tok.mask[r, c], tok.layers[idx], tok.groups[idx], norms)
-    return out, total / k
-
-
-#: a training view's noise on u and v: N(0, VIEW_NOISE² / width) per coordinate (added by the model, embed.model.projected_noise)
-VIEW_NOISE = 0.02
-
-
-def _augment(batch: Batch, gen: torch.Generator, options: TrainOptions, contrastive_view: bool) -> tuple[Batch, torch.Tensor | None]:
-    """A training view's tokens: its weakest components dropped (the model adds the view's noise, VIEW_NOISE), and where the
-    options ask, its scale changed and some of its modules dropped; with the per-row factor its readout is scaled by
-    (None: 1). Sign flips of (u_i, v_i) are left out of views: the model is invariant to them, and they cost two passes
-    over u and v."""
-    rows = n_rows(batch)
-    log_scale = None
-    if contrastive_view and options.augment_rescale:
-        log_scale = (2 * torch.rand(rows, generator=gen) - 1) * options.augment_rescale
-    dropped, readout = _module_dropout(batch, gen, options.augment_module_dropout) if contrastive_view else ({}, None)
-    out: Batch = {}
-    for t, tok in batch.items():
-        u, v, ls, mask = tok.u, tok.v, tok.log_sigma, tok.mask
-        norms = tok.norms
-        if t in dropped:  # the sketches stay normalized by the whole adapter's σ, as in _module_view
-            norms = tok.sigma_norms() if norms is None else norms
-            mask = mask & ~dropped[t][..., None]
-            ls = ls.masked_fill(~mask, 0.0)
-        if options.augment_sign_flips:
-            signs = torch.where(torch.rand(mask.shape, generator=gen) < 0.5, -1.0, 1.0)[..., None]
-            u, v = u * signs, v * signs
-        if options.augment_rank_permutations:
-            perm = torch.argsort(torch.rand(mask.shape, generator=gen), dim=-1)
-            u, v = torch.gather(u, 2, perm[..., None].expand_as(u)), torch.gather(v, 2, perm[..., None].expand_as(v))
-            ls, mask = torch.gather(ls, 2, perm), torch.gather(mask, 2, perm)
-        if contrastive_view:
-            # drop the weakest components: keep a random 50-100 % of each module's rank
-            count = mask.sum(dim=-1, keepdim=True).float()
-            keep = torch.ceil(count * (0.5 + 0.5 * torch.rand(count.shape, generator=gen)))
-            order = torch.argsort(torch.argsort(-ls.masked_fill(~mask, float("-inf")), dim=-1), dim=-1)
-            mask = mask & (order < keep)
-            ls = ls.masked_fill(~mask, 0.0)
-        if log_scale is not None:
-            ls = (ls + log_scale[:, None, None]).masked_fill(~mask, 0.0)
-            norms = None if norms is None else norms * log_scale.exp()
-        out[t] = TypeTokens(u, v, ls, mask, tok.layers, tok.groups, norms)
-    return out, readout
-
-
-def _module_dropout(batch: Batch, gen: torch.Generator, share: float) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """(per type: the modules (B, M) a view drops, the readout factor per row: modules / modules kept). Each adapter
-    drops each of its modules with a probability drawn from U(0, share), and keeps at least one."""
-    if not share:
-        return {}, None
-    present = {t: tok.mask.any(dim=-1) for t, tok in batch.items()}
-    p = torch.rand(n_rows(batch), generator=gen) * share
-    drop = {t: (torch.rand(m.shape, generator=gen) < p[:, None]) & m for t, m in present.items()}
-    have = torch.stack([m.sum(dim=1) for m in present.values()]).sum(dim=0)
-    kept = torch.stack([(m & ~drop[t]).sum(dim=1) for t, m in present.items()]).sum(dim=0)
-    none_left = kept == 0  # such an adapter keeps them all
-    drop = {t: d & ~none_left[:, None] for t, d in drop.items()}
-    kept = torch.where(none_left, have, kept)
-    return drop, have.float() / kept.clamp_min(1).float()
-
-
-def _mix_partners(rows: torch.Tensor, train: torch.Tensor, groups: torch.Tensor, share: float, gen: torch.Generator) -> torch.Tensor:
-    """For each row: another of the `train` rows in its group (its task) to be mixed with, drawn at random, for a `share`
-    of the rows that have one; -1 for the others."""
-    out = torch.full_like(rows, -1)
-    pick = torch.rand(len(rows), generator=gen) < share
-    for i in torch.nonzero(pick).flatten().tolist():
-        mates = train[(groups[train] == groups[rows[i]]) & (train != rows[i])]
-        if len(mates):
-            out[i] = mates[int(torch.randint(len(mates), (1,), generator=gen))]
-    return out
-
-
-def _mix(batch: Batch, mates: Batch, lam: torch.Tensor) -> Batch:
-    """Each row's update mixed with its mate's, λ dW + (1 − λ) dW′ per module (λ per row), as canonical tokens again:
-    QR of both sides' stacked components, SVD of the small core, the strongest components kept up to the padded rank.
-    Where the tokens carry the whole adapters' σ norms (a module view), the mix's is estimated as the λ-weighted one
-    scaled by what the drawn modules show of the mix."""
-    out: Batch = {}
-    for t, a in batch.items():
-        b = mates[t]
-        rank = a.mask.shape[-1]
-        weights = torch.cat([lam[:, None, None] * a.log_sigma.exp() * a.mask, (1 - lam)[:, None, None] * b.log_sigma.exp() * b.mask], dim=2)
-        qu, ru = torch.linalg.qr(torch.cat([a.u, b.u], dim=2).transpose(-1, -2))  # (B, M, out, K), (B, M, K, 2R)
-        qv, rv = torch.linalg.qr(torch.cat([a.v, b.v], dim=2).transpose(-1, -2))
-        left, sigma, right_t = torch.linalg.svd((ru * weights[..., None, :]) @ rv.transpose(-1, -2), full_matrices=False)
-        k = min(rank, sigma.shape[-1])
-        u = (qu @ left[..., :k]).transpose(-1, -2)
-        v = (qv @ right_t[..., :k, :].transpose(-1, -2)).transpose(-1, -2)
-        sigma = sigma[..., :k]
-        mask = sigma > 1e-6 * sigma.amax(dim=-1, keepdim=True).clamp_min(1e-30)
-        if k < rank:  # a side narrower than the rank
-            pad = rank - k
-            u, v = nn.functional.pad(u, (0, 0, 0, pad)), nn.functional.pad(v, (0, 0, 0, pad))
-            sigma, mask = nn.functional.pad(sigma, (0, pad)), nn.functional.pad(mask, (0, pad))
-        log_sigma = torch.log(sigma.clamp_min(1e-12)).masked_fill(~mask, 0.0)
-        norms = None
-        if a.norms is not None and b.norms is not None:
-            drawn = (sigma * mask).pow(2).flatten(1).sum(dim=1).sqrt()
-            drawn_each = lam * a.sigma_norms() + (1 - lam) * b.sigma_norms()
-            norms = drawn * (lam * a.norms + (1 - lam) * b.norms) / drawn_each.clamp_min(1e-12)
-        out[t] = TypeTokens(u * mask[..., None], v * mask[..., None], log_sigma, mask, a.layers, a.groups, norms)
-    return out
-
-
 def _step_tokens(
     data: _Data, rows: torch.Tensor, train_rows: torch.Tensor, options: TrainOptions, gen: torch.Generator, train: bool
 ) -> tuple[Batch, Batch, float, torch.Tensor | None]:
@@ -348,35 +81,25 @@ def _step_tokens(
         batch = select(data.tokens, rows)
         return batch, batch, 1.0, None
     mates = (
-        _mix_partners(rows, train_rows, data.groups, options.augment_mixup, gen)
+        mix_partners(rows, train_rows, data.groups, options.augment_mixup, gen)
         if options.augment_mixup and options.objective != "contrastive"
         else None
     )
     if mates is None or not bool((mates >= 0).any()):
-        batch, scale = _module_view(data.tokens, rows, options.step_rank_tokens, gen)
+        batch, scale = module_view(data.tokens, rows, options.step_rank_tokens, gen)
         return batch, batch, scale, None
     mixed = mates >= 0
-    both, scale = _module_view(data.tokens, torch.cat([rows, mates[mixed]]), options.step_rank_tokens, gen)  # the same modules
+    both, scale = module_view(data.tokens, torch.cat([rows, mates[mixed]]), options.step_rank_tokens, gen)  # the same modules
     batch, mate_tokens = select(both, slice(0, len(rows))), select(both, slice(len(rows), None))
     lam = 0.25 + 0.5 * torch.rand(int(mixed.sum()), generator=gen)
-    sup = {t: _copy(tok) for t, tok in batch.items()}
-    for t, tok in _mix(select(batch, mixed), mate_tokens, lam).items():
+    sup = {t: copy_tokens(tok) for t, tok in batch.items()}
+    for t, tok in mix(select(batch, mixed), mate_tokens, lam).items():
         for name in ("u", "v", "log_sigma", "mask"):
             getattr(sup[t], name)[mixed] = getattr(tok, name)
         norms = sup[t].norms
         if tok.norms is not None and norms is not None:
             norms[mixed] = tok.norms
     return batch, sup, scale, mates
-
-
-def _copy(tok: TypeTokens) -> TypeTokens:
-    norms = None if tok.norms is None else tok.norms.clone()
-    return TypeTokens(tok.u.clone(), tok.v.clone(), tok.log_sigma.clone(), tok.mask.clone(), tok.layers, tok.groups, norms)
-
-
-def _readout_scale(scale: float, per_row: torch.Tensor | None, device: torch.device) -> float | torch.Tensor:
-    """A view's readout factor: the module view's, times each row's where modules were dropped from it."""
-    return scale if per_row is None else (per_row * scale).to(device)
 
 
 def _supcon(z1: torch.Tensor, z2: torch.Tensor, groups: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -467,9 +190,9 @@ def _train_member(
         batch, sup_batch, scale, mates = _step_tokens(data, rows, fold.train, options, gen, train)
         contrastive: list[torch.Tensor] = []
         if options.objective in ("contrastive", "both"):
-            views = [_augment(batch, gen, options, contrastive_view=True) for _ in range(2)]
+            views = [augment(batch, gen, options, contrastive_view=True) for _ in range(2)]
             contrastive = [
-                model(to_device(v, device), noise=VIEW_NOISE, generator=gen, readout_scale=_readout_scale(scale, f, device))
+                model(to_device(v, device), noise=VIEW_NOISE, generator=gen, readout_scale=readout_scale(scale, f, device))
                 for v, f in views
             ]
             total = total + _supcon(contrastive[0], contrastive[1], data.groups[rows].to(device), options.temperature)
@@ -477,11 +200,9 @@ def _train_member(
             if contrastive and train and sup_batch is batch and options.augment_truncation:
                 z = contrastive[0]  # a view drawn as the supervised one would be: its heads read it, one forward saved
             else:
-                view, factor = (
-                    _augment(sup_batch, gen, options, contrastive_view=options.augment_truncation) if train else (sup_batch, None)
-                )
+                view, factor = augment(sup_batch, gen, options, contrastive_view=options.augment_truncation) if train else (sup_batch, None)
                 noise = VIEW_NOISE if train and options.augment_truncation else 0.0
-                z = model(to_device(view, device), noise=noise, generator=gen, readout_scale=_readout_scale(scale, factor, device))
+                z = model(to_device(view, device), noise=noise, generator=gen, readout_scale=readout_scale(scale, factor, device))
             logits, reg = model.predict(z)
             for k, lg in logits.items():
                 y = data.targets[k][rows]
@@ -541,105 +262,6 @@ def _train_member(
     model.load_state_dict(best_state)
     model.eval()
     return model, history
-
-
-#: pretraining views rescale dW by e^c, c ~ U(-PRETRAIN_RESCALE, PRETRAIN_RESCALE)
-PRETRAIN_RESCALE = 1.0
-#: multiply-adds the pretraining target may take (n² pairs × modules × rank² × width): fewer adapters are drawn where
-#: pretrain_adapters of them would take more (300 digits-vit adapters: 6·10¹⁰; at Llama-3-8B r16, projected: 101 adapters)
-PRETRAIN_KERNEL_MACS = 3 * 10**11
-
-
-def pretraining_rows(tokens: Batch, most: int) -> int:
-    """How many adapters pretraining draws: at most `most`, and as many as PRETRAIN_KERNEL_MACS allows (at least 2)."""
-    per_pair = sum(int(t.mask.shape[1] * t.mask.shape[2] ** 2 * (t.u.shape[-1] + t.v.shape[-1])) for t in tokens.values())
-    return max(2, min(most, n_rows(tokens), math.isqrt(PRETRAIN_KERNEL_MACS // max(1, per_pair))))
-
-
-def favoured_score(tokens: Batch, tasks: list[str]) -> str:
-    """The exact score (dw, module, input_gram) that retrieves the tasks best among the rows with one: each queries
-    the others, scored by MRR + nDCG@10; dW cosine where fewer than two rows have a task."""
-    rows = [r for r, t in enumerate(tasks) if t]
-    if len(rows) < 2:
-        return "dw"
-    labelled = select(tokens, torch.tensor(rows))
-    labels = [tasks[r] for r in rows]
-    quality = {}
-    for score in ("dw", "module", "input_gram"):
-        got = retrieval(token_kernel(labelled, score).numpy(), labels, labels, list(range(len(rows))))
-        quality[score] = got["mrr"] + got["ndcg@10"]
-    return max(quality, key=lambda s: quality[s])
-
-
-#: pretrained weights and the record of how they were made (embed.train.pretrain)
-Pretrained = tuple[dict[str, torch.Tensor], dict[str, object]]
-
-
-def pretrain(
-    config: W2TConfig, tokens: Batch, tasks: list[str], options: TrainOptions, device: torch.device, progress: bool = False
-) -> Pretrained:
-    """Self-supervised pretraining on the rows of `tokens` (at most options.pretrain_adapters of them and
-    PRETRAIN_KERNEL_MACS' worth, drawn with the seed), labelled or not: options.pretrain_epochs epochs of the
-    distillation loss (embed.distill) between the W2T cosines of a batch and the exact score options.pretrain_score
-    among its adapters (`tasks`, "" where unknown, pick it where "auto"). (weights, what was done: score, epochs,
-    views, the mean loss on plain views before and after)."""
-    torch.manual_seed(options.seed)
-    gen = torch.Generator().manual_seed(options.seed)
-    rows = torch.randperm(n_rows(tokens), generator=gen)[: pretraining_rows(tokens, options.pretrain_adapters)].sort().values
-    tokens = select(tokens, rows)
-    score = favoured_score(tokens, [tasks[r] for r in rows.tolist()]) if options.pretrain_score == "auto" else options.pretrain_score
-    kernel = token_kernel(tokens, score).float()
-    model = W2T(config).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
-    size = batch_rows(tokens_per_adapter(tokens), options.batch_size)
-    views = replace(options, augment_rescale=PRETRAIN_RESCALE)
-    rotate = options.pretrain_augment and score == "input_gram"
-    before = _distillation_on(model, tokens, kernel, size, options.temperature, device)
-    bar = tqdm(range(options.pretrain_epochs), desc=f"pretrain w2t (distil {score})", unit="epoch", disable=not progress)
-    for _ in bar:
-        model.train()
-        order = torch.randperm(len(rows), generator=gen)
-        for start in range(0, len(order), size):
-            idx = order[start : start + size]
-            if len(idx) < 2:
-                continue
-            batch, scale = _module_view(tokens, idx, options.step_rank_tokens, gen)
-            factor, noise = None, 0.0
-            if options.pretrain_augment:
-                batch, factor = _augment(batch, gen, views, contrastive_view=True)
-                batch = rotate_outputs(batch, gen) if rotate else batch
-                noise = VIEW_NOISE
-            z = model(to_device(batch, device), noise=noise, generator=gen, readout_scale=_readout_scale(scale, factor, device))
-            loss = distillation_loss(z, kernel[idx][:, idx], options.temperature)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    after = _distillation_on(model, tokens, kernel, size, options.temperature, device)
-    info: dict[str, object] = {
-        "score": score,
-        "epochs": options.pretrain_epochs,
-        "adapters": len(rows),
-        "augment": options.pretrain_augment,
-        "rotate_outputs": rotate,
-        "loss_before": before,
-        "loss_after": after,
-    }
-    return copy.deepcopy(model.state_dict()), info
-
-
-@torch.no_grad()
-def _distillation_on(model: W2T, tokens: Batch, kernel: torch.Tensor, size: int, temperature: float, device: torch.device) -> float:
-    """The mean distillation loss of plain views over consecutive batches of `size` rows (a fixed measure for
-    before and after)."""
-    model.eval()
-    n = n_rows(tokens)
-    parts = []
-    for start in range(0, n, size):
-        idx = torch.arange(start, min(n, start + size))
-        if len(idx) >= 2:
-            z = model(to_device(select(tokens, idx), device))
-            parts.append(float(distillation_loss(z, kernel[idx][:, idx], temperature)))
-    return sum(parts) / max(1, len(parts))
 
 
 def _rows_for_epoch(rows: torch.Tensor, has_target: torch.Tensor, ratio: float | None, gen: torch.Generator) -> torch.Tensor:
@@ -817,75 +439,9 @@ def remember_and_choose(
         given = exact if exact is not None else ExactScores.of_factors(labelled, bank=options.channel_metric)
         why_not = unavailable(given.bank, given.source, len(labelled)) if options.channel_metric else "no channel metric: left out"
         bank = given.bank_among(ids) if why_not is None else None
-        _choose(embedder, labelled, known, singles, member_z, folds, tokens, given.among(ids), bank, why_not)
-
-
-def _choose(
-    embedder: W2TEnsemble,
-    labelled: list[ZooAdapter],
-    rows: list[int],
-    singles: list[W2TEnsemble],
-    member_z: list[np.ndarray],
-    folds: list[_Fold],
-    tokens: Batch,
-    exact: dict[str, np.ndarray],
-    bank: Bank | None,
-    why_not: str | None,
-) -> None:
-    """The search score and each target's predictor, out of fold (embed/choice.py), over the labelled adapters
-    (`labelled`, at `rows` of the training set), among candidates that include the channel metrics (embed/fitted.py)
-    where `bank` holds their atoms (else `why_not` says why not); the metrics fitted on every labelled adapter; and the
-    std of the chosen metric predictors' residuals there."""
-    at = {r: i for i, r in enumerate(rows)}
-    views = [
-        Fold([at[r] for r in f.val.tolist() if r in at], [at[r] for r in f.train.tolist() if r in at], mz[rows])
-        for f, mz in zip(folds, member_z, strict=True)
-    ]
-    tasks = [a.labels.get(TASK_KEY, "") for a in labelled]
-    if bank is not None:
-        purposes = {
-            "search": Purpose("search", tasks),
-            **{k: Purpose("task", embedder.memory_labels[k]) for k in embedder.config.categorical},
-            **{m: Purpose("performance", embedder.memory_values[m]) for m in embedder.config.regression},
-        }
-        exact = {**exact, **out_of_fold(bank, purposes, views)}
-        embedder.channel_metrics = fit_all(bank, purposes)
-    search = choose_search(exact, tasks, views)
-    embedder.search = search.chosen
-    similarity = knn_similarity(search.chosen)
-    if why_not is not None:  # said where `zoo train` reports the search chosen
-        search.reason = f"{search.reason}; {why_not}"
-    embedder.choices = {"search": search.as_dict()}
-    # each member predicts the rows it never trained on; a row held out by several is given their mean
-    held_shares: dict[str, list[tuple[int, np.ndarray]]] = {}  # the heads' class shares by attribute, with their rows
-    held_values: dict[str, list[tuple[int, np.ndarray]]] = {}  # the heads' values by metric, and the W2T kNN's ("neighbours.m")
-    for single, view in zip(singles, views, strict=True):
-        if not view.val:  # this member held out none of the labelled adapters
-            continue
-        _, probs, heads = single._forward_batches(single._token_batches(tokens, [rows[i] for i in view.val]))
-        for k, p in probs.items():
-            held_shares.setdefault(k, []).extend(zip(view.val, p, strict=True))
-        for m, v in heads.items():
-            single.memory = view.z[view.train]
-            single.memory_values = {m: embedder.memory_values[m][view.train]}
-            nbrs = single.neighbour_values(view.z[view.val], m) if not np.isnan(single.memory_values[m]).all() else v
-            held_values.setdefault(m, []).extend(zip(view.val, v, strict=True))
-            held_values.setdefault(f"neighbours.{m}", []).extend(zip(view.val, nbrs, strict=True))
-    shares = {k: mean_per_row(pairs) for k, pairs in held_shares.items()}
-    values = {m: {r: float(v) for r, v in mean_per_row(pairs).items()} for m, pairs in held_values.items()}
-    for k in embedder.config.categorical:
-        labels, classes = embedder.memory_labels[k], embedder.config.categorical[k]
-        learned = {HEAD: shares.get(k, {}), **readout_predictions(labels, classes, views)}
-        choice, _, embedder.calibration[k] = choose_attribute(exact, similarity, labels, classes, learned, views, k)
-        embedder.predictors[k] = choice.chosen
-        embedder.choices[k] = choice.as_dict()
-        if choice.chosen == LOGREG:
-            model = logistic_readout(embedder.memory, labels)
-            embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
-    for m in embedder.config.regression:
-        predicted = {HEAD: values.get(m, {}), NEIGHBOURS: values.get(f"neighbours.{m}", {})}
-        choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views, m)
-        embedder.predictors[m] = choice.chosen
-        embedder.choices[m] = choice.as_dict()
-        if len(truth) >= 2:
-            embedder.residual_std[m] = float(np.std(embedder.clip(m, pred) - truth))
+        at = {r: i for i, r in enumerate(known)}
+        views = [
+            Fold([at[r] for r in f.val.tolist() if r in at], [at[r] for r in f.train.tolist() if r in at], mz[known])
+            for f, mz in zip(folds, member_z, strict=True)
+        ]
+        choose_methods(embedder, labelled, known, singles, views, tokens, given.among(ids), bank, why_not)

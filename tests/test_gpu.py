@@ -13,7 +13,8 @@ import torch
 
 from embed.ensemble import W2TEnsemble
 from embed.index import AdapterIndex, gpu_available
-from embed.train import TrainOptions, train_w2t
+from embed.train import train_w2t
+from embed.train_options import TrainOptions
 from embed.types import ZooAdapter, schema_of
 from tests.test_canonical import random_lora
 from tests.test_embed import synthetic_zoo

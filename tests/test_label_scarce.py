@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from embed.calibration import expected_calibration_error
 from embed.evaluate import evaluate, labelled_split
 from embed.metrics import classification, knn_classify, knn_regress, regression, retrieval, weighted_mean
-from embed.train import TrainOptions, categorical_attributes, train_w2t
+from embed.train import categorical_attributes, train_w2t
+from embed.train_options import TrainOptions
 from embed.types import ZooAdapter, schema_of
 from tests.conftest import CLI
 from tests.test_embed import synthetic_zoo

@@ -12,11 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from embed.dataset import ExactScores
 from embed.distill import distillation_loss, rotate_outputs, token_kernel
 from embed.ensemble import W2TEnsemble
 from embed.model import W2T, W2TConfig
 from embed.tokens import TypeTokens, max_rank, tokenize
-from embed.train import ExactScores, TrainOptions, train_w2t
+from embed.train import train_w2t
+from embed.train_options import TrainOptions
 from embed.types import schema_of
 from tests.test_embed import synthetic_zoo
 from tests.test_w2t_views import canonical_tokens

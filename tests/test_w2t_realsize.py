@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from sqlalchemy import select
 
 from embed.checkpoint import MEMORY, META, checkpoint_meta
-from embed.dataset import load_adapters, read_training_set
+from embed.dataset import ExactScores, load_adapters, read_training_set
 from embed.engine import module_layout
 from embed.ensemble import TOKENS_PER_BATCH, W2TEnsemble
 from embed.model import W2T
@@ -33,16 +33,10 @@ from embed.tokens import (
     tokenize,
     torch_threads,
 )
-from embed.train import (
-    FULL_WIDTH_TOKEN_BYTES,
-    STEP_RANK_TOKENS,
-    ExactScores,
-    TrainOptions,
-    _module_view,
-    token_spec,
-    train_w2t,
-)
+from embed.train import train_w2t
+from embed.train_options import FULL_WIDTH_TOKEN_BYTES, STEP_RANK_TOKENS, TrainOptions, token_spec
 from embed.types import SpaceSchema, ZooAdapter, schema_of
+from embed.views import module_view
 from tests.conftest import CLI
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.channels import EXACT_SCORES
@@ -154,7 +148,7 @@ def test_a_thousand_module_adapter_makes_bounded_tokens_and_embeds() -> None:
     projected = [project(a, spec) for a in adapters]
     assert max(f.U.shape[0] for f in projected[0].factors.values()) == TOKEN_WIDTH
     assert np.allclose(emb.embed(projected), z, atol=1e-5)
-    view, scale = _module_view(tokenize(adapters, schema, emb.rank, spec), torch.arange(4), STEP_RANK_TOKENS, torch.Generator())
+    view, scale = module_view(tokenize(adapters, schema, emb.rank, spec), torch.arange(4), STEP_RANK_TOKENS, torch.Generator())
     assert sum(t.mask.shape[1] for t in view.values()) * emb.rank <= STEP_RANK_TOKENS and scale == 1000 / (STEP_RANK_TOKENS // emb.rank)
 
 

@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embed.tokens import Batch, TypeTokens
-from embed.train import TrainOptions, _augment, _mix, _mix_partners, _module_dropout, _rows_for_epoch, train_w2t
+from embed.train import _rows_for_epoch, train_w2t
+from embed.train_options import TrainOptions
 from embed.types import schema_of
+from embed.views import augment, mix, mix_partners, module_dropout
 from tests.test_embed import synthetic_zoo
 
 
@@ -47,7 +49,7 @@ def test_a_mix_is_the_best_low_rank_form_of_the_mixed_update(rank: int, out: int
     a = canonical_tokens(rows, modules, rank, out, inp, ranks[0], gen)
     b = canonical_tokens(rows, modules, rank, out, inp, ranks[1], gen)
     lams = torch.tensor([lam, 1.0, 0.0])
-    mixed = _mix({"t": a}, {"t": b}, lams)["t"]
+    mixed = mix({"t": a}, {"t": b}, lams)["t"]
     target = lams[:, None, None, None] * update(a) + (1 - lams)[:, None, None, None] * update(b)
     # Eckart–Young: the best rank-`rank` approximation of the mixed update, whatever the two factorizations were
     left, sigma, right = torch.linalg.svd(target.double(), full_matrices=False)
@@ -79,7 +81,7 @@ def two_types(rows: int, gen: torch.Generator) -> Batch:
 def test_module_dropout_drops_only_present_modules_and_keeps_one(share: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     batch = two_types(8, gen)
-    dropped, factor = _module_dropout(batch, gen, share)
+    dropped, factor = module_dropout(batch, gen, share)
     if not share:
         assert dropped == {} and factor is None
         return
@@ -96,7 +98,7 @@ def test_a_view_keeps_the_whole_adapters_norm_and_rescales_only_sigma() -> None:
     gen = torch.Generator().manual_seed(3)
     batch = two_types(16, gen)
     options = TrainOptions(augment_rescale=1.0, augment_module_dropout=0.9)
-    view, factor = _augment(batch, torch.Generator().manual_seed(0), options, contrastive_view=True)
+    view, factor = augment(batch, torch.Generator().manual_seed(0), options, contrastive_view=True)
     assert factor is not None
     for t, tok in view.items():
         before = batch[t]
@@ -119,14 +121,14 @@ def test_mates_are_other_training_adapters_of_the_same_task() -> None:
     train = torch.tensor([0, 1, 2, 3, 5, 6])
     rows = torch.tensor([0, 1, 3, 5, 6])
     for seed in range(20):
-        mates = _mix_partners(rows, train, groups, 1.0, torch.Generator().manual_seed(seed))
+        mates = mix_partners(rows, train, groups, 1.0, torch.Generator().manual_seed(seed))
         for r, m in zip(rows.tolist(), mates.tolist(), strict=True):
             if m < 0:
                 assert r in (3, 5, 6)  # no other training adapter of its task (7 is held out)
             else:
                 assert m != r and m in train.tolist() and groups[m] == groups[r]
         assert bool((mates[:2] >= 0).all())
-    assert bool((_mix_partners(rows, train, groups, 0.0, torch.Generator()) < 0).all())
+    assert bool((mix_partners(rows, train, groups, 0.0, torch.Generator()) < 0).all())
 
 
 @settings(max_examples=60, deadline=None)

@@ -32,7 +32,7 @@ from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.session import require_schema, session_factory
 
-#: `--members` and `--val-fraction` of train and eval (embed.train.TrainOptions' defaults; this module does not import
+#: `--members` and `--val-fraction` of train and eval (embed.train_options.TrainOptions' defaults; this module does not import
 #: it, as it loads torch)
 MEMBERS_HELP = "W2T models in the ensemble, from consecutive seeds (default: 5)"
 UNLABELLED_HELP = (
@@ -47,7 +47,7 @@ VAL_FRACTION_HELP = (
 if TYPE_CHECKING:
     from embed.engine import QueryEngine
     from embed.evaluate import Similarities
-    from embed.train import TrainOptions
+    from embed.train_options import TrainOptions
     from embed.types import SpaceSchema, ZooAdapter
     from zoo.services.relations import RelationReport
 
@@ -71,7 +71,7 @@ def query_engine(settings: Settings, device: str | None) -> QueryEngine:
 
 def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     from embed import service
-    from embed.train import TrainOptions
+    from embed.train_options import TrainOptions
 
     require_schema(settings.database_url)
     space = space_of(settings, args.space)
@@ -310,7 +310,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _train_options(args: argparse.Namespace, seed: int) -> TrainOptions:
-    from embed.train import TrainOptions
+    from embed.train_options import TrainOptions
 
     return TrainOptions(
         epochs=args.epochs,
