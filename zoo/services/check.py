@@ -41,17 +41,18 @@ from pathlib import Path
 from typing import NotRequired, TypedDict
 
 import numpy as np
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
 
 from zoo.config import Settings
 from zoo.files import TMP_PREFIX
 from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
+from zoo.store.embedders import get_embedder, serving_embedders
+from zoo.store.embeddings import deleted_since, embedding_ids
 from zoo.store.jobs import StrandedItem, pending_sources, requeue_stranded, stranded_items
-from zoo.store.models import Embedder, Embedding, EmbeddingSpace
+from zoo.store.models import EmbeddingSpace
 from zoo.store.repository import adapter_blobs, names_and_labels, space_module_shapes
-from zoo.store.session import session_factory
+from zoo.store.session import Session, Sessions, session_factory
+from zoo.store.spaces import all_spaces, get_space_by_id, space_version
 
 #: seconds a blob or temporary file must be old before `--repair` may remove it
 DEFAULT_GRACE_S = 3600.0
@@ -190,14 +191,14 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
     }
 
 
-def _check_jobs(sessions: sessionmaker[Session], repair: bool) -> JobCheck:
+def _check_jobs(sessions: Sessions, repair: bool) -> JobCheck:
     """Items whose lease holder is gone, queued again on repair."""
     with sessions() as session:
         stranded = stranded_items(session)
     return {"stranded": stranded, "requeued": requeue_stranded(sessions, stranded) if repair and stranded else 0}
 
 
-def _check_uploads(root: Path, sessions: sessionmaker[Session], repair: bool, grace_s: float, now: float) -> UploadCheck:
+def _check_uploads(root: Path, sessions: Sessions, repair: bool, grace_s: float, now: float) -> UploadCheck:
     """Folders under `root` (the data dir's uploads/) that no queued or running item owns and nothing has written to
     for `grace_s` seconds (the module's doc); removed on repair. Run after `_check_jobs`, so that an item it queued
     again keeps its upload."""
@@ -237,14 +238,13 @@ def _files(data_dir: Path) -> Iterator[Path]:
 
 
 def _check_spaces(
-    settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore, repair: bool
+    settings: Settings, sessions: Sessions, blobs: BlobStore, repair: bool
 ) -> tuple[list[FileCheck], list[Unembedded], list[Misfit], list[str]]:
     """Index files, module stores, maps, missing embeddings and misfits per space (embed/ is imported only here).
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
     from embed.engine import SKETCH, index_path, load_consistent_index, module_store_path, read_module_store
     from embed.maps import load_consistent_map, map_embedder, map_path
-    from embed.registry import deleted_since, embedding_ids, serving_embedders, space_version
     from embed.service import embed_space
 
     indexes: list[FileCheck] = []
@@ -252,7 +252,7 @@ def _check_spaces(
     misfits: list[Misfit] = []
     repaired: list[str] = []
     with sessions() as session:
-        spaces = list(session.scalars(select(EmbeddingSpace).order_by(EmbeddingSpace.id)))
+        spaces = sorted(all_spaces(session), key=lambda space: space.id)
     for space in spaces:
         found: list[FileCheck] = []
         with sessions() as session:
@@ -293,7 +293,7 @@ def _check_spaces(
                 except ValueError as exc:
                     map_entry["state"] = str(exc)
                 found.append(map_entry)
-            missing, misfit = _fit(session, space, sketch.id if sketch else None)
+            missing, misfit = _fit(session, space, set(embedded[sketch.id].tolist()) if sketch else None)
         bad = [entry for entry in found if entry["state"] != "ok"]
         gap: Unembedded | None = {"space": space.name, "count": len(missing), "adapter_ids": missing[:20]} if missing else None
         if repair and (bad or gap):
@@ -327,7 +327,7 @@ def _same_ids(what: str, held: np.ndarray, embedded: np.ndarray, missing_ok: boo
     return f"the {what} holds " + "; ".join(parts)
 
 
-def _rebuild_stale(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, space_id: int, stale: list[FileCheck]) -> None:
+def _rebuild_stale(sessions: Sessions, blobs: BlobStore, data_dir: Path, space_id: int, stale: list[FileCheck]) -> None:
     """Rebuild from the database each file whose ids disagreed with it (a count that agrees does not make
     `embed_space` rebuild it)."""
     from embed.engine import update_index_file, update_module_store
@@ -336,18 +336,18 @@ def _rebuild_stale(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: 
     with sessions() as session:
         for entry in stale:
             if "embedder_id" in entry:
-                update_index_file(session, data_dir, session.get_one(Embedder, entry["embedder_id"]), rebuild=True)
+                update_index_file(session, data_dir, get_embedder(session, entry["embedder_id"]), rebuild=True)
             elif "module_store" in entry:
-                update_module_store(session, blobs, data_dir, session.get_one(EmbeddingSpace, space_id), rebuild=True)
+                update_module_store(session, blobs, data_dir, get_space_by_id(session, space_id), rebuild=True)
             elif "map" in entry:
                 shown = map_embedder(session, space_id)
                 assert shown is not None  # a map entry is checked only where the space has a map embedder; none is ever removed
                 update_map(session, data_dir, shown, rebuild=True)
 
 
-def _fit(session: Session, space: EmbeddingSpace, sketch_id: int | None) -> tuple[list[int], list[Misfit]]:
-    """The adapters of the space's base model whose modules all fit its vocabulary but have no sketch vector (none
-    without a sketch embedder), and those with a module of another shape than the vocabulary's (misfits, by id)."""
+def _fit(session: Session, space: EmbeddingSpace, sketched: set[int] | None) -> tuple[list[int], list[Misfit]]:
+    """The adapters of the space's base model whose modules all fit its vocabulary but have no sketch vector (those
+    not `sketched`; none without a sketch embedder), and those with a module of another shape than the vocabulary's (misfits, by id)."""
     shapes = {str(n): (int(o), int(i)) for n, o, i in space.schema["modules"]}
     fits: dict[int, bool] = {}
     conflicts: dict[int, tuple[str, tuple[int, int], tuple[int, int]]] = {}
@@ -356,8 +356,7 @@ def _fit(session: Session, space: EmbeddingSpace, sketch_id: int | None) -> tupl
         fits[adapter_id] = fits.get(adapter_id, True) and want == (out, inp)
         if want is not None and want != (out, inp):
             conflicts.setdefault(adapter_id, (name, (out, inp), want))
-    embedded = set(session.scalars(select(Embedding.adapter_id).where(Embedding.embedder_id == sketch_id))) if sketch_id else set()
-    unembedded = sorted(i for i, ok in fits.items() if ok and i not in embedded) if sketch_id else []
+    unembedded = sorted(i for i, ok in fits.items() if ok and i not in sketched) if sketched is not None else []
     names = names_and_labels(session, conflicts)
     misfits: list[Misfit] = [
         {"space": space.name, "adapter_id": i, "name": names[i][0], "module": m, "shape": list(have), "space_shape": list(want)}

@@ -35,13 +35,9 @@ from pathlib import Path
 from typing import TypedDict
 
 import numpy as np
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
 from threadpoolctl import threadpool_limits
 
 from embed.engine import RAW, SKETCH, Neighbour, QueryEngine
-from embed.registry import get_space, load_embeddings, serving_embedders, space_version
 from zoo.config import EMBED_CHUNK_BYTES
 from zoo.domain.merges import later_copies
 from zoo.domain.provenance import (
@@ -56,11 +52,16 @@ from zoo.domain.provenance import (
     find_relations,
 )
 from zoo.errors import NotReadyError
+from zoo.store.adapters import factor_rows
 from zoo.store.blobs import BlobStore
+from zoo.store.embedders import find_embedder, serving_embedders
+from zoo.store.embeddings import load_embeddings
+from zoo.store.errors import ConstraintError
 from zoo.store.locks import space_lock
-from zoo.store.models import Adapter, Embedder, RelationParameters
+from zoo.store.models import RelationParameters
 from zoo.store.relations import COPIES, EdgeRow, copy_edges, merges_naming, pending_scans, scanned_before, write_scan
-from zoo.store.session import write_transaction
+from zoo.store.session import Session, Sessions, write_transaction
+from zoo.store.spaces import find_space, space_version
 
 #: nearest neighbours (by module-sketch cosine) a new adapter is compared with
 NEIGHBOURS = 8
@@ -114,20 +115,20 @@ class RelationReport(TypedDict):
     ms_per_adapter: float | None
 
 
-def relation_engine(sessions: sessionmaker[Session], blobs: BlobStore, data_dir: Path, device: str | None = None) -> QueryEngine:
+def relation_engine(sessions: Sessions, blobs: BlobStore, data_dir: Path, device: str | None = None) -> QueryEngine:
     """The engine the step searches: spaces' indexes alone (the step reads neighbours by their vectors and their factors
     from the blob store, never a module store, which takes up to ZOO_MODULE_STORE_BYTES a space)."""
     return QueryEngine(sessions, blobs, data_dir, device, module_stores=False)
 
 
 def scan_space(
-    engine: QueryEngine, sessions: sessionmaker[Session], blobs: BlobStore, base_model: str, ids: Iterable[int] | None = None
+    engine: QueryEngine, sessions: Sessions, blobs: BlobStore, base_model: str, ids: Iterable[int] | None = None
 ) -> RelationReport:
     """Scan the space's adapters not scanned by this detector yet (only among `ids` when given) and store their edges,
     BATCH adapters at a time."""
     report = RelationReport(space=base_model, scanned=0, edges=0, failed=0, errors=[], not_ready=None, ms_per_adapter=None)
     with sessions() as session:
-        space = get_space(session, base_model)
+        space = find_space(session, base_model)
         serving = serving_embedders(session, space.id) if space else {}
         sketch = serving.get(SKETCH)
         if space is None or sketch is None:
@@ -193,15 +194,13 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
-def _store(
-    sessions: sessionmaker[Session], base_model: str, adapter_id: int, edges: list[EdgeRow], version: int, error: str | None
-) -> bool:
+def _store(sessions: Sessions, base_model: str, adapter_id: int, edges: list[EdgeRow], version: int, error: str | None) -> bool:
     """One transaction per scan, under the space's lock (one writer of its edges at a time). False when an adapter
     of the scan was deleted meanwhile (its foreign key fails): nothing is stored."""
     try:
         with write_transaction(sessions, space_lock(base_model)) as session:
             write_scan(session, adapter_id, edges, DETECTOR, version, error)
-    except IntegrityError:
+    except ConstraintError:
         return False
     return True
 
@@ -213,7 +212,7 @@ class _Factors:
     past `budget` bytes (in `detector_bytes`) the least recently asked for are dropped, never those of the current
     call. A neighbourhood fits the budget (`neighbour_count`), so the step holds at most about the budget."""
 
-    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, budget: int) -> None:
+    def __init__(self, sessions: Sessions, blobs: BlobStore, budget: int) -> None:
         self.sessions, self.blobs, self.budget = sessions, blobs, budget
         self.loaded: OrderedDict[int, tuple[Update, int]] = OrderedDict()
         self.held = 0
@@ -228,9 +227,7 @@ class _Factors:
 
     def _read_rows(self, ids: list[int]) -> None:
         if ids:
-            with self.sessions() as session:
-                columns = select(Adapter.id, Adapter.factors_blob, Adapter.factor_summary)
-                found = {i: (digest, summary) for i, digest, summary in session.execute(columns.where(Adapter.id.in_(ids)))}
+            found = factor_rows(self.sessions, ids)
             self.rows.update({i: found.get(i) for i in ids})
 
     def get(self, ids: list[int]) -> list[Update]:
@@ -259,7 +256,7 @@ class _Scan:
     and the neighbourhoods read from them."""
 
     engine: QueryEngine
-    sessions: sessionmaker[Session]
+    sessions: Sessions
     base_model: str
     sketch_id: int  # the space's module-sketch embedder
     raw: bool  # whether the space has raw-factor sketches
@@ -362,7 +359,7 @@ class _Scan:
                 (i, v.astype(np.float64)) for i, v in self.engine.stored_vectors(session, self.base_model, SKETCH, missing).items()
             )
             unheld = np.array([i for i in missing if i not in self.sketches], dtype=np.int64)
-            embedder = session.get(Embedder, self.sketch_id) if len(unheld) else None
+            embedder = find_embedder(session, self.sketch_id) if len(unheld) else None
             if embedder is not None:
                 found, vectors = load_embeddings(session, embedder, ids=unheld)
                 self.sketches.update(zip(found.tolist(), vectors.astype(np.float64), strict=True))
