@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from sqlalchemy.orm import Session
 
 from embed.index import AdapterIndex
 from embed.refs import StoredId
@@ -37,6 +36,7 @@ from zoo.errors import NotReadyError, UsageError, ZooError
 from zoo.files import read_derived, write_derived
 from zoo.limits import DEFAULT_PER_PAGE, MAX_PER_PAGE
 from zoo.store.catalog import CatalogPage, catalog_hits, facets_of, kept_ids, ranked_ids, search_catalog
+from zoo.store.session import Session
 from zoo.store.text_rows import adapter_texts, catalog_mark, predictors, words
 
 if TYPE_CHECKING:
