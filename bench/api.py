@@ -105,7 +105,7 @@ class EngineBaseline:
         self.space, self.threads = space, threads
 
     def one(self, i: int) -> float:
-        from embed.engine import Query
+        from embed.results import Query
 
         with self.sessions() as session:
             t = time.perf_counter()

@@ -83,7 +83,8 @@ def load_file_seconds(files: list[Path]) -> float:
 
 def family_hit_at_1(data_dir: Path, base_model: str, families: dict[int, int], method: str | None) -> float:
     """Share of adapters whose nearest other adapter (by `method`, the space's default if None) is of their family."""
-    from embed.engine import Query, QueryEngine
+    from embed.engine import QueryEngine
+    from embed.results import Query
     from zoo.config import Settings
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory

@@ -715,7 +715,8 @@ def main() -> None:
 
 
 def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dict[str, object]:
-    from embed.engine import Query, QueryEngine, index_bytes, index_path
+    from embed.engine import QueryEngine, index_bytes, index_path
+    from embed.results import Query
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
@@ -816,7 +817,8 @@ def serve_input_gram(
     (EXACT_CANDIDATES) and, on the same queries, with the module sketch's candidates alone (the baseline: before the
     input-Gram index) and the input-Gram sketch's alone."""
     import embed.engine as engine_module
-    from embed.engine import GRAM, SKETCH, Query
+    from embed.engine import GRAM, SKETCH
+    from embed.results import Query
 
     def one(i: int, filters: dict[str, str] | None = None) -> tuple[float, list[int]]:
         with sessions() as session:  # type: ignore[operator]

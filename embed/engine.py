@@ -12,47 +12,56 @@ It learns of new embeddings from the space's version (zoo/store/spaces.py): one 
 request; when the version moved, it loads only the rows stamped after the version it has and adds
 them to the indexes (and their factors to the module store), and drops the adapters deleted since (their
 tombstones) from everything it holds by id: indexes, module store, names and labels. Ids are never reused
-(migration 0011), so nothing held for a deleted adapter can be served under a later one's id. It never rebuilds an index inside a
-query: an index file that is missing, corrupt or disagrees with the database is reported and the
-query is answered from the database's vectors (exact, in memory) while they are few, or refused
-with the command to run. Searches run concurrently; a refresh takes the space's write lock.
+(migration 0011), so nothing held for a deleted adapter can be served under a later one's id.
+
+Index files and module stores are this node's caches: one the data dir lacks (a new node's empty disk, a space
+embedded on another node) is built from the database (and the module store's factors from the blob store) when
+the space is first loaded, kept, and logged with the seconds it took. Otherwise it never rebuilds an index inside
+a query: an index file that is corrupt or disagrees with the database is reported and the query is answered from
+the database's vectors (exact, in memory) while they are few, or refused with the command to run. Searches run
+concurrently; a refresh takes the space's write lock.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from embed.attributes import AdapterAttributes
+from embed.budgets import embed_chunk_bytes, module_store_budget, spaces_budget
 from embed.calibration import is_sure
 from embed.checkpoint import channel_metrics_of, checkpoint_meta, search_of
 from embed.dense_svd import DenseSVD
+from embed.gram_sketch import gram_sketches
 from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
-from embed.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
+from embed.knn import knn_shares, knn_value, neighbour_classes
+from embed.metrics import top_k
+from embed.results import ClassGuess, Confidence, Found, Hit, MetricGuess, Neighbour, Predicted, Query
+from embed.rwlock import RWLock
 from embed.types import SpaceSchema, ZooAdapter
-from zoo import config
 from zoo.domain.channel_metric import ChannelMetric
-from zoo.domain.channels import EXACT_SCORES, channel_sketches, exact_cosines
+from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import KnnPredictor, SearchScore, fitted_purpose
-from zoo.domain.similarity import MODULE_SKETCH_DIM, ModuleStack, dense_modules, module_sketches, sketch_module_cosines
+from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines
 
 if TYPE_CHECKING:
     from embed.ensemble import W2TEnsemble
     from zoo.domain.canonical import CanonicalFactors
     from zoo.store.blobs import BlobStore
-from zoo.errors import NotFoundError, NotReadyError, UsageError
+from zoo.errors import NotReadyError, UsageError
 from zoo.files import read_derived, write_derived, write_derived_in_place
 from zoo.limits import MAX_K
 from zoo.store import repository
@@ -109,36 +118,6 @@ VECTOR_SCORES = {"sketch": SKETCH, "w2t": W2T, "raw": RAW}
 SUPPORT_K = 5
 
 
-#: the most dimensions an input-Gram sketch has (half the module sketch's MAX_SEARCH_DIM: a million Llama-3-8B
-#: adapters' second sketch index then takes 2 GB, not 4.5)
-MAX_GRAM_DIM = 1024
-
-
-def gram_sketch_width(n_modules: int) -> int:
-    """Probe pairs per module of an input-Gram sketch: the module sketch's rule (`sketch_width`) under MAX_GRAM_DIM,
-    MODULE_SKETCH_DIM where the modules are few, fewer where the whole vector would pass it (at least one)."""
-    return max(1, min(MODULE_SKETCH_DIM, MAX_GRAM_DIM // max(n_modules, 1)))
-
-
-def gram_sketches(adapters: Sequence[Mapping[str, CanonicalFactors]], modules: Sequence[str], dim: int) -> np.ndarray:
-    """The adapters' input-Gram sketches (`channel_sketches`), on one BLAS thread: each product is small (4 probes of a
-    14,336-wide module), and BLAS threads spinning against a busy core made 200 Llama-3-8B adapters' sketches 20x
-    slower (10.5 s of wall time for 2 adapters of 56 modules, 0.5 s on one thread)."""
-    with threadpool_limits(limits=1, user_api="blas"):
-        return channel_sketches(adapters, modules, dim, "input_gram")
-
-
-def module_store_budget() -> int:
-    """Bytes the module store of one space may take (ZOO_MODULE_STORE_BYTES, default 2 GiB)."""
-    return config.MODULE_STORE_BYTES.get()
-
-
-def spaces_budget() -> int:
-    """Bytes the spaces one engine holds loaded may take together (ZOO_SPACES_BYTES, default 4 GiB: two spaces whose
-    module stores are at the 2 GiB limit); the space being queried is kept even when it alone passes it."""
-    return config.SPACES_BYTES.get()
-
-
 def index_path(data_dir: Path, embedder_id: int) -> Path:
     return data_dir / "index" / f"embedder-{embedder_id}.index"
 
@@ -146,6 +125,8 @@ def index_path(data_dir: Path, embedder_id: int) -> Path:
 def module_store_path(data_dir: Path, space_id: int) -> Path:
     return data_dir / "rerank" / f"space-{space_id}.safetensors"
 
+
+log = logging.getLogger(__name__)
 
 # --- index and module-store files (written by `zoo embed` and `zoo index rebuild`) ---------------
 
@@ -267,13 +248,6 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
     return f"{how} ({dropped} deleted dropped)" if dropped else how
 
 
-def embed_chunk_bytes() -> int:
-    """Bytes of float32 factors read from the blob store at a time (ZOO_EMBED_CHUNK_BYTES, default 512 MiB) when a
-    space's adapters are embedded or put in its module store: with the embedders' own working memory, what
-    `zoo embed` holds at once besides the module store, whatever the zoo's size."""
-    return config.EMBED_CHUNK_BYTES.get()
-
-
 def module_layout(session: Session, base_model: str, schema: SpaceSchema) -> dict[str, tuple[int, int, int]]:
     """Per module of the space's vocabulary: (out, in, the largest canonical rank stored), from the module table."""
     known = set(schema.modules)
@@ -338,41 +312,6 @@ def _legacy_module_store_meta(tensors: dict[str, np.ndarray], raw: dict[str, str
 
 
 # --- the engine ----------------------------------------------------------------------------------
-
-
-class RWLock:
-    """Many readers or one writer."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-
-    @contextmanager
-    def read(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def write(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
 
 @dataclass
@@ -473,90 +412,6 @@ def index_bytes(index: AdapterIndex) -> int:
     return index.size * (index.store_bytes + codes + index.dim // 8 + ID_BYTES)
 
 
-@dataclass
-class Query:
-    """What a search is about: a stored adapter (its id) or adapter read from a file (its factors)."""
-
-    name: str
-    adapter_id: int | None = None
-    factors_loader: Callable[[], dict[str, CanonicalFactors]] | None = None
-
-    @functools.cached_property
-    def factors(self) -> dict[str, CanonicalFactors]:
-        if self.factors_loader is None:
-            raise NotFoundError(f"adapter {self.adapter_id} has no stored factors")
-        return self.factors_loader()
-
-
-#: a neighbour of a stored adapter: (its id, its score)
-Neighbour = tuple[int, float]
-
-
-class Hit(TypedDict):
-    """One adapter found by a search."""
-
-    adapter_id: int
-    name: str
-    score: float
-    labels: dict[str, str]
-
-
-class Found(TypedDict):
-    """What `QueryEngine.similar` finds."""
-
-    space: str
-    method: str
-    embedder_ids: list[int]
-    module_stage: str | None
-    index_states: dict[str, str]
-    results: list[Hit]
-
-
-class ClassGuess(TypedDict):
-    """One of an attribute's likeliest classes."""
-
-    value: str
-    probability: float
-    neighbours: int  # labelled neighbours of the query with this class
-
-
-class Confidence(TypedDict):
-    """How far an attribute's prediction can be trusted, and how it stands to the value given for the adapter."""
-
-    sure: bool
-    neighbours: int
-    agreeing: int
-    calibrated: bool
-    given: str | None  # the adapter's given value (a stored adapter, or a file that is one)
-    agrees: bool | None  # whether the top class is the given value (None: none given)
-
-
-class MetricGuess(TypedDict):
-    """A metric's predicted value with its 90 % interval (None without held-out residuals)."""
-
-    value: float
-    low: float | None
-    high: float | None
-    interval: float | None
-    predictor: str
-    method: str
-    measured: float | None  # the adapter's measured value (a stored adapter, or a file that is one)
-    within: bool | None  # whether the measured value lies in the interval (None: none measured, or no interval)
-
-
-class Predicted(TypedDict):
-    """What `QueryEngine.predict` predicts."""
-
-    space: str
-    embedder_id: int
-    attributes: dict[str, list[ClassGuess]]
-    confidence: dict[str, Confidence]
-    metrics: dict[str, MetricGuess]
-    predictors: dict[str, str]
-    search: str
-    choices: dict[str, dict[str, object]]
-
-
 def _interval(value: float, std: float | None, lowest: float, highest: float) -> tuple[float, float] | tuple[None, None]:
     """A predicted metric's 90 % interval from its held-out residuals' std, within the metric's range; none without
     residuals (never NaN in JSON)."""
@@ -644,7 +499,12 @@ class QueryEngine:
             index, index_state = self._open_index(session, e, version)
             embedders[method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, index_state)
         modules = None
-        have = read_module_store(module_store_path(self.data_dir, row.id)) if self.module_stores else None
+        store = module_store_path(self.data_dir, row.id)
+        if self.module_stores and SKETCH in embedders and not store.exists():  # not in this node's cache: built from the blobs
+            started = time.perf_counter()
+            how = update_module_store(session, self.blobs, self.data_dir, row)
+            log.info("space %s: module store %s on this node in %.2f s (%s)", row.name, how, time.perf_counter() - started, store)
+        have = read_module_store(store) if self.module_stores else None
         if have is not None and have[3] <= version and SKETCH in embedders:
             ids, stack, dense, _ = have
             modules = ModuleStore(stack, {int(i): j for j, i in enumerate(ids.tolist())}, dense)
@@ -658,6 +518,12 @@ class QueryEngine:
 
     def _open_index(self, session: Session, embedder: Embedder, version: int) -> tuple[AdapterIndex, str]:
         path = index_path(self.data_dir, embedder.id)
+        if not path.exists():  # not in this node's cache (a new node, a space embedded on another): built and kept
+            started = time.perf_counter()
+            index, _ = update_index_file(session, self.data_dir, embedder)
+            seconds = time.perf_counter() - started
+            log.info("embedder %d: index of %d vectors built on this node in %.2f s (%s)", embedder.id, index.size, seconds, path)
+            return index, f"built on this node from the database in {seconds:.2f} s"
         try:
             index, _ = load_consistent_index(session, path, embedder, version)
             return index, "loaded"
@@ -1064,34 +930,6 @@ def served_metric(checkpoint: Path, name: str) -> ChannelMetric:
     if name not in metrics:
         raise NotReadyError(f"the W2T checkpoint {checkpoint.name} has no channel metric {name}: run `zoo train` again")
     return metrics[name]
-
-
-def knn_shares(
-    near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, fallback: np.ndarray, k: int = KNN_K
-) -> np.ndarray:
-    """Class shares of the similarity-weighted vote of the k nearest with a known class (classes: per memory
-    position, -1 unknown); `fallback` (the heads') where none is known."""
-    positions, scores = near
-    if not len(positions) or not (classes[positions] >= 0).any():
-        return fallback
-    return knn_vote_shares(scores[None, :], classes[positions], n_classes, k)[0]
-
-
-def neighbour_classes(near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, k: int) -> np.ndarray:
-    """Per class, how many of the k nearest labelled neighbours (with a known class) have it."""
-    positions, scores = near
-    known = classes[positions] >= 0 if len(positions) else np.zeros(0, bool)
-    top = top_k(scores[known], k)
-    return np.bincount(classes[positions[known]][top], minlength=n_classes)
-
-
-def knn_value(near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float, k: int = KNN_K) -> float:
-    """Similarity-weighted mean of the k nearest with a known value (values: per memory position, NaN unknown)."""
-    positions, scores = near
-    known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
-    if not known.any():
-        return fallback
-    return float(knn_regress(scores[known][None, :], values[positions[known]], k)[0])  # the vote choice.py scored
 
 
 def _as_zoo_adapter(query: Query) -> ZooAdapter:

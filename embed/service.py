@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar
 
 import numpy as np
 
+from embed.budgets import embed_chunk_bytes
 from embed.dataset import base_models, load_adapters
 from embed.engine import (
     BUILD_CHUNK_BYTES,
@@ -23,20 +24,16 @@ from embed.engine import (
     RAW,
     SKETCH,
     W2T,
-    Found,
-    Predicted,
-    Query,
     QueryEngine,
-    embed_chunk_bytes,
-    gram_sketch_width,
-    gram_sketches,
     load_w2t,
     update_index_file,
     update_module_store,
 )
+from embed.gram_sketch import gram_sketch_width, gram_sketches
 from embed.index import brute_force, recall_at_k
 from embed.maps import refresh_map
 from embed.refs import AdapterRef, StoredId
+from embed.results import Found, Predicted, Query
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
 from zoo.domain.base_models import guess_base_model
@@ -489,8 +486,9 @@ def train_space(
     The adapters are read a chunk at a time (as `zoo embed` reads them) and held only as W2T's tokens, projected to
     the options' token width as they are read, with the exact scores among the labelled from a module stack, or
     from module sketches where the space's module store would pass its budget (as the engine then serves them)."""
+    from embed.budgets import module_store_budget
     from embed.dataset import read_training_set
-    from embed.engine import layout_bytes, module_layout, module_store_budget
+    from embed.engine import layout_bytes, module_layout
     from embed.tokens import torch_threads
     from embed.train import token_spec, train_w2t
 

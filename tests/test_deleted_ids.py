@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from embed.engine import MAX_K, Query, QueryEngine, index_path, module_store_path
+from embed.engine import MAX_K, QueryEngine, index_path, module_store_path
 from embed.index import AdapterIndex
+from embed.results import Query
 from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters

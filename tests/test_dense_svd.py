@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from embed.dense_svd import DenseSVD
-from embed.engine import MAX_K, ModuleStore, Query, QueryEngine
+from embed.engine import MAX_K, ModuleStore, QueryEngine
+from embed.results import Query
 from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters

@@ -14,7 +14,8 @@ import pytest
 from sqlalchemy import select
 
 from embed import engine as engine_module
-from embed.engine import MAX_K, Query, QueryEngine
+from embed.engine import MAX_K, QueryEngine
+from embed.results import Query
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix

@@ -12,7 +12,8 @@ from peft import LoraConfig, get_peft_model
 from sqlalchemy import select
 
 from embed import engine as engine_module
-from embed.engine import GRAM, SKETCH, Query, QueryEngine
+from embed.engine import GRAM, SKETCH, QueryEngine
+from embed.results import Query
 from tests.conftest import CLI
 from tests.factories import TinyLM
 from zoo.store.blobs import BlobStore

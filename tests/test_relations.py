@@ -17,7 +17,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from sqlalchemy import delete, func, select, update
 
-from embed.engine import SKETCH, W2T, Query, QueryEngine
+from embed.engine import SKETCH, W2T, QueryEngine
+from embed.results import Query
 from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import TinyLM

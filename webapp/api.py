@@ -16,7 +16,7 @@ from flask import Response, jsonify, request
 from werkzeug.exceptions import UnsupportedMediaType
 
 from embed import service
-from embed.engine import spaces_budget
+from embed.budgets import spaces_budget
 from embed.refs import StoredId
 from webapp import schemas
 from webapp.auth import current_token, needs
