@@ -20,13 +20,16 @@ loads only its sample (at most `MAX_FIT` vectors, chosen by `spread_sample` over
 vector is projected chunk by chunk (`READ_BYTES` at a time) as it is read, when fitted and when caught up.
 
 `space_map` is the resource a page draws: it reads the file (once per file and space version),
-projects in memory what was embedded since, and when the file is missing or bad answers from the
-database's vectors (fitted in memory, not saved) while there are at most `FIT_IN_REQUEST`.
+projects in memory what was embedded since. A map file this node lacks (a new node's empty data dir: derived
+files are per-node caches) is fitted from the database and kept, with the seconds it took logged; one that is
+bad is answered from the database's vectors (fitted in memory, not saved) while there are at most `FIT_IN_REQUEST`.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -51,6 +54,8 @@ from zoo.store.space_adapters import adapter_names
 from zoo.store.spaces import get_space, space_version
 
 #: a request fits a missing or bad map in memory while the embedder has at most this many vectors
+log = logging.getLogger(__name__)
+
 FIT_IN_REQUEST = 100_000
 #: `color_by` of a measured metric (split "test"); any other key is a given label
 METRIC = "metric:"
@@ -216,19 +221,25 @@ def map_state(session: Session, data_dir: Path, embedder: Embedder) -> str:
 
 # --- the resource --------------------------------------------------------------------------------
 
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What tells one version of a file from another (None: there is none)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size, stat.st_ino
+
+
 _CACHE: dict[tuple, tuple[ZooMap, str]] = {}
 _CACHE_LOCK = threading.Lock()
 
 
 def current_map(session: Session, data_dir: Path, embedder: Embedder) -> tuple[ZooMap, str]:
-    """The embedder's map at the database's version, and how it was had. Writes nothing."""
+    """The embedder's map at the database's version, and how it was had. Writes nothing but a map file this node lacks."""
     version = space_version(session, embedder.space_id)
     path = map_path(data_dir, embedder.id)
-    try:
-        stat = path.stat()
-        stamp: tuple[int, int, int] | None = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-    except OSError:
-        stamp = None
+    stamp = _stamp(path)
     key = (str(path.resolve()), stamp, embedder.id, version)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
@@ -238,9 +249,15 @@ def current_map(session: Session, data_dir: Path, embedder: Embedder) -> tuple[Z
         m, changed = load_consistent_map(session, path, embedder, version)
         state = "loaded" + (f" ({changed} in memory since it was saved)" if changed else "")
     except ValueError as exc:
-        if stored_count(session, embedder.id) > FIT_IN_REQUEST:
+        if stamp is None:  # not in this node's cache: fitted here and kept
+            started = time.perf_counter()
+            m, _ = update_map(session, data_dir, embedder)
+            state = f"fitted on this node from the database in {time.perf_counter() - started:.2f} s"
+            log.info("embedder %d: map of %d points %s (%s)", embedder.id, m.count, state, path)
+        elif stored_count(session, embedder.id) > FIT_IN_REQUEST:
             raise NotReadyError(f"{exc}: run `zoo map` to fit it") from None
-        m, state = _fitted(session, embedder, version), f"fitted from the database ({exc}); run `zoo map` to save it"
+        else:
+            m, state = _fitted(session, embedder, version), f"fitted from the database ({exc}); run `zoo map` to save it"
     with _CACHE_LOCK:
         while len(_CACHE) >= CACHED_MAPS:
             _CACHE.pop(next(iter(_CACHE)))

@@ -5,15 +5,26 @@ same interface and keys as the local store, verified reads, uploads in parts, no
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import truncate_all
+from tests.factories import write_random_peft_adapters
 from tests.seaweedfs import SeaweedFS
+from zoo.cli import main
 from zoo.config import Settings
 from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore, StagingStopped
@@ -117,3 +128,110 @@ def test_orphans_and_unfinished_uploads_are_found_and_removed(s3_env: tuple[Seaw
     assert after.orphans == [] and after.temporary == [] and after.in_flight == 0
     assert blobs.verify(kept.digest) == "ok" and blobs.verify(orphan.digest) == "missing"
     assert client.get_object(Bucket=bucket, Key="blobs/notes.txt")["Body"].read() == b"not a blob"
+
+
+# --- nodes that share only PostgreSQL and the bucket ------------------------------------------------------------------
+
+
+@pytest.fixture
+def shared(pg_url: str, seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dict[str, str]]]:
+    """An empty PostgreSQL database and a bucket of the test's own, and this process pointed at the bucket: what two
+    nodes share (each node is a `zoo` run with a data dir of its own)."""
+    truncate_all(pg_url)
+    env = seaweedfs.env(seaweedfs.new_bucket())
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    yield pg_url, env
+
+
+def _zoo(url: str, data_dir: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[dict]]:
+    """`zoo --json` run in this process as a node with its own data dir."""
+    capsys.readouterr()
+    rc = main(["--db", url, "--data-dir", str(data_dir), *args, "--json"])
+    out = capsys.readouterr().out
+    return rc, [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_a_node_with_an_empty_data_dir_serves_what_another_ingested(
+    shared: tuple[str, dict[str, str]], tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, _ = shared
+    sources = write_random_peft_adapters(tmp_path / "sources", 8)
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    rc, ingested = _zoo(url, a, "ingest", str(tmp_path / "sources"), "--base-model", "tiny", capsys=capsys)
+    assert rc == 0 and {r["status"] for r in ingested} == {"ingested"}
+    rc, _ = _zoo(url, a, "embed", capsys=capsys)
+    assert rc == 0 and not (a / "blobs").exists()  # the blobs are in the bucket, and only there
+    first = next(r["adapter_id"] for r in ingested if r["source"] == str(sources[0]))
+    rc, (on_a,) = _zoo(url, a, "search", str(first), "-k", "5", capsys=capsys)
+    assert rc == 0 and on_a["module_stage"].startswith("exact")
+    rc, _ = _zoo(url, a, "export", str(first), "--format", "peft", "--out", str(tmp_path / "from-a"), capsys=capsys)
+    shutil.rmtree(a)  # node A is gone: B shares nothing local with it
+
+    with caplog.at_level(logging.INFO, logger="embed.engine"):
+        rc, (on_b,) = _zoo(url, b, "search", str(first), "-k", "5", capsys=capsys)
+    assert rc == 0 and on_b["results"] == on_a["results"] and on_b["module_stage"] == on_a["module_stage"]
+    assert all(state.startswith("built on this node from the database in ") for state in on_b["index_states"].values())
+    assert "module store built on this node in" in caplog.text and "built on this node in" in caplog.text
+    assert sorted(p.parent.name for p in b.rglob("*.safetensors")) == ["rerank"] and list((b / "index").glob("*.index"))
+    rc, (again,) = _zoo(url, b, "search", str(first), "-k", "5", capsys=capsys)
+    assert rc == 0 and set(again["index_states"].values()) == {"loaded"} and again["results"] == on_a["results"]
+
+    rc, (shown,) = _zoo(url, b, "show", str(first), capsys=capsys)
+    assert rc == 0 and shown["name"] == sources[0].name
+    rc, _ = _zoo(url, b, "export", str(first), "--format", "peft", "--out", str(tmp_path / "from-b"), capsys=capsys)
+    assert rc == 0
+    exported = sorted(p.name for p in (tmp_path / "from-b").iterdir())
+    assert exported and all((tmp_path / "from-b" / n).read_bytes() == (tmp_path / "from-a" / n).read_bytes() for n in exported)
+    rc, (report,) = _zoo(url, b, "check", capsys=capsys)
+    assert rc == 0 and report["ok"] and report["blobs"]["rows"] == 8
+
+
+def _large_kohya_file(path: Path, modules: int = 4, width: int = 2048, rank: int = 256) -> Path:
+    """A kohya-style LoRA file whose canonical factors make a blob of several S3 parts (about 5 MB a module)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(7)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(modules):
+        stem = f"lora_unet_down_blocks_0_attentions_{i}_transformer_blocks_0_attn1_to_q"
+        tensors[f"{stem}.lora_down.weight"] = torch.randn(rank, width, generator=g)
+        tensors[f"{stem}.lora_up.weight"] = torch.randn(width, rank, generator=g) * 0.01
+        tensors[f"{stem}.alpha"] = torch.tensor(float(rank))
+    save_file(tensors, str(path), metadata={"ss_network_dim": str(rank)})
+    return path
+
+
+def test_a_writer_killed_mid_upload_leaves_what_check_finds_and_repair_clears(
+    shared: tuple[str, dict[str, str]], seaweedfs: SeaweedFS, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, env = shared
+    bucket = env["ZOO_BLOB_URL"].removeprefix("s3://").split("/")[0]
+    source = _large_kohya_file(tmp_path / "large.safetensors")
+    node = tmp_path / "node"
+    slow = {"ZOO_S3_PART_BYTES": str(MIN_PART_BYTES), "ZOO_S3_CONCURRENCY": "1"}  # one part at a time: a window to kill in
+    command = [sys.executable, "-m", "zoo.cli", "--db", url, "--data-dir", str(node), "ingest", str(source), "--base-model", "big"]
+    writer = subprocess.Popen(command, env={**os.environ, **env, **slow}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client, deadline = seaweedfs.client(), time.monotonic() + 60
+    try:
+        while not client.list_multipart_uploads(Bucket=bucket).get("Uploads"):
+            assert writer.poll() is None, f"the ingest ended before its upload was seen: {writer.communicate()[1][-2000:]!r}"
+            assert time.monotonic() < deadline, "no multipart upload began"
+            time.sleep(0.01)
+        writer.send_signal(signal.SIGKILL)  # mid-upload: some parts up, the upload never completed
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    (upload,) = client.list_multipart_uploads(Bucket=bucket)["Uploads"]
+    assert client.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0  # nothing half-written is visible
+
+    rc, (report,) = _zoo(url, node, "check", "--repair", capsys=capsys)  # the default grace: it may be a live writer's
+    assert rc == 0 and report["in_flight"] == 1 and report["removed"] == 0
+    rc, (report,) = _zoo(url, node, "check", "--grace", "0", capsys=capsys)
+    half_done = f"s3://{bucket}/{upload['Key']}?uploadId={upload['UploadId']}"
+    assert rc == 1 and not report["ok"] and report["temporary_files"] == [half_done] and report["blobs"]["rows"] == 0
+    rc, (repaired,) = _zoo(url, node, "check", "--repair", "--grace", "0", capsys=capsys)
+    assert rc == 0 and repaired["removed"] == 1
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    rc, (after,) = _zoo(url, node, "check", "--grace", "0", capsys=capsys)
+    assert rc == 0 and after["ok"] and after["temporary_files"] == [] and after["orphans"] == []

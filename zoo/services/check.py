@@ -11,7 +11,8 @@ What it finds:
   still open: those are counted as `in_flight`, never removed.
 - **indexes**: each serving embedder's index file must load, check itself and agree with the
   database; the module store must be readable; so must the space's map file (embed/maps.py). Repair
-  rebuilds them from the database.
+  rebuilds them from the database. One this node lacks is no problem: derived files are per-node caches,
+  built from the database and the blob store on first use (a new node starts with an empty data dir).
 - **stale entries**: every derived structure keyed by adapter id (index files, the module store, the map)
   must hold exactly the ids the database embeds, once the tombstones written since the file are applied
   (as the engine applies them): an entry for an id that is no longer in the database (a deleted adapter's
@@ -261,6 +262,9 @@ def _check_spaces(
             embedded = {e.id: embedding_ids(session, e) for e in serving.values()}
             for e in serving.values():
                 entry: FileCheck = {"space": space.name, "embedder_id": e.id, "method": e.method, "state": "ok"}
+                if not index_path(settings.data_dir, e.id).exists():  # not on this node yet: the engine builds it on first use
+                    found.append(entry)
+                    continue
                 try:
                     index, _ = load_consistent_index(session, index_path(settings.data_dir, e.id), e, version)
                     entry["state"] = _same_ids("index", index.ids, embedded[e.id])
@@ -283,7 +287,7 @@ def _check_spaces(
                         store_entry["stale"] = True
                     found.append(store_entry)
             shown = map_embedder(session, space.id)
-            if shown is not None:
+            if shown is not None and map_path(settings.data_dir, shown.id).exists():  # (else fitted on first use)
                 map_entry: FileCheck = {"space": space.name, "map": str(map_path(settings.data_dir, shown.id)), "state": "ok"}
                 try:
                     m, _ = load_consistent_map(session, map_path(settings.data_dir, shown.id), shown, version)
