@@ -9,7 +9,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import bootstrap
 
-from embed.evaluate import SplitQueries, cross_fitted_picks, cross_fitted_regret
+from embed.eval_summary import cross_fitted_picks, cross_fitted_regret
+from embed.evaluate import SplitQueries
 from embed.intervals import clustered_bootstrap
 
 finite = st.floats(-100, 100, allow_nan=False)

@@ -32,8 +32,7 @@ from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.session import require_schema, session_factory
 
-#: `--members` and `--val-fraction` of train and eval (embed.train_options.TrainOptions' defaults; this module does not import
-#: it, as it loads torch)
+#: `--members` and `--val-fraction` of train and eval (embed.train_options.TrainOptions' defaults, not imported: it loads torch)
 MEMBERS_HELP = "W2T models in the ensemble, from consecutive seeds (default: 5)"
 UNLABELLED_HELP = (
     "with --objective both: each epoch trains on the labelled adapters and a fresh draw of at most this many unlabelled "
@@ -280,7 +279,8 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
     from embed.dataset import load_adapters
-    from embed.evaluate import similarities, summarize
+    from embed.eval_summary import summarize
+    from embed.evaluate import similarities
     from embed.types import schema_of
 
     if args.splits < 1:
