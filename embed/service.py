@@ -40,17 +40,16 @@ from zoo.domain.base_models import guess_base_model
 from zoo.domain.factorwise import raw_sketches, raw_width
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.errors import NotFoundError, NotReadyError, SpaceNotFoundError, UsageError
-from zoo.limits import DEFAULT_K
 from zoo.store import repository, space_adapters
 from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.embedders import active_embedder, find_embedder, get_embedder, register, serving_embedders
-from zoo.store.embeddings import embedded_ids, embedding_ids, iter_embeddings, load_embeddings, stored_count
+from zoo.store.embeddings import embedded_ids, embedding_ids, iter_embeddings, load_embeddings
 from zoo.store.embeddings import store_embeddings as store_vectors
 from zoo.store.imputation import FromLineage, from_lineage
 from zoo.store.labels import given_labels
 from zoo.store.locks import space_lock
-from zoo.store.models import Adapter, Embedder, EmbeddingSpace
+from zoo.store.models import Embedder, EmbeddingSpace
 from zoo.store.session import Session, Sessions, session_factory, write_transaction
 from zoo.store.spaces import (
     all_spaces,
@@ -59,7 +58,6 @@ from zoo.store.spaces import (
     get_space,
     get_space_by_id,
     space_base_model,
-    space_bases,
 )
 
 if TYPE_CHECKING:
@@ -166,62 +164,6 @@ class PredictionResource(Predicted):
     query_name: str
     stored_as: StoredAs | None
     from_lineage: FromLineage | None
-
-
-class AdapterResource(repository.AdapterDetail):
-    """The adapter page's resource: everything stored, its lineage, its nearest neighbours and its predictions (each
-    None when the zoo is not ready for it, with the reason in `not_ready`)."""
-
-    duplicate_sources: list[str]
-    lineage: dict[str, Any]  # zoo.store.lineage.lineage
-    from_lineage: FromLineage  # the labels it inherits along its edges (none needs an embedder trained)
-    space: str | None
-    neighbours: SearchResource | None
-    predictions: PredictionResource | None
-    not_ready: list[str]
-
-
-class Deletion(TypedDict):
-    """What delete_adapter deleted."""
-
-    id: int
-    name: str
-    deleted: bool
-
-
-class EmbedderEntry(TypedDict):
-    """A serving embedder of a space: how many adapters it embeds, and how its space searches (once trained)."""
-
-    id: int
-    method: str
-    objective: str | None
-    dim: int
-    embedded: int
-    search: NotRequired[str]
-    choices: NotRequired[dict[str, dict[str, object]]]
-
-
-class SpaceName(TypedDict):
-    name: str
-    base_model: str
-
-
-class SpaceEntry(SpaceName):
-    """A space of the spaces resource (list_spaces)."""
-
-    version: int
-    adapters: int  # the most any of its embedders embeds
-    embedders: list[EmbedderEntry]
-    loaded: bool  # whether the query engine holds it loaded
-    bytes: int | None  # the bytes it takes there (None: not loaded)
-
-
-class SpacesResource(TypedDict):
-    """The spaces, the bytes the query engine holds of them, and its budget."""
-
-    spaces: list[SpaceEntry]
-    loaded_bytes: int
-    budget_bytes: int
 
 
 class FilteredSearch(TypedDict):
@@ -753,92 +695,3 @@ def _trained_on(sessions: Sessions, base_model: str, n: int) -> dict[str, object
         if e is None or e.objective == "contrastive" or (e.metrics or {}).get("n_adapters") != n:
             return None
         return {"space": base_model, "embedder_id": e.id, "objective": e.objective, "reused": True, **(e.metrics or {})}
-
-
-def space_names(session: Session) -> list[SpaceName]:
-    """Each space's name and base model, by name (without list_spaces' counts, which read every embedding row)."""
-    return [{"name": name, "base_model": base_model} for name, base_model in space_bases(session)]
-
-
-def list_spaces(session: Session, engine: QueryEngine | None = None) -> list[SpaceEntry]:
-    """The spaces resource: each space with its serving embedders, how many adapters they embed (`adapters`: the
-    most any of them does), whether the query engine holds the space loaded and the bytes it takes (none loaded
-    without an engine)."""
-    held = engine.loaded_spaces() if engine is not None else {}
-    out: list[SpaceEntry] = []
-    for space in all_spaces(session):
-        embedders = [_embedder_entry(session, e) for e in serving_embedders(session, space.id).values()]
-        adapters = max((e["embedded"] for e in embedders), default=0)
-        out.append(
-            {
-                "name": space.name,
-                "base_model": space.base_model,
-                "version": space.version,
-                "adapters": adapters,
-                "embedders": embedders,
-                "loaded": space.name in held,
-                "bytes": held.get(space.name),
-            }
-        )
-    return out
-
-
-def _embedder_entry(session: Session, e: Embedder) -> EmbedderEntry:
-    entry: EmbedderEntry = {"id": e.id, "method": e.method, "objective": e.objective, "dim": e.dim, "embedded": stored_count(session, e.id)}
-    metrics = e.metrics or {}
-    if "search" in metrics:
-        entry["search"] = metrics["search"]
-    if "choices" in metrics:
-        entry["choices"] = metrics["choices"]
-    return entry
-
-
-def adapter_resource(engine: QueryEngine, session: Session, adapter: Adapter, k: int = DEFAULT_K) -> AdapterResource:
-    """The adapter page's resource: everything stored, its lineage, its nearest neighbours and its predictions
-    (each None with the reason when the zoo is not ready for it)."""
-    from zoo.store.lineage import lineage
-
-    space = find_space(session, adapter.base_model)
-    resource: AdapterResource = {
-        **repository.adapter_detail(adapter),
-        "duplicate_sources": repository.duplicate_sources(session, adapter.id),
-        "lineage": lineage(session, adapter.id),
-        "from_lineage": from_lineage(session, adapter.id),
-        "space": space.name if space else None,
-        "neighbours": None,
-        "predictions": None,
-        "not_ready": [],
-    }
-    if space is None or adapter.factors_blob is None:
-        resource["not_ready"].append("not embedded: run `zoo embed`" if adapter.factors_blob else "a checkpoint without a low-rank update")
-        return resource
-    resource["neighbours"] = _when_ready(lambda: search(engine, session, StoredId(adapter.id), k, space.name), resource["not_ready"])
-    predictions = _when_ready(lambda: predict(engine, session, StoredId(adapter.id), space.name, lineage=False), resource["not_ready"])
-    if predictions is not None:
-        predictions["from_lineage"] = resource["from_lineage"]  # read once above
-    resource["predictions"] = predictions
-    return resource
-
-
-def _when_ready(call: Callable[[], T], not_ready: list[str]) -> T | None:
-    """call(), or None when the zoo is not ready for it (the reason appended to not_ready)."""
-    try:
-        return call()
-    except (NotReadyError, NotFoundError) as exc:
-        not_ready.append(str(exc))
-        return None
-
-
-def delete_adapter(sessions: Sessions, adapter_id: int) -> Deletion:
-    """Delete an adapter and everything stored with it (rows; its blob stays for `zoo check --repair`),
-    leaving a tombstone under a new version of its space, so that engines and index files drop it."""
-    with sessions() as session:
-        base = space_adapters.base_model_of(session, adapter_id)
-    if base is None:
-        raise NotFoundError(f"no adapter with id {adapter_id}")
-    with write_transaction(sessions, space_lock(base)) as session:
-        space = find_space(session, base)
-        name = space_adapters.delete_adapter(session, adapter_id, space.id if space else None)
-        if name is None:
-            raise NotFoundError(f"no adapter with id {adapter_id}")
-    return {"id": adapter_id, "name": name, "deleted": True}

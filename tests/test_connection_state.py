@@ -21,10 +21,11 @@ import pytest
 from sqlalchemy import func, select, text
 
 from embed import engine as engine_module
+from embed.adapter_resource import delete_adapter
 from embed.engine import QueryEngine
 from embed.refs import StoredId
 from embed.results import Query
-from embed.service import delete_adapter, embed_adapters, search
+from embed.service import embed_adapters, search
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.services.ingest import IngestOptions, Ingestor

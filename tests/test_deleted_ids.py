@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from embed.adapter_resource import delete_adapter
 from embed.engine import MAX_K, QueryEngine, index_path, module_store_path
 from embed.index import AdapterIndex
 from embed.results import Query
-from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embed.adapter_resource import delete_adapter
 from embed.dense_svd import DenseSVD
 from embed.engine import MAX_K, ModuleStore, QueryEngine
 from embed.results import Query
-from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.domain.channel_metric import ChannelMetric, bank_matrices

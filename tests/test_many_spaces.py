@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from werkzeug.serving import make_server
 
-from embed import service
+from embed import service, spaces_resource
 from embed.engine import QueryEngine
 from embed.refs import StoredId
 from tests.factories import write_random_peft_adapters
@@ -98,7 +98,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zoo]:
 
 def test_embed_makes_one_space_per_base_model(zoo: Zoo) -> None:
     with session_factory(zoo.url)() as session:
-        spaces = {s["name"]: s for s in service.list_spaces(session)}
+        spaces = {s["name"]: s for s in spaces_resource.list_spaces(session)}
     assert set(spaces) == set(SPACES.values())
     for kind, name in SPACES.items():
         assert spaces[name]["base_model"] == name and spaces[name]["adapters"] == len(zoo.ids[kind])

@@ -17,9 +17,9 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from sqlalchemy import delete, func, select, update
 
+from embed.adapter_resource import delete_adapter
 from embed.engine import SKETCH, W2T, QueryEngine
 from embed.results import Query
-from embed.service import delete_adapter
 from tests.conftest import CLI
 from tests.factories import TinyLM
 from webapp import create_app

@@ -15,7 +15,7 @@ from apiflask import APIBlueprint, abort
 from flask import Response, jsonify, request
 from werkzeug.exceptions import UnsupportedMediaType
 
-from embed import service
+from embed import adapter_resource, service, spaces_resource
 from embed.budgets import spaces_budget
 from embed.refs import StoredId
 from webapp import schemas
@@ -95,7 +95,7 @@ def adapters(query: dict) -> CatalogPage:
 def adapter(adapter_id: int) -> Response:
     """Everything stored about an adapter, its neighbours and its predictions (the adapter page's twin)."""
     # plain JSON already: the schema's dump would only add time, per module and singular value
-    return jsonify(service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True)))
+    return jsonify(adapter_resource.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True)))
 
 
 @api.get("/adapters/<int:adapter_id>/lineage")
@@ -289,19 +289,19 @@ def _labels_of(adapter_id: int) -> AdapterLabels:
 @needs("admin")
 @api.output(schemas.DeletionOut)
 @api.doc(responses=[403, 404])
-def delete_adapter(adapter_id: int) -> service.Deletion:
+def delete_adapter(adapter_id: int) -> adapter_resource.Deletion:
     """Delete an adapter (its rows, labels and embeddings; it leaves every index); needs a token of scope admin."""
-    return service.delete_adapter(zoo_context().sessions, adapter_id)
+    return adapter_resource.delete_adapter(zoo_context().sessions, adapter_id)
 
 
 @api.get("/spaces")
 @needs("read")
 @api.output(schemas.SpacesOut)
 @api.doc(responses=READ)
-def spaces() -> service.SpacesResource:
+def spaces() -> spaces_resource.SpacesResource:
     """Embedding spaces (one per base model) and their serving embedders; whether this process's query engine holds
     each loaded and the bytes it takes, within `budget_bytes` (ZOO_SPACES_BYTES: least recently used spaces are dropped)."""
-    listed = service.list_spaces(db(), zoo_context().engine)
+    listed = spaces_resource.list_spaces(db(), zoo_context().engine)
     return {"spaces": listed, "loaded_bytes": sum(s["bytes"] or 0 for s in listed), "budget_bytes": spaces_budget()}
 
 

@@ -15,9 +15,11 @@ from apiflask import Schema
 from apiflask.fields import Boolean, Dict, Field, File, Float, Integer, List, Nested, Raw, String
 from apiflask.validators import Length, OneOf, Range
 
+from embed.adapter_resource import AdapterResource, Deletion
 from embed.engine import SEARCH_METHODS
 from embed.maps import MapResource
-from embed.service import AdapterResource, Deletion, PredictionResource, SearchResource, SpacesResource
+from embed.service import PredictionResource, SearchResource
+from embed.spaces_resource import SpacesResource
 from webapp.errors import ERROR_TYPES
 from zoo.limits import DEFAULT_K, DEFAULT_MAP_POINTS, DEFAULT_PER_PAGE, MAX_K, MAX_MAP_POINTS, MAX_PAGE, MAX_PER_PAGE, MAX_PREDICTION_IDS
 from zoo.services.export import FORMATS

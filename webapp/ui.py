@@ -9,7 +9,7 @@ from apiflask import APIBlueprint
 from flask import redirect, render_template, request, url_for
 from werkzeug.wrappers import Response
 
-from embed import service
+from embed import adapter_resource, service, spaces_resource
 from embed.refs import UploadedFile
 from webapp.auth import needs
 from webapp.context import db, zoo_context
@@ -61,7 +61,7 @@ def search_page() -> str:
     args: dict[str, Any] = {**request.args.to_dict(flat=False), "semantic": "1" if semantic else "0"}
     twin = url_for("api.adapters", **args)
     major, minor = facet_groups({k: v for k, v in found["facets"].items() if not (space and k == "base_model")})  # the space names it
-    spaces = space_choices(service.space_names(db()), found["facets"].get("base_model", []))
+    spaces = space_choices(spaces_resource.space_names(db()), found["facets"].get("base_model", []))
     names = {key: facet_filter_name(key) for key in found["facets"]}  # what a facet's values are chosen by: `label.rank` a label's
     return render_template(
         "search.html",
@@ -79,7 +79,7 @@ def search_page() -> str:
     )
 
 
-def space_choices(spaces: Sequence[service.SpaceName], base_models: Sequence[FacetValue]) -> list[dict]:
+def space_choices(spaces: Sequence[spaces_resource.SpaceName], base_models: Sequence[FacetValue]) -> list[dict]:
     """The spaces to pick from, each with how many adapters of the search are in it (from the base_model facet, which
     counts them whichever space is picked; None past the facet's values)."""
     counts = {v["value"]: v["count"] for v in base_models}
@@ -108,7 +108,7 @@ def api_docs_page() -> str:
 def adapter_page(adapter_id: int) -> str:
     from zoo.services.export import exportable_formats, load_meta
 
-    resource = service.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True))
+    resource = adapter_resource.adapter_resource(zoo_context().engine, db(), get_adapter(adapter_id, with_modules=True))
     twin = url_for("api.adapter", adapter_id=adapter_id)
     downloads = exportable_formats(load_meta(db(), zoo_context().blobs, adapter_id, with_head=False))  # those an export writes
     return render_template("adapter.html", a=resource, twin=twin, downloads=downloads)
@@ -117,7 +117,7 @@ def adapter_page(adapter_id: int) -> str:
 @ui.get("/map")
 @needs("read")
 def map_page() -> str:
-    spaces = service.list_spaces(db())
+    spaces = spaces_resource.list_spaces(db())
     name = request.args.get("space") or (spaces[0]["name"] if spaces else None)
     color_by, highlight = request.args.get("color_by"), request.args.get("highlight") or ""
     twin = url_for("api.space_map", name=name, color_by=color_by or None, highlight=highlight or None) if name else None
@@ -127,7 +127,7 @@ def map_page() -> str:
 @ui.route("/similar", methods=["GET", "POST"])
 @needs("read")
 def similar_page() -> tuple[str, int] | str:
-    spaces = service.list_spaces(db())
+    spaces = spaces_resource.list_spaces(db())
     if request.method == "GET":
         return render_template("similar.html", result=None, error=None, spaces=spaces, space=request.args.get("space") or "")
     engine = zoo_context().engine
