@@ -227,7 +227,7 @@ class EmbeddingSpace(Base):
     name: Mapped[str] = mapped_column(String(255), unique=True)
     base_model: Mapped[str] = mapped_column(String(255), index=True)
     schema: Mapped[dict] = mapped_column(JSON)
-    #: bumped in the same transaction as every write of the space's embeddings (see embed/registry.py)
+    #: bumped in the same transaction as every write of the space's embeddings (see zoo/store/spaces.py)
     version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
