@@ -17,15 +17,13 @@ from apiflask import APIBlueprint, APIFlask
 from flask import Response, g, request
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy.orm import Session, sessionmaker
 
 from webapp.auth import needs
 from webapp.context import zoo_context
 from zoo import metrics as counted
 from zoo.store import gauges
 from zoo.store.jobs import ITEM_STATES  # each reported, at 0 where no item is in it
-
-Sessions = sessionmaker[Session]
+from zoo.store.session import Sessions
 
 ops = APIBlueprint("ops", __name__, enable_openapi=False)
 
