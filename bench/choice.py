@@ -48,7 +48,7 @@ def dump(args: argparse.Namespace) -> None:
     from embed.ensemble import W2TEnsemble
     from embed.evaluate import labelled_split
     from embed.service import resolve_base_model
-    from embed.train import _folds, train_w2t
+    from embed.train import member_folds, train_w2t
     from embed.train_options import TrainOptions
     from embed.types import ZooAdapter, schema_of, split_positions
     from zoo.config import Settings
@@ -92,7 +92,7 @@ def dump(args: argparse.Namespace) -> None:
         emb = train_w2t(fit, schema, options, progress=False)
         members = [W2TEnsemble([m], emb.schema, emb.rank, emb.metric_stats, emb.objective).embed(adapters) for m in emb.models]
         saved[f"s{seed}_z"] = np.stack(members).astype(np.float32)
-        for i, f in enumerate(_folds(len(fit), len(emb.models), options)):
+        for i, f in enumerate(member_folds(len(fit), len(emb.models), options)):
             saved[f"s{seed}_val{i}"] = np.array([fit_pos[r] for r in f.val.tolist()], np.int64)
         saved[f"s{seed}_train"] = np.array(train_pos, np.int64)
         saved[f"s{seed}_test"] = np.array(test_pos, np.int64)

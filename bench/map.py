@@ -77,7 +77,7 @@ def gram_fit(ids: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     values, u = np.linalg.eigh(gram)
     u, values = u[:, ::-1][:, :2], values[::-1][:2]
     basis = np.zeros((2, d))
-    for start, x in P._centred(sample, mean):
+    for start, x in P.centred_chunks(sample, mean):
         basis += (x.T @ u[start : start + len(x)]).T
     basis /= np.sqrt(values)[:, None]
     P.Projection(mean.astype(np.float32), basis.astype(np.float32), (0.0, 0.0)).project(vectors)
@@ -87,18 +87,18 @@ def gram_fit(ids: np.ndarray, vectors: np.ndarray) -> np.ndarray:
 def lanczos_fit(ids: np.ndarray, vectors: np.ndarray) -> tuple[np.ndarray, int]:
     """The library's fit and projection; (basis, passes over the sample)."""
     passes = [0]
-    times = P._times_covariance
+    times = P.times_covariance
 
     def counted(*args: np.ndarray, **kwargs: bool) -> tuple[np.ndarray, float]:
         passes[0] += 1
         return times(*args, **kwargs)
 
-    P._times_covariance = counted  # type: ignore[assignment]
+    P.times_covariance = counted  # type: ignore[assignment]
     try:
         p = P.fit(ids, vectors)
         p.project(vectors)
     finally:
-        P._times_covariance = times  # type: ignore[assignment]
+        P.times_covariance = times  # type: ignore[assignment]
     return p.basis, passes[0]
 
 

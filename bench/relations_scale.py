@@ -227,13 +227,13 @@ def timing(engine: Any) -> Iterator[Parts]:
         for owner, name, part in (
             (relations, "space_version", "version"),
             (engine, "stored_neighbours", "engine"),
-            (relations._Scan, "_later_copies", "sketches"),
-            (relations._Scan, "_read_copies", "sketches"),
-            (relations, "_merge_naming", "recheck"),
-            (relations._Factors, "get", "factors"),
+            (relations.RelationScan, "later_copies_of", "sketches"),
+            (relations.RelationScan, "read_copies", "sketches"),
+            (relations, "merge_naming", "recheck"),
+            (relations.FactorCache, "get", "factors"),
             (relations, "find_relations", "detect"),
             (relations, "find_merge", "detect"),
-            (relations, "_store", "store"),
+            (relations, "store_edges", "store"),
         ):
             stack.enter_context(mock.patch.object(owner, name, parts.timed(part, getattr(owner, name))))
         yield parts

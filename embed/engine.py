@@ -239,7 +239,7 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
             have = None  # the store read back, let go
             release()
         for at in range(0, len(new), per_chunk):
-            stack.fill(start + at, _factors_of(session, blobs, new[at : at + per_chunk]))
+            stack.fill(start + at, factors_of(session, blobs, new[at : at + per_chunk]))
             release()
 
     shapes = {**ModuleStack.shapes(len(all_ids), layout, dense), "ids": (len(all_ids),)}
@@ -272,17 +272,17 @@ def _over_budget(nbytes: float) -> str:
     return f"none ({nbytes / 2**30:.2f} GiB is over ZOO_MODULE_STORE_BYTES: module cosine comes from the module sketches)"
 
 
-def _factors_of(session: Session, blobs: BlobStore, ids: list[int]) -> list[dict[str, CanonicalFactors]]:
+def factors_of(session: Session, blobs: BlobStore, ids: list[int]) -> list[dict[str, CanonicalFactors]]:
     digests = factor_digests(session, ids)
     return [dict(blobs.get_factors(str(digests[i]))) for i in ids]
 
 
 def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str] | None) -> ModuleStack:
-    factors = _factors_of(session, blobs, ids)
+    factors = factors_of(session, blobs, ids)
     return ModuleStack.of(factors, dense if dense is not None else dense_modules(factors))
 
 
-def _write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
+def write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
     write_derived(path, {**stack.arrays(), "ids": np.asarray(ids, dtype=np.int64)}, {"version": version, "dense": sorted(stack.dense)})
 
 

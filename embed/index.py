@@ -174,7 +174,7 @@ class AdapterIndex:
         self._lookup = RowLookup(self._ids)
         self._lock = threading.Lock()
         #: the file's parts the IVF and subset codes were read in place from (`load`), until a write copies them
-        self._mapping: dict[str, np.ndarray] | None = None
+        self.mapped_parts: dict[str, np.ndarray] | None = None
         #: seconds each step of building it took (train_ivf_s, train_store_s, train_subset_s, add_s, tune_s)
         self.timings: dict[str, float] = {}
 
@@ -260,22 +260,22 @@ class AdapterIndex:
     def _subset_input(self, vectors: np.ndarray) -> np.ndarray:
         """Vectors as the subset codes take them: padded with zeros to their dimension (SUBSET_DIMS_PER_BYTE; an index
         saved before the padding has none)."""
-        pad = int(self._subset_index.d) - vectors.shape[1]
+        pad = int(self.subset_index.d) - vectors.shape[1]
         return np.ascontiguousarray(np.pad(vectors, ((0, 0), (0, pad))) if pad else vectors, np.float32)
 
     @property
-    def _subset_index(self) -> faiss.IndexPQ:
+    def subset_index(self) -> faiss.IndexPQ:
         """The IVF kind's subset codes (the flat kind has none)."""
         assert self._subset is not None
         return self._subset
 
     # downcast_index returns the index as its own class, typed in faiss's stubs as any Index
     @property
-    def _base(self) -> faiss.IndexIVF:
+    def ivf_base(self) -> faiss.IndexIVF:
         return cast(faiss.IndexIVF, faiss.downcast_index(self._refine.base_index))
 
     @property
-    def _store(self) -> faiss.IndexScalarQuantizer:
+    def store_quantizer(self) -> faiss.IndexScalarQuantizer:
         return cast(faiss.IndexScalarQuantizer, faiss.downcast_index(self._refine.refine_index))
 
     @property
@@ -283,20 +283,20 @@ class AdapterIndex:
         """The IVF's codes: 'pq4 fast-scan' or 'fp16'; None when flat."""
         if self._ivf is None:
             return None
-        return "pq4 fast-scan" if isinstance(self._base, faiss.IndexIVFPQFastScan) else "fp16"
+        return "pq4 fast-scan" if isinstance(self.ivf_base, faiss.IndexIVFPQFastScan) else "fp16"
 
     @property
     def store(self) -> str | None:
         """The IVF's store (the re-rank copy): '8-bit' or 'fp16'; None when flat (float32)."""
         if self._ivf is None:
             return None
-        qtype = self._store.sq.qtype
+        qtype = self.store_quantizer.sq.qtype
         return next(name for name, q in STORE_TYPES.items() if q == qtype)
 
     @property
     def store_bytes(self) -> int:
         """Bytes a vector takes in the store."""
-        return 4 * self.dim if self._ivf is None else int(self._store.code_size)
+        return 4 * self.dim if self._ivf is None else int(self.store_quantizer.code_size)
 
     @property
     def tie(self) -> float:
@@ -305,11 +305,11 @@ class AdapterIndex:
         range / 255 is off by a uniform error of ± step / 2)."""
         if self.store != "8-bit":
             return TIE
-        return max(TIE, 2 * store_step(self._store) / np.sqrt(12))
+        return max(TIE, 2 * store_step(self.store_quantizer) / np.sqrt(12))
 
     @property
     def nprobe(self) -> int | None:
-        return int(self._base.nprobe) if self._ivf is not None else None
+        return int(self.ivf_base.nprobe) if self._ivf is not None else None
 
     @property
     def size(self) -> int:
@@ -321,7 +321,7 @@ class AdapterIndex:
         ids = self._ids[: self._size]
         return ids[ids >= 0]
 
-    def _rows(self, ids: np.ndarray) -> np.ndarray:
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """Store rows of these ids; -1 where an id is absent."""
         return self._lookup(ids)
 
@@ -329,12 +329,12 @@ class AdapterIndex:
         self._lookup = RowLookup(self._ids[: self._size])
 
     def contains(self, adapter_id: int) -> bool:
-        return bool(self._rows(np.array([adapter_id], np.int64))[0] >= 0)
+        return bool(self.rows_of(np.array([adapter_id], np.int64))[0] >= 0)
 
     def vectors(self, ids: np.ndarray) -> np.ndarray:
         """(len(ids), dim) float32 stored unit vectors of these adapter ids (KeyError for one not in the index)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        rows = self._rows(ids)
+        rows = self.rows_of(ids)
         if (rows < 0).any():
             raise KeyError(f"adapters not in the index: {ids[rows < 0][:5].tolist()}")
         return self._at(rows)
@@ -343,17 +343,21 @@ class AdapterIndex:
         if self._ivf is None:
             return self._flat[rows]
         if len(rows) <= 1000:  # FAISS decodes few rows faster by id; many faster gathered by numpy and decoded at once
-            return self._store.reconstruct_batch(np.ascontiguousarray(rows, np.int64)) if len(rows) else np.zeros((0, self.dim), np.float32)
-        return self._store.sa_decode(np.ascontiguousarray(self._store_codes()[rows]))
+            return (
+                self.store_quantizer.reconstruct_batch(np.ascontiguousarray(rows, np.int64))
+                if len(rows)
+                else np.zeros((0, self.dim), np.float32)
+            )
+        return self.store_quantizer.sa_decode(np.ascontiguousarray(self.store_codes()[rows]))
 
-    def _store_codes(self) -> np.ndarray:
+    def store_codes(self) -> np.ndarray:
         """The IVF store's codes as a writable (size, bytes per vector) array, in place."""
-        codes = faiss.rev_swig_ptr(self._store.codes.data(), self._store.codes.size())
-        return np.frombuffer(codes, dtype=np.uint8).reshape(-1, self._store.code_size)
+        codes = faiss.rev_swig_ptr(self.store_quantizer.codes.data(), self.store_quantizer.codes.size())
+        return np.frombuffer(codes, dtype=np.uint8).reshape(-1, self.store_quantizer.code_size)
 
-    def _subset_codes(self) -> np.ndarray:
+    def subset_codes(self) -> np.ndarray:
         """The subset codes as a writable (size, bytes per code) array, in place."""
-        sub = self._subset_index
+        sub = self.subset_index
         codes = faiss.rev_swig_ptr(sub.codes.data(), sub.codes.size())
         return np.frombuffer(codes, dtype=np.uint8).reshape(-1, sub.code_size)
 
@@ -373,7 +377,7 @@ class AdapterIndex:
             raise ValueError(f"expected {len(ids)} vectors of dimension {self.dim}, got {vectors.shape}")
         t0 = time.perf_counter()
         with self._lock:
-            present = ids[self._rows(ids) >= 0].tolist()
+            present = ids[self.rows_of(ids) >= 0].tolist()
             if present or len(np.unique(ids)) != len(ids):
                 raise ValueError(f"ids already in the index: {present[:5] or 'repeated in the batch'}")
             self._own()
@@ -383,10 +387,10 @@ class AdapterIndex:
             if self._ivf is None:
                 self._flat[start : start + len(ids)] = vectors
             else:
-                self._base.add_with_ids(vectors, np.arange(start, start + len(ids), dtype=np.int64))
-                self._store.add(vectors)
-                self._subset_index.add(self._subset_input(vectors))
-                self._ivf.ntotal = self._store.ntotal
+                self.ivf_base.add_with_ids(vectors, np.arange(start, start + len(ids), dtype=np.int64))
+                self.store_quantizer.add(vectors)
+                self.subset_index.add(self._subset_input(vectors))
+                self._ivf.ntotal = self.store_quantizer.ntotal
             self._size = start + len(ids)
             self._index_rows()
         self.timings["add_s"] = self.timings.get("add_s", 0.0) + time.perf_counter() - t0
@@ -395,18 +399,18 @@ class AdapterIndex:
     def mapped(self) -> bool:
         """Whether the IVF's codes and store and the subset codes are read in place from the index file (`load`): their
         pages are then the page cache's, resident in the process only where touched (module doc)."""
-        return self._mapping is not None
+        return self.mapped_parts is not None
 
     def _own(self) -> None:
         """Before a write: copy the parts mapped from the file into memory of the index's own (a mapped part is
         read-only, and the file may be replaced)."""
-        if self._mapping is None:
+        if self.mapped_parts is None:
             return
-        nprobe = self._base.nprobe
-        self._ivf = cast(faiss.IndexRefine, faiss.deserialize_index(np.array(self._mapping["ivf"])))
-        self._subset = cast(faiss.IndexPQ, faiss.deserialize_index(np.array(self._mapping["subset"])))
-        self._base.nprobe = nprobe
-        self._mapping = None
+        nprobe = self.ivf_base.nprobe
+        self._ivf = cast(faiss.IndexRefine, faiss.deserialize_index(np.array(self.mapped_parts["ivf"])))
+        self._subset = cast(faiss.IndexPQ, faiss.deserialize_index(np.array(self.mapped_parts["subset"])))
+        self.ivf_base.nprobe = nprobe
+        self.mapped_parts = None
 
     def _grow(self, need: int) -> None:
         """Room for `need` rows, growing by half again (amortized O(1) per vector)."""
@@ -427,7 +431,7 @@ class AdapterIndex:
         if not len(ids):
             return
         vectors = normalize(vectors)
-        rows = self._rows(ids)
+        rows = self.rows_of(ids)
         old = rows >= 0
         if old.any():
             with self._lock:
@@ -435,16 +439,16 @@ class AdapterIndex:
                 if self._ivf is None:
                     self._flat[rows[old]] = vectors[old]
                 else:
-                    self._base.remove_ids(rows[old])  # type: ignore[arg-type]  # ids as an array: faiss's wrapper takes them, its stubs not
-                    self._base.add_with_ids(vectors[old], rows[old])
-                    self._store_codes()[rows[old]] = self._store.sa_encode(vectors[old])
-                    self._subset_codes()[rows[old]] = self._subset_index.sa_encode(self._subset_input(vectors[old]))
+                    self.ivf_base.remove_ids(rows[old])  # type: ignore[arg-type]  # ids as an array: faiss's wrapper takes them, its stubs not
+                    self.ivf_base.add_with_ids(vectors[old], rows[old])
+                    self.store_codes()[rows[old]] = self.store_quantizer.sa_encode(vectors[old])
+                    self.subset_codes()[rows[old]] = self.subset_index.sa_encode(self._subset_input(vectors[old]))
         self.add(ids[~old], vectors[~old])
 
     def remove(self, ids: np.ndarray) -> None:
         """Drop these ids (deleted adapters; absent ones are ignored). Flat: the rows are compacted. IVF:
         they leave the inverted lists, and their store rows stay, dead (-1 ids), until a rebuild."""
-        rows = self._rows(np.ascontiguousarray(ids, dtype=np.int64))
+        rows = self.rows_of(np.ascontiguousarray(ids, dtype=np.int64))
         rows = np.unique(rows[rows >= 0])
         if not len(rows):
             return
@@ -456,7 +460,7 @@ class AdapterIndex:
                 self._ids[: len(keep)] = self._ids[keep]
                 self._size = len(keep)
             else:
-                self._base.remove_ids(faiss.IDSelectorBatch(rows))
+                self.ivf_base.remove_ids(faiss.IDSelectorBatch(rows))
                 self._ids[rows] = -1
             self._index_rows()
 
@@ -470,12 +474,12 @@ class AdapterIndex:
         k = max(1, k)
         rows = None
         if allowed is not None:
-            rows = np.sort(self._rows(np.ascontiguousarray(allowed, dtype=np.int64)))
+            rows = np.sort(self.rows_of(np.ascontiguousarray(allowed, dtype=np.int64)))
             rows = rows[rows >= 0]
         if self._ivf is None or (rows is not None and len(rows) <= max(k, self.filter_rerank)):
             return self._exact(q, np.arange(self._size) if rows is None else rows, k)
         if rows is not None and self.subset_cheaper(len(rows)):
-            return self._search_subset(q, rows, k)
+            return self.search_subset(q, rows, k)
         return self._probe(q, k, rows)
 
     def subset_cheaper(self, allowed: int) -> bool:
@@ -484,7 +488,7 @@ class AdapterIndex:
 
     def _probe(self, q: np.ndarray, k: int, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The IVF's nearest (among `rows` by an id selector), re-ranked by the store in FAISS."""
-        nprobe = self._base.nprobe if rows is None else self.filtered_nprobe(len(rows) / max(self._size, 1))
+        nprobe = self.ivf_base.nprobe if rows is None else self.filtered_nprobe(len(rows) / max(self._size, 1))
         # faiss's wrapper sets search parameters from keywords (and keeps their objects alive); its stubs know no keywords
         sel = faiss.IDSelectorBatch(rows) if rows is not None else None
         base_params = faiss.SearchParametersIVF(nprobe=nprobe, sel=sel)  # type: ignore[call-arg]
@@ -499,17 +503,17 @@ class AdapterIndex:
 
     def _subset_nearest(self, q: np.ndarray, rows: np.ndarray, depth: int) -> np.ndarray:
         """(len(q), depth) rows of `rows` nearest by the subset codes (-1 pads)."""
-        codes = np.ascontiguousarray(self._subset_codes()[rows])
+        codes = np.ascontiguousarray(self.subset_codes()[rows])
         depth = min(depth, len(rows))
         values = np.empty((len(q), depth), np.float32)
         found = np.empty((len(q), depth), np.int64)
         heap = faiss.float_minheap_array_t()
         heap.nh, heap.k, heap.val, heap.ids = len(q), depth, faiss.swig_ptr(values), faiss.swig_ptr(found)
         q = self._subset_input(q)
-        self._subset_index.pq.search_ip(faiss.swig_ptr(q), len(q), faiss.swig_ptr(codes), len(codes), heap, True)
+        self.subset_index.pq.search_ip(faiss.swig_ptr(q), len(q), faiss.swig_ptr(codes), len(codes), heap, True)
         return np.where(found >= 0, rows[np.maximum(found, 0)], -1)
 
-    def _search_subset(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search_subset(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The `filter_rerank` nearest among `rows` by the subset codes, re-ranked by the store."""
         scores = np.full((len(q), k), -np.inf, np.float32)
         ids = np.full((len(q), k), -1, np.int64)
@@ -562,7 +566,7 @@ class AdapterIndex:
         t0 = time.perf_counter()
         q = normalize(queries)
         exact = TiedTop(*self.exact_top(q, TIE_DEPTH), k, self.tie)
-        base = self._base
+        base = self.ivf_base
         most = min(base.nlist, max_nprobe or base.nlist)
         ladder = [p for p in NPROBES if p < most] + [most]
         viable: list[tuple[float, int, int, float]] = []
@@ -598,7 +602,7 @@ class AdapterIndex:
         and `filter_rerank` (the fewest subset-code nearest that do), and time both ways per query.
         Below CANDIDATES allowed rows at that share nothing is measured: probing takes every list, and the
         subset way, bounded by so few rows, is always taken."""
-        base = self._base
+        base = self.ivf_base
         self.filter_nprobe, self.filter_rerank = base.nlist, RERANKS[-1]
         self.subset_row_s, self.probe_list_s = 0.0, np.inf
         if self._size * FILTER_SHARE < CANDIDATES:
@@ -621,7 +625,7 @@ class AdapterIndex:
         )
         t0 = time.perf_counter()
         for row in q:
-            self._search_subset(row[None, :], rows, CANDIDATES)
+            self.search_subset(row[None, :], rows, CANDIDATES)
         t1 = time.perf_counter()
         for row in q:
             self._probe(row[None, :], CANDIDATES, rows)
@@ -632,7 +636,7 @@ class AdapterIndex:
     def filtered_nprobe(self, share: float) -> int:
         """Lists to probe under a filter keeping `share` of the rows: nprobe at share 1, `filter_nprobe`
         at FILTER_SHARE, geometric in between and beyond (at most every list)."""
-        base = self._base
+        base = self.ivf_base
         if share >= 1:
             return int(base.nprobe)
         exponent = np.log(1 / share) / np.log(1 / FILTER_SHARE)
@@ -649,7 +653,7 @@ class AdapterIndex:
                 tensors["vectors"] = np.ascontiguousarray(self._flat[: self._size])
             else:
                 tensors["ivf"] = faiss.serialize_index(self._ivf)
-                tensors["subset"] = faiss.serialize_index(self._subset_index)
+                tensors["subset"] = faiss.serialize_index(self.subset_index)
             full = {
                 **meta,
                 "dim": self.dim,
@@ -697,10 +701,10 @@ class AdapterIndex:
             assert subset_bytes is not None and ivf_bytes is not None  # consistent
             index._subset = cast(faiss.IndexPQ, read(subset_bytes))
             if mapped:
-                index._mapping = {"ivf": ivf_bytes, "subset": subset_bytes}
+                index.mapped_parts = {"ivf": ivf_bytes, "subset": subset_bytes}
             if int(ivf.ntotal) != count or int(ivf.d) != dim or int(index._subset.ntotal) != count:
                 raise ValueError(f"index file {path} disagrees with itself (the IVF holds {ivf.ntotal} of {count})")
-            index._base.nprobe = int(meta["nprobe"])
+            index.ivf_base.nprobe = int(meta["nprobe"])
             index.rerank = int(meta["rerank"])
             index.filter_nprobe, index.filter_rerank = int(meta["filter_nprobe"]), int(meta["filter_rerank"])
             index.subset_row_s, index.probe_list_s = float(meta["subset_row_s"]), float(meta["probe_list_s"])

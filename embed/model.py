@@ -149,7 +149,7 @@ class W2T(nn.Module):
         self.heads = nn.ModuleDict({k: nn.Linear(config.embed_dim, len(v)) for k, v in config.categorical.items()})
         self.regressors = nn.ModuleDict({k: nn.Linear(config.embed_dim, 1) for k in config.regression})
 
-    def _module_tokens(
+    def module_tokens(
         self, mtype: str, tok: TypeTokens, noise: float = 0.0, generator: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, M, R, _ = tok.u.shape
@@ -232,7 +232,7 @@ class W2T(nn.Module):
         for t in self.types:
             if t not in batch:
                 continue
-            pooled, has_any, sketch = self._module_tokens(t, batch[t], noise, generator)
+            pooled, has_any, sketch = self.module_tokens(t, batch[t], noise, generator)
             groups = batch[t].groups
             present = has_any.to(pooled.dtype)
             x = x.index_add(1, groups, pooled * present[..., None])

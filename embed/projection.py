@@ -63,7 +63,7 @@ class Projection:
         vectors = np.asarray(vectors)
         mean, basis = self.mean.astype(np.float64), self.basis.astype(np.float64)
         out = np.empty((len(vectors), 2), np.float32)
-        for start, x in _centred(vectors, mean):
+        for start, x in centred_chunks(vectors, mean):
             out[start : start + len(x)] = x @ basis.T
         return out
 
@@ -112,7 +112,7 @@ def top_axes(sample: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarr
     d = sample.shape[1]
     k = min(BLOCK, d)
     v = np.eye(d, k) if k == d else _outside(np.zeros((d, 0)), np.random.default_rng(SEED).standard_normal((d, k)), 0.0)
-    w, trace = _times_covariance(sample, mean, v, trace=True)
+    w, trace = times_covariance(sample, mean, v, trace=True)
     for passes in range(1, MAX_PASSES + 1):
         h = v.T @ w
         theta, y = np.linalg.eigh((h + h.T) / 2)  # Rayleigh–Ritz on span(v), ascending
@@ -129,7 +129,7 @@ def top_axes(sample: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarr
             new = _outside(v, w[:, -k:], RANK_TOL * scale)
         if not new.shape[1]:  # span(v) is invariant under C: the Ritz pairs are exact
             break
-        v, w = np.hstack([v, new]), np.hstack([w, _times_covariance(sample, mean, new)[0]])
+        v, w = np.hstack([v, new]), np.hstack([w, times_covariance(sample, mean, new)[0]])
     return theta[:2], (v @ top).T, trace
 
 
@@ -150,16 +150,16 @@ def _orthonormal(w: np.ndarray, floor: float) -> np.ndarray:
     return (w @ z[:, keep]) / np.sqrt(values[keep])
 
 
-def _times_covariance(sample: np.ndarray, mean: np.ndarray, v: np.ndarray, trace: bool = False) -> tuple[np.ndarray, float]:
+def times_covariance(sample: np.ndarray, mean: np.ndarray, v: np.ndarray, trace: bool = False) -> tuple[np.ndarray, float]:
     """(C v, and when asked the trace of C) = Σ over chunks of (xᵀ(x v), Σ x²), x a float64 chunk of the centred sample."""
     out, total = np.zeros((sample.shape[1], v.shape[1])), 0.0
-    for _, x in _centred(sample, mean):
+    for _, x in centred_chunks(sample, mean):
         out += x.T @ (x @ v)
         total += float(np.einsum("ij,ij->", x, x)) if trace else 0.0
     return out, total
 
 
-def _centred(vectors: np.ndarray, mean: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+def centred_chunks(vectors: np.ndarray, mean: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """(start, float64 rows − mean) chunk by chunk, at most `CHUNK_BYTES` (and at least one row) each."""
     rows = max(1, CHUNK_BYTES // (8 * max(vectors.shape[1], 1)))
     for start in range(0, len(vectors), rows):

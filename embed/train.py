@@ -142,7 +142,7 @@ class _Fold:
     val: torch.Tensor
 
 
-def _folds(n: int, members: int, options: TrainOptions) -> list[_Fold]:
+def member_folds(n: int, members: int, options: TrainOptions) -> list[_Fold]:
     """Each member validates on val_fraction of the adapters: a run of one seeded permutation, the members' runs
     starting evenly spread over it. So the ensemble as a whole learns from every adapter, and each adapter is held
     out by members × val_fraction of them (the nearest whole numbers around it): one member's cosine, or several
@@ -222,7 +222,7 @@ def _train_member(
         return total
 
     ratio = options.unlabelled_per_labelled if options.objective == "both" else None
-    val_rows = _rows_for_epoch(fold.val, has_target, ratio, torch.Generator().manual_seed(seed))
+    val_rows = rows_for_epoch(fold.val, has_target, ratio, torch.Generator().manual_seed(seed))
     n_val = len(val_rows)
     size = batch_rows(tokens_per_adapter(data.tokens), options.batch_size)
     best, best_state, stale = math.inf, copy.deepcopy(model.state_dict()), 0
@@ -230,7 +230,7 @@ def _train_member(
     bar = tqdm(range(options.epochs), desc=desc, unit="epoch", disable=not progress)
     for epoch in bar:
         model.train()
-        rows_now = _rows_for_epoch(fold.train, has_target, ratio, gen)
+        rows_now = rows_for_epoch(fold.train, has_target, ratio, gen)
         order = rows_now[torch.randperm(len(rows_now), generator=gen)]
         train_loss = 0.0
         for start in range(0, len(order), size):
@@ -264,7 +264,7 @@ def _train_member(
     return model, history
 
 
-def _rows_for_epoch(rows: torch.Tensor, has_target: torch.Tensor, ratio: float | None, gen: torch.Generator) -> torch.Tensor:
+def rows_for_epoch(rows: torch.Tensor, has_target: torch.Tensor, ratio: float | None, gen: torch.Generator) -> torch.Tensor:
     """The rows an epoch trains (or validates) on: every labelled one and at most `ratio` unlabelled ones per labelled
     one, drawn with `gen` (None, or no labelled row: all of them)."""
     labelled = has_target[rows]
@@ -381,7 +381,7 @@ def _train_w2t(
         ),
     )
     members = max(1, options.members)
-    folds = _folds(n, members, options)
+    folds = member_folds(n, members, options)
     if pretrained is None and options.pretrain_epochs:
         pretrained = pretrain(config, tokens, [a.labels.get(TASK_KEY, "") for a in adapters], options, device, progress)
     initial = None
@@ -432,7 +432,7 @@ def remember_and_choose(
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
     embedder.predictors, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}
     embedder.calibration, embedder._memory_classes, embedder.channel_metrics = {}, {}, {}
-    folds = _folds(len(adapters), len(models), options)
+    folds = member_folds(len(adapters), len(models), options)
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
         labelled = [adapters[r] for r in known]
         ids = [a.id for a in labelled]

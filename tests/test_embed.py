@@ -18,7 +18,7 @@ from embed.choice import MIX_WEIGHTS
 from embed.ensemble import W2TEnsemble
 from embed.evaluate import METHODS, evaluate, refactorized
 from embed.metrics import KNN_K, retrieval, retrieval_per_query
-from embed.train import TrainOptions, _folds, train_w2t
+from embed.train import TrainOptions, member_folds, train_w2t
 from embed.types import ZooAdapter, schema_of, split_positions
 from zoo.domain.canonical import canonicalize
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, LearnedPredictor, SearchScore
@@ -126,7 +126,7 @@ def test_retrieval_per_query_is_the_whole_sort_of_each_row(queries: int, gallery
 
 @given(n=st.integers(10, 400), members=st.integers(1, 12), val_fraction=st.floats(0.05, 0.5), seed=st.integers(0, 3))
 def test_member_folds_spread_the_held_out_adapters_evenly(n: int, members: int, val_fraction: float, seed: int) -> None:
-    folds = _folds(n, members, TrainOptions(seed=seed, val_fraction=val_fraction))
+    folds = member_folds(n, members, TrainOptions(seed=seed, val_fraction=val_fraction))
     assert len(folds) == members
     n_val = max(1, round(val_fraction * n))
     times = np.zeros(n, np.int64)
@@ -141,9 +141,9 @@ def test_member_folds_spread_the_held_out_adapters_evenly(n: int, members: int, 
 def test_ten_members_holding_out_a_fifth_hold_each_adapter_out_twice_and_the_default_once_at_most() -> None:
     for n in (10, 57, 300):
         twice, default = np.zeros(n, np.int64), np.zeros(n, np.int64)
-        for f in _folds(n, 10, TrainOptions(val_fraction=0.2)):
+        for f in member_folds(n, 10, TrainOptions(val_fraction=0.2)):
             twice[f.val.tolist()] += 1
-        for f in _folds(n, TrainOptions().members, TrainOptions()):
+        for f in member_folds(n, TrainOptions().members, TrainOptions()):
             default[f.val.tolist()] += 1
         assert set(twice.tolist()) <= {1, 2, 3} and abs(twice.mean() - 2) < 0.1
         assert default.max() == 1 and default.sum() == 5 * round(0.15 * n)  # disjoint slices

@@ -107,7 +107,7 @@ def test_every_exact_score_is_served_and_no_other() -> None:
 def test_a_stack_whose_dense_modules_are_flattened_is_refused_and_its_module_store_absent(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Dense modules keep their (out, in) shape, which the input Gram needs: a store written before, with them
     flattened, reads as absent (rebuilt by `zoo embed`)."""
-    from embed.engine import _write_module_store, read_module_store
+    from embed.engine import read_module_store, write_module_store
 
     adapters = random_adapters(2, 3)
     stack = stack_of(adapters)
@@ -117,8 +117,8 @@ def test_a_stack_whose_dense_modules_are_flattened_is_refused_and_its_module_sto
     flat = {k: v.reshape(len(v), -1) if k.startswith("dense/") else v for k, v in arrays.items()}
     with pytest.raises(ValueError, match="flattened"):
         ModuleStack.from_arrays(flat, 3)
-    _write_module_store(tmp_path / "new.safetensors", np.arange(3), stack, 1)
+    write_module_store(tmp_path / "new.safetensors", np.arange(3), stack, 1)
     old = ModuleStack(3, stack.norms, {k: v.reshape(3, -1) for k, v in stack.dense.items()}, stack.factors)
-    _write_module_store(tmp_path / "old.safetensors", np.arange(3), old, 1)
+    write_module_store(tmp_path / "old.safetensors", np.arange(3), old, 1)
     assert read_module_store(tmp_path / "new.safetensors") is not None
     assert read_module_store(tmp_path / "old.safetensors") is None

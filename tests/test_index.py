@@ -139,7 +139,7 @@ def test_a_query_with_thousands_of_tied_neighbours_is_tuned_to_few_lists_not_eve
     ids = np.arange(1, len(vecs) + 1)
     index = AdapterIndex.build(ids, vecs, ivf=True)
     index.tune_nprobe(centres)
-    assert index.nprobe is not None and index.nprobe <= NPROBES[1] < index._base.nlist
+    assert index.nprobe is not None and index.nprobe <= NPROBES[1] < index.ivf_base.nlist
     scores, _ = index.search(centres, 10)
     assert np.all(scores >= 0.9 - 2 * TIE)  # ten of the tied shell, as near as the exact ten to rounding
 
@@ -208,7 +208,7 @@ def test_filtered_ivf_search_by_subset_codes_and_by_probing_both_meet_the_goal()
     index = AdapterIndex.build(ids, vecs, ivf=True)
     # 300 allowed at FILTER_SHARE: both ways were measured when the index was built
     assert index.subset_row_s > 0 and 0 < index.probe_list_s < np.inf
-    assert index.filter_rerank >= 200 and index.nprobe <= index.filter_nprobe <= index._base.nlist  # type: ignore[operator]
+    assert index.filter_rerank >= 200 and index.nprobe <= index.filter_nprobe <= index.ivf_base.nlist  # type: ignore[operator]
     index.filter_rerank = 200  # fewer than the allowed: never exact, exercise the two approximate ways
     rng = np.random.default_rng(6)
     queries = vecs[:40] + 0.05 * rng.standard_normal((40, 64)).astype(np.float32)
@@ -249,10 +249,10 @@ def test_a_mapped_index_answers_as_a_read_one_keeps_its_codes_in_the_file_and_co
     read, _ = AdapterIndex.load(path, mapped=False)
     assert mapped.mapped and not read.mapped and meta["count"] == 6000
     for name, codes, copied in (
-        ("ivf", mapped._store_codes(), read._store_codes()),
-        ("subset", mapped._subset_codes(), read._subset_codes()),
+        ("ivf", mapped.store_codes(), read.store_codes()),
+        ("subset", mapped.subset_codes(), read.subset_codes()),
     ):
-        part = mapped._mapping[name]  # type: ignore[index]
+        part = mapped.mapped_parts[name]  # type: ignore[index]
         begin, end = part.ctypes.data, part.ctypes.data + part.nbytes
         assert begin <= codes.ctypes.data and codes.ctypes.data + codes.nbytes <= end  # the file's bytes, not a copy
         assert not begin <= copied.ctypes.data < end
@@ -291,12 +291,12 @@ def test_subset_codes_take_parts_of_eight_dimensions_at_any_dimension_trained_on
     threads = faiss.omp_get_max_threads()
     index = AdapterIndex.build(ids, vecs, ivf=True)
     assert faiss.omp_get_max_threads() == threads
-    sub = index._subset_index
+    sub = index.subset_index
     assert (sub.d, sub.pq.M, sub.pq.dsub, sub.code_size) == (24, 3, 8, 3) and sub.pq.cp.niter == SUBSET_ITERATIONS
     allowed = ids[:2000]
     index.filter_rerank = 2000  # every allowed row re-ranked by the store: the subset way alone decides nothing
     queries = vecs[:20] + 0.01
-    _, got = index._search_subset(queries, np.sort(index._rows(allowed)), 5)
+    _, got = index.search_subset(queries, np.sort(index.rows_of(allowed)), 5)
     _, want = brute_force(allowed, vecs[:2000], queries, 5)
     assert recall_at_k(got, want) == 1.0
     index.upsert(ids[:1], -vecs[:1])

@@ -41,7 +41,7 @@ def test_an_8bit_store_hands_on_the_first_stage_candidates_a_float16_one_does() 
     for store in ("fp16", "8-bit"):
         index = ivf(vectors, store)
         assert index.store == store
-        index._base.nprobe = index._base.nlist  # every list: what differs is the store's re-ranking alone
+        index.ivf_base.nprobe = index.ivf_base.nlist  # every list: what differs is the store's re-ranking alone
         candidates[store] = recall_at_k(index.search(queries, CANDIDATES)[1], exact)
         top10[store] = recall_at_k(index.search(queries, 10)[1], exact)
     assert candidates["8-bit"] >= candidates["fp16"] - 0.01 and candidates["8-bit"] >= 0.99
@@ -58,10 +58,10 @@ def indexes() -> tuple[np.ndarray, dict[str, AdapterIndex]]:
 def test_memory_per_vector_is_what_index_bytes_counts(indexes: tuple[np.ndarray, dict[str, AdapterIndex]]) -> None:
     """An 8-bit store takes a byte a dimension, float16 two, and index_bytes (the engine's budget) counts it."""
     _, built = indexes
-    assert built["8-bit"].tie == pytest.approx(2 * store_step(built["8-bit"]._store) / np.sqrt(12))  # its error's 2 sd
+    assert built["8-bit"].tie == pytest.approx(2 * store_step(built["8-bit"].store_quantizer) / np.sqrt(12))  # its error's 2 sd
     for store, per_dim in (("8-bit", 1), ("fp16", 2)):
         assert built[store].store == store and built[store].store_bytes == per_dim * 32
-        assert built[store]._store_codes().nbytes == 2_000 * per_dim * 32  # what FAISS holds
+        assert built[store].store_codes().nbytes == 2_000 * per_dim * 32  # what FAISS holds
         # the store, the list codes (float16 below PQ_FROM_DIM), the subset codes (a byte per 8 dimensions), the id
         assert index_bytes(built[store]) == 2_000 * (per_dim * 32 + 2 * 32 + 4 + ID_BYTES)
 

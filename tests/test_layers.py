@@ -54,3 +54,65 @@ def test_no_module_imports_another_modules_private_names() -> None:
                         if a.name.startswith("_") and not a.name.startswith("__")
                     ]
     assert not found, found
+
+
+PACKAGES = ("zoo", "embed", "webapp")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name != "_"
+
+
+def _private_names_of_packages() -> set[str]:
+    """Every private name our packages define: module-level and class-level functions, classes and assignments, and the
+    attributes their methods set on `self`."""
+    names: set[str] = set()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.add(node.attr)
+    return {n for n in names if _private(n)}
+
+
+def _defined_in(tree: ast.Module) -> set[str]:
+    """The names a test or bench file defines itself (its own helpers' private attributes are its own)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and ast.unparse(node.value) in ("self", "cls"):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+    return found
+
+
+def private_names_reached(path: Path, ours: set[str]) -> list[str]:
+    """Where a file reaches a private name of our packages: an import of one, an attribute of that name (on a module of
+    ours or on one of our objects), or the name as a string (what monkeypatch.setattr and mock.patch.object take)."""
+    tree = ast.parse(path.read_text(), str(path))
+    own = _defined_in(tree)
+    formatted = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}  # parts of f-strings
+    reached = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+            reached += [f"import {node.module}.{a.name}" for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in ours and node.attr not in own:
+            reached.append(f"attribute {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and node.value in ours and node.value not in own and id(node) not in formatted:
+            reached.append(f"string {node.value!r}")
+    return [f"{path.relative_to(ROOT)}:{r}" for r in reached]
+
+
+def test_tests_and_benchmarks_reach_no_private_name_of_our_packages() -> None:
+    """Tests and benchmarks use what the packages offer: a piece they need is public, under a public name."""
+    ours = _private_names_of_packages()
+    found = [
+        r for folder in ("tests", "bench") for path in sorted((ROOT / folder).rglob("*.py")) for r in private_names_reached(path, ours)
+    ]
+    assert not found, "\n".join(found)

@@ -78,10 +78,10 @@ def test_kept_blocks_go_with_their_updates() -> None:
     first = blocks(x, y)
     assert blocks(x, y)[0] is first[0] and np.shares_memory(blocks(y, x)[0], first[0])
     Stacks([{"a": x}, {"a": y}], ["a"], from_pairs=True)
-    assert x._inners and x._groups
+    assert x.kept_inners and x.kept_groups
     del y, first
     gc.collect()
-    assert not x._inners and not x._groups
+    assert not x.kept_inners and not x.kept_groups
     z = low_rank(rng, (12, 10), 2)
     np.testing.assert_allclose(blocks(x, z)[0], x.U.T @ z.U)
 

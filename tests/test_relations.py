@@ -341,8 +341,8 @@ def test_a_scan_reads_each_blob_once_and_holds_at_most_its_budget(
     assert len(reads) > len(found) and Counter(reads) <= Counter(blob_of.values()), (reads, blob_of)  # none read twice
 
     monkeypatch.undo()
-    one = relations.detector_bytes(relations._Factors(sessions, BlobStore(settings.blob_dir), 1 << 40).get([ids["p"]])[0])
-    cache = relations._Factors(sessions, BlobStore(settings.blob_dir), 2 * one)  # every adapter here has p's shapes
+    one = relations.detector_bytes(relations.FactorCache(sessions, BlobStore(settings.blob_dir), 1 << 40).get([ids["p"]])[0])
+    cache = relations.FactorCache(sessions, BlobStore(settings.blob_dir), 2 * one)  # every adapter here has p's shapes
     first = cache.get([ids["p"], ids["q1"]])
     assert [u.id for u in first] == [ids["p"], ids["q1"]] and cache.held == 2 * one
     assert [u.id for u in cache.get([ids["q2"]])] == [ids["q2"]]
@@ -369,12 +369,12 @@ def test_a_merge_names_the_source_of_a_cast_it_was_found_with(
     with sessions.begin() as session:  # as a scan that had the cast and not p among the merge's neighbours stored it
         session.execute(delete(AdapterRelation))
         session.execute(delete(RelationScan).where(RelationScan.adapter_id == ids["cast"]))
-    factors = relations._Factors(sessions, BlobStore(settings.blob_dir), 1 << 40)
+    factors = relations.FactorCache(sessions, BlobStore(settings.blob_dir), 1 << 40)
     merge, *parents = factors.get([ids["pmerge"], ids["cast"], ids["q2"]])
     found = relations.find_relations(merge, parents).merge
     assert found is not None and set(found.parents) == {ids["cast"], ids["q2"]}
     with sessions.begin() as session:
-        write_scan(session, ids["pmerge"], relations._merge_rows(found, ids["pmerge"]), DETECTOR, 0)
+        write_scan(session, ids["pmerge"], relations.merge_rows(found, ids["pmerge"]), DETECTOR, 0)
     blobs = BlobStore(settings.blob_dir)
     engine = QueryEngine(sessions, blobs, settings.data_dir)
     assert relations.scan_space(engine, sessions, blobs, "tiny", [ids["cast"]])["scanned"] == 1
@@ -385,7 +385,7 @@ def test_a_merge_names_the_source_of_a_cast_it_was_found_with(
 
     monkeypatch.setattr(relations, "NEIGHBOURS", 1)  # a neighbourhood of one: the cast's source comes with it
     monkeypatch.setattr(relations, "RAW_NEIGHBOURS", 0)
-    scan = relations._Scan(engine, sessions, "tiny", 0, False, factors)
+    scan = relations.RelationScan(engine, sessions, "tiny", 0, False, factors)
     for adapter in ("pmerge", "u1", "q2"):
         near = [i for i, _ in scan.neighbours(ids[adapter])]
         assert ids["cast"] not in near or ids["p"] in near, (adapter, near)
@@ -517,12 +517,12 @@ def test_a_batch_keeps_the_copy_edges_as_its_scans_store_them(cli: CLI, settings
         write_scan(session, u1, [{"child_id": u1, "parent_id": rescaled, "relation": "cast", **copy}], "provenance-old", 0)
 
     def fresh() -> dict[int, dict[int, str]]:
-        view = relations._Scan(engine, sessions, "tiny", 0, False, relations._Factors(sessions, blobs, 1 << 30))
-        view._read_copies(list(ids.values()))
+        view = relations.RelationScan(engine, sessions, "tiny", 0, False, relations.FactorCache(sessions, blobs, 1 << 30))
+        view.read_copies(list(ids.values()))
         return view.copies
 
-    scan = relations._Scan(engine, sessions, "tiny", 0, False, relations._Factors(sessions, blobs, 1 << 30))
-    scan._read_copies(list(ids.values()))
+    scan = relations.RelationScan(engine, sessions, "tiny", 0, False, relations.FactorCache(sessions, blobs, 1 << 30))
+    scan.read_copies(list(ids.values()))
     assert scan.copies[u2] == {u1: "provenance-old"} and scan.copies[u1] == {rescaled: "provenance-old"}
     for adapter, rows in (
         (u1, [{"child_id": u2, "parent_id": cast, "relation": "rescaled", **copy}]),  # drops both old edges, adds one

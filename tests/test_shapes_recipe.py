@@ -57,7 +57,7 @@ def test_images_are_reproducible_balanced_and_distinct(data: shapes.ShapesData) 
     assert not torch.equal(data.train_x[: shapes.N_TEST], data.test_x)  # the test set is drawn from its own seed
     # every class draws a different mask for the same placement (no two classes are the same picture)
     grid = torch.arange(16.0).numpy()
-    masks = shapes._masks(grid[None, None, :] - 7.5, grid[None, :, None] - 7.5, torch.tensor([[[5.0]]]).numpy())
+    masks = shapes.shape_masks(grid[None, None, :] - 7.5, grid[None, :, None] - 7.5, torch.tensor([[[5.0]]]).numpy())
     flat = masks.reshape(len(shapes.CLASSES), -1)
     assert all(flat[i].any() for i in range(len(flat)))
     assert len({row.tobytes() for row in flat}) == len(shapes.CLASSES)

@@ -87,7 +87,7 @@ def test_a_module_store_written_before_the_derived_file_format_is_read_and_a_dam
 
     from safetensors.numpy import save_file
 
-    from embed.engine import _write_module_store, read_module_store
+    from embed.engine import read_module_store, write_module_store
 
     gen = torch.Generator().manual_seed(3)
     adapters = [random_adapter(gen, ("q", "o")) for _ in range(3)]
@@ -100,7 +100,7 @@ def test_a_module_store_written_before_the_derived_file_format_is_read_and_a_dam
     assert got is not None and got[0].tolist() == [5, 7, 9] and got[2] == set(stack.dense) and got[3] == 4
     assert np.allclose(got[1].cosines(stack.take([0])), stack.cosines(stack.take([0])))
     new = tmp_path / "new.safetensors"
-    _write_module_store(new, ids, stack, 6)
+    write_module_store(new, ids, stack, 6)
     assert read_module_store(new) is not None and read_module_store(new)[3] == 6  # type: ignore[index]
     raw = bytearray(new.read_bytes())
     raw[-5] ^= 0xFF

@@ -29,7 +29,7 @@ V1_CHECKPOINT = Path(__file__).parent / "data" / "w2t_v1_checkpoint"
 def gram_blocks(model: W2T, tok: TypeTokens) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(first-order sketch, input Gram sketch, output Gram sketch) of every module, as the model reads them out."""
     with torch.no_grad():
-        sketch = model._module_tokens("t", tok)[2]
+        sketch = model.module_tokens("t", tok)[2]
     k2 = model.config.outer_dim**2
     return sketch[..., :k2], sketch[..., k2 : 2 * k2], sketch[..., 2 * k2 :]
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embed.tokens import Batch, TypeTokens
-from embed.train import _rows_for_epoch, train_w2t
+from embed.train import rows_for_epoch, train_w2t
 from embed.train_options import TrainOptions
 from embed.types import schema_of
 from embed.views import augment, mix, mix_partners, module_dropout
@@ -139,7 +139,7 @@ def test_an_epoch_keeps_every_labelled_row_and_draws_a_bounded_share_of_the_rest
     gen = torch.Generator().manual_seed(seed)
     has_target = torch.rand(2 * n, generator=gen) < labelled_share
     rows = torch.randperm(2 * n, generator=gen)[:n]
-    drawn = _rows_for_epoch(rows, has_target, ratio, torch.Generator().manual_seed(seed))
+    drawn = rows_for_epoch(rows, has_target, ratio, torch.Generator().manual_seed(seed))
     got, labelled = set(drawn.tolist()), {r for r in rows.tolist() if has_target[r]}
     assert len(got) == len(drawn) and got <= set(rows.tolist())  # no row twice, none from outside
     if labelled:
@@ -148,7 +148,7 @@ def test_an_epoch_keeps_every_labelled_row_and_draws_a_bounded_share_of_the_rest
         assert unlabelled == min(n - len(labelled), int(np.ceil(ratio * len(labelled))))
     else:  # nothing to bound by: every row
         assert got == set(rows.tolist())
-    assert torch.equal(_rows_for_epoch(rows, has_target, None, gen), rows)
+    assert torch.equal(rows_for_epoch(rows, has_target, None, gen), rows)
 
 
 def test_training_with_every_view_learns_the_tasks() -> None:

@@ -36,12 +36,12 @@ class LowRank:
     V: np.ndarray  # (in, r)
     #: (U_xᵀU_y, V_xᵀV_y, ⟨dW_x, dW_y⟩ or None) with other updates, by id, each with a weak reference that says it is
     #: still that update (`blocks`)
-    _inners: dict[int, tuple[weakref.ref[LowRank], np.ndarray, np.ndarray, float | None]] = field(
+    kept_inners: dict[int, tuple[weakref.ref[LowRank], np.ndarray, np.ndarray, float | None]] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
     #: (ids of this update's module list, U_xᵀU_y, V_xᵀV_y) of its module list with other ones (modules × r × r), by the
     #: ids of the other list, whose first is weakly referenced (`group_blocks`)
-    _groups: dict[tuple[int, ...], tuple[weakref.ref[LowRank], tuple[int, ...], np.ndarray, np.ndarray]] = field(
+    kept_groups: dict[tuple[int, ...], tuple[weakref.ref[LowRank], tuple[int, ...], np.ndarray, np.ndarray]] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
 
@@ -80,7 +80,7 @@ def inner(x: LowRank, y: LowRank) -> float:
     2.5 of a scan's 6 s went to the same products three times)."""
     if x is y:
         return x.sq_norm
-    known = x._inners.get(id(y))
+    known = x.kept_inners.get(id(y))
     if known is not None and known[0]() is y and known[3] is not None:
         return known[3]
     UU, VV = blocks(x, y)
@@ -95,7 +95,7 @@ def blocks(x: LowRank, y: LowRank) -> tuple[np.ndarray, np.ndarray]:
     relation step compares each with its neighbours' neighbours too, which are mostly its own."""
     if x is y:
         return x.self_blocks
-    known = x._inners.get(id(y))
+    known = x.kept_inners.get(id(y))
     if known is not None and known[0]() is y:
         return known[1], known[2]
     UU, VV = x.U.T @ y.U, x.V.T @ y.V
@@ -121,12 +121,12 @@ def fill_blocks(x: Mapping[str, LowRank], others: Sequence[Mapping[str, LowRank]
 def _keep(x: LowRank, y: LowRank, UU: np.ndarray, VV: np.ndarray, value: float | None) -> None:
     """Keep a pair's blocks (and inner product, once known) on both updates, each entry with a weak reference that says
     it is still of that update (an id is reused once its update is gone) and drops the entry when that update goes."""
-    x._inners[id(y)] = (weakref.ref(y, _dropper(x, "_inners", id(y))), UU, VV, value)
-    y._inners[id(x)] = (weakref.ref(x, _dropper(y, "_inners", id(x))), UU.T, VV.T, value)
+    x.kept_inners[id(y)] = (weakref.ref(y, _dropper(x, "kept_inners", id(y))), UU, VV, value)
+    y.kept_inners[id(x)] = (weakref.ref(x, _dropper(y, "kept_inners", id(x))), UU.T, VV.T, value)
 
 
 def _dropper(holder: LowRank, table: str, key: Hashable) -> Callable[[weakref.ref[LowRank]], None]:
-    """A callback that removes entry `key` of `holder`'s kept blocks (its attribute `table`: `_inners` or `_groups`)
+    """A callback that removes entry `key` of `holder`'s kept blocks (its attribute `table`: `kept_inners` or `kept_groups`)
     once the update it names is gone (holding `holder` weakly)."""
     held = weakref.ref(holder)
 
@@ -359,7 +359,7 @@ def group_blocks(xs: Sequence[LowRank], ys: Sequence[LowRank]) -> tuple[np.ndarr
     if all(x is y for x, y in zip(xs, ys, strict=True)):
         return np.stack([x.self_blocks[0] for x in xs]), np.stack([x.self_blocks[1] for x in xs])
     ids = tuple(map(id, ys))
-    known = xs[0]._groups.get(ids)
+    known = xs[0].kept_groups.get(ids)
     if known is not None and known[0]() is ys[0] and known[1] == tuple(map(id, xs)):
         return known[2], known[3]
     UU = np.stack([blocks(x, y)[0] for x, y in zip(xs, ys, strict=True)])
@@ -370,8 +370,13 @@ def group_blocks(xs: Sequence[LowRank], ys: Sequence[LowRank]) -> tuple[np.ndarr
 
 def _keep_group(xs: Sequence[LowRank], ys: Sequence[LowRank], UU: np.ndarray, VV: np.ndarray) -> None:
     x_ids, y_ids = tuple(map(id, xs)), tuple(map(id, ys))
-    xs[0]._groups[y_ids] = (weakref.ref(ys[0], _dropper(xs[0], "_groups", y_ids)), x_ids, UU, VV)
-    ys[0]._groups[x_ids] = (weakref.ref(xs[0], _dropper(ys[0], "_groups", x_ids)), y_ids, UU.transpose(0, 2, 1), VV.transpose(0, 2, 1))
+    xs[0].kept_groups[y_ids] = (weakref.ref(ys[0], _dropper(xs[0], "kept_groups", y_ids)), x_ids, UU, VV)
+    ys[0].kept_groups[x_ids] = (
+        weakref.ref(xs[0], _dropper(ys[0], "kept_groups", x_ids)),
+        y_ids,
+        UU.transpose(0, 2, 1),
+        VV.transpose(0, 2, 1),
+    )
 
 
 def _fill_groups(mods: list[list[LowRank]]) -> None:
@@ -393,7 +398,7 @@ def _fill_groups(mods: list[list[LowRank]]) -> None:
 
 
 def _group_known(xs: Sequence[LowRank], ys: Sequence[LowRank]) -> bool:
-    known = xs[0]._groups.get(tuple(map(id, ys)))
+    known = xs[0].kept_groups.get(tuple(map(id, ys)))
     return known is not None and known[0]() is ys[0] and known[1] == tuple(map(id, xs))
 
 
@@ -402,7 +407,7 @@ def _all_known(xs: Sequence[LowRank], ys: Sequence[LowRank]) -> bool:
 
 
 def _known(x: LowRank, y: LowRank) -> bool:
-    known = x._inners.get(id(y))
+    known = x.kept_inners.get(id(y))
     return known is not None and known[0]() is y
 
 

@@ -45,7 +45,7 @@ LABEL_SMOOTHING = 0.1
 # ---- images --------------------------------------------------------------------------------
 
 
-def _masks(u: np.ndarray, v: np.ndarray, s: np.ndarray) -> np.ndarray:
+def shape_masks(u: np.ndarray, v: np.ndarray, s: np.ndarray) -> np.ndarray:
     """(10, n, H, W) masks of every class for shapes centred at u = v = 0 with half-size s."""
     au, av = np.abs(u), np.abs(v)
     box = np.maximum(au, av)
@@ -81,7 +81,7 @@ def render(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     grid = np.arange(IMAGE, dtype=np.float64)
     u = grid[None, None, :] - cx[:, None, None]
     v = grid[None, :, None] - cy[:, None, None]
-    masks = _masks(u, v, s[:, None, None])
+    masks = shape_masks(u, v, s[:, None, None])
     mask = masks[cls, np.arange(n)]
     img = bg[:, None, None] + (fg - bg)[:, None, None] * mask + 0.06 * rng.standard_normal((n, IMAGE, IMAGE))
     images = torch.tensor(np.clip(img, 0.0, 1.0)[:, None], dtype=torch.float32)

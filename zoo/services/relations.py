@@ -135,10 +135,10 @@ def scan_space(
             return report
         todo, space_id, sketch_id, raw = pending_scans(session, sketch.id, DETECTOR, ids), space.id, sketch.id, RAW in serving
     start = time.perf_counter()
-    factors = _Factors(sessions, blobs, EMBED_CHUNK_BYTES.get())  # the step's: consecutive batches share neighbours
+    factors = FactorCache(sessions, blobs, EMBED_CHUNK_BYTES.get())  # the step's: consecutive batches share neighbours
     with threadpool_limits(limits=1, user_api="blas"), rare_collections():  # see ONE_BLAS_THREAD
         for first in range(0, len(todo), BATCH):
-            scan = _Scan(engine, sessions, base_model, sketch_id, raw, factors)
+            scan = RelationScan(engine, sessions, base_model, sketch_id, raw, factors)
             if not _scan_batch(scan, space_id, todo[first : first + BATCH], report):
                 break
     if report["scanned"]:
@@ -157,7 +157,7 @@ def rare_collections() -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-def _scan_batch(scan: _Scan, space_id: int, batch: list[int], report: RelationReport) -> bool:
+def _scan_batch(scan: RelationScan, space_id: int, batch: list[int], report: RelationReport) -> bool:
     """Scan a batch and store each adapter's edges in a transaction of its own, in order (a later scan reads the
     copies and merges an earlier one stored); False if the engine was not ready (the rest waits for the next run)."""
     with scan.sessions() as session:
@@ -178,7 +178,7 @@ def _scan_batch(scan: _Scan, space_id: int, batch: list[int], report: RelationRe
             return False
         except Exception as exc:  # noqa: BLE001 - one adapter's failure stops neither the step nor its ingest
             edges, error = [], _error(exc)
-        if not _store(scan.sessions, scan.base_model, adapter_id, edges, version, error):
+        if not store_edges(scan.sessions, scan.base_model, adapter_id, edges, version, error):
             continue  # deleted meanwhile
         scan.stored(adapter_id, edges)
         report["scanned"] += 1
@@ -194,7 +194,7 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
-def _store(sessions: Sessions, base_model: str, adapter_id: int, edges: list[EdgeRow], version: int, error: str | None) -> bool:
+def store_edges(sessions: Sessions, base_model: str, adapter_id: int, edges: list[EdgeRow], version: int, error: str | None) -> bool:
     """One transaction per scan, under the space's lock (one writer of its edges at a time). False when an adapter
     of the scan was deleted meanwhile (its foreign key fails): nothing is stored."""
     try:
@@ -205,7 +205,7 @@ def _store(sessions: Sessions, base_model: str, adapter_id: int, edges: list[Edg
     return True
 
 
-class _Factors:
+class FactorCache:
     """Stored adapters as the detectors read them, for one relation step: each adapter's neighbourhood and its
     rechecks', which overlap (a close neighbour's nearest are mostly the adapter's own, and the next adapters' often
     too). Each is loaded from the blob store once and keeps what the detectors computed of it (its float64 modules);
@@ -251,7 +251,7 @@ class _Factors:
 
 
 @dataclass(frozen=True)
-class _Scan:
+class RelationScan:
     """What scanning one batch of a space needs: the engine's searches for the batch (made at once, kept by method)
     and the neighbourhoods read from them."""
 
@@ -260,7 +260,7 @@ class _Scan:
     base_model: str
     sketch_id: int  # the space's module-sketch embedder
     raw: bool  # whether the space has raw-factor sketches
-    factors: _Factors  # the step's, shared by the neighbourhoods and the rechecks
+    factors: FactorCache  # the step's, shared by the neighbourhoods and the rechecks
     sketches: dict[int, np.ndarray] = field(default_factory=dict)  # module-sketch vectors read by this batch
     found: dict[str, dict[int, list[Neighbour]]] = field(default_factory=lambda: {"sketch": {}, "raw": {}})
     near_far: dict[tuple[int, bool], tuple[list[Neighbour], list[int]]] = field(default_factory=dict)
@@ -283,11 +283,11 @@ class _Scan:
         self._search(rechecked, with_raw=False)
         around = [self._near_and_far(a, True) for a in batch] + [self._near_and_far(i, False) for i in rechecked]
         neighbours = [i for near, far in around for i in [*(n for n, _ in near), *far]]
-        self._read_copies(neighbours)
+        self.read_copies(neighbours)
         self.factors.expect([*batch, *rechecked, *neighbours])
         return blind
 
-    def _read_copies(self, ids: list[int]) -> None:
+    def read_copies(self, ids: list[int]) -> None:
         """Read the stored copy edges of those of `ids` not read yet (one query)."""
         if todo := [i for i in dict.fromkeys(ids) if i not in self.copies]:
             with self.sessions() as session:
@@ -328,7 +328,7 @@ class _Scan:
             near = [h for h in self.found["sketch"][adapter_id] if h[1] >= MIN_SCORE]
             raw = [i for i, score in self.found["raw"][adapter_id] if score >= MIN_RAW_SCORE] if self.raw and with_raw else []
             with self.sessions() as session:
-                copies = self._later_copies(session, [i for i, _ in near] + raw)
+                copies = self.later_copies_of(session, [i for i, _ in near] + raw)
             near = [h for h in near if h[0] not in copies][:NEIGHBOURS]
             close = {i for i, _ in near}
             far = [i for i in raw if i not in copies and i not in close][:RAW_NEIGHBOURS]
@@ -342,12 +342,12 @@ class _Scan:
         raw-factor sketches."""
         near, far = self._near_and_far(adapter_id, with_raw)
         ids = [*(i for i, _ in near), *far]
-        self._read_copies(ids)
+        self.read_copies(ids)
         seen = {adapter_id, *ids}
         sources = [i for i in dict.fromkeys(min(self.copies[c]) for c in ids if self.copies[c]) if i not in seen]
         return [*near, *((i, None) for i in sources[:COPY_SOURCES]), *((i, None) for i in far)]
 
-    def _later_copies(self, session: Session, ids: list[int]) -> set[int]:
+    def later_copies_of(self, session: Session, ids: list[int]) -> set[int]:
         """Those of the adapters that are later copies of another of them (parallel module sketches). Their sketches
         come from the engine's index, which holds every neighbour it found; the database only for one it no longer
         holds (deleted since) or not yet (embedded by another process)."""
@@ -384,7 +384,7 @@ def neighbour_count(query: Update) -> int:
     return max(0, min(NEIGHBOURS + COPY_SOURCES + RAW_NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, detector_bytes(query)) - 1))
 
 
-def _scan(scan: _Scan, adapter_id: int, blind: list[int]) -> list[EdgeRow]:
+def _scan(scan: RelationScan, adapter_id: int, blind: list[int]) -> list[EdgeRow]:
     """The edges of one adapter: its relations to its nearest neighbours, and the merges among its close neighbours
     that have it as a parent (of those `blind`: scanned before it was embedded; the others had it among their
     neighbours)."""
@@ -395,13 +395,13 @@ def _scan(scan: _Scan, adapter_id: int, blind: list[int]) -> list[EdgeRow]:
     partners = {e["parent_id"] for e in edges} | {e["child_id"] for e in edges}
     close = [i for i, score in near[:RECHECK] if score is not None and score >= RECHECK_SCORE and i not in partners]
     for other in [i for i in close if i in blind]:
-        edges += _merge_naming(scan, other, adapter_id, k)
+        edges += merge_naming(scan, other, adapter_id, k)
     for source in [e["parent_id"] for e in edges if e["relation"] in COPIES and e["child_id"] == adapter_id]:
         edges += _merges_renamed(scan, adapter_id, source, k)
     return edges
 
 
-def _around(scan: _Scan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float | None]], int] | None:
+def _around(scan: RelationScan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float | None]], int] | None:
     """(the adapter's edges to its neighbours, the neighbours, how many it may be compared with); None if it is gone."""
     query = scan.factors.get([adapter_id])
     if not query:
@@ -411,7 +411,7 @@ def _around(scan: _Scan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int
     return edge_rows(find_relations(query[0], scan.factors.get([i for i, _ in near])), adapter_id), near, k
 
 
-def _merge_naming(scan: _Scan, other: int, adapter_id: int, k: int) -> list[EdgeRow]:
+def merge_naming(scan: RelationScan, other: int, adapter_id: int, k: int) -> list[EdgeRow]:
     """The merge rows of `other` if, among its k nearest, it is found to be a merge with `adapter_id` as a parent. Its
     module-sketch neighbours only: the raw-factor ones cost a query and their factors each, for every close neighbour
     of every new adapter (at a million synthetic adapters, 3.3 rechecks an adapter took 4 of its 5 raw queries)."""
@@ -420,10 +420,10 @@ def _merge_naming(scan: _Scan, other: int, adapter_id: int, k: int) -> list[Edge
         return []
     me = scan.factors.get([other])
     merge = find_merge(me[0], scan.factors.get(around)) if me else None
-    return _merge_rows(merge, other) if merge is not None and adapter_id in merge.parents else []
+    return merge_rows(merge, other) if merge is not None and adapter_id in merge.parents else []
 
 
-def _merges_renamed(scan: _Scan, copy: int, source: int, k: int) -> list[EdgeRow]:
+def _merges_renamed(scan: RelationScan, copy: int, source: int, k: int) -> list[EdgeRow]:
     """The merges stored with `copy` (just found a later copy of `source`) among their parents, fitted again with
     `source` beside it: the rows of those that `source` explains as well (a merge names the first stored of parallel
     copies, and of a cast and its source the source fits exactly), found whichever of the merge and the copy came
@@ -437,14 +437,14 @@ def _merges_renamed(scan: _Scan, copy: int, source: int, k: int) -> list[EdgeRow
             continue
         merge = find_merge(me[0], scan.factors.get([source, *(p for p in parents if p != copy), copy][:k]))
         if merge is not None and source in merge.parents and len(merge.parents) == len(parents):
-            rows += _merge_rows(merge, child)
+            rows += merge_rows(merge, child)
     return rows
 
 
 def edge_rows(found: Relations, query_id: int) -> list[EdgeRow]:
     """The rows of what `find_relations` found for the adapter `query_id` (edges naming None mean it)."""
     rows = [_transform_row(e, query_id) for e in found.transforms]
-    rows += _merge_rows(found.merge, query_id) if found.merge is not None else []
+    rows += merge_rows(found.merge, query_id) if found.merge is not None else []
     return rows + [_continuation_row(e, query_id) for e in found.continuations]
 
 
@@ -462,7 +462,7 @@ def _transform_row(e: TransformEdge, query_id: int) -> EdgeRow:
     return _row(child, parent, e.relation, params, e.evidence, e.confidence)
 
 
-def _merge_rows(e: MergeEdge, child_id: int) -> list[EdgeRow]:
+def merge_rows(e: MergeEdge, child_id: int) -> list[EdgeRow]:
     rows = []
     for p, w in zip(e.parents, e.weights, strict=True):
         params: RelationParameters = {"weight": float(w), "combination": e.combination, "parents": len(e.parents)}
