@@ -95,7 +95,7 @@ class S3BlobStore(BlobStore):
     @property
     def client(self) -> Any:
         """This process's boto3 S3 client (thread-safe): retries in botocore's standard mode, path-style addressing at
-        a given endpoint (a host name like `seaweedfs` is no bucket's virtual host)."""
+        a given endpoint (a host name like `seaweedfs` is no bucket's virtual host), bodies not signed."""
         with self._lock:
             if self._client is None or self._client[0] != os.getpid():
                 self._client = (os.getpid(), self._new_client())
@@ -113,7 +113,9 @@ class S3BlobStore(BlobStore):
             connect_timeout=timeout,
             read_timeout=timeout,
             max_pool_connections=max(10, 2 * self.concurrency),
-            s3={"addressing_style": "path"} if self.endpoint_url else None,
+            # the body is not hashed again for the signature (botocore signs it over plain HTTP otherwise): its CRC32
+            # checksum goes with it, and a read verifies its SHA-256 against the key
+            s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if self.endpoint_url else {})},
         )
         return boto3.session.Session().client("s3", endpoint_url=self.endpoint_url or None, config=config)
 
