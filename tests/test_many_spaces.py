@@ -330,10 +330,10 @@ def test_picking_a_space_in_the_browser_reloads_the_search_with_it(zoo: Zoo) -> 
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM))
             page = browser.new_page()
-            page.goto(f"http://127.0.0.1:{server.server_port}/?q=f0")
+            page.goto(f"http://127.0.0.1:{server.server_port}/?q=f0&semantic=0")  # exact words: only the names that hold f0
             page.select_option("select[name=space]", SPACES["flux1-dev"])
             page.wait_for_url(re.compile(r"space=black-forest-labs%2FFLUX\.1-dev"))
-            assert "q=f0" in page.url and page.input_value("select[name=space]") == SPACES["flux1-dev"]
+            assert "q=f0" in page.url and "semantic=0" in page.url and page.input_value("select[name=space]") == SPACES["flux1-dev"]
             assert sorted(page.locator("article.card h2 a").all_inner_texts()) == ["flux1-dev-f0-m0", "flux1-dev-f0-m1"]
             browser.close()
     finally:
