@@ -35,8 +35,9 @@ from zoo import config
 from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow
 from zoo.store.models import Adapter, Job, JobItem, JobOptions, StoredLabels
+from zoo.store.rows import columns
 from zoo.store.session import write_transaction
-from zoo.timestamps import as_utc, iso_seconds
+from zoo.timestamps import as_utc
 
 ITEM_STATES = ("queued", "running", "done", "duplicate", "failed", "cancelled")
 #: states of an item whose source was worked on to the end
@@ -512,33 +513,20 @@ class JobDetail(JobSummary):
     cancelled_items: NotRequired[int]
 
 
+#: a job's columns in its summary, in order
+JOB_COLUMNS = ("id", "kind", "state", "created_by", "created_at", "finished_at")
+
+
 def _summary(job: Job, counts: dict[str, int], progress: _Progress) -> JobSummary:
-    return {
-        "id": job.id,
-        "kind": job.kind,
-        "state": job.state,
-        "created_by": job.created_by,
-        "created_at": iso_seconds(job.created_at),
-        "finished_at": iso_seconds(job.finished_at),
-        "counts": counts,
-        **progress,
-    }
+    return cast(JobSummary, {**columns(job, JOB_COLUMNS), "counts": counts, **progress})
+
+
+#: an item's columns in its summary, in order
+ITEM_COLUMNS = ("id", "source", "state", "reason", "attempts", "adapter_id", "lease_owner", "started_at", "timings")
 
 
 def _item(i: JobItem) -> ItemSummary:
-    return {
-        "id": i.id,
-        "source": i.source,
-        "state": i.state,
-        "reason": i.reason,
-        "attempts": i.attempts,
-        "adapter_id": i.adapter_id,
-        "lease_owner": i.lease_owner,
-        "started_at": iso_seconds(i.started_at),
-        "timings": i.timings,
-        "warnings": list(i.warnings or []),
-        "notes": list(i.notes or []),
-    }
+    return cast(ItemSummary, {**columns(i, ITEM_COLUMNS), "warnings": list(i.warnings or []), "notes": list(i.notes or [])})
 
 
 def job_detail(session: Session, job: Job, items: bool = True) -> JobDetail:

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, aliased
 from zoo.errors import NotFoundError
 from zoo.store.models import Adapter, named_base_model
 from zoo.store.relations import from_weights
-from zoo.timestamps import iso_seconds
+from zoo.store.rows import columns
 
 #: a Hub source's URI prefix: the stored adapter of Hub model `owner/name` has the source `hf://owner/name`
 HUB_PREFIX = "hf://"
@@ -164,16 +164,7 @@ def _until_repeated(ids: Iterable[int]) -> list[int]:
 
 
 def _summary(row: Any) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "name": row.name,
-        "author": row.author,
-        "base_model": row.base_model,
-        "source_uri": row.source_uri,
-        "source_revision": row.source_revision,
-        "created_at": iso_seconds(row.created_at),
-        "last_modified": row.last_modified,
-    }
+    return columns(row, ("id", "name", "author", "base_model", "source_uri", "source_revision", "created_at", "last_modified"))
 
 
 def _summaries(session: Session, ids: list[int]) -> list[dict[str, Any]]:

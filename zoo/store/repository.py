@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple, TypedDict, cast
 
 from sqlalchemy import ColumnElement, Connection, Select, SQLColumnExpression, bindparam, delete, exists, func, select, union_all
 from sqlalchemy.orm import Session, aliased, selectinload
@@ -12,7 +12,7 @@ from zoo.errors import UsageError
 from zoo.store.filters import FIELDS, label_key, parse_filter
 from zoo.store.models import Adapter, JobItem, Label, Measurement, Module
 from zoo.store.relations import RELATION_FILTERS, relation_filter
-from zoo.timestamps import iso_seconds
+from zoo.store.rows import columns
 
 
 def adapter_blobs(session: Session) -> list[tuple[int, str]]:
@@ -192,69 +192,29 @@ class AdapterDetail(AdapterSummary):
     modules: list[ModuleDetail]
 
 
+#: the detail's keys that are not the adapter's own columns
+DETAIL_DERIVED = ("labels", "measurements", "modules")
+
+
 def adapter_summary(a: Adapter) -> AdapterSummary:
-    return {
-        "id": a.id,
-        "name": a.name,
-        "base_model": a.base_model,
-        "format": a.format,
-        "rank": a.rank,
-        "alpha": a.alpha,
-        "canonical_hash": a.canonical_hash,
-        "source_uri": a.source_uri,
-        "author": a.author,
-        "created_at": iso_seconds(a.created_at),
-    }
+    return cast(AdapterSummary, columns(a, AdapterSummary.__annotations__))
 
 
 def adapter_detail(a: Adapter) -> AdapterDetail:
     """Everything stored about an adapter, modules and spectra included."""
-    return {
-        **adapter_summary(a),
-        "source_revision": a.source_revision,
-        "previous_version_id": a.previous_version_id,
-        "source_metadata": a.source_metadata,
-        "target_modules": a.target_modules,
-        "task_type": a.task_type,
-        "structure_hash": a.structure_hash,
-        "dw_norm": a.dw_norm,
-        "file_sha256": a.file_sha256,
-        "size_bytes": a.size_bytes,
-        "factors_blob": a.factors_blob,
-        "head_blob": a.head_blob,
-        "config": a.config,
-        "file_metadata": a.file_metadata,
-        "extra_tensors": a.extra_tensors,
-        "notes": a.notes,
-        "license": a.license,
-        "tags": a.tags,
-        "labels": {lb.key: lb.value for lb in a.labels if lb.source == "given"},
-        "measurements": {m.metric: m.value for m in a.measurements if m.split == "test"},
-        "modules": [
-            {
-                "name": m.name,
-                "layer_index": m.layer_index,
-                "module_type": m.module_type,
-                "kind": m.kind,
-                "shape": [m.out_features, m.in_features],
-                "rank": m.rank,
-                "canonical_rank": m.canonical_rank,
-                "alpha": m.alpha,
-                "scale": m.scale,
-                "transposed": m.transposed,
-                "kernel": m.kernel,
-                "singular_values": m.singular_values,
-                "spectral_norm": m.spectral_norm,
-                "frobenius_norm": m.frobenius_norm,
-                "stable_rank": m.stable_rank,
-                "effective_rank": m.effective_rank,
-                "power_law_alpha": m.power_law_alpha,
-                "power_law_xmin": m.power_law_xmin,
-                "power_law_ks": m.power_law_ks,
-            }
-            for m in a.modules
-        ],
-    }
+    fields = list(ModuleFields.__annotations__)  # name, layer index, type and kind; the shape; LoRA settings and spectrum
+    modules = [{**columns(m, fields[:4]), "shape": [m.out_features, m.in_features], **columns(m, fields[4:])} for m in a.modules]
+    own = [k for k in AdapterDetail.__annotations__ if k not in AdapterSummary.__annotations__ and k not in DETAIL_DERIVED]
+    return cast(
+        AdapterDetail,
+        {
+            **adapter_summary(a),
+            **columns(a, own),
+            "labels": {lb.key: lb.value for lb in a.labels if lb.source == "given"},
+            "measurements": {m.metric: m.value for m in a.measurements if m.split == "test"},
+            "modules": modules,
+        },
+    )
 
 
 #: what a source (the Hub) said about an adapter, by filter and facet key (zoo.store.filters.SOURCE_KEYS): each matches exactly

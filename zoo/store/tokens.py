@@ -11,14 +11,15 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Literal, TypedDict, get_args
+from typing import Literal, TypedDict, cast, get_args
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from zoo.errors import NotFoundError, UsageError
 from zoo.store.models import ApiToken
-from zoo.timestamps import as_utc, iso_seconds
+from zoo.store.rows import columns
+from zoo.timestamps import as_utc
 
 PREFIX = "zoo_"
 
@@ -121,11 +122,4 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
 
 
 def token_summary(t: ApiToken) -> TokenSummary:
-    return {
-        "id": t.id,
-        "name": t.name,
-        "scope": t.scope,
-        "created_at": iso_seconds(t.created_at),
-        "last_used_at": iso_seconds(t.last_used_at),
-        "revoked_at": iso_seconds(t.revoked_at),
-    }
+    return cast(TokenSummary, columns(t, ("id", "name", "scope", "created_at", "last_used_at", "revoked_at")))
