@@ -44,6 +44,7 @@ class BusyError(ZooError):
     """The pool for expensive calls is full: try again in `retry_after` seconds."""
 
     http_status = 503
+    error_type = "unavailable"
 
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)

@@ -1,8 +1,8 @@
 """One error shape for the API, one error page for people.
 
 API errors are `{"error": {"status", "type", "message", "detail"}}` with the HTTP status:
-zoo's own errors carry theirs (400 usage, 404 not found, 409 not ready, 422 unreadable adapter,
-500 storage), request validation is 422, too large 413, wrong type 415, auth 401/403. `type` is one
+zoo's own errors declare theirs on the class (`http_status`, `error_type`: 400 usage, 404 not found, 409 not
+ready, 422 unreadable adapter, 500 storage), request validation is 422, too large 413, wrong type 415, auth 401/403. `type` is one
 word of ERROR_TYPES (snake_case; the OpenAPI document's Error schema lists them); pages show its title.
 """
 
@@ -14,7 +14,7 @@ from apiflask import APIFlask, HTTPError
 from flask import Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
-from zoo.errors import InputError, ZooError
+from zoo.errors import ZooError
 
 API_PREFIX = "/api/"
 
@@ -66,27 +66,6 @@ def kind_of(status: int) -> str:
     return _BY_STATUS.get(status) or ("bad_request" if status < 500 else "internal")
 
 
-def zoo_kind(exc: ZooError) -> str:
-    """The error type of one of zoo's errors: by its status, but a file that is no adapter is `unprocessable` (not
-    `validation`, which is a request's fields) and a broken store `storage` (not `internal`)."""
-    from zoo.errors import StorageError
-
-    status = status_of(exc)
-    if status == 422:
-        return "unprocessable"
-    return "storage" if isinstance(exc, StorageError) else kind_of(status)
-
-
-def status_of(exc: ZooError) -> int:
-    from zoo.sources.upload import UploadTooLarge
-
-    if isinstance(exc, UploadTooLarge):
-        return 413
-    if isinstance(exc, InputError):
-        return 422  # a file that cannot be read as an adapter
-    return exc.http_status
-
-
 def _respond(status: int, kind: str, message: str, detail: Any = None, headers: dict[str, str] | None = None) -> Response | tuple:
     if request.path.startswith(API_PREFIX):
         response = jsonify(error_body(status, kind, message, detail))
@@ -105,8 +84,7 @@ def register(app: APIFlask) -> None:
 
     @app.errorhandler(ZooError)
     def _zoo_error(exc: ZooError) -> Response | tuple:
-        status = status_of(exc)
-        return _respond(status, zoo_kind(exc), str(exc))
+        return _respond(exc.http_status, exc.error_type, str(exc))  # each class declares both
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response | tuple:

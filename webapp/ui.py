@@ -146,9 +146,7 @@ def similar_page() -> tuple[str, int] | str:
 
         found, predicted = limited_upload(request.files.getlist("file"), run)
     except ZooError as exc:
-        from webapp.errors import status_of
-
-        return render_template("similar.html", result=None, error=str(exc), spaces=spaces, space=space or ""), status_of(exc)
+        return render_template("similar.html", result=None, error=str(exc), spaces=spaces, space=space or ""), exc.http_status
     return render_template("similar.html", result=found, predicted=predicted, error=None, spaces=spaces, space=space or "")
 
 

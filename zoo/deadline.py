@@ -23,6 +23,7 @@ class TimeLimitError(ZooError):
     """An expensive call ran past the app's time limit (ZOO_TIME_LIMIT_S); its work stopped at its next step."""
 
     http_status = 503
+    error_type = "unavailable"
 
 
 @contextmanager

@@ -6,11 +6,15 @@ from pathlib import Path
 
 
 class ZooError(Exception):
-    """Base class of errors zoo reports to users (no traceback needed)."""
+    """Base class of errors zoo reports to users (no traceback needed).
 
-    #: the `zoo` command's exit status and the REST API's HTTP status for this kind of error
+    Each class declares how it is reported: the `zoo` command's exit status, the REST API's HTTP status and the
+    error body's `type` (one word of webapp/errors.py's ERROR_TYPES). Handlers read these; none switches on classes.
+    """
+
     exit_code = 2
     http_status = 400
+    error_type = "bad_request"
 
 
 class UsageError(ZooError):
@@ -21,6 +25,7 @@ class NotFoundError(ZooError):
     """The adapter, space or embedder asked for does not exist."""
 
     http_status = 404
+    error_type = "not_found"
 
 
 class SpaceNotFoundError(NotFoundError):
@@ -36,16 +41,21 @@ class NotReadyError(ZooError):
     """The zoo lacks what the request needs yet (embeddings, a trained W2T, an index): the message says what to run."""
 
     http_status = 409
+    error_type = "not_ready"
 
 
 class StorageError(ZooError):
     """Stored data a request needs is missing or unreadable (a blob): `zoo check` reports it; ingest the adapter again."""
 
     http_status = 500
+    error_type = "storage"  # not `internal`: the code is sound, a stored file is not
 
 
 class InputError(ZooError):
     """A file or directory that cannot be read as an adapter; nothing is stored for it."""
+
+    http_status = 422
+    error_type = "unprocessable"  # not `validation`, which is a request's fields
 
     def __init__(self, path: Path | str, reason: str) -> None:
         self.path = str(path)

@@ -29,6 +29,7 @@ class LabelLimitError(UsageError):
     """Labels past one of the limits (ZOO_MAX_LABELS, ZOO_MAX_LABEL_KEY_CHARS, ZOO_MAX_LABEL_VALUE_CHARS, ZOO_MAX_LABEL_BYTES)."""
 
     http_status = 413
+    error_type = "too_large"
 
 
 def label_problem(attributes: Mapping[str, str], measurements: Mapping[str, float]) -> str | None:

@@ -24,6 +24,9 @@ from zoo.formats.peft import CONFIG_NAME
 class UploadTooLarge(InputError):
     """The upload, or what a zip expands to, is over the limit."""
 
+    http_status = 413
+    error_type = "too_large"
+
 
 @dataclass(frozen=True)
 class Upload:
