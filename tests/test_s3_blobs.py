@@ -159,6 +159,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_a_node_with_an_empty_data_dir_serves_what_another_ingested(
     shared: tuple[str, dict[str, str]],
     tmp_path: Path,
@@ -221,6 +222,7 @@ def _large_kohya_file(path: Path, modules: int = 4, width: int = 2048, rank: int
     return path
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_upload_leaves_what_check_finds_and_repair_clears(
     shared: tuple[str, dict[str, str]], seaweedfs: SeaweedFS, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
