@@ -20,7 +20,7 @@ from zoo.domain.canonical import canonicalize
 from zoo.domain.kohya_names import kohya_name
 from zoo.errors import InputError
 from zoo.formats import read_adapter
-from zoo.formats.model import layer_index, module_type
+from zoo.formats.records import layer_index, module_type
 
 
 def peft_deltas(peft_model: nn.Module) -> dict[str, torch.Tensor]:

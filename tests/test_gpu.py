@@ -19,7 +19,7 @@ from embed.types import ZooAdapter, schema_of
 from tests.test_canonical import random_lora
 from tests.test_embed import synthetic_zoo
 from zoo.domain.fingerprint import DUPLICATE_RTOL, relative_distance
-from zoo.formats.model import LoraModule
+from zoo.formats.records import LoraModule
 from zoo.services.ingest import canonicalize_modules
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -25,7 +25,6 @@ from zoo.formats.kohya import has_lora_keys, kohya_base_model, read_single_file_
 from zoo.formats.limits import MAX_ADAPTER_NAME, check_limits
 from zoo.formats.lowrank import low_rank_pairs
 from zoo.formats.lycoris import is_lycoris, read_lycoris
-from zoo.formats.model import AdapterData, FullMatrix, LoraModule, layer_index, module_type
 from zoo.formats.peft import (
     CONFIG_NAME,
     WEIGHT_NAMES,
@@ -36,6 +35,7 @@ from zoo.formats.peft import (
     peft_weights,
     read_peft_config,
 )
+from zoo.formats.records import AdapterData, FullMatrix, LoraModule, layer_index, module_type
 from zoo.formats.safe_load import (
     SAFETENSORS_SUFFIX,
     SafetensorsHeader,

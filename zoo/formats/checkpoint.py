@@ -17,7 +17,7 @@ import torch
 
 from zoo.domain.spectra import matrix_spectrum
 from zoo.errors import InputError
-from zoo.formats.model import AdapterData, FullMatrix, LoraModule, check_finite
+from zoo.formats.records import AdapterData, FullMatrix, LoraModule, check_finite
 from zoo.formats.safe_load import SAFETENSORS_SUFFIX, StreamedTensors, load_tensors, open_streamed
 
 #: Matrices whose smaller side is at most this get an exact SVD; larger ones a randomized one.

@@ -22,7 +22,7 @@ import torch
 
 from zoo.errors import InputError
 from zoo.formats.kohya import pair_config, read_pairs
-from zoo.formats.model import AdapterData
+from zoo.formats.records import AdapterData
 
 FORMAT = "cloneofsimo"
 PAIR = (":down", ":up")

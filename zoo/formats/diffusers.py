@@ -27,8 +27,8 @@ import torch
 
 from zoo.errors import InputError
 from zoo.formats.kohya import HAND_PAIR, PAIRS, kohya_base_model, module_alpha, pair_config, read_pairs
-from zoo.formats.model import AdapterData
 from zoo.formats.peft import PeftConfig, parse_peft_config
+from zoo.formats.records import AdapterData
 
 FORMAT = "diffusers"
 CURRENT_PAIR = PAIRS[2]

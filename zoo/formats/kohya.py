@@ -17,7 +17,7 @@ import torch
 
 from zoo.domain.kohya_names import model_path
 from zoo.errors import InputError
-from zoo.formats.model import AdapterData, FullMatrix, LoraModule, check_finite, check_pair
+from zoo.formats.records import AdapterData, FullMatrix, LoraModule, check_finite, check_pair
 
 #: (down suffix, up suffix) of single-file layouts: kohya-ss's, diffusers 0.21-0.26's dotted one, and diffusers'
 #: PEFT-style one (zoo/formats/diffusers.py reads files of it; a kohya file that mixes some in is read whole here);

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from zoo import config
 from zoo.errors import InputError
-from zoo.formats.model import AdapterData
+from zoo.formats.records import AdapterData
 
 #: database column widths (zoo/store/models.py)
 MAX_MODULE_NAME = 512

@@ -32,7 +32,7 @@ from zoo.domain.spectra import Spectrum, singular_values, spectrum_from_singular
 from zoo.errors import InputError
 from zoo.formats.kohya import DORA_SCALE, PAIRS, dora_note, kohya_base_model, kohya_scaling, model_named, pair_config, read_pairs
 from zoo.formats.limits import check_widths, max_rank
-from zoo.formats.model import AdapterData, FullMatrix, LoraModule, check_finite, check_pair
+from zoo.formats.records import AdapterData, FullMatrix, LoraModule, check_finite, check_pair
 
 LOHA = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
 LOKR = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t1", "lokr_t2")

@@ -12,7 +12,7 @@ import torch
 
 from zoo.errors import InputError
 from zoo.formats.limits import MAX_MODULE_NAME, max_modules
-from zoo.formats.model import AdapterData, LoraModule, check_finite, check_pair
+from zoo.formats.records import AdapterData, LoraModule, check_finite, check_pair
 from zoo.formats.safe_load import WeightFile, max_header_bytes, parse_tensors
 
 CONFIG_NAME = "adapter_config.json"

@@ -22,7 +22,7 @@ import torch
 from zoo.errors import InputError
 from zoo.formats.diffusers import Renamed
 from zoo.formats.kohya import pair_config, read_pairs
-from zoo.formats.model import AdapterData, LoraModule
+from zoo.formats.records import AdapterData, LoraModule
 
 FORMAT = "xlabs"
 PAIR = (".down.weight", ".up.weight")
