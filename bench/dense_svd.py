@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from embed.checkpoint import channel_metrics_of, checkpoint_meta
-from embed.engine import W2T, QueryEngine
+from embed.engine import QueryEngine
+from embed.search_methods import W2T
 from zoo.config import Settings
 from zoo.domain.channels import exact_cosines
 from zoo.store.blobs import BlobStore

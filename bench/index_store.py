@@ -27,8 +27,8 @@ def main() -> None:
     args = p.parse_args()
 
     from bench.serve import Source, _zoo_vectors, synthetic_chunk, synthetic_gram
-    from embed.engine import GRAM, SKETCH
     from embed.index import STORE_TYPES, normalize, recall_at_k, trained_store
+    from embed.search_methods import GRAM, SKETCH
 
     url = f"sqlite:///{args.zoo_data_dir / 'zoo.db'}"
     sketches, tasks, sketch_embedder = _zoo_vectors(url, args.zoo_data_dir, SKETCH)

@@ -60,7 +60,8 @@ def zoo_first_stage(data_dir: Path, pools: list[int], widths: list[int], k: int)
     """Recall@k of the exact input-Gram top k among each first stage's candidates, every adapter of the zoo's only space
     a query (see the module doc)."""
     from embed.dataset import load_adapters
-    from embed.engine import GRAM, SKETCH, module_store_path, read_module_store
+    from embed.module_store import module_store_path, read_module_store
+    from embed.search_methods import GRAM, SKETCH
     from embed.service import resolve_space
     from embed.types import SpaceSchema
     from zoo.config import Settings

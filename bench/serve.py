@@ -21,12 +21,12 @@ Where the zoo has input-Gram sketches (`zoo embed` writes them), they are mixed 
 weights and noised like the module sketches (a mixture's Gram is not the mixture of the Grams: the neighbourhoods are
 the space's, not real adapters'), and `--method input_gram` is served and measured too: with no module store its score
 is the input Gram estimated from these sketches, and its first stage is the union of both sketch indexes' nearest
-(embed/engine.py EXACT_CANDIDATES); the same queries are answered again with the module sketch's candidates alone (the
+(embed/search_methods.py EXACT_CANDIDATES); the same queries are answered again with the module sketch's candidates alone (the
 first stage before the input-Gram index: the baseline) and with the input-Gram sketch's alone.
 
 Build (timed, in a child process so the serving process's memory is its own): a SQLite database
 with the adapters, their labels and their embeddings, written in bulk, then every FAISS index (IVF above 100k
-adapters) read back from it as `zoo index` builds one (embed/engine.py build_index), one at a time: built, saved and
+adapters) read back from it as `zoo index` builds one (embed/index_files.py build_index), one at a time: built, saved and
 freed before the next, so the build's memory peaks at the largest index's, not their sum. Serve: the engine loads the
 space, then answers `--queries` queries by stored id with the default method (hybrid) single-threaded, with 8 concurrent threads, and with a
 1 % label filter (and input_gram single-threaded and filtered). Recall@10 compares the served top 10 with an
@@ -342,7 +342,7 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     """Write the synthetic space's database and index files under `work` (runs in a child process)."""
     from sqlalchemy import insert
 
-    from embed.engine import build_index, index_path
+    from embed.index_files import build_index, index_path
     from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Label
     from zoo.store.session import make_engine, session_factory, upgrade
 
@@ -715,8 +715,10 @@ def main() -> None:
 
 
 def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dict[str, object]:
-    from embed.engine import QueryEngine, index_bytes, index_path
+    from embed.engine import QueryEngine
+    from embed.index_files import index_path
     from embed.results import Query
+    from embed.space_state import index_bytes
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
@@ -816,9 +818,9 @@ def serve_input_gram(
     """input_gram search's latency and recall@10 against the exhaustive input-Gram ranking, with the first stage served
     (EXACT_CANDIDATES) and, on the same queries, with the module sketch's candidates alone (the baseline: before the
     input-Gram index) and the input-Gram sketch's alone."""
-    import embed.engine as engine_module
-    from embed.engine import GRAM, SKETCH
+    import embed.search_methods as methods_module
     from embed.results import Query
+    from embed.search_methods import GRAM, SKETCH
 
     def one(i: int, filters: dict[str, str] | None = None) -> tuple[float, list[int]]:
         with sessions() as session:  # type: ignore[operator]
@@ -829,17 +831,17 @@ def serve_input_gram(
     rq = queries[: args.recall_queries]
     exact, _, exhaustive_s = exhaustive_gram_top(src, args.adapters, args.seed, rq, 10)
     exact_f, _, _ = exhaustive_gram_top(src, args.adapters, args.seed, rq, 10, shards[: len(rq)])
-    served = dict(engine_module.EXACT_CANDIDATES)
+    served = dict(methods_module.EXACT_CANDIDATES)
     out: dict[str, object] = {"exhaustive_ms_per_query": round(exhaustive_s * 1e3, 1), "candidates": list(served["input_gram"])}
     for name, first in (("served", served["input_gram"]), ("module_sketch_only", (SKETCH,)), ("input_gram_sketch_only", (GRAM,))):
-        engine_module.EXACT_CANDIDATES = {**served, "input_gram": first}
+        methods_module.EXACT_CANDIDATES = {**served, "input_gram": first}
         try:
             for i in queries[:20]:  # warm-up
                 one(int(i))
             single = [one(int(i)) for i in queries]
             filtered = [one(int(i), {"shard": f"s{int(j)}"}) for i, j in zip(queries, shards, strict=True)]
         finally:
-            engine_module.EXACT_CANDIDATES = served
+            methods_module.EXACT_CANDIDATES = served
         p50, p99 = percentiles([t for t, _ in single])
         f50, f99 = percentiles([t for t, _ in filtered])
         recall = float(np.mean([len(set(single[j][1]) & set(exact[j].tolist())) / 10 for j in range(len(rq))]))

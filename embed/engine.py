@@ -24,16 +24,12 @@ concurrently; a refresh takes the space's write lock.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,391 +37,49 @@ import faiss
 import numpy as np
 
 from embed.attributes import AdapterAttributes
-from embed.budgets import embed_chunk_bytes, module_store_budget, spaces_budget
-from embed.calibration import is_sure
-from embed.checkpoint import channel_metrics_of, checkpoint_meta, search_of
-from embed.dense_svd import DenseSVD
+from embed.budgets import spaces_budget
 from embed.gram_sketch import gram_sketches
-from embed.index import CANDIDATES, IVF_FROM, AdapterIndex, ivf_lists
-from embed.knn import knn_shares, knn_value, neighbour_classes
+from embed.index import CANDIDATES, IVF_FROM, AdapterIndex
+from embed.index_files import build_index, index_path, load_consistent_index, update_index_file
 from embed.metrics import top_k
-from embed.results import ClassGuess, Confidence, Found, Hit, MetricGuess, Neighbour, Predicted, Query
-from embed.rwlock import RWLock
+from embed.module_store import ModuleStore, module_store_path, read_module_store, stack_of, stale_module_rows, update_module_store
+from embed.predictions import attribute_guesses, metric_guesses
+from embed.results import Found, Hit, Neighbour, Predicted, Query
+from embed.search_methods import (
+    GRAM,
+    METHOD_EMBEDDERS,
+    RAW,
+    SEARCH_METHODS,
+    SKETCH,
+    VECTOR_SCORES,
+    W2T,
+    candidate_kinds,
+    served_metric,
+    served_search,
+    stage_kinds,
+)
+from embed.space_state import LoadedEmbedder, SpaceState, load_w2t, space_bytes
 from embed.types import SpaceSchema, ZooAdapter
-from zoo.domain.channel_metric import ChannelMetric
 from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import KnnPredictor, SearchScore, fitted_purpose
-from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines
-
-if TYPE_CHECKING:
-    from embed.ensemble import W2TEnsemble
-    from zoo.domain.canonical import CanonicalFactors
-    from zoo.store.blobs import BlobStore
+from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_cosines
 from zoo.errors import NotReadyError, StorageError, UsageError
-from zoo.files import read_derived, write_derived, write_derived_in_place
 from zoo.limits import MAX_K
 from zoo.store import repository
 from zoo.store.embedders import get_embedder, serving_embedders
-from zoo.store.embeddings import deleted_since, embedded_ids, embedding_ids, iter_embeddings, load_embeddings, stored_count
+from zoo.store.embeddings import deleted_since, load_embeddings, stored_count
 from zoo.store.filters import label_key
 from zoo.store.label_reads import last_label_id
 from zoo.store.models import Embedder, EmbeddingSpace
 from zoo.store.session import Session, Sessions, read_snapshot
-from zoo.store.space_adapters import factor_digests, module_ranks
+from zoo.store.shared_files import local_folder
 from zoo.store.spaces import get_space, get_space_by_id, space_version
 
-SKETCH = "module_sketch"
-W2T = "w2t"
-#: the raw-factor sketches (zoo.domain.factorwise.raw_sketches): how much two adapters share their factors as their
-#: files had them, which the relation step reads for merges PEFT made factor by factor and for continuations
-RAW = "raw_factors"
-#: the input-Gram sketches (zoo.domain.channels.channel_sketches, "input_gram"): per module seeded bilinear probes of
-#: dWᵀdW = V S² Vᵀ, whose inner products estimate the input Gram cosine; the first stage of input_gram search
-GRAM = "input_gram_sketch"
-#: hybrid: the search score `zoo train` chose out of fold (embed/choice.py): an exact score (dw, module or
-#: input_gram) mixed with the supervised W2T cosine by the chosen weight (0: the exact score alone), over the union
-#: of the CANDIDATES nearest of the indexes it weighs (EXACT_CANDIDATES, W2T); module, dw and input_gram: the
-#: CANDIDATES nearest of their sketch indexes ranked by the mean module cosine, the whole update's cosine or the mean
-#: input Gram cosine; sketch and w2t: their embeddings alone (their CANDIDATES nearest re-ranked by the stored
-#: vectors); raw: the raw-factor sketches alone, for stored adapters.
-SEARCH_METHODS = ("hybrid", "module", "dw", "input_gram", "sketch", "w2t", "raw")
-#: per method, the embedders it needs (an exact score's candidates are re-ranked from the module store, and the module
-#: sketch stands in for its other candidate indexes where the space lacks them: EXACT_CANDIDATES)
-METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), **dict.fromkeys(EXACT_SCORES, (SKETCH,)), "sketch": (SKETCH,), "w2t": (W2T,), "raw": (RAW,)}
-#: per exact score, the indexes whose CANDIDATES nearest are its first-stage candidates, where the space has them (one
-#: embedded before the input-Gram sketches has none until `zoo embed` runs):
-#: the input Gram's true neighbours (an adapter whose head was re-seeded: dW → Q·dW) need not be near in the module
-#: sketch. On digits-vit-seeded (300 adapters, `python -m bench.search --zoo-data-dir`) the CANDIDATES nearest held
-#: 0.609 of the exact input-Gram top 10 from the module sketch index, 0.965 from the input-Gram sketch index and 0.988
-#: from both (docs/results.md)
-EXACT_CANDIDATES = {"dw": (SKETCH,), "module": (SKETCH,), "input_gram": (GRAM, SKETCH)}
-#: a channel metric's first-stage candidates (embed/fitted.py): it weighs the input Gram, dW and module cosine as the
-#: labels ask, so both indexes' nearest
-FITTED_CANDIDATES = (GRAM, SKETCH)
-#: the most lists an IVF index of these embedders probes: raw-factor sketches of unrelated adapters are near-random
-#: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
-#: ones tuned to every list: 99 ms a query); the relation step wants only relatives, which share the query's lists
-MAX_NPROBE = {RAW: 32}
-#: an IVF index's store (its re-rank copy, whose cosines are the scores) where not the default by dimension (8-bit from
-#: embed/index.py STORE_8BIT_FROM_DIM): the input-Gram sketches keep float16, as the default search's scores are their
-#: cosines and an 8-bit store's error reorders a top 10 (Llama-3-8B's, 50,000 mixed from 200 real: 6.5e-4 in a cosine
-#: against a median gap of 1.6e-4 between the 10th and 11th; recall@10 of the exact top 10 0.879, float16 0.996), while
-#: the 200 nearest of an 8-bit store still hold all of it (1.000): the module sketch's job in that search
-STORE = {GRAM: "fp16"}
-#: the embedder whose vectors each method's own scores are (the others score through exact cosines or the hybrid)
-VECTOR_SCORES = {"sketch": SKETCH, "w2t": W2T, "raw": RAW}
-#: labelled neighbours counted as support of an attribute predicted by something other than a kNN
-SUPPORT_K = 5
-
-
-def index_path(data_dir: Path, embedder_id: int) -> Path:
-    return data_dir / "index" / f"embedder-{embedder_id}.index"
-
-
-def module_store_path(data_dir: Path, space_id: int) -> Path:
-    return data_dir / "rerank" / f"space-{space_id}.safetensors"
-
+if TYPE_CHECKING:
+    from embed.ensemble import W2TEnsemble
+    from zoo.store.blobs import BlobStore
 
 log = logging.getLogger(__name__)
-
-# --- index and module-store files (written by `zoo embed` and `zoo index rebuild`) ---------------
-
-
-def update_index_file(session: Session, data_dir: Path, embedder: Embedder, rebuild: bool = False) -> tuple[AdapterIndex, str]:
-    """Bring the embedder's index file up to the database: add the rows written since it was saved, or
-    build it from every row (asked, none yet, or the file disagreed). Returns (index, how)."""
-    version = space_version(session, embedder.space_id)
-    path = index_path(data_dir, embedder.id)
-    how = "rebuilt (asked)" if rebuild else "built"
-    if path.exists() and not rebuild:
-        try:
-            index, meta = load_consistent_index(session, path, embedder, version)
-            if index.ivf != (index.size >= IVF_FROM):
-                how = f"rebuilt ({index.size} vectors outgrew its {index.kind} kind)"
-            elif meta["version"] == version:
-                return index, "loaded"
-            else:
-                index.save(path, {"embedder_id": embedder.id, "version": version})
-                return index, "updated"
-        except ValueError:
-            how = "rebuilt (the file disagreed with the database)"
-    index = build_index(session, embedder)
-    index.save(path, {"embedder_id": embedder.id, "version": version})
-    return index, how
-
-
-#: vectors read from the database at a time while an index is built (bytes)
-BUILD_CHUNK_BYTES = 64 << 20
-
-
-def build_index(session: Session, embedder: Embedder, ivf: bool | None = None) -> AdapterIndex:
-    """The embedder's index built from its stored vectors a chunk of BUILD_CHUNK_BYTES at a time: an IVF's quantizer
-    and codes are trained on a sample read by id (as AdapterIndex.build draws it), so memory is the index plus one
-    chunk, never every vector in float32 (1M Llama-3-8B sketches: 8 GB)."""
-    ids = embedding_ids(session, embedder)
-    if ivf is None:
-        ivf = len(ids) >= IVF_FROM
-    if not ivf or not len(ids):
-        index = AdapterIndex.exact(embedder.dim)
-    else:
-        rng = np.random.default_rng(0)
-        _, sample = load_embeddings(session, embedder, ids=rng.choice(ids, size=min(len(ids), 64 * ivf_lists(len(ids))), replace=False))
-        index = AdapterIndex.trained_ivf(sample, len(ids), store=STORE.get(embedder.method))
-        del sample
-    per_chunk = max(1, BUILD_CHUNK_BYTES // (4 * embedder.dim))
-    for chunk_ids, vectors in iter_embeddings(session, embedder, ids=ids, batch=per_chunk):
-        index.add(chunk_ids, vectors)
-    if index.ivf:
-        _, tune = load_embeddings(session, embedder, ids=np.random.default_rng(0).choice(ids, size=min(len(ids), 200), replace=False))
-        index.tune_nprobe(tune, max_nprobe=MAX_NPROBE.get(embedder.method))
-    return index
-
-
-def load_consistent_index(session: Session, path: Path, embedder: Embedder, version: int) -> tuple[AdapterIndex, dict]:
-    """The index file plus the rows written after it; ValueError when it cannot be made to agree with the database."""
-    index, meta = AdapterIndex.load(path)
-    if meta.get("embedder_id") != embedder.id or int(meta.get("version", -1)) > version:
-        raise ValueError(f"{path} was written for another database or embedder")
-    index.remove(deleted_since(session, embedder.space_id, int(meta["version"])))  # before adding: an id may come back
-    ids, vectors = load_embeddings(session, embedder, after_version=int(meta["version"]))
-    index.upsert(ids, vectors)
-    stored = stored_count(session, embedder.id)
-    if index.size != stored:
-        raise ValueError(f"{path} holds {index.size} vectors, the database {stored}")
-    return index, meta
-
-
-def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, space: EmbeddingSpace, rebuild: bool = False) -> str:
-    """Write the space's module store (every embedded adapter's factors) while it fits the budget."""
-    sketch = serving_embedders(session, space.id).get(SKETCH)
-    path = module_store_path(data_dir, space.id)
-    if sketch is None:
-        return "none (no module sketch embedder)"
-    ids = sorted(embedded_ids(session, sketch))
-    have = None if rebuild else read_module_store(path)
-    dropped = 0
-    if have is not None:  # rows of adapters deleted since it was written, or no longer embedded, leave it
-        stale = stale_module_rows(session, space.id, have[0], have[3], np.array(ids, np.int64))
-        if len(stale):
-            keep = np.flatnonzero(~np.isin(have[0], stale))
-            have, dropped = (have[0][keep], have[1].take(keep), have[2], have[3]), len(stale)
-    known = set(have[0].tolist()) if have else set()
-    new = [i for i in ids if i not in known]
-    if have and not new and not dropped:
-        return "loaded"
-    layout = module_layout(session, space.base_model, SpaceSchema.from_dict(sketch.config["schema"]))
-    estimate = len(ids) * layout_bytes(layout)
-    if estimate > module_store_budget():  # known from the module table before any factors are read
-        path.unlink(missing_ok=True)
-        return _over_budget(estimate)
-    if have and not set(have[1].norms) <= set(layout):
-        have, new = None, ids  # modules the space no longer has: start again
-    for name, (U, _, _) in have[1].factors.items() if have else ():
-        out, inp, r = layout[name]
-        layout[name] = (out, inp, max(r, U.shape[1]))
-    dense = have[2] if have else {n for n, (o, i, r) in layout.items() if r and o * i <= 2 * r * (o + i)}
-    start = have[1].size if have else 0
-    all_ids = np.concatenate([have[0], np.array(new, dtype=np.int64)]) if have else np.array(new, dtype=np.int64)
-    per_chunk = max(1, embed_chunk_bytes() // max(layout_bytes(layout), 1))
-
-    def fill(arrays: dict[str, np.ndarray], release: Callable[[], None]) -> None:
-        """The store filled in its file a chunk of adapters at a time, each chunk's pages let go once written: `zoo
-        embed` holds one chunk, not the store (up to ZOO_MODULE_STORE_BYTES)."""
-        nonlocal have
-        arrays["ids"][:] = all_ids
-        stack = ModuleStack.from_arrays({k: v for k, v in arrays.items() if k != "ids"}, len(all_ids))
-        if have:
-            have[1].copy_into(stack)
-            have = None  # the store read back, let go
-            release()
-        for at in range(0, len(new), per_chunk):
-            stack.fill(start + at, factors_of(session, blobs, new[at : at + per_chunk]))
-            release()
-
-    shapes = {**ModuleStack.shapes(len(all_ids), layout, dense), "ids": (len(all_ids),)}
-    write_derived_in_place(path, shapes, {"version": space_version(session, space.id), "dense": sorted(dense)}, fill)
-    how = "updated" if start else "built"
-    return f"{how} ({dropped} deleted dropped)" if dropped else how
-
-
-def module_layout(session: Session, base_model: str, schema: SpaceSchema) -> dict[str, tuple[int, int, int]]:
-    """Per module of the space's vocabulary: (out, in, the largest canonical rank stored), from the module table."""
-    known = set(schema.modules)
-    return {n: (o, i, r) for n, o, i, r in module_ranks(session, base_model) if (n, o, i) in known}
-
-
-def layout_bytes(layout: dict[str, tuple[int, int, int]]) -> int:
-    """Bytes per adapter of a module store of this layout (ModuleStack's: per module its padded factors, or its
-    flattened dW where that is smaller)."""
-    elements = 0
-    for out, inp, r in layout.values():
-        if r:
-            elements += 1 + (out * inp if out * inp <= 2 * r * (out + inp) else r * (out + inp + 1))
-    return 4 * elements
-
-
-def _nbytes(stack: ModuleStack) -> int:
-    return sum(a.nbytes for a in stack.arrays().values())
-
-
-def _over_budget(nbytes: float) -> str:
-    return f"none ({nbytes / 2**30:.2f} GiB is over ZOO_MODULE_STORE_BYTES: module cosine comes from the module sketches)"
-
-
-def factors_of(session: Session, blobs: BlobStore, ids: list[int]) -> list[dict[str, CanonicalFactors]]:
-    digests = factor_digests(session, ids)
-    return [dict(blobs.get_factors(str(digests[i]))) for i in ids]
-
-
-def _stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str] | None) -> ModuleStack:
-    factors = factors_of(session, blobs, ids)
-    return ModuleStack.of(factors, dense if dense is not None else dense_modules(factors))
-
-
-def write_module_store(path: Path, ids: np.ndarray, stack: ModuleStack, version: int) -> None:
-    write_derived(path, {**stack.arrays(), "ids": np.asarray(ids, dtype=np.int64)}, {"version": version, "dense": sorted(stack.dense)})
-
-
-def stale_module_rows(session: Session, space_id: int, ids: np.ndarray, version: int, embedded: np.ndarray) -> np.ndarray:
-    """Ids of a module store written at `version` that it must not serve: adapters deleted since (their tombstones; an
-    id is never reused, migration 0011, but a store written before that may hold one) or without a sketch vector now."""
-    return ids[np.isin(ids, deleted_since(session, space_id, version)) | ~np.isin(ids, embedded)]
-
-
-def read_module_store(path: Path) -> tuple[np.ndarray, ModuleStack, set[str], int] | None:
-    """(ids, stack, dense modules, version), or None when the file is missing, unreadable or damaged."""
-    try:
-        tensors, meta = read_derived(path, "module store", legacy=_legacy_module_store_meta)
-        ids = tensors.pop("ids")
-        return ids, ModuleStack.from_arrays(tensors, len(ids)), set(meta["dense"]), int(meta["version"])
-    except Exception:  # noqa: BLE001 - any unreadable file is treated as absent (and rebuilt by `zoo embed`)
-        return None
-
-
-def _legacy_module_store_meta(tensors: dict[str, np.ndarray], raw: dict[str, str]) -> dict | None:
-    """The metadata of a module store written before the derived-file format (no checksum; version and dense modules
-    as strings). Read so that an upgrade keeps exact re-ranking until the store is next written."""
-    try:
-        return {"version": int(raw["version"]), "dense": list(json.loads(raw["dense"]))}
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-# --- the engine ----------------------------------------------------------------------------------
-
-
-@dataclass
-class LoadedEmbedder:
-    id: int
-    method: str
-    objective: str | None
-    checkpoint: str | None
-    config: dict
-    index: AdapterIndex
-    state: str  # loaded | answered from the database (...)
-
-
-@dataclass
-class ModuleStore:
-    """The exact stage's data: factors of the stored adapters, row per id, and the SVDs of their dense modules as
-    queries first need them (`svd`, embed/dense_svd.py). Never changed in place: adding or dropping adapters makes a
-    new store, which carries the SVDs of the rows it keeps."""
-
-    stack: ModuleStack
-    rows: dict[int, int]
-    dense: set[str]
-    svd: DenseSVD | None = None
-
-    def __post_init__(self) -> None:
-        if self.svd is None or self.svd.stack is not self.stack:
-            self.svd = DenseSVD(self.stack)
-
-    def take(self, ids: Sequence[int]) -> ModuleStack:
-        """The stack of these stored adapters, in that order, with their dense modules' SVDs (`ModuleStack.svd`)."""
-        assert self.svd is not None  # set by __post_init__
-        return self.svd.take([self.rows[int(i)] for i in ids])
-
-    def extended(self, ids: list[int], stack: ModuleStack) -> ModuleStore:
-        start = self.stack.size
-        rows = {**self.rows, **{i: start + j for j, i in enumerate(ids)}}
-        grown = ModuleStack.concat([self.stack, stack])
-        assert self.svd is not None
-        source = np.concatenate([np.arange(start), np.full(stack.size, -1)])
-        return ModuleStore(grown, rows, self.dense, self.svd.moved(grown, source))
-
-    def without(self, ids: np.ndarray) -> ModuleStore:
-        """The store without the rows of these ids (deleted adapters): itself when it holds none of them."""
-        gone = {int(i) for i in np.asarray(ids).tolist()} & self.rows.keys()
-        if not gone:
-            return self
-        kept = sorted((row, i) for i, row in self.rows.items() if i not in gone)
-        source = np.array([row for row, _ in kept], dtype=np.int64)
-        stack = self.stack.take(source)
-        assert self.svd is not None
-        return ModuleStore(stack, {i: j for j, (_, i) in enumerate(kept)}, self.dense, self.svd.moved(stack, source))
-
-
-@dataclass
-class SpaceState:
-    id: int
-    name: str
-    base_model: str
-    version: int
-    embedders: dict[str, LoadedEmbedder]
-    modules: ModuleStore | None
-    attributes: AdapterAttributes
-    lock: RWLock = field(default_factory=RWLock)
-
-    @property
-    def schema(self) -> SpaceSchema | None:
-        sketch = self.embedders.get(SKETCH)
-        return SpaceSchema.from_dict(sketch.config["schema"]) if sketch else None
-
-    @property
-    def default_method(self) -> str:
-        w2t = self.embedders.get(W2T)
-        return "hybrid" if w2t is not None and w2t.objective != "contrastive" else "module"
-
-
-#: bytes per held adapter besides its vectors: an index's id and row lookup; a module store's row (a dict entry);
-#: a name (a short str) and its row lookup
-ID_BYTES, ROW_BYTES, NAME_BYTES = 16, 100, 112
-
-
-def space_bytes(state: SpaceState) -> int:
-    """The memory a loaded space holds, estimated from its parts: each index's vectors, the module store's arrays,
-    rows and the most its dense modules' SVDs can take (DenseSVD.bound), the names and a label code per adapter and
-    key. W2T models are held per process (`load_w2t`)."""
-    total = sum(index_bytes(e.index) for e in state.embedders.values())
-    if state.modules is not None:
-        total += _nbytes(state.modules.stack) + DenseSVD.bound(state.modules.stack) + ROW_BYTES * len(state.modules.rows)
-    attributes = state.attributes
-    return total + len(attributes) * (NAME_BYTES + 4 * len(attributes.labels))
-
-
-def index_bytes(index: AdapterIndex) -> int:
-    """An index's vectors: float32 in a flat one; in an IVF one the store (8-bit or float16), the list codes (float16 or
-    4-bit PQ) and the 8-bit subset codes (embed/index.py)."""
-    if not index.ivf:
-        return index.size * (index.store_bytes + ID_BYTES)
-    codes = 2 * index.dim if index.codes == "fp16" else index.dim // 8
-    return index.size * (index.store_bytes + codes + index.dim // 8 + ID_BYTES)
-
-
-def _interval(value: float, std: float | None, lowest: float, highest: float) -> tuple[float, float] | tuple[None, None]:
-    """A predicted metric's 90 % interval from its held-out residuals' std, within the metric's range; none without
-    residuals (never NaN in JSON)."""
-    if std is None or not math.isfinite(std):
-        return None, None
-    return max(value - 1.645 * std, lowest), min(value + 1.645 * std, highest)
-
-
-@functools.lru_cache(maxsize=4)
-def load_w2t(checkpoint: Path, device: str | None) -> W2TEnsemble:
-    """A W2T checkpoint, loaded once per process (checkpoint directories are never rewritten)."""
-    from embed.ensemble import W2TEnsemble
-
-    return W2TEnsemble.load(checkpoint, device)
 
 
 class QueryEngine:
@@ -585,7 +239,7 @@ class QueryEngine:
         ids, _ = load_embeddings(session, sketch, after_version=after_version)
         new = [int(i) for i in ids.tolist() if int(i) not in state.modules.rows]
         if new:
-            state.modules = state.modules.extended(new, _stack_of(session, self.blobs, new, state.modules.dense))
+            state.modules = state.modules.extended(new, stack_of(session, self.blobs, new, state.modules.dense))
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -614,13 +268,7 @@ class QueryEngine:
             vectors = {e.method: self._query_vector(state, e, query) for e in searched}
             exact_stage = method == "hybrid" or method in EXACT_SCORES
             fetch = max(k, CANDIDATES) + 1  # re-ranked below by stored vectors (and the module store)
-            pool: set[int] = set()
-            for e in searched:
-                pool.update(self._nearest(e.index, vectors[e.method], fetch, allowed))
-            pool.discard(-1)
-            if query.adapter_id is not None:
-                pool.discard(query.adapter_id)
-            candidates = np.array(sorted(pool), dtype=np.int64)
+            candidates = self._candidates(searched, vectors, fetch, allowed, query)
             scores, keys = self._scores(state, method, query, vectors, candidates)
             top = top_k(keys, k)
             hit_ids = candidates[top].tolist()
@@ -633,8 +281,8 @@ class QueryEngine:
             "space": state.name,
             "method": method,
             "embedder_ids": [e.id for e in embedders],
-            "module_stage": self._module_stage(state, exact) if exact_stage else None,
-            "index_states": {**{e.method: e.state for e in embedders}, **self._missing(state, exact)},
+            "module_stage": state.module_stage(exact) if exact_stage else None,
+            "index_states": {**{e.method: e.state for e in embedders}, **state.missing(exact)},
             "results": results,
         }
 
@@ -687,16 +335,6 @@ class QueryEngine:
         assert allowed is not None  # called with filters only, each of which narrowed it
         return np.sort(allowed)
 
-    @staticmethod
-    def _missing(state: SpaceState, exact: str | None) -> dict[str, str]:
-        """The indexes that would give an exact score candidates that the space lacks, each with what stands in."""
-        wanted = exact_sources(exact) if exact is not None else ()
-        return {
-            kind: f"not built: candidates from the {SKETCH} index instead; run `zoo embed --space {state.name}`"
-            for kind in wanted
-            if kind not in state.embedders
-        }
-
     def _embedder(self, state: SpaceState, kind: str, method: str) -> LoadedEmbedder:
         e = state.embedders.get(kind)
         if e is None:
@@ -722,24 +360,23 @@ class QueryEngine:
         return self.w2t(e).embed([_as_zoo_adapter(query)])[0]
 
     def w2t(self, e: LoadedEmbedder) -> W2TEnsemble:
-        return load_w2t(self.data_dir / str(e.checkpoint), self.device)
+        return load_w2t(local_folder(self.blobs, self.data_dir, str(e.checkpoint)), self.device)
 
     @staticmethod
-    def _nearest(index: AdapterIndex, vector: np.ndarray, fetch: int, allowed: np.ndarray | None) -> list[int]:
+    def _candidates(
+        searched: Sequence[LoadedEmbedder], vectors: Mapping[str, np.ndarray], fetch: int, allowed: np.ndarray | None, query: Query
+    ) -> np.ndarray:
+        """The first stage: the union of each searched index's `fetch` nearest of the query (among `allowed`), sorted,
+        the query itself left out."""
         if allowed is not None and not len(allowed):
-            return []
-        return index.search(vector[None, :], fetch, allowed=allowed)[1][0].tolist()
-
-    @staticmethod
-    def _module_stage(state: SpaceState, exact: str | None) -> str:
-        """What an exact score is computed from: the module store, else the sketches that estimate it (`_exact`)."""
-        if state.modules is not None:
-            return "exact (module store)"
-        return (
-            "input-Gram sketches (no module store)"
-            if exact == "input_gram" and GRAM in state.embedders
-            else "module sketches (no module store)"
-        )
+            return np.zeros(0, np.int64)
+        pool: set[int] = set()
+        for e in searched:
+            pool.update(e.index.search(vectors[e.method][None, :], fetch, allowed=allowed)[1][0].tolist())
+        pool.discard(-1)
+        if query.adapter_id is not None:
+            pool.discard(query.adapter_id)
+        return np.array(sorted(pool), dtype=np.int64)
 
     def _scores(
         self, state: SpaceState, method: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
@@ -759,7 +396,7 @@ class QueryEngine:
 
     def _hybrid_search(self, state: SpaceState) -> SearchScore:
         """The search score `zoo train` chose for the space: hybrid's."""
-        return served_search(self.data_dir / str(state.embedders[W2T].checkpoint))
+        return served_search(local_folder(self.blobs, self.data_dir, str(state.embedders[W2T].checkpoint)))
 
     def _search_scores(
         self, state: SpaceState, score: SearchScore, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
@@ -786,7 +423,8 @@ class QueryEngine:
                 q = ModuleStack.of([query.factors], store.dense)
             gallery = store.take(ids.tolist())
             if fitted_purpose(score) is not None:
-                return served_metric(self.data_dir / str(state.embedders[W2T].checkpoint), score).between(gallery, q)[0]
+                checkpoint = local_folder(self.blobs, self.data_dir, str(state.embedders[W2T].checkpoint))
+                return served_metric(checkpoint, score).between(gallery, q)[0]
             return exact_cosines(gallery, q, score)[0]
         if fitted_purpose(score) is not None:
             raise NotReadyError(f"space {state.name} serves the channel metric {score}, which needs its module store: run `zoo embed`")
@@ -817,48 +455,8 @@ class QueryEngine:
         if probs:
             similarities.add(model.search)  # the labelled neighbours that support (or not) each attribute's prediction
         near = {s: self._labelled_neighbours(session, state, model, query, s) for s in sorted(similarities, key=lambda s: s.name)}
-        attributes: dict[str, list[ClassGuess]] = {}
-        confidence: dict[str, Confidence] = {}
-        at_memory = np.flatnonzero(model.memory_ids == query.adapter_id) if query.adapter_id is not None else np.zeros(0, np.int64)
-        for key, p in probs.items():
-            classes = model.config.categorical[key]
-            labels = model.memory_classes(key)
-            knn = knns.get(key)
-            k = knn.k if knn else SUPPORT_K
-            around = near[knn.similarity if knn else model.search]
-            shares = knn_shares(around, labels, len(classes), p[0], k) if knn else p[0]
-            # a labelled adapter's vote leaves its own label out (it is not its own neighbour): one label fewer
-            own = bool(len(at_memory)) and labels[at_memory[0]] >= 0
-            shares = model.calibrated(key, shares, own_label_left_out=knn is not None and own)
-            support = neighbour_classes(around, labels, len(classes), k)
-            order = top_k(shares, 3)
-            attributes[key] = [{"value": classes[i], "probability": float(shares[i]), "neighbours": int(support[i])} for i in order]
-            top, n = int(order[0]), int(support.sum())
-            confidence[key] = {
-                "sure": is_sure(float(shares[top]), int(support[top]), n, model.sure_from(key)),
-                "neighbours": n,
-                "agreeing": int(support[top]),
-                "calibrated": key in model.calibration,
-                "given": None,
-                "agrees": None,
-            }
-        metrics: dict[str, MetricGuess] = {}
-        for key, v in values.items():
-            value = float(v[0])
-            if (knn := knns.get(key)) is not None:
-                found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k)
-                value = float(model.clip(key, np.array([found]))[0])
-            low, high = _interval(value, model.residual_std.get(key), *model.metric_range.get(key, (-math.inf, math.inf)))
-            metrics[key] = {
-                "value": value,
-                "low": low,
-                "high": high,
-                "interval": 0.9 if low is not None else None,
-                "predictor": model.predictor(key).kind,
-                "method": model.predictor(key).name,
-                "measured": None,
-                "within": None,
-            }
+        attributes, confidence = attribute_guesses(model, probs, knns, near, query.adapter_id)
+        metrics = metric_guesses(model, values, knns, near)
         return {
             "space": state.name,
             "embedder_id": e.id,
@@ -887,52 +485,10 @@ class QueryEngine:
                 *(state.embedders[k] for k in kinds if k not in METHOD_EMBEDDERS["hybrid"]),
             ]
             vectors = {e.method: self._query_vector(state, e, query) for e in searched}
-            pool: set[int] = set()
-            for e in searched:
-                pool.update(self._nearest(e.index, vectors[e.method], CANDIDATES, allowed))
-            pool.discard(-1)
-            if query.adapter_id is not None:
-                pool.discard(query.adapter_id)
-            candidates = np.array(sorted(pool), dtype=np.int64)
+            candidates = self._candidates(searched, vectors, CANDIDATES, allowed, query)
             keys = self._search_scores(state, similarity, query, vectors, candidates)[1] if len(candidates) else np.zeros(0)
         at = {int(i): j for j, i in enumerate(memory_ids.tolist())}
         return np.array([at[int(i)] for i in candidates.tolist()], np.int64), keys
-
-
-@functools.lru_cache(maxsize=64)
-def served_search(checkpoint: Path) -> SearchScore:
-    """The search score a W2T checkpoint serves as hybrid (its directory is never rewritten, so this is cached)."""
-    return search_of(checkpoint_meta(checkpoint))
-
-
-def stage_kinds(search: SearchScore, have: Mapping[str, object]) -> tuple[str, ...]:
-    """The embedders whose indexes give a search score its candidates: those it weighs (its exact score's
-    `candidate_kinds`, W2T for its cosine, both for a mix), of those the space has."""
-    weight = search.w2t_weight
-    exact = candidate_kinds(search.exact, have) if weight < 1 else ()
-    return (*exact, W2T) if weight > 0 else exact
-
-
-def candidate_kinds(score: str, have: Mapping[str, object]) -> tuple[str, ...]:
-    """The embedders whose indexes give an exact score its first-stage candidates: exact_sources(score) of those
-    the space has (`have`: by method), the module sketch where it has none of them."""
-    return tuple(k for k in exact_sources(score) if k in have) or (SKETCH,)
-
-
-def exact_sources(score: str) -> tuple[str, ...]:
-    """The indexes whose nearest are an exact score's first-stage candidates: EXACT_CANDIDATES', or a channel
-    metric's FITTED_CANDIDATES."""
-    return FITTED_CANDIDATES if fitted_purpose(score) is not None else EXACT_CANDIDATES[score]
-
-
-@functools.lru_cache(maxsize=64)
-def served_metric(checkpoint: Path, name: str) -> ChannelMetric:
-    """A channel metric a W2T checkpoint serves, by its score's name (its directory is never rewritten, so this is
-    cached)."""
-    metrics = channel_metrics_of(checkpoint_meta(checkpoint))
-    if name not in metrics:
-        raise NotReadyError(f"the W2T checkpoint {checkpoint.name} has no channel metric {name}: run `zoo train` again")
-    return metrics[name]
 
 
 def _as_zoo_adapter(query: Query) -> ZooAdapter:

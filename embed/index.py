@@ -10,7 +10,7 @@ never re-embed. How it searches depends on its size:
   range for every dimension, trained on the sample; a cosine with a unit query is off by (range / 255) / √12
   in standard deviation, 3.9e-4 on Llama-3-8B's 2,016-dimensional module sketches), below that float16 (a cosine
   off by ~1e-5; the W2T embedding's neighbours can be that close). 8 bits reorder neighbours closer than
-  their error, so an index whose cosines are a search's final scores keeps float16 (embed/engine.py STORE);
+  their error, so an index whose cosines are a search's final scores keeps float16 (embed/index_files.py STORE);
   one that only nominates candidates loses nothing measurable with 8 bits. The codes follow the
   dimension, as measured on the synthetic spaces of `bench/serve.py`: at d ≥ 512 (the module
   sketch: 24 modules × 64) product-quantizer fast-scan codes of 4 bits per 4 dimensions scan

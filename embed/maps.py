@@ -38,8 +38,8 @@ from typing import Literal, NotRequired, TypedDict
 
 import numpy as np
 
-from embed.engine import SKETCH, W2T
 from embed.projection import MAX_FIT, Projection, fit, spread_sample
+from embed.search_methods import SKETCH, W2T
 from zoo.domain.palette import MISSING, SEQUENTIAL, category_colours
 from zoo.errors import NotReadyError, UsageError
 from zoo.files import read_derived, write_derived

@@ -18,22 +18,16 @@ import numpy as np
 
 from embed.budgets import embed_chunk_bytes
 from embed.dataset import base_models, load_adapters
-from embed.engine import (
-    BUILD_CHUNK_BYTES,
-    GRAM,
-    RAW,
-    SKETCH,
-    W2T,
-    QueryEngine,
-    load_w2t,
-    update_index_file,
-    update_module_store,
-)
+from embed.engine import QueryEngine
 from embed.gram_sketch import gram_sketch_width, gram_sketches
 from embed.index import brute_force, recall_at_k
+from embed.index_files import BUILD_CHUNK_BYTES, update_index_file
 from embed.maps import refresh_map
+from embed.module_store import update_module_store
 from embed.refs import AdapterRef, StoredId
 from embed.results import Found, Predicted, Query
+from embed.search_methods import GRAM, RAW, SKETCH, W2T
+from embed.space_state import load_w2t
 from embed.types import SpaceSchema, ZooAdapter, schema_from_shapes
 from zoo.config import Settings
 from zoo.domain.base_models import guess_base_model
@@ -51,6 +45,7 @@ from zoo.store.labels import given_labels
 from zoo.store.locks import space_lock
 from zoo.store.models import Embedder, EmbeddingSpace
 from zoo.store.session import Session, Sessions, session_factory, write_transaction
+from zoo.store.shared_files import local_folder, publish
 from zoo.store.spaces import (
     all_spaces,
     ensure_space,
@@ -205,10 +200,11 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "space"
 
 
-def embed_function(embedder: Embedder, data_dir: Path, device: str | None = None) -> tuple[EmbedFn, SpaceSchema]:
-    """How an embedder turns adapters into vectors, and the module vocabulary it was made for."""
+def embed_function(embedder: Embedder, blobs: BlobStore, data_dir: Path, device: str | None = None) -> tuple[EmbedFn, SpaceSchema]:
+    """How an embedder turns adapters into vectors, and the module vocabulary it was made for (a W2T checkpoint
+    another node trained is fetched from the bucket first)."""
     if embedder.method == W2T:
-        model = load_w2t(data_dir / str(embedder.checkpoint), device)
+        model = load_w2t(local_folder(blobs, data_dir, str(embedder.checkpoint)), device)
         return model.embed, model.schema
     schema = SpaceSchema.from_dict(embedder.config["schema"])
     dim = int(embedder.config["dim"])
@@ -373,7 +369,7 @@ def _embed_ids(
     with sessions() as session:
         for embedder_id in embedder_ids:
             embedder = get_embedder(session, embedder_id)
-            fn, schema = embed_function(embedder, data_dir, device)
+            fn, schema = embed_function(embedder, blobs, data_dir, device)
             plans.append(_Plan(embedder_id, fn, schema, embedded_ids(session, embedder, ids if subset else None)))
         per_chunk = chunk_size(session, base_model)
     todo = [i for i in ids if any(i not in p.done for p in plans)]
@@ -430,7 +426,7 @@ def train_space(
     from module sketches where the space's module store would pass its budget (as the engine then serves them)."""
     from embed.budgets import module_store_budget
     from embed.dataset import read_training_set
-    from embed.engine import layout_bytes, module_layout
+    from embed.module_store import layout_bytes, module_layout
     from embed.tokens import torch_threads
     from embed.train import token_spec, train_w2t
 
@@ -453,6 +449,7 @@ def train_space(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     checkpoint = Path("embedders") / f"{slug(base_model)}-w2t-{options.objective}-{stamp}-{uuid.uuid4().hex[:8]}"
     model.save(data_dir / checkpoint)
+    publish(blobs, data_dir, checkpoint.as_posix())  # in the bucket before its row commits: every node can load it
     best = min(h["val_loss"] for h in model.history) if model.history else None
     metrics: TrainMetrics = {
         "best_val_loss": best,

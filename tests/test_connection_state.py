@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, text
 
-from embed import engine as engine_module
+from embed import module_store
 from embed.adapter_resource import delete_adapter
 from embed.engine import QueryEngine
 from embed.refs import StoredId
@@ -170,7 +170,7 @@ def test_a_catch_up_reads_one_snapshot(cli: CLI, adapters: tuple[list[Path], lis
     rc, (result,) = cli.json_lines("ingest", str(churn[0]), "--base-model", "tiny")
     assert rc == 0 and cli.json_lines("embed")[0] == 0
     new = result["adapter_id"]
-    factors_of = engine_module.factors_of
+    factors_of = module_store.factors_of
 
     def deleted_meanwhile(session, blobs, ids):  # type: ignore[no-untyped-def]
         if new in ids and not deleted_meanwhile.done:  # type: ignore[attr-defined]
@@ -179,7 +179,7 @@ def test_a_catch_up_reads_one_snapshot(cli: CLI, adapters: tuple[list[Path], lis
         return factors_of(session, blobs, ids)
 
     deleted_meanwhile.done = False  # type: ignore[attr-defined]
-    monkeypatch.setattr(engine_module, "factors_of", deleted_meanwhile)
+    monkeypatch.setattr(module_store, "factors_of", deleted_meanwhile)
     with sessions() as session:
         engine.similar(session, "tiny", Query("q", 1), 20, method="module")
     assert deleted_meanwhile.done  # type: ignore[attr-defined]

@@ -12,13 +12,16 @@ import pytest
 from safetensors.numpy import load_file
 
 from embed.adapter_resource import delete_adapter
-from embed.engine import MAX_K, QueryEngine, index_path, module_store_path
+from embed.engine import QueryEngine
 from embed.index import AdapterIndex
+from embed.index_files import index_path
+from embed.module_store import module_store_path
 from embed.results import Query
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
 from zoo.files import read_derived, write_derived
+from zoo.limits import MAX_K
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter
 from zoo.store.session import downgrade, make_engine, session_factory, upgrade

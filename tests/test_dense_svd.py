@@ -12,13 +12,15 @@ import pytest
 
 from embed.adapter_resource import delete_adapter
 from embed.dense_svd import DenseSVD
-from embed.engine import MAX_K, ModuleStore, QueryEngine
+from embed.engine import QueryEngine
+from embed.module_store import ModuleStore
 from embed.results import Query
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.domain.channel_metric import ChannelMetric, bank_matrices
 from zoo.domain.channels import DENSE_CUTOFF, dense_svd, exact_cosines, module_factors
 from zoo.domain.similarity import ModuleStack
+from zoo.limits import MAX_K
 from zoo.store.blobs import BlobStore
 from zoo.store.session import session_factory
 

@@ -14,12 +14,13 @@ import pytest
 from sqlalchemy import select
 
 from embed import engine as engine_module
-from embed.engine import MAX_K, QueryEngine
+from embed.engine import QueryEngine
 from embed.results import Query
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
 from zoo.errors import NotReadyError, UsageError
+from zoo.limits import MAX_K
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Label
 from zoo.store.session import session_factory

@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import insert, select
 
-from embed.engine import GRAM, ID_BYTES, SKETCH, build_index, index_bytes
 from embed.index import CANDIDATES, STORE_RANGE_MARGIN, AdapterIndex, normalize, recall_at_k, store_step, trained_store
+from embed.index_files import build_index
+from embed.search_methods import GRAM, SKETCH
+from embed.space_state import ID_BYTES, index_bytes
 
 
 def clustered(n: int, dim: int, seed: int) -> np.ndarray:

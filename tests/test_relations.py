@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import delete, func, select, update
 
 from embed.adapter_resource import delete_adapter
-from embed.engine import SKETCH, W2T, QueryEngine
+from embed.engine import QueryEngine
 from embed.results import Query
+from embed.search_methods import SKETCH, W2T
 from tests.conftest import CLI
 from tests.factories import TinyLM
 from webapp import create_app

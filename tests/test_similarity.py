@@ -87,7 +87,7 @@ def test_a_module_store_written_before_the_derived_file_format_is_read_and_a_dam
 
     from safetensors.numpy import save_file
 
-    from embed.engine import read_module_store, write_module_store
+    from embed.module_store import read_module_store, write_module_store
 
     gen = torch.Generator().manual_seed(3)
     adapters = [random_adapter(gen, ("q", "o")) for _ in range(3)]

@@ -16,8 +16,8 @@ from apiflask.fields import Boolean, Dict, Field, File, Float, Integer, List, Ne
 from apiflask.validators import Length, OneOf, Range
 
 from embed.adapter_resource import AdapterResource, Deletion
-from embed.engine import SEARCH_METHODS
 from embed.maps import MapResource
+from embed.search_methods import SEARCH_METHODS
 from embed.service import PredictionResource, SearchResource
 from embed.spaces_resource import SpacesResource
 from webapp.errors import ERROR_TYPES

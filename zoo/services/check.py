@@ -244,8 +244,10 @@ def _check_spaces(
     """Index files, module stores, maps, missing embeddings and misfits per space (embed/ is imported only here).
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
-    from embed.engine import SKETCH, index_path, load_consistent_index, module_store_path, read_module_store
+    from embed.index_files import index_path, load_consistent_index
     from embed.maps import load_consistent_map, map_embedder, map_path
+    from embed.module_store import module_store_path, read_module_store
+    from embed.search_methods import SKETCH
     from embed.service import embed_space
 
     indexes: list[FileCheck] = []
@@ -334,8 +336,9 @@ def _same_ids(what: str, held: np.ndarray, embedded: np.ndarray, missing_ok: boo
 def _rebuild_stale(sessions: Sessions, blobs: BlobStore, data_dir: Path, space_id: int, stale: list[FileCheck]) -> None:
     """Rebuild from the database each file whose ids disagreed with it (a count that agrees does not make
     `embed_space` rebuild it)."""
-    from embed.engine import update_index_file, update_module_store
+    from embed.index_files import update_index_file
     from embed.maps import map_embedder, update_map
+    from embed.module_store import update_module_store
 
     with sessions() as session:
         for entry in stale:
