@@ -264,6 +264,34 @@ class S3BlobStore(BlobStore):
                     self.client.delete_object(Bucket=self.location.bucket, Key=key)
         return len(names)
 
+    # --- files beside the blobs (zoo/store/shared_files.py) ---------------------------------------------------------
+
+    def file_key(self, name: str) -> str:
+        """The key of a file kept beside the blobs (a checkpoint's, an upload's): `<prefix>files/<name>`, never
+        named like a blob (so `leftovers` never takes it for an orphan)."""
+        return f"{self.location.prefix}files/{name}"
+
+    def put_file_object(self, name: str, path: Path) -> None:
+        """A local file uploaded as `file_key(name)` (in parts if large: visible whole once complete, or not at all)."""
+        with self._errors(f"uploading s3://{self.location.bucket}/{self.file_key(name)}"):
+            self.client.upload_file(str(path), self.location.bucket, self.file_key(name), Config=self._transfer())
+
+    def get_file_object(self, name: str, path: Path) -> None:
+        """`file_key(name)` downloaded to `path` (FileNotFoundError where there is none)."""
+        with self._errors(f"reading s3://{self.location.bucket}/{self.file_key(name)}"):
+            self.client.download_file(self.location.bucket, self.file_key(name), str(path), Config=self._transfer())
+
+    def delete_file_objects(self, folder: str) -> int:
+        """Delete every file kept under `folder` (a name's leading part); returns how many."""
+        prefix = self.file_key(folder.rstrip("/") + "/")
+        keys: list[str] = []
+        with self._errors(f"removing s3://{self.location.bucket}/{prefix}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.location.bucket, Prefix=prefix):
+                keys.extend(obj["Key"] for obj in page.get("Contents", []))
+            for key in keys:
+                self.client.delete_object(Bucket=self.location.bucket, Key=key)
+        return len(keys)
+
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:
         """botocore's errors as zoo's: a missing object a FileNotFoundError, a store that does not answer (after the
