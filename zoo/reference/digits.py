@@ -9,18 +9,16 @@ not the base ever trains on.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, SeededRun, single_thread, train_lora
+from zoo.reference import images
+from zoo.reference.training import AdapterAttributes, SeededRun
 
 BASE_MODEL = "zoo/digits-vit"
 BASE_VERSION = "v1"
@@ -118,8 +116,6 @@ TASKS: tuple[str, ...] = (
     "shift-labels",
     "label-noise",
 )
-LABEL_NOISE = 0.3
-PIXEL_NOISE = 0.35
 
 
 def task_classes(task: str) -> tuple[int, ...]:
@@ -141,7 +137,7 @@ def _transform(task: str, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor
     if task == "invert":
         return 1.0 - x
     if task == "noise":
-        return (x + PIXEL_NOISE * torch.randn(x.shape, generator=gen)).clamp(0, 1)
+        return images.noisy(x, gen)
     return x
 
 
@@ -153,19 +149,21 @@ def task_split(task: str, x: torch.Tensor, y: torch.Tensor, train: bool, seed: i
     keep = torch.isin(y, torch.tensor(task_classes(task)))
     x, y = x[keep], y[keep]
     x = _transform(task, x, gen)
-    if task == "shift-labels":
-        y = (y + 1) % CLASSES
-    if task == "label-noise" and train:
-        flip = torch.rand(len(y), generator=gen) < LABEL_NOISE
-        y = torch.where(flip, torch.randint(0, CLASSES, y.shape, generator=gen), y)
-    return x, y
+    return x, images.relabelled(task, y, CLASSES, train, gen)
+
+
+def splits(data: DigitsData) -> images.Split:
+    """The tasks' splits of these digits: of the training pool, or of the test set."""
+
+    def split(task: str, train: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = (data.train_x, data.train_y) if train else (data.test_x, data.test_y)
+        return task_split(task, x, y, train, seed)
+
+    return split
 
 
 def accuracy(model: nn.Module, task: str, x: torch.Tensor, y: torch.Tensor) -> float:
-    classes = torch.tensor(task_classes(task))
-    with torch.no_grad():
-        logits = model(x)[:, classes]
-    return float((classes[logits.argmax(dim=1)] == y).float().mean())
+    return images.accuracy(model, task_classes(task), x, y)
 
 
 # ---- base model ----------------------------------------------------------------------------
@@ -173,21 +171,7 @@ def accuracy(model: nn.Module, task: str, x: torch.Tensor, y: torch.Tensor) -> f
 
 def pretrain_base(data: DigitsData, epochs: int = 30, seed: int = 0) -> DigitsViT:
     """Pretrain the ViT on the 10-class training pool (deterministic on one thread)."""
-    torch.manual_seed(seed)
-    model = DigitsViT()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-2)
-    gen = torch.Generator().manual_seed(seed)
-    n = len(data.train_y)
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=gen)
-        for start in range(0, n, 64):
-            idx = perm[start : start + 64]
-            loss = nn.functional.cross_entropy(model(data.train_x[idx]), data.train_y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
-    return model
+    return images.pretrain(DigitsViT, data.train_x, data.train_y, epochs, seed)
 
 
 def base_path(cache_dir: Path) -> Path:
@@ -196,19 +180,7 @@ def base_path(cache_dir: Path) -> Path:
 
 def load_base(cache_dir: Path, data: DigitsData | None = None) -> DigitsViT:
     """The cached base model, pretraining and caching it (atomically) on first use."""
-    path = base_path(cache_dir)
-    model = DigitsViT()
-    if not path.exists():
-        with single_thread():
-            trained = pretrain_base(data or load_data())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        os.close(fd)
-        save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, tmp)
-        os.replace(tmp, path)
-    model.load_state_dict(load_file(str(path)))
-    model.eval()
-    return model
+    return images.cached_base(base_path(cache_dir), DigitsViT, lambda: pretrain_base(data or load_data()))
 
 
 # ---- adapters ------------------------------------------------------------------------------
@@ -223,17 +195,7 @@ TARGET_SETS = {
 
 def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     """The generating attributes of one adapter."""
-    rank = int(rng.choice([1, 2, 4, 8, 16]))
-    return {
-        "task": str(rng.choice(TASKS)),
-        "rank": rank,
-        "alpha": float(rng.choice([rank, 2 * rank, 16])),
-        "learning_rate": float(round(10 ** rng.uniform(-3.5, -1.5), 6)),
-        "steps": int(rng.choice([10, 25, 50, 100, 200])),
-        "n_train": int(rng.choice([32, 64, 128, 256, 512])),
-        "target_modules": str(rng.choice(list(TARGET_SETS))),
-        "seed": int(rng.integers(0, 2**31 - 1)),
-    }
+    return images.sample_attributes(rng, TASKS, TARGET_SETS)
 
 
 def new_head(model: nn.Module) -> None:
@@ -251,25 +213,9 @@ SEEDED = SeededRun(new_head=new_head, modules_to_save=("head",), lora_dropout=0.
 def train_adapter(base: DigitsViT, data: DigitsData, attrs: AdapterAttributes, seeded: SeededRun | None = None) -> tuple[PeftModel, float]:
     """Fine-tune LoRA on the task named in attrs (`seeded`: with a new head and dropout; see SeededRun); returns the
     PEFT model and its held-out accuracy."""
-    plan = AdapterPlan.of(attrs)
-
-    def pick(gen: torch.Generator) -> BatchLoss:
-        x, y = task_split(plan.task, data.train_x, data.train_y, train=True, seed=plan.seed)
-        chosen = torch.randperm(len(y), generator=gen)[: plan.n_train]
-        x, y = x[chosen], y[chosen]
-
-        def batch_loss(model: PeftModel, gen: torch.Generator) -> torch.Tensor:
-            idx = torch.randint(0, len(y), (min(32, len(y)),), generator=gen)
-            return nn.functional.cross_entropy(model(x[idx]), y[idx])
-
-        return batch_loss
-
-    with single_thread():
-        model = train_lora(base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick, seeded=seeded)
-        return model, held_out_accuracy(model, data, plan.task, plan.seed)
+    return images.train_adapter(base, BASE_MODEL, TARGET_SETS, splits(data), task_classes, attrs, seeded=seeded)
 
 
 def held_out_accuracy(model: nn.Module, data: DigitsData, task: str, seed: int) -> float:
     """Accuracy on the task's held-out split, drawn as for the adapter trained with this seed."""
-    x, y = task_split(task, data.test_x, data.test_y, train=False, seed=seed + 1)
-    return accuracy(model, task, x, y)
+    return images.held_out_accuracy(model, splits(data), task_classes, task, seed)

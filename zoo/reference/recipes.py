@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,23 +55,34 @@ class Recipe:
     lineage_of: str | None = None
 
 
+def _image_recipe(recipe: ModuleType, name: str, description: str) -> Recipe:
+    """A recipe of an image module (zoo/reference/digits.py, shapes.py): its base and data prepared together, its
+    tasks scored on the base's own head."""
+
+    def prepare(cache_dir: Path) -> tuple[nn.Module, Any]:
+        data = recipe.load_data()
+        return recipe.load_base(cache_dir, data), data
+
+    return Recipe(
+        name=name,
+        base_model=recipe.BASE_MODEL,
+        description=description,
+        prepare=prepare,
+        sample_attributes=recipe.sample_attributes,
+        train=lambda ctx, attrs: recipe.train_adapter(ctx[0], ctx[1], attrs),
+        chance=lambda task: 1 / len(recipe.task_classes(task)),
+        base_accuracy=lambda ctx, task: recipe.held_out_accuracy(ctx[0], ctx[1], task, seed=0),
+    )
+
+
 def _digits() -> Recipe:
     from zoo.reference import digits
 
-    def prepare(cache_dir: Path) -> tuple[digits.DigitsViT, digits.DigitsData]:
-        data = digits.load_data()
-        return digits.load_base(cache_dir, data), data
-
-    return Recipe(
-        name="digits-vit",
-        base_model=digits.BASE_MODEL,
-        description="a 4-block ViT pretrained on scikit-learn's 8×8 digits; tasks: digit pairs, class subsets, "
-        "image transforms, shifted labels, label noise",
-        prepare=prepare,
-        sample_attributes=digits.sample_attributes,
-        train=lambda ctx, attrs: digits.train_adapter(ctx[0], ctx[1], attrs),
-        chance=lambda task: 1 / len(digits.task_classes(task)),
-        base_accuracy=lambda ctx, task: digits.held_out_accuracy(ctx[0], ctx[1], task, seed=0),
+    return _image_recipe(
+        digits,
+        "digits-vit",
+        "a 4-block ViT pretrained on scikit-learn's 8×8 digits; tasks: digit pairs, class subsets, image transforms, "
+        "shifted labels, label noise",
     )
 
 
@@ -93,20 +105,13 @@ def _docs() -> Recipe:
 def _shapes() -> Recipe:
     from zoo.reference import shapes
 
-    def prepare(cache_dir: Path) -> tuple[shapes.ShapesCNN, shapes.ShapesData]:
-        data = shapes.load_data()
-        return shapes.load_base(cache_dir, data), data
-
-    return Recipe(
-        name="shapes-cnn",
-        base_model=shapes.BASE_MODEL,
-        description="a small residual CNN pretrained on procedurally drawn 16×16 shapes and textures, LoRA on subsets "
-        "of its Conv2d layers; tasks: shape pairs, class subsets, image transforms, shifted labels, label noise, size",
-        prepare=prepare,
-        sample_attributes=shapes.sample_attributes,
-        train=lambda ctx, attrs: shapes.train_adapter(ctx[0], ctx[1], attrs),
-        chance=lambda task: 1 / len(shapes.task_classes(task)),
-        base_accuracy=lambda ctx, task: shapes.held_out_accuracy(ctx[0], ctx[1], task, seed=0),
+    return replace(
+        _image_recipe(
+            shapes,
+            "shapes-cnn",
+            "a small residual CNN pretrained on procedurally drawn 16×16 shapes and textures, LoRA on subsets of its "
+            "Conv2d layers; tasks: shape pairs, class subsets, image transforms, shifted labels, label noise, size",
+        ),
         lineage=LineageHooks(
             base=lambda ctx: ctx[0],
             score=lambda ctx, model, task, seed: shapes.held_out_accuracy(model, ctx[1], task, seed),

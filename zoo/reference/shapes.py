@@ -16,18 +16,16 @@ held-out test set drawn from another seed.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from zoo.reference.training import AdapterAttributes, AdapterPlan, BatchLoss, single_thread, train_lora
+from zoo.reference import images
+from zoo.reference.training import AdapterAttributes
 
 BASE_MODEL = "zoo/shapes-cnn"
 BASE_VERSION = "v1"
@@ -137,21 +135,7 @@ class ShapesCNN(nn.Module):
 
 def pretrain_base(data: ShapesData, epochs: int = 12, seed: int = 0) -> ShapesCNN:
     """Pretrain the CNN on the 10 shape classes of the training pool (deterministic on one thread)."""
-    torch.manual_seed(seed)
-    model = ShapesCNN()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-2)
-    gen = torch.Generator().manual_seed(seed)
-    n = len(data.train_y)
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=gen)
-        for start in range(0, n, 64):
-            idx = perm[start : start + 64]
-            loss = nn.functional.cross_entropy(model(data.train_x[idx]), data.train_y[idx], label_smoothing=LABEL_SMOOTHING)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
-    return model
+    return images.pretrain(ShapesCNN, data.train_x, data.train_y, epochs, seed, label_smoothing=LABEL_SMOOTHING)
 
 
 def base_path(cache_dir: Path) -> Path:
@@ -160,19 +144,7 @@ def base_path(cache_dir: Path) -> Path:
 
 def load_base(cache_dir: Path, data: ShapesData | None = None) -> ShapesCNN:
     """The cached base model, pretraining and caching it (atomically) on first use."""
-    path = base_path(cache_dir)
-    model = ShapesCNN()
-    if not path.exists():
-        with single_thread():
-            trained = pretrain_base(data or load_data())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        os.close(fd)
-        save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, tmp)
-        os.replace(tmp, path)
-    model.load_state_dict(load_file(str(path)))
-    model.eval()
-    return model
+    return images.cached_base(base_path(cache_dir), ShapesCNN, lambda: pretrain_base(data or load_data()))
 
 
 # ---- tasks ---------------------------------------------------------------------------------
@@ -194,8 +166,6 @@ TASKS: tuple[str, ...] = (
     "label-noise",
     "size",
 )
-LABEL_NOISE = 0.3
-PIXEL_NOISE = 0.35
 
 
 def task_classes(task: str) -> tuple[int, ...]:
@@ -219,7 +189,7 @@ def _transform(task: str, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor
     if task == "blur":
         return nn.functional.avg_pool2d(nn.functional.pad(x, (1, 1, 1, 1), mode="replicate"), 3, stride=1)
     if task == "noise":
-        return (x + PIXEL_NOISE * torch.randn(x.shape, generator=gen)).clamp(0, 1)
+        return images.noisy(x, gen)
     if task == "pixelate":
         return nn.functional.interpolate(nn.functional.avg_pool2d(x, 2), scale_factor=2, mode="nearest")
     return x
@@ -236,19 +206,21 @@ def task_split(
         return x, (size >= LARGE).long()
     keep = torch.isin(y, torch.tensor(task_classes(task)))
     x, y = _transform(task, x[keep], gen), y[keep]
-    if task == "shift-labels":
-        y = (y + 1) % len(CLASSES)
-    if task == "label-noise" and train:
-        flip = torch.rand(len(y), generator=gen) < LABEL_NOISE
-        y = torch.where(flip, torch.randint(0, len(CLASSES), y.shape, generator=gen), y)
-    return x, y
+    return x, images.relabelled(task, y, len(CLASSES), train, gen)
+
+
+def splits(data: ShapesData) -> images.Split:
+    """The tasks' splits of these shapes: of the training pool, or of the test set."""
+
+    def split(task: str, train: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, size = (data.train_x, data.train_y, data.train_size) if train else (data.test_x, data.test_y, data.test_size)
+        return task_split(task, x, y, size, train, seed)
+
+    return split
 
 
 def accuracy(model: nn.Module, task: str, x: torch.Tensor, y: torch.Tensor) -> float:
-    classes = torch.tensor(task_classes(task))
-    with torch.no_grad():
-        logits = model(x)[:, classes]
-    return float((classes[logits.argmax(dim=1)] == y).float().mean())
+    return images.accuracy(model, task_classes(task), x, y)
 
 
 # ---- adapters ------------------------------------------------------------------------------
@@ -265,41 +237,15 @@ TARGET_SETS: dict[str, list[str] | str] = {
 
 def sample_attributes(rng: np.random.Generator) -> AdapterAttributes:
     """The generating attributes of one adapter."""
-    rank = int(rng.choice([1, 2, 4, 8, 16]))
-    return {
-        "task": str(rng.choice(TASKS)),
-        "rank": rank,
-        "alpha": float(rng.choice([rank, 2 * rank, 16])),
-        "learning_rate": float(round(10 ** rng.uniform(-3.5, -1.5), 6)),
-        "steps": int(rng.choice([10, 25, 50, 100, 200])),
-        "n_train": int(rng.choice([32, 64, 128, 256, 512])),
-        "target_modules": str(rng.choice(list(TARGET_SETS))),
-        "seed": int(rng.integers(0, 2**31 - 1)),
-    }
+    return images.sample_attributes(rng, TASKS, TARGET_SETS)
 
 
 def train_adapter(base: ShapesCNN, data: ShapesData, attrs: AdapterAttributes, resume: Path | None = None) -> tuple[PeftModel, float]:
     """Fine-tune LoRA on the task named in attrs (`resume`: the saved adapter to train further); returns the PEFT
     model and its held-out accuracy."""
-    plan = AdapterPlan.of(attrs)
-
-    def pick(gen: torch.Generator) -> BatchLoss:
-        x, y = task_split(plan.task, data.train_x, data.train_y, data.train_size, train=True, seed=plan.seed)
-        chosen = torch.randperm(len(y), generator=gen)[: plan.n_train]
-        x, y = x[chosen], y[chosen]
-
-        def batch_loss(model: PeftModel, gen: torch.Generator) -> torch.Tensor:
-            idx = torch.randint(0, len(y), (min(32, len(y)),), generator=gen)
-            return nn.functional.cross_entropy(model(x[idx]), y[idx])
-
-        return batch_loss
-
-    with single_thread():
-        model = train_lora(base, BASE_MODEL, plan, TARGET_SETS[plan.target_modules], pick, resume=resume)
-        return model, held_out_accuracy(model, data, plan.task, plan.seed)
+    return images.train_adapter(base, BASE_MODEL, TARGET_SETS, splits(data), task_classes, attrs, resume=resume)
 
 
 def held_out_accuracy(model: nn.Module, data: ShapesData, task: str, seed: int) -> float:
     """Accuracy on the task's held-out split, drawn as for the adapter trained with this seed."""
-    x, y = task_split(task, data.test_x, data.test_y, data.test_size, train=False, seed=seed + 1)
-    return accuracy(model, task, x, y)
+    return images.held_out_accuracy(model, splits(data), task_classes, task, seed)
