@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,6 +72,9 @@ NEIGHBOURS = 5
 ENCODE_BATCH = 128
 #: query vectors remembered per process
 QUERY_CACHE = 1024
+#: torch threads a query's sentence is encoded on: one short sentence gains nothing from more, and on a busy machine
+#: two threads waiting on each other took 290 ms where one took 40
+QUERY_THREADS = 1
 #: seconds a process trusts its index to be current before it reads the catalog mark again (four index reads)
 MARK_TTL_S = 1.0
 
@@ -95,17 +99,33 @@ def encoder() -> SentenceTransformer:
 def query_vector(q: str) -> np.ndarray:
     """A query's sentence vector, remembered for the next QUERY_CACHE queries (a page of results is followed by the
     next page of the same query)."""
-    vector = encode([q])[0]
+    vector = encode([q], threads=QUERY_THREADS)[0]
     vector.setflags(write=False)
     return vector
 
 
-def encode(texts: Sequence[str]) -> np.ndarray:
-    """Unit sentence vectors of texts (float32, one row each)."""
+_encoding = threading.Lock()
+#: where a query's sentence is encoded, beside the request's own database work
+_encoder_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
+
+
+def encode(texts: Sequence[str], threads: int | None = None) -> np.ndarray:
+    """Unit sentence vectors of texts (float32, one row each), on `threads` of torch's threads (default: torch's own
+    count), one call at a time per process."""
     model = encoder()
     if not texts:
         return np.zeros((0, DIM), np.float32)
-    out = model.encode(list(texts), batch_size=ENCODE_BATCH, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+    import torch
+
+    with _encoding:
+        default = torch.get_num_threads()
+        torch.set_num_threads(threads or default)
+        try:
+            out = model.encode(
+                list(texts), batch_size=ENCODE_BATCH, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+            )
+        finally:
+            torch.set_num_threads(default)
     return np.asarray(out, np.float32)
 
 
@@ -143,8 +163,13 @@ class TextIndex:
     pred_shown: np.ndarray  # bool: the adapter has no given label of this key
 
     def base_of(self, ids: Iterable[int]) -> dict[int, str]:
-        at = {int(i): r for r, i in enumerate(self.doc_ids.tolist())}
-        return {int(i): self.bases[int(self.base_codes[at[int(i)]])] for i in ids if int(i) in at}
+        """{id: base model} of those ids the index holds (looked up in doc_ids, which are in id order: the cost of the
+        ids asked, not of the catalog)."""
+        wanted = np.array([int(i) for i in ids], np.int64)
+        at = np.minimum(np.searchsorted(self.doc_ids, wanted), max(len(self.doc_ids) - 1, 0))
+        held = (self.doc_ids[at] == wanted) if len(self.doc_ids) else np.zeros(len(wanted), bool)
+        found = zip(wanted.tolist(), at.tolist(), held.tolist(), strict=True)
+        return {i: self.bases[int(self.base_codes[r])] for i, r, h in found if h}
 
 
 def _paths(data_dir: Path) -> tuple[Path, Path]:
@@ -202,7 +227,7 @@ def load(data_dir: Path) -> TextIndex:
 def _predict(session: Session, engine: QueryEngine, space: str, ids: Sequence[int]) -> list[tuple[int, str, float]]:
     """(adapter id, `key=value`, probability) of each attribute's top class at least PREDICTED_MIN probable, by the
     space's served predictor; adapters it cannot predict (no factors, not embedded) have none."""
-    from embed.service import make_query
+    from embed.resources import make_query
 
     out: list[tuple[int, str, float]] = []
     for adapter_id in ids:
@@ -351,6 +376,8 @@ def _neighbours(session: Session, engine: QueryEngine, t: TextIndex, seeds: Sequ
     predictor, else the module sketch)."""
     from zoo.store.text_rows import space_names
 
+    if not seeds:
+        return []
     spaces = space_names(session)
     base_of = t.base_of(seeds)
     found: dict[int, list[tuple[int, float]]] = {}
@@ -413,9 +440,10 @@ def query_lists(session: Session, engine: QueryEngine, q: str, filters: Mapping[
     times as deep and kept to the adapters the filters keep (one indexed look-up of its ids), so a filter costs its
     lists' length, not the catalog's."""
     t = current_index(session, engine)
-    vector = query_vector(q)
+    encoding = _encoder_thread.submit(query_vector, q)  # while the database searches the full text
     depth = DEPTH * (FILTERED_WIDTH if filters else 1)
     full: Ranked = [(i, "text") for i in ranked_ids(session, q, filters, DEPTH)]
+    vector = encoding.result()
     dense = _kept(session, _dense(t, vector, depth), filters)
     predicted = _kept(session, _predicted(t, vector, depth), filters)
     seeds = [i for i, _, _ in fuse([full, dense])[:SEEDS]]

@@ -15,6 +15,7 @@ matches as a prefix. Queries are built from search words only, so no user text i
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import unicodedata
@@ -32,6 +33,7 @@ from sqlalchemy import (
     SQLColumnExpression,
     String,
     and_,
+    bindparam,
     case,
     cast,
     column,
@@ -83,6 +85,9 @@ FACET_TIMEOUT_MS = 150
 FILTERED_FACET_TIMEOUT_MS = 1500
 #: past this many matches (estimated), a query without a chosen sort shows the newest first, not the most relevant
 RANK_ROWS = 20_000
+#: the matches a search by meaning's full-text list (ranked_ids) ranks at most: it is one list of a hundred fused with
+#: three others, and ranking every match of a common word costs its matches (200,000 took 330 ms)
+RANKED_LIST_ROWS = 2_000
 
 
 def facet_exact_rows() -> int:
@@ -563,20 +568,20 @@ def _hit(a: Adapter, labels: dict[str, str]) -> CatalogHit:
 
 def ranked_ids(session: Session, q: str | None, filters: Mapping[str, str], limit: int) -> list[int]:
     """The ids of the `limit` most relevant adapters matching free text `q` and `filters` (none without query words):
-    full text's list in a search by meaning. On PostgreSQL past RANK_ROWS estimated matches, the newest of them (an
-    index's order: ranking 200,000 matches took 330 ms)."""
+    full text's list in a search by meaning. One statement that ranks at most RANKED_LIST_ROWS matches (the first
+    the text index gives): all of them when there are no more, so its cost is bounded by that, not by how many
+    adapters a common word matches."""
     phrases = query_phrases(q)
     if not phrases:
         return []
     dialect = session.get_bind().dialect.name
-    stmt, relevance = _restrict(select(Adapter.id), dialect, phrases, filters)
-    sort = "relevance"
-    if (
-        dialect == "postgresql"
-        and _most_matches(session, dialect, phrases, _estimated_matches(session, dialect, phrases, filters)) > RANK_ROWS
-    ):
-        sort = "newest"
-    return list(session.scalars(stmt.order_by(*_order(sort, dialect, relevance)).limit(limit)))
+    if dialect == "postgresql":
+        score, best_first = func.ts_rank(AdapterText.document_tsv, func.to_tsquery(_SIMPLE, tsquery_text(phrases))), True
+    else:
+        score, best_first = func.bm25(_FTS_NAME), False  # lower is better
+    matches = _restrict(select(Adapter.id, score.label("score")), dialect, phrases, filters)[0].limit(RANKED_LIST_ROWS).subquery()
+    order = matches.c.score.desc() if best_first else matches.c.score.asc()
+    return list(session.scalars(select(matches.c.id).order_by(order, matches.c.id).limit(limit)))
 
 
 def kept_ids(session: Session, ids: Sequence[int], filters: Mapping[str, str]) -> set[int]:
@@ -591,8 +596,14 @@ def facets_of(session: Session, ids: Sequence[int]) -> dict[str, list[FacetValue
     """The facets of these adapters (a ranked list's, not a query's matches)."""
     if not ids:
         return _read_facets([])[1]
-    dialect = session.get_bind().dialect.name
-    return _read_facets(session.execute(_facets_statement(dialect, [], {}, Adapter.id.in_(list(ids)))).all())[1]
+    stmt = _facets_of_statement(session.get_bind().dialect.name)
+    return _read_facets(session.execute(stmt, {"facet_ids": list(ids)}).all())[1]
+
+
+@functools.lru_cache(maxsize=4)
+def _facets_of_statement(dialect: str) -> Select:
+    """facets_of's statement, its ids bound when run (building it took longer than running it over a page of ids)."""
+    return _facets_statement(dialect, [], {}, Adapter.id.in_(bindparam("facet_ids", expanding=True)))
 
 
 def catalog_hits(session: Session, ids: Sequence[int]) -> list[CatalogHit]:
