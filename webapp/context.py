@@ -121,6 +121,8 @@ class WebConfig:
     #: threads for expensive calls, and calls that may wait for one (per process)
     call_workers: int = config.CALL_WORKERS.default
     call_queue: int = config.CALL_QUEUE.default
+    #: the app works on the ingestion jobs it queues (else `zoo worker`s on any node do)
+    run_jobs: bool = config.WEB_JOBS.default
 
     @classmethod
     def from_env(cls, overrides: dict[str, object]) -> WebConfig:
@@ -133,6 +135,7 @@ class WebConfig:
             time_limit_s=config.TIME_LIMIT_S.get(overrides),
             call_workers=max(1, config.CALL_WORKERS.get(overrides)),
             call_queue=max(0, config.CALL_QUEUE.get(overrides)),
+            run_jobs=config.WEB_JOBS.get(overrides),
         )
 
 

@@ -17,6 +17,7 @@ from zoo.sources.local import expand_under
 from zoo.sources.upload import Upload, materialize
 from zoo.store.jobs import PROCESSED, JobDetail, create_job, job_detail
 from zoo.store.models import JobOptions
+from zoo.store.shared_files import in_bucket, publish, unpublish
 
 
 def import_path(raw: str) -> Path:
@@ -35,9 +36,9 @@ def import_path(raw: str) -> Path:
 
 
 def start_ingest(paths: list[str], files: list, base_model: str | None, created_by: str) -> JobDetail:
-    """Create a job for the paths (or the upload, saved under the data dir until its item is finished) and start it: the
-    job thread works on its items until none is queued or held by a worker, embedding what it stored. A job
-    the app leaves unfinished (the app stopped) is finished by `zoo worker`."""
+    """Create a job for the paths (or the upload, saved under the data dir, and in the bucket where blobs are kept, until
+    its item is finished) and start it: the job thread works on its items until none is queued or held by a worker,
+    embedding what it stored. A job the app leaves unfinished (the app stopped) is finished by `zoo worker`."""
     ctx = zoo_context()
     if bool(paths) == bool(files):
         raise UsageError("send either `paths` (under the import root) or files in the `file` field")
@@ -47,13 +48,17 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
     if request_id := logs.REQUEST_ID.get():
         options["request_id"] = request_id  # the items' log lines carry it, in any worker (zoo/logs.py)
     if files:
-        upload_dir = ctx.settings.data_dir / "uploads" / uuid.uuid4().hex
+        folder = f"uploads/{uuid.uuid4().hex}"
+        upload_dir = ctx.settings.data_dir / folder
         upload_dir.mkdir(parents=True)
         try:
             sources = [str(materialize([Upload(f.filename or "upload", f.stream) for f in files], upload_dir, ctx.web.max_upload_bytes))]
+            publish(ctx.blobs, ctx.settings.data_dir, folder)  # in the bucket before the job commits: any worker may claim it
         except Exception:
             shutil.rmtree(upload_dir, ignore_errors=True)
+            unpublish(ctx.blobs, folder)
             raise
+        options["upload"] = folder
     else:
         named = [import_path(p) for p in paths]
         root = ctx.web.import_root
@@ -67,11 +72,16 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
     session.commit()
     detail = job_detail(session, job)
 
+    if not ctx.web.run_jobs:  # left to `zoo worker`s: with a bucket, any node's fetches the upload from there
+        if upload_dir is not None and in_bucket(ctx.blobs):
+            shutil.rmtree(upload_dir, ignore_errors=True)
+        return detail
     worker_options = WorkerOptions(job_id=job.id, drain=True)
 
     def remove_upload() -> None:
         if upload_dir is not None:
             shutil.rmtree(upload_dir, ignore_errors=True)
+            unpublish(ctx.blobs, options["upload"])
 
     def outcomes() -> Iterator[Outcome | None]:
         try:

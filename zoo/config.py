@@ -61,6 +61,7 @@ MAX_LABEL_BYTES = Variable("ZOO_MAX_LABEL_BYTES", 16 << 10, "UTF-8 bytes of one 
 TIME_LIMIT_S = Variable("ZOO_TIME_LIMIT_S", 60.0, "seconds an expensive web call (an upload, a prediction) may take")
 CALL_WORKERS = Variable("ZOO_CALL_WORKERS", 2, "threads for expensive web calls, per process")
 CALL_QUEUE = Variable("ZOO_CALL_QUEUE", 2, "expensive web calls that may wait for a thread; more are refused with 503")
+WEB_JOBS = Variable("ZOO_WEB_JOBS", True, "the web app works on the ingestion jobs it queues (0: it leaves them to `zoo worker`)")
 HEADER_TIMEOUT_S = Variable("ZOO_HEADER_TIMEOUT_S", 5.0, "seconds a client has to send a request's headers")
 BODY_TIMEOUT_S = Variable("ZOO_BODY_TIMEOUT_S", 120.0, "seconds a client has to send a request's body")
 IO_TIMEOUT_S = Variable("ZOO_IO_TIMEOUT_S", 30.0, "seconds one socket read or write may take")
@@ -80,7 +81,7 @@ VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool
     DATA_DIR, DATABASE_URL, MAX_RANK, MAX_MODULES, MAX_MODULE_WIDTH, MAX_HEADER_BYTES, MAX_FILE_BYTES, STREAM_MIN_BYTES, MAX_HEAD_BYTES,
     HUB_MAX_WAIT_S, JOB_LEASE_S, FACET_EXACT_ROWS, PROBE_CACHE_BYTES, MODULE_STORE_BYTES, SPACES_BYTES, EMBED_CHUNK_BYTES,
     MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, MAX_LABELS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS,
-    MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE,
+    MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE, WEB_JOBS,
     HEADER_TIMEOUT_S, BODY_TIMEOUT_S, IO_TIMEOUT_S, WORKER_CLASS, WORKER_CONNECTIONS, LOG_FORMAT, TRUST_REQUEST_ID,
     BLOB_URL, S3_ENDPOINT_URL, S3_PART_BYTES, S3_CONCURRENCY, S3_MAX_ATTEMPTS, S3_TIMEOUT_S,
 )  # fmt: skip

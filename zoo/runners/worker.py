@@ -5,7 +5,7 @@ writes the outcome. A process killed mid-item loses nothing: its lease runs out 
 claims the item again; a worker with nothing to claim first queues again the items of a holder on this host that
 has exited, without waiting for their leases (zoo/store/jobs.py `stranded_items`; `zoo check` does the same).
 The process that runs `zoo worker` (or the web app's job thread) shows the
-progress and embeds what was stored in batches through the incremental path (embed.service.embed_adapters),
+progress and embeds what was stored in batches through the incremental path (embed.embedding_resource.embed_adapters),
 so a running `zoo serve` finds new adapters at its next query.
 """
 
@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -24,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypedDict
@@ -37,7 +38,9 @@ from zoo.metrics import metrics, note_resident
 from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.sources.local import escapes
 from zoo.store.blob_backends import open_blob_store
+from zoo.store.blobs import BlobStore
 from zoo.store.jobs import (
+    PROCESSED,
     Claim,
     claim_items,
     finish_item,
@@ -50,6 +53,7 @@ from zoo.store.jobs import (
 )
 from zoo.store.models import JobOptions
 from zoo.store.session import Sessions, session_factory
+from zoo.store.shared_files import local_folder, unpublish
 from zoo.store.spaces import find_space
 
 if TYPE_CHECKING:
@@ -173,6 +177,21 @@ def process_claim(sessions: Sessions, ingestor: Ingestor, claim: Claim, owner: s
     return Outcome(claim.item_id, claim.job_id, claim.source, state if held else "lost", result.adapter_id, result.error, seconds)
 
 
+def local_claim(blobs: BlobStore, data_dir: Path, claim: Claim) -> tuple[Claim, Path | None]:
+    """The claim with its source on this node, and the web upload's folder it reads from (None: not an upload), to
+    remove once the item is finished: an upload made on another node (not under this node's data dir) is fetched
+    from the bucket into this node's data dir first."""
+    folder = claim.options.get("upload")
+    if not folder or f"/{folder}" not in claim.source:
+        return claim, None
+    there, rest = claim.source.split(f"/{folder}", 1)
+    if Path(claim.source).exists():  # the web app's node, or one sharing its data dir
+        return claim, Path(there) / folder
+    fetched = local_folder(blobs, data_dir, folder)
+    rest = rest.lstrip("/")
+    return replace(claim, source=str(fetched / rest) if rest else str(fetched)), fetched
+
+
 def source_bytes(source: str) -> int:
     """Bytes of a local source on disk (a file, or the files of a PEFT folder); 0 for a Hub source or one gone."""
     path = Path(source)
@@ -225,8 +244,12 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
         beat.hold(owner, claim.item_id)
         try:
             with logs.context(claim.options.get("request_id"), claim.job_id):  # the request that made the job, if one did
+                claim, upload = local_claim(blobs, settings.data_dir, claim)
                 outcome = process_claim(sessions, ingestors[key], claim, owner)
                 count_outcome(outcome)
+                if upload is not None and outcome.state in PROCESSED:  # the upload's files are done with, here and in the bucket
+                    shutil.rmtree(upload, ignore_errors=True)
+                    unpublish(blobs, str(claim.options.get("upload")))
         finally:
             beat.drop(claim.item_id)
         yield outcome
@@ -253,7 +276,7 @@ class EmbedBatches:
                 self.flush(files=False)
 
     def _embed(self, ids: list[int]) -> None:
-        from embed.service import embed_adapters
+        from embed.embedding_resource import embed_adapters
 
         done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, ids, self.device)
         for space, count in done.items():
@@ -275,7 +298,7 @@ class EmbedBatches:
             log.warning("relations from the weights in %s: %s", base_model, error)
 
     def flush(self, files: bool = True) -> None:
-        from embed.service import refresh_space_files, unembedded_ids
+        from embed.embedding_resource import refresh_space_files, unembedded_ids
 
         if self.pending:
             ids, self.pending = self.pending, []

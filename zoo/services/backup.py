@@ -16,6 +16,7 @@ node with an empty disk does.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -36,6 +37,7 @@ from zoo.errors import UsageError
 from zoo.store import backup as rows
 from zoo.store.blob_backends import open_blob_store
 from zoo.store.session import current_revision, make_engine, require_schema, session_factory, upgrade
+from zoo.store.shared_files import local_folder, publish
 from zoo.store.spaces import all_spaces
 
 FORMAT = "zoo-backup"
@@ -151,7 +153,11 @@ def backup(settings: Settings, dest: Path, progress: bool = False) -> BackupRepo
             blobs.append({"digest": digest, "bytes": copied.bytes, "file": file})
             bar.update()
     files: list[FileEntry] = []
-    for relative, path in _checkpoint_files(settings.data_dir, rows.embedder_checkpoints(url)):
+    checkpoints = rows.embedder_checkpoints(url)
+    for checkpoint in checkpoints:  # with blobs in a bucket, a checkpoint another node trained is fetched from there
+        with contextlib.suppress(FileNotFoundError, ValueError):  # missing everywhere: _checkpoint_files says so
+            local_folder(store, settings.data_dir, checkpoint)
+    for relative, path in _checkpoint_files(settings.data_dir, checkpoints):
         target = dest / "files" / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
@@ -220,7 +226,7 @@ def _prepare_database(url: str, revision: str | None) -> None:
 def restore(settings: Settings, src: Path, progress: bool = False) -> RestoreReport:
     """Bring a backup back into the configured database (new or empty) and data dir: rows at the backup's schema, then
     migrated to this zoo's; every blob and checkpoint file checked against its hash; derived files rebuilt."""
-    from embed.service import refresh_space_files
+    from embed.embedding_resource import refresh_space_files
 
     manifest = read_manifest(src)
     start = time.perf_counter()
@@ -243,6 +249,9 @@ def restore(settings: Settings, src: Path, progress: bool = False) -> RestoreRep
         shutil.copyfile(source, target)
     with _bar(sum(t["rows"] for t in manifest["tables"].values()), "rows", "row", progress) as bar:
         rows.load_rows(url, src, manifest["tables"], lambda _table, n: bar.update(n))
+    for checkpoint in rows.embedder_checkpoints(url):  # with blobs in a bucket, every node fetches them from there
+        if (settings.data_dir / checkpoint).is_dir():
+            publish(store, settings.data_dir, checkpoint)
     upgrade(url)
     sessions = session_factory(url)
     rebuilt: dict[str, dict[str, object]] = {}
