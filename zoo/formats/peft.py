@@ -158,9 +158,7 @@ def parse_peft_config(config_path: Path, text: bytes) -> PeftConfig:
         )
     if peft_type != "LORA":
         raise InputError(config_path, f"unsupported PEFT type {peft_type}: only LORA and ADALORA adapters can be canonicalized")
-    r_default = _number(config_path, "r", config.get("r"), 8.0, positive=True)
-    if r_default != int(r_default):
-        raise InputError(config_path, f"r must be a whole number, got {r_default}")
+    r_default = _rank(config_path, config, "r", 8.0)
     return PeftConfig(
         path=config_path,
         raw=config,
@@ -176,9 +174,7 @@ def parse_peft_config(config_path: Path, text: bytes) -> PeftConfig:
 def _adalora_config(config_path: Path, config: dict) -> PeftConfig:
     """An AdaLoRA config: init_r (the ranknum of every module) and lora_alpha; its rank_pattern (which ranks each
     module kept, already applied to the saved factors) is recorded, not a LoRA rank pattern."""
-    init_r = _number(config_path, "init_r", config.get("init_r"), 12.0, positive=True)
-    if init_r != int(init_r):
-        raise InputError(config_path, f"init_r must be a whole number, got {init_r}")
+    init_r = _rank(config_path, config, "init_r", 12.0)
     return PeftConfig(
         path=config_path,
         raw=config,
@@ -190,6 +186,14 @@ def _adalora_config(config_path: Path, config: dict) -> PeftConfig:
         fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
         adalora_init_r=int(init_r),
     )
+
+
+def _rank(config_path: Path, config: dict, key: str, default: float) -> float:
+    """The config's rank under `key` (`default` where absent): a positive whole number."""
+    rank = _number(config_path, key, config.get(key), default, positive=True)
+    if rank != int(rank):
+        raise InputError(config_path, f"{key} must be a whole number, got {rank}")
+    return rank
 
 
 def peft_weights(directory: Path) -> Path:
