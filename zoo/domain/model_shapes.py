@@ -315,25 +315,26 @@ def kohya_flux_named(modules: Iterator[ModuleShape]) -> Iterator[ModuleShape]:
 
 def _bert(layers: int) -> Iterator[ModuleShape]:
     """BERT-base (PEFT's names on BertModel): 12 layers of width 768, MLP 3072, vocabulary 30,522."""
-    yield ModuleShape("embeddings.word_embeddings", 30522, 768)
-    for i in range(layers):
-        p = f"encoder.layer.{i}"
-        for t in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
-            yield ModuleShape(f"{p}.{t}", 768, 768)
-        yield ModuleShape(f"{p}.intermediate.dense", 3072, 768)
-        yield ModuleShape(f"{p}.output.dense", 768, 3072)
+    attention = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense")
+    yield from _bert_base_shaped(layers, "encoder.layer", attention, ("intermediate.dense", "output.dense"))
     yield ModuleShape("pooler.dense", 768, 768)
 
 
 def _distilbert(layers: int) -> Iterator[ModuleShape]:
     """DistilBERT-base (PEFT's names on DistilBertModel): 6 layers of width 768, MLP 3072, vocabulary 30,522."""
+    attention = tuple(f"attention.{t}" for t in ("q_lin", "k_lin", "v_lin", "out_lin"))
+    yield from _bert_base_shaped(layers, "transformer.layer", attention, ("ffn.lin1", "ffn.lin2"))
+
+
+def _bert_base_shaped(layers: int, prefix: str, attention: tuple[str, ...], mlp: tuple[str, str]) -> Iterator[ModuleShape]:
+    """The word embeddings, then per layer `prefix`.i's `attention` projections (768 × 768) and `mlp` (up to 3072, down
+    to 768)."""
     yield ModuleShape("embeddings.word_embeddings", 30522, 768)
     for i in range(layers):
-        p = f"transformer.layer.{i}"
-        for t in ("q_lin", "k_lin", "v_lin", "out_lin"):
-            yield ModuleShape(f"{p}.attention.{t}", 768, 768)
-        yield ModuleShape(f"{p}.ffn.lin1", 3072, 768)
-        yield ModuleShape(f"{p}.ffn.lin2", 768, 3072)
+        for t in attention:
+            yield ModuleShape(f"{prefix}.{i}.{t}", 768, 768)
+        yield ModuleShape(f"{prefix}.{i}.{mlp[0]}", 3072, 768)
+        yield ModuleShape(f"{prefix}.{i}.{mlp[1]}", 768, 3072)
 
 
 def _gpt2(layers: int) -> Iterator[ModuleShape]:
