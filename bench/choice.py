@@ -47,7 +47,7 @@ def dump(args: argparse.Namespace) -> None:
     from embed.dataset import load_adapters
     from embed.ensemble import W2TEnsemble
     from embed.evaluate import labelled_split
-    from embed.service import resolve_base_model
+    from embed.resources import resolve_base_model
     from embed.train import member_folds, train_w2t
     from embed.train_options import TrainOptions
     from embed.types import ZooAdapter, schema_of, split_positions

@@ -4,7 +4,7 @@ The shapes-lineage zoo is stored again, in a data dir of its own per holdout, wi
 (`non-root`: every member made from roots, the roots keep theirs; `half`: a random half of the members, seeded); `zoo
 embed` finds the edges, `zoo train` trains W2T on the labels kept (and embeds with it). Then, per held-out stored
 adapter, the task from lineage (zoo.store.imputation.from_lineage, what `zoo predict` serves) is scored against the
-embedding's prediction (embed.service.predict: the predictor `zoo train` chose, as served), and against labels.csv:
+embedding's prediction (embed.resources.predict: the predictor `zoo train` chose, as served), and against labels.csv:
 
 - (a) imputation where it answers, and its coverage (the share of held-out adapters it answers for), for five rules:
   copies only, copies and merges (the default: edges of confidence ≥ 0.5), the same from any confidence or from 0.9,
@@ -97,7 +97,7 @@ def predict(
 ) -> list[dict]:
     """Per held-out stored adapter: its truth, each baseline's answer and each rule's (tasks, kind), and per copy its
     task came from (default rule), which of its labels.csv values that copy has too."""
-    from embed import service
+    from embed import resources
     from embed.engine import QueryEngine
     from embed.refs import StoredId
     from zoo.config import Settings
@@ -118,8 +118,8 @@ def predict(
             if not set(names) <= held or len(truths) > 1:  # a kept member's labels are on it, or its copies disagree
                 continue
             name = names[0]
-            top = service.predict(engine, session, StoredId(i))["attributes"].get("task")
-            hits = service.search(engine, session, StoredId(i), len(by_id))["results"]
+            top = resources.predict(engine, session, StoredId(i))["attributes"].get("task")
+            hits = resources.search(engine, session, StoredId(i), len(by_id))["results"]
             found = {rule: from_lineage(session, i, floor, kinds) for rule, (kinds, floor) in RULES.items()}
             task = found[DEFAULT_RULE]["attributes"].get("task")
             sources = [s["adapter"]["name"] for s in task["values"][0]["sources"]] if task and task["kind"] == "copy" else []

@@ -1,6 +1,6 @@
 """Predictions set beside what was given, over every labelled adapter of a zoo (the demo's, after `zoo quickstart`).
 
-For each stored adapter with a given value of an attribute, its served prediction (embed.service.predict, what the
+For each stored adapter with a given value of an attribute, its served prediction (embed.resources.predict, what the
 adapter page, `zoo predict` and the API show) is compared with that value:
 
 - how many predictions disagree with the given value, how many of them are marked as disagreeing (`agrees` False),
@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from embed import service
+from embed import resources
 from embed.calibration import ECE_BINS, SURE_SLACK
 from embed.engine import QueryEngine
 from embed.refs import StoredId
@@ -37,7 +37,7 @@ def measure(settings: Settings, space: str | None) -> dict[str, object]:
     engine = QueryEngine(sessions, BlobStore(settings.blob_dir), settings.data_dir)
     with sessions() as session:
         ids = [i for (i,) in session.query(Adapter.id).order_by(Adapter.id)]
-        found = [service.predict(engine, session, StoredId(i), space, lineage=False) for i in ids]
+        found = [resources.predict(engine, session, StoredId(i), space, lineage=False) for i in ids]
     sure: dict[str, list[tuple[float, bool]]] = defaultdict(list)
     attributes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     metrics: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))

@@ -94,7 +94,7 @@ def family_hit_at_1(data_dir: Path, base_model: str, families: dict[int, int], m
     engine = QueryEngine(sessions, BlobStore(settings.blob_dir), data_dir)
     hits = 0
     with sessions() as session:
-        from embed.service import resolve_space
+        from embed.resources import resolve_space
 
         space = resolve_space(session, base_model).name
         for adapter_id, family in families.items():

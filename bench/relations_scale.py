@@ -82,7 +82,7 @@ def real_factors(database_url: str, src: serve.Source) -> list[tuple[str, str | 
     of the adapters with both embeddings, as `serve.load_source` orders them (checked against their stored sketches)."""
     from sqlalchemy import select
 
-    from embed.service import resolve_space
+    from embed.resources import resolve_space
     from zoo.store.embedders import active_embedder
     from zoo.store.embeddings import load_embeddings
     from zoo.store.models import Adapter

@@ -61,8 +61,8 @@ def zoo_first_stage(data_dir: Path, pools: list[int], widths: list[int], k: int)
     a query (see the module doc)."""
     from embed.dataset import load_adapters
     from embed.module_store import module_store_path, read_module_store
+    from embed.resources import resolve_space
     from embed.search_methods import GRAM, SKETCH
-    from embed.service import resolve_space
     from embed.types import SpaceSchema
     from zoo.config import Settings
     from zoo.domain.channels import channel_sketches, exact_cosines

@@ -109,7 +109,7 @@ def _zoo_vectors(
     `optional`, no vectors and None where the space has no such embedder."""
     from sqlalchemy import select
 
-    from embed.service import resolve_space
+    from embed.resources import resolve_space
     from zoo.store.embedders import active_embedder
     from zoo.store.embeddings import load_embeddings
     from zoo.store.models import Adapter, Label

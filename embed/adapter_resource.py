@@ -7,7 +7,7 @@ from typing import Any, TypedDict, TypeVar
 
 from embed.engine import QueryEngine
 from embed.refs import StoredId
-from embed.service import PredictionResource, SearchResource, predict, search
+from embed.resources import PredictionResource, SearchResource, predict, search
 from zoo.errors import NotFoundError, NotReadyError
 from zoo.limits import DEFAULT_K
 from zoo.store import repository, space_adapters

@@ -235,7 +235,7 @@ def test_zoo_embed_skips_an_adapter_deleted_after_it_read_it(pg_url: str, tmp_pa
     lock for its first chunk): before, the insert failed on embedding.adapter_id's foreign key (ForeignKeyViolation,
     and a traceback); now it is skipped."""
     from embed.adapter_resource import delete_adapter
-    from embed.service import embed_space
+    from embed.embedding_resource import embed_space
     from tests.conftest import truncate_all
     from tests.factories import write_random_peft_adapters
     from zoo.cli import main

@@ -22,10 +22,11 @@ from sqlalchemy import func, select, text
 
 from embed import module_store
 from embed.adapter_resource import delete_adapter
+from embed.embedding_resource import embed_adapters
 from embed.engine import QueryEngine
 from embed.refs import StoredId
+from embed.resources import search
 from embed.results import Query
-from embed.service import embed_adapters, search
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.services.ingest import IngestOptions, Ingestor

@@ -355,7 +355,7 @@ def test_an_index_built_from_the_database_a_chunk_at_a_time(db_url: str, monkeyp
     once, the IVF kind meets its recall goal, and the exact top-k read in chunks is the brute force over all."""
     from sqlalchemy import insert
 
-    from embed import index_files, service
+    from embed import index_files, index_resource
     from zoo.store.embedders import register
     from zoo.store.embeddings import store_embeddings
     from zoo.store.models import Adapter
@@ -371,14 +371,14 @@ def test_an_index_built_from_the_database_a_chunk_at_a_time(db_url: str, monkeyp
         embedder = register(session, ensure_space(session, "tiny", (("m", 4, 4),)), "sketch", dim)
         store_embeddings(session, embedder, ids, vectors)
     monkeypatch.setattr(index_files, "BUILD_CHUNK_BYTES", 4 * dim * 257)  # 257 rows a chunk
-    monkeypatch.setattr(service, "BUILD_CHUNK_BYTES", 4 * dim * 257)
+    monkeypatch.setattr(index_resource, "BUILD_CHUNK_BYTES", 4 * dim * 257)
     queries = vectors[:50] + 0.1
     with session_factory(db_url)() as session:
         flat = index_files.build_index(session, embedder)
         whole = AdapterIndex.build(np.array(ids), vectors)
         assert flat.kind == "flat" and flat.size == n
         assert np.array_equal(flat.search(queries, 10)[1], whole.search(queries, 10)[1])
-        exact = service.exact_top_k(session, embedder, queries, 10)
+        exact = index_resource.exact_top_k(session, embedder, queries, 10)
         assert np.array_equal(exact, brute_force(np.array(ids), vectors, queries, 10)[1])
         ivf = index_files.build_index(session, embedder, ivf=True)
         assert ivf.kind == "ivf" and ivf.size == n and recall_at_k(ivf.search(queries, 10)[1], exact) >= RECALL_GOAL

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from werkzeug.serving import make_server
 
-from embed import service, spaces_resource
+from embed import resources, spaces_resource
 from embed.engine import QueryEngine
 from embed.refs import StoredId
 from tests.factories import write_random_peft_adapters
@@ -144,7 +144,7 @@ def test_a_query_of_another_base_is_refused(zoo: Zoo, capsys: pytest.CaptureFixt
 def test_a_query_that_fits_another_base_by_shape_is_refused_too(zoo: Zoo) -> None:
     engine = zoo.engine()
     with session_factory(zoo.url)() as session, pytest.raises(UsageError) as refused:
-        service.search(engine, session, StoredId(zoo.ids["mistral-7b"]["mistral-7b-f0-m0"]), 5, SPACES["llama3-8b"])
+        resources.search(engine, session, StoredId(zoo.ids["mistral-7b"]["mistral-7b-f0-m0"]), 5, SPACES["llama3-8b"])
     assert SPACES["mistral-7b"] in str(refused.value) and SPACES["llama3-8b"] in str(refused.value)
 
 
@@ -153,7 +153,7 @@ def _answers(engine: QueryEngine, zoo: Zoo, order: list[int]) -> list[tuple[str,
     out = []
     with session_factory(zoo.url)() as session:
         for adapter_id in order:
-            found = service.search(engine, session, StoredId(adapter_id), 5, method="module")
+            found = resources.search(engine, session, StoredId(adapter_id), 5, method="module")
             out.append((str(found["space"]), [h["adapter_id"] for h in found["results"]], [h["score"] for h in found["results"]]))
     return out
 

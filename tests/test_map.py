@@ -464,7 +464,7 @@ def test_the_plot_of_a_metric_has_a_colour_bar_with_its_min_and_max() -> None:
 def test_an_unknown_space_is_one_not_found_wherever_it_is_asked_for(cli: CLI, parts: Path) -> None:
     """The map, the query engine, the commands' --space and the base model a command embeds answer an unknown space
     with one error: 404 over HTTP, naming the spaces there are."""
-    from embed import service
+    from embed import resources
     from tests.test_engine import make_engine
     from zoo.errors import SpaceNotFoundError
 
@@ -474,8 +474,8 @@ def test_an_unknown_space_is_one_not_found_wherever_it_is_asked_for(cli: CLI, pa
         asks = [
             lambda: space_map(session, cli.settings.data_dir, "nope"),
             lambda: make_engine(cli).space(session, "nope"),
-            lambda: service.resolve_space(session, "nope"),
-            lambda: service.resolve_base_model(session, "nope"),
+            lambda: resources.resolve_space(session, "nope"),
+            lambda: resources.resolve_base_model(session, "nope"),
         ]
         for ask in asks:
             with pytest.raises(SpaceNotFoundError) as caught:

@@ -24,7 +24,7 @@ from schemathesis.checks import (
 
 from embed.adapter_resource import AdapterResource
 from embed.maps import MapResource
-from embed.service import PredictionResource, SearchResource
+from embed.resources import PredictionResource, SearchResource
 from embed.spaces_resource import EmbedderEntry, SpacesResource
 from tests.conftest import SeededZoo
 from tests.factories import SEEDED

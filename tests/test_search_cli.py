@@ -62,7 +62,7 @@ def test_embed_search_and_index(cli: CLI, seed_sources: Path) -> None:
     assert want and {r["adapter_id"] for r in filtered["results"]} == want  # every match comes back, nothing else
 
     # FAISS agrees with a brute-force numpy search over the stored sketch embeddings
-    from embed.service import resolve_space
+    from embed.resources import resolve_space
     from zoo.store.embedders import active_embedder
     from zoo.store.embeddings import load_embeddings
     from zoo.store.session import session_factory

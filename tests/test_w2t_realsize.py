@@ -18,10 +18,10 @@ from sqlalchemy import select
 
 from embed.checkpoint import MEMORY, META, checkpoint_meta
 from embed.dataset import ExactScores, load_adapters, read_training_set
+from embed.embedding_resource import stored_schema
 from embed.ensemble import TOKENS_PER_BATCH, W2TEnsemble
 from embed.model import W2T
 from embed.module_store import module_layout
-from embed.service import stored_schema
 from embed.tokens import (
     MAX_MODULE_TOKENS,
     TOKEN_WIDTH,

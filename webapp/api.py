@@ -15,7 +15,7 @@ from apiflask import APIBlueprint, abort
 from flask import Response, jsonify, request
 from werkzeug.exceptions import UnsupportedMediaType
 
-from embed import adapter_resource, service, spaces_resource
+from embed import adapter_resource, resources, spaces_resource
 from embed.budgets import spaces_budget
 from embed.refs import StoredId
 from webapp import schemas
@@ -121,7 +121,7 @@ def similar(adapter_id: int, query: dict) -> Response:
     filters = repository.parse_filters(query["filter"])
     ctx = zoo_context()
     engine, k, space, method = ctx.engine, query["k"], query["space"], query["method"]
-    found = ctx.limited(with_session(lambda s: service.search(engine, s, StoredId(adapter_id), k, space, filters, method)), ctx.searches)
+    found = ctx.limited(with_session(lambda s: resources.search(engine, s, StoredId(adapter_id), k, space, filters, method)), ctx.searches)
     response = jsonify(found)  # the hot path: the resource is already plain JSON, so skip the schema's dump
     response.headers["Server-Timing"] = f"engine;dur={(time.perf_counter() - start) * 1e3:.3f}"
     return response
@@ -133,13 +133,13 @@ def similar(adapter_id: int, query: dict) -> Response:
 @api.input(schemas.SimilarUpload, location="form_and_files", arg_name="form")
 @api.output(schemas.SearchOut)
 @api.doc(responses=UPLOAD)
-def similar_upload(query: dict, form: dict) -> service.SearchResource:
+def similar_upload(query: dict, form: dict) -> resources.SearchResource:
     """The stored adapters most similar to an uploaded one (read and canonicalized in memory, never stored). k, space,
     method and filter may come in the query string, as for GET /adapters/{id}/similar, or in the form."""
     options = agreed_options(query, form, schemas.SimilarQuery().load({}))
     filters = repository.parse_filters(options["filter"])
     engine, k, space, method = zoo_context().engine, options["k"], options["space"], options["method"]
-    return limited_upload(form["file"], lambda s, upload: service.search(engine, s, upload, k, space, filters, method))
+    return limited_upload(form["file"], lambda s, upload: resources.search(engine, s, upload, k, space, filters, method))
 
 
 def agreed_options(query: Mapping[str, Any], form: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -172,7 +172,7 @@ def _predict(part: str, body: dict) -> dict[str, object]:
     one_query(body, files)
     found: Sequence[Mapping[str, object]]
     if files:
-        found = [limited_upload(files, lambda s, upload: service.predict(engine, s, upload, body.get("space")))]
+        found = [limited_upload(files, lambda s, upload: resources.predict(engine, s, upload, body.get("space")))]
     else:
         ids = body.get("adapter_ids") or ([body["adapter_id"]] if body.get("adapter_id") else [])
         if not ids:
@@ -180,7 +180,7 @@ def _predict(part: str, body: dict) -> dict[str, object]:
         found = zoo_context().limited(
             # what a stored adapter inherits is served with its attributes only
             with_session(
-                lambda s: [_checked(service.predict, engine, s, StoredId(i), body.get("space"), part == "attributes") for i in ids]
+                lambda s: [_checked(resources.predict, engine, s, StoredId(i), body.get("space"), part == "attributes") for i in ids]
             )
         )
     return {"predictions": [{k: p[k] for k in schemas.PREDICTION_KEYS[part]} for p in found]}

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from flask import request
 
-from embed import service
+from embed import resources
 from embed.refs import UploadedFile
 from webapp import schemas
 from webapp.context import db, zoo_context
@@ -67,7 +67,7 @@ def space_filters(session: Session, space: str | None, filters: dict[str, str]) 
     space (naming the known ones), 400 when a base_model filter names another base."""
     if not space:
         return filters
-    base = service.resolve_space(session, space).base_model
+    base = resources.resolve_space(session, space).base_model
     if filters.get("base_model", base) != base:
         raise UsageError(f"filter base_model={filters['base_model']} is not the base model of space {space} ({base})")
     return {**filters, "base_model": base}

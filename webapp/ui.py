@@ -9,7 +9,7 @@ from apiflask import APIBlueprint
 from flask import redirect, render_template, request, url_for
 from werkzeug.wrappers import Response
 
-from embed import adapter_resource, service, spaces_resource
+from embed import adapter_resource, resources, spaces_resource
 from embed.refs import UploadedFile
 from webapp.auth import needs
 from webapp.context import db, zoo_context
@@ -135,11 +135,11 @@ def similar_page() -> tuple[str, int] | str:
     space = request.form.get("space") or None  # None: the space of the adapter's own base model
     try:
 
-        def run(session: Session, upload: UploadedFile) -> tuple[service.SearchResource, service.PredictionResource | dict[str, str]]:
-            found = service.search(engine, session, upload, k, space)
-            predicted: service.PredictionResource | dict[str, str]
+        def run(session: Session, upload: UploadedFile) -> tuple[resources.SearchResource, resources.PredictionResource | dict[str, str]]:
+            found = resources.search(engine, session, upload, k, space)
+            predicted: resources.PredictionResource | dict[str, str]
             try:
-                predicted = service.predict(engine, session, upload, str(found["space"]))
+                predicted = resources.predict(engine, session, upload, str(found["space"]))
             except ZooError as exc:
                 predicted = {"error": str(exc)}
             return found, predicted

@@ -41,7 +41,7 @@ QUICKSTART_PATIENCE = 5
 
 def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     """The main job on embedded defaults: build a demo zoo, store it, embed it, train W2T, say what to run next."""
-    from embed import service
+    from embed import training_resource
     from embed.train_options import TrainOptions
     from zoo.reference.build import make_zoo
     from zoo.services.ingest import IngestOptions
@@ -57,7 +57,7 @@ def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     counts, failures = run_ingest(settings, [str(zoo_dir)], IngestOptions(), read_labels_csv(Path(str(report["labels"]))), False, progress)
     options = TrainOptions(epochs=args.epochs, members=args.members, patience=QUICKSTART_PATIENCE)
     base_model = str(report["base_model"])
-    ready = service.prepare_space(settings, base_model, options, args.retrain, progress)
+    ready = training_resource.prepare_space(settings, base_model, options, args.retrain, progress)
     sessions, blobs = session_factory(settings.database_url), open_blob_store(settings)
     relations = scan_space(relation_engine(sessions, blobs, settings.data_dir), sessions, blobs, base_model)  # as `zoo embed` ends
     if args.json:

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 
 def space_of(settings: Settings, requested: str | None) -> str:
-    from embed.service import resolve_base_model
+    from embed.resources import resolve_base_model
 
     with session_factory(settings.database_url)() as session:
         return resolve_base_model(session, requested)
@@ -69,7 +69,7 @@ def query_engine(settings: Settings, device: str | None) -> QueryEngine:
 
 
 def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import service
+    from embed import embedding_resource, training_resource
     from embed.train_options import TrainOptions
 
     require_schema(settings.database_url)
@@ -86,8 +86,8 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
         unlabelled_per_labelled=args.unlabelled_per_labelled,
     )
     sessions = session_factory(settings.database_url)
-    info = service.train_space(sessions, blob_store(settings), settings.data_dir, space, options, progress=not args.json)
-    reports = service.embed_space(sessions, blob_store(settings), settings.data_dir, space, args.device)
+    info = training_resource.train_space(sessions, blob_store(settings), settings.data_dir, space, options, progress=not args.json)
+    reports = embedding_resource.embed_space(sessions, blob_store(settings), settings.data_dir, space, args.device)
     info["embedded"] = {r["method"]: r["total"] for r in reports}
     if args.json:
         print_json(info)
@@ -104,7 +104,7 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import service
+    from embed import embedding_resource
     from embed.dataset import base_models
     from zoo.domain.probes import probes
     from zoo.memory import trim
@@ -115,10 +115,10 @@ def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
     blobs = blob_store(settings)
     with sessions() as session:
         spaces = [args.space] if args.space else base_models(session)
-    reports: list[service.EmbedReport] = []
+    reports: list[embedding_resource.EmbedReport] = []
     found: dict[str, RelationReport] = {}
     for sp in spaces:  # one space at a time, its memory given back before the next: `zoo embed` holds one space's
-        embedded = service.embed_space(sessions, blobs, settings.data_dir, sp, args.device)
+        embedded = embedding_resource.embed_space(sessions, blobs, settings.data_dir, sp, args.device)
         probes.cache_clear()  # the space's sketch probes: the relation step draws none, another space has other modules
         trim()
         if embedded:  # an engine of its own, let go with the space
@@ -149,13 +149,14 @@ QUERY_HELP = (
 
 
 def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import service
+    from embed import resources
     from embed.refs import cli_ref
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
         filters = repository.parse_filters(args.filter)
-        found = service.search(query_engine(settings, args.device), session, cli_ref(args.query), args.k, args.space, filters, args.method)
+        engine = query_engine(settings, args.device)
+        found = resources.search(engine, session, cli_ref(args.query), args.k, args.space, filters, args.method)
     if args.json:
         print_json(found)
         return 0
@@ -191,12 +192,12 @@ PREDICTOR_WORDS = {
 
 
 def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import service
+    from embed import resources
     from embed.refs import cli_ref
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
-        pred = service.predict(query_engine(settings, args.device), session, cli_ref(args.query), args.space)
+        pred = resources.predict(query_engine(settings, args.device), session, cli_ref(args.query), args.space)
     if args.json:
         print_json(pred)
         return 0
@@ -227,11 +228,11 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import service
+    from embed import index_resource
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session, session.begin():
-        info = service.index_report(session, blob_store(settings), settings.data_dir, args.space, rebuild=args.action == "rebuild")
+        info = index_resource.index_report(session, blob_store(settings), settings.data_dir, args.space, rebuild=args.action == "rebuild")
     if args.json:
         print_json(info)
         return 0
@@ -243,7 +244,7 @@ def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
     from embed.maps import refresh_map, space_map
-    from embed.service import resolve_space
+    from embed.resources import resolve_space
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:

@@ -244,11 +244,11 @@ def _check_spaces(
     """Index files, module stores, maps, missing embeddings and misfits per space (embed/ is imported only here).
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
+    from embed.embedding_resource import embed_space
     from embed.index_files import index_path, load_consistent_index
     from embed.maps import load_consistent_map, map_embedder, map_path
     from embed.module_store import module_store_path, read_module_store
     from embed.search_methods import SKETCH
-    from embed.service import embed_space
 
     indexes: list[FileCheck] = []
     unembedded: list[Unembedded] = []
