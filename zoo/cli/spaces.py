@@ -149,14 +149,13 @@ QUERY_HELP = (
 
 
 def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import resources
     from embed.refs import cli_ref
+    from embed.resources import search
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
         filters = repository.parse_filters(args.filter)
-        engine = query_engine(settings, args.device)
-        found = resources.search(engine, session, cli_ref(args.query), args.k, args.space, filters, args.method)
+        found = search(query_engine(settings, args.device), session, cli_ref(args.query), args.k, args.space, filters, args.method)
     if args.json:
         print_json(found)
         return 0
