@@ -15,7 +15,7 @@ it on loopback; --clients threads, each on its own keep-alive connection, send
 
 Prints a table and, on the last line, one JSON object.
 
-Under attack (issue 30), `--attacks` serves that real zoo itself with `zoo serve` as shipped (--workers, its
+Under attack, `--attacks` serves that real zoo itself with `zoo serve` as shipped (--workers, its
 default threads, deadlines and bounded pool) and measures, each for --attack-seconds:
 - GET /api/v1/health p50/p99 idle and during 16 slow clients (headers dripped a byte every 0.5 s);
 - GET /api/v1/adapters/{id}/similar?k=10 p50/p99 idle and during 16 clients sending predict/performance with

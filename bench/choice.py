@@ -1,4 +1,4 @@
-"""The search choice studied offline (issue 32): W2T trained once per split, every rule replayed on the same scores.
+"""The search choice studied offline: W2T trained once per split, every rule replayed on the same scores.
 
 `python -m bench.choice dump --data-dir D --labelled-per-task N --splits 5 --out F.npz` trains the default W2T per split
 as `zoo eval` does (the same splits, the same seeds) and saves what a rule needs: each member's embedding of every
@@ -395,8 +395,8 @@ def bagged(measures: tuple[str, ...] = ("mrr", "ndcg@10")) -> Rule:
     return rule
 
 
-def round9_candidates() -> list[Candidate]:
-    """The candidates round 9's rule weighed all at once: the one-stage ones and a fixed grid of two-stage searches
+def all_at_once_candidates() -> list[Candidate]:
+    """The candidates of a rule that weighs them all at once: the one-stage ones and a fixed grid of two-stage searches
     (first stage 0.5-0.9, second 0-0.3, top 5 or 10; all among today's search_candidates())."""
     firsts, seconds = (0.5, 0.6, 0.7, 0.8, 0.9), (0.0, 0.1, 0.2, 0.3)
     staged = [SearchScore(e, w, r, top) for e in EXACT_SCORES for w in firsts for r in seconds for top in (5, 10)]
@@ -447,8 +447,8 @@ def nested(split: Split, oof: Scores) -> Candidate:
     return best_expected(staged_over(base), base, value, n)[0]
 
 
-def round10(split: Split, oof: Scores) -> Candidate:
-    """Round 10's rule: the live rule's two steps (the best one-stage score, then its best two-stage search) replayed
+def one_pick(split: Split, oof: Scores) -> Candidate:
+    """The live rule's two steps (the best one-stage score, then its best two-stage search) replayed
     on halves as one pick against dW cosine."""
     one = mix_candidates()
     value, n = estimated(oof)
@@ -462,9 +462,9 @@ def round10(split: Split, oof: Scores) -> Candidate:
 
 RULES: dict[str, Rule] = {
     "live (MRR + nDCG@10, replayed on halves)": live,
-    "round 10's rule: both steps replayed as one pick": round10,
-    "round 9's rule: 101 candidates at once": by_sum(("mrr", "ndcg@10"), round9_candidates),
-    "one stage only (the live rule before round 9)": by_sum(("mrr", "ndcg@10"), mix_candidates),
+    "both steps replayed as one pick": one_pick,
+    "101 candidates at once": by_sum(("mrr", "ndcg@10"), all_at_once_candidates),
+    "one stage only (no two-stage searches)": by_sum(("mrr", "ndcg@10"), mix_candidates),
     "hit@1 + MRR + nDCG@10": by_sum(MEASURES, search_candidates),
     "tiered: exact scores against dW, then all against that": tiered(),
     "lean to W2T within 1 se": leaning(1.0),

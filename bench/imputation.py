@@ -1,4 +1,4 @@
-"""Graph imputation measured (issue 33): the `--impute` part of bench/lineage.py.
+"""Graph imputation measured: the `--impute` part of bench/lineage.py.
 
 The shapes-lineage zoo is stored again, in a data dir of its own per holdout, with the labels of some members held out
 (`non-root`: every member made from roots, the roots keep theirs; `half`: a random half of the members, seeded); `zoo

@@ -1,9 +1,9 @@
-"""Benchmark: relations found from the weights (issue 33) against a shapes-lineage zoo's ground truth.
+"""Benchmark: relations found from the weights against a shapes-lineage zoo's ground truth.
 
 Builds a shapes-lineage zoo (`zoo make-zoo --recipe shapes-lineage`, or reuses one with --zoo), stores it with its
 labels (`zoo init`, `zoo ingest ZOO --labels ZOO/labels.csv`), runs `zoo embed` (whose relation step finds and
-stores the edges), reads the stored edges and scores them against labels.csv, per relation, as issue 33's goals
-count them:
+stores the edges), reads the stored edges and scores them against labels.csv, per relation, as the goals in
+docs/results.md count them:
 
 - transforms (rescaled, cast, truncated, pruned): recall of the edge to the right parent, its type, and the
   precision of the transform edges. A child that ingest stored as a duplicate (an fp16 cast lies within the

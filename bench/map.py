@@ -1,5 +1,5 @@
 """Benchmark: the zoo map's fit + projection (embed/projection.py) at real sizes, against the exact covariance
-route it replaced (d × d float64 covariance + eigh, the code before issue 29) measured in the same run.
+route it replaced (d × d float64 covariance + eigh) measured in the same run.
 
 Sizes (n vectors × d dimensions): 50,000 × 2,048 (a bounded search vector, MAX_FIT vectors) and 2,000 × 63,296
 (SDXL's unbounded sketch, where the covariance is 29.8 GiB). Vectors are unit rows of a few hundred families in a
@@ -50,7 +50,7 @@ def make(n: int, d: int, kind: str, seed: int = 0) -> np.ndarray:
 
 
 def covariance_fit(ids: np.ndarray, vectors: np.ndarray) -> np.ndarray:
-    """The basis of the route before issue 29: a d × d float64 covariance, accumulated in chunks, and eigh."""
+    """The basis of the route it replaced: a d × d float64 covariance, accumulated in chunks, and eigh."""
     sample = vectors[P.spread_sample(ids, P.MAX_FIT)]
     mean = sample.mean(axis=0, dtype=np.float64)
     d = sample.shape[1]

@@ -1,6 +1,6 @@
-"""Benchmark: the relation step's cost per adapter (issue 33) in a space of a million adapters, against a small space.
+"""Benchmark: the relation step's cost per adapter in a space of a million adapters, against a small space.
 
-Issue 33's goal: the relation step (zoo/services/relations.py) costs at most 50 ms per adapter added to ingest at a
+The goal (docs/results.md): the relation step (zoo/services/relations.py) costs at most 50 ms per adapter added to ingest at a
 million adapters. Its work per adapter is O(k): its FETCHED nearest by the engine's module-sketch and raw-factor
 indexes (searched for BATCH adapters at once), their sketch vectors from the engine's index (`later_copies`), the
 factors of up to NEIGHBOURS of them from the blob store, `find_relations`, the merge test again for up to RECHECK close

@@ -10,7 +10,7 @@ modules mixes them, and attention pooling gives one vector per adapter. A linear
 every module's σ-weighted sketch, side by side, is added to that vector: attention pooling
 averages module identity away, and a linear classifier on a fixed dW sketch is strong.
 
-Bounded for real adapters (embed/tokens.py, issue 29): u and v arrive projected to at most
+Bounded for real adapters (embed/tokens.py): u and v arrive projected to at most
 `token_width` dims, and where a space has more than `max_module_tokens` modules, the module tokens
 of a group (one type, neighbouring layers) are averaged into one and their sketches summed (a
 sketch of the group's summed update: one type shares P_u, P_v), so that the module transformer and

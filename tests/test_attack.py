@@ -1,7 +1,7 @@
-"""The service attacked as issue 30 did it, each attack bounded in time, with a cheap probe (GET /api/v1/health)
+"""The service attacked as a hostile client would, each attack bounded in time, with a cheap probe (GET /api/v1/health)
 asserted fast throughout: slow-loris, a 100-id predict flood, a filter flood and a wide-module upload against a real
 `zoo serve`, and the bounded pool, filter caps and memory budget they rely on, unit by unit. Timing bounds are
-generous (a busy 2-core CI machine): each attack made the probe time out before issue 30."""
+generous (a busy 2-core CI machine): without the defences checked here, each attack made the probe time out."""
 
 from __future__ import annotations
 

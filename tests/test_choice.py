@@ -205,7 +205,7 @@ def test_the_guard_weighs_the_one_stage_choice_alone() -> None:
     two-stage search is only ever added over a one-stage pick the guard let through. On zoos where W2T helps a little,
     the search kept is dW cosine exactly where the one-stage replay says choosing does not pay."""
     outcomes = set()
-    for seed in range(12, 18):  # zoos where round 10's rule, which replayed both steps as one pick, chose otherwise
+    for seed in range(12, 18):  # zoos where replaying both steps as one pick chooses otherwise
         exact, tasks, folds = _zoo(8, 5, w2t_noise=4.0, seed=seed)
         flat, w2t = held_out_w2t(folds, set(range(len(tasks))))
         own = self_excluded(flat, len(tasks))

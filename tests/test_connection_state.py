@@ -1,4 +1,4 @@
-"""Connection state under concurrency (issue 30, item 7): intermittent 500s on PostgreSQL after a delete and an
+"""Connection state under concurrency: intermittent 500s on PostgreSQL after a delete and an
 ingest under 12 clients (`ResourceClosedError` in load_embeddings via the engine's catch-up, "can't change
 'autocommit' now: connection in transaction status INTRANS" at pool checkout).
 

@@ -1,4 +1,4 @@
-"""Deleted means gone (issue 30, item 6): an adapter id is never handed out twice (SQLite too: migration 0011), every
+"""Deleted means gone: an adapter id is never handed out twice (SQLite too: migration 0011), every
 structure keyed by adapter id (the engine's indexes, module store, names and labels; the index files, module store
 file and map) drops a deleted adapter, and `zoo check` finds an entry for an id the database no longer has."""
 

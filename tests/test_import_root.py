@@ -1,4 +1,4 @@
-"""ZOO_IMPORT_ROOT (issue 30, item 5): every file walked under the import root resolves inside it. A symlink inside
+"""ZOO_IMPORT_ROOT: every file walked under the import root resolves inside it. A symlink inside
 the root to a file or directory outside it (or a PEFT directory holding one) is refused with its reason, never walked
 or read: when the job is made, and again when a worker reads the item (a link swapped in since)."""
 

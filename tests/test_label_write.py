@@ -1,4 +1,4 @@
-"""The one label write (issue 31): the API's label write and ingest's of the same adapter take one lock on PostgreSQL.
+"""The one label write: the API's label write and ingest's of the same adapter take one lock on PostgreSQL.
 
 A transaction holds the adapter's label lock (zoo.store.locks.label_lock) and nothing else (no row lock another writer
 could wait for); meanwhile `PUT /api/v1/adapters/{id}/labels`, the ingest of a stored copy of the adapter's files and

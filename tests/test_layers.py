@@ -1,4 +1,4 @@
-"""The import rule (issue 31): the contracts in pyproject.toml's [tool.importlinter] hold.
+"""The import rule: the contracts in pyproject.toml's [tool.importlinter] hold.
 
 A layer imports only the layers below it (the command line over webapp, over the runners, the services, embed, storage,
 sources, file readers and the math); the math imports no database, web or file library; serving does not import
@@ -34,7 +34,7 @@ def test_import_contracts_are_kept() -> None:
 def test_known_exceptions_only_shrink() -> None:
     contracts = _contracts()
     exceptions = [i for c in contracts for i in c.get("ignore_imports", [])]
-    assert len(exceptions) <= KNOWN_EXCEPTIONS, "a new upward import: fix it instead of listing it (issue 31)"
+    assert len(exceptions) <= KNOWN_EXCEPTIONS, "a new upward import: fix it instead of listing it"
     # an exception that no longer matches an import fails the contracts, not just a warning
     assert all(c.get("unmatched_ignore_imports_alerting", "error") == "error" for c in contracts)
     # exact imports only: a wildcard could hide new upward imports

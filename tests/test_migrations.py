@@ -79,8 +79,8 @@ def test_0010_adds_probe_values_and_takes_them_away(db_url: str) -> None:
 
 
 def test_migrations_import_nothing_live() -> None:
-    """An old migration never changes when live code does: no file in migrations/versions imports zoo, embed or webapp
-    (issue 31); what one needs of the code of its day is copied into it."""
+    """An old migration never changes when live code does: no file in migrations/versions imports zoo, embed or webapp;
+    what one needs of the code of its day is copied into it."""
     versions = Path(__file__).resolve().parents[1] / "migrations" / "versions"
     files = sorted(versions.glob("*.py"))
     assert len(files) > 10

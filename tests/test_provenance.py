@@ -1,4 +1,4 @@
-"""Provenance from the weights (issue 33): transforms, merges and continuations found from adapters' factors.
+"""Provenance from the weights: transforms, merges and continuations found from adapters' factors.
 
 Random low-rank adapters of a few small modules; each relation is made the way it is made in the wild (alpha
 changed, A and B cast, the SVD truncated, A and B magnitude-pruned, PEFT's add_weighted_adapter) and must be

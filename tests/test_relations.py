@@ -1,4 +1,4 @@
-"""Relations found from the weights, stored and served (issue 33): real PEFT adapters (a parent, its copy with alpha
+"""Relations found from the weights, stored and served: real PEFT adapters (a parent, its copy with alpha
 changed, its bf16 cast, its magnitude-pruned copy, a merge made by PEFT's add_weighted_adapter, unrelated ones)
 ingested through `zoo ingest`, scanned by `zoo embed`'s relation step, shown by `zoo lineage`, the API and the adapter
 page, filtered in the catalog."""

@@ -1,4 +1,4 @@
-"""W2T at real sizes (issue 29): tokens of bounded width (a seeded Gaussian projection per side) and bounded count
+"""W2T at real sizes: tokens of bounded width (a seeded Gaussian projection per side) and bounded count
 (modules grouped by type and layer), trained from projected data, recorded in the checkpoint and reproduced at
 query time; old checkpoints still load at full width."""
 

@@ -476,7 +476,7 @@ def test_pages_render_with_their_json_twins(web: Web) -> None:
         assert "https://" not in html and "http://" not in html.replace('href="http://localhost', "")
 
 
-# --- issue 30: hostile requests, server paths, one error vocabulary, security headers, read tokens ---------------
+# --- hostile requests, server paths, one error vocabulary, security headers, read tokens ---------------
 
 
 def upload_of(name: str, data: bytes) -> dict:

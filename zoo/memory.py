@@ -2,7 +2,7 @@
 
 glibc keeps freed memory in its heaps (its arenas: one per thread that allocated) unless a free leaves a large
 enough block at a heap's top; after a request that read and sketched a wide module, a worker's RSS stayed 1 GB up
-for good (issue 30). `trim()` asks glibc to return every heap's free pages (`malloc_trim(0)`); the web app calls
+for good. `trim()` asks glibc to return every heap's free pages (`malloc_trim(0)`); the web app calls
 it after each expensive call and each in-process ingest job (webapp/context.py, webapp/jobs.py). Elsewhere (no
 glibc) it does nothing."""
 

@@ -1,4 +1,4 @@
-"""Merges PEFT makes factor by factor, read from the raw factors entry by entry (issue 33).
+"""Merges PEFT makes factor by factor, read from the raw factors entry by entry.
 
 PEFT's `add_weighted_adapter` with `linear`, `magnitude_prune`, `ties`, `dare_linear` or `dare_ties` combines the
 parents' A matrices entry by entry, and their B matrices the same way, each parent i weighted by c_i = √(w_i·s_i)

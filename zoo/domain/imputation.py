@@ -1,4 +1,4 @@
-"""Graph imputation (issue 33): labels an adapter inherits along the relations found from its weights.
+"""Graph imputation: labels an adapter inherits along the relations found from its weights.
 
 An adapter without a label inherits the given labels of the adapters at the other end of its confident edges, one hop:
 

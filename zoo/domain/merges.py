@@ -1,5 +1,5 @@
 """Merges from the weights: which 2-3 of k candidate adapters a query adapter was merged from, with which weights
-and, where the weights say it, by which of PEFT's `add_weighted_adapter` combinations (issue 33).
+and, where the weights say it, by which of PEFT's `add_weighted_adapter` combinations.
 
 Everything is read off per-module Gram matrices of the stacked canonical factors of the query and a pool of the
 candidates most correlated with it (zoo/domain/lowrank.py): O(k) inner products to pick the pool, then O(pool²)

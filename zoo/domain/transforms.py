@@ -1,4 +1,4 @@
-"""Transforms of one update: how a query adapter's update derives from one stored candidate's (issue 33).
+"""Transforms of one update: how a query adapter's update derives from one stored candidate's.
 
 Pure math on canonical factors (what the blob store keeps, zoo/domain/canonical.py) and a summary of the factors
 as read from the file (`FactorSummary`: their precisions and exact zeros, kept at ingest). Plain dataclasses in and

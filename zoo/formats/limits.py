@@ -36,7 +36,7 @@ def max_modules() -> int:
 def max_module_width() -> int:
     """Widest side of a module (or any tensor of two or more dimensions) accepted (ZOO_MAX_MODULE_WIDTH, default
     524,288 = 2^19: the head or embedding of a 262,144-token vocabulary passes). Sketching a module draws 64 float64
-    probes per row and column: 0.5 KiB of working memory per unit of width, 4 GiB for a module 8M wide (issue 30)."""
+    probes per row and column: 0.5 KiB of working memory per unit of width, 4 GiB for a module 8M wide, from one upload."""
     return config.MAX_MODULE_WIDTH.get()
 
 

@@ -1,4 +1,4 @@
-"""Lineage zoos (`zoo make-zoo --recipe shapes-lineage`): adapters with known parents, the ground truth of issue 33.
+"""Lineage zoos (`zoo make-zoo --recipe shapes-lineage`): adapters with known parents, the relation step's ground truth.
 
 Roots are trained as their recipe trains its adapters; every other member is made from roots the ways adapters
 are made from others in the wild, and records its parents and parameters:
