@@ -1,4 +1,4 @@
-"""The relation step (issue 33): relations found from the weights of newly embedded adapters, among each one's
+"""The relation step: relations found from the weights of newly embedded adapters, among each one's
 nearest neighbours in the query engine, stored as edges (zoo/store/relations.py).
 
 Why after embedding and not inside ingest's transaction: the neighbours must come from an index (never a scan of the
