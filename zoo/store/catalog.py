@@ -74,7 +74,7 @@ MAX_CARD_CHARS = 100_000
 #: adapters whose documents are written per statement
 REFRESH_BATCH = 500
 #: facets (and the total) over more matching adapters than facet_exact_rows() are counted in a sample of about this
-#: many adapters and scaled: unfiltered facets of a million adapters took 9 s on PostgreSQL (issue 30)
+#: many adapters and scaled: unfiltered facets of a million adapters took 9 s on PostgreSQL
 FACET_SAMPLE_ROWS = 8_000
 #: runs of consecutive ids the sample is made of
 SAMPLE_WINDOWS = 40
@@ -312,7 +312,7 @@ def _near_matches(
     """The adapters matching the phrases and all the filters but at most one, with their column facets' values,
     `misses` (filters they fail), `col_misses` (column filters they fail) and `miss_<i>` (1 if they fail the i-th
     column filter). A facet of a filtered key counts the adapters that miss no filter or only its own: one pass
-    for every filter, where a matching set per filter cost O(filters²) (150 filters took 14.7 s, issue 30).
+    for every filter, where a matching set per filter cost O(filters²) (150 filters took 14.7 s).
     With two filters or more the candidates are not the whole catalog but the adapters kept by all but one of
     `through` (two or three filters, see _candidate_filters; each read through its own index); with two label
     filters or more, only those that also have all the filtered labels but one."""
