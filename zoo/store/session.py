@@ -5,7 +5,7 @@ workers: each inherited the master's engine (make_engine is cached per URL) with
 pool, so two worker processes spoke over one PostgreSQL socket. One worker's BEGIN left the other's connection
 `INTRANS` (its pre-ping then failed: "can't change 'autocommit' now: connection in transaction status INTRANS"),
 and replies meant for one process were read by the other (`ResourceClosedError` on a SELECT whose rows the other
-had taken): intermittent 500s under concurrent load (issue 30). A forked child now starts every engine with an
+had taken): intermittent 500s under concurrent load. A forked child now starts every engine with an
 empty pool (`dispose(close=False)`: the parent's connections are left to the parent, unclosed).
 """
 
