@@ -372,7 +372,7 @@ class RelationParameters(TypedDict, total=False):
 
 
 class AdapterRelation(Base):
-    """A relation found from the weights (issue 33): `child` is `relation` of `parent` (a merge has one row per
+    """A relation found from the weights: `child` is `relation` of `parent` (a merge has one row per
     parent). Written by the relation step after embedding (zoo/services/relations.py); deleting either adapter
     deletes the row."""
 
