@@ -1,4 +1,4 @@
-"""Labels an adapter inherits along its stored edges (graph imputation, issue 33): its confident edges both ways, the
+"""Labels an adapter inherits along its stored edges (graph imputation): its confident edges both ways, the
 given labels at their other ends, and zoo.domain.imputation's rules. Three indexed look-ups (edges by child, by
 parent, labels by adapter), so it costs the adapter's edges, never the zoo's size."""
 
@@ -18,7 +18,7 @@ from zoo.store.repository import COLUMN_FILTERS
 #: keys the adapter's own row answers, never inherited: the catalog's column and relation filters (rank, format, its
 #: source's fields, relation, derived_from), and the alpha and target modules read from its file. On the lineage recipe
 #: the copy a held-out adapter's task came from had another alpha for 42-58 % of them, another rank for 16-23 % and
-#: another `relation` label for 77-100 % (docs/results.md, "Graph imputation")
+#: another `relation` label for 77-100 % (docs/history/results-2026.md, "Graph imputation")
 OWN_FACTS = frozenset({*COLUMN_FILTERS, "alpha", "target_modules"})
 
 
