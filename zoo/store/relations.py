@@ -1,4 +1,4 @@
-"""Relations found from the weights (issue 33), as stored: one adapter's scan written (its edges and its scan row),
+"""Relations found from the weights, as stored: one adapter's scan written (its edges and its scan row),
 an adapter's edges read both ways, the catalog's relation filters, and the adapters still to scan. Every read is an
 indexed look-up (by child, by parent and relation, by relation), so it costs the same in a zoo of a million.
 
