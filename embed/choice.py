@@ -40,7 +40,7 @@ from zoo.domain.methods import LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
 #: how many first hits of a heavier mix the chosen one-stage score re-orders, in the two-stage searches tried: the
-#: heavier mix ranks deep (nDCG@10), the chosen one keeps ordering the first hits (docs/results-history.md, issue 32)
+#: heavier mix ranks deep (nDCG@10), the chosen one keeps ordering the first hits (docs/history/results-2026.md)
 RERANK_TOPS = (5, 10)
 #: neighbours tried by the kNN predictors, in order of preference on a tie
 KNN_KS = (KNN_K, 5, 3, 1)
@@ -195,8 +195,8 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     then, over a pick other than dW cosine, the one of its two-stage searches (staged_over) with a better estimate,
     if any. So a second stage is always the guarded one-stage pick, and a two-stage search is chosen only for what
     its heavier first stage adds. The guard weighs the one-stage choice alone: a pick that also chose a first stage
-    on each half is noisier, and on few labels failed the guard where the one-stage pick passes (docs/results-history.md,
-    issue 32, eleventh round). The choice's scores are those of the candidates weighed: every one-stage score, and
+    on each half is noisier, and on few labels failed the guard where the one-stage pick passes (docs/history/results-2026.md,
+    "The guard on the one-stage pick"). The choice's scores are those of the candidates weighed: every one-stage score, and
     the two-stage searches over the pick."""
     flat, w2t = held_out_w2t(folds, {r for r, task in enumerate(tasks) if task})
     reference = SearchScore()  # the whole update's cosine, the training-free bar
