@@ -35,7 +35,7 @@ MAX_MODULE_TOKENS = 256
 
 @dataclass(frozen=True)
 class TokenSpec:
-    """How adapters become tokens. The zero spec is that of checkpoints from before issue 29: full width, a token per module."""
+    """How adapters become tokens. The zero spec is that of checkpoints made before tokens were bounded: full width, a token per module."""
 
     width: int = 0  # the widest u or v side kept; 0: every side at its full width
     seed: int = 0  # seeds the projections
