@@ -37,8 +37,8 @@ class TrainOptions:
     augment_rescale: float = 0.0
     #: views drop up to this share of each adapter's modules (the share drawn per view, at least one module kept; the
     #: readout of the rest scaled up to match, as _module_view does). On shapes-cnn with 8 labels per task the chosen
-    #: search gained 0.017 hit@1 and 0.029 nDCG@10 by it; with 4 it lost 0.003-0.007 (docs/results-history.md, issue 32,
-    #: seventh round). Contrastive views drop modules too. 0: off
+    #: search gained 0.017 hit@1 and 0.029 nDCG@10 by it; with 4 it lost 0.003-0.007 (docs/history/results-2026.md,
+    #: "Training views that drop modules"). Contrastive views drop modules too. 0: off
     augment_module_dropout: float = 0.5
     #: supervised steps replace this share of their labelled adapters by a mix λ dW + (1 − λ) dW′ with another training
     #: adapter of the same task (λ ~ U(0.25, 0.75)), canonicalized again and cut to the padded rank: a new adapter of
@@ -51,12 +51,12 @@ class TrainOptions:
     device: str | None = None
     metrics: tuple[str, ...] = ("test_accuracy",)
     #: attributes that get a classification head; None: every categorical attribute. Heads for the
-    #: generating hyperparameters made the task embedding much worse on the reference zoo (docs/results-history.md).
+    #: generating hyperparameters made the task embedding much worse on the reference zoo (docs/history/results-2026.md).
     attributes: tuple[str, ...] | None = ("task",)
     dropout: float = 0.2
     #: models in the ensemble, trained from seeds seed, seed + 1, ... Ten with val_fraction 0.2 hold each adapter out
     #: of two, whose mean the choices score: better with scarce labels, worse with full ones, at twice the training
-    #: (docs/results-history.md, issue 32, sixth round)
+    #: (docs/history/results-2026.md, "Each adapter held out by two members")
     members: int = 5
     #: u and v wider than this are projected to it (embed.tokens.TokenSpec, seeded by `seed`); 0: full width; None:
     #: full width while an adapter's tokens at full width take at most FULL_WIDTH_TOKEN_BYTES, else TOKEN_WIDTH
@@ -83,7 +83,7 @@ class TrainOptions:
     #: the most adapters pretraining uses, drawn with the seed (its target kernel is their n × n exact scores)
     pretrain_adapters: int = 4096
     #: torch threads while training (None: torch's default). One: on a shared 2-core machine two threads wait on each
-    #: other at every small op (a Llama-3-8B step was 2.6 times slower in wall time, docs/results.md)
+    #: other at every small op (a Llama-3-8B step was 2.6 times slower in wall time, docs/history/results-2026.md)
     threads: int | None = 1
     #: the few-label channel metrics (embed/fitted.py) are candidates of the out-of-fold choices, where the space has
     #: their atoms; off: the training-free exact scores and W2T only (what `zoo eval` compares the default with)
