@@ -35,7 +35,7 @@ METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), **dict.fromkeys(EXACT_SCORES, (SKET
 #: the input Gram's true neighbours (an adapter whose head was re-seeded: dW → Q·dW) need not be near in the module
 #: sketch. On digits-vit-seeded (300 adapters, `python -m bench.search --zoo-data-dir`) the CANDIDATES nearest held
 #: 0.609 of the exact input-Gram top 10 from the module sketch index, 0.965 from the input-Gram sketch index and 0.988
-#: from both (docs/results.md)
+#: from both (docs/history/results-2026.md)
 EXACT_CANDIDATES = {"dw": (SKETCH,), "module": (SKETCH,), "input_gram": (GRAM, SKETCH)}
 #: a channel metric's first-stage candidates (embed/fitted.py): it weighs the input Gram, dW and module cosine as the
 #: labels ask, so both indexes' nearest
