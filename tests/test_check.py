@@ -72,7 +72,8 @@ def test_check_finds_orphaned_uploads_and_stranded_items_and_repair_leaves_what_
     import subprocess
     import sys
 
-    from zoo.store.jobs import claim_items, create_job, get_job
+    from zoo.store.job_resources import get_job
+    from zoo.store.jobs import claim_items, create_job
     from zoo.store.session import session_factory
 
     uploads = cli.settings.data_dir / "uploads"
@@ -119,7 +120,8 @@ def test_a_worker_with_nothing_to_claim_takes_over_the_items_of_an_exited_holder
     import threading
 
     from zoo.runners.worker import WorkerOptions, work
-    from zoo.store.jobs import claim_items, create_job, get_job
+    from zoo.store.job_resources import get_job
+    from zoo.store.jobs import claim_items, create_job
     from zoo.store.session import session_factory
 
     sessions = session_factory(cli.settings.database_url)

@@ -27,7 +27,8 @@ from zoo.cli import main
 from zoo.errors import NotFoundError
 from zoo.runners.worker import Heartbeat
 from zoo.store import tokens
-from zoo.store.jobs import MAX_ATTEMPTS, cancel_job, claim_items, create_job, finish_item, get_job, release_item, retry_job
+from zoo.store.job_resources import cancel_job, get_job, retry_job
+from zoo.store.jobs import MAX_ATTEMPTS, claim_items, create_job, finish_item, release_item
 from zoo.store.models import Adapter, JobItem
 from zoo.store.session import session_factory
 

@@ -29,7 +29,7 @@ from zoo.store.session import current_revision
 
 if TYPE_CHECKING:
     from zoo.store.catalog import CatalogPage
-    from zoo.store.jobs import JobDetail, JobSummary
+    from zoo.store.job_resources import JobDetail, JobSummary
     from zoo.store.labels import AdapterLabels
 
 api = APIBlueprint("api", __name__, url_prefix="/api/v1", tag="zoo")
@@ -336,7 +336,7 @@ def ingest(body: dict) -> JobDetail:
 @api.doc(responses=READ)
 def jobs() -> dict[str, list[JobSummary]]:
     """The newest ingestion jobs with counts per item state, throughput and ETA."""
-    from zoo.store.jobs import list_jobs
+    from zoo.store.job_resources import list_jobs
 
     return {"jobs": list_jobs(db())}
 
@@ -347,7 +347,7 @@ def jobs() -> dict[str, list[JobSummary]]:
 @api.doc(responses=READ)
 def job(job_id: int) -> JobDetail:
     """An ingestion job: counts per item state, throughput, ETA, mean seconds per stage and the slowest, and its items."""
-    from zoo.store.jobs import get_job
+    from zoo.store.job_resources import get_job
 
     return get_job(db(), job_id)
 

@@ -15,7 +15,8 @@ from zoo.errors import UsageError
 from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, drive, work
 from zoo.sources.local import expand_under
 from zoo.sources.upload import Upload, materialize
-from zoo.store.jobs import PROCESSED, JobDetail, create_job, job_detail
+from zoo.store.job_resources import JobDetail, job_detail
+from zoo.store.jobs import PROCESSED, create_job
 from zoo.store.models import JobOptions
 from zoo.store.shared_files import in_bucket, publish, unpublish
 

@@ -153,7 +153,7 @@ def similar_page() -> tuple[str, int] | str:
 @ui.get("/jobs")
 @needs("read")
 def jobs_page() -> str:
-    from zoo.store.jobs import list_jobs
+    from zoo.store.job_resources import list_jobs
 
     return render_template("jobs.html", jobs=list_jobs(db()), twin=url_for("api.jobs"))
 
@@ -161,7 +161,7 @@ def jobs_page() -> str:
 @ui.get("/jobs/<int:job_id>")
 @needs("read")
 def job_page(job_id: int) -> str:
-    from zoo.store.jobs import get_job
+    from zoo.store.job_resources import get_job
 
     return render_template("job.html", j=get_job(db(), job_id), twin=url_for("api.job", job_id=job_id))
 

@@ -45,7 +45,7 @@ def queue_job(
 def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) -> int:
     """Work a queued job on Ray (zoo/runners/ray.py); print the worker's summary and the failed items."""
     from zoo.runners.ray import run_on_ray
-    from zoo.store.jobs import get_job
+    from zoo.store.job_resources import get_job
 
     device, progress = getattr(args, "device", None), False if args.json else None
     summary = run_on_ray(settings, job_id, args.ray or None, args.concurrency, device=device, progress=progress)
@@ -64,13 +64,13 @@ def run_job_on_ray(settings: Settings, job_id: int, args: argparse.Namespace) ->
 
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
-    from zoo.store import jobs
+    from zoo.store import job_resources, jobs
 
     require_schema(settings.database_url)
     sessions = session_factory(settings.database_url)
     if args.action == "list":
         with sessions() as session:
-            found = jobs.list_jobs(session, args.limit)
+            found = job_resources.list_jobs(session, args.limit)
         if args.json:
             print_json(found)
         else:
@@ -79,14 +79,14 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     if args.action == "add":
         job_id = queue_job(settings, args.paths, jobs.job_options(base_model=args.base_model), args.labels, args.metrics, "cli")
         with sessions() as session:
-            detail = jobs.get_job(session, job_id, items=False)
+            detail = job_resources.get_job(session, job_id, items=False)
     elif args.action == "retry":
-        detail = jobs.retry_job(sessions, args.id)
+        detail = job_resources.retry_job(sessions, args.id)
     elif args.action == "cancel":
-        detail = jobs.cancel_job(sessions, args.id)
+        detail = job_resources.cancel_job(sessions, args.id)
     else:
         with sessions() as session:
-            detail = jobs.get_job(session, args.id)
+            detail = job_resources.get_job(session, args.id)
     if args.json:
         print_json(detail)
     else:
@@ -96,7 +96,7 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_crawl(settings: Settings, args: argparse.Namespace) -> int:
     from zoo.sources.hub import crawl
-    from zoo.store import jobs
+    from zoo.store import job_resources, jobs
 
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be at least 1")
@@ -104,7 +104,7 @@ def cmd_crawl(settings: Settings, args: argparse.Namespace) -> int:
     sources = crawl(args.base_model, search=args.search, author=args.author, library=args.library, limit=args.limit)
     with session_factory(settings.database_url).begin() as session:
         job = jobs.create_job(session, sources, {}, "crawl")
-        detail = jobs.job_detail(session, job, items=False)
+        detail = job_resources.job_detail(session, job, items=False)
     if args.ray is not None:
         return run_job_on_ray(settings, detail["id"], args)
     if args.json:
@@ -120,7 +120,7 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
 
     from zoo import logs, metrics
     from zoo.runners.worker import WorkerOptions, run_worker
-    from zoo.store.jobs import get_job
+    from zoo.store.job_resources import get_job
 
     require_schema(settings.database_url)
     if args.concurrency < 1 or args.embed_every < 1:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from zoo.runners.worker import WorkerSummary
     from zoo.services.relations import RelationReport
     from zoo.store.imputation import FromLineage, Source
-    from zoo.store.jobs import JobDetail, JobSummary
+    from zoo.store.job_resources import JobDetail, JobSummary
 
 
 def print_json(obj: object) -> None:

@@ -16,26 +16,25 @@ the queue through four calls, each one short transaction given only a session fa
 
 A job is done when none of its items is queued or running. Lock order on PostgreSQL: item rows, then
 the job row, in every transaction.
+
+What `zoo jobs` and the API show of a job, and retrying or cancelling one, is zoo/store/job_resources.py.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import NotRequired, TypedDict, cast
+from typing import TypedDict, cast
 
 from sqlalchemy import ColumnElement, CursorResult, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from zoo import config
-from zoo.errors import NotFoundError, UsageError
 from zoo.labels import LabelRow
 from zoo.store.models import Adapter, Job, JobItem, JobOptions, StoredLabels
-from zoo.store.rows import columns
 from zoo.store.session import write_transaction
 from zoo.timestamps import as_utc
 
@@ -46,10 +45,6 @@ PROCESSED = ("done", "duplicate", "failed")
 FINISHED = (*PROCESSED, "cancelled")
 #: an item is failed once this many attempts broke off (its worker killed, or an unexpected error)
 MAX_ATTEMPTS = 3
-#: items listed in a job's detail (its counts cover them all)
-ITEMS_SHOWN = 1000
-#: the stage means come from this many most recently finished items
-STAGE_SAMPLE = 1000
 
 
 def lease_seconds() -> float:
@@ -57,7 +52,7 @@ def lease_seconds() -> float:
     return config.JOB_LEASE_S.get()
 
 
-def _now() -> datetime:
+def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
@@ -103,9 +98,9 @@ def create_job(
     labels = labels or {}
     job.items = [JobItem(source=s, state="queued", attempts=0, labels=_label_json(labels.get(s))) for s in sources]
     queued = bool(job.items)
-    job.items += [JobItem(source=s, state="failed", attempts=0, reason=reason, updated_at=_now()) for s, reason in refused]
+    job.items += [JobItem(source=s, state="failed", attempts=0, reason=reason, updated_at=utc_now()) for s, reason in refused]
     if not queued:
-        job.state, job.finished_at = "done", _now()
+        job.state, job.finished_at = "done", utc_now()
     session.add(job)
     session.flush()
     return job
@@ -126,7 +121,7 @@ def record_duplicate(session: Session, job_id: int | None, source: str, adapter_
     the stored adapter `adapter_id`, as a job records its duplicates: an item in state duplicate, of the run's own
     finished job, made with its first duplicate (`job_id` None). Returns the job's id, for the caller to keep once its
     transaction has committed."""
-    now = _now()
+    now = utc_now()
     if job_id is None:
         job = Job(kind="ingest", state="done", options={}, created_by=created_by, finished_at=now)
         session.add(job)
@@ -152,7 +147,7 @@ def claim_items(sessions: sessionmaker[Session], owner: str, lease_s: float, lim
     """Up to `limit` items (of one job, or of any job not cancelled) now held by `owner` for `lease_s`
     seconds: queued ones, or running ones whose lease expired (their worker stopped). Items that ran out
     of attempts that way are failed first, and expired items of cancelled jobs cancelled."""
-    now = _now()
+    now = utc_now()
     with write_transaction(sessions) as session:
         _expire(session, now, job_id)
         live = Job.state.in_(("queued", "running"))
@@ -188,7 +183,7 @@ def renew_leases(sessions: sessionmaker[Session], owner: str, item_ids: Iterable
         return set()
     held = (JobItem.id.in_(ids), JobItem.lease_owner == owner, JobItem.state == "running")
     with write_transaction(sessions) as session:
-        session.execute(update(JobItem).where(*held).values(lease_expires_at=_now() + timedelta(seconds=lease_s)))
+        session.execute(update(JobItem).where(*held).values(lease_expires_at=utc_now() + timedelta(seconds=lease_s)))
         return set(session.scalars(select(JobItem.id).where(*held)))
 
 
@@ -239,11 +234,11 @@ def _settle_item(sessions: sessionmaker[Session], owner: str, item_id: int, valu
 
 def _settle_held(session: Session, owner: str, item_id: int, values: Mapping[str, object]) -> bool:
     """Write `values` and clear the lease if `owner` holds the item, then settle its job."""
-    clear = {"lease_owner": None, "lease_expires_at": None, "updated_at": _now()}
+    clear = {"lease_owner": None, "lease_expires_at": None, "updated_at": utc_now()}
     job_id = session.execute(update(JobItem).where(*_held(owner, item_id)).values(**values, **clear).returning(JobItem.job_id)).scalar()
     if job_id is None:
         return False
-    _settle_jobs(session, [job_id])
+    settle_jobs(session, [job_id])
     return True
 
 
@@ -264,10 +259,10 @@ def _expire(session: Session, now: datetime, job_id: int | None) -> None:
     reason = f"its worker stopped (killed, or out of memory?) in each of {MAX_ATTEMPTS} attempts: given up"
     session.execute(update(JobItem).where(spent).values(state="failed", reason=reason, **clear))
     session.execute(update(JobItem).where(dropped).values(state="cancelled", reason="cancelled; its worker stopped", **clear))
-    _settle_jobs(session, jobs)
+    settle_jobs(session, jobs)
 
 
-def _settle_jobs(session: Session, job_ids: Iterable[int]) -> None:
+def settle_jobs(session: Session, job_ids: Iterable[int]) -> None:
     """Jobs with no item queued or running are finished: done, or cancelled as they were (job rows locked,
     so that the last two items finishing at once cannot both miss it)."""
     jobs = session.scalars(select(Job).where(Job.id.in_(set(job_ids))).order_by(Job.id).with_for_update()).all()
@@ -277,7 +272,7 @@ def _settle_jobs(session: Session, job_ids: Iterable[int]) -> None:
             continue
         if job.state != "cancelled":
             job.state = "done"
-        job.finished_at = job.finished_at or _now()
+        job.finished_at = job.finished_at or utc_now()
 
 
 def pending_items(session: Session, job_id: int | None = None) -> int:
@@ -315,7 +310,7 @@ class StrandedItem(TypedDict):
 def stranded_items(session: Session) -> list[StrandedItem]:
     """Running items whose lease holder is gone: its lease ran out (no heartbeat renewed it), or it is a process of
     this host that has exited (noticed before the lease runs out)."""
-    now = _now()
+    now = utc_now()
     rows = session.execute(
         select(JobItem.id, JobItem.job_id, JobItem.source, JobItem.lease_owner, JobItem.lease_expires_at).where(JobItem.state == "running")
     ).all()
@@ -334,7 +329,7 @@ def requeue_stranded(sessions: sessionmaker[Session], stranded: Iterable[Strande
     still holds it; returns how many changed."""
     changed = 0
     with write_transaction(sessions) as session:
-        now = _now()
+        now = utc_now()
         jobs = set()
         for item in stranded:
             held = (JobItem.id == item["item_id"], JobItem.state == "running", JobItem.lease_owner == item["lease_owner"])
@@ -347,7 +342,7 @@ def requeue_stranded(sessions: sessionmaker[Session], stranded: Iterable[Strande
             changed += n
             if n:
                 jobs.add(item["job_id"])
-        _settle_jobs(session, jobs)
+        settle_jobs(session, jobs)
     return changed
 
 
@@ -357,202 +352,3 @@ def pending_sources(session: Session) -> set[str]:
 
 
 # --- commands ----------------------------------------------------------------------------------------
-
-
-def _job_or_404(session: Session, job_id: int) -> Job:
-    job = session.get(Job, job_id)
-    if job is None:
-        raise NotFoundError(f"no job with id {job_id}: see `zoo jobs list`")
-    return job
-
-
-def retry_job(sessions: sessionmaker[Session], job_id: int) -> JobDetail:
-    """Queue the job's failed and cancelled items again (with fresh attempts); its finished ones stay."""
-    with write_transaction(sessions) as session:
-        job = _job_or_404(session, job_id)
-        again = (JobItem.job_id == job_id, JobItem.state.in_(("failed", "cancelled")))
-        updated = session.execute(update(JobItem).where(*again).values(state="queued", attempts=0, reason=None, updated_at=_now()))
-        n = cast(CursorResult, updated).rowcount  # an UPDATE's result is a CursorResult (Session.execute returns a Result)
-        if n:
-            job.state, job.finished_at = "queued", None
-        elif job.state == "cancelled":
-            raise UsageError(f"job {job_id} is cancelled with no item to retry")
-    with sessions() as session:
-        detail = get_job(session, job_id, items=False)
-    detail["requeued"] = n
-    return detail
-
-
-def cancel_job(sessions: sessionmaker[Session], job_id: int) -> JobDetail:
-    """Cancel the job: its queued items are cancelled, its running ones finish."""
-    with write_transaction(sessions) as session:
-        job = _job_or_404(session, job_id)
-        updated = session.execute(
-            update(JobItem)
-            .where(JobItem.job_id == job_id, JobItem.state == "queued")
-            .values(state="cancelled", reason="cancelled", updated_at=_now())
-        )
-        n = cast(CursorResult, updated).rowcount  # an UPDATE's result is a CursorResult (Session.execute returns a Result)
-        if job.state in ("queued", "running"):
-            job.state = "cancelled"
-        _settle_jobs(session, [job_id])
-    with sessions() as session:
-        detail = get_job(session, job_id, items=False)
-    detail["cancelled_items"] = n
-    return detail
-
-
-# --- resources ---------------------------------------------------------------------------------------
-
-
-def _counts(session: Session, job_ids: list[int]) -> dict[int, dict[str, int]]:
-    rows = session.execute(
-        select(JobItem.job_id, JobItem.state, func.count()).where(JobItem.job_id.in_(job_ids)).group_by(JobItem.job_id, JobItem.state)
-    ).all()
-    counts: dict[int, Counter[str]] = {i: Counter() for i in job_ids}
-    for job_id, state, n in rows:
-        counts[job_id][state] = n
-    return {i: {s: c[s] for s in ITEM_STATES} | {"total": sum(c.values())} for i, c in counts.items()}
-
-
-class _Progress(TypedDict):
-    processed: int
-    elapsed_s: float | None
-    throughput: float | None
-    eta_s: float | None
-
-
-def _progress(session: Session, jobs: list[Job], counts: dict[int, dict[str, int]]) -> dict[int, _Progress]:
-    """Per job: items processed, seconds since its first claim (to its last finish once nothing is
-    pending), items/s over that time, and the ETA of the pending items at that rate."""
-    ids = [j.id for j in jobs]
-    spans = {
-        job_id: (as_utc(first), as_utc(last))
-        for job_id, first, last in session.execute(
-            select(JobItem.job_id, func.min(JobItem.started_at), func.max(JobItem.updated_at))
-            .where(JobItem.job_id.in_(ids), JobItem.started_at.is_not(None))
-            .group_by(JobItem.job_id)
-        )
-    }
-    now = _now()
-    out: dict[int, _Progress] = {}
-    for job in jobs:
-        c = counts[job.id]
-        processed, pending = sum(c[s] for s in PROCESSED), c["queued"] + c["running"]
-        first, last = spans.get(job.id, (None, None))
-        end = now if pending and job.state != "cancelled" else last
-        elapsed = max((end - first).total_seconds(), 0.0) if first and end else None
-        rate = processed / elapsed if elapsed and processed else None
-        out[job.id] = {
-            "processed": processed,
-            "elapsed_s": round(elapsed, 3) if elapsed is not None else None,
-            "throughput": round(rate, 3) if rate else None,
-            "eta_s": round(pending / rate, 1) if rate and pending and job.state != "cancelled" else None,
-        }
-    return out
-
-
-def stage_means(session: Session, job_id: int) -> dict[str, float]:
-    """Mean seconds per ingest stage over the job's most recently finished items (STAGE_SAMPLE of them)."""
-    stmt = (
-        select(JobItem.timings)
-        .where(JobItem.job_id == job_id, JobItem.state.in_(PROCESSED), JobItem.timings.is_not(None))
-        .order_by(JobItem.updated_at.desc())
-        .limit(STAGE_SAMPLE)
-    )
-    sums: dict[str, float] = defaultdict(float)
-    n = 0
-    for timings in session.scalars(stmt):
-        if timings:
-            n += 1
-            for stage, seconds in timings.items():
-                sums[stage] += float(seconds)
-    return {stage: round(total / n, 6) for stage, total in sums.items()} if n else {}
-
-
-class JobSummary(TypedDict):
-    """A job in the list of jobs: counts per item state (and total), and progress."""
-
-    id: int
-    kind: str
-    state: str
-    created_by: str | None
-    created_at: str | None
-    finished_at: str | None
-    counts: dict[str, int]
-    processed: int
-    elapsed_s: float | None
-    throughput: float | None
-    eta_s: float | None
-
-
-class ItemSummary(TypedDict):
-    """One item of a job."""
-
-    id: int
-    source: str
-    state: str
-    reason: str | None
-    attempts: int
-    adapter_id: int | None
-    lease_owner: str | None
-    started_at: str | None
-    timings: dict[str, float] | None
-    warnings: list[str]
-    notes: list[str]
-
-
-class JobDetail(JobSummary):
-    """The job resource: its summary, mean seconds per stage and the slowest, its first items; what a retry
-    queued again or a cancel cancelled."""
-
-    stages: dict[str, float]
-    slowest_stage: str | None
-    items: NotRequired[list[ItemSummary]]
-    requeued: NotRequired[int]
-    cancelled_items: NotRequired[int]
-
-
-#: a job's columns in its summary, in order
-JOB_COLUMNS = ("id", "kind", "state", "created_by", "created_at", "finished_at")
-
-
-def _summary(job: Job, counts: dict[str, int], progress: _Progress) -> JobSummary:
-    return cast(JobSummary, {**columns(job, JOB_COLUMNS), "counts": counts, **progress})
-
-
-#: an item's columns in its summary, in order
-ITEM_COLUMNS = ("id", "source", "state", "reason", "attempts", "adapter_id", "lease_owner", "started_at", "timings")
-
-
-def _item(i: JobItem) -> ItemSummary:
-    return cast(ItemSummary, {**columns(i, ITEM_COLUMNS), "warnings": list(i.warnings or []), "notes": list(i.notes or [])})
-
-
-def job_detail(session: Session, job: Job, items: bool = True) -> JobDetail:
-    """The job resource: its summary, progress, mean seconds per stage and the slowest stage, and its
-    first ITEMS_SHOWN items (the failed ones first)."""
-    counts = _counts(session, [job.id])
-    stages = stage_means(session, job.id)
-    detail: JobDetail = {
-        **_summary(job, counts[job.id], _progress(session, [job], counts)[job.id]),
-        "stages": stages,
-        "slowest_stage": max(stages, key=stages.__getitem__) if stages else None,
-    }
-    if items:
-        order = (JobItem.state != "failed", JobItem.id)
-        rows = session.scalars(select(JobItem).where(JobItem.job_id == job.id).order_by(*order).limit(ITEMS_SHOWN))
-        detail["items"] = sorted((_item(i) for i in rows), key=lambda i: i["id"])
-    return detail
-
-
-def get_job(session: Session, job_id: int, items: bool = True) -> JobDetail:
-    return job_detail(session, _job_or_404(session, job_id), items)
-
-
-def list_jobs(session: Session, limit: int = 50) -> list[JobSummary]:
-    """The newest jobs, with counts per item state and progress (no items)."""
-    jobs = list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit)))
-    counts = _counts(session, [j.id for j in jobs])
-    progress = _progress(session, jobs, counts)
-    return [_summary(j, counts[j.id], progress[j.id]) for j in jobs]
