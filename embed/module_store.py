@@ -114,7 +114,7 @@ def _over_budget(nbytes: float) -> str:
 
 def factors_of(session: Session, blobs: BlobStore, ids: list[int]) -> list[dict[str, CanonicalFactors]]:
     digests = factor_digests(session, ids)
-    return [dict(blobs.get_factors(str(digests[i]))) for i in ids]
+    return [dict(f) for f in blobs.get_factors_of([str(digests[i]) for i in ids])]
 
 
 def stack_of(session: Session, blobs: BlobStore, ids: list[int], dense: set[str] | None) -> ModuleStack:

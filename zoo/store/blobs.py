@@ -255,6 +255,10 @@ class BlobStore:
                 return load(f.read())
         return load_file(path)
 
+    def get_factors_of(self, digests: Sequence[str]) -> list[list[tuple[str, CanonicalFactors]]]:
+        """get_factors of each digest, in order (an object store reads several at once)."""
+        return [self.get_factors(d) for d in digests]
+
     def get_factors(self, digest: str) -> list[tuple[str, CanonicalFactors]]:
         """The canonical factors by module, with their gauge where the blob has it (none in blobs written before)."""
         from zoo.domain.canonical import CanonicalFactors
