@@ -86,8 +86,9 @@ FILTERED_FACET_TIMEOUT_MS = 1500
 #: past this many matches (estimated), a query without a chosen sort shows the newest first, not the most relevant
 RANK_ROWS = 20_000
 #: the matches a search by meaning's full-text list (ranked_ids) ranks at most: it is one list of a hundred fused with
-#: three others, and ranking every match of a common word costs its matches (200,000 took 330 ms)
-RANKED_LIST_ROWS = 2_000
+#: three others, and ranking every match of a common word costs its matches (200,000 took 330 ms; each match is a
+#: page read: 2,000 took 25 ms at 200k adapters)
+RANKED_LIST_ROWS = 500
 
 
 def facet_exact_rows() -> int:
@@ -203,13 +204,21 @@ def fts5_query_text(phrases: list[list[str]]) -> str:
     return " AND ".join(quoted)
 
 
+def _tsquery(phrases: list[list[str]], inline: bool = False) -> ColumnElement[Any]:
+    """The phrases as a PostgreSQL tsquery; `inline`: its text written into the statement, so that each query is
+    planned for its own words (a prepared statement's generic plan, made after five runs, reads every match of a
+    word all adapters have: 6 ms became 50)."""
+    words = tsquery_text(phrases)
+    return func.to_tsquery(_SIMPLE, literal(words, String, literal_execute=True) if inline else words)
+
+
 def _restrict(
-    stmt: Select, dialect: str, phrases: list[list[str]], filters: Mapping[str, str], per_row: bool = False
+    stmt: Select, dialect: str, phrases: list[list[str]], filters: Mapping[str, str], per_row: bool = False, inline: bool = False
 ) -> tuple[Select, ColumnElement[Any] | None]:
     """stmt (over Adapter) kept to adapters matching the phrases and filters, and the relevance order
     (best first) when there are phrases. `per_row` (PostgreSQL): each adapter's document is looked up and
     matched by itself, for a few thousand adapters kept otherwise (a sample), instead of every match of the
-    text index being joined to them (83,000 for one phrase: 0.55 s)."""
+    text index being joined to them (83,000 for one phrase: 0.55 s). `inline`: see _tsquery."""
     conditions, labels = repository.split_filters(filters)
     for key, value in labels:
         given = select(Label.adapter_id).where(Label.key == key, Label.value == value, Label.source == "given")
@@ -218,7 +227,7 @@ def _restrict(
     if not phrases:
         return stmt, None
     if dialect == "postgresql":
-        tsquery = func.to_tsquery(_SIMPLE, tsquery_text(phrases))
+        tsquery = _tsquery(phrases, inline)
         if per_row:
             document = select(AdapterText.document_tsv).where(AdapterText.adapter_id == Adapter.id).scalar_subquery()
             return stmt.where(document.bool_op("@@")(tsquery)), None
@@ -576,10 +585,11 @@ def ranked_ids(session: Session, q: str | None, filters: Mapping[str, str], limi
         return []
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
-        score, best_first = func.ts_rank(AdapterText.document_tsv, func.to_tsquery(_SIMPLE, tsquery_text(phrases))), True
+        score, best_first = func.ts_rank(AdapterText.document_tsv, _tsquery(phrases, inline=True)), True
     else:
         score, best_first = func.bm25(_FTS_NAME), False  # lower is better
-    matches = _restrict(select(Adapter.id, score.label("score")), dialect, phrases, filters)[0].limit(RANKED_LIST_ROWS).subquery()
+    matching = _restrict(select(Adapter.id, score.label("score")), dialect, phrases, filters, inline=True)[0]
+    matches = matching.limit(RANKED_LIST_ROWS).subquery()
     order = matches.c.score.desc() if best_first else matches.c.score.asc()
     return list(session.scalars(select(matches.c.id).order_by(order, matches.c.id).limit(limit)))
 
