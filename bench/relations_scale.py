@@ -170,7 +170,7 @@ def as_at_ingest(database_url: str, fresh: list[int]) -> None:
     `fresh`, which are to scan: their close neighbours get the merge test again, as a new adapter's do."""
     from sqlalchemy import text
 
-    from zoo.domain.provenance import DETECTOR
+    from zoo.domain.relations import DETECTOR
     from zoo.store.session import make_engine
 
     with make_engine(database_url).begin() as conn:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import CLI
 from zoo.domain.canonical import canonicalize
-from zoo.domain.provenance import FactorSummary, Update, find_relations
+from zoo.domain.relations import FactorSummary, Update, find_relations
 from zoo.errors import UsageError, ZooError
 from zoo.formats import LoraModule, read_adapter
 from zoo.reference import shapes

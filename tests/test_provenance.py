@@ -20,7 +20,7 @@ from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_ba
 from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, origin_score, shared_rows
 from zoo.domain.factorwise import RawModule, raw_sketches, raw_width
 from zoo.domain.merges import detect_merge
-from zoo.domain.provenance import Relations, find_merge, find_relations
+from zoo.domain.relations import Relations, find_merge, find_relations
 from zoo.domain.transforms import FactorSummary, Update, detect_transform, expected_cast_residual, residual_class
 from zoo.formats import LoraModule
 

@@ -25,7 +25,7 @@ from tests.conftest import CLI
 from tests.factories import TinyLM
 from webapp import create_app
 from zoo.config import Settings
-from zoo.domain.provenance import DETECTOR
+from zoo.domain.relations import DETECTOR
 from zoo.services import relations
 from zoo.store.blobs import BlobStore
 from zoo.store.embedders import serving_embedders

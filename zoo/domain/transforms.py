@@ -33,7 +33,7 @@ The `identical` and fp16 bands lie below ingest's duplicate tolerance (zoo.domai
 bf16 casts lie above it.
 
 Merges are in zoo/domain/merges.py, continuations in zoo/domain/continuation.py, and
-zoo/domain/provenance.py runs all three.
+zoo/domain/relations.py runs all three.
 """
 
 from __future__ import annotations

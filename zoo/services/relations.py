@@ -18,7 +18,7 @@ method for the batch (`QueryEngine.stored_neighbours`) and one for its rechecks,
 scanned before; each scan is still stored on its own, in order. The step reads each adapter's factors once while its
 budget holds them.
 Which adapters are still to scan is in the database (`relation_scan`), so a killed run resumes and a run again
-finds nothing to do; a new detector version (zoo.domain.provenance.DETECTOR) scans everything again. A scan that
+finds nothing to do; a new detector version (zoo.domain.relations.DETECTOR) scans everything again. A scan that
 fails is recorded with its error and reported, never raised: the adapter stays stored and is tried again next time.
 """
 
@@ -42,7 +42,7 @@ from embed.results import Neighbour
 from embed.search_methods import RAW, SKETCH
 from zoo.config import EMBED_CHUNK_BYTES
 from zoo.domain.merges import later_copies
-from zoo.domain.provenance import (
+from zoo.domain.relations import (
     DETECTOR,
     ContinuationEdge,
     FactorSummary,

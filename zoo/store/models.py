@@ -353,7 +353,7 @@ class JobItem(Base):
     job: Mapped[Job] = relationship(back_populates="items")
 
 
-#: the relations found from the weights (zoo.domain.provenance): transforms of one update, merges, continuations
+#: the relations found from the weights (zoo.domain.relations): transforms of one update, merges, continuations
 RELATIONS = ("identical", "rescaled", "cast", "truncated", "pruned", "merge", "continuation")
 
 
@@ -391,7 +391,7 @@ class AdapterRelation(Base):
     #: the named numbers the detector decided on (residuals, cosines, statistics)
     evidence: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     confidence: Mapped[float] = mapped_column(Float)
-    #: the detector's version (zoo.domain.provenance.DETECTOR)
+    #: the detector's version (zoo.domain.relations.DETECTOR)
     detector: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 

@@ -1,4 +1,4 @@
-"""Provenance from the weights: how a query adapter relates to k stored candidates of its structure.
+"""Relations found from the weights: how a query adapter relates to k stored candidates of its structure.
 
 `find_relations` runs the three detectors on one query and its candidates (the engine's nearest neighbours
 at ingest, k ≤ 32), costing O(k) inner products of low-rank updates plus a few r×r fits per module:
