@@ -15,6 +15,7 @@ from zoo.store.spaces import bump_version
 _LORA = Adapter.factors_blob.is_not(None)
 _IDS = bindparam("ids", type_=Integer, expanding=True, literal_execute=True)  # rendered inline: no bound-parameter limit
 _NAMES = select(Adapter.id, Adapter.name).where(Adapter.id.in_(_IDS))
+_DIGESTS = select(Adapter.id, Adapter.factors_blob).where(Adapter.id.in_(_IDS))
 
 
 class QueryRow(NamedTuple):
@@ -112,7 +113,8 @@ def factor_digests(session: Session, ids: list[int]) -> dict[int, str | None]:
     """{id: the digest of its canonical factors' blob} of those of the adapters that exist."""
     if not ids:
         return {}
-    return {int(i): d for i, d in session.execute(select(Adapter.id, Adapter.factors_blob).where(Adapter.id.in_(ids)))}
+    # the ids rendered inline (_IDS): a module store's chunk may name more than one statement may bind (65535)
+    return {int(i): d for i, d in session.execute(_DIGESTS, {"ids": [int(i) for i in ids]})}
 
 
 def delete_adapter(session: Session, adapter_id: int, space_id: int | None) -> str | None:
