@@ -27,7 +27,9 @@ def main() -> None:
     args = p.parse_args()
 
     from bench.serve import Source, _zoo_vectors, synthetic_chunk, synthetic_gram
-    from embed.index import STORE_TYPES, normalize, recall_at_k, trained_store
+    from embed.exact_search import normalize, recall_at_k
+    from embed.index import trained_store
+    from embed.index_rows import STORE_TYPES
     from embed.search_methods import GRAM, SKETCH
 
     url = f"sqlite:///{args.zoo_data_dir / 'zoo.db'}"

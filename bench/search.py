@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from embed.index import AdapterIndex, brute_force, normalize, recall_at_k
+from embed.exact_search import brute_force, normalize, recall_at_k
+from embed.index import AdapterIndex
 
 
 def latencies(fn, queries: np.ndarray) -> tuple[float, float]:  # type: ignore[no-untyped-def]

@@ -57,7 +57,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import faiss  # noqa: E402
 import numpy as np
 
-from embed.lookup import RowLookup
+from embed.exact_search import TIE, TiedTop, normalize
+from embed.index_rows import STORE_TYPES, IndexRows
 from zoo.files import read_derived, read_derived_mapped, write_derived
 
 IVF_FROM = 100_000
@@ -66,10 +67,6 @@ CANDIDATES = 200
 #: an IVF index's nprobe is the smallest that puts this share of the exact top 10 among its CANDIDATES
 RECALL_GOAL = 0.98
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
-#: exact scores within this of the k-th are ties when nprobe is tuned: at least what the float16 store rounds a cosine by,
-#: so which of them is "the" k-th is decided by rounding (a space of near-copies has hundreds within it); an 8-bit
-#: store's ties are wider (`AdapterIndex.tie`)
-TIE = 1e-4
 #: from this dimension on, an IVF index's store holds one byte a dimension (QT_8bit_uniform), below it float16
 STORE_8BIT_FROM_DIM = 512
 #: the 8-bit store's range is the training sample's widened by this share of it on each side, so that later vectors
@@ -93,8 +90,6 @@ SUBSET_TRAIN = 20_000
 #: 256 centroids in 5 dimensions took 361 s on two threads of a busy machine, 148 s with 10 iterations, and one thread
 #: halves that again (OpenMP's overhead on so small a problem), while the codes' error barely moves (0.0511 → 0.0522)
 SUBSET_ITERATIONS = 10
-#: an IVF store's kinds (the FAISS scalar quantizer of each)
-STORE_TYPES = {"8-bit": faiss.ScalarQuantizer.QT_8bit_uniform, "fp16": faiss.ScalarQuantizer.QT_fp16}
 #: an IVF index file's parts that `AdapterIndex.load` maps rather than reads (the serialized IVF with its store, and the
 #: subset codes): FAISS reads them in place (IO_FLAG_MMAP_IFC), so the codes stay in the page cache
 MAPPED_PARTS = ("ivf", "subset")
@@ -110,14 +105,6 @@ def ivf_lists(n: int) -> int:
     """Inverted lists for n vectors: 2·√n (2,000 at a million: 500 vectors a list), at most n / 39 so
     that k-means has 39 points a list."""
     return int(min(max(16, 2 * np.sqrt(n)), max(1, n // 39)))
-
-
-def normalize(vectors: np.ndarray) -> np.ndarray:
-    v = np.ascontiguousarray(vectors, dtype=np.float32)
-    if v.ndim == 1:
-        v = v[None, :]
-    norms = np.linalg.norm(v, axis=1, keepdims=True)
-    return v / np.maximum(norms, 1e-12)
 
 
 def trained_store(sample: np.ndarray, store: str | None = None) -> faiss.IndexScalarQuantizer:
@@ -150,33 +137,17 @@ def _gpu_resources() -> faiss.StandardGpuResources:
     return faiss.StandardGpuResources()
 
 
-class AdapterIndex:
-    """One embedder's unit vectors by adapter id, searchable by cosine (flat or IVF, see the module doc).
-
-    Rows are numbered in insertion order; `_ids[row]` is the adapter id, and the sorted ids with their
-    rows give the reverse.
-    Flat: the store is a float32 array. IVF: a FAISS `IndexRefine` whose base is the IVF over the
-    codes (FAISS ids = rows) and whose refine index, a scalar quantizer (8-bit or float16 codes), is the store.
-    """
+class AdapterIndex(IndexRows):
+    """One embedder's unit vectors by adapter id (its rows and their store: `IndexRows`), searchable by cosine (flat or
+    IVF, see the module doc)."""
 
     def __init__(self, dim: int, ivf: faiss.IndexRefine | None = None) -> None:
-        self.dim = dim
-        self._ivf = ivf
+        super().__init__(dim, ivf)
         self.rerank = CANDIDATES
         self.filter_nprobe = faiss.extract_index_ivf(ivf.base_index).nlist if ivf is not None else 0
-        self._subset: faiss.IndexPQ | None = None  # the IVF kind's subset codes, row order
         self.filter_rerank = RERANKS[-1]
         self.subset_row_s = np.inf  # measured cost of the subset way per allowed row, and of the probe way per list
         self.probe_list_s = 0.0
-        self._ids = np.zeros(0, np.int64)
-        self._flat = np.zeros((0, dim), np.float32)  # the flat kind's store
-        self._size = 0
-        self._lookup = RowLookup(self._ids)
-        self._lock = threading.Lock()
-        #: the file's parts the IVF and subset codes were read in place from (`load`), until a write copies them
-        self.mapped_parts: dict[str, np.ndarray] | None = None
-        #: seconds each step of building it took (train_ivf_s, train_store_s, train_subset_s, add_s, tune_s)
-        self.timings: dict[str, float] = {}
 
     # -- construction ------------------------------------------------------------------------
 
@@ -241,63 +212,6 @@ class AdapterIndex:
         index.timings = {"train_ivf_s": t1 - t0, "train_store_s": t2 - t1, "train_subset_s": time.perf_counter() - t2}
         return index
 
-    # -- what it holds -------------------------------------------------------------------------
-
-    @property
-    def kind(self) -> str:
-        return "ivf" if self.ivf else "flat"
-
-    @property
-    def ivf(self) -> bool:
-        return self._ivf is not None
-
-    @property
-    def _refine(self) -> faiss.IndexRefine:
-        """The IVF kind's FAISS index (the flat kind has none)."""
-        assert self._ivf is not None
-        return self._ivf
-
-    def _subset_input(self, vectors: np.ndarray) -> np.ndarray:
-        """Vectors as the subset codes take them: padded with zeros to their dimension (SUBSET_DIMS_PER_BYTE; an index
-        saved before the padding has none)."""
-        pad = int(self.subset_index.d) - vectors.shape[1]
-        return np.ascontiguousarray(np.pad(vectors, ((0, 0), (0, pad))) if pad else vectors, np.float32)
-
-    @property
-    def subset_index(self) -> faiss.IndexPQ:
-        """The IVF kind's subset codes (the flat kind has none)."""
-        assert self._subset is not None
-        return self._subset
-
-    # downcast_index returns the index as its own class, typed in faiss's stubs as any Index
-    @property
-    def ivf_base(self) -> faiss.IndexIVF:
-        return cast(faiss.IndexIVF, faiss.downcast_index(self._refine.base_index))
-
-    @property
-    def store_quantizer(self) -> faiss.IndexScalarQuantizer:
-        return cast(faiss.IndexScalarQuantizer, faiss.downcast_index(self._refine.refine_index))
-
-    @property
-    def codes(self) -> str | None:
-        """The IVF's codes: 'pq4 fast-scan' or 'fp16'; None when flat."""
-        if self._ivf is None:
-            return None
-        return "pq4 fast-scan" if isinstance(self.ivf_base, faiss.IndexIVFPQFastScan) else "fp16"
-
-    @property
-    def store(self) -> str | None:
-        """The IVF's store (the re-rank copy): '8-bit' or 'fp16'; None when flat (float32)."""
-        if self._ivf is None:
-            return None
-        qtype = self.store_quantizer.sq.qtype
-        return next(name for name, q in STORE_TYPES.items() if q == qtype)
-
-    @property
-    def store_bytes(self) -> int:
-        """Bytes a vector takes in the store."""
-        return 4 * self.dim if self._ivf is None else int(self.store_quantizer.code_size)
-
     @property
     def tie(self) -> float:
         """Exact scores this close to the k-th are ties when nprobe is tuned: TIE, or for an 8-bit store two standard
@@ -306,163 +220,6 @@ class AdapterIndex:
         if self.store != "8-bit":
             return TIE
         return max(TIE, 2 * store_step(self.store_quantizer) / np.sqrt(12))
-
-    @property
-    def nprobe(self) -> int | None:
-        return int(self.ivf_base.nprobe) if self._ivf is not None else None
-
-    @property
-    def size(self) -> int:
-        """Vectors held (rows of removed adapters not counted)."""
-        return self._lookup.size
-
-    @property
-    def ids(self) -> np.ndarray:
-        ids = self._ids[: self._size]
-        return ids[ids >= 0]
-
-    def rows_of(self, ids: np.ndarray) -> np.ndarray:
-        """Store rows of these ids; -1 where an id is absent."""
-        return self._lookup(ids)
-
-    def _index_rows(self) -> None:
-        self._lookup = RowLookup(self._ids[: self._size])
-
-    def contains(self, adapter_id: int) -> bool:
-        return bool(self.rows_of(np.array([adapter_id], np.int64))[0] >= 0)
-
-    def vectors(self, ids: np.ndarray) -> np.ndarray:
-        """(len(ids), dim) float32 stored unit vectors of these adapter ids (KeyError for one not in the index)."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        rows = self.rows_of(ids)
-        if (rows < 0).any():
-            raise KeyError(f"adapters not in the index: {ids[rows < 0][:5].tolist()}")
-        return self._at(rows)
-
-    def _at(self, rows: np.ndarray) -> np.ndarray:
-        if self._ivf is None:
-            return self._flat[rows]
-        if len(rows) <= 1000:  # FAISS decodes few rows faster by id; many faster gathered by numpy and decoded at once
-            return (
-                self.store_quantizer.reconstruct_batch(np.ascontiguousarray(rows, np.int64))
-                if len(rows)
-                else np.zeros((0, self.dim), np.float32)
-            )
-        return self.store_quantizer.sa_decode(np.ascontiguousarray(self.store_codes()[rows]))
-
-    def store_codes(self) -> np.ndarray:
-        """The IVF store's codes as a writable (size, bytes per vector) array, in place."""
-        codes = faiss.rev_swig_ptr(self.store_quantizer.codes.data(), self.store_quantizer.codes.size())
-        return np.frombuffer(codes, dtype=np.uint8).reshape(-1, self.store_quantizer.code_size)
-
-    def subset_codes(self) -> np.ndarray:
-        """The subset codes as a writable (size, bytes per code) array, in place."""
-        sub = self.subset_index
-        codes = faiss.rev_swig_ptr(sub.codes.data(), sub.codes.size())
-        return np.frombuffer(codes, dtype=np.uint8).reshape(-1, sub.code_size)
-
-    def _ids_of(self, rows: np.ndarray) -> np.ndarray:
-        """Adapter ids of store rows, -1 where FAISS padded with -1."""
-        return np.where(rows >= 0, self._ids[np.maximum(rows, 0)], -1)
-
-    # -- writes --------------------------------------------------------------------------------
-
-    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
-        """Add new ids (ValueError for one already present)."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        if not len(ids):
-            return
-        vectors = normalize(vectors)
-        if vectors.shape != (len(ids), self.dim):
-            raise ValueError(f"expected {len(ids)} vectors of dimension {self.dim}, got {vectors.shape}")
-        t0 = time.perf_counter()
-        with self._lock:
-            present = ids[self.rows_of(ids) >= 0].tolist()
-            if present or len(np.unique(ids)) != len(ids):
-                raise ValueError(f"ids already in the index: {present[:5] or 'repeated in the batch'}")
-            self._own()
-            start = self._size
-            self._grow(start + len(ids))
-            self._ids[start : start + len(ids)] = ids
-            if self._ivf is None:
-                self._flat[start : start + len(ids)] = vectors
-            else:
-                self.ivf_base.add_with_ids(vectors, np.arange(start, start + len(ids), dtype=np.int64))
-                self.store_quantizer.add(vectors)
-                self.subset_index.add(self._subset_input(vectors))
-                self._ivf.ntotal = self.store_quantizer.ntotal
-            self._size = start + len(ids)
-            self._index_rows()
-        self.timings["add_s"] = self.timings.get("add_s", 0.0) + time.perf_counter() - t0
-
-    @property
-    def mapped(self) -> bool:
-        """Whether the IVF's codes and store and the subset codes are read in place from the index file (`load`): their
-        pages are then the page cache's, resident in the process only where touched (module doc)."""
-        return self.mapped_parts is not None
-
-    def _own(self) -> None:
-        """Before a write: copy the parts mapped from the file into memory of the index's own (a mapped part is
-        read-only, and the file may be replaced)."""
-        if self.mapped_parts is None:
-            return
-        nprobe = self.ivf_base.nprobe
-        self._ivf = cast(faiss.IndexRefine, faiss.deserialize_index(np.array(self.mapped_parts["ivf"])))
-        self._subset = cast(faiss.IndexPQ, faiss.deserialize_index(np.array(self.mapped_parts["subset"])))
-        self.ivf_base.nprobe = nprobe
-        self.mapped_parts = None
-
-    def _grow(self, need: int) -> None:
-        """Room for `need` rows, growing by half again (amortized O(1) per vector)."""
-        if need <= len(self._ids):
-            return
-        capacity = max(need, int(len(self._ids) * 1.5), 1024)
-        grown_ids = np.zeros(capacity, np.int64)
-        grown_ids[: self._size] = self._ids[: self._size]
-        self._ids = grown_ids
-        if self._ivf is None:
-            grown = np.zeros((capacity, self.dim), np.float32)
-            grown[: self._size] = self._flat[: self._size]
-            self._flat = grown
-
-    def upsert(self, ids: np.ndarray, vectors: np.ndarray) -> None:
-        """Add vectors, replacing those of ids already present (a re-embedded adapter)."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        if not len(ids):
-            return
-        vectors = normalize(vectors)
-        rows = self.rows_of(ids)
-        old = rows >= 0
-        if old.any():
-            with self._lock:
-                self._own()
-                if self._ivf is None:
-                    self._flat[rows[old]] = vectors[old]
-                else:
-                    self.ivf_base.remove_ids(rows[old])  # type: ignore[arg-type]  # ids as an array: faiss's wrapper takes them, its stubs not
-                    self.ivf_base.add_with_ids(vectors[old], rows[old])
-                    self.store_codes()[rows[old]] = self.store_quantizer.sa_encode(vectors[old])
-                    self.subset_codes()[rows[old]] = self.subset_index.sa_encode(self._subset_input(vectors[old]))
-        self.add(ids[~old], vectors[~old])
-
-    def remove(self, ids: np.ndarray) -> None:
-        """Drop these ids (deleted adapters; absent ones are ignored). Flat: the rows are compacted. IVF:
-        they leave the inverted lists, and their store rows stay, dead (-1 ids), until a rebuild."""
-        rows = self.rows_of(np.ascontiguousarray(ids, dtype=np.int64))
-        rows = np.unique(rows[rows >= 0])
-        if not len(rows):
-            return
-        with self._lock:
-            self._own()
-            if self._ivf is None:
-                keep = np.setdiff1d(np.arange(self._size), rows)
-                self._flat[: len(keep)] = self._flat[keep]
-                self._ids[: len(keep)] = self._ids[keep]
-                self._size = len(keep)
-            else:
-                self.ivf_base.remove_ids(faiss.IDSelectorBatch(rows))
-                self._ids[rows] = -1
-            self._index_rows()
 
     # -- search --------------------------------------------------------------------------------
 
@@ -737,34 +494,3 @@ def _legacy_index_meta(tensors: dict[str, np.ndarray], raw: dict[str, str]) -> d
         if part is not None:
             h.update(np.ascontiguousarray(part).tobytes())
     return meta if isinstance(meta, dict) and meta.pop("checksum", None) == h.hexdigest() else None
-
-
-def brute_force(ids: np.ndarray, vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The numpy reference: exact cosine top-k."""
-    sims = normalize(queries) @ normalize(vectors).T
-    order = np.argsort(-sims, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(sims, order, axis=1), np.asarray(ids, dtype=np.int64)[order]
-
-
-class TiedTop:
-    """The exact top k of some queries with their ties: the neighbours scoring more than `tie` above the k-th must be
-    found themselves; the rest of the k may be any adapters whose exact score is within `tie` of the k-th's."""
-
-    def __init__(self, scores: np.ndarray, ids: np.ndarray, k: int, tie: float = TIE) -> None:
-        kth = scores[:, k - 1 : k]
-        self.k = k
-        self.above = [set(row[s > t + tie].tolist()) for row, s, t in zip(ids, scores, kth, strict=True)]
-        self.tied = [set(row[np.abs(s - t) <= tie].tolist()) for row, s, t in zip(ids, scores, kth, strict=True)]
-
-    def recall(self, found: np.ndarray) -> float:
-        """Mean share of the k that `found` (ids per query, -1 pads) holds, a tie of the k-th standing for any other."""
-        shares = []
-        for row, above, tied in zip(found, self.above, self.tied, strict=True):
-            got = set(row.tolist())
-            shares.append((len(above & got) + min(self.k - len(above), len(tied & got))) / self.k)
-        return float(np.mean(shares))
-
-
-def recall_at_k(approx_ids: np.ndarray, exact_ids: np.ndarray) -> float:
-    hits = [len(set(a.tolist()) & set(e.tolist())) / max(1, len(e)) for a, e in zip(approx_ids, exact_ids, strict=True)]
-    return float(np.mean(hits)) if hits else 1.0

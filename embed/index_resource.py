@@ -8,7 +8,7 @@ from typing import NotRequired, TypedDict
 
 import numpy as np
 
-from embed.index import brute_force, recall_at_k
+from embed.exact_search import brute_force, recall_at_k
 from embed.index_files import BUILD_CHUNK_BYTES, update_index_file
 from embed.module_store import update_module_store
 from embed.resources import resolve_space

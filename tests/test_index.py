@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from sqlalchemy import select
 
-from embed.index import NPROBES, RECALL_GOAL, TIE, AdapterIndex, TiedTop, brute_force, pq_subquantizers, recall_at_k
+from embed.exact_search import TIE, TiedTop, brute_force, recall_at_k
+from embed.index import NPROBES, RECALL_GOAL, AdapterIndex, pq_subquantizers
 from embed.lookup import RowLookup
 
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import insert, select
 
-from embed.index import CANDIDATES, STORE_RANGE_MARGIN, AdapterIndex, normalize, recall_at_k, store_step, trained_store
+from embed.exact_search import normalize, recall_at_k
+from embed.index import CANDIDATES, STORE_RANGE_MARGIN, AdapterIndex, store_step, trained_store
 from embed.index_files import build_index
 from embed.search_methods import GRAM, SKETCH
 from embed.space_state import ID_BYTES, index_bytes

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from embed.index import brute_force
+from embed.exact_search import brute_force
 from tests.conftest import CLI
 from tests.test_engine import stored_factors
 from webapp import create_app
