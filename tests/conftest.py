@@ -264,8 +264,8 @@ def copy_seeded(request: pytest.FixtureRequest, backend: str, dest: Path) -> See
 
 def _move_sources(url: str, old: Path, new: Path) -> None:
     """Point the adapters' sources (and so their search documents) from under `old` to the same paths under `new`."""
-    from zoo.store.catalog import refresh_search_text
     from zoo.store.models import Adapter
+    from zoo.store.search_text import refresh_search_text
 
     old_prefix, new_prefix = f"{old.resolve()}/", f"{new.resolve()}/"
     with make_engine(url).begin() as conn:

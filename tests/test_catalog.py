@@ -23,8 +23,9 @@ from tests.factories import train_peft_adapter, write_kohya_file
 from zoo.errors import UsageError
 from zoo.store import catalog as catalog_module
 from zoo.store import repository
-from zoo.store.catalog import FACET_VALUES, MAX_PER_PAGE, refresh_search_text, search_catalog
+from zoo.store.catalog import FACET_VALUES, MAX_PER_PAGE, search_catalog
 from zoo.store.models import Adapter, AdapterText, Label
+from zoo.store.search_text import refresh_search_text
 from zoo.store.session import downgrade, make_engine, session_factory, upgrade
 
 HOSTILE = [

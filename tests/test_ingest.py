@@ -24,10 +24,10 @@ from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.services.threads import SMALL_ADAPTER_ELEMENTS, small_work_on_one_thread
 from zoo.sources import Origin
 from zoo.store.blobs import BlobStore
-from zoo.store.catalog import refresh_search_text
 from zoo.store.locks import norm_window, store_locks
 from zoo.store.models import Adapter, AdapterText, Label, Measurement, Module
 from zoo.store.repository import NEAR_DUPLICATE_LIMIT, duplicate_candidates
+from zoo.store.search_text import refresh_search_text
 from zoo.store.session import make_engine, session_factory
 
 

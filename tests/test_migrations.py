@@ -9,8 +9,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from zoo.store.catalog import search_document
 from zoo.store.models import Adapter, Base, on_dialect
+from zoo.store.search_text import search_document
 from zoo.store.session import current_revision, downgrade, head_revision, make_engine, session_factory, upgrade
 
 

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.orm import Session, selectinload
 
-from zoo.store.catalog import write_search_text
 from zoo.store.models import Adapter, EmbeddingSpace, Label, Measurement, Module
+from zoo.store.search_text import write_search_text
 from zoo.store.session import Sessions
 
 _ADAPTER_COLUMNS = tuple(c.key for c in Adapter.__table__.columns)

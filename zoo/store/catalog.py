@@ -1,24 +1,11 @@
 """Catalog search (the search page, `GET /api/v1/adapters`, `zoo list`): free text over each adapter's
-search document with the database's own full-text index, the engine's filters, facets, sorts and pages.
-
-Search words are the letters-and-digits runs of a text after Unicode compatibility decomposition,
-without accents, case-folded (`digits-vit-00012` is `digits vit 00012`, `task=even` is `task even`).
-A document is the search words of an adapter's name, base model, format, given labels (each as
-`key value`), tags, what its source said (`author A`, `dataset D` for each of the card's datasets,
-`pipeline_tag P`), source URI and model card, joined by spaces: PostgreSQL's `simple` parser and
-SQLite's FTS5 `ascii` tokenizer split it at the spaces only, so both databases index the same words.
-
-A query's words (split at white space) are AND-ed; a word of several search words is a phrase (so
-`task=even` finds the label, `digits-vit-00012` the name) and the last word's last search word
-matches as a prefix. Queries are built from search words only, so no user text is ever query syntax.
-"""
+search document with the database's own full-text index (its words and documents: zoo/store/search_text.py), the
+engine's filters, facets, sorts and pages."""
 
 from __future__ import annotations
 
 import functools
 import json
-import re
-import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NotRequired, TypedDict
 
@@ -26,7 +13,6 @@ from sqlalchemy import (
     CTE,
     ColumnClause,
     ColumnElement,
-    Connection,
     Integer,
     Row,
     Select,
@@ -37,9 +23,7 @@ from sqlalchemy import (
     case,
     cast,
     column,
-    delete,
     func,
-    insert,
     literal,
     literal_column,
     not_,
@@ -57,6 +41,7 @@ from zoo.limits import DEFAULT_PER_PAGE, MAX_PER_PAGE
 from zoo.store import repository
 from zoo.store.filters import label_key
 from zoo.store.models import SQLITE_FTS_TABLE, Adapter, AdapterText, Label
+from zoo.store.search_text import as_tsquery, fts5_query_text, query_phrases
 from zoo.store.session import read_snapshot
 
 SORTS = ("relevance", "name", "newest", "rank")
@@ -65,14 +50,6 @@ SORTS = ("relevance", "name", "newest", "rank")
 COLUMN_FACETS = ("base_model", "format", "rank", "source")
 #: values kept per facet, the most frequent first
 FACET_VALUES = 50
-#: a query's words past this many are ignored (FTS5 and tsquery expressions stay small)
-MAX_QUERY_WORDS = 32
-#: search words are cut to this many characters, in documents and queries alike
-MAX_WORD_CHARS = 64
-#: model-card characters indexed (a tsvector holds at most 1 MB)
-MAX_CARD_CHARS = 100_000
-#: adapters whose documents are written per statement
-REFRESH_BATCH = 500
 #: facets (and the total) over more matching adapters than facet_exact_rows() are counted in a sample of about this
 #: many adapters and scaled: unfiltered facets of a million adapters took 9 s on PostgreSQL
 FACET_SAMPLE_ROWS = 8_000
@@ -97,12 +74,9 @@ def facet_exact_rows() -> int:
     return config.FACET_EXACT_ROWS.get()
 
 
-_WORD = re.compile(r"[^\W_]+")
 _TOTAL = "total"
-_SIMPLE: ColumnClause[Any] = literal_column("'simple'::regconfig")
 _FTS = table(SQLITE_FTS_TABLE, column("rowid", Integer))
 _FTS_NAME: ColumnClause[Any] = literal_column(SQLITE_FTS_TABLE)
-_TEXT = AdapterText.__table__
 #: a condition keeping the adapters of a sample (None: all)
 Within = ColumnElement[bool] | None
 _FACET_EXPRESSIONS: dict[str, SQLColumnExpression[Any]] = {
@@ -115,110 +89,13 @@ _FACET_EXPRESSIONS: dict[str, SQLColumnExpression[Any]] = {
 }
 
 
-def search_words(text: str) -> list[str]:
-    """The search words of a text: letters-and-digits runs, accents dropped, case-folded, cut to MAX_WORD_CHARS."""
-    decomposed = unicodedata.normalize("NFKD", text)
-    folded = "".join(c for c in decomposed if not unicodedata.combining(c)).casefold()
-    return [w[:MAX_WORD_CHARS] for w in _WORD.findall(folded)]
-
-
-def search_document(
-    name: str,
-    base_model: str,
-    fmt: str,
-    source_uri: str,
-    tags: object,
-    card: str | None,
-    labels: Mapping[str, str],
-    author: str | None = None,
-    source_metadata: object = None,
-) -> str:
-    """An adapter's search document: the search words of its text fields, given labels and what its source said
-    (author, the card's datasets, pipeline tag), space-separated."""
-    fields = [name, base_model, fmt, *(f"{k} {v}" for k, v in sorted(labels.items()))]
-    fields += [str(t) for t in tags] if isinstance(tags, list) else []
-    meta = source_metadata if isinstance(source_metadata, dict) else {}
-    datasets = meta.get("datasets")
-    fields += [f"author {author}"] if author else []
-    fields += [f"dataset {d}" for d in datasets if isinstance(d, str)] if isinstance(datasets, list) else []
-    fields += [f"pipeline_tag {meta['pipeline_tag']}"] if isinstance(meta.get("pipeline_tag"), str) else []
-    fields += [source_uri, (card or "")[:MAX_CARD_CHARS]]
-    return " ".join(search_words(" ".join(fields)))
-
-
-_DOCUMENT_FIELDS = (Adapter.id, Adapter.name, Adapter.base_model, Adapter.format, Adapter.source_uri, Adapter.tags, Adapter.card)
-#: what the source said (columns added by migration 0008)
-_SOURCE_DOCUMENT_FIELDS = (Adapter.author, Adapter.source_metadata)
-
-
-def refresh_search_text(db: Session | Connection, adapter_ids: Iterable[int]) -> None:
-    """(Re)write the search documents of these adapters from their rows and given labels. Call it in the
-    transaction that writes the adapter or its labels (migration 0005's backfill is its own frozen copy)."""
-    fields = select(*_DOCUMENT_FIELDS, *_SOURCE_DOCUMENT_FIELDS)
-    ids = sorted(set(adapter_ids))
-    for start in range(0, len(ids), REFRESH_BATCH):
-        chunk = ids[start : start + REFRESH_BATCH]
-        labels: dict[int, dict[str, str]] = {}
-        given = select(Label.adapter_id, Label.key, Label.value).where(Label.adapter_id.in_(chunk), Label.source == "given")
-        for adapter_id, key, value in db.execute(given):
-            labels.setdefault(adapter_id, {})[key] = value
-        rows = [
-            {
-                "adapter_id": r.id,
-                "document": search_document(
-                    r.name, r.base_model, r.format, r.source_uri, r.tags, r.card, labels.get(r.id, {}), *r[len(_DOCUMENT_FIELDS) :]
-                ),
-            }
-            for r in db.execute(fields.where(Adapter.id.in_(chunk)))
-        ]
-        db.execute(delete(_TEXT).where(_TEXT.c.adapter_id.in_(chunk)))
-        if rows:
-            db.execute(insert(_TEXT), rows)
-
-
-def write_search_text(db: Session | Connection, adapter: Adapter, labels: Mapping[str, str]) -> None:
-    """Write the search document of an adapter inserted in this transaction from its row in memory and its given
-    labels, reading nothing back (refresh_search_text rewrites the documents of stored adapters)."""
-    a = adapter
-    document = search_document(a.name, a.base_model, a.format, a.source_uri, a.tags, a.card, labels, a.author, a.source_metadata)
-    db.execute(insert(_TEXT), {"adapter_id": a.id, "document": document})
-
-
-def query_phrases(q: str | None) -> list[list[str]]:
-    """A query's words (split at white space) as lists of search words; words without any are dropped."""
-    phrases = [words for words in map(search_words, (q or "").split()) if words]
-    return phrases[:MAX_QUERY_WORDS]
-
-
-def tsquery_text(phrases: list[list[str]]) -> str:
-    """PostgreSQL `to_tsquery` text: phrases (`<->`) AND-ed, the last search word a prefix (`:*`)."""
-    quoted = [[f"'{w}'" for w in words] for words in phrases]
-    quoted[-1][-1] += ":*"
-    return " & ".join("(" + " <-> ".join(words) + ")" for words in quoted)
-
-
-def fts5_query_text(phrases: list[list[str]]) -> str:
-    """SQLite FTS5 MATCH text: quoted phrases AND-ed, the last one's last word a prefix (`*`)."""
-    quoted = ['"' + " ".join(words) + '"' for words in phrases]
-    quoted[-1] += " *"
-    return " AND ".join(quoted)
-
-
-def _tsquery(phrases: list[list[str]], inline: bool = False) -> ColumnElement[Any]:
-    """The phrases as a PostgreSQL tsquery; `inline`: its text written into the statement, so that each query is
-    planned for its own words (a prepared statement's generic plan, made after five runs, reads every match of a
-    word all adapters have: 6 ms became 50)."""
-    words = tsquery_text(phrases)
-    return func.to_tsquery(_SIMPLE, literal(words, String, literal_execute=True) if inline else words)
-
-
 def _restrict(
     stmt: Select, dialect: str, phrases: list[list[str]], filters: Mapping[str, str], per_row: bool = False, inline: bool = False
 ) -> tuple[Select, ColumnElement[Any] | None]:
     """stmt (over Adapter) kept to adapters matching the phrases and filters, and the relevance order
     (best first) when there are phrases. `per_row` (PostgreSQL): each adapter's document is looked up and
     matched by itself, for a few thousand adapters kept otherwise (a sample), instead of every match of the
-    text index being joined to them (83,000 for one phrase: 0.55 s). `inline`: see _tsquery."""
+    text index being joined to them (83,000 for one phrase: 0.55 s). `inline`: see as_tsquery."""
     conditions, labels = repository.split_filters(filters)
     for key, value in labels:
         given = select(Label.adapter_id).where(Label.key == key, Label.value == value, Label.source == "given")
@@ -227,7 +104,7 @@ def _restrict(
     if not phrases:
         return stmt, None
     if dialect == "postgresql":
-        tsquery = _tsquery(phrases, inline)
+        tsquery = as_tsquery(phrases, inline)
         if per_row:
             document = select(AdapterText.document_tsv).where(AdapterText.adapter_id == Adapter.id).scalar_subquery()
             return stmt.where(document.bool_op("@@")(tsquery)), None
@@ -585,7 +462,7 @@ def ranked_ids(session: Session, q: str | None, filters: Mapping[str, str], limi
         return []
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
-        score, best_first = func.ts_rank(AdapterText.document_tsv, _tsquery(phrases, inline=True)), True
+        score, best_first = func.ts_rank(AdapterText.document_tsv, as_tsquery(phrases, inline=True)), True
     else:
         score, best_first = func.bm25(_FTS_NAME), False  # lower is better
     matching = _restrict(select(Adapter.id, score.label("score")), dialect, phrases, filters, inline=True)[0]

@@ -14,10 +14,10 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from zoo.labels import check_label_limits
-from zoo.store.catalog import refresh_search_text
 from zoo.store.locks import label_lock, take_locks
 from zoo.store.models import Label, Measurement
 from zoo.store.repository import replace_labels
+from zoo.store.search_text import refresh_search_text
 
 
 class AdapterLabels(TypedDict):
