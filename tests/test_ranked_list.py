@@ -30,6 +30,6 @@ def test_facets_of_a_list_count_its_adapters(db_url: str) -> None:
     ids = [r["id"] for r in page["results"]]
     with session_factory(db_url)() as session:
         facets = cat.facets_of(session, ids)
-        again = cat.facets_of(session, ids[:2])  # the statement is built once, its ids bound per call
+        again = cat.facets_of(session, ids[:2])
     assert facets == page["facets"]
     assert sum(v["count"] for v in again["base_model"]) == 2

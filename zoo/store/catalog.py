@@ -4,7 +4,6 @@ engine's filters, facets, sorts and pages."""
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NotRequired, TypedDict
@@ -19,7 +18,6 @@ from sqlalchemy import (
     SQLColumnExpression,
     String,
     and_,
-    bindparam,
     case,
     cast,
     column,
@@ -480,17 +478,22 @@ def kept_ids(session: Session, ids: Sequence[int], filters: Mapping[str, str]) -
 
 
 def facets_of(session: Session, ids: Sequence[int]) -> dict[str, list[FacetValue]]:
-    """The facets of these adapters (a ranked list's, not a query's matches)."""
+    """The facets of these adapters (a ranked list's, not a query's matches): their facet columns and given labels
+    read by id and counted here, a cost of the few hundred ids (one grouping statement had SQLite scan every label of
+    a million adapters: 350 ms)."""
     if not ids:
         return _read_facets([])[1]
-    stmt = _facets_of_statement(session.get_bind().dialect.name)
-    return _read_facets(session.execute(stmt, {"facet_ids": list(ids)}).all())[1]
-
-
-@functools.lru_cache(maxsize=4)
-def _facets_of_statement(dialect: str) -> Select:
-    """facets_of's statement, its ids bound when run (building it took longer than running it over a page of ids)."""
-    return _facets_statement(dialect, [], {}, Adapter.id.in_(bindparam("facet_ids", expanding=True)))
+    wanted = sorted(set(ids))
+    counts: dict[tuple[str, Any], int] = {}
+    columns: list[SQLColumnExpression[Any]] = [expr.label(key) for key, expr in _FACET_EXPRESSIONS.items()]
+    for row in session.execute(select(*columns).where(Adapter.id.in_(wanted))):
+        for key, value in row._mapping.items():
+            if value is not None and value != "":
+                counts[key, value] = counts.get((key, value), 0) + 1
+    given = select(Label.key, Label.value).where(Label.adapter_id.in_(wanted), Label.source == "given")
+    for key, value in session.execute(given):
+        counts[f"label:{key}", value] = counts.get((f"label:{key}", value), 0) + 1
+    return _read_facets((facet, value, n) for (facet, value), n in counts.items())[1]
 
 
 def catalog_hits(session: Session, ids: Sequence[int]) -> list[CatalogHit]:
