@@ -203,6 +203,11 @@ def _get(port: int, path: str) -> tuple[int, dict[str, str], str]:
         return response.status, dict(response.headers), response.read().decode()
 
 
+def _resident_pids(port: int) -> set[str]:
+    """The processes whose resident memory one scrape reports."""
+    return {dict(labels)["pid"] for name, labels in samples(_get(port, "/metrics")[2]) if name == "zoo_process_resident_bytes"}
+
+
 @pytest.mark.slow  # a real `zoo serve` of two workers: 5-25 s as the machine is busy
 def test_zoo_serve_with_two_workers_reports_every_worker_in_one_scrape(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'zoo.db'}"
@@ -225,6 +230,11 @@ def test_zoo_serve_with_two_workers_reports_every_worker_in_one_scrape(tmp_path:
                     break
             except OSError:
                 pass
+            time.sleep(0.3)
+        # every worker is in a scrape from its start, whether or not a request has reached it (one may answer them all)
+        expected = {str(int(p)) for p in workers}
+        while _resident_pids(port) != expected:
+            assert time.monotonic() < deadline, "a worker is missing from /metrics"
             time.sleep(0.3)
         ids = []
         pids = set()

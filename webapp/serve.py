@@ -146,6 +146,7 @@ class ZooThreadWorker(ThreadWorker):
         ZooConn.max_body = config.MAX_UPLOAD_BYTES.get() + (1 << 20)
         self.reading: dict[ZooConn, tuple[bytearray, IO[bytes] | None, int]] = {}  # connection: (head, body, bytes left)
         self.streaming = 0
+        metrics.note_resident()  # every worker in /metrics from its start, whether or not it has answered a request yet
         super().init_process()
 
     def accept(self, listener: socket.socket) -> None:
