@@ -210,6 +210,12 @@ def derived_checksum(tensors: Mapping[str, np.ndarray], meta: Mapping[str, objec
     return _checksum(meta, ((n, tensors[n].dtype, tensors[n].shape, [np.ascontiguousarray(tensors[n]).data]) for n in sorted(tensors)))
 
 
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in chunks (a checkpoint or an upload is never held whole)."""
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def _checksum(meta: Mapping[str, object], tensors: Iterable[tuple[str, np.dtype, tuple[int, ...], Iterable[bytes | memoryview]]]) -> str:
     """`derived_checksum` of tensors given in name order as (name, dtype, shape, their bytes in pieces)."""
     h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())

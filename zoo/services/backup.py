@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from tqdm import tqdm
 from zoo import __version__
 from zoo.config import Settings
 from zoo.errors import UsageError
+from zoo.files import file_sha256
 from zoo.store import backup as rows
 from zoo.store.blob_backends import open_blob_store
 from zoo.store.session import current_revision, make_engine, require_schema, session_factory, upgrade
@@ -87,14 +87,6 @@ class RestoreReport(BackupReport):
 
 def _bar(total: int, desc: str, unit: str, progress: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not progress, file=sys.stderr, leave=False)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _digests(dest: Path, tables: dict[str, rows.TableDump]) -> list[str]:
@@ -161,7 +153,7 @@ def backup(settings: Settings, dest: Path, progress: bool = False) -> BackupRepo
         target = dest / "files" / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
-        files.append({"path": relative, "sha256": _sha256(target), "bytes": target.stat().st_size})
+        files.append({"path": relative, "sha256": file_sha256(target), "bytes": target.stat().st_size})
     manifest: Manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -243,7 +235,7 @@ def restore(settings: Settings, src: Path, progress: bool = False) -> RestoreRep
         if not target.is_relative_to(root):
             raise UsageError(f"the backup's file {entry['path']} would go outside the data dir")
         source = src / "files" / entry["path"]
-        if _sha256(source) != entry["sha256"]:
+        if file_sha256(source) != entry["sha256"]:
             raise UsageError(f"the backup's file {entry['path']} is corrupt (its sha256 differs from the manifest's)")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)

@@ -12,7 +12,6 @@ sees all of it or none.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import tempfile
 from pathlib import Path, PurePosixPath
 
 from zoo.errors import StorageError
-from zoo.files import TMP_PREFIX
+from zoo.files import TMP_PREFIX, file_sha256
 from zoo.store.blobs import BlobStore
 from zoo.store.s3_blobs import S3BlobStore
 
@@ -40,14 +39,6 @@ def _checked(folder: str) -> str:
     return str(path)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def in_bucket(blobs: BlobStore) -> bool:
     """Whether `publish` puts folders in a bucket (else other nodes must share this node's data dir)."""
     return isinstance(blobs, S3BlobStore)
@@ -65,7 +56,7 @@ def publish(blobs: BlobStore, data_dir: Path, folder: str) -> None:
     for path in files:
         name = path.relative_to(root).as_posix()
         blobs.put_file_object(f"{folder}/{name}", path)
-        listed[name] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        listed[name] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
     with tempfile.TemporaryDirectory(prefix=TMP_PREFIX) as tmp:
         manifest = Path(tmp) / MANIFEST
         manifest.write_text(json.dumps({"files": listed}, indent=1, sort_keys=True))
@@ -90,7 +81,7 @@ def local_folder(blobs: BlobStore, data_dir: Path, folder: str) -> Path:
             path = tmp / _checked(name)
             path.parent.mkdir(parents=True, exist_ok=True)
             blobs.get_file_object(f"{folder}/{name}", path)
-            if _sha256(path) != entry["sha256"]:
+            if file_sha256(path) != entry["sha256"]:
                 raise CorruptFile(f"{blobs.file_key(folder + '/' + name)} in {blobs.url} differs from its manifest's SHA-256")
         try:
             os.rename(tmp, target)  # the whole folder at once
