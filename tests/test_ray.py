@@ -1,12 +1,16 @@
 """Jobs on Ray (zoo/runners/ray.py), on 2 CPUs of this machine: `zoo ingest --ray` on a new local instance
-(both databases), and `zoo crawl --ray ADDRESS` on a cluster started apart with `ray start`, whose workers
-see only the environment the driver passes on, with one of its ingest tasks killed mid-job (PostgreSQL)."""
+(both databases), and on a cluster of two nodes started apart with `ray start`, each with a data dir of its own
+(PostgreSQL): `zoo crawl --ray ADDRESS`, whose workers see only the environment the driver passes on, with one of
+its ingest tasks killed mid-job; `zoo ingest --ray ADDRESS` with blobs in a bucket (a real SeaweedFS), each node
+working in its own data dir; and with blobs in the data dir, a node that cannot see the driver's refusing the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -14,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,7 @@ from sqlalchemy import func, select
 from tests.conftest import CLI, truncate_all
 from tests.factories import write_random_peft_adapters
 from tests.hub_server import FakeRepo, HubServer
+from tests.seaweedfs import SeaweedFS
 from zoo.config import Settings
 from zoo.store.models import Adapter, JobItem, Label, Measurement
 from zoo.store.session import session_factory
@@ -76,23 +82,76 @@ def test_ingest_on_a_local_ray_instance_with_labels(cli: CLI, tmp_path: Path) ->
     assert cli("check")[0] == 0  # every adapter embedded, indexes current
 
 
-@pytest.fixture
-def ray_cluster() -> Iterator[str]:
-    """A one-node Ray cluster with 2 CPUs started by `ray start`, without the Hub's or zoo's variables."""
+@dataclass(frozen=True)
+class Cluster:
+    """Two Ray nodes of one CPU each on this machine, started with `ray start`: `address` to join, with the token
+    authentication `auth` (the variables a driver needs), each node's ZOO_DATA_DIR (the environment its `ray start`
+    ran in, without the Hub's or zoo's other variables), and `hidden`, a directory the second node cannot see (it runs
+    in a mount namespace of its own with an empty tmpfs over it; None where this machine refuses one)."""
+
+    address: str
+    auth: dict[str, str]
+    node_dirs: tuple[Path, Path]
+    hidden: Path | None
+
+
+def _stop_ray(temp: str) -> None:
+    """Kill the processes of the Ray nodes whose temp dir is `temp`, and their children (their workers), by pid:
+    `ray stop` would stop every Ray node of the machine."""
+    ours: set[int] = set()
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if temp.encode() in (proc / "cmdline").read_bytes():
+                ours.add(int(proc.name))
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    ours |= {pid for pid, parent in parents.items() if parent in ours}
+    for pid in ours:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _in_own_mount_namespace(hidden: Path) -> list[str]:
+    """A command prefix running what follows with an empty tmpfs over `hidden`, in a mount namespace of its own; [] where
+    this machine does not allow one (no unshare, or not privileged)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return []
+    prefix = [unshare, "-m", "--propagation", "private", "sh", "-c", 'mount -t tmpfs zoo-hidden "$0" && exec "$@"', str(hidden)]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    return prefix if probe.returncode == 0 else []
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A Ray cluster of two one-CPU nodes on this machine (Cluster), shared by this module's tests."""
     ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
     temp = tempfile.mkdtemp(prefix="zray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "ZOO_"))}
+    root = tmp_path_factory.mktemp("nodes")
+    node_dirs = (root / "node-1", root / "node-2")
+    hidden = root / "hidden"
+    hidden.mkdir()
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # whether ~/.ray holds a token or not
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HF_", "ZOO_"))}, **auth}
     port = 6400 + os.getpid() % 500
-    start = [ray_cli, "start", "--head", "--num-cpus", "2", "--num-gpus", "0", "--port", str(port), "--temp-dir", temp]
-    started = subprocess.run(
-        [*start, "--include-dashboard", "false", "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True, timeout=180
-    )
-    address = re.search(r"ray start --address='([^']+)'", started.stdout + started.stderr)  # the node's own IP and port
-    assert address, started.stdout + started.stderr
+    common = ["--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats"]
     try:
-        yield address.group(1)
+        head = [ray_cli, "start", "--head", *common, "--port", str(port), "--temp-dir", temp, "--include-dashboard", "false"]
+        started = subprocess.run(
+            head, env={**env, "ZOO_DATA_DIR": str(node_dirs[0])}, check=True, capture_output=True, text=True, timeout=180
+        )
+        address = re.search(r"ray start --address='([^']+)'", started.stdout + started.stderr)  # the node's own IP and port
+        assert address, started.stdout + started.stderr
+        namespace = _in_own_mount_namespace(hidden)
+        second = [*namespace, ray_cli, "start", "--address", address.group(1), *common]
+        subprocess.run(second, env={**env, "ZOO_DATA_DIR": str(node_dirs[1])}, check=True, capture_output=True, text=True, timeout=180)
+        yield Cluster(address.group(1), auth, node_dirs, hidden if namespace else None)
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_ray(temp)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -103,7 +162,7 @@ def pg_cli(pg_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> C
 
 
 @pytest.mark.postgres
-def test_crawl_on_a_ray_cluster_survives_a_killed_task(pg_cli: CLI, ray_cluster: str, tmp_path: Path) -> None:
+def test_crawl_on_a_ray_cluster_survives_a_killed_task(pg_cli: CLI, ray_cluster: Cluster, tmp_path: Path) -> None:
     cli = pg_cli
     seeded(cli, tmp_path, BASE)
     count = 40
@@ -111,9 +170,9 @@ def test_crawl_on_a_ray_cluster_survives_a_killed_task(pg_cli: CLI, ray_cluster:
         for i, path in enumerate(write_random_peft_adapters(tmp_path / "hub", count)):
             files = {"README.md": f"---\nbase_model: {BASE}\n---\n".encode()}
             hub.repos[f"user{i % 5}/lora-{i}"] = FakeRepo.from_dir(path, files, tags=["peft", f"base_model:adapter:{BASE}"])
-        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "ZOO_JOB_LEASE_S": "2", "RAY_AUTH_MODE": "token"}
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "ZOO_JOB_LEASE_S": "2", **ray_cluster.auth}
         env.pop("HF_TOKEN", None)
-        driver = zoo(cli, "crawl", "--base-model", BASE, "--ray", ray_cluster, "--json", env=env)
+        driver = zoo(cli, "crawl", "--base-model", BASE, "--ray", ray_cluster.address, "--json", env=env)
         sessions = session_factory(cli.settings.database_url)
         victim, deadline = None, time.monotonic() + 240
         while victim is None:  # kill the process of a task while it holds an item
@@ -140,3 +199,50 @@ def test_crawl_on_a_ray_cluster_survives_a_killed_task(pg_cli: CLI, ray_cluster:
     assert len({i.adapter_id for i in items}) == count and stored == count + 4  # each repo stored once
     assert sources == {i.source for i in items}
     assert cli("check")[0] == 0  # the killed task's adapters embedded too, indexes current
+
+
+@pytest.mark.postgres
+def test_nodes_with_data_dirs_of_their_own_share_only_the_database_and_the_bucket(
+    pg_url: str,
+    seaweedfs: SeaweedFS,
+    ray_cluster: Cluster,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    truncate_all(pg_url)
+    bucket = seaweedfs.env(seaweedfs.new_bucket())
+    for name, value in bucket.items():
+        monkeypatch.setenv(name, value)
+    seeded(CLI(Settings(data_dir=tmp_path / "seed", database_url=pg_url), capsys), tmp_path)
+    write_random_peft_adapters(tmp_path / "src", 6)
+    driver = tmp_path / "driver"
+    driver.write_text("a file: nothing can be written under the driver's data dir")
+    command = [sys.executable, "-m", "zoo.cli", "--db", pg_url, "--data-dir", str(driver), "ingest", str(tmp_path / "src")]
+    args = [*command, "--base-model", "tiny", "--ray", ray_cluster.address, "--json"]
+    ran = subprocess.run(args, env={**os.environ, **bucket, **ray_cluster.auth}, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    summary = json.loads(ran.stdout.splitlines()[-1])
+    assert (summary["done"], summary["failed"], summary["embedded"]) == (6, 0, {"tiny": 6}), summary
+    assert summary["ray"]["nodes"] == 2 and sorted(summary["ray"]["data_dirs"].values()) == [str(d) for d in ray_cluster.node_dirs]
+    # the embedding actor built the space's caches in its node's own data dir; no node keeps a blob
+    assert [d.name for d in ray_cluster.node_dirs if list(d.glob("index/*.index"))] in (["node-1"], ["node-2"])
+    assert not [p for d in ray_cluster.node_dirs for p in d.rglob("*") if "blobs" in p.parts]
+    with session_factory(pg_url)() as session:
+        assert session.scalar(select(func.count()).select_from(Adapter)) == 4 + 6
+
+    if ray_cluster.hidden is None:
+        pytest.skip("the refusal of a node that cannot see the data dir needs a mount namespace (unshare -m, privileged)")
+    for name in bucket:  # blobs in the data dir: every node must see the driver's
+        monkeypatch.delenv(name)
+    unseen = ray_cluster.hidden / "driver"  # the second node sees an empty directory there
+    write_random_peft_adapters(tmp_path / "more", 2, seed=77)
+    command = [sys.executable, "-m", "zoo.cli", "--db", pg_url, "--data-dir", str(unseen), "ingest", str(tmp_path / "more")]
+    env = {**os.environ, **ray_cluster.auth}
+    ran = subprocess.run([*command, "--ray", ray_cluster.address], env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 2 and f"cannot see this command's data dir {unseen}: with blobs in the data dir" in ran.stderr, ran.stderr
+    with session_factory(pg_url)() as session:  # refused before any item was claimed
+        job = session.scalar(select(func.max(JobItem.job_id)))
+        states = session.execute(select(JobItem.state, JobItem.attempts).where(JobItem.job_id == job)).all()
+    assert states and set(states) == {("queued", 0)}
+    assert not list(unseen.glob(".ray-driver-*"))  # the driver's file is gone
