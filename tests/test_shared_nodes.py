@@ -1,6 +1,8 @@
 """Nodes that share only PostgreSQL and a bucket (a real SeaweedFS, tests/seaweedfs.py), each with a data dir of its own:
-a web upload taken by `zoo worker`s on other nodes, a W2T checkpoint trained on one node and loaded on another, and
-two `zoo serve` replicas behind nginx (deploy/nginx.conf) that each find what the other ingested."""
+a web upload taken by `zoo worker`s on other nodes, a
+W2T checkpoint trained on one node and loaded on another, two `zoo serve` replicas behind nginx (deploy/nginx.conf)
+that each find what the other ingested, and what a web app killed while it puts an upload in the bucket leaves there
+for `zoo check` to find and `--repair` to clear."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -18,12 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from tests.conftest import truncate_all
 from tests.factories import write_random_peft_adapters
 from tests.seaweedfs import SeaweedFS
 from webapp import create_app
 from zoo.cli import main
+from zoo.store.s3_blobs import MIN_PART_BYTES
 from zoo.store.session import session_factory
 from zoo.store.tokens import create_token
 
@@ -243,3 +246,93 @@ def test_an_adapter_ingested_through_one_replica_is_found_through_the_other_with
             process.wait(timeout=30)
         for log in logs:
             log.close()
+
+
+#: a web app in a process of its own, as `zoo serve` runs one: it posts the upload given as PEFT folder, leaving the job
+#: to the workers (ZOO_WEB_JOBS=0), and prints the job's id once it answers
+_UPLOADER = """
+import io, sys
+from pathlib import Path
+from webapp import create_app
+from zoo.store.session import session_factory
+from zoo.store.tokens import create_token
+url, data_dir, folder = sys.argv[1:4]
+with session_factory(url).begin() as session:
+    token = create_token(session, "uploader", "write")[1]
+app = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": data_dir, "ZOO_WEB_JOBS": "0"})
+files = [(io.BytesIO((Path(folder) / n).read_bytes()), n) for n in ("adapter_config.json", "adapter_model.safetensors")]
+r = app.test_client().post("/api/v1/ingest", data={"file": files, "base_model": "big"}, headers={"Authorization": f"Bearer {token}"})
+print(r.status_code, r.json.get("id"), flush=True)
+"""
+
+
+def _large_peft(folder: Path, modules: int = 6, width: int = 1024, rank: int = 256) -> Path:
+    """A PEFT folder whose weights take several S3 parts (about 2 MB a module)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(3)
+    targets = [f"base_model.model.layers.{i}.self_attn.q_proj" for i in range(modules)]
+    tensors = {}
+    for t in targets:
+        tensors[f"{t}.lora_A.weight"] = torch.randn(rank, width, generator=g)
+        tensors[f"{t}.lora_B.weight"] = torch.randn(width, rank, generator=g) * 0.01
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj"], "base_model_name_or_path": "big"}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_an_upload_cut_off_in_the_bucket_by_a_killed_web_app_is_found_by_check_and_cleared_by_repair(
+    shared: tuple[str, dict[str, str]], seaweedfs: SeaweedFS, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, env = shared
+    bucket, prefix = env["ZOO_BLOB_URL"].removeprefix("s3://").split("/", 1)
+    uploads = f"{prefix}/files/uploads/"
+    _zoo(url, tmp_path / "init", "init", capsys=capsys)
+    live = create_app({"ZOO_DATABASE_URL": url, "ZOO_DATA_DIR": str(tmp_path / "web-1"), "ZOO_WEB_JOBS": "0"})
+    (source,) = write_random_peft_adapters(tmp_path / "small", 1)
+    r = live.test_client().post("/api/v1/ingest", data={**_files(source), "base_model": "tiny"}, headers=_token(url))
+    assert r.status_code == 202  # its job waits for a worker: its upload in the bucket is a live one's
+
+    client = seaweedfs.client()
+    (waiting,) = {o["Key"].split("/")[3] for o in client.list_objects_v2(Bucket=bucket, Prefix=uploads)["Contents"]}
+    slow = {"ZOO_S3_PART_BYTES": str(MIN_PART_BYTES), "ZOO_S3_CONCURRENCY": "1"}  # one part at a time: a window to kill in
+    command = [sys.executable, "-c", _UPLOADER, url, str(tmp_path / "web-2"), str(_large_peft(tmp_path / "large"))]
+    uploader = subprocess.Popen(command, env={**os.environ, **env, **slow}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    try:
+        while not client.list_multipart_uploads(Bucket=bucket, Prefix=uploads).get("Uploads"):
+            assert uploader.poll() is None, f"the upload ended before it was seen going up: {uploader.communicate()}"
+            assert time.monotonic() < deadline, "no upload of the weights began"
+            time.sleep(0.01)
+        uploader.send_signal(signal.SIGKILL)  # the weights part-way up, no manifest, no job
+    finally:
+        uploader.kill()
+        uploader.wait(timeout=30)
+    (cut,) = {u["Key"].split("/")[3] for u in client.list_multipart_uploads(Bucket=bucket, Prefix=uploads)["Uploads"]}
+    where = f"s3://{bucket}/{uploads}{cut}/"
+
+    node = tmp_path / "checker"  # a node of its own: what it reports is in the bucket
+    (report,) = _zoo(url, node, "check", capsys=capsys)  # the default grace: a young folder may be a live writer's
+    assert report["ok"] and report["bucket_uploads"]["orphans"] == [] and len(report["bucket_uploads"]["in_flight"]) == 2
+    capsys.readouterr()
+    assert main(["--db", url, "--data-dir", str(node), "check", "--grace", "0", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    (orphan,) = report["bucket_uploads"]["orphans"]
+    assert orphan["where"] == where and not orphan["complete"] and not orphan["owned"]
+    assert orphan["files"] == 2  # the config, and the weights' upload cut off
+    assert 0 <= orphan["age_s"] < 120
+    (kept,) = report["bucket_uploads"]["in_flight"]
+    assert kept["owned"] and kept["complete"] and kept["where"].endswith(f"/{waiting}/")
+    capsys.readouterr()
+    assert main(["--db", url, "--data-dir", str(node), "check", "--grace", "0"]) == 1
+    assert f"orphaned upload {where}: 2 files, never put up whole, last written" in capsys.readouterr().out
+
+    (repaired,) = _zoo(url, node, "check", "--repair", "--grace", "0", capsys=capsys)
+    assert repaired["ok"] and repaired["bucket_uploads"]["removed"] == 1
+    left = {o["Key"].split("/")[3] for o in client.list_objects_v2(Bucket=bucket, Prefix=uploads)["Contents"]}
+    assert left == {waiting} and not client.list_multipart_uploads(Bucket=bucket, Prefix=uploads).get("Uploads")
+    (again,) = _zoo(url, node, "check", "--grace", "0", capsys=capsys)
+    assert again["ok"] and again["bucket_uploads"]["orphans"] == []

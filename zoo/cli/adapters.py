@@ -312,6 +312,10 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
             print(f"  repaired: {line}")
         for folder in report["uploads"]["orphans"]:
             print(f"  orphaned upload {folder}" + (" (removed)" if args.repair else ""))
+        for up in report["bucket_uploads"]["orphans"]:
+            whole = "" if up["complete"] else ", never put up whole"
+            print(f"  orphaned upload {up['where']}: {plural(up['files'], 'file')}{whole}, last written {up['age_s']:.0f} s ago"
+                  + (" (removed)" if args.repair else ""))  # fmt: skip
         for item in report["jobs"]["stranded"]:
             again = " (queued again)" if args.repair else ""
             print(f"  job {item['job_id']} item {item['item_id']}: {item['why']}, held by {item['lease_owner']}{again}")

@@ -28,6 +28,9 @@ What it finds:
   has written to for the grace period: a worker killed while it copied an upload, or mid-job, leaves them. The
   owner decides first (an item's source inside the folder), the age second (an upload is copied before its job
   exists, and a search's folder has no job). Repair removes them.
+- **uploads in the bucket**: with blobs in a bucket, a web upload's folder there (zoo/services/bucket_check.py) that
+  no queued or running item owns and nothing has written to for the grace period, reported with its age; a web app
+  killed while it put one up, or a worker killed before it removed one, leaves them. Repair removes them.
 - **stranded job items**: items left `running` by a lease holder that is gone: its lease ran out, or it was a
   process of this host that has exited (zoo/store/jobs.py `stranded_items`). Repair queues them again (failed
   once out of attempts), as a worker's claim would; an upload they name stays theirs.
@@ -45,6 +48,7 @@ import numpy as np
 
 from zoo.config import Settings
 from zoo.files import TMP_PREFIX
+from zoo.services.bucket_check import BucketUploadCheck, check_bucket_uploads
 from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.embedders import get_embedder, serving_embedders
@@ -131,6 +135,7 @@ class CheckReport(TypedDict):
     unembedded: list[Unembedded]
     misfits: list[Misfit]
     uploads: UploadCheck
+    bucket_uploads: BucketUploadCheck
     jobs: JobCheck
     repaired: list[str]
 
@@ -171,8 +176,9 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
     indexes, unembedded, misfits, repaired = _check_spaces(settings, sessions, blobs, repair)
     jobs = _check_jobs(sessions, repair)
     uploads = _check_uploads(settings.data_dir / "uploads", sessions, repair, grace_s, now)
+    bucket_uploads = check_bucket_uploads(blobs, sessions, repair, grace_s, now)  # after _check_jobs, as uploads
     problems = len(missing) + len(corrupt) + (0 if repair else len(orphans) + len(temporary))
-    problems += 0 if repair else len(uploads["orphans"]) + len(jobs["stranded"])
+    problems += 0 if repair else len(uploads["orphans"]) + len(bucket_uploads["orphans"]) + len(jobs["stranded"])
     problems += sum(1 for i in indexes if i["state"] != "ok" and not i.get("repaired"))
     problems += sum(u["count"] for u in unembedded if not u.get("repaired")) + len(misfits)
     return {
@@ -187,6 +193,7 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
         "unembedded": unembedded,
         "misfits": misfits,
         "uploads": uploads,
+        "bucket_uploads": bucket_uploads,
         "jobs": jobs,
         "repaired": repaired,
     }

@@ -294,6 +294,31 @@ class S3BlobStore(BlobStore):
         with self._errors(f"reading s3://{self.location.bucket}/{self.file_key(name)}"):
             self.client.download_file(self.location.bucket, self.file_key(name), str(path), Config=self._transfer())
 
+    def file_entries(self, under: str) -> list[tuple[str, float]]:
+        """(name, seconds since the epoch) of every file kept under the folder `under`: each object's name and last
+        modification, and each multipart upload of one never completed nor aborted (a writer still at it, or killed
+        mid-file), with the time it began."""
+        prefix = self.file_key(under.rstrip("/") + "/")
+        skip = len(self.file_key(""))
+        found: list[tuple[str, float]] = []
+        with self._errors(f"listing s3://{self.location.bucket}/{prefix}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.location.bucket, Prefix=prefix):
+                found += [(obj["Key"][skip:], obj["LastModified"].timestamp()) for obj in page.get("Contents", [])]
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.location.bucket, Prefix=prefix):
+                found += [(upload["Key"][skip:], upload["Initiated"].timestamp()) for upload in page.get("Uploads", [])]
+        return found
+
+    def abort_file_uploads(self, folder: str) -> int:
+        """Abort every multipart upload never completed under `folder` (a writer killed mid-file); returns how many."""
+        prefix = self.file_key(folder.rstrip("/") + "/")
+        uploads: list[tuple[str, str]] = []
+        with self._errors(f"aborting uploads under s3://{self.location.bucket}/{prefix}"):
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.location.bucket, Prefix=prefix):
+                uploads += [(upload["Key"], upload["UploadId"]) for upload in page.get("Uploads", [])]
+            for key, upload_id in uploads:
+                self.client.abort_multipart_upload(Bucket=self.location.bucket, Key=key, UploadId=upload_id)
+        return len(uploads)
+
     def delete_file_objects(self, folder: str) -> int:
         """Delete every file kept under `folder` (a name's leading part); returns how many."""
         prefix = self.file_key(folder.rstrip("/") + "/")

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from zoo.errors import StorageError
@@ -94,7 +95,44 @@ def local_folder(blobs: BlobStore, data_dir: Path, folder: str) -> Path:
 
 
 def unpublish(blobs: BlobStore, folder: str) -> int:
-    """Remove a published folder's copy from the bucket (an upload whose item is finished); how many files went."""
+    """Remove a published folder's copy from the bucket (an upload whose item is finished, or one a killed writer left),
+    uploads of its files cut off mid-way included; how many files went."""
     if not isinstance(blobs, S3BlobStore):
         return 0
-    return blobs.delete_file_objects(_checked(folder))
+    folder = _checked(folder)
+    return blobs.delete_file_objects(folder) + blobs.abort_file_uploads(folder)
+
+
+@dataclass(frozen=True)
+class PublishedFolder:
+    """A folder kept in the bucket (`folder`, e.g. uploads/<hex>), as listed: `where` it is, how many files it holds
+    (objects, and uploads of one under way or cut off), when it was last written to, and whether its manifest is there
+    (without one, its writer has not finished, or was killed)."""
+
+    folder: str
+    where: str
+    files: int
+    last_written: float
+    complete: bool
+
+
+def published_folders(blobs: BlobStore, under: str) -> list[PublishedFolder]:
+    """The folders kept in the bucket under `under` (e.g. "uploads"), by name; none with the data dir's blobs."""
+    if not isinstance(blobs, S3BlobStore):
+        return []
+    under = _checked(under)
+    grouped: dict[str, list[tuple[str, float]]] = {}
+    for name, when in blobs.file_entries(under):
+        rest = name[len(under) + 1 :]
+        if "/" in rest:  # a file directly under `under` belongs to no folder
+            grouped.setdefault(f"{under}/{rest.split('/', 1)[0]}", []).append((name, when))
+    return [
+        PublishedFolder(
+            folder,
+            f"s3://{blobs.location.bucket}/{blobs.file_key(folder)}/",
+            len(entries),
+            max(when for _, when in entries),
+            any(name == f"{folder}/{MANIFEST}" for name, _ in entries),
+        )
+        for folder, entries in sorted(grouped.items())
+    ]
