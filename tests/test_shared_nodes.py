@@ -1,5 +1,5 @@
 """Nodes that share only PostgreSQL and a bucket (a real SeaweedFS, tests/seaweedfs.py), each with a data dir of its own:
-a web upload taken by `zoo worker`s on other nodes, a
+a web upload taken by `zoo worker`s on other nodes (and stored as what was uploaded, not as a path on one of them), a
 W2T checkpoint trained on one node and loaded on another, two `zoo serve` replicas behind nginx (deploy/nginx.conf)
 that each find what the other ingested, and what a web app killed while it puts an upload in the bucket leaves there
 for `zoo check` to find and `--repair` to clear."""
@@ -21,11 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
+
 from tests.conftest import truncate_all
 from tests.factories import write_random_peft_adapters
 from tests.seaweedfs import SeaweedFS
 from webapp import create_app
 from zoo.cli import main
+from zoo.store.models import Adapter
 from zoo.store.s3_blobs import MIN_PART_BYTES
 from zoo.store.session import session_factory
 from zoo.store.tokens import create_token
@@ -84,7 +87,8 @@ def test_workers_on_other_nodes_take_a_web_upload_and_a_third_node_loads_the_tra
         jobs.append(r.json["id"])
     assert not any((web_dir / "uploads").iterdir())  # the uploads are in the bucket, and only there
     listed = seaweedfs.client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/files/uploads/")
-    assert len({o["Key"].split("/")[3] for o in listed["Contents"]}) == len(sources)
+    uploads = {o["Key"].split("/")[3] for o in listed["Contents"]}
+    assert len(uploads) == len(sources)
 
     cmd = [sys.executable, "-m", "zoo.cli", "--db", url]
     workers = [
@@ -99,6 +103,9 @@ def test_workers_on_other_nodes_take_a_web_upload_and_a_third_node_loads_the_tra
     assert [s["state"] for s in states] == ["done"] * len(sources), states
     ids = sorted(i["adapter_id"] for s in states for i in s["items"])
     assert len(set(ids)) == len(sources)
+    with session_factory(url)() as session:  # stored as what was uploaded, whichever node ingested it
+        recorded = set(session.scalars(select(Adapter.source_uri).where(Adapter.id.in_(ids))))
+    assert recorded == {f"upload:{hex_}/adapter_config.json+adapter_model.safetensors" for hex_ in uploads}
     assert not seaweedfs.client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/files/uploads/").get("Contents")
     assert not [p for i in (1, 2) for p in (tmp_path / f"worker-{i}" / "uploads").glob("*")]  # the fetched copies are gone
 

@@ -7,7 +7,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from webapp.context import db, zoo_context
 from zoo import logs, memory
@@ -19,6 +19,9 @@ from zoo.store.job_resources import JobDetail, job_detail
 from zoo.store.jobs import PROCESSED, create_job
 from zoo.store.models import JobOptions
 from zoo.store.shared_files import in_bucket, publish, unpublish
+
+#: characters of the uploaded files' names kept in the job, for the adapter's recorded source
+MAX_UPLOAD_NAME = 300
 
 
 def import_path(raw: str) -> Path:
@@ -60,6 +63,8 @@ def start_ingest(paths: list[str], files: list, base_model: str | None, created_
             unpublish(ctx.blobs, folder)
             raise
         options["upload"] = folder
+        given = sorted(PurePosixPath((f.filename or "upload").replace("\\", "/")).name for f in files)
+        options["upload_name"] = "+".join(given)[:MAX_UPLOAD_NAME]  # the adapter's recorded source: upload:<hex>/<this>
     else:
         named = [import_path(p) for p in paths]
         root = ctx.web.import_root

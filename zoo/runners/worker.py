@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import wait as wait_for
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from tqdm import tqdm
@@ -154,8 +154,9 @@ def ingest_options(job_options: JobOptions, device: str | None = None) -> Ingest
     )
 
 
-def process_claim(sessions: Sessions, ingestor: Ingestor, claim: Claim, owner: str) -> Outcome:
-    """Ingest a claimed item and write its outcome (if the lease is still ours)."""
+def process_claim(sessions: Sessions, ingestor: Ingestor, claim: Claim, owner: str, recorded_as: str | None = None) -> Outcome:
+    """Ingest a claimed item and write its outcome (if the lease is still ours); `recorded_as`: the source stored on the
+    adapter, where it is not the item's (an upload's, see `upload_source`)."""
     start = time.perf_counter()
     root = claim.options.get("import_root")
     reason = escapes(Path(claim.source), Path(str(root))) if root else None  # a link swapped in since the job was made
@@ -163,7 +164,7 @@ def process_claim(sessions: Sessions, ingestor: Ingestor, claim: Claim, owner: s
         held = finish_item(sessions, owner, claim.item_id, "failed", None, reason)
         return Outcome(claim.item_id, claim.job_id, claim.source, "failed" if held else "lost", None, reason, time.perf_counter() - start)
     try:
-        result = ingest_source(ingestor, claim.source, claim.labels)
+        result = ingest_source(ingestor, claim.source, claim.labels, recorded_as)
     except BaseException as exc:
         reason = f"{claim.source}: {type(exc).__name__}: {str(exc).strip()[:300]}"
         state = release_item(sessions, owner, claim.item_id, reason if isinstance(exc, Exception) else f"{reason} (interrupted)")
@@ -175,6 +176,15 @@ def process_claim(sessions: Sessions, ingestor: Ingestor, claim: Claim, owner: s
     held = finish_item(sessions, owner, claim.item_id, state, result.adapter_id, result.error, result.timings, *said)
     seconds = time.perf_counter() - start
     return Outcome(claim.item_id, claim.job_id, claim.source, state if held else "lost", result.adapter_id, result.error, seconds)
+
+
+def upload_source(claim: Claim) -> str | None:
+    """A web upload's source as the adapter records it: `upload:<hex>/<what was uploaded>` (the upload's folder and
+    the names of the files sent), the same whichever node ingests it, never a path on one; None: not an upload."""
+    folder = claim.options.get("upload")
+    if not folder:
+        return None
+    return f"upload:{PurePosixPath(folder).name}/{claim.options.get('upload_name') or Path(claim.source).name}"
 
 
 def local_claim(blobs: BlobStore, data_dir: Path, claim: Claim) -> tuple[Claim, Path | None]:
@@ -244,8 +254,9 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
         beat.hold(owner, claim.item_id)
         try:
             with logs.context(claim.options.get("request_id"), claim.job_id):  # the request that made the job, if one did
+                recorded_as = upload_source(claim)
                 claim, upload = local_claim(blobs, settings.data_dir, claim)
-                outcome = process_claim(sessions, ingestors[key], claim, owner)
+                outcome = process_claim(sessions, ingestors[key], claim, owner, recorded_as)
                 count_outcome(outcome)
                 if upload is not None and outcome.state in PROCESSED:  # the upload's files are done with, here and in the bucket
                     shutil.rmtree(upload, ignore_errors=True)

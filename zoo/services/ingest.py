@@ -295,11 +295,16 @@ class _Laps:
         self.t = now
 
 
-def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = None) -> IngestResult:
+def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = None, recorded_as: str | None = None) -> IngestResult:
     """Ingest one source. A Hub source whose resolved commit is stored already is the duplicate before any
-    download; otherwise its files are fetched and ingested with their origin. Failures name the source."""
+    download; otherwise its files are fetched and ingested with their origin. Failures name the source. A local
+    source is stored as `recorded_as` where given (a web upload's, whose files are a copy on this node), and its
+    failures name that."""
     if not hub.is_hub_source(source):
-        return ingestor.ingest(Path(source), labels=labels)
+        result = ingestor.ingest(Path(source), source_uri=recorded_as, labels=labels)
+        if recorded_as and result.error:
+            result.error = result.error.replace(source, recorded_as)
+        return result
     try:
         resolved = hub.resolve(source)
         stored = ingestor.stored_revision(resolved.origin.uri, resolved.sha)

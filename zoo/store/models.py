@@ -295,6 +295,7 @@ class JobOptions(TypedDict, total=False):
     import_root: str  # the web app's: every item's path must stay under it when it is read
     request_id: str  # the web request that made the job: its items' log lines carry it (zoo/logs.py)
     upload: str  # the web app's upload folder under the data dir (uploads/<hex>), in the bucket too where blobs are
+    upload_name: str  # what was uploaded: the file's name, or the names of a PEFT directory's two files joined by "+"
 
 
 class StoredLabels(TypedDict):
