@@ -1,6 +1,7 @@
 """docker-compose.yml and deploy/ hold together: SeaweedFS and the bucket every node shares, two app replicas both in
 nginx's upstream, each app and worker with a data dir of its own, settings that zoo reads (no misspelt ZOO_* name),
-S3 credentials the object store knows; and `docker compose config` accepts the file where Docker Compose is installed."""
+S3 credentials the object store knows; and Docker Compose (`docker compose config`, or Debian's `docker-compose`)
+accepts the file and refuses a broken copy, where one is installed."""
 
 from __future__ import annotations
 
@@ -64,9 +65,25 @@ def test_every_node_keeps_blobs_in_the_bucket_the_bucket_service_makes_with_cred
         assert "ZOO_TRUST_REQUEST_ID" not in SERVICES[worker]["environment"]
 
 
-def test_docker_compose_accepts_the_file() -> None:
+def compose_command() -> list[str] | None:
+    """A Docker Compose that validates files: the `docker compose` plugin (v2), else Debian's `docker-compose` (v1.29,
+    which reads the Compose Specification's files too: `apt-get install docker-compose`); None: neither is here."""
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
-        pytest.skip("Docker Compose is not installed")
-    run = subprocess.run([docker, "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], capture_output=True, text=True)
+    if docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy is not None else None
+
+
+def test_docker_compose_accepts_the_file_and_refuses_a_broken_copy(tmp_path: Path) -> None:
+    compose = compose_command()
+    if compose is None:
+        pytest.skip("Docker Compose is not installed: apt-get install docker-compose, or Docker's compose plugin (CI installs one)")
+    run = subprocess.run([*compose, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
+    # the same file with a volume no service declares and a misspelt key: refused, so the check above checks
+    text = (ROOT / "docker-compose.yml").read_text()
+    broken = text.replace("- app1data:/data", "- app9data:/data").replace("    expose:", "    exposes:")
+    (tmp_path / "docker-compose.yml").write_text(broken)
+    run = subprocess.run([*compose, "-f", str(tmp_path / "docker-compose.yml"), "config", "-q"], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and ("app9data" in run.stderr or "exposes" in run.stderr), run.stderr
