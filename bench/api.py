@@ -96,7 +96,7 @@ class EngineBaseline:
     """The same queries through an in-process engine, `threads` at once (seconds each)."""
 
     def __init__(self, work: Path, space: str, threads: int) -> None:
-        from embed.engine import QueryEngine
+        from embed.serving.engine import QueryEngine
         from zoo.store.blobs import BlobStore
         from zoo.store.session import session_factory
 
@@ -105,7 +105,7 @@ class EngineBaseline:
         self.space, self.threads = space, threads
 
     def one(self, i: int) -> float:
-        from embed.results import Query
+        from embed.serving.results import Query
 
         with self.sessions() as session:
             t = time.perf_counter()

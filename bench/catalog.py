@@ -6,7 +6,7 @@ two in three, `style` (12), and its search document. Then times `search_catalog`
 and the API call it, in three cases: a text query with facets, unfiltered facets (the search page's first view),
 and 5 filters (a base model, a format, two labels and a source prefix), p50 and p99 over --repeats runs each, and
 says whether facet counts were approximate (zoo/store/catalog.py: facet_exact_rows, FACET_TIMEOUT_MS). `semantic`:
-a search by meaning (embed/text_search.py: the sentence encoder, full text and the FAISS text index fused, facets of
+a search by meaning (embed/serving/text_search.py: the sentence encoder, full text and the FAISS text index fused, facets of
 the ranked adapters; the catalog has no embedding space, so no expansion through the weights), after its text index
 is built once under --data-dir (timed apart: `text_index_build_s`). --cases picks the cases.
 
@@ -188,8 +188,8 @@ def measure(url: str, repeats: int, seed: int = 0, data_dir: str | None = None, 
     search: Callable[[Session, str | None, dict[str, str]], Mapping[str, object]] = search_catalog
     by_meaning = search
     if "semantic" in which:
-        from embed import text_search
-        from embed.engine import QueryEngine
+        from embed.serving import text_search
+        from embed.serving.engine import QueryEngine
         from zoo.store.blobs import BlobStore
 
         assert data_dir, "the semantic case needs --data-dir"

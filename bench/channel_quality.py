@@ -1,8 +1,8 @@
 """Retrieval quality of the training-free similarity channels (zoo/domain/channels.py) against dW cosine, on a zoo.
 
-With `--per-task` labelled adapters per task (embed.evaluate.labelled_split, one draw per split), every other adapter
+With `--per-task` labelled adapters per task (embed.training.evaluate.labelled_split, one draw per split), every other adapter
 with a task queries the labelled ones; an item is relevant when it has the query's task. Per channel and split: the
-mean hit@1, MRR and nDCG@10 over the queries (embed.metrics.retrieval_per_query). Each channel's gain over dW cosine
+mean hit@1, MRR and nDCG@10 over the queries (embed.selection.metrics.retrieval_per_query). Each channel's gain over dW cosine
 is paired by split, with a 95 % t interval over the splits. Channels and mixes are training-free: no label is used
 but to score.
 
@@ -20,9 +20,9 @@ import time
 import numpy as np
 from scipy import stats
 
-from embed.dataset import base_models, load_adapters
-from embed.evaluate import labelled_split
-from embed.metrics import retrieval_per_query
+from embed.data.dataset import base_models, load_adapters
+from embed.selection.metrics import retrieval_per_query
+from embed.training.evaluate import labelled_split
 from zoo.config import Settings
 from zoo.domain.channels import CHANNELS, channel_matrices, factor_stack
 from zoo.domain.similarity import dw_cosine_matrix
@@ -51,7 +51,7 @@ def similarities(settings: Settings, space: str | None) -> tuple[dict[str, np.nd
 
 
 def measure(sims: dict[str, np.ndarray], tasks: list[str], per_task: int, splits: int, seed: int) -> dict[str, object]:
-    from embed.types import ZooAdapter
+    from embed.data.types import ZooAdapter
 
     named = [ZooAdapter(id=i, name=f"{i:06d}", factors={}, labels={"task": t} if t else {}) for i, t in enumerate(tasks)]
     per_split: dict[str, dict[str, list[float]]] = {m: {k: [] for k in MEASURES} for m in sims}

@@ -4,7 +4,7 @@
 as `zoo eval` does (the same splits, the same seeds) and saves what a rule needs: each member's embedding of every
 adapter, each member's fold, the split, the tasks and the exact scores. `python -m bench.choice study F.npz...` then
 replays each rule of RULES on each split: it chooses from the labelled adapters' out-of-fold retrieval (as
-embed.choice.choose_search does), and what it chose is scored on the split's queries against every adapter, with the
+embed.selection.choice.choose_search does), and what it chose is scored on the split's queries against every adapter, with the
 served embedding (the members' mean cosine). Per dump and rule: the mean regret against the best fixed candidate of
 the live candidates, its 90th percentile, and the gain over dW cosine (hit@1, MRR, nDCG@10), beside the live rule
 measured in the same run, the floor the splits' own noise leaves (cross_split_floor) and the one a single search for
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embed.choice import (
+from embed.selection.choice import (
     MIX_WEIGHTS,
     Fold,
     best_expected,
@@ -35,7 +35,7 @@ from embed.choice import (
     self_excluded,
     staged_over,
 )
-from embed.metrics import retrieval_per_query
+from embed.selection.metrics import retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import SearchScore
 
@@ -44,13 +44,13 @@ MEASURES = ("hit@1", "mrr", "ndcg@10")
 
 def dump(args: argparse.Namespace) -> None:
     """Train per split as `zoo eval` does and save the scores a rule needs."""
-    from embed.dataset import load_adapters
-    from embed.ensemble import W2TEnsemble
-    from embed.evaluate import labelled_split
-    from embed.resources import resolve_base_model
-    from embed.train import member_folds, train_w2t
-    from embed.train_options import TrainOptions
-    from embed.types import ZooAdapter, schema_of, split_positions
+    from embed.data.dataset import load_adapters
+    from embed.data.types import ZooAdapter, schema_of, split_positions
+    from embed.serving.resources import resolve_base_model
+    from embed.training.evaluate import labelled_split
+    from embed.training.train import member_folds, train_w2t
+    from embed.training.train_options import TrainOptions
+    from embed.w2t.ensemble import W2TEnsemble
     from zoo.config import Settings
     from zoo.domain.channels import exact_cosines
     from zoo.domain.similarity import ModuleStack, dense_modules
@@ -184,7 +184,7 @@ Rule = Callable[[Split, Scores], Candidate]
 
 
 def live(split: Split, oof: Scores) -> Candidate:
-    """embed.choice.choose_search itself."""
+    """embed.selection.choice.choose_search itself."""
     tasks = [split.tasks[r] for r in split.labelled]
     exact = {s: m[np.ix_(split.labelled, split.labelled)] for s, m in split.exact.items()}
     return choose_search(exact, tasks, split.folds).chosen

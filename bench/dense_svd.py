@@ -1,8 +1,8 @@
-"""Benchmark: the engine's exact stage with its module store's dense-module SVDs kept (embed/dense_svd.py) against
+"""Benchmark: the engine's exact stage with its module store's dense-module SVDs kept (embed/serving/dense_svd.py) against
 factoring every candidate's dense modules on every query (the baseline: what the engine did before), on a real zoo.
 
 In a data dir where `zoo embed` ran (its module store) and, for the channel metric, `zoo train` (a checkpoint with
-`channel_metrics`), each of --queries stored adapters queries every other one, as `embed.engine` scores the candidates:
+`channel_metrics`), each of --queries stored adapters queries every other one, as `embed.serving.engine` scores the candidates:
 the exact input Gram (`exact_cosines`) and each channel metric the checkpoint holds (`ChannelMetric.between`), once
 from the store's rows without their SVDs (`ModuleStack.take`, the baseline) and once with them (`ModuleStore.take`),
 alternating query by query, in one process and one run. The first cached query factors every row (reported apart);
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from embed.checkpoint import channel_metrics_of, checkpoint_meta
-from embed.engine import QueryEngine
-from embed.search_methods import W2T
+from embed.serving.engine import QueryEngine
+from embed.serving.search_methods import W2T
+from embed.w2t.checkpoint import channel_metrics_of, checkpoint_meta
 from zoo.config import Settings
 from zoo.domain.channels import exact_cosines
 from zoo.store.blobs import BlobStore

@@ -15,11 +15,11 @@ import json
 import torch
 
 from bench.timing import median_time
-from embed.ensemble import EMBED_BATCH, W2TEnsemble
-from embed.model import W2T, W2TConfig
-from embed.tokens import tokenize
-from embed.train_options import TrainOptions
-from embed.types import ZooAdapter, schema_of
+from embed.data.tokens import tokenize
+from embed.data.types import ZooAdapter, schema_of
+from embed.training.train_options import TrainOptions
+from embed.w2t.ensemble import EMBED_BATCH, W2TEnsemble
+from embed.w2t.model import W2T, W2TConfig
 from zoo.domain.canonical import canonicalize
 from zoo.domain.similarity import module_sketches, sketch_width
 

@@ -4,7 +4,7 @@ The shapes-lineage zoo is stored again, in a data dir of its own per holdout, wi
 (`non-root`: every member made from roots, the roots keep theirs; `half`: a random half of the members, seeded); `zoo
 embed` finds the edges, `zoo train` trains W2T on the labels kept (and embeds with it). Then, per held-out stored
 adapter, the task from lineage (zoo.store.imputation.from_lineage, what `zoo predict` serves) is scored against the
-embedding's prediction (embed.resources.predict: the predictor `zoo train` chose, as served), and against labels.csv:
+embedding's prediction (embed.serving.resources.predict: the predictor `zoo train` chose, as served), and against labels.csv:
 
 - (a) imputation where it answers, and its coverage (the share of held-out adapters it answers for), for five rules:
   copies only, copies and merges (the default: edges of confidence ≥ 0.5), the same from any confidence or from 0.9,
@@ -97,9 +97,9 @@ def predict(
 ) -> list[dict]:
     """Per held-out stored adapter: its truth, each baseline's answer and each rule's (tasks, kind), and per copy its
     task came from (default rule), which of its labels.csv values that copy has too."""
-    from embed import resources
-    from embed.engine import QueryEngine
-    from embed.refs import StoredId
+    from embed.serving import resources
+    from embed.serving.engine import QueryEngine
+    from embed.serving.refs import StoredId
     from zoo.config import Settings
     from zoo.store.blobs import BlobStore
     from zoo.store.imputation import from_lineage

@@ -1,4 +1,4 @@
-"""Benchmark: the zoo map's fit + projection (embed/projection.py) at real sizes, against the exact covariance
+"""Benchmark: the zoo map's fit + projection (embed/serving/projection.py) at real sizes, against the exact covariance
 route it replaced (d × d float64 covariance + eigh) measured in the same run.
 
 Sizes (n vectors × d dimensions): 50,000 × 2,048 (a bounded search vector, MAX_FIT vectors) and 2,000 × 63,296
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-import embed.projection as P
+import embed.serving.projection as P
 
 SIZES = ((50_000, 2_048), (2_000, 63_296))
 

@@ -1,12 +1,12 @@
 """Predictions set beside what was given, over every labelled adapter of a zoo (the demo's, after `zoo quickstart`).
 
-For each stored adapter with a given value of an attribute, its served prediction (embed.resources.predict, what the
+For each stored adapter with a given value of an attribute, its served prediction (embed.serving.resources.predict, what the
 adapter page, `zoo predict` and the API show) is compared with that value:
 
 - how many predictions disagree with the given value, how many of them are marked as disagreeing (`agrees` False),
   and how many of those are still shown as sure;
 - the reliability of what is shown as sure: per equal-width confidence bin, the count, the mean probability and the
-  accuracy against the given values, and whether accuracy ≥ mean − 0.05 (embed.calibration.SURE_SLACK);
+  accuracy against the given values, and whether accuracy ≥ mean − 0.05 (embed.selection.calibration.SURE_SLACK);
 - for each metric, how often the measured value lies in the predicted 90 % interval.
 
     python -m bench.predictions [--data-dir DIR] [--space NAME]
@@ -22,10 +22,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from embed import resources
-from embed.calibration import ECE_BINS, SURE_SLACK
-from embed.engine import QueryEngine
-from embed.refs import StoredId
+from embed.selection.calibration import ECE_BINS, SURE_SLACK
+from embed.serving import resources
+from embed.serving.engine import QueryEngine
+from embed.serving.refs import StoredId
 from zoo.config import Settings
 from zoo.store.blobs import BlobStore
 from zoo.store.models import Adapter

@@ -83,8 +83,8 @@ def load_file_seconds(files: list[Path]) -> float:
 
 def family_hit_at_1(data_dir: Path, base_model: str, families: dict[int, int], method: str | None) -> float:
     """Share of adapters whose nearest other adapter (by `method`, the space's default if None) is of their family."""
-    from embed.engine import QueryEngine
-    from embed.results import Query
+    from embed.serving.engine import QueryEngine
+    from embed.serving.results import Query
     from zoo.config import Settings
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
@@ -94,7 +94,7 @@ def family_hit_at_1(data_dir: Path, base_model: str, families: dict[int, int], m
     engine = QueryEngine(sessions, BlobStore(settings.blob_dir), data_dir)
     hits = 0
     with sessions() as session:
-        from embed.resources import resolve_space
+        from embed.serving.resources import resolve_space
 
         space = resolve_space(session, base_model).name
         for adapter_id, family in families.items():

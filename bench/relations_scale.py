@@ -82,7 +82,7 @@ def real_factors(database_url: str, src: serve.Source) -> list[tuple[str, str | 
     of the adapters with both embeddings, as `serve.load_source` orders them (checked against their stored sketches)."""
     from sqlalchemy import select
 
-    from embed.resources import resolve_space
+    from embed.serving.resources import resolve_space
     from zoo.store.embedders import active_embedder
     from zoo.store.embeddings import load_embeddings
     from zoo.store.models import Adapter
@@ -243,7 +243,7 @@ def measure(data_dir: Path, database_url: str, blobs: Path, sample: list[int], w
     """Scan `warmup`, then `sample` (timed by part), in the space of this data dir, marked as at ingest."""
     from sqlalchemy import text
 
-    from embed.engine import QueryEngine
+    from embed.serving.engine import QueryEngine
     from zoo.services.relations import scan_space
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory

@@ -1,5 +1,5 @@
-"""Benchmark: retrieval metrics by counted ranks (embed.metrics.retrieval_per_query) vs sorting each row whole (the
-baseline, measured in the same run), and what that makes of the search choice (embed.choice.choose_search: the
+"""Benchmark: retrieval metrics by counted ranks (embed.selection.metrics.retrieval_per_query) vs sorting each row whole (the
+baseline, measured in the same run), and what that makes of the search choice (embed.selection.choice.choose_search: the
 candidates it weighs scored out of fold) at a zoo's count of labelled adapters.
 
 Synthetic scores: n labelled adapters of 20 tasks, five members each holding out a fifth. CPU seconds per call
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from embed.choice import Fold, choose_search, search_candidates
-from embed.metrics import retrieval_per_query
+from embed.selection.choice import Fold, choose_search, search_candidates
+from embed.selection.metrics import retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
 
 

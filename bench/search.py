@@ -10,7 +10,7 @@ and the first stage of `--method input_gram` is scored by its recall@10 of the e
 store, zoo.domain.channels.exact_cosines): the share of the exact top 10 among the candidates, which the exact re-rank
 then orders. Candidates: the module sketch index's nearest (the baseline: what input_gram search took before the
 input-Gram sketch index), the input-Gram sketch index's, and the union of both, at pools of --pools nearest each
-(the engine's is embed.index.CANDIDATES); with --widths, input-Gram sketches of other probe counts per module,
+(the engine's is embed.serving.index.CANDIDATES); with --widths, input-Gram sketches of other probe counts per module,
 computed from the blobs. Per pool: each recall, the ratio to the baseline's, and the paired per-query gain with a 95 %
 t interval. Everything in one process and one run.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from embed.exact_search import brute_force, normalize, recall_at_k
-from embed.index import AdapterIndex
+from embed.serving.exact_search import brute_force, normalize, recall_at_k
+from embed.serving.index import AdapterIndex
 
 
 def latencies(fn, queries: np.ndarray) -> tuple[float, float]:  # type: ignore[no-untyped-def]
@@ -60,11 +60,11 @@ def t_interval(x: np.ndarray) -> tuple[float, float]:
 def zoo_first_stage(data_dir: Path, pools: list[int], widths: list[int], k: int) -> dict[str, object]:
     """Recall@k of the exact input-Gram top k among each first stage's candidates, every adapter of the zoo's only space
     a query (see the module doc)."""
-    from embed.dataset import load_adapters
-    from embed.module_store import module_store_path, read_module_store
-    from embed.resources import resolve_space
-    from embed.search_methods import GRAM, SKETCH
-    from embed.types import SpaceSchema
+    from embed.data.dataset import load_adapters
+    from embed.data.types import SpaceSchema
+    from embed.serving.module_store import module_store_path, read_module_store
+    from embed.serving.resources import resolve_space
+    from embed.serving.search_methods import GRAM, SKETCH
     from zoo.config import Settings
     from zoo.domain.channels import channel_sketches, exact_cosines
     from zoo.store.blobs import BlobStore

@@ -21,12 +21,12 @@ Where the zoo has input-Gram sketches (`zoo embed` writes them), they are mixed 
 weights and noised like the module sketches (a mixture's Gram is not the mixture of the Grams: the neighbourhoods are
 the space's, not real adapters'), and `--method input_gram` is served and measured too: with no module store its score
 is the input Gram estimated from these sketches, and its first stage is the union of both sketch indexes' nearest
-(embed/search_methods.py EXACT_CANDIDATES); the same queries are answered again with the module sketch's candidates alone (the
+(embed/serving/search_methods.py EXACT_CANDIDATES); the same queries are answered again with the module sketch's candidates alone (the
 first stage before the input-Gram index: the baseline) and with the input-Gram sketch's alone.
 
 Build (timed, in a child process so the serving process's memory is its own): a SQLite database
 with the adapters, their labels and their embeddings, written in bulk, then every FAISS index (IVF above 100k
-adapters) read back from it as `zoo index` builds one (embed/index_files.py build_index), one at a time: built, saved and
+adapters) read back from it as `zoo index` builds one (embed/serving/index_files.py build_index), one at a time: built, saved and
 freed before the next, so the build's memory peaks at the largest index's, not their sum. Serve: the engine loads the
 space, then answers `--queries` queries by stored id with the default method (hybrid) single-threaded, with 8 concurrent threads, and with a
 1 % label filter (and input_gram single-threaded and filtered). Recall@10 compares the served top 10 with an
@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-# before FAISS's OpenMP starts (here and in the spawned build): see embed/index.py; the engine imports FAISS first
+# before FAISS's OpenMP starts (here and in the spawned build): see embed/serving/index.py; the engine imports FAISS first
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 CHUNK = 50_000
@@ -109,7 +109,7 @@ def _zoo_vectors(
     `optional`, no vectors and None where the space has no such embedder."""
     from sqlalchemy import select
 
-    from embed.resources import resolve_space
+    from embed.serving.resources import resolve_space
     from zoo.store.embedders import active_embedder
     from zoo.store.embeddings import load_embeddings
     from zoo.store.models import Adapter, Label
@@ -342,7 +342,7 @@ def build(src: Source, n: int, work: Path, seed: int) -> dict[str, float]:
     """Write the synthetic space's database and index files under `work` (runs in a child process)."""
     from sqlalchemy import insert
 
-    from embed.index_files import build_index, index_path
+    from embed.serving.index_files import build_index, index_path
     from zoo.store.models import Adapter, Embedder, Embedding, EmbeddingSpace, Label
     from zoo.store.session import make_engine, session_factory, upgrade
 
@@ -715,10 +715,10 @@ def main() -> None:
 
 
 def serve(src: Source, args: argparse.Namespace, work: Path, built: dict) -> dict[str, object]:
-    from embed.engine import QueryEngine
-    from embed.index_files import index_path
-    from embed.results import Query
-    from embed.space_state import index_bytes
+    from embed.serving.engine import QueryEngine
+    from embed.serving.index_files import index_path
+    from embed.serving.results import Query
+    from embed.serving.space_state import index_bytes
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory
 
@@ -818,9 +818,9 @@ def serve_input_gram(
     """input_gram search's latency and recall@10 against the exhaustive input-Gram ranking, with the first stage served
     (EXACT_CANDIDATES) and, on the same queries, with the module sketch's candidates alone (the baseline: before the
     input-Gram index) and the input-Gram sketch's alone."""
-    import embed.search_methods as methods_module
-    from embed.results import Query
-    from embed.search_methods import GRAM, SKETCH
+    import embed.serving.search_methods as methods_module
+    from embed.serving.results import Query
+    from embed.serving.search_methods import GRAM, SKETCH
 
     def one(i: int, filters: dict[str, str] | None = None) -> tuple[float, list[int]]:
         with sessions() as session:  # type: ignore[operator]

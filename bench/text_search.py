@@ -7,7 +7,7 @@ half. Each task's description (written from the recipe's task definitions, zoo/r
 zoo; the rankings of full text alone, dense text (full text and the sentence index fused), and the default (dense
 plus expansion through the weights: predicted attributes and neighbours of the text hits) are scored on the adapters
 without text: the ranking kept to them, relevant those of the task. hit@1 and nDCG@10 per query, means with 95 %
-intervals from a bootstrap over tasks (embed/intervals.py), and the default's gain over full text with its interval.
+intervals from a bootstrap over tasks (embed/training/intervals.py), and the default's gain over full text with its interval.
 
     python -m bench.text_search --zoo /tmp/textsearch/digits --work /tmp/textsearch/bench
 """
@@ -88,9 +88,9 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=3)
     args = parser.parse_args()
 
-    from embed import text_search
-    from embed.engine import QueryEngine
-    from embed.intervals import clustered_bootstrap
+    from embed.serving import text_search
+    from embed.serving.engine import QueryEngine
+    from embed.training.intervals import clustered_bootstrap
     from zoo.store.blobs import BlobStore
     from zoo.store.catalog import ranked_ids
     from zoo.store.models import Adapter

@@ -1,8 +1,8 @@
 """W2T alone, part by part: v1, + Gram sketches, + pretraining (distilling an exact score), + its nuisance views, all;
 against the exact input Gram and dW cosines, on the splits `zoo eval` uses.
 
-Per split (embed.evaluate.split_of with `--per-task` labelled adapters per task, seeds SEED, SEED+1, ...), each
-configuration's W2T is trained with `zoo train`'s options (embed.train.train_w2t: `--members` models, the choices out
+Per split (embed.training.evaluate.split_of with `--per-task` labelled adapters per task, seeds SEED, SEED+1, ...), each
+configuration's W2T is trained with `zoo train`'s options (embed.training.train.train_w2t: `--members` models, the choices out
 of fold) on every adapter, the queries without their labels, and scored as `zoo eval` scores a similarity: every query
 (an unlabelled adapter with a task) ranks every other adapter, relevant = same task (hit@1, MRR, nDCG@10), and the
 10-NN among the labelled adapters, by the similarity, estimates each query's test accuracy (Spearman with the
@@ -12,7 +12,7 @@ t interval over the splits.
     python -m bench.w2t_ablation --data-dir DIR [--per-task 8] [--splits 10] [--members 1] [--configs v1,gram,...]
     python -m bench.w2t_ablation --merge OUT1.json OUT2.json ...   # runs of other configurations on the same splits
 
-The exact scores (embed.distill.token_kernel on full-width tokens: exact_cosines' values) are computed once and given
+The exact scores (embed.training.distill.token_kernel on full-width tokens: exact_cosines' values) are computed once and given
 to each training, which would otherwise compute them again. The last line is one JSON object.
 """
 
@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from scipy import stats
 
-from embed.dataset import ExactScores, base_models, load_adapters
-from embed.distill import token_kernel
-from embed.evaluate import PERF_METRIC, split_of
-from embed.metrics import knn_regress, regression, retrieval
-from embed.pretrain import Pretrained, pretrain
-from embed.tokens import max_rank, tokenize
-from embed.train import train_w2t, w2t_config
-from embed.train_options import TrainOptions
-from embed.types import ZooAdapter, schema_of
+from embed.data.dataset import ExactScores, base_models, load_adapters
+from embed.data.tokens import max_rank, tokenize
+from embed.data.types import ZooAdapter, schema_of
+from embed.selection.metrics import knn_regress, regression, retrieval
+from embed.training.distill import token_kernel
+from embed.training.evaluate import PERF_METRIC, split_of
+from embed.training.pretrain import Pretrained, pretrain
+from embed.training.train import train_w2t, w2t_config
+from embed.training.train_options import TrainOptions
 from zoo.config import Settings
 from zoo.domain.channels import EXACT_SCORES
 from zoo.labels import TASK_KEY
@@ -58,7 +58,7 @@ def configurations(pretrain_epochs: int) -> dict[str, dict[str, object]]:
 
 
 def score(sim: np.ndarray, adapters: list[ZooAdapter], labelled: list[int], queries: list[int]) -> dict[str, float]:
-    """`zoo eval`'s measures of a similarity on one split (embed.evaluate: its rows' retrieval and kNN performance)."""
+    """`zoo eval`'s measures of a similarity on one split (embed.training.evaluate: its rows' retrieval and kNN performance)."""
     tasks = [a.labels.get(TASK_KEY, "") for a in adapters]
     q = [p for p in queries if tasks[p]]
     out = {k: v for k, v in retrieval(sim[q], [tasks[p] for p in q], tasks, list(q)).items() if k in MEASURES}

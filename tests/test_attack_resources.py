@@ -211,7 +211,7 @@ def test_a_catalog_page_and_its_labels_come_from_one_snapshot_while_an_adapter_i
     """An adapter of the page deleted (and committed) between the page's statement and its labels' statement: before,
     PostgreSQL's READ COMMITTED read the labels in a new snapshot without it and the page raised KeyError (a 500
     under concurrent deletes); now the page reads one snapshot and shows it as it was."""
-    from embed.adapter_resource import delete_adapter
+    from embed.serving.adapter_resource import delete_adapter
     from tests.conftest import truncate_all
     from tests.test_catalog import catalog, synthetic_zoo
     from zoo.store.session import session_factory
@@ -234,8 +234,8 @@ def test_zoo_embed_skips_an_adapter_deleted_after_it_read_it(pg_url: str, tmp_pa
     """An adapter deleted after `zoo embed` read it and before it wrote its vectors (just before it takes the space's
     lock for its first chunk): before, the insert failed on embedding.adapter_id's foreign key (ForeignKeyViolation,
     and a traceback); now it is skipped."""
-    from embed.adapter_resource import delete_adapter
-    from embed.embedding_resource import embed_space
+    from embed.serving.adapter_resource import delete_adapter
+    from embed.serving.embedding_resource import embed_space
     from tests.conftest import truncate_all
     from tests.factories import write_random_peft_adapters
     from zoo.cli import main

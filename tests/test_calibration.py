@@ -1,4 +1,4 @@
-"""Calibrated class probabilities (embed/calibration.py): fit out of fold, they say how often they are right."""
+"""Calibrated class probabilities (embed/selection/calibration.py): fit out of fold, they say how often they are right."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from embed.calibration import (
+from embed.selection.calibration import (
     ECE_BINS,
     NEVER_SURE,
     SURE,
@@ -21,7 +21,7 @@ from embed.calibration import (
     knn_calibration,
     with_earned_sure,
 )
-from embed.metrics import knn_vote_shares
+from embed.selection.metrics import knn_vote_shares
 
 
 def _overconfident(n: int, n_classes: int, accuracy: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Methods chosen out of fold (embed/choice.py): the best expected quality, each estimate shrunk toward the
+"""Methods chosen out of fold (embed/selection/choice.py): the best expected quality, each estimate shrunk toward the
 training-free reference by its standard error; with few labels the exact scores stay."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embed.choice import (
+from embed.selection.choice import (
     HALVES,
     KNN_KS,
     MIN_ITEMS,
@@ -28,7 +28,7 @@ from embed.choice import (
     self_excluded,
     staged_over,
 )
-from embed.metrics import KNN_K, retrieval_per_query
+from embed.selection.metrics import KNN_K, retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, SearchScore
 

@@ -6,7 +6,7 @@ The cause: `zoo serve` checks the schema in gunicorn's master, whose pooled conn
 inherited (make_engine is cached per URL), so two processes spoke over one socket. A forked child now starts with
 empty pools (zoo/store/session.py). Separately, a catch-up read under READ COMMITTED could see an embedding whose
 adapter a concurrent delete had just removed (a KeyError, a 500): the engine now loads and catches up from one
-snapshot (embed/engine.py)."""
+snapshot (embed/serving/engine.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, text
 
-from embed import module_store
-from embed.adapter_resource import delete_adapter
-from embed.embedding_resource import embed_adapters
-from embed.engine import QueryEngine
-from embed.refs import StoredId
-from embed.resources import search
-from embed.results import Query
+from embed.serving import module_store
+from embed.serving.adapter_resource import delete_adapter
+from embed.serving.embedding_resource import embed_adapters
+from embed.serving.engine import QueryEngine
+from embed.serving.refs import StoredId
+from embed.serving.resources import search
+from embed.serving.results import Query
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.services.ingest import IngestOptions, Ingestor

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from embed.adapter_resource import delete_adapter
-from embed.engine import QueryEngine
-from embed.index import AdapterIndex
-from embed.index_files import index_path
-from embed.module_store import module_store_path
-from embed.results import Query
+from embed.serving.adapter_resource import delete_adapter
+from embed.serving.engine import QueryEngine
+from embed.serving.index import AdapterIndex
+from embed.serving.index_files import index_path
+from embed.serving.module_store import module_store_path
+from embed.serving.results import Query
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix

@@ -1,4 +1,4 @@
-"""The engine factors a module store's dense modules once (embed/dense_svd.py): a query's input Gram and channel
+"""The engine factors a module store's dense modules once (embed/serving/dense_svd.py): a query's input Gram and channel
 metric scores are what factoring its candidates afresh gives, a second query factors nothing again, and a store that
 drops a deleted adapter and takes a new one serves neither's factors for the other."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embed.adapter_resource import delete_adapter
-from embed.dense_svd import DenseSVD
-from embed.engine import QueryEngine
-from embed.module_store import ModuleStore
-from embed.results import Query
+from embed.serving.adapter_resource import delete_adapter
+from embed.serving.dense_svd import DenseSVD
+from embed.serving.engine import QueryEngine
+from embed.serving.module_store import ModuleStore
+from embed.serving.results import Query
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.domain.channel_metric import ChannelMetric, bank_matrices

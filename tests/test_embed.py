@@ -13,13 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.retrieval import sorted_retrieval
-from embed.checkpoint import META, checkpoint_meta
-from embed.choice import MIX_WEIGHTS
-from embed.ensemble import W2TEnsemble
-from embed.evaluate import METHODS, evaluate, refactorized
-from embed.metrics import KNN_K, retrieval, retrieval_per_query
-from embed.train import TrainOptions, member_folds, train_w2t
-from embed.types import ZooAdapter, schema_of, split_positions
+from embed.data.types import ZooAdapter, schema_of, split_positions
+from embed.selection.choice import MIX_WEIGHTS
+from embed.selection.metrics import KNN_K, retrieval, retrieval_per_query
+from embed.training.evaluate import METHODS, evaluate, refactorized
+from embed.training.train import TrainOptions, member_folds, train_w2t
+from embed.w2t.checkpoint import META, checkpoint_meta
+from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.canonical import canonicalize
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, LearnedPredictor, SearchScore
 from zoo.domain.similarity import (
@@ -277,7 +277,7 @@ def test_one_module_type_with_several_shapes() -> None:
 
 def test_schema_keeps_the_majority_shape_and_leaves_conflicting_adapters_out() -> None:
     """One module name with two shapes (adapters of 'unknown' base models) no longer breaks the space."""
-    from embed.types import ZooAdapter, schema_of
+    from embed.data.types import ZooAdapter, schema_of
     from zoo.domain.canonical import canonicalize
 
     def adapter(i: int, out: int) -> ZooAdapter:
@@ -307,7 +307,7 @@ def test_a_contrastive_w2t_does_not_retire_the_supervised_one(db_url: str) -> No
 
 @pytest.mark.parametrize("readout", ["prototype", "logreg"])
 def test_few_shot_readouts_predict_after_a_round_trip(zoo: list[ZooAdapter], tmp_path: Path, readout: str) -> None:
-    from embed.choice import logistic_readout, prototype_predictions
+    from embed.selection.choice import logistic_readout, prototype_predictions
 
     emb = train_w2t(zoo, schema_of("synthetic", zoo), TrainOptions(epochs=2, seed=0, members=2), progress=False)
     labels = emb.memory_labels["task"]

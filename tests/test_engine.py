@@ -1,4 +1,4 @@
-"""The query engine (embed/engine.py) against real databases, real PEFT adapters and a second real process."""
+"""The query engine (embed/serving/engine.py) against real databases, real PEFT adapters and a second real process."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from embed import engine as engine_module
-from embed.engine import QueryEngine
-from embed.results import Query
+from embed.serving import engine as engine_module
+from embed.serving.engine import QueryEngine
+from embed.serving.results import Query
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embed.evaluate import KEYS, MAIN_METRIC, TRAINING_FREE_KNN, VERSUS_KEYS
+from embed.training.evaluate import KEYS, MAIN_METRIC, TRAINING_FREE_KNN, VERSUS_KEYS
 from tests.conftest import CLI
 from zoo.cli.render import interval_text
 

@@ -107,7 +107,7 @@ def test_every_exact_score_is_served_and_no_other() -> None:
 def test_a_stack_whose_dense_modules_are_flattened_is_refused_and_its_module_store_absent(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Dense modules keep their (out, in) shape, which the input Gram needs: a store written before, with them
     flattened, reads as absent (rebuilt by `zoo embed`)."""
-    from embed.module_store import read_module_store, write_module_store
+    from embed.serving.module_store import read_module_store, write_module_store
 
     adapters = random_adapters(2, 3)
     stack = stack_of(adapters)

@@ -13,7 +13,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load, save_file
 
-from embed.adapter_resource import delete_adapter
+from embed.serving.adapter_resource import delete_adapter
 from tests.conftest import CLI
 from tests.diffusers_models import add_random_lora, fused_deltas, tiny_unet
 from tests.factories import train_peft_adapter, write_kohya_file

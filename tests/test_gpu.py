@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from embed.ensemble import W2TEnsemble
-from embed.index import AdapterIndex, gpu_available
-from embed.train import train_w2t
-from embed.train_options import TrainOptions
-from embed.types import ZooAdapter, schema_of
+from embed.data.types import ZooAdapter, schema_of
+from embed.serving.index import AdapterIndex, gpu_available
+from embed.training.train import train_w2t
+from embed.training.train_options import TrainOptions
+from embed.w2t.ensemble import W2TEnsemble
 from tests.test_canonical import random_lora
 from tests.test_embed import synthetic_zoo
 from zoo.domain.fingerprint import DUPLICATE_RTOL, relative_distance

@@ -1,4 +1,4 @@
-"""input_gram search's first stage: the input-Gram sketch index `zoo embed` writes (embed/search_methods.py GRAM), against real
+"""input_gram search's first stage: the input-Gram sketch index `zoo embed` writes (embed/serving/search_methods.py GRAM), against real
 PEFT files, a real database and the real query engine."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from sqlalchemy import select
 
-from embed import engine as engine_module
-from embed.engine import QueryEngine
-from embed.results import Query
-from embed.search_methods import GRAM, SKETCH
+from embed.serving import engine as engine_module
+from embed.serving.engine import QueryEngine
+from embed.serving.results import Query
+from embed.serving.search_methods import GRAM, SKETCH
 from tests.conftest import CLI
 from tests.factories import TinyLM
 from zoo.store.blobs import BlobStore
@@ -130,7 +130,7 @@ def test_without_a_module_store_the_input_gram_comes_from_its_sketches(cli: CLI,
 
 
 def test_hybrid_over_the_input_gram_takes_its_candidates_from_the_input_gram_index_where_the_space_has_one() -> None:
-    from embed.search_methods import W2T, stage_kinds
+    from embed.serving.search_methods import W2T, stage_kinds
     from zoo.domain.methods import SearchScore
 
     new, old = {SKETCH: 1, GRAM: 2, W2T: 3}, {SKETCH: 1, W2T: 3}

@@ -58,7 +58,7 @@ def _ids(url: str) -> dict[str, tuple[int, str | None, str | None]]:
 
 def _deleting(url: str, adapter_id: int) -> Callable[[], None]:
     """Delete the adapter (committed, in connections of its own)."""
-    from embed.adapter_resource import delete_adapter
+    from embed.serving.adapter_resource import delete_adapter
 
     return lambda: delete_adapter(session_factory(url), adapter_id)
 

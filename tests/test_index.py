@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from sqlalchemy import select
 
-from embed.exact_search import TIE, TiedTop, brute_force, recall_at_k
-from embed.index import NPROBES, RECALL_GOAL, AdapterIndex, pq_subquantizers
-from embed.lookup import RowLookup
+from embed.serving.exact_search import TIE, TiedTop, brute_force, recall_at_k
+from embed.serving.index import NPROBES, RECALL_GOAL, AdapterIndex, pq_subquantizers
+from embed.serving.lookup import RowLookup
 
 
 def data(n: int = 500, dim: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -286,7 +286,7 @@ def test_subset_codes_take_parts_of_eight_dimensions_at_any_dimension_trained_on
     thread count as it was."""
     import faiss
 
-    from embed.index import SUBSET_ITERATIONS
+    from embed.serving.index import SUBSET_ITERATIONS
 
     ids, vecs = clustered(4000, 20, seed=13)
     threads = faiss.omp_get_max_threads()
@@ -356,7 +356,7 @@ def test_an_index_built_from_the_database_a_chunk_at_a_time(db_url: str, monkeyp
     once, the IVF kind meets its recall goal, and the exact top-k read in chunks is the brute force over all."""
     from sqlalchemy import insert
 
-    from embed import index_files, index_resource
+    from embed.serving import index_files, index_resource
     from zoo.store.embedders import register
     from zoo.store.embeddings import store_embeddings
     from zoo.store.models import Adapter

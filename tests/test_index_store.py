@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import insert, select
 
-from embed.exact_search import normalize, recall_at_k
-from embed.index import CANDIDATES, STORE_RANGE_MARGIN, AdapterIndex, store_step, trained_store
-from embed.index_files import build_index
-from embed.search_methods import GRAM, SKETCH
-from embed.space_state import ID_BYTES, index_bytes
+from embed.serving.exact_search import normalize, recall_at_k
+from embed.serving.index import CANDIDATES, STORE_RANGE_MARGIN, AdapterIndex, store_step, trained_store
+from embed.serving.index_files import build_index
+from embed.serving.search_methods import GRAM, SKETCH
+from embed.serving.space_state import ID_BYTES, index_bytes
 
 
 def clustered(n: int, dim: int, seed: int) -> np.ndarray:
@@ -114,7 +114,7 @@ def test_the_input_gram_sketches_index_keeps_float16_and_the_module_sketch_8bit(
     """build_index (zoo index, bench.serve) stores the input-Gram sketches, whose cosines are the default search's
     scores, in float16, and the module sketches, which only nominate candidates for it, in 8 bits (from 32 dimensions
     here, to keep the test small)."""
-    from embed import index as index_module
+    from embed.serving import index as index_module
     from zoo.store.embedders import register
     from zoo.store.embeddings import store_embeddings
     from zoo.store.models import Adapter

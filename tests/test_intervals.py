@@ -1,5 +1,5 @@
-"""The clustered bootstrap of `zoo eval`'s paired intervals (embed/intervals.py) and the cross-fitted choice of the
-search regret's fixed candidate (embed/evaluate.py): invariants that hold for any input."""
+"""The clustered bootstrap of `zoo eval`'s paired intervals (embed/training/intervals.py) and the cross-fitted choice of the
+search regret's fixed candidate (embed/training/evaluate.py): invariants that hold for any input."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import bootstrap
 
-from embed.eval_summary import cross_fitted_picks, cross_fitted_regret
-from embed.evaluate import SplitQueries
-from embed.intervals import clustered_bootstrap
+from embed.training.eval_summary import cross_fitted_picks, cross_fitted_regret
+from embed.training.evaluate import SplitQueries
+from embed.training.intervals import clustered_bootstrap
 
 finite = st.floats(-100, 100, allow_nan=False)
 #: clusters of values: each a non-empty list, at least two of them

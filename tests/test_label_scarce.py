@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embed.calibration import expected_calibration_error
-from embed.evaluate import evaluate, labelled_split
-from embed.metrics import classification, knn_classify, knn_regress, regression, retrieval, weighted_mean
-from embed.train import categorical_attributes, train_w2t
-from embed.train_options import TrainOptions
-from embed.types import ZooAdapter, schema_of
+from embed.data.types import ZooAdapter, schema_of
+from embed.selection.calibration import expected_calibration_error
+from embed.selection.metrics import classification, knn_classify, knn_regress, regression, retrieval, weighted_mean
+from embed.training.evaluate import evaluate, labelled_split
+from embed.training.train import categorical_attributes, train_w2t
+from embed.training.train_options import TrainOptions
 from tests.conftest import CLI
 from tests.test_embed import synthetic_zoo
 from zoo.domain.channels import EXACT_SCORES, exact_cosines
@@ -108,7 +108,7 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
     default = result["methods"]["default"]
     assert all(default[k] is not None for k in ("attr_acc", "perf_spearman", "hit@1", "mrr", "ndcg@10"))
     assert set(result["choices"]) == {"search", "task", "test_accuracy"}
-    # per query, for the paired intervals and the cross-fitted regret over splits (embed.evaluate.summarize): every row's
+    # per query, for the paired intervals and the cross-fitted regret over splits (embed.training.evaluate.summarize): every row's
     # measures, and every search score the choice had, the one served among them giving the default row's retrieval
     per_query = result["per_query"]
     assert per_query.tasks == [tasks[q] for q in queries] and per_query.served == result["search"]
@@ -117,7 +117,7 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
         assert per_query.methods["default"][key].mean() == pytest.approx(default[key]) == result["search_candidates"][key][per_query.served]
     assert per_query.methods["dw_cosine"]["attr_acc"].mean() == pytest.approx(result["methods"]["dw_cosine"]["attr_acc"])
     assert per_query.methods["default"]["attr_acc"].mean() == pytest.approx(default["attr_acc"])
-    # 3 exact scores and the search's channel metric fitted on the labelled (embed/fitted.py), each alone and mixed at
+    # 3 exact scores and the search's channel metric fitted on the labelled (embed/selection/fitted.py), each alone and mixed at
     # 0.1 … 0.9, W2T alone; and each of the 4 × 10 one-stage mixes below 0.9 under every heavier one below 1 (45 pairs
     # per exact score), re-ordering its top 5 or 10
     assert "metric:search" in per_query.candidates
@@ -134,7 +134,7 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
     """Adapters ingested with labels on N per task only, `zoo train --objective [--unlabelled-per-labelled]`, then
     `zoo search` and `zoo predict` on each unlabelled adapter: their scores are the eval's row `default` under the same
     labels and options (with `both`, each epoch draws half as many unlabelled adapters as it has labelled ones)."""
-    from embed.dataset import load_adapters
+    from embed.data.dataset import load_adapters
     from tests.factories import train_peft_adapter
     from zoo.store.blobs import BlobStore
     from zoo.store.session import session_factory

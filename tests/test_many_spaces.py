@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from werkzeug.serving import make_server
 
-from embed import resources, spaces_resource
-from embed.engine import QueryEngine
-from embed.refs import StoredId
+from embed.serving import resources, spaces_resource
+from embed.serving.engine import QueryEngine
+from embed.serving.refs import StoredId
 from tests.factories import write_random_peft_adapters
 from webapp import create_app
 from zoo.cli import main

@@ -1,4 +1,4 @@
-"""The zoo map: the projection's math (embed/projection.py) and the stored, served map (embed/maps.py)."""
+"""The zoo map: the projection's math (embed/serving/projection.py) and the stored, served map (embed/serving/maps.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
 from sqlalchemy import event
 
-import embed.maps
-import embed.projection
-from embed.maps import map_embedder, map_path, read_map, space_map, write_map
-from embed.projection import MIN_SKEW, fit, spread_sample
+import embed.serving.maps
+import embed.serving.projection
+from embed.serving.maps import map_embedder, map_path, read_map, space_map, write_map
+from embed.serving.projection import MIN_SKEW, fit, spread_sample
 from tests.conftest import CLI
 from tests.factories import train_peft_adapter
 from tests.test_engine import ingest_and_embed
@@ -204,7 +204,7 @@ def test_the_projection_does_not_depend_on_its_chunk_size(monkeypatch: pytest.Mo
     vectors = rng.standard_normal((500, 64)).astype(np.float32)
     p = fit(np.arange(500), vectors)
     whole = p.project(vectors)
-    monkeypatch.setattr(embed.projection, "CHUNK_BYTES", 3 * 64 * 8)  # three rows at a time
+    monkeypatch.setattr(embed.serving.projection, "CHUNK_BYTES", 3 * 64 * 8)  # three rows at a time
     assert np.array_equal(p.project(vectors), whole)
 
 
@@ -368,21 +368,21 @@ def test_the_map_is_the_same_whatever_the_read_chunk(cli: CLI, parts: Path, monk
     whole = read_map(path)
     assert rc == 0 and whole.fitted == 14 and np.array_equal(whole.ids, ids)
     reads: list[int] = []
-    iterate = embed.maps.iter_embeddings
+    iterate = embed.serving.maps.iter_embeddings
 
     def counted(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
         for chunk in iterate(*args, **kwargs):  # type: ignore[arg-type]
             reads.append(len(chunk[0]))
             yield chunk
 
-    monkeypatch.setattr(embed.maps, "iter_embeddings", counted)
-    monkeypatch.setattr(embed.maps, "READ_BYTES", 3 * 4 * vectors.shape[1])  # three vectors at a time
+    monkeypatch.setattr(embed.serving.maps, "iter_embeddings", counted)
+    monkeypatch.setattr(embed.serving.maps, "READ_BYTES", 3 * 4 * vectors.shape[1])  # three vectors at a time
     rc, (found,) = cli.json_lines("map", "--rebuild")
     assert rc == 0 and found["file"] == "fitted (asked)" and reads == [3, 3, 3, 3, 2]
     small = read_map(path)
     assert np.array_equal(small.ids, whole.ids) and np.array_equal(small.xy, whole.xy)
     assert np.array_equal(small.projection.basis, whole.projection.basis) and small.projection.explained == whole.projection.explained
-    monkeypatch.setattr(embed.maps, "MAX_FIT", 5)  # a sample: fitted on 5 vectors loaded by id, all 14 projected
+    monkeypatch.setattr(embed.serving.maps, "MAX_FIT", 5)  # a sample: fitted on 5 vectors loaded by id, all 14 projected
     rc, (found,) = cli.json_lines("map", "--rebuild")
     sampled = read_map(path)
     rows = spread_sample(ids, 5)
@@ -412,7 +412,7 @@ def test_the_metric_scale_reads_high_as_light() -> None:
 
 
 def _resource(values: list[str | float | None], legend: dict) -> dict:
-    """A map resource (embed/maps.py `space_map`'s shape) with a point per value, on a grid that fills the axes."""
+    """A map resource (embed/serving/maps.py `space_map`'s shape) with a point per value, on a grid that fills the axes."""
     side = int(len(values) ** 0.5) + 1
     points = [{"id": i, "name": f"a{i}", "x": float(i % side), "y": float(i // side), "value": v} for i, v in enumerate(values)]
     common = {"space": "s", "embedder_id": 1, "method": "sketch", "projection": "pca", "explained": [0.5, 0.2], "state": "loaded"}
@@ -464,7 +464,7 @@ def test_the_plot_of_a_metric_has_a_colour_bar_with_its_min_and_max() -> None:
 def test_an_unknown_space_is_one_not_found_wherever_it_is_asked_for(cli: CLI, parts: Path) -> None:
     """The map, the query engine, the commands' --space and the base model a command embeds answer an unknown space
     with one error: 404 over HTTP, naming the spaces there are."""
-    from embed import resources
+    from embed.serving import resources
     from tests.test_engine import make_engine
     from zoo.errors import SpaceNotFoundError
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embed.choice import KNN_KS, MIX_WEIGHTS
+from embed.selection.choice import KNN_KS, MIX_WEIGHTS
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import (
     LEARNED,
@@ -41,7 +41,7 @@ predictors: st.SearchStrategy[Predictor] = st.one_of(
 
 
 def old_search_name(exact: str, weight: float) -> str:
-    """How search scores were named before they were values (embed.choice.search_name)."""
+    """How search scores were named before they were values (embed.selection.choice.search_name)."""
     if weight <= 0:
         return exact
     return "w2t" if weight >= 1 else f"{exact}+w2t@{weight:g}"

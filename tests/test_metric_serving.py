@@ -1,4 +1,4 @@
-"""The few-label channel metric served (embed/fitted.py): a space whose out-of-fold choice picks it searches by it,
+"""The few-label channel metric served (embed/selection/fitted.py): a space whose out-of-fold choice picks it searches by it,
 its checkpoint carries it, and a choice where it cannot help keeps the training-free reference."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from embed.choice import Fold, choose_search
-from embed.ensemble import W2TEnsemble
-from embed.fitted import Purpose, out_of_fold
+from embed.selection.choice import Fold, choose_search
+from embed.selection.fitted import Purpose, out_of_fold
+from embed.w2t.ensemble import W2TEnsemble
 from tests.conftest import CLI
 from tests.factories import TinyLM
 from tests.test_channel_metric import random_adapters

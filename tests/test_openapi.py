@@ -22,10 +22,10 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from embed.adapter_resource import AdapterResource
-from embed.maps import MapResource
-from embed.resources import PredictionResource, SearchResource
-from embed.spaces_resource import EmbedderEntry, SpacesResource
+from embed.serving.adapter_resource import AdapterResource
+from embed.serving.maps import MapResource
+from embed.serving.resources import PredictionResource, SearchResource
+from embed.serving.spaces_resource import EmbedderEntry, SpacesResource
 from tests.conftest import SeededZoo
 from tests.factories import SEEDED
 from webapp import create_app

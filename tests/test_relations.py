@@ -17,10 +17,10 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from sqlalchemy import delete, func, select, update
 
-from embed.adapter_resource import delete_adapter
-from embed.engine import QueryEngine
-from embed.results import Query
-from embed.search_methods import SKETCH, W2T
+from embed.serving.adapter_resource import delete_adapter
+from embed.serving.engine import QueryEngine
+from embed.serving.results import Query
+from embed.serving.search_methods import SKETCH, W2T
 from tests.conftest import CLI
 from tests.factories import TinyLM
 from webapp import create_app

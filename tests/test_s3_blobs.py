@@ -188,7 +188,7 @@ def test_a_node_with_an_empty_data_dir_serves_what_another_ingested(
         rc = main(["--db", url, "--data-dir", str(tmp_path / "node-c"), "export", str(first), "--format", "peft", "--out", "c"])
         assert rc == 2 and "does not answer" in capsys.readouterr().err
 
-    with caplog.at_level(logging.INFO, logger="embed.engine"):
+    with caplog.at_level(logging.INFO, logger="embed.serving.engine"):
         rc, (on_b,) = _zoo(url, b, "search", str(first), "-k", "5", capsys=capsys)
     assert rc == 0 and on_b["results"] == on_a["results"] and on_b["module_stage"] == on_a["module_stage"]
     assert all(state.startswith("built on this node from the database in ") for state in on_b["index_states"].values())

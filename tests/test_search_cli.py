@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from embed.exact_search import brute_force
+from embed.serving.exact_search import brute_force
 from tests.conftest import CLI
 from tests.test_engine import stored_factors
 from webapp import create_app
@@ -62,7 +62,7 @@ def test_embed_search_and_index(cli: CLI, seed_sources: Path) -> None:
     assert want and {r["adapter_id"] for r in filtered["results"]} == want  # every match comes back, nothing else
 
     # FAISS agrees with a brute-force numpy search over the stored sketch embeddings
-    from embed.resources import resolve_space
+    from embed.serving.resources import resolve_space
     from zoo.store.embedders import active_embedder
     from zoo.store.embeddings import load_embeddings
     from zoo.store.session import session_factory
@@ -111,7 +111,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     # twelve labelled adapters are too few for W2T to win clearly: search stays exact, predictions are kNNs
     assert info["choices"]["search"]["chosen"] in EXACT_SCORES
     assert all(info["predictors"][k].startswith("knn ") for k in ("task", "test_accuracy"))
-    from embed.metrics import knn_regress
+    from embed.selection.metrics import knn_regress
     from zoo.domain.methods import KnnPredictor
     from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
     from zoo.store.models import Label, Measurement
@@ -121,7 +121,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
         accuracy = dict(session.execute(select(Measurement.adapter_id, Measurement.value)).all())
         tasks = dict(session.execute(select(Label.adapter_id, Label.value).where(Label.key == "task")).all())
     others = sorted(i for i in accuracy if i != 3)
-    from embed.ensemble import W2TEnsemble
+    from embed.w2t.ensemble import W2TEnsemble
     from zoo.domain.channels import factor_stack
 
     emb = W2TEnsemble.load(Path(info["checkpoint"]))
@@ -129,7 +129,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
         "dw": dw_cosine_matrix,
         "module": module_cosine_matrix,
         "input_gram": lambda q, g: channel_similarity_matrix(q, g, "input_gram"),
-        # a channel metric fitted on the labelled adapters (embed/fitted.py), from the factors in r×r blocks
+        # a channel metric fitted on the labelled adapters (embed/selection/fitted.py), from the factors in r×r blocks
         **{name: lambda q, g, m=m: m.between(factor_stack(g), factor_stack(q)) for name, m in emb.channel_metrics.items()},
     }
     rc, (by_id,) = cli.json_lines("predict", "3")
@@ -143,7 +143,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     votes = {t: sum(max(sim[0][j], 0) + 1e-6 for j in top if tasks[others[j]] == t) for t in ("qk", "qv")}
     assert by_id["attributes"]["task"][0]["value"] == max(votes, key=votes.get)
     # the served probabilities are the vote's shares calibrated as fit out of fold, with the neighbours counted
-    from embed.calibration import is_sure
+    from embed.selection.calibration import is_sure
 
     classes = emb.config.categorical["task"]
     shares = np.array([votes.get(c, 0.0) for c in classes])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embed.evaluate import refactorized
+from embed.training.evaluate import refactorized
 from tests.test_embed import synthetic_zoo
 from zoo.domain.canonical import canonicalize
 from zoo.domain.methods import SearchScore
@@ -87,7 +87,7 @@ def test_a_module_store_written_before_the_derived_file_format_is_read_and_a_dam
 
     from safetensors.numpy import save_file
 
-    from embed.module_store import read_module_store, write_module_store
+    from embed.serving.module_store import read_module_store, write_module_store
 
     gen = torch.Generator().manual_seed(3)
     adapters = [random_adapter(gen, ("q", "o")) for _ in range(3)]

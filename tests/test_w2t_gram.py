@@ -1,5 +1,5 @@
-"""W2T v2: second-order Gram sketches (embed/model.py), the exact kernels from tokens that pretraining distills and its
-re-seeded-head view (embed/distill.py), pretraining (embed/train.py), and checkpoints from before still embedding the
+"""W2T v2: second-order Gram sketches (embed/w2t/model.py), the exact kernels from tokens that pretraining distills and its
+re-seeded-head view (embed/training/distill.py), pretraining (embed/training/train.py), and checkpoints from before still embedding the
 same."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embed.dataset import ExactScores
-from embed.distill import distillation_loss, rotate_outputs, token_kernel
-from embed.ensemble import W2TEnsemble
-from embed.model import W2T, W2TConfig
-from embed.tokens import TypeTokens, max_rank, tokenize
-from embed.train import train_w2t
-from embed.train_options import TrainOptions
-from embed.types import schema_of
+from embed.data.dataset import ExactScores
+from embed.data.tokens import TypeTokens, max_rank, tokenize
+from embed.data.types import schema_of
+from embed.training.distill import distillation_loss, rotate_outputs, token_kernel
+from embed.training.train import train_w2t
+from embed.training.train_options import TrainOptions
+from embed.w2t.ensemble import W2TEnsemble
+from embed.w2t.model import W2T, W2TConfig
 from tests.test_embed import synthetic_zoo
 from tests.test_w2t_views import canonical_tokens
 

@@ -16,13 +16,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from sqlalchemy import select
 
-from embed.checkpoint import MEMORY, META, checkpoint_meta
-from embed.dataset import ExactScores, load_adapters, read_training_set
-from embed.embedding_resource import stored_schema
-from embed.ensemble import TOKENS_PER_BATCH, W2TEnsemble
-from embed.model import W2T
-from embed.module_store import module_layout
-from embed.tokens import (
+from embed.data.dataset import ExactScores, load_adapters, read_training_set
+from embed.data.tokens import (
     MAX_MODULE_TOKENS,
     TOKEN_WIDTH,
     TokenSpec,
@@ -33,10 +28,15 @@ from embed.tokens import (
     tokenize,
     torch_threads,
 )
-from embed.train import train_w2t
-from embed.train_options import FULL_WIDTH_TOKEN_BYTES, STEP_RANK_TOKENS, TrainOptions, token_spec
-from embed.types import SpaceSchema, ZooAdapter, schema_of
-from embed.views import module_view
+from embed.data.types import SpaceSchema, ZooAdapter, schema_of
+from embed.serving.embedding_resource import stored_schema
+from embed.serving.module_store import module_layout
+from embed.training.train import train_w2t
+from embed.training.train_options import FULL_WIDTH_TOKEN_BYTES, STEP_RANK_TOKENS, TrainOptions, token_spec
+from embed.training.views import module_view
+from embed.w2t.checkpoint import MEMORY, META, checkpoint_meta
+from embed.w2t.ensemble import TOKENS_PER_BATCH, W2TEnsemble
+from embed.w2t.model import W2T
 from tests.conftest import CLI
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.channels import EXACT_SCORES

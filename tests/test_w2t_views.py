@@ -1,4 +1,4 @@
-"""W2T's training views: mixes of two adapters of a task, dropped modules, rescaled updates (embed/train.py)."""
+"""W2T's training views: mixes of two adapters of a task, dropped modules, rescaled updates (embed/training/train.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embed.tokens import Batch, TypeTokens
-from embed.train import rows_for_epoch, train_w2t
-from embed.train_options import TrainOptions
-from embed.types import schema_of
-from embed.views import augment, mix, mix_partners, module_dropout
+from embed.data.tokens import Batch, TypeTokens
+from embed.data.types import schema_of
+from embed.training.train import rows_for_epoch, train_w2t
+from embed.training.train_options import TrainOptions
+from embed.training.views import augment, mix, mix_partners, module_dropout
 from tests.test_embed import synthetic_zoo
 
 

@@ -15,9 +15,9 @@ from apiflask import APIBlueprint, abort
 from flask import Response, jsonify, request
 from werkzeug.exceptions import UnsupportedMediaType
 
-from embed import adapter_resource, resources, spaces_resource
-from embed.budgets import spaces_budget
-from embed.refs import StoredId
+from embed.serving import adapter_resource, resources, spaces_resource
+from embed.serving.budgets import spaces_budget
+from embed.serving.refs import StoredId
 from webapp import schemas
 from webapp.auth import current_token, needs
 from webapp.context import db, retry_after, zoo_context
@@ -82,7 +82,7 @@ def adapters(query: dict) -> CatalogPage:
 
     filters = space_filters(db(), query["space"], repository.parse_filters(query["filter"]))
     if query["semantic"]:
-        from embed.text_search import search_by_meaning
+        from embed.serving.text_search import search_by_meaning
 
         return search_by_meaning(db(), zoo_context().engine, query["q"], filters, query["sort"], query["page"], query["per_page"])
     return search_catalog(db(), query["q"], filters, query["sort"], query["page"], query["per_page"])
@@ -312,7 +312,7 @@ def spaces() -> spaces_resource.SpacesResource:
 @api.doc(responses=ENGINE)
 def space_map(name: str, query: dict) -> Response:
     """The space's 2-D map: points, and the keys they can be coloured by."""
-    from embed.maps import space_map as build_map
+    from embed.serving.maps import space_map as build_map
 
     # plain JSON already: the schema's dump would only add time, per point (up to 100,000)
     return jsonify(build_map(db(), zoo_context().settings.data_dir, name, query["color_by"], query["limit"], query["highlight"]))

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from flask import Response, current_app, g, request
 
-from embed.engine import QueryEngine
+from embed.serving.engine import QueryEngine
 from zoo import config, deadline, memory
 from zoo.config import Settings
 from zoo.deadline import TimeLimitError

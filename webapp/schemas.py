@@ -15,11 +15,11 @@ from apiflask import Schema
 from apiflask.fields import Boolean, Dict, Field, File, Float, Integer, List, Nested, Raw, String
 from apiflask.validators import Length, OneOf, Range
 
-from embed.adapter_resource import AdapterResource, Deletion
-from embed.maps import MapResource
-from embed.resources import PredictionResource, SearchResource
-from embed.search_methods import SEARCH_METHODS
-from embed.spaces_resource import SpacesResource
+from embed.serving.adapter_resource import AdapterResource, Deletion
+from embed.serving.maps import MapResource
+from embed.serving.resources import PredictionResource, SearchResource
+from embed.serving.search_methods import SEARCH_METHODS
+from embed.serving.spaces_resource import SpacesResource
 from webapp.errors import ERROR_TYPES
 from zoo.limits import DEFAULT_K, DEFAULT_MAP_POINTS, DEFAULT_PER_PAGE, MAX_K, MAX_MAP_POINTS, MAX_PAGE, MAX_PER_PAGE, MAX_PREDICTION_IDS
 from zoo.services.export import FORMATS

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 from flask import request
 
-from embed import resources
-from embed.refs import UploadedFile
+from embed.serving import resources
+from embed.serving.refs import UploadedFile
 from webapp import schemas
 from webapp.context import db, zoo_context
 from zoo.errors import NotFoundError, UsageError

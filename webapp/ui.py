@@ -9,8 +9,8 @@ from apiflask import APIBlueprint
 from flask import redirect, render_template, request, url_for
 from werkzeug.wrappers import Response
 
-from embed import adapter_resource, resources, spaces_resource
-from embed.refs import UploadedFile
+from embed.serving import adapter_resource, resources, spaces_resource
+from embed.serving.refs import UploadedFile
 from webapp.auth import needs
 from webapp.context import db, zoo_context
 from webapp.shared import get_adapter, ids_in_range, limited_upload, refuse_nul, space_filters
@@ -42,7 +42,7 @@ def _filters_from_args() -> list[str]:
 @ui.get("/")
 @needs("read")
 def search_page() -> str:
-    from embed.text_search import search_by_meaning
+    from embed.serving.text_search import search_by_meaning
     from zoo.store.catalog import search_catalog
 
     filters = _filters_from_args()

@@ -18,7 +18,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from zoo.domain.palette import CATEGORIES, OTHER  # noqa: E402
 
 if TYPE_CHECKING:
-    from embed.maps import LabelLegend, MapPoint, MapResource, MetricLegend
+    from embed.serving.maps import LabelLegend, MapPoint, MapResource, MetricLegend
     from zoo.store.repository import ModuleDetail
 
 
@@ -56,7 +56,7 @@ def plot_spectra(name: str, modules: Sequence[ModuleDetail], path: Path) -> Path
 
 
 def map_figure(zoo_map: MapResource) -> Figure:
-    """The zoo map's points (embed/maps.py `space_map`) in the legend's colours (zoo/domain/palette.py, as on the web
+    """The zoo map's points (embed/serving/maps.py `space_map`) in the legend's colours (zoo/domain/palette.py, as on the web
     page): one per label value, the less common ones past the palette in one "other" grey, a metric on a colour bar
     marked with its min and max; points without a value in light grey, beneath. Legends sit outside the axes, so
     they hide no point."""

@@ -124,7 +124,7 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
     sessions = session_factory(settings.database_url)
     with sessions() as session:
         if args.semantic:
-            from embed.text_search import search_by_meaning
+            from embed.serving.text_search import search_by_meaning
 
             found = search_by_meaning(session, query_engine(settings, None), args.query, filters, args.sort, args.page, args.per_page)
         else:

@@ -41,8 +41,8 @@ QUICKSTART_PATIENCE = 5
 
 def cmd_quickstart(settings: Settings, args: argparse.Namespace) -> int:
     """The main job on embedded defaults: build a demo zoo, store it, embed it, train W2T, say what to run next."""
-    from embed import training_resource
-    from embed.train_options import TrainOptions
+    from embed.training import training_resource
+    from embed.training.train_options import TrainOptions
     from zoo.reference.build import make_zoo
     from zoo.services.ingest import IngestOptions
     from zoo.services.relations import relation_engine, scan_space

@@ -67,7 +67,7 @@ def label_columns(rows: Sequence[dict[str, str]]) -> tuple[list[str], list[list[
 
 
 def map_text(how: str) -> str:
-    """What `zoo embed` did to a space's map (embed.maps.update_map's `how`), as a person reads it: a first map is
+    """What `zoo embed` did to a space's map (embed.serving.maps.update_map's `how`), as a person reads it: a first map is
     news, not an error."""
     if how.startswith("fitted (no map file "):
         return f"fitted a new one, saved to {how.removeprefix('fitted (no map file ').removesuffix(')')}"
@@ -107,7 +107,7 @@ def _cell(mean: float | None, std: float | None) -> str:
 
 
 def eval_lines(result: dict) -> list[str]:
-    """`zoo eval`'s result (embed.eval_summary.summarize: one split, or several: mean ± std) as tables per group of
+    """`zoo eval`'s result (embed.training.eval_summary.summarize: one split, or several: mean ± std) as tables per group of
     measures, each split's choices and checks, the line that names the method leading on the main measure, and the
     paired table (paired_lines)."""
     splits = result.get("splits", [result])
@@ -144,7 +144,7 @@ PAIRED_KEYS = ("hit@1", "mrr", "ndcg@10", "attr_acc", "perf_spearman")
 
 def paired_lines(result: dict) -> list[str]:
     """`zoo eval`'s paired table: per measure the default − dw_cosine and the search choice's cross-fitted regret, each
-    with its 95 % interval (embed.eval_summary.summarize), then the default's performance Spearman against the best
+    with its 95 % interval (embed.training.eval_summary.summarize), then the default's performance Spearman against the best
     training-free kNN."""
     versus = result.get("default_versus", {}).get("dw_cosine", {})
     regret = result.get("search_regret", {})
@@ -166,7 +166,7 @@ def paired_lines(result: dict) -> list[str]:
 
 
 def comparison_line(c: dict | None, lead: bool = False) -> str:
-    """A paired comparison of two methods (embed.eval_summary.compare) in words: who is ahead, by how much, and whether the
+    """A paired comparison of two methods (embed.training.eval_summary.compare) in words: who is ahead, by how much, and whether the
     95 % interval says so (`lead`: the first is the best method, the second the runner-up)."""
     if not c:
         return "no two methods to compare" if lead else "default or dw_cosine has no value to compare"

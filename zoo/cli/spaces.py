@@ -32,7 +32,7 @@ from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore
 from zoo.store.session import require_schema, session_factory
 
-#: `--members` and `--val-fraction` of train and eval (embed.train_options.TrainOptions' defaults, not imported: it loads torch)
+#: `--members` and `--val-fraction` of train and eval (embed.training.train_options.TrainOptions' defaults, not imported: it loads torch)
 MEMBERS_HELP = "W2T models in the ensemble, from consecutive seeds (default: 5)"
 UNLABELLED_HELP = (
     "with --objective both: each epoch trains on the labelled adapters and a fresh draw of at most this many unlabelled "
@@ -44,15 +44,15 @@ VAL_FRACTION_HELP = (
 )
 
 if TYPE_CHECKING:
-    from embed.engine import QueryEngine
-    from embed.evaluate import Similarities
-    from embed.train_options import TrainOptions
-    from embed.types import SpaceSchema, ZooAdapter
+    from embed.data.types import SpaceSchema, ZooAdapter
+    from embed.serving.engine import QueryEngine
+    from embed.training.evaluate import Similarities
+    from embed.training.train_options import TrainOptions
     from zoo.services.relations import RelationReport
 
 
 def space_of(settings: Settings, requested: str | None) -> str:
-    from embed.resources import resolve_base_model
+    from embed.serving.resources import resolve_base_model
 
     with session_factory(settings.database_url)() as session:
         return resolve_base_model(session, requested)
@@ -63,14 +63,15 @@ def blob_store(settings: Settings) -> BlobStore:
 
 
 def query_engine(settings: Settings, device: str | None) -> QueryEngine:
-    from embed.engine import QueryEngine
+    from embed.serving.engine import QueryEngine
 
     return QueryEngine(session_factory(settings.database_url), blob_store(settings), settings.data_dir, device)
 
 
 def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import embedding_resource, training_resource
-    from embed.train_options import TrainOptions
+    from embed.serving import embedding_resource
+    from embed.training import training_resource
+    from embed.training.train_options import TrainOptions
 
     require_schema(settings.database_url)
     space = space_of(settings, args.space)
@@ -104,8 +105,8 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_embed(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import embedding_resource
-    from embed.dataset import base_models
+    from embed.data.dataset import base_models
+    from embed.serving import embedding_resource
     from zoo.domain.probes import probes
     from zoo.memory import trim
     from zoo.services.relations import relation_engine, scan_space
@@ -149,8 +150,8 @@ QUERY_HELP = (
 
 
 def cmd_search(settings: Settings, args: argparse.Namespace) -> int:
-    from embed.refs import cli_ref
-    from embed.resources import search
+    from embed.serving.refs import cli_ref
+    from embed.serving.resources import search
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
@@ -191,8 +192,8 @@ PREDICTOR_WORDS = {
 
 
 def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import resources
-    from embed.refs import cli_ref
+    from embed.serving import resources
+    from embed.serving.refs import cli_ref
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
@@ -227,7 +228,7 @@ def cmd_predict(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
-    from embed import index_resource
+    from embed.serving import index_resource
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session, session.begin():
@@ -242,8 +243,8 @@ def cmd_index(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
-    from embed.maps import refresh_map, space_map
-    from embed.resources import resolve_space
+    from embed.serving.maps import refresh_map, space_map
+    from embed.serving.resources import resolve_space
 
     require_schema(settings.database_url)
     with session_factory(settings.database_url)() as session:
@@ -278,10 +279,10 @@ def cmd_map(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
-    from embed.dataset import load_adapters
-    from embed.eval_summary import summarize
-    from embed.evaluate import similarities
-    from embed.types import schema_of
+    from embed.data.dataset import load_adapters
+    from embed.data.types import schema_of
+    from embed.training.eval_summary import summarize
+    from embed.training.evaluate import similarities
 
     if args.splits < 1:
         raise UsageError(f"--splits must be at least 1, got {args.splits}")
@@ -310,7 +311,7 @@ def cmd_eval(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _train_options(args: argparse.Namespace, seed: int) -> TrainOptions:
-    from embed.train_options import TrainOptions
+    from embed.training.train_options import TrainOptions
 
     return TrainOptions(
         epochs=args.epochs,
@@ -323,9 +324,9 @@ def _train_options(args: argparse.Namespace, seed: int) -> TrainOptions:
 
 
 def _eval_estimate(args: argparse.Namespace, adapters: list[ZooAdapter], schema: SpaceSchema, done: dict[str, float]) -> float:
-    """Print, before the splits run, how long they should take (embed.evaluate.estimate_seconds, from two short timed
+    """Print, before the splits run, how long they should take (embed.training.evaluate.estimate_seconds, from two short timed
     trainings, plus the similarities already computed); return the whole estimate in seconds."""
-    from embed.evaluate import estimate_seconds, split_of
+    from embed.training.evaluate import estimate_seconds, split_of
 
     t0 = time.perf_counter()
     fit = split_of(adapters, args.test_fraction, args.seed, args.labelled_per_task, args.label_fraction)[2]
@@ -344,7 +345,7 @@ def _eval_split(
     args: argparse.Namespace, adapters: list[ZooAdapter], schema: SpaceSchema, sims: Similarities, seed: int, index: int
 ) -> dict[str, Any]:
     """One split, with its progress bar (`split 2/5`, a step per stage; on a terminal only, as the other bars)."""
-    from embed.evaluate import evaluate, stages
+    from embed.training.evaluate import evaluate, stages
 
     contrastive = not args.no_contrastive
     steps = stages(contrastive)

@@ -51,7 +51,7 @@ SHRINKS = (0.01, 0.1, 1.0, 10.0, math.inf)
 DEPTH_BUCKETS = 2
 #: inner cross-validation folds
 FOLDS = 4
-#: neighbours of the kNN regression that the performance metric is chosen for (embed.metrics.KNN_K)
+#: neighbours of the kNN regression that the performance metric is chosen for (embed.selection.metrics.KNN_K)
 KNN_K = 10
 #: the prior's inverse temperature is searched in [e^-5, e^10]
 _LOG_TEMPERATURE = (-5.0, 10.0)
@@ -386,7 +386,7 @@ def _choose_shrink(problem: _Problem, shrinks: Sequence[float], folds: int) -> f
 
 def _knn_mean(scores: np.ndarray, values: np.ndarray, k: int = KNN_K) -> np.ndarray:
     """Per row of scores (anchors, candidates; -inf: not a candidate) the mean value of its k best-scored candidates,
-    weighted by max(score, 0) + 1e-6: the similarity-weighted kNN regression that embed.metrics.knn_regress serves."""
+    weighted by max(score, 0) + 1e-6: the similarity-weighted kNN regression that embed.selection.metrics.knn_regress serves."""
     k = min(k, scores.shape[1])
     top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
     weights = np.maximum(np.take_along_axis(scores, top, axis=1), 0.0) + 1e-6

@@ -1,4 +1,4 @@
-"""The methods `zoo train` chooses among (embed/choice.py), as values: a search score and a target's predictor.
+"""The methods `zoo train` chooses among (embed/selection/choice.py), as values: a search score and a target's predictor.
 
 Their names (`dw`, `module+w2t@0.3`, `w2t`, `module+w2t@0.8 then top 10 by module+w2t@0.1`; `knn dw k=3`, `head`)
 are what checkpoints, the JSON of `zoo train`, `zoo eval` and `zoo predict`, and the REST API carry: `name` writes

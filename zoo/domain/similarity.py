@@ -59,7 +59,7 @@ class ModuleStack:
 
     `svd`, optional: per dense module, the SVD of its rows (zoo.domain.channels.dense_svd) computed beforehand, which
     the channels that need a dense module's factors read instead of factoring it again (the engine keeps them per
-    module store: embed/dense_svd.py). Row j holds the leading components of the SVD of `dense[name][j]`, at least
+    module store: embed/serving/dense_svd.py). Row j holds the leading components of the SVD of `dense[name][j]`, at least
     every one that `module_factors` keeps.
     """
 

@@ -5,7 +5,7 @@ writes the outcome. A process killed mid-item loses nothing: its lease runs out 
 claims the item again; a worker with nothing to claim first queues again the items of a holder on this host that
 has exited, without waiting for their leases (zoo/store/jobs.py `stranded_items`; `zoo check` does the same).
 The process that runs `zoo worker` (or the web app's job thread) shows the
-progress and embeds what was stored in batches through the incremental path (embed.embedding_resource.embed_adapters),
+progress and embeds what was stored in batches through the incremental path (embed.serving.embedding_resource.embed_adapters),
 so a running `zoo serve` finds new adapters at its next query.
 """
 
@@ -57,7 +57,7 @@ from zoo.store.shared_files import local_folder, unpublish
 from zoo.store.spaces import find_space
 
 if TYPE_CHECKING:
-    from embed.engine import QueryEngine
+    from embed.serving.engine import QueryEngine
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class EmbedBatches:
                 self.flush(files=False)
 
     def _embed(self, ids: list[int]) -> None:
-        from embed.embedding_resource import embed_adapters
+        from embed.serving.embedding_resource import embed_adapters
 
         done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, ids, self.device)
         for space, count in done.items():
@@ -309,7 +309,7 @@ class EmbedBatches:
             log.warning("relations from the weights in %s: %s", base_model, error)
 
     def flush(self, files: bool = True) -> None:
-        from embed.embedding_resource import refresh_space_files, unembedded_ids
+        from embed.serving.embedding_resource import refresh_space_files, unembedded_ids
 
         if self.pending:
             ids, self.pending = self.pending, []

@@ -218,7 +218,7 @@ def _prepare_database(url: str, revision: str | None) -> None:
 def restore(settings: Settings, src: Path, progress: bool = False) -> RestoreReport:
     """Bring a backup back into the configured database (new or empty) and data dir: rows at the backup's schema, then
     migrated to this zoo's; every blob and checkpoint file checked against its hash; derived files rebuilt."""
-    from embed.embedding_resource import refresh_space_files
+    from embed.serving.embedding_resource import refresh_space_files
 
     manifest = read_manifest(src)
     start = time.perf_counter()

@@ -10,7 +10,7 @@ What it finds:
   rows, writes its blob, then commits, so a blob younger than the grace period may belong to a transaction
   still open: those are counted as `in_flight`, never removed.
 - **indexes**: each serving embedder's index file must load, check itself and agree with the
-  database; the module store must be readable; so must the space's map file (embed/maps.py). Repair
+  database; the module store must be readable; so must the space's map file (embed/serving/maps.py). Repair
   rebuilds them from the database. One this node lacks is no problem: derived files are per-node caches,
   built from the database and the blob store on first use (a new node starts with an empty data dir).
 - **stale entries**: every derived structure keyed by adapter id (index files, the module store, the map)
@@ -251,11 +251,11 @@ def _check_spaces(
     """Index files, module stores, maps, missing embeddings and misfits per space (embed/ is imported only here).
     A space with any of them wrong is repaired by `embed_space`: it embeds what is missing and rebuilds
     every index file, module store and map that is missing or disagrees with the database."""
-    from embed.embedding_resource import embed_space
-    from embed.index_files import index_path, load_consistent_index
-    from embed.maps import load_consistent_map, map_embedder, map_path
-    from embed.module_store import module_store_path, read_module_store
-    from embed.search_methods import SKETCH
+    from embed.serving.embedding_resource import embed_space
+    from embed.serving.index_files import index_path, load_consistent_index
+    from embed.serving.maps import load_consistent_map, map_embedder, map_path
+    from embed.serving.module_store import module_store_path, read_module_store
+    from embed.serving.search_methods import SKETCH
 
     indexes: list[FileCheck] = []
     unembedded: list[Unembedded] = []
@@ -343,9 +343,9 @@ def _same_ids(what: str, held: np.ndarray, embedded: np.ndarray, missing_ok: boo
 def _rebuild_stale(sessions: Sessions, blobs: BlobStore, data_dir: Path, space_id: int, stale: list[FileCheck]) -> None:
     """Rebuild from the database each file whose ids disagreed with it (a count that agrees does not make
     `embed_space` rebuild it)."""
-    from embed.index_files import update_index_file
-    from embed.maps import map_embedder, update_map
-    from embed.module_store import update_module_store
+    from embed.serving.index_files import update_index_file
+    from embed.serving.maps import map_embedder, update_map
+    from embed.serving.module_store import update_module_store
 
     with sessions() as session:
         for entry in stale:

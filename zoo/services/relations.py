@@ -37,9 +37,9 @@ from typing import TypedDict
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from embed.engine import QueryEngine
-from embed.results import Neighbour
-from embed.search_methods import RAW, SKETCH
+from embed.serving.engine import QueryEngine
+from embed.serving.results import Neighbour
+from embed.serving.search_methods import RAW, SKETCH
 from zoo.config import EMBED_CHUNK_BYTES
 from zoo.domain.merges import later_copies
 from zoo.domain.relations import (

@@ -359,7 +359,7 @@ class CatalogPage(TypedDict):
     approximate: bool
     results: list[CatalogHit]
     facets: dict[str, list[FacetValue]]
-    semantic: NotRequired[bool]  # ranked by meaning (embed/text_search.py): the total counts the ranked adapters
+    semantic: NotRequired[bool]  # ranked by meaning (embed/serving/text_search.py): the total counts the ranked adapters
 
 
 def _facet_values(counts: dict[Any, int]) -> list[FacetValue]:

@@ -351,7 +351,7 @@ def has_labels(conn: Connection, adapter_id: int, attributes: Mapping[str, str],
 
 
 def replace_labels(session: Session, adapter_id: int, attributes: Mapping[str, str], measurements: Mapping[str, float]) -> None:
-    """Given labels and test measurements replace earlier ones with the same key (new rows: see embed/attributes.py)."""
+    """Given labels and test measurements replace earlier ones with the same key (new rows: see embed/serving/attributes.py)."""
     if attributes:
         session.execute(delete(Label).where(Label.adapter_id == adapter_id, Label.source == "given", Label.key.in_(attributes)))
         session.add_all(Label(adapter_id=adapter_id, key=k, value=v, source="given") for k, v in attributes.items())

@@ -1,4 +1,4 @@
-"""What the dense text index (embed/text_search.py) reads from the database: each adapter's text as a sentence encoder
+"""What the dense text index (embed/serving/text_search.py) reads from the database: each adapter's text as a sentence encoder
 takes it, the mark that says whether an index file is still current, and the supervised W2T embedders whose
 predictions it embeds."""
 

@@ -1,0 +1,214 @@
+"""Class probabilities that mean what they say, fit out of fold.
+
+A predictor's raw shares (a kNN's similarity-weighted votes, the heads' softmax, a readout's) are
+often too sure: a 3-NN whose neighbours agree says 100 %, and is wrong as often as 3-NNs are.
+`fit` takes the chosen predictor's out-of-fold shares and the true classes and finds a temperature
+T and a share ε of the class prior such that
+
+    calibrated = (1 − ε) · normalize(shares ** (1 / T)) + ε · prior
+
+has the lowest log loss on them (a grid: two numbers are what a few dozen held-out adapters support).
+ε never goes below 1 / (n + 2) for n held-out adapters, so nothing is ever called certain on the
+strength of n examples. A k-NN vote among the labelled adapters is calibrated on their leave-one-out
+votes instead, its level set by a learning-curve extrapolation (`knn_calibration`). Pure numpy: no
+database, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from embed.selection.metrics import knn_vote_shares
+
+TEMPERATURES = tuple(float(t) for t in np.geomspace(1 / 16, 4.0, 19))
+MIXES = tuple(float(m) for m in np.linspace(0.0, 0.9, 91))
+#: below this many held-out adapters nothing is fit: half the prior is mixed in
+MIN_FIT = 5
+#: a prediction is "sure" when its calibrated probability is at least this (and at least the level its held-out
+#: predictions earned: `earned_sure`) and most labelled neighbours agree
+SURE = 0.5
+#: how far below its mean probability a confidence bin's held-out accuracy may lie where predictions are called sure
+SURE_SLACK = 0.05
+#: "sure" from no probability: what a predictor whose held-out predictions earned no level gets
+NEVER_SURE = 1.01
+#: equal-width confidence bins of the expected calibration error
+ECE_BINS = 10
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How to turn one predictor's raw class shares into calibrated probabilities."""
+
+    temperature: float = 1.0
+    mix: float = 0.0
+    prior: tuple[float, ...] = ()
+    n: int = 0  # held-out adapters it was fit on
+    #: the least calibrated probability called sure: where every confidence bin from it up kept its promise on the
+    #: held-out predictions (earned_sure); checkpoints from before it have SURE
+    sure_from: float = SURE
+    #: a k-NN vote's prior share for a labelled adapter voted on by the others (its own label left out, as it is
+    #: served for a stored adapter): its leave-one-out accuracy, where `mix` looks one label further (knn_calibration);
+    #: None: `mix` for every query
+    own_mix: float | None = None
+
+    def apply(self, shares: np.ndarray) -> np.ndarray:
+        """Calibrated probabilities of rows of raw shares (n × classes, or one row)."""
+        p = np.atleast_2d(np.asarray(shares, np.float64))
+        sharpened = _sharpen(p, self.temperature)
+        prior = np.asarray(self.prior, np.float64) if self.prior else np.full(p.shape[1], 1.0 / p.shape[1])
+        out = (1.0 - self.mix) * sharpened + self.mix * prior
+        return out if np.ndim(shares) == 2 else out[0]
+
+    def for_labelled(self) -> Calibration:
+        """The calibration of a vote on one of the labelled adapters, its own label left out (own_mix)."""
+        return self if self.own_mix is None else replace(self, mix=self.own_mix, own_mix=None)
+
+    def as_dict(self) -> dict[str, object]:
+        prior = [round(x, 6) for x in self.prior]
+        own = None if self.own_mix is None else round(self.own_mix, 4)
+        return {
+            "temperature": round(self.temperature, 4),
+            "mix": round(self.mix, 4),
+            "prior": prior,
+            "n": self.n,
+            "sure_from": self.sure_from,
+            "own_mix": own,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Calibration:
+        prior = tuple(float(x) for x in d["prior"])
+        own = d.get("own_mix")
+        sure_from = float(d.get("sure_from", SURE))
+        return cls(float(d["temperature"]), float(d["mix"]), prior, int(d["n"]), sure_from, None if own is None else float(own))
+
+
+def _sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
+    """Rows of p raised to 1/T and renormalized (zeros stay zero; an all-zero row becomes uniform)."""
+    q = np.power(np.clip(p, 0.0, None), 1.0 / temperature)
+    total = q.sum(axis=1, keepdims=True)
+    return np.where(total > 0, q / np.where(total > 0, total, 1.0), 1.0 / p.shape[1])
+
+
+def class_prior(truth: np.ndarray, n_classes: int) -> tuple[float, ...]:
+    """Class frequencies of the labelled adapters, add-one smoothed (no class has probability 0)."""
+    counts = np.bincount(np.asarray(truth, np.int64), minlength=n_classes).astype(np.float64) + 1.0
+    return tuple((counts / counts.sum()).tolist())
+
+
+def fit(shares: np.ndarray, truth: np.ndarray, prior: tuple[float, ...]) -> Calibration:
+    """The temperature and prior share with the lowest log loss of out-of-fold `shares` (n × classes) against
+    the true class indices `truth`; ε ≥ 1 / (n + 2). Fewer than MIN_FIT items: T = 1, ε = 0.5."""
+    n = len(truth)
+    if n < MIN_FIT:
+        return Calibration(1.0, 0.5, prior, n)
+    shares = np.asarray(shares, np.float64)
+    truth = np.asarray(truth, np.int64)
+    floor = 1.0 / (n + 2)
+    mixes = np.array([floor, *(m for m in MIXES if m > floor)])
+    prior_true = np.asarray(prior)[truth]
+    best = (np.inf, 1.0, floor)
+    for t in TEMPERATURES:
+        p_true = _sharpen(shares, t)[np.arange(n), truth]
+        # log loss of every mix at once: rows are mixes, columns items
+        loss = -np.log((1.0 - mixes[:, None]) * p_true[None, :] + mixes[:, None] * prior_true[None, :]).mean(axis=1)
+        i = int(np.argmin(loss))
+        if loss[i] < best[0] - 1e-12:
+            best = (float(loss[i]), t, float(mixes[i]))
+    return Calibration(best[1], best[2], prior, n)
+
+
+def knn_calibration(sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, prior: tuple[float, ...], draws: int = 5) -> Calibration:
+    """The calibration of a k-NN vote among labelled adapters, from their leave-one-out votes (`sim`: n × n among
+    them, `classes` their class indices): each is voted on by all the others, n − 1 labelled where what is served
+    has n, closer than the held-out folds' share. Fewer labels of its own class still make the leave-one-out vote
+    less accurate than the served one, and with a few labels per class one label matters: the vote is run once
+    more with a second adapter of each one's class left out (`draws` times), and the accuracy extrapolated one
+    label further along that learning curve; the prior's share is then set so that the mean calibrated top
+    probability matches it."""
+    n = len(classes)
+    if n < MIN_FIT:
+        return Calibration(1.0, 0.5, prior, n)
+    others = np.array(sim, np.float64)
+    np.fill_diagonal(others, -np.inf)
+    shares = knn_vote_shares(others, classes, n_classes, k)
+    loo = float((shares.argmax(axis=1) == classes).mean())
+    rng = np.random.default_rng(0)
+    members = {c: np.flatnonzero(classes == c) for c in np.unique(classes)}
+    fewer = []
+    for _ in range(draws):
+        dropped = others.copy()
+        for i in range(n):
+            same = members[classes[i]]
+            same = same[same != i]
+            if len(same):
+                dropped[i, rng.choice(same)] = -np.inf
+        fewer.append(float((knn_vote_shares(dropped, classes, n_classes, k).argmax(axis=1) == classes).mean()))
+    target = min(max(loo, 2 * loo - float(np.mean(fewer))), 1.0 - 1.0 / (n + 2))
+    fitted = fit(shares, classes, prior)
+    own = with_mean_confidence(fitted, shares, min(loo, 1.0 - 1.0 / (n + 2)))
+    return replace(with_mean_confidence(fitted, shares, target), own_mix=own.mix)
+
+
+def with_mean_confidence(c: Calibration, shares: np.ndarray, target: float) -> Calibration:
+    """`c` with the prior's share (never below 1/(n + 2)) that makes the mean top probability of `shares` `target`
+    (bisection: more of the prior, less sure)."""
+    floor = 1.0 / (c.n + 2)
+
+    def mean_top(mix: float) -> float:
+        return float(replace(c, mix=mix).apply(shares).max(axis=1).mean())
+
+    low, high = floor, 1.0
+    if mean_top(low) <= target:
+        return replace(c, mix=low)
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mean_top(mid) > target else (low, mid)
+    return replace(c, mix=(low + high) / 2)
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float:
+    """Top-label ECE of answers given with probability `confidence` and right where `correct`: over equal-width
+    bins of the confidence, the count-weighted mean gap between the bin's accuracy and its mean confidence."""
+    conf, right = np.asarray(confidence, np.float64), np.asarray(correct, np.float64)
+    if not len(conf):
+        return float("nan")
+    which = np.minimum((conf * bins).astype(np.int64), bins - 1)
+    gap = 0.0
+    for b in range(bins):
+        in_bin = which == b
+        if in_bin.any():
+            gap += in_bin.sum() * abs(right[in_bin].mean() - conf[in_bin].mean())
+    return float(gap / len(conf))
+
+
+def is_sure(probability: float, agreeing: int, neighbours: int, sure_from: float = SURE) -> bool:
+    """A prediction worth stating: calibrated probability ≥ SURE and ≥ the level its predictor earned on held-out
+    adapters (`sure_from`: Calibration.sure_from), and more than half its labelled neighbours agree (no neighbours:
+    the probability alone)."""
+    return probability >= max(SURE, sure_from) and (neighbours == 0 or 2 * agreeing > neighbours)
+
+
+def earned_sure(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS, slack: float = SURE_SLACK) -> float:
+    """The least probability, SURE or an equal-width bin's lower edge above it, from which every confidence bin holding
+    held-out predictions was right at least as often as its mean probability less `slack`: what "sure" can promise.
+    NEVER_SURE where no level earns it, or where fewer than MIN_FIT predictions were held out."""
+    conf, right = np.asarray(confidence, np.float64), np.asarray(correct, np.float64)
+    if len(conf) < MIN_FIT:
+        return NEVER_SURE
+    which = np.minimum((conf * bins).astype(np.int64), bins - 1)
+    shown = [b for b in range(bins) if (b + 1) / bins > SURE and (which == b).any()]  # bins a sure prediction can fall in
+    broken = [b for b in shown if right[which == b].mean() < conf[which == b].mean() - slack]
+    lowest = max(SURE, (max(broken) + 1) / bins) if broken else SURE
+    return lowest if lowest < 1.0 else NEVER_SURE
+
+
+def with_earned_sure(c: Calibration, shares: np.ndarray, truth: np.ndarray) -> Calibration:
+    """`c` with the level its held-out predictions earn (earned_sure of `shares`, raw class shares of held-out
+    adapters whose true class indices are `truth`, once calibrated as held-out predictions are: c.for_labelled())."""
+    if not len(truth):
+        return replace(c, sure_from=NEVER_SURE)
+    p = np.atleast_2d(c.for_labelled().apply(np.asarray(shares, np.float64)))
+    return replace(c, sure_from=earned_sure(p.max(axis=1), p.argmax(axis=1) == np.asarray(truth)))

@@ -1,0 +1,35 @@
+"""Predictions from a query's labelled neighbours: the similarity-weighted kNN vote and mean the engine serves."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
+
+
+def knn_shares(
+    near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, fallback: np.ndarray, k: int = KNN_K
+) -> np.ndarray:
+    """Class shares of the similarity-weighted vote of the k nearest with a known class (classes: per memory
+    position, -1 unknown); `fallback` (the heads') where none is known."""
+    positions, scores = near
+    if not len(positions) or not (classes[positions] >= 0).any():
+        return fallback
+    return knn_vote_shares(scores[None, :], classes[positions], n_classes, k)[0]
+
+
+def neighbour_classes(near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, k: int) -> np.ndarray:
+    """Per class, how many of the k nearest labelled neighbours (with a known class) have it."""
+    positions, scores = near
+    known = classes[positions] >= 0 if len(positions) else np.zeros(0, bool)
+    top = top_k(scores[known], k)
+    return np.bincount(classes[positions[known]][top], minlength=n_classes)
+
+
+def knn_value(near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float, k: int = KNN_K) -> float:
+    """Similarity-weighted mean of the k nearest with a known value (values: per memory position, NaN unknown)."""
+    positions, scores = near
+    known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
+    if not known.any():
+        return fallback
+    return float(knn_regress(scores[known][None, :], values[positions[known]], k)[0])  # the vote choice.py scored

@@ -1,0 +1,63 @@
+"""A W2T checkpoint directory: its files, and its metadata read without loading the models (no torch), the methods
+chosen in it stored by name (zoo.domain.methods), with the channel metrics they may weigh."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from embed.selection.metrics import KNN_K
+from zoo.domain.channel_metric import ChannelMetric
+from zoo.domain.methods import KnnPredictor, LearnedPredictor, Predictor, SearchScore
+
+META = "embedder.json"
+WEIGHTS = "model.safetensors"
+MEMORY = "memory.safetensors"
+
+
+@functools.lru_cache(maxsize=16)
+def checkpoint_meta(directory: Path) -> dict:
+    """The checkpoint's metadata (config, schema, hybrid weight, predictors...); directories are never rewritten."""
+    return json.loads((Path(directory) / META).read_text())
+
+
+def search_of(meta: dict) -> SearchScore:
+    """The search score a checkpoint serves, by name; before second stages it was kept as its exact score and W2T
+    weight, and before the choice among exact scores, module cosine was the exact one."""
+    if "search" in meta:
+        return SearchScore.parse(meta["search"])
+    return SearchScore(meta.get("exact_score", "module"), float(meta["hybrid_weight"]))
+
+
+def predictors_of(meta: dict) -> dict[str, Predictor]:
+    """Each target's predictor in a checkpoint: a kNN ("knn") by its similarity and k under "knn", a learned one by
+    its kind; before kNN predictors were chosen, "search" meant a KNN_K-NN over the search score."""
+    knn = meta.get("knn", {})
+    predictors: dict[str, Predictor] = {}
+    for target, kind in meta["predictor"].items():
+        if kind == "search":
+            predictors[target] = KnnPredictor(search_of(meta).first_stage, KNN_K)
+        elif kind == KnnPredictor.kind:
+            predictors[target] = KnnPredictor(SearchScore.parse(knn[target]["similarity"]), int(knn[target]["k"]))
+        else:
+            predictors[target] = LearnedPredictor.parse(kind)
+    return predictors
+
+
+def channel_metrics_of(meta: dict) -> dict[str, ChannelMetric]:
+    """The channel metrics fitted on the labelled adapters (embed/selection/fitted.py), by their score's name; none before
+    they were candidates."""
+    return {name: ChannelMetric.from_dict(d) for name, d in meta.get("channel_metrics", {}).items()}
+
+
+def methods_meta(search: SearchScore, predictors: dict[str, Predictor], metrics: dict[str, ChannelMetric]) -> dict[str, object]:
+    """The metadata search_of, predictors_of and channel_metrics_of read back."""
+    return {
+        "channel_metrics": {name: m.as_dict() for name, m in metrics.items()},
+        "search": search.name,
+        "exact_score": search.exact,
+        "hybrid_weight": search.w2t_weight,
+        "predictor": {target: p.kind for target, p in predictors.items()},
+        "knn": {t: {"similarity": p.similarity.name, "k": p.k} for t, p in predictors.items() if isinstance(p, KnnPredictor)},
+    }
