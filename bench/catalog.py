@@ -188,7 +188,7 @@ def measure(url: str, repeats: int, seed: int = 0, data_dir: str | None = None, 
     search: Callable[[Session, str | None, dict[str, str]], Mapping[str, object]] = search_catalog
     by_meaning = search
     if "semantic" in which:
-        from embed.serving import text_search
+        from embed.serving import text_index, text_search
         from embed.serving.engine import QueryEngine
         from zoo.store.blobs import BlobStore
 
@@ -196,12 +196,12 @@ def measure(url: str, repeats: int, seed: int = 0, data_dir: str | None = None, 
         engine = QueryEngine(sessions, BlobStore(Path(data_dir) / "blobs"), Path(data_dir))
         with sessions() as session:
             t = time.perf_counter()
-            text_search.current_index(session, engine)
+            text_index.current_index(session, engine)
             out["text_index_build_s"] = round(time.perf_counter() - t, 1)
-            text_search.encode(["warm up"])
+            text_index.encode(["warm up"])
 
         def by_meaning(session: Session, q: str | None, filters: dict[str, str]) -> Mapping[str, object]:
-            text_search.query_vector.cache_clear()  # each query encoded: not a page of an earlier one
+            text_index.query_vector.cache_clear()  # each query encoded: not a page of an earlier one
             return text_search.search_by_meaning(session, engine, q, filters)
 
         with sessions() as session:  # a served process's first search (statements compiled, pages read) is not timed

@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=3)
     args = parser.parse_args()
 
-    from embed.serving import text_search
+    from embed.serving import text_index, text_search
     from embed.serving.engine import QueryEngine
     from embed.training.intervals import clustered_bootstrap
     from zoo.store.blobs import BlobStore
@@ -107,7 +107,7 @@ def main() -> None:
         names = {i: n for i, n in session.query(Adapter.id, Adapter.name)}
         bare_ids = {i for i, n in names.items() if n in bare}
         started = time.perf_counter()
-        text_search.current_index(session, engine)
+        text_index.current_index(session, engine)
         build_s = time.perf_counter() - started
         for task, description in DESCRIPTIONS.items():
             relevant = {i for i in bare_ids if task_of[names[i]] == task}

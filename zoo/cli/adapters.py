@@ -308,6 +308,9 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
                 f"  {m['space']}: adapter {m['adapter_id']} {m['name']} does not fit: {m['module']} is {have}, {want} in the space"
                 " (ingest it under its own base model)"
             )
+        text = report["text_index"]
+        if text["state"] not in ("ok", "not built") and "repaired" not in text:
+            print(f"  text index {text['path']}: {text['state']}")
         for line in report["repaired"]:
             print(f"  repaired: {line}")
         for folder in report["uploads"]["orphans"]:

@@ -28,6 +28,11 @@ What it finds:
   has written to for the grace period: a worker killed while it copied an upload, or mid-job, leaves them. The
   owner decides first (an item's source inside the folder), the age second (an upload is copied before its job
   exists, and a search's folder has no job). Repair removes them.
+- **the text index** (`text/` in the data dir: search by meaning's sentence index, embed/serving/text_index.py): it must load
+  (a damaged file, or one of another format, is a problem) and, where its catalog mark is the database's, hold every
+  adapter and no other (else it is stale: a problem). One behind the catalog's mark is reported, not counted: the next
+  search by meaning brings it up to date. Repair rebuilds it, or removes its files where the `text` extra is not
+  installed (the next search by meaning builds it).
 - **uploads in the bucket**: with blobs in a bucket, a web upload's folder there (zoo/services/bucket_check.py) that
   no queued or running item owns and nothing has written to for the grace period, reported with its age; a web app
   killed while it put one up, or a worker killed before it removed one, leaves them. Repair removes them.
@@ -110,6 +115,16 @@ class Misfit(TypedDict):
     space_shape: list[int]  # out, in in the space
 
 
+class TextIndexCheck(TypedDict):
+    """The text index as checked (the module's doc)."""
+
+    path: str
+    state: str  # "ok", "not built", "behind the catalog ...", or what is wrong
+    behind: NotRequired[bool]  # its mark is not the catalog's: the next search by meaning updates it (no problem)
+    stale: NotRequired[bool]  # its mark is current but its adapters are not the database's
+    repaired: NotRequired[str]  # "rebuilt", or "removed" (no `text` extra here)
+
+
 class UploadCheck(TypedDict):
     orphans: list[str]  # folders under uploads/ no live job item owns, older than the grace period
     in_flight: int  # folders owned by a queued or running item, or written to within the grace period
@@ -137,6 +152,7 @@ class CheckReport(TypedDict):
     uploads: UploadCheck
     bucket_uploads: BucketUploadCheck
     jobs: JobCheck
+    text_index: TextIndexCheck
     repaired: list[str]
 
 
@@ -175,12 +191,16 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
 
     indexes, unembedded, misfits, repaired = _check_spaces(settings, sessions, blobs, repair)
     jobs = _check_jobs(sessions, repair)
+    text_index = _check_text_index(settings, sessions, blobs, repair)
+    repaired += [f"text index: {text_index['repaired']}"] if "repaired" in text_index else []
     uploads = _check_uploads(settings.data_dir / "uploads", sessions, repair, grace_s, now)
     bucket_uploads = check_bucket_uploads(blobs, sessions, repair, grace_s, now)  # after _check_jobs, as uploads
     problems = len(missing) + len(corrupt) + (0 if repair else len(orphans) + len(temporary))
     problems += 0 if repair else len(uploads["orphans"]) + len(bucket_uploads["orphans"]) + len(jobs["stranded"])
     problems += sum(1 for i in indexes if i["state"] != "ok" and not i.get("repaired"))
     problems += sum(u["count"] for u in unembedded if not u.get("repaired")) + len(misfits)
+    wrong_text = text_index["state"] not in ("ok", "not built") and not text_index.get("behind")  # damaged, or stale
+    problems += int(wrong_text and "repaired" not in text_index)
     return {
         "ok": problems == 0,
         "problems": problems,
@@ -195,8 +215,46 @@ def check(settings: Settings, repair: bool = False, grace_s: float = DEFAULT_GRA
         "uploads": uploads,
         "bucket_uploads": bucket_uploads,
         "jobs": jobs,
+        "text_index": text_index,
         "repaired": repaired,
     }
+
+
+def _check_text_index(settings: Settings, sessions: Sessions, blobs: BlobStore, repair: bool) -> TextIndexCheck:
+    """The text index's files against the database (the module's doc); rebuilt on repair, or removed where the `text`
+    extra is missing."""
+    from embed.serving import text_index
+    from embed.serving.engine import QueryEngine
+    from zoo.errors import NotReadyError
+    from zoo.store.text_rows import adapter_ids, catalog_mark, predictors
+
+    files = text_index.index_files(settings.data_dir)
+    entry: TextIndexCheck = {"path": str(text_index.text_dir(settings.data_dir)), "state": "ok"}
+    if not any(f.exists() for f in files):
+        return {**entry, "state": "not built"}  # built by the first search by meaning
+    held: text_index.TextIndex | None = None
+    with sessions() as session:
+        try:
+            held = text_index.load(settings.data_dir)
+        except ValueError as exc:
+            entry["state"] = str(exc)
+        if held is not None:
+            mark, served = catalog_mark(session), {b: e for b, (_, e) in predictors(session).items()}
+            if held.mark != mark or held.predictors != served:
+                entry.update(state=f"behind the catalog: it covers {held.mark}, the catalog is at {mark}", behind=True)
+            else:
+                entry["state"] = _same_ids("text index", held.doc_ids, np.array(adapter_ids(session), np.int64))
+                if entry["state"] != "ok":
+                    entry["stale"], held = True, None  # nothing of it is trusted: everything encoded again
+        if repair and entry["state"] != "ok":
+            try:
+                text_index.rebuild(session, QueryEngine(sessions, blobs, settings.data_dir), held)
+                entry["repaired"] = "rebuilt"
+            except NotReadyError:
+                for f in files:
+                    f.unlink(missing_ok=True)
+                entry["repaired"] = "removed"
+    return entry
 
 
 def _check_jobs(sessions: Sessions, repair: bool) -> JobCheck:
@@ -239,7 +297,7 @@ def _last_written(folder: Path) -> float:
 
 
 def _files(data_dir: Path) -> Iterator[Path]:
-    for sub in ("index", "rerank", "embedders", "map"):  # the blob store finds its own (BlobStore.leftovers)
+    for sub in ("index", "rerank", "embedders", "map", "text"):  # the blob store finds its own (BlobStore.leftovers)
         root = data_dir / sub
         if root.is_dir():
             yield from (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())

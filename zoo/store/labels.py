@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from zoo.labels import check_label_limits
 from zoo.store.locks import label_lock, take_locks
-from zoo.store.models import Label, Measurement
+from zoo.store.models import CatalogChange, Label, Measurement
 from zoo.store.repository import replace_labels
 from zoo.store.search_text import refresh_search_text
 
@@ -43,7 +43,8 @@ def write_labels(session: Session, adapter_id: int, attributes: Mapping[str, str
 
 def remove_label(session: Session, adapter_id: int, key: str) -> bool:
     """Remove the adapter's given label `key` and its test measurement `key`, and rewrite its search document, as
-    write_labels does (in the session's write transaction, under the adapter's label lock); whether either was there."""
+    write_labels does (in the session's write transaction, under the adapter's label lock); whether either was there.
+    A removed label leaves a CatalogChange row, which moves the catalog's mark as a new label row would."""
     take_locks(session, label_lock(adapter_id))
     labels = session.execute(delete(Label).where(Label.adapter_id == adapter_id, Label.source == "given", Label.key == key))
     measured = session.execute(
@@ -51,6 +52,7 @@ def remove_label(session: Session, adapter_id: int, key: str) -> bool:
     )
     removed = bool(labels.rowcount or measured.rowcount)  # type: ignore[attr-defined]
     if removed:
+        session.add(CatalogChange(adapter_id=adapter_id, what="label removed"))
         session.flush()
         refresh_search_text(session, [adapter_id])
     return removed

@@ -423,3 +423,17 @@ class DeletedAdapter(Base):
     space_id: Mapped[int] = mapped_column(ForeignKey("embedding_space.id", ondelete="CASCADE"))
     version: Mapped[int] = mapped_column(BigInteger)
     deleted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class CatalogChange(Base):
+    """A change to the catalog's texts that leaves no newer row behind: a given label removed alone, an adapter
+    deleted. Ids only grow (migration 0018), so the largest is part of what an index of the texts covers
+    (zoo.store.text_rows.catalog_mark)."""
+
+    __tablename__ = "catalog_change"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(Integer)
+    what: Mapped[str] = mapped_column(String(32))  # label removed | adapter deleted
+    changed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())

@@ -8,7 +8,7 @@ from typing import NamedTuple
 from sqlalchemy import Integer, bindparam, func, select
 from sqlalchemy.orm import Session
 
-from zoo.store.models import Adapter, DeletedAdapter, Embedding, Module
+from zoo.store.models import Adapter, CatalogChange, DeletedAdapter, Embedding, Module
 from zoo.store.spaces import bump_version
 
 #: the stored adapters with a low-rank update (a full checkpoint has no factors), the ones a space embeds
@@ -118,13 +118,14 @@ def factor_digests(session: Session, ids: list[int]) -> dict[int, str | None]:
 
 
 def delete_adapter(session: Session, adapter_id: int, space_id: int | None) -> str | None:
-    """Delete the adapter and its rows, leaving a tombstone under a new version of its space (when it has one);
-    its name, or None if there is no such adapter."""
+    """Delete the adapter and its rows, leaving a tombstone under a new version of its space (when it has one) and a
+    CatalogChange (which moves the catalog's mark, space or none); its name, or None if there is no such adapter."""
     adapter = session.get(Adapter, adapter_id)
     if adapter is None:
         return None
     if space_id is not None:
         session.add(DeletedAdapter(adapter_id=adapter_id, space_id=space_id, version=bump_version(session, space_id)))
+    session.add(CatalogChange(adapter_id=adapter_id, what="adapter deleted"))
     name = adapter.name
     session.delete(adapter)
     return name

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from zoo.store.models import Adapter, DeletedAdapter, Embedder, EmbeddingSpace, Label
+from zoo.store.models import Adapter, CatalogChange, Embedder, EmbeddingSpace, Label
 
 #: model-card characters put in a document (the encoder reads its first 256 tokens anyway)
 CARD_CHARS = 2_000
@@ -33,14 +33,14 @@ class AdapterText:
 
 
 def catalog_mark(session: Session) -> dict[str, int]:
-    """What an index of the catalog's texts covers: the last adapter, label row and deletion (three index reads). Label
-    rows are inserted for every new value and a card changes only by a new ingest, so an index whose mark equals this
-    one is current, but for a label removed alone (`zoo.store.labels.remove_label`): that shows at the next write."""
+    """What an index of the catalog's texts covers: the last adapter, label row and catalog change (three index reads).
+    Label rows are inserted for every new value, a card changes only by a new ingest, and a label removed alone or an
+    adapter deleted leaves a CatalogChange row, so an index whose mark equals this one is current."""
     conn = session.connection()
     return {
         "adapter": int(conn.execute(select(func.max(Adapter.id))).scalar() or 0),
         "label": int(conn.execute(select(func.max(Label.id))).scalar() or 0),
-        "deleted": int(conn.execute(select(func.max(DeletedAdapter.id))).scalar() or 0),
+        "change": int(conn.execute(select(func.max(CatalogChange.id))).scalar() or 0),
     }
 
 
@@ -93,6 +93,11 @@ def adapter_texts(session: Session) -> Iterator[AdapterText]:
             stem = name_stem(r.name)
             yield AdapterText(r.id, r.base_model, document, own, stem, described=document != stem)
         last = ids[-1]
+
+
+def adapter_ids(session: Session) -> list[int]:
+    """Every adapter's id, in order (what an index of the texts must hold)."""
+    return [int(i) for i in session.connection().execute(select(Adapter.id).order_by(Adapter.id)).scalars()]
 
 
 def predictors(session: Session) -> dict[str, tuple[str, int]]:
