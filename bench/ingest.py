@@ -150,7 +150,7 @@ def _worker(
     import torch
 
     from zoo.formats import read_adapter
-    from zoo.services.ingest import Ingestor, canonicalize_modules, ingest_source
+    from zoo.services.ingest import Ingestor, canonicalize_modules, ingest_sources
     from zoo.services.threads import share_cores
     from zoo.store.session import session_factory
 
@@ -167,7 +167,7 @@ def _worker(
         counts: Counter[str] = Counter()
         stages: Counter[str] = Counter()
         failures: list[str] = []
-        for result in (ingest_source(ingestor, str(p), labels.get(p)) for p in sources):
+        for result in ingest_sources(ingestor, [(str(p), labels.get(p)) for p in sources]):  # as `zoo ingest` runs them
             counts[result.status] += 1
             stages.update(result.timings)
             if result.status == "failed":
@@ -318,27 +318,30 @@ def real_set(kind: str, count: int, layers: int | None, work: Path) -> list[Path
 
 
 def _real_worker(url: str, blob_dir: str, paths: list[Path], out: Queue) -> None:
-    """One worker process (torch on every core, as zoo.services.threads.share_cores(1) sets it): per adapter, load_file of its
-    weight file, then its ingest; sends back [(bytes, ingest s, load_file s, stage seconds, status, ingest CPU s)] (CPU
-    seconds of the process, every thread's: what the ingest costs on a machine that other work does not share)."""
+    """One worker process (torch on every core, as zoo.services.threads.share_cores(1) sets it): load_file of each weight
+    file, then the ingest of them all as `zoo ingest` runs it (zoo.services.ingest.ingest_sources: the next adapter
+    worked on while one is stored); sends back [(bytes, ingest s, load_file s, stage seconds, status, ingest CPU s)], the
+    ingest's seconds and CPU seconds (the process's, every thread's: what the ingest costs on a machine that other work
+    does not share) counted from the previous adapter's result to this one's (the first from the start)."""
     from safetensors.torch import load_file
 
-    from zoo.services.ingest import Ingestor
+    from zoo.services.ingest import Ingestor, ingest_sources
     from zoo.services.threads import share_cores
     from zoo.store.session import session_factory
 
     share_cores(1)
     ingestor = Ingestor(session_factory(url), blob_store_at(blob_dir))
-    rows = []
+    loaded = []
     for path in paths:
-        f = weight_file(path)
         t0 = time.perf_counter()
-        load_file(str(f))
-        loaded = time.perf_counter() - t0
-        t0, c0 = time.perf_counter(), time.process_time()
-        result = ingestor.ingest(path)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        rows.append((f.stat().st_size, wall, loaded, result.timings, result.error or result.status, cpu))
+        load_file(str(weight_file(path)))
+        loaded.append(time.perf_counter() - t0)
+    rows = []
+    t0, c0 = time.perf_counter(), time.process_time()
+    for path, took, result in zip(paths, loaded, ingest_sources(ingestor, [(str(path), None) for path in paths]), strict=True):
+        t1, c1 = time.perf_counter(), time.process_time()
+        rows.append((weight_file(path).stat().st_size, t1 - t0, took, result.timings, result.error or result.status, c1 - c0))
+        t0, c0 = t1, c1
     out.put(rows)
 
 

@@ -35,7 +35,7 @@ def run_ingest(
 ) -> tuple[dict[str, int], list[str]]:
     """Ingest every source under paths (and `hf://` sources), printing JSON lines or showing a progress bar.
     Returns counts by status and failures."""
-    from zoo.services.ingest import Ingestor, ingest_source
+    from zoo.services.ingest import Ingestor, ingest_sources
     from zoo.sources import hub
     from zoo.sources.local import expand_paths
     from zoo.sources.resolve import is_remote
@@ -50,7 +50,7 @@ def run_ingest(
     sources = expand_paths([p for p in paths if not is_remote(p)])
     labels = assign_rows(label_rows, sources) if label_rows else {}
     queue = [(str(p), labels.get(p)) for p, _ in sources] + [(s, None) for s in remote]
-    results = (ingest_source(ingestor, source, given) for source, given in queue)  # the one per-source step `zoo worker` runs too
+    results = ingest_sources(ingestor, queue)  # `zoo worker`'s per-source step, the next source worked on while one is stored
     total = len(sources) + len(remote)
     with tqdm(total=total, desc="ingest", unit="adapter", disable=True if as_json or not progress else None, file=sys.stderr) as bar:
         for result in results:

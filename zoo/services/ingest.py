@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypedDict
@@ -69,8 +73,23 @@ class IngestResult:
         return asdict(self)
 
 
+class Turn:
+    """An Ingestor's working turn (`Ingestor.turn`): one source at a time is read, canonicalized and described; its turn
+    is given back once, when its store begins (or it ends), so that the next source's work overlaps that store."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        lock.acquire()
+        self._lock: threading.Lock | None = lock
+
+    def release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+
 class Ingestor:
-    """Ingests sources one at a time into one database and blob store.
+    """Ingests sources one at a time into one database and blob store (or two at once through `ingest_sources`: one
+    worked on while the one before it is stored).
 
     `record_duplicates_as`: a run that is not a job (`zoo ingest`) records each duplicate's source where a job
     records its own (zoo.store.jobs.record_duplicate, one job of the run's, named by this), in the transaction that
@@ -89,9 +108,20 @@ class Ingestor:
         self.device = pick_device(self.options.device)
         self.record_duplicates_as = record_duplicates_as
         self.duplicates_job: int | None = None  # the run's job of duplicates, once one is committed
+        self._working = threading.Lock()  # held by the source being read, canonicalized and described (Turn)
+        self._storing = threading.Lock()  # held by the source being stored: stores go one at a time, in turn order
+
+    def turn(self) -> Turn:
+        """The next working turn, once the source holding it has begun its store (ingest_sources)."""
+        return Turn(self._working)
 
     def ingest(
-        self, path: Path, source_uri: str | None = None, labels: LabelRow | None = None, origin: Origin | None = None
+        self,
+        path: Path,
+        source_uri: str | None = None,
+        labels: LabelRow | None = None,
+        origin: Origin | None = None,
+        turn: Turn | None = None,
     ) -> IngestResult:
         """Ingest one source (and attach its given labels; `origin`: what its source says about it, stored
         on the row). Whatever goes wrong becomes a failed result naming the file and the reason, never an
@@ -100,11 +130,14 @@ class Ingestor:
 
         Files already stored are recognized before any math: when the weight file's SHA-256, the base model
         and the config values the update depends on match a stored adapter's, it is the duplicate (see
-        `_stored_copy`). `timings` has seconds per stage: read, canonicalize, describe, store."""
+        `_stored_copy`). `timings` has seconds per stage: read, canonicalize, describe, store (which includes waiting for
+        the blob's upload, and, two at a time, for the store before it). `turn`: this source's working turn, taken by the
+        caller (ingest_sources), else here."""
         source = source_uri or (origin.uri if origin else str(path))
         timings: dict[str, float] = {}
+        turn = turn or self.turn()
         try:
-            return self._ingest(Path(path), source, labels, origin, timings)
+            return self._ingest(Path(path), source, labels, origin, timings, turn)
         except InputError as exc:
             return IngestResult(source, "failed", error=str(exc), timings=timings)
         except DatabaseError as exc:
@@ -112,13 +145,18 @@ class Ingestor:
             return IngestResult(source, "failed", error=error, timings=timings)
         except Exception as exc:  # noqa: BLE001 - a batch goes on past any one file
             return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {_first_line(exc)}", timings=timings)
+        finally:
+            turn.release()
 
-    def _ingest(self, path: Path, source: str, labels: LabelRow | None, origin: Origin | None, timings: dict[str, float]) -> IngestResult:
+    def _ingest(
+        self, path: Path, source: str, labels: LabelRow | None, origin: Origin | None, timings: dict[str, float], turn: Turn
+    ) -> IngestResult:
         lap = _Laps(timings)
         raw = open_adapter(path)
         named = self._named_base(raw, origin)
         lap("read")
-        result = self._stored_copy(raw, source, named[0] if named else None, labels)
+        with self._storing:  # it may record a duplicate: after the store before it
+            result = self._stored_copy(raw, source, named[0] if named else None, labels)
         lap("store")
         if result is None:
             # LoRA formats are read, canonicalized and described on one torch thread (the blob is written on another):
@@ -128,7 +166,7 @@ class Ingestor:
             # blob's thread keep up with two. A checkpoint's (against a base) factorizes whole matrices, which threads
             # do speed up.
             with one_torch_thread(raw.format in LORA_FORMATS):
-                result = self._ingest_update(raw, source, named, labels, origin, lap)
+                result = self._ingest_update(raw, source, named, labels, origin, lap, turn)
         lap("store")
         result.source, result.timings = source, timings
         return result
@@ -143,11 +181,18 @@ class Ingestor:
         return (raw.base_model, "the files") if raw.base_model else None
 
     def _ingest_update(
-        self, raw: RawAdapter, source: str, named_base: tuple[str, str] | None, labels: LabelRow | None, origin: Origin | None, lap: _Laps
+        self,
+        raw: RawAdapter,
+        source: str,
+        named_base: tuple[str, str] | None,
+        labels: LabelRow | None,
+        origin: Origin | None,
+        lap: _Laps,
+        turn: Turn,
     ) -> IngestResult:
         """Read the tensors of files not stored yet, canonicalize, describe and store them; the blob is written and
-        fsynced meanwhile, on a thread of its own (see zoo.store.blobs). `named_base`: the base model and who named it
-        (`_named_base`)."""
+        fsynced (or uploaded) meanwhile, on a thread of its own (see zoo.store.blobs). `named_base`: the base model and
+        who named it (`_named_base`). The turn is given back as the store begins."""
         opts = self.options
         data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
         base_model, warnings = resolve_base_model(data, named_base)
@@ -165,7 +210,9 @@ class Ingestor:
                     apply_origin(described.adapter, origin, labels)
                 head = self.blobs.stage_tensors(parts.head) if parts.head else None
                 lap("describe")
-                result = retry_conflicts(self._store, described, labels, blob, head)
+                with self._storing:
+                    turn.release()  # the next source is worked on while this one's blob goes up and its rows commit
+                    result = retry_conflicts(self._store, described, labels, blob, head)
             finally:
                 if blob is not None:  # a duplicate's or a failed write's file; once committed there is none left
                     blob.discard()
@@ -295,13 +342,15 @@ class _Laps:
         self.t = now
 
 
-def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = None, recorded_as: str | None = None) -> IngestResult:
+def ingest_source(
+    ingestor: Ingestor, source: str, labels: LabelRow | None = None, recorded_as: str | None = None, turn: Turn | None = None
+) -> IngestResult:
     """Ingest one source. A Hub source whose resolved commit is stored already is the duplicate before any
     download; otherwise its files are fetched and ingested with their origin. Failures name the source. A local
     source is stored as `recorded_as` where given (a web upload's, whose files are a copy on this node), and its
-    failures name that."""
+    failures name that. `turn`: the Ingestor's working turn, taken by the caller (ingest_sources)."""
     if not hub.is_hub_source(source):
-        result = ingestor.ingest(Path(source), source_uri=recorded_as, labels=labels)
+        result = ingestor.ingest(Path(source), source_uri=recorded_as, labels=labels, turn=turn)
         if recorded_as and result.error:
             result.error = result.error.replace(source, recorded_as)
         return result
@@ -314,7 +363,7 @@ def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = Non
         path, origin = hub.download(resolved)
     except (InputError, UsageError) as exc:  # a malformed job item fails like any other
         return IngestResult(source, "failed", error=str(exc))
-    result = ingestor.ingest(path, labels=labels, origin=origin)
+    result = ingestor.ingest(path, labels=labels, origin=origin, turn=turn)
     result.revision = resolved.sha
     if result.error:  # a reader names the file in the Hub cache: name the source instead
         snapshot = str(path if path.is_dir() else path.parent)
@@ -323,6 +372,41 @@ def ingest_source(ingestor: Ingestor, source: str, labels: LabelRow | None = Non
         if where not in result.error:
             result.error = f"{where}: {result.error}"
     return result
+
+
+#: sources ingest_sources works on at once: one read, canonicalized and described while the one before it is stored
+PIPELINE_DEPTH = 2
+
+
+def ingest_sources(ingestor: Ingestor, queue: Iterable[tuple[str, LabelRow | None]]) -> Iterator[IngestResult]:
+    """ingest_source of each (source, labels), the results in the queue's order, two at a time: the next source is read,
+    canonicalized and described (its blob going up) while the one before waits for its blob's upload and commits its
+    rows. With blobs in a bucket a blob's upload (about 0.3 s for a Llama-3-8B r16 adapter's 21 MB at 4 layers here,
+    against 0.03 s to write it to the data dir) is then hidden behind the next adapter's work instead of added to it.
+    Stores still go one at a time, in the queue's order, so a source finds every one before it stored (a duplicate
+    of one is a duplicate, as one at a time)."""
+    pending: deque[tuple[Future[IngestResult], Turn]] = deque()
+    with ThreadPoolExecutor(PIPELINE_DEPTH, thread_name_prefix="zoo-ingest") as pool:
+        try:
+            for source, labels in queue:
+                turn = ingestor.turn()  # once the source before has begun its store
+                pending.append((pool.submit(_ingest_in_turn, ingestor, source, labels, turn), turn))
+                while pending and (pending[0][0].done() or len(pending) >= PIPELINE_DEPTH):
+                    yield pending.popleft()[0].result()
+            while pending:
+                yield pending.popleft()[0].result()
+        finally:
+            for future, turn in pending:  # stopped early: what has not begun never will
+                if future.cancel():
+                    turn.release()
+
+
+def _ingest_in_turn(ingestor: Ingestor, source: str, labels: LabelRow | None, turn: Turn) -> IngestResult:
+    """ingest_source in the turn given, which goes back however it ends (a Hub source stored already takes none)."""
+    try:
+        return ingest_source(ingestor, source, labels, turn=turn)
+    finally:
+        turn.release()
 
 
 def _guessed_copy_base(conn: Connection, raw: RawAdapter) -> str | None:
