@@ -1,7 +1,7 @@
 """Search by meaning: a sentence finds adapters by their text, by what their weights predict of them, and by being near
 in weight space to what their text found.
 
-Four ranked lists, fused by reciprocal rank fusion (each adapter scores the sum of 1 / (RRF_K + rank) over the lists
+Five ranked lists, fused by reciprocal rank fusion (each adapter scores the sum of 1 / (RRF_K + rank) over the lists
 it is in):
 - full text: the catalog's own search (zoo.store.catalog: every query word in the document), why "text";
 - dense text: the query's sentence vector against each adapter's document (name, given labels, tags, author, card:
@@ -9,7 +9,10 @@ it is in):
 - predicted attributes: each attribute value a supervised W2T predicts for an adapter without that label given, with
   its calibrated probability at least PREDICTED_MIN, scored by the value's sentence similarity times that
   probability, why "predicted task=x (p=0.83)";
-- weight-space neighbours of the first SEEDS text hits (the query engine's stored neighbours), why "near #N".
+- weight-space neighbours of the first SEEDS text hits (the query engine's stored neighbours), why "near #N";
+- zero-shot from the base model, only in spaces whose base the service can run (embed/serving/zero_shot.py: a text
+  base it ships): adapters whose update responds more to the description's hidden states than to generic text, why
+  "zero-shot (response 1.8× generic)".
 """
 
 from __future__ import annotations
@@ -107,9 +110,34 @@ def _neighbours(session: Session, engine: QueryEngine, t: TextIndex, seeds: Sequ
     return [(i, f"near #{seed}") for seed in seeds for i, _ in found.get(seed, [])]
 
 
+def _zero_shot(session: Session, engine: QueryEngine, q: str, depth: int) -> Ranked:
+    """The adapters of each space whose base model the service can run (embed/serving/zero_shot.py), by their response to the
+    sentence relative to generic text, those above it best first; a space without a loaded module store, or past
+    zero_shot.MAX_ADAPTERS, gives none."""
+    from embed.serving import zero_shot
+    from zoo.store.text_rows import space_names
+
+    found: list[tuple[float, int]] = []
+    for base, space in sorted(space_names(session).items()):
+        if zero_shot.not_runnable(base) is not None:
+            continue
+        try:
+            store = engine.space(session, space).modules
+        except ZooError:
+            continue
+        if store is None or not 0 < store.stack.size <= zero_shot.MAX_ADAPTERS:
+            continue
+        ids = np.empty(store.stack.size, np.int64)
+        ids[list(store.rows.values())] = list(store.rows.keys())
+        scores = zero_shot.scores(store.stack, q)
+        found += [(float(s), int(i)) for s, i in zip(scores.tolist(), ids.tolist(), strict=True) if s > 0]
+    found.sort(key=lambda si: (-si[0], si[1]))
+    return [(i, f"zero-shot (response {np.exp(s):.1f}× generic)") for s, i in found[:depth]]
+
+
 def _kind(why: str) -> int:
-    """The order reasons are told in: the adapter's own text, then what its weights predict, then its neighbours."""
-    return 0 if why == "text" else 1 if why.startswith("predicted ") else 2
+    """The order reasons are told in: the adapter's own text, then what its weights predict or respond to, then its neighbours."""
+    return 0 if why == "text" else 1 if why.startswith(("predicted ", "zero-shot ")) else 2
 
 
 def fuse(lists: Sequence[Ranked]) -> list[tuple[int, float, list[str]]]:
@@ -133,16 +161,17 @@ def fuse(lists: Sequence[Ranked]) -> list[tuple[int, float, list[str]]]:
 
 @dataclass(frozen=True)
 class Lists:
-    """A query's four lists (each best first), as the fusion takes them."""
+    """A query's five lists (each best first), as the fusion takes them."""
 
     full_text: Ranked
     dense: Ranked
     predicted: Ranked
     near: Ranked
+    zero_shot: Ranked
 
     def all(self) -> list[Ranked]:
         """The lists in the order they are fused."""
-        return [self.full_text, self.dense, self.predicted, self.near]
+        return [self.full_text, self.dense, self.predicted, self.near, self.zero_shot]
 
 
 def _kept(session: Session, ranked: Ranked, filters: Mapping[str, str]) -> Ranked:
@@ -166,7 +195,7 @@ def query_lists(session: Session, engine: QueryEngine, q: str, filters: Mapping[
     predicted = _kept(session, _predicted(t, vector, depth), filters)
     seeds = [i for i, _, _ in fuse([full, dense])[:SEEDS]]
     near = _kept(session, _neighbours(session, engine, t, seeds), filters)
-    return Lists(full, dense, predicted, near)
+    return Lists(full, dense, predicted, near, _kept(session, _zero_shot(session, engine, q, depth), filters))
 
 
 def search_by_meaning(
