@@ -123,7 +123,7 @@ def ingest(
     report = work / "ingest.json"
     if not report.exists():
         zoo(env, "init")
-        seconds, stdout = zoo(env, "ingest", str(zoo_dir), "--labels", str(labels or zoo_dir / "labels.csv"), "--json")
+        seconds, stdout = zoo(env, "ingest", "--no-embed", str(zoo_dir), "--labels", str(labels or zoo_dir / "labels.csv"), "--json")
         lines = [json.loads(line) for line in stdout.splitlines() if line.strip().startswith("{")]
         report.write_text(json.dumps({"seconds": seconds, "lines": lines}))
     saved = json.loads(report.read_text())

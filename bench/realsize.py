@@ -177,7 +177,7 @@ def main() -> None:
             files = weight_files(directory)
             mb = sum(f.stat().st_size for f in files) / 1e6
             seconds, rss, out = measured(
-                [*zoo, "ingest", str(directory), "--base-model", model.base_model, "--labels", str(labels), "--json"], env
+                [*zoo, "ingest", "--no-embed", str(directory), "--base-model", model.base_model, "--labels", str(labels), "--json"], env
             )
             items = [json.loads(line) for line in out.splitlines() if line.startswith("{") and '"timings"' in line]
             in_items = sum(sum(r["timings"].values()) for r in items)
@@ -232,7 +232,7 @@ def main() -> None:
             from zoo.reference.real_checkpoints import write_checkpoint_pair
 
             base_ckpt, tuned = write_checkpoint_pair(work / "checkpoint", layers=args.checkpoint_layers)
-            seconds, rss, _ = measured([*zoo, "ingest", str(tuned), "--base", str(base_ckpt), "--json"], env)
+            seconds, rss, _ = measured([*zoo, "ingest", "--no-embed", str(tuned), "--base", str(base_ckpt), "--json"], env)
             figures["checkpoint"] = {"seconds": round(seconds, 1), "peak_rss_gb": round(rss, 2), "layers": args.checkpoint_layers or 22}
             rows.append(("checkpoint 1.1B delta", f"{seconds:.1f} s, RSS {rss:.2f} GB"))
     finally:

@@ -235,7 +235,7 @@ def build_zoo(args: argparse.Namespace, layers: int | None, train: bool) -> tupl
         out = csv.writer(fh)
         out.writerow(["name", "task"])
         out.writerows([path.name, f"f{family}"] for path, family in written)
-    step("ingest", [*zoo, "ingest", str(files), "--base-model", model.base_model, "--labels", str(labels), "--json"])
+    step("ingest", [*zoo, "ingest", "--no-embed", str(files), "--base-model", model.base_model, "--labels", str(labels), "--json"])
     shutil.rmtree(files)  # the blobs hold what embed and train read
     step("embed", [*zoo, "embed", "--space", model.base_model])
     if train:

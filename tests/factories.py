@@ -119,7 +119,7 @@ def seed_zoo(sources: Path, database_url: str, data_dir: Path) -> Path:
     from zoo.cli import main
 
     base = ["--db", database_url, "--data-dir", str(data_dir)]
-    ingest = ["ingest", str(sources / "zoo"), "--labels", str(sources / "labels.csv"), "--base-model", "tiny", "--json"]
+    ingest = ["ingest", "--no-embed", str(sources / "zoo"), "--labels", str(sources / "labels.csv"), "--base-model", "tiny", "--json"]
     if main([*base, *ingest]) != 0 or main([*base, "train", "--epochs", "2", "--members", "2", "--json"]) != 0:
         raise RuntimeError("seeding the test zoo failed")
     return data_dir

@@ -59,7 +59,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "name,task,test_accuracy\n" + "".join(f"{p.name},{'ab'[i % 2]},{0.5 + i / 40}\n" for i, p in enumerate(paths))
     )
     base = ["--db", url, "--data-dir", str(root / "data")]
-    assert main([*base, "ingest", str(root / "zoo"), "--labels", str(root / "labels.csv"), "--base-model", "tiny", "--json"]) == 0
+    assert (
+        main([*base, "ingest", "--no-embed", str(root / "zoo"), "--labels", str(root / "labels.csv"), "--base-model", "tiny", "--json"])
+        == 0
+    )
     assert main([*base, "train", "--epochs", "1", "--members", "1", "--json"]) == 0
     cmd = [sys.executable, "-m", "zoo.cli", *base]
     with session_factory(url).begin() as session:
@@ -514,9 +517,11 @@ def _stock(url: str, data_dir: Path, root: Path, labelled: bool) -> tuple[int, d
     if labelled:
         (first,) = write_random_peft_adapters(root / "zoo", 1)
         (root / "labels.csv").write_text(f"name,task\n{first.name},t0\n")
-        assert main([*base, "ingest", str(first), "--labels", str(root / "labels.csv"), "--base-model", "tiny", "--json"]) == 0
+        assert (
+            main([*base, "ingest", "--no-embed", str(first), "--labels", str(root / "labels.csv"), "--base-model", "tiny", "--json"]) == 0
+        )
     (spare,) = write_random_peft_adapters(root / "spare", 1, seed=7)
-    assert main([*base, "ingest", str(spare), "--base-model", "tiny", "--json"]) == 0
+    assert main([*base, "ingest", "--no-embed", str(spare), "--base-model", "tiny", "--json"]) == 0
     with session_factory(url).begin() as session:
         tokens: dict[str, str] = {scope: create_token(session, f"guard-{scope}", scope)[1] for scope in SCOPES}
         return int(session.scalar(select(func.max(Adapter.id))) or 0), tokens

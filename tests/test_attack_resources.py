@@ -179,7 +179,7 @@ def test_concurrent_delete_ingest_embed_and_reads_on_postgresql_answer_no_5xx(ra
     KeyError) and `zoo embed` died on a ForeignKeyViolation (the two tests below make each happen every time); now
     every answer is below 500 and every command exits 0. `python -m bench.attack race` runs it for 60 s."""
     s = race_on_postgresql
-    ingest = [*s.cmd, "ingest", str(s.more), "--base-model", "tiny"]
+    ingest = [*s.cmd, "ingest", "--no-embed", str(s.more), "--base-model", "tiny"]
     race = DeleteRace(s.port, s.token, s.ids, [ingest, [*s.cmd, "embed"]]).run(RACE_S)
     assert len(race.deleted) >= 10 and sum(sum(got.values()) for got in race.statuses.values()) > 50, race.statuses
     assert not race.server_errors(), race.statuses
@@ -246,7 +246,10 @@ def test_zoo_embed_skips_an_adapter_deleted_after_it_read_it(pg_url: str, tmp_pa
     truncate_all(pg_url)
     write_random_peft_adapters(tmp_path / "zoo", 6)
     data = tmp_path / "data"
-    assert main(["--db", pg_url, "--data-dir", str(data), "ingest", str(tmp_path / "zoo"), "--base-model", "tiny", "--json"]) == 0
+    assert (
+        main(["--db", pg_url, "--data-dir", str(data), "ingest", "--no-embed", str(tmp_path / "zoo"), "--base-model", "tiny", "--json"])
+        == 0
+    )
     sessions = session_factory(pg_url)
     with sessions() as session:
         victim = max(session.scalars(select(Adapter.id)))

@@ -43,7 +43,7 @@ def test_adapters_without_a_named_base_land_in_their_familys_space(cli: CLI, tmp
     """One block of each model, its files naming no base: each stored under its family (a space per base model: SD 1.5
     and SD 2.1 apart), noted as guessed."""
     paths = {kind: write_adapter(kind, tmp_path / "written", family=0, member=0, layers=1, name_base=False) for kind in FAMILY}
-    rc, rows, err = _ingest(cli, "ingest", *map(str, paths.values()))
+    rc, rows, err = _ingest(cli, "ingest", "--no-embed", *map(str, paths.values()))
     assert rc == 0 and all(r["status"] == "ingested" and not r["warnings"] for r in rows), rows
     by_kind = dict(zip(paths, rows, strict=True))
     for kind, row in by_kind.items():
@@ -58,7 +58,7 @@ def test_a_file_naming_no_base_is_searched_in_its_familys_space(cli: CLI, tmp_pa
     """SD 1.5 and SD 2.1 adapters naming no base: two spaces after `zoo embed`, nothing misfits; each file, searched by
     path (no --space), is answered from its own family's space, as the adapter it is."""
     paths = [write_adapter(kind, tmp_path, family=0, member=0, layers=1, name_base=False) for kind in ("sd1.5", "sd2.1")]
-    rc, rows, _ = _ingest(cli, "ingest", *map(str, paths))
+    rc, rows, _ = _ingest(cli, "ingest", "--no-embed", *map(str, paths))
     assert rc == 0 and [r["status"] for r in rows] == ["ingested", "ingested"], rows
     rc, (reports,) = cli.json_lines("embed")
     assert rc == 0 and {r["space"] for r in reports} == {"sd1.x", "sd2.x"}
@@ -82,12 +82,12 @@ def test_encoders_written_by_peft_are_named_by_their_shapes(cli: CLI, tmp_path: 
         get_peft_model(model, LoraConfig(r=4, target_modules=targets)).save_pretrained(str(tmp_path / name))
     tiny_qv = write_random_peft_adapters(tmp_path / "qv", 1)[0]
     tiny_o = write_random_peft_adapters(tmp_path / "o", 1, targets=("o_proj", "k_proj"))[0]
-    rc, rows, _ = _ingest(cli, "ingest", *[str(tmp_path / n) for n in models], str(tiny_qv), str(tiny_o))
+    rc, rows, _ = _ingest(cli, "ingest", "--no-embed", *[str(tmp_path / n) for n in models], str(tiny_qv), str(tiny_o))
     assert rc == 0 and all(r["status"] == "ingested" for r in rows), rows
     bases = [cli.json_lines("show", str(r["adapter_id"]))[1][0]["base_model"] for r in rows]
     assert bases[:3] == list(models)
     assert bases[3].startswith("unknown-") and bases[4].startswith("unknown-") and bases[3] != bases[4]
-    rc, again, _ = _ingest(cli, "ingest", str(tiny_qv))  # the same file: the same guess finds it
+    rc, again, _ = _ingest(cli, "ingest", "--no-embed", str(tiny_qv))  # the same file: the same guess finds it
     assert again[0]["status"] == "duplicate" and again[0]["adapter_id"] == rows[3]["adapter_id"], again
 
 
@@ -117,17 +117,17 @@ def test_a_named_base_the_shapes_contradict_is_stored_as_named_with_a_warning(cl
     """--base-model naming SDXL for an SD 1.5 adapter: stored under that name, with a warning on stderr and in --json;
     a name of the right family, or one naming no known family, warns of nothing. A file naming the wrong base warns too."""
     sd15 = write_adapter("sd1.5", tmp_path, family=0, member=0, layers=1, name_base=False)
-    rc, (row,), err = _ingest(cli, "ingest", str(sd15), "--base-model", "stabilityai/stable-diffusion-xl-base-1.0")
+    rc, (row,), err = _ingest(cli, "ingest", "--no-embed", str(sd15), "--base-model", "stabilityai/stable-diffusion-xl-base-1.0")
     assert rc == 0 and row["status"] == "ingested", row
     assert len(row["warnings"]) == 1 and "names the sdxl family, but the module shapes are sd1.x's" in row["warnings"][0]
     assert f"warning: {row['warnings'][0]}" in err
     rc, (shown,) = cli.json_lines("show", str(row["adapter_id"]))
     assert shown["base_model"] == "stabilityai/stable-diffusion-xl-base-1.0"
     for name in ("runwayml/stable-diffusion-v1-5", "my-finetune"):
-        rc, (row,), err = _ingest(cli, "ingest", str(sd15), "--base-model", name)
+        rc, (row,), err = _ingest(cli, "ingest", "--no-embed", str(sd15), "--base-model", name)
         assert rc == 0 and row["status"] == "ingested" and row["warnings"] == [] and "warning" not in err, row
     sdxl = write_adapter("sd2.1", tmp_path, family=0, member=0, layers=1)  # names its own base: no warning
-    rc, (row,), _ = _ingest(cli, "ingest", str(sdxl))
+    rc, (row,), _ = _ingest(cli, "ingest", "--no-embed", str(sdxl))
     assert row["status"] == "ingested" and row["warnings"] == [], row
 
 
@@ -136,7 +136,7 @@ def test_check_names_an_adapter_that_does_not_fit_its_space(cli: CLI, tmp_path: 
     second then): `zoo embed` makes the space of the first's shapes; `zoo check` names the other, exit 1."""
     sd15 = write_adapter("sd1.5", tmp_path, family=0, member=0, layers=1, name_base=False)
     sd2 = write_adapter("sd2.1", tmp_path, family=0, member=0, layers=1, name_base=False)
-    rc, rows, _ = _ingest(cli, "ingest", str(sd15), str(sd2), "--base-model", "my-sd")
+    rc, rows, _ = _ingest(cli, "ingest", "--no-embed", str(sd15), str(sd2), "--base-model", "my-sd")
     assert rc == 0 and [r["status"] for r in rows] == ["ingested", "ingested"], rows
     assert cli("embed")[0] == 0
     rc, (report,) = cli.json_lines("check")

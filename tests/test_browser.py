@@ -53,7 +53,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     db_url, data_dir = seeded.url, seeded.data_dir
     # more labels, as a real zoo has: a seed per adapter (a facet to fold away) and a group of 9 values (more than shown)
     (root / "more.csv").write_text("name,seed,group\n" + "".join(f"w{i:02d},{1000 + i},g{i % 9}\n" for i in range(12)))
-    more = ["--db", db_url, "--data-dir", str(data_dir), "ingest", str(root / "zoo"), "--labels", str(root / "more.csv")]
+    more = ["--db", db_url, "--data-dir", str(data_dir), "ingest", "--no-embed", str(root / "zoo"), "--labels", str(root / "more.csv")]
     more += ["--base-model", "tiny", "--json"]
     assert subprocess.run([sys.executable, "-m", "zoo.cli", *more], capture_output=True).returncode == 0
     # a job with an item that fails, with a long source and reason (the job page must wrap them)

@@ -82,7 +82,7 @@ def ingested(cli: CLI, sources: Path) -> dict[str, int]:
     """The real adapters ingested with their labels: {name: adapter id}."""
     ids: dict[str, int] = {}
     for path, base in ((sources / "zoo", "tiny-lm"), (sources / "style-watercolor.safetensors", "sd-v1-5")):
-        rc, results = cli.json_lines("ingest", str(path), "--base-model", base, "--labels", str(sources / "labels.csv"))
+        rc, results = cli.json_lines("ingest", "--no-embed", str(path), "--base-model", base, "--labels", str(sources / "labels.csv"))
         assert rc == 0, results
         ids.update({r["name"]: r["adapter_id"] for r in results})
     return ids
@@ -171,7 +171,9 @@ def test_label_edits_are_reflected(ingested: dict[str, int], db_url: str, cli: C
     assert found_names(db_url, "task=even") == {"digits-vit-00012"}
     relabel = tmp_path / "relabel.csv"
     relabel.write_text("name,task,style\ndigits-vit-00012,prime,pixel-art\n")
-    rc, (result,) = cli.json_lines("ingest", str(sources / "zoo" / "digits-vit-00012"), "--base-model", "tiny-lm", "--labels", str(relabel))
+    rc, (result,) = cli.json_lines(
+        "ingest", "--no-embed", str(sources / "zoo" / "digits-vit-00012"), "--base-model", "tiny-lm", "--labels", str(relabel)
+    )
     assert rc == 0 and result["status"] == "duplicate" and result["adapter_id"] == ingested["digits-vit-00012"]
     assert found_names(db_url, "task=even") == set()
     assert found_names(db_url, "task=prime") == {"digits-vit-00012"}

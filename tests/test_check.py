@@ -23,7 +23,7 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_check_finds_and_repairs(cli: CLI, three: Path, tmp_path: Path) -> None:
     for i in range(2):
-        rc, _ = cli.json_lines("ingest", str(three / f"c{i}"), "--base-model", "tiny")
+        rc, _ = cli.json_lines("ingest", "--no-embed", str(three / f"c{i}"), "--base-model", "tiny")
     rc, _ = cli.json_lines("embed")
     rc, (report,) = cli.json_lines("check")
     assert rc == 0 and report["ok"] and report["blobs"]["rows"] == 2
@@ -37,7 +37,7 @@ def test_check_finds_and_repairs(cli: CLI, three: Path, tmp_path: Path) -> None:
     stray.write_bytes(b"half a blob")
     index = next((cli.settings.data_dir / "index").glob("*.index"))
     index.write_bytes(index.read_bytes()[:100])  # truncated
-    rc, _ = cli.json_lines("ingest", str(three / "c2"), "--base-model", "tiny")  # ingested, not embedded
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(three / "c2"), "--base-model", "tiny")  # ingested, not embedded
 
     rc, (young,) = cli.json_lines("check")  # the default grace: fresh files may belong to open transactions
     assert rc == 1 and young["in_flight"] == 2 and not young["orphans"]

@@ -72,7 +72,7 @@ def ft_shape(path: Path, key: str) -> list[int]:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # heavy (real widths); the database's part is any ingest's
 def test_a_tinyllama_pair_ingests_as_low_rank_deltas(cli: CLI, pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     base, tuned = pair
-    rc, (result,) = cli.json_lines("ingest", str(tuned), "--base", str(base), "--base-model", "tinyllama")
+    rc, (result,) = cli.json_lines("ingest", "--no-embed", str(tuned), "--base", str(base), "--base-model", "tinyllama")
     assert rc == 0 and result["status"] == "ingested", result
     rc, (shown,) = cli.json_lines("show", str(result["adapter_id"]))
     assert rc == 0 and shown["format"] == "checkpoint-delta"
@@ -97,7 +97,7 @@ def test_a_tinyllama_pair_ingests_as_low_rank_deltas(cli: CLI, pair: tuple[Path,
 
     # the same pair read streamed (tensor by tensor) is the same update: the stored adapter's duplicate
     monkeypatch.setenv("ZOO_STREAM_MIN_BYTES", "0")
-    rc, (again,) = cli.json_lines("ingest", str(tuned), "--base", str(base), "--base-model", "tinyllama")
+    rc, (again,) = cli.json_lines("ingest", "--no-embed", str(tuned), "--base", str(base), "--base-model", "tinyllama")
     assert rc == 0 and again["status"] == "duplicate" and again["adapter_id"] == result["adapter_id"], again
     assert again["canonical_hash"] == result["canonical_hash"]
 
@@ -164,7 +164,7 @@ def peak_rss_kib(settings: Settings, base: Path, tuned: Path) -> tuple[int, dict
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
     )
     zoo = [sys.executable, "-m", "zoo.cli", "--db", settings.database_url, "--data-dir", str(settings.data_dir)]
-    cmd = [sys.executable, "-c", measure, *zoo, "ingest", str(tuned), "--base", str(base), "--json"]
+    cmd = [sys.executable, "-c", measure, *zoo, "ingest", "--no-embed", str(tuned), "--base", str(base), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "ZOO_STREAM_MIN_BYTES": str(256 << 20)}).stdout
     *lines, peak = out.strip().splitlines()
     return int(peak), json.loads(lines[-1])

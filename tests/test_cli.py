@@ -16,7 +16,7 @@ def test_ingest_list_show(cli: CLI, tmp_path: Path) -> None:
     train_peft_adapter(zoo_dir / "a", seed=0)
     train_peft_adapter(zoo_dir / "nested" / "b", seed=1)
     write_kohya_file(zoo_dir / "k.safetensors")
-    rc, results = cli.json_lines("ingest", str(zoo_dir), "--base-model", "tiny-lm")
+    rc, results = cli.json_lines("ingest", "--no-embed", str(zoo_dir), "--base-model", "tiny-lm")
     assert rc == 0
     assert [r["status"] for r in results] == ["ingested"] * 3
     assert {Path(r["source"]).name for r in results} == {"a", "b", "k.safetensors"}
@@ -40,11 +40,13 @@ def test_ingest_list_show(cli: CLI, tmp_path: Path) -> None:
 def test_batch_goes_on_past_failures_and_exits_1(cli: CLI, tmp_path: Path) -> None:
     train_peft_adapter(tmp_path / "good")
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 3)
-    rc, results = cli.json_lines("ingest", str(tmp_path / "bad.safetensors"), str(tmp_path / "missing"), str(tmp_path / "good"))
+    rc, results = cli.json_lines(
+        "ingest", "--no-embed", str(tmp_path / "bad.safetensors"), str(tmp_path / "missing"), str(tmp_path / "good")
+    )
     assert rc == 1
     assert [r["status"] for r in results] == ["failed", "failed", "ingested"]
     assert results[0]["error"].startswith(str(tmp_path / "bad.safetensors"))
-    rc, out, _ = cli("ingest", str(tmp_path / "good"), str(tmp_path / "missing"))
+    rc, out, _ = cli("ingest", "--no-embed", str(tmp_path / "good"), str(tmp_path / "missing"))
     assert rc == 1
     assert "0 ingested, 1 duplicate, 1 failed" in out and "missing: no such file or directory" in out
 

@@ -10,7 +10,7 @@ from tests.conftest import CLI
 
 
 def ingest_one(cli: CLI, path: Path, *more: str) -> dict:
-    rc, (result,) = cli.json_lines("ingest", str(path), "--base-model", "tiny", *more)
+    rc, (result,) = cli.json_lines("ingest", "--no-embed", str(path), "--base-model", "tiny", *more)
     assert rc == 0 and result["status"] == "ingested", result
     return result
 
@@ -25,14 +25,14 @@ def test_every_ingest_path_names_and_records_the_duplicate(cli: CLI, seed_source
     # the same folder (found by its file hash) and the three exports (found by their canonical form)
     sources = [folder, *exports.values()]
     for source in sources:
-        rc, out, _ = cli("ingest", str(source), "--base-model", "tiny")
+        rc, out, _ = cli("ingest", "--no-embed", str(source), "--base-model", "tiny")
         assert rc == 0 and f"{source}: duplicate of #{stored} w00" in out and "0 ingested, 1 duplicate, 0 failed" in out
     # a job's duplicate is recorded once, by the job
     rc, (job,) = cli.json_lines("jobs", "add", str(folder), "--base-model", "tiny")
     assert rc == 0 and cli("worker", "--drain", "--job", str(job["id"]))[0] == 0
 
     # the adapter's own folder ingested again is not another source of it: the exports are, each once
-    assert cli("ingest", str(exports["kohya"]), "--base-model", "tiny")[0] == 0
+    assert cli("ingest", "--no-embed", str(exports["kohya"]), "--base-model", "tiny")[0] == 0
     rc, (shown,) = cli.json_lines("show", str(stored))
     assert shown["duplicate_sources"] == [str(s) for s in exports.values()]
     rc, out, _ = cli("show", str(stored))

@@ -70,8 +70,8 @@ def test_four_processes_ingest_and_three_embed_the_same_zoo_at_once(pg_url: str,
 
     truncate_all(pg_url)
     settings = Settings(data_dir=tmp_path / "data", database_url=pg_url)
-    procs = [zoo_process(settings, "ingest", str(fifty), "--labels", str(fifty / "labels.csv"), "--base-model", "tiny", "--json")
-             for _ in range(4)]  # fmt: skip
+    ingest = ("ingest", "--no-embed", str(fifty), "--labels", str(fifty / "labels.csv"), "--base-model", "tiny", "--json")
+    procs = [zoo_process(settings, *ingest) for _ in range(4)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [o[1][-2000:] for o in outs]
     statuses = [line.split('"status": "')[1].split('"')[0] for out, _ in outs for line in out.splitlines()]
@@ -95,7 +95,7 @@ def test_processes_killed_at_random_points_leave_nothing_check_cannot_repair(db_
     for i in range(0, 25, 2):  # 13 adapters and their copies
         for name in (f"a{i:02d}", f"copy{i:02d}"):
             (batch / name).symlink_to(fifty / name)
-    ingest = ("ingest", str(batch), "--labels", str(fifty / "labels.csv"), "--base-model", "tiny")
+    ingest = ("ingest", str(batch), "--labels", str(fifty / "labels.csv"), "--base-model", "tiny")  # killed storing or embedding
     rng = random.Random(0)
     kills = rounds = 0
     while kills < 10 and rounds < 40:  # 10 processes killed mid-run (ingesting or embedding)

@@ -44,7 +44,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def ingest(cli: CLI, pool: Path, path: Path) -> list[int]:
-    rc, results = cli.json_lines("ingest", str(path), "--labels", str(pool / "labels.csv"), "--base-model", "tiny")
+    rc, results = cli.json_lines("ingest", "--no-embed", str(path), "--labels", str(pool / "labels.csv"), "--base-model", "tiny")
     assert rc == 0 and all(r["status"] == "ingested" for r in results), results
     return [r["adapter_id"] for r in results]
 

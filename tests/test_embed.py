@@ -224,7 +224,7 @@ def test_zoo_eval_command(cli, tmp_path: Path) -> None:  # type: ignore[no-untyp
         train_peft_adapter(tmp_path / "zoo" / f"a{i}", seed=i, steps=3, targets=("q_proj", "v_proj") if i % 2 else ("q_proj", "k_proj"))
         rows.append(f"a{i},{'qv' if i % 2 else 'qk'},{0.5 + i / 40}")
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
-    rc, _ = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
     assert rc == 0
     rc, (result,) = cli.json_lines("eval", "--epochs", "2", "--test-fraction", "0.25")
     assert rc == 0

@@ -40,9 +40,7 @@ def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def ingest_and_embed(cli: CLI, zoo: Path, part: str) -> None:
-    rc, _ = cli.json_lines("ingest", str(zoo / part), "--labels", str(zoo / "labels.csv"), "--base-model", "tiny")
-    assert rc == 0
-    rc, _ = cli.json_lines("embed")
+    rc, _ = cli.json_lines("ingest", str(zoo / part), "--labels", str(zoo / "labels.csv"), "--base-model", "tiny")  # and embedded
     assert rc == 0
 
 
@@ -74,7 +72,7 @@ def test_engine_sees_embeddings_written_by_another_process(cli: CLI, twenty: Pat
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     base = [sys.executable, "-m", "zoo.cli", "--db", cli.settings.database_url, "--data-dir", str(cli.settings.data_dir)]
     subprocess.run(
-        [*base, "ingest", str(twenty / "later"), "--labels", str(twenty / "labels.csv"), "--base-model", "tiny", "--json"],
+        [*base, "ingest", "--no-embed", str(twenty / "later"), "--labels", str(twenty / "labels.csv"), "--base-model", "tiny", "--json"],
         check=True,
         env=env,
         capture_output=True,
@@ -182,7 +180,7 @@ def test_k_cap_unknown_filter_values_and_large_stale_indexes(cli: CLI, twenty: P
 
 def test_a_space_over_the_module_store_budget_ranks_by_module_sketches(cli: CLI, twenty: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZOO_MODULE_STORE_BYTES", "1000")
-    rc, _ = cli.json_lines("ingest", str(twenty / "first"), "--labels", str(twenty / "labels.csv"), "--base-model", "tiny")
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(twenty / "first"), "--labels", str(twenty / "labels.csv"), "--base-model", "tiny")
     rc, (reports,) = cli.json_lines("embed")
     assert reports[0]["module_store"].startswith("none (") and "ZOO_MODULE_STORE_BYTES" in reports[0]["module_store"]
     engine = make_engine(cli)

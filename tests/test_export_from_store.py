@@ -39,7 +39,7 @@ def test_a_classifier_exports_with_its_head_after_its_source_is_deleted(cli: CLI
     write_seq_cls_adapter("distilbert", source)
     with torch.no_grad():
         want = peft_loaded("distilbert", source)(IDS).logits
-    rc, out, _ = cli("ingest", str(source), "--base-model", "distilbert")
+    rc, out, _ = cli("ingest", "--no-embed", str(source), "--base-model", "distilbert")
     assert rc == 0 and f"with its head (4 tensors: {HEAD};" in out
     rc, (shown,) = cli.json_lines("show", "1")
     head_blob = BlobStore(cli.settings.blob_dir).path(shown["head_blob"])
@@ -70,7 +70,7 @@ def test_a_conv_lora_exports_with_its_kernels_after_its_source_is_deleted(cli: C
     StableDiffusionPipeline.save_lora_weights(tmp_path / "source", unet_lora_layers=layers)
     source = tmp_path / "source" / "pytorch_lora_weights.safetensors"
     reference = fused_deltas(source)
-    rc, (ingested,) = cli.json_lines("ingest", str(source))
+    rc, (ingested,) = cli.json_lines("ingest", "--no-embed", str(source))
     assert rc == 0 and ingested["status"] == "ingested"
     shutil.rmtree(tmp_path / "source")
 
@@ -89,7 +89,7 @@ def test_a_head_past_the_limit_is_not_stored_and_is_read_from_its_source_file(
     source file while that is as ingested, and leaves it out, saying so, once it is gone."""
     train_peft_adapter(tmp_path / "head", seed=3, steps=1, modules_to_save=["head"])  # head: 3×16 + 3 float32 = 204 bytes
     monkeypatch.setenv("ZOO_MAX_HEAD_BYTES", "200")
-    rc, (ingested,) = cli.json_lines("ingest", str(tmp_path / "head"))
+    rc, (ingested,) = cli.json_lines("ingest", "--no-embed", str(tmp_path / "head"))
     assert rc == 0 and ingested["head"] is None
     assert "the head (2 tensors that are not LoRA factors) is not stored: its 204 bytes are past the limit of 200" in " ".join(
         ingested["notes"]
@@ -109,7 +109,7 @@ def test_the_adapter_page_offers_only_the_downloads_an_export_writes(cli: CLI, t
     write_lora_diffusion_file(tmp_path / "lora_diffusion.safetensors")
     write_kohya_file(tmp_path / "old-conv.safetensors", seed=7)
     names = ("conv", "lora_diffusion", "old-conv")
-    rc, results = cli.json_lines("ingest", *(str(tmp_path / f"{n}.safetensors") for n in names))
+    rc, results = cli.json_lines("ingest", "--no-embed", *(str(tmp_path / f"{n}.safetensors") for n in names))
     assert rc == 0 and [r["adapter_id"] for r in results] == [1, 2, 3]
     stored_before_0016(cli.settings, 3)
     (tmp_path / "old-conv.safetensors").unlink()
@@ -118,7 +118,7 @@ def test_the_adapter_page_offers_only_the_downloads_an_export_writes(cli: CLI, t
     client = app.test_client()
     head = tmp_path / "head"
     train_peft_adapter(head, seed=3, steps=1, modules_to_save=["head"])
-    assert cli("ingest", str(head))[0] == 0
+    assert cli("ingest", "--no-embed", str(head))[0] == 0
     page = client.get("/adapters/4").get_data(as_text=True)
     assert "2 tensors beside the LoRA factors (head.bias, head.weight), stored: the peft download has them" in page
     for adapter_id, offered in ((1, FORMATS), (2, ()), (3, ()), (4, FORMATS)):
@@ -146,7 +146,7 @@ def test_the_kernels_of_a_file_whose_every_name_is_prefixed_are_stored(cli: CLI,
     with the file deleted, its kohya export holds the plain file's tensors (the same update at the same rank)."""
     tensors = write_kohya_file(tmp_path / "plain.safetensors", seed=6)
     save_file({"module." + k: v for k, v in tensors.items()}, str(tmp_path / "prefixed.safetensors"))
-    rc, (ingested,) = cli.json_lines("ingest", str(tmp_path / "prefixed.safetensors"))
+    rc, (ingested,) = cli.json_lines("ingest", "--no-embed", str(tmp_path / "prefixed.safetensors"))
     assert rc == 0 and ingested["status"] == "ingested"
     (tmp_path / "prefixed.safetensors").unlink()
     rc, (shown,) = cli.json_lines("show", "1")

@@ -122,7 +122,7 @@ def test_peft_loads_a_classifier_export_with_its_head(settings: Settings, tmp_pa
 def test_a_hub_adapter_is_exported_with_its_head_from_the_hub_cache(cli: CLI, hub: HubServer, tmp_path: Path) -> None:  # noqa: F811
     write_seq_cls_adapter("bert", tmp_path / "source")
     hub.repos["alice/bert-cls"] = FakeRepo.from_dir(tmp_path / "source")
-    rc, [ingested] = cli.json_lines("ingest", "hf://alice/bert-cls")
+    rc, [ingested] = cli.json_lines("ingest", "--no-embed", "hf://alice/bert-cls")
     assert rc == 0 and ingested["status"] == "ingested", ingested
     stored_before_0016(cli.settings, ingested["adapter_id"])  # no head stored: it is read from the Hub cache
     rc, [info] = cli.json_lines("export", str(ingested["adapter_id"]), "--format", "peft", "--out", str(tmp_path / "export"))

@@ -75,7 +75,7 @@ def test_a_flux_transformer_file_reads_the_delta_diffusers_applies(tmp_path: Pat
 
 
 def test_attn_procs_and_current_layouts_of_one_update_are_one_adapter(files: dict[str, Path], cli: CLI) -> None:
-    rc, rows = cli.json_lines("ingest", str(files["current-alpha-rank"]), str(files["attn-procs"]))
+    rc, rows = cli.json_lines("ingest", "--no-embed", str(files["current-alpha-rank"]), str(files["attn-procs"]))
     assert rc == 0 and [r["status"] for r in rows] == ["ingested", "duplicate"]
     assert rows[0]["canonical_hash"] == rows[1]["canonical_hash"]
 
@@ -141,7 +141,7 @@ def test_low_rank_pairs_no_reader_claims_are_refused_and_nothing_is_stored(tmp_p
         f"blocks.{i}.attn.q.{w}": torch.randn(*shape, generator=g) for i in range(2) for w, shape in (("down", (4, 64)), ("up", (64, 4)))
     }
     save_file(tensors, str(path))
-    rc, out, err = cli("ingest", str(path))
+    rc, out, err = cli("ingest", "--no-embed", str(path))
     assert rc != 0
     assert "2 low-rank factor pairs" in out + err and "blocks.0.attn.q.down [4, 64] / blocks.0.attn.q.up [64, 4]" in out + err
     assert "refused rather than stored as a full checkpoint" in out + err
@@ -159,7 +159,7 @@ def test_low_rank_pairs_no_reader_claims_are_refused_and_nothing_is_stored(tmp_p
 
 
 def test_a_diffusers_adapter_page_offers_its_downloads(files: dict[str, Path], cli: CLI) -> None:
-    assert cli("ingest", str(files["current"]))[0] == 0
+    assert cli("ingest", "--no-embed", str(files["current"]))[0] == 0
     app = create_app({"ZOO_DATABASE_URL": cli.settings.database_url, "ZOO_DATA_DIR": str(cli.settings.data_dir), "TESTING": True})
     page = app.test_client().get("/adapters/1").get_data(as_text=True)
     assert " · diffusers" in page and "format=diffusers" in page and "format=peft" in page
@@ -168,12 +168,12 @@ def test_a_diffusers_adapter_page_offers_its_downloads(files: dict[str, Path], c
 def test_a_kohya_export_of_a_diffusers_lora_reingests_as_its_duplicate(files: dict[str, Path], cli: CLI, tmp_path: Path) -> None:
     """kohya's underscore names are read as the model's module paths: the kohya export of a diffusers file is the same
     adapter (its canonical hash), module by module, and each module's dW is what diffusers fuses from the kohya file."""
-    rc, [original] = cli.json_lines("ingest", str(files["current"]))
+    rc, [original] = cli.json_lines("ingest", "--no-embed", str(files["current"]))
     assert rc == 0 and original["status"] == "ingested", original
     out = tmp_path / "kohya.safetensors"
     rc, [exported] = cli.json_lines("export", str(original["adapter_id"]), "--format", "kohya", "--out", str(out))
     assert rc == 0 and any(k.startswith("lora_unet_down_blocks_0_attentions_0_") for k in load_file(str(out))), exported
-    rc, [again] = cli.json_lines("ingest", str(out))
+    rc, [again] = cli.json_lines("ingest", "--no-embed", str(out))
     assert rc == 0 and again["status"] == "duplicate" and again["canonical_hash"] == original["canonical_hash"], again
 
     data = read_adapter(out)

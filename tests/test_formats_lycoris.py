@@ -251,12 +251,12 @@ def test_ingest_embed_search_finds_the_stored_file(cli: CLI, tmp_path: Path) -> 
     lycoris_file(src / "loha.safetensors", "loha", lora_dim=2, alpha=1)
     lycoris_file(src / "lokr.safetensors", "lokr", lora_dim=2, alpha=1, factor=4)
     lycoris_file(src / "tucker.safetensors", "lokr", lora_dim=2, alpha=1, factor=2, use_tucker=True)
-    rc, results = cli.json_lines("ingest", str(src), "--base-model", "tiny")
+    rc, results = cli.json_lines("ingest", "--no-embed", str(src), "--base-model", "tiny")
     assert rc == 0 and [r["status"] for r in results] == ["ingested"] * 3
     rc, (listed,) = cli.json_lines("list")
     assert [r["format"] for r in listed["results"]] == ["lycoris"] * 3
     shutil.copy(src / "lokr.safetensors", tmp_path / "lokr-copy.safetensors")
-    rc, (again,) = cli.json_lines("ingest", str(tmp_path / "lokr-copy.safetensors"), "--base-model", "tiny")
+    rc, (again,) = cli.json_lines("ingest", "--no-embed", str(tmp_path / "lokr-copy.safetensors"), "--base-model", "tiny")
     lokr_id = next(r["adapter_id"] for r in results if r["source"].endswith("lokr.safetensors"))
     assert rc == 0 and again["status"] == "duplicate" and again["adapter_id"] == lokr_id
     rc, _ = cli.json_lines("embed")
@@ -269,7 +269,7 @@ def test_ingest_embed_search_finds_the_stored_file(cli: CLI, tmp_path: Path) -> 
     assert rc == 2 and "a lycoris file read as full-rank spectra has no low-rank update to search with" in err
     # a LoKr is an exact B·A: its PEFT export (rank r1·r2, scale 1) ingests as the same adapter
     lycoris_file(tmp_path / "linear.safetensors", "lokr", targets=("Linear",), lora_dim=2, alpha=1, factor=4)
-    rc, (linear,) = cli.json_lines("ingest", str(tmp_path / "linear.safetensors"), "--base-model", "tiny")
+    rc, (linear,) = cli.json_lines("ingest", "--no-embed", str(tmp_path / "linear.safetensors"), "--base-model", "tiny")
     rc, _, _ = cli("export", str(linear["adapter_id"]), "--format", "peft", "--out", str(tmp_path / "peft"))
-    rc, (exported,) = cli.json_lines("ingest", str(tmp_path / "peft"), "--base-model", "tiny")
+    rc, (exported,) = cli.json_lines("ingest", "--no-embed", str(tmp_path / "peft"), "--base-model", "tiny")
     assert rc == 0 and exported["status"] == "duplicate" and exported["adapter_id"] == linear["adapter_id"]

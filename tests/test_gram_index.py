@@ -61,7 +61,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def ingest_and_embed(cli: CLI, zoo: Path) -> list[dict]:
-    rc, _ = cli.json_lines("ingest", str(zoo), "--base-model", "tiny")
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(zoo), "--base-model", "tiny")
     assert rc == 0
     rc, (reports,) = cli.json_lines("embed")
     assert rc == 0

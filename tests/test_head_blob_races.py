@@ -76,7 +76,7 @@ def test_an_adapter_deleted_while_its_export_reads_it_is_exported_whole_or_not_f
     (its blobs) is what `zoo check --repair` removes, and a head another adapter shares stays."""
     truncate_all(pg_url)
     data = tmp_path / "data"
-    assert _zoo(pg_url, data, "ingest", str(heads / "a"), str(heads / "b"), "--json") == 0
+    assert _zoo(pg_url, data, "ingest", "--no-embed", str(heads / "a"), str(heads / "b"), "--json") == 0
     ids = _ids(pg_url)
     (a, _, a_head), (b, _, _) = ids["a"], ids["b"]
     assert a_head is not None
@@ -113,11 +113,11 @@ def test_a_head_blob_shared_with_an_adapter_deleted_during_the_ingest_stays(pg_u
     truncate_all(pg_url)
     data = tmp_path / "data"
     settings = Settings(data_dir=data, database_url=pg_url)
-    assert _zoo(pg_url, data, "ingest", str(heads / "a"), "--json") == 0
+    assert _zoo(pg_url, data, "ingest", "--no-embed", str(heads / "a"), "--json") == 0
     a, a_factors, a_head = _ids(pg_url)["a"]
     stop = _before_statement(pg_url, "INSERT INTO adapter", _deleting(pg_url, a))
     try:
-        assert _zoo(pg_url, data, "ingest", str(heads / "a_twin"), "--json") == 0
+        assert _zoo(pg_url, data, "ingest", "--no-embed", str(heads / "a_twin"), "--json") == 0
     finally:
         stop()
     ids = _ids(pg_url)
@@ -147,7 +147,7 @@ def commit(conn):
 
 event.listen(Engine, "commit", commit)
 from zoo.cli import main
-sys.exit(main(["--db", sys.argv[1], "--data-dir", sys.argv[2], "ingest", sys.argv[3]]))
+sys.exit(main(["--db", sys.argv[1], "--data-dir", sys.argv[2], "ingest", "--no-embed", sys.argv[3]]))
 """
 
 
@@ -173,7 +173,7 @@ def test_an_ingest_killed_between_its_blobs_and_its_commit_leaves_what_check_rep
             assert check(settings, repair=True, grace_s=0)["removed"] == 2
             assert check(settings, grace_s=0)["ok"]
             continue
-        assert _zoo(pg_url, data, "ingest", str(heads / "b"), "--json") == 0
+        assert _zoo(pg_url, data, "ingest", "--no-embed", str(heads / "b"), "--json") == 0
         (_, factors, head) = _ids(pg_url)["b"]
         assert sorted(Path(p).stem for p in report["orphans"]) == sorted((factors, head))
         final = check(settings, grace_s=0)

@@ -46,7 +46,7 @@ def leftovers(cli: CLI) -> list[Path]:
 
 def refuse(cli: CLI, source: Path, reason: str) -> dict:
     """Ingest `source`; it must fail with `reason` and the file named, write nothing and leave nothing behind."""
-    rc, results = cli.json_lines("ingest", str(source), "--base-model", "tiny")
+    rc, results = cli.json_lines("ingest", "--no-embed", str(source), "--base-model", "tiny")
     assert rc == 1 and len(results) == 1, results
     (r,) = results
     assert r["status"] == "failed" and reason in r["error"] and str(source) in r["error"], r
@@ -101,7 +101,7 @@ def test_hostile_configs_are_refused(cli: CLI, peft_dir: Path, tmp_path: Path, c
     bad = peft_copy(peft_dir, tmp_path)
     edit_config(bad, **changes)
     if "base_model_name_or_path" in changes:  # the file's own base model, not --base-model
-        rc, (r,) = cli.json_lines("ingest", str(bad))
+        rc, (r,) = cli.json_lines("ingest", "--no-embed", str(bad))
         assert rc == 1 and r["status"] == "failed" and reason in r["error"]
         assert leftovers(cli) == []
         return
@@ -209,20 +209,18 @@ def test_pickles_with_code_sizes_and_unexpected_errors(cli: CLI, peft_dir: Path,
     both = tmp_path / "both"
     shutil.copytree(peft_dir, both / "a")
     train_peft_adapter(both / "b", seed=8, steps=2)
-    rc, results = cli.json_lines("ingest", str(both), "--base-model", "tiny")
+    rc, results = cli.json_lines("ingest", "--no-embed", str(both), "--base-model", "tiny")
     assert rc == 1 and [r["status"] for r in results] == ["failed", "ingested"]
     assert "KeyError" in results[0]["error"] and str(both / "a") in results[0]["error"]
 
 
 def test_shapes_that_conflict_with_the_space_are_refused(cli: CLI, peft_dir: Path, tmp_path: Path) -> None:
-    rc, _ = cli.json_lines("ingest", str(peft_dir), "--base-model", "tiny")
-    assert rc == 0
-    rc, _ = cli.json_lines("embed")
+    rc, _ = cli.json_lines("ingest", str(peft_dir), "--base-model", "tiny")  # and embedded
     assert rc == 0
     bad = peft_copy(peft_dir, tmp_path)
     name = next(k for k in load_file(str(bad / WEIGHTS)) if k.endswith("q_proj.lora_A.weight"))
     edit_tensors(bad, lambda t: t.update({name: torch.randn(4, 32)}))
-    rc, (r,) = cli.json_lines("ingest", str(bad), "--base-model", "tiny")
+    rc, (r,) = cli.json_lines("ingest", "--no-embed", str(bad), "--base-model", "tiny")
     assert rc == 1 and r["status"] == "failed" and "in the space of base model 'tiny'" in r["error"]
     rc, (listed,) = cli.json_lines("list")
     assert listed["total"] == 1
@@ -244,11 +242,11 @@ def test_labels_match_by_relative_path_and_ambiguous_names_are_refused(cli: CLI,
     shutil.copytree(peft_dir, root / "a" / "x")
     train_peft_adapter(root / "b" / "x", seed=9, steps=2)
     (tmp_path / "bare.csv").write_text("name,task\nx,t1\n")
-    rc, _, err = cli("ingest", str(root), "--labels", str(tmp_path / "bare.csv"), "--base-model", "tiny")
+    rc, _, err = cli("ingest", "--no-embed", str(root), "--labels", str(tmp_path / "bare.csv"), "--base-model", "tiny")
     assert rc == 2 and "matches 2 sources" in err and "relative path" in err
     assert leftovers(cli) == []
     (tmp_path / "paths.csv").write_text("name,task\na/x,t1\nb/x,t2\n")
-    rc, results = cli.json_lines("ingest", str(root), "--labels", str(tmp_path / "paths.csv"), "--base-model", "tiny")
+    rc, results = cli.json_lines("ingest", "--no-embed", str(root), "--labels", str(tmp_path / "paths.csv"), "--base-model", "tiny")
     assert rc == 0 and [r["status"] for r in results] == ["ingested", "ingested"]
     tasks = {}
     for r in results:

@@ -58,7 +58,7 @@ def peft_repo(path: Path, **kw: object) -> FakeRepo:
 def test_ingest_pins_the_sha_and_reingest_downloads_nothing(cli: CLI, hub: HubServer, adapters: list[Path]) -> None:
     # a NUL in the metadata (PostgreSQL refuses it in text and JSON) is dropped
     hub.repos["alice/lora-a"] = repo = peft_repo(adapters[0], pipeline_tag="text-\x00generation")
-    rc, [out] = cli.json_lines("ingest", "hf://alice/lora-a")
+    rc, [out] = cli.json_lines("ingest", "--no-embed", "hf://alice/lora-a")
     assert rc == 0 and out["status"] == "ingested", out
     assert out["revision"] == repo.head.sha and out["source"] == "hf://alice/lora-a"
     rc, [shown] = cli.json_lines("show", str(out["adapter_id"]))
@@ -73,7 +73,7 @@ def test_ingest_pins_the_sha_and_reingest_downloads_nothing(cli: CLI, hub: HubSe
     # only what the format needs was fetched
     assert hub.count("GET", "adapter_model.safetensors") == 1 and hub.count("HEAD", "README.md") == 1
     weights_before = hub.count("GET", "/cdn/")
-    rc, [again] = cli.json_lines("ingest", "hf://alice/lora-a")
+    rc, [again] = cli.json_lines("ingest", "--no-embed", "hf://alice/lora-a")
     assert rc == 0 and again["status"] == "duplicate" and again["adapter_id"] == out["adapter_id"]
     assert any("same revision" in n for n in again["notes"])
     assert hub.count("GET", "/cdn/") == weights_before and hub.count("GET", "/tree/") == 1
@@ -81,16 +81,16 @@ def test_ingest_pins_the_sha_and_reingest_downloads_nothing(cli: CLI, hub: HubSe
 
 def test_new_commit_is_a_new_version_linked_to_the_old(cli: CLI, hub: HubServer, adapters: list[Path]) -> None:
     hub.repos["alice/lora-a"] = repo = peft_repo(adapters[0])
-    rc, [first] = cli.json_lines("ingest", "hf://alice/lora-a")
+    rc, [first] = cli.json_lines("ingest", "--no-embed", "hf://alice/lora-a")
     old_sha = repo.head.sha
     new_sha = repo.commit({**FakeRepo.from_dir(adapters[1]).head.files, "README.md": CARD})
-    rc, [second] = cli.json_lines("ingest", "hf://alice/lora-a")
+    rc, [second] = cli.json_lines("ingest", "--no-embed", "hf://alice/lora-a")
     assert rc == 0 and second["status"] == "ingested" and second["revision"] == new_sha != old_sha
     assert row(cli, second["adapter_id"]).previous_version_id == first["adapter_id"]
     rc, [lineage] = cli.json_lines("lineage", str(second["adapter_id"]))
     assert [v["id"] for v in lineage["versions"]["older"]] == [first["adapter_id"]]
     # the old commit stays reachable by its sha, and is already stored
-    rc, [pinned] = cli.json_lines("ingest", f"hf://alice/lora-a@{old_sha}")
+    rc, [pinned] = cli.json_lines("ingest", "--no-embed", f"hf://alice/lora-a@{old_sha}")
     assert pinned["status"] == "duplicate" and pinned["adapter_id"] == first["adapter_id"] and pinned["revision"] == old_sha
 
 
@@ -157,7 +157,7 @@ def test_hostile_repos_fail_their_item_and_never_the_batch(
         "hf://ok/peft@no-such-branch": "no revision 'no-such-branch'",
     }
     sources = ["hf://ok/peft", "hf://ok/kohya", "hf://ok/nested/sub", *reasons]
-    rc, results = cli.json_lines("ingest", *sources)
+    rc, results = cli.json_lines("ingest", "--no-embed", *sources)
     assert rc == 1 and [r["source"].split("@")[0] for r in results] == [s.split("@")[0] for s in sources]
     by_source = dict(zip(sources, results, strict=True))
     for source in sources[:3]:
@@ -171,17 +171,17 @@ def test_hostile_repos_fail_their_item_and_never_the_batch(
     assert listed[0]["total"] == 3
     # the changed file was dropped from the cache: once the Hub serves the listed bytes, the item goes through
     hub.repos["bad/changed"].served.clear()
-    rc, [fixed] = cli.json_lines("ingest", "hf://bad/changed")
+    rc, [fixed] = cli.json_lines("ingest", "--no-embed", "hf://bad/changed")
     assert fixed["status"] in ("ingested", "duplicate") and fixed["revision"] == hub.repos["bad/changed"].head.sha
     # with the token, the gated repo can be read
     monkeypatch.setenv("HF_TOKEN", TOKEN)
-    rc, [gated] = cli.json_lines("ingest", "hf://bad/gated")
+    rc, [gated] = cli.json_lines("ingest", "--no-embed", "hf://bad/gated")
     assert gated["status"] == "ingested", gated
 
 
 def test_a_malformed_source_is_a_usage_error(cli: CLI, hub: HubServer) -> None:
     for bad in ("hf://just-one", "hf://a/b/../c", "hf://a b/c", "hf://a/b@bad rev"):
-        rc, _, err = cli("ingest", bad)
+        rc, _, err = cli("ingest", "--no-embed", bad)
         assert rc == 2 and bad in err
 
 
@@ -190,13 +190,13 @@ def test_a_429_storm_is_waited_out_and_an_endless_one_fails_in_bounded_time(
 ) -> None:
     hub.repos["alice/lora-a"] = peft_repo(adapters[0])
     hub.storm, hub.retry_after = 3, "0"
-    rc, [out] = cli.json_lines("ingest", "hf://alice/lora-a")
+    rc, [out] = cli.json_lines("ingest", "--no-embed", "hf://alice/lora-a")
     assert rc == 0 and out["status"] == "ingested" and hub.storm == 0
     hub.repos["bob/lora-b"] = peft_repo(adapters[1])
     monkeypatch.setenv("ZOO_HUB_MAX_WAIT_S", "2")
     hub.storm, hub.retry_after = -1, "1"
     start = time.monotonic()
-    rc, [out] = cli.json_lines("ingest", "hf://bob/lora-b")
+    rc, [out] = cli.json_lines("ingest", "--no-embed", "hf://bob/lora-b")
     assert time.monotonic() - start < 10
     assert rc == 1 and "429" in out["error"] and "ZOO_HUB_MAX_WAIT_S" in out["error"] and out["error"].startswith("hf://bob/lora-b")
 
@@ -210,10 +210,10 @@ def test_offline_mode_ingests_from_the_cache(tmp_path: Path, hub: HubServer, ada
     online, offline = f"sqlite:///{tmp_path / 'online.db'}", f"sqlite:///{tmp_path / 'offline.db'}"
     upgrade(online)
     upgrade(offline)
-    assert main(["--db", online, "--data-dir", str(tmp_path / "d1"), "ingest", "hf://alice/lora-a", "--json"]) == 0
+    assert main(["--db", online, "--data-dir", str(tmp_path / "d1"), "ingest", "--no-embed", "hf://alice/lora-a", "--json"]) == 0
     seen = len(hub.requests)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "zoo.cli", "--db", offline, "--data-dir", str(tmp_path / "d2"), "ingest", "--json"]
+    cmd = [sys.executable, "-m", "zoo.cli", "--db", offline, "--data-dir", str(tmp_path / "d2"), "ingest", "--no-embed", "--json"]
     done = subprocess.run([*cmd, "hf://alice/lora-a", "hf://nobody/uncached"], env=env, capture_output=True, text=True, timeout=120)
     cached, uncached = (json.loads(line) for line in done.stdout.splitlines())
     assert cached["status"] == "ingested" and cached["revision"] == repo.head.sha, (cached, done.stderr)

@@ -151,7 +151,7 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
     kept = {names[p] for p in labelled}
     rows = ["name,task,test_accuracy"] + [f"{n},{tasks[n]},{accuracy[n]}" for n in names if n in kept]
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
-    rc, _ = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
     assert rc == 0
     # three members each holding out half: every adapter held out by one or two, scored by their mean
     train = ("train", "--epochs", "3", "--members", "3", "--val-fraction", "0.5", "--seed", "2", "--objective", objective)

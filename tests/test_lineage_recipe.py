@@ -228,7 +228,7 @@ def test_find_relations_finds_a_rescaled_child_of_its_parent(zoo: tuple[Path, di
 def test_labels_csv_ingests(cli: CLI, zoo: tuple[Path, dict[str, Row]]) -> None:
     """Every member is stored but an fp16 cast: within the canonical hash's duplicate tolerance of its parent."""
     out, rows = zoo
-    rc, results = cli.json_lines("ingest", str(out), "--labels", str(out / LABELS_FILE))
+    rc, results = cli.json_lines("ingest", "--no-embed", str(out), "--labels", str(out / LABELS_FILE))
     fp16 = {r["name"] for r in of(rows, "cast") if r["precision"] == "fp16"}
     assert rc == 0 and fp16
     assert [r["status"] for r in results] == ["duplicate" if n in fp16 else "ingested" for n in rows]

@@ -78,11 +78,10 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zoo]:
                 write_adapter(kind, root / "src" / kind, f, m, layers=1)
                 rows.append(f"{kind}-f{f}-m{m},{kind}-f{f}")
     (root / "labels.csv").write_text("\n".join(rows) + "\n")
-    assert main([*base, "ingest", str(root / "src" / "toy"), "--base-model", "tiny", "--json"]) == 0
+    assert main([*base, "ingest", str(root / "src" / "toy"), "--base-model", "tiny", "--json"]) == 0  # each ingest embeds its space
     for kind in KINDS:
         named = ["--base-model", SPACES[kind]] if kind == "flux1-dev" else []  # a diffusers file names no base model
         assert main([*base, "ingest", str(root / "src" / kind), "--labels", str(root / "labels.csv"), *named, "--json"]) == 0
-    assert main([*base, "embed", "--json"]) == 0
     from sqlalchemy import select
 
     from zoo.store.models import Adapter

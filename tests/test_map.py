@@ -212,7 +212,7 @@ def test_the_projection_does_not_depend_on_its_chunk_size(monkeypatch: pytest.Mo
 
 
 def test_embed_writes_the_map_and_it_is_the_pca_of_the_stored_vectors(cli: CLI, parts: Path) -> None:
-    rc, _ = cli.json_lines("ingest", str(parts / "first"), "--labels", str(parts / "labels.csv"), "--base-model", "tiny")
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(parts / "first"), "--labels", str(parts / "labels.csv"), "--base-model", "tiny")
     rc, (reports,) = cli.json_lines("embed")
     assert rc == 0 and reports[0]["map"].startswith("fitted (no map file")
     embedder_id, path, ids, vectors = stored(cli)
@@ -240,7 +240,7 @@ def test_new_adapters_are_projected_without_moving_old_points_until_the_map_doub
     ingest_and_embed(cli, parts, "first")
     _, path, _, _ = stored(cli)
     before = read_map(path)
-    rc, _ = cli.json_lines("ingest", str(parts / "later"), "--labels", str(parts / "labels.csv"), "--base-model", "tiny")
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(parts / "later"), "--labels", str(parts / "labels.csv"), "--base-model", "tiny")
     rc, (reports,) = cli.json_lines("embed")
     assert reports[0]["map"] == "updated (6 points projected)"
     after = read_map(path)
@@ -252,7 +252,7 @@ def test_new_adapters_are_projected_without_moving_old_points_until_the_map_doub
 
     rc, (reports,) = cli.json_lines("embed")
     assert reports[0]["map"] == "loaded"
-    rc, _ = cli.json_lines("ingest", str(parts / "more"), "--labels", str(parts / "labels.csv"), "--base-model", "tiny")
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(parts / "more"), "--labels", str(parts / "labels.csv"), "--base-model", "tiny")
     rc, (reports,) = cli.json_lines("embed")  # 18 points, 10 of them since the fit on 8: fitted again
     assert reports[0]["map"] == "fitted again (10 points since the fit outnumber its 8)"
     assert read_map(path).fitted == 18

@@ -55,7 +55,7 @@ def write_task_in_one_module(root: Path) -> Path:
 
 def test_a_space_whose_choice_picks_the_metric_searches_by_it(cli: CLI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = write_task_in_one_module(tmp_path)
-    rc, ingested = cli.json_lines("ingest", str(src / "zoo"), "--labels", str(src / "labels.csv"), "--base-model", "tiny")
+    rc, ingested = cli.json_lines("ingest", "--no-embed", str(src / "zoo"), "--labels", str(src / "labels.csv"), "--base-model", "tiny")
     assert rc == 0
     by_name = {r["name"]: r["adapter_id"] for r in ingested}
     rc, (info,) = cli.json_lines("train", "--epochs", "2", "--members", "2")

@@ -50,7 +50,7 @@ def test_every_kind_is_read_at_its_real_widths(kind: str, cli: CLI, tmp_path: Pa
     """One block of each model ingests with the modules, shapes and dtype the generator wrote."""
     model = MODELS[kind]
     path = write_adapter(kind, tmp_path, family=0, member=0, layers=1)
-    rc, rows = cli.json_lines("ingest", str(path))
+    rc, rows = cli.json_lines("ingest", "--no-embed", str(path))
     assert rc == 0 and rows[0]["status"] == "ingested", rows
     rc, (shown,) = cli.json_lines("show", str(rows[0]["adapter_id"]))
     assert rc == 0
@@ -77,7 +77,7 @@ def test_each_kind_is_searched_by_family(families: dict[str, list[tuple[Path, in
     ids: dict[str, list[int]] = {}
     blobs = BlobStore(cli.settings.blob_dir)
     for kind, written in families.items():
-        rc, rows = cli.json_lines("ingest", *[str(p) for p, _ in written], "--base-model", kind)
+        rc, rows = cli.json_lines("ingest", "--no-embed", *[str(p) for p, _ in written], "--base-model", kind)
         assert rc == 0 and all(r["status"] == "ingested" for r in rows), rows
         family_of.update({r["adapter_id"]: f for r, (_, f) in zip(rows, written, strict=True)})
         ids[kind] = [r["adapter_id"] for r in rows]
@@ -121,7 +121,7 @@ def _embed_peak_rss(tmp_path: Path, adapters: int) -> int:
     zoo = [sys.executable, "-m", "zoo.cli"]
     subprocess.run([*zoo, "init"], env=env, check=True, capture_output=True)
     written = write_zoo("llama3-8b", tmp_path / f"files-{adapters}", families=adapters, members=1, layers=4)
-    subprocess.run([*zoo, "ingest", *[str(p) for p, _ in written]], env=env, check=True, capture_output=True)
+    subprocess.run([*zoo, "ingest", "--no-embed", *[str(p) for p, _ in written]], env=env, check=True, capture_output=True)
     code = (
         "import resource, subprocess, sys\n"
         "subprocess.run(sys.argv[1:], check=True, capture_output=True)\n"
@@ -168,7 +168,9 @@ def test_embed_memory_is_one_base_models_whatever_the_spaces(tmp_path: Path) -> 
     subprocess.run([*zoo, "init"], env=env, check=True, capture_output=True)
     written = write_zoo("llama3-8b", tmp_path / "files", families=3, members=2, layers=4)
     for base in ("base-a", "base-b", "base-c"):
-        subprocess.run([*zoo, "ingest", *[str(p) for p, _ in written], "--base-model", base], env=env, check=True, capture_output=True)
+        subprocess.run(
+            [*zoo, "ingest", "--no-embed", *[str(p) for p, _ in written], "--base-model", base], env=env, check=True, capture_output=True
+        )
     one, three = _embed_rss(data, "base-a"), _embed_rss(data)
     store = 4 * len(written) * sum(16 * (m.out + m.fan_in + 1) for m in MODELS["llama3-8b"].modules(4))  # one space's module store
     assert three - one < store, (one, three, store)
@@ -201,7 +203,7 @@ def test_a_thousand_module_adapter_is_embedded_searched_and_predicted(cli: CLI, 
     a prediction for an adapter read from a file."""
     paths = [_write_thousand_module_adapter(tmp_path / "zoo", f, m) for f in range(2) for m in range(5)]
     (tmp_path / "labels.csv").write_text("name,task\n" + "".join(f"{p.name},f{p.name.split('-')[1][1:]}\n" for p in paths))
-    rc, rows = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"))
+    rc, rows = cli.json_lines("ingest", "--no-embed", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"))
     assert rc == 0 and len(rows) == 10
     rc, (reports,) = cli.json_lines("embed")
     assert rc == 0 and reports[0]["embedded"] == 10

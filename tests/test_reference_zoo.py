@@ -145,7 +145,7 @@ def test_parallel_build_equals_serial_and_resumes(tiny_zoo: tuple[Path, dict], c
 @pytest.mark.slow
 def test_ingest_with_labels(cli: CLI, tiny_zoo: tuple[Path, dict], tmp_path: Path) -> None:
     out, _ = tiny_zoo
-    rc, results = cli.json_lines("ingest", str(out), "--labels", str(out / LABELS_FILE))
+    rc, results = cli.json_lines("ingest", "--no-embed", str(out), "--labels", str(out / LABELS_FILE))
     assert rc == 0 and [r["status"] for r in results] == ["ingested"] * 4
     rc, (shown,) = cli.json_lines("show", str(results[2]["adapter_id"]))
     attrs = json.loads((out / "digits-vit-00002" / ATTRIBUTES_FILE).read_text())
@@ -157,7 +157,7 @@ def test_ingest_with_labels(cli: CLI, tiny_zoo: tuple[Path, dict], tmp_path: Pat
     # labels given later attach to the adapters already stored (reported as duplicates)
     extra = tmp_path / "extra.csv"
     extra.write_text("name,dataset,val_loss\ndigits-vit-00000,sklearn-digits,0.25\n")
-    rc, results = cli.json_lines("ingest", str(out / "digits-vit-00000"), "--labels", str(extra), "--metrics", "val_loss")
+    rc, results = cli.json_lines("ingest", "--no-embed", str(out / "digits-vit-00000"), "--labels", str(extra), "--metrics", "val_loss")
     assert rc == 0 and results[0]["status"] == "duplicate"
     rc, (shown,) = cli.json_lines("show", str(results[0]["adapter_id"]))
     assert shown["labels"]["dataset"] == "sklearn-digits" and shown["labels"]["task"]
@@ -168,10 +168,10 @@ def test_bad_labels_csv(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     out = seed_sources / "zoo"  # any adapters do (the seeded zoo's, tests/conftest.py): it is the CSV that is refused
     bad = tmp_path / "bad.csv"
     bad.write_text("adapter,task\nx,y\n")
-    rc, _, err = cli("ingest", str(out), "--labels", str(bad))
+    rc, _, err = cli("ingest", "--no-embed", str(out), "--labels", str(bad))
     assert rc == 2 and "needs a 'name' column" in err
     bad.write_text("name,test_accuracy\nw00,high\n")
-    rc, _, err = cli("ingest", str(out), "--labels", str(bad))
+    rc, _, err = cli("ingest", "--no-embed", str(out), "--labels", str(bad))
     assert rc == 2 and "line 2: test_accuracy must be a number" in err
 
 

@@ -170,7 +170,7 @@ def test_a_node_with_an_empty_data_dir_serves_what_another_ingested(
     url, _ = shared
     sources = write_random_peft_adapters(tmp_path / "sources", 8)
     a, b = tmp_path / "node-a", tmp_path / "node-b"
-    rc, ingested = _zoo(url, a, "ingest", str(tmp_path / "sources"), "--base-model", "tiny", capsys=capsys)
+    rc, ingested = _zoo(url, a, "ingest", "--no-embed", str(tmp_path / "sources"), "--base-model", "tiny", capsys=capsys)
     assert rc == 0 and {r["status"] for r in ingested} == {"ingested"}
     rc, _ = _zoo(url, a, "embed", capsys=capsys)
     assert rc == 0 and not (a / "blobs").exists()  # the blobs are in the bucket, and only there
@@ -231,7 +231,20 @@ def test_a_writer_killed_mid_upload_leaves_what_check_finds_and_repair_clears(
     source = _large_kohya_file(tmp_path / "large.safetensors")
     node = tmp_path / "node"
     slow = {"ZOO_S3_PART_BYTES": str(MIN_PART_BYTES), "ZOO_S3_CONCURRENCY": "1"}  # one part at a time: a window to kill in
-    command = [sys.executable, "-m", "zoo.cli", "--db", url, "--data-dir", str(node), "ingest", str(source), "--base-model", "big"]
+    command = [
+        sys.executable,
+        "-m",
+        "zoo.cli",
+        "--db",
+        url,
+        "--data-dir",
+        str(node),
+        "ingest",
+        "--no-embed",
+        str(source),
+        "--base-model",
+        "big",
+    ]
     writer = subprocess.Popen(command, env={**os.environ, **env, **slow}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     client, deadline = seaweedfs.client(), time.monotonic() + 60
     try:

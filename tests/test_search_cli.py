@@ -22,7 +22,9 @@ from zoo.domain.channels import EXACT_SCORES, channel_similarity_matrix
 
 
 def ingest(cli: CLI, seed_sources: Path) -> list[dict]:
-    rc, results = cli.json_lines("ingest", str(seed_sources / "zoo"), "--labels", str(seed_sources / "labels.csv"), "--base-model", "tiny")
+    rc, results = cli.json_lines(
+        "ingest", "--no-embed", str(seed_sources / "zoo"), "--labels", str(seed_sources / "labels.csv"), "--base-model", "tiny"
+    )
     assert rc == 0
     return results
 
@@ -177,8 +179,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     copy = shutil.copytree(seed_sources / "zoo" / "w03", tmp_path / "w03-alpha")
     config = json.loads((copy / "adapter_config.json").read_text())
     (copy / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]}))
-    rc, (stored,) = cli.json_lines("ingest", str(copy), "--base-model", "tiny")  # unlabelled
-    assert cli("embed")[0] == 0  # embedded, and found to be a rescaled copy of w03
+    rc, (stored,) = cli.json_lines("ingest", str(copy), "--base-model", "tiny")  # unlabelled; embedded, found a rescaled copy of w03
     rc, (copied,) = cli.json_lines("predict", str(stored["adapter_id"]))
     task = copied["from_lineage"]["attributes"]["task"]
     (source,) = task["values"][0]["sources"]

@@ -186,7 +186,7 @@ def test_ingest_and_search_find_the_same_task(cli: CLI, cache_dir: Path, data: s
             model.save_pretrained(str(tmp_path / "zoo" / f"{task}-{j}"), save_embedding_layers=False)
             rows.append(f"{task}-{j},{task},{acc}")
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
-    rc, results = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"))
+    rc, results = cli.json_lines("ingest", "--no-embed", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"))
     assert rc == 0 and [r["status"] for r in results] == ["ingested"] * 9
     rc, (shown,) = cli.json_lines("show", str(results[0]["adapter_id"]))
     assert shown["base_model"] == shapes.BASE_MODEL and len(shown["modules"]) == 7

@@ -186,8 +186,7 @@ def test_an_adapter_ingested_through_one_replica_is_found_through_the_other_with
     sources = write_random_peft_adapters(tmp_path / "sources", 9)
     for path in sources[:8]:
         shutil.copytree(path, tmp_path / "zoo" / path.name)
-    _zoo(url, tmp_path / "seed", "ingest", str(tmp_path / "zoo"), "--base-model", "tiny", capsys=capsys)
-    _zoo(url, tmp_path / "seed", "embed", capsys=capsys)
+    _zoo(url, tmp_path / "seed", "ingest", str(tmp_path / "zoo"), "--base-model", "tiny", capsys=capsys)  # and embedded
     auth = _token(url)
 
     ports = [_free_port(), _free_port()]

@@ -174,7 +174,7 @@ def _ingest(cli: CLI, kind: str, root: Path, layers: int) -> list[dict]:
     written = write_zoo(kind, root / kind, families=3, members=4, layers=layers)
     labels = root / f"{kind}.csv"
     labels.write_text("name,task\n" + "".join(f"{p.stem if p.suffix else p.name},f{f}\n" for p, f in written))
-    rc, rows = cli.json_lines("ingest", *[str(p) for p, _ in written], "--base-model", kind, "--labels", str(labels))
+    rc, rows = cli.json_lines("ingest", "--no-embed", *[str(p) for p, _ in written], "--base-model", kind, "--labels", str(labels))
     assert rc == 0 and all(r["status"] == "ingested" for r in rows), rows
     return rows
 

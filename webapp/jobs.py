@@ -12,7 +12,8 @@ from pathlib import Path, PurePosixPath
 from webapp.context import db, zoo_context
 from zoo import logs, memory
 from zoo.errors import UsageError
-from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, drive, work
+from zoo.runners.embed_stage import EMBED_EVERY, EmbedBatches
+from zoo.runners.worker import Outcome, WorkerOptions, drive, work
 from zoo.sources.local import expand_under
 from zoo.sources.upload import Upload, materialize
 from zoo.store.job_resources import JobDetail, job_detail

@@ -135,17 +135,10 @@ def embed_space(sessions: Sessions, blobs: BlobStore, data_dir: Path, base_model
     committed a chunk at a time, each under the lock and without the adapters another process embedded
     meanwhile. A run killed half-way keeps its committed chunks, and the next run embeds the rest."""
     with sessions() as session:
-        schema = stored_schema(session, base_model)
         ids = space_adapters.space_adapter_ids(session, base_model)
     if not ids:
         return []
-    with write_transaction(sessions, space_lock(base_model)) as session:
-        space = ensure_space(session, schema.base_model, schema.modules)
-        ensure_sketch(session, space, schema)
-        ensure_raw(session, space, schema)
-        ensure_gram(session, space, schema)
-        serving = sorted(serving_embedders(session, space.id).values(), key=lambda e: _REPORT_ORDER.get(e.method, len(_REPORT_ORDER)))
-        space_id, embedder_ids = space.id, [e.id for e in serving]
+    space_id, embedder_ids = training_free_embedders(sessions, base_model)
     counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, ids, device, subset=False)
     files = refresh_space_files(sessions, blobs, data_dir, space_id)
     indexes, store, zoo_map = files["indexes"], files["module_store"], files["map"]
@@ -164,25 +157,50 @@ def embed_space(sessions: Sessions, blobs: BlobStore, data_dir: Path, base_model
     ]
 
 
+def training_free_embedders(sessions: Sessions, base_model: str) -> tuple[int, list[int]]:
+    """The space of a base model with its training-free embedders (module sketch, raw factors, input Gram) made for the
+    module vocabulary of its stored adapters, as `zoo embed` makes them, under the space's lock: the space's id and
+    its serving embedders' ids, in the order `zoo embed` reports them."""
+    with sessions() as session:
+        schema = stored_schema(session, base_model)
+    with write_transaction(sessions, space_lock(base_model)) as session:
+        space = ensure_space(session, schema.base_model, schema.modules)
+        ensure_sketch(session, space, schema)
+        ensure_raw(session, space, schema)
+        ensure_gram(session, space, schema)
+        serving = sorted(serving_embedders(session, space.id).values(), key=lambda e: _REPORT_ORDER.get(e.method, len(_REPORT_ORDER)))
+        return space.id, [e.id for e in serving]
+
+
 def embed_adapters(
-    sessions: Sessions, blobs: BlobStore, data_dir: Path, adapter_ids: list[int], device: str | None = None
+    sessions: Sessions,
+    blobs: BlobStore,
+    data_dir: Path,
+    adapter_ids: list[int],
+    device: str | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> dict[str, int]:
     """Embed newly stored adapters under the serving embedders of their spaces: the incremental path
-    workers take after each batch. Query engines see them at their next query (the space's version
-    moved); index files, module stores and maps catch up in `refresh_space_files`. Only spaces that
-    have embedders already (a new space waits for `zoo embed`), only adapters that fit an embedder's
-    modules (a wider vocabulary waits for `zoo embed` too). Returns the count embedded per space."""
+    every ingest takes (zoo/runners/embed_stage.py). Query engines see them at their next query (the space's version
+    moved); index files, module stores and maps catch up in `refresh_space_files`. A space without embedders gets the
+    training-free ones first, made for the vocabulary of everything it stores (`training_free_embedders`); an adapter
+    that does not fit an existing embedder's modules waits for `zoo embed`, which makes a wider one. `progress` hears
+    how many adapters each chunk finished. Returns the count embedded per space."""
     with sessions() as session:
         rows = space_adapters.lora_base_models(session, adapter_ids)
     by_space: dict[str, list[int]] = {}
     for base_model, adapter_id in rows:
         by_space.setdefault(base_model, []).append(adapter_id)
+    if progress is not None and len(adapter_ids) > len(rows):
+        progress(len(adapter_ids) - len(rows))  # not LoRA-like (a full checkpoint's spectra): nothing to embed
     out: dict[str, int] = {}
     for base_model, ids in sorted(by_space.items()):
         with sessions() as session:
             space = find_space(session, base_model)
             embedder_ids = [e.id for e in serving_embedders(session, space.id).values()] if space else []
-        counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, sorted(ids), device, subset=True)
+        if not embedder_ids:
+            embedder_ids = training_free_embedders(sessions, base_model)[1]
+        counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, sorted(ids), device, subset=True, progress=progress)
         if counts:
             out[base_model] = max(embedded for embedded, _ in counts.values())
     return out
@@ -234,6 +252,7 @@ def _embed_ids(
     ids: list[int],
     device: str | None,
     subset: bool,
+    progress: Callable[[int], object] | None = None,
 ) -> dict[int, tuple[int, int]]:
     """Vectors, under each embedder, of the adapters among `ids` it has none for (and that fit it): the adapters are
     read a chunk at a time and each chunk committed under the space's lock, skipping what another process embedded
@@ -246,12 +265,16 @@ def _embed_ids(
             plans.append(_Plan(embedder_id, fn, schema, embedded_ids(session, embedder, ids if subset else None)))
         per_chunk = chunk_size(session, base_model)
     todo = [i for i in ids if any(i not in p.done for p in plans)]
+    if progress is not None and len(ids) > len(todo):
+        progress(len(ids) - len(todo))  # embedded already
     for start in range(0, len(todo), per_chunk):
         with sessions() as session:
             adapters = load_adapters(session, blobs, base_model, todo[start : start + per_chunk])
         for plan in plans:
             if not plan.retired:
                 _embed_chunk(sessions, base_model, plan, adapters)
+        if progress is not None:
+            progress(len(todo[start : start + per_chunk]))
     return {p.id: (p.embedded, p.misfits) for p in plans}
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from tqdm import tqdm
 
 from zoo.cli.jobs import add_ray_arguments, queue_job, run_job_on_ray
-from zoo.cli.render import human, label_columns, lineage_lines, plural, print_json, table
+from zoo.cli.render import human, label_columns, lineage_lines, plural, print_json, relations_line, table
 from zoo.cli.spaces import blob_store, query_engine
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.errors import NotFoundError, UsageError
@@ -22,6 +22,7 @@ from zoo.store.catalog import SORTS, search_catalog
 from zoo.store.session import require_schema, session_factory
 
 if TYPE_CHECKING:
+    from zoo.runners.embed_stage import EmbedBatches
     from zoo.services.ingest import IngestOptions, IngestResult
 
 
@@ -32,9 +33,10 @@ def run_ingest(
     label_rows: dict[str, LabelRow],
     as_json: bool,
     progress: bool = True,
+    batches: EmbedBatches | None = None,
 ) -> tuple[dict[str, int], list[str]]:
-    """Ingest every source under paths (and `hf://` sources), printing JSON lines or showing a progress bar.
-    Returns counts by status and failures."""
+    """Ingest every source under paths (and `hf://` sources), printing JSON lines or showing a progress bar, handing
+    each adapter stored (or found stored) to `batches`, the embed stage. Returns counts by status and failures."""
     from zoo.services.ingest import Ingestor, ingest_sources
     from zoo.sources import hub
     from zoo.sources.local import expand_paths
@@ -56,6 +58,8 @@ def run_ingest(
         for result in results:
             bar.update()
             counts[result.status] += 1
+            if batches is not None and result.status != "failed" and result.adapter_id is not None:
+                batches.stored(result.adapter_id)
             for warning in result.warnings:
                 bar.write(f"warning: {warning}", file=sys.stderr)
             if as_json:
@@ -89,6 +93,8 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
     from zoo.store import jobs
 
     if args.ray is not None:
+        if args.no_embed:
+            raise UsageError("--no-embed: a job worked on Ray embeds what it stores; `zoo jobs add` queues one for `zoo worker`")
         require_schema(settings.database_url)
         base = str(Path(args.base).absolute()) if args.base else None
         job_options = jobs.job_options(base_model=args.base_model, base_checkpoint=base, energy=args.energy, max_rank=args.max_rank)
@@ -101,12 +107,41 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
         device=args.device,
     )
     label_rows = read_labels_csv(Path(args.labels), args.metrics) if args.labels else {}
-    counts, failures = run_ingest(settings, args.paths, options, label_rows, args.json)
+    batches = None
+    if not args.no_embed:
+        from zoo.runners.embed_stage import EmbedBatches
+
+        # every=None: embedded once all are stored, so a new space's embedders take the vocabulary of all of them
+        batches = EmbedBatches(settings, None, args.device, progress=False if args.json else None)
+    counts, failures = run_ingest(settings, args.paths, options, label_rows, args.json, batches=batches)
     if not args.json:
         print(f"{counts['ingested']} ingested, {plural(counts['duplicate'], 'duplicate')}, {counts['failed']} failed")
         for f in failures:
             print(f"  failed: {f}")
-    return 1 if counts["failed"] else 0
+    failed = 1 if counts["failed"] else 0
+    return failed if batches is None else embed_stage(batches, sys.stderr if args.json else sys.stdout) or failed
+
+
+def embed_stage(batches: EmbedBatches, out: TextIO) -> int:
+    """Embed what the run stored and find its relations, as a job's worker does (zoo/runners/embed_stage.py); say what
+    it did on `out` (stderr under --json: stdout holds the sources' lines alone). A failure keeps what was stored: it
+    says so, and that `zoo embed` finishes the work; 1 then, else 0."""
+    try:
+        batches.flush()
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the adapters are stored and `zoo embed` picks them up
+        batches.close()
+        print(
+            f"zoo: error: the adapters are stored, but embedding them failed ({type(exc).__name__}: {str(exc).strip()[:300]}); "
+            "`zoo embed` embeds them and finds their relations",
+            file=sys.stderr,
+        )
+        return 1
+    batches.close()
+    if batches.embedded:
+        print("embedded: " + ", ".join(f"{plural(n, 'adapter')} in {space}" for space, n in sorted(batches.embedded.items())), file=out)
+    for report in batches.relations.values():
+        print(relations_line(report), file=out)
+    return 0
 
 
 #: what `zoo list --filter` and `zoo search --filter` take (zoo.store.filters)
@@ -335,8 +370,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "ingest",
         help="read, canonicalize, describe and store adapters",
         description="Ingest PEFT adapter directories, kohya/diffusers LoRA .safetensors files and full "
-        "checkpoints. A directory of adapters is searched recursively. Every source is tried; "
-        "the exit status is 1 if any failed.",
+        "checkpoints. A directory of adapters is searched recursively. Every source is tried; then what was stored is "
+        "embedded and its relations found, as a job's worker does (--no-embed: not). "
+        "The exit status is 1 if any source failed, or if the embedding did (the adapters stay stored: run `zoo embed`).",
     )
     s.add_argument("paths", nargs="+", metavar="PATH")
     s.add_argument("--base-model", metavar="NAME", help="base model name to record (overrides the files)")
@@ -358,6 +394,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="COL,...",
         help="further numeric CSV columns to store as measurements",
+    )
+    s.add_argument(
+        "--no-embed",
+        action="store_true",
+        help="only store: leave embedding and the relation step to `zoo embed` (by default they follow, as in a job)",
     )
     add_ray_arguments(s)
     s.add_argument("--json", action="store_true", help="one JSON object per source, no progress bar (with --ray: one summary)")

@@ -40,7 +40,8 @@ from typing import Any, TypedDict
 
 from zoo.config import Settings, default_data_dir
 from zoo.errors import UsageError
-from zoo.runners.worker import EMBED_EVERY, EmbedBatches, Outcome, WorkerOptions, WorkerSummary, drive, work
+from zoo.runners.embed_stage import EMBED_EVERY, EmbedBatches
+from zoo.runners.worker import Outcome, WorkerOptions, WorkerSummary, drive, work
 from zoo.store.jobs import pending_items
 from zoo.store.session import session_factory
 

@@ -5,8 +5,8 @@ writes the outcome. A process killed mid-item loses nothing: its lease runs out 
 claims the item again; a worker with nothing to claim first queues again the items of a holder on this host that
 has exited, without waiting for their leases (zoo/store/jobs.py `stranded_items`; `zoo check` does the same).
 The process that runs `zoo worker` (or the web app's job thread) shows the
-progress and embeds what was stored in batches through the incremental path (embed.serving.embedding_resource.embed_adapters),
-so a running `zoo serve` finds new adapters at its next query.
+progress and embeds what was stored in batches, finding their relations (zoo/runners/embed_stage.py, the stage `zoo
+ingest` ends with too), so a running `zoo serve` finds new adapters at its next query.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from typing import Protocol, TypedDict
 
 from tqdm import tqdm
 
 from zoo import logs
 from zoo.config import DEFAULT_ENERGY, DEFAULT_MAX_RANK, Settings
 from zoo.metrics import metrics, note_resident
+from zoo.runners.embed_stage import EMBED_EVERY, EmbedBatches
 from zoo.services.ingest import IngestOptions, Ingestor, ingest_source
 from zoo.sources.local import escapes
 from zoo.store.blob_backends import open_blob_store
@@ -54,15 +55,8 @@ from zoo.store.jobs import (
 from zoo.store.models import JobOptions
 from zoo.store.session import Sessions, session_factory
 from zoo.store.shared_files import local_folder, unpublish
-from zoo.store.spaces import find_space
-
-if TYPE_CHECKING:
-    from embed.serving.engine import QueryEngine
 
 log = logging.getLogger(__name__)
-
-#: newly stored adapters are embedded once this many are waiting (and whenever the queue runs dry)
-EMBED_EVERY = 64
 
 
 class StopFlag(Protocol):
@@ -264,70 +258,6 @@ def work(settings: Settings, options: WorkerOptions, stop: StopFlag) -> Iterator
         finally:
             beat.drop(claim.item_id)
         yield outcome
-
-
-class EmbedBatches:
-    """Collects the adapters that outcomes stored or found (a duplicate may be one a killed worker stored but
-    never embedded); embeds those without vectors every `every` of them, and when flushed with `files`: then
-    also whatever the touched spaces still lack (a killed worker's last batch), and brings their files up to date."""
-
-    def __init__(self, settings: Settings, every: int, device: str | None = None) -> None:
-        self.settings, self.every, self.device = settings, every, device
-        self.sessions = session_factory(settings.database_url)
-        self.blobs = open_blob_store(settings)
-        self.pending: list[int] = []
-        self.touched: set[str] = set()
-        self.embedded: Counter[str] = Counter()
-        self.engine: QueryEngine | None = None  # for the relation step's neighbours, made at its first use
-
-    def add(self, outcome: Outcome) -> None:
-        if outcome.state in ("done", "duplicate") and outcome.adapter_id is not None:
-            self.pending.append(outcome.adapter_id)
-            if len(self.pending) >= self.every:
-                self.flush(files=False)
-
-    def _embed(self, ids: list[int]) -> None:
-        from embed.serving.embedding_resource import embed_adapters
-
-        done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, ids, self.device)
-        for space, count in done.items():
-            metrics().embedded.labels(space).inc(count)
-        self.embedded.update(done)
-        self.touched.update(done)
-        for base_model in done:
-            self._relations(base_model, ids)
-
-    def _relations(self, base_model: str, ids: list[int] | None) -> None:
-        """The relation step (zoo.services.relations) for these newly embedded adapters (None: all the space's still to
-        scan); a scan that fails is recorded on the adapter (`zoo lineage` shows it) and logged, never raised."""
-        from zoo.services.relations import relation_engine, scan_space
-
-        if self.engine is None:
-            self.engine = relation_engine(self.sessions, self.blobs, self.settings.data_dir, self.device)
-        report = scan_space(self.engine, self.sessions, self.blobs, base_model, ids)
-        for error in report["errors"]:
-            log.warning("relations from the weights in %s: %s", base_model, error)
-
-    def flush(self, files: bool = True) -> None:
-        from embed.serving.embedding_resource import refresh_space_files, unembedded_ids
-
-        if self.pending:
-            ids, self.pending = self.pending, []
-            self._embed(ids)
-        if not files:
-            return
-        for base_model in sorted(self.touched):
-            with self.sessions() as session:
-                left = unembedded_ids(session, base_model)
-            if left:
-                self._embed(left)
-            with self.sessions() as session:
-                space = find_space(session, base_model)
-                assert space is not None  # embed_adapters named it: the space it embedded them into
-                space_id = space.id
-            refresh_space_files(self.sessions, self.blobs, self.settings.data_dir, space_id)
-            self._relations(base_model, None)  # whatever an earlier batch left (an index not ready, a killed worker)
-        self.touched.clear()
 
 
 def _child(settings: Settings, options: WorkerOptions, out: multiprocessing.Queue, stop: StopFlag, threads: int) -> None:

@@ -28,7 +28,7 @@ import gc
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +103,7 @@ BATCH = 32
 GC_THRESHOLD = 50_000
 #: errors kept in a report (the rest are counted)
 REPORTED_ERRORS = 10
+Progress = Callable[[int, int], object] | None
 
 
 class RelationReport(TypedDict):
@@ -124,10 +125,10 @@ def relation_engine(sessions: Sessions, blobs: BlobStore, data_dir: Path, device
 
 
 def scan_space(
-    engine: QueryEngine, sessions: Sessions, blobs: BlobStore, base_model: str, ids: Iterable[int] | None = None
+    engine: QueryEngine, sessions: Sessions, blobs: BlobStore, base_model: str, ids: Iterable[int] | None = None, progress: Progress = None
 ) -> RelationReport:
     """Scan the space's adapters not scanned by this detector yet (only among `ids` when given) and store their edges,
-    BATCH adapters at a time."""
+    BATCH adapters at a time; `progress` hears (adapters done, adapters to do) after each batch."""
     report = RelationReport(space=base_model, scanned=0, edges=0, failed=0, errors=[], not_ready=None, ms_per_adapter=None)
     with sessions() as session:
         space = find_space(session, base_model)
@@ -143,6 +144,8 @@ def scan_space(
             scan = RelationScan(engine, sessions, base_model, sketch_id, raw, factors)
             if not _scan_batch(scan, space_id, todo[first : first + BATCH], report):
                 break
+            if progress is not None:
+                progress(min(first + BATCH, len(todo)), len(todo))
     if report["scanned"]:
         report["ms_per_adapter"] = 1000 * (time.perf_counter() - start) / report["scanned"]
     return report

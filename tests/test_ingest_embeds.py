@@ -1,0 +1,95 @@
+"""`zoo ingest` ends where a job ends: what it stored is embedded and its relations found (zoo/runners/embed_stage.py,
+the stage `zoo worker` runs), so the adapters are searchable with no `zoo embed`; `--no-embed` stops after storing;
+the `--json` lines are the same either way; a failed embed stage keeps what was stored and says `zoo embed` finishes it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CLI
+from tests.factories import write_random_peft_adapters
+from zoo.config import Settings
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _sources(root: Path) -> Path:
+    """Four PEFT adapters of TinyLM under root/src, and `rescaled`: a copy of the first with lora_alpha doubled."""
+    src = root / "src"
+    write_random_peft_adapters(src, 4)
+    shutil.copytree(src / "0000", src / "rescaled")
+    config = json.loads((src / "rescaled" / "adapter_config.json").read_text())
+    (src / "rescaled" / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]}))
+    return src
+
+
+def test_ingest_embeds_and_finds_relations(cli: CLI, tmp_path: Path) -> None:
+    src = _sources(tmp_path)
+    rc, out, err = cli("ingest", str(src), "--base-model", "tiny")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "5 ingested, 0 duplicates, 0 failed"
+    assert lines[1] == "embedded: 5 adapters in tiny" and lines[2].startswith("tiny: relations from the weights: 5 adapters scanned")
+    ids = {r["name"]: r["id"] for r in json.loads(cli("list", "--json")[1])["results"]}
+
+    # searchable with no `zoo embed`: neighbours by id, the rescaled copy nearest its parent
+    rc, out, err = cli("search", str(ids["0000"]), "-k", "3", "--json")
+    assert rc == 0, err
+    found = json.loads(out)
+    assert len(found["results"]) == 3 and found["results"][0]["adapter_id"] == ids["rescaled"]
+    # the relation recorded as a worker's batch records it
+    rc, out, _ = cli("lineage", str(ids["rescaled"]), "--json")
+    parents = json.loads(out)["from_weights"]["parents"]
+    assert [(e["adapter"]["id"], e["relation"]) for e in parents] == [(ids["0000"], "rescaled")]
+    # nothing left for `zoo embed`: the ingest ended where it would
+    rc, out, _ = cli("embed", "--json")
+    reports = json.loads(out)
+    assert rc == 0 and {r["embedded"] for r in reports} == {0} and reports[0]["relations"]["scanned"] == 0
+
+
+def _zoo(data: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`zoo` in a process of its own on an SQLite database under `data`."""
+    base = [sys.executable, "-m", "zoo.cli", "--db", f"sqlite:///{data / 'zoo.db'}", "--data-dir", str(data)]
+    return subprocess.run([*base, *args], capture_output=True, text=True, timeout=300)
+
+
+def _without_timings(lines: list[dict]) -> list[dict]:
+    return [{**line, "timings": sorted(line["timings"])} for line in lines]
+
+
+def test_no_embed_stores_only_and_json_lines_are_the_same(cli: CLI, tmp_path: Path) -> None:
+    src = _sources(tmp_path)
+    rc, stored = cli.json_lines("ingest", str(src), "--base-model", "tiny", "--no-embed")
+    assert rc == 0 and [r["status"] for r in stored] == ["ingested"] * 5
+    rc, _, err = cli("search", "1")
+    assert rc != 0 and "zoo embed" in err  # not embedded
+
+    # the same sources ingested with the embed stage, by another process into another zoo: the same lines on stdout
+    # (the seconds each stage took aside), the embed stage's summary on stderr
+    assert _zoo(tmp_path / "other", "init").returncode == 0
+    done = _zoo(tmp_path / "other", "ingest", str(src), "--base-model", "tiny", "--json")
+    assert done.returncode == 0, done.stderr
+    embedded = [json.loads(line) for line in done.stdout.splitlines()]
+    assert _without_timings(embedded) == _without_timings(stored)
+    assert "embedded: 5 adapters in tiny" in done.stderr
+    assert json.loads(_zoo(tmp_path / "other", "search", "1", "--json").stdout)["results"]
+
+
+def test_a_failed_embed_stage_keeps_what_was_stored(cli: CLI, settings: Settings, tmp_path: Path) -> None:
+    src = _sources(tmp_path)
+    settings.data_dir.mkdir(parents=True)
+    (settings.data_dir / "index").write_text("a file where the index folder goes")  # the embed stage cannot write its indexes
+    rc, out, err = cli("ingest", str(src), "--base-model", "tiny")
+    assert rc == 1 and out.splitlines()[0] == "5 ingested, 0 duplicates, 0 failed"
+    assert "the adapters are stored, but embedding them failed" in err and "`zoo embed`" in err
+    assert json.loads(cli("list", "--json")[1])["total"] == 5
+    (settings.data_dir / "index").unlink()
+    assert cli("embed")[0] == 0  # finishes it
+    rc, out, _ = cli("search", "1", "--json")
+    assert rc == 0 and json.loads(out)["results"]
