@@ -135,6 +135,18 @@ def cross_fitted_picks(means: np.ndarray, sizes: np.ndarray) -> list[int]:
     return [int(np.argmax(totals[o].sum(axis=0) / sizes[o].sum())) for o in others]
 
 
+def regret_per_query(results: list[dict[str, Any]], key: str) -> tuple[list[str], list[np.ndarray]]:
+    """For each split of `results` (two or more) the fixed search candidate with the best mean `key` over the other
+    splits' queries (cross_fitted_picks, among the candidates every split has), and per query of the split that
+    candidate's `key` minus the served search's (positive: the fixed choice would have done better)."""
+    scores = [r["per_query"] for r in results]
+    names = [n for n in scores[0].candidates if all(n in q.candidates for q in scores)]
+    sizes = np.array([len(q.tasks) for q in scores], dtype=float)
+    means = np.array([[q.candidates[n][key].mean() for n in names] for q in scores])
+    picks = [names[i] for i in cross_fitted_picks(means, sizes)]
+    return picks, [q.candidates[fixed][key] - q.candidates[q.served][key] for q, fixed in zip(scores, picks, strict=True)]
+
+
 def cross_fitted_regret(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The served search score against the best fixed candidate chosen cross-fitted, per REGRET_KEYS: for each split
     the candidate with the best mean over the other splits' queries (cross_fitted_picks), and per query of the split
@@ -144,13 +156,9 @@ def cross_fitted_regret(results: list[dict[str, Any]]) -> dict[str, dict[str, An
     scores = [r["per_query"] for r in results]
     if len(scores) < 2 or not all(q.tasks for q in scores):
         return {}
-    names = [n for n in scores[0].candidates if all(n in q.candidates for q in scores)]
-    sizes = np.array([len(q.tasks) for q in scores], dtype=float)
     out: dict[str, dict[str, Any]] = {}
     for key in REGRET_KEYS:
-        means = np.array([[q.candidates[n][key].mean() for n in names] for q in scores])
-        picks = [names[i] for i in cross_fitted_picks(means, sizes)]
-        lost = [q.candidates[fixed][key] - q.candidates[q.served][key] for q, fixed in zip(scores, picks, strict=True)]
+        picks, lost = regret_per_query(results, key)
         splits = [r["seed"] for r, q in zip(results, scores, strict=True) for _ in q.tasks]
         interval = clustered_bootstrap(np.concatenate(lost), [splits, [t for q in scores for t in q.tasks]])
         out[key] = {

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from zoo.cli import adapters, app, jobs, ops, spaces
+from zoo.cli import adapters, app, evaluation, jobs, ops, spaces
 from zoo.config import Settings
 from zoo.errors import ZooError
 from zoo.store.errors import UnavailableError
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", metavar="URL", help="database URL (default: $ZOO_DATABASE_URL, else SQLite under the data dir)")
     p.add_argument("--data-dir", metavar="DIR", help="data directory for the blob store (default: $ZOO_DATA_DIR or ~/.local/share/zoo)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (app, adapters, spaces, jobs, ops):
+    for group in (app, adapters, spaces, evaluation, jobs, ops):
         group.add_commands(sub)
     return p
 
