@@ -24,7 +24,7 @@ def test_saved_splits_summarize_as_their_run_resume_and_pool(cli: CLI, tmp_path:
     paths = write_random_peft_adapters(tmp_path / "zoo", 12)
     rows = [f"{p.name},{'ab'[i % 2]},{0.5 + i / 40}" for i, p in enumerate(paths)]
     (tmp_path / "labels.csv").write_text("\n".join(["name,task,test_accuracy", *rows]) + "\n")
-    rc, _ = cli.json_lines("ingest", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
+    rc, _ = cli.json_lines("ingest", "--no-embed", str(tmp_path / "zoo"), "--labels", str(tmp_path / "labels.csv"), "--base-model", "tiny")
     assert rc == 0
     full, two = tmp_path / "full", tmp_path / "two"
 
