@@ -201,3 +201,10 @@ def test_check_reports_and_repairs_the_text_index(zoo: SeededZoo) -> None:
     assert check(settings, repair=True)["text_index"]["repaired"] == "rebuilt"
     with sessions() as session:
         assert text_index.load(zoo.data_dir).mark == text_index.catalog_mark(session)
+
+
+def test_a_query_is_encoded_as_the_documents_are() -> None:
+    """The query's direct forward pass gives the vector sentence-transformers' encode gives, a long sentence cut alike."""
+    sentences = ["adapters of the qv task", "watercolor style", " ".join(["classify handwritten digits"] * 120)]
+    for q in sentences:
+        assert np.allclose(text_index.encode_query(q), text_index.encode([q])[0], atol=1e-5), q
