@@ -100,7 +100,7 @@ class FactorSummary:
     def of(cls, raw: Mapping[str, LowRankModule], factors: Mapping[str, CanonicalFactors]) -> FactorSummary:
         """The summary of an adapter's raw modules; `factors` (its canonical ones) say which updates are non-zero."""
         live = [raw[n] for n, f in factors.items() if f.rank]
-        zeros = sum(int((t == 0).sum()) for m in live for t in (m.A, m.B))
+        zeros = sum(zero_count(t) for m in live for t in (m.A, m.B))
         entries = sum(m.A.numel() + m.B.numel() for m in live)
         pruning = 0.0
         if entries and zeros / entries >= MIN_PRUNED_SHARE:
@@ -286,10 +286,18 @@ def raw_precisions(raw: Mapping[str, LowRankModule]) -> set[str]:
     """The precisions (of PRECISION_BITS) that hold every entry of the raw A and B exactly."""
     formats = {"bf16": torch.bfloat16, "fp16": torch.float16}
     found = set()
-    for name, dtype in formats.items():
-        if all(torch.equal(t.float(), t.to(dtype).float()) for m in raw.values() for t in (m.A, m.B)):
+    for name, dtype in formats.items():  # a tensor of that dtype holds its entries in it (they are finite: check_pair refuses others)
+        if all(t.dtype == dtype or torch.equal(t.float(), t.to(dtype).float()) for m in raw.values() for t in (m.A, m.B)):
             found.add(name)
     return found
+
+
+def zero_count(t: torch.Tensor) -> int:
+    """Entries equal to zero (either sign). A half-precision tensor's are counted on its bits, as integers: torch
+    compares float16 and bfloat16 on the CPU through float32, 30 ms of an SDXL file's 60 ms summary."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return int(np.count_nonzero((t.view(torch.int16).numpy() & 0x7FFF) == 0))
+    return int((t == 0).sum())
 
 
 def _pruned(
