@@ -14,7 +14,9 @@ import pytest
 
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
+from zoo.cli import main
 from zoo.config import Settings
+from zoo.store.session import upgrade
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -72,13 +74,16 @@ def test_no_embed_stores_only_and_json_lines_are_the_same(cli: CLI, tmp_path: Pa
 
     # the same sources ingested with the embed stage, by another process into another zoo: the same lines on stdout
     # (the seconds each stage took aside), the embed stage's summary on stderr
-    assert _zoo(tmp_path / "other", "init").returncode == 0
-    done = _zoo(tmp_path / "other", "ingest", str(src), "--base-model", "tiny", "--json")
+    other = tmp_path / "other"
+    upgrade(f"sqlite:///{other / 'zoo.db'}")
+    done = _zoo(other, "ingest", str(src), "--base-model", "tiny", "--json")
     assert done.returncode == 0, done.stderr
     embedded = [json.loads(line) for line in done.stdout.splitlines()]
     assert _without_timings(embedded) == _without_timings(stored)
     assert "embedded: 5 adapters in tiny" in done.stderr
-    assert json.loads(_zoo(tmp_path / "other", "search", "1", "--json").stdout)["results"]
+    cli.capsys.readouterr()
+    assert main(["--db", f"sqlite:///{other / 'zoo.db'}", "--data-dir", str(other), "search", "1", "--json"]) == 0
+    assert json.loads(cli.capsys.readouterr().out)["results"]
 
 
 def test_a_failed_embed_stage_keeps_what_was_stored(cli: CLI, settings: Settings, tmp_path: Path) -> None:

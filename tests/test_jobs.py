@@ -177,8 +177,7 @@ def test_zoo_jobs_and_zoo_worker(cli: CLI, tmp_path: Path) -> None:
 
     rc, out, _ = cli("worker", "--drain", "--json")
     summary = json.loads(out)
-    # a space never embedded gets the training-free embedders, as `zoo embed` and `zoo ingest` make them
-    assert rc == 0 and (summary["processed"], summary["done"], summary["failed"], summary["embedded"]) == (7, 6, 1, {"tiny": 6})
+    assert rc == 0 and (summary["processed"], summary["done"], summary["failed"], summary["embedded"]) == (7, 6, 1, {})
     rc, out, _ = cli("jobs", "show", str(job["id"]))
     lines = out.splitlines()
     assert lines[0].startswith(f"job {job['id']}: done") and lines[1] == "  7 items: 6 done, 1 failed"

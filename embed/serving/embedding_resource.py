@@ -179,13 +179,15 @@ def embed_adapters(
     adapter_ids: list[int],
     device: str | None = None,
     progress: Callable[[int], object] | None = None,
+    new_spaces: bool = False,
 ) -> dict[str, int]:
     """Embed newly stored adapters under the serving embedders of their spaces: the incremental path
     every ingest takes (zoo/runners/embed_stage.py). Query engines see them at their next query (the space's version
-    moved); index files, module stores and maps catch up in `refresh_space_files`. A space without embedders gets the
-    training-free ones first, made for the vocabulary of everything it stores (`training_free_embedders`); an adapter
-    that does not fit an existing embedder's modules waits for `zoo embed`, which makes a wider one. `progress` hears
-    how many adapters each chunk finished. Returns the count embedded per space."""
+    moved); index files, module stores and maps catch up in `refresh_space_files`. With `new_spaces`, a space without
+    embedders gets the training-free ones first, made for the vocabulary of everything it stores
+    (`training_free_embedders`); else it waits for `zoo embed`. An adapter that does not fit an existing embedder's
+    modules waits for `zoo embed`, which makes a wider one. `progress` hears how many adapters each chunk finished.
+    Returns the count embedded per space."""
     with sessions() as session:
         rows = space_adapters.lora_base_models(session, adapter_ids)
     by_space: dict[str, list[int]] = {}
@@ -198,7 +200,7 @@ def embed_adapters(
         with sessions() as session:
             space = find_space(session, base_model)
             embedder_ids = [e.id for e in serving_embedders(session, space.id).values()] if space else []
-        if not embedder_ids:
+        if not embedder_ids and new_spaces:
             embedder_ids = training_free_embedders(sessions, base_model)[1]
         counts = _embed_ids(sessions, blobs, data_dir, base_model, embedder_ids, sorted(ids), device, subset=True, progress=progress)
         if counts:

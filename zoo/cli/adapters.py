@@ -112,7 +112,7 @@ def cmd_ingest(settings: Settings, args: argparse.Namespace) -> int:
         from zoo.runners.embed_stage import EmbedBatches
 
         # every=None: embedded once all are stored, so a new space's embedders take the vocabulary of all of them
-        batches = EmbedBatches(settings, None, args.device, progress=False if args.json else None)
+        batches = EmbedBatches(settings, None, args.device, progress=False if args.json else None, new_spaces=True)
     counts, failures = run_ingest(settings, args.paths, options, label_rows, args.json, batches=batches)
     if not args.json:
         print(f"{counts['ingested']} ingested, {plural(counts['duplicate'], 'duplicate')}, {counts['failed']} failed")

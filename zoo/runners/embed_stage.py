@@ -1,7 +1,9 @@
-"""The stage after storing, for every way in: newly stored adapters embedded under every serving embedder of their spaces
-(a space never embedded gets the training-free embedders first, as `zoo embed` makes them), the touched spaces' files
-brought up to date, and the relations found from the weights (zoo.services.relations). `zoo worker`, `zoo ingest
---ray`, the web app's job thread and `zoo ingest` all end an item here, through EmbedBatches."""
+"""The stage after storing, for every way in: newly stored adapters embedded under every serving embedder of their spaces,
+the touched spaces' files brought up to date, and the relations found from the weights (zoo.services.relations).
+`zoo worker`, `zoo ingest --ray`, the web app's job thread and `zoo ingest` all end an item here, through EmbedBatches.
+`zoo ingest`, which embeds once everything is stored, also gives a space never embedded the training-free embedders
+(`new_spaces`), as `zoo embed` makes them; a job's batches (every EMBED_EVERY items, before the space's whole module
+vocabulary is stored) leave a new base model to `zoo embed`."""
 
 from __future__ import annotations
 
@@ -68,10 +70,12 @@ class EmbedBatches:
     """Collects the adapters that outcomes stored or found; embeds those without vectors every `every` of them (None:
     only when flushed), and when flushed with `files`: then also whatever the touched spaces still lack (a killed
     worker's last batch), brings their files up to date and finds the relations of what is left to scan.
-    `progress`: a bar per stage (None: when stderr is a terminal; False: none)."""
+    `progress`: a bar per stage (None: when stderr is a terminal; False: none); `new_spaces`: see the module's note."""
 
-    def __init__(self, settings: Settings, every: int | None, device: str | None = None, progress: bool | None = False) -> None:
-        self.settings, self.every, self.device = settings, every, device
+    def __init__(
+        self, settings: Settings, every: int | None, device: str | None = None, progress: bool | None = False, new_spaces: bool = False
+    ) -> None:
+        self.settings, self.every, self.device, self.new_spaces = settings, every, device, new_spaces
         self.sessions = session_factory(settings.database_url)
         self.blobs = open_blob_store(settings)
         self.pending: list[int] = []
@@ -96,7 +100,7 @@ class EmbedBatches:
     def _embed(self, ids: list[int]) -> None:
         from embed.serving.embedding_resource import embed_adapters
 
-        done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, ids, self.device, self.bars.embedded)
+        done = embed_adapters(self.sessions, self.blobs, self.settings.data_dir, ids, self.device, self.bars.embedded, self.new_spaces)
         for space, count in done.items():
             metrics().embedded.labels(space).inc(count)
         self.embedded.update(done)
