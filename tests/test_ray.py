@@ -231,18 +231,20 @@ def test_nodes_with_data_dirs_of_their_own_share_only_the_database_and_the_bucke
     with session_factory(pg_url)() as session:
         assert session.scalar(select(func.count()).select_from(Adapter)) == 4 + 6
 
+
+@pytest.mark.postgres
+def test_with_blobs_in_the_data_dir_a_node_that_cannot_see_it_refuses_the_run(pg_url: str, ray_cluster: Cluster, tmp_path: Path) -> None:
     if ray_cluster.hidden is None:
-        pytest.skip("the refusal of a node that cannot see the data dir needs a mount namespace (unshare -m, privileged)")
-    for name in bucket:  # blobs in the data dir: every node must see the driver's
-        monkeypatch.delenv(name)
-    unseen = ray_cluster.hidden / "driver"  # the second node sees an empty directory there
-    write_random_peft_adapters(tmp_path / "more", 2, seed=77)
-    command = [sys.executable, "-m", "zoo.cli", "--db", pg_url, "--data-dir", str(unseen), "ingest", str(tmp_path / "more")]
-    env = {**os.environ, **ray_cluster.auth}
+        pytest.skip("a node that cannot see a directory needs a mount namespace of its own (unshare -m, privileged)")
+    truncate_all(pg_url)
+    unseen = ray_cluster.hidden / "driver"  # this process and the first node see it; the second an empty tmpfs there
+    write_random_peft_adapters(tmp_path / "src", 2)
+    command = [sys.executable, "-m", "zoo.cli", "--db", pg_url, "--data-dir", str(unseen), "ingest", str(tmp_path / "src")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZOO_BLOB_URL", "ZOO_S3_"))}  # blobs in the data dir
+    env |= ray_cluster.auth
     ran = subprocess.run([*command, "--ray", ray_cluster.address], env=env, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 2 and f"cannot see this command's data dir {unseen}: with blobs in the data dir" in ran.stderr, ran.stderr
     with session_factory(pg_url)() as session:  # refused before any item was claimed
-        job = session.scalar(select(func.max(JobItem.job_id)))
-        states = session.execute(select(JobItem.state, JobItem.attempts).where(JobItem.job_id == job)).all()
+        states = session.execute(select(JobItem.state, JobItem.attempts)).all()
     assert states and set(states) == {("queued", 0)}
     assert not list(unseen.glob(".ray-driver-*"))  # the driver's file is gone
