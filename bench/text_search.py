@@ -1,15 +1,26 @@
-"""Search by meaning on a reference zoo whose half lost its text: does a task's one-sentence description reach the
-adapters without labels?
+"""Search by meaning on reference zoos whose half lost its text: does a task's one-sentence description reach the
+adapters without labels? Over several splits and recipes, with intervals.
 
-The digits-vit zoo (`zoo make-zoo`, built here when --zoo has none) is ingested with the labels of a seeded half of its
-adapters only (the other half keeps just its name, `digits-vit-00012`), embedded, and W2T is trained on the labelled
-half. Each task's description (written from the recipe's task definitions, zoo/reference/digits.py) queries the
-zoo; the rankings of full text alone, dense text (full text and the sentence index fused), and the default (dense
-plus expansion through the weights: predicted attributes and neighbours of the text hits) are scored on the adapters
-without text: the ranking kept to them, relevant those of the task. hit@1 and nDCG@10 per query, means with 95 %
-intervals from a bootstrap over tasks (embed/training/intervals.py), and the default's gain over full text with its interval.
+Per recipe (digits-vit, shapes-cnn, docs-minilm; each zoo made by `zoo make-zoo --seed 0` when --zoos has none) the zoo
+is ingested with its labels and embedded once; each split copies it, removes every given label and measurement of a
+half of its adapters drawn with the split's seed (they keep just their name, `digits-vit-00012`), and trains W2T on the
+labelled half. Each task's description (written from the recipe's task definitions, zoo/reference/) queries the zoo;
+these rankings are scored on the adapters without text (the ranking kept to them, relevant those of the task):
 
-    python -m bench.text_search --zoo /tmp/textsearch/digits --work /tmp/textsearch/bench
+- full text alone;
+- dense text: full text and the sentence index fused;
+- dense + expansion: and the predicted attributes and the weight-space neighbours of the text hits;
+- zero-shot: the base model's response score alone (embed/serving/zero_shot.py), where the base can be run (docs-minilm's
+  MiniLM; an image base reads no text: not applicable);
+- default: everything search by meaning fuses (dense + expansion, and zero-shot where it runs).
+
+hit@1 and nDCG@10 per query; means with 95 % intervals from a bootstrap over splits and tasks crossed
+(embed/training/intervals.py), per recipe and pooled, and the paired gains over full text. Results per split are appended to
+WORK/results.jsonl, so a run that stops can go on (`--splits` more, or another recipe) without redoing them; processes
+started with the same WORK share the splits (each claims the next one: WORK/RECIPE/split-NN.claim; remove the claims of
+a run that was killed).
+
+    python -m bench.text_search --zoos /tmp/t59/zoos --work /tmp/t59/bench --recipes digits-vit,shapes-cnn --splits 10
 """
 
 from __future__ import annotations
@@ -17,31 +28,68 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
+import sqlite3
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 
-#: a sentence per digits task, as a user would ask for it
-DESCRIPTIONS = {
-    "pair-3-8": "tell handwritten threes apart from eights",
-    "pair-1-7": "distinguish the digit one from the digit seven",
-    "pair-4-9": "classify images of fours versus nines",
-    "pair-5-6": "separate handwritten fives from sixes",
-    "pair-0-6": "tell zeros from sixes in digit images",
-    "pair-2-7": "decide whether a handwritten digit is a two or a seven",
-    "subset-even": "recognise the even digits zero, two, four, six and eight",
-    "subset-odd": "recognise the odd digits one, three, five, seven and nine",
-    "subset-low": "classify the low digits from zero to four",
-    "subset-high": "classify the high digits from five to nine",
-    "rot90": "read digits rotated by ninety degrees",
-    "rot180": "read digits turned upside down",
-    "flip": "classify mirror-flipped images of digits",
-    "invert": "classify digits drawn with inverted colours",
-    "noise": "classify digits in images with heavy pixel noise",
-    "shift-labels": "predict the next digit after the one shown",
-    "label-noise": "learn digits from training labels that are partly wrong",
+#: a sentence per task, as a user would ask for it
+DESCRIPTIONS: dict[str, dict[str, str]] = {
+    "digits-vit": {
+        "pair-3-8": "tell handwritten threes apart from eights",
+        "pair-1-7": "distinguish the digit one from the digit seven",
+        "pair-4-9": "classify images of fours versus nines",
+        "pair-5-6": "separate handwritten fives from sixes",
+        "pair-0-6": "tell zeros from sixes in digit images",
+        "pair-2-7": "decide whether a handwritten digit is a two or a seven",
+        "subset-even": "recognise the even digits zero, two, four, six and eight",
+        "subset-odd": "recognise the odd digits one, three, five, seven and nine",
+        "subset-low": "classify the low digits from zero to four",
+        "subset-high": "classify the high digits from five to nine",
+        "rot90": "read digits rotated by ninety degrees",
+        "rot180": "read digits turned upside down",
+        "flip": "classify mirror-flipped images of digits",
+        "invert": "classify digits drawn with inverted colours",
+        "noise": "classify digits in images with heavy pixel noise",
+        "shift-labels": "predict the next digit after the one shown",
+        "label-noise": "learn digits from training labels that are partly wrong",
+    },
+    "shapes-cnn": {
+        "pair-disk-ring": "tell a filled disk from a ring",
+        "pair-square-frame": "distinguish solid squares from square frames",
+        "pair-plus-cross": "separate plus signs from diagonal crosses",
+        "pair-stripes": "classify horizontal versus vertical stripes",
+        "pair-triangle-square": "tell triangles apart from squares",
+        "subset-filled": "recognise filled shapes: disks, squares and triangles",
+        "subset-outline": "recognise outlined shapes such as rings, frames, plus signs and crosses",
+        "subset-texture": "classify textures: stripes and checkerboards",
+        "rot90": "classify shapes rotated by ninety degrees",
+        "flipud": "classify shapes flipped upside down",
+        "invert": "classify shapes drawn with inverted colours",
+        "blur": "recognise blurred shapes",
+        "noise": "classify shapes in noisy images",
+        "pixelate": "classify pixelated low resolution shapes",
+        "shift-labels": "predict the next shape class after the one shown",
+        "label-noise": "learn shapes from training labels that are partly wrong",
+        "size": "tell large shapes from small ones",
+    },
+    "docs-minilm": {
+        "networking-vs-files": "tell documentation about networking apart from documentation about files",
+        "concurrency-vs-numbers": "classify docstrings as about concurrency or about numbers and math",
+        "text-vs-testing": "separate text processing documentation from testing documentation",
+        "files-vs-text": "distinguish file handling docs from text processing docs",
+        "networking-vs-concurrency": "decide whether a docstring is about networking or about threads and concurrency",
+        "numbers-vs-testing": "classify documentation about numbers versus unit testing",
+        "triad-io": "sort input and output documentation into networking, files and concurrency",
+        "triad-logic": "sort documentation into text processing, numbers and testing",
+        "all-topics": "classify Python standard library documentation into its six topics",
+    },
 }
+#: the rankings scored, in the order printed
+METHODS = ("full_text", "dense", "expansion", "zero_shot", "default")
 
 
 def ndcg10(ranking: list[int], relevant: set[int]) -> float:
@@ -50,108 +98,179 @@ def ndcg10(ranking: list[int], relevant: set[int]) -> float:
     return float(sum(gains) / ideal) if ideal else 0.0
 
 
-def prepare(zoo: Path, work: Path, count: int, seed: int, epochs: int, members: int) -> tuple[str, Path, dict[str, str], set[str]]:
-    """(database URL, data dir, task by adapter name, names without text): the zoo ingested with half its labels."""
+def reason(why: str) -> str:
+    """The kind of a result's first reason: text, predicted, zero-shot or near."""
+    return next((k for k in ("text", "predicted", "zero-shot") if why.startswith(k)), "near")
+
+
+def base_zoo(recipe: str, zoos: Path, work: Path, count: int) -> tuple[Path, dict[str, str]]:
+    """The recipe's zoo ingested with every label and embedded, once (WORK/RECIPE/base); its task by adapter name."""
     from zoo.cli import main
-    from zoo.store.session import upgrade
+    from zoo.store.session import make_engine, upgrade
 
+    zoo = zoos / recipe
     if not (zoo / "labels.csv").exists():
-        assert main(["make-zoo", str(zoo), "--recipe", "digits-vit", "--count", str(count), "--json"]) == 0
+        assert main(["make-zoo", str(zoo), "--recipe", recipe, "--count", str(count), "--seed", "0", "--json"]) == 0
     with (zoo / "labels.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
-    names = sorted(r["name"] for r in rows)
-    rng = np.random.default_rng(seed)
-    bare = set(rng.choice(names, size=len(names) // 2, replace=False).tolist())
-    work.mkdir(parents=True, exist_ok=True)
-    url, data = f"sqlite:///{work / 'zoo.db'}", work / "data"
-    if not (work / "zoo.db").exists():
-        half = work / "labels-half.csv"
-        with half.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(r for r in rows if r["name"] not in bare)
+        task_of = {r["name"]: r["task"] for r in csv.DictReader(fh)}
+    base = work / recipe / "base"
+    if not (base / "done").exists():
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        url = f"sqlite:///{base / 'zoo.db'}"
         upgrade(url)
-        base = ["--db", url, "--data-dir", str(data)]
-        assert main([*base, "ingest", str(zoo), "--labels", str(half), "--json"]) == 0
-        assert main([*base, "embed", "--json"]) == 0
-        assert main([*base, "train", "--epochs", str(epochs), "--members", str(members), "--json"]) == 0
-    return url, data, {r["name"]: r["task"] for r in rows}, bare
+        args = ["--db", url, "--data-dir", str(base / "data")]
+        assert main([*args, "ingest", str(zoo), "--labels", str(zoo / "labels.csv"), "--json"]) == 0
+        assert main([*args, "embed", "--json"]) == 0
+        make_engine(url).dispose()
+        (base / "done").touch()
+    return base, task_of
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--zoo", type=Path, default=Path("/tmp/textsearch/digits"))
-    parser.add_argument("--work", type=Path, default=Path("/tmp/textsearch/bench"))
-    parser.add_argument("--count", type=int, default=120)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--members", type=int, default=3)
-    args = parser.parse_args()
+def split_zoo(base: Path, work: Path, split: int, epochs: int, members: int) -> tuple[str, Path, set[str]]:
+    """(database URL, data dir, names without text) of a split: the base copied, a seeded half's labels removed, W2T
+    trained on the rest."""
+    from zoo.cli import main
+    from zoo.store.labels import given_labels, remove_label
+    from zoo.store.models import Adapter
+    from zoo.store.session import make_engine, session_factory, write_transaction
 
-    from embed.serving import text_index, text_search
+    here = work / f"split-{split:02d}"
+    shutil.rmtree(here, ignore_errors=True)
+    here.mkdir(parents=True)
+    with closing(sqlite3.connect(base / "zoo.db")) as have, closing(sqlite3.connect(here / "zoo.db")) as copy:
+        have.backup(copy)
+    shutil.copytree(base / "data", here / "data")
+    url = f"sqlite:///{here / 'zoo.db'}"
+    sessions = session_factory(url)
+    with sessions() as session:
+        ids = dict(session.query(Adapter.name, Adapter.id).all())
+    names = sorted(ids)
+    bare = set(np.random.default_rng(split).choice(names, size=len(names) // 2, replace=False).tolist())
+    with write_transaction(sessions) as session:
+        for name in sorted(bare):
+            labels, measured = given_labels(session, ids[name])
+            for key in sorted({*labels, *measured}):
+                remove_label(session, ids[name], key)
+    make_engine(url).dispose()
+    args = ["--db", url, "--data-dir", str(here / "data")]
+    assert main([*args, "train", "--epochs", str(epochs), "--members", str(members), "--seed", str(split), "--json"]) == 0
+    return url, here / "data", bare
+
+
+def evaluate(recipe: str, url: str, data: Path, task_of: dict[str, str], bare: set[str]) -> list[dict[str, object]]:
+    """A record per task: each ranking's hit@1 and nDCG@10 without text, and nDCG@10 over every adapter."""
+    from embed.serving import text_index, text_search, zero_shot
     from embed.serving.engine import QueryEngine
-    from embed.training.intervals import clustered_bootstrap
     from zoo.store.blobs import BlobStore
     from zoo.store.catalog import ranked_ids
     from zoo.store.models import Adapter
     from zoo.store.session import session_factory
 
-    url, data, task_of, bare = prepare(args.zoo, args.work, args.count, args.seed, args.epochs, args.members)
     sessions = session_factory(url)
     engine = QueryEngine(sessions, BlobStore(data / "blobs"), data)
-    metrics: dict[str, dict[str, list[float]]] = {
-        m: {"hit@1": [], "ndcg@10": [], "all_ndcg@10": []} for m in ("full_text", "dense", "default")
-    }
-    tasks, seconds, reasons = [], [], {"text": 0, "predicted": 0, "near": 0}
+    records: list[dict[str, object]] = []
     with sessions() as session:
         names = {i: n for i, n in session.query(Adapter.id, Adapter.name)}
+        base_model = session.query(Adapter.base_model).first()[0]
+        runs = zero_shot.not_runnable(base_model) is None
         bare_ids = {i for i, n in names.items() if n in bare}
         started = time.perf_counter()
         text_index.current_index(session, engine)
         build_s = time.perf_counter() - started
-        for task, description in DESCRIPTIONS.items():
+        for task, description in DESCRIPTIONS[recipe].items():
             relevant = {i for i in bare_ids if task_of[names[i]] == task}
             if not relevant:
                 continue
-            tasks.append(task)
             started = time.perf_counter()
             lists = text_search.query_lists(session, engine, description, {})
-            fused = text_search.fuse([lists.full_text, lists.dense, lists.predicted, lists.near])
-            seconds.append(time.perf_counter() - started)
-            rankings = {
+            fused = text_search.fuse(lists.all())
+            seconds = time.perf_counter() - started
+            rankings: dict[str, list[int] | None] = {
                 "full_text": ranked_ids(session, description, {}, text_search.DEPTH),
                 "dense": [i for i, _, _ in text_search.fuse([lists.full_text, lists.dense])],
+                "expansion": [i for i, _, _ in text_search.fuse([lists.full_text, lists.dense, lists.predicted, lists.near])],
+                "zero_shot": [i for i, _ in lists.zero_shot] if runs else None,
                 "default": [i for i, _, _ in fused],
             }
+            record: dict[str, object] = {"task": task, "seconds": seconds, "index_build_s": build_s}
             for method, ranking in rankings.items():
+                if ranking is None:
+                    continue
                 kept = [i for i in ranking if i in bare_ids]
-                metrics[method]["hit@1"].append(float(bool(kept) and kept[0] in relevant))
-                metrics[method]["ndcg@10"].append(ndcg10(kept, relevant))
-                # on every adapter: the ranking as it is, relevant every adapter of the task
-                metrics[method]["all_ndcg@10"].append(ndcg10(ranking, {i for i in names if task_of[names[i]] == task}))
-            for i, _, why in fused[:10]:
-                if i in bare_ids:
-                    reasons["text" if why[0] == "text" else "predicted" if why[0].startswith("predicted") else "near"] += 1
+                record[f"{method}.hit@1"] = float(bool(kept) and kept[0] in relevant)
+                record[f"{method}.ndcg@10"] = ndcg10(kept, relevant)
+                record[f"{method}.all_ndcg@10"] = ndcg10(ranking, {i for i in names if task_of[names[i]] == task})
+            record["why_bare_top10"] = [reason(w[0]) for i, _, w in fused[:10] if i in bare_ids]
+            records.append(record)
+    return records
 
-    def interval(values: list[float]) -> list[float]:
-        iv = clustered_bootstrap(values, [tasks])
-        return [round(float(iv.mean), 3), round(float(iv.low), 3), round(float(iv.high), 3)]
+
+def summary(records: list[dict[str, object]]) -> dict[str, object]:
+    """Each method's means with intervals (bootstrap over splits and tasks crossed), and the gains over full text."""
+    from embed.training.intervals import clustered_bootstrap
+
+    def interval(values: list[float], rows: list[dict[str, object]]) -> list[float]:
+        iv = clustered_bootstrap(values, [[r["split"] for r in rows], [f"{r['recipe']}/{r['task']}" for r in rows]])
+        return [round(iv.mean, 3), round(iv.low, 3), round(iv.high, 3)]
 
     out: dict[str, object] = {
-        "zoo": str(args.zoo),
-        "adapters": len(task_of),
-        "without_text": len(bare),
-        "tasks": len(tasks),
-        "index_build_s": round(build_s, 1),
-        "query_ms_median": round(1000 * float(np.median(seconds)), 1),
-        **{f"{m}_{k}": interval(v) for m, per in metrics.items() for k, v in per.items()},
-        "gain_ndcg@10_default_vs_full_text": interval(list(np.subtract(metrics["default"]["ndcg@10"], metrics["full_text"]["ndcg@10"]))),
-        "gain_ndcg@10_dense_vs_full_text": interval(list(np.subtract(metrics["dense"]["ndcg@10"], metrics["full_text"]["ndcg@10"]))),
-        "why_of_bare_in_top10": reasons,
+        "queries": len(records),
+        "splits": len({r["split"] for r in records}),
+        "tasks": len({(r["recipe"], r["task"]) for r in records}),
     }
-    for method, per in metrics.items():
-        bare_part = f"hit@1 {interval(per['hit@1'])} nDCG@10 {interval(per['ndcg@10'])}"
-        print(f"{method:10s} without text: {bare_part}; all: nDCG@10 {interval(per['all_ndcg@10'])}")
+    for method in METHODS:
+        rows = [r for r in records if f"{method}.ndcg@10" in r]
+        if not rows:
+            out[method] = "not applicable"
+            continue
+        out[method] = {m: interval([float(r[f"{method}.{m}"]) for r in rows], rows) for m in ("hit@1", "ndcg@10", "all_ndcg@10")}
+        if method != "full_text":
+            gain = [float(r[f"{method}.ndcg@10"]) - float(r["full_text.ndcg@10"]) for r in rows]
+            out[f"gain_ndcg@10_{method}_vs_full_text"] = interval(gain, rows)
+    both = [r for r in records if "zero_shot.ndcg@10" in r]
+    if both:  # what zero-shot adds to the rest
+        gain = [float(r["default.ndcg@10"]) - float(r["expansion.ndcg@10"]) for r in both]
+        out["gain_ndcg@10_default_vs_expansion"] = interval(gain, both)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zoos", type=Path, default=Path("/tmp/textsearch/zoos"), help="a zoo per recipe, DIR/RECIPE")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/textsearch/bench"))
+    parser.add_argument("--recipes", default="digits-vit,shapes-cnn")
+    parser.add_argument("--splits", type=int, default=10)
+    parser.add_argument("--count", type=int, default=120, help="adapters of a zoo made here")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--members", type=int, default=3)
+    args = parser.parse_args()
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    results = args.work / "results.jsonl"
+    records = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+    recipes = args.recipes.split(",")
+    for recipe in recipes:
+        base, task_of = base_zoo(recipe, args.zoos, args.work, args.count)
+        for split in range(args.splits):
+            claim = args.work / recipe / f"split-{split:02d}.claim"
+            if any(r["recipe"] == recipe and r["split"] == split for r in records) or claim.exists():
+                continue
+            claim.touch()  # another process started with the same --work takes the next split instead
+            started = time.perf_counter()
+            url, data, bare = split_zoo(base, args.work / recipe, split, args.epochs, args.members)
+            mine = [{"recipe": recipe, "split": split, **r} for r in evaluate(recipe, url, data, task_of, bare)]
+            with results.open("a") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in mine)
+            records += mine
+            shutil.rmtree(args.work / recipe / f"split-{split:02d}", ignore_errors=True)
+            print(f"{recipe} split {split}: {len(mine)} queries, {time.perf_counter() - started:.0f} s", flush=True)
+    records = [json.loads(line) for line in results.read_text().splitlines()]  # those other processes wrote too
+    mine = [r for r in records if r["recipe"] in recipes and r["split"] < args.splits]
+    out: dict[str, object] = {"pooled": summary(mine)} if len(recipes) > 1 else {}
+    out.update({recipe: summary([r for r in mine if r["recipe"] == recipe]) for recipe in recipes})
+    out["why_bare_top10"] = {k: sum(r["why_bare_top10"].count(k) for r in mine) for k in ("text", "predicted", "near", "zero-shot")}
+    out["query_ms_median"] = round(1000 * float(np.median([float(r["seconds"]) for r in mine])), 1)
     print(json.dumps(out))
 
 
