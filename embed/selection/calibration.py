@@ -120,36 +120,50 @@ def fit(shares: np.ndarray, truth: np.ndarray, prior: tuple[float, ...]) -> Cali
     return Calibration(best[1], best[2], prior, n)
 
 
-def knn_calibration(sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, prior: tuple[float, ...], draws: int = 5) -> Calibration:
+def knn_calibration(
+    sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, prior: tuple[float, ...], draws: int = 5, rows: np.ndarray | None = None
+) -> Calibration:
     """The calibration of a k-NN vote among labelled adapters, from their leave-one-out votes (`sim`: n × n among
     them, `classes` their class indices): each is voted on by all the others, n − 1 labelled where what is served
     has n, closer than the held-out folds' share. Fewer labels of its own class still make the leave-one-out vote
     less accurate than the served one, and with a few labels per class one label matters: the vote is run once
     more with a second adapter of each one's class left out (`draws` times), and the accuracy extrapolated one
     label further along that learning curve; the prior's share is then set so that the mean calibrated top
-    probability matches it."""
-    n = len(classes)
+    probability matches it. `rows`: the adapters that vote (default: all), where only their rows of `sim` are
+    honest about them: a similarity the labels shaped (a channel metric, a W2T mix) is honest about an adapter in
+    the row of the fold that held it out, its other rows may be anything."""
+    voters = np.arange(len(classes)) if rows is None else np.asarray(rows, np.int64)
+    n = len(voters)
     if n < MIN_FIT:
         return Calibration(1.0, 0.5, prior, n)
-    others = np.array(sim, np.float64)
-    np.fill_diagonal(others, -np.inf)
+    others = np.array(sim, np.float64)[voters]
+    others[np.arange(n), voters] = -np.inf
+    truth = classes[voters]
     shares = knn_vote_shares(others, classes, n_classes, k)
-    loo = float((shares.argmax(axis=1) == classes).mean())
+    loo = float((shares.argmax(axis=1) == truth).mean())
     rng = np.random.default_rng(0)
     members = {c: np.flatnonzero(classes == c) for c in np.unique(classes)}
     fewer = []
     for _ in range(draws):
         dropped = others.copy()
-        for i in range(n):
-            same = members[classes[i]]
-            same = same[same != i]
+        for i, r in enumerate(voters):
+            same = members[classes[r]]
+            same = same[same != r]
             if len(same):
                 dropped[i, rng.choice(same)] = -np.inf
-        fewer.append(float((knn_vote_shares(dropped, classes, n_classes, k).argmax(axis=1) == classes).mean()))
+        fewer.append(float((knn_vote_shares(dropped, classes, n_classes, k).argmax(axis=1) == truth).mean()))
     target = min(max(loo, 2 * loo - float(np.mean(fewer))), 1.0 - 1.0 / (n + 2))
-    fitted = fit(shares, classes, prior)
+    fitted = fit(shares, truth, prior)
     own = with_mean_confidence(fitted, shares, min(loo, 1.0 - 1.0 / (n + 2)))
     return replace(with_mean_confidence(fitted, shares, target), own_mix=own.mix)
+
+
+def leave_one_out_shares(sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """The k-NN vote shares of each of `rows` (default: every labelled adapter) by all the others (`sim` n × n)."""
+    voters = np.arange(len(classes)) if rows is None else np.asarray(rows, np.int64)
+    others = np.array(sim, np.float64)[voters]
+    others[np.arange(len(voters)), voters] = -np.inf
+    return knn_vote_shares(others, classes, n_classes, k)
 
 
 def with_mean_confidence(c: Calibration, shares: np.ndarray, target: float) -> Calibration:

@@ -31,7 +31,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from embed.selection.calibration import Calibration, class_prior, knn_calibration, with_earned_sure
+from embed.selection.calibration import Calibration, class_prior, knn_calibration, leave_one_out_shares, with_earned_sure
 from embed.selection.calibration import fit as fit_calibration
 from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
@@ -282,16 +282,36 @@ def choose_attribute(
         chosen, value = best_expected(weighed, free, lambda c, items: float(per[c][items].mean()), len(t))
         reason = _why(chosen, free, value, len(t), "accuracy") + (" (the best kNN)" if chosen == free else "")
     prior = class_prior(index[index >= 0], len(classes))
-    if isinstance(chosen, KnnPredictor) and chosen.similarity.w2t_weight == 0 and chosen.similarity.fitted is None:  # no label shaped it
-        rows = np.flatnonzero(index >= 0).tolist()
-        sim = exact[chosen.similarity.exact][np.ix_(rows, rows)]
-        calibration = knn_calibration(sim, index[rows], len(classes), chosen.k, prior)
-        others = np.array(sim, np.float64)
-        np.fill_diagonal(others, -np.inf)  # each labelled adapter voted on by the others, as it is served
-        calibration = with_earned_sure(calibration, knn_vote_shares(others, index[rows], len(classes), chosen.k), index[rows])
-    else:
+    if isinstance(chosen, KnnPredictor) and chosen.similarity.w2t_weight == 0:  # by an exact score or a channel metric
+        calibration = _knn_calibration(exact, chosen, index, len(classes), prior, folds)
+    else:  # a learned predictor, or a kNN by a W2T mix: by its out-of-fold shares
         calibration = with_earned_sure(fit_calibration(oof[chosen], t, prior), oof[chosen], t)
     return Choice(chosen, means, reason), per, calibration
+
+
+def _knn_calibration(
+    exact: dict[str, np.ndarray], knn: KnnPredictor, index: np.ndarray, n_classes: int, prior: tuple[float, ...], folds: list[Fold]
+) -> Calibration:
+    """A kNN's calibration from leave-one-out votes among every labelled adapter (embed.selection.calibration
+    knn_calibration), each voted on by all the others as a query is by all of them. By a training-free similarity
+    every labelled adapter votes; by a channel metric (fitted to the labels) only those a fold held out, each by its
+    fold's metric (`exact` holds it out of fold: fitted without that adapter's label), so that its vote is as unsure
+    as a query's. Calibrated instead on the folds' own votes among their training part, a channel metric's kNN saw a
+    sixth fewer labels than it is served with and said too little (docs/search.md)."""
+    rows = np.flatnonzero(index >= 0)
+    score = knn.similarity
+    if score.fitted is None:  # no label shaped it
+        sim, voters = exact[score.exact][np.ix_(rows, rows)], None
+    else:
+        at = {r: i for i, r in enumerate(rows.tolist())}
+        held = [r for r in dict.fromkeys(r for f in folds for r in f.val) if r in at]  # rows whose metric row is out of fold
+        sim = np.full((len(rows), len(rows)), np.nan)
+        voters = np.array([at[r] for r in held], np.int64)
+        if len(held):
+            sim[voters] = exact[score.exact][np.ix_(held, rows.tolist())]
+    truth = index[rows] if voters is None else index[rows][voters]
+    calibration = knn_calibration(sim, index[rows], n_classes, knn.k, prior, rows=voters)
+    return with_earned_sure(calibration, leave_one_out_shares(sim, index[rows], n_classes, knn.k, voters), truth)
 
 
 def _knn_reference(
