@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import mmap
 import os
 import struct
@@ -299,7 +300,7 @@ def mapped_tensors(f: io.BufferedReader, size: int) -> dict[str, torch.Tensor] |
         return None
     end = 0
     for (a, b), _, v in entries:  # contiguous, in order, each its shape's bytes
-        if a != end or b - a != int(np.prod(v["shape"], dtype=np.int64)) * dtype.itemsize:
+        if a != end or b - a != math.prod(v["shape"]) * dtype.itemsize:
             return None
         end = b
     if start + end != size:
