@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def base_inputs(texts: Sequence[str], modules: Sequence[str]) -> dict[str, np.nd
     from embed.serving.text_index import encoder, encoder_lock
 
     model = encoder()
-    bert = model[0].auto_model
+    bert = cast(torch.nn.Module, model[0].auto_model)  # sentence-transformers' Transformer module holds the Hugging Face model
     linear = {n: m for n, m in bert.named_modules() if isinstance(m, torch.nn.Linear)}
     wanted = {name: next((n for n in linear if name == n or name.endswith("." + n)), None) for name in modules}
     found: dict[str, list[torch.Tensor]] = {n: [] for n in set(wanted.values()) if n}

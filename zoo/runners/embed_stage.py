@@ -119,7 +119,7 @@ class EmbedBatches:
         start = bar.n
 
         def progress(done: int, total: int) -> None:
-            bar.total = max(bar.total, start + total)
+            bar.total = max(bar.total or 0, start + total)
             bar.update(start + done - bar.n)
 
         report = scan_space(self.engine, self.sessions, self.blobs, base_model, ids, progress)
@@ -137,14 +137,9 @@ class EmbedBatches:
             return
         scanned = was["scanned"] + report["scanned"]
         cost = sum(r["ms_per_adapter"] * r["scanned"] for r in (was, report) if r["ms_per_adapter"] is not None)
-        was.update(
-            scanned=scanned,
-            edges=was["edges"] + report["edges"],
-            failed=was["failed"] + report["failed"],
-            errors=(was["errors"] + report["errors"])[:REPORTED_ERRORS],
-            not_ready=report["not_ready"],
-            ms_per_adapter=cost / scanned if scanned else None,
-        )
+        was["scanned"], was["edges"], was["failed"] = scanned, was["edges"] + report["edges"], was["failed"] + report["failed"]
+        was["errors"] = (was["errors"] + report["errors"])[:REPORTED_ERRORS]
+        was["not_ready"], was["ms_per_adapter"] = report["not_ready"], cost / scanned if scanned else None
 
     def flush(self, files: bool = True) -> None:
         from embed.serving.embedding_resource import refresh_space_files, unembedded_ids

@@ -241,7 +241,7 @@ def _check_text_index(settings: Settings, sessions: Sessions, blobs: BlobStore, 
         if held is not None:
             mark, served = catalog_mark(session), {b: e for b, (_, e) in predictors(session).items()}
             if held.mark != mark or held.predictors != served:
-                entry.update(state=f"behind the catalog: it covers {held.mark}, the catalog is at {mark}", behind=True)
+                entry["state"], entry["behind"] = f"behind the catalog: it covers {held.mark}, the catalog is at {mark}", True
             else:
                 entry["state"] = _same_ids("text index", held.doc_ids, np.array(adapter_ids(session), np.int64))
                 if entry["state"] != "ok":
