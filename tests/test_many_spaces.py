@@ -230,7 +230,11 @@ def test_queries_in_flight_finish_while_other_threads_drop_their_spaces(zoo: Zoo
     for t in threads:
         t.join()
     assert not failures, failures
-    assert all(answer == expected[q] for q, answers in got.items() for answer in answers)
+    # the same space and hits in the same order; scores equal to float precision (a matrix product's sum may be taken in
+    # another order when threads share the BLAS pool: differences of 1e-8 were seen)
+    for q, answers in got.items():
+        for space, hits, scores in answers:
+            assert (space, hits) == expected[q][:2] and scores == pytest.approx(expected[q][2], rel=1e-6, abs=1e-9)
     assert len(engine.loaded_spaces()) == 1
 
 
