@@ -129,14 +129,14 @@ def embed_stage(batches: EmbedBatches, out: TextIO) -> int:
     try:
         batches.flush()
     except Exception as exc:  # noqa: BLE001 - whatever broke, the adapters are stored and `zoo embed` picks them up
-        batches.close()
         print(
             f"zoo: error: the adapters are stored, but embedding them failed ({type(exc).__name__}: {str(exc).strip()[:300]}); "
             "`zoo embed` embeds them and finds their relations",
             file=sys.stderr,
         )
         return 1
-    batches.close()
+    finally:
+        batches.close()
     if batches.embedded:
         print("embedded: " + ", ".join(f"{plural(n, 'adapter')} in {space}" for space, n in sorted(batches.embedded.items())), file=out)
     for report in batches.relations.values():
