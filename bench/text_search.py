@@ -1,11 +1,12 @@
 """Search by meaning on reference zoos whose half lost its text: does a task's one-sentence description reach the
 adapters without labels? Over several splits and recipes, with intervals.
 
-Per recipe (digits-vit, shapes-cnn, docs-minilm; each zoo made by `zoo make-zoo --seed 0` when --zoos has none) the zoo
-is ingested with its labels and embedded once; each split copies it, removes every given label and measurement of a
-half of its adapters drawn with the split's seed (they keep just their name, `digits-vit-00012`), and trains W2T on the
-labelled half. Each task's description (written from the recipe's task definitions, zoo/reference/) queries the zoo;
-these rankings are scored on the adapters without text (the ranking kept to them, relevant those of the task):
+Per recipe (digits-vit, shapes-cnn, docs-minilm, and their -seeded variants, which share their tasks; each zoo made by
+`zoo make-zoo --seed 0` when --zoos has none, or a zoo already built given by --zoo) the zoo is ingested with its
+labels and embedded once; each split copies it, removes every given label and measurement of a half of its adapters
+drawn with the split's seed (they keep just their name, `digits-vit-00012`), and trains W2T on the labelled half.
+Each task's description (written from the recipe's task definitions, zoo/reference/) queries the zoo; these rankings
+are scored on the adapters without text (the ranking kept to them, relevant those of the task):
 
 - full text alone;
 - dense text: full text and the sentence index fused;
@@ -21,6 +22,7 @@ started with the same WORK share the splits (each claims the next one: WORK/RECI
 a run that was killed).
 
     python -m bench.text_search --zoos /tmp/t59/zoos --work /tmp/t59/bench --recipes digits-vit,shapes-cnn --splits 10
+    python -m bench.text_search --zoo /tmp/t59/zoos/dms --recipes docs-minilm-seeded --work /tmp/t59/dms --splits 10
 """
 
 from __future__ import annotations
@@ -90,6 +92,27 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
 }
 #: the rankings scored, in the order printed
 METHODS = ("full_text", "dense", "expansion", "zero_shot", "default")
+#: a recipe's variant whose adapters draw their own seeds has the recipe's tasks (zoo/reference/recipes.py)
+SEEDED = "-seeded"
+
+
+def descriptions(recipe: str) -> dict[str, str]:
+    """A sentence per task of the recipe: a -seeded variant's are its pinned recipe's (the same tasks and plan)."""
+    tasks = DESCRIPTIONS.get(recipe.removesuffix(SEEDED))
+    if tasks is None:
+        raise SystemExit(
+            f"no task descriptions for recipe {recipe!r}: one of {', '.join(sorted(DESCRIPTIONS))}, or their {SEEDED} variants"
+        )
+    return tasks
+
+
+def zoo_dir(recipe: str, zoos: Path, built: Path | None) -> Path:
+    """Where the recipe's zoo is: `built` (--zoo, a zoo `zoo make-zoo` finished, its labels.csv written) or ZOOS/RECIPE."""
+    if built is None:
+        return zoos / recipe
+    if not (built / "labels.csv").exists():
+        raise SystemExit(f"--zoo {built}: no labels.csv there (a zoo still being built, or not one `zoo make-zoo` made)")
+    return built
 
 
 def ndcg10(ranking: list[int], relevant: set[int]) -> float:
@@ -103,12 +126,12 @@ def reason(why: str) -> str:
     return next((k for k in ("text", "predicted", "zero-shot") if why.startswith(k)), "near")
 
 
-def base_zoo(recipe: str, zoos: Path, work: Path, count: int) -> tuple[Path, dict[str, str]]:
-    """The recipe's zoo ingested with every label and embedded, once (WORK/RECIPE/base); its task by adapter name."""
+def base_zoo(recipe: str, zoo: Path, work: Path, count: int) -> tuple[Path, dict[str, str]]:
+    """The recipe's zoo (made at `zoo` if it is not there) ingested with every label and embedded, once
+    (WORK/RECIPE/base); its task by adapter name."""
     from zoo.cli import main
     from zoo.store.session import make_engine, upgrade
 
-    zoo = zoos / recipe
     if not (zoo / "labels.csv").exists():
         assert main(["make-zoo", str(zoo), "--recipe", recipe, "--count", str(count), "--seed", "0", "--json"]) == 0
     with (zoo / "labels.csv").open() as fh:
@@ -183,7 +206,7 @@ def evaluate(recipe: str, url: str, data: Path, task_of: dict[str, str], bare: s
         started = time.perf_counter()
         text_index.current_index(session, engine)
         build_s = time.perf_counter() - started
-        for task, description in DESCRIPTIONS[recipe].items():
+        for task, description in descriptions(recipe).items():
             relevant = {i for i in bare_ids if task_of.get(names[i]) == task}  # an adapter labels.csv lacks: no task
             if not relevant:
                 continue
@@ -245,6 +268,9 @@ def main() -> None:
     parser.add_argument("--zoos", type=Path, default=Path("/tmp/textsearch/zoos"), help="a zoo per recipe, DIR/RECIPE")
     parser.add_argument("--work", type=Path, default=Path("/tmp/textsearch/bench"))
     parser.add_argument("--recipes", default="digits-vit,shapes-cnn")
+    parser.add_argument(
+        "--zoo", type=Path, help="a zoo already built (zoo make-zoo) for the one recipe of --recipes, in place of ZOOS/RECIPE"
+    )
     parser.add_argument("--splits", type=int, default=10)
     parser.add_argument("--count", type=int, default=120, help="adapters of a zoo made here")
     parser.add_argument("--epochs", type=int, default=20)
@@ -256,8 +282,11 @@ def main() -> None:
     results = args.work / "results.jsonl"
     records = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     recipes = args.recipes.split(",")
+    if args.zoo is not None and len(recipes) != 1:
+        parser.error("--zoo is the zoo of one recipe: give --recipes one")
     for recipe in recipes:
-        base, task_of = base_zoo(recipe, args.zoos, args.work, args.count)
+        descriptions(recipe)  # a recipe without descriptions stops before its zoo is made or ingested
+        base, task_of = base_zoo(recipe, zoo_dir(recipe, args.zoos, args.zoo), args.work, args.count)
         for split in reversed(range(args.splits)) if args.reverse else range(args.splits):
             claim = args.work / recipe / f"split-{split:02d}.claim"
             if any(r["recipe"] == recipe and r["split"] == split for r in records) or claim.exists():
