@@ -4,6 +4,7 @@ before), on bench.catalog's catalog and sentences, alternated query by query so 
 must agree.
 
     python -m bench.ranked_list --db postgresql://postgres@127.0.0.1:5432/zoo_bench_catalog --queries 300
+    python -m bench.ranked_list --db sqlite:///FILE   # SQLite: the words looked up in Python, the search skipped
 
 Build the catalog first (python -m bench.catalog). Prints per sentence the medians, and on the last line one JSON object.
 """

@@ -465,7 +465,7 @@ def ranked_ids(session: Session, q: str | None, filters: Mapping[str, str], limi
     else:
         score, best_first = func.bm25(_FTS_NAME), False  # lower is better
     matching = _restrict(select(Adapter.id, score.label("score")), dialect, phrases, filters, inline=True)[0]
-    matches = matching.where(*other_words_found(dialect, phrases)).limit(RANKED_LIST_ROWS).subquery()
+    matches = matching.where(*other_words_found(session, phrases)).limit(RANKED_LIST_ROWS).subquery()
     order = matches.c.score.desc() if best_first else matches.c.score.asc()
     return list(session.scalars(select(matches.c.id).order_by(order, matches.c.id).limit(limit)))
 
