@@ -49,6 +49,7 @@ import torch
 from zoo.domain.canonical import CanonicalFactors, LowRankModule
 from zoo.domain.factorwise import RawModule
 from zoo.domain.lowrank import LowRank, float64, inner, sq_norm
+from zoo.domain.pair_blocks import Origin, PairBlocks
 
 T = TypeVar("T")
 
@@ -128,17 +129,28 @@ class FactorSummary:
 class Update:
     """What the detectors read of an adapter: its canonical factors per module (what is stored) and, where known, the
     summary of its factors as read from its file (`FactorSummary`), which pruning needs and a cast uses. `id` names a
-    stored candidate (None for a query being ingested)."""
+    stored candidate (None for a query being ingested); `pairs`, with an id, keeps its modules' blocks with other stored
+    adapters' past this update (zoo/domain/pair_blocks.py)."""
 
     factors: Mapping[str, CanonicalFactors]
     summary: FactorSummary | None = None
     id: int | None = None
     #: what the detectors computed of this update, kept for its other pairs (see `computed`)
     _computed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    pairs: PairBlocks | None = field(default=None, compare=False, repr=False)
 
     def modules(self) -> dict[str, LowRank]:
         """The non-zero modules in float64, made once (an adapter is compared with k others, both ways)."""
-        return dict(self.computed("modules", lambda: {name: LowRank.of(f) for name, f in self.factors.items() if f.rank}))
+
+        def make() -> dict[str, LowRank]:
+            store, i = self.pairs, self.id
+            return {
+                n: LowRank.of(f, Origin(store, i, n) if store is not None and i is not None else None)
+                for n, f in self.factors.items()
+                if f.rank
+            }
+
+        return dict(self.computed("modules", make))
 
     def raw_modules(self) -> dict[str, RawModule]:
         """The non-zero modules whose gauge is known, as PEFT's factorwise merges are fitted on them (float64, made once)."""

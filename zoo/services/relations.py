@@ -42,6 +42,7 @@ from embed.serving.results import Neighbour
 from embed.serving.search_methods import RAW, SKETCH
 from zoo.config import EMBED_CHUNK_BYTES
 from zoo.domain.merges import later_copies
+from zoo.domain.pair_blocks import BUDGET_SHARE, PairBlocks
 from zoo.domain.relations import (
     DETECTOR,
     ContinuationEdge,
@@ -94,8 +95,7 @@ COPY_SOURCES = 4
 BATCH = 32
 #: ONE_BLAS_THREAD: the detectors' products are of a few MB each (k·r columns of factors thousands of rows long), and on
 #: a busy machine (load 5 on 2 cores) two BLAS threads took 69 s for one adapter's find_relations at Llama-3-8B's widths
-#: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as
-#: zoo.services.threads.one_torch_thread does for torch)
+#: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as one_torch_thread)
 #: the step's first-generation threshold for Python's cyclic garbage collector (the default is 700): the detectors keep
 #: each pair of updates' blocks per module (zoo.domain.lowrank.blocks), tens of thousands of small tuples, weak
 #: references and callbacks an SDXL neighbourhood (418 modules a pair), which every collection traverses: a fifth of
@@ -214,13 +214,13 @@ class FactorCache:
     """Stored adapters as the detectors read them, for one relation step: each adapter's neighbourhood and its
     rechecks', which overlap (a close neighbour's nearest are mostly the adapter's own, and the next adapters' often
     too). Each is loaded from the blob store once and keeps what the detectors computed of it (its float64 modules);
-    past `budget` bytes (in `detector_bytes`) the least recently asked for are dropped, never those of the current
-    call. A neighbourhood fits the budget (`neighbour_count`), so the step holds at most about the budget."""
+    past `budget` bytes (in `detector_bytes`) the least recently asked for are dropped, never those of the current call.
+    A neighbourhood fits the budget (`neighbour_count`); their pair blocks outlive them in BUDGET_SHARE more (`PairBlocks`)."""
 
     def __init__(self, sessions: Sessions, blobs: BlobStore, budget: int) -> None:
         self.sessions, self.blobs, self.budget = sessions, blobs, budget
         self.loaded: OrderedDict[int, tuple[Update, int]] = OrderedDict()
-        self.held = 0
+        self.held, self.pairs = 0, PairBlocks(int(budget * BUDGET_SHARE))
         #: (factors blob, factor summary) of adapters about to be asked for, None for one not stored (`expect`)
         self.rows: dict[int, tuple[str | None, dict | None] | None] = {}
 
@@ -243,7 +243,7 @@ class FactorCache:
             digest, summary = self.rows.get(i) or (None, None)
             if digest:
                 kept = FactorSummary.from_json(summary) if summary else None
-                update = Update(dict(self.blobs.get_factors(digest)), kept, i)
+                update = Update(dict(self.blobs.get_factors(digest)), kept, i, pairs=self.pairs)
                 self.loaded[i] = (update, detector_bytes(update))
                 self.held += self.loaded[i][1]
         asked = dict.fromkeys(ids)
