@@ -6,6 +6,9 @@ in place, with blobs in the data dir (both databases) and in a bucket (a real Se
 from __future__ import annotations
 
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,40 @@ def test_two_at_a_time_store_in_order_with_blobs_in_a_bucket(seaweedfs: SeaweedF
     assert settings.blob_url.startswith("s3://")
     _ingest_all(settings, tmp_path)
     assert not (settings.data_dir / "blobs").exists()
+
+
+@pytest.mark.slow
+def test_several_blobs_go_up_at_once_while_the_stores_wait_in_order(
+    seaweedfs: SeaweedFS, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the object store not answering (SIGSTOP), the next sources are still worked on, each one's blob going up on
+    its own thread, until ZOO_S3_UPLOADS are in flight; once it answers, every source is stored, in order."""
+    for name, value in seaweedfs.env(seaweedfs.new_bucket()).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ZOO_S3_UPLOADS", "3")  # three sources in flight
+    settings = Settings.load(f"sqlite:///{tmp_path / 'zoo.db'}", tmp_path / "data")
+    upgrade(settings.database_url)
+    sources = [(str(p), None) for p in write_random_peft_adapters(tmp_path / "src", 6, seed=3)]
+    ingestor = Ingestor(session_factory(settings.database_url), open_blob_store(settings))
+    results: list = []
+
+    def uploading() -> int:
+        return sum(t.name == "zoo-blob-writer" and t.is_alive() for t in threading.enumerate())
+
+    worker = threading.Thread(target=lambda: results.extend(ingest_sources(ingestor, sources)))
+    seaweedfs.process.send_signal(signal.SIGSTOP)
+    try:
+        worker.start()
+        deadline, most = time.monotonic() + 15, 0
+        while most < 3 and time.monotonic() < deadline:
+            most = max(most, uploading())
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert not results  # nothing stored while no blob is up
+        assert most == 3 and uploading() == 3, most  # the first three sources' blobs at once (no fourth begun)
+    finally:
+        seaweedfs.process.send_signal(signal.SIGCONT)
+        worker.join(timeout=60)
+    assert [r.status for r in results] == ["ingested"] * 6, [r.error for r in results]
+    assert [r.adapter_id for r in results] == sorted(r.adapter_id for r in results)  # stored in the sources' order
+    assert check(settings)["ok"]

@@ -27,6 +27,7 @@ from tests.factories import write_random_peft_adapters
 from tests.seaweedfs import SeaweedFS
 from zoo.cli import main
 from zoo.config import Settings
+from zoo.errors import StorageError
 from zoo.store.blob_backends import open_blob_store
 from zoo.store.blobs import BlobStore, StagingStopped
 from zoo.store.s3_blobs import MIN_PART_BYTES, CorruptBlob, S3BlobStore
@@ -39,6 +40,7 @@ def s3_env(seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> Iterator[tu
     for name, value in seaweedfs.env(bucket).items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("ZOO_S3_PART_BYTES", str(MIN_PART_BYTES))
+    monkeypatch.setenv("ZOO_S3_MULTIPART_BYTES", str(MIN_PART_BYTES))  # a blob of a few parts goes up in parts
     yield seaweedfs, bucket
 
 
@@ -83,6 +85,31 @@ def test_a_corrupt_object_is_refused_on_read_naming_its_key(s3_env: tuple[Seawee
     with pytest.raises(CorruptBlob, match=f"s3://{bucket}/{key} is corrupt"):
         blobs.get_factors(staged.digest)
     assert blobs.verify(staged.digest) == "corrupt"
+
+
+def test_a_blob_goes_up_in_one_put_the_store_checks_against_its_digest(s3_env: tuple[SeaweedFS, str], tmp_path, monkeypatch) -> None:
+    """Below ZOO_S3_MULTIPART_BYTES a blob is one PUT carrying its SHA-256: bytes that changed after they were hashed
+    (here: by the caller, in the arrays' memory, which is uploaded without a copy) are refused by the store, and no
+    object appears under the digest."""
+    store, bucket = s3_env
+    monkeypatch.setenv("ZOO_S3_MULTIPART_BYTES", str(64 << 20))
+    blobs = open_blob_store(Settings.load(data_dir=tmp_path))
+    big = _arrays(6, rows=(3 * MIN_PART_BYTES) // 32)  # three parts' worth, in one request
+    staged = blobs.stage_arrays(big)
+    info = store.client().head_object(Bucket=bucket, Key=f"blobs/{BlobStore.key(staged.digest)}", ChecksumMode="ENABLED")
+    assert "-" not in info["ETag"] and info["ContentLength"] == staged.size
+    assert blobs.verify(staged.digest) == "ok"
+
+    changed = _arrays(7)
+    seen: list[str] = []
+
+    def hashed(digest: str) -> None:
+        seen.append(digest)
+        changed["m.U"][0, 0] += 1.0  # after hashing, before the upload
+
+    with pytest.raises(StorageError, match="BadDigest"):
+        blobs.stage_arrays(changed, hashed=hashed)
+    assert blobs.verify(seen[0]) == "missing"
 
 
 def test_a_large_blob_goes_up_in_parts_and_a_stopped_upload_leaves_nothing_visible(s3_env: tuple[SeaweedFS, str], tmp_path) -> None:
@@ -230,7 +257,8 @@ def test_a_writer_killed_mid_upload_leaves_what_check_finds_and_repair_clears(
     bucket = env["ZOO_BLOB_URL"].removeprefix("s3://").split("/")[0]
     source = _large_kohya_file(tmp_path / "large.safetensors")
     node = tmp_path / "node"
-    slow = {"ZOO_S3_PART_BYTES": str(MIN_PART_BYTES), "ZOO_S3_CONCURRENCY": "1"}  # one part at a time: a window to kill in
+    # in parts, one at a time: a window to kill in
+    slow = {"ZOO_S3_PART_BYTES": str(MIN_PART_BYTES), "ZOO_S3_MULTIPART_BYTES": str(MIN_PART_BYTES), "ZOO_S3_CONCURRENCY": "1"}
     command = [
         sys.executable,
         "-m",

@@ -71,8 +71,10 @@ LOG_FORMAT = Variable("ZOO_LOG_FORMAT", "", "json: log lines as JSON objects wit
 TRUST_REQUEST_ID = Variable("ZOO_TRUST_REQUEST_ID", False, "take a request id from the X-Request-ID header (behind a proxy that sets it)")
 BLOB_URL = Variable("ZOO_BLOB_URL", "", "where blobs are kept: s3://bucket/prefix for S3-compatible object storage; none: the data dir")
 S3_ENDPOINT_URL = Variable("ZOO_S3_ENDPOINT_URL", "", "the S3 endpoint (http://host:port); none: AWS's (credentials: AWS_* variables)")
-S3_PART_BYTES = Variable("ZOO_S3_PART_BYTES", 8 << 20, "blobs at least this large are uploaded in parts of this size (at least 5 MiB)")
+S3_PART_BYTES = Variable("ZOO_S3_PART_BYTES", 8 << 20, "the size of one part of a multipart upload (at least 5 MiB)")
+S3_MULTIPART_BYTES = Variable("ZOO_S3_MULTIPART_BYTES", 64 << 20, "blobs at least this large go up in parts; smaller, in one checked PUT")
 S3_CONCURRENCY = Variable("ZOO_S3_CONCURRENCY", 4, "parts of one blob uploaded at once")
+S3_UPLOADS = Variable("ZOO_S3_UPLOADS", 4, "blobs one ingest uploads at once (at least 2), while it works on the next adapters")
 S3_MAX_ATTEMPTS = Variable("ZOO_S3_MAX_ATTEMPTS", 5, "attempts of one S3 request, with exponential backoff, before it fails")
 S3_TIMEOUT_S = Variable("ZOO_S3_TIMEOUT_S", 30.0, "seconds to connect to the S3 endpoint, and to wait for one read from it")
 
@@ -83,7 +85,7 @@ VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool
     MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, MAX_LABELS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS,
     MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE, WEB_JOBS,
     HEADER_TIMEOUT_S, BODY_TIMEOUT_S, IO_TIMEOUT_S, WORKER_CLASS, WORKER_CONNECTIONS, LOG_FORMAT, TRUST_REQUEST_ID,
-    BLOB_URL, S3_ENDPOINT_URL, S3_PART_BYTES, S3_CONCURRENCY, S3_MAX_ATTEMPTS, S3_TIMEOUT_S,
+    BLOB_URL, S3_ENDPOINT_URL, S3_PART_BYTES, S3_MULTIPART_BYTES, S3_CONCURRENCY, S3_UPLOADS, S3_MAX_ATTEMPTS, S3_TIMEOUT_S,
 )  # fmt: skip
 
 #: full checkpoints stored as deltas: the fewest components keeping this share of each delta's energy ...

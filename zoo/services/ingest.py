@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -20,6 +19,7 @@ from zoo.formats import LORA_FORMATS, RawAdapter, adapter_name, open_adapter, pa
 from zoo.labels import LabelRow
 from zoo.services.describe import Described, ModuleRow, apply_origin, describe, kept_parts, resolve_base_model
 from zoo.services.threads import one_torch_thread, small_work_on_one_thread
+from zoo.services.turns import Turn, Turns
 from zoo.sources import Origin, hub
 from zoo.store import jobs, repository
 from zoo.store.adapters import adapter_exists, insert_adapter, previous_version, space_schema, stored_revision
@@ -73,23 +73,9 @@ class IngestResult:
         return asdict(self)
 
 
-class Turn:
-    """An Ingestor's working turn (`Ingestor.turn`): one source at a time is read, canonicalized and described; its turn
-    is given back once, when its store begins (or it ends), so that the next source's work overlaps that store."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        lock.acquire()
-        self._lock: threading.Lock | None = lock
-
-    def release(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
-
-
 class Ingestor:
-    """Ingests sources one at a time into one database and blob store (or two at once through `ingest_sources`: one
-    worked on while the one before it is stored).
+    """Ingests sources one at a time into one database and blob store (or several at once through `ingest_sources`: one
+    worked on while the ones before it upload their blobs and store, in order; zoo.services.turns).
 
     `record_duplicates_as`: a run that is not a job (`zoo ingest`) records each duplicate's source where a job
     records its own (zoo.store.jobs.record_duplicate, one job of the run's, named by this), in the transaction that
@@ -108,12 +94,11 @@ class Ingestor:
         self.device = pick_device(self.options.device)
         self.record_duplicates_as = record_duplicates_as
         self.duplicates_job: int | None = None  # the run's job of duplicates, once one is committed
-        self._working = threading.Lock()  # held by the source being read, canonicalized and described (Turn)
-        self._storing = threading.Lock()  # held by the source being stored: stores go one at a time, in turn order
+        self._turns = Turns()  # one source worked on at a time; stores one at a time, in the order of the turns
 
     def turn(self) -> Turn:
-        """The next working turn, once the source holding it has begun its store (ingest_sources)."""
-        return Turn(self._working)
+        """The next working turn (and its place in the store order), once the source before has done its work."""
+        return self._turns.take()
 
     def ingest(
         self,
@@ -131,8 +116,8 @@ class Ingestor:
         Files already stored are recognized before any math: when the weight file's SHA-256, the base model
         and the config values the update depends on match a stored adapter's, it is the duplicate (see
         `_stored_copy`). `timings` has seconds per stage: read, canonicalize, describe, store (which includes waiting for
-        the blob's upload, and, two at a time, for the store before it). `turn`: this source's working turn, taken by the
-        caller (ingest_sources), else here."""
+        the blob's upload, and, several at a time, for the stores before it). `turn`: this source's working turn, taken by
+        the caller (ingest_sources), else here; finished here, however the ingest ends."""
         source = source_uri or (origin.uri if origin else str(path))
         timings: dict[str, float] = {}
         turn = turn or self.turn()
@@ -146,7 +131,7 @@ class Ingestor:
         except Exception as exc:  # noqa: BLE001 - a batch goes on past any one file
             return IngestResult(source, "failed", error=f"{path}: {type(exc).__name__}: {_first_line(exc)}", timings=timings)
         finally:
-            turn.release()
+            turn.finish()
 
     def _ingest(
         self, path: Path, source: str, labels: LabelRow | None, origin: Origin | None, timings: dict[str, float], turn: Turn
@@ -155,8 +140,11 @@ class Ingestor:
         raw = open_adapter(path)
         named = self._named_base(raw, origin)
         lap("read")
-        with self._storing:  # it may record a duplicate: after the store before it
-            result = self._stored_copy(raw, source, named[0] if named else None, labels)
+        result = None
+        found = self._copy_row(raw, named[0] if named else None)  # read without waiting for the stores before
+        if found is not None:
+            with turn.in_order():  # it may attach labels and record a duplicate: after the stores before it
+                result = self._stored_copy(raw, source, found, labels)
         lap("store")
         if result is None:
             # LoRA formats are read, canonicalized and described on one torch thread (the blob is written on another):
@@ -192,7 +180,9 @@ class Ingestor:
     ) -> IngestResult:
         """Read the tensors of files not stored yet, canonicalize, describe and store them; the blob is written and
         fsynced (or uploaded) meanwhile, on a thread of its own (see zoo.store.blobs). `named_base`: the base model and
-        who named it (`_named_base`). The turn is given back as the store begins."""
+        who named it (`_named_base`). The turn is given back once described: the head's blob (if any) goes up, and the
+        store waits for the blob and for the stores before it, while the next source is worked on. A copy of a source
+        still in flight (not found by `_stored_copy`) is found by the store's duplicate check, which runs after it."""
         opts = self.options
         data = parse_adapter(raw, opts.base_checkpoint, opts.energy, opts.max_rank)
         base_model, warnings = resolve_base_model(data, named_base)
@@ -208,10 +198,10 @@ class Ingestor:
                 described = describe(data, source, base_model, canonical, parts.kernels)
                 if origin is not None:
                     apply_origin(described.adapter, origin, labels)
-                head = self.blobs.stage_tensors(parts.head) if parts.head else None
                 lap("describe")
-                with self._storing:
-                    turn.release()  # the next source is worked on while this one's blob goes up and its rows commit
+                turn.release()  # the next source is worked on while this one's blobs go up and its rows wait their turn
+                head = self.blobs.stage_tensors(parts.head) if parts.head else None
+                with turn.in_order():
                     result = retry_conflicts(self._store, described, labels, blob, head)
             finally:
                 if blob is not None:  # a duplicate's or a failed write's file; once committed there is none left
@@ -223,24 +213,18 @@ class Ingestor:
             result.head = {"tensors": sorted(parts.head), "bytes": head.size, "blob": head.digest}
         return result
 
-    def _stored_copy(self, raw: RawAdapter, source: str, base_model: str | None, labels: LabelRow | None) -> IngestResult | None:
-        """The duplicate result for files already stored, without reading tensors: a stored adapter of this base model
-        from a weight file with the same SHA-256, in the same format, with the same config values the update depends
-        on (a full checkpoint only while no --base makes it a delta). Given labels are attached to it as on any
-        duplicate (unless it has them already), and the source recorded (with `record_duplicates_as`). None when there
-        is no such adapter (or it was deleted meanwhile). With no base model named, the one guessed for such a stored
-        copy (`_guessed_copy_base`)."""
-        if raw.format is None or (raw.format == "checkpoint" and self.options.base_checkpoint):
-            return None
-        with autocommit_reads(self.sessions) as conn:  # reads only: no transaction around them
-            base_model = base_model or _guessed_copy_base(conn, raw)
-            if base_model is None:
-                return None
-            rows = repository.stored_copies(conn, raw.weights.sha256, base_model, raw.format)
-            match = next((r for r in rows if all((r.config or {}).get(k) == v for k, v in raw.settings.items())), None)
-            if match is None:
-                return None
-            same = labels is None or repository.has_labels(conn, match.id, labels.attributes, labels.measurements)
+    def _stored_copy(
+        self, raw: RawAdapter, source: str, found: tuple[repository.StoredCopy, str], labels: LabelRow | None
+    ) -> IngestResult | None:
+        """The duplicate result for files already stored, without reading tensors: `found`, the stored copy `_copy_row`
+        found and its base model. Given labels are attached to it as on any duplicate (unless it has them already), and
+        the source recorded (with `record_duplicates_as`). None when it was deleted meanwhile."""
+        match, base_model = found
+        if labels is None:
+            same = True
+        else:
+            with autocommit_reads(self.sessions) as conn:
+                same = repository.has_labels(conn, match.id, labels.attributes, labels.measurements)
         locks = store_locks(base_model, match.structure_hash, match.dw_norm, DUPLICATE_RTOL)
         attach = labels if labels is not None and not same else None
         if (attach or self.record_duplicates_as) and not retry_conflicts(self._confirm_copy, match.id, locks, attach, source):
@@ -248,6 +232,21 @@ class Ingestor:
         return IngestResult(
             str(raw.path), "duplicate", match.id, match.canonical_hash, name=adapter_name(raw.path), duplicate_of=match.name
         )
+
+    def _copy_row(self, raw: RawAdapter, base_model: str | None) -> tuple[repository.StoredCopy, str] | None:
+        """A stored adapter of this base model from a weight file with the same SHA-256, in the same format, with the
+        same config values the update depends on (a full checkpoint only while no --base makes it a delta), and that
+        base model; with none named, the one guessed for such a stored copy (`_guessed_copy_base`). Read without a
+        transaction; None where there is none."""
+        if raw.format is None or (raw.format == "checkpoint" and self.options.base_checkpoint):
+            return None
+        with autocommit_reads(self.sessions) as conn:  # reads only: no transaction around them
+            base_model = base_model or _guessed_copy_base(conn, raw)
+            if base_model is None:
+                return None
+            rows = repository.stored_copies(conn, raw.weights.sha256, base_model, raw.format)
+        match = next((r for r in rows if all((r.config or {}).get(k) == v for k, v in raw.settings.items())), None)
+        return None if match is None else (match, base_model)
 
     def stored_revision(self, uri: str, revision: str) -> IngestResult | None:
         """The duplicate result when an adapter of this source at this revision is stored already (answered before
@@ -374,39 +373,38 @@ def ingest_source(
     return result
 
 
-#: sources ingest_sources works on at once: one read, canonicalized and described while the one before it is stored
-PIPELINE_DEPTH = 2
-
-
 def ingest_sources(ingestor: Ingestor, queue: Iterable[tuple[str, LabelRow | None]]) -> Iterator[IngestResult]:
-    """ingest_source of each (source, labels), the results in the queue's order, two at a time: the next source is read,
-    canonicalized and described (its blob going up) while the one before waits for its blob's upload and commits its
-    rows. With blobs in a bucket a blob's upload (about 0.3 s for a Llama-3-8B r16 adapter's 21 MB at 4 layers here,
-    against 0.03 s to write it to the data dir) is then hidden behind the next adapter's work instead of added to it.
-    Stores still go one at a time, in the queue's order, so a source finds every one before it stored (a duplicate
-    of one is a duplicate, as one at a time)."""
+    """ingest_source of each (source, labels), the results in the queue's order, several at a time: the next source is
+    read, canonicalized and described while the ones before it upload their blobs and wait their turn to store
+    (zoo.services.turns). As many sources are in flight as the blob store writes blobs at once
+    (`ingestor.blobs.writes_at_once`), each one's blob staged as soon as it is canonicalized: the data dir's two (one
+    blob written and fsynced while the next adapter is worked on, which takes longer), a bucket's ZOO_S3_UPLOADS (an
+    upload, 0.3-0.6 s for a Llama-3-8B r16 adapter's 21 MB at 4 layers on this machine, takes longer than the next
+    adapter's work, so uploads overlap each other as well as that work). Stores still go one at a time, in the queue's
+    order, so a source finds every one before it stored (a copy of one is its duplicate, as one at a time)."""
+    depth = max(2, ingestor.blobs.writes_at_once)
     pending: deque[tuple[Future[IngestResult], Turn]] = deque()
-    with ThreadPoolExecutor(PIPELINE_DEPTH, thread_name_prefix="zoo-ingest") as pool:
+    with ThreadPoolExecutor(depth, thread_name_prefix="zoo-ingest") as pool:
         try:
             for source, labels in queue:
-                turn = ingestor.turn()  # once the source before has begun its store
+                turn = ingestor.turn()  # once the source before has done its work
                 pending.append((pool.submit(_ingest_in_turn, ingestor, source, labels, turn), turn))
-                while pending and (pending[0][0].done() or len(pending) >= PIPELINE_DEPTH):
+                while pending and (pending[0][0].done() or len(pending) >= depth):
                     yield pending.popleft()[0].result()
             while pending:
                 yield pending.popleft()[0].result()
         finally:
             for future, turn in pending:  # stopped early: what has not begun never will
                 if future.cancel():
-                    turn.release()
+                    turn.finish()
 
 
 def _ingest_in_turn(ingestor: Ingestor, source: str, labels: LabelRow | None, turn: Turn) -> IngestResult:
-    """ingest_source in the turn given, which goes back however it ends (a Hub source stored already takes none)."""
+    """ingest_source in the turn given, which is finished however it ends (a Hub source stored already takes none)."""
     try:
         return ingest_source(ingestor, source, labels, turn=turn)
     finally:
-        turn.release()
+        turn.finish()
 
 
 def _guessed_copy_base(conn: Connection, raw: RawAdapter) -> str | None:

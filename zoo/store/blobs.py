@@ -106,6 +106,10 @@ def factor_arrays(modules: Sequence[tuple[str, CanonicalFactors]]) -> dict[str, 
 class BlobStore:
     """Blobs by digest, in a local directory: `<root>/<digest[:2]>/<digest>.safetensors`."""
 
+    #: blobs one ingest writes at once, and so sources in flight (zoo.services.ingest.ingest_sources): one written and
+    #: fsynced while the next adapter is worked on (writing one takes less time than that work)
+    writes_at_once = 2
+
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 

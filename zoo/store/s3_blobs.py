@@ -3,12 +3,16 @@
 
 - **Keys:** the local store's names under the prefix, `<prefix>/<digest[:2]>/<digest>.safetensors`.
 - **Writes:** a blob's bytes are hashed from the arrays' memory first (the key is their digest), then uploaded
-  from that memory under the final key; one of at least ZOO_S3_PART_BYTES goes up in parts of that size,
-  ZOO_S3_CONCURRENCY at a time (boto3's TransferConfig). A PUT, and a multipart upload's completion, make an
-  object visible whole or not at all, so no reader ever sees part of one. A writer killed mid-upload leaves a
-  multipart upload never completed (its parts are billed but invisible): `zoo check` lists it and `--repair`
-  aborts it. The upload happens while staging (on the BlobWriter's thread, as the adapter is described), so the
-  object is in place before the row that refers to it commits; `commit` has nothing left to do.
+  from that memory (no copy) under the final key. One smaller than ZOO_S3_MULTIPART_BYTES goes up in one PUT
+  that carries its SHA-256 (x-amz-checksum-sha256: the digest, known already), so the store refuses a body that
+  arrives changed: the object's bytes are checked against its key as it is written. A larger one goes up in parts
+  of ZOO_S3_PART_BYTES, ZOO_S3_CONCURRENCY at a time (boto3's TransferConfig), each with its CRC32. A PUT, and a
+  multipart upload's completion, make an object visible whole or not at all, so no reader ever sees part of one.
+  A writer killed mid-upload leaves a multipart upload never completed (its parts are billed but invisible):
+  `zoo check` lists it and `--repair` aborts it. The upload happens while staging (on the BlobWriter's thread,
+  once the adapter is canonicalized), so the object is in place before the row that refers to it commits;
+  `commit` has nothing left to do. An ingest uploads up to ZOO_S3_UPLOADS blobs at once
+  (zoo.services.ingest.ingest_sources).
 - **Reads:** the object's bytes are hashed and refused (CorruptBlob, naming the key) unless they hash to the
   digest in its key.
 - **Retries:** every request is retried with exponential backoff and jitter (botocore's "standard" mode,
@@ -17,8 +21,11 @@
 
 from __future__ import annotations
 
+import base64
+import bisect
 import hashlib
 import io
+import itertools
 import os
 import re
 import threading
@@ -32,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zoo.config import S3_CONCURRENCY, S3_ENDPOINT_URL, S3_MAX_ATTEMPTS, S3_PART_BYTES, S3_TIMEOUT_S
+from zoo.config import S3_CONCURRENCY, S3_ENDPOINT_URL, S3_MAX_ATTEMPTS, S3_MULTIPART_BYTES, S3_PART_BYTES, S3_TIMEOUT_S, S3_UPLOADS
 from zoo.errors import StorageError, UsageError
 from zoo.store.blobs import BlobStore, Leftovers, StagedBlob, StagingStopped, safetensors_layout
 
@@ -83,7 +90,11 @@ class S3BlobStore(BlobStore):
         self.location = S3Location.parse(url)
         self.endpoint_url = endpoint_url if endpoint_url is not None else S3_ENDPOINT_URL.get()
         self.part_bytes = max(MIN_PART_BYTES, S3_PART_BYTES.get())
+        self.multipart_bytes = max(MIN_PART_BYTES, S3_MULTIPART_BYTES.get())
         self.concurrency = max(1, S3_CONCURRENCY.get())
+        #: blobs one ingest uploads at once, and so sources in flight (an upload takes longer than the next adapter's
+        #: work, so several go up at once: see ingest_sources)
+        self.writes_at_once = max(2, S3_UPLOADS.get())
         self._client: tuple[int, Any] | None = None
         self._lock = threading.Lock()
 
@@ -117,19 +128,21 @@ class S3BlobStore(BlobStore):
             retries={"max_attempts": max(1, S3_MAX_ATTEMPTS.get()), "mode": "standard"},
             connect_timeout=timeout,
             read_timeout=timeout,
-            max_pool_connections=max(READS_AT_ONCE, 2 * self.concurrency),
-            # the body is not hashed again for the signature (botocore signs it over plain HTTP otherwise): its CRC32
-            # checksum goes with it, and a read verifies its SHA-256 against the key
+            max_pool_connections=max(READS_AT_ONCE, self.writes_at_once * self.concurrency),
+            # the body is not hashed again for the signature (botocore signs it over plain HTTP otherwise): its checksum
+            # goes with it (a blob's SHA-256 with a PUT, each part's CRC32), and a read verifies its SHA-256 against the key
             s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if self.endpoint_url else {})},
         )
         return boto3.session.Session().client("s3", endpoint_url=self.endpoint_url or None, config=config)
 
-    def _transfer(self) -> Any:
+    def _transfer(self, threshold: int | None = None) -> Any:
+        """Parts of `part_bytes`, `concurrency` at once, for a body of at least `threshold` bytes (default: one part)."""
         from boto3.s3.transfer import TransferConfig
 
         return TransferConfig(
-            multipart_threshold=self.part_bytes, multipart_chunksize=self.part_bytes, max_concurrency=self.concurrency, use_threads=True
-        )
+            multipart_threshold=threshold or self.part_bytes, multipart_chunksize=self.part_bytes, max_concurrency=self.concurrency,
+            use_threads=True,
+        )  # fmt: skip
 
     def object_key(self, digest: str) -> str:
         return self.location.prefix + self.key(digest)
@@ -171,11 +184,19 @@ class S3BlobStore(BlobStore):
     def _upload(self, digest: str, views: list[memoryview], stop: threading.Event | None) -> None:
         if stop is not None and stop.is_set():
             raise StagingStopped
+        body = _Chunks(views, stop)
+        key = self.object_key(digest)
         with self._errors(f"uploading {self.where(digest)}"):
-            self.client.upload_fileobj(
-                _Chunks(views, stop), self.location.bucket, self.object_key(digest), ExtraArgs={"ContentType": "application/octet-stream"},
-                Config=self._transfer(),
-            )  # fmt: skip
+            if body.size < self.multipart_bytes:  # one request, its body checked by the store against the digest
+                checksum = base64.b64encode(bytes.fromhex(digest)).decode()
+                self.client.put_object(
+                    Bucket=self.location.bucket, Key=key, Body=body, ContentLength=body.size, ChecksumSHA256=checksum,
+                    ContentType="application/octet-stream",
+                )  # fmt: skip
+            else:
+                extra = {"ContentType": "application/octet-stream"}
+                config = self._transfer(threshold=self.multipart_bytes)
+                self.client.upload_fileobj(body, self.location.bucket, key, ExtraArgs=extra, Config=config)
 
     def commit(self, staged: StagedBlob) -> None:
         """Nothing: the object was uploaded whole under its digest while staging."""
@@ -356,27 +377,44 @@ class _BodyCutOff(Exception):
 
 
 class _Chunks(io.RawIOBase):
-    """The concatenation of memoryviews as a readable, non-seekable stream (what boto3 uploads from), which raises
-    StagingStopped once `stop` is set (the upload fails, and a multipart one is aborted)."""
+    """The concatenation of memoryviews as a readable, seekable stream (what boto3 uploads from, and rewinds to retry a
+    request), read without copying them first, which raises StagingStopped once `stop` is set (the upload fails, and
+    a multipart one is aborted)."""
 
     def __init__(self, views: list[memoryview], stop: threading.Event | None) -> None:
         self.views = [v.cast("B") for v in views if v.nbytes]
+        self.starts = list(itertools.accumulate((len(v) for v in self.views), initial=0))  # each view's offset, then the size
+        self.size = self.starts[-1]
         self.stop = stop
+        self.pos = 0
 
     def readable(self) -> bool:
         return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self.pos = base + offset
+        return self.pos
 
     def readinto(self, buffer: Any) -> int:
         if self.stop is not None and self.stop.is_set():
             raise StagingStopped
         out = memoryview(buffer).cast("B")
         n = 0
-        while self.views and n < len(out):
-            head = self.views[0]
-            take = min(len(head), len(out) - n)
-            out[n : n + take] = head[:take]
+        i = bisect.bisect_right(self.starts, self.pos) - 1
+        while i < len(self.views) and n < len(out):
+            view = self.views[i][self.pos - self.starts[i] :]
+            take = min(len(view), len(out) - n)
+            out[n : n + take] = view[:take]
             n += take
-            self.views[0] = head[take:]
-            if not len(self.views[0]):
-                self.views.pop(0)
+            self.pos += take
+            i += 1
         return n
