@@ -3,6 +3,7 @@ summary's zero-shot rows (intervals where the base runs, "not applicable" where 
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.text_search import DESCRIPTIONS, descriptions, summary, zoo_dir
+from bench.text_search import DESCRIPTIONS, chance, descriptions, ndcg10, summary, zoo_dir
 from zoo.reference import digits, shapes, text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +77,8 @@ def _records(recipe: str, zero_shot: bool) -> list[dict[str, object]]:
     for split in range(3):
         for task in ("a", "b", "c"):
             r: dict[str, object] = {"recipe": recipe, "split": split, "task": task}
+            r["chance.hit@1"], r["chance.ndcg@10"] = chance(11, 2)
+            r["chance.all_ndcg@10"] = chance(22, 4)[1]
             for method in ("full_text", "dense", "expansion", "default", *(("zero_shot",) if zero_shot else ())):
                 good = 0.0 if method == "full_text" else float(rng.uniform(0.2, 0.9))
                 r.update({f"{method}.hit@1": float(good > 0.5), f"{method}.ndcg@10": good, f"{method}.all_ndcg@10": good})
@@ -91,7 +94,26 @@ def test_zero_shot_has_intervals_where_the_base_runs_and_is_not_applicable_elsew
         mean, low, high = shot[measure]
         assert low <= mean <= high
     assert "gain_ndcg@10_zero_shot_vs_full_text" in runs
+    bar = runs["chance"]
+    assert isinstance(bar, dict)
+    assert bar["ndcg@10"] == [round(chance(11, 2)[1], 3)] * 3  # the same on every query: no spread
+    gain = runs["gain_ndcg@10_zero_shot_vs_chance"]
+    assert isinstance(gain, list)
+    assert gain[0] == pytest.approx(shot["ndcg@10"][0] - bar["ndcg@10"][0], abs=0.002)
     assert "gain_ndcg@10_default_vs_expansion" in runs
     image = summary(_records("digits-vit-seeded", zero_shot=False))
     assert image["zero_shot"] == "not applicable"
     assert "gain_ndcg@10_default_vs_expansion" not in image
+
+
+@pytest.mark.parametrize(("ranked", "relevant"), [(6, 1), (6, 2), (7, 7), (12, 3)])
+def test_chance_is_the_mean_over_every_ordering(ranked: int, relevant: int) -> None:
+    """A random ordering's expected hit@1 and nDCG@10: the mean over every placement of the relevant items (12 items,
+    more than the 10 nDCG@10 reads: the places past the 10th count nothing)."""
+    places = list(itertools.combinations(range(ranked), relevant))
+    hits = [float(0 in c) for c in places]
+    scores = [ndcg10(list(range(ranked)), set(c)) for c in places]
+    hit, ndcg = chance(ranked, relevant)
+    assert hit == pytest.approx(np.mean(hits))
+    assert ndcg == pytest.approx(np.mean(scores))
+    assert chance(0, 0) == (0.0, 0.0)
