@@ -101,7 +101,7 @@ def test_the_store_keeps_its_budget_dropping_the_least_recently_used_pairs() -> 
             blocks(updates[i].modules()[n], updates[j].modules()[n])
 
     pair(1, 2), pair(1, 3), pair(2, 3)
-    pair(2, 1)  # used again: (1, 3) is now the least recent
+    store.used([2, 1])  # read again by the step: (1, 3) is now the least recent
     pair(3, 6)
     assert store.held <= store.budget
     assert set(store.pairs) == {(1, 2), (2, 3), (3, 6)}

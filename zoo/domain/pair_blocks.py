@@ -53,11 +53,13 @@ class PairBlocks:
         UU, VV, value = entry
         return (UU, VV, value) if key[0] == x.adapter_id else (UU.T, VV.T, value)
 
-    def used(self, x: Origin, y: Origin) -> None:
-        """The pair of x's and y's adapters was used (the most recently used now), if kept."""
-        key = (x.adapter_id, y.adapter_id) if x.adapter_id <= y.adapter_id else (y.adapter_id, x.adapter_id)
-        if key in self.pairs:
-            self.pairs.move_to_end(key)
+    def used(self, ids: list[int]) -> None:
+        """The adapters of these ids are in use: the kept pairs among them are the most recently used now (one call for
+        the adapters a test reads, not one a module: an SDXL adapter has 418)."""
+        held = sorted(set(ids))
+        for key in [(a, b) for k, a in enumerate(held) for b in held[k:]]:
+            if key in self.pairs:
+                self.pairs.move_to_end(key)
 
     def put(self, x: Origin, y: Origin, UU: np.ndarray, VV: np.ndarray, value: float | None) -> None:
         """Keep module x's blocks with module y (copies: a block may be a view of a larger product), or the inner

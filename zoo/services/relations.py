@@ -231,9 +231,8 @@ class FactorCache:
         self._read_rows([i for i in dict.fromkeys(ids) if i not in self.loaded])
 
     def _read_rows(self, ids: list[int]) -> None:
-        if ids:
-            found = factor_rows(self.sessions, ids)
-            self.rows.update({i: found.get(i) for i in ids})
+        found = factor_rows(self.sessions, ids) if ids else {}
+        self.rows.update({i: found.get(i) for i in ids})
 
     def get(self, ids: list[int]) -> list[Update]:
         """The updates of these adapters that are still stored, in the order given."""
@@ -250,6 +249,7 @@ class FactorCache:
         for i in asked:  # in the order asked: the first of them is the least recent
             if i in self.loaded:
                 self.loaded.move_to_end(i)
+        self.pairs.used(list(asked))
         while self.held > self.budget and next(iter(self.loaded)) not in asked:
             self.held -= self.loaded.popitem(last=False)[1][1]
         return [self.loaded[i][0] for i in ids if i in self.loaded]
