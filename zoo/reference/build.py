@@ -127,6 +127,18 @@ def _context(recipe: str, cache_dir: Path) -> Any:
     return _CONTEXT[key]
 
 
+#: the base model's accuracy per (recipe, cache dir, task): a function of the cached base and the task's fixed split,
+#: worked out once a process (a resumed or repeated build, and each task of a merge, asks again)
+_BASE_ACCURACY: dict[tuple[str, str, str], float | None] = {}
+
+
+def _base_accuracy(r: Recipe, cache_dir: Path, task: str) -> float | None:
+    key = (r.name, str(cache_dir), task)
+    if key not in _BASE_ACCURACY:
+        _BASE_ACCURACY[key] = r.base_accuracy(_context(r.name, cache_dir), task)
+    return _BASE_ACCURACY[key]
+
+
 def build_one(recipe: str, cache_dir: Path, out_dir: Path, name: str, attrs: Attributes) -> ManifestRow:
     """Train one adapter (or make a lineage member from its parents in out_dir) and save it (PEFT's
     save_pretrained) to out_dir/name, atomically."""
@@ -298,10 +310,9 @@ def with_task_reference(spread: AccuracySpread, r: Recipe, cache_dir: Path) -> A
     an adapter's test accuracy is to be read against."""
     tasks = spread.get("by", {}).get("task", {})
     if tasks:
-        ctx = _context(r.name, cache_dir)
         for task, s in tasks.items():
             parts = task.split(lineage.TASKS_SEP)  # a merge's task is its parents' (mean over them)
-            bases = [r.base_accuracy(ctx, t) for t in parts]
+            bases = [_base_accuracy(r, cache_dir, t) for t in parts]
             s["chance"] = round(statistics.mean(r.chance(t) for t in parts), 3)
             s["base"] = round(statistics.mean(b for b in bases if b is not None), 3) if None not in bases else None
     return spread
