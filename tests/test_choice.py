@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+from scipy.stats import spearmanr
 
 from embed.selection.calibration import expected_calibration_error
 from embed.selection.choice import (
     HALVES,
     KNN_KS,
+    KNN_TEMPERATURES,
     MIN_ITEMS,
     MIX_WEIGHTS,
     RERANK_TOPS,
@@ -29,7 +31,7 @@ from embed.selection.choice import (
     self_excluded,
     staged_over,
 )
-from embed.selection.metrics import KNN_K, knn_vote_shares, retrieval_per_query
+from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, knn_weights, retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, SearchScore, fitted_score
 
@@ -150,6 +152,55 @@ def test_the_knn_takes_few_neighbours_when_each_class_has_few_labels() -> None:
     values = np.array([float(label[1:]) for label in labels])
     choice, _, _ = choose_metric(exact, DW, values, {}, folds)
     assert isinstance(choice.chosen, KnnPredictor) and choice.chosen.k < KNN_K
+
+
+def test_a_metric_knn_weighs_its_nearest_more_where_the_similarities_sit_close() -> None:
+    """Groups of 3 and of 12 labelled adapters, each group's values about its own level, and similarities that carry
+    the group but all lie within a few hundredths of 0.9 (as the input Gram's do): max(s, 0) weighs the k nearest
+    alike, so one k pulls the small groups' values toward the others' or leaves the large groups' noise
+    unaveraged; a softmax at a small temperature follows the nearest and still averages a close group. The choice
+    takes a temperature by Spearman out of fold, and on held-out queries of the same groups it predicts better than
+    the best kNN without one."""
+    sizes = np.array([3] * 8 + [12] * 4)
+    picked, gains = 0, []
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        group = np.repeat(np.arange(len(sizes)), 2 * sizes)  # half labelled, half queries
+        values = rng.uniform(0, 1, len(sizes))[group] + 0.15 * rng.normal(size=len(group))
+        x = rng.normal(size=(len(sizes), 16))[group] + 0.6 * rng.normal(size=(len(group), 16))
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        sim = 0.9 + 0.05 * (x @ x.T)
+        labelled = np.concatenate([np.flatnonzero(group == g)[:size] for g, size in enumerate(sizes)])
+        queries = np.setdiff1d(np.arange(len(group)), labelled)
+        n = len(labelled)
+        parts = np.array_split(rng.permutation(n), 4)
+        folds = [Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), np.eye(n)) for part in parts]
+        exact = {score: sim[np.ix_(labelled, labelled)] for score in EXACT_SCORES}
+        choice, _, _ = choose_metric(exact, DW, values[labelled], {}, folds)
+        chosen = choice.chosen
+        assert isinstance(chosen, KnnPredictor)
+        flat = max((m for m in choice.scores if isinstance(m, KnnPredictor) and m.temperature is None), key=choice.scores.__getitem__)
+        picked += chosen.temperature in KNN_TEMPERATURES
+        to_labelled = sim[np.ix_(queries, labelled)]
+        served, untempered = (knn_regress(to_labelled, values[labelled], m.k, m.temperature) for m in (chosen, flat))
+        gains.append(spearmanr(served, values[queries]).statistic - spearmanr(untempered, values[queries]).statistic)
+    assert picked >= 8 and np.mean(gains) > 0
+
+
+@given(
+    st.lists(st.integers(-1000, 1000).map(lambda i: i / 1000), min_size=2, max_size=30, unique=True),
+    st.lists(st.floats(0, 1, allow_nan=False), min_size=30, max_size=30),
+    st.integers(1, 30),
+)
+def test_a_knn_mean_runs_from_its_nearest_value_to_its_neighbours_mean_as_the_temperature_rises(
+    sims: list[float], values: list[float], k: int
+) -> None:
+    row = np.array([sims])
+    v = np.array(values[: len(sims)])
+    top = np.argsort(-row[0])[: min(k, len(sims))]
+    assert abs(knn_regress(row, v, k, temperature=1e-12)[0] - v[top[0]]) < 1e-9
+    assert abs(knn_regress(row, v, k, temperature=1e12)[0] - v[top].mean()) < 1e-9
+    assert np.allclose(knn_weights(row[0, top], 0.05).sum(), 1.0) and (np.diff(knn_weights(row[0, top], 0.05)) <= 0).all()
 
 
 @given(st.sampled_from(("dw", "module", "input_gram", "module+w2t@0.3", "input_gram+w2t@0.3", "w2t")))

@@ -350,6 +350,20 @@ CHECKPOINT_METHODS = [
         ),
         None,
     ),
+    (  # a metric's kNN weighing its neighbours by a softmax at a temperature
+        {
+            "search": "input_gram",
+            "exact_score": "input_gram",
+            "hybrid_weight": 0.0,
+            "predictor": {"task": "knn", "rank": "head", "test_accuracy": "knn"},
+            "knn": {"task": {"similarity": "input_gram", "k": 3}, "test_accuracy": {"similarity": "input_gram", "k": 10, "temperature": 0.01}},
+        },
+        (
+            SearchScore("input_gram"),
+            {"task": KnnPredictor(SearchScore("input_gram"), 3), "rank": HEAD, "test_accuracy": KnnPredictor(SearchScore("input_gram"), 10, 0.01)},
+        ),
+        None,
+    ),
     (  # before second stages: the exact score and the W2T weight
         {
             "exact_score": "module",

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embed.selection.choice import KNN_KS, MIX_WEIGHTS
+from embed.selection.choice import KNN_KS, KNN_TEMPERATURES, MIX_WEIGHTS
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import (
     LEARNED,
@@ -35,8 +35,14 @@ def two_stage_scores(draw: st.DrawFn) -> SearchScore:
 
 
 search_scores = st.one_of(one_stage_scores, two_stage_scores())
+#: kNN temperatures: none, those the choice tries, and any positive float as its name writes it
+temperatures = st.one_of(
+    st.none(),
+    st.sampled_from(KNN_TEMPERATURES),
+    st.floats(1e-12, 1e6, allow_nan=False, allow_infinity=False).map(lambda t: float(f"{t:g}")),
+)
 predictors: st.SearchStrategy[Predictor] = st.one_of(
-    st.builds(KnnPredictor, one_stage_scores, st.integers(1, 10_000)), st.sampled_from(LEARNED).map(LearnedPredictor)
+    st.builds(KnnPredictor, one_stage_scores, st.integers(1, 10_000), temperatures), st.sampled_from(LEARNED).map(LearnedPredictor)
 )
 
 
@@ -50,6 +56,7 @@ def old_search_name(exact: str, weight: float) -> str:
 #: every name written so far: search scores, kNN predictors over them with the k tried, learned predictors
 SEARCH_NAMES = sorted({old_search_name(e, w) for e in EXACT_SCORES for w in (0.0, *MIX_WEIGHTS)})
 PREDICTOR_NAMES = [f"knn {s} k={k}" for s in SEARCH_NAMES for k in KNN_KS] + list(LEARNED)
+PREDICTOR_NAMES += [f"knn {s} k={k} T={t:g}" for s in SEARCH_NAMES for k in KNN_KS for t in KNN_TEMPERATURES]
 
 
 @given(search_scores)
@@ -97,6 +104,8 @@ def test_names_as_they_were_written() -> None:
     assert parse_predictor("knn module+w2t@0.1 k=10") == KnnPredictor(SearchScore("module", 0.1), 10)
     assert parse_predictor("knn w2t k=3").kind == "knn" and parse_predictor("logreg") == LearnedPredictor("logreg")
     assert parse_predictor("neighbours").kind == "neighbours"
+    assert parse_predictor("knn input_gram k=10 T=0.01") == KnnPredictor(SearchScore("input_gram"), 10, 0.01)
+    assert KnnPredictor(SearchScore(), 3, 0.003).name == "knn dw k=3 T=0.003" and KnnPredictor(SearchScore(), 3).temperature is None
 
 
 @pytest.mark.parametrize(
@@ -117,7 +126,10 @@ def test_a_name_no_search_score_has_is_refused(name: str) -> None:
 @pytest.mark.parametrize(
     "name",
     ["", "knn", "knn dw", "knn dw k=", "knn dw k=0", "knn dw k=-1", "knn dw k=03", "knn dw k= 3", "knn dw k=3 ", "knn foo k=3"]
-    + ["knn  dw k=3", "knn dw+w2t@1 k=3", "dw k=3", "search", "Head", "head ", "knn head k=3"],
+    + ["knn  dw k=3", "knn dw+w2t@1 k=3", "dw k=3", "search", "Head", "head ", "knn head k=3"]
+    # temperatures: none written, not positive, not finite, not as `:g` writes it, in the wrong place
+    + ["knn dw k=3 T=", "knn dw k=3 T=0", "knn dw k=3 T=-0.1", "knn dw k=3 T=nan", "knn dw k=3 T=inf", "knn dw k=3 T=0.010"]
+    + ["knn dw k=3 T=.01", "knn dw k=3  T=0.01", "knn dw T=0.01 k=3", "knn dw k=3 T=0.01 T=0.01", "knn dw T=0.01"],
 )
 def test_a_name_no_predictor_has_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="not a (kNN )?predictor: " + re.escape(repr(name))):
@@ -128,7 +140,7 @@ def test_a_name_no_predictor_has_is_refused(name: str) -> None:
 near_names = st.builds(
     "{}{}{}".format,
     st.sampled_from(["dw", "module", "w2t", "knn dw", "knn w2t"]),
-    st.sampled_from(["+w2t@", " k=", ""]),
+    st.sampled_from(["+w2t@", " k=", " k=3 T=", ""]),
     st.text("0123456789.e-+ _", max_size=8),
 )
 
@@ -150,5 +162,8 @@ def test_values_out_of_range_are_refused() -> None:
             SearchScore(exact, weight)
     with pytest.raises(ValueError):
         KnnPredictor(SearchScore(), 0)
+    for temperature in (0.0, -1.0, float("nan"), float("inf"), 0.1234567):
+        with pytest.raises(ValueError, match="temperature"):
+            KnnPredictor(SearchScore(), 3, temperature)
     with pytest.raises(ValueError):
         LearnedPredictor("knn")

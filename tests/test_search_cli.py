@@ -137,7 +137,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     rc, (by_id,) = cli.json_lines("predict", "3")
     knn = KnnPredictor.parse(info["predictors"]["test_accuracy"])
     sim = scores[knn.similarity.name](stored_factors(cli, [3]), stored_factors(cli, others))
-    want = knn_regress(sim, np.array([accuracy[i] for i in others]), knn.k)[0]
+    want = knn_regress(sim, np.array([accuracy[i] for i in others]), knn.k, knn.temperature)[0]
     assert by_id["metrics"]["test_accuracy"]["value"] == pytest.approx(want, abs=1e-5)  # itself left out
     knn = KnnPredictor.parse(info["predictors"]["task"])
     sim = scores[knn.similarity.name](stored_factors(cli, [3]), stored_factors(cli, others))

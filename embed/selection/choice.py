@@ -19,8 +19,9 @@ with many, the best estimate wins without having to be "clearly" better.
   held-out adapters best, against the W2T heads, few-shot readouts of the W2T embedding (nearest class mean,
   logistic regression on the frozen embedding) and the kNNs by the attribute's channel metric, by accuracy against
   that kNN;
-- a metric: the same kNN family (best Spearman), against the heads, the kNN in the W2T embedding and the kNNs by the
-  metric's channel metric, by Spearman against that kNN.
+- a metric: the same kNN family, each also weighing its neighbours by a softmax at each of KNN_TEMPERATURES (best
+  Spearman), against the heads, the kNN in the W2T embedding and the kNNs by the metric's channel metric, by
+  Spearman against that kNN.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
 RERANK_TOPS = (5, 10)
 #: neighbours tried by the kNN predictors, in order of preference on a tie
 KNN_KS = (KNN_K, 5, 3, 1)
+#: softmax temperatures a metric's kNN candidates weigh their neighbours at (beside max(s, 0)): on digits-vit-seeded,
+#: input-Gram 10-NN weights by max(s, 0) are nearly equal, and a temperature chosen on the labelled adapters took its
+#: performance Spearman from 0.636 to 0.709 (docs/history/results-2026.md, "Performance Spearman: the kNN's weights")
+KNN_TEMPERATURES = (0.003, 0.01, 0.03, 0.1)
 #: temperature of the nearest-class-mean readout's softmax over cosines
 PROTOTYPE_TEMPERATURE = 0.1
 #: random halves of the held-out adapters the choice is replayed on, to estimate what choosing by the best estimate gains
@@ -387,13 +392,14 @@ def choose_metric(
     folds: list[Fold],
     target: str = "",
 ) -> tuple[Choice[Predictor], np.ndarray, np.ndarray]:
-    """A kNN among the labelled adapters (as for attributes, by Spearman; the kNNs by the `target` metric's own
+    """A kNN among the labelled adapters (as for attributes, and at each temperature of KNN_TEMPERATURES, by
+    Spearman; the kNNs by the `target` metric's own
     channel metric, where `exact` holds it, weighed against it as learned predictors are) or a learned predictor
     (`learned`: its out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric
     (values per labelled adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold
     predictions with the truth."""
     similarities = knn_similarities(search, scores_for(exact, target))
-    knns = [KnnPredictor(sim, k) for sim in similarities for k in KNN_KS]
+    knns = [KnnPredictor(sim, k, temp) for sim in similarities for k in KNN_KS for temp in (None, *KNN_TEMPERATURES)]
     preds: dict[Predictor, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
     truth: list[float] = []
     for f in folds:
@@ -404,7 +410,8 @@ def choose_metric(
         for similarity in similarities:
             sim = search_similarity(exact, similarity, f.z, val, train)
             for k in KNN_KS:
-                preds[KnnPredictor(similarity, k)] += knn_regress(sim, values[train], k).tolist()
+                for temp in (None, *KNN_TEMPERATURES):
+                    preds[KnnPredictor(similarity, k, temp)] += knn_regress(sim, values[train], k, temp).tolist()
         for name, p in learned.items():
             preds[name] += [p[r] for r in val]
         truth += values[val].tolist()

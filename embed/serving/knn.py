@@ -8,14 +8,14 @@ from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 
 
 def knn_shares(
-    near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, fallback: np.ndarray, k: int = KNN_K
+    near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, fallback: np.ndarray, k: int = KNN_K, temperature: float | None = None
 ) -> np.ndarray:
-    """Class shares of the similarity-weighted vote of the k nearest with a known class (classes: per memory
-    position, -1 unknown); `fallback` (the heads') where none is known."""
+    """Class shares of the similarity-weighted vote (knn_weights at `temperature`) of the k nearest with a known class
+    (classes: per memory position, -1 unknown); `fallback` (the heads') where none is known."""
     positions, scores = near
     if not len(positions) or not (classes[positions] >= 0).any():
         return fallback
-    return knn_vote_shares(scores[None, :], classes[positions], n_classes, k)[0]
+    return knn_vote_shares(scores[None, :], classes[positions], n_classes, k, temperature)[0]
 
 
 def neighbour_classes(near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, k: int) -> np.ndarray:
@@ -26,10 +26,13 @@ def neighbour_classes(near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, 
     return np.bincount(classes[positions[known]][top], minlength=n_classes)
 
 
-def knn_value(near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float, k: int = KNN_K) -> float:
-    """Similarity-weighted mean of the k nearest with a known value (values: per memory position, NaN unknown)."""
+def knn_value(
+    near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float, k: int = KNN_K, temperature: float | None = None
+) -> float:
+    """Similarity-weighted mean (knn_weights at `temperature`) of the k nearest with a known value (values: per memory
+    position, NaN unknown)."""
     positions, scores = near
     known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
     if not known.any():
         return fallback
-    return float(knn_regress(scores[known][None, :], values[positions[known]], k)[0])  # the vote choice.py scored
+    return float(knn_regress(scores[known][None, :], values[positions[known]], k, temperature)[0])  # the vote choice.py scored

@@ -39,7 +39,7 @@ def attribute_guesses(
         knn = knns.get(key)
         k = knn.k if knn else SUPPORT_K
         around = near[knn.similarity if knn else model.search]
-        shares = knn_shares(around, labels, len(classes), p[0], k) if knn else p[0]
+        shares = knn_shares(around, labels, len(classes), p[0], k, knn.temperature) if knn else p[0]
         # a labelled adapter's vote leaves its own label out (it is not its own neighbour): one label fewer
         own = bool(len(at_memory)) and labels[at_memory[0]] >= 0
         shares = model.calibrated(key, shares, own_label_left_out=knn is not None and own)
@@ -66,7 +66,7 @@ def metric_guesses(
     for key, v in values.items():
         value = float(v[0])
         if (knn := knns.get(key)) is not None:
-            found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k)
+            found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k, knn.temperature)
             value = float(model.clip(key, np.array([found]))[0])
         low, high = interval(value, model.residual_std.get(key), *model.metric_range.get(key, (-math.inf, math.inf)))
         metrics[key] = {

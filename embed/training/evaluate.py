@@ -143,7 +143,9 @@ def _task_scores(predicted: list[str], truth: list[str]) -> Scores:
     return Scores(dict(classification(predicted, truth)), {"attr_acc": right})
 
 
-def _score(sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train_pos: list[int], predict: bool, k: int = KNN_K) -> Scores:
+def _score(
+    sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train_pos: list[int], predict: bool, k: int = KNN_K, temperature: float | None = None
+) -> Scores:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
     out = _nothing()
     q = [p for p in test_pos if tasks[p]]
@@ -156,7 +158,7 @@ def _score(sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train
             out.update(_task_scores(knn_classify(sub, [tasks[p] for p in train_pos], k), [tasks[p] for p in test_pos]))
         perf = np.array([all_ad[p].measurements.get(PERF_METRIC, np.nan) for p in range(len(all_ad))])
         if not np.isnan(perf[train_pos + test_pos]).any():
-            out.means.update(regression(knn_regress(sub, perf[train_pos], k), perf[test_pos]))
+            out.means.update(regression(knn_regress(sub, perf[train_pos], k, temperature), perf[test_pos]))
     return out
 
 
@@ -416,7 +418,7 @@ def _default_scores(
     out.update(_calibrated_task_scores(emb, exact, w2t, adapters, test_pos, train_pos))
     source = _head_scores(emb, adapters, test_pos)
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
-        source = _score(_similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, predict=True, k=knn.k)
+        source = _score(_similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, predict=True, k=knn.k, temperature=knn.temperature)
     out.means.update({k: source.means.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 
@@ -434,7 +436,7 @@ def _calibrated_task_scores(
         sim = _similarity(exact, w2t, knn.similarity)[np.ix_(test_pos, train_pos)]
         known = [adapters[p].labels.get(TASK_KEY, "") for p in train_pos]
         index = np.array([classes.index(label) if label in classes else -1 for label in known])
-        shares = knn_vote_shares(sim, index, len(classes), knn.k)
+        shares = knn_vote_shares(sim, index, len(classes), knn.k, knn.temperature)
     else:
         shares = emb.predict(test)[0][TASK_KEY]
     probs = emb.calibrated(TASK_KEY, shares)

@@ -31,7 +31,8 @@ def search_of(meta: dict) -> SearchScore:
 
 
 def predictors_of(meta: dict) -> dict[str, Predictor]:
-    """Each target's predictor in a checkpoint: a kNN ("knn") by its similarity and k under "knn", a learned one by
+    """Each target's predictor in a checkpoint: a kNN ("knn") by its similarity, k and temperature (none before kNNs
+    had one) under "knn", a learned one by
     its kind; before kNN predictors were chosen, "search" meant a KNN_K-NN over the search score."""
     knn = meta.get("knn", {})
     predictors: dict[str, Predictor] = {}
@@ -39,7 +40,8 @@ def predictors_of(meta: dict) -> dict[str, Predictor]:
         if kind == "search":
             predictors[target] = KnnPredictor(search_of(meta).first_stage, KNN_K)
         elif kind == KnnPredictor.kind:
-            predictors[target] = KnnPredictor(SearchScore.parse(knn[target]["similarity"]), int(knn[target]["k"]))
+            t = knn[target].get("temperature")
+            predictors[target] = KnnPredictor(SearchScore.parse(knn[target]["similarity"]), int(knn[target]["k"]), None if t is None else float(t))
         else:
             predictors[target] = LearnedPredictor.parse(kind)
     return predictors
@@ -59,5 +61,11 @@ def methods_meta(search: SearchScore, predictors: dict[str, Predictor], metrics:
         "exact_score": search.exact,
         "hybrid_weight": search.w2t_weight,
         "predictor": {target: p.kind for target, p in predictors.items()},
-        "knn": {t: {"similarity": p.similarity.name, "k": p.k} for t, p in predictors.items() if isinstance(p, KnnPredictor)},
+        "knn": {t: _knn_meta(p) for t, p in predictors.items() if isinstance(p, KnnPredictor)},
     }
+
+
+def _knn_meta(knn: KnnPredictor) -> dict[str, object]:
+    """A kNN predictor as predictors_of reads it back: its temperature only where it has one, so that checkpoints
+    of kNNs without one are written as they always were."""
+    return {"similarity": knn.similarity.name, "k": knn.k, **({} if knn.temperature is None else {"temperature": knn.temperature})}

@@ -23,6 +23,7 @@ _THEN = " then top "
 _BY = " by "
 _KNN = "knn "
 _K = " k="
+_T = " T="
 #: the most adapters a second stage re-ranks
 MAX_RERANK_TOP = 100
 
@@ -152,10 +153,13 @@ class SearchScore:
 
 @dataclass(frozen=True)
 class KnnPredictor:
-    """A similarity-weighted vote (or mean) of the k most similar labelled adapters by a search score."""
+    """A similarity-weighted vote (or mean) of the k most similar labelled adapters by a search score: each
+    neighbour weighed by max(s, 0) + 1e-6, or with a `temperature` T by the softmax of s / T
+    (embed.selection.metrics.knn_weights). T is positive and written exactly by the name (`:g`)."""
 
     similarity: SearchScore
     k: int
+    temperature: float | None = None
     #: what checkpoints and `zoo predict` record as the predictor's kind
     kind: ClassVar[str] = "knn"
 
@@ -164,22 +168,31 @@ class KnnPredictor:
             raise ValueError(f"a kNN needs at least one neighbour, not {self.k!r}")
         if self.similarity.second_stage is not None:
             raise ValueError(f"a kNN votes by one similarity, not by the two stages of {self.similarity.name}")
+        if self.temperature is not None:
+            t = float(self.temperature)
+            if not (np.isfinite(t) and t > 0 and float(f"{t:g}") == t):
+                raise ValueError(f"a kNN's temperature is a positive number its name writes exactly, not {self.temperature!r}")
+            object.__setattr__(self, "temperature", t)
 
     @property
     def name(self) -> str:
-        """`knn dw k=3`, `knn module+w2t@0.1 k=10`."""
-        return f"{_KNN}{self.similarity.name}{_K}{self.k}"
+        """`knn dw k=3`, `knn module+w2t@0.1 k=10`, `knn input_gram k=10 T=0.01`."""
+        tempered = "" if self.temperature is None else f"{_T}{self.temperature:g}"
+        return f"{_KNN}{self.similarity.name}{_K}{self.k}{tempered}"
 
     @classmethod
     def parse(cls, name: str) -> KnnPredictor:
         """The kNN predictor named `name` (ValueError for a name `name` does not write)."""
-        similarity, _, k = name.removeprefix(_KNN).rpartition(_K)
+        rest, tempered, t = name.removeprefix(_KNN).rpartition(_T)
+        if not tempered:
+            rest, t = name.removeprefix(_KNN), ""
+        similarity, _, k = rest.rpartition(_K)
         try:
-            predictor = cls(SearchScore.parse(similarity), int(k))
+            predictor = cls(SearchScore.parse(similarity), int(k), float(t) if tempered else None)
         except ValueError:
             predictor = None
         if predictor is None or predictor.name != name:
-            raise ValueError(f"not a kNN predictor: {name!r} (e.g. {_KNN}dw{_K}3)")
+            raise ValueError(f"not a kNN predictor: {name!r} (e.g. {_KNN}dw{_K}3, or {_KNN}input_gram{_K}10{_T}0.01)")
         return predictor
 
 
