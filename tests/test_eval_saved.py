@@ -32,6 +32,9 @@ def test_saved_splits_summarize_as_their_run_resume_and_pool(cli: CLI, tmp_path:
     assert rc == 0 and sorted(p.name for p in full.iterdir()) == ["split-0.json", "split-1.json"]
     saved = json.loads((full / "split-1.json").read_text())["result"]["per_query"]
     assert len(saved["tasks"]) == whole["n_test"] and saved["served"] == whole["search_regret"]["mrr"]["splits"][1]["served"]
+    calibrated = whole["calibration"]  # the served task probabilities of every query, saved, pooled over the splits
+    assert (calibrated["queries"], calibrated["splits"]) == (len(saved["methods"]["default"]["attr_confidence"]) * 2, 2)
+    assert calibrated["splits_mean"] == pytest.approx(np.mean([r["methods"]["default"]["attr_ece"] for r in whole["splits"]]))
     rc, (pooled,) = cli.json_lines("eval", "--pool", str(full))
     assert rc == 0 and pooled == whole  # every mean, interval and regret as the run gave them
     two.mkdir()

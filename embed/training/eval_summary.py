@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from embed.training.evaluate import INTERVAL_SCHEME, KEYS, MAIN_METRIC, QUERY_KEYS, REGRET_KEYS, TRAINING_FREE_KNN, VERSUS_KEYS
+from embed.selection.calibration import expected_calibration_error
+from embed.training.evaluate import CONFIDENCE, INTERVAL_SCHEME, KEYS, MAIN_METRIC, QUERY_KEYS, REGRET_KEYS, TRAINING_FREE_KNN, VERSUS_KEYS
 from embed.training.intervals import Interval, clustered_bootstrap
 from zoo.domain.channels import EXACT_SCORES
 
@@ -42,7 +43,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     leading method on MAIN_METRIC against the runner-up (`comparison`), the default against each exact score on
     VERSUS_KEYS (`default_versus`), the default's performance Spearman against the best training-free kNN
     (`spearman_versus_best_knn`), what the channel metrics add to the default (`metric_gain`: against the same W2T's
-    choice made without them) and the search choice's cross-fitted regret (`search_regret`)."""
+    choice made without them), the search choice's cross-fitted regret (`search_regret`) and the served task
+    probabilities' calibration read against its chance floor (`calibration`)."""
     public = [{k: v for k, v in r.items() if k != "per_query"} for r in results]
     result = public[0] if len(public) == 1 else combine_splits(public)
     best = best_training_free_knn(results)
@@ -54,6 +56,36 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "spearman_versus_best_knn": compare(results, "default", best, "perf_spearman") if best else None,
         "metric_gain": {k: compare(results, "default", "default_without_metric", k) for k in VERSUS_KEYS},
         "search_regret": cross_fitted_regret(results),
+        "calibration": calibration(results),
+    }
+
+
+#: draws of a calibrated predictor's answers that calibration's floor is the mean over
+FLOOR_DRAWS = 200
+
+
+def calibration(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The served task probabilities' expected calibration error (attr_ece) read three ways, where every split kept
+    the default's per-query CONFIDENCE: the mean of the splits' own (as each split reports it), the error of all their
+    queries pooled, and the floor: the mean per-split error of a predictor calibrated by construction, whose answers
+    are right with exactly the probability it states (FLOOR_DRAWS draws at the same probabilities, seeded). A split of
+    a few hundred queries has an error above 0 by chance alone: its mean over splits is read against the floor, the
+    pooled error against 0."""
+    per = [r["per_query"].methods.get("default", {}) for r in results if "per_query" in r]
+    if not per or len(per) != len(results) or any(CONFIDENCE not in p or "attr_acc" not in p for p in per):
+        return None
+    rng = np.random.default_rng(0)
+    floor = [
+        np.mean([expected_calibration_error(p[CONFIDENCE], rng.random(len(p[CONFIDENCE])) < p[CONFIDENCE]) for _ in range(FLOOR_DRAWS)])
+        for p in per
+    ]
+    confidence, right = (np.concatenate([p[k] for p in per]) for k in (CONFIDENCE, "attr_acc"))
+    return {
+        "splits_mean": float(np.mean([r["methods"]["default"]["attr_ece"] for r in results])),
+        "pooled": expected_calibration_error(confidence, right),
+        "floor": float(np.mean(floor)),
+        "queries": len(confidence),
+        "splits": len(per),
     }
 
 

@@ -89,6 +89,9 @@ MAIN_METRIC = "mrr"
 
 #: the measures with a value per query (a retrieval, a task predicted): compared per query, paired
 QUERY_KEYS = ("hit@1", "hit@10", "mrr", "ndcg@10", "attr_acc")
+#: the default's per-query probability of the task it answers (beside attr_acc, whether it was right): what
+#: embed.training.eval_summary.calibration pools the expected calibration error over splits from
+CONFIDENCE = "attr_confidence"
 #: the measures the default is compared on with each exact score (embed.training.eval_summary.summarize)
 VERSUS_KEYS = ("hit@1", "mrr", "ndcg@10", "attr_acc", "perf_spearman")
 #: the retrieval measures the search choice is judged on against the best fixed candidate (embed.training.eval_summary.cross_fitted_regret)
@@ -122,7 +125,7 @@ def refactorized(a: ZooAdapter, seed: int) -> ZooAdapter:
 @dataclass
 class Scores:
     """A method's measures on one split: `means` of every one of KEYS (None: not measured), and `per_query` those of
-    QUERY_KEYS it measured, per query: the split's held-out adapters with a task, in order."""
+    QUERY_KEYS it measured (and the default's CONFIDENCE), per query: the split's held-out adapters with a task, in order."""
 
     means: dict[str, float | None]
     per_query: dict[str, np.ndarray]
@@ -444,6 +447,7 @@ def _calibrated_task_scores(
     top = probs.argmax(axis=1)
     out = _task_scores([classes[i] for i in top], [a.labels[TASK_KEY] for a in test])
     out.means["attr_ece"] = expected_calibration_error(probs.max(axis=1), top == truth)
+    out.per_query[CONFIDENCE] = probs.max(axis=1)
     out.means["attr_wrong_at_100"] = float(((probs.max(axis=1) >= 0.995) & (top != truth)).sum())
     return out
 

@@ -162,6 +162,12 @@ def paired_lines(result: dict) -> list[str]:
     best = result.get("spearman_versus_best_knn")
     if best:
         lines.append(f"perf_spearman, default − {best['second']} (the best training-free kNN here): {interval_text(best)}")
+    c = result.get("calibration")
+    if c:
+        lines.append(
+            f"attr_ece of the served task probabilities: {c['splits_mean']:.3f} the splits' mean (a calibrated predictor's, by chance "
+            f"alone: {c['floor']:.3f}), {c['pooled']:.3f} over all {c['queries']} queries pooled"
+        )
     return lines
 
 
