@@ -31,6 +31,7 @@ from embed.selection.choice import (
     choose_search,
     held_out_w2t,
     mix_candidates,
+    rerank_values,
     search_candidates,
     self_excluded,
     staged_over,
@@ -143,7 +144,7 @@ def similarity(
     excluded = self_excluded(self_index, w2t.shape[1])
     if keep is not None:
         excluded |= ~keep
-    return c.ranking(exact[c.exact], w2t, excluded)
+    return c.ranking(exact[c.exact], w2t, excluded, rerank_values(c, exact))
 
 
 def served(split: Split, c: Candidate) -> dict[str, float]:

@@ -30,6 +30,7 @@ from scipy import stats
 from embed.data.dataset import ExactScores, base_models, load_adapters
 from embed.data.tokens import max_rank, tokenize
 from embed.data.types import ZooAdapter, schema_of
+from embed.selection.choice import rerank_values
 from embed.selection.metrics import knn_regress, regression, retrieval
 from embed.training.distill import token_kernel
 from embed.training.evaluate import PERF_METRIC, split_of
@@ -147,7 +148,7 @@ def measured(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
             z = emb.embed(adapters)
             w2t = z @ z.T
             rows.setdefault(name, []).append({**score(w2t, adapters, labelled, queries), "seconds": took, "split": s})
-            served = emb.search.ranking(exact[emb.search.exact], w2t, np.eye(len(w2t), dtype=bool))
+            served = emb.search.ranking(exact[emb.search.exact], w2t, np.eye(len(w2t), dtype=bool), rerank_values(emb.search, exact))
             rows.setdefault(f"default ({name})", []).append({**score(served, adapters, labelled, queries), "split": s})
             line = {"split": s, "config": name, name: rows[name][-1], f"default ({name})": rows[f"default ({name})"][-1]}
             line.update({"dw cosine": rows["dw cosine"][-1], "input Gram cosine": rows["input Gram cosine"][-1], "search": emb.search.name})

@@ -356,11 +356,18 @@ CHECKPOINT_METHODS = [
             "exact_score": "input_gram",
             "hybrid_weight": 0.0,
             "predictor": {"task": "knn", "rank": "head", "test_accuracy": "knn"},
-            "knn": {"task": {"similarity": "input_gram", "k": 3}, "test_accuracy": {"similarity": "input_gram", "k": 10, "temperature": 0.01}},
+            "knn": {
+                "task": {"similarity": "input_gram", "k": 3},
+                "test_accuracy": {"similarity": "input_gram", "k": 10, "temperature": 0.01},
+            },
         },
         (
             SearchScore("input_gram"),
-            {"task": KnnPredictor(SearchScore("input_gram"), 3), "rank": HEAD, "test_accuracy": KnnPredictor(SearchScore("input_gram"), 10, 0.01)},
+            {
+                "task": KnnPredictor(SearchScore("input_gram"), 3),
+                "rank": HEAD,
+                "test_accuracy": KnnPredictor(SearchScore("input_gram"), 10, 0.01),
+            },
         ),
         None,
     ),

@@ -18,6 +18,8 @@ from zoo.domain.methods import (
     LearnedPredictor,
     Predictor,
     SearchScore,
+    fitted_score,
+    fused_score,
     parse_predictor,
 )
 
@@ -34,7 +36,14 @@ def two_stage_scores(draw: st.DrawFn) -> SearchScore:
     return SearchScore(draw(st.sampled_from(EXACT_SCORES)), first, second, draw(st.integers(2, MAX_RERANK_TOP)))
 
 
-search_scores = st.one_of(one_stage_scores, two_stage_scores())
+#: a channel metric's first stage, its top re-ordered by its fusion with dW at the same weight
+fused_stage_scores = st.builds(
+    lambda purpose, w, top: SearchScore(fitted_score(purpose), w, w, top, fused_score(purpose)),
+    st.sampled_from(["search", "task"]),
+    weights.filter(lambda w: w < 1),
+    st.integers(2, MAX_RERANK_TOP),
+)
+search_scores = st.one_of(one_stage_scores, two_stage_scores(), fused_stage_scores)
 #: kNN temperatures: none, those the choice tries, and any positive float as its name writes it
 temperatures = st.one_of(
     st.none(),
@@ -105,6 +114,9 @@ def test_names_as_they_were_written() -> None:
     assert parse_predictor("knn w2t k=3").kind == "knn" and parse_predictor("logreg") == LearnedPredictor("logreg")
     assert parse_predictor("neighbours").kind == "neighbours"
     assert parse_predictor("knn input_gram k=10 T=0.01") == KnnPredictor(SearchScore("input_gram"), 10, 0.01)
+    staged = SearchScore.parse("metric:search then top 10 by fused:search")
+    assert staged == SearchScore("metric:search", 0.0, 0.0, 10, "fused:search") and staged.second_stage == SearchScore("fused:search")
+    assert staged.first_stage == SearchScore("metric:search") and SearchScore.parse("fused:search").fitted == "search"
     assert KnnPredictor(SearchScore(), 3, 0.003).name == "knn dw k=3 T=0.003" and KnnPredictor(SearchScore(), 3).temperature is None
 
 
@@ -116,7 +128,15 @@ def test_names_as_they_were_written() -> None:
     + ["dw+w2t@0.3 then top 10 by dw+w2t@0.5", "dw+w2t@0.3 then top 10 by dw+w2t@0.3", "w2t then top 10 by dw"]
     + ["dw+w2t@0.8 then top 10 by module", "dw+w2t@0.8 then top 1 by dw", "dw+w2t@0.8 then top 101 by dw"]
     + ["dw+w2t@0.8 then top 010 by dw", "dw+w2t@0.8 then top 10", "dw then top 10 by dw", "dw+w2t@0.8 then top 10 by "]
-    + ["dw+w2t@0.8 then top ten by dw", "dw+w2t@0.8 then top 10 by dw then top 5 by dw"],
+    + ["dw+w2t@0.8 then top ten by dw", "dw+w2t@0.8 then top 10 by dw then top 5 by dw"]
+    # a fusion re-orders its own channel metric's top only, at that metric's W2T weight
+    + ["dw then top 10 by fused:search", "metric:search then top 10 by fused:task", "metric:search+w2t@0.3 then top 10 by fused:search"]
+    + [
+        "fused:search then top 10 by metric:search",
+        "metric:search then top 1 by fused:search",
+        "fused:",
+        "fused:search+w2t@0.3 then top 5 by dw",
+    ],
 )
 def test_a_name_no_search_score_has_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="not a search score: " + re.escape(repr(name))):
@@ -162,6 +182,8 @@ def test_values_out_of_range_are_refused() -> None:
             SearchScore(exact, weight)
     with pytest.raises(ValueError):
         KnnPredictor(SearchScore(), 0)
+    with pytest.raises(ValueError, match="re-orders nothing"):
+        SearchScore("metric:search", rerank_exact="fused:search")
     for temperature in (0.0, -1.0, float("nan"), float("inf"), 0.1234567):
         with pytest.raises(ValueError, match="temperature"):
             KnnPredictor(SearchScore(), 3, temperature)

@@ -189,6 +189,44 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     app = create_app({"ZOO_DATABASE_URL": cli.settings.database_url, "ZOO_DATA_DIR": str(cli.settings.data_dir), "TESTING": True})
     (served,) = app.test_client().post("/api/v1/predict/attributes", json={"adapter_id": stored["adapter_id"]}).get_json()["predictions"]
     assert served["from_lineage"] == copied["from_lineage"] and served["attributes"] == copied["attributes"]
+    served_fusion(cli, Path(info["checkpoint"]), scores["dw"], emb.channel_metrics["metric:search"], sorted(accuracy))
+
+
+def served_fusion(cli: CLI, checkpoint: Path, dw, metric, labelled: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint whose search is the channel metric with its top re-ordered by its fusion with dW
+    (zoo/domain/fusion.py) is served so: `zoo search` ranks the candidates by the metric, and its first five by the
+    fusion, each query's scores put on their own scale among the labelled adapters, the query itself left out."""
+    from embed.serving.search_methods import served_search
+    from embed.serving.space_state import load_w2t
+    from embed.w2t.checkpoint import META, checkpoint_meta
+    from zoo.domain.channels import factor_stack
+    from zoo.domain.fusion import fused
+    from zoo.domain.methods import SearchScore
+    from zoo.store.models import Adapter
+    from zoo.store.session import session_factory
+
+    with session_factory(cli.settings.database_url)() as session:
+        everything = sorted(session.scalars(select(Adapter.id)))
+    search = SearchScore("metric:search", 0.0, 0.0, 5, "fused:search")
+    meta = json.loads((checkpoint / META).read_text())
+    (checkpoint / META).write_text(json.dumps({**meta, "search": search.name}))
+    for cached in (checkpoint_meta, served_search, load_w2t):
+        cached.cache_clear()
+    reordered = 0
+    for query in sorted(labelled):
+        rc, (found,) = cli.json_lines("search", str(query), "-k", str(len(everything) - 1))
+        assert rc == 0 and found["method"] == "hybrid"
+        gallery = [i for i in everything if i != query]
+        reference = [gallery.index(i) for i in labelled if i != query]  # the labelled adapters but the query
+        q, g = stored_factors(cli, [query]), stored_factors(cli, gallery)
+        d, m = dw(q, g), metric.between(factor_stack(g), factor_stack(q))
+        keys = search.ranking(m, np.zeros_like(m), rerank_exact=fused(d, m, d[:, reference], m[:, reference]))[0]
+        at = [gallery.index(r["adapter_id"]) for r in found["results"]]
+        assert sorted(at) == list(range(len(gallery))) and all(keys[i] >= keys[j] - 1e-9 for i, j in zip(at, at[1:]))  # ties in any order
+        assert [r["score"] for r in found["results"]] == pytest.approx([float(m[0, j]) for j in at])
+        order = np.argsort(-keys, kind="stable")
+        reordered += order.tolist() != np.argsort(-m[0], kind="stable").tolist()
+    assert reordered  # the fusion put a neighbour that stands out in dW first somewhere
 
 
 def test_search_by_input_gram(cli: CLI, seed_sources: Path) -> None:

@@ -10,7 +10,8 @@ labels (or many candidates of equal worth) the best estimate is mostly noise and
 with many, the best estimate wins without having to be "clearly" better.
 
 - search: every exact score (the whole update's dW cosine, the mean module cosine, the input Gram, and the search's
-  few-label channel metric where it was fitted in each fold: embed/selection/fitted.py) alone and mixed with the W2T
+  few-label channel metric where it was fitted in each fold, alone and fused with dW query by query:
+  embed/selection/fitted.py, zoo/domain/fusion.py) alone and mixed with the W2T
   cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task), against
   whole-update dW cosine; then, over that pick, a heavier mix of the same exact score whose top it re-orders
   (staged_over), where that is better;
@@ -36,7 +37,7 @@ from embed.selection.calibration import Calibration, class_prior, knn_calibratio
 from embed.selection.calibration import fit as fit_calibration
 from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
-from zoo.domain.methods import LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore, fitted_score
+from zoo.domain.methods import FITTED, LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore, fitted_score, fused_score
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
@@ -92,9 +93,8 @@ def knn_similarities(similarity: SearchScore, exact: Iterable[str] = EXACT_SCORE
 
 def scores_for(exact: dict[str, np.ndarray], purpose: str) -> tuple[str, ...]:
     """The exact scores a purpose ("search" or a target) weighs: the training-free ones, then its own channel metric
-    where `exact` holds its out-of-fold similarity (embed/selection/fitted.py)."""
-    own = fitted_score(purpose)
-    return (*EXACT_SCORES, *((own,) if own in exact else ()))
+    and that metric fused with dW, where `exact` holds their out-of-fold similarity (embed/selection/fitted.py)."""
+    return (*EXACT_SCORES, *(s for s in (fitted_score(purpose), fused_score(purpose)) if s in exact))
 
 
 def knn_similarity(search: SearchScore) -> SearchScore:
@@ -150,19 +150,31 @@ def mix_candidates(exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
     return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in scores))
 
 
-def staged_over(score: SearchScore) -> list[SearchScore]:
-    """The two-stage searches that `score` (one stage, not W2T alone) orders the top of: a heavier mix of its exact
-    score (each weight of MIX_WEIGHTS above its own, below 1) finds, `score` re-orders its first RERANK_TOPS."""
+def staged_over(score: SearchScore, exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
+    """The two-stage searches over `score` (one stage, not W2T alone), among the exact scores `exact`: a heavier mix of
+    its exact score (each weight of MIX_WEIGHTS above its own, below 1) finds, `score` re-orders its first
+    RERANK_TOPS; and where `score` weighs a channel metric whose fusion with dW is in `exact`, `score` finds and the
+    fusion at its weight re-orders its first RERANK_TOPS (a neighbour that stands out in dW first)."""
     if score.second_stage is not None or score.w2t_weight >= 1:
         return []
-    return [SearchScore(score.exact, w, score.w2t_weight, top) for w in MIX_WEIGHTS if score.w2t_weight < w < 1 for top in RERANK_TOPS]
+    w = score.w2t_weight
+    heavier = [SearchScore(score.exact, heavy, w, top) for heavy in MIX_WEIGHTS if w < heavy < 1 for top in RERANK_TOPS]
+    purpose = score.fitted if score.exact.startswith(FITTED) else None
+    fused = fused_score(purpose) if purpose is not None else None
+    return [*heavier, *(SearchScore(score.exact, w, w, top, fused) for top in RERANK_TOPS if fused in set(exact))]
 
 
 def search_candidates(exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
     """Every search score the choice can make over the exact scores `exact`, simplest first: the one-stage ones, then
     each one's two-stage searches (staged_over)."""
-    one = mix_candidates(exact)
-    return [*one, *(s for c in one for s in staged_over(c))]
+    scores = tuple(exact)
+    one = mix_candidates(scores)
+    return [*one, *(s for c in one for s in staged_over(c, scores))]
+
+
+def rerank_values(score: SearchScore, exact: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The values of the exact score a search's second stage re-orders by, where it is not its first's."""
+    return None if score.rerank_exact is None else exact[score.rerank_exact]
 
 
 def self_excluded(queries: list[int], n: int) -> np.ndarray:
@@ -212,7 +224,8 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
 
     def per_item(score: SearchScore) -> np.ndarray:
         if score not in quality:
-            ranking = score.ranking(exact[score.exact][flat], w2t, own)
+            second = rerank_values(score, exact)
+            ranking = score.ranking(exact[score.exact][flat], w2t, own, None if second is None else second[flat])
             per = retrieval_per_query(ranking, [tasks[q] for q in flat], tasks, list(flat))
             quality[score] = per["mrr"] + per["ndcg@10"]
         return quality[score]
@@ -220,12 +233,13 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     def value(score: SearchScore, items: np.ndarray) -> float:
         return float(per_item(score)[items].mean())
 
-    base, gain = best_expected(mix_candidates(scores_for(exact, "search")), reference, value, len(flat))
+    weighed = scores_for(exact, "search")
+    base, gain = best_expected(mix_candidates(weighed), reference, value, len(flat))
     reason = _why(base, reference, gain, len(flat), "MRR + nDCG@10")
     chosen = base
     if base != reference:
         everything = np.arange(len(flat))
-        chosen = max([base, *staged_over(base)], key=lambda c: value(c, everything))  # ties: base
+        chosen = max([base, *staged_over(base, weighed)], key=lambda c: value(c, everything))  # ties: base
         if chosen != base:
             reason = (
                 f"{chosen.name}: {reason}; re-ordering the top of a heavier first stage estimates better still "

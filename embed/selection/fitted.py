@@ -20,7 +20,8 @@ import numpy as np
 
 from embed.selection.choice import Fold
 from zoo.domain.channel_metric import FOLDS, Bank, ChannelMetric, fit_metric
-from zoo.domain.methods import fitted_score
+from zoo.domain.fusion import fused_among
+from zoo.domain.methods import fitted_score, fused_score
 
 #: the most labelled adapters the metrics are fitted on: the bank holds 7 channels × module groups × n² float64 (400:
 #: 108 MB with 12 groups), and a fit's cost grows with n²
@@ -97,3 +98,17 @@ def fit_all(bank: Bank, purposes: dict[str, Purpose]) -> dict[str, ChannelMetric
     rows = list(range(bank.values.shape[1]))
     fitted = {fitted_score(purpose): p.fit(bank, rows) for purpose, p in purposes.items()}
     return {name: m for name, m in fitted.items() if m is not None}
+
+
+#: the purposes whose channel metric is also a candidate fused with dW (zoo/domain/fusion.py): search's
+FUSED_PURPOSES = ("search",)
+
+
+def with_fused(exact: dict[str, np.ndarray], reference: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+    """`exact` (square: rows and columns the same adapters) with, for each of FUSED_PURPOSES whose channel metric it
+    holds, that metric fused with dW, each row on the scale of its scores against the `reference` adapters (positions:
+    the labelled ones, as served), itself left out."""
+    fused = {
+        fused_score(p): fused_among(exact["dw"], exact[m], np.asarray(reference)) for p in FUSED_PURPOSES if (m := fitted_score(p)) in exact
+    }
+    return {**exact, **fused}

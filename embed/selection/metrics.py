@@ -81,7 +81,9 @@ def knn_weights(top: np.ndarray, temperature: float | None = None) -> np.ndarray
     return softmax(np.asarray(top, np.float64) / temperature)
 
 
-def knn_vote_shares(sim: np.ndarray, train_classes: np.ndarray, n_classes: int, k: int = KNN_K, temperature: float | None = None) -> np.ndarray:
+def knn_vote_shares(
+    sim: np.ndarray, train_classes: np.ndarray, n_classes: int, k: int = KNN_K, temperature: float | None = None
+) -> np.ndarray:
     """Per row of sim (test × train), the class shares of the similarity-weighted vote (knn_weights) of the k most
     similar training items with a known class (train_classes: class index per column, -1 unknown); a row with no
     known neighbour gets zeros."""

@@ -59,16 +59,15 @@ from embed.serving.search_methods import (
     served_search,
     stage_kinds,
 )
-from embed.serving.space_state import LoadedEmbedder, SpaceState, load_w2t, space_bytes
+from embed.serving.space_state import LoadedEmbedder, SpaceState, allowed_ids, load_w2t, space_bytes
 from zoo.domain.channels import EXACT_SCORES, exact_cosines
-from zoo.domain.methods import KnnPredictor, SearchScore, fitted_purpose
+from zoo.domain.fusion import fused
+from zoo.domain.methods import KnnPredictor, SearchScore, fitted_purpose, fused_metric
 from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_cosines
 from zoo.errors import NotReadyError, StorageError, UsageError
 from zoo.limits import MAX_K
-from zoo.store import repository
 from zoo.store.embedders import get_embedder, serving_embedders
 from zoo.store.embeddings import deleted_since, load_embeddings, stored_count
-from zoo.store.filters import label_key
 from zoo.store.label_reads import last_label_id
 from zoo.store.models import Embedder, EmbeddingSpace
 from zoo.store.session import Session, Sessions, read_snapshot
@@ -254,7 +253,7 @@ class QueryEngine:
         if method not in SEARCH_METHODS:
             raise UsageError(f"unknown search method {method!r}; one of {', '.join(SEARCH_METHODS)}")
         with state.lock.read():
-            allowed = self._allowed(session, state, filters) if filters else None
+            allowed = allowed_ids(session, state, filters) if filters else None
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
             if method == "hybrid":
                 search = self._hybrid_search(state)
@@ -321,19 +320,6 @@ class QueryEngine:
                 top = top_k(scores, k)
                 out[i] = list(zip(candidates[top].tolist(), scores[top].tolist(), strict=True))
         return out
-
-    @staticmethod
-    def _allowed(session: Session, state: SpaceState, filters: Mapping[str, str]) -> np.ndarray:
-        """Ids the filters keep: labels from memory (`label.rank` the label rank), adapter columns (base_model, format, rank,
-        source) in SQL."""
-        columns = {k: v for k, v in filters.items() if k in repository.COLUMN_FILTERS}
-        allowed = np.array(repository.filter_adapter_ids(session, state.base_model, columns), np.int64) if columns else None
-        for key, value in filters.items():
-            if key not in repository.COLUMN_FILTERS:
-                ids = state.attributes.with_label(label_key(key), value)
-                allowed = ids if allowed is None else np.intersect1d(allowed, ids, assume_unique=True)
-        assert allowed is not None  # called with filters only, each of which narrowed it
-        return np.sort(allowed)
 
     def _embedder(self, state: SpaceState, kind: str, method: str) -> LoadedEmbedder:
         e = state.embedders.get(kind)
@@ -403,18 +389,24 @@ class QueryEngine:
     ) -> tuple[np.ndarray, np.ndarray]:
         """A search score between the query and the adapters `ids`: its similarity, and the keys that order them."""
         weight = score.w2t_weight
-        if weight <= 0:  # the exact score alone (a second stage needs a W2T-heavier first)
-            exact_only = self._exact(state, query, vectors, ids, score.exact)
-            return exact_only, exact_only
-        exact = self._exact(state, query, vectors, ids, score.exact) if weight < 1 else 0.0
-        w2t = state.embedders[W2T].index.vectors(ids) @ vectors[W2T]
-        return score.similarity(exact, w2t), score.ranking(exact, w2t)
+        exact = self._exact(state, query, vectors, ids, score.exact) if weight < 1 else np.zeros(len(ids))
+        second = self._exact(state, query, vectors, ids, score.rerank_exact) if score.rerank_exact is not None else None
+        if weight <= 0 and second is None:  # the exact score alone (a second stage by the same score needs a W2T-heavier first)
+            return exact, exact
+        w2t = state.embedders[W2T].index.vectors(ids) @ vectors[W2T] if weight > 0 else np.zeros(len(ids))
+        return score.similarity(exact, w2t), score.ranking(exact, w2t, rerank_exact=second)
 
     def _exact(self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, score: str) -> np.ndarray:
-        """An exact score (zoo.domain.channels.exact_cosines, or the channel metric `zoo train` fitted: its atoms in
-        r×r blocks) from the module store; without one, estimated from the sketches: the input Gram from the input-Gram
+        """An exact score (zoo.domain.channels.exact_cosines, the channel metric `zoo train` fitted: its atoms in r×r
+        blocks, or its fusion with dW: zoo/domain/fusion.py) from the module store; without one, estimated from the
+        sketches: the input Gram from the input-Gram
         sketches where the space has them for every candidate, else (and for the other scores) the module sketches'
         cosine stands in. A channel metric has no estimate: without the module store it is refused."""
+        if (metric := fused_metric(score)) is not None:  # each score on the scale of its own among the labelled adapters
+            memory = self.w2t(state.embedders[W2T]).memory_ids
+            both = np.concatenate([ids, memory[memory != query.adapter_id] if query.adapter_id is not None else memory])
+            dw, fitted = (self._exact(state, query, vectors, both, s) for s in ("dw", metric))
+            return fused(dw[: len(ids)], fitted[: len(ids)], dw[len(ids) :], fitted[len(ids) :])[0]
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):
             if query.adapter_id is not None and query.adapter_id in store.rows:

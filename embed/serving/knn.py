@@ -8,7 +8,12 @@ from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, top_k
 
 
 def knn_shares(
-    near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, n_classes: int, fallback: np.ndarray, k: int = KNN_K, temperature: float | None = None
+    near: tuple[np.ndarray, np.ndarray],
+    classes: np.ndarray,
+    n_classes: int,
+    fallback: np.ndarray,
+    k: int = KNN_K,
+    temperature: float | None = None,
 ) -> np.ndarray:
     """Class shares of the similarity-weighted vote (knn_weights at `temperature`) of the k nearest with a known class
     (classes: per memory position, -1 unknown); `fallback` (the heads') where none is known."""

@@ -4,9 +4,12 @@ takes, and the W2T models loaded once per process."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from embed.data.types import SpaceSchema
 from embed.serving.attributes import AdapterAttributes
@@ -15,6 +18,9 @@ from embed.serving.index import AdapterIndex
 from embed.serving.module_store import ModuleStore, stack_bytes
 from embed.serving.rwlock import RWLock
 from embed.serving.search_methods import GRAM, SKETCH, W2T, exact_sources
+from zoo.store import repository
+from zoo.store.filters import label_key
+from zoo.store.session import Session
 
 if TYPE_CHECKING:
     from embed.w2t.ensemble import W2TEnsemble
@@ -103,3 +109,16 @@ def load_w2t(checkpoint: Path, device: str | None) -> W2TEnsemble:
     from embed.w2t.ensemble import W2TEnsemble
 
     return W2TEnsemble.load(checkpoint, device)
+
+
+def allowed_ids(session: Session, state: SpaceState, filters: Mapping[str, str]) -> np.ndarray:
+    """Ids of the space's adapters that the filters keep, sorted: labels from memory (`label.rank` the label rank),
+    adapter columns (base_model, format, rank, source) in SQL."""
+    columns = {k: v for k, v in filters.items() if k in repository.COLUMN_FILTERS}
+    allowed = np.array(repository.filter_adapter_ids(session, state.base_model, columns), np.int64) if columns else None
+    for key, value in filters.items():
+        if key not in repository.COLUMN_FILTERS:
+            ids = state.attributes.with_label(label_key(key), value)
+            allowed = ids if allowed is None else np.intersect1d(allowed, ids, assume_unique=True)
+    assert allowed is not None  # called with filters only, each of which narrowed it
+    return np.sort(allowed)

@@ -17,7 +17,7 @@ from embed.selection.choice import (
     mean_per_row,
     readout_predictions,
 )
-from embed.selection.fitted import Purpose, fit_all, out_of_fold
+from embed.selection.fitted import Purpose, fit_all, out_of_fold, with_fused
 from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.channel_metric import Bank
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS
@@ -47,7 +47,7 @@ def choose_methods(
             **{k: Purpose("task", embedder.memory_labels[k]) for k in embedder.config.categorical},
             **{m: Purpose("performance", embedder.memory_values[m]) for m in embedder.config.regression},
         }
-        exact = {**exact, **out_of_fold(bank, purposes, views)}
+        exact = with_fused({**exact, **out_of_fold(bank, purposes, views)}, np.arange(len(labelled)))
         embedder.channel_metrics = fit_all(bank, purposes)
     search = choose_search(exact, tasks, views)
     embedder.search = search.chosen

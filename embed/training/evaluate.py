@@ -23,7 +23,8 @@ import torch
 from embed.data.tokens import max_rank
 from embed.data.types import SpaceSchema, ZooAdapter, split_positions
 from embed.selection.calibration import expected_calibration_error
-from embed.selection.choice import scores_for, search_candidates
+from embed.selection.choice import rerank_values, scores_for, search_candidates
+from embed.selection.fitted import with_fused
 from embed.selection.metrics import (
     KNN_K,
     classification,
@@ -147,7 +148,13 @@ def _task_scores(predicted: list[str], truth: list[str]) -> Scores:
 
 
 def _score(
-    sim: np.ndarray, all_ad: list[ZooAdapter], test_pos: list[int], train_pos: list[int], predict: bool, k: int = KNN_K, temperature: float | None = None
+    sim: np.ndarray,
+    all_ad: list[ZooAdapter],
+    test_pos: list[int],
+    train_pos: list[int],
+    predict: bool,
+    k: int = KNN_K,
+    temperature: float | None = None,
 ) -> Scores:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
     out = _nothing()
@@ -310,7 +317,7 @@ def evaluate(
         methods[name] = _score(sim, adapters, test_pos, train_pos, predict=kind == "contrastive")
         if kind == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
-            served = {**exact, **sims.fitted(emb.channel_metrics)}  # the channel metrics this split's labels fitted
+            served = with_fused({**exact, **sims.fitted(emb.channel_metrics)}, train_pos)  # the channel metrics this split's labels fitted
             methods["default"] = _default_scores(emb, served, sim, adapters, test_pos, train_pos)
             candidates = candidate_scores(served, sim, adapters, test_pos)
             free = copy.copy(emb)  # the same members, its choices made again without the metrics
@@ -408,7 +415,7 @@ def _similarity(exact: dict[str, np.ndarray], w2t: np.ndarray, score: SearchScor
 
 def _ranking(exact: dict[str, np.ndarray], w2t: np.ndarray, score: SearchScore) -> np.ndarray:
     """How a search score ranks every adapter for every other (SearchScore.ranking; none returns itself)."""
-    return score.ranking(exact[score.exact], w2t, np.eye(len(w2t), dtype=bool))
+    return score.ranking(exact[score.exact], w2t, np.eye(len(w2t), dtype=bool), rerank_values(score, exact))
 
 
 def _default_scores(
@@ -421,7 +428,9 @@ def _default_scores(
     out.update(_calibrated_task_scores(emb, exact, w2t, adapters, test_pos, train_pos))
     source = _head_scores(emb, adapters, test_pos)
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
-        source = _score(_similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, predict=True, k=knn.k, temperature=knn.temperature)
+        source = _score(
+            _similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, predict=True, k=knn.k, temperature=knn.temperature
+        )
     out.means.update({k: source.means.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 

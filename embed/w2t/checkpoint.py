@@ -41,7 +41,9 @@ def predictors_of(meta: dict) -> dict[str, Predictor]:
             predictors[target] = KnnPredictor(search_of(meta).first_stage, KNN_K)
         elif kind == KnnPredictor.kind:
             t = knn[target].get("temperature")
-            predictors[target] = KnnPredictor(SearchScore.parse(knn[target]["similarity"]), int(knn[target]["k"]), None if t is None else float(t))
+            predictors[target] = KnnPredictor(
+                SearchScore.parse(knn[target]["similarity"]), int(knn[target]["k"]), None if t is None else float(t)
+            )
         else:
             predictors[target] = LearnedPredictor.parse(kind)
     return predictors

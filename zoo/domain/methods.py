@@ -17,6 +17,8 @@ from zoo.domain.similarity import hybrid_score, rerank_keys
 
 #: a fitted score's name: this and its purpose ("search" or a target), e.g. `metric:search`, `metric:task`
 FITTED = "metric:"
+#: a fused score's name: this and the purpose of the channel metric it fuses with dW, e.g. `fused:search`
+FUSED = "fused:"
 _W2T = "w2t"
 _MIX = "+w2t@"
 _THEN = " then top "
@@ -34,9 +36,25 @@ def fitted_score(purpose: str) -> str:
     return f"{FITTED}{purpose}"
 
 
+def fused_score(purpose: str) -> str:
+    """The name of the per-query fusion of the whole update's dW cosine with the channel metric fitted for `purpose`
+    (zoo/domain/fusion.py), e.g. `fused:search`."""
+    return f"{FUSED}{purpose}"
+
+
 def fitted_purpose(score: str) -> str | None:
-    """The purpose of a fitted score's name (`fitted_score`); None for a training-free exact score."""
-    return score.removeprefix(FITTED) or None if score.startswith(FITTED) else None
+    """The purpose of a score the labels shaped: a channel metric (`fitted_score`) or its fusion with dW
+    (`fused_score`); None for a training-free exact score."""
+    for prefix in (FITTED, FUSED):
+        if score.startswith(prefix):
+            return score.removeprefix(prefix) or None
+    return None
+
+
+def fused_metric(score: str) -> str | None:
+    """The channel metric a fused score (`fused_score`) weighs beside dW, by its score's name; None for any other."""
+    purpose = fitted_purpose(score) if score.startswith(FUSED) else None
+    return None if purpose is None else fitted_score(purpose)
 
 
 def _writable(weight: float) -> bool:
@@ -46,39 +64,51 @@ def _writable(weight: float) -> bool:
 
 @dataclass(frozen=True)
 class SearchScore:
-    """An exact score (zoo.domain.channels.EXACT_SCORES, or a channel metric fitted on the labelled adapters for a
-    purpose: `fitted_score`) mixed with the supervised W2T cosine at `w2t_weight`:
+    """An exact score (zoo.domain.channels.EXACT_SCORES, a channel metric fitted on the labelled adapters for a
+    purpose: `fitted_score`, or its fusion with dW: `fused_score`) mixed with the supervised W2T cosine at `w2t_weight`:
     0 the exact score alone, 1 the W2T cosine alone (which mixes in no exact score: its `exact` is always the first).
     A weight is one its name writes exactly (`:g`, six significant digits).
 
-    With a second stage (`rerank_weight`), the `rerank_top` best by that mix are re-ordered by the same exact score
-    mixed at `rerank_weight` (below `w2t_weight`: the W2T-heavy mix finds, the lighter one orders what it found), and
-    the rest follow in the first stage's order."""
+    With a second stage (`rerank_weight`), the `rerank_top` best by that mix are re-ordered by a second mix, and the
+    rest follow in the first stage's order. The second mix is the same exact score at `rerank_weight`, below
+    `w2t_weight` (the W2T-heavy mix finds, the lighter one orders what it found); or (`rerank_exact`) for a channel
+    metric's first stage, that metric fused with dW (`fused_score`) at the same weight: the metric finds, and the
+    fusion puts first a neighbour that stands out in dW (zoo/domain/fusion.py)."""
 
     exact: str = EXACT_SCORES[0]
     w2t_weight: float = 0.0
     rerank_weight: float | None = None
     rerank_top: int = 10
+    rerank_exact: str | None = None
 
     def __post_init__(self) -> None:
         weight = float(self.w2t_weight)
         if (self.exact not in EXACT_SCORES and fitted_purpose(self.exact) is None) or not _writable(weight):
             raise ValueError(f"no search score mixes exact score {self.exact!r} with the W2T cosine at {self.w2t_weight!r}")
         object.__setattr__(self, "w2t_weight", weight)
+        if self.rerank_exact == self.exact:
+            object.__setattr__(self, "rerank_exact", None)
         if self.rerank_weight is not None:
             second = float(self.rerank_weight)
             top = self.rerank_top
+            fused = self.rerank_exact is not None
             if (
-                not (_writable(second) and second < weight < 1)
+                not _writable(second)
+                or not (second == weight < 1 if fused else second < weight < 1)
+                or (fused and (not self.exact.startswith(FITTED) or self.rerank_exact != fused_score(str(fitted_purpose(self.exact)))))
                 or isinstance(top, bool)
                 or not isinstance(top, int)
                 or not 2 <= top <= MAX_RERANK_TOP
             ):
+                by = f"{self.rerank_exact} at " if fused else ""
                 raise ValueError(
-                    f"no second stage re-ranks the top {top!r} of {self.exact}{_MIX}{weight:g} by the W2T weight {self.rerank_weight!r}: "
-                    f"it needs a lighter W2T weight than the first stage's (which must be below 1) and a top of 2 to {MAX_RERANK_TOP}"
+                    f"no second stage re-ranks the top {top!r} of {self.exact}{_MIX}{weight:g} by {by}the W2T weight {self.rerank_weight!r}: "
+                    f"it needs the same exact score at a lighter W2T weight than the first stage's (which must be below 1), or a channel "
+                    f"metric's fusion with dW at its own weight, and a top of 2 to {MAX_RERANK_TOP}"
                 )
             object.__setattr__(self, "rerank_weight", second)
+        elif self.rerank_exact is not None:
+            raise ValueError(f"{self.rerank_exact!r} re-orders nothing without a second stage")
         if weight == 1:
             object.__setattr__(self, "exact", EXACT_SCORES[0])
 
@@ -90,12 +120,12 @@ class SearchScore:
     @property
     def first_stage(self) -> SearchScore:
         """The mix alone, without a second stage: the similarity a kNN votes by."""
-        return replace(self, rerank_weight=None, rerank_top=10)
+        return replace(self, rerank_weight=None, rerank_top=10, rerank_exact=None)
 
     @property
     def second_stage(self) -> SearchScore | None:
         """The mix the top of the first stage is re-ordered by, if any."""
-        return None if self.rerank_weight is None else SearchScore(self.exact, self.rerank_weight)
+        return None if self.rerank_weight is None else SearchScore(self.rerank_exact or self.exact, self.rerank_weight)
 
     @property
     def name(self) -> str:
@@ -117,13 +147,13 @@ class SearchScore:
             score = cls._parse_mix(first)
             if then:
                 stage = cls._parse_mix(second)
-                score = cls(score.exact, score.w2t_weight, stage.w2t_weight, int(top)) if by and stage.exact == score.exact else None
+                score = cls(score.exact, score.w2t_weight, stage.w2t_weight, int(top), stage.exact) if by else None
         except ValueError:
             score = None
         if score is None or score.name != name:
             raise ValueError(
-                f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {fitted_score('search')}, {_W2T}, e.g. dw{_MIX}0.3, "
-                f"or e.g. module{_MIX}0.8{_THEN}10{_BY}module{_MIX}0.1)"
+                f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {fitted_score('search')}, {fused_score('search')}, "
+                f"{_W2T}, e.g. dw{_MIX}0.3, or e.g. module{_MIX}0.8{_THEN}10{_BY}module{_MIX}0.1)"
             )
         return score
 
@@ -138,17 +168,23 @@ class SearchScore:
         """The first stage's mix from its exact score and the W2T cosine (`exact` may be 0.0 where the weight is 1)."""
         return hybrid_score(exact, w2t_cosine, self.w2t_weight)
 
-    def ranking(self, exact: np.ndarray | float, w2t_cosine: np.ndarray, excluded: np.ndarray | None = None) -> np.ndarray:
+    def ranking(
+        self, exact: np.ndarray | float, w2t_cosine: np.ndarray, excluded: np.ndarray | None = None, rerank_exact: np.ndarray | None = None
+    ) -> np.ndarray:
         """Keys that order a gallery as this search does (rows: queries; higher first): the similarity, or with a
-        second stage rerank_keys of both mixes. `excluded` (a mask like the scores) marks what a row may not return,
-        e.g. the query itself: -inf, never in the top a second stage re-orders."""
+        second stage rerank_keys of both mixes (`rerank_exact`: the values of the second stage's exact score where it
+        is not the first's). `excluded` (a mask like the scores) marks what a row may not return, e.g. the query
+        itself: -inf, never in the top a second stage re-orders."""
         first = self.similarity(exact, w2t_cosine)
         if excluded is not None:
             first = np.where(excluded, -np.inf, first)
         second = self.second_stage
         if second is None:
             return first
-        return rerank_keys(first, second.similarity(exact, w2t_cosine), self.rerank_top)
+        reordered_by = exact if self.rerank_exact is None else rerank_exact
+        if reordered_by is None:
+            raise ValueError(f"{self.name} re-orders by {self.rerank_exact}: its values are needed")
+        return rerank_keys(first, second.similarity(reordered_by, w2t_cosine), self.rerank_top)
 
 
 @dataclass(frozen=True)

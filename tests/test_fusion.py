@@ -1,0 +1,109 @@
+"""The per-query fusion of dW with a channel metric (zoo/domain/fusion.py): it orders each row as the larger of the two
+standardized scores does, on the scale of the row's own reference scores, the query itself left out."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embed.selection.choice import RERANK_TOPS, Fold, choose_search, staged_over
+from embed.selection.fitted import with_fused
+from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.fusion import fused, fused_among
+from zoo.domain.methods import SearchScore, fitted_score, fused_score
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+def _rows(seed: int, rows: int = 5, cols: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.uniform(-0.3, 0.3, (rows, cols)), rng.uniform(-1, 1, (rows, cols)) * rng.uniform(0.01, 3)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seeds)
+def test_a_row_is_ordered_as_the_larger_standardized_score(seed: int) -> None:
+    dw, metric = _rows(seed)
+    out = fused(dw, metric, dw, metric)
+    z = np.maximum(*((s - s.mean(axis=1, keepdims=True)) / s.std(axis=1, keepdims=True) for s in (dw, metric)))
+    inside = (out > -1) & (out < 1)  # where the clip to [-1, 1] did not bind
+    for o, zz, keep in zip(out, z, inside, strict=True):
+        assert (np.argsort(-o[keep], kind="stable") == np.argsort(-zz[keep], kind="stable")).all()
+    assert (out >= np.minimum(dw, 1.0) - 1e-12).all() and (np.abs(out) <= 1).all()  # never below dW, in dW's units
+
+
+@settings(max_examples=50, deadline=None)
+@given(seeds, st.floats(-5, 5, allow_nan=False))
+def test_a_rows_own_column_never_sets_its_scale(seed: int, own: float) -> None:
+    dw, metric = _rows(seed, rows=30, cols=30)
+    reference = np.arange(0, 30, 2)
+    before = fused_among(dw, metric, reference)
+    dw[np.diag_indices(30)], metric[np.diag_indices(30)] = own, own
+    after = fused_among(dw, metric, reference)
+    off = ~np.eye(30, dtype=bool)
+    assert np.allclose(before[off], after[off])
+
+
+def test_a_query_takes_the_neighbour_that_stands_out_in_either_score() -> None:
+    rng = np.random.default_rng(0)
+    dw, metric = rng.normal(0, 0.05, (2, 50)), rng.normal(0, 0.05, (2, 50))
+    dw[0, 7] = 0.6  # query 0: one clear outlier in dW, none in the metric
+    metric[1, 9] = 0.6  # query 1: the other way round
+    out = fused(dw, metric, dw, metric)
+    assert out[0].argmax() == 7 and out[1].argmax() == 9
+    assert metric[0].argmax() != 7 and dw[1].argmax() != 9
+
+
+def test_too_few_reference_values_give_nan_rows() -> None:
+    dw, metric = np.ones((2, 3)) * 0.2, np.ones((2, 3))
+    out = fused(dw, metric, np.array([[0.1, np.nan], [0.1, 0.2]]), np.array([[0.3, 0.4], [0.3, 0.5]]))
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
+def test_the_fusion_is_a_candidate_where_its_metric_is() -> None:
+    n = 12
+    rng = np.random.default_rng(1)
+    exact = {s: rng.uniform(-1, 1, (n, n)) for s in EXACT_SCORES}
+    assert set(with_fused(exact, np.arange(n))) == set(EXACT_SCORES)
+    with_metric = with_fused({**exact, fitted_score("search"): rng.uniform(-1, 1, (n, n))}, np.arange(n))
+    assert fused_score("search") in with_metric
+    first = SearchScore(fitted_score("search"))
+    staged = [s for s in staged_over(first, with_metric) if s.rerank_exact is not None]
+    assert [(s.rerank_exact, s.rerank_top) for s in staged] == [(fused_score("search"), t) for t in RERANK_TOPS]
+    assert not [s for s in staged_over(first, exact) if s.rerank_exact is not None]
+    assert all(s.second_stage == SearchScore(fused_score("search")) for s in staged)
+
+
+def test_the_search_takes_the_fusion_where_dw_finds_some_tasks_and_the_metric_the_others() -> None:
+    """Eight tasks of ten labelled adapters: dW carries the first four (the metric is noise there), the metric the
+    other four. Either alone finds half the tasks; the fusion finds each query's task wherever it stands out, and the
+    out-of-fold choice takes it (W2T is noise)."""
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        task = np.repeat(np.arange(8), 10)
+        n = len(task)
+
+        def cosines(x: np.ndarray) -> np.ndarray:
+            x = x / np.linalg.norm(x, axis=1, keepdims=True)
+            return x @ x.T
+
+        carried = rng.normal(size=(8, 16))[task] + rng.normal(size=(n, 16))
+        by_dw = (task < 4)[:, None]
+        dw = cosines(np.where(by_dw, carried, rng.normal(size=(n, 16))))
+        metric = cosines(np.where(by_dw, rng.normal(size=(n, 16)), carried))
+        exact = {"dw": dw, "module": 0.9 * dw, "input_gram": cosines(rng.normal(size=(n, 16))), fitted_score("search"): metric}
+        exact = with_fused(exact, np.arange(n))
+        folds = []
+        for part in np.array_split(rng.permutation(n), 4):
+            z = rng.normal(size=(n, 8))
+            folds.append(
+                Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), z / np.linalg.norm(z, axis=1, keepdims=True))
+            )
+        choice = choose_search(exact, [f"t{t}" for t in task], folds)
+        assert choice.chosen.exact == fused_score("search")
+        fusion, alone = (
+            choice.scores[SearchScore(fused_score("search"))],
+            [choice.scores[SearchScore(s)] for s in ("dw", fitted_score("search"))],
+        )
+        assert fusion > max(alone) + 0.05
