@@ -65,7 +65,13 @@ def test_zoo_eval_estimates_aligns_and_names_a_winner(cli: CLI, seed_sources: Pa
     for measure, shown, regret in rows:
         assert shown == interval_text(versus["dw_cosine"][measure]) and regret == interval_text(result["search_regret"].get(measure))
     assert re.fullmatch(r"[+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]", rows[0][1])
-    assert lines[-1].startswith(f"perf_spearman, default − {result['spearman_versus_best_knn']['second']} (the best training-free kNN")
+    assert lines[-2].startswith(f"perf_spearman, default − {result['spearman_versus_best_knn']['second']} (the best training-free kNN")
+    c = result["calibration"]  # the served task probabilities' error: the splits' mean, its chance floor, all queries pooled
+    assert lines[-1] == (
+        f"attr_ece of the served task probabilities: {c['splits_mean']:.3f} the splits' mean (a calibrated predictor's, by chance "
+        f"alone: {c['floor']:.3f}), {c['pooled']:.3f} over all {c['queries']} queries pooled"
+    )
+    assert c["splits"] == 2 and c["splits_mean"] == pytest.approx(np.mean([r["methods"]["default"]["attr_ece"] for r in result["splits"]]))
     closing = lines[table - 3]
     if lead["clear"]:
         assert closing.startswith(f"{lead['first']} wins on mrr over {lead['second']} by {lead['difference']:.3f}")
