@@ -37,7 +37,17 @@ from embed.selection.calibration import Calibration, class_prior, knn_calibratio
 from embed.selection.calibration import fit as fit_calibration
 from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
-from zoo.domain.methods import FITTED, LOGREG, PROTOTYPE, KnnPredictor, LearnedPredictor, Predictor, SearchScore, fitted_score, fused_score
+from zoo.domain.methods import (
+    LOGREG,
+    PROTOTYPE,
+    KnnPredictor,
+    LearnedPredictor,
+    Predictor,
+    SearchScore,
+    fitted_score,
+    fused_score,
+    fusion_of,
+)
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)
 MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
@@ -159,8 +169,7 @@ def staged_over(score: SearchScore, exact: Iterable[str] = EXACT_SCORES) -> list
         return []
     w = score.w2t_weight
     heavier = [SearchScore(score.exact, heavy, w, top) for heavy in MIX_WEIGHTS if w < heavy < 1 for top in RERANK_TOPS]
-    purpose = score.fitted if score.exact.startswith(FITTED) else None
-    fused = fused_score(purpose) if purpose is not None else None
+    fused = fusion_of(score.exact)
     return [*heavier, *(SearchScore(score.exact, w, w, top, fused) for top in RERANK_TOPS if fused in set(exact))]
 
 

@@ -51,6 +51,12 @@ def fitted_purpose(score: str) -> str | None:
     return None
 
 
+def fusion_of(score: str) -> str | None:
+    """The fused score (`fused_score`) of a channel metric's name (`fitted_score`); None for any other score."""
+    purpose = fitted_purpose(score) if score.startswith(FITTED) else None
+    return None if purpose is None else fused_score(purpose)
+
+
 def fused_metric(score: str) -> str | None:
     """The channel metric a fused score (`fused_score`) weighs beside dW, by its score's name; None for any other."""
     purpose = fitted_purpose(score) if score.startswith(FUSED) else None
@@ -95,16 +101,16 @@ class SearchScore:
             if (
                 not _writable(second)
                 or not (second == weight < 1 if fused else second < weight < 1)
-                or (fused and (not self.exact.startswith(FITTED) or self.rerank_exact != fused_score(str(fitted_purpose(self.exact)))))
+                or (fused and self.rerank_exact != fusion_of(self.exact))
                 or isinstance(top, bool)
                 or not isinstance(top, int)
                 or not 2 <= top <= MAX_RERANK_TOP
             ):
                 by = f"{self.rerank_exact} at " if fused else ""
                 raise ValueError(
-                    f"no second stage re-ranks the top {top!r} of {self.exact}{_MIX}{weight:g} by {by}the W2T weight {self.rerank_weight!r}: "
-                    f"it needs the same exact score at a lighter W2T weight than the first stage's (which must be below 1), or a channel "
-                    f"metric's fusion with dW at its own weight, and a top of 2 to {MAX_RERANK_TOP}"
+                    f"no second stage re-ranks the top {top!r} of {self.exact}{_MIX}{weight:g} by {by}the W2T weight "
+                    f"{self.rerank_weight!r}: it needs the same exact score at a lighter W2T weight than the first stage's (which "
+                    f"must be below 1), or a channel metric's fusion with dW at its own weight, and a top of 2 to {MAX_RERANK_TOP}"
                 )
             object.__setattr__(self, "rerank_weight", second)
         elif self.rerank_exact is not None:
