@@ -107,3 +107,57 @@ def test_the_search_takes_the_fusion_where_dw_finds_some_tasks_and_the_metric_th
             [choice.scores[SearchScore(s)] for s in ("dw", fitted_score("search"))],
         )
         assert fusion > max(alone) + 0.05
+
+
+def _folds(rng: np.random.Generator, n: int) -> list[Fold]:
+    """Four W2T folds over n labelled adapters, each with a noise embedding (W2T carries nothing)."""
+    folds = []
+    for part in np.array_split(rng.permutation(n), 4):
+        z = rng.normal(size=(n, 8))
+        folds.append(Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), z / np.linalg.norm(z, axis=1, keepdims=True)))
+    return folds
+
+
+def _twins_zoo(seed: int, twin_in_task: bool) -> tuple[dict[str, np.ndarray], list[str], list[Fold]]:
+    """Eight tasks of ten labelled adapters in pairs of twins. The metric finds every task (same task 0.5, noise 0.05).
+    dW is near 0 (noise 0.01) but for twins (0.9), and on the first four tasks also for the rest of the task (0.3):
+    with `twin_in_task` a twin is in its own task (dW is right where it stands out), otherwise in the next task (a
+    nuisance dW carries, as adapters that share a seed across tasks, and the metric a little of it: 0.35, within its
+    top 10)."""
+    rng = np.random.default_rng(seed)
+    task = np.repeat(np.arange(8), 10)
+    n = len(task)
+    same = task[:, None] == task[None, :]
+    metric = 0.5 * same + rng.normal(0, 0.05, (n, n))
+    dw = 0.3 * (same & (task < 4)[:, None]) + rng.normal(0, 0.01, (n, n))
+    twin = np.arange(n) ^ 1 if twin_in_task else (np.arange(n) + 10) % n
+    dw[np.arange(n), twin] = dw[twin, np.arange(n)] = 0.9
+    if not twin_in_task:
+        metric[np.arange(n), twin] = metric[twin, np.arange(n)] = 0.35
+    metric, dw = ((m + m.T) / 2 for m in (metric, dw))
+    np.fill_diagonal(metric, 1.0)
+    np.fill_diagonal(dw, 1.0)
+    exact = {"dw": dw, "module": dw.copy(), "input_gram": rng.uniform(-0.1, 0.1, (n, n)), fitted_score("search"): metric}
+    return with_fused(exact, np.arange(n)), [f"t{t}" for t in task], _folds(rng, n)
+
+
+def test_a_metric_pick_is_re_ordered_by_its_fusion_where_the_two_estimate_alike() -> None:
+    """Where dW stands out only on a query's own task, re-ordering the metric's top by the fusion changes nothing the
+    labels can tell apart: the re-order, which keeps dW's clear neighbour first, is served (the metric alone must pay)."""
+    hedge = SearchScore(fitted_score("search"), 0.0, 0.0, RERANK_TOPS[-1], fused_score("search"))
+    for seed in range(5):
+        exact, tasks, folds = _twins_zoo(seed, twin_in_task=True)
+        choice = choose_search(exact, tasks, folds)
+        assert choice.chosen == hedge, choice.reason
+        assert "re-ordered by its fusion with dW" in choice.reason
+
+
+def test_a_metric_pick_is_served_alone_where_dw_stands_out_in_another_task() -> None:
+    """Where each adapter's clear dW neighbour is in another task, the fusion would put it first: the metric alone
+    pays on held-out halves and is served."""
+    for seed in range(5):
+        exact, tasks, folds = _twins_zoo(seed, twin_in_task=False)
+        choice = choose_search(exact, tasks, folds)
+        assert choice.chosen == SearchScore(fitted_score("search")), choice.reason
+        assert "not re-ordered" in choice.reason
+        assert choice.scores[choice.chosen] > choice.scores[SearchScore(fitted_score("search"), 0.0, 0.0, 10, fused_score("search"))] + 0.2

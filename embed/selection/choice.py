@@ -14,7 +14,8 @@ with many, the best estimate wins without having to be "clearly" better.
   embed/selection/fitted.py, zoo/domain/fusion.py) alone and mixed with the W2T
   cosine at each weight of MIX_WEIGHTS, by each held-out adapter's MRR + nDCG@10 (relevance = same task), against
   whole-update dW cosine; then, over that pick, a heavier mix of the same exact score whose top it re-orders
-  (staged_over), where that is better;
+  (staged_over), where that is better; a channel metric's pick has its top re-ordered by its fusion with dW unless
+  the metric alone pays, guarded as above;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score, or
   an exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
   held-out adapters best, against the W2T heads, few-shot readouts of the W2T embedding (nearest class mean,
@@ -173,6 +174,14 @@ def staged_over(score: SearchScore, exact: Iterable[str] = EXACT_SCORES) -> list
     return [*heavier, *(SearchScore(score.exact, w, w, top, fused) for top in RERANK_TOPS if fused in set(exact))]
 
 
+def hedged(score: SearchScore, staged: Iterable[SearchScore]) -> SearchScore | None:
+    """Among `score`'s two-stage searches, the one whose fusion with dW re-orders its deepest top (RERANK_TOPS), where
+    `score` weighs a channel metric whose fusion is among them: the hedge the choice serves unless the metric alone
+    pays (choose_search)."""
+    deepest = [s for s in staged if s.rerank_exact is not None and s.rerank_exact == fusion_of(score.exact)]
+    return max(deepest, key=lambda s: s.rerank_top, default=None)
+
+
 def search_candidates(exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
     """Every search score the choice can make over the exact scores `exact`, simplest first: the one-stage ones, then
     each one's two-stage searches (staged_over)."""
@@ -219,10 +228,14 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     queries the labelled ones, and each candidate is scored by MRR + nDCG@10. The pick: the one-stage score with the
     best estimate, made against whole-update dW cosine (best_expected: choosing so must pay on held-out halves);
     then, over a pick other than dW cosine, the one of its two-stage searches (staged_over) with a better estimate,
-    if any. So a second stage is always the guarded one-stage pick, and a two-stage search is chosen only for what
-    its heavier first stage adds. The guard weighs the one-stage choice alone: a pick that also chose a first stage
-    on each half is noisier, and on few labels failed the guard where the one-stage pick passes (docs/history/results-2026.md,
-    "The guard on the one-stage pick"). The choice's scores are those of the candidates weighed: every one-stage score, and
+    if any. Over a pick that weighs a channel metric, its top re-ordered by the metric's fusion with dW (`hedged`) is
+    the reference of that step, as dW cosine is of the first: it stays unless serving the metric alone pays
+    (best_expected). The re-order changes little of the mean MRR + nDCG@10 but keeps first a neighbour that stands out
+    in dW, on the tasks where dW is right and the metric is not (docs/search.md). So the guarded one-stage pick is
+    always a stage of the search served: it orders what a heavier mix found, or finds what its fusion re-orders. The
+    guard weighs the one-stage choice alone: a pick that also chose a first stage on each half is noisier, and on few
+    labels failed the guard where the one-stage pick passes (docs/history/results-2026.md, "The guard on the one-stage
+    pick"). The choice's scores are those of the candidates weighed: every one-stage score, and
     the two-stage searches over the pick."""
     flat, w2t = held_out_w2t(folds, {r for r, task in enumerate(tasks) if task})
     reference = SearchScore()  # the whole update's cosine, the training-free bar
@@ -248,11 +261,21 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     chosen = base
     if base != reference:
         everything = np.arange(len(flat))
-        chosen = max([base, *staged_over(base, weighed)], key=lambda c: value(c, everything))  # ties: base
-        if chosen != base:
+        staged = staged_over(base, weighed)
+        kept = base
+        if (hedge := hedged(base, staged)) is not None:
+            kept, hedge_gain = best_expected([base], hedge, value, len(flat))
+            alone = f"serving {base.name} alone instead gained {hedge_gain:+.3f} on the other halves"
+            reason = (
+                f"{hedge.name}: {reason}; re-ordered by its fusion with dW, which keeps dW's clear neighbours first ({alone})"
+                if kept == hedge
+                else f"{reason}; not re-ordered by its fusion with dW ({alone})"
+            )
+        chosen = max([kept, *(s for s in staged if s != kept)], key=lambda c: value(c, everything))  # ties: kept
+        if chosen != kept:
             reason = (
                 f"{chosen.name}: {reason}; re-ordering the top of a heavier first stage estimates better still "
-                f"({value(chosen, everything):.3f} against {value(base, everything):.3f})"
+                f"({value(chosen, everything):.3f} against {value(kept, everything):.3f})"
             )
     means = {k: float(v.mean()) for k, v in quality.items()}
     return Choice(chosen, means, reason)
