@@ -389,8 +389,11 @@ class QueryEngine:
     ) -> tuple[np.ndarray, np.ndarray]:
         """A search score between the query and the adapters `ids`: its similarity, and the keys that order them."""
         weight = score.w2t_weight
-        exact = self._exact(state, query, vectors, ids, score.exact) if weight < 1 else np.zeros(len(ids))
-        second = self._exact(state, query, vectors, ids, score.rerank_exact) if score.rerank_exact is not None else None
+        if weight < 1 and score.rerank_exact is not None and fused_metric(score.rerank_exact) == score.exact:
+            exact, second = self._with_fusion(state, query, vectors, ids, score.exact)  # the metric scored once
+        else:
+            exact = self._exact(state, query, vectors, ids, score.exact) if weight < 1 else np.zeros(len(ids))
+            second = self._exact(state, query, vectors, ids, score.rerank_exact) if score.rerank_exact is not None else None
         if weight <= 0 and second is None:  # the exact score alone (a second stage by the same score needs a W2T-heavier first)
             return exact, exact
         w2t = state.embedders[W2T].index.vectors(ids) @ vectors[W2T] if weight > 0 else np.zeros(len(ids))
@@ -402,11 +405,8 @@ class QueryEngine:
         sketches: the input Gram from the input-Gram
         sketches where the space has them for every candidate, else (and for the other scores) the module sketches'
         cosine stands in. A channel metric has no estimate: without the module store it is refused."""
-        if (metric := fused_metric(score)) is not None:  # each score on the scale of its own among the labelled adapters
-            memory = self.w2t(state.embedders[W2T]).memory_ids
-            both = np.concatenate([ids, memory[memory != query.adapter_id] if query.adapter_id is not None else memory])
-            dw, fitted = (self._exact(state, query, vectors, both, s) for s in ("dw", metric))
-            return fused(dw[: len(ids)], fitted[: len(ids)], dw[len(ids) :], fitted[len(ids) :])[0]
+        if (metric := fused_metric(score)) is not None:
+            return self._with_fusion(state, query, vectors, ids, metric)[1]
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):
             if query.adapter_id is not None and query.adapter_id in store.rows:
@@ -428,6 +428,16 @@ class QueryEngine:
             vectors[kind] = self._query_vector(state, e, query)
         n_modules = len(SpaceSchema.from_dict(e.config["schema"]).modules)
         return sketch_module_cosines(vectors[kind][None, :], e.index.vectors(ids), n_modules)[0]
+
+    def _with_fusion(
+        self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, metric: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A channel metric between the query and the adapters `ids`, and its fusion with dW: each score on the scale of
+        its own among the labelled adapters, the query left out."""
+        memory = self.w2t(state.embedders[W2T]).memory_ids
+        both = np.concatenate([ids, memory[memory != query.adapter_id] if query.adapter_id is not None else memory])
+        dw, fitted = (self._exact(state, query, vectors, both, s) for s in ("dw", metric))
+        return fitted[: len(ids)], fused(dw[: len(ids)], fitted[: len(ids)], dw[len(ids) :], fitted[len(ids) :])[0]
 
     def predict(self, session: Session, space: str, query: Query) -> Predicted:
         """Attributes (top-3 classes with probabilities) and metrics (value, 90 % interval, predictor), each by
