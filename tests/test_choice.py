@@ -79,6 +79,35 @@ def test_a_steady_gain_pays_and_noise_does_not() -> None:
     assert chosen == 0 and gain < 0  # the best of twenty noisy estimates loses on the other halves
 
 
+@given(st.lists(st.floats(-1, 1), min_size=12, max_size=40), st.floats(0.5, 1.0))
+def test_a_sure_pick_must_gain_on_that_share_of_the_halves(diffs: list[float], sure: float) -> None:
+    """With `sure`, the pick is made where the mean gain on the other halves is positive and the pick gained on at
+    least that share of them (the replay, done by hand); without it, a positive mean gain is enough."""
+    table = np.stack([np.zeros(len(diffs)), np.array(diffs)], axis=1)
+    score = lambda c, items: float(table[items, c].mean())  # noqa: E731
+    chosen, gain = best_expected([1], 0, score, len(diffs), sure=sure)
+    halves = []
+    rng = np.random.default_rng(0)
+    n = len(diffs)
+    for _ in range(HALVES):
+        perm = rng.permutation(n)
+        pick = 1 if table[perm[: n // 2], 1].mean() > 0 else 0
+        halves.append(score(pick, perm[n // 2 :]))
+    assert np.isclose(gain, np.mean(halves))
+    assert chosen == (1 if np.mean(halves) > 0 and np.mean(np.array(halves) > 0) >= sure else 0)
+    assert best_expected([1], 0, score, len(diffs))[0] == (1 if np.mean(halves) > 0 else 0)
+
+
+def test_a_gain_on_most_halves_is_not_sure() -> None:
+    """A candidate better on three items of five (by 1) and worse on two (by 1) gains in the mean: picked, unless it
+    must gain on 95 % of the halves."""
+    diffs = np.tile([1.0, 1.0, 1.0, -1.0, -1.0], 8)
+    table = np.stack([np.zeros(len(diffs)), diffs], axis=1)
+    score = lambda c, items: float(table[items, c].mean())  # noqa: E731
+    assert best_expected([1], 0, score, len(diffs))[0] == 1
+    assert best_expected([1], 0, score, len(diffs), sure=0.95)[0] == 0
+
+
 def _onehot(i: int, n: int) -> np.ndarray:
     return np.eye(n)[i]
 

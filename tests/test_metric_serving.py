@@ -62,7 +62,7 @@ def test_a_space_whose_choice_picks_the_metric_searches_by_it(cli: CLI, tmp_path
     assert rc == 0
     scores = info["choices"]["search"]["scores"]
     # the metric, its top re-ordered by its fusion with dW: the reference over a metric pick (choice.hedged)
-    assert info["search"] == "metric:search then top 10 by fused:search", info["choices"]["search"]["reason"]
+    assert info["search"] == "metric:search then top 5 by fused:search", info["choices"]["search"]["reason"]
     assert scores["metric:search"] > max(scores[s] for s in EXACT_SCORES)
     emb = W2TEnsemble.load(Path(info["checkpoint"]))
     metric = emb.channel_metrics["metric:search"]
