@@ -276,7 +276,7 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
         kept = base
         if (hedge := hedged(base, staged)) is not None:
             kept, hedge_gain = best_expected([base], hedge, value, len(flat), sure=HEDGE_SURE)
-            alone = f"serving {base.name} alone instead gained {hedge_gain:+.3f} on the other halves, on {HEDGE_SURE:.0%} of them or not"
+            alone = f"{base.name} alone gained {hedge_gain:+.3f} on the other halves; served alone where it gains on {HEDGE_SURE:.0%}"
             reason = (
                 f"{hedge.name}: {reason}; re-ordered by its fusion with dW, which keeps dW's clear neighbours first ({alone})"
                 if kept == hedge
