@@ -243,8 +243,9 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     the reference of that step, as dW cosine is of the first: it stays unless serving the metric alone pays on
     HEDGE_SURE of the held-out halves (best_expected). The re-order changes little of the mean MRR + nDCG@10 but
     keeps first a neighbour that stands out in dW, on the tasks where dW is right and the metric is not
-    (docs/search.md). So the guarded one-stage pick is always a stage of the search served: it orders what a heavier
-    mix found, or finds what its fusion re-orders. The guard weighs the one-stage choice alone: a pick that also chose
+    (docs/search.md); where it stays, it is served (a heavier first stage would put the metric alone second). So the
+    guarded one-stage pick is always a stage of the search served: it orders what a heavier mix found, or finds what
+    its fusion re-orders. The guard weighs the one-stage choice alone: a pick that also chose
     a first stage on each half is noisier, and on few labels failed the guard where the one-stage pick passes
     (docs/history/results-2026.md, "The guard on the one-stage pick"). The choice's scores are those of the candidates
     weighed: every one-stage score, and the two-stage searches over the pick."""
@@ -282,7 +283,8 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
                 if kept == hedge
                 else f"{reason}; not re-ordered by its fusion with dW ({alone})"
             )
-        chosen = max([kept, *(s for s in staged if s != kept)], key=lambda c: value(c, everything))  # ties: kept
+        # the hedge is served as it is (a heavier first stage would put the metric alone second); ties: base
+        chosen = kept if kept != base else max([base, *staged], key=lambda c: value(c, everything))
         if chosen != kept:
             reason = (
                 f"{chosen.name}: {reason}; re-ordering the top of a heavier first stage estimates better still "
