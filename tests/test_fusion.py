@@ -75,6 +75,21 @@ def test_the_fusion_is_a_candidate_where_its_metric_is() -> None:
     assert all(s.second_stage == SearchScore(fused_score("search")) for s in staged)
 
 
+def _folds(rng: np.random.Generator, n: int, signal: np.ndarray | float = 0.0, noise: float = 1.0) -> list[Fold]:
+    """Four W2T folds over n labelled adapters, each with its embedding: `signal` (n × 8; none by default, W2T carries
+    nothing) plus Gaussian noise."""
+    folds = []
+    for part in np.array_split(rng.permutation(n), 4):
+        z = signal + rng.normal(0, noise, (n, 8))
+        folds.append(Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), z / np.linalg.norm(z, axis=1, keepdims=True)))
+    return folds
+
+
+def _cosines(x: np.ndarray) -> np.ndarray:
+    x = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return x @ x.T
+
+
 def test_the_search_takes_the_fusion_where_dw_finds_some_tasks_and_the_metric_the_others() -> None:
     """Eight tasks of ten labelled adapters: dW carries the first four (the metric is noise there), the metric the
     other four. Either alone finds half the tasks; the fusion finds each query's task wherever it stands out, and the
@@ -84,22 +99,13 @@ def test_the_search_takes_the_fusion_where_dw_finds_some_tasks_and_the_metric_th
         task = np.repeat(np.arange(8), 10)
         n = len(task)
 
-        def cosines(x: np.ndarray) -> np.ndarray:
-            x = x / np.linalg.norm(x, axis=1, keepdims=True)
-            return x @ x.T
-
         carried = rng.normal(size=(8, 16))[task] + rng.normal(size=(n, 16))
         by_dw = (task < 4)[:, None]
-        dw = cosines(np.where(by_dw, carried, rng.normal(size=(n, 16))))
-        metric = cosines(np.where(by_dw, rng.normal(size=(n, 16)), carried))
-        exact = {"dw": dw, "module": 0.9 * dw, "input_gram": cosines(rng.normal(size=(n, 16))), fitted_score("search"): metric}
+        dw = _cosines(np.where(by_dw, carried, rng.normal(size=(n, 16))))
+        metric = _cosines(np.where(by_dw, rng.normal(size=(n, 16)), carried))
+        exact = {"dw": dw, "module": 0.9 * dw, "input_gram": _cosines(rng.normal(size=(n, 16))), fitted_score("search"): metric}
         exact = with_fused(exact, np.arange(n))
-        folds = []
-        for part in np.array_split(rng.permutation(n), 4):
-            z = rng.normal(size=(n, 8))
-            folds.append(
-                Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), z / np.linalg.norm(z, axis=1, keepdims=True))
-            )
+        folds = _folds(rng, n)
         choice = choose_search(exact, [f"t{t}" for t in task], folds)
         assert choice.chosen.exact == fused_score("search")
         fusion, alone = (
@@ -107,15 +113,6 @@ def test_the_search_takes_the_fusion_where_dw_finds_some_tasks_and_the_metric_th
             [choice.scores[SearchScore(s)] for s in ("dw", fitted_score("search"))],
         )
         assert fusion > max(alone) + 0.05
-
-
-def _folds(rng: np.random.Generator, n: int) -> list[Fold]:
-    """Four W2T folds over n labelled adapters, each with a noise embedding (W2T carries nothing)."""
-    folds = []
-    for part in np.array_split(rng.permutation(n), 4):
-        z = rng.normal(size=(n, 8))
-        folds.append(Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), z / np.linalg.norm(z, axis=1, keepdims=True)))
-    return folds
 
 
 def _twins_zoo(seed: int, twin_in_task: bool) -> tuple[dict[str, np.ndarray], list[str], list[Fold]]:
@@ -170,19 +167,11 @@ def _mixed_zoo(seed: int) -> tuple[dict[str, np.ndarray], list[str], list[Fold]]
     task = np.repeat(np.arange(8), 10)
     n = len(task)
 
-    def cosines(x: np.ndarray) -> np.ndarray:
-        x = x / np.linalg.norm(x, axis=1, keepdims=True)
-        return x @ x.T
-
     centers = rng.normal(size=(8, 16))
-    metric = cosines(centers[task] + rng.normal(0, 1.2, (n, 16)))
-    dw = cosines(np.where((task < 4)[:, None], 1.5 * centers[task], 0) + rng.normal(0, 1.0, (n, 16)))
-    exact = {"dw": dw, "module": 0.9 * dw, "input_gram": cosines(rng.normal(size=(n, 16))), fitted_score("search"): metric}
-    w2t = rng.normal(size=(8, 8))
-    folds = []
-    for part in np.array_split(rng.permutation(n), 4):
-        z = w2t[task] + rng.normal(0, 1.5, (n, 8))
-        folds.append(Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), z / np.linalg.norm(z, axis=1, keepdims=True)))
+    metric = _cosines(centers[task] + rng.normal(0, 1.2, (n, 16)))
+    dw = _cosines(np.where((task < 4)[:, None], 1.5 * centers[task], 0) + rng.normal(0, 1.0, (n, 16)))
+    exact = {"dw": dw, "module": 0.9 * dw, "input_gram": _cosines(rng.normal(size=(n, 16))), fitted_score("search"): metric}
+    folds = _folds(rng, n, rng.normal(size=(8, 8))[task], noise=1.5)
     return with_fused(exact, np.arange(n)), [f"t{t}" for t in task], folds
 
 
