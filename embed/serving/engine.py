@@ -389,6 +389,7 @@ class QueryEngine:
     ) -> tuple[np.ndarray, np.ndarray]:
         """A search score between the query and the adapters `ids`: its similarity, and the keys that order them."""
         weight = score.w2t_weight
+        second: np.ndarray | None
         if weight < 1 and score.rerank_exact is not None and fused_metric(score.rerank_exact) == score.exact:
             exact, second = self._with_fusion(state, query, vectors, ids, score.exact)  # the metric scored once
         else:
