@@ -222,7 +222,9 @@ def served_fusion(cli: CLI, checkpoint: Path, dw, metric, labelled: list[int]) -
         d, m = dw(q, g), metric.between(factor_stack(g), factor_stack(q))
         keys = search.ranking(m, np.zeros_like(m), rerank_exact=fused(d, m, d[:, reference], m[:, reference]))[0]
         at = [gallery.index(r["adapter_id"]) for r in found["results"]]
-        assert sorted(at) == list(range(len(gallery))) and all(keys[i] >= keys[j] - 1e-9 for i, j in zip(at, at[1:]))  # ties in any order
+        assert sorted(at) == list(range(len(gallery))) and all(
+            keys[i] >= keys[j] - 1e-9 for i, j in zip(at, at[1:], strict=False)
+        )  # ties in any order
         assert [r["score"] for r in found["results"]] == pytest.approx([float(m[0, j]) for j in at])
         order = np.argsort(-keys, kind="stable")
         reordered += order.tolist() != np.argsort(-m[0], kind="stable").tolist()
