@@ -190,7 +190,7 @@ def hedged(score: SearchScore, staged: Iterable[SearchScore]) -> SearchScore | N
     """Among `score`'s two-stage searches, the one whose fusion with dW re-orders its first hits (the shallowest of
     RERANK_TOPS), where `score` weighs a channel metric whose fusion is among them: the hedge the choice serves unless
     the metric alone clearly pays (choose_search)."""
-    fused = [s for s in staged if s.rerank_exact is not None and s.rerank_exact == fusion_of(score.exact)]
+    fused = [s for s in staged if s.rerank_exact is not None]  # a second stage by another score is the metric's fusion
     return min(fused, key=lambda s: s.rerank_top, default=None)
 
 

@@ -390,8 +390,8 @@ class QueryEngine:
         """A search score between the query and the adapters `ids`: its similarity, and the keys that order them."""
         weight = score.w2t_weight
         second: np.ndarray | None
-        if weight < 1 and score.rerank_exact is not None and fused_metric(score.rerank_exact) == score.exact:
-            exact, second = self._with_fusion(state, query, vectors, ids, score.exact)  # the metric scored once
+        if weight < 1 and score.rerank_exact is not None:  # the metric's fusion with dW (SearchScore): the metric scored once
+            exact, second = self._with_fusion(state, query, vectors, ids, score.exact)
         else:
             exact = self._exact(state, query, vectors, ids, score.exact) if weight < 1 else np.zeros(len(ids))
             second = self._exact(state, query, vectors, ids, score.rerank_exact) if score.rerank_exact is not None else None
