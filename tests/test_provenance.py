@@ -230,6 +230,19 @@ def test_the_parent_of_a_stored_copy_is_found_the_other_way() -> None:
     assert [(e.parent, e.child, e.relation) for e in relations.transforms] == [(None, 2, "truncated")]
 
 
+def test_a_query_no_candidate_shares_the_structure_of_is_not_read() -> None:
+    """Every detector compares one structure: a query with no such candidate finds nothing, and its float64 modules
+    (which cost as much as its sketches at real sizes) are never made."""
+    query = update(random_adapter(21))
+    other = {n: m for n, m in random_adapter(22).items() if n != "layers.1.fc"}
+    assert find_relations(query, []) == Relations()
+    assert find_relations(query, [update(other, 1)]) == Relations()
+    assert find_merge(query, [update(other, 1), update(other, 2)]) is None
+    assert "modules" not in query._computed
+    assert find_relations(query, [update(random_adapter(22), 1)]) == Relations()
+    assert "modules" in query._computed
+
+
 # --- unrelated adapters -----------------------------------------------------------------------------------
 
 

@@ -44,7 +44,12 @@ class Relations:
 def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
     """Transforms first (either way); a merge and continuations only where no transform explains the query, and no
     continuation with a parent of the merge found: the merge explains why the query is like each of its parents (a
-    merge mostly of one parent passes the continuation test with it)."""
+    merge mostly of one parent passes the continuation test with it). Every detector compares updates of one structure
+    only: without such a candidate nothing is read of the query (its float64 modules cost as much as its sketches, and
+    at Llama-3-8B's full size the relation step's read budget leaves it no candidates)."""
+    candidates = [c for c in candidates if same_structure(query, c)]
+    if not candidates:
+        return Relations()
     _fill(query, candidates)
     transforms = [edge for c in candidates if (edge := _transform_either_way(query, c)) is not None]
     if transforms:
@@ -60,6 +65,9 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
 
 def find_merge(query: Update, candidates: Sequence[Update]) -> MergeEdge | None:
     """The merge `find_relations` finds (None where a transform explains the query), without its continuations."""
+    candidates = [c for c in candidates if same_structure(query, c)]
+    if not candidates:
+        return None
     _fill(query, candidates)
     if any(_transform_either_way(query, c) is not None for c in candidates):
         return None
@@ -67,8 +75,8 @@ def find_merge(query: Update, candidates: Sequence[Update]) -> MergeEdge | None:
 
 
 def _fill(query: Update, candidates: Sequence[Update]) -> None:
-    """The query's pair blocks with all the candidates (every test reads its pairs' off them), made at once."""
-    fill_blocks(query.modules(), [c.modules() for c in candidates if same_structure(query, c)])
+    """The query's pair blocks with all the candidates, of its structure (every test reads its pairs' off them), made at once."""
+    fill_blocks(query.modules(), [c.modules() for c in candidates])
 
 
 def _origin(later: Sequence[ContinuationEdge], by_id: Mapping[int | None, Update]) -> ContinuationEdge | None:
