@@ -318,6 +318,23 @@ def test_search_prefers_the_whole_update_unless_another_exact_score_is_expected_
     assert chosen.chosen == input_gram and chosen.scores[input_gram] > chosen.scores[DW] and "best expected" in chosen.reason
 
 
+def test_a_learned_mix_must_beat_the_best_training_free_score_not_only_dw() -> None:
+    """Module cosine sees the task and W2T is noise: among the hundreds of mixes some estimate above module cosine by
+    luck, and judged against dW alone (which module cosine beats) such a pick passed. Judged against the best
+    training-free score, it stays module cosine on nearly every zoo."""
+    weighs_w2t = 0
+    for seed in range(20):
+        exact, tasks, folds = _zoo(6, 8, w2t_noise=20.0, seed=seed)
+        same = np.array([[float(a == b) for b in tasks] for a in tasks])
+        noise = np.random.default_rng(seed + 100).normal(size=same.shape)
+        scores = {"dw": exact["dw"], "module": 0.15 * same + exact["dw"] + 0.3 * (noise + noise.T), "input_gram": exact["dw"]}
+        chosen = choose_search(scores, tasks, folds)
+        first = chosen.chosen.second_stage or chosen.chosen  # the one-stage pick (a heavier mix may find what it orders)
+        weighs_w2t += first.w2t_weight > 0
+        assert "the first step" in chosen.reason
+    assert weighs_w2t <= 2  # judged against dW cosine alone: 7 of the 20
+
+
 def test_w2t_is_mixed_into_either_exact_score() -> None:
     exact, tasks, folds = _zoo(6, 12, w2t_noise=0.6)  # W2T helps, but is not enough alone
     same = np.array([[float(a == b) for b in tasks] for a in tasks])
