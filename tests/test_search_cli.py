@@ -225,7 +225,8 @@ def served_fusion(cli: CLI, checkpoint: Path, dw, metric, labelled: list[int]) -
         assert sorted(at) == list(range(len(gallery))) and all(
             keys[i] >= keys[j] - 1e-9 for i, j in zip(at, at[1:], strict=False)
         )  # ties in any order
-        assert [r["score"] for r in found["results"]] == pytest.approx([float(m[0, j]) for j in at])
+        # the same float32 factors' products, blocked otherwise by the engine than here (BLAS kernels differ by CPU)
+        assert [r["score"] for r in found["results"]] == pytest.approx([float(m[0, j]) for j in at], abs=1e-6)
         order = np.argsort(-keys, kind="stable")
         reordered += order.tolist() != np.argsort(-m[0], kind="stable").tolist()
     assert reordered  # the fusion put a neighbour that stands out in dW first somewhere
