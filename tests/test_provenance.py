@@ -238,9 +238,11 @@ def test_a_query_no_candidate_shares_the_structure_of_is_not_read() -> None:
     assert find_relations(query, []) == Relations()
     assert find_relations(query, [update(other, 1)]) == Relations()
     assert find_merge(query, [update(other, 1), update(other, 2)]) is None
-    assert "modules" not in query._computed
-    assert find_relations(query, [update(random_adapter(22), 1)]) == Relations()
-    assert "modules" in query._computed
+    never = object()
+    assert query.computed("modules", lambda: never) is never  # made now, by this call: not before
+    compared = update(random_adapter(21))
+    assert find_relations(compared, [update(random_adapter(22), 1)]) == Relations()
+    assert compared.computed("modules", lambda: never) is not never
 
 
 # --- unrelated adapters -----------------------------------------------------------------------------------
