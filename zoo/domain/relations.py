@@ -47,10 +47,9 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
     merge mostly of one parent passes the continuation test with it). Every detector compares updates of one structure
     only: without such a candidate nothing is read of the query (its float64 modules cost as much as its sketches, and
     at Llama-3-8B's full size the relation step's read budget leaves it no candidates)."""
-    candidates = [c for c in candidates if same_structure(query, c)]
+    candidates = _comparable(query, candidates)
     if not candidates:
         return Relations()
-    _fill(query, candidates)
     transforms = [edge for c in candidates if (edge := _transform_either_way(query, c)) is not None]
     if transforms:
         return Relations(transforms=tuple(transforms))
@@ -65,18 +64,21 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
 
 def find_merge(query: Update, candidates: Sequence[Update]) -> MergeEdge | None:
     """The merge `find_relations` finds (None where a transform explains the query), without its continuations."""
-    candidates = [c for c in candidates if same_structure(query, c)]
+    candidates = _comparable(query, candidates)
     if not candidates:
         return None
-    _fill(query, candidates)
     if any(_transform_either_way(query, c) is not None for c in candidates):
         return None
     return detect_merge(query, candidates)
 
 
-def _fill(query: Update, candidates: Sequence[Update]) -> None:
-    """The query's pair blocks with all the candidates, of its structure (every test reads its pairs' off them), made at once."""
-    fill_blocks(query.modules(), [c.modules() for c in candidates])
+def _comparable(query: Update, candidates: Sequence[Update]) -> list[Update]:
+    """The candidates of the query's structure, the only ones a detector compares, with the query's pair blocks with
+    them made at once (every test reads its pairs' off them); where there is none, nothing of the query is read."""
+    same = [c for c in candidates if same_structure(query, c)]
+    if same:
+        fill_blocks(query.modules(), [c.modules() for c in same])
+    return same
 
 
 def _origin(later: Sequence[ContinuationEdge], by_id: Mapping[int | None, Update]) -> ContinuationEdge | None:
