@@ -98,3 +98,38 @@ def test_a_failed_embed_stage_keeps_what_was_stored(cli: CLI, settings: Settings
     assert cli("embed")[0] == 0  # finishes it
     rc, out, _ = cli("search", "1", "--json")
     assert rc == 0 and json.loads(out)["results"]
+
+
+@pytest.mark.parametrize("kept", [0, 2])
+def test_the_relation_step_says_what_its_read_budget_left_uncompared(
+    cli: CLI, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: int
+) -> None:
+    """Where an adapter and its neighbours in float64 would pass ZOO_EMBED_CHUNK_BYTES (Llama-3-8B at full size under
+    the default budget), the step compares it with fewer neighbours, or none: the report counts those adapters and the
+    line says why and what to change (it read "5 adapters scanned, 0 edges found", as if they had been compared)."""
+    from zoo.domain.relations import Update
+    from zoo.services.relations import COMPARED, detector_bytes
+    from zoo.store.adapters import adapters_with_factors
+    from zoo.store.blob_backends import open_blob_store
+    from zoo.store.session import session_factory
+
+    src = _sources(tmp_path)
+    assert cli("ingest", str(src), "--base-model", "tiny", "--no-embed")[0] == 0
+    sizes = []
+    with session_factory(settings.database_url)() as session:
+        for a in adapters_with_factors(session, "tiny"):
+            sizes.append(detector_bytes(Update(dict(open_blob_store(settings).get_factors(a.factors_blob)))))
+    assert len(sizes) == 5
+    monkeypatch.setenv("ZOO_EMBED_CHUNK_BYTES", str((kept + 1) * max(sizes)))  # room for the adapter and `kept` others
+    rc, out, err = cli("embed", "--json")
+    assert rc == 0, err
+    report = json.loads(out)[0]["relations"]
+    assert report["scanned"] == 5 and report["budget_cut"] == 5 and report["uncompared"] == (5 if kept == 0 else 0)
+    assert report["largest_mb"] == pytest.approx(max(sizes) / 1e6)
+    assert report["edges"] == 0 if kept == 0 else report["edges"] > 0  # the rescaled copy is its parent's nearest
+
+    more = write_random_peft_adapters(tmp_path / "more", 3, seed=1)
+    rc, out, err = cli("ingest", *map(str, more), "--base-model", "tiny")  # the same budget, in words
+    assert rc == 0, err
+    said = "3 adapters compared with no neighbour" if kept == 0 else f"3 adapters with fewer than {COMPARED}"
+    assert said in out.splitlines()[2] and "(ZOO_EMBED_CHUNK_BYTES, " in out.splitlines()[2]

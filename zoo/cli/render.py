@@ -317,7 +317,24 @@ def relations_line(r: RelationReport) -> str:
     cost = f" ({r['ms_per_adapter']:.0f} ms each)" if r["ms_per_adapter"] is not None else ""
     line = f"{r['space']}: relations from the weights: {plural(r['scanned'], 'adapter')} scanned{cost}, {plural(r['edges'], 'edge')} found"
     line += f", {r['failed']} failed ({'; '.join(r['errors'])})" if r["failed"] else ""
+    line += f"; {budget_text(r)}" if r["budget_cut"] else ""
     return line + (f"; stopped: {r['not_ready']}" if r["not_ready"] else "")
+
+
+def budget_text(r: RelationReport) -> str:
+    """What the read budget left out of the relation step, and what to do about it."""
+    from zoo.config import EMBED_CHUNK_BYTES
+    from zoo.services.relations import COMPARED
+
+    none = r["uncompared"]
+    fewer = r["budget_cut"] - none
+    parts = [f"{plural(none, 'adapter')} compared with no neighbour"] if none else []
+    parts += [f"{plural(fewer, 'adapter')} with fewer than {COMPARED}"] if fewer else []
+    return (
+        f"{' and '.join(parts)}: up to {r['largest_mb'] or 0:,.0f} MB each in float64, which with their neighbours would "
+        f"pass the read budget (ZOO_EMBED_CHUNK_BYTES, {EMBED_CHUNK_BYTES.get() / 2**20:,.0f} MiB); a larger budget "
+        f"compares the adapters embedded after it is set with more (a scanned adapter is not scanned again)"
+    )
 
 
 def worker_line(summary: WorkerSummary) -> str:

@@ -140,6 +140,9 @@ class EmbedBatches:
         was["scanned"], was["edges"], was["failed"] = scanned, was["edges"] + report["edges"], was["failed"] + report["failed"]
         was["errors"] = (was["errors"] + report["errors"])[:REPORTED_ERRORS]
         was["not_ready"], was["ms_per_adapter"] = report["not_ready"], cost / scanned if scanned else None
+        was["budget_cut"], was["uncompared"] = was["budget_cut"] + report["budget_cut"], was["uncompared"] + report["uncompared"]
+        sizes = [r["largest_mb"] for r in (was, report) if r["largest_mb"] is not None]
+        was["largest_mb"] = max(sizes) if sizes else None
 
     def flush(self, files: bool = True) -> None:
         from embed.serving.embedding_resource import refresh_space_files, unembedded_ids

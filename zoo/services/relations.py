@@ -116,6 +116,11 @@ class RelationReport(TypedDict):
     errors: list[str]  # the first REPORTED_ERRORS: "adapter ID: reason"
     not_ready: str | None  # why the step stopped early (the engine had no index yet); the rest waits for the next run
     ms_per_adapter: float | None
+    #: adapters compared with fewer neighbours than the step compares (COMPARED), since they and those neighbours in
+    #: float64 would pass the read budget (ZOO_EMBED_CHUNK_BYTES, `neighbour_count`); `uncompared` of them with none
+    budget_cut: int
+    uncompared: int
+    largest_mb: float | None  # the largest of those adapters in float64 (`detector_bytes`), MB
 
 
 def relation_engine(sessions: Sessions, blobs: BlobStore, data_dir: Path, device: str | None = None) -> QueryEngine:
@@ -129,7 +134,18 @@ def scan_space(
 ) -> RelationReport:
     """Scan the space's adapters not scanned by this detector yet (only among `ids` when given) and store their edges,
     BATCH adapters at a time; `progress` hears (adapters done, adapters to do) after each batch."""
-    report = RelationReport(space=base_model, scanned=0, edges=0, failed=0, errors=[], not_ready=None, ms_per_adapter=None)
+    report = RelationReport(
+        space=base_model,
+        scanned=0,
+        edges=0,
+        failed=0,
+        errors=[],
+        not_ready=None,
+        ms_per_adapter=None,
+        budget_cut=0,
+        uncompared=0,
+        largest_mb=None,
+    )
     with sessions() as session:
         space = find_space(session, base_model)
         serving = serving_embedders(session, space.id) if space else {}
@@ -176,8 +192,13 @@ def _scan_batch(scan: RelationScan, space_id: int, batch: list[int], report: Rel
     except Exception as exc:  # noqa: BLE001 - recorded for each adapter of the batch, tried again next time
         blind, failed = None, _error(exc)
     for adapter_id in batch:
+        allowed: tuple[int, int] | None = None  # (neighbours compared at most, the adapter's bytes in float64)
+        edges: list[EdgeRow] = []
         try:
-            edges, error = (_scan(scan, adapter_id, blind.get(adapter_id, [])), None) if blind is not None else ([], failed)
+            if blind is None:
+                error = failed
+            else:
+                (edges, allowed), error = _scan(scan, adapter_id, blind.get(adapter_id, [])), None
         except NotReadyError as exc:
             report["not_ready"] = str(exc)
             return False
@@ -188,6 +209,10 @@ def _scan_batch(scan: RelationScan, space_id: int, batch: list[int], report: Rel
         scan.stored(adapter_id, edges)
         report["scanned"] += 1
         report["edges"] += len(edges)
+        if allowed is not None and allowed[0] < COMPARED:
+            report["budget_cut"] += 1
+            report["uncompared"] += allowed[0] == 0
+            report["largest_mb"] = max(report["largest_mb"] or 0.0, allowed[1] / 1e6)
         if error is not None:
             report["failed"] += 1
             if len(report["errors"]) < REPORTED_ERRORS:
@@ -380,40 +405,47 @@ def detector_bytes(update: Update) -> int:
     return 2 * sum(f.U.element_size() * (f.U.numel() + f.S.numel() + f.V.numel()) for f in update.factors.values())
 
 
+#: neighbours the step compares an adapter with, where the read budget holds them
+COMPARED = NEIGHBOURS + COPY_SOURCES + RAW_NEIGHBOURS
+
+
 def neighbour_count(query: Update) -> int:
-    """Neighbours compared with one adapter: NEIGHBOURS + COPY_SOURCES + RAW_NEIGHBOURS, fewer where the query and they
+    """Neighbours compared with one adapter: COMPARED, fewer where the query and they
     (each about the query's size: one space, one structure), in the detectors' float64, would pass the embedding's read
     budget (ZOO_EMBED_CHUNK_BYTES), none where the query alone does. So the step's memory is bounded by that budget,
     not by the zoo: at Llama-3-8B's full size (about 170 MB of float32 factors an adapter) the default budget
     (512 MiB) compares none, and a larger budget buys neighbours."""
-    return max(0, min(NEIGHBOURS + COPY_SOURCES + RAW_NEIGHBOURS, EMBED_CHUNK_BYTES.get() // max(1, detector_bytes(query)) - 1))
+    return max(0, min(COMPARED, EMBED_CHUNK_BYTES.get() // max(1, detector_bytes(query)) - 1))
 
 
-def _scan(scan: RelationScan, adapter_id: int, blind: list[int]) -> list[EdgeRow]:
+def _scan(scan: RelationScan, adapter_id: int, blind: list[int]) -> tuple[list[EdgeRow], tuple[int, int] | None]:
     """The edges of one adapter: its relations to its nearest neighbours, and the merges among its close neighbours
     that have it as a parent (of those `blind`: scanned before it was embedded; the others had it among their
-    neighbours)."""
+    neighbours); with how many neighbours the read budget let it be compared with and its bytes in float64 (None if it
+    is gone)."""
     found = _around(scan, adapter_id)
     if found is None:
-        return []
-    edges, near, k = found
+        return [], None
+    edges, near, k, size = found
     partners = {e["parent_id"] for e in edges} | {e["child_id"] for e in edges}
     close = [i for i, score in near[:RECHECK] if score is not None and score >= RECHECK_SCORE and i not in partners]
     for other in [i for i in close if i in blind]:
         edges += merge_naming(scan, other, adapter_id, k)
     for source in [e["parent_id"] for e in edges if e["relation"] in COPIES and e["child_id"] == adapter_id]:
         edges += _merges_renamed(scan, adapter_id, source, k)
-    return edges
+    return edges, (k, size)
 
 
-def _around(scan: RelationScan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float | None]], int] | None:
-    """(the adapter's edges to its neighbours, the neighbours, how many it may be compared with); None if it is gone."""
+def _around(scan: RelationScan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float | None]], int, int] | None:
+    """(the adapter's edges to its neighbours, the neighbours, how many it may be compared with, its bytes in float64);
+    None if it is gone."""
     query = scan.factors.get([adapter_id])
     if not query:
         return None
     k = neighbour_count(query[0])
     near = scan.neighbours(adapter_id)[:k] if k else []
-    return edge_rows(find_relations(query[0], scan.factors.get([i for i, _ in near])), adapter_id), near, k
+    found = find_relations(query[0], scan.factors.get([i for i, _ in near]))
+    return edge_rows(found, adapter_id), near, k, detector_bytes(query[0])
 
 
 def merge_naming(scan: RelationScan, other: int, adapter_id: int, k: int) -> list[EdgeRow]:
