@@ -26,7 +26,7 @@ from tests.factories import TinyLM
 from webapp import create_app
 from zoo.config import Settings
 from zoo.domain.relations import DETECTOR
-from zoo.services import relations
+from zoo.services import relation_rows, relations
 from zoo.store.blobs import BlobStore
 from zoo.store.embedders import serving_embedders
 from zoo.store.embeddings import load_embeddings
@@ -375,7 +375,7 @@ def test_a_merge_names_the_source_of_a_cast_it_was_found_with(
     found = relations.find_relations(merge, parents).merge
     assert found is not None and set(found.parents) == {ids["cast"], ids["q2"]}
     with sessions.begin() as session:
-        write_scan(session, ids["pmerge"], relations.merge_rows(found, ids["pmerge"]), DETECTOR, 0)
+        write_scan(session, ids["pmerge"], relation_rows.merge_rows(found, ids["pmerge"]), DETECTOR, 0)
     blobs = BlobStore(settings.blob_dir)
     engine = QueryEngine(sessions, blobs, settings.data_dir)
     assert relations.scan_space(engine, sessions, blobs, "tiny", [ids["cast"]])["scanned"] == 1
