@@ -398,13 +398,13 @@ def detector_bytes(update: Update) -> int:
 COMPARED = NEIGHBOURS + COPY_SOURCES + RAW_NEIGHBOURS
 
 
-def neighbour_count(query: Update) -> int:
-    """Neighbours compared with one adapter: COMPARED, fewer where the query and they
+def neighbour_count(size: int) -> int:
+    """Neighbours compared with one adapter of `size` bytes in float64 (`detector_bytes`): COMPARED, fewer where it and they
     (each about the query's size: one space, one structure), in the detectors' float64, would pass the embedding's read
     budget (ZOO_EMBED_CHUNK_BYTES), none where the query alone does. So the step's memory is bounded by that budget,
     not by the zoo: at Llama-3-8B's full size (about 170 MB of float32 factors an adapter) the default budget
     (512 MiB) compares none, and a larger budget buys neighbours."""
-    return max(0, min(COMPARED, EMBED_CHUNK_BYTES.get() // max(1, detector_bytes(query)) - 1))
+    return max(0, min(COMPARED, EMBED_CHUNK_BYTES.get() // max(1, size) - 1))
 
 
 def _scan(scan: RelationScan, adapter_id: int, blind: list[int]) -> tuple[list[EdgeRow], tuple[int, int] | None]:
@@ -431,10 +431,11 @@ def _around(scan: RelationScan, adapter_id: int) -> tuple[list[EdgeRow], list[tu
     query = scan.factors.get([adapter_id])
     if not query:
         return None
-    k = neighbour_count(query[0])
+    size = detector_bytes(query[0])
+    k = neighbour_count(size)
     near = scan.neighbours(adapter_id)[:k] if k else []
     found = find_relations(query[0], scan.factors.get([i for i, _ in near]))
-    return edge_rows(found, adapter_id), near, k, detector_bytes(query[0])
+    return edge_rows(found, adapter_id), near, k, size
 
 
 def merge_naming(scan: RelationScan, other: int, adapter_id: int, k: int) -> list[EdgeRow]:
