@@ -4,7 +4,7 @@
 as `zoo eval` does (the same splits, the same seeds) and saves what a rule needs: each member's embedding of every
 adapter, each member's fold, the split, the tasks and the exact scores. `python -m bench.choice study F.npz...` then
 replays each rule of RULES on each split: it chooses from the labelled adapters' out-of-fold retrieval (as
-embed.selection.choice.choose_search does), and what it chose is scored on the split's queries against every adapter, with the
+embed.selection.search_choice.choose_search does), and what it chose is scored on the split's queries against every adapter, with the
 served embedding (the members' mean cosine). Per dump and rule: the mean regret against the best fixed candidate of
 the live candidates, its 90th percentile, and the gain over dW cosine (hit@1, MRR, nDCG@10), beside the live rule
 measured in the same run, the floor the splits' own noise leaves (cross_split_floor) and the one a single search for
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from embed.selection.choice import (
+from embed.selection.choice import Fold, best_expected
+from embed.selection.metrics import retrieval_per_query
+from embed.selection.search_choice import (
     MIX_WEIGHTS,
-    Fold,
-    best_expected,
     choose_search,
     held_out_w2t,
     mix_candidates,
@@ -36,7 +36,6 @@ from embed.selection.choice import (
     self_excluded,
     staged_over,
 )
-from embed.selection.metrics import retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import SearchScore
 
@@ -185,7 +184,7 @@ Rule = Callable[[Split, Scores], Candidate]
 
 
 def live(split: Split, oof: Scores) -> Candidate:
-    """embed.selection.choice.choose_search itself."""
+    """embed.selection.search_choice.choose_search itself."""
     tasks = [split.tasks[r] for r in split.labelled]
     exact = {s: m[np.ix_(split.labelled, split.labelled)] for s, m in split.exact.items()}
     return choose_search(exact, tasks, split.folds).chosen

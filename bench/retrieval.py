@@ -1,5 +1,5 @@
 """Benchmark: retrieval metrics by counted ranks (embed.selection.metrics.retrieval_per_query) vs sorting each row whole (the
-baseline, measured in the same run), and what that makes of the search choice (embed.selection.choice.choose_search: the
+baseline, measured in the same run), and what that makes of the search choice (embed.selection.search_choice.choose_search: the
 candidates it weighs scored out of fold) at a zoo's count of labelled adapters.
 
 Synthetic scores: n labelled adapters of 20 tasks, five members each holding out a fifth. CPU seconds per call
@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from embed.selection.choice import Fold, choose_search, search_candidates
+from embed.selection.choice import Fold
 from embed.selection.metrics import retrieval_per_query
+from embed.selection.search_choice import choose_search, search_candidates
 from zoo.domain.channels import EXACT_SCORES
 
 

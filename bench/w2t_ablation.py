@@ -30,8 +30,8 @@ from scipy import stats
 from embed.data.dataset import ExactScores, base_models, load_adapters
 from embed.data.tokens import max_rank, tokenize
 from embed.data.types import ZooAdapter, schema_of
-from embed.selection.choice import rerank_values
 from embed.selection.metrics import knn_regress, regression, retrieval
+from embed.selection.search_choice import rerank_values
 from embed.training.distill import token_kernel
 from embed.training.evaluate import PERF_METRIC, split_of
 from embed.training.pretrain import Pretrained, pretrain

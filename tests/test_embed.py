@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from bench.retrieval import sorted_retrieval
 from embed.data.types import ZooAdapter, schema_of, split_positions
-from embed.selection.choice import MIX_WEIGHTS
 from embed.selection.metrics import KNN_K, retrieval, retrieval_per_query
+from embed.selection.search_choice import MIX_WEIGHTS
 from embed.training.evaluate import METHODS, evaluate, refactorized
 from embed.training.train import TrainOptions, member_folds, train_w2t
 from embed.w2t.checkpoint import META, checkpoint_meta

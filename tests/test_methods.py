@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embed.selection.choice import KNN_KS, KNN_TEMPERATURES, MIX_WEIGHTS
+from embed.selection.choice import KNN_KS, KNN_TEMPERATURES
+from embed.selection.search_choice import MIX_WEIGHTS
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import (
     LEARNED,

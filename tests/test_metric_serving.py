@@ -12,8 +12,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from embed.selection.choice import Fold, choose_search
+from embed.selection.choice import Fold
 from embed.selection.fitted import Purpose, out_of_fold
+from embed.selection.search_choice import choose_search
 from embed.w2t.ensemble import W2TEnsemble
 from tests.conftest import CLI
 from tests.factories import TinyLM

@@ -9,13 +9,7 @@ reference is positive, the reference stays. With few
 labels (or many candidates of equal worth) the best estimate is mostly noise and loses on the other halves;
 with many, the best estimate wins without having to be "clearly" better.
 
-- search: every exact score (the whole update's dW cosine, the mean module cosine, the input Gram, and the search's
-  few-label channel metric where it was fitted in each fold, alone and fused with dW query by query:
-  embed/selection/fitted.py, zoo/domain/fusion.py) alone and mixed with the W2T cosine at each weight of MIX_WEIGHTS,
-  by each held-out adapter's MRR + nDCG@10 (relevance = same task): the best training-free score against whole-update
-  dW cosine, then the best of all against that; then, over that pick, a heavier mix of the same exact score whose top
-  it re-orders (staged_over), where that is better; a channel metric's pick has its top re-ordered by its fusion with
-  dW unless the metric alone clearly pays (on HEDGE_SURE of the halves);
+- search: embed/selection/search_choice.py;
 - an attribute: a similarity-weighted kNN among the labelled adapters, its similarity (the search score, or
   an exact score) and k (10, 5, 3, 1: few labels per class want few neighbours) those that classify the
   held-out adapters best, against the W2T heads, few-shot readouts of the W2T embedding (nearest class mean,
@@ -36,7 +30,7 @@ import numpy as np
 
 from embed.selection.calibration import Calibration, class_prior, knn_calibration, leave_one_out_shares, with_earned_sure
 from embed.selection.calibration import fit as fit_calibration
-from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, retrieval_per_query
+from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import (
     LOGREG,
@@ -47,14 +41,8 @@ from zoo.domain.methods import (
     SearchScore,
     fitted_score,
     fused_score,
-    fusion_of,
 )
 
-#: W2T weights of the mixes tried (1.0: the W2T cosine alone)
-MIX_WEIGHTS = tuple(i / 10 for i in range(1, 11))
-#: how many first hits of a heavier mix the chosen one-stage score re-orders, in the two-stage searches tried: the
-#: heavier mix ranks deep (nDCG@10), the chosen one keeps ordering the first hits (docs/history/results-2026.md)
-RERANK_TOPS = (5, 10)
 #: neighbours tried by the kNN predictors, in order of preference on a tie
 KNN_KS = (KNN_K, 5, 3, 1)
 #: softmax temperatures a metric's kNN candidates weigh their neighbours at (beside max(s, 0)): on digits-vit-seeded,
@@ -67,11 +55,6 @@ PROTOTYPE_TEMPERATURE = 0.1
 HALVES = 200
 #: fewer held-out adapters than this tell nothing: the reference stays
 MIN_ITEMS = 5
-#: the share of held-out halves on which a channel metric alone must beat its top re-ordered by its fusion with dW to
-#: be served alone (`hedged`). The labels shaped the metric on the very adapters the choice ranks, so its estimate there
-#: is optimistic: where a metric was picked (21 splits of digits-vit-seeded, digits-vit and shapes-cnn), the choice saw
-#: the metric alone +0.013 to +0.018 MRR + nDCG@10 above the re-order, the queries −0.002 to +0.005 (docs/search.md)
-HEDGE_SURE = 0.95
 
 
 @dataclass(frozen=True)
@@ -95,10 +78,16 @@ class Choice(Generic[M]):
     chosen: M
     scores: dict[M, float] = field(default_factory=dict)
     reason: str = ""
+    #: a search's candidates judged among held-out pairs (embed/selection/search_choice.py), by that estimate
+    paired_scores: dict[M, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         """As checkpoints and JSON output record it: methods by name."""
-        return {"chosen": self.chosen.name, "scores": {k.name: round(v, 4) for k, v in self.scores.items()}, "reason": self.reason}
+        scores = {k.name: round(v, 4) for k, v in self.scores.items()}
+        out: dict[str, object] = {"chosen": self.chosen.name, "scores": scores, "reason": self.reason}
+        if self.paired_scores:
+            out["paired_scores"] = {k.name: round(v, 4) for k, v in self.paired_scores.items()}
+        return out
 
 
 def knn_similarities(similarity: SearchScore, exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
@@ -155,63 +144,19 @@ def best_expected(
     return (pick(np.arange(n)) if pays else reference), gain
 
 
-def _why(chosen: SearchScore | Predictor, reference: SearchScore | Predictor, gain: float, n: int, measure: str) -> str:
+def why_chosen(
+    chosen: SearchScore | Predictor, reference: SearchScore | Predictor, gain: float, n: int, measure: str, kind: str = "training-free"
+) -> str:
+    """Why `chosen` was chosen over `reference` (`kind`: what the reference is), or why the reference stays."""
     if chosen == reference:
         return (
             f"{reference.name}: choosing by the best estimate on half of {n} held-out adapters gained {gain:+.3f} "
-            f"({measure}) on the other half, so the training-free {reference.name} stays"
+            f"({measure}) on the other half, so the {kind} {reference.name} stays"
         )
     return (
         f"{chosen.name} has the best expected {measure} on {n} held-out adapters (choosing so on half of them gained "
         f"{gain:+.3f} over {reference.name} on the other half)"
     )
-
-
-def mix_candidates(exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
-    """The one-stage search scores, simplest first: each exact score, then the mixes by W2T weight."""
-    scores = tuple(exact)
-    return list(dict.fromkeys(SearchScore(score, w) for w in (0.0, *MIX_WEIGHTS) for score in scores))
-
-
-def staged_over(score: SearchScore, exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
-    """The two-stage searches over `score` (one stage, not W2T alone), among the exact scores `exact`: a heavier mix of
-    its exact score (each weight of MIX_WEIGHTS above its own, below 1) finds, `score` re-orders its first
-    RERANK_TOPS; and where `score` weighs a channel metric whose fusion with dW is in `exact`, `score` finds and the
-    fusion at its weight re-orders its first RERANK_TOPS (a neighbour that stands out in dW first)."""
-    if score.second_stage is not None or score.w2t_weight >= 1:
-        return []
-    w = score.w2t_weight
-    heavier = [SearchScore(score.exact, heavy, w, top) for heavy in MIX_WEIGHTS if w < heavy < 1 for top in RERANK_TOPS]
-    fused = fusion_of(score.exact)
-    return [*heavier, *(SearchScore(score.exact, w, w, top, fused) for top in RERANK_TOPS if fused in set(exact))]
-
-
-def hedged(score: SearchScore, staged: Iterable[SearchScore]) -> SearchScore | None:
-    """Among `score`'s two-stage searches, the one whose fusion with dW re-orders its first hits (the shallowest of
-    RERANK_TOPS), where `score` weighs a channel metric whose fusion is among them: the hedge the choice serves unless
-    the metric alone clearly pays (choose_search)."""
-    fused = [s for s in staged if s.rerank_exact is not None]  # a second stage by another score is the metric's fusion
-    return min(fused, key=lambda s: s.rerank_top, default=None)
-
-
-def search_candidates(exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
-    """Every search score the choice can make over the exact scores `exact`, simplest first: the one-stage ones, then
-    each one's two-stage searches (staged_over)."""
-    scores = tuple(exact)
-    one = mix_candidates(scores)
-    return [*one, *(s for c in one for s in staged_over(c, scores))]
-
-
-def rerank_values(score: SearchScore, exact: dict[str, np.ndarray]) -> np.ndarray | None:
-    """The values of the exact score a search's second stage re-orders by, where it is not its first's."""
-    return None if score.rerank_exact is None else exact[score.rerank_exact]
-
-
-def self_excluded(queries: list[int], n: int) -> np.ndarray:
-    """The mask (len(queries) × n) of each query's own column: what it may not return."""
-    mask = np.zeros((len(queries), n), bool)
-    mask[np.arange(len(queries)), queries] = True
-    return mask
 
 
 def mean_per_row(values: Iterable[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
@@ -221,82 +166,6 @@ def mean_per_row(values: Iterable[tuple[int, np.ndarray]]) -> dict[int, np.ndarr
     for r, v in values:
         by_row.setdefault(r, []).append(v)
     return {r: np.mean(v, axis=0) for r, v in by_row.items()}
-
-
-def held_out_w2t(folds: list[Fold], rows: set[int]) -> tuple[list[int], np.ndarray]:
-    """The `rows` some member held out, in the order the folds first hold them out, and their W2T cosine to every
-    labelled adapter (len × n): the mean of the cosines of the members that held each out (one by default; two for
-    ten members each holding out a fifth, embed.training.train), as the served cosine is the mean of all the members'."""
-    vals = [[r for r in f.val if r in rows] for f in folds]
-    sims = mean_per_row((r, sim) for f, val in zip(folds, vals, strict=True) for r, sim in zip(val, f.z[val] @ f.z.T, strict=True))
-    n = len(folds[0].z) if folds else 0
-    return list(sims), np.stack(list(sims.values())) if sims else np.zeros((0, n))
-
-
-def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fold]) -> Choice[SearchScore]:
-    """The search score, from the labelled adapters' out-of-fold retrieval: `exact` holds each exact score between the
-    labelled adapters (n × n; a channel metric's out of fold, embed/selection/fitted.py, whose search metric is a
-    candidate where present), `tasks` their tasks ("" unknown). Each held-out adapter with a task queries the labelled
-    ones, and each candidate is scored by MRR + nDCG@10. The pick, in two guarded steps (best_expected: choosing so
-    must pay on held-out halves): the training-free exact score with the best estimate, against whole-update dW
-    cosine; then the one-stage score with the best estimate among all (W2T mixes, the channel metric), against that
-    pick. Among hundreds of candidates the best estimate is partly luck: judged against dW alone, a lucky learned mix
-    passed wherever a training-free score beats dW (docs-minilm: heavy W2T mixes chosen where module cosine was the
-    best single score, and behind it on the queries). Then, over a pick other than dW cosine, the one of its two-stage
-    searches (staged_over) with a better estimate, if any. Over a pick that weighs a channel metric, its top
-    re-ordered by the metric's fusion with dW (`hedged`) is the reference of that step: it stays unless serving the
-    metric alone pays on HEDGE_SURE of the held-out halves. The re-order changes little of the mean MRR + nDCG@10 but
-    keeps first a neighbour that stands out in dW, on the tasks where dW is right and the metric is not
-    (docs/search.md); where it stays, it is served (a heavier first stage would put the metric alone second). So the
-    guarded one-stage pick is always a stage of the search served. The guard weighs the one-stage choice alone: a pick
-    that also chose a first stage on each half is noisier, and on few labels failed the guard where the one-stage pick
-    passes (docs/history/results-2026.md, "The guard on the one-stage pick"). The choice's scores are those of the
-    candidates weighed: every one-stage score, and the two-stage searches over the pick."""
-    flat, w2t = held_out_w2t(folds, {r for r, task in enumerate(tasks) if task})
-    reference = SearchScore()  # the whole update's cosine, the training-free bar
-    if len(flat) < MIN_ITEMS:
-        return Choice(reference, reason=f"{len(flat)} held-out adapters with a task: too few to tell, the whole update's dW cosine")
-    quality: dict[SearchScore, np.ndarray] = {}
-    own = self_excluded(flat, len(tasks))
-
-    def per_item(score: SearchScore) -> np.ndarray:
-        if score not in quality:
-            second = rerank_values(score, exact)
-            ranking = score.ranking(exact[score.exact][flat], w2t, own, None if second is None else second[flat])
-            per = retrieval_per_query(ranking, [tasks[q] for q in flat], tasks, list(flat))
-            quality[score] = per["mrr"] + per["ndcg@10"]
-        return quality[score]
-
-    def value(score: SearchScore, items: np.ndarray) -> float:
-        return float(per_item(score)[items].mean())
-
-    weighed = scores_for(exact, "search")
-    free, free_gain = best_expected([SearchScore(s) for s in EXACT_SCORES], reference, value, len(flat))
-    base, gain = best_expected(mix_candidates(weighed), free, value, len(flat))
-    measure = "MRR + nDCG@10"
-    reason = f"{_why(base, free, gain, len(flat), measure)}; the first step: {_why(free, reference, free_gain, len(flat), measure)}"
-    chosen = base
-    if base != reference:
-        everything = np.arange(len(flat))
-        staged = staged_over(base, weighed)
-        kept = base
-        if (hedge := hedged(base, staged)) is not None:
-            kept, hedge_gain = best_expected([base], hedge, value, len(flat), sure=HEDGE_SURE)
-            alone = f"{base.name} alone gained {hedge_gain:+.3f} on the other halves; served alone where it gains on {HEDGE_SURE:.0%}"
-            reason = (
-                f"{hedge.name}: {reason}; re-ordered by its fusion with dW, which keeps dW's clear neighbours first ({alone})"
-                if kept == hedge
-                else f"{reason}; not re-ordered by its fusion with dW ({alone})"
-            )
-        # the hedge is served as it is (a heavier first stage would put the metric alone second); ties: base
-        chosen = kept if kept != base else max([base, *staged], key=lambda c: value(c, everything))
-        if chosen != kept:
-            reason = (
-                f"{chosen.name}: {reason}; re-ordering the top of a heavier first stage estimates better still "
-                f"({value(chosen, everything):.3f} against {value(kept, everything):.3f})"
-            )
-    means = {k: float(v.mean()) for k, v in quality.items()}
-    return Choice(chosen, means, reason)
 
 
 def search_similarity(exact: dict[str, np.ndarray], score: SearchScore, z: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
@@ -349,7 +218,7 @@ def choose_attribute(
     reason = f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"
     if weighed and len(t) >= MIN_ITEMS:
         chosen, value = best_expected(weighed, free, lambda c, items: float(per[c][items].mean()), len(t))
-        reason = _why(chosen, free, value, len(t), "accuracy") + (" (the best kNN)" if chosen == free else "")
+        reason = why_chosen(chosen, free, value, len(t), "accuracy") + (" (the best kNN)" if chosen == free else "")
     prior = class_prior(index[index >= 0], len(classes))
     if isinstance(chosen, KnnPredictor) and chosen.similarity.w2t_weight == 0:  # by an exact score or a channel metric
         calibration = _knn_calibration(exact, chosen, index, len(classes), prior, folds)
@@ -486,7 +355,7 @@ def choose_metric(
     if len(t) < MIN_ITEMS or not weighed:
         return Choice(free, means, f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"), per[free], t
     chosen, value = best_expected(weighed, free, lambda c, items: _spearman(per[c][items], t[items]), len(t))
-    reason = _why(chosen, free, value, len(t), "Spearman") + (" (the best kNN)" if chosen == free else "")
+    reason = why_chosen(chosen, free, value, len(t), "Spearman") + (" (the best kNN)" if chosen == free else "")
     return Choice(chosen, means, reason), per[chosen], t
 
 

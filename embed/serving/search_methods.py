@@ -20,7 +20,7 @@ RAW = "raw_factors"
 #: the input-Gram sketches (zoo.domain.channels.channel_sketches, "input_gram"): per module seeded bilinear probes of
 #: dWᵀdW = V S² Vᵀ, whose inner products estimate the input Gram cosine; the first stage of input_gram search
 GRAM = "input_gram_sketch"
-#: hybrid: the search score `zoo train` chose out of fold (embed/selection/choice.py): an exact score (dw, module or
+#: hybrid: the search score `zoo train` chose out of fold (embed/selection/search_choice.py): an exact score (dw, module or
 #: input_gram) mixed with the supervised W2T cosine by the chosen weight (0: the exact score alone), over the union
 #: of the CANDIDATES nearest of the indexes it weighs (EXACT_CANDIDATES, W2T); module, dw and input_gram: the
 #: CANDIDATES nearest of their sketch indexes ranked by the mean module cosine, the whole update's cosine or the mean

@@ -11,13 +11,13 @@ from embed.selection.choice import (
     Fold,
     choose_attribute,
     choose_metric,
-    choose_search,
     knn_similarity,
     logistic_readout,
     mean_per_row,
     readout_predictions,
 )
 from embed.selection.fitted import Purpose, fit_all, out_of_fold, with_fused
+from embed.selection.search_choice import choose_search
 from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.channel_metric import Bank
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS

@@ -23,7 +23,7 @@ import torch
 from embed.data.tokens import max_rank
 from embed.data.types import SpaceSchema, ZooAdapter, split_positions
 from embed.selection.calibration import expected_calibration_error
-from embed.selection.choice import rerank_values, scores_for, search_candidates
+from embed.selection.choice import scores_for
 from embed.selection.fitted import with_fused
 from embed.selection.metrics import (
     KNN_K,
@@ -35,6 +35,7 @@ from embed.selection.metrics import (
     regression,
     retrieval_per_query,
 )
+from embed.selection.search_choice import rerank_values, search_candidates
 from embed.training.baselines import raw_factor_vectors, spectra_vectors
 from embed.training.intervals import LEVEL, RESAMPLES
 from embed.training.train import remember_and_choose, train_w2t
@@ -360,7 +361,7 @@ def evaluate(
 def candidate_scores(
     exact: dict[str, np.ndarray], w2t: np.ndarray, adapters: list[ZooAdapter], test_pos: list[int]
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Every search score the choice had (embed.selection.choice.search_candidates over `exact`'s scores: the search's channel
+    """Every search score the choice had (embed.selection.search_choice.search_candidates over `exact`'s scores: the search's channel
     metric too where it was fitted), by name: its REGRET_KEYS per query of the split (its held-out adapters with a
     task), for embed.training.eval_summary.cross_fitted_regret."""
     return {

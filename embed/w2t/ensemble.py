@@ -53,7 +53,7 @@ class W2TEnsemble:
     residual_std: dict[str, float] = field(default_factory=dict)
     #: per metric: (min, max) over the training adapters; predictions and intervals stay inside it
     metric_range: dict[str, tuple[float, float]] = field(default_factory=dict)
-    #: the search score, chosen out of fold (embed/selection/choice.py): an exact score ("dw": the whole update's cosine,
+    #: the search score, chosen out of fold (embed/selection/search_choice.py): an exact score ("dw": the whole update's cosine,
     #: "module": the mean module cosine) mixed with this embedding's cosine
     search: SearchScore = SearchScore()
     #: per attribute: the heads, a readout of this embedding (prototype, logreg) or a similarity-weighted kNN among
