@@ -106,7 +106,8 @@ def test_the_relation_step_says_what_its_read_budget_left_uncompared(
 ) -> None:
     """Where an adapter and its neighbours in float64 would pass ZOO_EMBED_CHUNK_BYTES (Llama-3-8B at full size under
     the default budget), the step compares it with fewer neighbours, or none: the report counts those adapters and the
-    line says why and what to change (it read "5 adapters scanned, 0 edges found", as if they had been compared)."""
+    line says why and what to change (it read "5 adapters scanned, 0 edges found", as if they had been compared). A
+    larger budget later scans those adapters again."""
     from zoo.domain.relations import Update
     from zoo.services.relations import COMPARED, detector_bytes
     from zoo.store.adapters import adapters_with_factors
@@ -133,3 +134,12 @@ def test_the_relation_step_says_what_its_read_budget_left_uncompared(
     assert rc == 0, err
     said = "3 adapters compared with no neighbour" if kept == 0 else f"3 adapters with fewer than {COMPARED}"
     assert said in out.splitlines()[2] and "(ZOO_EMBED_CHUNK_BYTES, " in out.splitlines()[2]
+
+    rc, out, err = cli("embed", "--json")  # the same budget: nothing more to compare
+    assert rc == 0 and json.loads(out)[0]["relations"]["scanned"] == 0, err
+    monkeypatch.setenv("ZOO_EMBED_CHUNK_BYTES", str(64 * max(sizes)))  # a larger budget scans the cut adapters again
+    rc, out, err = cli("embed", "--json")
+    again = json.loads(out)[0]["relations"]
+    assert rc == 0 and again["scanned"] == 8 and again["budget_cut"] == 0 and again["edges"] > 0, err  # the copy found
+    rc, out, err = cli("embed", "--json")
+    assert rc == 0 and json.loads(out)[0]["relations"]["scanned"] == 0, err

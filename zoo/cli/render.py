@@ -332,8 +332,8 @@ def budget_text(r: RelationReport) -> str:
     parts += [f"{plural(fewer, 'adapter')} with fewer than {COMPARED}"] if fewer else []
     return (
         f"{' and '.join(parts)}: up to {r['largest_mb'] or 0:,.0f} MB each in float64, which with their neighbours would "
-        f"pass the read budget (ZOO_EMBED_CHUNK_BYTES, {EMBED_CHUNK_BYTES.get() / 2**20:,.0f} MiB); a larger budget "
-        f"compares the adapters embedded after it is set with more (a scanned adapter is not scanned again)"
+        f"pass the read budget (ZOO_EMBED_CHUNK_BYTES, {EMBED_CHUNK_BYTES.get() / 2**20:,.0f} MiB); the next "
+        f"`zoo embed` with a larger budget compares them again"
     )
 
 

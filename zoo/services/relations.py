@@ -18,7 +18,8 @@ method for the batch (`QueryEngine.stored_neighbours`) and one for its rechecks,
 scanned before; each scan is still stored on its own, in order. The step reads each adapter's factors once while its
 budget holds them.
 Which adapters are still to scan is in the database (`relation_scan`), so a killed run resumes and a run again
-finds nothing to do; a new detector version (zoo.domain.relations.DETECTOR) scans everything again. A scan that
+finds nothing to do; a new detector version (zoo.domain.relations.DETECTOR) scans everything again, and a larger read
+budget (ZOO_EMBED_CHUNK_BYTES) the adapters a smaller one left neighbours out of (`read_budget`). A scan that
 fails is recorded with its error and reported, never raised: the adapter stays stored and is tried again next time.
 """
 
@@ -141,9 +142,10 @@ def scan_space(
         sketch = serving.get(SKETCH)
         if space is None or sketch is None:
             return report
-        todo, space_id, sketch_id, raw = pending_scans(session, sketch.id, DETECTOR, ids), space.id, sketch.id, RAW in serving
+        budget = EMBED_CHUNK_BYTES.get()
+        todo, space_id, sketch_id, raw = pending_scans(session, sketch.id, DETECTOR, budget, ids), space.id, sketch.id, RAW in serving
     start = time.perf_counter()
-    factors = FactorCache(sessions, blobs, EMBED_CHUNK_BYTES.get())  # the step's: consecutive batches share neighbours
+    factors = FactorCache(sessions, blobs, budget)  # the step's: consecutive batches share neighbours
     with threadpool_limits(limits=1, user_api="blas"), rare_collections():  # see ONE_BLAS_THREAD
         for first in range(0, len(todo), BATCH):
             scan = RelationScan(engine, sessions, base_model, sketch_id, raw, factors)
@@ -193,12 +195,13 @@ def _scan_batch(scan: RelationScan, space_id: int, batch: list[int], report: Rel
             return False
         except Exception as exc:  # noqa: BLE001 - one adapter's failure stops neither the step nor its ingest
             edges, error = [], _error(exc)
-        if not store_edges(scan.sessions, scan.base_model, adapter_id, edges, version, error):
+        cut = allowed is not None and allowed[0] < COMPARED
+        if not store_edges(scan.sessions, scan.base_model, adapter_id, edges, version, error, scan.factors.budget if cut else None):
             continue  # deleted meanwhile
         scan.stored(adapter_id, edges)
         report["scanned"] += 1
         report["edges"] += len(edges)
-        if allowed is not None and allowed[0] < COMPARED:
+        if allowed is not None and cut:
             report["budget_cut"] += 1
             report["uncompared"] += allowed[0] == 0
             report["largest_mb"] = max(report["largest_mb"] or 0.0, allowed[1] / 1e6)
@@ -213,12 +216,21 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
-def store_edges(sessions: Sessions, base_model: str, adapter_id: int, edges: list[EdgeRow], version: int, error: str | None) -> bool:
-    """One transaction per scan, under the space's lock (one writer of its edges at a time). False when an adapter
-    of the scan was deleted meanwhile (its foreign key fails): nothing is stored."""
+def store_edges(
+    sessions: Sessions,
+    base_model: str,
+    adapter_id: int,
+    edges: list[EdgeRow],
+    version: int,
+    error: str | None,
+    read_budget: int | None = None,
+) -> bool:
+    """One transaction per scan, under the space's lock (one writer of its edges at a time); `read_budget`: the budget
+    that left some of its neighbours uncompared. False when an adapter of the scan was deleted meanwhile (its foreign
+    key fails): nothing is stored."""
     try:
         with write_transaction(sessions, space_lock(base_model)) as session:
-            write_scan(session, adapter_id, edges, DETECTOR, version, error)
+            write_scan(session, adapter_id, edges, DETECTOR, version, error, read_budget)
     except ConstraintError:
         return False
     return True

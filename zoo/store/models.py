@@ -399,7 +399,8 @@ class AdapterRelation(Base):
 
 class RelationScan(Base):
     """An adapter's relations looked for among its nearest neighbours by a detector version: an adapter without a row
-    of the current version is scanned by the next relation step; `error` says why a scan failed (it is tried again)."""
+    of the current version is scanned by the next relation step; `error` says why a scan failed (it is tried again), and
+    `read_budget` which budget left neighbours out (it is tried again under a larger one)."""
 
     __tablename__ = "relation_scan"
 
@@ -408,6 +409,9 @@ class RelationScan(Base):
     #: the space's version when its neighbours were searched: adapters embedded after it were not among them
     space_version: Mapped[int] = mapped_column(BigInteger)
     error: Mapped[str | None] = mapped_column(Text)
+    #: the read budget (bytes, ZOO_EMBED_CHUNK_BYTES) under which it was compared with fewer neighbours than the step
+    #: compares; a step with a larger budget scans it again. None: not cut
+    read_budget: Mapped[int | None] = mapped_column(BigInteger)
     scanned_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 

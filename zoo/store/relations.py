@@ -40,11 +40,18 @@ class EdgeRow(TypedDict):
 
 
 def write_scan(
-    session: Session, adapter_id: int, edges: Sequence[EdgeRow], detector: str, space_version: int, error: str | None = None
+    session: Session,
+    adapter_id: int,
+    edges: Sequence[EdgeRow],
+    detector: str,
+    space_version: int,
+    error: str | None = None,
+    read_budget: int | None = None,
 ) -> None:
     """Store one scan's edges and mark the adapter scanned by `detector` at `space_version` (with the error that
-    stopped it, if any), in the caller's transaction. Merges replace their child's earlier merge rows; other edges
-    are updated in place; a continuation is kept only as its child's one origin (the module docstring)."""
+    stopped it, if any, and the `read_budget` that left some of its neighbours uncompared), in the caller's
+    transaction. Merges replace their child's earlier merge rows; other edges are updated in place; a continuation
+    is kept only as its child's one origin (the module docstring)."""
     touching = or_(AdapterRelation.child_id == adapter_id, AdapterRelation.parent_id == adapter_id)
     session.execute(delete(AdapterRelation).where(touching, AdapterRelation.detector != detector))
     merged = {e["child_id"] for e in edges if e["relation"] == "merge"}
@@ -59,7 +66,7 @@ def write_scan(
         if e["relation"] == "merge" or _update(session, values) == 0:
             session.execute(insert(AdapterRelation), values)
     session.execute(delete(RelationScan).where(RelationScan.adapter_id == adapter_id))
-    row = {"adapter_id": adapter_id, "detector": detector, "space_version": space_version, "error": error}
+    row = {"adapter_id": adapter_id, "detector": detector, "space_version": space_version, "error": error, "read_budget": read_budget}
     session.execute(insert(RelationScan), row)
 
 
@@ -130,10 +137,14 @@ def merges_naming(session: Session, parent_id: int) -> dict[int, list[int]]:
     return found
 
 
-def pending_scans(session: Session, embedder_id: int, detector: str, ids: Iterable[int] | None = None) -> list[int]:
-    """The adapters with a vector under this (module sketch) embedder and no scan by `detector` that succeeded (only
-    among `ids` when given), in id order: one anti-join on the scan table's primary key."""
-    done = exists().where(RelationScan.adapter_id == Embedding.adapter_id, RelationScan.detector == detector, RelationScan.error.is_(None))
+def pending_scans(session: Session, embedder_id: int, detector: str, read_budget: int, ids: Iterable[int] | None = None) -> list[int]:
+    """The adapters with a vector under this (module sketch) embedder and no scan by `detector` that succeeded under
+    this `read_budget` or a smaller one (only among `ids` when given), in id order: one anti-join on the scan table's
+    primary key."""
+    whole = or_(RelationScan.read_budget.is_(None), RelationScan.read_budget >= read_budget)
+    done = exists().where(
+        RelationScan.adapter_id == Embedding.adapter_id, RelationScan.detector == detector, RelationScan.error.is_(None), whole
+    )
     stmt = select(Embedding.adapter_id).where(Embedding.embedder_id == embedder_id, ~done)
     if ids is not None:
         stmt = stmt.where(Embedding.adapter_id.in_(list(ids)))
