@@ -29,6 +29,7 @@ from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, knn_wei
 from embed.selection.search_choice import (
     MIX_WEIGHTS,
     RERANK_TOPS,
+    SURE,
     choose_search,
     held_out_w2t,
     mix_candidates,
@@ -139,10 +140,7 @@ def test_search_takes_w2t_where_it_retrieves_better_and_keeps_dw_where_it_is_noi
     assert chosen.chosen not in EXACT and chosen.scores[chosen.chosen] > chosen.scores[DW] and "best expected" in chosen.reason
     assert set(mix_candidates()) <= set(chosen.scores) <= set(search_candidates())  # every exact score, alone and mixed, is weighed
     picks = [choose_search(*_zoo(6, 12, w2t_noise=20.0, seed=seed)) for seed in range(10)]  # W2T is noise
-    # dW stays but where a noisy mix happens to pay on held-out halves: judged among held-out pairs (fewer items, small
-    # galleries) a little more often than against every labelled adapter (5 of 20 seeds, against 2), and a light mix of
-    # noise costs the queries nothing measurable (test_w2t_is_judged_as_unseen_as_a_query_finds_it)
-    assert sum(p.chosen == DW for p in picks) >= 7
+    assert sum(p.chosen == DW for p in picks) >= 8  # dW stays but where a noisy mix happens to pay on held-out halves
     assert all("stays" in p.reason for p in picks if p.chosen == DW)
     exact, tasks, folds = _zoo(2, 2, w2t_noise=0.05)  # four labels: too few to tell
     assert MIN_ITEMS > 4 and choose_search(exact, tasks, folds).chosen == DW
@@ -181,11 +179,11 @@ def _memorising_zoo(
     return dict.fromkeys(EXACT_SCORES, x @ x.T), tasks, folds, on_queries
 
 
-def test_w2t_is_judged_as_unseen_as_a_query_finds_it() -> None:
+def test_a_w2t_mix_that_only_knows_its_training_rows_is_not_served() -> None:
     """Against the labelled adapters a held-out one finds its task's training rows gathered on one point, where a query
-    finds unlabelled adapters no member saw: W2T there estimated far above what queries get of it, and a W2T mix was
-    served on 18 of these 20 zoos. A W2T pick is served only where it is also ahead between adapters one member held
-    out, where W2T is as unseen as for a query: on 12, and the queries lose nothing by that."""
+    finds unlabelled adapters no member saw: W2T there estimates above what queries get of it, and the plain guard
+    served a W2T mix on 18 of these 20 zoos. Made to pay on SURE of the held-out halves, a mix is served on at most a
+    few, and the queries lose nothing by that."""
     mixed, served, unmixed = 0, [], []
     for seed in range(20):
         exact, tasks, folds, on_queries = _memorising_zoo(seed)
@@ -193,7 +191,7 @@ def test_w2t_is_judged_as_unseen_as_a_query_finds_it() -> None:
         mixed += chosen.w2t_weight > 0
         served.append(on_queries(chosen))
         unmixed.append(on_queries(DW))
-    assert mixed <= 15 and np.mean(served) >= np.mean(unmixed) - 0.01
+    assert mixed <= 6 and np.mean(served) >= np.mean(unmixed) - 0.01
 
 
 def test_attribute_and_metric_predictors_default_to_the_knn() -> None:
@@ -339,11 +337,11 @@ def test_a_second_stage_is_the_best_one_stage_score_and_the_first_adds_to_it() -
 def test_the_guard_weighs_the_one_stage_choice_alone() -> None:
     """Whether choosing by the estimate pays over dW cosine is asked of the one-stage choice, replayed on halves; a
     two-stage search is only ever added over a one-stage pick the guard let through. On zoos where W2T helps a little,
-    the search kept is dW cosine wherever the one-stage replay says choosing a mix does not pay, and where it pays the
-    mix is served unless it is not ahead of dW between adapters one member held out."""
+    the search kept is dW cosine exactly where the one-stage replay says choosing a mix does not pay (on SURE of the
+    halves)."""
     outcomes = set()
     for seed in range(12, 18):  # zoos where replaying both steps as one pick chooses otherwise
-        exact, tasks, folds = _zoo(8, 5, w2t_noise=4.0, seed=seed)
+        exact, tasks, folds = _zoo(8, 5, w2t_noise=2.0, seed=seed)
         flat, w2t = held_out_w2t(folds, set(range(len(tasks))))
         own = self_excluded(flat, len(tasks))
         per = {}
@@ -351,14 +349,12 @@ def test_the_guard_weighs_the_one_stage_choice_alone() -> None:
             got = retrieval_per_query(c.ranking(exact[c.exact][flat], w2t, own), [tasks[q] for q in flat], tasks, list(flat))
             per[c] = got["mrr"] + got["ndcg@10"]
         mixes = [c for c in mix_candidates() if c.w2t_weight]  # the exact scores rank alike here: dW is the unmixed pick
-        base, gain = best_expected(mixes, DW, lambda c, items, per=per: float(per[c][items].mean()), len(flat))
-        choice = choose_search(exact, tasks, folds)
-        chosen = choice.chosen
-        assert gain > 0 or chosen == DW
-        assert chosen in (DW, base, *staged_over(base)) and (chosen.second_stage or chosen) in (DW, base)
-        assert (chosen == DW) == (gain <= 0 or choice.paired_scores[base] <= choice.paired_scores[DW])
-        outcomes.add((gain > 0, chosen == DW))
-    assert {(False, True), (True, False)} <= outcomes  # both sides of the guard were tried
+        base, _ = best_expected(mixes, DW, lambda c, items, per=per: float(per[c][items].mean()), len(flat), sure=SURE)
+        chosen = choose_search(exact, tasks, folds).chosen
+        assert (chosen == DW) == (base == DW)
+        assert chosen in (base, *staged_over(base)) and (chosen.second_stage or chosen) == base
+        outcomes.add(chosen == DW)
+    assert outcomes == {True, False}  # both sides of the guard were tried
 
 
 def test_search_prefers_the_whole_update_unless_another_exact_score_is_expected_to_be_better() -> None:

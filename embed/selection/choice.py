@@ -78,16 +78,11 @@ class Choice(Generic[M]):
     chosen: M
     scores: dict[M, float] = field(default_factory=dict)
     reason: str = ""
-    #: a search's candidates judged among held-out pairs (embed/selection/search_choice.py), by that estimate
-    paired_scores: dict[M, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         """As checkpoints and JSON output record it: methods by name."""
         scores = {k.name: round(v, 4) for k, v in self.scores.items()}
-        out: dict[str, object] = {"chosen": self.chosen.name, "scores": scores, "reason": self.reason}
-        if self.paired_scores:
-            out["paired_scores"] = {k.name: round(v, 4) for k, v in self.paired_scores.items()}
-        return out
+        return {"chosen": self.chosen.name, "scores": scores, "reason": self.reason}
 
 
 def knn_similarities(similarity: SearchScore, exact: Iterable[str] = EXACT_SCORES) -> list[SearchScore]:
