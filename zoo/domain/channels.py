@@ -166,8 +166,8 @@ def _overlaps(fq: _ModuleFactors, fg: _ModuleFactors, side: str, channels: list[
     """One module's value of each channel of one side, from both stacks' (U, V, w) of it: Σ_ab p_a (C²)_ab q_b with
     C = X_xᵀX_y and the channel's weights p, q."""
     k = _SIDE_INDEX[side]
-    weights = [(_weights(fq[2], _OVERLAPS[c][1]), _weights(fg[2], _OVERLAPS[c][1])) for c in channels]
-    values = _squared_overlaps(fq[k], fg[k], weights, chunk)
+    weights = [(unit_weights(fq[2], _OVERLAPS[c][1]), unit_weights(fg[2], _OVERLAPS[c][1])) for c in channels]
+    values = squared_overlaps(fq[k], fg[k], weights, chunk)
     return dict(zip(channels, values, strict=True))
 
 
@@ -196,14 +196,14 @@ def dense_svd(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.ascontiguousarray(U.transpose(0, 2, 1)), Vt, S
 
 
-def _weights(w: np.ndarray, weighting: str) -> np.ndarray:
+def unit_weights(w: np.ndarray, weighting: str) -> np.ndarray:
     """(n, R) float32 per-component weights of unit norm per row (zero rows stay zero) from unit spectra w (zero
     padded): "gram", w² (the Gram's eigenvalues S²/‖S‖²), or "subspace", 1 on every component."""
     p = w.astype(np.float64) ** 2 if weighting == "gram" else (w > 0).astype(np.float64)
     return (p / np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-300)).astype(np.float32)
 
 
-def _squared_overlaps(Xq: np.ndarray, Xg: np.ndarray, weights: list[tuple[np.ndarray, np.ndarray]], chunk: int) -> list[np.ndarray]:
+def squared_overlaps(Xq: np.ndarray, Xg: np.ndarray, weights: list[tuple[np.ndarray, np.ndarray]], chunk: int) -> list[np.ndarray]:
     """For stacks of bases Xq (nq, Rq, d), Xg (ng, Rg, d) and each (pq (nq, Rq), pg (ng, Rg)): the (nq, ng) matrix
     Σ_ab pq_a (X_qᵀX_g)²_ab pg_b, in chunks of about `chunk` query components: one GEMM per chunk for all weights."""
     nq, rq, d = Xq.shape
@@ -293,7 +293,7 @@ def _spectrum_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim:
 
 def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int, side: str, weighting: str) -> np.ndarray:
     """Per module `dim` seeded probe values ω_jᵀ·X diag(c) Xᵀ·ψ_j / √dim with X = V (input) or U (output) and c the
-    channel's unit-norm weights (`_weights`), so that E[block·block'] = ⟨M, M'⟩_F, the channel's value. ω, ψ are
+    channel's unit-norm weights (`unit_weights`), so that E[block·block'] = ⟨M, M'⟩_F, the channel's value. ω, ψ are
     independent standard Gaussians in the side's dimension, drawn once per module name, shape and channel. Float32
     products, one adapter's module at a time (as the module sketches: no float64 copy of the factors)."""
     from zoo import deadline
@@ -311,6 +311,6 @@ def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int
             S = f.S.detach().cpu().double().numpy()
             keep = S > 0
             X = (f.V if side == "input" else f.U).detach().cpu().float().numpy()[:, keep]
-            c = _weights((S[keep] / np.linalg.norm(S[keep]))[None, :], weighting)[0]
+            c = unit_weights((S[keep] / np.linalg.norm(S[keep]))[None, :], weighting)[0]
             out[i, m] = ((omega @ X) * (psi @ X)) @ c / np.sqrt(dim)
     return out.reshape(len(adapters), -1)

@@ -1,0 +1,129 @@
+"""The input Gram cosine with a reference removed: the centred input Gram (pure math, no I/O).
+
+Every LoRA's A leans on the base model's dominant input directions, so any two adapters' input Grams share a positive
+part that says nothing of their tasks. Per module, with Ĝ = V diag(ĝ) Vᵀ the unit input Gram (ĝ = S²/‖S²‖, so
+‖Ĝ‖_F = 1) and M the module's reference (a fixed positive semi-definite matrix), the centred input Gram cosine of two
+adapters is the cosine of Ĝ_x − M and Ĝ_y − M:
+
+    (K_xy − r_x − r_y + g) / √((1 − 2 r_x + g)(1 − 2 r_y + g)),   K_xy = ⟨Ĝ_x, Ĝ_y⟩, r = ⟨Ĝ, M⟩, g = ‖M‖²_F,
+
+in [-1, 1], every term from r×r or r×k blocks (never a d × d matrix), averaged over the modules both adapters have as
+the other channels are (zoo/domain/channels.py). A pair whose centred Gram vanishes (Ĝ = M) scores 0; a module that no
+reference adapter has has M = 0 there, and scores the plain input Gram cosine.
+
+A module's reference is the mean unit input Gram of the reference adapters (`fit_gram_reference`: the labelled
+adapters `zoo train` weighs), kept as its top REFERENCE_RANK eigenpairs Q diag(λ) Qᵀ: what the adapters share lies in
+its leading directions, and any truncation is still a fixed matrix, so the score stays an exact cosine of the two
+centred Grams, the same in training, `zoo eval` and serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from zoo.domain.channels import module_factors, squared_overlaps, unit_weights
+from zoo.domain.similarity import ModuleStack
+
+#: eigenpairs kept of each module's mean unit input Gram (a Llama-3-8B space's 224 modules: 235 MB of float32 at the
+#: widest, 14,336 inputs; 40 MB at 4,096)
+REFERENCE_RANK = 64
+#: the most values (d × reference components) a module's mean is factored exactly at; past it, by a randomized SVD
+EXACT_SVD_VALUES = 4_000_000
+#: centred norms² (of unit Grams: at most 1 + g) below this are a vanished Gram (Ĝ = M to float32 round-off): its
+#: cosines are 0
+VANISHED = 1e-5
+
+
+@dataclass(frozen=True)
+class GramReference:
+    """Per module name: (Q (k, d) float32 with orthonormal rows, λ (k,) float32 ≥ 0), the reference M = Qᵀ diag(λ) Q."""
+
+    modules: Mapping[str, tuple[np.ndarray, np.ndarray]]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Named arrays (`Q/<module>`, `lam/<module>`) that `from_arrays` reads back, e.g. through np.savez."""
+        out: dict[str, np.ndarray] = {}
+        for name, (Q, lam) in self.modules.items():
+            out[f"Q/{name}"], out[f"lam/{name}"] = Q, lam
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> GramReference:
+        names = [k.removeprefix("Q/") for k in arrays if k.startswith("Q/")]
+        return cls({n: (np.asarray(arrays[f"Q/{n}"], np.float32), np.asarray(arrays[f"lam/{n}"], np.float32)) for n in names})
+
+    def projections(self, stack: ModuleStack, name: str) -> np.ndarray:
+        """(stack.size,) float64 r = ⟨Ĝ, M⟩ of each row's module `name` (0 where the row lacks it or M is absent)."""
+        if name not in self.modules:
+            return np.zeros(stack.size)
+        Q, lam = self.modules[name]
+        _, V, w = module_factors(stack, name)
+        weights = [(_float64(unit_weights(w, "gram")), lam[None].astype(np.float64))]
+        return squared_overlaps(_float64(V), Q[None].astype(np.float64), weights, 2048)[0][:, 0]
+
+    def energy(self, name: str) -> float:
+        """g = ‖M‖²_F of a module (0 where absent)."""
+        return float(np.sum(self.modules[name][1].astype(np.float64) ** 2)) if name in self.modules else 0.0
+
+
+def fit_gram_reference(stack: ModuleStack, rows: Sequence[int] | np.ndarray, rank: int = REFERENCE_RANK) -> GramReference:
+    """Each module's mean unit input Gram over the stack's `rows` that have it, kept as its top `rank` eigenpairs: the
+    mean is W Wᵀ with W the rows' V diag(√ĝ) side by side over √n, whose left singular vectors and squared singular
+    values are its eigenpairs (a randomized SVD, seeded, past EXACT_SVD_VALUES)."""
+    from sklearn.utils.extmath import randomized_svd
+
+    picked = np.asarray(rows, dtype=np.int64)
+    modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name in sorted(stack.norms):
+        have = picked[stack.norms[name][picked] > 0]
+        if not len(have):
+            continue
+        _, V, w = module_factors(stack, name)
+        scale = np.sqrt(unit_weights(w[have], "gram").astype(np.float64) / len(have))  # (n, R)
+        W = (V[have].astype(np.float64) * scale[:, :, None]).reshape(-1, V.shape[2]).T  # (d, n·R)
+        k = min(rank, *W.shape)
+        if W.size <= EXACT_SVD_VALUES:
+            Q, sigma, _ = np.linalg.svd(W, full_matrices=False)
+        else:
+            Q, sigma, _ = randomized_svd(W, k, random_state=0)
+        modules[name] = (np.ascontiguousarray(Q[:, :k].T, dtype=np.float32), (sigma[:k] ** 2).astype(np.float32))
+    return GramReference(modules)
+
+
+def _float64(x: np.ndarray) -> np.ndarray:
+    """x in float64: centring subtracts nearly equal terms (a Gram near its reference), where float32 products lose the
+    difference (1e-3 of a cosine at a centred norm² of 1e-3)."""
+    return x.astype(np.float64, copy=False)
+
+
+def _self_grams(factors: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """(N,) ‖Ĝ‖²_F of each row from its stored factors (1 to float32 round-off, which the centred norm² of a Gram near
+    its reference would otherwise amplify: a row's cosine with itself is then exactly 1)."""
+    _, V, w = factors
+    g, X = _float64(unit_weights(w, "gram")), _float64(V)
+    C = np.matmul(X, X.transpose(0, 2, 1)) ** 2  # (N, R, R)
+    return np.einsum("na,nab,nb->n", g, C, g)
+
+
+def centred_gram_cosines(gallery: ModuleStack, queries: ModuleStack, reference: GramReference) -> np.ndarray:
+    """(queries.size, gallery.size) float64 mean over shared modules of the centred input Gram cosine (0 where none
+    is shared)."""
+    total = np.zeros((queries.size, gallery.size))
+    count = np.zeros((queries.size, gallery.size))
+    for name in sorted(queries.norms.keys() & gallery.norms.keys()):
+        shared = (queries.norms[name] > 0)[:, None] & (gallery.norms[name] > 0)[None, :]
+        if not shared.any():
+            continue
+        fq, fg = module_factors(queries, name), module_factors(gallery, name)
+        weights = [(_float64(unit_weights(fq[2], "gram")), _float64(unit_weights(fg[2], "gram")))]
+        K = squared_overlaps(_float64(fq[1]), _float64(fg[1]), weights, 2048)[0]
+        rq, rg, g = reference.projections(queries, name), reference.projections(gallery, name), reference.energy(name)
+        nq, ng = _self_grams(fq) - 2 * rq + g, _self_grams(fg) - 2 * rg + g
+        scale = np.sqrt(np.outer(np.maximum(nq, VANISHED), np.maximum(ng, VANISHED)))
+        values = np.where(np.outer(nq > VANISHED, ng > VANISHED), (K - rq[:, None] - rg[None, :] + g) / scale, 0.0)
+        total += values * shared
+        count += shared
+    return total / np.maximum(count, 1)
