@@ -24,6 +24,7 @@ from embed.selection.choice import (
     knn_similarity,
     prototype_predictions,
     readout_predictions,
+    scores_for,
 )
 from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, knn_weights, retrieval_per_query
 from embed.selection.search_choice import (
@@ -371,6 +372,21 @@ def test_search_prefers_the_whole_update_unless_another_exact_score_is_expected_
     chosen = choose_search(gram, tasks, folds)
     input_gram = SearchScore("input_gram")
     assert chosen.chosen == input_gram and chosen.scores[input_gram] > chosen.scores[DW] and "best expected" in chosen.reason
+
+
+def test_the_centred_input_gram_is_a_training_free_candidate_where_its_reference_was_fitted() -> None:
+    """Where the exact scores hold the centred input Gram (ExactScores fitted its reference), the first step weighs it
+    with the other training-free scores, and its mixes and kNNs are candidates; where they do not, nothing names it."""
+    exact, tasks, folds = _zoo(6, 12, w2t_noise=20.0, seed=2)
+    same = np.array([[float(a == b) for b in tasks] for a in tasks])
+    centred = {**exact, "centred_gram": 0.5 * same + 0.5 * exact["dw"]}  # centring brings out the task
+    chosen = choose_search(centred, tasks, folds)
+    assert chosen.chosen == SearchScore("centred_gram") and "best expected" in chosen.reason
+    assert SearchScore("centred_gram", 0.5) in chosen.scores
+    assert SearchScore.parse("centred_gram+w2t@0.3") == SearchScore("centred_gram", 0.3)
+    assert scores_for(centred, "task")[: len(EXACT_SCORES) + 1] == (*EXACT_SCORES, "centred_gram")
+    plain = choose_search(exact, tasks, folds)
+    assert not any("centred_gram" in s.name for s in plain.scores) and "centred_gram" not in scores_for(exact, "task")
 
 
 def test_a_learned_mix_must_beat_the_best_training_free_score_not_only_dw() -> None:

@@ -9,6 +9,7 @@ import numpy as np
 
 from embed.data.types import SpaceSchema, ZooAdapter
 from embed.selection.fitted import MAX_LABELLED
+from zoo.domain.centred_gram import CENTRED_GRAM, GramReference, centred_gram_cosines, fit_gram_reference
 from zoo.domain.channel_metric import Bank, bank_matrices
 from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines, sketch_width
@@ -49,16 +50,20 @@ def given_labels(adapter: ZooAdapter) -> bool:
 
 @dataclass
 class ExactScores:
-    """The exact scores (zoo.domain.channels.EXACT_SCORES) among some training adapters, by id: what the out-of-fold
-    choices compare W2T with. `source` says what they were computed from: "factors" (exact), or "module sketches"
-    where the space is too big for the engine's module store, whose module-cosine estimate then stands in for both
-    scores when a query is served (embed.serving.engine) and so here. `bank`: the channel metric's atoms among them
-    (zoo.domain.channel_metric.bank_matrices), from the factors, where they are at most embed.selection.fitted.MAX_LABELLED."""
+    """The exact scores (zoo.domain.channels.EXACT_SCORES, and from factors the centred input Gram) among some
+    training adapters, by id: what the out-of-fold choices compare W2T with. `source` says what they were computed
+    from: "factors" (exact), or "module sketches" where the space is too big for the engine's module store, whose
+    module-cosine estimate then stands in for the training-free scores when a query is served (embed.serving.engine)
+    and so here. `bank`: the channel metric's atoms among them (zoo.domain.channel_metric.bank_matrices), from the
+    factors, where they are at most embed.selection.fitted.MAX_LABELLED."""
 
     ids: np.ndarray
     scores: dict[str, np.ndarray]
     source: str = "factors"
     bank: Bank | None = None
+    #: the centred input Gram's reference, fitted on all of them (zoo/domain/centred_gram.py), whose scores are among
+    #: `scores` where it is (from the factors)
+    gram_reference: GramReference | None = None
 
     def _at(self, ids: list[int]) -> np.ndarray:
         at = {int(i): j for j, i in enumerate(self.ids.tolist())}
@@ -77,7 +82,9 @@ class ExactScores:
         """Exact scores among the adapters of a stack, and with `bank` the channel metric's atoms where they are few
         enough."""
         atoms = bank_matrices(stack, stack) if bank and stack.size <= MAX_LABELLED else None
-        return cls(ids, {s: exact_cosines(stack, stack, s) for s in EXACT_SCORES}, bank=atoms)
+        reference = fit_gram_reference(stack, np.arange(stack.size))
+        scores = {s: exact_cosines(stack, stack, s) for s in EXACT_SCORES} | {CENTRED_GRAM: centred_gram_cosines(stack, stack, reference)}
+        return cls(ids, scores, bank=atoms, gram_reference=reference)
 
     @classmethod
     def of_factors(cls, adapters: list[ZooAdapter], bank: bool = True) -> ExactScores:

@@ -31,6 +31,7 @@ import numpy as np
 from embed.selection.calibration import Calibration, class_prior, knn_calibration, leave_one_out_shares, with_earned_sure
 from embed.selection.calibration import fit as fit_calibration
 from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares
+from zoo.domain.centred_gram import CENTRED_GRAM
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import (
     LOGREG,
@@ -91,10 +92,17 @@ def knn_similarities(similarity: SearchScore, exact: Iterable[str] = EXACT_SCORE
     return [similarity, *(s for s in map(SearchScore, exact) if s != similarity)]
 
 
+def free_scores(exact: Iterable[str]) -> tuple[str, ...]:
+    """The training-free exact scores: EXACT_SCORES, and the centred input Gram where `exact` holds it (its
+    reference was fitted: zoo/domain/centred_gram.py)."""
+    return (*EXACT_SCORES, *(s for s in (CENTRED_GRAM,) if s in exact))
+
+
 def scores_for(exact: dict[str, np.ndarray], purpose: str) -> tuple[str, ...]:
-    """The exact scores a purpose ("search" or a target) weighs: the training-free ones, then its own channel metric
-    and that metric fused with dW, where `exact` holds their out-of-fold similarity (embed/selection/fitted.py)."""
-    return (*EXACT_SCORES, *(s for s in (fitted_score(purpose), fused_score(purpose)) if s in exact))
+    """The exact scores a purpose ("search" or a target) weighs: the training-free ones (free_scores), then its own
+    channel metric and that metric fused with dW, where `exact` holds their out-of-fold similarity
+    (embed/selection/fitted.py)."""
+    return (*free_scores(exact), *(s for s in (fitted_score(purpose), fused_score(purpose)) if s in exact))
 
 
 def knn_similarity(search: SearchScore) -> SearchScore:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from embed.selection.choice import MIN_ITEMS, Choice, Fold, best_expected, mean_per_row, scores_for, why_chosen
+from embed.selection.choice import MIN_ITEMS, Choice, Fold, best_expected, free_scores, mean_per_row, scores_for, why_chosen
 from embed.selection.metrics import retrieval_per_query
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import SearchScore, fusion_of
@@ -135,7 +135,7 @@ def choose_search(exact: dict[str, np.ndarray], tasks: list[str], folds: list[Fo
     weighed = scores_for(exact, "search")
     one_stage = mix_candidates(weighed)
     measure = "MRR + nDCG@10"
-    free, free_gain = best_expected([SearchScore(s) for s in EXACT_SCORES], reference, value, n)
+    free, free_gain = best_expected([SearchScore(s) for s in free_scores(exact)], reference, value, n)
     shaped, shaped_gain = best_expected([c for c in one_stage if not c.w2t_weight], free, value, n)
     base, gain = best_expected([c for c in one_stage if c.w2t_weight], shaped, value, n, sure=SURE)
     sure = f"; a W2T mix is served where it gains on {SURE:.0%} of them"

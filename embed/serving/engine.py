@@ -56,10 +56,12 @@ from embed.serving.search_methods import (
     W2T,
     candidate_kinds,
     served_metric,
+    served_reference,
     served_search,
     stage_kinds,
 )
 from embed.serving.space_state import LoadedEmbedder, SpaceState, allowed_ids, load_w2t, space_bytes
+from zoo.domain.centred_gram import CENTRED_GRAM, centred_gram_cosines
 from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.fusion import fused
 from zoo.domain.methods import KnnPredictor, SearchScore, fitted_purpose, fused_metric
@@ -382,7 +384,7 @@ class QueryEngine:
 
     def _hybrid_search(self, state: SpaceState) -> SearchScore:
         """The search score `zoo train` chose for the space: hybrid's."""
-        return served_search(local_folder(self.blobs, self.data_dir, str(state.embedders[W2T].checkpoint)))
+        return served_search(self._checkpoint(state))
 
     def _search_scores(
         self, state: SpaceState, score: SearchScore, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
@@ -400,9 +402,14 @@ class QueryEngine:
         w2t = state.embedders[W2T].index.vectors(ids) @ vectors[W2T] if weight > 0 else np.zeros(len(ids))
         return score.similarity(exact, w2t), score.ranking(exact, w2t, rerank_exact=second)
 
+    def _checkpoint(self, state: SpaceState) -> Path:
+        """The local folder of the W2T checkpoint the space serves."""
+        return local_folder(self.blobs, self.data_dir, str(state.embedders[W2T].checkpoint))
+
     def _exact(self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, score: str) -> np.ndarray:
-        """An exact score (zoo.domain.channels.exact_cosines, the channel metric `zoo train` fitted: its atoms in r×r
-        blocks, or its fusion with dW: zoo/domain/fusion.py) from the module store; without one, estimated from the
+        """An exact score (zoo.domain.channels.exact_cosines, the centred input Gram on the reference `zoo train`
+        fitted, the channel metric it fitted: its atoms in r×r blocks, or its fusion with dW: zoo/domain/fusion.py) from
+        the module store; without one, estimated from the
         sketches: the input Gram from the input-Gram
         sketches where the space has them for every candidate, else (and for the other scores) the module sketches'
         cosine stands in. A channel metric has no estimate: without the module store it is refused."""
@@ -415,12 +422,13 @@ class QueryEngine:
             else:
                 q = ModuleStack.of([query.factors], store.dense)
             gallery = store.take(ids.tolist())
+            if score == CENTRED_GRAM:
+                return centred_gram_cosines(gallery, q, served_reference(self._checkpoint(state)))[0]
             if fitted_purpose(score) is not None:
-                checkpoint = local_folder(self.blobs, self.data_dir, str(state.embedders[W2T].checkpoint))
-                return served_metric(checkpoint, score).between(gallery, q)[0]
+                return served_metric(self._checkpoint(state), score).between(gallery, q)[0]
             return exact_cosines(gallery, q, score)[0]
-        if fitted_purpose(score) is not None:
-            raise NotReadyError(f"space {state.name} serves the channel metric {score}, which needs its module store: run `zoo embed`")
+        if fitted_purpose(score) is not None or score == CENTRED_GRAM:
+            raise NotReadyError(f"space {state.name} serves the exact score {score}, which needs its module store: run `zoo embed`")
         kind = GRAM if score == "input_gram" and GRAM in vectors else SKETCH
         e = state.embedders[kind]
         if kind == GRAM and not all(e.index.contains(int(i)) for i in ids.tolist()):  # embedded before `zoo embed` caught up

@@ -6,7 +6,8 @@ import functools
 from collections.abc import Mapping
 from pathlib import Path
 
-from embed.w2t.checkpoint import channel_metrics_of, checkpoint_meta, search_of
+from embed.w2t.checkpoint import channel_metrics_of, checkpoint_meta, gram_reference_of, search_of
+from zoo.domain.centred_gram import CENTRED_GRAM, GramReference
 from zoo.domain.channel_metric import ChannelMetric
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.methods import SearchScore, fitted_purpose
@@ -36,7 +37,8 @@ METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), **dict.fromkeys(EXACT_SCORES, (SKET
 #: sketch. On digits-vit-seeded (300 adapters, `python -m bench.search --zoo-data-dir`) the CANDIDATES nearest held
 #: 0.609 of the exact input-Gram top 10 from the module sketch index, 0.965 from the input-Gram sketch index and 0.988
 #: from both (docs/history/results-2026.md)
-EXACT_CANDIDATES = {"dw": (SKETCH,), "module": (SKETCH,), "input_gram": (GRAM, SKETCH)}
+#: The centred input Gram (served by hybrid only: its reference is `zoo train`'s) takes the input Gram's.
+EXACT_CANDIDATES = {"dw": (SKETCH,), "module": (SKETCH,), "input_gram": (GRAM, SKETCH), CENTRED_GRAM: (GRAM, SKETCH)}
 #: a channel metric's first-stage candidates (embed/selection/fitted.py): it weighs the input Gram, dW and module cosine as the
 #: labels ask, so both indexes' nearest
 FITTED_CANDIDATES = (GRAM, SKETCH)
@@ -68,6 +70,14 @@ def exact_sources(score: str) -> tuple[str, ...]:
     """The indexes whose nearest are an exact score's first-stage candidates: EXACT_CANDIDATES', or a channel
     metric's FITTED_CANDIDATES."""
     return FITTED_CANDIDATES if fitted_purpose(score) is not None else EXACT_CANDIDATES[score]
+
+
+def served_reference(checkpoint: Path) -> GramReference:
+    """The centred input Gram's reference a W2T checkpoint serves (read once: gram_reference_of is cached)."""
+    reference = gram_reference_of(checkpoint)
+    if reference is None:
+        raise NotReadyError(f"the W2T checkpoint {checkpoint.name} has no centred input Gram reference: run `zoo train` again")
+    return reference
 
 
 @functools.lru_cache(maxsize=64)

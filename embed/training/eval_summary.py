@@ -11,6 +11,7 @@ import numpy as np
 from embed.selection.calibration import expected_calibration_error
 from embed.training.evaluate import CONFIDENCE, INTERVAL_SCHEME, KEYS, MAIN_METRIC, QUERY_KEYS, REGRET_KEYS, TRAINING_FREE_KNN, VERSUS_KEYS
 from embed.training.intervals import Interval, clustered_bootstrap
+from zoo.domain.centred_gram import CENTRED_GRAM
 from zoo.domain.channels import EXACT_SCORES
 
 
@@ -20,7 +21,7 @@ def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:
     methods: dict[str, dict[str, float | None]] = {}
     spread: dict[str, dict[str, float | None]] = {}
     for name in results[0]["methods"]:
-        values = {k: [r["methods"][name][k] for r in results if r["methods"][name][k] is not None] for k in KEYS}
+        values = {k: [v for r in results if (v := r["methods"].get(name, {}).get(k)) is not None] for k in KEYS}
         methods[name] = {k: float(np.mean(v)) if v else None for k, v in values.items()}
         spread[name] = {k: float(np.std(v)) if v else None for k, v in values.items()}
     first = results[0]
@@ -52,7 +53,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         **result,
         "interval_scheme": INTERVAL_SCHEME,
         "comparison": leader(results),
-        "default_versus": {f"{e}_cosine": {k: compare(results, "default", f"{e}_cosine", k) for k in VERSUS_KEYS} for e in EXACT_SCORES},
+        "default_versus": {
+            f"{e}_cosine": {k: compare(results, "default", f"{e}_cosine", k) for k in VERSUS_KEYS} for e in (*EXACT_SCORES, CENTRED_GRAM)
+        },
         "spearman_versus_best_knn": compare(results, "default", best, "perf_spearman") if best else None,
         "metric_gain": {k: compare(results, "default", "default_without_metric", k) for k in VERSUS_KEYS},
         "search_regret": cross_fitted_regret(results),
@@ -109,17 +112,17 @@ def compare(results: list[dict[str, Any]], first: str, second: str, key: str = M
     """`first` − `second` on `key` over `evaluate`'s results, paired: on one of QUERY_KEYS per query, the mean of the
     per-query differences of every split with its interval from resampling the splits and the query tasks (crossed);
     on another per split, the mean of the per-split differences with its interval from resampling the splits (none
-    with one split). `clear` when the interval leaves out 0. None when either has no value on some split."""
+    with one split). `clear` when the interval leaves out 0. None when either has no value (or no row) on some split."""
     if key in QUERY_KEYS:
         scores = [(r["per_query"], r["seed"]) for r in results]
-        pairs = [(q.methods[first].get(key), q.methods[second].get(key)) for q, _ in scores]
+        pairs = [(q.methods.get(first, {}).get(key), q.methods.get(second, {}).get(key)) for q, _ in scores]
         if any(a is None or b is None for a, b in pairs) or not sum(len(a) for a, _ in pairs):
             return None
         diffs = np.concatenate([a - b for a, b in pairs])
         splits = [seed for q, seed in scores for _ in q.tasks]
         both = clustered_bootstrap(diffs, [splits, [t for q, _ in scores for t in q.tasks]])
         return _comparison(key, first, second, both, both.mean, per_query=True)
-    values = [(r["methods"][first][key], r["methods"][second][key]) for r in results]
+    values = [(r["methods"].get(first, {}).get(key), r["methods"].get(second, {}).get(key)) for r in results]
     if any(a is None or b is None for a, b in values):
         return None
     per_split = np.array([a - b for a, b in values], dtype=float)
@@ -133,7 +136,7 @@ def leader(results: list[dict[str, Any]], key: str = MAIN_METRIC) -> dict[str, A
     means = {
         name: float(np.mean([r["methods"][name][key] for r in results]))
         for name in results[0]["methods"]
-        if all(r["methods"][name][key] is not None for r in results)
+        if all(r["methods"].get(name, {}).get(key) is not None for r in results)
     }
     ranked = sorted(means, key=lambda m: -means[m])
     first = ranked[0]

@@ -42,6 +42,7 @@ from embed.training.train import remember_and_choose, train_w2t
 from embed.training.train_options import TrainOptions
 from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.centred_gram import CENTRED_GRAM, GramReference, centred_gram_cosines, fit_gram_reference
 from zoo.domain.channel_metric import Bank, ChannelMetric, bank_matrices
 from zoo.domain.channels import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import KnnPredictor, SearchScore
@@ -63,6 +64,7 @@ METHODS = (
     "dw_cosine",
     "module_cosine",
     "input_gram_cosine",
+    "centred_gram_cosine",
     "w2t_supervised",
     "w2t_contrastive",
     "module_sketch",
@@ -99,7 +101,7 @@ VERSUS_KEYS = ("hit@1", "mrr", "ndcg@10", "attr_acc", "perf_spearman")
 #: the retrieval measures the search choice is judged on against the best fixed candidate (embed.training.eval_summary.cross_fitted_regret)
 REGRET_KEYS = ("hit@1", "mrr", "ndcg@10")
 #: the rows that predict by a kNN over a similarity with nothing learned
-TRAINING_FREE_KNN = ("dw_cosine", "module_cosine", "input_gram_cosine", "module_sketch", "raw_cosine", "spectra_knn")
+TRAINING_FREE_KNN = ("dw_cosine", "module_cosine", "input_gram_cosine", "centred_gram_cosine", "module_sketch", "raw_cosine", "spectra_knn")
 #: how the intervals of embed.training.eval_summary.summarize are made, as its JSON says it
 INTERVAL_SCHEME = (
     f"percentile {LEVEL:.0%} interval of the mean paired difference from {RESAMPLES} bootstrap resamples; a measure with a value "
@@ -199,6 +201,17 @@ class Similarities:
     #: them by, where the metric's module groups are the bank's)
     stack: ModuleStack | None = None
     bank: Bank | None = None
+
+    def centred(self, reference: GramReference | None) -> dict[str, np.ndarray]:
+        """The centred input Gram among all the adapters, by its score's name, on the reference a split's labelled
+        adapters fitted (none without one or without the stack)."""
+        if reference is None or self.stack is None:
+            return {}
+        return {CENTRED_GRAM: centred_gram_cosines(self.stack, self.stack, reference)}
+
+    def reference(self, rows: list[int]) -> GramReference | None:
+        """The centred input Gram's reference fitted on some of the adapters (None without the stack)."""
+        return fit_gram_reference(self.stack, rows) if self.stack is not None else None
 
     def fitted(self, metrics: dict[str, ChannelMetric]) -> dict[str, np.ndarray]:
         """Each channel metric's similarity among all the adapters, by its score's name."""
@@ -318,12 +331,17 @@ def evaluate(
         methods[name] = _score(sim, adapters, test_pos, train_pos, predict=kind == "contrastive")
         if kind == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
-            served = with_fused({**exact, **sims.fitted(emb.channel_metrics)}, train_pos)  # the channel metrics this split's labels fitted
+            # centred on this split's labelled adapters: the reference W2T's choices fitted, or where it made none the same fit
+            free_exact = {**exact, **sims.centred(emb.gram_reference or sims.reference(train_pos))}
+            centred = free_exact.get(CENTRED_GRAM)
+            methods["centred_gram_cosine"] = _nothing() if centred is None else _score(centred, adapters, test_pos, train_pos, predict=True)
+            # the channel metrics this split's labels fitted
+            served = with_fused({**free_exact, **sims.fitted(emb.channel_metrics)}, train_pos)
             methods["default"] = _default_scores(emb, served, sim, adapters, test_pos, train_pos)
             candidates = candidate_scores(served, sim, adapters, test_pos)
             free = copy.copy(emb)  # the same members, its choices made again without the metrics
             remember_and_choose(free, fit, replace(options, objective=trained_as, channel_metric=False))
-            methods["default_without_metric"] = _default_scores(free, exact, sim, adapters, test_pos, train_pos)
+            methods["default_without_metric"] = _default_scores(free, free_exact, sim, adapters, test_pos, train_pos)
 
     if not contrastive:
         methods["w2t_contrastive"] = _nothing()

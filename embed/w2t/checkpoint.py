@@ -1,5 +1,6 @@
 """A W2T checkpoint directory: its files, and its metadata read without loading the models (no torch), the methods
-chosen in it stored by name (zoo.domain.methods), with the channel metrics they may weigh."""
+chosen in it stored by name (zoo.domain.methods), with the channel metrics and the centred input Gram's reference they
+may weigh."""
 
 from __future__ import annotations
 
@@ -7,13 +8,20 @@ import functools
 import json
 from pathlib import Path
 
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
 from embed.selection.metrics import KNN_K
+from zoo.domain.centred_gram import GramReference
 from zoo.domain.channel_metric import ChannelMetric
 from zoo.domain.methods import KnnPredictor, LearnedPredictor, Predictor, SearchScore
 
 META = "embedder.json"
 WEIGHTS = "model.safetensors"
 MEMORY = "memory.safetensors"
+#: the centred input Gram's reference, fitted on the labelled adapters (zoo/domain/centred_gram.py); absent from
+#: checkpoints from before it, or whose exact scores were estimated from sketches
+GRAM_REFERENCE = "gram_reference.safetensors"
 
 
 @functools.lru_cache(maxsize=16)
@@ -53,6 +61,19 @@ def channel_metrics_of(meta: dict) -> dict[str, ChannelMetric]:
     """The channel metrics fitted on the labelled adapters (embed/selection/fitted.py), by their score's name; none before
     they were candidates."""
     return {name: ChannelMetric.from_dict(d) for name, d in meta.get("channel_metrics", {}).items()}
+
+
+@functools.lru_cache(maxsize=16)
+def gram_reference_of(directory: Path) -> GramReference | None:
+    """The checkpoint's centred input Gram reference, None where it has none (no torch: the file read as numpy)."""
+    path = Path(directory) / GRAM_REFERENCE
+    return GramReference.from_arrays(load_file(str(path))) if path.exists() else None
+
+
+def save_gram_reference(directory: Path, reference: GramReference | None) -> None:
+    """Write a reference that gram_reference_of reads back (nothing for None)."""
+    if reference is not None:
+        save_file({k: np.ascontiguousarray(v) for k, v in reference.arrays().items()}, str(Path(directory) / GRAM_REFERENCE))
 
 
 def methods_meta(search: SearchScore, predictors: dict[str, Predictor], metrics: dict[str, ChannelMetric]) -> dict[str, object]:

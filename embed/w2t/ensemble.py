@@ -21,8 +21,20 @@ from embed.data.types import SpaceSchema, ZooAdapter
 from embed.selection.calibration import NEVER_SURE, Calibration
 from embed.selection.choice import prototype_shares, softmax_rows
 from embed.selection.metrics import knn_regress
-from embed.w2t.checkpoint import MEMORY, META, WEIGHTS, channel_metrics_of, checkpoint_meta, methods_meta, predictors_of, search_of
+from embed.w2t.checkpoint import (
+    MEMORY,
+    META,
+    WEIGHTS,
+    channel_metrics_of,
+    checkpoint_meta,
+    gram_reference_of,
+    methods_meta,
+    predictors_of,
+    save_gram_reference,
+    search_of,
+)
 from embed.w2t.model import W2T, W2TConfig
+from zoo.domain.centred_gram import GramReference
 from zoo.domain.channel_metric import ChannelMetric
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, Predictor, SearchScore
 
@@ -76,6 +88,9 @@ class W2TEnsemble:
     #: the channel metrics fitted on the labelled training adapters, by their score's name (zoo.domain.methods.fitted_score):
     #: what a search score or kNN that weighs one serves (embed/selection/fitted.py)
     channel_metrics: dict[str, ChannelMetric] = field(default_factory=dict)
+    #: the centred input Gram's reference, fitted on the labelled training adapters (zoo/domain/centred_gram.py): what a
+    #: search score or kNN that weighs it serves
+    gram_reference: GramReference | None = None
     _memory_classes: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def memory_classes(self, attribute: str) -> np.ndarray:
@@ -235,6 +250,7 @@ class W2TEnsemble:
             "readouts": self.readouts,
             "calibration": {k: c.as_dict() for k, c in self.calibration.items()},
         }
+        save_gram_reference(directory, self.gram_reference)
         (directory / META).write_text(json.dumps(meta, indent=1))
 
     @classmethod
@@ -267,4 +283,5 @@ class W2TEnsemble:
             meta.get("readouts", {}),
             calibration={k: Calibration.from_dict(c) for k, c in meta.get("calibration", {}).items()},
             channel_metrics=channel_metrics_of(meta),
+            gram_reference=gram_reference_of(directory),
         )

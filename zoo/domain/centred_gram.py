@@ -27,6 +27,9 @@ import numpy as np
 from zoo.domain.channels import module_factors, squared_overlaps, unit_weights
 from zoo.domain.similarity import ModuleStack
 
+#: the exact score's name (a search score's `exact`, zoo.domain.methods.SearchScore): training-free, but served only
+#: with the reference `zoo train` fitted
+CENTRED_GRAM = "centred_gram"
 #: eigenpairs kept of each module's mean unit input Gram (a Llama-3-8B space's 224 modules: 235 MB of float32 at the
 #: widest, 14,336 inputs; 40 MB at 4,096)
 REFERENCE_RANK = 64

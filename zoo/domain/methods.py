@@ -12,6 +12,7 @@ from typing import ClassVar, TypeAlias
 
 import numpy as np
 
+from zoo.domain.centred_gram import CENTRED_GRAM
 from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.similarity import hybrid_score, rerank_keys
 
@@ -70,8 +71,9 @@ def _writable(weight: float) -> bool:
 
 @dataclass(frozen=True)
 class SearchScore:
-    """An exact score (zoo.domain.channels.EXACT_SCORES, a channel metric fitted on the labelled adapters for a
-    purpose: `fitted_score`, or its fusion with dW: `fused_score`) mixed with the supervised W2T cosine at `w2t_weight`:
+    """An exact score (zoo.domain.channels.EXACT_SCORES, the centred input Gram on the reference `zoo train` fitted:
+    CENTRED_GRAM, a channel metric fitted on the labelled adapters for a purpose: `fitted_score`, or its fusion with
+    dW: `fused_score`) mixed with the supervised W2T cosine at `w2t_weight`:
     0 the exact score alone, 1 the W2T cosine alone (which mixes in no exact score: its `exact` is always the first).
     A weight is one its name writes exactly (`:g`, six significant digits).
 
@@ -89,7 +91,7 @@ class SearchScore:
 
     def __post_init__(self) -> None:
         weight = float(self.w2t_weight)
-        if (self.exact not in EXACT_SCORES and fitted_purpose(self.exact) is None) or not _writable(weight):
+        if (self.exact not in (*EXACT_SCORES, CENTRED_GRAM) and fitted_purpose(self.exact) is None) or not _writable(weight):
             raise ValueError(f"no search score mixes exact score {self.exact!r} with the W2T cosine at {self.w2t_weight!r}")
         object.__setattr__(self, "w2t_weight", weight)
         if self.rerank_exact == self.exact:
@@ -158,8 +160,8 @@ class SearchScore:
             score = None
         if score is None or score.name != name:
             raise ValueError(
-                f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {fitted_score('search')}, {fused_score('search')}, "
-                f"{_W2T}, e.g. dw{_MIX}0.3, or e.g. module{_MIX}0.8{_THEN}10{_BY}module{_MIX}0.1)"
+                f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {CENTRED_GRAM}, {fitted_score('search')}, "
+                f"{fused_score('search')}, {_W2T}, e.g. dw{_MIX}0.3, or e.g. module{_MIX}0.8{_THEN}10{_BY}module{_MIX}0.1)"
             )
         return score
 

@@ -1,0 +1,81 @@
+"""The centred input Gram served (zoo/domain/centred_gram.py): `zoo train` keeps the reference it fitted on the
+labelled adapters in its checkpoint, and a space whose search weighs the centred Gram scores each result by it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embed.serving.engine import QueryEngine
+from embed.serving.results import Query
+from embed.w2t.checkpoint import GRAM_REFERENCE, META
+from embed.w2t.ensemble import W2TEnsemble
+from tests.conftest import copy_seeded
+from zoo.config import Settings
+from zoo.domain.centred_gram import centred_gram_cosines, fit_gram_reference
+from zoo.domain.channels import channel_similarity_matrix
+from zoo.domain.similarity import ModuleStack, dense_modules
+from zoo.errors import NotReadyError
+from zoo.store.blobs import BlobStore
+from zoo.store.models import Adapter
+from zoo.store.session import session_factory
+
+
+def _engine_and_checkpoint(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[QueryEngine, Settings, Path]:
+    zoo = copy_seeded(request, "sqlite", tmp_path)
+    settings = Settings.load(zoo.url, zoo.data_dir)
+    engine = QueryEngine(session_factory(settings.database_url), BlobStore(settings.blob_dir), settings.data_dir)
+    with session_factory(settings.database_url)() as session:
+        checkpoint = settings.data_dir / str(engine.space(session, "tiny").embedders["w2t"].checkpoint)
+    return engine, settings, checkpoint
+
+
+def _serve(checkpoint: Path, search: str) -> None:
+    """Make the checkpoint serve `search` as hybrid (its choice on another zoo)."""
+    meta = json.loads((checkpoint / META).read_text())
+    (checkpoint / META).write_text(json.dumps({**meta, "search": search}))
+
+
+def _factors(settings: Settings, ids: list[int]) -> list[dict]:
+    blobs = BlobStore(settings.blob_dir)
+    with session_factory(settings.database_url)() as session:
+        return [dict(blobs.get_factors(str(session.get(Adapter, i).factors_blob))) for i in ids]
+
+
+def test_hybrid_search_by_the_centred_gram_scores_each_result_on_the_trained_reference(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    engine, settings, checkpoint = _engine_and_checkpoint(request, tmp_path)
+    assert (checkpoint / GRAM_REFERENCE).exists()
+    _serve(checkpoint, "centred_gram")  # before anything reads the checkpoint's metadata, which is cached
+    emb = W2TEnsemble.load(checkpoint)
+    labelled = _factors(settings, [int(i) for i in emb.memory_ids])
+    fitted = fit_gram_reference(ModuleStack.of(labelled, dense_modules(labelled)), range(len(labelled)))
+    assert emb.gram_reference is not None and set(emb.gram_reference.modules) == set(fitted.modules)
+    for name, (Q, lam) in fitted.modules.items():  # the reference `zoo train` kept: the labelled adapters' mean Gram
+        kept_Q, kept_lam = emb.gram_reference.modules[name]
+        np.testing.assert_allclose(kept_lam, lam, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose((kept_Q.T * kept_lam) @ kept_Q, (Q.T * lam) @ Q, atol=1e-5)
+
+    with session_factory(settings.database_url)() as session:
+        found = engine.similar(session, "tiny", Query("w01", 1), 8, method="hybrid")
+    ids = [r["adapter_id"] for r in found["results"]]
+    scores = np.array([r["score"] for r in found["results"]])
+    query, gallery = _factors(settings, [1]), _factors(settings, ids)
+    layout = dense_modules(query + gallery)
+    want = centred_gram_cosines(ModuleStack.of(gallery, layout), ModuleStack.of(query, layout), emb.gram_reference)[0]
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+    assert np.all(np.diff(scores) <= 1e-9) and len(ids) == 8 and 1 not in ids
+    plain = channel_similarity_matrix(query, gallery, "input_gram")[0]
+    assert not np.allclose(plain, scores, atol=1e-3)  # the test tells the centred Gram from the plain one
+
+
+def test_a_checkpoint_without_a_reference_says_to_train_again(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    engine, settings, checkpoint = _engine_and_checkpoint(request, tmp_path)
+    (checkpoint / GRAM_REFERENCE).unlink()  # a checkpoint from before the reference (this copy's own directory)
+    _serve(checkpoint, "centred_gram")
+    with session_factory(settings.database_url)() as session, pytest.raises(NotReadyError, match="run `zoo train` again"):
+        engine.similar(session, "tiny", Query("w01", 1), 8, method="hybrid")
