@@ -55,16 +55,14 @@ from embed.serving.search_methods import (
     VECTOR_SCORES,
     W2T,
     candidate_kinds,
-    served_metric,
-    served_reference,
     served_search,
     stage_kinds,
+    stored_exact,
 )
 from embed.serving.space_state import LoadedEmbedder, SpaceState, allowed_ids, load_w2t, space_bytes
-from zoo.domain.centred_gram import CENTRED_GRAM, centred_gram_cosines
-from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.channels import EXACT_SCORES
 from zoo.domain.fusion import fused
-from zoo.domain.methods import KnnPredictor, SearchScore, fitted_purpose, fused_metric
+from zoo.domain.methods import KnnPredictor, SearchScore, fitted_by_training, fused_metric
 from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_cosines
 from zoo.errors import NotReadyError, StorageError, UsageError
 from zoo.limits import MAX_K
@@ -407,12 +405,10 @@ class QueryEngine:
         return local_folder(self.blobs, self.data_dir, str(state.embedders[W2T].checkpoint))
 
     def _exact(self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, score: str) -> np.ndarray:
-        """An exact score (zoo.domain.channels.exact_cosines, the centred input Gram on the reference `zoo train`
-        fitted, the channel metric it fitted: its atoms in r×r blocks, or its fusion with dW: zoo/domain/fusion.py) from
-        the module store; without one, estimated from the
-        sketches: the input Gram from the input-Gram
-        sketches where the space has them for every candidate, else (and for the other scores) the module sketches'
-        cosine stands in. A channel metric has no estimate: without the module store it is refused."""
+        """An exact score (search_methods.stored_exact, or a channel metric's fusion with dW: zoo/domain/fusion.py)
+        from the module store; without one, estimated from the sketches: the input Gram from the input-Gram sketches
+        where the space has them for every candidate, else (and for the other training-free scores) the module
+        sketches' cosine stands in. A score `zoo train` fitted has no estimate: without the module store it is refused."""
         if (metric := fused_metric(score)) is not None:
             return self._with_fusion(state, query, vectors, ids, metric)[1]
         store = state.modules
@@ -421,13 +417,8 @@ class QueryEngine:
                 q = store.take([query.adapter_id])
             else:
                 q = ModuleStack.of([query.factors], store.dense)
-            gallery = store.take(ids.tolist())
-            if score == CENTRED_GRAM:
-                return centred_gram_cosines(gallery, q, served_reference(self._checkpoint(state)))[0]
-            if fitted_purpose(score) is not None:
-                return served_metric(self._checkpoint(state), score).between(gallery, q)[0]
-            return exact_cosines(gallery, q, score)[0]
-        if fitted_purpose(score) is not None or score == CENTRED_GRAM:
+            return stored_exact(store.take(ids.tolist()), q, score, lambda: self._checkpoint(state))
+        if fitted_by_training(score):
             raise NotReadyError(f"space {state.name} serves the exact score {score}, which needs its module store: run `zoo embed`")
         kind = GRAM if score == "input_gram" and GRAM in vectors else SKETCH
         e = state.embedders[kind]

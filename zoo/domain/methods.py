@@ -52,6 +52,12 @@ def fitted_purpose(score: str) -> str | None:
     return None
 
 
+def fitted_by_training(score: str) -> bool:
+    """Whether a score needs what `zoo train` fitted and keeps in its checkpoint: the centred input Gram's reference,
+    a channel metric or its fusion with dW."""
+    return score == CENTRED_GRAM or fitted_purpose(score) is not None
+
+
 def fusion_of(score: str) -> str | None:
     """The fused score (`fused_score`) of a channel metric's name (`fitted_score`); None for any other score."""
     purpose = fitted_purpose(score) if score.startswith(FITTED) else None
