@@ -4,6 +4,7 @@ invariances."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -118,3 +119,26 @@ def test_the_shared_part_is_removed() -> None:
     off = ~np.eye(n, dtype=bool)
     assert plain[off].mean() > 0.3
     assert abs(centred[off].mean()) < 0.1
+
+
+def test_a_large_reference_is_a_sample_factored_by_a_randomized_svd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past REFERENCE_ADAPTERS the mean is a seeded sample's, past EXACT_SVD_VALUES factored by a randomized SVD: its
+    leading eigenpairs are the exact factorization's."""
+    import zoo.domain.centred_gram as centred_gram
+
+    adapters = random_adapters(5, 12)
+    stack = factor_stack(adapters)
+    exact = fit_gram_reference(stack, range(12), rank=2)
+    monkeypatch.setattr(centred_gram, "EXACT_SVD_VALUES", 0)
+    randomized = fit_gram_reference(stack, range(12), rank=2)
+    for name, (Q, lam) in exact.modules.items():
+        R, mu = randomized.modules[name]
+        np.testing.assert_allclose(mu, lam, rtol=1e-3, atol=1e-6)
+        np.testing.assert_allclose((R.T * mu) @ R, (Q.T * lam) @ Q, atol=1e-3)
+    whole = fit_gram_reference(stack, range(12), rank=64)
+    monkeypatch.setattr(centred_gram, "REFERENCE_ADAPTERS", 4)
+    sampled = fit_gram_reference(stack, range(12), rank=64)
+    assert sampled.modules.keys() == whole.modules.keys()
+    assert any(sampled.energy(m) != pytest.approx(whole.energy(m)) for m in whole.modules)  # the mean of 4, not of all
+    again = fit_gram_reference(stack, range(12), rank=64)  # seeded: the same sample every time
+    assert all(np.array_equal(a, b) for a, b in zip(sampled.arrays().values(), again.arrays().values(), strict=True))

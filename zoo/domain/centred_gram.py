@@ -33,7 +33,11 @@ CENTRED_GRAM = "centred_gram"
 #: eigenpairs kept of each module's mean unit input Gram (a Llama-3-8B space's 224 modules: 235 MB of float32 at the
 #: widest, 14,336 inputs; 40 MB at 4,096)
 REFERENCE_RANK = 64
-#: the most values (d × reference components) a module's mean is factored exactly at; past it, by a randomized SVD
+#: the most adapters a module's reference is the mean of (a seeded sample of the labelled ones past it): at 14,336
+#: inputs and rank 16, a float32 matrix of 117 MB to factor
+REFERENCE_ADAPTERS = 128
+#: the most values (d × reference components) a module's mean is factored exactly at, in float64; past it, by a seeded
+#: randomized SVD in float32
 EXACT_SVD_VALUES = 4_000_000
 #: centred norms² (of unit Grams: at most 1 + g) below this are a vanished Gram (Ĝ = M to float32 round-off): its
 #: cosines are 0
@@ -73,9 +77,9 @@ class GramReference:
 
 
 def fit_gram_reference(stack: ModuleStack, rows: Sequence[int] | np.ndarray, rank: int = REFERENCE_RANK) -> GramReference:
-    """Each module's mean unit input Gram over the stack's `rows` that have it, kept as its top `rank` eigenpairs: the
-    mean is W Wᵀ with W the rows' V diag(√ĝ) side by side over √n, whose left singular vectors and squared singular
-    values are its eigenpairs (a randomized SVD, seeded, past EXACT_SVD_VALUES)."""
+    """Each module's mean unit input Gram over the stack's `rows` that have it (at most REFERENCE_ADAPTERS of them),
+    kept as its top `rank` eigenpairs: the mean is W Wᵀ with W the rows' V diag(√ĝ) side by side over √n, whose left
+    singular vectors and squared singular values are its eigenpairs (a randomized SVD, seeded, past EXACT_SVD_VALUES)."""
     from sklearn.utils.extmath import randomized_svd
 
     picked = np.asarray(rows, dtype=np.int64)
@@ -84,11 +88,15 @@ def fit_gram_reference(stack: ModuleStack, rows: Sequence[int] | np.ndarray, ran
         have = picked[stack.norms[name][picked] > 0]
         if not len(have):
             continue
+        if len(have) > REFERENCE_ADAPTERS:  # a seeded sample: the mean's leading directions, at a bounded cost
+            have = np.sort(np.random.default_rng(0).choice(have, REFERENCE_ADAPTERS, replace=False))
         _, V, w = module_factors(stack, name)
-        scale = np.sqrt(unit_weights(w[have], "gram").astype(np.float64) / len(have))  # (n, R)
-        W = (V[have].astype(np.float64) * scale[:, :, None]).reshape(-1, V.shape[2]).T  # (d, n·R)
+        exact = V.shape[1] * V.shape[2] * len(have) <= EXACT_SVD_VALUES
+        dtype = np.float64 if exact else np.float32
+        scale = np.sqrt(unit_weights(w[have], "gram").astype(np.float64) / len(have)).astype(dtype)  # (n, R)
+        W = (V[have].astype(dtype) * scale[:, :, None]).reshape(-1, V.shape[2]).T  # (d, n·R)
         k = min(rank, *W.shape)
-        if W.size <= EXACT_SVD_VALUES:
+        if exact:
             Q, sigma, _ = np.linalg.svd(W, full_matrices=False)
         else:
             Q, sigma, _ = randomized_svd(W, k, random_state=0)
@@ -97,8 +105,8 @@ def fit_gram_reference(stack: ModuleStack, rows: Sequence[int] | np.ndarray, ran
 
 
 def _float64(x: np.ndarray) -> np.ndarray:
-    """x in float64: centring subtracts nearly equal terms (a Gram near its reference), where float32 products lose the
-    difference (1e-3 of a cosine at a centred norm² of 1e-3)."""
+    """x in float64, for the small products (r × r, r × k a row) of the terms centring subtracts from the pair's
+    float32 Gram cosine: a Gram near its reference leaves a small difference, which their round-off would swamp."""
     return x.astype(np.float64, copy=False)
 
 
@@ -121,8 +129,7 @@ def centred_gram_cosines(gallery: ModuleStack, queries: ModuleStack, reference: 
         if not shared.any():
             continue
         fq, fg = module_factors(queries, name), module_factors(gallery, name)
-        weights = [(_float64(unit_weights(fq[2], "gram")), _float64(unit_weights(fg[2], "gram")))]
-        K = squared_overlaps(_float64(fq[1]), _float64(fg[1]), weights, 2048)[0]
+        K = squared_overlaps(fq[1], fg[1], [(unit_weights(fq[2], "gram"), unit_weights(fg[2], "gram"))], 2048)[0]
         rq, rg, g = reference.projections(queries, name), reference.projections(gallery, name), reference.energy(name)
         nq, ng = _self_grams(fq) - 2 * rq + g, _self_grams(fg) - 2 * rg + g
         scale = np.sqrt(np.outer(np.maximum(nq, VANISHED), np.maximum(ng, VANISHED)))
