@@ -1,6 +1,7 @@
 """The search score, chosen out of fold (the rule: embed/selection/choice.py).
 
-Every exact score (the whole update's dW cosine, the mean module cosine, the input Gram, and the search's few-label
+Every exact score (the whole update's dW cosine, the mean module cosine, the input Gram, the centred input Gram where
+its reference was fitted: zoo/domain/centred_gram.py, and the search's few-label
 channel metric where it was fitted in each fold, alone and fused with dW query by query: embed/selection/fitted.py,
 zoo/domain/fusion.py), alone and mixed with the W2T cosine at each weight of MIX_WEIGHTS, is scored by each held-out
 adapter's MRR + nDCG@10 (relevance = same task) against the labelled adapters, in three guarded steps: the best
