@@ -93,8 +93,9 @@ EVAL_GROUPS = (
     ("retrieval (each held-out adapter a query; relevant: an adapter of the same task)", ("hit@1", "hit@10", "mrr", "ndcg@10")),
 )
 EVAL_ROWS = (
-    "rows: default is what `zoo search` and `zoo predict` do after `zoo train`; dw_cosine, module_cosine and "
-    "input_gram_cosine (of the input Grams dWᵀdW) compare the updates exactly, with nothing learned; w2t_* are the learned "
+    "rows: default is what `zoo search` and `zoo predict` do after `zoo train`; dw_cosine, module_cosine, "
+    "input_gram_cosine (of the input Grams dWᵀdW) and centred_gram_cosine (the input Grams less the labelled adapters' "
+    "mean) compare the updates exactly, with nothing learned; w2t_* are the learned "
     "embedding alone (a W2T row below dw_cosine: on this zoo the embedding alone finds same-task adapters less well than "
     "the plain cosine of the updates)"
 )
