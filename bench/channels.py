@@ -2,10 +2,12 @@
 
 Builds a ModuleStack of --adapters random adapters (default 2,000 of 8 modules, d_out = d_in = 768, rank 8: orthonormal
 U and V, singular values decaying at a random rate, a --missing fraction of modules absent) and scores its first
---queries rows against all of it, one channel at a time and then the whole bank in one call, in one process. Per
-channel: seconds (the median of --repeats runs), the ratio to module cosine's time in the same run, and the peak of
-the memory numpy allocated during the call (tracemalloc: temporaries and the result, not the stack). Prints a table
-and, on the last line, one JSON object. BLAS threads are numpy's default (set OMP_NUM_THREADS to pin them).
+--queries rows against all of it, one channel at a time and then the whole bank in one call, in one process; then the
+centred input Gram (zoo/domain/centred_gram.py): its reference fitted on every adapter (`gram_reference`), and its
+scores on that reference (`centred_gram`). Per row: seconds (the median of --repeats runs), the ratio to module
+cosine's time in the same run, and the peak of the memory numpy allocated during the call (tracemalloc: temporaries
+and the result, not the stack). Prints a table and, on the last line, one JSON object. BLAS threads are numpy's
+default (set OMP_NUM_THREADS to pin them).
 
     python -m bench.channels --adapters 2000 --queries 2000
 """
@@ -13,15 +15,18 @@ and, on the last line, one JSON object. BLAS threads are numpy's default (set OM
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
 import statistics
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import numpy as np
 
+from zoo.domain.centred_gram import centred_gram_cosines, fit_gram_reference
 from zoo.domain.channels import CHANNELS, channel_matrices
 from zoo.domain.similarity import ModuleStack
 
@@ -43,14 +48,14 @@ def random_stack(n: int, modules: int, dim: int, rank: int, missing: float, seed
     return ModuleStack(n, norms, {}, factors)
 
 
-def timed(gallery: ModuleStack, queries: ModuleStack, channels: tuple[str, ...], repeats: int) -> tuple[float, float]:
-    """(median seconds, peak MiB numpy allocated during a call) of channel_matrices for these channels."""
+def timed(call: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(median seconds, peak MiB numpy allocated during a call) of `call`."""
     times, peak = [], 0
     for _ in range(repeats):
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
         t0 = time.perf_counter()
-        channel_matrices(gallery, queries, channels)
+        call()
         times.append(time.perf_counter() - t0)
         peak = max(peak, tracemalloc.get_traced_memory()[1] - base)
     return statistics.median(times), peak / 2**20
@@ -77,11 +82,14 @@ def main() -> None:
 
     tracemalloc.start()
     rows: dict[str, dict[str, float]] = {}
-    for c in CHANNELS:
-        seconds, peak = timed(gallery, queries, (c,), args.repeats)
-        rows[c] = {"s": seconds, "peak_mib": peak}
-    seconds, peak = timed(gallery, queries, CHANNELS, args.repeats)
-    rows["bank"] = {"s": seconds, "peak_mib": peak}
+    calls: dict[str, Callable[[], object]] = {c: functools.partial(channel_matrices, gallery, queries, (c,)) for c in CHANNELS}
+    calls["bank"] = functools.partial(channel_matrices, gallery, queries, CHANNELS)
+    reference = fit_gram_reference(gallery, np.arange(args.adapters))
+    calls["gram_reference"] = functools.partial(fit_gram_reference, gallery, np.arange(args.adapters))
+    calls["centred_gram"] = functools.partial(centred_gram_cosines, gallery, queries, reference)
+    for name, call in calls.items():
+        seconds, peak = timed(call, args.repeats)
+        rows[name] = {"s": seconds, "peak_mib": peak}
     tracemalloc.stop()
     module_s = rows["module"]["s"]
     for row in rows.values():

@@ -89,7 +89,7 @@ def test_centred_gram_is_blind_to_the_output_side_and_symmetric(seed: int) -> No
     before = centred_gram_cosines(factor_stack(adapters), factor_stack(adapters), reference)
     after = centred_gram_cosines(factor_stack(turned), factor_stack(turned), reference)
     np.testing.assert_allclose(after, before, atol=1e-5)
-    np.testing.assert_allclose(before, before.T, atol=1e-6)
+    np.testing.assert_allclose(before, before.T, atol=1e-5)  # float32 products
     assert np.all(np.abs(before) <= 1 + 1e-6)
 
 

@@ -91,15 +91,14 @@ def fit_gram_reference(stack: ModuleStack, rows: Sequence[int] | np.ndarray, ran
         if len(have) > REFERENCE_ADAPTERS:  # a seeded sample: the mean's leading directions, at a bounded cost
             have = np.sort(np.random.default_rng(0).choice(have, REFERENCE_ADAPTERS, replace=False))
         _, V, w = module_factors(stack, name)
-        exact = V.shape[1] * V.shape[2] * len(have) <= EXACT_SVD_VALUES
-        dtype = np.float64 if exact else np.float32
-        scale = np.sqrt(unit_weights(w[have], "gram").astype(np.float64) / len(have)).astype(dtype)  # (n, R)
-        W = (V[have].astype(dtype) * scale[:, :, None]).reshape(-1, V.shape[2]).T  # (d, n·R)
-        k = min(rank, *W.shape)
-        if exact:
+        scale = np.sqrt(unit_weights(w[have], "gram") / np.float32(len(have)))  # (n, R)
+        k = min(rank, V.shape[2], V.shape[1] * len(have))
+        if V.shape[1] * V.shape[2] * len(have) <= EXACT_SVD_VALUES:
+            W = (V[have].astype(np.float64) * scale[:, :, None]).reshape(-1, V.shape[2]).T  # (d, n·R)
             Q, sigma, _ = np.linalg.svd(W, full_matrices=False)
         else:
-            Q, sigma, _ = randomized_svd(W, k, random_state=0)
+            W32 = (V[have] * scale[:, :, None]).reshape(-1, V.shape[2]).T
+            Q, sigma, _ = randomized_svd(W32, k, random_state=0)
         modules[name] = (np.ascontiguousarray(Q[:, :k].T, dtype=np.float32), (sigma[:k] ** 2).astype(np.float32))
     return GramReference(modules)
 
