@@ -132,7 +132,8 @@ def centred_gram_cosines(gallery: ModuleStack, queries: ModuleStack, reference: 
         rq, rg, g = reference.projections(queries, name), reference.projections(gallery, name), reference.energy(name)
         nq, ng = _self_grams(fq) - 2 * rq + g, _self_grams(fg) - 2 * rg + g
         scale = np.sqrt(np.outer(np.maximum(nq, VANISHED), np.maximum(ng, VANISHED)))
-        values = np.where(np.outer(nq > VANISHED, ng > VANISHED), (K - rq[:, None] - rg[None, :] + g) / scale, 0.0)
+        # clipped: the float32 products of K and the float64 self terms may round a cosine past ±1
+        values = np.where(np.outer(nq > VANISHED, ng > VANISHED), np.clip((K - rq[:, None] - rg[None, :] + g) / scale, -1, 1), 0.0)
         total += values * shared
         count += shared
     return total / np.maximum(count, 1)
