@@ -30,8 +30,8 @@ from zoo.domain.similarity import ModuleStack
 #: the exact score's name (a search score's `exact`, zoo.domain.methods.SearchScore): training-free, but served only
 #: with the reference `zoo train` fitted
 CENTRED_GRAM = "centred_gram"
-#: eigenpairs kept of each module's mean unit input Gram (a Llama-3-8B space's 224 modules: 235 MB of float32 at the
-#: widest, 14,336 inputs; 40 MB at 4,096)
+#: eigenpairs kept of each module's mean unit input Gram: 1 MB of float32 a 4,096-wide module, about 310 MB for
+#: Llama-3-8B's 224 modules (its 32 down_proj are 14,336 wide), held by a serving process that loads the checkpoint
 REFERENCE_RANK = 64
 #: the most adapters a module's reference is the mean of (a seeded sample of the labelled ones past it): at 14,336
 #: inputs and rank 16, a float32 matrix of 117 MB to factor
