@@ -5,7 +5,7 @@ part that says nothing of their tasks. Per module, with Ĝ = V diag(ĝ) Vᵀ the
 ‖Ĝ‖_F = 1) and M the module's reference (a fixed positive semi-definite matrix), the centred input Gram cosine of two
 adapters is the cosine of Ĝ_x − M and Ĝ_y − M:
 
-    (K_xy − r_x − r_y + g) / √((1 − 2 r_x + g)(1 − 2 r_y + g)),   K_xy = ⟨Ĝ_x, Ĝ_y⟩, r = ⟨Ĝ, M⟩, g = ‖M‖²_F,
+    (K_xy − r_x − r_y + g) / √((K_xx − 2 r_x + g)(K_yy − 2 r_y + g)),   K_xy = ⟨Ĝ_x, Ĝ_y⟩, r = ⟨Ĝ, M⟩, g = ‖M‖²_F,
 
 in [-1, 1], every term from r×r or r×k blocks (never a d × d matrix), averaged over the modules both adapters have as
 the other channels are (zoo/domain/channels.py). A pair whose centred Gram vanishes (Ĝ = M) scores 0; a module that no
