@@ -4,10 +4,11 @@ Builds a ModuleStack of --adapters random adapters (default 2,000 of 8 modules, 
 U and V, singular values decaying at a random rate, a --missing fraction of modules absent) and scores its first
 --queries rows against all of it, one channel at a time and then the whole bank in one call, in one process; then the
 centred input Gram (zoo/domain/centred_gram.py): its reference fitted on every adapter (`gram_reference`), and its
-scores on that reference (`centred_gram`). Per row: seconds (the median of --repeats runs), the ratio to module
-cosine's time in the same run, and the peak of the memory numpy allocated during the call (tracemalloc: temporaries
-and the result, not the stack). Prints a table and, on the last line, one JSON object. BLAS threads are numpy's
-default (set OMP_NUM_THREADS to pin them).
+scores on that reference (`centred_gram`); last the four exact scores `zoo train` weighs (dW, module, input Gram and
+centred input Gram cosine) each on its own (`exact_apart`) and in one pass over the modules (`exact_one_pass`). Per
+row: seconds (the median of --repeats runs), the ratio to module cosine's time in the same run, and the peak of the
+memory numpy allocated during the call (tracemalloc: temporaries and the result, not the stack). Prints a table and,
+on the last line, one JSON object. BLAS threads are numpy's default (set OMP_NUM_THREADS to pin them).
 
     python -m bench.channels --adapters 2000 --queries 2000
 """
@@ -26,8 +27,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from zoo.domain.centred_gram import centred_gram_cosines, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, fit_gram_reference
 from zoo.domain.channels import CHANNELS, channel_matrices
+from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines, exact_matrices
 from zoo.domain.similarity import ModuleStack
 
 
@@ -86,7 +88,10 @@ def main() -> None:
     calls["bank"] = functools.partial(channel_matrices, gallery, queries, CHANNELS)
     reference = fit_gram_reference(gallery, np.arange(args.adapters))
     calls["gram_reference"] = functools.partial(fit_gram_reference, gallery, np.arange(args.adapters))
-    calls["centred_gram"] = functools.partial(centred_gram_cosines, gallery, queries, reference)
+    calls["centred_gram"] = functools.partial(exact_cosines, gallery, queries, CENTRED_GRAM, reference)
+    exact = (*EXACT_SCORES, CENTRED_GRAM)
+    calls["exact_apart"] = lambda: [exact_cosines(gallery, queries, s, reference) for s in exact]
+    calls["exact_one_pass"] = functools.partial(exact_matrices, gallery, queries, exact, reference)
     for name, call in calls.items():
         seconds, peak = timed(call, args.repeats)
         rows[name] = {"s": seconds, "peak_mib": peak}

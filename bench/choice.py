@@ -36,7 +36,7 @@ from embed.selection.search_choice import (
     self_excluded,
     staged_over,
 )
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import SearchScore
 
 MEASURES = ("hit@1", "mrr", "ndcg@10")
@@ -52,7 +52,7 @@ def dump(args: argparse.Namespace) -> None:
     from embed.training.train_options import TrainOptions
     from embed.w2t.ensemble import W2TEnsemble
     from zoo.config import Settings
-    from zoo.domain.channels import exact_cosines
+    from zoo.domain.exact_scores import exact_cosines
     from zoo.domain.similarity import ModuleStack, dense_modules
     from zoo.labels import TASK_KEY
     from zoo.store.blobs import BlobStore

@@ -27,7 +27,7 @@ from embed.serving.engine import QueryEngine
 from embed.serving.search_methods import W2T
 from embed.w2t.checkpoint import channel_metrics_of, checkpoint_meta
 from zoo.config import Settings
-from zoo.domain.channels import exact_cosines
+from zoo.domain.exact_scores import exact_cosines
 from zoo.store.blobs import BlobStore
 from zoo.store.session import session_factory
 

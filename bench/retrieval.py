@@ -18,7 +18,7 @@ import numpy as np
 from embed.selection.choice import Fold
 from embed.selection.metrics import retrieval_per_query
 from embed.selection.search_choice import choose_search, search_candidates
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 
 
 def sorted_retrieval(sim: np.ndarray, query_labels: list[str], gallery_labels: list[str], self_index: list[int | None]) -> dict:

@@ -66,7 +66,8 @@ def zoo_first_stage(data_dir: Path, pools: list[int], widths: list[int], k: int)
     from embed.serving.resources import resolve_space
     from embed.serving.search_methods import GRAM, SKETCH
     from zoo.config import Settings
-    from zoo.domain.channels import channel_sketches, exact_cosines
+    from zoo.domain.channels import channel_sketches
+    from zoo.domain.exact_scores import exact_cosines
     from zoo.store.blobs import BlobStore
     from zoo.store.embedders import serving_embedders
     from zoo.store.embeddings import load_embeddings

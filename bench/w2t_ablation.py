@@ -38,7 +38,7 @@ from embed.training.pretrain import Pretrained, pretrain
 from embed.training.train import train_w2t, w2t_config
 from embed.training.train_options import TrainOptions
 from zoo.config import Settings
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.labels import TASK_KEY
 from zoo.store.blobs import BlobStore
 from zoo.store.session import session_factory

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from tests.test_channels import SHAPES, random_adapters
 from zoo.domain.canonical import CanonicalFactors
-from zoo.domain.centred_gram import VANISHED, GramReference, centred_gram_cosines, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, VANISHED, GramReference, fit_gram_reference
 from zoo.domain.channels import channel_matrices, factor_stack
+from zoo.domain.exact_scores import exact_cosines
 from zoo.domain.similarity import ModuleStack, dense_modules
 
 seeds = st.integers(0, 2**31 - 1)
@@ -60,7 +61,7 @@ def test_centred_gram_equals_the_cosine_of_materialized_centred_grams(seed: int,
     reference = fit_gram_reference(stack, rows, rank)
     M = dense_reference(adapters, rows, rank)
     expected = np.array([[dense_centred(q, g, M) for g in adapters] for q in adapters])
-    error = np.abs(centred_gram_cosines(stack, stack, reference) - expected[..., 0])
+    error = np.abs(exact_cosines(stack, stack, CENTRED_GRAM, reference) - expected[..., 0])
     assert np.all(error <= expected[..., 1]), (error.max(), expected[..., 1][error > expected[..., 1]])
 
 
@@ -70,7 +71,7 @@ def test_an_empty_reference_gives_the_input_gram_cosine(seed: int) -> None:
     adapters = random_adapters(seed)
     stack = factor_stack(adapters)
     plain = channel_matrices(stack, stack, ("input_gram",))["input_gram"]
-    np.testing.assert_allclose(centred_gram_cosines(stack, stack, GramReference({})), plain, atol=1e-6)
+    np.testing.assert_allclose(exact_cosines(stack, stack, CENTRED_GRAM, GramReference({})), plain, atol=1e-6)
 
 
 @settings(max_examples=20, deadline=None)
@@ -86,8 +87,8 @@ def test_centred_gram_is_blind_to_the_output_side_and_symmetric(seed: int) -> No
             moved[name] = CanonicalFactors(Q @ f.U, f.S, f.V)
         turned.append(moved)
     reference = fit_gram_reference(factor_stack(adapters), range(6))
-    before = centred_gram_cosines(factor_stack(adapters), factor_stack(adapters), reference)
-    after = centred_gram_cosines(factor_stack(turned), factor_stack(turned), reference)
+    before = exact_cosines(factor_stack(adapters), factor_stack(adapters), CENTRED_GRAM, reference)
+    after = exact_cosines(factor_stack(turned), factor_stack(turned), CENTRED_GRAM, reference)
     np.testing.assert_allclose(after, before, atol=1e-5)
     np.testing.assert_allclose(before, before.T, atol=1e-5)  # float32 products
     assert np.all(np.abs(before) <= 1 + 1e-6)
@@ -98,7 +99,7 @@ def test_a_reference_reads_back_the_same_scores() -> None:
     stack = factor_stack(adapters)
     reference = fit_gram_reference(stack, [0, 1, 2])
     again = GramReference.from_arrays(dict(reference.arrays()))
-    np.testing.assert_array_equal(centred_gram_cosines(stack, stack, again), centred_gram_cosines(stack, stack, reference))
+    np.testing.assert_array_equal(exact_cosines(stack, stack, CENTRED_GRAM, again), exact_cosines(stack, stack, CENTRED_GRAM, reference))
 
 
 def test_the_shared_part_is_removed() -> None:
@@ -115,7 +116,7 @@ def test_the_shared_part_is_removed() -> None:
         adapters.append({"q": CanonicalFactors(torch.from_numpy(U), S, torch.from_numpy(V))})
     stack = factor_stack(adapters)
     plain = channel_matrices(stack, stack, ("input_gram",))["input_gram"]
-    centred = centred_gram_cosines(stack, stack, fit_gram_reference(stack, range(n)))
+    centred = exact_cosines(stack, stack, CENTRED_GRAM, fit_gram_reference(stack, range(n)))
     off = ~np.eye(n, dtype=bool)
     assert plain[off].mean() > 0.3
     assert abs(centred[off].mean()) < 0.1

@@ -15,8 +15,9 @@ from embed.w2t.checkpoint import GRAM_REFERENCE, META
 from embed.w2t.ensemble import W2TEnsemble
 from tests.conftest import copy_seeded
 from zoo.config import Settings
-from zoo.domain.centred_gram import centred_gram_cosines, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, fit_gram_reference
 from zoo.domain.channels import channel_similarity_matrix
+from zoo.domain.exact_scores import exact_cosines
 from zoo.domain.similarity import ModuleStack, dense_modules
 from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
@@ -66,7 +67,7 @@ def test_hybrid_search_by_the_centred_gram_scores_each_result_on_the_trained_ref
     scores = np.array([r["score"] for r in found["results"]])
     query, gallery = _factors(settings, [1]), _factors(settings, ids)
     layout = dense_modules(query + gallery)
-    want = centred_gram_cosines(ModuleStack.of(gallery, layout), ModuleStack.of(query, layout), emb.gram_reference)[0]
+    want = exact_cosines(ModuleStack.of(gallery, layout), ModuleStack.of(query, layout), CENTRED_GRAM, emb.gram_reference)[0]
     np.testing.assert_allclose(scores, want, atol=1e-5)
     assert np.all(np.diff(scores) <= 1e-9) and len(ids) == 8 and 1 not in ids
     plain = channel_similarity_matrix(query, gallery, "input_gram")[0]

@@ -38,7 +38,7 @@ from embed.selection.search_choice import (
     self_excluded,
     staged_over,
 )
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, SearchScore, fitted_score
 
 DW, W2T = SearchScore("dw"), SearchScore("dw", 1.0)

@@ -18,7 +18,8 @@ from embed.serving.results import Query
 from tests.conftest import CLI
 from tests.factories import write_random_peft_adapters
 from zoo.domain.channel_metric import ChannelMetric, bank_matrices
-from zoo.domain.channels import DENSE_CUTOFF, dense_svd, exact_cosines, module_factors
+from zoo.domain.channels import DENSE_CUTOFF, dense_svd, module_factors
+from zoo.domain.exact_scores import exact_cosines
 from zoo.domain.similarity import ModuleStack
 from zoo.limits import MAX_K
 from zoo.store.blobs import BlobStore

@@ -1,4 +1,4 @@
-"""The exact scores (zoo/domain/channels.py exact_cosines) on stacks of any layout: the input Gram cosine against its
+"""The exact scores (zoo/domain/exact_scores.py) on stacks of any layout: the input Gram cosine against its
 channel and materialized dW, its invariance to the output side, and the dense layout it needs."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zoo.domain.canonical import CanonicalFactors, canonicalize
-from zoo.domain.channels import EXACT_SCORES, channel_similarity_matrix, exact_cosines, factor_stack
+from zoo.domain.centred_gram import CENTRED_GRAM, fit_gram_reference
+from zoo.domain.channels import channel_matrices, channel_similarity_matrix, factor_stack
+from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines, exact_matrices
 from zoo.domain.similarity import ModuleStack, dense_modules
 
 # (out, in): q and v (d = 8, rank 2 to 4) are stored dense, o always as factors
@@ -91,6 +93,26 @@ def test_input_gram_is_symmetric_bounded_and_blind_to_output_rotations(seed: int
     assert np.allclose(again[:5, 5:], got, atol=1e-5) and np.allclose(again[5:, 5:], got, atol=1e-5)
     first_order = exact_cosines(stack_of(both), stack_of(both), "module")
     assert not np.allclose(first_order[:5, 5:], first_order[:5, :5], atol=1e-3)  # which module cosine does see
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=seeds, n=st.integers(1, 5))
+def test_one_pass_gives_each_score_as_its_own_computation_does_to_the_bit(seed: int, n: int) -> None:
+    """dW, module, input Gram and centred input Gram cosines from one pass over the modules' blocks equal each score
+    computed alone (ModuleStack's own cosines, the input Gram channel), dense and factored modules alike, in small
+    chunks of queries."""
+    adapters = random_adapters(seed, 6)
+    stack = stack_of(adapters)
+    queries = stack.take(np.arange(n)[::-1])
+    reference = fit_gram_reference(stack, range(4))
+    together = exact_matrices(stack, queries, (*EXACT_SCORES, CENTRED_GRAM), reference, chunk=5)
+    np.testing.assert_array_equal(together["dw"], stack.dw_cosines(queries))
+    np.testing.assert_array_equal(together["module"], stack.cosines(queries))
+    np.testing.assert_array_equal(together["input_gram"], channel_matrices(stack, queries, ("input_gram",), chunk=5)["input_gram"])
+    np.testing.assert_array_equal(together[CENTRED_GRAM], exact_matrices(stack, queries, (CENTRED_GRAM,), reference, chunk=5)[CENTRED_GRAM])
+    assert list(together) == [*EXACT_SCORES, CENTRED_GRAM]
+    with pytest.raises(ValueError, match="needs the reference"):
+        exact_matrices(stack, queries, (CENTRED_GRAM,))
 
 
 def test_every_exact_score_is_served_and_no_other() -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from embed.selection.choice import Fold
 from embed.selection.fitted import with_fused
 from embed.selection.search_choice import RERANK_TOPS, choose_search, staged_over
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.fusion import fused, fused_among
 from zoo.domain.methods import SearchScore, fitted_score, fused_score
 

@@ -19,7 +19,7 @@ from embed.training.train import categorical_attributes, train_w2t
 from embed.training.train_options import TrainOptions
 from tests.conftest import CLI
 from tests.test_embed import synthetic_zoo
-from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines
 from zoo.domain.similarity import ModuleStack, dense_modules
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from embed.selection.choice import KNN_KS, KNN_TEMPERATURES
 from embed.selection.search_choice import MIX_WEIGHTS
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import (
     LEARNED,
     MAX_RERANK_TOP,

@@ -21,7 +21,8 @@ from tests.factories import TinyLM
 from tests.test_channel_metric import random_adapters
 from tests.test_engine import stored_factors
 from zoo.domain.channel_metric import ChannelMetric, bank_matrices
-from zoo.domain.channels import EXACT_SCORES, exact_cosines, factor_stack
+from zoo.domain.channels import factor_stack
+from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import SearchScore, fitted_score
 
 #: the module whose update says the task; every other one is mostly the run's "style", which has nothing to do with it

@@ -18,7 +18,8 @@ from embed.serving.exact_search import brute_force
 from tests.conftest import CLI
 from tests.test_engine import stored_factors
 from webapp import create_app
-from zoo.domain.channels import EXACT_SCORES, channel_similarity_matrix
+from zoo.domain.channels import channel_similarity_matrix
+from zoo.domain.exact_scores import EXACT_SCORES
 
 
 def ingest(cli: CLI, seed_sources: Path) -> list[dict]:

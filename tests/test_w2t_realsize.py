@@ -39,7 +39,7 @@ from embed.w2t.ensemble import TOKENS_PER_BATCH, W2TEnsemble
 from embed.w2t.model import W2T
 from tests.conftest import CLI
 from zoo.domain.canonical import CanonicalFactors
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.reference.real_shapes import write_zoo
 from zoo.store.blobs import BlobStore
 from zoo.store.embeddings import load_embeddings

@@ -32,7 +32,7 @@ from embed.selection.calibration import Calibration, class_prior, knn_calibratio
 from embed.selection.calibration import fit as fit_calibration
 from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares
 from zoo.domain.centred_gram import CENTRED_GRAM
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import (
     LOGREG,
     PROTOTYPE,

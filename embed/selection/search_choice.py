@@ -20,7 +20,7 @@ import numpy as np
 
 from embed.selection.choice import MIN_ITEMS, Choice, Fold, best_expected, free_scores, mean_per_row, scores_for, why_chosen
 from embed.selection.metrics import retrieval_per_query
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import SearchScore, fusion_of
 
 #: W2T weights of the mixes tried (1.0: the W2T cosine alone)

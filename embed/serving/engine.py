@@ -60,7 +60,7 @@ from embed.serving.search_methods import (
     stored_exact,
 )
 from embed.serving.space_state import LoadedEmbedder, SpaceState, allowed_ids, load_w2t, space_bytes
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.fusion import fused
 from zoo.domain.methods import KnnPredictor, SearchScore, fitted_by_training, fused_metric
 from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_cosines

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from embed.w2t.checkpoint import channel_metrics_of, checkpoint_meta, gram_reference_of, search_of
-from zoo.domain.centred_gram import CENTRED_GRAM, GramReference, centred_gram_cosines
+from zoo.domain.centred_gram import CENTRED_GRAM, GramReference
 from zoo.domain.channel_metric import ChannelMetric
-from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import SearchScore, fitted_purpose
 from zoo.domain.similarity import ModuleStack
 from zoo.errors import NotReadyError
@@ -77,13 +77,12 @@ def exact_sources(score: str) -> tuple[str, ...]:
 
 def stored_exact(gallery: ModuleStack, query: ModuleStack, score: str, checkpoint: Callable[[], Path]) -> np.ndarray:
     """(gallery.size,) one exact score between a query and stored adapters (module stores' rows): a training-free
-    one (zoo.domain.channels.exact_cosines), or one that needs what `zoo train` kept in the space's checkpoint
-    (`checkpoint()`, read only then): the centred input Gram's reference, a channel metric."""
-    if score == CENTRED_GRAM:
-        return centred_gram_cosines(gallery, query, served_reference(checkpoint()))[0]
+    one (zoo.domain.exact_scores), or one that needs what `zoo train` kept in the space's checkpoint (`checkpoint()`,
+    read only then): the centred input Gram's reference, a channel metric."""
     if fitted_purpose(score) is not None:
         return served_metric(checkpoint(), score).between(gallery, query)[0]
-    return exact_cosines(gallery, query, score)[0]
+    reference = served_reference(checkpoint()) if score == CENTRED_GRAM else None
+    return exact_cosines(gallery, query, score, reference)[0]
 
 
 def served_reference(checkpoint: Path) -> GramReference:

@@ -12,7 +12,7 @@ from embed.selection.calibration import expected_calibration_error
 from embed.training.evaluate import CONFIDENCE, INTERVAL_SCHEME, KEYS, MAIN_METRIC, QUERY_KEYS, REGRET_KEYS, TRAINING_FREE_KNN, VERSUS_KEYS
 from embed.training.intervals import Interval, clustered_bootstrap
 from zoo.domain.centred_gram import CENTRED_GRAM
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 
 
 def combine_splits(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -42,9 +42,9 @@ from embed.training.train import remember_and_choose, train_w2t
 from embed.training.train_options import TrainOptions
 from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.canonical import CanonicalFactors, canonicalize
-from zoo.domain.centred_gram import CENTRED_GRAM, GramReference, centred_gram_cosines, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, GramReference, fit_gram_reference
 from zoo.domain.channel_metric import Bank, ChannelMetric, bank_matrices
-from zoo.domain.channels import EXACT_SCORES, exact_cosines
+from zoo.domain.exact_scores import exact_cosines, exact_matrices
 from zoo.domain.methods import KnnPredictor, SearchScore
 from zoo.domain.similarity import (
     ModuleStack,
@@ -207,7 +207,7 @@ class Similarities:
         adapters fitted (none without one or without the stack)."""
         if reference is None or self.stack is None:
             return {}
-        return {CENTRED_GRAM: centred_gram_cosines(self.stack, self.stack, reference)}
+        return {CENTRED_GRAM: exact_cosines(self.stack, self.stack, CENTRED_GRAM, reference)}
 
     def reference(self, rows: list[int]) -> GramReference | None:
         """The centred input Gram's reference fitted on some of the adapters (None without the stack)."""
@@ -225,7 +225,7 @@ def similarities(adapters: list[ZooAdapter], schema: SpaceSchema) -> Similaritie
     factors = [a.factors for a in adapters]
     t0 = time.perf_counter()
     stack = ModuleStack.of(factors, dense_modules(factors))
-    exact = {score: exact_cosines(stack, stack, score) for score in EXACT_SCORES}
+    exact = exact_matrices(stack, stack)
     t1 = time.perf_counter()
     sketch = module_sketches(factors, schema.module_names, sketch_width(len(schema.modules)))
     sketch_sim = sketch_module_cosines(sketch, sketch, len(schema.modules))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zoo.domain.channels import module_factors, squared_overlaps, unit_weights
+from zoo.domain.channels import ModuleFactors, module_factors, squared_overlaps, unit_weights
 from zoo.domain.similarity import ModuleStack
 
 #: the exact score's name (a search score's `exact`, zoo.domain.methods.SearchScore): training-free, but served only
@@ -62,12 +62,13 @@ class GramReference:
         names = [k.removeprefix("Q/") for k in arrays if k.startswith("Q/")]
         return cls({n: (np.asarray(arrays[f"Q/{n}"], np.float32), np.asarray(arrays[f"lam/{n}"], np.float32)) for n in names})
 
-    def projections(self, stack: ModuleStack, name: str) -> np.ndarray:
-        """(stack.size,) float64 r = ⟨Ĝ, M⟩ of each row's module `name` (0 where the row lacks it or M is absent)."""
+    def projections(self, name: str, factors: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+        """(N,) float64 r = ⟨Ĝ, M⟩ of each row of a module's factors (U, V, w) (0 where the row lacks it or M is
+        absent)."""
+        _, V, w = factors
         if name not in self.modules:
-            return np.zeros(stack.size)
+            return np.zeros(len(w))
         Q, lam = self.modules[name]
-        _, V, w = module_factors(stack, name)
         weights = [(_float64(unit_weights(w, "gram")), lam[None].astype(np.float64))]
         return squared_overlaps(_float64(V), Q[None].astype(np.float64), weights, 2048)[0][:, 0]
 
@@ -109,7 +110,7 @@ def _float64(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64, copy=False)
 
 
-def _self_grams(factors: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+def _self_grams(factors: ModuleFactors) -> np.ndarray:
     """(N,) ‖Ĝ‖²_F of each row from its stored factors (1 to float32 round-off, which the centred norm² of a Gram near
     its reference would otherwise amplify: a row's cosine with itself is then exactly 1)."""
     _, V, w = factors
@@ -118,22 +119,11 @@ def _self_grams(factors: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarra
     return np.einsum("na,nab,nb->n", g, C, g)
 
 
-def centred_gram_cosines(gallery: ModuleStack, queries: ModuleStack, reference: GramReference) -> np.ndarray:
-    """(queries.size, gallery.size) float64 mean over shared modules of the centred input Gram cosine (0 where none
-    is shared)."""
-    total = np.zeros((queries.size, gallery.size))
-    count = np.zeros((queries.size, gallery.size))
-    for name in sorted(queries.norms.keys() & gallery.norms.keys()):
-        shared = (queries.norms[name] > 0)[:, None] & (gallery.norms[name] > 0)[None, :]
-        if not shared.any():
-            continue
-        fq, fg = module_factors(queries, name), module_factors(gallery, name)
-        K = squared_overlaps(fq[1], fg[1], [(unit_weights(fq[2], "gram"), unit_weights(fg[2], "gram"))], 2048)[0]
-        rq, rg, g = reference.projections(queries, name), reference.projections(gallery, name), reference.energy(name)
-        nq, ng = _self_grams(fq) - 2 * rq + g, _self_grams(fg) - 2 * rg + g
-        scale = np.sqrt(np.outer(np.maximum(nq, VANISHED), np.maximum(ng, VANISHED)))
-        # clipped: the float32 products of K and the float64 self terms may round a cosine past ±1
-        values = np.where(np.outer(nq > VANISHED, ng > VANISHED), np.clip((K - rq[:, None] - rg[None, :] + g) / scale, -1, 1), 0.0)
-        total += values * shared
-        count += shared
-    return total / np.maximum(count, 1)
+def centred_cosines(plain: np.ndarray, name: str, fq: ModuleFactors, fg: ModuleFactors, reference: GramReference) -> np.ndarray:
+    """One module's (queries, gallery) centred input Gram cosines from its plain ones (K = ⟨Ĝ_q, Ĝ_g⟩) and both
+    sides' factors of it."""
+    rq, rg, g = reference.projections(name, fq), reference.projections(name, fg), reference.energy(name)
+    nq, ng = _self_grams(fq) - 2 * rq + g, _self_grams(fg) - 2 * rg + g
+    scale = np.sqrt(np.outer(np.maximum(nq, VANISHED), np.maximum(ng, VANISHED)))
+    # clipped: the float32 products of K and the float64 self terms may round a cosine past ±1
+    return np.where(np.outer(nq > VANISHED, ng > VANISHED), np.clip((plain - rq[:, None] - rg[None, :] + g) / scale, -1, 1), 0.0)

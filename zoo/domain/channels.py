@@ -30,9 +30,8 @@ component, then count those (a component the canonical form kept below 1e-5 of �
 `channel_group_sums` gives the same per-module values summed per module group (by type and depth, say) with each
 group's count of shared modules, from which the mean and any weighting of the groups follow (zoo/domain/channel_metric.py).
 
-`exact_cosines` serves the exact scores that search and the out-of-fold choice weigh (EXACT_SCORES): the whole
-update's dW cosine, module cosine and the input Gram cosine, which ignores what a run's own head or seed does to dW's
-output side.
+The exact scores that search and the out-of-fold choice weigh (module cosine, the input Gram cosine) are made from
+the same blocks in one pass by zoo/domain/exact_scores.py.
 
 Every channel has a bounded-dimension sketch (`channel_sketches`) whose blocks' inner products give it per module,
 to be averaged with `sketch_module_cosines`: module cosine's is the module sketch; the Gram and subspace channels'
@@ -64,20 +63,6 @@ _OVERLAPS = {
 _SIDE_INDEX = {"output": 0, "input": 1}  # U, V in ModuleStack.factors
 #: singular values (of unit-norm dW) below this are dropped when a dense module is factored: float32 round-off
 DENSE_CUTOFF = 1e-5
-#: the training-free exact scores: the whole update's cosine, the mean per-module cosine and the mean per-module
-#: input Gram cosine
-EXACT_SCORES = ("dw", "module", "input_gram")
-
-
-def exact_cosines(gallery: ModuleStack, queries: ModuleStack, score: str) -> np.ndarray:
-    """(queries.size, gallery.size) float64 exact score, one of EXACT_SCORES, on stacks of any layout."""
-    if score == "dw":
-        return gallery.dw_cosines(queries)
-    if score == "module":
-        return gallery.cosines(queries)
-    if score != "input_gram":
-        raise ValueError(f"unknown exact score {score!r}; one of {EXACT_SCORES}")
-    return channel_matrices(gallery, queries, ("input_gram",))["input_gram"]
 
 
 def factor_stack(adapters: Sequence[Factors]) -> ModuleStack:
@@ -159,10 +144,11 @@ def _spectrum_cosines(wq: np.ndarray, wg: np.ndarray) -> np.ndarray:
     return (wq @ wg.T).astype(np.float64)
 
 
-_ModuleFactors = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: one module's (U (N, R, out), V (N, R, in), w (N, R)) over a stack's rows
+ModuleFactors = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def _overlaps(fq: _ModuleFactors, fg: _ModuleFactors, side: str, channels: list[str], chunk: int) -> dict[str, np.ndarray]:
+def _overlaps(fq: ModuleFactors, fg: ModuleFactors, side: str, channels: list[str], chunk: int) -> dict[str, np.ndarray]:
     """One module's value of each channel of one side, from both stacks' (U, V, w) of it: Σ_ab p_a (C²)_ab q_b with
     C = X_xᵀX_y and the channel's weights p, q."""
     k = _SIDE_INDEX[side]
@@ -171,7 +157,7 @@ def _overlaps(fq: _ModuleFactors, fg: _ModuleFactors, side: str, channels: list[
     return dict(zip(channels, values, strict=True))
 
 
-def module_factors(stack: ModuleStack, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def module_factors(stack: ModuleStack, name: str) -> ModuleFactors:
     """One module's (U (N, R, out), V (N, R, in), w (N, R)) as ModuleStack.factors holds them; a dense module's from
     the batched SVD of its unit-norm dW (`dense_svd`; the stack's `svd` where it holds it) with w = S, as ‖dW‖ = 1, a
     row's components at or below DENSE_CUTOFF zeroed (round-off, as a padded component is) and those below it in
@@ -214,11 +200,20 @@ def squared_overlaps(Xq: np.ndarray, Xg: np.ndarray, weights: list[tuple[np.ndar
     for start in range(0, nq, step):
         sl = slice(start, start + step)
         C = Xq[sl].reshape(-1, d) @ Xg2.T  # (q·Rq, ng·Rg)
-        np.square(C, out=C)
-        C3 = C.reshape(-1, rq, ng * rg)
-        for o, (pq, pg) in zip(out, weights, strict=True):
-            left = np.matmul(pq[sl][:, None, :], C3)[:, 0].reshape(-1, ng, rg)  # summed over the query's components
-            o[sl] = np.einsum("qnb,nb->qn", left, pg)
+        for o, value in zip(out, weighted_squares(C, [(pq[sl], pg) for pq, pg in weights]), strict=True):
+            o[sl] = value
+    return out
+
+
+def weighted_squares(C: np.ndarray, weights: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """For the blocks C = [X_qᵢ X_gⱼᵀ] (q·Rq, ng·Rg) of q queries and ng gallery rows, squared in place, and each (pq
+    (q, Rq), pg (ng, Rg)): the (q, ng) matrix Σ_ab pq_a (C_ij)²_ab pg_b."""
+    np.square(C, out=C)
+    out = []
+    for pq, pg in weights:
+        (q, rq), (ng, rg) = pq.shape, pg.shape
+        left = np.matmul(pq[:, None, :], C.reshape(q, rq, ng * rg))[:, 0].reshape(q, ng, rg)  # summed over the query's components
+        out.append(np.einsum("qnb,nb->qn", left, pg))
     return out
 
 

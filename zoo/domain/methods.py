@@ -13,7 +13,7 @@ from typing import ClassVar, TypeAlias
 import numpy as np
 
 from zoo.domain.centred_gram import CENTRED_GRAM
-from zoo.domain.channels import EXACT_SCORES
+from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.similarity import hybrid_score, rerank_keys
 
 #: a fitted score's name: this and its purpose ("search" or a target), e.g. `metric:search`, `metric:task`

@@ -179,16 +179,13 @@ class ModuleStack:
                 continue
             Ug, Vg, wg = self.factors[name]
             Uq, Vq, wq = queries.factors[name]
-            rg, rq = Ug.shape[1], Uq.shape[1]
+            rq = Uq.shape[1]
             Ug2, Vg2 = Ug.reshape(-1, Ug.shape[2]), Vg.reshape(-1, Vg.shape[2])
             cos = np.zeros((queries.size, self.size))
             step = max(1, chunk // max(rq, 1))
             for start in range(0, queries.size, step):
                 sl = slice(start, start + step)
-                q = Uq[sl].shape[0]
-                terms = (Uq[sl].reshape(-1, Uq.shape[2]) @ Ug2.T) * (Vq[sl].reshape(-1, Vq.shape[2]) @ Vg2.T)
-                terms = terms.reshape(q, rq, self.size, rg) * wq[sl][:, :, None, None]
-                cos[sl] = (terms.sum(axis=1) * wg[None, :, :]).sum(axis=2)
+                cos[sl] = factor_cosines(Uq[sl].reshape(-1, Uq.shape[2]) @ Ug2.T, Vq[sl].reshape(-1, Vq.shape[2]) @ Vg2.T, wq[sl], wg)
             yield name, cos, shared
 
     def cosines(self, queries: ModuleStack) -> np.ndarray:
@@ -236,6 +233,14 @@ class ModuleStack:
         if flat:
             raise ValueError(f"dense modules {flat} stored flattened: an older stack, to be rebuilt")
         return cls(size, part("norms"), dense, {k: (U[k], V[k], w[k]) for k in U})
+
+
+def factor_cosines(PU: np.ndarray, PV: np.ndarray, wq: np.ndarray, wg: np.ndarray) -> np.ndarray:
+    """(q, g) one module's cosines of q queries against g gallery rows, from their factors' blocks PU = [U_qᵢ U_gⱼᵀ]
+    and PV = [V_qᵢ V_gⱼᵀ] (each (q·rq, g·rg)) and unit spectra wq (q, rq), wg (g, rg): Σ_ab s_a (C_U)_ab (C_V)_ab t_b."""
+    (q, rq), (g, rg) = wq.shape, wg.shape
+    terms = (PU * PV).reshape(q, rq, g, rg) * wq[:, :, None, None]
+    return (terms.sum(axis=1) * wg[None, :, :]).sum(axis=2)
 
 
 def layout_of(adapters: Sequence[Factors]) -> dict[str, tuple[int, int, int]]:
