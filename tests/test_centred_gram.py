@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.test_channels import SHAPES, random_adapters
 from zoo.domain.canonical import CanonicalFactors
-from zoo.domain.centred_gram import CENTRED_GRAM, VANISHED, GramReference, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, VANISHED, GramReference, fit_gram_reference
 from zoo.domain.channels import channel_matrices, factor_stack
 from zoo.domain.exact_scores import exact_cosines
 from zoo.domain.similarity import ModuleStack, dense_modules
@@ -63,6 +63,38 @@ def test_centred_gram_equals_the_cosine_of_materialized_centred_grams(seed: int,
     expected = np.array([[dense_centred(q, g, M) for g in adapters] for q in adapters])
     error = np.abs(exact_cosines(stack, stack, CENTRED_GRAM, reference) - expected[..., 0])
     assert np.all(error <= expected[..., 1]), (error.max(), expected[..., 1][error > expected[..., 1]])
+
+
+def dense_module_centred(x: dict, y: dict, M: dict[str, np.ndarray]) -> float:
+    """The mean over shared modules of the cosine of each update's two views side by side, materialized: its unit dW
+    and its unit centred Gram (Ĝ − M), or zeros where that vanishes."""
+    values = []
+    for name in sorted(x.keys() & y.keys()):
+        views = []
+        for f in (x[name], y[name]):
+            dw, centred = f.delta().double().numpy(), unit_gram(f) - M.get(name, 0.0)
+            norm = np.linalg.norm(centred)
+            views.append(
+                np.concatenate([(dw / np.linalg.norm(dw)).ravel(), (centred / norm if norm**2 >= VANISHED else 0 * centred).ravel()])
+            )
+        values.append(float(views[0] @ views[1] / 2))  # each view of unit norm: the concatenation's norm is √2
+    return float(np.mean(values)) if values else 0.0
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=seeds, dense=st.booleans())
+def test_module_centred_is_the_cosine_of_both_views_side_by_side(seed: int, dense: bool) -> None:
+    adapters = random_adapters(seed, 6)
+    stack = ModuleStack.of(adapters, dense_modules(adapters) if dense else set())
+    reference = fit_gram_reference(stack, [0, 1, 4], 2)
+    M = dense_reference(adapters, [0, 1, 4], 2)
+    expected = np.array([[dense_module_centred(q, g, M) for g in adapters] for q in adapters])
+    tolerance = np.array([[dense_centred(q, g, M)[1] / 2 + 1e-6 for g in adapters] for q in adapters])
+    got = exact_cosines(stack, stack, MODULE_CENTRED, reference)
+    assert np.all(np.abs(got - expected) <= tolerance), np.abs(got - expected).max()
+    assert np.all(np.abs(got - got.T) <= tolerance + tolerance.T)  # float32 products
+    with pytest.raises(ValueError, match="need the reference"):
+        exact_cosines(stack, stack, MODULE_CENTRED)
 
 
 @settings(max_examples=20, deadline=None)

@@ -15,7 +15,7 @@ from embed.w2t.checkpoint import GRAM_REFERENCE, META
 from embed.w2t.ensemble import W2TEnsemble
 from tests.conftest import copy_seeded
 from zoo.config import Settings
-from zoo.domain.centred_gram import CENTRED_GRAM, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, fit_gram_reference
 from zoo.domain.channels import channel_similarity_matrix
 from zoo.domain.exact_scores import exact_cosines
 from zoo.domain.similarity import ModuleStack, dense_modules
@@ -72,6 +72,23 @@ def test_hybrid_search_by_the_centred_gram_scores_each_result_on_the_trained_ref
     assert np.all(np.diff(scores) <= 1e-9) and len(ids) == 8 and 1 not in ids
     plain = channel_similarity_matrix(query, gallery, "input_gram")[0]
     assert not np.allclose(plain, scores, atol=1e-3)  # the test tells the centred Gram from the plain one
+
+
+def test_hybrid_search_by_module_and_centred_gram_serves_their_mean(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    engine, settings, checkpoint = _engine_and_checkpoint(request, tmp_path)
+    _serve(checkpoint, MODULE_CENTRED)
+    emb = W2TEnsemble.load(checkpoint)
+    with session_factory(settings.database_url)() as session:
+        found = engine.similar(session, "tiny", Query("w01", 1), 8, method="hybrid")
+    ids = [r["adapter_id"] for r in found["results"]]
+    scores = np.array([r["score"] for r in found["results"]])
+    query, gallery = _factors(settings, [1]), _factors(settings, ids)
+    layout = dense_modules(query + gallery)
+    g, q = ModuleStack.of(gallery, layout), ModuleStack.of(query, layout)
+    parts = [exact_cosines(g, q, s, emb.gram_reference)[0] for s in ("module", CENTRED_GRAM)]
+    np.testing.assert_allclose(scores, (parts[0] + parts[1]) / 2, atol=1e-5)
+    assert np.all(np.diff(scores) <= 1e-9) and len(ids) == 8 and 1 not in ids
+    assert not np.allclose(scores, parts[0], atol=1e-3) and not np.allclose(scores, parts[1], atol=1e-3)
 
 
 def test_a_checkpoint_without_a_reference_says_to_train_again(request: pytest.FixtureRequest, tmp_path: Path) -> None:

@@ -387,6 +387,11 @@ def test_the_centred_input_gram_is_a_training_free_candidate_where_its_reference
     assert scores_for(centred, "task")[: len(EXACT_SCORES) + 1] == (*EXACT_SCORES, "centred_gram")
     plain = choose_search(exact, tasks, folds)
     assert not any("centred_gram" in s.name for s in plain.scores) and "centred_gram" not in scores_for(exact, "task")
+    both = {**centred, "centred_gram": exact["dw"], "module_centred": 0.5 * same + 0.5 * exact["dw"]}  # the mean sees it
+    chosen = choose_search(both, tasks, folds)
+    assert chosen.chosen == SearchScore("module_centred") and "best expected" in chosen.reason
+    assert SearchScore.parse("module_centred+w2t@0.3") == SearchScore("module_centred", 0.3)
+    assert scores_for(both, "task")[: len(EXACT_SCORES) + 2] == (*EXACT_SCORES, "centred_gram", "module_centred")
 
 
 def test_a_learned_mix_must_beat_the_best_training_free_score_not_only_dw() -> None:

@@ -39,9 +39,10 @@ def test_zoo_eval_estimates_aligns_and_names_a_winner(cli: CLI, seed_sources: Pa
     assert lead["difference"] == pytest.approx(diffs.mean())  # the mean per query: as many queries in each split
     assert lead["clear"] == (not lead["low"] <= 0 <= lead["high"])
     versus = result["default_versus"]
-    assert set(versus) == {"dw_cosine", "module_cosine", "input_gram_cosine", "centred_gram_cosine"}
+    assert set(versus) == {"dw_cosine", "module_cosine", "input_gram_cosine", "centred_gram_cosine", "module_centred_cosine"}
     assert all(set(v) == set(VERSUS_KEYS) for v in versus.values())
-    assert all(r["methods"]["centred_gram_cosine"]["mrr"] is not None for r in result["splits"])  # each split's own reference
+    for row in ("centred_gram_cosine", "module_centred_cosine"):  # each split's own reference
+        assert all(r["methods"][row]["mrr"] is not None for r in result["splits"])
     spearman = versus["dw_cosine"]["perf_spearman"]  # one value per split: the splits resampled
     per = [r["methods"]["default"]["perf_spearman"] - r["methods"]["dw_cosine"]["perf_spearman"] for r in result["splits"]]
     assert spearman["resampled"] == "splits" and spearman["difference"] == pytest.approx(np.mean(per))

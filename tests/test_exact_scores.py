@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zoo.domain.canonical import CanonicalFactors, canonicalize
-from zoo.domain.centred_gram import CENTRED_GRAM, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, fit_gram_reference
 from zoo.domain.channels import channel_matrices, channel_similarity_matrix, factor_stack
 from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines, exact_matrices
 from zoo.domain.similarity import ModuleStack, dense_modules
@@ -99,19 +99,19 @@ def test_input_gram_is_symmetric_bounded_and_blind_to_output_rotations(seed: int
 @given(seed=seeds, n=st.integers(1, 5))
 def test_one_pass_gives_each_score_as_its_own_computation_does_to_the_bit(seed: int, n: int) -> None:
     """dW, module, input Gram and centred input Gram cosines from one pass over the modules' blocks equal each score
-    computed alone (ModuleStack's own cosines, the input Gram channel), dense and factored modules alike, in small
-    chunks of queries."""
+    computed alone (ModuleStack's own cosines, the input Gram channel), dense and factored modules alike."""
     adapters = random_adapters(seed, 6)
     stack = stack_of(adapters)
     queries = stack.take(np.arange(n)[::-1])
     reference = fit_gram_reference(stack, range(4))
-    together = exact_matrices(stack, queries, (*EXACT_SCORES, CENTRED_GRAM), reference, chunk=5)
+    together = exact_matrices(stack, queries, (*EXACT_SCORES, CENTRED_GRAM, MODULE_CENTRED), reference)
     np.testing.assert_array_equal(together["dw"], stack.dw_cosines(queries))
     np.testing.assert_array_equal(together["module"], stack.cosines(queries))
-    np.testing.assert_array_equal(together["input_gram"], channel_matrices(stack, queries, ("input_gram",), chunk=5)["input_gram"])
-    np.testing.assert_array_equal(together[CENTRED_GRAM], exact_matrices(stack, queries, (CENTRED_GRAM,), reference, chunk=5)[CENTRED_GRAM])
-    assert list(together) == [*EXACT_SCORES, CENTRED_GRAM]
-    with pytest.raises(ValueError, match="needs the reference"):
+    np.testing.assert_array_equal(together["input_gram"], channel_matrices(stack, queries, ("input_gram",))["input_gram"])
+    np.testing.assert_array_equal(together[CENTRED_GRAM], exact_matrices(stack, queries, (CENTRED_GRAM,), reference)[CENTRED_GRAM])
+    np.testing.assert_array_equal(together[MODULE_CENTRED], (together["module"] + together[CENTRED_GRAM]) / 2)
+    assert list(together) == [*EXACT_SCORES, CENTRED_GRAM, MODULE_CENTRED]
+    with pytest.raises(ValueError, match="need the reference"):
         exact_matrices(stack, queries, (CENTRED_GRAM,))
 
 

@@ -117,13 +117,14 @@ def test_scarce_evaluation_predicts_from_the_labelled_only() -> None:
         assert per_query.methods["default"][key].mean() == pytest.approx(default[key]) == result["search_candidates"][key][per_query.served]
     assert per_query.methods["dw_cosine"]["attr_acc"].mean() == pytest.approx(result["methods"]["dw_cosine"]["attr_acc"])
     assert per_query.methods["default"]["attr_acc"].mean() == pytest.approx(default["attr_acc"])
-    # 4 training-free exact scores (the centred input Gram on the split's labelled), the search's channel metric fitted on
-    # the labelled (embed/selection/fitted.py) and its fusion with dW (zoo/domain/fusion.py), each alone and mixed at
-    # 0.1 … 0.9, W2T alone; each of the 6 × 10 one-stage mixes below 0.9 under every heavier one below 1 (45 pairs per
-    # exact score), re-ordering its top 5 or 10; and each of the metric's 10 mixes below 1 re-ordered by the fusion at its
-    # weight, top 5 or 10
-    assert {"metric:search", "fused:search", "metric:search then top 10 by fused:search", "centred_gram"} <= set(per_query.candidates)
-    assert len(per_query.candidates) == len(result["search_candidates"]["mrr"]) == 61 + 6 * 45 * 2 + 10 * 2
+    # 5 training-free exact scores (the centred input Gram and its mean with module cosine on the split's labelled), the
+    # search's channel metric fitted on the labelled (embed/selection/fitted.py) and its fusion with dW
+    # (zoo/domain/fusion.py), each alone and mixed at 0.1 … 0.9, W2T alone; each of the 7 × 10 one-stage mixes below 0.9
+    # under every heavier one below 1 (45 pairs per exact score), re-ordering its top 5 or 10; and each of the metric's
+    # 10 mixes below 1 re-ordered by the fusion at its weight, top 5 or 10
+    free = {"centred_gram", "module_centred"}
+    assert {"metric:search", "fused:search", "metric:search then top 10 by fused:search", *free} <= set(per_query.candidates)
+    assert len(per_query.candidates) == len(result["search_candidates"]["mrr"]) == 71 + 7 * 45 * 2 + 10 * 2
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import numpy as np
 
 from embed.data.types import SpaceSchema, ZooAdapter
 from embed.selection.fitted import MAX_LABELLED
-from zoo.domain.centred_gram import CENTRED_GRAM, GramReference, fit_gram_reference
+from zoo.domain.centred_gram import REFERENCED, GramReference, fit_gram_reference
 from zoo.domain.channel_metric import Bank, bank_matrices
 from zoo.domain.exact_scores import EXACT_SCORES, exact_matrices
 from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines, sketch_width
@@ -50,8 +50,8 @@ def given_labels(adapter: ZooAdapter) -> bool:
 
 @dataclass
 class ExactScores:
-    """The exact scores (zoo.domain.exact_scores.EXACT_SCORES, and from factors the centred input Gram) among some
-    training adapters, by id: what the out-of-fold choices compare W2T with. `source` says what they were computed
+    """The exact scores (zoo.domain.exact_scores.EXACT_SCORES, and from factors the centred input Gram's:
+    REFERENCED) among some training adapters, by id: what the out-of-fold choices compare W2T with. `source` says what they were computed
     from: "factors" (exact), or "module sketches" where the space is too big for the engine's module store, whose
     module-cosine estimate then stands in for the training-free scores when a query is served (embed.serving.engine)
     and so here. `bank`: the channel metric's atoms among them (zoo.domain.channel_metric.bank_matrices), from the
@@ -83,7 +83,7 @@ class ExactScores:
         enough."""
         atoms = bank_matrices(stack, stack) if bank and stack.size <= MAX_LABELLED else None
         reference = fit_gram_reference(stack, np.arange(stack.size))
-        scores = exact_matrices(stack, stack, (*EXACT_SCORES, CENTRED_GRAM), reference)
+        scores = exact_matrices(stack, stack, (*EXACT_SCORES, *REFERENCED), reference)
         return cls(ids, scores, bank=atoms, gram_reference=reference)
 
     @classmethod

@@ -31,7 +31,7 @@ import numpy as np
 from embed.selection.calibration import Calibration, class_prior, knn_calibration, leave_one_out_shares, with_earned_sure
 from embed.selection.calibration import fit as fit_calibration
 from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares
-from zoo.domain.centred_gram import CENTRED_GRAM
+from zoo.domain.centred_gram import REFERENCED
 from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import (
     LOGREG,
@@ -93,9 +93,9 @@ def knn_similarities(similarity: SearchScore, exact: Iterable[str] = EXACT_SCORE
 
 
 def free_scores(exact: Iterable[str]) -> tuple[str, ...]:
-    """The training-free exact scores: EXACT_SCORES, and the centred input Gram where `exact` holds it (its
-    reference was fitted: zoo/domain/centred_gram.py)."""
-    return (*EXACT_SCORES, *(s for s in (CENTRED_GRAM,) if s in exact))
+    """The training-free exact scores: EXACT_SCORES, and those of the centred input Gram where `exact` holds them
+    (its reference was fitted: zoo/domain/centred_gram.py REFERENCED)."""
+    return (*EXACT_SCORES, *(s for s in REFERENCED if s in exact))
 
 
 def scores_for(exact: dict[str, np.ndarray], purpose: str) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from embed.w2t.checkpoint import channel_metrics_of, checkpoint_meta, gram_reference_of, search_of
-from zoo.domain.centred_gram import CENTRED_GRAM, GramReference
+from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, REFERENCED, GramReference
 from zoo.domain.channel_metric import ChannelMetric
 from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines
 from zoo.domain.methods import SearchScore, fitted_purpose
@@ -40,8 +40,15 @@ METHOD_EMBEDDERS = {"hybrid": (SKETCH, W2T), **dict.fromkeys(EXACT_SCORES, (SKET
 #: sketch. On digits-vit-seeded (300 adapters, `python -m bench.search --zoo-data-dir`) the CANDIDATES nearest held
 #: 0.609 of the exact input-Gram top 10 from the module sketch index, 0.965 from the input-Gram sketch index and 0.988
 #: from both (docs/history/results-2026.md)
-#: The centred input Gram (served by hybrid only: its reference is `zoo train`'s) takes the input Gram's.
-EXACT_CANDIDATES = {"dw": (SKETCH,), "module": (SKETCH,), "input_gram": (GRAM, SKETCH), CENTRED_GRAM: (GRAM, SKETCH)}
+#: The centred input Gram and its mean with module cosine (served by hybrid only: their reference is `zoo train`'s)
+#: take the input Gram's.
+EXACT_CANDIDATES = {
+    "dw": (SKETCH,),
+    "module": (SKETCH,),
+    "input_gram": (GRAM, SKETCH),
+    CENTRED_GRAM: (GRAM, SKETCH),
+    MODULE_CENTRED: (GRAM, SKETCH),
+}
 #: a channel metric's first-stage candidates (embed/selection/fitted.py): it weighs the input Gram, dW and module cosine as the
 #: labels ask, so both indexes' nearest
 FITTED_CANDIDATES = (GRAM, SKETCH)
@@ -81,7 +88,7 @@ def stored_exact(gallery: ModuleStack, query: ModuleStack, score: str, checkpoin
     read only then): the centred input Gram's reference, a channel metric."""
     if fitted_purpose(score) is not None:
         return served_metric(checkpoint(), score).between(gallery, query)[0]
-    reference = served_reference(checkpoint()) if score == CENTRED_GRAM else None
+    reference = served_reference(checkpoint()) if score in REFERENCED else None
     return exact_cosines(gallery, query, score, reference)[0]
 
 

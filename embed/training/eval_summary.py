@@ -11,7 +11,7 @@ import numpy as np
 from embed.selection.calibration import expected_calibration_error
 from embed.training.evaluate import CONFIDENCE, INTERVAL_SCHEME, KEYS, MAIN_METRIC, QUERY_KEYS, REGRET_KEYS, TRAINING_FREE_KNN, VERSUS_KEYS
 from embed.training.intervals import Interval, clustered_bootstrap
-from zoo.domain.centred_gram import CENTRED_GRAM
+from zoo.domain.centred_gram import REFERENCED
 from zoo.domain.exact_scores import EXACT_SCORES
 
 
@@ -54,7 +54,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "interval_scheme": INTERVAL_SCHEME,
         "comparison": leader(results),
         "default_versus": {
-            f"{e}_cosine": {k: compare(results, "default", f"{e}_cosine", k) for k in VERSUS_KEYS} for e in (*EXACT_SCORES, CENTRED_GRAM)
+            f"{e}_cosine": {k: compare(results, "default", f"{e}_cosine", k) for k in VERSUS_KEYS} for e in (*EXACT_SCORES, *REFERENCED)
         },
         "spearman_versus_best_knn": compare(results, "default", best, "perf_spearman") if best else None,
         "metric_gain": {k: compare(results, "default", "default_without_metric", k) for k in VERSUS_KEYS},

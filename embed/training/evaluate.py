@@ -42,9 +42,9 @@ from embed.training.train import remember_and_choose, train_w2t
 from embed.training.train_options import TrainOptions
 from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.canonical import CanonicalFactors, canonicalize
-from zoo.domain.centred_gram import CENTRED_GRAM, GramReference, fit_gram_reference
+from zoo.domain.centred_gram import REFERENCED, GramReference, fit_gram_reference
 from zoo.domain.channel_metric import Bank, ChannelMetric, bank_matrices
-from zoo.domain.exact_scores import exact_cosines, exact_matrices
+from zoo.domain.exact_scores import exact_matrices
 from zoo.domain.methods import KnnPredictor, SearchScore
 from zoo.domain.similarity import (
     ModuleStack,
@@ -56,6 +56,8 @@ from zoo.domain.similarity import (
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"
+#: the rows of the exact scores that need the reference a split's labelled adapters fit (zoo/domain/centred_gram.py)
+REFERENCED_ROWS = tuple(f"{s}_cosine" for s in REFERENCED)
 #: `default` is what `zoo search` and `zoo predict` do once a supervised W2T is trained (embed/selection/choice.py), `module_cosine` before;
 #: `default_without_metric` the same W2T's choice made without the channel metrics (TrainOptions.channel_metric)
 METHODS = (
@@ -64,7 +66,7 @@ METHODS = (
     "dw_cosine",
     "module_cosine",
     "input_gram_cosine",
-    "centred_gram_cosine",
+    *REFERENCED_ROWS,
     "w2t_supervised",
     "w2t_contrastive",
     "module_sketch",
@@ -101,7 +103,7 @@ VERSUS_KEYS = ("hit@1", "mrr", "ndcg@10", "attr_acc", "perf_spearman")
 #: the retrieval measures the search choice is judged on against the best fixed candidate (embed.training.eval_summary.cross_fitted_regret)
 REGRET_KEYS = ("hit@1", "mrr", "ndcg@10")
 #: the rows that predict by a kNN over a similarity with nothing learned
-TRAINING_FREE_KNN = ("dw_cosine", "module_cosine", "input_gram_cosine", "centred_gram_cosine", "module_sketch", "raw_cosine", "spectra_knn")
+TRAINING_FREE_KNN = ("dw_cosine", "module_cosine", "input_gram_cosine", *REFERENCED_ROWS, "module_sketch", "raw_cosine", "spectra_knn")
 #: how the intervals of embed.training.eval_summary.summarize are made, as its JSON says it
 INTERVAL_SCHEME = (
     f"percentile {LEVEL:.0%} interval of the mean paired difference from {RESAMPLES} bootstrap resamples; a measure with a value "
@@ -203,11 +205,11 @@ class Similarities:
     bank: Bank | None = None
 
     def centred(self, reference: GramReference | None) -> dict[str, np.ndarray]:
-        """The centred input Gram among all the adapters, by its score's name, on the reference a split's labelled
-        adapters fitted (none without one or without the stack)."""
+        """The exact scores of the centred input Gram (REFERENCED) among all the adapters, by name, on the reference a
+        split's labelled adapters fitted (none without one or without the stack)."""
         if reference is None or self.stack is None:
             return {}
-        return {CENTRED_GRAM: exact_cosines(self.stack, self.stack, CENTRED_GRAM, reference)}
+        return exact_matrices(self.stack, self.stack, REFERENCED, reference)
 
     def reference(self, rows: list[int]) -> GramReference | None:
         """The centred input Gram's reference fitted on some of the adapters (None without the stack)."""
@@ -333,8 +335,10 @@ def evaluate(
             methods[name].update(_head_scores(emb, adapters, test_pos))
             # centred on this split's labelled adapters: the reference W2T's choices fitted, or where it made none the same fit
             free_exact = {**exact, **sims.centred(emb.gram_reference or sims.reference(train_pos))}
-            centred = free_exact.get(CENTRED_GRAM)
-            methods["centred_gram_cosine"] = _nothing() if centred is None else _score(centred, adapters, test_pos, train_pos, predict=True)
+            for s in REFERENCED:
+                methods[f"{s}_cosine"] = (
+                    _score(free_exact[s], adapters, test_pos, train_pos, predict=True) if s in free_exact else _nothing()
+                )
             # the channel metrics this split's labels fitted
             served = with_fused({**free_exact, **sims.fitted(emb.channel_metrics)}, train_pos)
             methods["default"] = _default_scores(emb, served, sim, adapters, test_pos, train_pos)

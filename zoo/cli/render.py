@@ -94,8 +94,9 @@ EVAL_GROUPS = (
 )
 EVAL_ROWS = (
     "rows: default is what `zoo search` and `zoo predict` do after `zoo train`; dw_cosine, module_cosine, "
-    "input_gram_cosine (of the input Grams dWᵀdW) and centred_gram_cosine (the input Grams less the labelled adapters' "
-    "mean) compare the updates exactly, with nothing learned; w2t_* are the learned "
+    "input_gram_cosine (of the input Grams dWᵀdW), centred_gram_cosine (the input Grams less the labelled adapters' "
+    "mean) and module_centred_cosine (module and centred Gram cosine averaged) compare the updates exactly, with "
+    "nothing learned; w2t_* are the learned "
     "embedding alone (a W2T row below dw_cosine: on this zoo the embedding alone finds same-task adapters less well than "
     "the plain cosine of the updates)"
 )

@@ -30,6 +30,13 @@ from zoo.domain.similarity import ModuleStack
 #: the exact score's name (a search score's `exact`, zoo.domain.methods.SearchScore): training-free, but served only
 #: with the reference `zoo train` fitted
 CENTRED_GRAM = "centred_gram"
+#: module cosine and the centred input Gram cosine averaged (per module, so over the modules a pair shares): the cosine
+#: of the two updates' first-order (dW) and centred second-order (Ĝ − M) views, each of unit norm, side by side. The
+#: first order carries what an update writes, which a run's own head and seeds turn; the centred Gram what it reads
+#: beyond what every adapter reads, which they leave alone
+MODULE_CENTRED = "module_centred"
+#: the exact scores that need the reference: served only with the reference `zoo train` fitted
+REFERENCED = (CENTRED_GRAM, MODULE_CENTRED)
 #: eigenpairs kept of each module's mean unit input Gram: 1 MB of float32 a 4,096-wide module, about 310 MB for
 #: Llama-3-8B's 224 modules (its 32 down_proj are 14,336 wide), held by a serving process that loads the checkpoint
 REFERENCE_RANK = 64

@@ -2,7 +2,8 @@
 
 EXACT_SCORES are the training-free ones: the whole update's dW cosine, module cosine (the mean per-module cosine) and
 the input Gram cosine (zoo/domain/channels.py), which ignores what a run's own head or seed does to dW's output side.
-The centred input Gram (zoo/domain/centred_gram.py) needs a reference `zoo train` fitted.
+The centred input Gram (zoo/domain/centred_gram.py) and its mean with module cosine need a reference `zoo train`
+fitted (REFERENCED).
 
 All of them read the same per-module blocks of the two stacks' factors, U_qᵢU_gⱼᵀ and V_qᵢV_gⱼᵀ, a chunk of queries at
 a time: dW and module cosine both sides' blocks, the input Grams (plain and centred) the squares of the V blocks.
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zoo.domain.centred_gram import CENTRED_GRAM, GramReference, centred_cosines
+from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, REFERENCED, GramReference, centred_cosines
 from zoo.domain.channels import ModuleFactors, module_factors, squared_overlaps, unit_weights, weighted_squares
 from zoo.domain.similarity import ModuleStack, factor_cosines
 
@@ -39,17 +40,18 @@ def exact_matrices(
     reference: GramReference | None = None,
     chunk: int = 2048,
 ) -> dict[str, np.ndarray]:
-    """Per score asked for (EXACT_SCORES, and CENTRED_GRAM with its `reference`): (queries.size, gallery.size)
-    float64, on stacks of any layout (both built with the same dense modules). Per-module scores are the mean over
-    the modules both adapters have (0 where none)."""
-    unknown = sorted(set(scores) - {*EXACT_SCORES, CENTRED_GRAM})
+    """Per score asked for (EXACT_SCORES, and those of REFERENCED with their `reference`): (queries.size,
+    gallery.size) float64, on stacks of any layout (both built with the same dense modules). Per-module scores are the
+    mean over the modules both adapters have (0 where none)."""
+    unknown = sorted(set(scores) - {*EXACT_SCORES, *REFERENCED})
     if unknown:
-        raise ValueError(f"unknown exact scores {unknown}; each one of {(*EXACT_SCORES, CENTRED_GRAM)}")
-    if CENTRED_GRAM in scores and reference is None:
-        raise ValueError(f"{CENTRED_GRAM!r} needs the reference `zoo train` fitted")
+        raise ValueError(f"unknown exact scores {unknown}; each one of {(*EXACT_SCORES, *REFERENCED)}")
+    if set(REFERENCED) & set(scores) and reference is None:
+        raise ValueError(f"{sorted(set(REFERENCED) & set(scores))} need the reference `zoo train` fitted")
     shape = (queries.size, gallery.size)
-    first_order, grams = {"dw", "module"} & set(scores), {"input_gram", CENTRED_GRAM} & set(scores)
-    means = {s: np.zeros(shape) for s in set(scores) - {"dw"}}
+    made = set(scores) | ({"module", CENTRED_GRAM} if MODULE_CENTRED in scores else set())
+    first_order, grams = {"dw", "module"} & made, {"input_gram", CENTRED_GRAM} & made
+    means = {s: np.zeros(shape) for s in made - {"dw", MODULE_CENTRED}}
     count, inner = np.zeros(shape), np.zeros(shape)
     for name in sorted(queries.norms.keys() & gallery.norms.keys()):
         if (name in gallery.dense) != (name in queries.dense):
@@ -71,6 +73,8 @@ def exact_matrices(
     out = {s: m / np.maximum(count, 1) for s, m in means.items()}
     if "dw" in scores:
         out["dw"] = inner / np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)
+    if MODULE_CENTRED in scores:
+        out[MODULE_CENTRED] = (out["module"] + out[CENTRED_GRAM]) / 2
     return {s: out[s] for s in scores}
 
 

@@ -12,7 +12,7 @@ from typing import ClassVar, TypeAlias
 
 import numpy as np
 
-from zoo.domain.centred_gram import CENTRED_GRAM
+from zoo.domain.centred_gram import REFERENCED
 from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.similarity import hybrid_score, rerank_keys
 
@@ -55,7 +55,7 @@ def fitted_purpose(score: str) -> str | None:
 def fitted_by_training(score: str) -> bool:
     """Whether a score needs what `zoo train` fitted and keeps in its checkpoint: the centred input Gram's reference,
     a channel metric or its fusion with dW."""
-    return score == CENTRED_GRAM or fitted_purpose(score) is not None
+    return score in REFERENCED or fitted_purpose(score) is not None
 
 
 def fusion_of(score: str) -> str | None:
@@ -97,7 +97,7 @@ class SearchScore:
 
     def __post_init__(self) -> None:
         weight = float(self.w2t_weight)
-        if (self.exact not in (*EXACT_SCORES, CENTRED_GRAM) and fitted_purpose(self.exact) is None) or not _writable(weight):
+        if (self.exact not in (*EXACT_SCORES, *REFERENCED) and fitted_purpose(self.exact) is None) or not _writable(weight):
             raise ValueError(f"no search score mixes exact score {self.exact!r} with the W2T cosine at {self.w2t_weight!r}")
         object.__setattr__(self, "w2t_weight", weight)
         if self.rerank_exact == self.exact:
@@ -166,7 +166,7 @@ class SearchScore:
             score = None
         if score is None or score.name != name:
             raise ValueError(
-                f"not a search score: {name!r} (one of {', '.join(EXACT_SCORES)}, {CENTRED_GRAM}, {fitted_score('search')}, "
+                f"not a search score: {name!r} (one of {', '.join((*EXACT_SCORES, *REFERENCED))}, {fitted_score('search')}, "
                 f"{fused_score('search')}, {_W2T}, e.g. dw{_MIX}0.3, or e.g. module{_MIX}0.8{_THEN}10{_BY}module{_MIX}0.1)"
             )
         return score
