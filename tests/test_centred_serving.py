@@ -16,7 +16,6 @@ from embed.w2t.ensemble import W2TEnsemble
 from tests.conftest import copy_seeded
 from zoo.config import Settings
 from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, fit_gram_reference
-from zoo.domain.channels import channel_similarity_matrix
 from zoo.domain.exact_scores import exact_cosines
 from zoo.domain.similarity import ModuleStack, dense_modules
 from zoo.errors import NotReadyError
@@ -46,6 +45,18 @@ def _factors(settings: Settings, ids: list[int]) -> list[dict]:
         return [dict(blobs.get_factors(str(session.get(Adapter, i).factors_blob))) for i in ids]
 
 
+def _hybrid_top_8(engine: QueryEngine, settings: Settings) -> tuple[np.ndarray, ModuleStack, ModuleStack]:
+    """Hybrid's scores of the first adapter's 8 nearest (checked in order, without it), and their and its stacks."""
+    with session_factory(settings.database_url)() as session:
+        found = engine.similar(session, "tiny", Query("w01", 1), 8, method="hybrid")
+    ids = [r["adapter_id"] for r in found["results"]]
+    scores = np.array([r["score"] for r in found["results"]])
+    assert np.all(np.diff(scores) <= 1e-9) and len(ids) == 8 and 1 not in ids
+    query, gallery = _factors(settings, [1]), _factors(settings, ids)
+    layout = dense_modules(query + gallery)
+    return scores, ModuleStack.of(gallery, layout), ModuleStack.of(query, layout)
+
+
 def test_hybrid_search_by_the_centred_gram_scores_each_result_on_the_trained_reference(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -61,16 +72,9 @@ def test_hybrid_search_by_the_centred_gram_scores_each_result_on_the_trained_ref
         np.testing.assert_allclose(kept_lam, lam, rtol=1e-4, atol=1e-7)
         np.testing.assert_allclose((kept_Q.T * kept_lam) @ kept_Q, (Q.T * lam) @ Q, atol=1e-5)
 
-    with session_factory(settings.database_url)() as session:
-        found = engine.similar(session, "tiny", Query("w01", 1), 8, method="hybrid")
-    ids = [r["adapter_id"] for r in found["results"]]
-    scores = np.array([r["score"] for r in found["results"]])
-    query, gallery = _factors(settings, [1]), _factors(settings, ids)
-    layout = dense_modules(query + gallery)
-    want = exact_cosines(ModuleStack.of(gallery, layout), ModuleStack.of(query, layout), CENTRED_GRAM, emb.gram_reference)[0]
-    np.testing.assert_allclose(scores, want, atol=1e-5)
-    assert np.all(np.diff(scores) <= 1e-9) and len(ids) == 8 and 1 not in ids
-    plain = channel_similarity_matrix(query, gallery, "input_gram")[0]
+    scores, gallery, query = _hybrid_top_8(engine, settings)
+    np.testing.assert_allclose(scores, exact_cosines(gallery, query, CENTRED_GRAM, emb.gram_reference)[0], atol=1e-5)
+    plain = exact_cosines(gallery, query, "input_gram")[0]
     assert not np.allclose(plain, scores, atol=1e-3)  # the test tells the centred Gram from the plain one
 
 
@@ -78,16 +82,9 @@ def test_hybrid_search_by_module_and_centred_gram_serves_their_mean(request: pyt
     engine, settings, checkpoint = _engine_and_checkpoint(request, tmp_path)
     _serve(checkpoint, MODULE_CENTRED)
     emb = W2TEnsemble.load(checkpoint)
-    with session_factory(settings.database_url)() as session:
-        found = engine.similar(session, "tiny", Query("w01", 1), 8, method="hybrid")
-    ids = [r["adapter_id"] for r in found["results"]]
-    scores = np.array([r["score"] for r in found["results"]])
-    query, gallery = _factors(settings, [1]), _factors(settings, ids)
-    layout = dense_modules(query + gallery)
-    g, q = ModuleStack.of(gallery, layout), ModuleStack.of(query, layout)
-    parts = [exact_cosines(g, q, s, emb.gram_reference)[0] for s in ("module", CENTRED_GRAM)]
+    scores, gallery, query = _hybrid_top_8(engine, settings)
+    parts = [exact_cosines(gallery, query, s, emb.gram_reference)[0] for s in ("module", CENTRED_GRAM)]
     np.testing.assert_allclose(scores, (parts[0] + parts[1]) / 2, atol=1e-5)
-    assert np.all(np.diff(scores) <= 1e-9) and len(ids) == 8 and 1 not in ids
     assert not np.allclose(scores, parts[0], atol=1e-3) and not np.allclose(scores, parts[1], atol=1e-3)
 
 
