@@ -51,11 +51,12 @@ def given_labels(adapter: ZooAdapter) -> bool:
 @dataclass
 class ExactScores:
     """The exact scores (zoo.domain.exact_scores.EXACT_SCORES, and from factors the centred input Gram's:
-    REFERENCED) among some training adapters, by id: what the out-of-fold choices compare W2T with. `source` says what they were computed
-    from: "factors" (exact), or "module sketches" where the space is too big for the engine's module store, whose
-    module-cosine estimate then stands in for the training-free scores when a query is served (embed.serving.engine)
-    and so here. `bank`: the channel metric's atoms among them (zoo.domain.channel_metric.bank_matrices), from the
-    factors, where they are at most embed.selection.fitted.MAX_LABELLED."""
+    REFERENCED) among some training adapters, by id: what the out-of-fold choices compare W2T with. `source` says
+    what they were computed from: "factors" (exact), or "module sketches" where the space is too big for the engine's
+    module store, whose module-cosine estimate then stands in for the training-free scores when a query is served
+    (embed.serving.engine) and so here. `bank`: the channel metric's atoms among them
+    (zoo.domain.channel_metric.bank_matrices), from the factors, where they are at most
+    embed.selection.fitted.MAX_LABELLED."""
 
     ids: np.ndarray
     scores: dict[str, np.ndarray]

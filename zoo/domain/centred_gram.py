@@ -69,7 +69,7 @@ class GramReference:
         names = [k.removeprefix("Q/") for k in arrays if k.startswith("Q/")]
         return cls({n: (np.asarray(arrays[f"Q/{n}"], np.float32), np.asarray(arrays[f"lam/{n}"], np.float32)) for n in names})
 
-    def projections(self, name: str, factors: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    def projections(self, name: str, factors: ModuleFactors) -> np.ndarray:
         """(N,) float64 r = ⟨Ĝ, M⟩ of each row of a module's factors (U, V, w) (0 where the row lacks it or M is
         absent)."""
         _, V, w = factors

@@ -30,8 +30,8 @@ component, then count those (a component the canonical form kept below 1e-5 of â
 `channel_group_sums` gives the same per-module values summed per module group (by type and depth, say) with each
 group's count of shared modules, from which the mean and any weighting of the groups follow (zoo/domain/channel_metric.py).
 
-The exact scores that search and the out-of-fold choice weigh (module cosine, the input Gram cosine) are made from
-the same blocks in one pass by zoo/domain/exact_scores.py.
+The exact scores that search and the out-of-fold choice weigh (dW, module and input Gram cosine) are made from the
+same blocks in one pass by zoo/domain/exact_scores.py.
 
 Every channel has a bounded-dimension sketch (`channel_sketches`) whose blocks' inner products give it per module,
 to be averaged with `sketch_module_cosines`: module cosine's is the module sketch; the Gram and subspace channels'
