@@ -2,7 +2,8 @@
 
 Builds a ModuleStack of --adapters random adapters (default 2,000 of 8 modules, d_out = d_in = 768, rank 8: orthonormal
 U and V, singular values decaying at a random rate, a --missing fraction of modules absent) and scores its first
---queries rows against all of it, one channel at a time and then the whole bank in one call, in one process; then the
+--queries rows against all of it, one channel at a time, then the whole bank in one call, and the channel metric's
+atoms per module group with dW's (`bank_atoms`, what `zoo train` fits the metric on), in one process; then the
 centred input Gram (zoo/domain/centred_gram.py): its reference fitted on every adapter (`gram_reference`), and its
 scores on that reference (`centred_gram`); last the four exact scores `zoo train` weighs (dW, module, input Gram and
 centred input Gram cosine) each on its own (`exact_apart`) and in one pass over the modules (`exact_one_pass`). Per
@@ -28,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from zoo.domain.centred_gram import CENTRED_GRAM, fit_gram_reference
+from zoo.domain.channel_metric import bank_matrices
 from zoo.domain.channels import CHANNELS, channel_matrices
 from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines, exact_matrices
 from zoo.domain.similarity import ModuleStack
@@ -86,6 +88,7 @@ def main() -> None:
     rows: dict[str, dict[str, float]] = {}
     calls: dict[str, Callable[[], object]] = {c: functools.partial(channel_matrices, gallery, queries, (c,)) for c in CHANNELS}
     calls["bank"] = functools.partial(channel_matrices, gallery, queries, CHANNELS)
+    calls["bank_atoms"] = functools.partial(bank_matrices, gallery, queries)
     reference = fit_gram_reference(gallery, np.arange(args.adapters))
     calls["gram_reference"] = functools.partial(fit_gram_reference, gallery, np.arange(args.adapters))
     calls["centred_gram"] = functools.partial(exact_cosines, gallery, queries, CENTRED_GRAM, reference)

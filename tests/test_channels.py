@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zoo.domain.canonical import CanonicalFactors, canonicalize
-from zoo.domain.channels import CHANNELS, channel_matrices, channel_sketches, factor_stack, pair_channels
+from zoo.domain.channels import CHANNELS, channel_group_sums, channel_matrices, channel_sketches, factor_stack, pair_channels
 from zoo.domain.similarity import ModuleStack, sketch_module_cosines
 
 # (out, in) per module name; "up" is wide and short, so a full-rank update spans its whole output space
@@ -211,3 +211,16 @@ def test_a_dense_stack_scores_as_factors_and_refuses_unknown_names() -> None:
         channel_matrices(dense, factor_stack(adapters), ("input_gram",))
     with pytest.raises(ValueError, match="unknown"):
         channel_matrices(dense, dense, ("cosine",))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=seeds, dense=st.booleans())
+def test_group_inner_products_sum_to_the_whole_updates_inner_product(seed: int, dense: bool) -> None:
+    """The groups' ⟨dW_q, dW_g⟩, made from the same module cosines as the channels, sum to the whole updates' inner
+    product; they need the module channel."""
+    adapters = random_adapters(seed, 5)
+    stack = ModuleStack.of(adapters, set(SHAPES) if dense else set())
+    sums, _ = channel_group_sums(stack, stack, lambda name: name[:1], CHANNELS, inner_products=True)
+    np.testing.assert_allclose(sum(sums["dw"].values()), stack.inner_products(stack), atol=1e-9)
+    with pytest.raises(ValueError, match="module"):
+        channel_group_sums(stack, stack, lambda name: "", ("input_gram",), inner_products=True)

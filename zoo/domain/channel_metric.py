@@ -125,14 +125,11 @@ def _bank_matrices(gallery: ModuleStack, queries: ModuleStack, buckets: int, chu
     total = np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)  # every module's: dW cosine's norms
     gallery, queries = _only(gallery, group_of), _only(queries, group_of)
     kept = sorted(set(group_of.values()) if groups is None else set(groups.values()))
-    sums, counts = channel_group_sums(gallery, queries, group_of.__getitem__, CHANNELS, chunk)
+    sums, counts = channel_group_sums(gallery, queries, group_of.__getitem__, CHANNELS, chunk, inner_products=True)
     shared = np.maximum(sum((counts.get(g, 0) for g in kept), np.zeros((queries.size, gallery.size))), 1)
-    dw = {g: np.zeros((queries.size, gallery.size)) for g in kept}
-    for name, cos, _ in gallery.module_cosines(queries, chunk):
-        dw[group_of[name]] += cos * np.outer(queries.norms[name].astype(np.float64), gallery.norms[name].astype(np.float64))
     atoms = tuple((c, g) for c in BANK for g in kept)
     empty = np.zeros((queries.size, gallery.size))
-    values = [dw[g] / total if c == "dw" else sums[c].get(g, empty) / shared for c, g in atoms]
+    values = [sums[c].get(g, empty) / (total if c == "dw" else shared) for c, g in atoms]
     return Bank(atoms, np.stack(values) if values else np.zeros((0, queries.size, gallery.size)), group_of)
 
 

@@ -87,11 +87,18 @@ def channel_matrices(
 
 
 def channel_group_sums(
-    gallery: ModuleStack, queries: ModuleStack, group_of: Callable[[str], str], channels: Sequence[str] = CHANNELS, chunk: int = 2048
+    gallery: ModuleStack,
+    queries: ModuleStack,
+    group_of: Callable[[str], str],
+    channels: Sequence[str] = CHANNELS,
+    chunk: int = 2048,
+    inner_products: bool = False,
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """Per channel asked for and module group (`group_of(module name)`, e.g. its type and depth): (queries.size,
     gallery.size) float64, the sum of the channel's per-module values over the group's modules both adapters have; and
-    per group how many such modules each pair shares. Σ_g sums[c][g] / Σ_g counts[g] is `channel_matrices`' mean."""
+    per group how many such modules each pair shares. Σ_g sums[c][g] / Σ_g counts[g] is `channel_matrices`' mean.
+    With `inner_products` (and "module" asked for), also per group `sums["dw"]`: the sum of its modules' ⟨dW_q, dW_g⟩,
+    from the same module cosines (dW cosine's part of the group, once divided by the whole updates' norms)."""
     unknown = sorted(set(channels) - set(CHANNELS))
     if unknown:
         raise ValueError(f"unknown channels {unknown}; each one of {CHANNELS}")
@@ -99,13 +106,19 @@ def channel_group_sums(
     mixed = [n for n in names if (n in gallery.dense) != (n in queries.dense)]
     if mixed:
         raise ValueError(f"stacks of different layouts for modules {mixed}: build both with the same `dense`")
-    sums: dict[str, dict[str, np.ndarray]] = {c: {} for c in channels}
+    if inner_products and "module" not in channels:
+        raise ValueError("the modules' inner products are made from module cosine: ask for the 'module' channel")
+    sums: dict[str, dict[str, np.ndarray]] = {c: {} for c in (*channels, *(("dw",) if inner_products else ()))}
     counts: dict[str, np.ndarray] = {}
     for name in names:
         group = group_of(name)
         shared = (queries.norms[name] > 0)[:, None] & (gallery.norms[name] > 0)[None, :]
-        for c, v in _module_values(gallery, queries, channels, chunk, name).items():
+        values = _module_values(gallery, queries, channels, chunk, name)
+        for c, v in values.items():
             sums[c][group] = sums[c].get(group, 0) + v * shared
+        if inner_products:  # ⟨dW_q, dW_g⟩ of the module: its cosine times both norms
+            norms = np.outer(queries.norms[name].astype(np.float64), gallery.norms[name].astype(np.float64))
+            sums["dw"][group] = sums["dw"].get(group, 0) + values["module"] * norms
         counts[group] = counts.get(group, 0) + shared
     return sums, counts
 
