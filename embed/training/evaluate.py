@@ -42,9 +42,9 @@ from embed.training.train import remember_and_choose, train_w2t
 from embed.training.train_options import TrainOptions
 from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.canonical import CanonicalFactors, canonicalize
-from zoo.domain.centred_gram import REFERENCED, GramReference, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, REFERENCED, GramReference, fit_gram_reference
 from zoo.domain.channel_metric import Bank, ChannelMetric, bank_matrices
-from zoo.domain.exact_scores import exact_matrices
+from zoo.domain.exact_scores import exact_cosines, exact_matrices, module_centred
 from zoo.domain.methods import KnnPredictor, SearchScore
 from zoo.domain.similarity import (
     ModuleStack,
@@ -206,10 +206,12 @@ class Similarities:
 
     def centred(self, reference: GramReference | None) -> dict[str, np.ndarray]:
         """The exact scores of the centred input Gram (REFERENCED) among all the adapters, by name, on the reference a
-        split's labelled adapters fitted (none without one or without the stack)."""
+        split's labelled adapters fitted (none without one or without the stack); module cosine is split-free, so it is
+        `exact`'s, not made again."""
         if reference is None or self.stack is None:
             return {}
-        return exact_matrices(self.stack, self.stack, REFERENCED, reference)
+        centred = exact_cosines(self.stack, self.stack, CENTRED_GRAM, reference)
+        return {CENTRED_GRAM: centred, MODULE_CENTRED: module_centred(self.exact["module"], centred)}
 
     def reference(self, rows: list[int]) -> GramReference | None:
         """The centred input Gram's reference fitted on some of the adapters (None without the stack)."""

@@ -74,8 +74,14 @@ def exact_matrices(
     if "dw" in scores:
         out["dw"] = inner / np.maximum(np.outer(queries.total_norms(), gallery.total_norms()), 1e-30)
     if MODULE_CENTRED in scores:
-        out[MODULE_CENTRED] = (out["module"] + out[CENTRED_GRAM]) / 2
+        out[MODULE_CENTRED] = module_centred(out["module"], out[CENTRED_GRAM])
     return {s: out[s] for s in scores}
+
+
+def module_centred(module: np.ndarray, centred: np.ndarray) -> np.ndarray:
+    """MODULE_CENTRED from module cosine and the centred input Gram cosine between the same adapters: their mean (both
+    are means over the same shared modules)."""
+    return (module + centred) / 2
 
 
 def _module_blocks(
