@@ -1,7 +1,7 @@
 """The few-label metric over channels × module groups (zoo/domain/channel_metric.py) against dW cosine, the input
 Gram and the best single channel, on a zoo.
 
-Per split (embed.training.evaluate.labelled_split, `--per-task` labelled adapters per task, one draw per split), one metric per
+Per split (embed.training.splits.labelled_split, `--per-task` labelled adapters per task, one draw per split), one metric per
 objective is fitted on the labelled adapters only, its shrink chosen by inner cross-validation among them, and every
 other adapter with a task is a query:
 
@@ -36,7 +36,8 @@ from bench.channel_quality import paired_gain, split_arguments
 from embed.data.dataset import base_models, load_adapters
 from embed.data.types import ZooAdapter
 from embed.selection.metrics import knn_classify, knn_regress, retrieval_per_query
-from embed.training.evaluate import PERF_METRIC, labelled_split
+from embed.training.evaluate import PERF_METRIC
+from embed.training.splits import labelled_split
 from zoo.config import Settings
 from zoo.domain.channel_metric import BANK, OBJECTIVES, Bank, bank_matrices, fit_metric
 from zoo.domain.channels import factor_stack

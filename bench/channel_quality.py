@@ -1,6 +1,6 @@
 """Retrieval quality of the training-free similarity channels (zoo/domain/channels.py) against dW cosine, on a zoo.
 
-With `--per-task` labelled adapters per task (embed.training.evaluate.labelled_split, one draw per split), every other adapter
+With `--per-task` labelled adapters per task (embed.training.splits.labelled_split, one draw per split), every other adapter
 with a task queries the labelled ones; an item is relevant when it has the query's task. Per channel and split: the
 mean hit@1, MRR and nDCG@10 over the queries (embed.selection.metrics.retrieval_per_query). Each channel's gain over dW cosine
 is paired by split, with a 95 % t interval over the splits. Channels and mixes are training-free: no label is used
@@ -22,7 +22,7 @@ from scipy import stats
 
 from embed.data.dataset import base_models, load_adapters
 from embed.selection.metrics import retrieval_per_query
-from embed.training.evaluate import labelled_split
+from embed.training.splits import labelled_split
 from zoo.config import Settings
 from zoo.domain.channels import CHANNELS, channel_matrices, factor_stack
 from zoo.domain.similarity import dw_cosine_matrix

@@ -47,7 +47,7 @@ def dump(args: argparse.Namespace) -> None:
     from embed.data.dataset import load_adapters
     from embed.data.types import ZooAdapter, schema_of, split_positions
     from embed.serving.resources import resolve_base_model
-    from embed.training.evaluate import labelled_split
+    from embed.training.splits import labelled_split
     from embed.training.train import member_folds, train_w2t
     from embed.training.train_options import TrainOptions
     from embed.w2t.ensemble import W2TEnsemble

@@ -1,6 +1,6 @@
 """The search channel metric fused with dW query by query (zoo/domain/fusion.py) against each alone, on a zoo.
 
-Per split (embed.training.evaluate.labelled_split, `--per-task` labelled adapters per task), the search metric is fitted
+Per split (embed.training.splits.labelled_split, `--per-task` labelled adapters per task), the search metric is fitted
 on the labelled adapters only (zoo.domain.channel_metric.fit_metric, as bench.channel_metric fits it), and every other
 adapter with a task queries the whole gallery (every other adapter with a task; relevance: the same task). Ranked by:
 dW cosine, the input Gram, the metric, the fusion (`fused:search`: each query's scores standardized over its scores
@@ -25,8 +25,8 @@ from bench.channel_metric import load
 from bench.channel_quality import split_arguments
 from embed.selection.fitted import with_fused
 from embed.selection.metrics import retrieval_per_query
-from embed.training.evaluate import labelled_split
 from embed.training.intervals import clustered_bootstrap
+from embed.training.splits import labelled_split
 from zoo.config import Settings
 from zoo.domain.channel_metric import fit_metric
 from zoo.domain.methods import SearchScore, fitted_score, fused_score

@@ -1,7 +1,7 @@
 """W2T alone, part by part: v1, + Gram sketches, + pretraining (distilling an exact score), + its nuisance views, all;
 against the exact input Gram and dW cosines, on the splits `zoo eval` uses.
 
-Per split (embed.training.evaluate.split_of with `--per-task` labelled adapters per task, seeds SEED, SEED+1, ...), each
+Per split (embed.training.splits.split_of with `--per-task` labelled adapters per task, seeds SEED, SEED+1, ...), each
 configuration's W2T is trained with `zoo train`'s options (embed.training.train.train_w2t: `--members` models, the choices out
 of fold) on every adapter, the queries without their labels, and scored as `zoo eval` scores a similarity: every query
 (an unlabelled adapter with a task) ranks every other adapter, relevant = same task (hit@1, MRR, nDCG@10), and the
@@ -33,8 +33,9 @@ from embed.data.types import ZooAdapter, schema_of
 from embed.selection.metrics import knn_regress, regression, retrieval
 from embed.selection.search_choice import rerank_values
 from embed.training.distill import token_kernel
-from embed.training.evaluate import PERF_METRIC, split_of
+from embed.training.evaluate import PERF_METRIC
 from embed.training.pretrain import Pretrained, pretrain
+from embed.training.splits import split_of
 from embed.training.train import train_w2t, w2t_config
 from embed.training.train_options import TrainOptions
 from zoo.config import Settings

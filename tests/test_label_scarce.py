@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from embed.data.types import ZooAdapter, schema_of
 from embed.selection.calibration import expected_calibration_error
 from embed.selection.metrics import classification, knn_classify, knn_regress, regression, retrieval, weighted_mean
-from embed.training.evaluate import evaluate, labelled_split
+from embed.training.evaluate import evaluate
+from embed.training.splits import labelled_split
 from embed.training.train import categorical_attributes, train_w2t
 from embed.training.train_options import TrainOptions
 from tests.conftest import CLI

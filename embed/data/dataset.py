@@ -13,6 +13,7 @@ from zoo.domain.centred_gram import REFERENCED, GramReference, fit_gram_referenc
 from zoo.domain.channel_metric import Bank, bank_matrices
 from zoo.domain.exact_scores import EXACT_SCORES, exact_matrices
 from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines, sketch_width
+from zoo.domain.spectra import factors_size, update_size
 from zoo.store.adapters import adapters_with_factors, factor_base_models
 from zoo.store.blobs import BlobStore
 from zoo.store.session import Session, Sessions
@@ -65,6 +66,8 @@ class ExactScores:
     #: the centred input Gram's reference, fitted on all of them (zoo/domain/centred_gram.py), whose scores are among
     #: `scores` where it is (from the factors)
     gram_reference: GramReference | None = None
+    #: each one's size (zoo.domain.spectra.update_size), where it was read with its factors
+    sizes: np.ndarray | None = None
 
     def _at(self, ids: list[int]) -> np.ndarray:
         at = {int(i): j for j, i in enumerate(self.ids.tolist())}
@@ -73,6 +76,10 @@ class ExactScores:
     def among(self, ids: list[int]) -> dict[str, np.ndarray]:
         idx = self._at(ids)
         return {k: v[np.ix_(idx, idx)] for k, v in self.scores.items()}
+
+    def sizes_among(self, ids: list[int]) -> np.ndarray:
+        """The sizes of `ids`, in that order (empty where they are not known)."""
+        return self.sizes[self._at(ids)] if self.sizes is not None else np.zeros(0)
 
     def bank_among(self, ids: list[int]) -> Bank | None:
         idx = self._at(ids)
@@ -85,7 +92,9 @@ class ExactScores:
         atoms = bank_matrices(stack, stack) if bank and stack.size <= MAX_LABELLED else None
         reference = fit_gram_reference(stack, np.arange(stack.size))
         scores = exact_matrices(stack, stack, (*EXACT_SCORES, *REFERENCED), reference)
-        return cls(ids, scores, bank=atoms, gram_reference=reference)
+        norms = [stack.norms[k] for k in sorted(stack.norms)]
+        sizes = update_size(np.stack(norms, axis=-1) if norms else np.zeros((stack.size, 0)))
+        return cls(ids, scores, bank=atoms, gram_reference=reference, sizes=sizes)
 
     @classmethod
     def of_factors(cls, adapters: list[ZooAdapter], bank: bool = True) -> ExactScores:
@@ -147,6 +156,7 @@ class _ExactBuilder:
         self.ids: list[int] = []
         self.stack = ModuleStack.allocate(capacity, *exact_from) if exact_from is not None else None
         self.sketches: list[np.ndarray] = []
+        self.sizes: list[float] = []  # the sketches' adapters' (a stack knows its own)
 
     def add(self, adapters: list[ZooAdapter]) -> None:
         if not adapters:
@@ -156,6 +166,7 @@ class _ExactBuilder:
         else:
             names = self.schema.module_names
             self.sketches.append(module_sketches([a.factors for a in adapters], names, sketch_width(len(names))))
+            self.sizes += [factors_size(f.S for f in a.factors.values()) for a in adapters]
         self.ids += [a.id for a in adapters]
 
     def done(self) -> ExactScores:
@@ -168,4 +179,4 @@ class _ExactBuilder:
             return ExactScores.of_stack(ids, stack)
         sketches = np.concatenate(self.sketches) if self.sketches else np.zeros((0, len(self.schema.modules)), np.float32)
         estimate = sketch_module_cosines(sketches, sketches, len(self.schema.modules))
-        return ExactScores(ids, dict.fromkeys(EXACT_SCORES, estimate), source="module sketches")
+        return ExactScores(ids, dict.fromkeys(EXACT_SCORES, estimate), source="module sketches", sizes=np.array(self.sizes))

@@ -50,6 +50,13 @@ KNN_KS = (KNN_K, 5, 3, 1)
 #: input-Gram 10-NN weights by max(s, 0) are nearly equal, and a temperature chosen on the labelled adapters took its
 #: performance Spearman from 0.636 to 0.709 (docs/history/results-2026.md, "Performance Spearman: the kNN's weights")
 KNN_TEMPERATURES = (0.003, 0.01, 0.03, 0.1)
+#: neighbours and widths (in standard deviations of the labelled adapters' update sizes) of the kNN candidates that also
+#: weigh a metric's neighbours by how alike their update's size is (KnnPredictor.width), by the best training-free kNN's
+#: similarity and temperature: on digits-vit-seeded the log of an update's energy ranks held-out accuracy within a task at
+#: Spearman +0.25 (the run's steps +0.35), and 30 neighbours so weighed took the centred input Gram's 10-NN performance
+#: Spearman from 0.738 to 0.796 on 10 splits (docs/history/results-2026.md, "Performance: neighbours of a like size")
+SIZED_KS = (30, KNN_K)
+SIZE_WIDTHS = (0.5, 1.0, 2.0, 4.0)
 #: temperature of the nearest-class-mean readout's softmax over cosines
 PROTOTYPE_TEMPERATURE = 0.1
 #: random halves of the held-out adapters the choice is replayed on, to estimate what choosing by the best estimate gains
@@ -327,39 +334,80 @@ def choose_metric(
     learned: dict[LearnedPredictor, dict[int, float]],
     folds: list[Fold],
     target: str = "",
+    sizes: np.ndarray | None = None,
 ) -> tuple[Choice[Predictor], np.ndarray, np.ndarray]:
     """A kNN among the labelled adapters (as for attributes, and at each temperature of KNN_TEMPERATURES, by
-    Spearman; the kNNs by the `target` metric's own
-    channel metric, where `exact` holds it, weighed against it as learned predictors are) or a learned predictor
-    (`learned`: its out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric
-    (values per labelled adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold
-    predictions with the truth."""
+    Spearman; given the labelled adapters' `sizes`, the best of them also at SIZED_KS neighbours weighed by their
+    update's size: sized_knns, like k and T nothing the labels shaped) or, weighed against it as learned predictors are,
+    the kNNs by the `target` metric's own channel metric (where `exact` holds it) or a learned predictor (`learned`: its
+    out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric (values per labelled
+    adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
     similarities = knn_similarities(search, scores_for(exact, target))
     knns = [KnnPredictor(sim, k, temp) for sim in similarities for k in KNN_KS for temp in (None, *KNN_TEMPERATURES)]
-    preds: dict[Predictor, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
+    preds: dict[Predictor, list[float]] = {k: [] for k in (*knns, *learned)}
     truth: list[float] = []
     for f in folds:
         val = [r for r in f.val if not np.isnan(values[r]) and all(r in p for p in learned.values())]
         train = [r for r in f.train if not np.isnan(values[r])]
         if not val or not train:
             continue
-        for similarity in similarities:
-            sim = search_similarity(exact, similarity, f.z, val, train)
-            for k in KNN_KS:
-                for temp in (None, *KNN_TEMPERATURES):
-                    preds[KnnPredictor(similarity, k, temp)] += knn_regress(sim, values[train], k, temp).tolist()
+        for knn, v in _knn_estimates(exact, knns, values, f, val, train).items():
+            preds[knn] += v
         for name, p in learned.items():
             preds[name] += [p[r] for r in val]
         truth += values[val].tolist()
     t = np.array(truth)
-    per = {k: np.array(v) for k, v in preds.items()}
-    means = {k: _spearman(v, t) for k, v in per.items()}
+    means = {k: _spearman(np.array(v), t) for k, v in preds.items()}
     free, weighed = _knn_reference(knns, learned, lambda k: float(np.nan_to_num(means[k], nan=-2.0)))
+    sized = sized_knns(free, values, sizes)
+    for f in folds:  # the same held-out rows, in the same order
+        val = [r for r in f.val if not np.isnan(values[r]) and all(r in p for p in learned.values())]
+        train = [r for r in f.train if not np.isnan(values[r])]
+        if val and train:
+            for knn, v in _knn_estimates(exact, sized, values, f, val, train, sizes).items():
+                preds.setdefault(knn, []).extend(v)
+    per = {k: np.array(v) for k, v in preds.items()}
+    means.update({k: _spearman(per[k], t) for k in sized})
+    free = max([free, *sized], key=lambda k: float(np.nan_to_num(means[k], nan=-2.0)))  # ties: the plain kNN
     if len(t) < MIN_ITEMS or not weighed:
         return Choice(free, means, f"the best kNN on {len(t)} held-out adapters, too few to weigh a learned predictor"), per[free], t
     chosen, value = best_expected(weighed, free, lambda c, items: _spearman(per[c][items], t[items]), len(t))
     reason = why_chosen(chosen, free, value, len(t), "Spearman") + (" (the best kNN)" if chosen == free else "")
     return Choice(chosen, means, reason), per[chosen], t
+
+
+def sized_knns(free: KnnPredictor, values: np.ndarray, sizes: np.ndarray | None) -> list[KnnPredictor]:
+    """The training-free kNN `free` (its similarity and temperature) at SIZED_KS neighbours, also weighing them by their
+    update's size at each of SIZE_WIDTHS (times the spread of the sizes of the labelled adapters with a value, to 3
+    digits): few candidates, so that the guard can tell a gain from the best of many. None without sizes, or where
+    they are not finite or do not spread."""
+    if sizes is None:
+        return []
+    known = sizes[~np.isnan(values)]
+    spread = float(np.std(known)) if len(known) > 1 and np.isfinite(known).all() else 0.0
+    if spread == 0:
+        return []
+    widths = [float(f"{w * spread:.3g}") for w in SIZE_WIDTHS]
+    return [KnnPredictor(free.similarity, k, free.temperature, w) for k in SIZED_KS for w in widths]
+
+
+def _knn_estimates(
+    exact: dict[str, np.ndarray],
+    knns: list[KnnPredictor],
+    values: np.ndarray,
+    fold: Fold,
+    val: list[int],
+    train: list[int],
+    sizes: np.ndarray | None = None,
+) -> dict[KnnPredictor, list[float]]:
+    """Each kNN's estimates of a fold's held-out rows `val` from its training rows `train` (one similarity matrix each)."""
+    out: dict[KnnPredictor, list[float]] = {}
+    between = None if sizes is None else (sizes[val], sizes[train])
+    for similarity in dict.fromkeys(k.similarity for k in knns):
+        sim = search_similarity(exact, similarity, fold.z, val, train)
+        for knn in (k for k in knns if k.similarity == similarity):
+            out[knn] = knn_regress(sim, values[train], knn.k, knn.temperature, between, knn.width).tolist()
+    return out
 
 
 def _spearman(pred: np.ndarray, truth: np.ndarray) -> float:

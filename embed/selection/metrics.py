@@ -70,15 +70,20 @@ def top_k(row: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-row, kind="stable")
 
 
-def knn_weights(top: np.ndarray, temperature: float | None = None) -> np.ndarray:
+def knn_weights(
+    top: np.ndarray, temperature: float | None = None, gaps: np.ndarray | None = None, width: float | None = None
+) -> np.ndarray:
     """The weights of a kNN's neighbours from their similarities `top`: max(s, 0) + 1e-6, or with a `temperature` T
     the softmax of s / T. A score whose values sit close together (the input Gram: about 0.06 between tasks, 0.05-0.13
-    within one) weighs its neighbours nearly alike by the first; a small T lets the nearest count for more."""
+    within one) weighs its neighbours nearly alike by the first; a small T lets the nearest count for more. With a
+    `width` h, each weight also times exp(−Δ² / 2h²), Δ in `gaps` the neighbour's update size less the query's
+    (zoo.domain.spectra.update_size)."""
+    penalty = np.zeros(len(top)) if width is None or gaps is None else np.asarray(gaps, np.float64) ** 2 / (2.0 * width * width)
     if temperature is None:
-        return np.maximum(top, 0.0) + 1e-6
+        return (np.maximum(top, 0.0) + 1e-6) * np.exp(-penalty)
     from scipy.special import softmax  # imported here: every `zoo` command loads this module, few predict
 
-    return softmax(np.asarray(top, np.float64) / temperature)
+    return softmax(np.asarray(top, np.float64) / temperature - penalty)
 
 
 def knn_vote_shares(
@@ -108,12 +113,21 @@ def knn_classify(sim: np.ndarray, train_labels: list[str], k: int = KNN_K) -> li
     return [classes[int(i)] for i in knn_vote_shares(sim, index, len(classes), k).argmax(axis=1)]
 
 
-def knn_regress(sim: np.ndarray, train_values: np.ndarray, k: int = KNN_K, temperature: float | None = None) -> np.ndarray:
-    """Similarity-weighted mean (knn_weights) of the k most similar training items' values (sim: test × train)."""
+def knn_regress(
+    sim: np.ndarray,
+    train_values: np.ndarray,
+    k: int = KNN_K,
+    temperature: float | None = None,
+    sizes: tuple[np.ndarray, np.ndarray] | None = None,
+    width: float | None = None,
+) -> np.ndarray:
+    """Similarity-weighted mean (knn_weights) of the k most similar training items' values (sim: test × train); with
+    a `width`, `sizes` holds the update sizes of the test and the training items."""
     out = np.zeros(len(sim))
     for i, row in enumerate(sim):
         top = top_k(row, k)
-        out[i] = weighted_mean(train_values[top], knn_weights(row[top], temperature))
+        gaps = None if sizes is None or width is None else sizes[1][top] - sizes[0][i]
+        out[i] = weighted_mean(train_values[top], knn_weights(row[top], temperature, gaps, width))
     return out
 
 

@@ -458,7 +458,7 @@ class QueryEngine:
             similarities.add(model.search)  # the labelled neighbours that support (or not) each attribute's prediction
         near = {s: self._labelled_neighbours(session, state, model, query, s) for s in sorted(similarities, key=lambda s: s.name)}
         attributes, confidence = attribute_guesses(model, probs, knns, near, query.adapter_id)
-        metrics = metric_guesses(model, values, knns, near)
+        metrics = metric_guesses(model, values, knns, near, query.factors)
         return {
             "space": state.name,
             "embedder_id": e.id,

@@ -32,12 +32,20 @@ def neighbour_classes(near: tuple[np.ndarray, np.ndarray], classes: np.ndarray, 
 
 
 def knn_value(
-    near: tuple[np.ndarray, np.ndarray], values: np.ndarray, fallback: float, k: int = KNN_K, temperature: float | None = None
+    near: tuple[np.ndarray, np.ndarray],
+    values: np.ndarray,
+    fallback: float,
+    k: int = KNN_K,
+    temperature: float | None = None,
+    sizes: tuple[float, np.ndarray] | None = None,
+    width: float | None = None,
 ) -> float:
-    """Similarity-weighted mean (knn_weights at `temperature`) of the k nearest with a known value (values: per memory
+    """Similarity-weighted mean (knn_weights at `temperature`, and with a `width` by the update sizes in `sizes`: the
+    query's, and per memory position the labelled adapters') of the k nearest with a known value (values: per memory
     position, NaN unknown)."""
     positions, scores = near
     known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
     if not known.any():
         return fallback
-    return float(knn_regress(scores[known][None, :], values[positions[known]], k, temperature)[0])  # the vote choice.py scored
+    between = None if sizes is None else (np.array([sizes[0]]), sizes[1][positions[known]])
+    return float(knn_regress(scores[known][None, :], values[positions[known]], k, temperature, between, width)[0])  # as choice.py scored

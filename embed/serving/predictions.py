@@ -13,7 +13,9 @@ from embed.selection.calibration import is_sure
 from embed.selection.metrics import top_k
 from embed.serving.knn import knn_shares, knn_value, neighbour_classes
 from embed.serving.results import ClassGuess, Confidence, MetricGuess
+from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.methods import KnnPredictor, SearchScore
+from zoo.domain.spectra import factors_size
 
 if TYPE_CHECKING:
     from embed.w2t.ensemble import W2TEnsemble
@@ -59,14 +61,20 @@ def attribute_guesses(
 
 
 def metric_guesses(
-    model: W2TEnsemble, values: Mapping[str, np.ndarray], knns: Mapping[str, KnnPredictor], near: Near
+    model: W2TEnsemble,
+    values: Mapping[str, np.ndarray],
+    knns: Mapping[str, KnnPredictor],
+    near: Near,
+    factors: Mapping[str, CanonicalFactors],
 ) -> dict[str, MetricGuess]:
-    """Each metric's value (the heads', or the chosen kNN's mean among `near`, clipped to its range) and 90 % interval."""
+    """Each metric's value (the heads', or the chosen kNN's mean among `near`, clipped to its range) and 90 % interval.
+    A kNN that weighs its neighbours by size reads the query's (from its `factors`) and the labelled adapters'."""
     metrics: dict[str, MetricGuess] = {}
     for key, v in values.items():
         value = float(v[0])
         if (knn := knns.get(key)) is not None:
-            found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k, knn.temperature)
+            sizes = (factors_size(f.S for f in factors.values()), model.memory_sizes) if knn.width is not None else None
+            found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k, knn.temperature, sizes, knn.width)
             value = float(model.clip(key, np.array([found]))[0])
         low, high = interval(value, model.residual_std.get(key), *model.metric_range.get(key, (-math.inf, math.inf)))
         metrics[key] = {

@@ -83,7 +83,8 @@ def choose_methods(
             embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
     for m in embedder.config.regression:
         predicted = {HEAD: values.get(m, {}), NEIGHBOURS: values.get(f"neighbours.{m}", {})}
-        choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views, m)
+        sizes = embedder.memory_sizes if len(embedder.memory_sizes) == len(labelled) else None
+        choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views, m, sizes)
         embedder.predictors[m] = choice.chosen
         embedder.choices[m] = choice.as_dict()
         if len(truth) >= 2:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from embed.data.tokens import max_rank
-from embed.data.types import SpaceSchema, ZooAdapter, split_positions
+from embed.data.types import SpaceSchema, ZooAdapter
 from embed.selection.calibration import expected_calibration_error
 from embed.selection.choice import scores_for
 from embed.selection.fitted import with_fused
@@ -38,6 +38,7 @@ from embed.selection.metrics import (
 from embed.selection.search_choice import rerank_values, search_candidates
 from embed.training.baselines import raw_factor_vectors, spectra_vectors
 from embed.training.intervals import LEVEL, RESAMPLES
+from embed.training.splits import protocol, split_of
 from embed.training.train import remember_and_choose, train_w2t
 from embed.training.train_options import TrainOptions
 from embed.w2t.ensemble import W2TEnsemble
@@ -53,6 +54,7 @@ from zoo.domain.similarity import (
     sketch_module_cosines,
     sketch_width,
 )
+from zoo.domain.spectra import factors_size
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"
@@ -160,6 +162,7 @@ def _score(
     predict: bool,
     k: int = KNN_K,
     temperature: float | None = None,
+    width: float | None = None,
 ) -> Scores:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
     out = _nothing()
@@ -173,7 +176,9 @@ def _score(
             out.update(_task_scores(knn_classify(sub, [tasks[p] for p in train_pos], k), [tasks[p] for p in test_pos]))
         perf = np.array([all_ad[p].measurements.get(PERF_METRIC, np.nan) for p in range(len(all_ad))])
         if not np.isnan(perf[train_pos + test_pos]).any():
-            out.means.update(regression(knn_regress(sub, perf[train_pos], k, temperature), perf[test_pos]))
+            size = np.array([factors_size(f.S for f in a.factors.values()) for a in all_ad]) if width is not None else None
+            sizes = None if size is None else (size[test_pos], size[train_pos])
+            out.means.update(regression(knn_regress(sub, perf[train_pos], k, temperature, sizes, width), perf[test_pos]))
     return out
 
 
@@ -241,19 +246,6 @@ def similarities(adapters: list[ZooAdapter], schema: SpaceSchema) -> Similaritie
     bank = bank_matrices(stack, stack)
     seconds = {"dw_cosine": t1 - t0, "module_sketch": t2 - t1, "raw_and_spectra": t3 - t2, "channel_bank": time.perf_counter() - t3}
     return Similarities(exact, sketch_sim, raw_sim, spec_sim, seconds, stack, bank)
-
-
-def split_of(
-    adapters: list[ZooAdapter], test_fraction: float, seed: int, labelled_per_task: int | None, label_fraction: float | None
-) -> tuple[list[int], list[int], list[ZooAdapter]]:
-    """(train positions, test positions, the adapters W2T trains on) of one seeded split (see `evaluate`)."""
-    if labelled_per_task is not None or label_fraction is not None:
-        train_pos, test_pos = labelled_split(adapters, labelled_per_task, label_fraction, seed)
-        held = set(test_pos)
-        fit = [ZooAdapter(a.id, a.name, a.factors, {}, {}, a.source_uri) if p in held else a for p, a in enumerate(adapters)]
-        return train_pos, test_pos, fit
-    train_pos, test_pos = split_positions(adapters, test_fraction, seed)
-    return train_pos, test_pos, [adapters[p] for p in train_pos]
 
 
 def stages(contrastive: bool) -> list[str]:
@@ -361,7 +353,7 @@ def evaluate(
     return {
         "space": schema.base_model,
         "seed": seed,
-        "protocol": _protocol(labelled_per_task, label_fraction),
+        "protocol": protocol(labelled_per_task, label_fraction),
         "objective": objective,
         "n_train": len(train_pos),
         "n_test": len(test_pos),
@@ -394,45 +386,6 @@ def candidate_scores(
     }
 
 
-def _share(fraction: float | None, size: int) -> int:
-    """`fraction` of `size`, at least one."""
-    if fraction is None:
-        raise ValueError("give one of labelled_per_task and label_fraction")
-    return max(1, int(round(fraction * size)))
-
-
-def _protocol(labelled_per_task: int | None, label_fraction: float | None) -> str:
-    if labelled_per_task is not None:
-        return f"{labelled_per_task} labelled per task"
-    if label_fraction is not None:
-        return f"{label_fraction:g} of each task labelled"
-    return "full labels"
-
-
-def labelled_split(adapters: list[ZooAdapter], per_task: int | None, fraction: float | None, seed: int) -> tuple[list[int], list[int]]:
-    """(labelled, queries) positions: per task, `per_task` adapters (or `fraction` of them, at least one) drawn
-    with the seed over the adapters sorted by name keep their labels; the task's others are the queries.
-    Adapters without a task are in neither."""
-    if (per_task is None) == (fraction is None):
-        raise ValueError("give one of labelled_per_task and label_fraction")
-    if per_task is not None and per_task < 1 or fraction is not None and not 0 < fraction < 1:
-        raise ValueError("labelled_per_task must be at least 1 and label_fraction between 0 and 1")
-    rng = np.random.default_rng(seed)
-    by_task: dict[str, list[int]] = {}
-    for p in sorted(range(len(adapters)), key=lambda p: (adapters[p].name, adapters[p].id)):
-        if adapters[p].labels.get(TASK_KEY):
-            by_task.setdefault(adapters[p].labels[TASK_KEY], []).append(p)
-    labelled: list[int] = []
-    queries: list[int] = []
-    for task in sorted(by_task):
-        members = by_task[task]
-        n = per_task if per_task is not None else _share(fraction, len(members))
-        chosen = set(rng.permutation(len(members))[: min(n, len(members) - 1)].tolist())  # a task keeps a query
-        labelled += [members[i] for i in sorted(chosen)]
-        queries += [members[i] for i in range(len(members)) if i not in chosen]
-    return sorted(labelled), sorted(queries)
-
-
 def _similarity(exact: dict[str, np.ndarray], w2t: np.ndarray, score: SearchScore) -> np.ndarray:
     """A search score's similarity (its first stage) from the exact scores and the W2T cosine."""
     return score.similarity(exact[score.exact], w2t)
@@ -453,9 +406,7 @@ def _default_scores(
     out.update(_calibrated_task_scores(emb, exact, w2t, adapters, test_pos, train_pos))
     source = _head_scores(emb, adapters, test_pos)
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
-        source = _score(
-            _similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, predict=True, k=knn.k, temperature=knn.temperature
-        )
+        source = _score(_similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, True, knn.k, knn.temperature, knn.width)
     out.means.update({k: source.means.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 

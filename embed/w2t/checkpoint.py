@@ -39,8 +39,8 @@ def search_of(meta: dict) -> SearchScore:
 
 
 def predictors_of(meta: dict) -> dict[str, Predictor]:
-    """Each target's predictor in a checkpoint: a kNN ("knn") by its similarity, k and temperature (none before kNNs
-    had one) under "knn", a learned one by
+    """Each target's predictor in a checkpoint: a kNN ("knn") by its similarity, k, temperature and size width (none
+    before kNNs had them) under "knn", a learned one by
     its kind; before kNN predictors were chosen, "search" meant a KNN_K-NN over the search score."""
     knn = meta.get("knn", {})
     predictors: dict[str, Predictor] = {}
@@ -48,9 +48,12 @@ def predictors_of(meta: dict) -> dict[str, Predictor]:
         if kind == "search":
             predictors[target] = KnnPredictor(search_of(meta).first_stage, KNN_K)
         elif kind == KnnPredictor.kind:
-            t = knn[target].get("temperature")
+            t, h = knn[target].get("temperature"), knn[target].get("width")
             predictors[target] = KnnPredictor(
-                SearchScore.parse(knn[target]["similarity"]), int(knn[target]["k"]), None if t is None else float(t)
+                SearchScore.parse(knn[target]["similarity"]),
+                int(knn[target]["k"]),
+                None if t is None else float(t),
+                None if h is None else float(h),
             )
         else:
             predictors[target] = LearnedPredictor.parse(kind)
@@ -89,6 +92,7 @@ def methods_meta(search: SearchScore, predictors: dict[str, Predictor], metrics:
 
 
 def _knn_meta(knn: KnnPredictor) -> dict[str, object]:
-    """A kNN predictor as predictors_of reads it back: its temperature only where it has one, so that checkpoints
-    of kNNs without one are written as they always were."""
-    return {"similarity": knn.similarity.name, "k": knn.k, **({} if knn.temperature is None else {"temperature": knn.temperature})}
+    """A kNN predictor as predictors_of reads it back: its temperature and size width only where it has them, so that
+    checkpoints of kNNs without them are written as they always were."""
+    optional = {"temperature": knn.temperature, "width": knn.width}
+    return {"similarity": knn.similarity.name, "k": knn.k, **{k: v for k, v in optional.items() if v is not None}}

@@ -91,6 +91,10 @@ class W2TEnsemble:
     #: the centred input Gram's reference, fitted on the labelled training adapters (zoo/domain/centred_gram.py): what a
     #: search score or kNN that weighs it serves
     gram_reference: GramReference | None = None
+    #: the labelled training adapters' update sizes (zoo.domain.spectra.update_size), in memory order: what a kNN that
+    #: weighs its neighbours by size (KnnPredictor.width) reads; empty where the choices were not made or from a
+    #: checkpoint older than such kNNs
+    memory_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     _memory_classes: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def memory_classes(self, attribute: str) -> np.ndarray:
@@ -231,6 +235,7 @@ class W2TEnsemble:
             "ids": torch.from_numpy(np.ascontiguousarray(self.memory_ids, dtype=np.int64)),
         }
         memory.update({f"values.{k}": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in self.memory_values.items()})
+        memory["sizes"] = torch.from_numpy(np.ascontiguousarray(self.memory_sizes, dtype=np.float64))
         save_file(memory, str(directory / MEMORY))
         meta = {
             "config": self.config.as_dict(),
@@ -284,4 +289,5 @@ class W2TEnsemble:
             calibration={k: Calibration.from_dict(c) for k, c in meta.get("calibration", {}).items()},
             channel_metrics=channel_metrics_of(meta),
             gram_reference=gram_reference_of(directory),
+            memory_sizes=memory["sizes"].numpy() if "sizes" in memory else np.zeros(0),
         )

@@ -140,7 +140,8 @@ def train_options_of(args: argparse.Namespace, seed: int) -> TrainOptions:
 def _eval_estimate(args: argparse.Namespace, adapters: list[ZooAdapter], schema: SpaceSchema, done: dict[str, float], splits: int) -> float:
     """Print, before `splits` splits run, how long they should take (embed.training.evaluate.estimate_seconds, from two short
     timed trainings, plus the similarities already computed); return the whole estimate in seconds."""
-    from embed.training.evaluate import estimate_seconds, split_of
+    from embed.training.evaluate import estimate_seconds
+    from embed.training.splits import split_of
 
     t0 = time.perf_counter()
     fit = split_of(adapters, args.test_fraction, args.seed, args.labelled_per_task, args.label_fraction)[2]

@@ -27,6 +27,7 @@ _BY = " by "
 _KNN = "knn "
 _K = " k="
 _T = " T="
+_H = " h="
 #: the most adapters a second stage re-ranks
 MAX_RERANK_TOP = 100
 
@@ -201,15 +202,26 @@ class SearchScore:
         return rerank_keys(first, second.similarity(reordered_by, w2t_cosine), self.rerank_top)
 
 
+def _exactly_written(value: float, what: str) -> float:
+    """A positive number its name writes exactly (`:g`), as a float; a ValueError naming `what` otherwise."""
+    v = float(value)
+    if not (np.isfinite(v) and v > 0 and float(f"{v:g}") == v):
+        raise ValueError(f"{what} is a positive number its name writes exactly, not {value!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class KnnPredictor:
     """A similarity-weighted vote (or mean) of the k most similar labelled adapters by a search score: each
     neighbour weighed by max(s, 0) + 1e-6, or with a `temperature` T by the softmax of s / T
-    (embed.selection.metrics.knn_weights). T is positive and written exactly by the name (`:g`)."""
+    (embed.selection.metrics.knn_weights); with a `width` h, each weight also times exp(−Δ² / 2h²), Δ the gap between
+    the neighbour's update size and the query's (zoo.domain.spectra.update_size): a metric's neighbours trained about
+    as far. T and h are positive and written exactly by the name (`:g`)."""
 
     similarity: SearchScore
     k: int
     temperature: float | None = None
+    width: float | None = None
     #: what checkpoints and `zoo predict` record as the predictor's kind
     kind: ClassVar[str] = "knn"
 
@@ -219,26 +231,29 @@ class KnnPredictor:
         if self.similarity.second_stage is not None:
             raise ValueError(f"a kNN votes by one similarity, not by the two stages of {self.similarity.name}")
         if self.temperature is not None:
-            t = float(self.temperature)
-            if not (np.isfinite(t) and t > 0 and float(f"{t:g}") == t):
-                raise ValueError(f"a kNN's temperature is a positive number its name writes exactly, not {self.temperature!r}")
-            object.__setattr__(self, "temperature", t)
+            object.__setattr__(self, "temperature", _exactly_written(self.temperature, "a kNN's temperature"))
+        if self.width is not None:
+            object.__setattr__(self, "width", _exactly_written(self.width, "a kNN's size width"))
 
     @property
     def name(self) -> str:
-        """`knn dw k=3`, `knn module+w2t@0.1 k=10`, `knn input_gram k=10 T=0.01`."""
+        """`knn dw k=3`, `knn module+w2t@0.1 k=10`, `knn input_gram k=10 T=0.01`, `knn centred_gram k=30 T=0.01 h=2.8`."""
         tempered = "" if self.temperature is None else f"{_T}{self.temperature:g}"
-        return f"{_KNN}{self.similarity.name}{_K}{self.k}{tempered}"
+        sized = "" if self.width is None else f"{_H}{self.width:g}"
+        return f"{_KNN}{self.similarity.name}{_K}{self.k}{tempered}{sized}"
 
     @classmethod
     def parse(cls, name: str) -> KnnPredictor:
         """The kNN predictor named `name` (ValueError for a name `name` does not write)."""
-        rest, tempered, t = name.removeprefix(_KNN).rpartition(_T)
-        if not tempered:
-            rest, t = name.removeprefix(_KNN), ""
+        rest, sized, h = name.removeprefix(_KNN).rpartition(_H)
+        if not sized:
+            rest, h = name.removeprefix(_KNN), ""
+        head, tempered, t = rest.rpartition(_T)
+        if tempered:
+            rest = head
         similarity, _, k = rest.rpartition(_K)
         try:
-            predictor = cls(SearchScore.parse(similarity), int(k), float(t) if tempered else None)
+            predictor = cls(SearchScore.parse(similarity), int(k), float(t) if tempered else None, float(h) if sized else None)
         except ValueError:
             predictor = None
         if predictor is None or predictor.name != name:
