@@ -144,3 +144,21 @@ def test_a_stack_whose_dense_modules_are_flattened_is_refused_and_its_module_sto
     write_module_store(tmp_path / "old.safetensors", np.arange(3), old, 1)
     assert read_module_store(tmp_path / "new.safetensors") is not None
     assert read_module_store(tmp_path / "old.safetensors") is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=seeds, scale=st.floats(0.01, 100.0))
+def test_an_update_size_is_one_number_from_its_factors_and_from_a_stack(seed: int, scale: float) -> None:
+    """The size a query is served with (from its factors) equals the one its stack row gives the training choices (to a
+    sum's rounding); it is log Σ‖dWₘ‖²_F, so scaling every module by c adds 2 log c."""
+    from embed.data.dataset import ExactScores
+    from embed.data.types import ZooAdapter
+    from zoo.domain.spectra import factors_size
+
+    adapters = random_adapters(seed, 4)
+    given_sizes = ExactScores.of_factors([ZooAdapter(i, f"a{i}", a) for i, a in enumerate(adapters)], bank=False).sizes_among([0, 1, 2, 3])
+    np.testing.assert_allclose(given_sizes, [factors_size(f.S for f in a.values()) for a in adapters], rtol=1e-12)
+    dense = [sum(float(((f.U * f.S) @ f.V.T).double().square().sum()) for f in a.values()) for a in adapters]
+    np.testing.assert_allclose(given_sizes, np.log(dense), rtol=1e-6)
+    scaled = [{m: CanonicalFactors(f.U, f.S * scale, f.V) for m, f in a.items()} for a in adapters]
+    np.testing.assert_allclose([factors_size(f.S for f in a.values()) for a in scaled], given_sizes + 2 * np.log(scale), atol=1e-5)

@@ -52,7 +52,8 @@ temperatures = st.one_of(
     st.floats(1e-12, 1e6, allow_nan=False, allow_infinity=False).map(lambda t: float(f"{t:g}")),
 )
 predictors: st.SearchStrategy[Predictor] = st.one_of(
-    st.builds(KnnPredictor, one_stage_scores, st.integers(1, 10_000), temperatures), st.sampled_from(LEARNED).map(LearnedPredictor)
+    st.builds(KnnPredictor, one_stage_scores, st.integers(1, 10_000), temperatures, temperatures),
+    st.sampled_from(LEARNED).map(LearnedPredictor),
 )
 
 
@@ -119,6 +120,8 @@ def test_names_as_they_were_written() -> None:
     assert staged == SearchScore("metric:search", 0.0, 0.0, 10, "fused:search") and staged.second_stage == SearchScore("fused:search")
     assert staged.first_stage == SearchScore("metric:search") and SearchScore.parse("fused:search").fitted == "search"
     assert KnnPredictor(SearchScore(), 3, 0.003).name == "knn dw k=3 T=0.003" and KnnPredictor(SearchScore(), 3).temperature is None
+    assert parse_predictor("knn centred_gram k=30 T=0.01 h=2.79") == KnnPredictor(SearchScore("centred_gram"), 30, 0.01, 2.79)
+    assert KnnPredictor(SearchScore(), 10, None, 1.5).name == "knn dw k=10 h=1.5"
 
 
 @pytest.mark.parametrize(
