@@ -21,6 +21,7 @@ from embed.training.train_options import TrainOptions
 from tests.conftest import CLI
 from tests.test_embed import synthetic_zoo
 from zoo.domain.exact_scores import EXACT_SCORES, exact_cosines
+from zoo.domain.methods import KnnPredictor
 from zoo.domain.similarity import ModuleStack, dense_modules
 
 
@@ -163,6 +164,8 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
         train += ("--unlabelled-per-labelled", str(unlabelled))
     rc, (info,) = cli.json_lines(*train)
     assert rc == 0 and info["heads"] == ["task"] and set(info["predictors"]) == {"task", "test_accuracy"}
+    # accuracy here grows with the steps, so with the run's size: served by a kNN that weighs its neighbours by size
+    assert KnnPredictor.parse(info["predictors"]["test_accuracy"]).width is not None
 
     with session_factory(cli.settings.database_url)() as session:
         stored = load_adapters(session, BlobStore(cli.settings.blob_dir), "tiny")
