@@ -345,27 +345,19 @@ def choose_metric(
     similarities = knn_similarities(search, scores_for(exact, target))
     knns = [KnnPredictor(sim, k, temp) for sim in similarities for k in KNN_KS for temp in (None, *KNN_TEMPERATURES)]
     preds: dict[Predictor, list[float]] = {k: [] for k in (*knns, *learned)}
-    truth: list[float] = []
-    for f in folds:
-        val = [r for r in f.val if not np.isnan(values[r]) and all(r in p for p in learned.values())]
-        train = [r for r in f.train if not np.isnan(values[r])]
-        if not val or not train:
-            continue
+    held = _with_values(folds, values, learned)
+    for f, val, train in held:
         for knn, v in _knn_estimates(exact, knns, values, f, val, train).items():
             preds[knn] += v
         for name, p in learned.items():
             preds[name] += [p[r] for r in val]
-        truth += values[val].tolist()
-    t = np.array(truth)
+    t = np.concatenate([values[val] for _, val, _ in held]) if held else np.zeros(0)
     means = {k: _spearman(np.array(v), t) for k, v in preds.items()}
     free, weighed = _knn_reference(knns, learned, lambda k: float(np.nan_to_num(means[k], nan=-2.0)))
     sized = sized_knns(free, values, sizes)
-    for f in folds:  # the same held-out rows, in the same order
-        val = [r for r in f.val if not np.isnan(values[r]) and all(r in p for p in learned.values())]
-        train = [r for r in f.train if not np.isnan(values[r])]
-        if val and train:
-            for knn, v in _knn_estimates(exact, sized, values, f, val, train, sizes).items():
-                preds.setdefault(knn, []).extend(v)
+    for f, val, train in held:
+        for knn, v in _knn_estimates(exact, sized, values, f, val, train, sizes).items():
+            preds.setdefault(knn, []).extend(v)
     per = {k: np.array(v) for k, v in preds.items()}
     means.update({k: _spearman(per[k], t) for k in sized})
     free = max([free, *sized], key=lambda k: float(np.nan_to_num(means[k], nan=-2.0)))  # ties: the plain kNN
@@ -379,8 +371,9 @@ def choose_metric(
 def sized_knns(free: KnnPredictor, values: np.ndarray, sizes: np.ndarray | None) -> list[KnnPredictor]:
     """The training-free kNN `free` (its similarity and temperature) at SIZED_KS neighbours, also weighing them by their
     update's size at each of SIZE_WIDTHS (times the spread of the sizes of the labelled adapters with a value, to 3
-    digits): few candidates, so that the guard can tell a gain from the best of many. None without sizes, or where
-    they are not finite or do not spread."""
+    digits): a few candidates, each as free of the labels as k and T, beside the best kNN rather than beside every one
+    (the best estimate among many flatters its pick). None without sizes, or where they are not finite or do not
+    spread."""
     if sizes is None:
         return []
     known = sizes[~np.isnan(values)]
@@ -389,6 +382,20 @@ def sized_knns(free: KnnPredictor, values: np.ndarray, sizes: np.ndarray | None)
         return []
     widths = [float(f"{w * spread:.3g}") for w in SIZE_WIDTHS]
     return [KnnPredictor(free.similarity, k, free.temperature, w) for k in SIZED_KS for w in widths]
+
+
+def _with_values(
+    folds: list[Fold], values: np.ndarray, learned: dict[LearnedPredictor, dict[int, float]]
+) -> list[tuple[Fold, list[int], list[int]]]:
+    """Each fold with its held-out rows that have a value and every learned predictor's estimate, and its training rows
+    that have a value; folds short of either left out."""
+    held = []
+    for f in folds:
+        val = [r for r in f.val if not np.isnan(values[r]) and all(r in p for p in learned.values())]
+        train = [r for r in f.train if not np.isnan(values[r])]
+        if val and train:
+            held.append((f, val, train))
+    return held
 
 
 def _knn_estimates(
