@@ -53,8 +53,8 @@ KNN_TEMPERATURES = (0.003, 0.01, 0.03, 0.1)
 #: neighbours and widths (in standard deviations of the labelled adapters' update sizes) of the kNN candidates that also
 #: weigh a metric's neighbours by how alike their update's size is (KnnPredictor.width), by the best training-free kNN's
 #: similarity and temperature: on digits-vit-seeded the log of an update's energy ranks held-out accuracy within a task at
-#: Spearman +0.25 (the run's steps +0.35), and 30 neighbours so weighed took the centred input Gram's 10-NN performance
-#: Spearman from 0.738 to 0.796 on 10 splits (docs/history/results-2026.md, "Performance: neighbours of a like size")
+#: Spearman +0.25 (the run's steps +0.35), and with them the default's performance Spearman rose from 0.753 to 0.790 on
+#: 10 splits (docs/history/results-2026.md, "Performance: neighbours of a like size")
 SIZED_KS = (30, KNN_K)
 SIZE_WIDTHS = (0.5, 1.0, 2.0, 4.0)
 #: temperature of the nearest-class-mean readout's softmax over cosines
@@ -344,7 +344,7 @@ def choose_metric(
     adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
     similarities = knn_similarities(search, scores_for(exact, target))
     knns = [KnnPredictor(sim, k, temp) for sim in similarities for k in KNN_KS for temp in (None, *KNN_TEMPERATURES)]
-    preds: dict[Predictor, list[float]] = {k: [] for k in (*knns, *learned)}
+    preds: dict[Predictor, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
     held = _with_values(folds, values, learned)
     for f, val, train in held:
         for knn, v in _knn_estimates(exact, knns, values, f, val, train).items():
