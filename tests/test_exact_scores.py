@@ -153,7 +153,7 @@ def test_an_update_size_is_one_number_from_its_factors_and_from_a_stack(seed: in
     sum's rounding); it is log Σ‖dWₘ‖²_F, so scaling every module by c adds 2 log c."""
     from embed.data.dataset import ExactScores
     from embed.data.types import ZooAdapter
-    from zoo.domain.spectra import factors_size
+    from zoo.domain.sizes import factors_size
 
     adapters = random_adapters(seed, 4)
     given_sizes = ExactScores.of_factors([ZooAdapter(i, f"a{i}", a) for i, a in enumerate(adapters)], bank=False).sizes_among([0, 1, 2, 3])

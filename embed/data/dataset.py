@@ -13,7 +13,7 @@ from zoo.domain.centred_gram import REFERENCED, GramReference, fit_gram_referenc
 from zoo.domain.channel_metric import Bank, bank_matrices
 from zoo.domain.exact_scores import EXACT_SCORES, exact_matrices
 from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines, sketch_width
-from zoo.domain.spectra import factors_size, update_size
+from zoo.domain.sizes import factors_size, update_size
 from zoo.store.adapters import adapters_with_factors, factor_base_models
 from zoo.store.blobs import BlobStore
 from zoo.store.session import Session, Sessions
@@ -66,7 +66,7 @@ class ExactScores:
     #: the centred input Gram's reference, fitted on all of them (zoo/domain/centred_gram.py), whose scores are among
     #: `scores` where it is (from the factors)
     gram_reference: GramReference | None = None
-    #: each one's size (zoo.domain.spectra.update_size), where it was read with its factors
+    #: each one's size (zoo.domain.sizes.update_size), where it was read with its factors
     sizes: np.ndarray | None = None
 
     def _at(self, ids: list[int]) -> np.ndarray:

@@ -77,7 +77,7 @@ def knn_weights(
     the softmax of s / T. A score whose values sit close together (the input Gram: about 0.06 between tasks, 0.05-0.13
     within one) weighs its neighbours nearly alike by the first; a small T lets the nearest count for more. With a
     `width` h, each weight also times exp(−Δ² / 2h²), Δ in `gaps` the neighbour's update size less the query's
-    (zoo.domain.spectra.update_size)."""
+    (zoo.domain.sizes.update_size)."""
     penalty = np.zeros(len(top)) if width is None or gaps is None else np.asarray(gaps, np.float64) ** 2 / (2.0 * width * width)
     if temperature is None:
         return (np.maximum(top, 0.0) + 1e-6) * np.exp(-penalty)

@@ -13,12 +13,12 @@ from embed.selection.calibration import is_sure
 from embed.selection.metrics import top_k
 from embed.serving.knn import knn_shares, knn_value, neighbour_classes
 from embed.serving.results import ClassGuess, Confidence, MetricGuess
-from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.methods import KnnPredictor, SearchScore
-from zoo.domain.spectra import factors_size
+from zoo.domain.sizes import factors_size
 
 if TYPE_CHECKING:
     from embed.w2t.ensemble import W2TEnsemble
+    from zoo.domain.canonical import CanonicalFactors
 
 #: labelled neighbours counted as support of an attribute predicted by something other than a kNN
 SUPPORT_K = 5

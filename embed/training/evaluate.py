@@ -54,7 +54,7 @@ from zoo.domain.similarity import (
     sketch_module_cosines,
     sketch_width,
 )
-from zoo.domain.spectra import factors_size
+from zoo.domain.sizes import factors_size
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"

@@ -91,7 +91,7 @@ class W2TEnsemble:
     #: the centred input Gram's reference, fitted on the labelled training adapters (zoo/domain/centred_gram.py): what a
     #: search score or kNN that weighs it serves
     gram_reference: GramReference | None = None
-    #: the labelled training adapters' update sizes (zoo.domain.spectra.update_size), in memory order: what a kNN that
+    #: the labelled training adapters' update sizes (zoo.domain.sizes.update_size), in memory order: what a kNN that
     #: weighs its neighbours by size (KnnPredictor.width) reads; empty where the choices were not made or from a
     #: checkpoint older than such kNNs
     memory_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0))

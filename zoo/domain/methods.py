@@ -215,7 +215,7 @@ class KnnPredictor:
     """A similarity-weighted vote (or mean) of the k most similar labelled adapters by a search score: each
     neighbour weighed by max(s, 0) + 1e-6, or with a `temperature` T by the softmax of s / T
     (embed.selection.metrics.knn_weights); with a `width` h, each weight also times exp(−Δ² / 2h²), Δ the gap between
-    the neighbour's update size and the query's (zoo.domain.spectra.update_size): a metric's neighbours trained about
+    the neighbour's update size and the query's (zoo.domain.sizes.update_size): a metric's neighbours trained about
     as far. T and h are positive and written exactly by the name (`:g`)."""
 
     similarity: SearchScore

@@ -8,7 +8,6 @@ maximum likelihood with x_min chosen by the Kolmogorov-Smirnov distance).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,21 +60,6 @@ def spectrum_from_singular_values(singular_values: np.ndarray | torch.Tensor, fi
 
 #: rows of a matrix cast to float64 at a time while its Gram matrix is summed (bounds the working copy)
 GRAM_CHUNK_ROWS = 4096
-
-
-def update_size(frobenius_norms: np.ndarray) -> np.ndarray:
-    """The size of updates from their modules' Frobenius norms (the last axis): log Σₘ‖dWₘ‖²_F (−inf for an empty
-    one). How far a run went, whatever it learned: a performance predictor's second input
-    (embed/selection/kernel_regression.py)."""
-    energy = (np.asarray(frobenius_norms, np.float64) ** 2).sum(axis=-1)
-    with np.errstate(divide="ignore"):
-        return np.log(energy)
-
-
-def factors_size(singular_values: Iterable[torch.Tensor]) -> float:
-    """update_size of one update from its modules' singular values (‖dWₘ‖_F = ‖Sₘ‖), each norm held in float32 as a
-    module stack holds it (zoo.domain.similarity.ModuleStack.norms), so that both give one size."""
-    return float(update_size(np.array([np.linalg.norm(s.double().numpy()) for s in singular_values], dtype=np.float32)))
 
 
 def singular_values(W: torch.Tensor) -> torch.Tensor:
