@@ -406,7 +406,8 @@ def _default_scores(
     out.update(_calibrated_task_scores(emb, exact, w2t, adapters, test_pos, train_pos))
     source = _head_scores(emb, adapters, test_pos)
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
-        source = _score(_similarity(exact, w2t, knn.similarity), adapters, test_pos, train_pos, True, knn.k, knn.temperature, knn.width)
+        sim = _similarity(exact, w2t, knn.similarity)
+        source = _score(sim, adapters, test_pos, train_pos, predict=True, k=knn.k, temperature=knn.temperature, width=knn.width)
     out.means.update({k: source.means.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 
