@@ -25,6 +25,7 @@ from tests.conftest import CLI
 from tests.factories import TinyLM
 from webapp import create_app
 from zoo.config import Settings
+from zoo.domain.module_sample import module_bytes
 from zoo.domain.relations import DETECTOR
 from zoo.services import relation_rows, relations
 from zoo.store.blobs import BlobStore
@@ -229,6 +230,37 @@ def test_relations_are_found_stored_and_served(cli: CLI, settings: Settings, sou
         assert left == 0 and session.get(Adapter, ids["q1"]) is None
 
 
+def test_a_sample_of_the_modules_finds_what_the_whole_finds(
+    cli: CLI, settings: Settings, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a sample budget that holds two of a rank-4 adapter's four modules, every adapter is compared on a sample: the
+    step finds the same edges (a rescale, a cast, a pruned copy, a merge and its weights, a continuation) as comparing
+    whole adapters, and each edge says how many modules it was found on."""
+    ids = ingest(cli, sources, "p", "q1", "q2", "u1", "u2", "rescaled", "cast", "pruned", "merge", "continued")
+    factors = dict(BlobStore(settings.blob_dir).get_factors(_blob_of(settings, ids["p"])))
+    monkeypatch.setenv("ZOO_RELATION_SAMPLE_BYTES", str(2 * max(module_bytes(f) for f in factors.values())))
+    assert embed(cli)["scanned"] == 10
+    sampled = edges(settings)
+    monkeypatch.delenv("ZOO_RELATION_SAMPLE_BYTES")
+    with session_factory(settings.database_url)() as session, session.begin():
+        session.execute(delete(RelationScan))
+    assert embed(cli)["scanned"] == 10
+    whole = edges(settings)
+    assert len(whole) >= 8 and sampled.keys() == whole.keys()
+    compared = {(e.evidence["modules_compared"], e.evidence["modules"]) for e in sampled.values()}
+    assert (2.0, 4.0) in compared and compared <= {(1.0, 4.0), (2.0, 4.0)}  # the cat merge's rank 8: one module
+    assert not [e for e in whole.values() if "modules_compared" in e.evidence]
+    merge = [e for k, e in sampled.items() if k[0] == ids["merge"] and k[1] == ids["q1"]][0]
+    assert merge.parameters["weight"] == pytest.approx(0.7, abs=0.05)
+    key = (ids["pruned"], ids["p"], "pruned")  # its bound scaled to the sample's share of the energy
+    assert sampled[key].evidence["residual_over_bound"] == pytest.approx(whole[key].evidence["residual_over_bound"], rel=0.3)
+
+
+def _blob_of(settings: Settings, adapter_id: int) -> str:
+    with session_factory(settings.database_url)() as session:
+        return str(session.get(Adapter, adapter_id).factors_blob)
+
+
 def test_a_ties_merge_is_found_from_the_factors_as_saved(cli: CLI, settings: Settings, sources: dict[str, Path]) -> None:
     """No sum of the parents' dW is a TIES merge's: it is found in the factors as its file had them, which ingest keeps
     (the gauge in the blob); the merge's parents are among its raw-factor neighbours."""
@@ -347,12 +379,12 @@ def test_a_scan_reads_each_blob_once_and_holds_at_most_its_budget(
     first = cache.get([ids["p"], ids["q1"]])
     assert [u.id for u in first] == [ids["p"], ids["q1"]] and cache.held == 2 * one
     assert [u.id for u in cache.get([ids["q2"]])] == [ids["q2"]]
-    assert list(cache.loaded) == [ids["q1"], ids["q2"]] and cache.held == 2 * one  # p, the least recent, dropped
+    assert list(cache.loaded) == [(ids["q1"], None), (ids["q2"], None)] and cache.held == 2 * one  # p, the least recent, dropped
     assert cache.get([ids["q1"]])[0] is first[1]  # kept: not read again
     everything = [ids[n] for n in ("p", "q1", "q2", "rescaled")]
     assert [u.id for u in cache.get(everything)] == everything and cache.held == 4 * one  # this call's are never dropped
     assert [u.id for u in cache.get([ids["cast"], 10**6])] == [ids["cast"]]  # one not stored is left out
-    assert list(cache.loaded) == [ids["rescaled"], ids["cast"]] and cache.held == 2 * one
+    assert list(cache.loaded) == [(ids["rescaled"], None), (ids["cast"], None)] and cache.held == 2 * one
 
 
 def test_a_merge_names_the_source_of_a_cast_it_was_found_with(

@@ -50,6 +50,9 @@ PROBE_CACHE_BYTES = Variable("ZOO_PROBE_CACHE_BYTES", 512 << 20, "bytes of rando
 MODULE_STORE_BYTES = Variable("ZOO_MODULE_STORE_BYTES", 2 << 30, "bytes the module store of one space may take")
 SPACES_BYTES = Variable("ZOO_SPACES_BYTES", 4 << 30, "bytes the spaces one engine holds loaded may take together")
 EMBED_CHUNK_BYTES = Variable("ZOO_EMBED_CHUNK_BYTES", 512 << 20, "bytes of factors read from the blob store at a time when embedding")
+RELATION_SAMPLE_BYTES = Variable(
+    "ZOO_RELATION_SAMPLE_BYTES", 16 << 20, "bytes (float64) of an adapter's modules the relation step compares; a larger one is sampled"
+)
 MALLOC_TRIM = Variable("ZOO_MALLOC_TRIM", True, "return freed heap memory to the system after large work (0: off)")
 IMPORT_ROOT = Variable("ZOO_IMPORT_ROOT", "", "the directory `POST /api/v1/ingest` may name paths under (none: paths are refused)")
 MAX_UPLOAD_BYTES = Variable("ZOO_MAX_UPLOAD_BYTES", 256 << 20, "uploads larger than this are refused with 413")
@@ -82,8 +85,8 @@ S3_TIMEOUT_S = Variable("ZOO_S3_TIMEOUT_S", 30.0, "seconds to connect to the S3 
 VARIABLES: tuple[Variable[int] | Variable[float] | Variable[str] | Variable[bool], ...] = (
     DATA_DIR, DATABASE_URL, MAX_RANK, MAX_MODULES, MAX_MODULE_WIDTH, MAX_HEADER_BYTES, MAX_FILE_BYTES, STREAM_MIN_BYTES, MAX_HEAD_BYTES,
     HUB_MAX_WAIT_S, JOB_LEASE_S, FACET_EXACT_ROWS, PROBE_CACHE_BYTES, MODULE_STORE_BYTES, SPACES_BYTES, EMBED_CHUNK_BYTES,
-    MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, MAX_LABELS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS,
-    MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE, WEB_JOBS,
+    RELATION_SAMPLE_BYTES, MALLOC_TRIM, IMPORT_ROOT, MAX_UPLOAD_BYTES, READ_TOKEN_REQUIRED, MAX_LABELS, MAX_LABEL_KEY_CHARS,
+    MAX_LABEL_VALUE_CHARS, MAX_LABEL_BYTES, TIME_LIMIT_S, CALL_WORKERS, CALL_QUEUE, WEB_JOBS,
     HEADER_TIMEOUT_S, BODY_TIMEOUT_S, IO_TIMEOUT_S, WORKER_CLASS, WORKER_CONNECTIONS, LOG_FORMAT, TRUST_REQUEST_ID,
     BLOB_URL, S3_ENDPOINT_URL, S3_PART_BYTES, S3_MULTIPART_BYTES, S3_CONCURRENCY, S3_UPLOADS, S3_MAX_ATTEMPTS, S3_TIMEOUT_S,
 )  # fmt: skip

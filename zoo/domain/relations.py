@@ -29,7 +29,7 @@ from zoo.domain.transforms import FactorSummary, TransformEdge, Update, detect_t
 __all__ = ["DETECTOR", "ContinuationEdge", "FactorSummary", "MergeEdge", "Relations", "TransformEdge", "Update", "find_relations"]
 
 #: the detectors' version, stored with every edge they find: a new one makes the relation step scan every adapter again
-DETECTOR = "provenance-6"
+DETECTOR = "provenance-7"
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,7 @@ def find_relations(query: Update, candidates: Sequence[Update]) -> Relations:
     """Transforms first (either way); a merge and continuations only where no transform explains the query, and no
     continuation with a parent of the merge found: the merge explains why the query is like each of its parents (a
     merge mostly of one parent passes the continuation test with it). Every detector compares updates of one structure
-    only: without such a candidate nothing is read of the query (its float64 modules cost as much as its sketches, and
-    at Llama-3-8B's full size the relation step's read budget leaves it no candidates)."""
+    only: without such a candidate nothing is read of the query (its float64 modules cost as much as its sketches)."""
     candidates = _comparable(query, candidates)
     if not candidates:
         return Relations()

@@ -39,7 +39,7 @@ zoo/domain/relations.py runs all three.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -138,6 +138,24 @@ class Update:
     #: what the detectors computed of this update, kept for its other pairs (see `computed`)
     _computed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     pairs: PairBlocks | None = field(default=None, compare=False, repr=False)
+    #: where this is a sample of an update's modules (`sampled`): how many non-zero modules the whole has
+    whole_modules: int | None = None
+
+    def sampled(self, names: Sequence[str], energy: float | None = None) -> Update:
+        """This update's modules of `names` alone (zoo/domain/module_sample.py), compared as the whole would be: its
+        structure stays the whole's (only updates of one structure are compared) and its summary's pruning bound is
+        scaled to the sample's share of the update's energy Σ S² (`energy`, the whole's, where known: else summed here,
+        which reads every module's S), as the residual it bounds is the sample's."""
+        kept = {n: self.factors[n] for n in names if n in self.factors}
+        if energy is None:
+            energy = sum(_energy(f) for f in self.factors.values())
+        share = min(1.0, sum(_energy(f) for f in kept.values()) / energy) if energy > 0 else 1.0
+        summary = self.summary
+        if summary is not None:
+            summary = FactorSummary(summary.precisions, summary.zeros, summary.entries, summary.pruning_residual_sq * share)
+        out = Update(kept, summary, self.id, pairs=self.pairs, whole_modules=sum(1 for f in self.factors.values() if f.rank))
+        out._computed["shapes"] = self.shapes()
+        return out
 
     def modules(self) -> dict[str, LowRank]:
         """The non-zero modules in float64, made once (an adapter is compared with k others, both ways)."""
@@ -218,6 +236,10 @@ def fit_scale(q: Mapping[str, LowRank], p: Mapping[str, LowRank]) -> ScaleFit:
     c = sum(qp.values()) / sum(pp.values()) if sum(pp.values()) > 0 else 0.0
     residual = {n: max(qq[n] - 2 * c * qp[n] + c * c * pp[n], 0.0) for n in q}
     return ScaleFit(c, residual, qq, {n: qp[n] / pp[n] if pp[n] > 0 else 0.0 for n in q})
+
+
+def _energy(f: CanonicalFactors) -> float:
+    return float((f.S.double() ** 2).sum())
 
 
 def same_structure(query: Update, candidate: Update) -> bool:

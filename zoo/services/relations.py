@@ -40,13 +40,14 @@ from threadpoolctl import threadpool_limits
 from embed.serving.engine import QueryEngine
 from embed.serving.results import Neighbour
 from embed.serving.search_methods import RAW, SKETCH
-from zoo.config import EMBED_CHUNK_BYTES
+from zoo.config import EMBED_CHUNK_BYTES, RELATION_SAMPLE_BYTES
 from zoo.domain.merges import later_copies
+from zoo.domain.module_sample import sample_modules
 from zoo.domain.pair_blocks import BUDGET_SHARE, PairBlocks
 from zoo.domain.relations import DETECTOR, FactorSummary, Update, find_merge, find_relations
 from zoo.errors import NotReadyError
 from zoo.services.relation_rows import edge_rows, merge_rows
-from zoo.store.adapters import factor_rows
+from zoo.store.adapters import FactorRow, factor_rows
 from zoo.store.blobs import BlobStore
 from zoo.store.embedders import find_embedder, serving_embedders
 from zoo.store.embeddings import load_embeddings
@@ -94,6 +95,8 @@ GC_THRESHOLD = 50_000
 #: errors kept in a report (the rest are counted)
 REPORTED_ERRORS = 10
 Progress = Callable[[int, int], object] | None
+#: the modules a query and its candidates are compared on (zoo/domain/module_sample.py), None for all of them
+Sample = tuple[str, ...] | None
 
 
 class RelationReport(TypedDict):
@@ -239,46 +242,83 @@ def store_edges(
 class FactorCache:
     """Stored adapters as the detectors read them, for one relation step: each adapter's neighbourhood and its
     rechecks', which overlap (a close neighbour's nearest are mostly the adapter's own, and the next adapters' often
-    too). Each is loaded from the blob store once and keeps what the detectors computed of it (its float64 modules);
-    past `budget` bytes (in `detector_bytes`) the least recently asked for are dropped, never those of the current call.
+    too). Each is loaded from the blob store once (whole, or the sample of its modules a query of its structure is
+    compared on: zoo/domain/module_sample.py) and keeps what the detectors computed of it (its float64 modules); past
+    `budget` bytes (in `detector_bytes`) the least recently asked for are dropped, never those of the current call.
     A neighbourhood fits the budget (`neighbour_count`); their pair blocks outlive them in BUDGET_SHARE more (`PairBlocks`)."""
 
-    def __init__(self, sessions: Sessions, blobs: BlobStore, budget: int) -> None:
+    def __init__(self, sessions: Sessions, blobs: BlobStore, budget: int, sample_budget: int | None = None) -> None:
         self.sessions, self.blobs, self.budget = sessions, blobs, budget
-        self.loaded: OrderedDict[int, tuple[Update, int]] = OrderedDict()
+        self.sample_budget = RELATION_SAMPLE_BYTES.get() if sample_budget is None else sample_budget
+        #: by (adapter id, the modules sampled or None for the whole)
+        self.loaded: OrderedDict[tuple[int, Sample], tuple[Update, int]] = OrderedDict()
         self.held, self.pairs = 0, PairBlocks(int(budget * BUDGET_SHARE))
-        #: (factors blob, factor summary) of adapters about to be asked for, None for one not stored (`expect`)
-        self.rows: dict[int, tuple[str | None, dict | None] | None] = {}
+        #: where the factors are of adapters about to be asked for, None for one not stored (`expect`)
+        self.rows: dict[int, FactorRow | None] = {}
+        #: the modules each adapter asked for as a query is compared on (`query`)
+        self.samples: dict[int, Sample] = {}
 
     def expect(self, ids: list[int]) -> None:
         """Read where the factors of those of `ids` not loaded are, in one query, for the `get`s of a batch (the
         batch before's rows are dropped)."""
         self.rows = {}
-        self._read_rows([i for i in dict.fromkeys(ids) if i not in self.loaded])
+        held = {i for i, _ in self.loaded}
+        self._read_rows([i for i in dict.fromkeys(ids) if i not in held])
 
     def _read_rows(self, ids: list[int]) -> None:
         found = factor_rows(self.sessions, ids) if ids else {}
         self.rows.update({i: found.get(i) for i in ids})
 
-    def get(self, ids: list[int]) -> list[Update]:
-        """The updates of these adapters that are still stored, in the order given."""
-        missing = [i for i in dict.fromkeys(ids) if i not in self.loaded]
-        self._read_rows([i for i in missing if i not in self.rows])
-        for i in missing:
-            digest, summary = self.rows.get(i) or (None, None)
-            if digest:
-                kept = FactorSummary.from_json(summary) if summary else None
-                update = Update(dict(self.blobs.get_factors(digest)), kept, i, pairs=self.pairs)
-                self.loaded[i] = (update, detector_bytes(update))
-                self.held += self.loaded[i][1]
-        asked = dict.fromkeys(ids)
-        for i in asked:  # in the order asked: the first of them is the least recent
-            if i in self.loaded:
-                self.loaded.move_to_end(i)
-        self.pairs.used(list(asked))
+    def query(self, adapter_id: int) -> Update | None:
+        """The adapter as a query is compared: whole where its modules fit the sample budget (ZOO_RELATION_SAMPLE_BYTES),
+        else the sample of them (`samples` keeps which); None if it is no longer stored."""
+        if adapter_id not in self.samples:
+            held = self.loaded.get((adapter_id, None))
+            if held is not None:
+                self.samples[adapter_id] = sample_modules(held[0].factors, self.sample_budget)
+            else:
+                self._read_rows([] if adapter_id in self.rows else [adapter_id])
+                row = self.rows.get(adapter_id)
+                if row is None or not row.blob:
+                    return None
+                whole = self._update(adapter_id, row)
+                names = self.samples[adapter_id] = sample_modules(whole.factors, self.sample_budget)
+                self._hold((adapter_id, names), whole if names is None else whole.sampled(names, _energy(row)))
+        found = self.get([adapter_id], self.samples[adapter_id])
+        return found[0] if found else None
+
+    def _update(self, adapter_id: int, row: FactorRow) -> Update:
+        kept = FactorSummary.from_json(row.summary) if row.summary else None
+        return Update(dict(self.blobs.get_factors(str(row.blob))), kept, adapter_id, pairs=self.pairs)
+
+    def _hold(self, key: tuple[int, Sample], update: Update) -> None:
+        self.loaded[key] = (update, detector_bytes(update))
+        self.held += self.loaded[key][1]
+
+    def get(self, ids: list[int], sample: Sample = None) -> list[Update]:
+        """The updates of these adapters that are still stored, in the order given: whole, or their modules of
+        `sample` (a query's, `query`)."""
+        keys = [(i, sample) for i in ids]
+        missing = [k for k in dict.fromkeys(keys) if k not in self.loaded]
+        self._read_rows([i for i, _ in missing if i not in self.rows])
+        for i, names in missing:
+            row = self.rows.get(i)
+            if row is not None and row.blob:
+                update = self._update(i, row)
+                self._hold((i, names), update if names is None else update.sampled(names, _energy(row)))
+        asked = dict.fromkeys(keys)
+        for k in asked:  # in the order asked: the first of them is the least recent
+            if k in self.loaded:
+                self.loaded.move_to_end(k)
+        self.pairs.used(list(dict.fromkeys(ids)))
         while self.held > self.budget and next(iter(self.loaded)) not in asked:
             self.held -= self.loaded.popitem(last=False)[1][1]
-        return [self.loaded[i][0] for i in ids if i in self.loaded]
+        return [self.loaded[k][0] for k in keys if k in self.loaded]
+
+
+def _energy(row: FactorRow) -> float | None:
+    """‖dW‖²_F of the whole adapter as stored (read from the database: summing its blob's S would touch every page)."""
+    return row.dw_norm**2 if row.dw_norm is not None else None
 
 
 @dataclass(frozen=True)
@@ -414,8 +454,8 @@ def neighbour_count(size: int) -> int:
     """Neighbours compared with one adapter of `size` bytes in float64 (`detector_bytes`): COMPARED, fewer where it and they
     (each about the query's size: one space, one structure), in the detectors' float64, would pass the embedding's read
     budget (ZOO_EMBED_CHUNK_BYTES), none where the query alone does. So the step's memory is bounded by that budget,
-    not by the zoo: at Llama-3-8B's full size (about 170 MB of float32 factors an adapter) the default budget
-    (512 MiB) compares none, and a larger budget buys neighbours."""
+    not by the zoo. A query larger than ZOO_RELATION_SAMPLE_BYTES is compared on a sample of its modules of that size
+    (`FactorCache.query`), so at the defaults every query is compared with COMPARED neighbours, whatever its size."""
     return max(0, min(COMPARED, EMBED_CHUNK_BYTES.get() // max(1, size) - 1))
 
 
@@ -440,14 +480,22 @@ def _scan(scan: RelationScan, adapter_id: int, blind: list[int]) -> tuple[list[E
 def _around(scan: RelationScan, adapter_id: int) -> tuple[list[EdgeRow], list[tuple[int, float | None]], int, int] | None:
     """(the adapter's edges to its neighbours, the neighbours, how many it may be compared with, its bytes in float64);
     None if it is gone."""
-    query = scan.factors.get([adapter_id])
-    if not query:
+    query = scan.factors.query(adapter_id)
+    if query is None:
         return None
-    size = detector_bytes(query[0])
+    size = detector_bytes(query)
     k = neighbour_count(size)
     near = scan.neighbours(adapter_id)[:k] if k else []
-    found = find_relations(query[0], scan.factors.get([i for i, _ in near]))
-    return edge_rows(found, adapter_id), near, k, size
+    found = find_relations(query, scan.factors.get([i for i, _ in near], scan.factors.samples[adapter_id]))
+    return sampled_evidence(edge_rows(found, adapter_id), query), near, k, size
+
+
+def sampled_evidence(rows: list[EdgeRow], query: Update) -> list[EdgeRow]:
+    """The rows with, where the query was compared on a sample of its modules, how many were compared of how many."""
+    if query.whole_modules is not None:
+        for row in rows:
+            row["evidence"] = {**row["evidence"], "modules_compared": float(len(query.factors)), "modules": float(query.whole_modules)}
+    return rows
 
 
 def merge_naming(scan: RelationScan, other: int, adapter_id: int, k: int) -> list[EdgeRow]:
@@ -457,9 +505,9 @@ def merge_naming(scan: RelationScan, other: int, adapter_id: int, k: int) -> lis
     around = [i for i, _ in scan.neighbours(other, with_raw=False)][:k]
     if adapter_id not in around:
         return []
-    me = scan.factors.get([other])
-    merge = find_merge(me[0], scan.factors.get(around)) if me else None
-    return merge_rows(merge, other) if merge is not None and adapter_id in merge.parents else []
+    me = scan.factors.query(other)
+    merge = find_merge(me, scan.factors.get(around, scan.factors.samples[other])) if me is not None else None
+    return sampled_evidence(merge_rows(merge, other), me) if me is not None and merge is not None and adapter_id in merge.parents else []
 
 
 def _merges_renamed(scan: RelationScan, copy: int, source: int, k: int) -> list[EdgeRow]:
@@ -471,10 +519,11 @@ def _merges_renamed(scan: RelationScan, copy: int, source: int, k: int) -> list[
         merges = merges_naming(session, copy)
     rows = []
     for child, parents in merges.items():
-        me = scan.factors.get([child])
-        if not me or source in parents:
+        me = scan.factors.query(child)
+        if me is None or source in parents:
             continue
-        merge = find_merge(me[0], scan.factors.get([source, *(p for p in parents if p != copy), copy][:k]))
+        tried = [source, *(p for p in parents if p != copy), copy][:k]
+        merge = find_merge(me, scan.factors.get(tried, scan.factors.samples[child]))
         if merge is not None and source in merge.parents and len(merge.parents) == len(parents):
-            rows += merge_rows(merge, child)
+            rows += sampled_evidence(merge_rows(merge, child), me)
     return rows

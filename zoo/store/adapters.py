@@ -103,8 +103,16 @@ def factor_base_models(session: Session) -> list[str]:
     return list(session.scalars(stmt))
 
 
-def factor_rows(sessions: Sessions, ids: list[int]) -> dict[int, tuple[str | None, dict | None]]:
-    """(factors blob, factor summary) of those of these adapters that are stored, in one query."""
+class FactorRow(NamedTuple):
+    """Where an adapter's factors are and what the detectors need beside them."""
+
+    blob: str | None
+    summary: dict | None  # zoo.domain.transforms.FactorSummary as JSON
+    dw_norm: float | None  # ‖dW‖_F over all its modules
+
+
+def factor_rows(sessions: Sessions, ids: list[int]) -> dict[int, FactorRow]:
+    """The `FactorRow` of those of these adapters that are stored, in one query."""
     with sessions() as session:
-        columns = select(Adapter.id, Adapter.factors_blob, Adapter.factor_summary)
-        return {i: (digest, summary) for i, digest, summary in session.execute(columns.where(Adapter.id.in_(ids)))}
+        columns = select(Adapter.id, Adapter.factors_blob, Adapter.factor_summary, Adapter.dw_norm)
+        return {i: FactorRow(digest, summary, norm) for i, digest, summary, norm in session.execute(columns.where(Adapter.id.in_(ids)))}
