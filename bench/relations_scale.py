@@ -220,7 +220,7 @@ class Parts:
 @contextmanager
 def timing(engine: Any) -> Iterator[Parts]:
     """The relation step's parts wrapped with timers while inside."""
-    from zoo.services import relations
+    from zoo.services import factor_cache, relations
 
     parts = Parts()
     with ExitStack() as stack:
@@ -230,7 +230,7 @@ def timing(engine: Any) -> Iterator[Parts]:
             (relations.RelationScan, "later_copies_of", "sketches"),
             (relations.RelationScan, "read_copies", "sketches"),
             (relations, "merge_naming", "recheck"),
-            (relations.FactorCache, "get", "factors"),
+            (factor_cache.FactorCache, "get", "factors"),
             (relations, "find_relations", "detect"),
             (relations, "find_merge", "detect"),
             (relations, "store_edges", "store"),

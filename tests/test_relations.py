@@ -28,6 +28,7 @@ from zoo.config import Settings
 from zoo.domain.module_sample import module_bytes
 from zoo.domain.relations import DETECTOR
 from zoo.services import relation_rows, relations
+from zoo.services.factor_cache import FactorCache, detector_bytes
 from zoo.store.blobs import BlobStore
 from zoo.store.embedders import serving_embedders
 from zoo.store.embeddings import load_embeddings
@@ -374,8 +375,8 @@ def test_a_scan_reads_each_blob_once_and_holds_at_most_its_budget(
     assert len(reads) > len(found) and Counter(reads) <= Counter(blob_of.values()), (reads, blob_of)  # none read twice
 
     monkeypatch.undo()
-    one = relations.detector_bytes(relations.FactorCache(sessions, BlobStore(settings.blob_dir), 1 << 40).get([ids["p"]])[0])
-    cache = relations.FactorCache(sessions, BlobStore(settings.blob_dir), 2 * one)  # every adapter here has p's shapes
+    one = detector_bytes(FactorCache(sessions, BlobStore(settings.blob_dir), 1 << 40).get([ids["p"]])[0])
+    cache = FactorCache(sessions, BlobStore(settings.blob_dir), 2 * one)  # every adapter here has p's shapes
     first = cache.get([ids["p"], ids["q1"]])
     assert [u.id for u in first] == [ids["p"], ids["q1"]] and cache.held == 2 * one
     assert [u.id for u in cache.get([ids["q2"]])] == [ids["q2"]]
@@ -402,7 +403,7 @@ def test_a_merge_names_the_source_of_a_cast_it_was_found_with(
     with sessions.begin() as session:  # as a scan that had the cast and not p among the merge's neighbours stored it
         session.execute(delete(AdapterRelation))
         session.execute(delete(RelationScan).where(RelationScan.adapter_id == ids["cast"]))
-    factors = relations.FactorCache(sessions, BlobStore(settings.blob_dir), 1 << 40)
+    factors = FactorCache(sessions, BlobStore(settings.blob_dir), 1 << 40)
     merge, *parents = factors.get([ids["pmerge"], ids["cast"], ids["q2"]])
     found = relations.find_relations(merge, parents).merge
     assert found is not None and set(found.parents) == {ids["cast"], ids["q2"]}
@@ -550,11 +551,11 @@ def test_a_batch_keeps_the_copy_edges_as_its_scans_store_them(cli: CLI, settings
         write_scan(session, u1, [{"child_id": u1, "parent_id": rescaled, "relation": "cast", **copy}], "provenance-old", 0)
 
     def fresh() -> dict[int, dict[int, str]]:
-        view = relations.RelationScan(engine, sessions, "tiny", 0, False, relations.FactorCache(sessions, blobs, 1 << 30))
+        view = relations.RelationScan(engine, sessions, "tiny", 0, False, FactorCache(sessions, blobs, 1 << 30))
         view.read_copies(list(ids.values()))
         return view.copies
 
-    scan = relations.RelationScan(engine, sessions, "tiny", 0, False, relations.FactorCache(sessions, blobs, 1 << 30))
+    scan = relations.RelationScan(engine, sessions, "tiny", 0, False, FactorCache(sessions, blobs, 1 << 30))
     scan.read_copies(list(ids.values()))
     assert scan.copies[u2] == {u1: "provenance-old"} and scan.copies[u1] == {rescaled: "provenance-old"}
     for adapter, rows in (
