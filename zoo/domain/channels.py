@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from zoo.domain.module_work import for_each_module
 from zoo.domain.similarity import Factors, ModuleStack, module_sketches
 
 if TYPE_CHECKING:
@@ -303,16 +304,18 @@ def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int
     """Per module `dim` seeded probe values ω_jᵀ·X diag(c) Xᵀ·ψ_j / √dim with X = V (input) or U (output) and c the
     channel's unit-norm weights (`unit_weights`), so that E[block·block'] = ⟨M, M'⟩_F, the channel's value. ω, ψ are
     independent standard Gaussians in the side's dimension, drawn once per module name, shape and channel. Float32
-    products, one adapter's module at a time (as the module sketches: no float64 copy of the factors)."""
-    from zoo import deadline
+    products, one adapter's module at a time (as the module sketches: no float64 copy of the factors), whole modules
+    shared out over as many threads as torch has (`for_each_module`)."""
+    import torch
+
     from zoo.domain.probes import sketch_probes  # torch: only when sketching
 
     out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
-    for m, name in enumerate(modules):
-        deadline.check()  # a web call past its time limit stops here (zoo/deadline.py)
+
+    def sketch(m: int, name: str) -> None:
         present = [(i, a[name]) for i, a in enumerate(adapters) if name in a and a[name].rank]
         if not present:
-            continue
+            return
         width = int((present[0][1].V if side == "input" else present[0][1].U).shape[0])
         omega, psi = (p.numpy() for p in sketch_probes(name, width, width, dim, f"{side}-{weighting}-sketch"))
         for i, f in present:
@@ -321,4 +324,6 @@ def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int
             X = (f.V if side == "input" else f.U).detach().cpu().float().numpy()[:, keep]
             c = unit_weights((S[keep] / np.linalg.norm(S[keep]))[None, :], weighting)[0]
             out[i, m] = ((omega @ X) * (psi @ X)) @ c / np.sqrt(dim)
+
+    for_each_module(modules, sketch, torch.get_num_threads(), initializer=lambda: torch.set_num_threads(1))
     return out.reshape(len(adapters), -1)

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from zoo.domain.module_work import for_each_module
+
 if TYPE_CHECKING:
     from zoo.domain.canonical import CanonicalFactors
 
@@ -280,27 +282,29 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
     """(N, len(modules)·dim) float32: per module its `dim` seeded probe values ω_jᵀ·dW·ψ_j divided by √dim·‖dW‖_F
     (zeros where the adapter lacks the module), so that a block's inner product with another adapter's is an
     unbiased estimate of that module's cosine. Module by module, each module's probes taken once for all the
-    adapters; float32 products on one torch thread (each is small: waking a thread pool for it costs more than
-    the product, tens of times more on a busy machine)."""
+    adapters; float32 products on one torch thread each (each is small: waking a thread pool for it costs more than
+    the product, tens of times more on a busy machine), whole modules shared out over as many threads as torch had
+    (`for_each_module`)."""
     import torch
 
-    from zoo import deadline
     from zoo.domain.probes import sketch_probes  # torch: only when sketching
 
     out = np.zeros((len(adapters), len(modules), dim), dtype=np.float32)
+
+    def sketch(m: int, name: str) -> None:
+        present = [(i, a[name]) for i, a in enumerate(adapters) if name in a and a[name].rank]
+        if not present:
+            return
+        first = present[0][1]
+        omega, psi = sketch_probes(name, first.U.shape[0], first.V.shape[0], dim, _SKETCH_SALT)
+        for i, f in present:
+            z = ((omega @ f.U.float()) * (psi @ f.V.float())) @ f.S.float()
+            out[i, m] = (z / (torch.linalg.vector_norm(f.S.double()) * dim**0.5).clamp_min(1e-300)).numpy()
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for m, name in enumerate(modules):
-            deadline.check()  # a web call past its time limit stops here (zoo/deadline.py)
-            present = [(i, a[name]) for i, a in enumerate(adapters) if name in a and a[name].rank]
-            if not present:
-                continue
-            first = present[0][1]
-            omega, psi = sketch_probes(name, first.U.shape[0], first.V.shape[0], dim, _SKETCH_SALT)
-            for i, f in present:
-                z = ((omega @ f.U.float()) * (psi @ f.V.float())) @ f.S.float()
-                out[i, m] = (z / (torch.linalg.vector_norm(f.S.double()) * dim**0.5).clamp_min(1e-300)).numpy()
+        for_each_module(modules, sketch, threads, initializer=lambda: torch.set_num_threads(1))
     finally:
         torch.set_num_threads(threads)
     return out.reshape(len(adapters), -1)
