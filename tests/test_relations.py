@@ -256,6 +256,15 @@ def test_a_sample_of_the_modules_finds_what_the_whole_finds(
     key = (ids["pruned"], ids["p"], "pruned")  # its bound scaled to the sample's share of the energy
     assert sampled[key].evidence["residual_over_bound"] == pytest.approx(whole[key].evidence["residual_over_bound"], rel=0.3)
 
+    # the cache holds each sample once: a neighbour asked for again as a query is the one held, its bytes counted once
+    sessions = session_factory(settings.database_url)
+    cache = FactorCache(sessions, BlobStore(settings.blob_dir), 1 << 30, sample_budget=2 * max(module_bytes(f) for f in factors.values()))
+    first = cache.query(ids["p"])
+    assert first is not None and first.whole_modules == 4 and len(first.factors) == 2
+    near = cache.get([ids["rescaled"], ids["cast"]], cache.samples[ids["p"]])
+    assert cache.query(ids["rescaled"]) is near[0] and cache.query(ids["p"]) is first
+    assert len(cache.loaded) == 3 and cache.held == sum(size for _, size in cache.loaded.values()) == 3 * detector_bytes(first)
+
 
 def _blob_of(settings: Settings, adapter_id: int) -> str:
     with session_factory(settings.database_url)() as session:

@@ -61,7 +61,8 @@ class FactorCache:
                     return None
                 whole = self._update(adapter_id, row)
                 names = self.samples[adapter_id] = sample_modules(whole.factors, self.sample_budget)
-                self._hold((adapter_id, names), whole if names is None else whole.sampled(names, _energy(row)))
+                if (adapter_id, names) not in self.loaded:  # else held already, as a neighbour of a query of its structure
+                    self._hold((adapter_id, names), whole if names is None else whole.sampled(names, _energy(row)))
         found = self.get([adapter_id], self.samples[adapter_id])
         return found[0] if found else None
 
@@ -70,6 +71,8 @@ class FactorCache:
         return Update(dict(self.blobs.get_factors(str(row.blob))), kept, adapter_id, pairs=self.pairs)
 
     def _hold(self, key: tuple[int, Sample], update: Update) -> None:
+        if key in self.loaded:
+            self.held -= self.loaded[key][1]
         self.loaded[key] = (update, detector_bytes(update))
         self.held += self.loaded[key][1]
 
