@@ -12,14 +12,15 @@ import torch
 from zoo import deadline
 from zoo.domain.canonical import canonicalize
 from zoo.domain.channels import channel_sketches
-from zoo.domain.module_work import for_each_module
+from zoo.domain.module_work import for_each_module, module_threads
 from zoo.domain.similarity import module_sketches
 
 
 def _adapters(count: int, seed: int) -> tuple[list[dict], list[str]]:
     gen = torch.Generator().manual_seed(seed)
-    shapes = {f"layers.{k}.proj": (24 + 8 * (k % 3), 16 + 4 * (k % 2)) for k in range(8)}
-    shapes["layers.8.mlp"] = (14336, 4096)  # wide enough for torch to share one product out over threads
+    shapes = {f"layers.{k}.proj": (24 + 8 * (k % 3), 16 + 4 * (k % 2)) for k in range(6)}
+    for k in range(6, 9):  # wide enough for torch to share one product out over threads, and for module_threads
+        shapes[f"layers.{k}.mlp"] = (14336, 4096)
     adapters = []
     for i in range(count):
         factors = {}
@@ -47,6 +48,12 @@ def test_sketches_on_several_threads_equal_those_on_one(seed: int) -> None:
         torch.set_num_threads(before)
     assert np.array_equal(made[1][0], made[2][0]) and np.array_equal(made[1][1], made[2][1])
     assert np.abs(made[1][0]).sum() > 0 and np.abs(made[1][1]).sum() > 0
+
+
+def test_only_large_modules_go_to_threads() -> None:
+    large, _ = _adapters(2, 0)
+    small = [{n: f for n, f in a.items() if "proj" in n} for a in large]
+    assert module_threads(large, 2) == 2 and module_threads(small, 2) == 1 and module_threads([], 2) == 1
 
 
 def test_every_module_once_and_the_first_error_raised() -> None:

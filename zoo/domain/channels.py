@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zoo.domain.module_work import for_each_module
+from zoo.domain.module_work import for_each_module, module_threads
 from zoo.domain.similarity import Factors, ModuleStack, module_sketches
 
 if TYPE_CHECKING:
@@ -305,7 +305,7 @@ def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int
     channel's unit-norm weights (`unit_weights`), so that E[block·block'] = ⟨M, M'⟩_F, the channel's value. ω, ψ are
     independent standard Gaussians in the side's dimension, drawn once per module name, shape and channel. Float32
     products, one adapter's module at a time (as the module sketches: no float64 copy of the factors), whole modules
-    shared out over as many threads as torch has (`for_each_module`)."""
+    shared out over as many threads as torch has where they are large (`module_threads`, `for_each_module`)."""
     import torch
 
     from zoo.domain.probes import sketch_probes  # torch: only when sketching
@@ -325,5 +325,6 @@ def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int
             c = unit_weights((S[keep] / np.linalg.norm(S[keep]))[None, :], weighting)[0]
             out[i, m] = ((omega @ X) * (psi @ X)) @ c / np.sqrt(dim)
 
-    for_each_module(modules, sketch, torch.get_num_threads(), initializer=lambda: torch.set_num_threads(1))
+    threads = module_threads(adapters, torch.get_num_threads())
+    for_each_module(modules, sketch, threads, initializer=lambda: torch.set_num_threads(1))
     return out.reshape(len(adapters), -1)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zoo.domain.module_work import for_each_module
+from zoo.domain.module_work import for_each_module, module_threads
 
 if TYPE_CHECKING:
     from zoo.domain.canonical import CanonicalFactors
@@ -284,7 +284,7 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
     unbiased estimate of that module's cosine. Module by module, each module's probes taken once for all the
     adapters; float32 products on one torch thread each (each is small: waking a thread pool for it costs more than
     the product, tens of times more on a busy machine), whole modules shared out over as many threads as torch had
-    (`for_each_module`)."""
+    where they are large (`module_threads`, `for_each_module`)."""
     import torch
 
     from zoo.domain.probes import sketch_probes  # torch: only when sketching
@@ -304,7 +304,7 @@ def module_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: in
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for_each_module(modules, sketch, threads, initializer=lambda: torch.set_num_threads(1))
+        for_each_module(modules, sketch, module_threads(adapters, threads), initializer=lambda: torch.set_num_threads(1))
     finally:
         torch.set_num_threads(threads)
     return out.reshape(len(adapters), -1)
