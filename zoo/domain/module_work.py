@@ -8,11 +8,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from threadpoolctl import threadpool_limits
 
 from zoo import deadline
-from zoo.domain.canonical import CanonicalFactors
+
+if TYPE_CHECKING:  # torch: the serving path imports this module through zoo/domain/similarity.py, without torch
+    from zoo.domain.canonical import CanonicalFactors
 
 #: the least mean factor entries (U and V) of a module for its work to go to threads: below it (an SDXL adapter's 1,035
 #: modules of 10,000-50,000) the threads spend more waiting on each other for the interpreter than they save
