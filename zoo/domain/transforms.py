@@ -46,7 +46,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
-from zoo.domain.canonical import CanonicalFactors, LowRankModule
+from zoo.domain.canonical import CanonicalFactors, LowRankModule, frobenius_norm_sq
 from zoo.domain.factorwise import RawModule
 from zoo.domain.lowrank import LowRank, float64, inner, sq_norm
 from zoo.domain.pair_blocks import Origin, PairBlocks
@@ -148,8 +148,8 @@ class Update:
         which reads every module's S), as the residual it bounds is the sample's."""
         kept = {n: self.factors[n] for n in names if n in self.factors}
         if energy is None:
-            energy = sum(_energy(f) for f in self.factors.values())
-        share = min(1.0, sum(_energy(f) for f in kept.values()) / energy) if energy > 0 else 1.0
+            energy = sum(frobenius_norm_sq(f) for f in self.factors.values())
+        share = min(1.0, sum(frobenius_norm_sq(f) for f in kept.values()) / energy) if energy > 0 else 1.0
         summary = self.summary
         if summary is not None:
             summary = FactorSummary(summary.precisions, summary.zeros, summary.entries, summary.pruning_residual_sq * share)
@@ -236,10 +236,6 @@ def fit_scale(q: Mapping[str, LowRank], p: Mapping[str, LowRank]) -> ScaleFit:
     c = sum(qp.values()) / sum(pp.values()) if sum(pp.values()) > 0 else 0.0
     residual = {n: max(qq[n] - 2 * c * qp[n] + c * c * pp[n], 0.0) for n in q}
     return ScaleFit(c, residual, qq, {n: qp[n] / pp[n] if pp[n] > 0 else 0.0 for n in q})
-
-
-def _energy(f: CanonicalFactors) -> float:
-    return float((f.S.double() ** 2).sum())
 
 
 def same_structure(query: Update, candidate: Update) -> bool:

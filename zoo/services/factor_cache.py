@@ -55,14 +55,15 @@ class FactorCache:
             if held is not None:
                 self.samples[adapter_id] = sample_modules(held[0].factors, self.sample_budget)
             else:
-                self._read_rows([] if adapter_id in self.rows else [adapter_id])
+                if adapter_id not in self.rows:
+                    self._read_rows([adapter_id])
                 row = self.rows.get(adapter_id)
                 if row is None or not row.blob:
                     return None
                 whole = self._update(adapter_id, row)
                 names = self.samples[adapter_id] = sample_modules(whole.factors, self.sample_budget)
                 if (adapter_id, names) not in self.loaded:  # else held already, as a neighbour of a query of its structure
-                    self._hold((adapter_id, names), whole if names is None else whole.sampled(names, _energy(row)))
+                    self._hold((adapter_id, names), whole if names is None else whole.sampled(names, _whole_energy(row)))
         found = self.get([adapter_id], self.samples[adapter_id])
         return found[0] if found else None
 
@@ -86,7 +87,7 @@ class FactorCache:
             row = self.rows.get(i)
             if row is not None and row.blob:
                 update = self._update(i, row)
-                self._hold((i, names), update if names is None else update.sampled(names, _energy(row)))
+                self._hold((i, names), update if names is None else update.sampled(names, _whole_energy(row)))
         asked = dict.fromkeys(keys)
         for k in asked:  # in the order asked: the first of them is the least recent
             if k in self.loaded:
@@ -97,7 +98,7 @@ class FactorCache:
         return [self.loaded[k][0] for k in keys if k in self.loaded]
 
 
-def _energy(row: FactorRow) -> float | None:
+def _whole_energy(row: FactorRow) -> float | None:
     """‖dW‖²_F of the whole adapter as stored (read from the database: summing its blob's S would touch every page)."""
     return row.dw_norm**2 if row.dw_norm is not None else None
 
