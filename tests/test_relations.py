@@ -264,6 +264,8 @@ def test_a_sample_of_the_modules_finds_what_the_whole_finds(
     near = cache.get([ids["rescaled"], ids["cast"]], cache.samples[ids["p"]])
     assert cache.query(ids["rescaled"]) is near[0] and cache.query(ids["p"]) is first
     assert len(cache.loaded) == 3 and cache.held == sum(size for _, size in cache.loaded.values()) == 3 * detector_bytes(first)
+    delete_adapter(sessions, ids["u2"])  # deleted before its scan: no query, and left out of a neighbourhood
+    assert cache.query(ids["u2"]) is None and [u.id for u in cache.get([ids["u2"], ids["cast"]], cache.samples[ids["p"]])] == [ids["cast"]]
 
 
 def _blob_of(settings: Settings, adapter_id: int) -> str:
