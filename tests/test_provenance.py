@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from zoo.domain import transforms
 from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_batched
 from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, origin_score, shared_rows
-from zoo.domain.factorwise import RawModule, raw_sketches, raw_width
+from zoo.domain.factorwise import RawModule
 from zoo.domain.merges import detect_merge
+from zoo.domain.raw_sketch import raw_sketches, raw_width
 from zoo.domain.relations import Relations, find_merge, find_relations
 from zoo.domain.transforms import FactorSummary, Update, detect_transform, expected_cast_residual, residual_class
 from zoo.formats import LoraModule

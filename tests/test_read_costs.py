@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from zoo.domain.canonical import canonicalize
-from zoo.domain.factorwise import RANK_SALT, raw_sketches
+from zoo.domain.raw_sketch import RANK_SALT, raw_sketches
 from zoo.domain.transforms import raw_precisions, zero_count
 from zoo.formats import LoraModule
 from zoo.store.blobs import MAPPED_FROM, BlobStore

@@ -20,7 +20,7 @@ from embed.serving.maps import refresh_map
 from embed.serving.module_store import update_module_store
 from embed.serving.search_methods import GRAM, RAW, SKETCH, W2T
 from embed.serving.space_state import load_w2t
-from zoo.domain.factorwise import raw_sketches, raw_width
+from zoo.domain.raw_sketch import raw_sketches, raw_width
 from zoo.domain.similarity import module_sketches, sketch_width
 from zoo.store import repository, space_adapters
 from zoo.store.blobs import BlobStore

@@ -18,7 +18,7 @@ from zoo.errors import NotReadyError
 
 SKETCH = "module_sketch"
 W2T = "w2t"
-#: the raw-factor sketches (zoo.domain.factorwise.raw_sketches): how much two adapters share their factors as their
+#: the raw-factor sketches (zoo.domain.raw_sketch.raw_sketches): how much two adapters share their factors as their
 #: files had them, which the relation step reads for merges PEFT made factor by factor and for continuations
 RAW = "raw_factors"
 #: the input-Gram sketches (zoo.domain.channels.channel_sketches, "input_gram"): per module seeded bilinear probes of

@@ -26,23 +26,22 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.optimize import nnls
-
-if TYPE_CHECKING:
-    import torch
-
-    from zoo.domain.canonical import CanonicalFactors
 
 #: entries of the raw factors read per adapter (the same positions in each), spread over the modules
 SAMPLE_ENTRIES = 8192
 #: entries of that sample the candidate parent sets are screened on before the best is fitted on all of it
 SCREEN_ENTRIES = 512
+#: entries of the screen every set is fitted on first (`_near`): most sets fit no better than a few tenths (siblings
+#: that share half their factors are the usual candidates), which these tell at an eighth of the cost
+SCREEN_FIRST = 64
+#: the sets that fit those entries best are screened on all of them whatever their residual there (so few entries can
+#: hold a true set's fit in a local optimum a little above HOPELESS)
+SCREEN_KEPT = 4
 #: candidates whose pairs are tried as parents (see `_likely_parents`)
 TRIED = 8
 #: a fit that leaves out at most this share of the entries it can tell is a merge of everything (`linear`): a bf16
@@ -70,12 +69,6 @@ HOPELESS = 0.1
 #: a share of kept entries ordered by magnitude at least this well (ROC AUC of |X_i| between kept and pruned
 #: entries) is magnitude pruning; random pruning gives ~0.5
 MAGNITUDE_AUC = 0.9
-#: dimensions of a raw-factor sketch (zoo/services/relations.py's second neighbourhood), spread over the modules
-RAW_SKETCH_DIM = 1024
-#: the most entries of one module in it
-RAW_MODULE_DIM = 128
-#: components of B and A are drawn below this and taken modulo the adapter's rank: adapters of one rank read the same
-RANK_SALT = 1 << 16
 #: a parent's term in an entry tells whether it was kept when it is at least this share of the entries' RMS
 DECIDABLE = 1e-3
 #: relative residual of a fit from the float32 rounding of the stored factors: a set of parents with one member less
@@ -198,14 +191,14 @@ def fit_factorwise(query: Mapping[str, RawModule], candidates: Sequence[Mapping[
     likely = _likely_parents(y, X)
     if len(likely) < 2:
         return None
-    screen = slice(0, None, max(1, len(y) // SCREEN_ENTRIES))
-    tried = _screen(y[screen], X[screen], list(itertools.combinations(likely, 2)))
+    part = slice(0, None, max(1, len(y) // SCREEN_ENTRIES))
+    tried = screen(y[part], X[part], list(itertools.combinations(likely, 2)))
     if not tried or tried[0][0] > FLOAT_RTOL:  # no pair fits exactly: a third parent may be needed
         triples: set[tuple[int, ...]] = set(itertools.combinations(sorted(likely[:TRIPLES_FROM]), 3))
         for _, pair, *_ in tried[:EXTENDED]:
             triples |= {tuple(sorted((*pair, k))) for k in likely if k not in pair}
-        tried = sorted(tried + _screen(y[screen], X[screen], sorted(triples)), key=lambda t: t[0])
-    if not tried:
+        tried = sorted(tried + screen(y[part], X[part], sorted(triples)), key=lambda t: t[0])
+    if not tried or tried[0][0] > HOPELESS:  # no set comes near on the screen: none is exact on the whole sample
         return None
     _, subset, c, ties = _first_stored(tried)
     (rho,), (c,), (chosen,) = _alternate(y, _design(X[:, subset][None], ties), c[None])
@@ -286,11 +279,11 @@ def _same_raw_shapes(c: Mapping[str, RawModule], shapes: Mapping[str, tuple[int,
     return all(n in c and c[n].shape == s for n, s in shapes.items())
 
 
-def _screen(y: np.ndarray, X: np.ndarray, subsets: list[tuple[int, ...]]) -> list[tuple[float, tuple[int, ...], np.ndarray, bool]]:
-    """(residual, subset, c', ties?) of every subset (all of one size) whose plain least-squares weights are all
-    positive, each by the better of the sum and ties models from two starts (the least-squares weights, and those
-    over a random draw's keep rate read from the query's non-zero entries, which dare's rescaling wants), all subsets
-    fitted at once; best first."""
+def screen(y: np.ndarray, X: np.ndarray, subsets: list[tuple[int, ...]]) -> list[tuple[float, tuple[int, ...], np.ndarray, bool]]:
+    """(residual, subset, c', ties?) of the subsets (all of one size) whose plain least-squares weights are all
+    positive and that come near on a few of the entries (`_near`), each by the better of the sum and ties models from
+    two starts (the least-squares weights, and those over a random draw's keep rate read from the query's non-zero
+    entries, which dare's rescaling wants), all subsets fitted at once; best first."""
     if not subsets:
         return []
     S = np.array(subsets)
@@ -303,16 +296,32 @@ def _screen(y: np.ndarray, X: np.ndarray, subsets: list[tuple[int, ...]]) -> lis
     support = np.any(Xs != 0, axis=2)
     union = np.clip((support & (y != 0)).sum(axis=1) / np.maximum(support.sum(axis=1), 1), 0.0, 1.0 - 1e-9)
     density = np.maximum(1.0 - (1.0 - union) ** (1.0 / S.shape[1]), 1e-3)
-    best = np.full(len(S), np.inf)
-    fits: list[tuple[np.ndarray, bool] | None] = [None] * len(S)
+    near = _near(y, Xs, c0, density)
+    S, best, fits = S[near], *_fits(y, Xs[near], c0[near], density[near])
+    out = [(float(best[p]), tuple(int(k) for k in S[p]), *fit) for p, fit in enumerate(fits) if fit is not None]
+    return sorted(out, key=lambda t: t[0])
+
+
+def _near(y: np.ndarray, Xs: np.ndarray, c0: np.ndarray, density: np.ndarray) -> np.ndarray:
+    """Which subsets are worth fitting on all the entries: those that fit SCREEN_FIRST of them (evenly spread) within
+    HOPELESS, and the SCREEN_KEPT that fit them best."""
+    first = slice(0, None, max(1, len(y) // SCREEN_FIRST))
+    rough = _fits(y[first], Xs[:, first], c0, density)[0]
+    return (rough <= HOPELESS) | (np.argsort(np.argsort(rough, kind="stable")) < SCREEN_KEPT)
+
+
+def _fits(y: np.ndarray, Xs: np.ndarray, c0: np.ndarray, density: np.ndarray) -> tuple[np.ndarray, list[tuple[np.ndarray, bool] | None]]:
+    """Per subset (Xs: subsets × entries × parents), the least relative residual of the sum and ties models from the
+    two starts, and its (c', ties?)."""
+    best = np.full(len(Xs), np.inf)
+    fits: list[tuple[np.ndarray, bool] | None] = [None] * len(Xs)
     for ties in (False, True):
         D = _design(Xs, ties)
         for start in (c0, c0 / density[:, None]):
             rho, c, _ = _alternate(y, D, start.copy())
             for p in np.flatnonzero(rho < best):
                 best[p], fits[p] = rho[p], (c[p], ties)
-    out = [(float(best[p]), tuple(int(k) for k in S[p]), *fit) for p, fit in enumerate(fits) if fit is not None]
-    return sorted(out, key=lambda t: t[0])
+    return best, fits
 
 
 def _least_squares(Xs: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -451,47 +460,3 @@ def _auc(kept: np.ndarray, pruned: np.ndarray) -> float:
     ranks = np.empty(len(both))
     ranks[np.argsort(both, kind="stable")] = np.arange(1, len(both) + 1)
     return float((ranks[: len(kept)].sum() - len(kept) * (len(kept) + 1) / 2) / (len(kept) * len(pruned)))
-
-
-def _rows64(t: torch.Tensor, rows: np.ndarray) -> np.ndarray:
-    """Rows of a float tensor as a float64 array, taken before the conversion (bfloat16 through torch: numpy has none)."""
-    return t[rows].double().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()[rows].astype(np.float64)
-
-
-def raw_width(n_modules: int) -> int:
-    """Sampled entries per module of a raw-factor sketch: RAW_SKETCH_DIM spread over the modules, at least 2 (one of B,
-    one of A) and at most RAW_MODULE_DIM."""
-    return max(2, min(RAW_MODULE_DIM, RAW_SKETCH_DIM // max(n_modules, 1)) // 2 * 2)
-
-
-def raw_sketches(adapters: Sequence[Mapping[str, CanonicalFactors]], modules: Sequence[tuple[str, int, int]], width: int) -> np.ndarray:
-    """(N, len(modules)·width) float32: each adapter's factors as given (canonical factors and their gauge) at `width`
-    seeded entries of each module, half of B and half of A, each half scaled to unit norm (zeros where the adapter lacks
-    the module or its gauge). The same entries in every adapter of one rank, so that the vectors' cosine estimates how
-    much two adapters share their factors as their files had them: a factorwise merge with its parents (about √density
-    of each parent's share), a continuation with its parent (A barely moves in training), where the module sketches,
-    which compare dW, may rank them far (zoo/services/relations.py)."""
-    half = width // 2
-    out = np.zeros((len(adapters), len(modules), 2, half), dtype=np.float32)
-    for m, (name, rows, cols) in enumerate(modules):
-        rng = np.random.default_rng(zlib.crc32(f"{name}:{rows}x{cols}".encode()))
-        b_rows, b_comp = rng.integers(rows, size=half), rng.integers(RANK_SALT, size=half)
-        a_cols, a_comp = rng.integers(cols, size=half), rng.integers(RANK_SALT, size=half)
-        by_rank: dict[tuple[int, int], list[tuple[int, CanonicalFactors]]] = {}  # by the gauge's shape: (rank, file's rank)
-        for i, factors in enumerate(adapters):
-            f = factors.get(name)
-            if f is None or f.gauge is None or not f.rank or (f.U.shape[0], f.V.shape[0]) != (rows, cols):
-                continue
-            by_rank.setdefault(tuple(f.gauge[0].shape), []).append((i, f))  # type: ignore[arg-type]
-        for (_, r), present in by_rank.items():  # the adapters of one rank at once: a few numpy products a module, not a dozen a pair
-            at = [i for i, _ in present]
-            U = np.stack([_rows64(f.U, b_rows) for _, f in present])  # (n, half, r)
-            V = np.stack([_rows64(f.V, a_cols) for _, f in present])
-            M = np.stack([f.gauge[0].double().numpy() for _, f in present])  # type: ignore[index]  # (n, r, r)
-            N = np.stack([f.gauge[1].double().numpy() for _, f in present])  # type: ignore[index]
-            b = (U * M[:, :, b_comp % r].transpose(0, 2, 1)).sum(axis=2)  # B[o, k] = U[o]·M[:, k]
-            a = (N[:, a_comp % r, :] * V).sum(axis=2)  # A[k, c] = N[k]·V[c]
-            for part, x in ((0, b), (1, a)):
-                norm = np.sqrt((x * x).sum(axis=1, keepdims=True))
-                out[at, m, part] = np.where(norm > 0, x / np.where(norm > 0, norm, 1.0), 0.0)
-    return out.reshape(len(adapters), -1)

@@ -66,7 +66,7 @@ FETCHED = 2 * NEIGHBOURS
 MIN_SCORE = 0.05
 #: neighbours by the raw-factor sketches compared too (those not among the module-sketch ones): a factorwise merge's
 #: minor parents and a continuation whose dW turned away are near in the factors as the files had them, far in dW
-#: (zoo.domain.factorwise.raw_sketches)
+#: (zoo.domain.raw_sketch.raw_sketches)
 RAW_NEIGHBOURS = 8
 #: the least raw-factor cosine of such a neighbour (a minor parent's: 0.1-0.2; an unrelated adapter's: about
 #: 1/sqrt(the sketch's dimensions), 0.03-0.06)
