@@ -317,13 +317,14 @@ def _gram_sketches(adapters: Sequence[Factors], modules: Sequence[str], dim: int
         if not present:
             return
         width = int((present[0][1].V if side == "input" else present[0][1].U).shape[0])
-        omega, psi = (p.numpy() for p in sketch_probes(name, width, width, dim, f"{side}-{weighting}-sketch"))
+        probes = np.concatenate([p.numpy() for p in sketch_probes(name, width, width, dim, f"{side}-{weighting}-sketch")])
         for i, f in present:
             S = f.S.detach().cpu().double().numpy()
             keep = S > 0
-            X = (f.V if side == "input" else f.U).detach().cpu().float().numpy()[:, keep]
+            X = (f.V if side == "input" else f.U).detach().cpu().float().numpy()
+            values = (probes @ X)[:, keep]  # ω and ψ in one pass over X; the columns kept after the product, not copied before
             c = unit_weights((S[keep] / np.linalg.norm(S[keep]))[None, :], weighting)[0]
-            out[i, m] = ((omega @ X) * (psi @ X)) @ c / np.sqrt(dim)
+            out[i, m] = (values[:dim] * values[dim:]) @ c / np.sqrt(dim)
 
     threads = module_threads(adapters, torch.get_num_threads())
     for_each_module(modules, sketch, threads, initializer=lambda: torch.set_num_threads(1))
