@@ -10,6 +10,9 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from zoo.domain.canonical import CanonicalFactors, canonicalize
+from zoo.domain.transforms import Update
+
 D = 16
 VOCAB = 24
 
@@ -139,3 +142,41 @@ def write_random_peft_adapters(root: Path, count: int, seed: int = 0, targets: t
         out.append(root / f"{i:04d}")
         model.save_pretrained(str(out[-1]))
     return out
+
+
+class TwoLinear(nn.Module):
+    """Two linear layers, `up` (inp → hidden) and `down` (hidden → out): a model for PEFT's merges."""
+
+    def __init__(self, inp: int, hidden: int, out: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(inp, hidden)
+        self.down = nn.Linear(hidden, out)
+
+
+def peft_merge_model(inp: int, hidden: int, out: int, rank: int, count: int = 8) -> PeftModel:
+    """A PEFT model of `TwoLinear` with `count` LoRA adapters a0, a1, … of random factors (lora_alpha = 2·rank), for
+    PEFT's `add_weighted_adapter` to merge."""
+    torch.manual_seed(0)
+    config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": ["up", "down"]}
+    model = get_peft_model(TwoLinear(inp, hidden, out), LoraConfig(**config), adapter_name="a0")
+    for i in range(1, count):
+        model.add_adapter(f"a{i}", LoraConfig(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * (0.3 if "lora_A" in name else 0.05))
+    return model
+
+
+def peft_update(model: PeftModel, adapter: str, id: int | None = None, with_gauges: bool = False) -> Update:
+    """An adapter of a `peft_merge_model` as the relation step reads it; with the gauges of its factors (blobs
+    written since they are kept)."""
+    state = model.state_dict()
+    config = model.peft_config[adapter]
+    factors = {}
+    for module in ("up", "down"):
+        A = state[f"base_model.model.{module}.lora_A.{adapter}.weight"]
+        B = state[f"base_model.model.{module}.lora_B.{adapter}.weight"]
+        f = canonicalize(A, B, config.lora_alpha / config.r)
+        factors[module] = f if with_gauges else CanonicalFactors(f.U, f.S, f.V)
+    return Update(factors, id=id)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from peft import PeftModel
 
+from tests.factories import peft_merge_model, peft_update
 from zoo.domain.canonical import canonicalize
 from zoo.domain.factorwise import SCREEN_ENTRIES, SCREEN_KEPT, RawModule, fit_factorwise, positions, sampled, screen
 from zoo.domain.merges import detect_merge
-from zoo.domain.transforms import Update
 
 OUT, IN, RANK = 512, 512, 8
 
@@ -56,36 +57,8 @@ def test_of_siblings_only_the_sets_near_on_a_few_entries_are_fitted_on_all(seed:
 
 
 @pytest.fixture(scope="module")
-def peft_model():  # noqa: ANN201
-    from peft import LoraConfig, get_peft_model
-
-    class Tiny(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.up = torch.nn.Linear(64, 128)
-            self.down = torch.nn.Linear(128, 96)
-
-    torch.manual_seed(0)
-    config = {"r": 8, "lora_alpha": 16, "target_modules": ["up", "down"]}
-    model = get_peft_model(Tiny(), LoraConfig(**config), adapter_name="a0")
-    for i in range(1, 8):
-        model.add_adapter(f"a{i}", LoraConfig(**config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn_like(p) * (0.3 if "lora_A" in name else 0.05))
-    return model
-
-
-def peft_update(model, adapter: str, id: int | None = None) -> Update:  # noqa: ANN001
-    """The adapter as the relation step reads it, with the gauges of its factors."""
-    state, config = model.state_dict(), model.peft_config[adapter]
-    factors = {}
-    for module in ("up", "down"):
-        A = state[f"base_model.model.{module}.lora_A.{adapter}.weight"]
-        B = state[f"base_model.model.{module}.lora_B.{adapter}.weight"]
-        factors[module] = canonicalize(A, B, config.lora_alpha / config.r)
-    return Update(factors, id=id)
+def peft_model() -> PeftModel:
+    return peft_merge_model(64, 128, 96, 8)
 
 
 @settings(max_examples=25, deadline=None)
@@ -96,7 +69,7 @@ def peft_update(model, adapter: str, id: int | None = None) -> Update:  # noqa: 
     data=st.data(),
 )
 def test_peft_factorwise_merges_keep_their_parents_through_the_screen(
-    peft_model,  # noqa: ANN001
+    peft_model: PeftModel,
     combination: str,
     density: float,
     parents: list[int],
@@ -107,7 +80,8 @@ def test_peft_factorwise_merges_keep_their_parents_through_the_screen(
     torch.manual_seed(data.draw(st.integers(0, 2**31 - 1)))  # dare's draws
     peft_model.add_weighted_adapter([f"a{i}" for i in parents], weights, "merged", combination_type=combination, density=density)
     try:
-        merge = detect_merge(peft_update(peft_model, "merged"), [peft_update(peft_model, f"a{i}", i) for i in range(8)])
+        query = peft_update(peft_model, "merged", with_gauges=True)
+        merge = detect_merge(query, [peft_update(peft_model, f"a{i}", i, with_gauges=True) for i in range(8)])
     finally:
         peft_model.delete_adapter("merged")
     assert merge is not None and set(merge.parents) == set(parents) and merge.combination == combination, merge

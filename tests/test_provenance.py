@@ -14,7 +14,9 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from peft import PeftModel
 
+from tests.factories import peft_merge_model, peft_update
 from zoo.domain import transforms
 from zoo.domain.canonical import CanonicalFactors, canonicalize, canonicalize_batched
 from zoo.domain.continuation import MIN_SHARED_ROWS, detect_continuation, origin_score, shared_rows
@@ -315,38 +317,8 @@ def test_a_merge_is_found_whatever_the_query_factorization() -> None:
 
 
 @pytest.fixture(scope="module")
-def peft_model():  # noqa: ANN201
-    from peft import LoraConfig, get_peft_model
-
-    class Tiny(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.up = torch.nn.Linear(20, 32)
-            self.down = torch.nn.Linear(32, 24)
-
-    torch.manual_seed(0)
-    config = {"r": 4, "lora_alpha": 8, "target_modules": ["up", "down"]}
-    model = get_peft_model(Tiny(), LoraConfig(**config), adapter_name="a0")
-    for i in range(1, 8):
-        model.add_adapter(f"a{i}", LoraConfig(**config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn_like(p) * (0.3 if "lora_A" in name else 0.05))
-    return model
-
-
-def peft_update(model, adapter: str, id: int | None = None, with_gauges: bool = False) -> Update:  # noqa: ANN001
-    """The adapter as the relation step reads it; with the gauges of its factors (blobs written since they are kept)."""
-    state = model.state_dict()
-    config = model.peft_config[adapter]
-    factors = {}
-    for module in ("up", "down"):
-        A = state[f"base_model.model.{module}.lora_A.{adapter}.weight"]
-        B = state[f"base_model.model.{module}.lora_B.{adapter}.weight"]
-        f = canonicalize(A, B, config.lora_alpha / config.r)
-        factors[module] = f if with_gauges else CanonicalFactors(f.U, f.S, f.V)
-    return Update(factors, id=id)
+def peft_model() -> PeftModel:
+    return peft_merge_model(20, 32, 24, 4)
 
 
 @pytest.mark.parametrize("combination", ["cat", "svd", "linear"])
