@@ -46,9 +46,10 @@ def for_each_module(
             deadline.check_at(at)
             work(m, modules[m])
 
-    if threads == 1:
-        share(0)
-        return
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(max_workers=threads, initializer=initializer) as pool:
-        for done in [pool.submit(share, first) for first in range(threads)]:
-            done.result()
+    with threadpool_limits(limits=1, user_api="blas"):
+        if threads == 1:  # BLAS on one thread here too: a product's sums then do not depend on the threads chosen
+            share(0)
+            return
+        with ThreadPoolExecutor(max_workers=threads, initializer=initializer) as pool:
+            for done in [pool.submit(share, first) for first in range(threads)]:
+                done.result()
