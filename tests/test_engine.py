@@ -225,3 +225,27 @@ def test_a_search_with_a_second_stage_serves_the_top_of_its_first_in_the_order_o
     assert want != by_first  # the second stage moves something here: the test tells the stages apart
     assert ids_of(found["hybrid"]) == want
     assert all(r["score"] == pytest.approx(first[r["adapter_id"]], abs=1e-5) for r in found["hybrid"]["results"])
+
+
+def test_a_space_of_vectors_without_stored_factors_serves_from_its_sketches(cli: CLI, twenty: Path) -> None:
+    """A space whose vectors were written with no module rows and no blobs (bench/serve.py's synthetic spaces): a node
+    without a module store builds none, reads no blob, and ranks by the module sketches."""
+    import shutil
+
+    from sqlalchemy import delete
+
+    from embed.serving.module_store import module_store_path
+    from zoo.store.models import Module
+
+    ingest_and_embed(cli, twenty, "first")
+    with session_factory(cli.settings.database_url)() as session:
+        session.execute(delete(Module))
+        session.commit()
+    shutil.rmtree(cli.settings.blob_dir)
+    for store in module_store_path(cli.settings.data_dir, 1).parent.glob("*"):
+        store.unlink()
+    engine = make_engine(cli)
+    with session_factory(cli.settings.database_url)() as session:
+        found = engine.similar(session, "tiny", Query("e00", 1), 5, method="module")
+    assert found["module_stage"] == "module sketches (no module store)" and len(found["results"]) == 5
+    assert not any(module_store_path(cli.settings.data_dir, 1).parent.glob("*"))

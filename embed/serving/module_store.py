@@ -54,6 +54,9 @@ def update_module_store(session: Session, blobs: BlobStore, data_dir: Path, spac
     if have and not new and not dropped:
         return "loaded"
     layout = module_layout(session, space.base_model, SpaceSchema.from_dict(sketch.config["schema"]))
+    if not layout:  # no stored module of its vocabulary (vectors written without factors): nothing to read
+        path.unlink(missing_ok=True)
+        return "none (no stored factors of the space's modules: module cosine comes from the module sketches)"
     estimate = len(ids) * layout_bytes(layout)
     if estimate > module_store_budget():  # known from the module table before any factors are read
         path.unlink(missing_ok=True)
