@@ -6,7 +6,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from zoo.domain.channels import channel_sketches
 from zoo.domain.similarity import MODULE_SKETCH_DIM
@@ -27,8 +26,5 @@ def gram_sketch_width(n_modules: int) -> int:
 
 
 def gram_sketches(adapters: Sequence[Mapping[str, CanonicalFactors]], modules: Sequence[str], dim: int) -> np.ndarray:
-    """The adapters' input-Gram sketches (`channel_sketches`), on one BLAS thread: each product is small (4 probes of a
-    14,336-wide module), and BLAS threads spinning against a busy core made 200 Llama-3-8B adapters' sketches 20x
-    slower (10.5 s of wall time for 2 adapters of 56 modules, 0.5 s on one thread)."""
-    with threadpool_limits(limits=1, user_api="blas"):
-        return channel_sketches(adapters, modules, dim, "input_gram")
+    """The adapters' input-Gram sketches (`channel_sketches`), each product on one BLAS thread (zoo/domain/module_work.py)."""
+    return channel_sketches(adapters, modules, dim, "input_gram")
