@@ -1,5 +1,5 @@
-"""An IVF index's store (its re-rank copy): 8-bit from STORE_8BIT_FROM_DIM dimensions, float16 below and for the
-input-Gram sketches; what each costs in memory and in cosine error, and that float16 files still load."""
+"""An IVF index's store (its re-rank copy): 8-bit from STORE_8BIT_FROM_DIM dimensions, float16 below; what each costs
+in memory and in cosine error, that an 8-bit store keeps zeros, and that float16 files still load."""
 
 from __future__ import annotations
 
@@ -87,10 +87,31 @@ def test_an_8bit_stored_vector_is_within_half_a_step_a_dimension(dim: int, seed:
     store = trained_store(vectors[:300], "8-bit")  # half of them trained on, as an index trains on a sample
     inside = np.all((vectors >= vectors[:300].min()) & (vectors <= vectors[:300].max()), axis=1)  # the rest: within the margin
     low, width = faiss.vector_to_array(store.sq.trained)
-    assert low == pytest.approx(vectors[:300].min() - STORE_RANGE_MARGIN * (vectors[:300].max() - vectors[:300].min()), abs=1e-6)
+    lowest, highest = vectors[:300].min(), vectors[:300].max()
+    margin = STORE_RANGE_MARGIN * (highest - lowest)
+    assert low == -width / 2 == pytest.approx(-max(margin - lowest, highest + margin), abs=1e-6)  # symmetric about 0
     assert width == pytest.approx(255 * store_step(store))
     stored = store.sa_decode(store.sa_encode(vectors))
     assert np.linalg.norm(stored - vectors, axis=1)[inside].max() <= np.sqrt(dim) * store_step(store) / 2 * (1 + 1e-4)
+
+
+@settings(max_examples=20, deadline=None)
+@given(dim=st.integers(8, 96), seed=st.integers(0, 10**6), absent=st.floats(0.0, 0.9), tiny=st.floats(0.0, 0.5))
+def test_an_8bit_store_keeps_zeros_and_only_zeros(dim: int, seed: int, absent: float, tiny: float) -> None:
+    """Through an index's writes (add and upsert), a coordinate is stored as 0 exactly when it is 0, and every other
+    within a step of itself: a sketch's absent modules read as absent from the store, and no present one does."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2_000, dim))
+    x.reshape(-1)[rng.uniform(size=x.size) < tiny] *= 1e-4  # coordinates inside the zero code's half step
+    x *= rng.uniform(size=(2_000, 1 + dim // 8)).repeat(8, axis=1)[:, :dim] >= absent
+    x[np.abs(x).sum(axis=1) == 0, 0] = 1.0
+    vectors = normalize(x.astype(np.float32))
+    index = ivf(vectors, "8-bit")
+    index.upsert(np.arange(1, 101), vectors[100:200])
+    written = np.concatenate([vectors[100:200], vectors[100:]])
+    stored = index.vectors(np.arange(1, 2_001))
+    assert np.array_equal(stored == 0, written == 0)
+    assert np.abs(stored - written).max() <= store_step(index.store_quantizer) * (1 + 1e-4)
 
 
 def test_a_float16_store_file_still_loads_searches_and_takes_upserts(

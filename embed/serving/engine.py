@@ -40,6 +40,8 @@ from embed.data.types import SpaceSchema, ZooAdapter
 from embed.selection.metrics import top_k
 from embed.serving.attributes import AdapterAttributes
 from embed.serving.budgets import spaces_budget
+from embed.serving.exact_rows import ExactRows, margin_of, near_kth, read_exact
+from embed.serving.first_stage import first_stage
 from embed.serving.gram_sketch import gram_sketches
 from embed.serving.index import CANDIDATES, IVF_FROM, AdapterIndex
 from embed.serving.index_files import build_index, index_path, load_consistent_index, update_index_file
@@ -255,9 +257,11 @@ class QueryEngine:
         with state.lock.read():
             allowed = allowed_ids(session, state, filters) if filters else None
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
+            depth = k  # how deep the scores decide the order (a second stage re-orders the top of the first)
             if method == "hybrid":
                 search = self._hybrid_search(state)
                 exact, kinds = (search.exact if search.w2t_weight < 1 else None), stage_kinds(search, state.embedders)
+                depth = max(k, search.rerank_top) if search.second_stage is not None else k
             elif method in EXACT_SCORES:
                 exact, kinds = method, candidate_kinds(method, state.embedders)
             else:
@@ -267,8 +271,14 @@ class QueryEngine:
             vectors = {e.method: self._query_vector(state, e, query) for e in searched}
             exact_stage = method == "hybrid" or method in EXACT_SCORES
             fetch = max(k, CANDIDATES) + 1  # re-ranked below by stored vectors (and the module store)
-            candidates = self._candidates(searched, vectors, fetch, allowed, query)
-            scores, keys = self._scores(state, method, query, vectors, candidates)
+            candidates = first_stage(searched, vectors, fetch, allowed, query)
+            reads = ExactRows()
+            scores, keys = self._scores(state, method, query, vectors, candidates, reads)
+            if reads.lossy and len(candidates):  # the scores near the k-th again, from the database's float32 vectors
+                near = candidates[near_kth(scores, depth, margin_of(state.embedders, reads.lossy))]
+                read = near if query.adapter_id is None else np.append(near, query.adapter_id)
+                reads.rows = read_exact(session, state.embedders, reads.lossy, read)
+                scores, keys = self._scores(state, method, query, vectors, candidates, reads)
             top = top_k(keys, k)
             hit_ids = candidates[top].tolist()
             info = [state.attributes.name_and_labels(i) for i in hit_ids]
@@ -348,53 +358,37 @@ class QueryEngine:
     def w2t(self, e: LoadedEmbedder) -> W2TEnsemble:
         return load_w2t(local_folder(self.blobs, self.data_dir, str(e.checkpoint)), self.device)
 
-    @staticmethod
-    def _candidates(
-        searched: Sequence[LoadedEmbedder], vectors: Mapping[str, np.ndarray], fetch: int, allowed: np.ndarray | None, query: Query
-    ) -> np.ndarray:
-        """The first stage: the union of each searched index's `fetch` nearest of the query (among `allowed`), sorted,
-        the query itself left out."""
-        if allowed is not None and not len(allowed):
-            return np.zeros(0, np.int64)
-        pool: set[int] = set()
-        for e in searched:
-            pool.update(e.index.search(vectors[e.method][None, :], fetch, allowed=allowed)[1][0].tolist())
-        pool.discard(-1)
-        if query.adapter_id is not None:
-            pool.discard(query.adapter_id)
-        return np.array(sorted(pool), dtype=np.int64)
-
     def _scores(
-        self, state: SpaceState, method: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
+        self, state: SpaceState, method: str, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, reads: ExactRows
     ) -> tuple[np.ndarray, np.ndarray]:
         """The method's scores between the query and the adapters `ids`, and the keys that order them (the scores
-        themselves, but for a search score with a second stage: SearchScore.ranking)."""
+        themselves, but for a search score with a second stage: SearchScore.ranking). Stored vectors are `reads`'."""
         if not len(ids):
             return np.zeros(0), np.zeros(0)
         if method in VECTOR_SCORES:
             kind = VECTOR_SCORES[method]
-            scores = state.embedders[kind].index.vectors(ids) @ vectors[kind]
+            scores = reads.vectors(state.embedders[kind], ids) @ reads.query(kind, query.adapter_id, vectors[kind])
             return scores, scores
         if method in EXACT_SCORES:
-            scores = self._exact(state, query, vectors, ids, method)
+            scores = self._exact(state, query, vectors, ids, method, reads)
             return scores, scores
-        return self._search_scores(state, self._hybrid_search(state), query, vectors, ids)
+        return self._search_scores(state, self._hybrid_search(state), query, vectors, ids, reads)
 
     def _hybrid_search(self, state: SpaceState) -> SearchScore:
         """The search score `zoo train` chose for the space: hybrid's."""
         return served_search(self._checkpoint(state))
 
     def _search_scores(
-        self, state: SpaceState, score: SearchScore, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray
+        self, state: SpaceState, score: SearchScore, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, reads: ExactRows
     ) -> tuple[np.ndarray, np.ndarray]:
         """A search score between the query and the adapters `ids`: its similarity, and the keys that order them."""
         weight = score.w2t_weight
         second: np.ndarray | None
         if weight < 1 and score.rerank_exact is not None:  # the metric's fusion with dW (SearchScore): the metric scored once
-            exact, second = self._with_fusion(state, query, vectors, ids, score.exact)
+            exact, second = self._with_fusion(state, query, vectors, ids, score.exact, reads)
         else:
-            exact = self._exact(state, query, vectors, ids, score.exact) if weight < 1 else np.zeros(len(ids))
-            second = self._exact(state, query, vectors, ids, score.rerank_exact) if score.rerank_exact is not None else None
+            exact = self._exact(state, query, vectors, ids, score.exact, reads) if weight < 1 else np.zeros(len(ids))
+            second = self._exact(state, query, vectors, ids, score.rerank_exact, reads) if score.rerank_exact is not None else None
         if weight <= 0 and second is None:  # the exact score alone (a second stage by the same score needs a W2T-heavier first)
             return exact, exact
         w2t = state.embedders[W2T].index.vectors(ids) @ vectors[W2T] if weight > 0 else np.zeros(len(ids))
@@ -404,13 +398,16 @@ class QueryEngine:
         """The local folder of the W2T checkpoint the space serves."""
         return local_folder(self.blobs, self.data_dir, str(state.embedders[W2T].checkpoint))
 
-    def _exact(self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, score: str) -> np.ndarray:
+    def _exact(
+        self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, score: str, reads: ExactRows
+    ) -> np.ndarray:
         """An exact score (search_methods.stored_exact, or a channel metric's fusion with dW: zoo/domain/fusion.py)
         from the module store; without one, estimated from the sketches: the input Gram from the input-Gram sketches
         where the space has them for every candidate, else (and for the other training-free scores) the module
-        sketches' cosine stands in. A score `zoo train` fitted has no estimate: without the module store it is refused."""
+        sketches' cosine stands in (their rows `reads`'). A score `zoo train` fitted has no estimate: without the module
+        store it is refused."""
         if (metric := fused_metric(score)) is not None:
-            return self._with_fusion(state, query, vectors, ids, metric)[1]
+            return self._with_fusion(state, query, vectors, ids, metric, reads)[1]
         store = state.modules
         if store is not None and all(int(i) in store.rows for i in ids.tolist()):
             if query.adapter_id is not None and query.adapter_id in store.rows:
@@ -427,16 +424,17 @@ class QueryEngine:
         if kind not in vectors:
             vectors[kind] = self._query_vector(state, e, query)
         n_modules = len(SpaceSchema.from_dict(e.config["schema"]).modules)
-        return sketch_module_cosines(vectors[kind][None, :], e.index.vectors(ids), n_modules)[0]
+        own = reads.query(kind, query.adapter_id, vectors[kind])
+        return sketch_module_cosines(own[None, :], reads.vectors(e, ids), n_modules)[0]
 
     def _with_fusion(
-        self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, metric: str
+        self, state: SpaceState, query: Query, vectors: dict[str, np.ndarray], ids: np.ndarray, metric: str, reads: ExactRows
     ) -> tuple[np.ndarray, np.ndarray]:
         """A channel metric between the query and the adapters `ids`, and its fusion with dW: each score on the scale of
         its own among the labelled adapters, the query left out."""
         memory = self.w2t(state.embedders[W2T]).memory_ids
         both = np.concatenate([ids, memory[memory != query.adapter_id] if query.adapter_id is not None else memory])
-        dw, fitted = (self._exact(state, query, vectors, both, s) for s in ("dw", metric))
+        dw, fitted = (self._exact(state, query, vectors, both, s, reads) for s in ("dw", metric))
         return fitted[: len(ids)], fused(dw[: len(ids)], fitted[: len(ids)], dw[len(ids) :], fitted[len(ids) :])[0]
 
     def predict(self, session: Session, space: str, query: Query) -> Predicted:
@@ -487,8 +485,8 @@ class QueryEngine:
                 *(state.embedders[k] for k in kinds if k not in METHOD_EMBEDDERS["hybrid"]),
             ]
             vectors = {e.method: self._query_vector(state, e, query) for e in searched}
-            candidates = self._candidates(searched, vectors, CANDIDATES, allowed, query)
-            keys = self._search_scores(state, similarity, query, vectors, candidates)[1] if len(candidates) else np.zeros(0)
+            candidates = first_stage(searched, vectors, CANDIDATES, allowed, query)
+            keys = self._search_scores(state, similarity, query, vectors, candidates, ExactRows())[1] if len(candidates) else np.zeros(0)
         at = {int(i): j for j, i in enumerate(memory_ids.tolist())}
         return np.array([at[int(i)] for i in candidates.tolist()], np.int64), keys
 

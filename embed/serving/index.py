@@ -109,7 +109,9 @@ def ivf_lists(n: int) -> int:
 
 def trained_store(sample: np.ndarray, store: str | None = None) -> faiss.IndexScalarQuantizer:
     """An IVF index's empty store, '8-bit' or 'fp16' (default: by the dimension, STORE_8BIT_FROM_DIM), trained on
-    `sample` (the 8-bit range: its smallest and largest coordinate, widened by STORE_RANGE_MARGIN)."""
+    `sample`. The 8-bit range is symmetric about 0: ±(the sample's largest coordinate in magnitude, widened by
+    STORE_RANGE_MARGIN of the sample's range), so that 0 is a code's value and an absent module's zero block is
+    stored exactly (IndexRows.add keeps any other coordinate off that code: module presence reads true)."""
     dim = int(sample.shape[1])
     store = store or ("8-bit" if dim >= STORE_8BIT_FROM_DIM else "fp16")
     if store not in STORE_TYPES:
@@ -117,6 +119,10 @@ def trained_store(sample: np.ndarray, store: str | None = None) -> faiss.IndexSc
     index = faiss.IndexScalarQuantizer(dim, STORE_TYPES[store], faiss.METRIC_INNER_PRODUCT)
     index.sq.rangestat, index.sq.rangestat_arg = faiss.ScalarQuantizer.RS_minmax, STORE_RANGE_MARGIN
     index.train(sample)
+    if store == "8-bit":
+        low, width = faiss.vector_to_array(index.sq.trained).astype(np.float64)
+        half = np.float32(max(-low, low + width))
+        faiss.copy_array_to_vector(np.array([-half, 2 * half], np.float32), index.sq.trained)
     return index
 
 

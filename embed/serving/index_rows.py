@@ -141,6 +141,21 @@ class IndexRows:
             )
         return self.store_quantizer.sa_decode(np.ascontiguousarray(self.store_codes()[rows]))
 
+    def _store_input(self, vectors: np.ndarray) -> np.ndarray:
+        """Vectors as the store takes them. Where 0 is an 8-bit code's value (a range symmetric about 0:
+        index.trained_store), a nonzero coordinate that would round to that code goes to the next one instead, ± a
+        step: only a zero is stored as 0, so a sketch's absent modules (zero blocks) read as absent, and no others."""
+        if self.store != "8-bit":
+            return vectors
+        low, width = faiss.vector_to_array(self.store_quantizer.sq.trained)
+        if low != -width / 2:  # trained before ranges were symmetric: no code is 0
+            return vectors
+        step = width / 255
+        near = (vectors != 0) & (vectors >= -step / 2) & (vectors < step / 2)
+        if not near.any():
+            return vectors
+        return np.where(near, np.copysign(np.float32(step), vectors), vectors).astype(np.float32)
+
     def store_codes(self) -> np.ndarray:
         """The IVF store's codes as a writable (size, bytes per vector) array, in place."""
         codes = faiss.rev_swig_ptr(self.store_quantizer.codes.data(), self.store_quantizer.codes.size())
@@ -179,7 +194,7 @@ class IndexRows:
                 self._flat[start : start + len(ids)] = vectors
             else:
                 self.ivf_base.add_with_ids(vectors, np.arange(start, start + len(ids), dtype=np.int64))
-                self.store_quantizer.add(vectors)
+                self.store_quantizer.add(self._store_input(vectors))
                 self.subset_index.add(self._subset_input(vectors))
                 self._ivf.ntotal = self.store_quantizer.ntotal
             self._size = start + len(ids)
@@ -232,7 +247,7 @@ class IndexRows:
                 else:
                     self.ivf_base.remove_ids(rows[old])  # type: ignore[arg-type]  # ids as an array: faiss's wrapper takes them, its stubs not
                     self.ivf_base.add_with_ids(vectors[old], rows[old])
-                    self.store_codes()[rows[old]] = self.store_quantizer.sa_encode(vectors[old])
+                    self.store_codes()[rows[old]] = self.store_quantizer.sa_encode(self._store_input(vectors[old]))
                     self.subset_codes()[rows[old]] = self.subset_index.sa_encode(self._subset_input(vectors[old]))
         self.add(ids[~old], vectors[~old])
 

@@ -66,20 +66,7 @@ def load_embeddings(
         found = np.array([r[0] for r in rows], dtype=np.int64)
         vectors = np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]) if rows else np.zeros((0, embedder.dim), np.float32)
         return found, vectors
-    wanted = np.unique(np.asarray(ids, dtype=np.int64))
-    found, vectors, n = np.empty(len(wanted), np.int64), np.empty((len(wanted), embedder.dim), np.float32), 0
-    stmt = (
-        select(Embedding.adapter_id, Embedding.vector, Embedding.version)
-        .where(Embedding.embedder_id == embedder.id, Embedding.adapter_id.in_(_IDS))
-        .order_by(Embedding.adapter_id)
-    )
-    conn = session.connection()
-    for start in range(0, len(wanted), IDS_PER_QUERY):
-        for i, blob, version in conn.execute(stmt, {"ids": wanted[start : start + IDS_PER_QUERY].tolist()}):
-            if version > after_version:
-                found[n], vectors[n] = i, np.frombuffer(blob, dtype=np.float32)
-                n += 1
-    return found[:n], vectors[:n]
+    return embedding_rows(session, embedder.id, embedder.dim, ids, after_version)
 
 
 def iter_embeddings(
@@ -100,3 +87,22 @@ def embedded_ids(session: Session, embedder: Embedder, among: list[int] | None =
     if among is not None:
         stmt = stmt.where(Embedding.adapter_id.in_(among))
     return set(session.scalars(stmt))
+
+
+def embedding_rows(session: Session, embedder_id: int, dim: int, ids: np.ndarray, after_version: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, vectors) of the embedder's rows of those `ids` written after `after_version` (the ones found), ascending:
+    `load_embeddings(..., ids=...)` for a caller that holds the embedder's id and dimension, not its row."""
+    wanted = np.unique(np.asarray(ids, dtype=np.int64))
+    found, vectors, n = np.empty(len(wanted), np.int64), np.empty((len(wanted), dim), np.float32), 0
+    stmt = (
+        select(Embedding.adapter_id, Embedding.vector, Embedding.version)
+        .where(Embedding.embedder_id == embedder_id, Embedding.adapter_id.in_(_IDS))
+        .order_by(Embedding.adapter_id)
+    )
+    conn = session.connection()
+    for start in range(0, len(wanted), IDS_PER_QUERY):
+        for i, blob, version in conn.execute(stmt, {"ids": wanted[start : start + IDS_PER_QUERY].tolist()}):
+            if version > after_version:
+                found[n], vectors[n] = i, np.frombuffer(blob, dtype=np.float32)
+                n += 1
+    return found[:n], vectors[:n]
