@@ -67,7 +67,9 @@ def eight_bit_space(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("method", ["module", "sketch"])
-def test_the_top_k_and_its_scores_are_the_float32_vectors(eight_bit_space: tuple[QueryEngine, np.ndarray], db_url: str, method: str) -> None:
+def test_the_top_k_and_its_scores_are_the_float32_vectors(
+    eight_bit_space: tuple[QueryEngine, np.ndarray], db_url: str, method: str
+) -> None:
     """Module cosine (estimated from the sketches) and the sketches' own cosine: the top 10 and every score of it are
     what the float32 vectors give, for queries whose neighbours are closer than the store's rounding."""
     engine, vectors = eight_bit_space

@@ -15,7 +15,7 @@ from sqlalchemy import insert, select
 from embed.serving.exact_search import normalize, recall_at_k
 from embed.serving.index import CANDIDATES, STORE_RANGE_MARGIN, AdapterIndex, store_step, trained_store
 from embed.serving.index_files import build_index
-from embed.serving.search_methods import GRAM, SKETCH
+from embed.serving.search_methods import GRAM, SKETCH, W2T
 from embed.serving.space_state import ID_BYTES, index_bytes
 
 
@@ -33,10 +33,10 @@ def ivf(vectors: np.ndarray, store: str | None = None) -> AdapterIndex:
 
 
 def test_an_8bit_store_hands_on_the_first_stage_candidates_a_float16_one_does() -> None:
-    """The 8-bit store serves where an index only nominates candidates for an exact score (the module sketch for the
-    input Gram): its CANDIDATES nearest hold the exact top 10 as a float16 store's do. Its own top 10 is not the exact
-    one on a set this tie-dense (neighbours 1e-4 apart against its 2.7e-4 error): that is why the input-Gram sketches,
-    whose cosines are the default search's scores, keep float16."""
+    """An 8-bit store's CANDIDATES nearest hold the exact top 10 as a float16 store's do. Its own top 10 is not the
+    exact one on a set this tie-dense (neighbours 1e-4 apart against its 2.7e-4 error): that is why a search whose
+    scores come from an 8-bit store orders the candidates near its k-th by the database's float32 vectors
+    (tests/test_exact_rows.py)."""
     vectors = clustered(8_000, 48, seed=0)
     queries = normalize(vectors[:100] + 0.05 * np.random.default_rng(1).standard_normal((100, 48)).astype(np.float32))
     exact = np.argsort(-(queries @ vectors.T), axis=1)[:, :10] + 1
@@ -131,10 +131,10 @@ def test_a_float16_store_file_still_loads_searches_and_takes_upserts(
     assert loaded.exact_top(-vectors[:1], 1)[1][0, 0] == 1
 
 
-def test_the_input_gram_sketches_index_keeps_float16_and_the_module_sketch_8bit(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """build_index (zoo index, bench.serve) stores the input-Gram sketches, whose cosines are the default search's
-    scores, in float16, and the module sketches, which only nominate candidates for it, in 8 bits (from 32 dimensions
-    here, to keep the test small)."""
+def test_build_index_stores_each_embedder_by_its_dimension(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_index (zoo index, bench.serve) stores the module and input-Gram sketches in 8 bits (from 32 dimensions
+    here, to keep the test small): a search whose scores are their cosines orders its top k by the database's float32
+    vectors (embed/serving/exact_rows.py). The W2T embedding, below that dimension, keeps float16."""
     from embed.serving import index as index_module
     from zoo.store.embedders import register
     from zoo.store.embeddings import store_embeddings
@@ -145,14 +145,15 @@ def test_the_input_gram_sketches_index_keeps_float16_and_the_module_sketch_8bit(
     monkeypatch.setattr(index_module, "STORE_8BIT_FROM_DIM", 32)
     n, dim = 2_000, 32
     vectors = clustered(n, dim, seed=6)
+    dims = {SKETCH: dim, GRAM: dim, W2T: 16}
     with session_factory(db_url)() as session, session.begin():
         row = {"base_model": "tiny", "format": "peft", "structure_hash": "s", "file_sha256": "f", "size_bytes": 1}
         session.execute(insert(Adapter), [{**row, "name": f"a{i}", "source_uri": f"/a{i}", "canonical_hash": f"h{i}"} for i in range(n)])
         ids = sorted(session.scalars(select(Adapter.id)))
         space = ensure_space(session, "tiny", (("m", 4, 4),))
-        embedders = {method: register(session, space, method, dim) for method in (SKETCH, GRAM)}
-        for embedder in embedders.values():
-            store_embeddings(session, embedder, ids, vectors)
+        embedders = {method: register(session, space, method, d) for method, d in dims.items()}
+        for method, embedder in embedders.items():
+            store_embeddings(session, embedder, ids, vectors[:, : dims[method]])
     with session_factory(db_url)() as session:
-        assert build_index(session, embedders[SKETCH], ivf=True).store == "8-bit"
-        assert build_index(session, embedders[GRAM], ivf=True).store == "fp16"
+        stores = {method: build_index(session, e, ivf=True).store for method, e in embedders.items()}
+    assert stores == {SKETCH: "8-bit", GRAM: "8-bit", W2T: "fp16"}

@@ -24,9 +24,9 @@ from zoo.store.embeddings import embedding_rows
 from zoo.store.session import Session
 
 #: a candidate is read again when its score from the store is within this many ties of the k-th's: a tie is two
-#: standard deviations of one cosine's rounding, so this is eight, and a difference of two rounded scores (√2 of one,
-#: plus the query's own rounding) is six of its own deviations from passing the k-th
-MARGIN_TIES = 4.0
+#: standard deviations of one cosine's rounding, so this is six, and a difference of two rounded scores (√2 of one,
+#: the query's own rounding nearly shared) four of its own deviations from passing the k-th
+MARGIN_TIES = 3.0
 
 
 @dataclass
@@ -36,10 +36,15 @@ class ExactRows:
 
     lossy: set[str] = field(default_factory=set)
     rows: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    #: each index's rows as last decoded from its store (a search scores the same candidates twice)
+    decoded: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def vectors(self, e: LoadedEmbedder, ids: np.ndarray) -> np.ndarray:
         """The vectors of `ids` in `e`'s index, those read from the database in their place; notes a lossy store."""
-        vectors = e.index.vectors(ids)
+        held = self.decoded.get(e.method)
+        if held is None or not np.array_equal(held[0], ids):
+            held = self.decoded[e.method] = (ids.copy(), e.index.vectors(ids))
+        vectors = held[1].copy()
         if e.index.store == "8-bit":
             self.lossy.add(e.method)
         exact = self.rows.get(e.method)

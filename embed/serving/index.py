@@ -7,11 +7,11 @@ never re-embed. How it searches depends on its size:
   (`faiss.knn`, or `faiss.knn_gpu` when a GPU is present);
 - from there on it is an **inverted file** (`IndexIVF`, ids = adapter ids) over compressed codes,
   with the store compressed too: by default at d ≥ 512 one byte a dimension (a quarter of float32; one
-  range for every dimension, trained on the sample; a cosine with a unit query is off by (range / 255) / √12
-  in standard deviation, 3.9e-4 on Llama-3-8B's 2,016-dimensional module sketches), below that float16 (a cosine
-  off by ~1e-5; the W2T embedding's neighbours can be that close). 8 bits reorder neighbours closer than
-  their error, so an index whose cosines are a search's final scores keeps float16 (embed/serving/index_files.py STORE);
-  one that only nominates candidates loses nothing measurable with 8 bits. The codes follow the
+  range for every dimension, symmetric about 0, trained on the sample; a cosine with a unit query is off by
+  (range / 255) / √12 in standard deviation, 3.9e-4 on Llama-3-8B's 2,016-dimensional module sketches), below that
+  float16 (a cosine off by ~1e-5; the W2T embedding's neighbours can be that close). 8 bits reorder neighbours
+  closer than their error, so a search whose scores are an 8-bit store's cosines orders the candidates near its
+  k-th by the database's float32 vectors (embed/serving/exact_rows.py). The codes follow the
   dimension, as measured on the synthetic spaces of `bench/serve.py`: at d ≥ 512 (the module
   sketch: 24 modules × 64) product-quantizer fast-scan codes of 4 bits per 4 dimensions scan
   20–50× faster than float16 codes; at small d (the W2T embedding, 160) such codes never put 0.97
@@ -177,7 +177,8 @@ class AdapterIndex(IndexRows):
         sample = vectors[rng.choice(len(vectors), size=min(len(vectors), 64 * ivf_lists(len(ids))), replace=False)]
         obj = cls.trained_ivf(sample, len(ids), store)
         obj.add(ids, vectors)
-        obj.tune_nprobe(vectors[rng.choice(len(vectors), size=min(len(vectors), 200), replace=False)])
+        tune = rng.choice(len(vectors), size=min(len(vectors), 200), replace=False)
+        obj.tune_nprobe(vectors[tune], ids[tune])
         return obj
 
     @classmethod
@@ -318,17 +319,22 @@ class AdapterIndex(IndexRows):
             best_s, best_i = np.take_along_axis(all_s, top, 1), np.take_along_axis(all_i, top, 1)
         return best_s, best_i
 
-    def tune_nprobe(self, queries: np.ndarray, k: int = 10, max_nprobe: int | None = None) -> float:
+    def tune_nprobe(self, queries: np.ndarray, query_ids: np.ndarray | None = None, k: int = 10, max_nprobe: int | None = None) -> float:
         """Set (nprobe, rerank): for each re-rank depth in RERANKS the smallest nprobe in NPROBES whose
         `rerank` nearest by the codes hold RECALL_GOAL of the exact top k (brute force over the store),
         then of those the pair whose whole search (codes and re-ranking) is fastest on these queries;
         every list (at most `max_nprobe`) and the deepest re-rank when none reaches the goal. Returns the recall of
-        the pair."""
+        the pair. Queries that are stored vectors (`query_ids`) have their own row left out of their exact top k (a
+        search leaves the query out), and ties are TIE apart whatever the store, as a search whose scores come from
+        an 8-bit store orders its top k by the float32 vectors (embed/serving/exact_rows.py)."""
         if self._ivf is None:
             return 1.0
         t0 = time.perf_counter()
         q = normalize(queries)
-        exact = TiedTop(*self.exact_top(q, TIE_DEPTH), k, self.tie)
+        scores, ids = self.exact_top(q, TIE_DEPTH + 1)
+        others = ids != (np.full(len(q), -1) if query_ids is None else np.asarray(query_ids, np.int64))[:, None]
+        others[others.all(axis=1), -1] = False  # a query not found among its own nearest: its last one goes instead
+        exact = TiedTop(scores[others].reshape(len(q), -1), ids[others].reshape(len(q), -1), k)
         base = self.ivf_base
         most = min(base.nlist, max_nprobe or base.nlist)
         ladder = [p for p in NPROBES if p < most] + [most]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from embed.serving.index import IVF_FROM, AdapterIndex, ivf_lists
-from embed.serving.search_methods import GRAM, RAW
+from embed.serving.search_methods import RAW
 from zoo.store.embeddings import deleted_since, embedding_ids, iter_embeddings, load_embeddings, stored_count
 from zoo.store.models import Embedder
 from zoo.store.session import Session
@@ -19,12 +19,6 @@ from zoo.store.spaces import space_version
 #: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
 #: ones tuned to every list: 99 ms a query); the relation step wants only relatives, which share the query's lists
 MAX_NPROBE = {RAW: 32}
-#: an IVF index's store (its re-rank copy, whose cosines are the scores) where not the default by dimension (8-bit from
-#: embed/serving/index.py STORE_8BIT_FROM_DIM): the input-Gram sketches keep float16, as the default search's scores are their
-#: cosines and an 8-bit store's error reorders a top 10 (Llama-3-8B's, 50,000 mixed from 200 real: 6.5e-4 in a cosine
-#: against a median gap of 1.6e-4 between the 10th and 11th; recall@10 of the exact top 10 0.879, float16 0.996), while
-#: the 200 nearest of an 8-bit store still hold all of it (1.000): the module sketch's job in that search
-STORE = {GRAM: "fp16"}
 
 
 def index_path(data_dir: Path, embedder_id: int) -> Path:
@@ -70,14 +64,15 @@ def build_index(session: Session, embedder: Embedder, ivf: bool | None = None) -
     else:
         rng = np.random.default_rng(0)
         _, sample = load_embeddings(session, embedder, ids=rng.choice(ids, size=min(len(ids), 64 * ivf_lists(len(ids))), replace=False))
-        index = AdapterIndex.trained_ivf(sample, len(ids), store=STORE.get(embedder.method))
+        index = AdapterIndex.trained_ivf(sample, len(ids))
         del sample
     per_chunk = max(1, BUILD_CHUNK_BYTES // (4 * embedder.dim))
     for chunk_ids, vectors in iter_embeddings(session, embedder, ids=ids, batch=per_chunk):
         index.add(chunk_ids, vectors)
     if index.ivf:
-        _, tune = load_embeddings(session, embedder, ids=np.random.default_rng(0).choice(ids, size=min(len(ids), 200), replace=False))
-        index.tune_nprobe(tune, max_nprobe=MAX_NPROBE.get(embedder.method))
+        sample_ids = np.random.default_rng(0).choice(ids, size=min(len(ids), 200), replace=False)
+        tune_ids, tune = load_embeddings(session, embedder, ids=sample_ids)
+        index.tune_nprobe(tune, tune_ids, max_nprobe=MAX_NPROBE.get(embedder.method))
     return index
 
 
