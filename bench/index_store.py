@@ -1,4 +1,4 @@
-"""Benchmark: what an IVF index's store (float16 or 8-bit, embed/serving/index.py `trained_store`) does to cosines and to a top 10.
+"""Benchmark: what an IVF index's store (float16 or 8-bit, embed/serving/index_rows.py `trained_store`) does to cosines and to a top 10.
 
 On a real zoo's module and input-Gram sketches, mixed into `--adapters` synthetic ones as `bench.serve` mixes them,
 the first `--queries` are searched by plain cosine against all, once by the float32 vectors and once by each store's
@@ -28,8 +28,7 @@ def main() -> None:
 
     from bench.serve import Source, _zoo_vectors, synthetic_chunk, synthetic_gram
     from embed.serving.exact_search import normalize, recall_at_k
-    from embed.serving.index import trained_store
-    from embed.serving.index_rows import STORE_TYPES
+    from embed.serving.index_rows import STORE_TYPES, trained_store
     from embed.serving.search_methods import GRAM, SKETCH
 
     url = f"sqlite:///{args.zoo_data_dir / 'zoo.db'}"

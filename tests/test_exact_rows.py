@@ -39,14 +39,13 @@ def family_sketches(n: int, seed: int) -> np.ndarray:
 def eight_bit_space(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[QueryEngine, np.ndarray]:
     """A space of 3,000 adapters whose module-sketch index is an IVF with an 8-bit store, and no module store (no
     stored factors): its module cosine is estimated from the sketches."""
-    from embed.serving import index as index_module
-    from embed.serving import index_files
+    from embed.serving import index_files, index_rows
     from zoo.store.embedders import register
     from zoo.store.embeddings import store_embeddings
     from zoo.store.models import Adapter
     from zoo.store.spaces import ensure_space
 
-    monkeypatch.setattr(index_module, "STORE_8BIT_FROM_DIM", 32)
+    monkeypatch.setattr(index_rows, "STORE_8BIT_FROM_DIM", 32)
     monkeypatch.setattr(index_files, "IVF_FROM", 1_000)
     n = 3_000
     vectors = family_sketches(n, seed=0)

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from sqlalchemy import insert, select
 
 from embed.serving.exact_search import normalize, recall_at_k
-from embed.serving.index import CANDIDATES, STORE_RANGE_MARGIN, AdapterIndex, store_step, trained_store
+from embed.serving.index import CANDIDATES, AdapterIndex
 from embed.serving.index_files import build_index
+from embed.serving.index_rows import STORE_RANGE_MARGIN, store_step, trained_store
 from embed.serving.search_methods import GRAM, SKETCH, W2T
 from embed.serving.space_state import ID_BYTES, index_bytes
 
@@ -135,14 +136,14 @@ def test_build_index_stores_each_embedder_by_its_dimension(db_url: str, monkeypa
     """build_index (zoo index, bench.serve) stores the module and input-Gram sketches in 8 bits (from 32 dimensions
     here, to keep the test small): a search whose scores are their cosines orders its top k by the database's float32
     vectors (embed/serving/exact_rows.py). The W2T embedding, below that dimension, keeps float16."""
-    from embed.serving import index as index_module
+    from embed.serving import index_rows
     from zoo.store.embedders import register
     from zoo.store.embeddings import store_embeddings
     from zoo.store.models import Adapter
     from zoo.store.session import session_factory
     from zoo.store.spaces import ensure_space
 
-    monkeypatch.setattr(index_module, "STORE_8BIT_FROM_DIM", 32)
+    monkeypatch.setattr(index_rows, "STORE_8BIT_FROM_DIM", 32)
     n, dim = 2_000, 32
     vectors = clustered(n, dim, seed=6)
     dims = {SKETCH: dim, GRAM: dim, W2T: 16}

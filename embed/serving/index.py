@@ -58,7 +58,7 @@ import faiss  # noqa: E402
 import numpy as np
 
 from embed.serving.exact_search import TIE, TiedTop, normalize
-from embed.serving.index_rows import STORE_TYPES, IndexRows
+from embed.serving.index_rows import IndexRows, store_step, trained_store
 from zoo.files import read_derived, read_derived_mapped, write_derived
 
 IVF_FROM = 100_000
@@ -67,11 +67,6 @@ CANDIDATES = 200
 #: an IVF index's nprobe is the smallest that puts this share of the exact top 10 among its CANDIDATES
 RECALL_GOAL = 0.98
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
-#: from this dimension on, an IVF index's store holds one byte a dimension (QT_8bit_uniform), below it float16
-STORE_8BIT_FROM_DIM = 512
-#: the 8-bit store's range is the training sample's widened by this share of it on each side, so that later vectors
-#: slightly past the sample's extremes are not clipped
-STORE_RANGE_MARGIN = 0.05
 #: how deep the exact ranking is read to find the ties of the k-th
 TIE_DEPTH = CANDIDATES
 #: how many of an IVF's nearest by the codes are re-ranked by the store (tuned with nprobe)
@@ -105,30 +100,6 @@ def ivf_lists(n: int) -> int:
     """Inverted lists for n vectors: 2·√n (2,000 at a million: 500 vectors a list), at most n / 39 so
     that k-means has 39 points a list."""
     return int(min(max(16, 2 * np.sqrt(n)), max(1, n // 39)))
-
-
-def trained_store(sample: np.ndarray, store: str | None = None) -> faiss.IndexScalarQuantizer:
-    """An IVF index's empty store, '8-bit' or 'fp16' (default: by the dimension, STORE_8BIT_FROM_DIM), trained on
-    `sample`. The 8-bit range is symmetric about 0: ±(the sample's largest coordinate in magnitude, widened by
-    STORE_RANGE_MARGIN of the sample's range), so that 0 is a code's value and an absent module's zero block is
-    stored exactly (IndexRows.add keeps any other coordinate off that code: module presence reads true)."""
-    dim = int(sample.shape[1])
-    store = store or ("8-bit" if dim >= STORE_8BIT_FROM_DIM else "fp16")
-    if store not in STORE_TYPES:
-        raise ValueError(f"store {store!r}: expected one of {sorted(STORE_TYPES)}")
-    index = faiss.IndexScalarQuantizer(dim, STORE_TYPES[store], faiss.METRIC_INNER_PRODUCT)
-    index.sq.rangestat, index.sq.rangestat_arg = faiss.ScalarQuantizer.RS_minmax, STORE_RANGE_MARGIN
-    index.train(sample)
-    if store == "8-bit":
-        low, width = faiss.vector_to_array(index.sq.trained).astype(np.float64)
-        half = np.float32(max(-low, low + width))
-        faiss.copy_array_to_vector(np.array([-half, 2 * half], np.float32), index.sq.trained)
-    return index
-
-
-def store_step(store: faiss.IndexScalarQuantizer) -> float:
-    """An 8-bit store's step: its range / 255 (a coordinate in the range is decoded within half a step)."""
-    return float(faiss.vector_to_array(store.sq.trained)[1]) / 255
 
 
 def gpu_available() -> bool:

@@ -16,6 +16,35 @@ from embed.serving.lookup import RowLookup
 
 #: an IVF store's kinds (the FAISS scalar quantizer of each)
 STORE_TYPES = {"8-bit": faiss.ScalarQuantizer.QT_8bit_uniform, "fp16": faiss.ScalarQuantizer.QT_fp16}
+#: from this dimension on, an IVF index's store holds one byte a dimension (QT_8bit_uniform), below it float16
+STORE_8BIT_FROM_DIM = 512
+#: the 8-bit store's range is the training sample's widened by this share of it on each side, so that later vectors
+#: slightly past the sample's extremes are not clipped
+STORE_RANGE_MARGIN = 0.05
+
+
+def trained_store(sample: np.ndarray, store: str | None = None) -> faiss.IndexScalarQuantizer:
+    """An IVF index's empty store, '8-bit' or 'fp16' (default: by the dimension, STORE_8BIT_FROM_DIM), trained on
+    `sample`. The 8-bit range is symmetric about 0: ±(the sample's largest coordinate in magnitude, widened by
+    STORE_RANGE_MARGIN of the sample's range), so that 0 is a code's value and an absent module's zero block is
+    stored exactly (IndexRows.add keeps any other coordinate off that code: module presence reads true)."""
+    dim = int(sample.shape[1])
+    store = store or ("8-bit" if dim >= STORE_8BIT_FROM_DIM else "fp16")
+    if store not in STORE_TYPES:
+        raise ValueError(f"store {store!r}: expected one of {sorted(STORE_TYPES)}")
+    index = faiss.IndexScalarQuantizer(dim, STORE_TYPES[store], faiss.METRIC_INNER_PRODUCT)
+    index.sq.rangestat, index.sq.rangestat_arg = faiss.ScalarQuantizer.RS_minmax, STORE_RANGE_MARGIN
+    index.train(sample)
+    if store == "8-bit":
+        low, width = faiss.vector_to_array(index.sq.trained).astype(np.float64)
+        half = np.float32(max(-low, low + width))
+        faiss.copy_array_to_vector(np.array([-half, 2 * half], np.float32), index.sq.trained)
+    return index
+
+
+def store_step(store: faiss.IndexScalarQuantizer) -> float:
+    """An 8-bit store's step: its range / 255 (a coordinate in the range is decoded within half a step)."""
+    return float(faiss.vector_to_array(store.sq.trained)[1]) / 255
 
 
 class IndexRows:
@@ -143,15 +172,15 @@ class IndexRows:
 
     def _store_input(self, vectors: np.ndarray) -> np.ndarray:
         """Vectors as the store takes them. Where 0 is an 8-bit code's value (a range symmetric about 0:
-        index.trained_store), a nonzero coordinate that would round to that code goes to the next one instead, ± a
-        step: only a zero is stored as 0, so a sketch's absent modules (zero blocks) read as absent, and no others."""
+        trained_store), a nonzero coordinate within a step of 0 is stored as ± a step, the next code's value: only a
+        zero is stored as 0, so a sketch's absent modules (zero blocks) read as absent, and no others."""
         if self.store != "8-bit":
             return vectors
         low, width = faiss.vector_to_array(self.store_quantizer.sq.trained)
         if low != -width / 2:  # trained before ranges were symmetric: no code is 0
             return vectors
         step = width / 255
-        near = (vectors != 0) & (vectors >= -step / 2) & (vectors < step / 2)
+        near = (vectors != 0) & (np.abs(vectors) < step)  # ± a step is mid-code: no float rounding takes it to 0's code
         if not near.any():
             return vectors
         return np.where(near, np.copysign(np.float32(step), vectors), vectors).astype(np.float32)
