@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from embed.serving import engine as engine_module
+from embed.serving import index_files
 from embed.serving.engine import QueryEngine
 from embed.serving.results import Query
 from tests.conftest import CLI
@@ -173,7 +173,7 @@ def test_k_cap_unknown_filter_values_and_large_stale_indexes(cli: CLI, twenty: P
         assert len(engine.similar(session, "tiny", Query("e00", 1), 5, {"rank": "4", "format": "peft"})["results"]) == 5
     for path in (cli.settings.data_dir / "index").glob("*.index"):
         path.write_bytes(b"damaged")  # (a missing one is this node's cache to build: test_s3_blobs.py)
-    monkeypatch.setattr(engine_module, "IVF_FROM", 10)  # too many vectors to answer from the database
+    monkeypatch.setattr(index_files, "IVF_FROM", 10)  # too many vectors to answer from the database
     with session_factory(cli.settings.database_url)() as session, pytest.raises(NotReadyError, match="zoo index rebuild"):
         make_engine(cli).similar(session, "tiny", Query("e00", 1), 5)
 
@@ -249,3 +249,29 @@ def test_a_space_of_vectors_without_stored_factors_serves_from_its_sketches(cli:
         found = engine.similar(session, "tiny", Query("e00", 1), 5, method="module")
     assert found["module_stage"] == "module sketches (no module store)" and len(found["results"]) == 5
     assert not any(module_store_path(cli.settings.data_dir, 1).parent.glob("*"))
+
+
+def test_the_raw_factor_index_opens_when_a_query_first_needs_it(cli: CLI, twenty: Path) -> None:
+    """A space loads without its raw-factor index (DEFERRED: no default search reads it); `--method raw` and the
+    relation step's neighbours open it then, as the database has it: an adapter deleted after the space loaded is
+    not answered, and the space's bytes count the index once it is open."""
+    from embed.serving.adapter_resource import delete_adapter
+    from embed.serving.search_methods import RAW
+
+    ingest_and_embed(cli, twenty, "first")
+    engine = make_engine(cli)
+    sessions = session_factory(cli.settings.database_url)
+    with sessions() as session:
+        state = engine.space(session, "tiny")
+        assert RAW not in state.embedders and set(state.deferred) == {RAW}
+        closed = engine.loaded_spaces()["tiny"]
+        assert len(ids_of(engine.similar(session, "tiny", Query("e00", 1), 5))) == 5  # the default search: still closed
+        assert RAW in state.deferred
+    delete_adapter(sessions, 2)
+    with sessions() as session:
+        found = engine.similar(session, "tiny", Query("e00", 1), 13, method="raw")
+        assert RAW in state.embedders and not state.deferred
+        assert 2 not in ids_of(found) and len(ids_of(found)) == 12
+        assert engine.loaded_spaces()["tiny"] > closed
+        neighbours = engine.stored_neighbours(session, "tiny", "raw", [1, 3], 3)
+    assert ids_of(found)[:3] == [i for i, _ in neighbours[1]] and 2 not in [i for i, _ in neighbours[3]]

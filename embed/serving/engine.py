@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,8 +44,8 @@ from embed.serving.budgets import spaces_budget
 from embed.serving.exact_rows import ExactRows, margin_of, near_kth, read_exact
 from embed.serving.first_stage import first_stage
 from embed.serving.gram_sketch import gram_sketches
-from embed.serving.index import CANDIDATES, IVF_FROM, AdapterIndex
-from embed.serving.index_files import build_index, index_path, load_consistent_index, update_index_file
+from embed.serving.index import CANDIDATES
+from embed.serving.index_files import open_index
 from embed.serving.module_store import ModuleStore, module_store_path, read_module_store, stack_of, stale_module_rows, update_module_store
 from embed.serving.predictions import attribute_guesses, metric_guesses
 from embed.serving.results import Found, Hit, Neighbour, Predicted, Query
@@ -62,7 +62,7 @@ from embed.serving.search_methods import (
     stage_kinds,
     stored_exact,
 )
-from embed.serving.space_state import LoadedEmbedder, SpaceState, allowed_ids, load_w2t, space_bytes
+from embed.serving.space_state import DEFERRED, LoadedEmbedder, SpaceState, allowed_ids, load_w2t, space_bytes
 from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.fusion import fused
 from zoo.domain.methods import KnnPredictor, SearchScore, fitted_by_training, fused_metric
@@ -70,9 +70,9 @@ from zoo.domain.similarity import ModuleStack, module_sketches, sketch_module_co
 from zoo.errors import NotReadyError, StorageError, UsageError
 from zoo.limits import MAX_K
 from zoo.store.embedders import get_embedder, serving_embedders
-from zoo.store.embeddings import deleted_since, load_embeddings, stored_count
+from zoo.store.embeddings import deleted_since, load_embeddings
 from zoo.store.label_reads import last_label_id
-from zoo.store.models import Embedder, EmbeddingSpace
+from zoo.store.models import EmbeddingSpace
 from zoo.store.session import Session, Sessions, read_snapshot
 from zoo.store.shared_files import local_folder
 from zoo.store.spaces import get_space, get_space_by_id, space_version
@@ -151,8 +151,9 @@ class QueryEngine:
     def _load(self, session: Session, row: EmbeddingSpace) -> SpaceState:
         version = space_version(session, row.id)
         embedders: dict[str, LoadedEmbedder] = {}
-        for method, e in serving_embedders(session, row.id).items():
-            index, index_state = self._open_index(session, e, version)
+        active = serving_embedders(session, row.id)
+        for method, e in ((m, e) for m, e in active.items() if m not in DEFERRED):
+            index, index_state = open_index(session, self.data_dir, e, version)
             embedders[method] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, index_state)
         modules = None
         store = module_store_path(self.data_dir, row.id)
@@ -170,29 +171,11 @@ class QueryEngine:
             modules = modules.without(stale_module_rows(session, row.id, ids, have[3], embedders[SKETCH].index.ids))
         ids = np.unique(np.concatenate([np.zeros(0, np.int64), *(e.index.ids for e in embedders.values())]))
         attributes = AdapterAttributes.load(session, row.base_model, ids)
-        state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules, attributes)
+        deferred = {m: e.id for m, e in active.items() if m in DEFERRED}
+        state = SpaceState(row.id, row.name, row.base_model, version, embedders, modules, attributes, deferred=deferred)
         if modules is not None and have is not None and SKETCH in embedders:
             self._extend_modules(session, state, have[3])
         return state
-
-    def _open_index(self, session: Session, embedder: Embedder, version: int) -> tuple[AdapterIndex, str]:
-        path = index_path(self.data_dir, embedder.id)
-        if not path.exists():  # not in this node's cache (a new node, a space embedded on another): built and kept
-            started = time.perf_counter()
-            index, _ = update_index_file(session, self.data_dir, embedder)
-            seconds = time.perf_counter() - started
-            log.info("embedder %d: index of %d vectors built on this node in %.2f s (%s)", embedder.id, index.size, seconds, path)
-            return index, f"built on this node from the database in {seconds:.2f} s"
-        try:
-            index, _ = load_consistent_index(session, path, embedder, version)
-            return index, "loaded"
-        except ValueError as exc:
-            problem = str(exc)
-        count = stored_count(session, embedder.id)
-        if count > IVF_FROM:
-            raise NotReadyError(f"{problem}; run `zoo index rebuild` to rebuild it from the database")
-        index = build_index(session, embedder, ivf=False)
-        return index, f"answered from the database ({problem}); run `zoo index rebuild` to save an index"
 
     def _refresh(self, session: Session, state: SpaceState) -> None:
         """Catch up with the database: new embeddings (the space version moved), new labels (the last label id did)."""
@@ -215,9 +198,10 @@ class QueryEngine:
 
     def _catch_up(self, session: Session, state: SpaceState, version: int) -> None:
         active = {m: e.id for m, e in serving_embedders(session, state.id).items()}
-        if active != {m: e.id for m, e in state.embedders.items()}:  # an embedder was trained or replaced
+        if active != state.active:  # an embedder was trained or replaced
             fresh = self._load(session, get_space_by_id(session, state.id))
             state.embedders, state.modules, state.attributes = fresh.embedders, fresh.modules, fresh.attributes
+            state.deferred = fresh.deferred
             state.version = fresh.version
             return
         deleted = deleted_since(session, state.id, state.version)
@@ -232,6 +216,18 @@ class QueryEngine:
             state.attributes.add(session, ids.tolist())
         self._extend_modules(session, state, state.version)
         state.version = version
+
+    def _open_deferred(self, state: SpaceState, kinds: Iterable[str]) -> None:
+        """Open the indexes of `kinds` that the space deferred (DEFERRED) as the database has them now."""
+        if not any(kind in state.deferred for kind in kinds):
+            return
+        with state.lock.write(), self._snapshot() as snap:
+            for kind in [k for k in kinds if k in state.deferred]:
+                e = get_embedder(snap, state.deferred.pop(kind))
+                index, how = open_index(snap, self.data_dir, e, space_version(snap, state.id))
+                state.embedders[kind] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, how)
+        self._marks.pop(state.name, None)  # its bytes are measured again
+        self._account(state.name, state)
 
     def _extend_modules(self, session: Session, state: SpaceState, after_version: int) -> None:
         """Add the factors of adapters sketched after `after_version` to the module store."""
@@ -255,6 +251,7 @@ class QueryEngine:
         method = method or state.default_method
         if method not in SEARCH_METHODS:
             raise UsageError(f"unknown search method {method!r}; one of {', '.join(SEARCH_METHODS)}")
+        self._open_deferred(state, METHOD_EMBEDDERS[method])
         with state.lock.read():
             allowed = allowed_ids(session, state, filters) if filters else None
             embedders = [self._embedder(state, kind, method) for kind in METHOD_EMBEDDERS[method]]
@@ -304,6 +301,7 @@ class QueryEngine:
         with self._lock:
             loaded = self._spaces.get(space)
         state = loaded if loaded is not None else self.space(session, space)
+        self._open_deferred(state, (kind,))
         e = state.embedders.get(kind)
         if e is None or not len(ids):
             return {}
@@ -317,6 +315,7 @@ class QueryEngine:
         first: what `similar(..., method=method)` ranks for each alone, from one search of the index for all of them
         (the relation step asks for a batch of adapters at a time). An id the index does not hold is left out."""
         state = self.space(session, space)
+        self._open_deferred(state, (VECTOR_SCORES[method],))
         e = self._embedder(state, VECTOR_SCORES[method], method)
         with state.lock.read():
             held = np.array([i for i in dict.fromkeys(ids) if e.index.contains(int(i))], np.int64)

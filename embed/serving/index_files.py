@@ -4,12 +4,15 @@ a node whose data dir lacks one)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import numpy as np
 
 from embed.serving.index import IVF_FROM, AdapterIndex, ivf_lists
 from embed.serving.search_methods import RAW
+from zoo.errors import NotReadyError
 from zoo.store.embeddings import deleted_since, embedding_ids, iter_embeddings, load_embeddings, stored_count
 from zoo.store.models import Embedder
 from zoo.store.session import Session
@@ -19,6 +22,8 @@ from zoo.store.spaces import space_version
 #: vectors (independent inits), so no nprobe holds the exact top 10 of a query without relatives (a million synthetic
 #: ones tuned to every list: 99 ms a query); the relation step wants only relatives, which share the query's lists
 MAX_NPROBE = {RAW: 32}
+
+log = logging.getLogger(__name__)
 
 
 def index_path(data_dir: Path, embedder_id: int) -> Path:
@@ -88,3 +93,26 @@ def load_consistent_index(session: Session, path: Path, embedder: Embedder, vers
     if index.size != stored:
         raise ValueError(f"{path} holds {index.size} vectors, the database {stored}")
     return index, meta
+
+
+def open_index(session: Session, data_dir: Path, embedder: Embedder, version: int) -> tuple[AdapterIndex, str]:
+    """A serving node's index of the embedder, as the database has it at `version`, and how it was opened: its file
+    loaded and brought up to the database; built and kept where this node has none (a new node, a space embedded on
+    another); or, where the file disagrees with the database, answered from the database's vectors while they are
+    few (NotReadyError, naming `zoo index rebuild`, above IVF_FROM)."""
+    path = index_path(data_dir, embedder.id)
+    if not path.exists():
+        started = time.perf_counter()
+        index, _ = update_index_file(session, data_dir, embedder)
+        seconds = time.perf_counter() - started
+        log.info("embedder %d: index of %d vectors built on this node in %.2f s (%s)", embedder.id, index.size, seconds, path)
+        return index, f"built on this node from the database in {seconds:.2f} s"
+    try:
+        index, _ = load_consistent_index(session, path, embedder, version)
+        return index, "loaded"
+    except ValueError as exc:
+        problem = str(exc)
+    if stored_count(session, embedder.id) > IVF_FROM:
+        raise NotReadyError(f"{problem}; run `zoo index rebuild` to rebuild it from the database")
+    index = build_index(session, embedder, ivf=False)
+    return index, f"answered from the database ({problem}); run `zoo index rebuild` to save an index"

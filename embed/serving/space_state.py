@@ -17,7 +17,7 @@ from embed.serving.dense_svd import DenseSVD
 from embed.serving.index import AdapterIndex
 from embed.serving.module_store import ModuleStore, stack_bytes
 from embed.serving.rwlock import RWLock
-from embed.serving.search_methods import GRAM, SKETCH, W2T, exact_sources
+from embed.serving.search_methods import GRAM, RAW, SKETCH, W2T, exact_sources
 from zoo.store import repository
 from zoo.store.filters import label_key
 from zoo.store.session import Session
@@ -37,6 +37,12 @@ class LoadedEmbedder:
     state: str  # loaded | answered from the database (...)
 
 
+#: the indexes a space opens the first time a query needs one, not when it loads: only `--method raw` and the relation
+#: step's neighbours read the raw-factor sketches, whose fast-scan codes are the largest in memory (SDXL's at a million:
+#: 0.35 GB)
+DEFERRED = (RAW,)
+
+
 @dataclass
 class SpaceState:
     id: int
@@ -47,6 +53,13 @@ class SpaceState:
     modules: ModuleStore | None
     attributes: AdapterAttributes
     lock: RWLock = field(default_factory=RWLock)
+    #: the active embedders whose index is not opened yet (DEFERRED), id by kind
+    deferred: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def active(self) -> dict[str, int]:
+        """The active embedders' ids by kind, opened or deferred."""
+        return {**self.deferred, **{kind: e.id for kind, e in self.embedders.items()}}
 
     @property
     def schema(self) -> SpaceSchema | None:
@@ -64,7 +77,7 @@ class SpaceState:
         return {
             kind: f"not built: candidates from the {SKETCH} index instead; run `zoo embed --space {self.name}`"
             for kind in wanted
-            if kind not in self.embedders
+            if kind not in self.active
         }
 
     def module_stage(self, exact: str | None) -> str:
