@@ -6,8 +6,8 @@ Per embedding space it holds, loaded once:
 - the supervised W2T ensemble (for the query's own vector and for predictions);
 - the module store: every adapter's canonical factors as one `ModuleStack` (`DATA/rerank/`),
   for the exact module-cosine stage. `zoo embed` writes it while it fits `module_store_budget()`;
-  a space without one scores module cosine from the stored module sketches instead (those near the k-th from
-  their float32 rows in the database where the index keeps 8 bits a dimension: embed/serving/exact_rows.py).
+  a space without one scores module cosine from the stored module sketches instead (and the input Gram from the
+  input-Gram sketches, those near the k-th from their float32 rows in the database: embed/serving/exact_rows.py).
 
 It learns of new embeddings from the space's version (zoo/store/spaces.py): one indexed query per
 request; when the version moved, it loads only the rows stamped after the version it has and adds
