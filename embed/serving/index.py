@@ -66,6 +66,8 @@ IVF_FROM = 100_000
 CANDIDATES = 200
 #: an IVF index's nprobe is the smallest that puts this share of the exact top 10 among its CANDIDATES
 RECALL_GOAL = 0.98
+#: where no setting reaches RECALL_GOAL, the tuner's goal is the most any holds less this (`tune_nprobe`)
+TUNE_SLACK = 0.01
 NPROBES = (4, 8, 16, 32, 64, 128, 256)
 #: how deep the exact ranking is read to find the ties of the k-th
 TIE_DEPTH = CANDIDATES
@@ -293,9 +295,11 @@ class AdapterIndex(IndexRows):
     def tune_nprobe(self, queries: np.ndarray, query_ids: np.ndarray | None = None, k: int = 10, max_nprobe: int | None = None) -> float:
         """Set (nprobe, rerank): for each re-rank depth in RERANKS the smallest nprobe in NPROBES whose
         `rerank` nearest by the codes hold RECALL_GOAL of the exact top k (brute force over the store),
-        then of those the pair whose whole search (codes and re-ranking) is fastest on these queries;
-        every list (at most `max_nprobe`) and the deepest re-rank when none reaches the goal. Returns the recall of
-        the pair. Queries that are stored vectors (`query_ids`) have their own row left out of their exact top k (a
+        then of those the pair whose whole search (codes and re-ranking) is fastest on these queries. Where every list
+        (at most `max_nprobe`) and the deepest re-rank hold less than the goal, so does every pair: the goal is then
+        what they hold less TUNE_SLACK (in a space of near-ties the store's rounding decides the top 10: a million
+        SDXL adapters mixed from 40 real ones probed all 2,000 lists, p99 26 ms for recall@10 0.716). Returns the
+        recall of the pair. Queries that are stored vectors (`query_ids`) have their own row left out of their exact top k (a
         search leaves the query out), and ties are TIE apart whatever the store, as a search whose scores come from
         an 8-bit store orders its top k by the float32 vectors (embed/serving/exact_rows.py)."""
         if self._ivf is None:
@@ -316,15 +320,16 @@ class AdapterIndex(IndexRows):
             found = base.search(q, min(rerank, self._size))[1]
             return exact.recall(self._ids_of(found))
 
+        goal = min(RECALL_GOAL, recall_of(most, RERANKS[-1]) - TUNE_SLACK)
         for rerank in RERANKS:
             for nprobe in ladder:
                 recall = recall_of(nprobe, rerank)
-                if recall >= RECALL_GOAL:
+                if recall >= goal:
                     self.rerank = rerank
-                    t0 = time.perf_counter()
+                    started = time.perf_counter()
                     for row in q:
                         self.search(row[None, :], CANDIDATES)
-                    viable.append((time.perf_counter() - t0, nprobe, rerank, recall))
+                    viable.append((time.perf_counter() - started, nprobe, rerank, recall))
                     break
         if viable:
             _, nprobe, rerank, recall = min(viable)
