@@ -223,9 +223,10 @@ class QueryEngine:
             return
         with state.lock.write(), self._snapshot() as snap:
             for kind in [k for k in kinds if k in state.deferred]:
-                e = get_embedder(snap, state.deferred.pop(kind))
-                index, how = open_index(snap, self.data_dir, e, space_version(snap, state.id))
+                e = get_embedder(snap, state.deferred[kind])
+                index, how = open_index(snap, self.data_dir, e, space_version(snap, state.id))  # may refuse: still deferred
                 state.embedders[kind] = LoadedEmbedder(e.id, e.method, e.objective, e.checkpoint, dict(e.config), index, how)
+                del state.deferred[kind]
         self._marks.pop(state.name, None)  # its bytes are measured again
         self._account(state.name, state)
 
