@@ -51,14 +51,15 @@ class ExactRows:
         held = self.decoded.get(e.method)
         if held is None or not np.array_equal(held[0], ids):
             held = self.decoded[e.method] = (ids.copy(), e.index.vectors(ids))
-        vectors = held[1].copy()
         if e.index.store == "8-bit" and e.method in EXACT_ROWS:
             self.lossy.add(e.method)
         exact = self.rows.get(e.method)
-        if exact:
-            for row, i in enumerate(ids.tolist()):
-                if (v := exact.get(int(i))) is not None:
-                    vectors[row] = v
+        if not exact:
+            return held[1]  # (read only by the scores)
+        vectors = held[1].copy()
+        for row, i in enumerate(ids.tolist()):
+            if (v := exact.get(int(i))) is not None:
+                vectors[row] = v
         return vectors
 
     def query(self, kind: str, adapter_id: int | None, stored: np.ndarray) -> np.ndarray:
