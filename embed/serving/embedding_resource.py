@@ -29,6 +29,7 @@ from zoo.store.embeddings import embedded_ids
 from zoo.store.embeddings import store_embeddings as store_vectors
 from zoo.store.locks import space_lock
 from zoo.store.models import Embedder, EmbeddingSpace
+from zoo.store.read_ahead import ReadAhead
 from zoo.store.session import Session, Sessions, write_transaction
 from zoo.store.shared_files import local_folder
 from zoo.store.spaces import ensure_space, find_space, get_space_by_id
@@ -266,17 +267,25 @@ def _embed_ids(
             fn, schema = embed_function(embedder, blobs, data_dir, device)
             plans.append(_Plan(embedder_id, fn, schema, embedded_ids(session, embedder, ids if subset else None)))
         per_chunk = chunk_size(session, base_model)
-    todo = [i for i in ids if any(i not in p.done for p in plans)]
+        todo = [i for i in ids if any(i not in p.done for p in plans)]
     if progress is not None and len(ids) > len(todo):
         progress(len(ids) - len(todo))  # embedded already
-    for start in range(0, len(todo), per_chunk):
-        with sessions() as session:
-            adapters = load_adapters(session, blobs, base_model, todo[start : start + per_chunk])
-        for plan in plans:
-            if not plan.retired:
-                _embed_chunk(sessions, base_model, plan, adapters)
-        if progress is not None:
-            progress(len(todo[start : start + per_chunk]))
+    chunks = [todo[start : start + per_chunk] for start in range(0, len(todo), per_chunk)]
+
+    def files(session: Session, chunk: list[int]) -> list[Path]:
+        return blobs.local_files([d for d in space_adapters.factor_digests(session, chunk).values() if d])
+
+    with ReadAhead() as ahead:
+        for n, chunk in enumerate(chunks):
+            with sessions() as session:
+                # each chunk's blobs are read from disk while the chunk before is embedded
+                ahead.add((files(session, chunk) if n == 0 else []) + (files(session, chunks[n + 1]) if n + 1 < len(chunks) else []))
+                adapters = load_adapters(session, blobs, base_model, chunk)
+            for plan in plans:
+                if not plan.retired:
+                    _embed_chunk(sessions, base_model, plan, adapters)
+            if progress is not None:
+                progress(len(chunk))
     return {p.id: (p.embedded, p.misfits) for p in plans}
 
 

@@ -124,6 +124,11 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.root / self.key(digest)
 
+    def local_files(self, digests: Sequence[str]) -> list[Path]:
+        """The files of these blobs on this machine's disk, for reading them into the page cache ahead of their use
+        (zoo/store/read_ahead.py): every one's here; none in an object store, whose reads copy a blob whole."""
+        return [self.path(d) for d in digests]
+
     def where(self, digest: str) -> str:
         """Where a blob is kept, for messages."""
         return str(self.path(digest))

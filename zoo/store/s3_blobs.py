@@ -150,6 +150,9 @@ class S3BlobStore(BlobStore):
     def path(self, digest: str) -> Path:
         raise TypeError(f"blobs in {self.url} are objects, not files: use where() or get()")
 
+    def local_files(self, digests: Sequence[str]) -> list[Path]:
+        return []
+
     def where(self, digest: str) -> str:
         return f"s3://{self.location.bucket}/{self.object_key(digest)}"
 
