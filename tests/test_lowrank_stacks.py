@@ -122,3 +122,18 @@ def test_an_exact_svd_merge_is_found_with_its_residual(seed: int, weights: list[
         assert set(found) == {100 + i for i in chosen}
         for i, w in zip(chosen, weights, strict=True):
             assert found[100 + i] == pytest.approx(w, rel=1e-3)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(64, 4), (4096, 16), (5000, 17), (2048, 32)]))
+def test_pair_blocks_of_large_factors_are_their_products(seed: int, size: tuple[int, int]) -> None:
+    """A pair's blocks are UᵀU and VᵀV to float64 rounding, and their inner product the dense matrices', whichever
+    library takes the product (torch from TORCH_PRODUCT_FROM entries a factor: all but the first size here)."""
+    rows, rank = size
+    rng = np.random.default_rng(seed)
+    x, y = (LowRank(rng.normal(size=(rows, rank)), rng.uniform(0.1, 2.0, size=rank), rng.normal(size=(40, rank))) for _ in range(2))
+    UU, VV = blocks(x, y)
+    np.testing.assert_allclose(UU, x.U.T @ y.U, rtol=1e-12, atol=1e-12 * np.abs(x.U).max() * np.abs(y.U).max() * rows)
+    np.testing.assert_allclose(VV, x.V.T @ y.V, rtol=1e-12, atol=1e-9)
+    expected = float(np.sum(dense(x) * dense(y)))
+    assert inner(x, y) == pytest.approx(expected, rel=1e-10, abs=1e-10 * np.linalg.norm(dense(x)) * np.linalg.norm(dense(y)))

@@ -45,6 +45,7 @@ from zoo.domain.relations import DETECTOR, Update, find_merge, find_relations
 from zoo.errors import NotReadyError
 from zoo.services.factor_cache import FactorCache, detector_bytes
 from zoo.services.relation_rows import edge_rows, merge_rows
+from zoo.services.threads import one_torch_thread
 from zoo.store.blobs import BlobStore
 from zoo.store.embedders import find_embedder, serving_embedders
 from zoo.store.embeddings import load_embeddings
@@ -83,7 +84,7 @@ COPY_SOURCES = 4
 BATCH = 32
 #: ONE_BLAS_THREAD: the detectors' products are of a few MB each (k·r columns of factors thousands of rows long), and on
 #: a busy machine (load 5 on 2 cores) two BLAS threads took 69 s for one adapter's find_relations at Llama-3-8B's widths
-#: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one (process-wide, as one_torch_thread)
+#: where one took 0.9 s (threads waiting for descheduled threads); the step runs on one, numpy's and torch's (process-wide)
 #: the step's first-generation threshold for Python's cyclic garbage collector (the default is 700): the detectors keep
 #: each pair of updates' blocks per module (zoo.domain.lowrank.blocks), tens of thousands of small tuples, weak
 #: references and callbacks an SDXL neighbourhood (418 modules a pair), which every collection traverses: a fifth of
@@ -144,7 +145,7 @@ def scan_space(
         todo, space_id, sketch_id, raw = pending_scans(session, sketch.id, DETECTOR, budget, ids), space.id, sketch.id, RAW in serving
     start = time.perf_counter()
     factors = FactorCache(sessions, blobs, budget)  # the step's: consecutive batches share neighbours
-    with threadpool_limits(limits=1, user_api="blas"), rare_collections():  # see ONE_BLAS_THREAD
+    with threadpool_limits(limits=1, user_api="blas"), one_torch_thread(), rare_collections():  # see ONE_BLAS_THREAD
         for first in range(0, len(todo), BATCH):
             scan = RelationScan(engine, sessions, base_model, sketch_id, raw, factors)
             if not _scan_batch(scan, space_id, todo[first : first + BATCH], report):
