@@ -30,7 +30,7 @@ from zoo.store.embeddings import store_embeddings as store_vectors
 from zoo.store.locks import space_lock
 from zoo.store.models import Embedder, EmbeddingSpace
 from zoo.store.read_ahead import ReadAhead
-from zoo.store.session import Session, Sessions, write_transaction
+from zoo.store.session import Session, Sessions, read_snapshot, write_transaction
 from zoo.store.shared_files import local_folder
 from zoo.store.spaces import ensure_space, find_space, get_space_by_id
 
@@ -311,9 +311,11 @@ def _embed_chunk(sessions: Sessions, base_model: str, plan: _Plan, adapters: lis
 
 def refresh_space_files(sessions: Sessions, blobs: BlobStore, data_dir: Path, space_id: int) -> SpaceFiles:
     """Bring the space's files up to the database: each serving embedder's index file (method, total,
-    how, kind by embedder id), the module store and the map."""
+    how, kind by embedder id), the module store and the map. All from one snapshot of the database (`read_snapshot`): an
+    adapter deleted meanwhile is in every file or in none, and the next refresh drops it (its tombstone)."""
     indexes: dict[int, IndexFile] = {}
     with sessions() as session:
+        read_snapshot(session)
         for embedder in serving_embedders(session, space_id).values():
             index, how = update_index_file(session, data_dir, embedder)
             indexes[embedder.id] = {"method": embedder.method, "total": index.size, "index": how, "index_kind": index.kind}
