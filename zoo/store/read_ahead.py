@@ -3,9 +3,10 @@ adapters' blobs read through memory maps, then sketched) reads the next chunk fr
 
 A blob is read through a private memory map (zoo/store/blobs.py `mapped_tensors`), so the compute faults its pages in
 as it touches them, a fault at a time, and waits on each; a real-size adapter's blob is 50-170 MB. Asking the kernel
-to read it first (`posix_fadvise(WILLNEED)`) costs a few syscalls: the kernel queues the reads and returns, and the
-pages arrive while the caller works. Nothing is copied into the process, so its memory does not grow: the pages are
-the page cache's, evicted as any other when memory is short."""
+to read it first (`posix_fadvise(WILLNEED)`) queues the reads; a call returns once its reads are queued, which waits
+while the device's queue is full (5.1 GB asked for in 1.95 s here, 0.31 s of it CPU), so the calls run on a thread of
+their own and the pages arrive while the caller works. Nothing is copied into the process, so its memory does not
+grow: the pages are the page cache's, evicted as any other when memory is short."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def read_into_cache(path: Path) -> int:
 
 class ReadAhead:
     """Files read into the page cache on one background thread, in the order they are added. Use as a context
-    manager: leaving it waits until every file added has been asked for (a few ms a GB; the kernel's reads go on)."""
+    manager: leaving it waits until every file added has been asked for (the kernel's reads go on after)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zoo-read-ahead")
