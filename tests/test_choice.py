@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
@@ -27,7 +28,7 @@ from embed.selection.choice import (
     scores_for,
     sized_knns,
 )
-from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, knn_weights, retrieval_per_query
+from embed.selection.metrics import KNN_K, TREND_RIDGE, knn_regress, knn_vote_shares, knn_weights, retrieval_per_query, trend_slope
 from embed.selection.search_choice import (
     MIX_WEIGHTS,
     RERANK_TOPS,
@@ -271,11 +272,12 @@ def test_a_metric_knn_weighs_its_nearest_more_where_the_similarities_sit_close()
     assert picked >= 8 and np.mean(gains) > 0
 
 
-def test_a_metric_knn_weighs_neighbours_of_a_like_size_where_within_a_task_the_size_says_how_far_a_run_went() -> None:
+def test_a_metric_knn_reads_the_update_size_where_within_a_task_the_size_says_how_far_a_run_went() -> None:
     """Tasks of 16 adapters (8 labelled), each task's values about its own level plus a part that grows with the run's
     update size (log energy), and a similarity that carries the task alone: a kNN's neighbours of one task all vote
-    alike, so it ranks the task's runs at random; weighed by size too, the nearest-sized of them count more. The
-    choice takes such a kNN out of fold, and on held-out queries it ranks better than the best kNN without a width."""
+    alike, so it ranks the task's runs at random; weighed by size, or following the trend of value with size, it ranks
+    them. The choice takes such a kNN out of fold, and on held-out queries it ranks better than the best kNN that reads
+    no size."""
     picked, gains = 0, []
     for seed in range(10):
         rng = np.random.default_rng(seed)
@@ -294,13 +296,36 @@ def test_a_metric_knn_weighs_neighbours_of_a_like_size_where_within_a_task_the_s
         choice, _, _ = choose_metric(exact, DW, values[labelled], {}, folds, sizes=size[labelled])
         chosen = choice.chosen
         assert isinstance(chosen, KnnPredictor)
-        plain = max((m for m in choice.scores if isinstance(m, KnnPredictor) and m.width is None), key=choice.scores.__getitem__)
-        picked += chosen.width is not None
-        to_labelled = sim[np.ix_(queries, labelled)]
+        reads_no_size = [m for m in choice.scores if isinstance(m, KnnPredictor) and m.width is None and not m.trend]
+        plain = max(reads_no_size, key=choice.scores.__getitem__)
+        picked += chosen.width is not None or chosen.trend
+        among, to_labelled = sim[np.ix_(labelled, labelled)], sim[np.ix_(queries, labelled)]
+        slope = trend_slope(among, values[labelled], size[labelled], chosen.k, chosen.temperature, chosen.width) if chosen.trend else None
         between = (size[queries], size[labelled])
-        served, unsized = (knn_regress(to_labelled, values[labelled], m.k, m.temperature, between, m.width) for m in (chosen, plain))
+        served = knn_regress(to_labelled, values[labelled], chosen.k, chosen.temperature, between, chosen.width, slope)
+        unsized = knn_regress(to_labelled, values[labelled], plain.k, plain.temperature)
         gains.append(spearmanr(served, values[queries]).statistic - spearmanr(unsized, values[queries]).statistic)
     assert picked >= 8 and np.mean(gains) > 0.05
+
+
+def test_the_trend_slope_is_the_within_task_slope_shrunk_by_its_ridge() -> None:
+    """Tasks whose values are their own level plus one slope times the update size, and a similarity that is 1 within
+    a task and 0 across: each adapter's leave-one-out neighbours are its task's others, so its residual is the slope
+    times its size's gap from theirs, and the fit gives the slope shrunk by 1 / (1 + TREND_RIDGE) exactly. A query
+    served with it gets its task's level plus the shrunk slope's share of its own gap."""
+    rng = np.random.default_rng(0)
+    group = np.repeat(np.arange(5), 6)
+    size = rng.normal(size=len(group))
+    level = rng.uniform(0, 1, 5)
+    values = level[group] + 0.3 * size
+    sim = (group[:, None] == group[None, :]).astype(float)
+    slope = trend_slope(sim, values, size, k=5)
+    assert slope == pytest.approx(0.3 / (1 + TREND_RIDGE), rel=1e-9)
+    assert trend_slope(sim, values, np.full(len(group), 2.0), k=5) == 0.0  # no gap in size: no trend
+    query = np.array([[1.0] * 6 + [0.0] * 24])  # task 0's adapters as neighbours
+    served = knn_regress(query, values, 6, sizes=(np.array([1.5]), size), slope=slope)[0]
+    expected = np.mean(values[:6]) + slope * (1.5 - np.mean(size[:6]))
+    assert served == pytest.approx(expected, rel=1e-9)
 
 
 def test_without_sizes_or_their_spread_no_knn_weighs_by_size() -> None:

@@ -23,14 +23,14 @@ with many, the best estimate wins without having to be "clearly" better.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 import numpy as np
 
 from embed.selection.calibration import Calibration, class_prior, knn_calibration, leave_one_out_shares, with_earned_sure
 from embed.selection.calibration import fit as fit_calibration
-from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares
+from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, trend_slope
 from zoo.domain.centred_gram import REFERENCED
 from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import (
@@ -354,7 +354,7 @@ def choose_metric(
     t = np.concatenate([values[val] for _, val, _ in held]) if held else np.zeros(0)
     means = {k: _spearman(np.array(v), t) for k, v in preds.items()}
     free, weighed = _knn_reference(knns, learned, lambda k: float(np.nan_to_num(means[k], nan=-2.0)))
-    sized = sized_knns(free, values, sizes)
+    sized = [*sized_knns(free, values, sizes), *trend_knns(free, values, sizes)]
     for f, val, train in held:
         for knn, v in _knn_estimates(exact, sized, values, f, val, train, sizes).items():
             preds.setdefault(knn, []).extend(v)
@@ -382,6 +382,14 @@ def sized_knns(free: KnnPredictor, values: np.ndarray, sizes: np.ndarray | None)
         return []
     widths = [float(f"{w * spread:.3g}") for w in SIZE_WIDTHS]
     return [KnnPredictor(free.similarity, k, free.temperature, w) for k in SIZED_KS for w in widths]
+
+
+def trend_knns(free: KnnPredictor, values: np.ndarray, sizes: np.ndarray | None) -> list[KnnPredictor]:
+    """The training-free kNN `free` following the trend of value with update size (KnnPredictor.trend): one candidate,
+    beside the best kNN as sized_knns are. None without sizes, or where they are not finite."""
+    if sizes is None or not np.isfinite(sizes[~np.isnan(values)]).all():
+        return []
+    return [replace(free, trend=True)]
 
 
 def _with_values(
@@ -413,7 +421,11 @@ def _knn_estimates(
     for similarity in dict.fromkeys(k.similarity for k in knns):
         sim = search_similarity(exact, similarity, fold.z, val, train)
         for knn in (k for k in knns if k.similarity == similarity):
-            out[knn] = knn_regress(sim, values[train], knn.k, knn.temperature, between, knn.width).tolist()
+            slope = None
+            if knn.trend and sizes is not None:
+                among = search_similarity(exact, similarity, fold.z, train, train)
+                slope = trend_slope(among, values[train], sizes[train], knn.k, knn.temperature, knn.width)
+            out[knn] = knn_regress(sim, values[train], knn.k, knn.temperature, between, knn.width, slope).tolist()
     return out
 
 

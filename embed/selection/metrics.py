@@ -120,15 +120,44 @@ def knn_regress(
     temperature: float | None = None,
     sizes: tuple[np.ndarray, np.ndarray] | None = None,
     width: float | None = None,
+    slope: float | None = None,
 ) -> np.ndarray:
     """Similarity-weighted mean (knn_weights) of the k most similar training items' values (sim: test × train); with
-    a `width`, `sizes` holds the update sizes of the test and the training items."""
+    a `width` or a `slope`, `sizes` holds the update sizes of the test and the training items. A `slope` adds
+    slope × (the test item's size − its neighbours' weighed mean size): within one task a run's value rises with how far
+    it went, which a mean of its task's neighbours cannot say (trend_slope)."""
     out = np.zeros(len(sim))
     for i, row in enumerate(sim):
         top = top_k(row, k)
         gaps = None if sizes is None or width is None else sizes[1][top] - sizes[0][i]
-        out[i] = weighted_mean(train_values[top], knn_weights(row[top], temperature, gaps, width))
+        weights = knn_weights(row[top], temperature, gaps, width)
+        out[i] = weighted_mean(train_values[top], weights)
+        if slope is not None and sizes is not None:
+            out[i] += slope * (float(sizes[0][i]) - weighted_mean(sizes[1][top], weights))
     return out
+
+
+#: the ridge of trend_slope, as a share of the gaps' energy: the slope shrunk by 1 / (1 + TREND_RIDGE)
+TREND_RIDGE = 0.3
+
+
+def trend_slope(
+    sim: np.ndarray, values: np.ndarray, sizes: np.ndarray, k: int = KNN_K, temperature: float | None = None, width: float | None = None
+) -> float:
+    """The slope knn_regress follows, fitted on labelled items (sim: among them, values and sizes theirs): each item's
+    value less its leave-one-out kNN mean, regressed through 0 on its size less its neighbours' weighed mean size, with
+    the ridge TREND_RIDGE. 0 where the sizes do not differ from the neighbours'."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    residuals, gaps = np.zeros(n), np.zeros(n)
+    for i in range(n):
+        others = np.delete(np.arange(n), i)  # an item is not its own neighbour
+        row, sizes_i = np.asarray(sim[i], np.float64)[None, others], (sizes[i : i + 1], sizes[others])
+        residuals[i] = values[i] - knn_regress(row, values[others], k, temperature, sizes_i, width)[0]
+        gaps[i] = sizes[i] - knn_regress(row, sizes[others], k, temperature, sizes_i, width)[0]
+    energy = float(gaps @ gaps)
+    return float(gaps @ residuals) / ((1.0 + TREND_RIDGE) * energy) if energy > 0 else 0.0
 
 
 def weighted_mean(values: np.ndarray, weights: np.ndarray) -> float:

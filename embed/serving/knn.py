@@ -39,13 +39,15 @@ def knn_value(
     temperature: float | None = None,
     sizes: tuple[float, np.ndarray] | None = None,
     width: float | None = None,
+    slope: float | None = None,
 ) -> float:
     """Similarity-weighted mean (knn_weights at `temperature`, and with a `width` by the update sizes in `sizes`: the
     query's, and per memory position the labelled adapters') of the k nearest with a known value (values: per memory
-    position, NaN unknown)."""
+    position, NaN unknown), plus with a `slope` the trend of value with size (embed.selection.metrics.knn_regress)."""
     positions, scores = near
     known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
     if not known.any():
         return fallback
     between = None if sizes is None else (np.array([sizes[0]]), sizes[1][positions[known]])
-    return float(knn_regress(scores[known][None, :], values[positions[known]], k, temperature, between, width)[0])  # as choice.py scored
+    found = knn_regress(scores[known][None, :], values[positions[known]], k, temperature, between, width, slope)
+    return float(found[0])  # as choice.py scored

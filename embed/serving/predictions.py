@@ -68,14 +68,16 @@ def metric_guesses(
     factors: Mapping[str, CanonicalFactors],
 ) -> dict[str, MetricGuess]:
     """Each metric's value (the heads', or the chosen kNN's mean among `near`, clipped to its range) and 90 % interval.
-    A kNN that weighs its neighbours by size reads the query's (from its `factors`) and the labelled adapters'."""
+    A kNN that weighs its neighbours by size, or follows the trend of value with size, reads the query's (from its
+    `factors`) and the labelled adapters'."""
     metrics: dict[str, MetricGuess] = {}
-    sized = any(knns[key].width is not None for key in values if key in knns)
+    sized = any(knns[key].width is not None or knns[key].trend for key in values if key in knns)
     sizes = (factors_size(f.S for f in factors.values()), model.memory_sizes) if sized else None  # the query's, once
     for key, v in values.items():
         value = float(v[0])
         if (knn := knns.get(key)) is not None:
-            found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k, knn.temperature, sizes, knn.width)
+            slope = model.trend_slopes.get(key) if knn.trend else None
+            found = knn_value(near[knn.similarity], model.memory_values[key], value, knn.k, knn.temperature, sizes, knn.width, slope)
             value = float(model.clip(key, np.array([found]))[0])
         low, high = interval(value, model.residual_std.get(key), *model.metric_range.get(key, (-math.inf, math.inf)))
         metrics[key] = {

@@ -163,6 +163,7 @@ def _score(
     k: int = KNN_K,
     temperature: float | None = None,
     width: float | None = None,
+    slope: float | None = None,
 ) -> Scores:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
     out = _nothing()
@@ -176,9 +177,10 @@ def _score(
             out.update(_task_scores(knn_classify(sub, [tasks[p] for p in train_pos], k), [tasks[p] for p in test_pos]))
         perf = np.array([all_ad[p].measurements.get(PERF_METRIC, np.nan) for p in range(len(all_ad))])
         if not np.isnan(perf[train_pos + test_pos]).any():
-            size = np.array([factors_size(f.S for f in a.factors.values()) for a in all_ad]) if width is not None else None
+            sized = width is not None or slope is not None
+            size = np.array([factors_size(f.S for f in a.factors.values()) for a in all_ad]) if sized else None
             sizes = None if size is None else (size[test_pos], size[train_pos])
-            out.means.update(regression(knn_regress(sub, perf[train_pos], k, temperature, sizes, width), perf[test_pos]))
+            out.means.update(regression(knn_regress(sub, perf[train_pos], k, temperature, sizes, width, slope), perf[test_pos]))
     return out
 
 
@@ -407,7 +409,8 @@ def _default_scores(
     source = _head_scores(emb, adapters, test_pos)
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
         sim = _similarity(exact, w2t, knn.similarity)
-        source = _score(sim, adapters, test_pos, train_pos, predict=True, k=knn.k, temperature=knn.temperature, width=knn.width)
+        slope = emb.trend_slopes.get(PERF_METRIC) if knn.trend else None
+        source = _score(sim, adapters, test_pos, train_pos, True, knn.k, knn.temperature, knn.width, slope)
     out.means.update({k: source.means.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 

@@ -431,7 +431,7 @@ def remember_and_choose(
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
     embedder.memory_sizes = np.zeros(0)
-    embedder.predictors, embedder.choices, embedder.readouts, embedder.residual_std = {}, {}, {}, {}
+    embedder.predictors, embedder.choices, embedder.readouts, embedder.residual_std, embedder.trend_slopes = {}, {}, {}, {}, {}
     embedder.calibration, embedder._memory_classes, embedder.channel_metrics, embedder.gram_reference = {}, {}, {}, None
     folds = member_folds(len(adapters), len(models), options)
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold

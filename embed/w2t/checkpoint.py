@@ -39,8 +39,8 @@ def search_of(meta: dict) -> SearchScore:
 
 
 def predictors_of(meta: dict) -> dict[str, Predictor]:
-    """Each target's predictor in a checkpoint: a kNN ("knn") by its similarity, k, temperature and size width (none
-    before kNNs had them) under "knn", a learned one by
+    """Each target's predictor in a checkpoint: a kNN ("knn") by its similarity, k, temperature, size width and trend
+    (none before kNNs had them) under "knn", a learned one by
     its kind; before kNN predictors were chosen, "search" meant a KNN_K-NN over the search score."""
     knn = meta.get("knn", {})
     predictors: dict[str, Predictor] = {}
@@ -54,6 +54,7 @@ def predictors_of(meta: dict) -> dict[str, Predictor]:
                 int(knn[target]["k"]),
                 None if t is None else float(t),
                 None if h is None else float(h),
+                bool(knn[target].get("trend", False)),
             )
         else:
             predictors[target] = LearnedPredictor.parse(kind)
@@ -92,7 +93,7 @@ def methods_meta(search: SearchScore, predictors: dict[str, Predictor], metrics:
 
 
 def _knn_meta(knn: KnnPredictor) -> dict[str, object]:
-    """A kNN predictor as predictors_of reads it back: its temperature and size width only where it has them, so that
+    """A kNN predictor as predictors_of reads it back: its temperature, size width and trend only where it has them, so that
     checkpoints of kNNs without them are written as they always were."""
-    optional = {"temperature": knn.temperature, "width": knn.width}
+    optional = {"temperature": knn.temperature, "width": knn.width, "trend": knn.trend or None}
     return {"similarity": knn.similarity.name, "k": knn.k, **{k: v for k, v in optional.items() if v is not None}}

@@ -95,6 +95,9 @@ class W2TEnsemble:
     #: weighs its neighbours by size (KnnPredictor.width) reads; empty where the choices were not made or from a
     #: checkpoint older than such kNNs
     memory_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: per metric whose kNN follows the trend of value with update size (KnnPredictor.trend): the slope fitted on the
+    #: labelled training adapters (embed.selection.metrics.trend_slope)
+    trend_slopes: dict[str, float] = field(default_factory=dict)
     _memory_classes: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def memory_classes(self, attribute: str) -> np.ndarray:
@@ -248,6 +251,7 @@ class W2TEnsemble:
             "objective": self.objective,
             "history": self.history,
             "residual_std": self.residual_std,
+            "trend_slopes": self.trend_slopes,
             "metric_range": self.metric_range,
             **methods_meta(self.search, self.predictors, self.channel_metrics),
             "memory_labels": self.memory_labels,
@@ -290,4 +294,5 @@ class W2TEnsemble:
             channel_metrics=channel_metrics_of(meta),
             gram_reference=gram_reference_of(directory),
             memory_sizes=memory["sizes"].numpy() if "sizes" in memory else np.zeros(0),
+            trend_slopes={k: float(v) for k, v in meta.get("trend_slopes", {}).items()},
         )

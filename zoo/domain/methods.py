@@ -28,6 +28,7 @@ _KNN = "knn "
 _K = " k="
 _T = " T="
 _H = " h="
+_TREND = " trend"
 #: the most adapters a second stage re-ranks
 MAX_RERANK_TOP = 100
 
@@ -216,12 +217,16 @@ class KnnPredictor:
     neighbour weighed by max(s, 0) + 1e-6, or with a `temperature` T by the softmax of s / T
     (embed.selection.metrics.knn_weights); with a `width` h, each weight also times exp(−Δ² / 2h²), Δ the gap between
     the neighbour's update size and the query's (zoo.domain.sizes.update_size): a metric's neighbours trained about
-    as far. T and h are positive and written exactly by the name (`:g`)."""
+    as far. T and h are positive and written exactly by the name (`:g`). A metric's kNN that follows its `trend` adds
+    to the neighbours' mean a slope times the gap between the query's update size and the neighbours' weighed mean size:
+    the slope, fitted on the labelled adapters' leave-one-out residuals (embed.selection.metrics.trend_slope), is the
+    checkpoint's (W2TEnsemble.trend_slopes), not the name's."""
 
     similarity: SearchScore
     k: int
     temperature: float | None = None
     width: float | None = None
+    trend: bool = False
     #: what checkpoints and `zoo predict` record as the predictor's kind
     kind: ClassVar[str] = "knn"
 
@@ -237,23 +242,26 @@ class KnnPredictor:
 
     @property
     def name(self) -> str:
-        """`knn dw k=3`, `knn module+w2t@0.1 k=10`, `knn input_gram k=10 T=0.01`, `knn centred_gram k=30 T=0.01 h=2.8`."""
+        """`knn dw k=3`, `knn module+w2t@0.1 k=10`, `knn input_gram k=10 T=0.01`, `knn centred_gram k=30 T=0.01 h=2.8`,
+        `knn module_centred k=10 trend`."""
         tempered = "" if self.temperature is None else f"{_T}{self.temperature:g}"
         sized = "" if self.width is None else f"{_H}{self.width:g}"
-        return f"{_KNN}{self.similarity.name}{_K}{self.k}{tempered}{sized}"
+        return f"{_KNN}{self.similarity.name}{_K}{self.k}{tempered}{sized}{_TREND if self.trend else ''}"
 
     @classmethod
     def parse(cls, name: str) -> KnnPredictor:
         """The kNN predictor named `name` (ValueError for a name `name` does not write)."""
-        rest, sized, h = name.removeprefix(_KNN).rpartition(_H)
+        trend = name.endswith(_TREND)
+        body = name.removeprefix(_KNN).removesuffix(_TREND)
+        rest, sized, h = body.rpartition(_H)
         if not sized:
-            rest, h = name.removeprefix(_KNN), ""
+            rest, h = body, ""
         head, tempered, t = rest.rpartition(_T)
         if tempered:
             rest = head
         similarity, _, k = rest.rpartition(_K)
         try:
-            predictor = cls(SearchScore.parse(similarity), int(k), float(t) if tempered else None, float(h) if sized else None)
+            predictor = cls(SearchScore.parse(similarity), int(k), float(t) if tempered else None, float(h) if sized else None, trend)
         except ValueError:
             predictor = None
         if predictor is None or predictor.name != name:
