@@ -122,6 +122,9 @@ def test_names_as_they_were_written() -> None:
     assert KnnPredictor(SearchScore(), 3, 0.003).name == "knn dw k=3 T=0.003" and KnnPredictor(SearchScore(), 3).temperature is None
     assert parse_predictor("knn centred_gram k=30 T=0.01 h=2.79") == KnnPredictor(SearchScore("centred_gram"), 30, 0.01, 2.79)
     assert KnnPredictor(SearchScore(), 10, None, 1.5).name == "knn dw k=10 h=1.5"
+    trended = KnnPredictor(SearchScore("module_centred"), 10, 0.01, None, True)
+    assert trended.name == "knn module_centred k=10 T=0.01 trend" and parse_predictor(trended.name) == trended
+    assert parse_predictor("knn dw k=30 h=2.5 trend") == KnnPredictor(SearchScore(), 30, None, 2.5, True)
 
 
 @pytest.mark.parametrize(
@@ -153,7 +156,8 @@ def test_a_name_no_search_score_has_is_refused(name: str) -> None:
     + ["knn  dw k=3", "knn dw+w2t@1 k=3", "dw k=3", "search", "Head", "head ", "knn head k=3"]
     # temperatures: none written, not positive, not finite, not as `:g` writes it, in the wrong place
     + ["knn dw k=3 T=", "knn dw k=3 T=0", "knn dw k=3 T=-0.1", "knn dw k=3 T=nan", "knn dw k=3 T=inf", "knn dw k=3 T=0.010"]
-    + ["knn dw k=3 T=.01", "knn dw k=3  T=0.01", "knn dw T=0.01 k=3", "knn dw k=3 T=0.01 T=0.01", "knn dw T=0.01"],
+    + ["knn dw k=3 T=.01", "knn dw k=3  T=0.01", "knn dw T=0.01 k=3", "knn dw k=3 T=0.01 T=0.01", "knn dw T=0.01"]
+    + ["knn dw k=3 trend trend", "knn dw k=3trend", "knn dw trend k=3", "knn dw k=3 trend T=0.01", "knn dw k=3 Trend"],
 )
 def test_a_name_no_predictor_has_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="not a (kNN )?predictor: " + re.escape(repr(name))):

@@ -338,7 +338,8 @@ def choose_metric(
 ) -> tuple[Choice[Predictor], np.ndarray, np.ndarray]:
     """A kNN among the labelled adapters (as for attributes, and at each temperature of KNN_TEMPERATURES, by
     Spearman; given the labelled adapters' `sizes`, the best of them also at SIZED_KS neighbours weighed by their
-    update's size: sized_knns, like k and T nothing the labels shaped) or, weighed against it as learned predictors are,
+    update's size: sized_knns, like k and T nothing the labels shaped; and following the trend of value with size:
+    trend_knns, its slope fitted on each fold's training part) or, weighed against it as learned predictors are,
     the kNNs by the `target` metric's own channel metric (where `exact` holds it) or a learned predictor (`learned`: its
     out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric (values per labelled
     adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
