@@ -164,6 +164,7 @@ def _score(
     temperature: float | None = None,
     width: float | None = None,
     slope: float | None = None,
+    value_range: tuple[float, float] | None = None,
 ) -> Scores:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
     out = _nothing()
@@ -180,7 +181,10 @@ def _score(
             sized = width is not None or slope is not None
             size = np.array([factors_size(f.S for f in a.factors.values()) for a in all_ad]) if sized else None
             sizes = None if size is None else (size[test_pos], size[train_pos])
-            out.means.update(regression(knn_regress(sub, perf[train_pos], k, temperature, sizes, width, slope), perf[test_pos]))
+            estimates = knn_regress(sub, perf[train_pos], k, temperature, sizes, width, slope)
+            if value_range is not None:  # as served: a trend may leave the labelled adapters' range (W2TEnsemble.clip)
+                estimates = np.clip(estimates, *value_range)
+            out.means.update(regression(estimates, perf[test_pos]))
     return out
 
 
@@ -410,7 +414,8 @@ def _default_scores(
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
         sim = _similarity(exact, w2t, knn.similarity)
         slope = emb.trend_slopes.get(PERF_METRIC) if knn.trend else None
-        source = _score(sim, adapters, test_pos, train_pos, True, knn.k, knn.temperature, knn.width, slope)
+        served_range = emb.metric_range.get(PERF_METRIC)
+        source = _score(sim, adapters, test_pos, train_pos, True, knn.k, knn.temperature, knn.width, slope, served_range)
     out.means.update({k: source.means.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 
