@@ -422,12 +422,18 @@ def _knn_estimates(
     for similarity in dict.fromkeys(k.similarity for k in knns):
         sim = search_similarity(exact, similarity, fold.z, val, train)
         for knn in (k for k in knns if k.similarity == similarity):
-            slope = None
-            if knn.trend and sizes is not None:
-                among = search_similarity(exact, similarity, fold.z, train, train)
-                slope = trend_slope(among, values[train], sizes[train], knn.k, knn.temperature, knn.width)
+            slope = knn_slope(exact, knn, fold.z, values, sizes, train) if knn.trend and sizes is not None else None
             out[knn] = knn_regress(sim, values[train], knn.k, knn.temperature, between, knn.width, slope).tolist()
     return out
+
+
+def knn_slope(
+    exact: dict[str, np.ndarray], knn: KnnPredictor, z: np.ndarray, values: np.ndarray, sizes: np.ndarray, rows: list[int]
+) -> float:
+    """The slope a kNN that follows the trend (KnnPredictor.trend) is served with, fitted on the labelled adapters
+    `rows` (their similarity from `exact` and the W2T embeddings `z`, their values and sizes)."""
+    among = search_similarity(exact, knn.similarity, z, rows, rows)
+    return trend_slope(among, values[rows], sizes[rows], knn.k, knn.temperature, knn.width)
 
 
 def _spearman(pred: np.ndarray, truth: np.ndarray) -> float:

@@ -12,13 +12,12 @@ from embed.selection.choice import (
     choose_attribute,
     choose_metric,
     knn_similarity,
+    knn_slope,
     logistic_readout,
     mean_per_row,
     readout_predictions,
-    search_similarity,
 )
 from embed.selection.fitted import Purpose, fit_all, out_of_fold, with_fused
-from embed.selection.metrics import trend_slope
 from embed.selection.search_choice import choose_search
 from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.channel_metric import Bank
@@ -89,15 +88,8 @@ def choose_methods(
         choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views, m, sizes)
         embedder.predictors[m] = choice.chosen
         if isinstance(knn := choice.chosen, KnnPredictor) and knn.trend and sizes is not None:
-            embedder.trend_slopes[m] = _trend_slope(exact, knn, embedder.memory, embedder.memory_values[m], sizes)
+            known = np.flatnonzero(~np.isnan(embedder.memory_values[m])).tolist()
+            embedder.trend_slopes[m] = knn_slope(exact, knn, embedder.memory, embedder.memory_values[m], sizes, known)
         embedder.choices[m] = choice.as_dict()
         if len(truth) >= 2:
             embedder.residual_std[m] = float(np.std(embedder.clip(m, pred) - truth))
-
-
-def _trend_slope(exact: dict[str, np.ndarray], knn: KnnPredictor, z: np.ndarray, values: np.ndarray, sizes: np.ndarray) -> float:
-    """The slope a kNN that follows the trend serves with (KnnPredictor.trend), fitted on every labelled adapter with a
-    value (`exact` and the embeddings `z` among all of them)."""
-    rows = np.flatnonzero(~np.isnan(values)).tolist()
-    among = search_similarity(exact, knn.similarity, z, rows, rows)
-    return trend_slope(among, values[rows], sizes[rows], knn.k, knn.temperature, knn.width)
