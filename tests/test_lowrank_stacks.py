@@ -128,7 +128,8 @@ def test_an_exact_svd_merge_is_found_with_its_residual(seed: int, weights: list[
 @given(st.integers(0, 2**31 - 1), st.sampled_from([(64, 4), (4096, 16), (5000, 17), (2048, 32)]))
 def test_pair_blocks_of_large_factors_are_their_products(seed: int, size: tuple[int, int]) -> None:
     """A pair's blocks are UᵀU and VᵀV to float64 rounding, and their inner product the dense matrices', whichever
-    library takes the product (torch from TORCH_PRODUCT_FROM entries a factor: all but the first size here)."""
+    library takes the product (zoo/domain/products.py: from MEASURED_FROM entries a factor, all but the first size here,
+    the faster here)."""
     rows, rank = size
     rng = np.random.default_rng(seed)
     x, y = (LowRank(rng.normal(size=(rows, rank)), rng.uniform(0.1, 2.0, size=rank), rng.normal(size=(40, rank))) for _ in range(2))

@@ -19,6 +19,7 @@ import torch
 
 from zoo.domain.canonical import CanonicalFactors
 from zoo.domain.pair_blocks import Origin
+from zoo.domain.products import cross
 
 #: eigenvalues of a Gram matrix below this fraction of the largest are treated as zero (rank-deficient stacks)
 GRAM_RTOL = 1e-10
@@ -26,10 +27,6 @@ GRAM_RTOL = 1e-10
 #: stack whose Grams take fewer than this times its members² is made anew (small modules, few of them: 0.6 against 15
 #: ms a stack on the lineage recipe), a larger one from the kept blocks
 PAIR_OVERHEAD = 2e5
-#: a pair's product aᵀb of factors with this many entries (rows × rank) or more is torch's: float64, one thread, aᵀb of
-#: 14,336 × 16 factors took 0.18 ms by torch and 0.33 by numpy (OpenBLAS), 4,096 × 16 0.04 and 0.09; numpy's call costs
-#: less on small ones (2,560 × 16: 0.020 against 0.022 ms; 640 × 8: 0.002 against 0.005)
-TORCH_PRODUCT_FROM = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -120,14 +117,7 @@ def _products(x: LowRank, y: LowRank) -> tuple[np.ndarray, np.ndarray]:
     """(U_xᵀU_y, V_xᵀV_y), two products of this pair alone. Not of x with several updates' factors concatenated: copying
     those cost as much as the product (a Llama-3-8B MLP module against 8 others: 2.4 of 4.9 ms, against 2.8 ms pair by
     pair; an SDXL attention module's 0.09 against 0.03 ms)."""
-    return _cross(x.U, y.U), _cross(x.V, y.V)
-
-
-def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """aᵀb of two factors of one side: by torch where a has TORCH_PRODUCT_FROM entries or more, else by numpy."""
-    if a.size < TORCH_PRODUCT_FROM:
-        return a.T @ b
-    return (torch.from_numpy(a).T @ torch.from_numpy(b)).numpy()
+    return cross(x.U, y.U), cross(x.V, y.V)
 
 
 def fill_blocks(x: Mapping[str, LowRank], others: Sequence[Mapping[str, LowRank]]) -> None:
