@@ -22,7 +22,7 @@ MEASURED_FROM = 1 << 16
 REPEATS = 10
 
 #: by size class (`size_class`): True where torch's product was the faster
-_torch_faster: dict[tuple[int, int], bool] = {}
+_torch_faster: dict[tuple[int, int, int], bool] = {}
 
 
 def cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -34,14 +34,15 @@ def cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a.T @ b
 
 
-def size_class(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Products timed once per class: the rows' power of two, and the rank."""
-    return int(shape[0]).bit_length(), int(shape[1])
+def size_class(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """Products timed once per class: the rows' power of two, the rank, and torch's thread count (which library is
+    faster differs with threads; the relation step runs torch and numpy's BLAS on one thread each)."""
+    return int(shape[0]).bit_length(), int(shape[1]), torch.get_num_threads()
 
 
 def torch_is_faster(shape: tuple[int, ...]) -> bool:
     """Whether torch takes aᵀb of factors of `shape` faster than numpy here, timed at the first product of the class
-    under the caller's thread limits (the relation step runs on one BLAS thread)."""
+    under the caller's thread limits."""
     key = size_class(shape)
     if key not in _torch_faster:
         by_torch, by_numpy = product_times(int(shape[0]), int(shape[1]), REPEATS)
