@@ -13,6 +13,7 @@ Over several splits, methods are compared paired (embed/training/eval_summary.py
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -164,7 +165,7 @@ def _score(
     temperature: float | None = None,
     width: float | None = None,
     slope: float | None = None,
-    value_range: tuple[float, float] | None = None,
+    served: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Scores:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
     out = _nothing()
@@ -182,8 +183,8 @@ def _score(
             size = np.array([factors_size(f.S for f in a.factors.values()) for a in all_ad]) if sized else None
             sizes = None if size is None else (size[test_pos], size[train_pos])
             estimates = knn_regress(sub, perf[train_pos], k, temperature, sizes, width, slope)
-            if value_range is not None:  # as served: a trend may leave the labelled adapters' range (W2TEnsemble.clip)
-                estimates = np.clip(estimates, *value_range)
+            if served is not None:  # as served: a trend may leave the labelled adapters' range (W2TEnsemble.clip)
+                estimates = served(estimates)
             out.means.update(regression(estimates, perf[test_pos]))
     return out
 
@@ -414,8 +415,8 @@ def _default_scores(
     if isinstance(knn := emb.predictor(PERF_METRIC), KnnPredictor):
         sim = _similarity(exact, w2t, knn.similarity)
         slope = emb.trend_slopes.get(PERF_METRIC) if knn.trend else None
-        served_range = emb.metric_range.get(PERF_METRIC)
-        source = _score(sim, adapters, test_pos, train_pos, True, knn.k, knn.temperature, knn.width, slope, served_range)
+        served = functools.partial(emb.clip, PERF_METRIC)
+        source = _score(sim, adapters, test_pos, train_pos, True, knn.k, knn.temperature, knn.width, slope, served)
     out.means.update({k: source.means.get(k) for k in ("perf_mae", "perf_spearman", "perf_kendall")})
     return out
 

@@ -27,10 +27,16 @@ _torch_faster: dict[tuple[int, int, int], bool] = {}
 
 def cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """aᵀb (a: rows × r_a, b: rows × r_b), by the library faster at a's size class on this machine."""
-    if a.size < MEASURED_FROM:
-        return a.T @ b
-    if torch_is_faster(a.shape):
-        return (torch.from_numpy(a).T @ torch.from_numpy(b)).numpy()
+    if a.size >= MEASURED_FROM and torch_is_faster(a.shape):
+        return _by_torch(a, b)
+    return _by_numpy(a, b)
+
+
+def _by_torch(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (torch.from_numpy(a).T @ torch.from_numpy(b)).numpy()
+
+
+def _by_numpy(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a.T @ b
 
 
@@ -54,12 +60,11 @@ def product_times(rows: int, rank: int, repeats: int) -> tuple[float, float]:
     """(torch's, numpy's) least seconds of `repeats` products aᵀb of two random rows × rank float64 factors, taken in
     turn after one untimed each."""
     a, b = np.random.default_rng(0).standard_normal((2, rows, rank))
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     best = [float("inf"), float("inf")]
     for i in range(repeats + 1):
-        for k, product in enumerate((lambda: (ta.T @ tb).numpy(), lambda: a.T @ b)):
+        for k, product in enumerate((_by_torch, _by_numpy)):
             start = time.perf_counter()
-            product()
+            product(a, b)
             if i:
                 best[k] = min(best[k], time.perf_counter() - start)
     return best[0], best[1]
