@@ -10,8 +10,11 @@ T and a share ε of the class prior such that
 has the lowest log loss on them (a grid: two numbers are what a few dozen held-out adapters support).
 ε never goes below 1 / (n + 2) for n held-out adapters, so nothing is ever called certain on the
 strength of n examples. A k-NN vote among the labelled adapters is calibrated on their leave-one-out
-votes instead, its level set by a learning-curve extrapolation (`knn_calibration`). Pure numpy: no
-database, no torch.
+votes instead, its level set by a learning-curve extrapolation (`knn_calibration`), and its answer's own
+probability by a logistic curve in its share of the vote (`TopLabel`): the (T, ε) family is fit to the
+whole distribution, and where the true class is often none of a few neighbours' that fit mixes in much of
+the prior and sharpens to make up for it, so a unanimous vote and a split one came out nearly alike.
+Pure numpy and scipy: no database, no torch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
+from scipy.optimize import minimize
 
 from embed.selection.metrics import knn_vote_shares
 
@@ -35,6 +39,25 @@ SURE_SLACK = 0.05
 NEVER_SURE = 1.01
 #: equal-width confidence bins of the expected calibration error
 ECE_BINS = 10
+#: the top answer's share of the vote is read on the logit scale clipped to these shares (a unanimous vote is 1)
+TOP_SHARE_CLIP = 1e-4
+#: the ridge pulling a TopLabel's slope toward 1 (the raw share's own logit): identifies it where every vote has the
+#: same share (a 1-NN's are all 1) and keeps a few dozen votes from fitting a cliff
+TOP_SLOPE_RIDGE = 1e-3
+
+
+@dataclass(frozen=True)
+class TopLabel:
+    """The probability of the answer (the calibrated distribution's top class) as a logistic curve in its raw share s
+    of the vote: σ(intercept + slope · logit(s)). Fit on held-out votes by the answer's log loss, right or wrong
+    (`fit_top_label`), its intercept then set to a level (`with_top_level`)."""
+
+    slope: float
+    intercept: float
+
+    def probability(self, share: np.ndarray) -> np.ndarray:
+        s = np.clip(share, TOP_SHARE_CLIP, 1.0 - TOP_SHARE_CLIP)
+        return 1.0 / (1.0 + np.exp(-(self.intercept + self.slope * np.log(s / (1.0 - s)))))
 
 
 @dataclass(frozen=True)
@@ -48,18 +71,52 @@ class Calibration:
     #: the least calibrated probability called sure: where every confidence bin from it up kept its promise on the
     #: held-out predictions (earned_sure); checkpoints from before it have SURE
     sure_from: float = SURE
-    #: a k-NN vote's prior share for a labelled adapter voted on by the others (its own label left out, as it is
-    #: served for a stored adapter): its leave-one-out accuracy, where `mix` looks one label further (knn_calibration);
-    #: None: `mix` for every query
+    #: in checkpoints from before TopLabel, a k-NN vote's prior share for a labelled adapter voted on by the others (its
+    #: own label left out, as it is served for a stored adapter), where `mix` looked one label further; None: `mix` for
+    #: every query (a TopLabel's curve reads the vote's share, which is smaller with one label fewer)
     own_mix: float | None = None
+    #: the answer's probability by its share of the vote (a kNN's, knn_calibration); None: the (T, ε) distribution's
+    top: TopLabel | None = None
 
     def apply(self, shares: np.ndarray) -> np.ndarray:
-        """Calibrated probabilities of rows of raw shares (n × classes, or one row)."""
+        """Calibrated probabilities of rows of raw shares (n × classes, or one row): the (T, ε) distribution, and
+        with `top` the answer's probability from its share, the other classes sharing the rest in proportion. The
+        answer stays the top class, and is never given more than a mix of 1 / (n + 2) of the prior would allow."""
         p = np.atleast_2d(np.asarray(shares, np.float64))
         sharpened = _sharpen(p, self.temperature)
         prior = np.asarray(self.prior, np.float64) if self.prior else np.full(p.shape[1], 1.0 / p.shape[1])
         out = (1.0 - self.mix) * sharpened + self.mix * prior
+        if self.top is not None and out.shape[1] > 1:
+            out = self._top_label(p, out, prior)
         return out if np.ndim(shares) == 2 else out[0]
+
+    def _top_label(self, raw: np.ndarray, q: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        """`q` with its top class's probability from the raw share (TopLabel), at most the cap; the rest goes to the
+        other classes in proportion to `q`, as little moved toward the prior as keeps each of them below the answer
+        (a split vote among many classes can be worth less than its runner-up's share of `q`)."""
+        rows = np.arange(len(q))
+        top = q.argmax(axis=1)
+        flat = np.broadcast_to(prior, q.shape).copy()
+        flat[rows, top] = 0.0
+        flat /= flat.sum(axis=1, keepdims=True)
+        least = flat.max(axis=1) / (1.0 + flat.max(axis=1)) * (1.0 + 1e-9)  # the rest spread as the prior is, just below
+        cap = 1.0 - (1.0 - prior.max()) / (self.n + 2)
+        answer = np.clip(self.top.probability(raw[rows, top]), least, max(cap, 0.0))  # type: ignore[union-attr]
+        others = q.copy()
+        others[rows, top] = 0.0
+        others /= np.maximum(others.sum(axis=1, keepdims=True), 1e-300)
+        limit = (answer / (1.0 - answer) * (1.0 - 1e-9))[:, None]  # each other class's share of the rest, at most
+
+        def over(weight: np.ndarray) -> np.ndarray:
+            return ((1.0 - weight)[:, None] * others + weight[:, None] * flat > limit).any(axis=1)
+
+        low, high = np.zeros(len(q)), np.where(over(np.zeros(len(q))), 1.0, 0.0)  # the least weight of the prior that fits
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = np.where(over(mid), mid, low), np.where(over(mid), high, mid)
+        out = ((1.0 - high)[:, None] * others + high[:, None] * flat) * (1.0 - answer)[:, None]
+        out[rows, top] = answer
+        return out
 
     def for_labelled(self) -> Calibration:
         """The calibration of a vote on one of the labelled adapters, its own label left out (own_mix)."""
@@ -68,6 +125,7 @@ class Calibration:
     def as_dict(self) -> dict[str, object]:
         prior = [round(x, 6) for x in self.prior]
         own = None if self.own_mix is None else round(self.own_mix, 4)
+        top = None if self.top is None else [self.top.slope, self.top.intercept]
         return {
             "temperature": round(self.temperature, 4),
             "mix": round(self.mix, 4),
@@ -75,6 +133,7 @@ class Calibration:
             "n": self.n,
             "sure_from": self.sure_from,
             "own_mix": own,
+            "top": top,
         }
 
     @classmethod
@@ -82,7 +141,16 @@ class Calibration:
         prior = tuple(float(x) for x in d["prior"])
         own = d.get("own_mix")
         sure_from = float(d.get("sure_from", SURE))
-        return cls(float(d["temperature"]), float(d["mix"]), prior, int(d["n"]), sure_from, None if own is None else float(own))
+        top = d.get("top")  # none in checkpoints from before TopLabel
+        return cls(
+            float(d["temperature"]),
+            float(d["mix"]),
+            prior,
+            int(d["n"]),
+            sure_from,
+            None if own is None else float(own),
+            None if top is None else TopLabel(float(top[0]), float(top[1])),
+        )
 
 
 def _sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
@@ -121,41 +189,57 @@ def fit(shares: np.ndarray, truth: np.ndarray, prior: tuple[float, ...]) -> Cali
 
 
 def knn_calibration(
-    sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, prior: tuple[float, ...], draws: int = 5, rows: np.ndarray | None = None
+    sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, prior: tuple[float, ...], rows: np.ndarray | None = None
 ) -> Calibration:
     """The calibration of a k-NN vote among labelled adapters, from their leave-one-out votes (`sim`: n × n among
     them, `classes` their class indices): each is voted on by all the others, n − 1 labelled where what is served
-    has n, closer than the held-out folds' share. Fewer labels of its own class still make the leave-one-out vote
-    less accurate than the served one, and with a few labels per class one label matters: the vote is run once
-    more with a second adapter of each one's class left out (`draws` times), and the accuracy extrapolated one
-    label further along that learning curve; the prior's share is then set so that the mean calibrated top
-    probability matches it. `rows`: the adapters that vote (default: all), where only their rows of `sim` are
-    honest about them: a similarity the labels shaped (a channel metric, a W2T mix) is honest about an adapter in
-    the row of the fold that held it out, its other rows may be anything."""
+    has n, closer than the held-out folds' share. The (T, ε) distribution is fit to them, and the answer's probability
+    is a logistic curve in its share of the vote (TopLabel), fit to whether each vote's answer was right and set so
+    that the mean matches their accuracy. A served vote, with one label more of the query's class among its
+    neighbours, gives its answer a larger share, and the curve a larger probability. `rows`: the adapters that vote
+    (default: all), where only their rows of `sim` are honest about them: a similarity the labels shaped (a channel
+    metric, a W2T mix) is honest about an adapter in the row of the fold that held it out, its other rows may be
+    anything."""
     voters = np.arange(len(classes)) if rows is None else np.asarray(rows, np.int64)
     n = len(voters)
     if n < MIN_FIT:
         return Calibration(1.0, 0.5, prior, n)
-    others = np.array(sim, np.float64)[voters]
-    others[np.arange(n), voters] = -np.inf
     truth = classes[voters]
-    shares = knn_vote_shares(others, classes, n_classes, k)
-    loo = float((shares.argmax(axis=1) == truth).mean())
-    rng = np.random.default_rng(0)
-    members = {c: np.flatnonzero(classes == c) for c in np.unique(classes)}
-    fewer = []
-    for _ in range(draws):
-        dropped = others.copy()
-        for i, r in enumerate(voters):
-            same = members[classes[r]]
-            same = same[same != r]
-            if len(same):
-                dropped[i, rng.choice(same)] = -np.inf
-        fewer.append(float((knn_vote_shares(dropped, classes, n_classes, k).argmax(axis=1) == truth).mean()))
-    target = min(max(loo, 2 * loo - float(np.mean(fewer))), 1.0 - 1.0 / (n + 2))
+    shares = leave_one_out_shares(sim, classes, n_classes, k, rows=voters)
+    accuracy = min(float((shares.argmax(axis=1) == truth).mean()), 1.0 - 1.0 / (n + 2))
     fitted = fit(shares, truth, prior)
-    own = with_mean_confidence(fitted, shares, min(loo, 1.0 - 1.0 / (n + 2)))
-    return replace(with_mean_confidence(fitted, shares, target), own_mix=own.mix)
+    return with_top_level(replace(fitted, top=fit_top_label(fitted.apply(shares), shares, truth)), shares, accuracy)
+
+
+def fit_top_label(calibrated: np.ndarray, shares: np.ndarray, truth: np.ndarray) -> TopLabel:
+    """The TopLabel with the lowest log loss of the answers (the top classes of `calibrated`, right or not against
+    `truth`) by their raw `shares`, its slope held near 1 (TOP_SLOPE_RIDGE) and never below 0 (a larger share is
+    never less sure: where the fit says so, the share says nothing and every answer gets one probability)."""
+    answer = calibrated.argmax(axis=1)
+    right = (answer == np.asarray(truth)).astype(np.float64)
+    s = np.clip(shares[np.arange(len(answer)), answer], TOP_SHARE_CLIP, 1.0 - TOP_SHARE_CLIP)
+    x = np.log(s / (1.0 - s))
+
+    def loss(w: np.ndarray) -> float:
+        z = w[0] + w[1] * x
+        return float(np.mean(right * np.logaddexp(0.0, -z) + (1.0 - right) * np.logaddexp(0.0, z)) + TOP_SLOPE_RIDGE * (w[1] - 1.0) ** 2)
+
+    intercept, slope = minimize(loss, np.array([0.0, 1.0]), method="BFGS").x
+    return TopLabel(max(float(slope), 0.0), float(intercept))
+
+
+def with_top_level(c: Calibration, shares: np.ndarray, target: float) -> Calibration:
+    """`c` (with a TopLabel) with the intercept that makes the mean top probability of `shares` `target` (bisection)."""
+    assert c.top is not None
+
+    def mean_top(intercept: float) -> float:
+        return float(replace(c, top=replace(c.top, intercept=intercept)).apply(shares).max(axis=1).mean())  # type: ignore[arg-type]
+
+    low, high = -30.0, 30.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mean_top(mid) < target else (low, mid)
+    return replace(c, top=replace(c.top, intercept=(low + high) / 2))
 
 
 def leave_one_out_shares(sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, rows: np.ndarray | None = None) -> np.ndarray:
