@@ -87,10 +87,10 @@ class Calibration:
         prior = np.asarray(self.prior, np.float64) if self.prior else np.full(p.shape[1], 1.0 / p.shape[1])
         out = (1.0 - self.mix) * sharpened + self.mix * prior
         if self.top is not None and out.shape[1] > 1:
-            out = self._top_label(p, out, prior)
+            out = self._top_label(self.top, p, out, prior)
         return out if np.ndim(shares) == 2 else out[0]
 
-    def _top_label(self, raw: np.ndarray, q: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    def _top_label(self, curve: TopLabel, raw: np.ndarray, q: np.ndarray, prior: np.ndarray) -> np.ndarray:
         """`q` with its top class's probability from the raw share (TopLabel), at most the cap; the rest goes to the
         other classes in proportion to `q`, as little moved toward the prior as keeps each of them below the answer
         (a split vote among many classes can be worth less than its runner-up's share of `q`)."""
@@ -101,7 +101,7 @@ class Calibration:
         flat /= flat.sum(axis=1, keepdims=True)
         least = flat.max(axis=1) / (1.0 + flat.max(axis=1)) * (1.0 + 1e-9)  # the rest spread as the prior is, just below
         cap = 1.0 - (1.0 - prior.max()) / (self.n + 2)
-        answer = np.clip(self.top.probability(raw[rows, top]), least, max(cap, 0.0))  # type: ignore[union-attr]
+        answer = np.clip(curve.probability(raw[rows, top]), least, max(cap, 0.0))
         others = q.copy()
         others[rows, top] = 0.0
         others /= np.maximum(others.sum(axis=1, keepdims=True), 1e-300)
@@ -208,7 +208,7 @@ def knn_calibration(
     shares = leave_one_out_shares(sim, classes, n_classes, k, rows=voters)
     accuracy = min(float((shares.argmax(axis=1) == truth).mean()), 1.0 - 1.0 / (n + 2))
     fitted = fit(shares, truth, prior)
-    return with_top_level(replace(fitted, top=fit_top_label(fitted.apply(shares), shares, truth)), shares, accuracy)
+    return with_top_level(fitted, fit_top_label(fitted.apply(shares), shares, truth), shares, accuracy)
 
 
 def fit_top_label(calibrated: np.ndarray, shares: np.ndarray, truth: np.ndarray) -> TopLabel:
@@ -228,18 +228,17 @@ def fit_top_label(calibrated: np.ndarray, shares: np.ndarray, truth: np.ndarray)
     return TopLabel(max(float(slope), 0.0), float(intercept))
 
 
-def with_top_level(c: Calibration, shares: np.ndarray, target: float) -> Calibration:
-    """`c` (with a TopLabel) with the intercept that makes the mean top probability of `shares` `target` (bisection)."""
-    assert c.top is not None
+def with_top_level(c: Calibration, curve: TopLabel, shares: np.ndarray, target: float) -> Calibration:
+    """`c` with `curve`, its intercept set so that the mean top probability of `shares` is `target` (bisection)."""
 
     def mean_top(intercept: float) -> float:
-        return float(replace(c, top=replace(c.top, intercept=intercept)).apply(shares).max(axis=1).mean())  # type: ignore[arg-type]
+        return float(replace(c, top=replace(curve, intercept=intercept)).apply(shares).max(axis=1).mean())
 
     low, high = -30.0, 30.0
     for _ in range(60):
         mid = (low + high) / 2
         low, high = (mid, high) if mean_top(mid) < target else (low, mid)
-    return replace(c, top=replace(c.top, intercept=(low + high) / 2))
+    return replace(c, top=replace(curve, intercept=(low + high) / 2))
 
 
 def leave_one_out_shares(sim: np.ndarray, classes: np.ndarray, n_classes: int, k: int, rows: np.ndarray | None = None) -> np.ndarray:
