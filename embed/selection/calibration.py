@@ -10,10 +10,10 @@ T and a share ε of the class prior such that
 has the lowest log loss on them (a grid: two numbers are what a few dozen held-out adapters support).
 ε never goes below 1 / (n + 2) for n held-out adapters, so nothing is ever called certain on the
 strength of n examples. A k-NN vote among the labelled adapters is calibrated on their leave-one-out
-votes instead, its level set by a learning-curve extrapolation (`knn_calibration`), and its answer's own
-probability by a logistic curve in its share of the vote (`TopLabel`): the (T, ε) family is fit to the
-whole distribution, and where the true class is often none of a few neighbours' that fit mixes in much of
-the prior and sharpens to make up for it, so a unanimous vote and a split one came out nearly alike.
+votes instead (`knn_calibration`), and its answer gets its own probability, a logistic curve in its share
+of the vote set to their accuracy (`TopLabel`): the (T, ε) family is fit to the whole distribution, and
+where the true class is often none of a few neighbours' that fit mixes in much of the prior and sharpens
+to make up for it, so a unanimous vote and a split one came out nearly alike.
 Pure numpy and scipy: no database, no torch.
 """
 
@@ -247,23 +247,6 @@ def leave_one_out_shares(sim: np.ndarray, classes: np.ndarray, n_classes: int, k
     others = np.array(sim, np.float64)[voters]
     others[np.arange(len(voters)), voters] = -np.inf
     return knn_vote_shares(others, classes, n_classes, k)
-
-
-def with_mean_confidence(c: Calibration, shares: np.ndarray, target: float) -> Calibration:
-    """`c` with the prior's share (never below 1/(n + 2)) that makes the mean top probability of `shares` `target`
-    (bisection: more of the prior, less sure)."""
-    floor = 1.0 / (c.n + 2)
-
-    def mean_top(mix: float) -> float:
-        return float(replace(c, mix=mix).apply(shares).max(axis=1).mean())
-
-    low, high = floor, 1.0
-    if mean_top(low) <= target:
-        return replace(c, mix=low)
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if mean_top(mid) > target else (low, mid)
-    return replace(c, mix=(low + high) / 2)
 
 
 def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float:
