@@ -106,15 +106,13 @@ class Calibration:
         others[rows, top] = 0.0
         others /= np.maximum(others.sum(axis=1, keepdims=True), 1e-300)
         limit = (answer / (1.0 - answer) * (1.0 - 1e-9))[:, None]  # each other class's share of the rest, at most
-
-        def over(weight: np.ndarray) -> np.ndarray:
-            return ((1.0 - weight)[:, None] * others + weight[:, None] * flat > limit).any(axis=1)
-
-        low, high = np.zeros(len(q)), np.where(over(np.zeros(len(q))), 1.0, 0.0)  # the least weight of the prior that fits
-        for _ in range(40):
-            mid = (low + high) / 2
-            low, high = np.where(over(mid), mid, low), np.where(over(mid), high, mid)
-        out = ((1.0 - high)[:, None] * others + high[:, None] * flat) * (1.0 - answer)[:, None]
+        # the least weight w of the prior with (1 - w)·others + w·flat ≤ limit in every class: the largest of each
+        # class's own, where it is over
+        over = others - limit
+        with np.errstate(divide="ignore", invalid="ignore"):
+            needed = np.where(over > 0, over / (others - flat), 0.0)
+        weight = np.clip(needed.max(axis=1), 0.0, 1.0)[:, None]
+        out = ((1.0 - weight) * others + weight * flat) * (1.0 - answer)[:, None]
         out[rows, top] = answer
         return out
 

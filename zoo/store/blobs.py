@@ -290,12 +290,12 @@ def collections_paused() -> Iterator[None]:
     thousands of new objects, none in a cycle (a Llama-3-8B blob: 1,120 entries, about 70,000 objects), and the
     collections their allocations set off took half of its read in a process holding torch and the store (9-14 ms
     against 4-6 ms)."""
-    paused = gc.isenabled()
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if paused:
+        if was_enabled:
             gc.enable()
 
 
