@@ -331,6 +331,20 @@ def test_missing_partner(tmp_path: Path) -> None:
         read_adapter(d)
 
 
+def test_a_single_file_lora_with_every_down_factor_missing_is_refused_not_read_as_a_checkpoint(tmp_path: Path) -> None:
+    """With every `lora_down` renamed away, no reader claims the file: its lone `lora_up`s still say it is a LoRA."""
+    path = tmp_path / "lora.safetensors"
+    tensors = write_kohya_file(path)
+    save_file({(f"renamed_{i}" if "lora_down" in k else k): t for i, (k, t) in enumerate(tensors.items())}, str(path))
+    with pytest.raises(
+        InputError, match=r"3 tensors named as one factor of a low-rank pair, with no partner \(lora_unet_.*\.lora_up\.weight"
+    ):
+        read_adapter(path)
+    # a checkpoint with a stray factor name among its weight matrices is still a checkpoint
+    save_file({"proj.weight": torch.randn(8, 8), "mlp.weight": torch.randn(8, 8), "extra.lora_up.weight": torch.randn(8, 2)}, str(path))
+    assert read_adapter(path).format == "checkpoint"
+
+
 def test_empty_adapter(tmp_path: Path) -> None:
     d = _peft_dir(tmp_path, {"base_model.model.head.weight": torch.randn(3, 3)})
     with pytest.raises(InputError, match="empty adapter"):

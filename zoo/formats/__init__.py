@@ -23,7 +23,7 @@ from zoo.formats.cloneofsimo import has_cloneofsimo_keys, read_cloneofsimo_lora
 from zoo.formats.diffusers import Renamed, has_diffusers_keys, read_diffusers_lora
 from zoo.formats.kohya import has_lora_keys, kohya_base_model, read_single_file_lora
 from zoo.formats.limits import MAX_ADAPTER_NAME, check_limits
-from zoo.formats.lowrank import low_rank_pairs
+from zoo.formats.lowrank import lone_factors, low_rank_pairs
 from zoo.formats.lycoris import is_lycoris, read_lycoris
 from zoo.formats.peft import (
     CONFIG_NAME,
@@ -151,19 +151,23 @@ def _open_peft(directory: Path) -> RawAdapter:
 
 def file_format(path: Path, shapes: Mapping[str, Sequence[int]]) -> str:
     """The single-file format that claims a file's tensor names, else checkpoint; empty files, and low-rank factor
-    pairs that no format claims (zoo/formats/lowrank.py), are refused."""
+    pairs or lone factors that no format claims (zoo/formats/lowrank.py), are refused."""
     keys = list(shapes)
     if not keys:
         raise InputError(path, "empty file: no tensors")
     fmt = next((f.name for f in SINGLE_FILE_FORMATS if f.claims(keys)), "checkpoint")
-    pairs = low_rank_pairs(shapes) if fmt == "checkpoint" else []
-    if pairs:
+    if fmt != "checkpoint":
+        return fmt
+    refused = "refused rather than stored as a full checkpoint (docs/formats.md lists the layouts read)"
+    if pairs := low_rank_pairs(shapes):
         shown = ", ".join(f"{a} {list(shapes[a])} / {b} {list(shapes[b])}" for a, b in pairs[:3]) + (", ..." if len(pairs) > 3 else "")
         raise InputError(
-            path,
-            f"{len(pairs)} low-rank factor pair{'s' if len(pairs) > 1 else ''} ({shown}) in a layout no reader knows: "
-            "refused rather than stored as a full checkpoint (docs/formats.md lists the layouts read)",
+            path, f"{len(pairs)} low-rank factor pair{'s' if len(pairs) > 1 else ''} ({shown}) in a layout no reader knows: {refused}"
         )
+    if lone := lone_factors(shapes):
+        shown = ", ".join(f"{k} {list(shapes[k])}" for k in lone[:3]) + (", ..." if len(lone) > 3 else "")
+        named = f"{len(lone)} tensor{'s' if len(lone) > 1 else ''} named as one factor of a low-rank pair, with no partner"
+        raise InputError(path, f"{named} ({shown}): {refused}")
     return fmt
 
 
