@@ -370,7 +370,7 @@ def choose_metric(
 
     if len(t) < MIN_ITEMS:
         return Choice(reference, means, f"{reference.name}: {len(t)} held-out adapters are too few to choose by"), per[reference], t
-    order = [reference, *(k for k in [*knns, *sized] if k != reference)]
+    order: list[Predictor] = [reference, *(k for k in [*knns, *sized] if k != reference)]
     stacked = np.array([per[k] for k in order])
 
     def best_free(items: np.ndarray) -> Predictor:  # the best estimate among a hundred kNNs, ranked all at once
