@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from scipy.stats import spearmanr
 
-from embed.selection.choice import Fold, _spearman, choose_metric, metric_reference, spearman_rows
+from embed.selection.choice import Fold, choose_metric, metric_reference, spearman_rows
 from embed.selection.metrics import KNN_K, knn_regress, trend_slope
 from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import KnnPredictor, SearchScore
@@ -21,9 +21,10 @@ DW = SearchScore("dw")
     arrays(np.float64, st.tuples(st.integers(1, 6), st.integers(2, 12)), elements=st.sampled_from([0.0, 0.5, 1.0, 2.0, -1.0, 3.5])),
     st.data(),
 )
-def test_spearman_rows_is_each_rows_spearman(pred: np.ndarray, data: st.DataObject) -> None:
+def test_spearman_rows_is_each_rows_spearman_and_minus_one_for_a_constant(pred: np.ndarray, data: st.DataObject) -> None:
     truth = np.array(data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, 5.0]), min_size=pred.shape[1], max_size=pred.shape[1])))
-    np.testing.assert_allclose(spearman_rows(pred, truth), [_spearman(row, truth) for row in pred], atol=1e-12)
+    expected = [spearmanr(row, truth).statistic if np.ptp(row) and np.ptp(truth) else -1.0 for row in pred]  # a constant ranks nothing
+    np.testing.assert_allclose(spearman_rows(pred, truth), expected, atol=1e-12)
 
 
 def test_the_reference_follows_the_searchs_training_free_score_and_the_trend_where_sizes_allow() -> None:
