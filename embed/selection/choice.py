@@ -15,10 +15,11 @@ with many, the best estimate wins without having to be "clearly" better.
   held-out adapters best, against the W2T heads, few-shot readouts of the W2T embedding (nearest class mean,
   logistic regression on the frozen embedding) and the kNNs by the attribute's channel metric, by accuracy against
   that kNN;
-- a metric: the same kNN family, each also weighing its neighbours by a softmax at each of KNN_TEMPERATURES, and
-  the best of them weighing them by update size, chosen by Spearman against a reference kNN (metric_reference: the
-  search's training-free score, 10 neighbours, following the trend with size); then the heads, the kNN in the W2T
-  embedding and the kNNs by the metric's channel metric, by Spearman against the kNN chosen.
+- a metric: the same kNN family (the metric's channel metric among its similarities), each also weighing its
+  neighbours by a softmax at each of KNN_TEMPERATURES, and the best training-free one weighing them by update size or
+  following the trend, chosen by Spearman against a reference kNN (metric_reference: the search's training-free
+  score, 10 neighbours, following the trend with size); then the heads, the kNN in the W2T embedding and the kNNs by
+  the channel metric, by Spearman against the kNN chosen.
 """
 
 from __future__ import annotations
@@ -381,7 +382,7 @@ def choose_metric(
     if not weighed:
         return Choice(free, means, reason), per[free], t
     chosen, value = best_expected(weighed, free, spearman, len(t))
-    reason = f"{reason}; then {why_chosen(chosen, free, value, len(t), 'Spearman', 'training-free kNN')}"
+    reason = f"{reason}; then {why_chosen(chosen, free, value, len(t), 'Spearman', 'kNN')}"
     return Choice(chosen, means, reason), per[chosen], t
 
 
