@@ -392,8 +392,7 @@ def metric_reference(search: SearchScore, free: Iterable[str], values: np.ndarra
     of value with update size where the sizes allow (trend_knns; its slope, shrunk toward 0, stays near 0 where size
     says nothing). Among a hundred kNNs the best estimate on a few dozen labelled adapters is mostly noise: on
     docs-minilm-seeded it took 1 to 5 neighbours on 8 of 10 splits and ranked held-out accuracy no better than dW's
-    10-NN, while this one ranked it +0.04 better (docs/history/results-2026.md, "Performance: the trend of value with
-    update size")."""
+    10-NN (docs/history/results-2026.md, "Performance: the metric's kNN chosen against a reference")."""
     similarity = SearchScore(search.exact if search.exact in free else EXACT_SCORES[0])
     plain = KnnPredictor(similarity, KNN_K)
     return next(iter(trend_knns(plain, values, sizes)), plain)
