@@ -40,6 +40,7 @@ from embed.selection.search_choice import (
     self_excluded,
     staged_over,
 )
+from tests.task_trends import task_trends
 from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import HEAD, LOGREG, NEIGHBOURS, PROTOTYPE, KnnPredictor, SearchScore, fitted_score
 
@@ -280,20 +281,9 @@ def test_a_metric_knn_reads_the_update_size_where_within_a_task_the_size_says_ho
     no size."""
     picked, gains = 0, []
     for seed in range(10):
-        rng = np.random.default_rng(seed)
-        group = np.repeat(np.arange(8), 16)
-        size = rng.normal(size=len(group)) * 2.0
-        values = rng.uniform(0, 1, 8)[group] + 0.08 * size + 0.02 * rng.normal(size=len(group))
-        x = rng.normal(size=(8, 16))[group] + 0.5 * rng.normal(size=(len(group), 16))
-        x /= np.linalg.norm(x, axis=1, keepdims=True)
-        sim = x @ x.T
-        labelled = np.concatenate([np.flatnonzero(group == g)[:8] for g in range(8)])
-        queries = np.setdiff1d(np.arange(len(group)), labelled)
-        n = len(labelled)
-        parts = np.array_split(rng.permutation(n), 4)
-        folds = [Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), np.eye(n)) for part in parts]
-        exact = {score: sim[np.ix_(labelled, labelled)] for score in EXACT_SCORES}
-        choice, _, _ = choose_metric(exact, DW, values[labelled], {}, folds, sizes=size[labelled])
+        z = task_trends(seed, tasks=8, per=16, levels=(0.0, 1.0), slope=0.08, spread=2.0, noise=0.02, blur=0.5)
+        sim, values, size, labelled, queries = z.sim, z.values, z.size, z.labelled, z.queries
+        choice, _, _ = choose_metric(z.exact, DW, values[labelled], {}, z.folds, sizes=size[labelled])
         chosen = choice.chosen
         assert isinstance(chosen, KnnPredictor)
         reads_no_size = [m for m in choice.scores if isinstance(m, KnnPredictor) and m.width is None and not m.trend]

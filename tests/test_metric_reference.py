@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from scipy.stats import spearmanr
 
-from embed.selection.choice import Fold, choose_metric, metric_reference, spearman_rows
+from embed.selection.choice import choose_metric, metric_reference, spearman_rows
 from embed.selection.metrics import KNN_K, knn_regress, trend_slope
+from tests.task_trends import task_trends
 from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import KnnPredictor, SearchScore
 
@@ -52,24 +53,11 @@ def test_the_best_estimate_among_many_knns_on_few_labels_is_served_only_where_it
     kNN, which the choice keeps."""
     kept, gains = 0, []
     for seed in range(10):
-        rng = np.random.default_rng(seed)
-        group = np.repeat(np.arange(9), 24)
-        size = rng.normal(size=len(group))
-        values = rng.uniform(0.5, 0.9, 9)[group] + 0.05 * size + 0.05 * rng.normal(size=len(group))
-        x = rng.normal(size=(9, 16))[group] + 3.0 * rng.normal(size=(len(group), 16))
-        x /= np.linalg.norm(x, axis=1, keepdims=True)
-        sim = x @ x.T
-        labelled = np.concatenate([np.flatnonzero(group == g)[:8] for g in range(9)])
-        queries = np.setdiff1d(np.arange(len(group)), labelled)
-        n = len(labelled)
-        parts = np.array_split(rng.permutation(n), 4)
-        folds = [Fold(sorted(part.tolist()), sorted(set(range(n)) - set(part.tolist())), np.eye(n)) for part in parts]
-        exact = {score: sim[np.ix_(labelled, labelled)] for score in EXACT_SCORES}
-        choice, _, _ = choose_metric(exact, DW, values[labelled], {}, folds, sizes=size[labelled])
-
+        z = task_trends(seed, tasks=9, per=24, levels=(0.5, 0.9), slope=0.05, spread=1.0, noise=0.05, blur=3.0)
+        choice, _, _ = choose_metric(z.exact, DW, z.values[z.labelled], {}, z.folds, sizes=z.size[z.labelled])
         best = max((m for m in choice.scores if isinstance(m, KnnPredictor)), key=choice.scores.__getitem__)
         assert isinstance(choice.chosen, KnnPredictor)
-        kept += choice.chosen == metric_reference(DW, EXACT_SCORES, values[labelled], size[labelled])
-        ranks = [on_queries(m, sim, values, size, labelled, queries) for m in (choice.chosen, best)]
+        kept += choice.chosen == metric_reference(DW, EXACT_SCORES, z.values[z.labelled], z.size[z.labelled])
+        ranks = [on_queries(m, z.sim, z.values, z.size, z.labelled, z.queries) for m in (choice.chosen, best)]
         gains.append(ranks[0] - ranks[1])
     assert kept >= 8 and np.mean(gains) > 0.02 and min(gains) > -0.05
