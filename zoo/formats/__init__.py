@@ -160,15 +160,20 @@ def file_format(path: Path, shapes: Mapping[str, Sequence[int]]) -> str:
         return fmt
     refused = "refused rather than stored as a full checkpoint (docs/formats.md lists the layouts read)"
     if pairs := low_rank_pairs(shapes):
-        shown = ", ".join(f"{a} {list(shapes[a])} / {b} {list(shapes[b])}" for a, b in pairs[:3]) + (", ..." if len(pairs) > 3 else "")
+        shown = _first_three([f"{a} {list(shapes[a])} / {b} {list(shapes[b])}" for a, b in pairs])
         raise InputError(
             path, f"{len(pairs)} low-rank factor pair{'s' if len(pairs) > 1 else ''} ({shown}) in a layout no reader knows: {refused}"
         )
     if lone := lone_factors(shapes):
-        shown = ", ".join(f"{k} {list(shapes[k])}" for k in lone[:3]) + (", ..." if len(lone) > 3 else "")
+        shown = _first_three([f"{k} {list(shapes[k])}" for k in lone])
         named = f"{len(lone)} tensor{'s' if len(lone) > 1 else ''} named as one factor of a low-rank pair, with no partner"
         raise InputError(path, f"{named} ({shown}): {refused}")
     return fmt
+
+
+def _first_three(items: list[str]) -> str:
+    """The first three of `items`, and `...` where there are more: what a refusal names."""
+    return ", ".join(items[:3]) + (", ..." if len(items) > 3 else "")
 
 
 def parse_adapter(
