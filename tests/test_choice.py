@@ -283,7 +283,7 @@ def test_a_metric_knn_reads_the_update_size_where_within_a_task_the_size_says_ho
     for seed in range(10):
         z = task_trends(seed, tasks=8, per=16, levels=(0.0, 1.0), slope=0.08, spread=2.0, noise=0.02, blur=0.5)
         sim, values, size, labelled, queries = z.sim, z.values, z.size, z.labelled, z.queries
-        choice, _, _ = choose_metric(z.exact, DW, values[labelled], {}, z.folds, sizes=size[labelled])
+        choice, _, _ = choose_metric(z.exact, DW, values[labelled], {}, z.folds, profiles=size[labelled])
         chosen = choice.chosen
         assert isinstance(chosen, KnnPredictor)
         reads_no_size = [m for m in choice.scores if isinstance(m, KnnPredictor) and m.width is None and not m.trend]
@@ -310,11 +310,11 @@ def test_the_trend_slope_is_the_within_task_slope_shrunk_by_its_ridge() -> None:
     values = level[group] + 0.3 * size
     sim = (group[:, None] == group[None, :]).astype(float)
     slope = trend_slope(sim, values, size, k=5)
-    assert slope == pytest.approx(0.3 / (1 + TREND_RIDGE), rel=1e-9)
-    assert trend_slope(sim, values, np.full(len(group), 2.0), k=5) == 0.0  # no gap in size: no trend
+    assert slope.tolist() == pytest.approx([0.3 / (1 + TREND_RIDGE)], rel=1e-9)
+    assert trend_slope(sim, values, np.full(len(group), 2.0), k=5).tolist() == [0.0]  # no gap in size: no trend
     query = np.array([[1.0] * 6 + [0.0] * 24])  # task 0's adapters as neighbours
     served = knn_regress(query, values, 6, sizes=(np.array([1.5]), size), slope=slope)[0]
-    expected = np.mean(values[:6]) + slope * (1.5 - np.mean(size[:6]))
+    expected = np.mean(values[:6]) + slope[0] * (1.5 - np.mean(size[:6]))
     assert served == pytest.approx(expected, rel=1e-9)
 
 

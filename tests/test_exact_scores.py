@@ -156,7 +156,8 @@ def test_an_update_size_is_one_number_from_its_factors_and_from_a_stack(seed: in
     from zoo.domain.sizes import factors_size
 
     adapters = random_adapters(seed, 4)
-    given_sizes = ExactScores.of_factors([ZooAdapter(i, f"a{i}", a) for i, a in enumerate(adapters)], bank=False).sizes_among([0, 1, 2, 3])
+    scores = ExactScores.of_factors([ZooAdapter(i, f"a{i}", a) for i, a in enumerate(adapters)], bank=False)
+    given_sizes = scores.profiles_among([0, 1, 2, 3])[:, 0]
     np.testing.assert_allclose(given_sizes, [factors_size(f.S for f in a.values()) for a in adapters], rtol=1e-12)
     dense = [sum(float(((f.U * f.S) @ f.V.T).double().square().sum()) for f in a.values()) for a in adapters]
     np.testing.assert_allclose(given_sizes, np.log(dense), rtol=1e-6)

@@ -54,7 +54,7 @@ def test_the_best_estimate_among_many_knns_on_few_labels_is_served_only_where_it
     kept, gains = 0, []
     for seed in range(10):
         z = task_trends(seed, tasks=9, per=24, levels=(0.5, 0.9), slope=0.05, spread=1.0, noise=0.05, blur=3.0)
-        choice, _, _ = choose_metric(z.exact, DW, z.values[z.labelled], {}, z.folds, sizes=z.size[z.labelled])
+        choice, _, _ = choose_metric(z.exact, DW, z.values[z.labelled], {}, z.folds, profiles=z.size[z.labelled])
         best = max((m for m in choice.scores if isinstance(m, KnnPredictor)), key=choice.scores.__getitem__)
         assert isinstance(choice.chosen, KnnPredictor)
         kept += choice.chosen == metric_reference(DW, EXACT_SCORES, z.values[z.labelled], z.size[z.labelled])

@@ -117,7 +117,7 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     from embed.selection.metrics import knn_regress
     from zoo.domain.methods import KnnPredictor
     from zoo.domain.similarity import dw_cosine_matrix, module_cosine_matrix
-    from zoo.domain.sizes import factors_size
+    from zoo.domain.sizes import update_profile
     from zoo.store.models import Label, Measurement
     from zoo.store.session import session_factory as sessions_of
 
@@ -140,10 +140,10 @@ def test_train_predict(cli: CLI, seed_sources: Path, tmp_path: Path) -> None:
     knn = KnnPredictor.parse(info["predictors"]["test_accuracy"])
     query, gallery = stored_factors(cli, [3]), stored_factors(cli, others)
     sim = scores[knn.similarity.name](query, gallery)
-    # a kNN that reads update sizes (weighing by them, or following the trend with the checkpoint's slope) gets them
+    # a kNN that reads update profiles (weighing by size, or following the trend with the checkpoint's slope) gets them
     # from the factors; the estimate is clipped to the range seen in training
     reads_size = knn.width is not None or knn.trend
-    sizes = tuple(np.array([factors_size(f.S for f in fs.values()) for fs in side]) for side in (query, gallery)) if reads_size else None
+    sizes = tuple(np.array([update_profile(f.S for f in fs.values()) for fs in side]) for side in (query, gallery)) if reads_size else None
     slope = emb.trend_slopes["test_accuracy"] if knn.trend else None
     want = knn_regress(sim, np.array([accuracy[i] for i in others]), knn.k, knn.temperature, sizes, knn.width, slope)
     assert by_id["metrics"]["test_accuracy"]["value"] == pytest.approx(emb.clip("test_accuracy", want)[0], abs=1e-5)  # itself left out

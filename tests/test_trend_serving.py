@@ -27,10 +27,10 @@ def _ensemble(trend: bool, slope: float) -> W2TEnsemble:
     config = W2TConfig(schema.type_shapes(), n_layers=1, regression=[METRIC])
     emb = W2TEnsemble([W2T(config)], schema, 2, {METRIC: (0.5, 0.1)}, "supervised", metric_range={METRIC: (0.0, 1.0)})
     emb.memory_values = {METRIC: np.array([0.50, 0.55, 0.60, 0.65, 0.70, 0.75])}
-    emb.memory_sizes = np.array([1.0, 1.5, 2.0, 2.5, 3.0, 3.5])
+    emb.memory_profiles = np.array([[1.0], [1.5], [2.0], [2.5], [3.0], [3.5]])
     emb.memory_ids = np.arange(1, 7)
     emb.predictors = {METRIC: KnnPredictor(SearchScore("module"), 3, None, None, trend)}
-    emb.trend_slopes = {METRIC: slope} if trend else {}
+    emb.trend_slopes = {METRIC: np.array([slope])} if trend else {}
     return emb
 
 
@@ -48,7 +48,7 @@ def test_a_trended_knn_serves_the_neighbours_mean_plus_the_slope_times_the_size_
     emb = _ensemble(True, 0.04)
     emb.save(tmp_path / "ckpt")
     loaded = W2TEnsemble.load(tmp_path / "ckpt")
-    assert loaded.predictors == emb.predictors and loaded.trend_slopes == {METRIC: 0.04}
+    assert loaded.predictors == emb.predictors and loaded.trend_slopes[METRIC].tolist() == [0.04]
     served = metric_guesses(loaded, values, {METRIC: loaded.predictors[METRIC]}, near, factors)[METRIC]
     plain = metric_guesses(_ensemble(False, 0.0), values, {METRIC: KnnPredictor(SearchScore("module"), 3)}, near, factors)[METRIC]
     w = np.array([0.9, 0.8, 0.7]) + 1e-6

@@ -13,7 +13,7 @@ from zoo.domain.centred_gram import REFERENCED, GramReference, fit_gram_referenc
 from zoo.domain.channel_metric import Bank, bank_matrices
 from zoo.domain.exact_scores import EXACT_SCORES, exact_matrices
 from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines, sketch_width
-from zoo.domain.sizes import factors_size, update_size
+from zoo.domain.sizes import PROFILE, update_profile
 from zoo.store.adapters import adapters_with_factors, factor_base_models
 from zoo.store.blobs import BlobStore
 from zoo.store.session import Session, Sessions
@@ -66,8 +66,8 @@ class ExactScores:
     #: the centred input Gram's reference, fitted on all of them (zoo/domain/centred_gram.py), whose scores are among
     #: `scores` where it is (from the factors)
     gram_reference: GramReference | None = None
-    #: each one's size (zoo.domain.sizes.update_size), where it was read with its factors
-    sizes: np.ndarray | None = None
+    #: each one's update profile (zoo.domain.sizes.update_profile, a row each), where it was read with its factors
+    profiles: np.ndarray | None = None
 
     def _at(self, ids: list[int]) -> np.ndarray:
         at = {int(i): j for j, i in enumerate(self.ids.tolist())}
@@ -77,31 +77,29 @@ class ExactScores:
         idx = self._at(ids)
         return {k: v[np.ix_(idx, idx)] for k, v in self.scores.items()}
 
-    def sizes_among(self, ids: list[int]) -> np.ndarray:
-        """The sizes of `ids`, in that order (empty where they are not known)."""
-        return self.sizes[self._at(ids)] if self.sizes is not None else np.zeros(0)
+    def profiles_among(self, ids: list[int]) -> np.ndarray:
+        """The update profiles of `ids`, a row each in that order (none where they are not known)."""
+        return self.profiles[self._at(ids)] if self.profiles is not None else np.zeros((0, len(PROFILE)))
 
     def bank_among(self, ids: list[int]) -> Bank | None:
         idx = self._at(ids)
         return self.bank.take(idx, idx) if self.bank is not None else None
 
     @classmethod
-    def of_stack(cls, ids: np.ndarray, stack: ModuleStack, bank: bool = True) -> ExactScores:
-        """Exact scores among the adapters of a stack, and with `bank` the channel metric's atoms where they are few
-        enough."""
+    def of_stack(cls, ids: np.ndarray, stack: ModuleStack, profiles: np.ndarray, bank: bool = True) -> ExactScores:
+        """Exact scores among the adapters of a stack (their update `profiles` a row each, read from their factors), and
+        with `bank` the channel metric's atoms where they are few enough."""
         atoms = bank_matrices(stack, stack) if bank and stack.size <= MAX_LABELLED else None
         reference = fit_gram_reference(stack, np.arange(stack.size))
         scores = exact_matrices(stack, stack, (*EXACT_SCORES, *REFERENCED), reference)
-        norms = [stack.norms[k] for k in sorted(stack.norms)]
-        sizes = update_size(np.stack(norms, axis=-1) if norms else np.zeros((stack.size, 0)))
-        return cls(ids, scores, bank=atoms, gram_reference=reference, sizes=sizes)
+        return cls(ids, scores, bank=atoms, gram_reference=reference, profiles=profiles)
 
     @classmethod
     def of_factors(cls, adapters: list[ZooAdapter], bank: bool = True) -> ExactScores:
         """Exact scores (and with `bank` the atoms: of_stack) among adapters held with their full factors."""
         factors = [a.factors for a in adapters]
         stack = ModuleStack.of(factors, dense_modules(factors))
-        return cls.of_stack(np.array([a.id for a in adapters], dtype=np.int64), stack, bank)
+        return cls.of_stack(np.array([a.id for a in adapters], dtype=np.int64), stack, profiles_of(adapters), bank)
 
 
 @dataclass
@@ -156,7 +154,7 @@ class _ExactBuilder:
         self.ids: list[int] = []
         self.stack = ModuleStack.allocate(capacity, *exact_from) if exact_from is not None else None
         self.sketches: list[np.ndarray] = []
-        self.sizes: list[float] = []  # the sketches' adapters' (a stack knows its own)
+        self.profiles: list[np.ndarray] = []
 
     def add(self, adapters: list[ZooAdapter]) -> None:
         if not adapters:
@@ -166,7 +164,7 @@ class _ExactBuilder:
         else:
             names = self.schema.module_names
             self.sketches.append(module_sketches([a.factors for a in adapters], names, sketch_width(len(names))))
-            self.sizes += [factors_size(f.S for f in a.factors.values()) for a in adapters]
+        self.profiles.append(profiles_of(adapters))
         self.ids += [a.id for a in adapters]
 
     def done(self) -> ExactScores:
@@ -176,7 +174,15 @@ class _ExactBuilder:
             s = self.stack  # its first n rows, as views
             factors = {k: (U[:n], V[:n], w[:n]) for k, (U, V, w) in s.factors.items()}
             stack = ModuleStack(n, {k: v[:n] for k, v in s.norms.items()}, {k: v[:n] for k, v in s.dense.items()}, factors)
-            return ExactScores.of_stack(ids, stack)
+            return ExactScores.of_stack(ids, stack, self._profiles())
         sketches = np.concatenate(self.sketches) if self.sketches else np.zeros((0, len(self.schema.modules)), np.float32)
         estimate = sketch_module_cosines(sketches, sketches, len(self.schema.modules))
-        return ExactScores(ids, dict.fromkeys(EXACT_SCORES, estimate), source="module sketches", sizes=np.array(self.sizes))
+        return ExactScores(ids, dict.fromkeys(EXACT_SCORES, estimate), source="module sketches", profiles=self._profiles())
+
+    def _profiles(self) -> np.ndarray:
+        return np.concatenate(self.profiles) if self.profiles else np.zeros((0, len(PROFILE)))
+
+
+def profiles_of(adapters: list[ZooAdapter]) -> np.ndarray:
+    """The adapters' update profiles (zoo.domain.sizes.update_profile), a row each."""
+    return np.array([update_profile(f.S for f in a.factors.values()) for a in adapters]).reshape(len(adapters), len(PROFILE))

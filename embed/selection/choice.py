@@ -32,7 +32,7 @@ import numpy as np
 
 from embed.selection.calibration import Calibration, class_prior, knn_calibration, leave_one_out_shares, with_earned_sure
 from embed.selection.calibration import fit as fit_calibration
-from embed.selection.metrics import KNN_K, knn_regress, knn_vote_shares, trend_slope
+from embed.selection.metrics import KNN_K, columns, knn_regress, knn_vote_shares, trend_slope
 from zoo.domain.centred_gram import REFERENCED
 from zoo.domain.exact_scores import EXACT_SCORES
 from zoo.domain.methods import (
@@ -336,15 +336,16 @@ def choose_metric(
     learned: dict[LearnedPredictor, dict[int, float]],
     folds: list[Fold],
     target: str = "",
-    sizes: np.ndarray | None = None,
+    profiles: np.ndarray | None = None,
 ) -> tuple[Choice[Predictor], np.ndarray, np.ndarray]:
     """A kNN among the labelled adapters (as for attributes, and at each temperature of KNN_TEMPERATURES, by
-    Spearman; given the labelled adapters' `sizes`, the best of them also at SIZED_KS neighbours weighed by their
-    update's size: sized_knns, like k and T nothing the labels shaped; and following the trend of value with size:
-    trend_knns, its slope fitted on each fold's training part) or, weighed against it as learned predictors are,
-    the kNNs by the `target` metric's own channel metric (where `exact` holds it) or a learned predictor (`learned`: its
-    out-of-fold predictions by row, e.g. the heads and a kNN in the W2T embedding), for one metric (values per labelled
-    adapter, NaN unknown). Returns the choice, and the chosen predictor's out-of-fold predictions with the truth."""
+    Spearman; given the labelled adapters' update `profiles` (zoo.domain.sizes.PROFILE), the best of them also at
+    SIZED_KS neighbours weighed by their update's size: sized_knns, like k and T nothing the labels shaped; and
+    following the trend of value with the profile: trend_knns, its slope fitted on each fold's training part) or,
+    weighed against it as learned predictors are, the kNNs by the `target` metric's own channel metric (where `exact`
+    holds it) or a learned predictor (`learned`: its out-of-fold predictions by row, e.g. the heads and a kNN in the W2T
+    embedding), for one metric (values per labelled adapter, NaN unknown). Returns the choice, and the chosen
+    predictor's out-of-fold predictions with the truth."""
     similarities = knn_similarities(search, scores_for(exact, target))
     knns = [KnnPredictor(sim, k, temp) for sim in similarities for k in KNN_KS for temp in (None, *KNN_TEMPERATURES)]
     preds: dict[Predictor, list[float]] = {**{k: [] for k in knns}, **{k: [] for k in learned}}
@@ -357,11 +358,11 @@ def choose_metric(
     t = np.concatenate([values[val] for _, val, _ in held]) if held else np.zeros(0)
     means = {k: _spearman(np.array(v), t) for k, v in preds.items()}
     best, weighed = _knn_reference(knns, learned, lambda k: float(np.nan_to_num(means[k], nan=-2.0)))
-    reference = metric_reference(similarities[0], free_scores(exact), values, sizes)
-    sized = list(dict.fromkeys([*sized_knns(best, values, sizes), *trend_knns(best, values, sizes), reference]))
+    reference = metric_reference(similarities[0], free_scores(exact), values, profiles)
+    sized = list(dict.fromkeys([*sized_knns(best, values, profiles), *trend_knns(best, values, profiles), reference]))
     sized = [k for k in sized if k not in preds]
     for f, val, train in held:
-        for knn, v in _knn_estimates(exact, sized, values, f, val, train, sizes).items():
+        for knn, v in _knn_estimates(exact, sized, values, f, val, train, profiles).items():
             preds.setdefault(knn, []).extend(v)
     per = {k: np.array(v) for k, v in preds.items()}
     means.update({k: _spearman(per[k], t) for k in sized})
@@ -386,27 +387,27 @@ def choose_metric(
     return Choice(chosen, means, reason), per[chosen], t
 
 
-def metric_reference(search: SearchScore, free: Iterable[str], values: np.ndarray, sizes: np.ndarray | None) -> KnnPredictor:
+def metric_reference(search: SearchScore, free: Iterable[str], values: np.ndarray, profiles: np.ndarray | None) -> KnnPredictor:
     """The kNN a metric's choice keeps unless choosing by the best estimate pays (best_expected): KNN_K neighbours by
     the search's training-free score (`search`'s exact score where it is one of `free`, else dW), following the trend
-    of value with update size where the sizes allow (trend_knns; its slope, shrunk toward 0, stays near 0 where size
-    says nothing). Among a hundred kNNs the best estimate on a few dozen labelled adapters is mostly noise: on
+    of value with the update's profile where the profiles allow (trend_knns; its slope, shrunk toward 0, stays near 0
+    where the profile says nothing). Among a hundred kNNs the best estimate on a few dozen labelled adapters is mostly noise: on
     docs-minilm-seeded it took 1 to 5 neighbours on 8 of 10 splits and ranked held-out accuracy no better than dW's
     10-NN (docs/history/results-2026.md, "Performance: the metric's kNN chosen against a reference")."""
     similarity = SearchScore(search.exact if search.exact in free else EXACT_SCORES[0])
     plain = KnnPredictor(similarity, KNN_K)
-    return next(iter(trend_knns(plain, values, sizes)), plain)
+    return next(iter(trend_knns(plain, values, profiles)), plain)
 
 
-def sized_knns(free: KnnPredictor, values: np.ndarray, sizes: np.ndarray | None) -> list[KnnPredictor]:
+def sized_knns(free: KnnPredictor, values: np.ndarray, profiles: np.ndarray | None) -> list[KnnPredictor]:
     """The training-free kNN `free` (its similarity and temperature) at SIZED_KS neighbours, also weighing them by their
     update's size at each of SIZE_WIDTHS (times the spread of the sizes of the labelled adapters with a value, to 3
     digits): a few candidates, each as free of the labels as k and T, beside the best kNN rather than beside every one
-    (the best estimate among many flatters its pick). None without sizes, or where they are not finite or do not
-    spread."""
-    if sizes is None:
+    (the best estimate among many flatters its pick). None without profiles, or where the sizes (their first column)
+    are not finite or do not spread."""
+    if profiles is None:
         return []
-    known = sizes[~np.isnan(values)]
+    known = columns(profiles)[~np.isnan(values), 0]
     spread = float(np.std(known)) if len(known) > 1 and np.isfinite(known).all() else 0.0
     if spread == 0:
         return []
@@ -414,10 +415,10 @@ def sized_knns(free: KnnPredictor, values: np.ndarray, sizes: np.ndarray | None)
     return [KnnPredictor(free.similarity, k, free.temperature, w) for k in SIZED_KS for w in widths]
 
 
-def trend_knns(free: KnnPredictor, values: np.ndarray, sizes: np.ndarray | None) -> list[KnnPredictor]:
-    """The training-free kNN `free` following the trend of value with update size (KnnPredictor.trend): one candidate,
-    beside the best kNN as sized_knns are. None without sizes, or where they are not finite."""
-    if sizes is None or not np.isfinite(sizes[~np.isnan(values)]).all():
+def trend_knns(free: KnnPredictor, values: np.ndarray, profiles: np.ndarray | None) -> list[KnnPredictor]:
+    """The training-free kNN `free` following the trend of value with the update's profile (KnnPredictor.trend): one
+    candidate, beside the best kNN as sized_knns are. None without profiles, or where they are not finite."""
+    if profiles is None or not np.isfinite(columns(profiles)[~np.isnan(values)]).all():
         return []
     return [replace(free, trend=True)]
 
@@ -443,26 +444,26 @@ def _knn_estimates(
     fold: Fold,
     val: list[int],
     train: list[int],
-    sizes: np.ndarray | None = None,
+    profiles: np.ndarray | None = None,
 ) -> dict[KnnPredictor, list[float]]:
     """Each kNN's estimates of a fold's held-out rows `val` from its training rows `train` (one similarity matrix each)."""
     out: dict[KnnPredictor, list[float]] = {}
-    between = None if sizes is None else (sizes[val], sizes[train])
+    between = None if profiles is None else (profiles[val], profiles[train])
     for similarity in dict.fromkeys(k.similarity for k in knns):
         sim = search_similarity(exact, similarity, fold.z, val, train)
         for knn in (k for k in knns if k.similarity == similarity):
-            slope = knn_slope(exact, knn, fold.z, values, sizes, train) if knn.trend and sizes is not None else None
+            slope = knn_slope(exact, knn, fold.z, values, profiles, train) if knn.trend and profiles is not None else None
             out[knn] = knn_regress(sim, values[train], knn.k, knn.temperature, between, knn.width, slope).tolist()
     return out
 
 
 def knn_slope(
-    exact: dict[str, np.ndarray], knn: KnnPredictor, z: np.ndarray, values: np.ndarray, sizes: np.ndarray, rows: list[int]
-) -> float:
+    exact: dict[str, np.ndarray], knn: KnnPredictor, z: np.ndarray, values: np.ndarray, profiles: np.ndarray, rows: list[int]
+) -> np.ndarray:
     """The slope a kNN that follows the trend (KnnPredictor.trend) is served with, fitted on the labelled adapters
-    `rows` (their similarity from `exact` and the W2T embeddings `z`, their values and sizes)."""
+    `rows` (their similarity from `exact` and the W2T embeddings `z`, their values and update profiles)."""
     among = search_similarity(exact, knn.similarity, z, rows, rows)
-    return trend_slope(among, values[rows], sizes[rows], knn.k, knn.temperature, knn.width)
+    return trend_slope(among, values[rows], profiles[rows], knn.k, knn.temperature, knn.width)
 
 
 def spearman_rows(pred: np.ndarray, truth: np.ndarray) -> np.ndarray:

@@ -120,44 +120,65 @@ def knn_regress(
     temperature: float | None = None,
     sizes: tuple[np.ndarray, np.ndarray] | None = None,
     width: float | None = None,
-    slope: float | None = None,
+    slope: np.ndarray | float | None = None,
 ) -> np.ndarray:
     """Similarity-weighted mean (knn_weights) of the k most similar training items' values (sim: test × train); with
-    a `width` or a `slope`, `sizes` holds the update sizes of the test and the training items. A `slope` adds
-    slope × (the test item's size − its neighbours' weighed mean size): within one task a run's value rises with how far
-    it went, which a mean of its task's neighbours cannot say (trend_slope)."""
+    a `width` or a `slope`, `sizes` holds the update profiles of the test and the training items (rows of
+    zoo.domain.sizes.PROFILE, or sizes alone: its first column), the width weighing by the first column. A `slope` adds
+    slope · (the test item's profile − its neighbours' weighed mean profile), over the profile's first len(slope)
+    columns: within one task a run's value rises with how far it went, which a mean of its task's neighbours cannot
+    say (trend_slope)."""
     out = np.zeros(len(sim))
+    test, train = (None, None) if sizes is None else (columns(sizes[0]), columns(sizes[1]))
+    beta = None if slope is None else np.atleast_1d(np.asarray(slope, np.float64))
     for i, row in enumerate(sim):
         top = top_k(row, k)
-        gaps = None if sizes is None or width is None else sizes[1][top] - sizes[0][i]
+        gaps = None if train is None or test is None or width is None else train[top, 0] - test[i, 0]
         weights = knn_weights(row[top], temperature, gaps, width)
         out[i] = weighted_mean(train_values[top], weights)
-        if slope is not None and sizes is not None:
-            out[i] += slope * (float(sizes[0][i]) - weighted_mean(sizes[1][top], weights))
+        if beta is not None and train is not None and test is not None:
+            d = len(beta)
+            out[i] += float((test[i, :d] - weights @ train[top, :d] / weights.sum()) @ beta)
     return out
 
 
-#: the ridge of trend_slope, as a share of the gaps' energy: the slope shrunk by 1 / (1 + TREND_RIDGE)
-TREND_RIDGE = 0.3
+def columns(profiles: np.ndarray) -> np.ndarray:
+    """Update profiles as rows (n, d): sizes alone (n,) are one column."""
+    a = np.asarray(profiles, np.float64)
+    return a[:, None] if a.ndim == 1 else a
+
+
+#: the ridge of trend_slope, as a share of each column's gap energy: a single column's slope shrunk by 1 / (1 + TREND_RIDGE)
+TREND_RIDGE = 1.0
 
 
 def trend_slope(
-    sim: np.ndarray, values: np.ndarray, sizes: np.ndarray, k: int = KNN_K, temperature: float | None = None, width: float | None = None
-) -> float:
-    """The slope knn_regress follows, fitted on labelled items (sim: among them, values and sizes theirs): each item's
-    value less its leave-one-out kNN mean, regressed through 0 on its size less its neighbours' weighed mean size, with
-    the ridge TREND_RIDGE. 0 where the sizes do not differ from the neighbours'."""
-    n = len(values)
+    sim: np.ndarray, values: np.ndarray, profiles: np.ndarray, k: int = KNN_K, temperature: float | None = None, width: float | None = None
+) -> np.ndarray:
+    """The slope knn_regress follows, fitted on labelled items (sim: among them, values and update profiles theirs, or
+    sizes alone): each item's value less its leave-one-out kNN mean, regressed through 0 on its profile less its
+    neighbours' weighed mean profile, by ridge regression with each column's penalty TREND_RIDGE times its gaps'
+    energy (so the columns' units do not matter). 0 for a column whose gaps vanish."""
+    rows = columns(profiles)
+    n, d = rows.shape
     if n < 2:
-        return 0.0
-    residuals, gaps = np.zeros(n), np.zeros(n)
+        return np.zeros(d)
+    residuals, gaps = np.zeros(n), np.zeros((n, d))
     for i in range(n):
         others = np.delete(np.arange(n), i)  # an item is not its own neighbour
-        row, sizes_i = np.asarray(sim[i], np.float64)[None, others], (sizes[i : i + 1], sizes[others])
-        residuals[i] = values[i] - knn_regress(row, values[others], k, temperature, sizes_i, width)[0]
-        gaps[i] = sizes[i] - knn_regress(row, sizes[others], k, temperature, sizes_i, width)[0]
-    energy = float(gaps @ gaps)
-    return float(gaps @ residuals) / ((1.0 + TREND_RIDGE) * energy) if energy > 0 else 0.0
+        row = np.asarray(sim[i], np.float64)[others]
+        top = top_k(row, k)
+        found = others[top]
+        weights = knn_weights(row[top], temperature, None if width is None else rows[found, 0] - rows[i, 0], width)
+        residuals[i] = values[i] - weighted_mean(values[found], weights)
+        gaps[i] = rows[i] - weights @ rows[found] / weights.sum()
+    energy = (gaps**2).sum(axis=0)
+    kept = energy > 0
+    slope = np.zeros(d)
+    if kept.any():
+        g = gaps[:, kept]
+        slope[kept] = np.linalg.solve(g.T @ g + TREND_RIDGE * np.diag(energy[kept]), g.T @ residuals)
+    return slope
 
 
 def weighted_mean(values: np.ndarray, weights: np.ndarray) -> float:

@@ -37,13 +37,14 @@ def knn_value(
     fallback: float,
     k: int = KNN_K,
     temperature: float | None = None,
-    sizes: tuple[float, np.ndarray] | None = None,
+    sizes: tuple[np.ndarray, np.ndarray] | None = None,
     width: float | None = None,
-    slope: float | None = None,
+    slope: np.ndarray | None = None,
 ) -> float:
     """Similarity-weighted mean (knn_weights at `temperature`, and with a `width` by the update sizes in `sizes`: the
-    query's, and per memory position the labelled adapters') of the k nearest with a known value (values: per memory
-    position, NaN unknown), plus with a `slope` the trend of value with size (embed.selection.metrics.knn_regress)."""
+    query's update profile, and per memory position the labelled adapters') of the k nearest with a known value
+    (values: per memory position, NaN unknown), plus with a `slope` the trend of value with the profile
+    (embed.selection.metrics.knn_regress)."""
     positions, scores = near
     known = ~np.isnan(values[positions]) if len(positions) else np.zeros(0, bool)
     if not known.any():

@@ -14,7 +14,7 @@ from embed.selection.metrics import top_k
 from embed.serving.knn import knn_shares, knn_value, neighbour_classes
 from embed.serving.results import ClassGuess, Confidence, MetricGuess
 from zoo.domain.methods import KnnPredictor, SearchScore
-from zoo.domain.sizes import factors_size
+from zoo.domain.sizes import update_profile
 
 if TYPE_CHECKING:
     from embed.w2t.ensemble import W2TEnsemble
@@ -68,11 +68,11 @@ def metric_guesses(
     factors: Mapping[str, CanonicalFactors],
 ) -> dict[str, MetricGuess]:
     """Each metric's value (the heads', or the chosen kNN's mean among `near`, clipped to its range) and 90 % interval.
-    A kNN that weighs its neighbours by size, or follows the trend of value with size, reads the query's (from its
-    `factors`) and the labelled adapters'."""
+    A kNN that weighs its neighbours by size, or follows the trend of value with the update's profile, reads the
+    query's profile (from its `factors`) and the labelled adapters'."""
     metrics: dict[str, MetricGuess] = {}
     sized = any(knns[key].width is not None or knns[key].trend for key in values if key in knns)
-    sizes = (factors_size(f.S for f in factors.values()), model.memory_sizes) if sized else None  # the query's, once
+    sizes = (update_profile(f.S for f in factors.values()), model.memory_profiles) if sized else None  # the query's, once
     for key, v in values.items():
         value = float(v[0])
         if (knn := knns.get(key)) is not None:

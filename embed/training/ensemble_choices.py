@@ -84,12 +84,12 @@ def choose_methods(
             embedder.readouts[k] = {"classes": list(model.classes_), "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist()}  # type: ignore[attr-defined]
     for m in embedder.config.regression:
         predicted = {HEAD: values.get(m, {}), NEIGHBOURS: values.get(f"neighbours.{m}", {})}
-        sizes = embedder.memory_sizes if len(embedder.memory_sizes) == len(labelled) else None
-        choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views, m, sizes)
+        profiles = embedder.memory_profiles if len(embedder.memory_profiles) == len(labelled) else None
+        choice, pred, truth = choose_metric(exact, similarity, embedder.memory_values[m], predicted, views, m, profiles)
         embedder.predictors[m] = choice.chosen
-        if isinstance(knn := choice.chosen, KnnPredictor) and knn.trend and sizes is not None:
+        if isinstance(knn := choice.chosen, KnnPredictor) and knn.trend and profiles is not None:
             known = np.flatnonzero(~np.isnan(embedder.memory_values[m])).tolist()
-            embedder.trend_slopes[m] = knn_slope(exact, knn, embedder.memory, embedder.memory_values[m], sizes, known)
+            embedder.trend_slopes[m] = knn_slope(exact, knn, embedder.memory, embedder.memory_values[m], profiles, known)
         embedder.choices[m] = choice.as_dict()
         if len(truth) >= 2:
             embedder.residual_std[m] = float(np.std(embedder.clip(m, pred) - truth))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from embed.data.dataset import profiles_of
 from embed.data.tokens import max_rank
 from embed.data.types import SpaceSchema, ZooAdapter
 from embed.selection.calibration import expected_calibration_error
@@ -55,7 +56,6 @@ from zoo.domain.similarity import (
     sketch_module_cosines,
     sketch_width,
 )
-from zoo.domain.sizes import factors_size
 from zoo.labels import TASK_KEY
 
 PERF_METRIC = "test_accuracy"
@@ -164,7 +164,7 @@ def _score(
     k: int = KNN_K,
     temperature: float | None = None,
     width: float | None = None,
-    slope: float | None = None,
+    slope: np.ndarray | None = None,
     served: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Scores:
     tasks = [a.labels.get(TASK_KEY, "") for a in all_ad]
@@ -180,8 +180,8 @@ def _score(
         perf = np.array([all_ad[p].measurements.get(PERF_METRIC, np.nan) for p in range(len(all_ad))])
         if not np.isnan(perf[train_pos + test_pos]).any():
             sized = width is not None or slope is not None
-            size = np.array([factors_size(f.S for f in a.factors.values()) for a in all_ad]) if sized else None
-            sizes = None if size is None else (size[test_pos], size[train_pos])
+            profiles = profiles_of(all_ad) if sized else None
+            sizes = None if profiles is None else (profiles[test_pos], profiles[train_pos])
             estimates = knn_regress(sub, perf[train_pos], k, temperature, sizes, width, slope)
             if served is not None:  # as served: a trend may leave the labelled adapters' range (W2TEnsemble.clip)
                 estimates = served(estimates)

@@ -430,7 +430,7 @@ def remember_and_choose(
     embedder.memory, embedder.memory_ids = z[known], np.array([adapters[r].id for r in known], dtype=np.int64)
     embedder.memory_values = {m: np.array([adapters[r].measurements.get(m, np.nan) for r in known]) for m in metrics}
     embedder.memory_labels = {k: [adapters[r].labels.get(k, "") for r in known] for k in categorical}
-    embedder.memory_sizes = np.zeros(0)
+    embedder.memory_profiles = np.zeros((0, 1))
     embedder.predictors, embedder.choices, embedder.readouts, embedder.residual_std, embedder.trend_slopes = {}, {}, {}, {}, {}
     embedder.calibration, embedder._memory_classes, embedder.channel_metrics, embedder.gram_reference = {}, {}, {}, None
     folds = member_folds(len(adapters), len(models), options)
@@ -439,7 +439,7 @@ def remember_and_choose(
         ids = [a.id for a in labelled]
         given = exact if exact is not None else ExactScores.of_factors(labelled, bank=options.channel_metric)
         embedder.gram_reference = given.gram_reference
-        embedder.memory_sizes = given.sizes_among(ids)
+        embedder.memory_profiles = given.profiles_among(ids)
         why_not = unavailable(given.bank, given.source, len(labelled)) if options.channel_metric else "no channel metric: left out"
         bank = given.bank_among(ids) if why_not is None else None
         at = {r: i for i, r in enumerate(known)}

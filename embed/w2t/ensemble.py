@@ -91,13 +91,14 @@ class W2TEnsemble:
     #: the centred input Gram's reference, fitted on the labelled training adapters (zoo/domain/centred_gram.py): what a
     #: search score or kNN that weighs it serves
     gram_reference: GramReference | None = None
-    #: the labelled training adapters' update sizes (zoo.domain.sizes.update_size), in memory order: what a kNN that
-    #: weighs its neighbours by size (KnnPredictor.width) reads; empty where the choices were not made or from a
-    #: checkpoint older than such kNNs
-    memory_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    #: per metric whose kNN follows the trend of value with update size (KnnPredictor.trend): the slope fitted on the
-    #: labelled training adapters (embed.selection.metrics.trend_slope)
-    trend_slopes: dict[str, float] = field(default_factory=dict)
+    #: the labelled training adapters' update profiles (zoo.domain.sizes.update_profile: a row each, in memory order;
+    #: a checkpoint from before profiles holds their sizes alone, one column): what a kNN that weighs its neighbours by
+    #: size (KnnPredictor.width) or follows the trend (KnnPredictor.trend) reads; empty where the choices were not made
+    #: or from a checkpoint older than such kNNs
+    memory_profiles: np.ndarray = field(default_factory=lambda: np.zeros((0, 1)))
+    #: per metric whose kNN follows the trend of value with the update's profile (KnnPredictor.trend): the slope over
+    #: the profile's first columns, fitted on the labelled training adapters (embed.selection.metrics.trend_slope)
+    trend_slopes: dict[str, np.ndarray] = field(default_factory=dict)
     _memory_classes: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def memory_classes(self, attribute: str) -> np.ndarray:
@@ -238,7 +239,7 @@ class W2TEnsemble:
             "ids": torch.from_numpy(np.ascontiguousarray(self.memory_ids, dtype=np.int64)),
         }
         memory.update({f"values.{k}": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in self.memory_values.items()})
-        memory["sizes"] = torch.from_numpy(np.ascontiguousarray(self.memory_sizes, dtype=np.float64))
+        memory["profiles"] = torch.from_numpy(np.ascontiguousarray(self.memory_profiles, dtype=np.float64))
         save_file(memory, str(directory / MEMORY))
         meta = {
             "config": self.config.as_dict(),
@@ -251,7 +252,7 @@ class W2TEnsemble:
             "objective": self.objective,
             "history": self.history,
             "residual_std": self.residual_std,
-            "trend_slopes": self.trend_slopes,
+            "trend_slopes": {k: np.atleast_1d(v).tolist() for k, v in self.trend_slopes.items()},
             "metric_range": self.metric_range,
             **methods_meta(self.search, self.predictors, self.channel_metrics),
             "memory_labels": self.memory_labels,
@@ -293,6 +294,14 @@ class W2TEnsemble:
             calibration={k: Calibration.from_dict(c) for k, c in meta.get("calibration", {}).items()},
             channel_metrics=channel_metrics_of(meta),
             gram_reference=gram_reference_of(directory),
-            memory_sizes=memory["sizes"].numpy() if "sizes" in memory else np.zeros(0),
-            trend_slopes={k: float(v) for k, v in meta.get("trend_slopes", {}).items()},
+            memory_profiles=_profiles_of(memory),
+            trend_slopes={k: np.atleast_1d(np.asarray(v, np.float64)) for k, v in meta.get("trend_slopes", {}).items()},
         )
+
+
+def _profiles_of(memory: dict[str, torch.Tensor]) -> np.ndarray:
+    """The memory's update profiles, a row each: a checkpoint from before profiles kept the sizes alone (its trends'
+    slopes are over that one column); one from before sizes, none."""
+    if "profiles" in memory:
+        return memory["profiles"].numpy()
+    return memory["sizes"].numpy()[:, None] if "sizes" in memory else np.zeros((0, 1))
