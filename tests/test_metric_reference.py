@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from scipy.stats import spearmanr
 
-from embed.selection.choice import choose_metric, metric_reference, spearman_rows
+from embed.selection.choice import REFERENCE_WIDTH, choose_metric, metric_reference, spearman_rows
 from embed.selection.metrics import KNN_K, knn_regress, trend_slope
 from tests.task_trends import task_trends
 from zoo.domain.exact_scores import EXACT_SCORES
@@ -28,12 +28,17 @@ def test_spearman_rows_is_each_rows_spearman_and_minus_one_for_a_constant(pred: 
     np.testing.assert_allclose(spearman_rows(pred, truth), expected, atol=1e-12)
 
 
-def test_the_reference_follows_the_searchs_training_free_score_and_the_trend_where_sizes_allow() -> None:
+def test_the_reference_follows_the_searchs_training_free_score_sizes_and_the_trend_where_profiles_allow() -> None:
+    """10 neighbours by the search's training-free score (dW where it has none), weighed by size at REFERENCE_WIDTH
+    times the spread of the labelled sizes (1.25 here: the std of 1, 2 and 4), following the trend; without profiles,
+    or sizes that do not spread, less of that."""
     values, sizes = np.array([0.1, 0.5, np.nan, 0.9]), np.array([1.0, 2.0, 3.0, 4.0])
+    width = float(f"{REFERENCE_WIDTH * np.std([1.0, 2.0, 4.0]):.3g}")
     assert metric_reference(SearchScore("module", 0.5), EXACT_SCORES, values, sizes) == KnnPredictor(
-        SearchScore("module"), KNN_K, trend=True
+        SearchScore("module"), KNN_K, width=width, trend=True
     )
-    assert metric_reference(SearchScore("metric:search"), EXACT_SCORES, values, sizes) == KnnPredictor(DW, KNN_K, trend=True)
+    assert metric_reference(SearchScore("metric:search"), EXACT_SCORES, values, sizes) == KnnPredictor(DW, KNN_K, width=width, trend=True)
+    assert metric_reference(DW, EXACT_SCORES, values, np.full(4, 2.0)) == KnnPredictor(DW, KNN_K, trend=True)
     assert metric_reference(DW, EXACT_SCORES, values, None) == KnnPredictor(DW, KNN_K)
 
 

@@ -59,6 +59,11 @@ KNN_TEMPERATURES = (0.003, 0.01, 0.03, 0.1)
 #: 10 splits (docs/history/results-2026.md, "Performance: neighbours of a like size")
 SIZED_KS = (30, KNN_K)
 SIZE_WIDTHS = (0.5, 1.0, 2.0, 4.0)
+#: the width (in the same standard deviations) the reference kNN of a metric weighs its neighbours' sizes at
+#: (metric_reference): with it and the trend over the profile, the 10-NN by the same score ranked held-out accuracy about
+#: +0.03 better on both real-seeds recipes (docs/history/results-2026.md, "Performance: the trend over the update's
+#: profile")
+REFERENCE_WIDTH = 1.0
 #: temperature of the nearest-class-mean readout's softmax over cosines
 PROTOTYPE_TEMPERATURE = 0.1
 #: random halves of the held-out adapters the choice is replayed on, to estimate what choosing by the best estimate gains
@@ -389,30 +394,35 @@ def choose_metric(
 
 def metric_reference(search: SearchScore, free: Iterable[str], values: np.ndarray, profiles: np.ndarray | None) -> KnnPredictor:
     """The kNN a metric's choice keeps unless choosing by the best estimate pays (best_expected): KNN_K neighbours by
-    the search's training-free score (`search`'s exact score where it is one of `free`, else dW), following the trend
-    of value with the update's profile where the profiles allow (trend_knns; its slope, shrunk toward 0, stays near 0
-    where the profile says nothing). Among a hundred kNNs the best estimate on a few dozen labelled adapters is mostly noise: on
+    the search's training-free score (`search`'s exact score where it is one of `free`, else dW), weighed by how alike
+    their update's size is at REFERENCE_WIDTH and following the trend of value with the update's profile, where the
+    profiles allow (size_widths, trend_knns; the trend's slope, shrunk toward 0, stays near 0 where the profile says
+    nothing). Among a hundred kNNs the best estimate on a few dozen labelled adapters is mostly noise: on
     docs-minilm-seeded it took 1 to 5 neighbours on 8 of 10 splits and ranked held-out accuracy no better than dW's
     10-NN (docs/history/results-2026.md, "Performance: the metric's kNN chosen against a reference")."""
     similarity = SearchScore(search.exact if search.exact in free else EXACT_SCORES[0])
-    plain = KnnPredictor(similarity, KNN_K)
+    width = next(iter(size_widths(values, profiles, (REFERENCE_WIDTH,))), None)
+    plain = KnnPredictor(similarity, KNN_K, None, width)
     return next(iter(trend_knns(plain, values, profiles)), plain)
 
 
 def sized_knns(free: KnnPredictor, values: np.ndarray, profiles: np.ndarray | None) -> list[KnnPredictor]:
     """The training-free kNN `free` (its similarity and temperature) at SIZED_KS neighbours, also weighing them by their
-    update's size at each of SIZE_WIDTHS (times the spread of the sizes of the labelled adapters with a value, to 3
-    digits): a few candidates, each as free of the labels as k and T, beside the best kNN rather than beside every one
-    (the best estimate among many flatters its pick). None without profiles, or where the sizes (their first column)
-    are not finite or do not spread."""
+    update's size at each of SIZE_WIDTHS (size_widths): a few candidates, each as free of the labels as k and T, beside
+    the best kNN rather than beside every one (the best estimate among many flatters its pick)."""
+    widths = size_widths(values, profiles, SIZE_WIDTHS)
+    return [KnnPredictor(free.similarity, k, free.temperature, w) for k in SIZED_KS for w in widths]
+
+
+def size_widths(values: np.ndarray, profiles: np.ndarray | None, factors: Iterable[float]) -> list[float]:
+    """Each of `factors` times the spread (standard deviation) of the sizes (the profiles' first column) of the labelled
+    adapters with a value, to 3 digits: the widths a kNN weighs its neighbours' sizes at. None without profiles, or
+    where the sizes are not finite or do not spread."""
     if profiles is None:
         return []
     known = columns(profiles)[~np.isnan(values), 0]
     spread = float(np.std(known)) if len(known) > 1 and np.isfinite(known).all() else 0.0
-    if spread == 0:
-        return []
-    widths = [float(f"{w * spread:.3g}") for w in SIZE_WIDTHS]
-    return [KnnPredictor(free.similarity, k, free.temperature, w) for k in SIZED_KS for w in widths]
+    return [float(f"{w * spread:.3g}") for w in factors] if spread > 0 else []
 
 
 def trend_knns(free: KnnPredictor, values: np.ndarray, profiles: np.ndarray | None) -> list[KnnPredictor]:
