@@ -218,9 +218,10 @@ class KnnPredictor:
     (embed.selection.metrics.knn_weights); with a `width` h, each weight also times exp(−Δ² / 2h²), Δ the gap between
     the neighbour's update size and the query's (zoo.domain.sizes.update_size): a metric's neighbours trained about
     as far. T and h are positive and written exactly by the name (`:g`). A metric's kNN that follows its `trend` adds
-    to the neighbours' mean a slope times the gap between the query's update size and the neighbours' weighed mean size:
-    the slope, fitted on the labelled adapters' leave-one-out residuals (embed.selection.metrics.trend_slope), is the
-    checkpoint's (W2TEnsemble.trend_slopes), not the name's."""
+    to the neighbours' mean a slope times the gap between the query's update profile (zoo.domain.sizes.PROFILE: its
+    size and how its modules' spectra lie) and the neighbours' weighed mean profile: the slope, fitted on the labelled
+    adapters' leave-one-out residuals (embed.selection.metrics.trend_slope), is the checkpoint's
+    (W2TEnsemble.trend_slopes), not the name's."""
 
     similarity: SearchScore
     k: int
