@@ -175,3 +175,24 @@ def test_a_large_reference_is_a_sample_factored_by_a_randomized_svd(monkeypatch:
     assert any(sampled.energy(m) != pytest.approx(whole.energy(m)) for m in whole.modules)  # the mean of 4, not of all
     again = fit_gram_reference(stack, range(12), rank=64)  # seeded: the same sample every time
     assert all(np.array_equal(a, b) for a, b in zip(sampled.arrays().values(), again.arrays().values(), strict=True))
+
+
+def test_the_reference_is_fitted_on_a_sample_of_the_space_labelled_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ExactScores among the labelled adapters keep the reference of the space's reference_sample: every adapter up to
+    REFERENCE_ADAPTERS (the unlabelled ones too), past it a seeded sample of that many, the same every time."""
+    import zoo.domain.centred_gram as centred_gram
+    from embed.data.dataset import ExactScores
+    from embed.data.types import ZooAdapter
+    from zoo.domain.centred_gram import reference_sample
+
+    space = [ZooAdapter(i, f"a{i}", a) for i, a in enumerate(random_adapters(7, 12))]
+    labelled = space[:4]
+    given = ExactScores.of_factors(labelled, bank=False, space=space).gram_reference
+    everyone = fit_gram_reference(factor_stack([a.factors for a in space]), range(12))
+    alone = fit_gram_reference(factor_stack([a.factors for a in labelled]), range(4))
+    assert given is not None and given.modules.keys() == everyone.modules.keys()
+    assert all(given.energy(m) == pytest.approx(everyone.energy(m), rel=1e-5) for m in everyone.modules)
+    assert any(alone.energy(m) != pytest.approx(everyone.energy(m), rel=1e-3) for m in alone.modules)
+    monkeypatch.setattr(centred_gram, "REFERENCE_ADAPTERS", 5)
+    picked = reference_sample(list(range(100, 112)))
+    assert len(picked) == 5 and picked == sorted(picked) and picked == reference_sample(list(range(100, 112)))

@@ -1,5 +1,6 @@
 """The centred input Gram served (zoo/domain/centred_gram.py): `zoo train` keeps the reference it fitted on the
-labelled adapters in its checkpoint, and a space whose search weighs the centred Gram scores each result by it."""
+space's adapters, labelled or not, in its checkpoint, and a space whose search weighs the centred Gram scores each
+result by it."""
 
 from __future__ import annotations
 
@@ -8,19 +9,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sqlalchemy import delete, select
 
 from embed.serving.engine import QueryEngine
 from embed.serving.results import Query
 from embed.w2t.checkpoint import GRAM_REFERENCE, META
 from embed.w2t.ensemble import W2TEnsemble
 from tests.conftest import copy_seeded
+from zoo.cli import main
 from zoo.config import Settings
 from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, fit_gram_reference
 from zoo.domain.exact_scores import exact_cosines
 from zoo.domain.similarity import ModuleStack, dense_modules
 from zoo.errors import NotReadyError
 from zoo.store.blobs import BlobStore
-from zoo.store.models import Adapter
+from zoo.store.models import Adapter, Label, Measurement
 from zoo.store.session import session_factory
 
 
@@ -45,6 +48,44 @@ def _factors(settings: Settings, ids: list[int]) -> list[dict]:
         return [dict(blobs.get_factors(str(session.get(Adapter, i).factors_blob))) for i in ids]
 
 
+def _space_ids(settings: Settings) -> list[int]:
+    with session_factory(settings.database_url)() as session:
+        return sorted(session.scalars(select(Adapter.id)).all())
+
+
+def _assert_reference_of(emb: W2TEnsemble, adapters: list[dict]) -> None:
+    """The checkpoint's reference is the mean unit input Gram of `adapters` (fewer than 128: all of them)."""
+    fitted = fit_gram_reference(ModuleStack.of(adapters, dense_modules(adapters)), range(len(adapters)))
+    assert emb.gram_reference is not None and set(emb.gram_reference.modules) == set(fitted.modules)
+    for name, (Q, lam) in fitted.modules.items():
+        kept_Q, kept_lam = emb.gram_reference.modules[name]
+        np.testing.assert_allclose(kept_lam, lam, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose((kept_Q.T * kept_lam) @ kept_Q, (Q.T * lam) @ Q, atol=1e-5)
+
+
+def test_zoo_train_fits_the_reference_on_every_adapter_of_the_space_labelled_or_not(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """With the labels and measurements of half the seeded zoo taken away, `zoo train` still fits the centred Gram's
+    reference on all 12 adapters: no label shapes it, and the unlabelled ones are as much the space's."""
+    zoo = copy_seeded(request, "sqlite", tmp_path)
+    settings = Settings.load(zoo.url, zoo.data_dir)
+    ids = _space_ids(settings)
+    unlabelled = ids[::2]
+    with session_factory(settings.database_url)() as session, session.begin():
+        session.execute(delete(Label).where(Label.adapter_id.in_(unlabelled)))
+        session.execute(delete(Measurement).where(Measurement.adapter_id.in_(unlabelled)))
+    rc = main(["--db", zoo.url, "--data-dir", str(zoo.data_dir), "train", "--space", "tiny", "--epochs", "2"])
+    assert rc == 0
+    with session_factory(settings.database_url)() as session:
+        engine = QueryEngine(session_factory(settings.database_url), BlobStore(settings.blob_dir), settings.data_dir)
+        checkpoint = settings.data_dir / str(engine.space(session, "tiny").embedders["w2t"].checkpoint)
+    emb = W2TEnsemble.load(checkpoint)
+    assert sorted(int(i) for i in emb.memory_ids) == ids[1::2]  # the memory: the labelled half
+    everyone, labelled = _factors(settings, ids), _factors(settings, ids[1::2])
+    _assert_reference_of(emb, everyone)
+    with pytest.raises(AssertionError):  # the test tells the space's reference from the labelled half's
+        _assert_reference_of(emb, labelled)
+
+
 def _hybrid_top_8(engine: QueryEngine, settings: Settings) -> tuple[np.ndarray, ModuleStack, ModuleStack]:
     """Hybrid's scores of the first adapter's 8 nearest (checked in order, without it), and their and its stacks."""
     with session_factory(settings.database_url)() as session:
@@ -64,13 +105,7 @@ def test_hybrid_search_by_the_centred_gram_scores_each_result_on_the_trained_ref
     assert (checkpoint / GRAM_REFERENCE).exists()
     _serve(checkpoint, "centred_gram")  # before anything reads the checkpoint's metadata, which is cached
     emb = W2TEnsemble.load(checkpoint)
-    labelled = _factors(settings, [int(i) for i in emb.memory_ids])
-    fitted = fit_gram_reference(ModuleStack.of(labelled, dense_modules(labelled)), range(len(labelled)))
-    assert emb.gram_reference is not None and set(emb.gram_reference.modules) == set(fitted.modules)
-    for name, (Q, lam) in fitted.modules.items():  # the reference `zoo train` kept: the labelled adapters' mean Gram
-        kept_Q, kept_lam = emb.gram_reference.modules[name]
-        np.testing.assert_allclose(kept_lam, lam, rtol=1e-4, atol=1e-7)
-        np.testing.assert_allclose((kept_Q.T * kept_lam) @ kept_Q, (Q.T * lam) @ Q, atol=1e-5)
+    _assert_reference_of(emb, _factors(settings, _space_ids(settings)))
 
     scores, gallery, query = _hybrid_top_8(engine, settings)
     np.testing.assert_allclose(scores, exact_cosines(gallery, query, CENTRED_GRAM, emb.gram_reference)[0], atol=1e-5)

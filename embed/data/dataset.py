@@ -9,7 +9,7 @@ import numpy as np
 
 from embed.data.types import SpaceSchema, ZooAdapter
 from embed.selection.fitted import MAX_LABELLED
-from zoo.domain.centred_gram import REFERENCED, GramReference, fit_gram_reference
+from zoo.domain.centred_gram import REFERENCED, GramReference, fit_gram_reference, reference_sample
 from zoo.domain.channel_metric import Bank, bank_matrices
 from zoo.domain.exact_scores import EXACT_SCORES, exact_matrices
 from zoo.domain.similarity import ModuleStack, dense_modules, module_sketches, sketch_module_cosines, sketch_width
@@ -63,8 +63,8 @@ class ExactScores:
     scores: dict[str, np.ndarray]
     source: str = "factors"
     bank: Bank | None = None
-    #: the centred input Gram's reference, fitted on all of them (zoo/domain/centred_gram.py), whose scores are among
-    #: `scores` where it is (from the factors)
+    #: the centred input Gram's reference, fitted on a sample of the space's adapters (zoo/domain/centred_gram.py
+    #: reference_sample), whose scores are among `scores` where it is (from the factors)
     gram_reference: GramReference | None = None
     #: each one's update profile (zoo.domain.sizes.update_profile, a row each), where it was read with its factors
     profiles: np.ndarray | None = None
@@ -86,20 +86,27 @@ class ExactScores:
         return self.bank.take(idx, idx) if self.bank is not None else None
 
     @classmethod
-    def of_stack(cls, ids: np.ndarray, stack: ModuleStack, profiles: np.ndarray, bank: bool = True) -> ExactScores:
-        """Exact scores among the adapters of a stack (their update `profiles` a row each, read from their factors), and
-        with `bank` the channel metric's atoms where they are few enough."""
+    def of_stack(
+        cls, ids: np.ndarray, stack: ModuleStack, profiles: np.ndarray, reference: GramReference, bank: bool = True
+    ) -> ExactScores:
+        """Exact scores among the adapters of a stack (their update `profiles` a row each, read from their factors; the
+        centred input Gram's by `reference`), and with `bank` the channel metric's atoms where they are few enough."""
         atoms = bank_matrices(stack, stack) if bank and stack.size <= MAX_LABELLED else None
-        reference = fit_gram_reference(stack, np.arange(stack.size))
         scores = exact_matrices(stack, stack, (*EXACT_SCORES, *REFERENCED), reference)
         return cls(ids, scores, bank=atoms, gram_reference=reference, profiles=profiles)
 
     @classmethod
-    def of_factors(cls, adapters: list[ZooAdapter], bank: bool = True) -> ExactScores:
-        """Exact scores (and with `bank` the atoms: of_stack) among adapters held with their full factors."""
+    def of_factors(cls, adapters: list[ZooAdapter], bank: bool = True, space: list[ZooAdapter] | None = None) -> ExactScores:
+        """Exact scores (and with `bank` the atoms: of_stack) among adapters held with their full factors, the centred
+        input Gram's reference fitted on the reference_sample of `space` (the space's adapters, labelled or not, with
+        their factors; by default `adapters`)."""
         factors = [a.factors for a in adapters]
         stack = ModuleStack.of(factors, dense_modules(factors))
-        return cls.of_stack(np.array([a.id for a in adapters], dtype=np.int64), stack, profiles_of(adapters), bank)
+        pool = space if space is not None else adapters
+        by_id = {a.id: a for a in pool}
+        sample = [by_id[i].factors for i in reference_sample([a.id for a in pool])]
+        reference = fit_gram_reference(ModuleStack.of(sample, dense_modules(sample)), np.arange(len(sample)))
+        return cls.of_stack(np.array([a.id for a in adapters], dtype=np.int64), stack, profiles_of(adapters), reference, bank)
 
 
 @dataclass
@@ -125,17 +132,19 @@ def read_training_set(
 ) -> TrainingSet:
     """The adapters among `ids` that fit the schema, read `per_chunk` at a time: each chunk's factors are tokenized
     (projected) into tokens allocated once for all, and the labelled ones put in a module stack of `exact_from`'s
-    (layout, dense modules) or, where it is None, module-sketched; then the chunk is dropped. What is held is the
-    tokens, the stack or the sketches, and one chunk."""
+    (layout, dense modules), with the centred input Gram's reference sample (reference_sample, labelled or not) in
+    one of their own, or, where it is None, module-sketched; then the chunk is dropped. What is held is the tokens, the
+    stacks or the sketches, and one chunk."""
     from embed.data.tokens import allocate, fill, select
 
     tokens = allocate(len(ids), schema, rank, spec)
-    scores = _ExactBuilder(len(ids), schema, exact_from)
+    scores = _ExactBuilder(len(ids), schema, exact_from, reference_sample(ids))
     kept: list[ZooAdapter] = []
     for start in range(0, len(ids), per_chunk):
         with sessions() as session:
             chunk = [a for a in load_adapters(session, blobs, base_model, ids[start : start + per_chunk]) if schema.fits(a.factors)]
         scores.add([a for a in chunk if given_labels(a)])
+        scores.add_reference(chunk)
         for a in chunk:
             fill(tokens, len(kept), a, schema, spec)
             kept.append(ZooAdapter(a.id, a.name, {}, a.labels, a.measurements, a.source_uri))
@@ -147,12 +156,18 @@ def read_training_set(
 
 class _ExactBuilder:
     """The exact scores among labelled adapters given a chunk at a time: from a module stack (allocated for `capacity`
-    rows, filled as they come) or from module sketches (zoo.domain.similarity.module_sketches, as zoo embed makes them)."""
+    rows, filled as they come; the centred input Gram's reference from a stack of the adapters of `sample`, labelled or
+    not) or from module sketches (zoo.domain.similarity.module_sketches, as zoo embed makes them)."""
 
-    def __init__(self, capacity: int, schema: SpaceSchema, exact_from: tuple[dict[str, tuple[int, int, int]], set[str]] | None) -> None:
+    def __init__(
+        self, capacity: int, schema: SpaceSchema, exact_from: tuple[dict[str, tuple[int, int, int]], set[str]] | None, sample: list[int]
+    ) -> None:
         self.schema = schema
         self.ids: list[int] = []
         self.stack = ModuleStack.allocate(capacity, *exact_from) if exact_from is not None else None
+        self.sample = set(sample)
+        self.reference_stack = ModuleStack.allocate(len(sample), *exact_from) if exact_from is not None else None
+        self.reference_rows = 0
         self.sketches: list[np.ndarray] = []
         self.profiles: list[np.ndarray] = []
 
@@ -167,20 +182,30 @@ class _ExactBuilder:
         self.profiles.append(profiles_of(adapters))
         self.ids += [a.id for a in adapters]
 
-    def done(self) -> ExactScores:
+    def add_reference(self, adapters: list[ZooAdapter]) -> None:
+        """Those of `adapters` in the reference sample, into the reference's stack (nothing without one)."""
+        picked = [a.factors for a in adapters if a.id in self.sample]
+        if self.reference_stack is not None and picked:
+            self.reference_stack.fill(self.reference_rows, picked)
+            self.reference_rows += len(picked)
 
+    def done(self) -> ExactScores:
         n, ids = len(self.ids), np.array(self.ids, dtype=np.int64)
-        if self.stack is not None:
-            s = self.stack  # its first n rows, as views
-            factors = {k: (U[:n], V[:n], w[:n]) for k, (U, V, w) in s.factors.items()}
-            stack = ModuleStack(n, {k: v[:n] for k, v in s.norms.items()}, {k: v[:n] for k, v in s.dense.items()}, factors)
-            return ExactScores.of_stack(ids, stack, self._profiles())
+        if self.stack is not None and self.reference_stack is not None:
+            reference = fit_gram_reference(_first_rows(self.reference_stack, self.reference_rows), np.arange(self.reference_rows))
+            return ExactScores.of_stack(ids, _first_rows(self.stack, n), self._profiles(), reference)
         sketches = np.concatenate(self.sketches) if self.sketches else np.zeros((0, len(self.schema.modules)), np.float32)
         estimate = sketch_module_cosines(sketches, sketches, len(self.schema.modules))
         return ExactScores(ids, dict.fromkeys(EXACT_SCORES, estimate), source="module sketches", profiles=self._profiles())
 
     def _profiles(self) -> np.ndarray:
         return np.concatenate(self.profiles) if self.profiles else np.zeros((0, len(PROFILE)))
+
+
+def _first_rows(stack: ModuleStack, n: int) -> ModuleStack:
+    """A stack's first n rows, as views."""
+    factors = {k: (U[:n], V[:n], w[:n]) for k, (U, V, w) in stack.factors.items()}
+    return ModuleStack(n, {k: v[:n] for k, v in stack.norms.items()}, {k: v[:n] for k, v in stack.dense.items()}, factors)
 
 
 def profiles_of(adapters: list[ZooAdapter]) -> np.ndarray:

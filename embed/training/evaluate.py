@@ -45,7 +45,7 @@ from embed.training.train import remember_and_choose, train_w2t
 from embed.training.train_options import TrainOptions
 from embed.w2t.ensemble import W2TEnsemble
 from zoo.domain.canonical import CanonicalFactors, canonicalize
-from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, REFERENCED, GramReference, fit_gram_reference
+from zoo.domain.centred_gram import CENTRED_GRAM, MODULE_CENTRED, REFERENCED, GramReference, fit_gram_reference, reference_sample
 from zoo.domain.channel_metric import Bank, ChannelMetric, bank_matrices
 from zoo.domain.exact_scores import exact_cosines, exact_matrices, module_centred
 from zoo.domain.methods import KnnPredictor, SearchScore
@@ -334,8 +334,9 @@ def evaluate(
         methods[name] = _score(sim, adapters, test_pos, train_pos, predict=kind == "contrastive")
         if kind == "supervised":
             methods[name].update(_head_scores(emb, adapters, test_pos))
-            # centred on this split's labelled adapters: the reference W2T's choices fitted, or where it made none the same fit
-            free_exact = {**exact, **sims.centred(emb.gram_reference or sims.reference(train_pos))}
+            # centred on the reference W2T's choices fitted (on a sample of every adapter, no label read), or where it
+            # made none the same fit
+            free_exact = {**exact, **sims.centred(emb.gram_reference or sims.reference(reference_sample(list(range(len(adapters))))))}
             for s in REFERENCED:
                 methods[f"{s}_cosine"] = (
                     _score(free_exact[s], adapters, test_pos, train_pos, predict=True) if s in free_exact else _nothing()

@@ -437,7 +437,7 @@ def remember_and_choose(
     if len(folds[0].val) >= 2 and embedder.objective != "contrastive":  # choices made out of fold
         labelled = [adapters[r] for r in known]
         ids = [a.id for a in labelled]
-        given = exact if exact is not None else ExactScores.of_factors(labelled, bank=options.channel_metric)
+        given = exact if exact is not None else ExactScores.of_factors(labelled, bank=options.channel_metric, space=adapters)
         embedder.gram_reference = given.gram_reference
         embedder.memory_profiles = given.profiles_among(ids)
         why_not = unavailable(given.bank, given.source, len(labelled)) if options.channel_metric else "no channel metric: left out"

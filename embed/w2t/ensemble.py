@@ -88,8 +88,8 @@ class W2TEnsemble:
     #: the channel metrics fitted on the labelled training adapters, by their score's name (zoo.domain.methods.fitted_score):
     #: what a search score or kNN that weighs one serves (embed/selection/fitted.py)
     channel_metrics: dict[str, ChannelMetric] = field(default_factory=dict)
-    #: the centred input Gram's reference, fitted on the labelled training adapters (zoo/domain/centred_gram.py): what a
-    #: search score or kNN that weighs it serves
+    #: the centred input Gram's reference, fitted on a sample of the training adapters, labelled or not
+    #: (zoo/domain/centred_gram.py reference_sample): what a search score or kNN that weighs it serves
     gram_reference: GramReference | None = None
     #: the labelled training adapters' update profiles (zoo.domain.sizes.update_profile: a row each, in memory order;
     #: a checkpoint from before profiles holds their sizes alone, one column): what a kNN that weighs its neighbours by
