@@ -185,8 +185,8 @@ def test_default_row_is_what_search_and_predict_do_after_train(cli: CLI, tmp_pat
     for row, q in enumerate(queries):
         rc, (found,) = cli.json_lines("search", str(ids[q]), "-k", "1000")
         assert rc == 0 and found["method"] == "hybrid" and len(found["results"]) == len(full) - 1
-        for hit in found["results"]:
-            sim[row, ids.index(hit["adapter_id"])] = hit["score"]
+        for place, hit in enumerate(found["results"]):  # in the order served: a second stage re-orders the first's top
+            sim[row, ids.index(hit["adapter_id"])] = -place
         rc, (pred,) = cli.json_lines("predict", str(ids[q]))
         assert rc == 0 and pred["search"] == info["choices"]["search"]["chosen"]
         predicted.append(pred["attributes"]["task"][0]["value"])
