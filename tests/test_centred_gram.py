@@ -179,7 +179,7 @@ def test_a_large_reference_is_a_sample_factored_by_a_randomized_svd(monkeypatch:
 
 def test_the_reference_is_fitted_on_a_sample_of_the_space_labelled_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """ExactScores among the labelled adapters keep the reference of the space's reference_sample: every adapter up to
-    REFERENCE_ADAPTERS (the unlabelled ones too), past it a seeded sample of that many, the same every time."""
+    REFERENCE_POOL (the unlabelled ones too), past it a seeded sample of that many, the same every time."""
     import zoo.domain.centred_gram as centred_gram
     from embed.data.dataset import ExactScores
     from embed.data.types import ZooAdapter
@@ -193,6 +193,6 @@ def test_the_reference_is_fitted_on_a_sample_of_the_space_labelled_or_not(monkey
     assert given is not None and given.modules.keys() == everyone.modules.keys()
     assert all(given.energy(m) == pytest.approx(everyone.energy(m), rel=1e-5) for m in everyone.modules)
     assert any(alone.energy(m) != pytest.approx(everyone.energy(m), rel=1e-3) for m in alone.modules)
-    monkeypatch.setattr(centred_gram, "REFERENCE_ADAPTERS", 5)
+    monkeypatch.setattr(centred_gram, "REFERENCE_POOL", 5)
     picked = reference_sample(list(range(100, 112)))
     assert len(picked) == 5 and picked == sorted(picked) and picked == reference_sample(list(range(100, 112)))

@@ -44,6 +44,9 @@ REFERENCE_RANK = 64
 #: the most adapters a module's reference is the mean of (a seeded sample of the labelled ones past it): at 14,336
 #: inputs and rank 16, a float32 matrix of 117 MB to factor
 REFERENCE_ADAPTERS = 128
+#: the most adapters of a space, labelled or not, the reference is fitted from (reference_sample): enough that a module
+#: most adapters share finds REFERENCE_ADAPTERS among them
+REFERENCE_POOL = 4 * REFERENCE_ADAPTERS
 #: the most values (d × reference components) a module's mean is factored exactly at, in float64; past it, by a seeded
 #: randomized SVD in float32
 EXACT_SVD_VALUES = 4_000_000
@@ -87,13 +90,14 @@ class GramReference:
 
 def reference_sample(ids: Sequence[int]) -> list[int]:
     """The adapters (of `ids`, a space's) the centred input Gram's reference is fitted on: all of them up to
-    REFERENCE_ADAPTERS, past it a seeded sample of that many, in the order of `ids`. On docs-minilm-seeded, fitted on
-    a sample of the whole zoo rather than on its 72 labelled adapters, the averaged score's size-weighted, trended 10-NN
-    ranked held-out accuracy +0.03 better and its hit@1 rose +0.02 (docs/history/results-2026.md, "Performance: the
-    trend over the update's profile")."""
-    if len(ids) <= REFERENCE_ADAPTERS:
+    REFERENCE_POOL, past it a seeded sample of that many, in the order of `ids` (fit_gram_reference then takes at most
+    REFERENCE_ADAPTERS of those that have a module). On docs-minilm-seeded, fitted on the whole zoo rather than on its 72
+    labelled adapters, the averaged score's size-weighted, trended 10-NN ranked held-out accuracy +0.03 better and its
+    hit@1 rose +0.02; fitted on a sample of 128 of its 200 adapters, a module's mean of about 85 of them, its hit@1 moved
+    by ±0.02 with the sample (docs/history/results-2026.md, "Performance: the trend over the update's profile")."""
+    if len(ids) <= REFERENCE_POOL:
         return list(ids)
-    picked = np.sort(np.random.default_rng(0).choice(len(ids), REFERENCE_ADAPTERS, replace=False))
+    picked = np.sort(np.random.default_rng(0).choice(len(ids), REFERENCE_POOL, replace=False))
     return [ids[i] for i in picked.tolist()]
 
 
