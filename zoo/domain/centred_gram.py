@@ -41,7 +41,7 @@ REFERENCED = (CENTRED_GRAM, MODULE_CENTRED)
 #: eigenpairs kept of each module's mean unit input Gram: 1 MB of float32 a 4,096-wide module, about 310 MB for
 #: Llama-3-8B's 224 modules (its 32 down_proj are 14,336 wide), held by a serving process that loads the checkpoint
 REFERENCE_RANK = 64
-#: the most adapters a module's reference is the mean of (a seeded sample of the labelled ones past it): at 14,336
+#: the most adapters a module's reference is the mean of (a seeded sample of those that have the module past it): at 14,336
 #: inputs and rank 16, a float32 matrix of 117 MB to factor
 REFERENCE_ADAPTERS = 128
 #: the most adapters of a space, labelled or not, the reference is fitted from (reference_sample): enough that a module
