@@ -121,8 +121,9 @@ def test_centred_gram_is_blind_to_the_output_side_and_symmetric(seed: int) -> No
     reference = fit_gram_reference(factor_stack(adapters), range(6))
     before = exact_cosines(factor_stack(adapters), factor_stack(adapters), CENTRED_GRAM, reference)
     after = exact_cosines(factor_stack(turned), factor_stack(turned), CENTRED_GRAM, reference)
-    np.testing.assert_allclose(after, before, atol=1e-5)
-    np.testing.assert_allclose(before, before.T, atol=1e-5)  # float32 products
+    # float32 products, and the centring subtracts nearly equal terms: a few units in the fifth decimal
+    np.testing.assert_allclose(after, before, atol=5e-5)
+    np.testing.assert_allclose(before, before.T, atol=5e-5)
     assert np.all(np.abs(before) <= 1 + 1e-6)
 
 
